@@ -1,0 +1,46 @@
+"""Every environment variable tpassrun reads or writes, by name.
+
+torchrun's names are part of the contract with user scripts (``init_process_group("env://")``,
+``torch.distributed.is_torchelastic_launched()``), so they are spelled exactly as torch 2.13 spells
+them. Ours all start with ``TPASSRUN_``.
+"""
+
+# --- written into every worker's environment (torchrun's contract) ---
+LOCAL_RANK = "LOCAL_RANK"
+RANK = "RANK"
+GROUP_RANK = "GROUP_RANK"
+ROLE_RANK = "ROLE_RANK"
+ROLE_NAME = "ROLE_NAME"
+ROLE_WORLD_SIZE = "ROLE_WORLD_SIZE"
+LOCAL_WORLD_SIZE = "LOCAL_WORLD_SIZE"
+WORLD_SIZE = "WORLD_SIZE"
+GROUP_WORLD_SIZE = "GROUP_WORLD_SIZE"
+MASTER_ADDR = "MASTER_ADDR"
+MASTER_PORT = "MASTER_PORT"
+TORCHELASTIC_RUN_ID = "TORCHELASTIC_RUN_ID"
+TORCHELASTIC_RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
+TORCHELASTIC_MAX_RESTARTS = "TORCHELASTIC_MAX_RESTARTS"
+TORCHELASTIC_USE_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"
+TORCHELASTIC_ERROR_FILE = "TORCHELASTIC_ERROR_FILE"
+TORCHELASTIC_SIGNALS_TO_HANDLE = "TORCHELASTIC_SIGNALS_TO_HANDLE"
+TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
+OMP_NUM_THREADS = "OMP_NUM_THREADS"
+CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+
+# --- read from the launcher's own environment (torchrun's knobs) ---
+PET_PREFIX = "PET_"
+LOGLEVEL = "LOGLEVEL"
+PYTHON_EXEC = "PYTHON_EXEC"
+TORCH_ELASTIC_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+
+# --- tpassrun's own ---
+TPASSRUN_ETCD_BIN = "TPASSRUN_ETCD_BIN"          # etcd binary for the embedded default
+TPASSRUN_CHANNEL = "TPASSRUN_CHANNEL"            # shared-memory file of the agent<->worker channel
+TPASSRUN_SLOT = "TPASSRUN_SLOT"                  # this worker's slot in that file
+TPASSRUN_AGENT_SOCK = "TPASSRUN_AGENT_SOCK"      # unix socket of the agent
+TPASSRUN_SPARE = "TPASSRUN_SPARE"                # "1" for a warm spare waiting in tpassrun.init()
+TPASSRUN_GENERATION = "TPASSRUN_GENERATION"      # generation number the worker was started in
+TPASSRUN_NODE_ID = "TPASSRUN_NODE_ID"            # the agent's node id in the rendezvous
+TPASSRUN_EVENT_LOG = "TPASSRUN_EVENT_LOG"        # JSON-lines event log of this agent
+TPASSRUN_HANG_TIMEOUT = "TPASSRUN_HANG_TIMEOUT"  # seconds without a step heartbeat before a worker counts as hung
