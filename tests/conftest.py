@@ -1,0 +1,100 @@
+"""Shared fixtures: one real etcd server per test session, unique run ids per test."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+import uuid
+
+import pytest
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _etcd_binary() -> str:
+    for cand in (os.environ.get("TPASSRUN_ETCD_BIN"), "/usr/bin/etcd", shutil.which("etcd")):
+        if cand and os.path.exists(cand):
+            return cand
+    pytest.skip("no etcd binary")
+
+
+class EtcdServer:
+    """A throw-away etcd on free loopback ports. ``endpoint`` is ``127.0.0.1:<port>``."""
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="tpassrun-test-etcd-")
+        self.proc: subprocess.Popen | None = None
+        self.port = 0
+
+    def start(self) -> "EtcdServer":
+        for _ in range(5):
+            self.port, peer = _free_port(), _free_port()
+            data = os.path.join(self.dir, "data")
+            shutil.rmtree(data, ignore_errors=True)
+            self.proc = subprocess.Popen(
+                [_etcd_binary(), "--name", "t", "--data-dir", data,
+                 "--listen-client-urls", f"http://127.0.0.1:{self.port}",
+                 "--advertise-client-urls", f"http://127.0.0.1:{self.port}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-cluster", f"t=http://127.0.0.1:{peer}",
+                 "--logger", "zap", "--log-level", "error"],
+                stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "log"), "w"),
+                start_new_session=True)
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+                        if b"true" in r.read():
+                            return self
+                except OSError:
+                    time.sleep(0.02)
+            self.stop()
+        raise RuntimeError("etcd did not start")
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def etcd_server():
+    server = EtcdServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def fresh_etcd():
+    """A private etcd for tests that kill or restart the server."""
+    server = EtcdServer().start()
+    yield server
+    server.cleanup()
+
+
+@pytest.fixture
+def run_id() -> str:
+    return "t-" + uuid.uuid4().hex[:10]
