@@ -1,0 +1,554 @@
+"""torchrun-compatible command line -> one frozen :class:`LaunchConfig`.
+
+Every torchrun 2.13 flag is accepted with both spellings (``--nproc-per-node`` and
+``--nproc_per_node``), the same ``PET_*`` environment fallbacks, the same argparse abbreviation
+behaviour (``--nproc`` is ambiguous, ``--max-re 2`` works) and the same defaults. tpassrun's own
+flags use names torchrun does not.
+
+Rendezvous backends. torchrun's ``static``, ``c10d``, ``etcd`` and ``etcd-v2`` are all accepted and
+all run on tpassrun's etcd v3 rendezvous; the user's choice is recorded in ``rdzv_backend`` and only
+decides which etcd is used (``etcd_endpoint``):
+
+=====================  ==========================================  ===========================
+backend                ``--rdzv-endpoint`` given                   omitted
+=====================  ==========================================  ===========================
+``etcd``/``etcd-v2``   that etcd (default port 2379)               ``localhost:2379``
+``c10d``               taken as an etcd (default port 29400)       embedded private etcd if
+``static``             taken as an etcd (default port 2379)        max nodes == 1, else
+                                                                   :class:`ConfigError`
+=====================  ==========================================  ===========================
+
+``--standalone`` (explicit, or implicit like torchrun: ``static`` + no endpoint + no
+``--master-port`` + max nodes == 1) forces ``c10d``/``localhost:0`` and a uuid4 run id, and always
+uses the embedded private etcd.
+"""
+
+from __future__ import annotations
+
+import argparse
+import enum
+import os
+import re
+import sys
+import uuid
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import envnames as E
+
+
+class ConfigError(Exception):
+    """A bad command line or environment; the message is one user-facing line."""
+
+
+# --------------------------------------------------------------------------------------------
+# stdio redirect/tee specs (torchrun's ``Std``)
+# --------------------------------------------------------------------------------------------
+
+
+class Std(enum.IntFlag):
+    """Which standard streams of a worker go to files: torchrun's ``Std``."""
+
+    NONE = 0
+    OUT = 1
+    ERR = 2
+    ALL = 3
+
+
+StdSpec = Std | Mapping[int, Std]
+
+# Same regexes as torchrun (multiprocessing/api.py): single-digit local ranks only.
+_STD_VALUE = re.compile(r"^[0123]$")
+_STD_MAPPING = re.compile(r"^(\d:[0123],)*(\d:[0123])$")
+
+
+def parse_std(text: str) -> StdSpec:
+    """Parse ``-r``/``-t``: ``"3"`` -> Std.ALL, ``"0:3,1:1"`` -> {0: ALL, 1: OUT}."""
+    if _STD_VALUE.match(text):
+        return Std(int(text))
+    if _STD_MAPPING.match(text):
+        return {int(k): Std(int(v)) for k, v in (item.split(":") for item in text.split(","))}
+    raise ConfigError(f"{text} does not match: <{_STD_VALUE.pattern}> or <{_STD_MAPPING.pattern}>")
+
+
+def std_for(spec: StdSpec, local_rank: int) -> Std:
+    """The setting that applies to one local rank (ranks missing from a mapping get NONE)."""
+    if isinstance(spec, Std):
+        return spec
+    return spec.get(local_rank, Std.NONE)
+
+
+# --------------------------------------------------------------------------------------------
+# the resolved configuration
+# --------------------------------------------------------------------------------------------
+
+ETCD_DEFAULT_PORT = 2379
+C10D_DEFAULT_PORT = 29400
+STATIC_DEFAULT_MASTER_PORT = 29500
+DEFAULT_RDZV_TIMEOUT = "900"
+DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+DEFAULT_SHUTDOWN_TIMEOUT = 30
+BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """Everything the launcher needs, resolved. Field names follow torchrun's argparse dests.
+
+    ``rdzv_backend``/``rdzv_endpoint``/``rdzv_id`` hold what torchrun itself would use after
+    ``--standalone`` resolution; ``etcd_endpoint`` is the etcd v3 server tpassrun talks to
+    (``None`` = start the embedded private etcd).
+    """
+
+    # --- torchrun's options ---
+    min_nodes: int = 1
+    max_nodes: int = 1
+    nproc_per_node: int = 1
+    rdzv_backend: str = "static"
+    rdzv_endpoint: str = ""
+    rdzv_id: str = "none"
+    rdzv_conf: Mapping[str, str] = field(default_factory=dict)
+    standalone: bool = False
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"
+    event_log_handler: str = "null"
+    role: str = "default"
+    module: bool = False
+    no_python: bool = False
+    run_path: bool = False
+    log_dir: str | None = None
+    redirects: StdSpec = Std.NONE
+    tee: StdSpec = Std.NONE
+    local_ranks_filter: frozenset[int] | None = None
+    duplicate_stdout_filters: tuple[str, ...] = ()
+    duplicate_stderr_filters: tuple[str, ...] = ()
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = STATIC_DEFAULT_MASTER_PORT
+    local_addr: str | None = None
+    logs_specs: str | None = None
+    numa_binding: str | None = None
+    signals_to_handle: str = DEFAULT_SIGNALS
+    shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT
+    virtual_local_rank: bool = False
+    training_script: str = ""
+    training_script_args: tuple[str, ...] = ()
+    # --- read from the launcher's environment, like torchrun ---
+    python_exec: str = sys.executable
+    log_line_prefix_template: str | None = None
+    omp_num_threads: str | None = None  # value the launcher sets for workers (None: leave alone)
+    # --- where tpassrun's etcd is ---
+    etcd_endpoint: str | None = None
+    # --- tpassrun's own ---
+    spares_per_node: int = 0
+    spare_node: bool = False
+    hang_timeout: float = 0.0
+    event_log: str | None = None  # None: <run log dir>/events.jsonl
+    tui: bool | None = None  # None: on when stdout is a terminal
+    etcd_bin: str | None = None
+    health_config: str | None = None
+    health_interval: float = 1.0
+    straggler_factor: float = 0.0
+    migrate_back: bool = False
+
+    @property
+    def uses_embedded_etcd(self) -> bool:
+        return self.etcd_endpoint is None
+
+
+# --------------------------------------------------------------------------------------------
+# argparse with torchrun's env fallbacks, reading from an injected mapping
+# --------------------------------------------------------------------------------------------
+
+
+def _env_value_action(environ: Mapping[str, str], prefix: str) -> type[argparse.Action]:
+    """torchrun's ``argparse_util.env``: ``<prefix><DEST>`` replaces the default."""
+
+    class EnvValue(argparse.Action):
+        def __init__(self, dest: str, default: Any = None, required: bool = False, **kw: Any):
+            default = environ.get(f"{prefix}{dest.upper()}", default)
+            if default:
+                required = False
+            super().__init__(dest=dest, default=default, required=required, **kw)
+
+        def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+            setattr(namespace, self.dest, values)
+
+    return EnvValue
+
+
+def _env_flag_action(environ: Mapping[str, str], prefix: str) -> type[argparse.Action]:
+    """torchrun's ``argparse_util.check_env``: a store_true whose default is ``int(<prefix><DEST>)``."""
+
+    class EnvFlag(argparse.Action):
+        def __init__(self, dest: str, default: bool = False, **kw: Any):
+            name = f"{prefix}{dest.upper()}"
+            raw = environ.get(name, "1" if default else "0")
+            try:
+                default = bool(int(raw))
+            except ValueError:
+                # torchrun dies with a ValueError traceback here; we say why on one line.
+                raise ConfigError(f"{name} must be an integer (0 or 1), got {raw!r}") from None
+            super().__init__(dest=dest, const=True, default=default, nargs=0, **kw)
+
+        def __call__(self, parser, namespace, values, option_string=None):  # type: ignore[no-untyped-def]
+            setattr(namespace, self.dest, self.const)
+
+    return EnvFlag
+
+
+def _comma_separated_list(value: str) -> list[str]:
+    """torchrun's duplicate-filter list: ``,,`` escapes a comma."""
+    placeholder = "<COMMA_PLACEHOLDER>"
+    return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
+
+
+def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
+    """The argument parser: torchrun's flags in torchrun's order, then tpassrun's own."""
+    env = _env_value_action(environ, E.PET_PREFIX)
+    flag = _env_flag_action(environ, E.PET_PREFIX)
+    p = argparse.ArgumentParser(
+        prog="tpassrun",
+        description="torchrun-compatible launcher that swaps a failing rank for a warm spare",
+    )
+    add = p.add_argument
+    add("--nnodes", action=env, type=str, default="1:1",
+        help="Number of nodes, or the range of nodes in form <minimum_nodes>:<maximum_nodes>.")
+    add("--nproc-per-node", "--nproc_per_node", action=env, type=str, default="1",
+        help="Number of workers per node; supported values: [auto, cpu, gpu, xpu, int].")
+    add("--rdzv-backend", "--rdzv_backend", action=env, type=str, default="static",
+        help="Rendezvous backend (static, c10d, etcd, etcd-v2: all run on tpassrun's etcd v3 rendezvous).")
+    add("--rdzv-endpoint", "--rdzv_endpoint", action=env, type=str, default="",
+        help="Rendezvous endpoint <host>:<port>; for tpassrun this is an etcd v3 server.")
+    add("--rdzv-id", "--rdzv_id", action=env, type=str, default="none", help="User-defined group id.")
+    add("--rdzv-conf", "--rdzv_conf", action=env, type=str, default="",
+        help="Additional rendezvous configuration (<key1>=<value1>,<key2>=<value2>,...).")
+    add("--standalone", action=flag,
+        help="Single-node run on a private embedded etcd; --rdzv-backend/-endpoint/-id are ignored.")
+    add("--max-restarts", "--max_restarts", action=env, type=int, default=0,
+        help="Maximum number of worker group restarts before failing.")
+    add("--monitor-interval", "--monitor_interval", action=env, type=float, default=0.1,
+        help="Interval, in seconds, to monitor the state of workers.")
+    add("--start-method", "--start_method", action=env, type=str, default="spawn",
+        choices=["spawn", "fork", "forkserver"], help="Multiprocessing start method (accepted for parity).")
+    add("--event-log-handler", "--event_log_handler", action=env, type=str, default="null",
+        help="torchrun event logging handler name (accepted for parity; see --event-log).")
+    add("--role", action=env, type=str, default="default", help="User-defined role for the workers.")
+    add("-m", "--module", action=flag, help="Run the script as a module, like 'python -m'.")
+    add("--no-python", "--no_python", action=flag, help="Execute the training script directly.")
+    add("--run-path", "--run_path", action=flag,
+        help="Run the training script with runpy.run_path in a child interpreter. Takes precedence over --no-python.")
+    add("--log-dir", "--log_dir", action=env, type=str, default=None, help="Base directory for log files.")
+    add("-r", "--redirects", action=env, type=str, default="0",
+        help="Redirect std streams into log files (e.g. -r 3, or -r 0:1,1:2).")
+    add("-t", "--tee", action=env, type=str, default="0",
+        help="Tee std streams into log files and to the console (see --redirects for format).")
+    add("--local-ranks-filter", "--local_ranks_filter", action=env, type=str, default="",
+        help="Only show the console output of these local ranks (e.g. 0,1).")
+    add("--duplicate-stdout-filters", "--duplicate_stdout_filters", action=env, type=_comma_separated_list,
+        default=[], help="Also copy tee'd stdout lines containing any of these to filtered_stdout.log.")
+    add("--duplicate-stderr-filters", "--duplicate_stderr_filters", action=env, type=_comma_separated_list,
+        default=[], help="Same for stderr.")
+    add("--node-rank", "--node_rank", type=int, action=env, default=0, help="Node rank (static backend only).")
+    add("--master-addr", "--master_addr", default="127.0.0.1", type=str, action=env,
+        help="Address of the rank-0 node (static backend only).")
+    add("--master-port", "--master_port", default=None, type=int, action=env,
+        help="Port on the rank-0 node (static backend only). Defaults to 29500.")
+    add("--local-addr", "--local_addr", default=None, type=str, action=env, help="Address of this node.")
+    add("--logs-specs", "--logs_specs", default=None, type=str,
+        help="torchrun.logs_specs entry point (not supported by tpassrun).")
+    add("--numa-binding", "--numa_binding", type=str, choices=list(NUMA_MODES), default=None,
+        help="Bind workers to CPUs near their GPU (accepted for parity).")
+    add("--signals-to-handle", "--signals_to_handle", action=env, type=str, default=DEFAULT_SIGNALS,
+        help="Comma-separated signals the launcher traps and forwards to workers.")
+    add("--shutdown-timeout", "--shutdown_timeout", action=env, type=int, default=None,
+        help="Seconds between the forwarded signal and SIGKILL (default TORCH_ELASTIC_SHUTDOWN_TIMEOUT or 30).")
+    add("--virtual-local-rank", "--virtual_local_rank", action=flag,
+        help="LOCAL_RANK=0 for every worker, CUDA_VISIBLE_DEVICES = its own GPU.")
+
+    ours = p.add_argument_group("tpassrun")
+    ours.add_argument("--spares-per-node", "--spares_per_node", type=int, default=0,
+                      help="Warm spare workers kept ready on this node.")
+    ours.add_argument("--spare-node", "--spare_node", action="store_true",
+                      help="This agent joins as a spare node.")
+    ours.add_argument("--hang-timeout", "--hang_timeout", type=float, default=0.0,
+                      help="Seconds without a step heartbeat before a worker counts as hung (0 = off).")
+    ours.add_argument("--event-log", "--event_log", type=str, default=None,
+                      help="JSON-lines event log (default <run log dir>/events.jsonl).")
+    ours.add_argument("--tui", dest="tui", action="store_true", default=None, help="Show the live status view.")
+    ours.add_argument("--no-tui", "--no_tui", dest="tui", action="store_false", help="Run headless.")
+    ours.add_argument("--etcd-bin", "--etcd_bin", type=str, default=environ.get(E.TPASSRUN_ETCD_BIN),
+                      help="etcd binary for the embedded private etcd.")
+    ours.add_argument("--health-config", "--health_config", type=str, default=None,
+                      help="Health policy file.")
+    ours.add_argument("--health-interval", "--health_interval", type=float, default=1.0,
+                      help="Seconds between health checks.")
+    ours.add_argument("--straggler-factor", "--straggler_factor", type=float, default=0.0,
+                      help="Swap a rank whose step time exceeds F x the median (0 = off).")
+    ours.add_argument("--migrate-back", "--migrate_back", action="store_true",
+                      help="Move work back to a repaired node when it returns.")
+
+    add("training_script", type=str, help="The training script (or module, or binary) and its arguments.")
+    add("training_script_args", nargs=argparse.REMAINDER)
+    return p
+
+
+# --------------------------------------------------------------------------------------------
+# resolution rules (pure)
+# --------------------------------------------------------------------------------------------
+
+
+def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2), ``"1:4"`` -> (1, 4); needs 0 < MIN <= MAX."""
+    parts = nnodes.split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f'--nnodes={nnodes} is not in "N" or "MIN:MAX" format') from None
+    if not 0 < lo <= hi:
+        raise ConfigError(f"--nnodes={nnodes}: need 0 < MIN <= MAX (got MIN={lo}, MAX={hi})")
+    return lo, hi
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (``torch._utils.cpu_count`` without importing torch)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _accelerator_count(kind: str) -> int:
+    """Device count for ``gpu``/``xpu``/``auto``/a privateuse1 name. Imports torch, so only on demand."""
+    import torch  # noqa: PLC0415  (lazy on purpose: the launcher must not pay for torch)
+
+    if kind == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("--nproc-per-node=gpu: Cuda is not available.")
+        return torch.cuda.device_count()
+    if kind == "xpu":
+        if not torch.xpu.is_available():
+            raise ConfigError("--nproc-per-node=xpu: Xpu is not available.")
+        return torch.xpu.device_count()
+    if kind == "auto":
+        if torch.accelerator.is_available():
+            return torch.accelerator.device_count()
+        return cpu_count()
+    if kind == torch._C._get_privateuse1_backend_name():
+        mod = getattr(torch, kind)
+        if not mod.is_available():
+            raise ConfigError(f"--nproc-per-node={kind}: {kind} is not available.")
+        return mod.device_count()
+    raise ConfigError(f"Unsupported nproc_per_node value: {kind}")
+
+
+def determine_local_world_size(value: str, accelerator_count: Callable[[str], int] = _accelerator_count) -> int:
+    """``--nproc-per-node``: an int, ``cpu``, or an accelerator kind (``gpu``, ``xpu``, ``auto``, ...)."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    if value == "cpu":
+        return cpu_count()
+    return accelerator_count(value)
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``k1=v1,k2=v2`` like torchrun's ``_parse_rendezvous_config`` (empty values rejected)."""
+    conf: dict[str, str] = {}
+    text = text.strip()
+    if not text:
+        return conf
+    for kv in text.split(","):
+        key, *values = kv.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError("--rdzv-conf must be in format <key1>=<value1>,...,<keyN>=<valueN>.")
+        value = values[0].strip() if values else ""
+        if not value:
+            raise ConfigError(f"--rdzv-conf: the rendezvous configuration option '{key}' must have a value specified.")
+        conf[key] = value
+    return conf
+
+
+def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
+    if not text:
+        return None
+    try:
+        return frozenset(int(r) for r in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            "--local_ranks_filter must be a comma-separated list of integers e.g. --local_ranks_filter=0,1,2"
+        ) from None
+
+
+def derived_omp(nproc_per_node: int, environ: Mapping[str, str]) -> str | None:
+    """torchrun's rule: OMP_NUM_THREADS unset and more than one worker -> the launcher sets "1"."""
+    if E.OMP_NUM_THREADS not in environ and nproc_per_node > 1:
+        return "1"
+    return None
+
+
+def with_default_port(endpoint: str, default_port: int) -> str:
+    """``host`` -> ``host:default``; ``host:port`` and ``[v6]:port`` kept as they are."""
+    endpoint = endpoint.strip()
+    if not endpoint:
+        return endpoint
+    if endpoint.startswith("["):
+        return endpoint if "]:" in endpoint else f"{endpoint}:{default_port}"
+    host, sep, port = endpoint.rpartition(":")
+    if sep and host and port.isdigit():
+        return endpoint
+    return f"{endpoint}:{default_port}"
+
+
+def resolve_etcd_endpoint(backend: str, endpoint: str, max_nodes: int, standalone: bool) -> str | None:
+    """Which etcd v3 server the run uses; ``None`` means the embedded private one. See module doc."""
+    if standalone:
+        return None
+    if backend in ("etcd", "etcd-v2"):
+        return with_default_port(endpoint or "localhost", ETCD_DEFAULT_PORT)
+    if endpoint:
+        return with_default_port(endpoint, C10D_DEFAULT_PORT if backend == "c10d" else ETCD_DEFAULT_PORT)
+    if max_nodes == 1:
+        return None
+    raise ConfigError(
+        f"--rdzv-backend={backend} with more than one node needs an etcd v3 server: "
+        "pass --rdzv-endpoint=<host>:<port> of an etcd reachable from every node"
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# entry point
+# --------------------------------------------------------------------------------------------
+
+
+def parse_args(
+    argv: list[str],
+    environ: Mapping[str, str] | None = None,
+    *,
+    new_run_id: Callable[[], str] = lambda: str(uuid.uuid4()),
+    accelerator_count: Callable[[str], int] = _accelerator_count,
+) -> LaunchConfig:
+    """Parse a torchrun command line (without the program name) into a :class:`LaunchConfig`.
+
+    Args:
+        argv: the arguments, e.g. ``["--nproc-per-node", "2", "train.py", "--lr", "0.1"]``.
+        environ: the launcher's environment (``PET_*``, ``PYTHON_EXEC``, ``OMP_NUM_THREADS``...);
+            defaults to ``os.environ``. Only read, never written.
+        new_run_id: source of the run id for ``--standalone``.
+        accelerator_count: device counter for ``--nproc-per-node gpu|xpu|auto``.
+
+    Raises:
+        ConfigError: on invalid values (one-line message).
+        SystemExit: from argparse on unknown flags or bad types (usage line, code 2), like torchrun.
+    """
+    env = os.environ if environ is None else environ
+    ns = build_parser(env).parse_args(argv)
+
+    backend, endpoint, run_id = ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id
+    min_nodes, max_nodes = parse_min_max_nnodes(ns.nnodes)
+    standalone = bool(ns.standalone)
+    if not standalone and backend == "static" and not endpoint and ns.master_port is None and max_nodes == 1:
+        standalone = True  # torchrun's implicit standalone (run.py `run`)
+    if standalone:
+        backend, endpoint, run_id = "c10d", "localhost:0", new_run_id()
+    if backend not in BACKENDS:
+        raise ConfigError(f"--rdzv-backend={backend}: unknown backend (choose from {', '.join(BACKENDS)})")
+    master_port = STATIC_DEFAULT_MASTER_PORT if ns.master_port is None else ns.master_port
+    if backend == "static" and not endpoint:
+        endpoint = f"{ns.master_addr}:{master_port}"  # torchrun's get_rdzv_endpoint
+        etcd_endpoint = resolve_etcd_endpoint(backend, "", max_nodes, standalone)
+    else:
+        etcd_endpoint = resolve_etcd_endpoint(backend, endpoint, max_nodes, standalone)
+
+    if ns.max_restarts < 0:
+        raise ConfigError(f"--max-restarts must be >= 0 (got {ns.max_restarts})")
+    if not ns.monitor_interval > 0:
+        raise ConfigError(f"--monitor-interval must be > 0 (got {ns.monitor_interval})")
+    if ns.no_python and ns.module and not ns.run_path:
+        raise ConfigError("Don't use both the '--no-python' flag and the '--module' flag at the same time.")
+    if ns.logs_specs is not None:
+        raise ConfigError(f"--logs-specs={ns.logs_specs}: custom LogsSpecs plugins are not supported by tpassrun")
+    if ns.log_dir and ns.log_dir != os.devnull and os.path.isfile(ns.log_dir):
+        raise ConfigError(f"--log-dir={ns.log_dir} is a file")
+    if ns.spares_per_node < 0:
+        raise ConfigError(f"--spares-per-node must be >= 0 (got {ns.spares_per_node})")
+    if ns.hang_timeout < 0 or ns.straggler_factor < 0 or ns.health_interval <= 0:
+        raise ConfigError("--hang-timeout and --straggler-factor must be >= 0, --health-interval > 0")
+
+    rdzv_conf = parse_rdzv_conf(ns.rdzv_conf)
+    rdzv_conf.setdefault("timeout", DEFAULT_RDZV_TIMEOUT)
+    if backend == "static":
+        rdzv_conf["rank"] = str(ns.node_rank)
+
+    nproc = determine_local_world_size(ns.nproc_per_node, accelerator_count)
+    if nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1 (got {nproc})")
+
+    shutdown_timeout = ns.shutdown_timeout
+    if shutdown_timeout is None:
+        raw = env.get(E.TORCH_ELASTIC_SHUTDOWN_TIMEOUT, str(DEFAULT_SHUTDOWN_TIMEOUT))
+        try:
+            shutdown_timeout = int(raw)
+        except ValueError:
+            raise ConfigError(f"{E.TORCH_ELASTIC_SHUTDOWN_TIMEOUT} must be an integer, got {raw!r}") from None
+    if shutdown_timeout < 0:
+        raise ConfigError(f"--shutdown-timeout must be >= 0 (got {shutdown_timeout})")
+
+    return LaunchConfig(
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        nproc_per_node=nproc,
+        rdzv_backend=backend,
+        rdzv_endpoint=endpoint,
+        rdzv_id=run_id,
+        rdzv_conf=rdzv_conf,
+        standalone=standalone,
+        max_restarts=ns.max_restarts,
+        monitor_interval=ns.monitor_interval,
+        start_method=ns.start_method,
+        event_log_handler=ns.event_log_handler,
+        role=ns.role,
+        module=ns.module,
+        no_python=ns.no_python,
+        run_path=ns.run_path,
+        log_dir=ns.log_dir,
+        redirects=parse_std(ns.redirects),
+        tee=parse_std(ns.tee),
+        local_ranks_filter=parse_local_ranks_filter(ns.local_ranks_filter),
+        duplicate_stdout_filters=tuple(ns.duplicate_stdout_filters),
+        duplicate_stderr_filters=tuple(ns.duplicate_stderr_filters),
+        node_rank=ns.node_rank,
+        master_addr=ns.master_addr,
+        master_port=master_port,
+        local_addr=ns.local_addr,
+        logs_specs=ns.logs_specs,
+        numa_binding=ns.numa_binding,
+        signals_to_handle=ns.signals_to_handle,
+        shutdown_timeout=shutdown_timeout,
+        virtual_local_rank=ns.virtual_local_rank,
+        training_script=ns.training_script,
+        training_script_args=tuple(ns.training_script_args),
+        python_exec=env.get(E.PYTHON_EXEC, sys.executable),
+        log_line_prefix_template=env.get(E.TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE),
+        omp_num_threads=derived_omp(nproc, env),
+        etcd_endpoint=etcd_endpoint,
+        spares_per_node=ns.spares_per_node,
+        spare_node=ns.spare_node,
+        hang_timeout=ns.hang_timeout,
+        event_log=ns.event_log,
+        tui=ns.tui,
+        etcd_bin=ns.etcd_bin,
+        health_config=ns.health_config,
+        health_interval=ns.health_interval,
+        straggler_factor=ns.straggler_factor,
+        migrate_back=ns.migrate_back,
+    )
