@@ -1,0 +1,85 @@
+"""A sensor that reads JSON a site's own tool writes, so any detector can taint a device.
+
+Format (write it atomically: to a temporary file, then ``rename``)::
+
+    {"v": 1, "readings": [{"device": "gpu0", "metric": "ecc_uncorrected_volatile", "value": 3},
+                          {"device": "gpu1", "metric": "temperature_c", "value": null, "error": "sensor offline"}]}
+
+A missing file means "nothing to say" (no readings). A file that cannot be parsed yields one
+``UNKNOWN`` reading for the pseudo-device ``file:<path>``, so the problem is visible in
+``tpassctl status`` instead of silently ignored; the next good parse clears it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Callable
+
+from ._types import SENSOR, Reading
+
+
+class FileSensor:
+    """Polls one JSON file. ``read`` does blocking file I/O (the monitor runs it in a thread)."""
+
+    def __init__(self, path: str, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.path = path
+        self.name = f"file:{path}"
+        self._clock = clock
+        self._was_malformed = False
+
+    def read(self) -> list[Reading]:
+        now = self._clock()
+        try:
+            with open(self.path, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:
+            return self._recovered(now)
+        except OSError as exc:
+            return [self._malformed(now, f"cannot read: {exc.strerror or exc}")]
+        try:
+            readings = _parse(raw, now)
+        except ValueError as exc:
+            return [self._malformed(now, str(exc))]
+        return self._recovered(now) + readings
+
+    def _malformed(self, now: float, why: str) -> Reading:
+        self._was_malformed = True
+        return Reading(self.name, SENSOR, None, now, error=why)
+
+    def _recovered(self, now: float) -> list[Reading]:
+        # Only after a failure: a good reading of the pseudo-device clears its UNKNOWN.
+        if not self._was_malformed:
+            return []
+        self._was_malformed = False
+        return [Reading(self.name, SENSOR, 0.0, now)]
+
+
+def _parse(raw: bytes, now: float) -> list[Reading]:
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ValueError(f"not valid JSON: {str(exc).splitlines()[0]}") from None
+    if not isinstance(data, dict) or data.get("v") != 1:
+        raise ValueError("expected an object with \"v\": 1")
+    items = data.get("readings")
+    if not isinstance(items, list):
+        raise ValueError("\"readings\" must be a list")
+    readings = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise ValueError(f"reading {i} is not an object")
+        device, metric, value = item.get("device"), item.get("metric"), item.get("value")
+        error = item.get("error")
+        if not isinstance(device, str) or not device or not isinstance(metric, str) or not metric:
+            raise ValueError(f"reading {i}: \"device\" and \"metric\" must be non-empty strings")
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or math.isnan(value)):
+            raise ValueError(f"reading {i}: \"value\" must be a number or null, got {value!r}")
+        if error is not None and not isinstance(error, str):
+            raise ValueError(f"reading {i}: \"error\" must be a string")
+        if value is None and error is None:
+            error = "no value given"
+        readings.append(Reading(device, metric, None if error else float(value), now, error=error))
+    return readings
