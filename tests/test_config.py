@@ -1,0 +1,385 @@
+"""Parsing a torchrun command line, and the worker env/argv built from it. No processes, no network."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tpassrun import workerenv
+from tpassrun.cli import main
+from tpassrun.config import (
+    ConfigError,
+    LaunchConfig,
+    Std,
+    cpu_count,
+    parse_args,
+    parse_rdzv_conf,
+    parse_std,
+    std_for,
+    with_default_port,
+)
+from tpassrun.workerenv import WorkerAssignment, entrypoint_name, worker_argv, worker_env
+
+
+def parse(*argv: str, env: dict[str, str] | None = None, **kw) -> LaunchConfig:
+    return parse_args(list(argv), env or {}, new_run_id=lambda: "UUID", **kw)
+
+
+# ---------------------------------------------------------------- spellings, defaults, env
+
+
+def test_defaults_are_torchruns():
+    cfg = parse("train.py")
+    assert (cfg.min_nodes, cfg.max_nodes, cfg.nproc_per_node) == (1, 1, 1)
+    assert cfg.max_restarts == 0 and cfg.monitor_interval == 0.1 and cfg.start_method == "spawn"
+    assert cfg.role == "default" and cfg.event_log_handler == "null"
+    assert cfg.redirects == Std.NONE and cfg.tee == Std.NONE and cfg.local_ranks_filter is None
+    assert cfg.master_addr == "127.0.0.1" and cfg.master_port == 29500
+    assert cfg.signals_to_handle == "SIGTERM,SIGINT,SIGHUP,SIGQUIT" and cfg.shutdown_timeout == 30
+    assert cfg.python_exec == sys.executable and cfg.omp_num_threads is None
+    assert cfg.training_script == "train.py" and cfg.training_script_args == ()
+    # tpassrun's own
+    assert (cfg.spares_per_node, cfg.spare_node, cfg.hang_timeout, cfg.tui) == (0, False, 0.0, None)
+    assert (cfg.health_interval, cfg.straggler_factor, cfg.migrate_back, cfg.event_log) == (1.0, 0.0, False, None)
+
+
+@pytest.mark.parametrize("flag", ["--nproc-per-node", "--nproc_per_node"])
+def test_both_spellings(flag):
+    assert parse(flag, "2", "t.py").nproc_per_node == 2
+    assert parse(f"{flag}=2", "t.py").nproc_per_node == 2
+
+
+def test_every_dual_spelling_flag_parses():
+    both = {
+        "--max-restarts": "3", "--monitor-interval": "0.5", "--start-method": "fork",
+        "--event-log-handler": "console", "--log-dir": "/tmp/x", "--local-ranks-filter": "0",
+        "--node-rank": "0", "--master-addr": "h", "--local-addr": "me", "--signals-to-handle": "SIGUSR1",
+        "--shutdown-timeout": "5", "--rdzv-id": "job", "--rdzv-conf": "a=b",
+    }
+    for dash, value in both.items():
+        under = "--" + dash[2:].replace("-", "_")
+        assert parse(dash, value, "t.py") == parse(under, value, "t.py"), dash
+
+
+def test_pet_env_fallbacks_and_flag_wins():
+    env = {"PET_NPROC_PER_NODE": "2", "PET_MAX_RESTARTS": "4", "PET_ROLE": "trainer", "PET_STANDALONE": "1",
+           "PET_MODULE": "1", "PET_TEE": "3", "PET_RDZV_CONF": "join_timeout=5"}
+    cfg = parse("mod", env=env)
+    assert cfg.nproc_per_node == 2 and cfg.max_restarts == 4 and cfg.role == "trainer"
+    assert cfg.standalone and cfg.module and cfg.tee == Std.ALL
+    assert cfg.rdzv_conf == {"join_timeout": "5", "timeout": "900"}
+    assert parse("--max-restarts", "1", "t.py", env=env).max_restarts == 1
+    assert not parse("t.py", env={"PET_MODULE": "0"}).module
+
+
+def test_pet_boolean_uses_int():
+    with pytest.raises(ConfigError, match="PET_STANDALONE"):
+        parse("t.py", env={"PET_STANDALONE": "true"})
+
+
+def test_abbreviations_like_torchrun(capsys):
+    assert parse("--max-re", "2", "t.py").max_restarts == 2
+    assert parse("--standal", "t.py").standalone
+    with pytest.raises(SystemExit) as exc:
+        parse("--nproc", "2", "t.py")
+    assert exc.value.code == 2
+    assert "ambiguous option: --nproc" in capsys.readouterr().err
+
+
+def test_unknown_flag_is_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        parse("--bogus", "t.py")
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: tpassrun") and "unrecognized arguments: --bogus" in err
+
+
+def test_script_args_pass_through_untouched():
+    cfg = parse("--nproc-per-node", "1", "t.py", "--nproc-per-node", "7", "-m", "--standalone", "x y")
+    assert cfg.training_script_args == ("--nproc-per-node", "7", "-m", "--standalone", "x y")
+    assert cfg.nproc_per_node == 1 and not cfg.module
+
+
+def test_tpassrun_flags():
+    cfg = parse("--spares-per-node", "2", "--spare-node", "--hang-timeout", "30", "--event-log", "/tmp/e.jsonl",
+                "--no-tui", "--etcd-bin", "/usr/bin/etcd", "--health-config", "h.toml", "--health-interval", "0.5",
+                "--straggler-factor", "2.5", "--migrate-back", "t.py")
+    assert (cfg.spares_per_node, cfg.spare_node, cfg.hang_timeout, cfg.event_log) == (2, True, 30.0, "/tmp/e.jsonl")
+    assert (cfg.tui, cfg.etcd_bin, cfg.health_config) == (False, "/usr/bin/etcd", "h.toml")
+    assert (cfg.health_interval, cfg.straggler_factor, cfg.migrate_back) == (0.5, 2.5, True)
+    assert parse("--tui", "t.py").tui is True
+    assert parse("t.py", env={"TPASSRUN_ETCD_BIN": "/e"}).etcd_bin == "/e"
+
+
+# ---------------------------------------------------------------- nnodes, nproc
+
+
+@pytest.mark.parametrize("value,expected", [("1", (1, 1)), ("2", (2, 2)), ("1:4", (1, 4)), ("3:3", (3, 3))])
+def test_nnodes(value, expected):
+    cfg = parse("--nnodes", value, "--rdzv-backend", "etcd", "t.py")
+    assert (cfg.min_nodes, cfg.max_nodes) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "3:2", "a:b", "1:2:3", "", "0:1", "-1"])
+def test_bad_nnodes_is_one_line_config_error(value):
+    with pytest.raises(ConfigError) as exc:
+        parse(f"--nnodes={value}", "--rdzv-backend", "etcd", "t.py")
+    assert "\n" not in str(exc.value) and "--nnodes" in str(exc.value)
+
+
+def test_nproc_cpu_and_auto_without_accelerator():
+    assert parse("--nproc-per-node", "cpu", "t.py").nproc_per_node == cpu_count()
+    counted = []
+    cfg = parse("--nproc-per-node", "auto", "t.py", accelerator_count=lambda k: counted.append(k) or 5)
+    assert cfg.nproc_per_node == 5 and counted == ["auto"]
+
+
+def test_nproc_auto_on_this_cpu_machine_is_cpu_count():
+    assert parse("--nproc-per-node", "auto", "t.py").nproc_per_node == cpu_count()
+
+
+def test_nproc_unsupported():
+    with pytest.raises(ConfigError, match="Unsupported nproc_per_node value: lots"):
+        parse("--nproc-per-node", "lots", "t.py")
+
+
+# ---------------------------------------------------------------- rendezvous resolution
+
+
+def test_explicit_standalone_ignores_rdzv_flags():
+    cfg = parse("--standalone", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-id", "mine", "t.py")
+    assert (cfg.rdzv_backend, cfg.rdzv_endpoint, cfg.rdzv_id) == ("c10d", "localhost:0", "UUID")
+    assert cfg.standalone and cfg.uses_embedded_etcd
+
+
+def test_implicit_standalone():
+    cfg = parse("t.py")
+    assert cfg.standalone and cfg.rdzv_backend == "c10d" and cfg.rdzv_id == "UUID" and cfg.uses_embedded_etcd
+    assert not parse("--master-port", "1234", "t.py").standalone
+    assert not parse("--rdzv-endpoint", "h:5", "t.py").standalone
+
+
+def test_static_single_node_with_master_port_uses_embedded_etcd():
+    cfg = parse("--master-port", "1234", "--node-rank", "0", "t.py")
+    assert cfg.rdzv_backend == "static" and cfg.rdzv_endpoint == "127.0.0.1:1234" and cfg.master_port == 1234
+    assert cfg.rdzv_conf == {"timeout": "900", "rank": "0"} and cfg.uses_embedded_etcd and cfg.rdzv_id == "none"
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_multi_node_without_etcd_is_a_clear_error(backend):
+    with pytest.raises(ConfigError, match="pass --rdzv-endpoint"):
+        parse("--nnodes", "2", "--rdzv-backend", backend, "--master-port", "1", "t.py")
+
+
+@pytest.mark.parametrize("backend,endpoint,etcd", [
+    ("etcd", "h", "h:2379"), ("etcd-v2", "h:1", "h:1"), ("etcd", "", "localhost:2379"),
+    ("c10d", "h", "h:29400"), ("c10d", "h:7", "h:7"), ("static", "h", "h:2379"), ("c10d", "", None),
+])
+def test_etcd_endpoint_resolution(backend, endpoint, etcd):
+    cfg = parse("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--master-port", "1", "t.py")
+    assert cfg.rdzv_backend == backend and cfg.etcd_endpoint == etcd
+
+
+def test_unknown_backend():
+    with pytest.raises(ConfigError, match="unknown backend"):
+        parse("--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h", "t.py")
+
+
+def test_with_default_port():
+    assert with_default_port("[::1]", 5) == "[::1]:5" and with_default_port("[::1]:6", 5) == "[::1]:6"
+    assert with_default_port("host", 5) == "host:5" and with_default_port("host:6", 5) == "host:6"
+
+
+def test_rdzv_conf():
+    assert parse_rdzv_conf(" a = 1 ,b=x=y") == {"a": "1", "b": "x=y"}
+    assert parse_rdzv_conf("") == {}
+    for bad in ("a=", "a", "=1", "a=1,,b=2"):
+        with pytest.raises(ConfigError):
+            parse_rdzv_conf(bad)
+    assert parse("--rdzv-conf", "timeout=5", "t.py").rdzv_conf["timeout"] == "5"
+
+
+# ---------------------------------------------------------------- other validation
+
+
+def test_no_python_with_module_is_an_error_unless_run_path():
+    with pytest.raises(ConfigError, match="'--no-python' flag and the '--module'"):
+        parse("--no-python", "-m", "t.py")
+    assert parse("--no-python", "-m", "--run-path", "/abs/t.py").run_path
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--max-restarts", "-1"], "max-restarts"), (["--monitor-interval", "0"], "monitor-interval"),
+    (["--local-ranks-filter", "0,x"], "local_ranks_filter"), (["-r", "12"], "does not match"),
+    (["--logs-specs", "custom"], "logs-specs"), (["--shutdown-timeout", "-1"], "shutdown-timeout"),
+])
+def test_bad_values(argv, match):
+    with pytest.raises(ConfigError, match=match):
+        parse(*argv, "t.py")
+
+
+def test_std_specs():
+    assert parse_std("0") == Std.NONE and parse_std("3") == Std.ALL
+    spec = parse_std("0:3,1:1")
+    assert spec == {0: Std.ALL, 1: Std.OUT}
+    assert std_for(spec, 1) == Std.OUT and std_for(spec, 5) == Std.NONE and std_for(Std.ERR, 9) == Std.ERR
+    with pytest.raises(ConfigError):
+        parse_std("10:1")  # torchrun's regex allows single-digit local ranks only
+
+
+def test_duplicate_filters_escape_commas():
+    cfg = parse("--duplicate-stdout-filters", "a,,b,c", "t.py")
+    assert cfg.duplicate_stdout_filters == ("a,b", "c")
+
+
+def test_shutdown_timeout_from_env():
+    assert parse("t.py", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).shutdown_timeout == 7
+    assert parse("--shutdown-timeout", "3", "t.py", env={"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": "7"}).shutdown_timeout == 3
+
+
+def test_omp_rule():
+    assert parse("--nproc-per-node", "2", "t.py").omp_num_threads == "1"
+    assert parse("--nproc-per-node", "1", "t.py").omp_num_threads is None
+    assert parse("--nproc-per-node", "2", "t.py", env={"OMP_NUM_THREADS": "4"}).omp_num_threads is None
+
+
+# ---------------------------------------------------------------- worker argv
+
+
+def test_worker_argv_variants():
+    py = sys.executable
+    assert worker_argv(parse("t.py", "--a", "1"), 0) == [py, "-u", "t.py", "--a", "1"]
+    assert worker_argv(parse("-m", "pkg.mod", "x"), 0) == [py, "-u", "-m", "pkg.mod", "x"]
+    assert worker_argv(parse("--no-python", "/bin/echo", "x"), 0) == ["/bin/echo", "x"]
+    argv = worker_argv(parse("--run-path", "/abs/t.py", "x"), 0)
+    assert argv[:3] == [py, "-u", "-c"] and argv[4:] == ["/abs/t.py", "x"]
+    assert worker_argv(parse("t.py", env={"PYTHON_EXEC": "/opt/py"}), 0)[0] == "/opt/py"
+
+
+def test_local_rank_macro():
+    cfg = parse("--nproc-per-node", "2", "t_${local_rank}.py", "--out=${local_rank}.log", "$$HOME", "$other")
+    assert worker_argv(cfg, 1)[2:] == ["t_1.py", "--out=1.log", "$HOME", "$other"]
+
+
+def test_run_path_bootstrap_runs_script_as_main(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("import sys; print(__name__, sys.argv[1:])")
+    argv = worker_argv(parse("--run-path", str(script), "a", "b"), 0)
+    out = subprocess.run(argv, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "__main__ ['a', 'b']"
+
+
+def test_entrypoint_name():
+    assert entrypoint_name(parse("/x/t.py", "a")) == "/x/t.py"
+    assert entrypoint_name(parse("-m", "pkg.mod")) == "pkg.mod"
+    assert entrypoint_name(parse("--no-python", "/bin/echo")) == "/bin/echo"
+    assert entrypoint_name(parse("--run-path", "/x/t.py")) == "run_script_path"
+
+
+# ---------------------------------------------------------------- worker env
+
+
+def assignment(local_rank: int = 1, **kw) -> WorkerAssignment:
+    base = dict(local_rank=local_rank, rank=3, group_rank=1, role_rank=3, role_world_size=4, local_world_size=2,
+                world_size=4, group_world_size=2, master_addr="10.0.0.1", master_port=4567, restart_count=2,
+                error_file="/logs/attempt_2/1/error.json", use_agent_store=True)
+    base.update(kw)
+    return WorkerAssignment(**base)
+
+
+def test_worker_env_has_exactly_torchruns_variables():
+    cfg = parse("--nproc-per-node", "2", "--max-restarts", "3", "--role", "trainer", "--rdzv-backend", "etcd",
+                "--rdzv-endpoint", "h", "--rdzv-id", "job7", "t.py")
+    base = {"PATH": "/bin", "OMP_NUM_THREADS": "8"}
+    env = worker_env(cfg, assignment(extra={"TPASSRUN_SLOT": "1"}), base)
+    assert env == {
+        "PATH": "/bin", "OMP_NUM_THREADS": "8", "TPASSRUN_SLOT": "1",
+        "LOCAL_RANK": "1", "RANK": "3", "GROUP_RANK": "1", "ROLE_RANK": "3", "ROLE_NAME": "trainer",
+        "ROLE_WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2", "WORLD_SIZE": "4", "GROUP_WORLD_SIZE": "2",
+        "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "4567", "TORCHELASTIC_RESTART_COUNT": "2",
+        "TORCHELASTIC_MAX_RESTARTS": "3", "TORCHELASTIC_RUN_ID": "job7", "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1", "TORCHELASTIC_ERROR_FILE": "/logs/attempt_2/1/error.json",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+    }
+    assert base == {"PATH": "/bin", "OMP_NUM_THREADS": "8"}  # never mutated
+
+
+def test_worker_env_omp_rule_warns_once(caplog):
+    workerenv._warn_omp_once.cache_clear()
+    cfg = parse("--nproc-per-node", "2", "t.py")
+    with caplog.at_level(logging.WARNING, logger="tpassrun.workerenv"):
+        envs = [worker_env(cfg, assignment(local_rank=i), {}) for i in range(2)]
+    assert [e["OMP_NUM_THREADS"] for e in envs] == ["1", "1"]
+    assert sum("OMP_NUM_THREADS" in r.getMessage() for r in caplog.records) == 1
+    assert "OMP_NUM_THREADS" not in worker_env(parse("t.py"), assignment(), {})
+
+
+def test_worker_env_inherits_nccl_and_cuda_devices():
+    env = worker_env(parse("t.py"), assignment(), {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "0", "CUDA_VISIBLE_DEVICES": "2,3"})
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "0" and env["CUDA_VISIBLE_DEVICES"] == "2,3"
+    assert env["LOCAL_RANK"] == "1" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    assert worker_env(parse("t.py"), assignment(use_agent_store=False), {})["TORCHELASTIC_USE_AGENT_STORE"] == "False"
+
+
+def test_worker_env_virtual_local_rank():
+    cfg = parse("--virtual-local-rank", "--nproc-per-node", "2", "t.py")
+    env = worker_env(cfg, assignment(local_rank=1), {})
+    assert env["LOCAL_RANK"] == "0" and env["CUDA_VISIBLE_DEVICES"] == "1"
+    env = worker_env(cfg, assignment(local_rank=1), {"CUDA_VISIBLE_DEVICES": "4, 6"})
+    assert env["LOCAL_RANK"] == "0" and env["CUDA_VISIBLE_DEVICES"] == "6"
+    with pytest.raises(ConfigError, match="exceeds available GPUs"):
+        worker_env(cfg, assignment(local_rank=2), {"CUDA_VISIBLE_DEVICES": "4,6"})
+
+
+def test_worker_env_devnull_error_file_and_signals():
+    cfg = parse("--signals-to-handle", "SIGUSR1,SIGTERM", "t.py")
+    env = worker_env(cfg, assignment(error_file=""), {})
+    assert env["TORCHELASTIC_ERROR_FILE"] == "" and env["TORCHELASTIC_SIGNALS_TO_HANDLE"] == "SIGUSR1,SIGTERM"
+
+
+# ---------------------------------------------------------------- against torchrun's own parser
+
+
+TORCHRUN_ARGVS = [
+    ["t.py"],
+    ["--nproc_per_node=2", "--max-re", "2", "-r", "0:1,1:2", "-t", "3", "t.py", "a", "--b"],
+    ["--nnodes", "1:3", "--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv_id", "j", "-m", "pkg", "x"],
+    ["--master-port", "1234", "--node_rank", "0", "--role", "r", "--local-ranks-filter", "0,1", "t.py"],
+    ["--standalone", "--monitor-interval", "0.5", "--signals-to-handle", "SIGUSR1", "--virtual-local-rank", "t.py"],
+]
+COMPARED = ["nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_id", "standalone", "max_restarts",
+            "monitor_interval", "role", "module", "no_python", "run_path", "node_rank", "master_addr", "master_port",
+            "signals_to_handle", "virtual_local_rank", "training_script", "training_script_args", "redirects", "tee"]
+
+
+@pytest.mark.timeout(60)
+def test_raw_parse_matches_torchruns_parser(monkeypatch):
+    """Our argparse layer and torchrun's give the same raw values (torch imported only here)."""
+    from tpassrun.config import build_parser
+
+    monkeypatch.setenv("PET_MAX_RESTARTS", "1")
+    from torch.distributed.run import get_args_parser
+
+    theirs_parser, ours_parser = get_args_parser(), build_parser(dict(os.environ))
+    for argv in TORCHRUN_ARGVS:
+        theirs, ours = theirs_parser.parse_args(argv), ours_parser.parse_args(argv)
+        for name in COMPARED:
+            assert getattr(ours, name) == getattr(theirs, name), (argv, name)
+
+
+# ---------------------------------------------------------------- cli
+
+
+def test_cli_config_error_is_one_line_and_exit_2(capsys):
+    assert main(["--nnodes", "3:2", "t.py"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpassrun: error: ") and err.count("\n") == 1
+
+
+def test_cli_usage_error_exit_2(capsys):
+    assert main(["--bogus", "t.py"]) == 2
+    assert main(["--help"]) == 0
