@@ -1,0 +1,35 @@
+"""etcd v3 rendezvous for tpassrun.
+
+Layout: ``config`` (EtcdConfig, RendezvousSettings), ``state`` (the data and its versioned JSON),
+``machine`` (pure decisions), ``etcd_io`` (the only module that talks to etcd), ``handler``
+(EtcdRendezvous: effects around the machine), ``embedded`` (a throw-away etcd server).
+"""
+
+from .config import EtcdConfig, RendezvousSettings
+from .embedded import EmbeddedEtcd, find_etcd_binary
+from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
+                     RendezvousTimeoutError)
+from .etcd_io import EtcdConnection, EtcdStore, WatchEvent
+from .handler import EtcdRendezvous
+from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
+
+__all__ = [
+    "EmbeddedEtcd",
+    "EtcdConfig",
+    "EtcdConnection",
+    "EtcdRendezvous",
+    "EtcdStore",
+    "EventKind",
+    "GenState",
+    "Generation",
+    "Member",
+    "NodeInfo",
+    "RdzvEvent",
+    "RendezvousClosedError",
+    "RendezvousConnectionError",
+    "RendezvousError",
+    "RendezvousSettings",
+    "RendezvousTimeoutError",
+    "WatchEvent",
+    "find_etcd_binary",
+]

@@ -1,0 +1,194 @@
+"""Typed configuration: where etcd is (``EtcdConfig``) and how the rendezvous behaves (``RendezvousSettings``).
+
+Both are built from torchrun's flags: ``--rdzv-endpoint`` and ``--rdzv-conf k=v,...`` (values arrive as
+strings). Unknown ``--rdzv-conf`` keys are ignored here because the conf is shared with other layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Mapping
+
+from .errors import RendezvousError
+
+DEFAULT_ETCD_PORT = 2379
+DEFAULT_PREFIX = "/tpassrun/v1"
+
+
+def _float(conf: Mapping[str, str], key: str, default: float) -> float:
+    raw = conf.get(key)
+    if raw is None or str(raw).strip() == "":
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        raise RendezvousError(f"--rdzv-conf {key}={raw!r} is not a number") from None
+    if not math.isfinite(value) or value <= 0:
+        raise RendezvousError(f"--rdzv-conf {key}={raw!r} must be a positive number")
+    return value
+
+
+def _parse_host_port(item: str) -> tuple[str, int]:
+    item = item.strip()
+    if item.startswith("["):  # [::1]:2379
+        host, _, rest = item[1:].partition("]")
+        port_text = rest.lstrip(":")
+    elif item.count(":") == 1:
+        host, _, port_text = item.partition(":")
+    else:
+        host, port_text = item, ""
+    if not host:
+        raise RendezvousError(f"bad etcd endpoint {item!r}: missing host")
+    if not port_text:
+        return host, DEFAULT_ETCD_PORT
+    try:
+        port = int(port_text)
+    except ValueError:
+        raise RendezvousError(f"bad etcd endpoint {item!r}: port {port_text!r} is not a number") from None
+    if not 0 < port < 65536:
+        raise RendezvousError(f"bad etcd endpoint {item!r}: port out of range")
+    return host, port
+
+
+@dataclass(frozen=True)
+class EtcdConfig:
+    """How to reach etcd.
+
+    ``read_timeout`` bounds the first connection and every single request; ``reconnect_timeout`` bounds how
+    long an outage may last mid-run before the rendezvous gives up with ``RendezvousConnectionError``.
+    """
+
+    endpoints: tuple[tuple[str, int], ...]
+    protocol: str = "http"
+    cacert: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    user: str | None = None
+    password: str | None = None
+    read_timeout: float = 60.0
+    reconnect_timeout: float = 30.0
+    prefix: str | None = None  # --rdzv-conf etcd_prefix, if given
+
+    def __post_init__(self) -> None:
+        if not self.endpoints:
+            raise RendezvousError("no etcd endpoint given")
+        if self.protocol not in ("http", "https"):
+            raise RendezvousError(f"etcd protocol must be http or https, not {self.protocol!r}")
+        if (self.user is None) != (self.password is None):
+            raise RendezvousError("etcd user and password must be given together")
+        if (self.cert is None) != (self.key is None):
+            raise RendezvousError("etcd client cert and key must be given together")
+
+    @property
+    def tls(self) -> bool:
+        return self.protocol == "https" or self.cacert is not None or self.cert is not None
+
+    @property
+    def display(self) -> str:
+        """The endpoints as a user typed them, for error messages."""
+        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+
+    @classmethod
+    def from_endpoint(cls, endpoint: str, conf: Mapping[str, str] | None = None) -> "EtcdConfig":
+        """Parse ``host[:port][,host[:port]...]`` (optionally with ``http://``/``https://``) plus ``--rdzv-conf``."""
+        conf = conf or {}
+        protocol = conf.get("protocol", "").strip().lower() or None
+        endpoints: list[tuple[str, int]] = []
+        for item in endpoint.split(","):
+            item = item.strip()
+            if not item:
+                continue
+            if "://" in item:
+                scheme, _, item = item.partition("://")
+                scheme = scheme.lower()
+                if protocol is not None and protocol != scheme:
+                    raise RendezvousError(f"etcd endpoint scheme {scheme!r} contradicts protocol={protocol!r}")
+                protocol = scheme
+            endpoints.append(_parse_host_port(item.rstrip("/")))
+        user = conf.get("user") or conf.get("username") or None
+        read_timeout = _float(conf, "read_timeout", 60.0)
+        return cls(
+            endpoints=tuple(endpoints),
+            protocol=protocol or "http",
+            cacert=conf.get("cacert") or conf.get("ca_cert") or None,
+            cert=conf.get("cert") or conf.get("ssl_cert") or None,
+            key=conf.get("key") or conf.get("ssl_cert_key") or None,
+            user=user,
+            password=conf.get("password") or None,
+            read_timeout=read_timeout,
+            reconnect_timeout=_float(conf, "reconnect_timeout", max(30.0, read_timeout)),
+            prefix=conf.get("etcd_prefix") or None,
+        )
+
+
+@dataclass(frozen=True)
+class RendezvousSettings:
+    """How one run's rendezvous behaves. Times are seconds."""
+
+    run_id: str
+    min_nodes: int
+    max_nodes: int
+    join_timeout: float = 600.0
+    last_call_timeout: float = 30.0
+    close_timeout: float = 30.0
+    lease_ttl: float = 10.0  # node liveness; the keepalive runs every ttl/3
+    prefix: str = DEFAULT_PREFIX
+
+    def __post_init__(self) -> None:
+        if not self.run_id or "/" in self.run_id:
+            raise RendezvousError(f"bad run id {self.run_id!r}: must be non-empty and contain no '/'")
+        if not 1 <= self.min_nodes <= self.max_nodes:
+            raise RendezvousError(f"need 1 <= min_nodes <= max_nodes, got {self.min_nodes}:{self.max_nodes}")
+        if self.lease_ttl < 1:
+            raise RendezvousError(f"lease_ttl must be at least 1 s, got {self.lease_ttl}")
+        if self.join_timeout <= 0 or self.last_call_timeout < 0 or self.close_timeout <= 0:
+            raise RendezvousError("join_timeout and close_timeout must be > 0, last_call_timeout >= 0")
+
+    @property
+    def lease_seconds(self) -> int:
+        """etcd leases are whole seconds (and etcd rounds tiny ones up to its minimum)."""
+        return max(1, math.ceil(self.lease_ttl))
+
+    @property
+    def run_prefix(self) -> str:
+        return f"{self.prefix.rstrip('/')}/{self.run_id}/"
+
+    @classmethod
+    def from_conf(
+        cls, run_id: str, min_nodes: int, max_nodes: int, conf: Mapping[str, str] | None = None
+    ) -> "RendezvousSettings":
+        """Read the ``--rdzv-conf`` keys that concern the rendezvous.
+
+        ``lease_ttl`` wins; else torchrun's ``keep_alive_interval * keep_alive_max_attempt`` (how long
+        torchrun lets a silent node stay in the round); else ``heartbeat_timeout``. ``join_timeout`` wins
+        over ``timeout`` (the legacy etcd handler's name for it; torchrun always passes ``timeout=900``).
+        """
+        conf = conf or {}
+        if "lease_ttl" in conf:
+            lease_ttl = _float(conf, "lease_ttl", 10.0)
+        elif "keep_alive_interval" in conf or "keep_alive_max_attempt" in conf:
+            lease_ttl = _float(conf, "keep_alive_interval", 5.0) * _float(conf, "keep_alive_max_attempt", 3.0)
+        elif "heartbeat_timeout" in conf:
+            lease_ttl = _float(conf, "heartbeat_timeout", 10.0)
+        else:
+            lease_ttl = 10.0
+        if "join_timeout" in conf:
+            join_timeout = _float(conf, "join_timeout", 600.0)
+        else:
+            join_timeout = _float(conf, "timeout", 600.0)
+        last_call = conf.get("last_call_timeout")
+        try:
+            last_call_timeout = 30.0 if last_call in (None, "") else float(last_call)
+        except ValueError:
+            raise RendezvousError(f"--rdzv-conf last_call_timeout={last_call!r} is not a number") from None
+        return cls(
+            run_id=run_id,
+            min_nodes=min_nodes,
+            max_nodes=max_nodes,
+            join_timeout=join_timeout,
+            last_call_timeout=last_call_timeout,
+            close_timeout=_float(conf, "close_timeout", 30.0),
+            lease_ttl=lease_ttl,
+            prefix=conf.get("etcd_prefix") or DEFAULT_PREFIX,
+        )

