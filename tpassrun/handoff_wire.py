@@ -1,0 +1,457 @@
+"""Handoff wire format and the point-to-point TCP transfer of a :class:`StateBundle`.
+
+One transfer, all integers little endian::
+
+    prefix   24 B  b"TPHO" | u16 version | u16 flags | u64 head_len | u32 crc32(head) | u32 crc32(first 20 B)
+    head     head_len B of UTF-8 JSON: {"v": 1, "meta": <bundle meta>, "tensors": [spec, ...],
+                                        "checksum": "crc32", "chunk_bytes": int}
+    data     the raw bytes of every tensor, in table order, in chunks of ``chunk_bytes``
+    trailer  16 B  b"TPEN" | u64 data_len | u32 crc32 of prefix + head + data
+    ack       8 B  receiver -> sender: b"TPAK" | u32 status (0 ok, 1 checksum mismatch)
+
+The head carries its own checksum so a corrupted tensor table is caught before we allocate
+from it; the trailer's checksum covers everything. The ack matters: a leaving rank may only
+exit once the joiner has *verified* its state, otherwise the swap must be abandoned.
+
+Tensors go out straight from their memory (``memoryview`` of a uint8 view, no ``torch.save``,
+no pickle) and come in with ``recv_into`` preallocated tensors. The checksum runs in a helper
+thread on chunk i while chunk i+1 is on the wire: ``zlib.crc32`` and socket calls both release
+the GIL, so the two overlap instead of adding up.
+
+``encode_small``/``decode_small`` use the very same frame in memory (no ack, no thread) for the
+per-step "light" snapshot a worker leaves in shared memory.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+import time
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from .handoff_codec import ChecksumError, HandoffError, StateBundle, dtype_from_name
+
+WIRE_VERSION = 1
+_MAGIC = b"TPHO"
+_END_MAGIC = b"TPEN"
+_ACK_MAGIC = b"TPAK"
+_PREFIX_BODY = struct.Struct("<4sHHQI")  # magic, version, flags, head_len, head_crc
+_PREFIX_CRC = struct.Struct("<I")
+_PREFIX_LEN = _PREFIX_BODY.size + _PREFIX_CRC.size
+_TRAILER = struct.Struct("<4sQI")  # end magic, data_len, crc of everything before the trailer
+_ACK = struct.Struct("<4sI")
+_ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
+_MAX_HEAD_BYTES = 1 << 30  # a corrupt length must not make us allocate the moon
+_DEFAULT_CHUNK = 8 << 20
+_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once: this runs every step
+
+
+@dataclass(frozen=True)
+class TransferStats:
+    """What one transfer cost. ``nbytes`` counts every byte of the frame (header, data, trailer)."""
+
+    nbytes: int
+    seconds: float
+    chunks: int
+    checksum: str  # "crc32:<8 hex digits>", identical on both ends of a good transfer
+
+    @property
+    def gbps(self) -> float:
+        """Throughput in gigabytes (10**9 bytes) per second."""
+        return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One row of the tensor table: enough to preallocate the receiving tensor."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    device: str  # device *type* on the sender; anything but "cpu" comes back on the receiver's ``device``
+    requires_grad: bool
+
+    def to_json(self) -> dict:
+        return {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
+                "device": self.device, "requires_grad": self.requires_grad}
+
+    @classmethod
+    def from_json(cls, row: Any) -> "TensorSpec":
+        try:
+            spec = cls(str(row["dtype"]), tuple(int(n) for n in row["shape"]), int(row["nbytes"]),
+                       str(row["device"]), bool(row["requires_grad"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise HandoffError(f"malformed tensor table row {row!r}") from exc
+        dtype = dtype_from_name(spec.dtype)
+        expected = torch.Size(spec.shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if spec.nbytes != expected or any(n < 0 for n in spec.shape):
+            raise HandoffError(f"tensor table row {row!r} is inconsistent (expected {expected} bytes)")
+        return spec
+
+
+# ---------------------------------------------------------------------------------------------
+# building blocks
+
+
+def _outgoing(tensor: torch.Tensor) -> tuple[TensorSpec, torch.Tensor, memoryview]:
+    """The tensor's bytes as a memoryview, copying only when the memory is not CPU-contiguous."""
+    source = tensor.detach()
+    if source.device.type != "cpu":
+        source = source.cpu()  # CUDA and friends: one staging copy, the only way onto a socket
+    if source.is_conj() or source.is_neg() or not source.is_contiguous():
+        source = source.resolve_conj().resolve_neg().contiguous()
+    dtype_name = _DTYPE_NAMES.get(source.dtype) or str(source.dtype).removeprefix("torch.")
+    raw = source.reshape(-1).view(torch.uint8)
+    spec = TensorSpec(dtype_name, tuple(tensor.shape), raw.numel(), tensor.device.type, tensor.requires_grad)
+    return spec, source, memoryview(raw.numpy())
+
+
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
+    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64)}
+
+
+def _allocate(spec: TensorSpec) -> tuple[torch.Tensor, memoryview]:
+    tensor = torch.empty(spec.shape, dtype=dtype_from_name(spec.dtype))
+    return tensor, memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+
+
+def _encode_head(meta: dict, specs: list[TensorSpec], chunk_bytes: int) -> bytes:
+    doc = {"v": WIRE_VERSION, "meta": meta, "tensors": [s.to_json() for s in specs],
+           "checksum": "crc32", "chunk_bytes": chunk_bytes}
+    try:
+        body = _JSON.encode(doc).encode()
+    except (TypeError, ValueError) as exc:
+        raise HandoffError(f"bundle meta is not plain JSON (build bundles with capture()): {exc}") from exc
+    prefix = _PREFIX_BODY.pack(_MAGIC, WIRE_VERSION, 0, len(body), zlib.crc32(body))
+    return prefix + _PREFIX_CRC.pack(zlib.crc32(prefix)) + body
+
+
+class _Crc(Protocol):
+    def feed(self, data: Any) -> None: ...
+    def result(self) -> int: ...
+
+
+class _InlineCrc:
+    """For frames of a few KB, where a thread hop would cost more than the checksum."""
+
+    def __init__(self) -> None:
+        self._crc = 0
+
+    def feed(self, data: Any) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+
+    def result(self) -> int:
+        return self._crc
+
+
+class _PipelinedCrc:
+    """Running crc32 computed by one helper thread, in feed order, overlapping the socket I/O.
+
+    A fed buffer must stay unchanged until :meth:`result` returns (true here: each chunk is
+    sent or received before the next one is touched, and nothing writes a chunk twice).
+    """
+
+    def __init__(self) -> None:
+        self._crc = 0
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpassrun-handoff-crc")
+
+    def __enter__(self) -> "_PipelinedCrc":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+
+    def feed(self, data: Any) -> None:
+        self._pool.submit(self._update, data)
+
+    def _update(self, data: Any) -> None:
+        self._crc = zlib.crc32(data, self._crc)
+
+    def result(self) -> int:
+        self._pool.shutdown(wait=True)
+        return self._crc
+
+
+class _Reader(Protocol):
+    def read_exact(self, n: int, what: str) -> bytes: ...
+    def read_into(self, view: memoryview, what: str) -> None: ...
+
+
+class _SocketReader:
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def read_exact(self, n: int, what: str) -> bytes:
+        buf = bytearray(n)
+        self.read_into(memoryview(buf), what)
+        return bytes(buf)
+
+    def read_into(self, view: memoryview, what: str) -> None:
+        got, total = 0, len(view)
+        while got < total:
+            try:
+                n = self._sock.recv_into(view[got:])
+            except TimeoutError as exc:
+                raise HandoffError(f"receiving {what}: no data for {self._sock.gettimeout()} s "
+                                   f"({got} of {total} bytes)") from exc
+            except OSError as exc:
+                raise HandoffError(f"receiving {what}: connection lost ({exc})") from exc
+            if n == 0:
+                raise HandoffError(f"receiving {what}: the sender closed the connection after "
+                                   f"{got} of {total} bytes")
+            got += n
+
+
+class _BufferReader:
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        self._view = memoryview(data).cast("B")
+        self._pos = 0
+
+    def read_exact(self, n: int, what: str) -> bytes:
+        return bytes(self._take(n, what))
+
+    def read_into(self, view: memoryview, what: str) -> None:
+        view[:] = self._take(len(view), what)
+
+    def _take(self, n: int, what: str) -> memoryview:
+        if self._pos + n > len(self._view):
+            raise HandoffError(f"snapshot truncated while reading {what}: need {n} bytes at offset "
+                               f"{self._pos}, have {len(self._view) - self._pos}")
+        piece = self._view[self._pos:self._pos + n]
+        self._pos += n
+        return piece
+
+
+@dataclass
+class _Frame:
+    bundle: StateBundle
+    specs: list[TensorSpec]
+    nbytes: int
+    chunks: int
+    checksum: int
+
+
+def _read_frame(reader: _Reader, crc: _Crc) -> _Frame:
+    """Read and verify one frame. Raises ChecksumError on any mismatch, HandoffError otherwise."""
+    prefix = reader.read_exact(_PREFIX_LEN, "header")
+    (prefix_crc,) = _PREFIX_CRC.unpack_from(prefix, _PREFIX_BODY.size)
+    if zlib.crc32(prefix[:_PREFIX_BODY.size]) != prefix_crc:
+        if not prefix.startswith(_MAGIC):
+            raise HandoffError(f"not a tpassrun handoff stream (starts with {prefix[:8]!r})")
+        raise ChecksumError("handoff header corrupted (prefix checksum mismatch)")
+    _magic, version, _flags, head_len, head_crc = _PREFIX_BODY.unpack_from(prefix)
+    if version != WIRE_VERSION:
+        raise HandoffError(f"handoff wire version {version} is not supported (this side speaks {WIRE_VERSION})")
+    if head_len > _MAX_HEAD_BYTES:
+        raise HandoffError(f"handoff header claims {head_len} bytes of meta, refusing")
+    body = reader.read_exact(head_len, "header meta")
+    if zlib.crc32(body) != head_crc:
+        raise ChecksumError("handoff meta corrupted (meta checksum mismatch)")
+    crc.feed(prefix)
+    crc.feed(body)
+    try:
+        doc = json.loads(body)
+        meta, rows, chunk_bytes = doc["meta"], doc["tensors"], int(doc["chunk_bytes"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise HandoffError(f"malformed handoff meta: {exc}") from exc
+    if doc.get("v") != WIRE_VERSION or doc.get("checksum") != "crc32":
+        raise HandoffError(f"unsupported handoff meta version/checksum: v={doc.get('v')!r}, {doc.get('checksum')!r}")
+    specs = [TensorSpec.from_json(row) for row in rows]
+    chunk_bytes = chunk_bytes if chunk_bytes > 0 else _DEFAULT_CHUNK
+    tensors, chunks, data_len = [], 0, 0
+    for index, spec in enumerate(specs):
+        tensor, view = _allocate(spec)
+        for offset in range(0, len(view), chunk_bytes):
+            piece = view[offset:offset + chunk_bytes]
+            reader.read_into(piece, f"tensor #{index} ({spec.dtype}{list(spec.shape)})")
+            crc.feed(piece)
+            chunks += 1
+        data_len += len(view)
+        tensors.append(tensor)
+    expected = crc.result()
+    end_magic, sent_len, sent_crc = _TRAILER.unpack(reader.read_exact(_TRAILER.size, "trailer"))
+    if end_magic != _END_MAGIC or sent_len != data_len or sent_crc != expected:
+        raise ChecksumError(f"handoff data corrupted: crc32 {expected:08x} received, sender says {sent_crc:08x} "
+                            f"({data_len} bytes received, sender says {sent_len})")
+    nbytes = _PREFIX_LEN + head_len + data_len + _TRAILER.size
+    return _Frame(StateBundle(meta, tensors), specs, nbytes, chunks, expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# in-memory frames: the per-step light snapshot
+
+
+def encode_small(bundle: StateBundle) -> bytes:
+    """The bundle as one self-checking frame in memory (meant for RNG + small objects)."""
+    outgoing = [_outgoing(t) for t in bundle.tensors]
+    head = _encode_head(bundle.meta, [spec for spec, _, _ in outgoing], chunk_bytes=0)
+    views = [view for _, _, view in outgoing]
+    crc = zlib.crc32(head)
+    for view in views:
+        crc = zlib.crc32(view, crc)
+    trailer = _TRAILER.pack(_END_MAGIC, sum(len(v) for v in views), crc)
+    return b"".join([head, *views, trailer])
+
+
+def decode_small(data: bytes | bytearray | memoryview) -> StateBundle:
+    """Inverse of :func:`encode_small`. Raises ChecksumError if the frame is torn or corrupted.
+
+    Bytes after the trailer are ignored: the frame delimits itself, so a fixed-size
+    shared-memory slot can be decoded as it is.
+    """
+    return _read_frame(_BufferReader(data), _InlineCrc()).bundle
+
+
+# ---------------------------------------------------------------------------------------------
+# streaming over a connected socket
+
+
+class _Sender:
+    """sendall with error translation, byte accounting and the test-only corruption hook."""
+
+    def __init__(self, sock: socket.socket, corrupt_byte_at: int | None) -> None:
+        self._sock = sock
+        self._corrupt_byte_at = corrupt_byte_at
+        self.offset = 0
+
+    def send(self, data: Any, what: str) -> None:
+        n = len(data)
+        at = self._corrupt_byte_at
+        if at is not None and self.offset <= at < self.offset + n:
+            tampered = bytearray(data)
+            tampered[at - self.offset] ^= 0xFF
+            data = tampered
+        try:
+            self._sock.sendall(data)
+        except TimeoutError as exc:
+            raise HandoffError(f"sending {what}: receiver made no progress for {self._sock.gettimeout()} s") from exc
+        except OSError as exc:
+            raise HandoffError(f"sending {what}: connection lost ({exc})") from exc
+        self.offset += n
+
+
+def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = _DEFAULT_CHUNK,
+                _corrupt_byte_at: int | None = None) -> TransferStats:
+    """Stream ``bundle`` over a connected socket and wait for the receiver's verdict.
+
+    Returns only once the receiver has verified the checksum. Raises ChecksumError if the
+    receiver saw corrupted data, HandoffError if the connection failed or stalled longer
+    than the socket's timeout. ``_corrupt_byte_at`` (tests only) flips the byte at that
+    offset of the frame on the wire while checksumming the original.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    started = time.perf_counter()
+    outgoing = [_outgoing(t) for t in bundle.tensors]
+    head = _encode_head(bundle.meta, [spec for spec, _, _ in outgoing], chunk_bytes)
+    sender = _Sender(sock, _corrupt_byte_at)
+    chunks = 0
+    with _PipelinedCrc() as crc:
+        crc.feed(head)
+        sender.send(head, "header")
+        data_len = 0
+        for index, (spec, _keepalive, view) in enumerate(outgoing):
+            for offset in range(0, len(view), chunk_bytes):
+                piece = view[offset:offset + chunk_bytes]
+                crc.feed(piece)  # checksum this chunk while the kernel copies it
+                sender.send(piece, f"tensor #{index} ({spec.dtype}{list(spec.shape)})")
+                chunks += 1
+            data_len += len(view)
+        checksum = crc.result()
+    sender.send(_TRAILER.pack(_END_MAGIC, data_len, checksum), "trailer")
+    reply = _SocketReader(sock).read_exact(_ACK.size, "the receiver's acknowledgement")
+    magic, status = _ACK.unpack(reply)
+    if magic != _ACK_MAGIC:
+        raise HandoffError(f"unexpected acknowledgement {reply!r} from the receiver")
+    if status == _ACK_CHECKSUM_MISMATCH:
+        raise ChecksumError("the receiver reported a checksum mismatch: the state was corrupted in transit")
+    if status != _ACK_OK:
+        raise HandoffError(f"the receiver rejected the state (status {status})")
+    return TransferStats(sender.offset, time.perf_counter() - started, chunks, f"crc32:{checksum:08x}")
+
+
+def recv_bundle(sock: socket.socket, *, device: str = "cpu") -> tuple[StateBundle, TransferStats]:
+    """Receive one bundle from a connected socket, verify it, acknowledge it.
+
+    Tensors that lived on an accelerator on the sender are moved to ``device``; CPU tensors
+    (RNG states, optimizer ``step`` counters) stay on the CPU, as they were.
+    Raises ChecksumError on corruption, HandoffError on a lost or stalled connection.
+    """
+    started = time.perf_counter()
+    try:
+        with _PipelinedCrc() as crc:
+            frame = _read_frame(_SocketReader(sock), crc)
+    except ChecksumError:
+        _send_ack_quietly(sock, _ACK_CHECKSUM_MISMATCH)
+        raise
+    _send_ack_quietly(sock, _ACK_OK)
+    tensors = frame.bundle.tensors
+    for index, spec in enumerate(frame.specs):
+        if spec.device != "cpu" and device != "cpu":
+            tensors[index] = tensors[index].to(device)
+        if spec.requires_grad:
+            tensors[index].requires_grad_(True)
+    stats = TransferStats(frame.nbytes, time.perf_counter() - started, frame.chunks, f"crc32:{frame.checksum:08x}")
+    return frame.bundle, stats
+
+
+def _send_ack_quietly(sock: socket.socket, status: int) -> None:
+    # The verdict is best effort: if the sender is gone, the receiver's own result still stands.
+    try:
+        sock.sendall(_ACK.pack(_ACK_MAGIC, status))
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------
+# connection helpers for the joiner (listens) and the leaver/donor (connects)
+
+
+def listen_for_bundle(host: str = "0.0.0.0") -> tuple[socket.socket, int]:
+    """A bound, listening socket on a free port of ``host``, and that port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, 0))
+        listener.listen(1)
+    except OSError:
+        listener.close()
+        raise
+    return listener, listener.getsockname()[1]
+
+
+def connect_and_send(addr: str, port: int, bundle: StateBundle, *, timeout: float,
+                     chunk_bytes: int = _DEFAULT_CHUNK) -> TransferStats:
+    """Connect to a joiner and stream ``bundle``. ``timeout`` bounds the connect and every stall."""
+    try:
+        sock = socket.create_connection((addr, port), timeout=timeout)
+    except OSError as exc:
+        raise HandoffError(f"cannot connect to the joiner at {addr}:{port}: {exc}") from exc
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return send_bundle(sock, bundle, chunk_bytes=chunk_bytes)
+
+
+def accept_and_recv(listener: socket.socket, *, timeout: float,
+                    device: str = "cpu") -> tuple[StateBundle, TransferStats]:
+    """Accept one sender on ``listener`` and receive its bundle. ``timeout`` bounds the wait
+    for the sender and every stall of the stream. The listener stays open (the caller owns it)."""
+    listener.settimeout(timeout)
+    try:
+        conn, _peer = listener.accept()
+    except TimeoutError as exc:
+        raise HandoffError(f"no sender connected within {timeout} s") from exc
+    except OSError as exc:
+        raise HandoffError(f"accepting the sender failed: {exc}") from exc
+    with conn:
+        conn.settimeout(timeout)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return recv_bundle(conn, device=device)
