@@ -17,6 +17,7 @@ XID events come from an event set polled with timeout 0, so a read never blocks 
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 from typing import Any, Callable, Iterable, Sequence
 
@@ -64,6 +65,8 @@ class NvmlSensor:
         self._nv = nvml_module
         self._wanted = list(devices) if devices is not None else None
         self._clock = clock
+        # close() may run (agent shutdown) while a cancelled poll is still reading in its thread.
+        self._lock = threading.Lock()
         self._started = False
         self._indices: list[int] = []
         self._handles: dict[int, Any] = {}
@@ -129,6 +132,10 @@ class NvmlSensor:
 
     def close(self) -> None:
         """Free the event set and shut NVML down (safe to call when never started)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if not self._started:
             return
         nv, self._started = self._nv, False
@@ -148,6 +155,10 @@ class NvmlSensor:
     # --- reading ---
 
     def read(self) -> list[Reading]:
+        with self._lock:
+            return self._read()
+
+    def _read(self) -> list[Reading]:
         nv = self._module()
         if not self._started:
             self._start(nv)

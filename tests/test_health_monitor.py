@@ -263,3 +263,15 @@ def test_device_for_local_rank(local_rank, visible, device):
 def test_device_for_local_rank_errors(local_rank, visible):
     with pytest.raises(ValueError):
         device_for_local_rank(local_rank, visible)
+
+
+# --- package boundary ---
+
+def test_health_imports_neither_torch_nor_pynvml_nor_other_tpassrun_modules():
+    import subprocess
+    import sys
+
+    code = ("import sys, tpassrun.health; "
+            "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pynvml', 'tpassrun'))))")
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert all(m == "tpassrun" or m.startswith("tpassrun.health") for m in loaded), loaded
