@@ -8,12 +8,16 @@ Format (write it atomically: to a temporary file, then ``rename``)::
 A missing file means "nothing to say" (no readings). A file that cannot be parsed yields one
 ``UNKNOWN`` reading for the pseudo-device ``file:<path>``, so the problem is visible in
 ``tpassctl status`` instead of silently ignored; the next good parse clears it.
+
+With ``max_age``, a file not rewritten for that many seconds turns every reading in it into an
+error ("stale"): a site tool that died must not keep vouching for a device.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import time
 from typing import Callable
 
@@ -23,10 +27,13 @@ from ._types import SENSOR, Reading
 class FileSensor:
     """Polls one JSON file. ``read`` does blocking file I/O (the monitor runs it in a thread)."""
 
-    def __init__(self, path: str, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, path: str, *, max_age: float | None = None, clock: Callable[[], float] = time.monotonic,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.path = path
         self.name = f"file:{path}"
+        self.max_age = max_age
         self._clock = clock
+        self._wall_clock = wall_clock   # file mtimes are wall-clock times
         self._was_malformed = False
 
     def read(self) -> list[Reading]:
@@ -34,6 +41,7 @@ class FileSensor:
         try:
             with open(self.path, "rb") as f:
                 raw = f.read()
+                age = self._wall_clock() - os.fstat(f.fileno()).st_mtime
         except FileNotFoundError:
             return self._recovered(now)
         except OSError as exc:
@@ -42,6 +50,9 @@ class FileSensor:
             readings = _parse(raw, now)
         except ValueError as exc:
             return [self._malformed(now, str(exc))]
+        if self.max_age is not None and age > self.max_age:
+            why = f"stale: {self.path} not rewritten for {age:.0f}s (max_age {self.max_age:g}s)"
+            readings = [Reading(r.device, r.metric, None, now, error=why) for r in readings]
         return self._recovered(now) + readings
 
     def _malformed(self, now: float, why: str) -> Reading:

@@ -83,6 +83,17 @@ def test_file_sensor_malformed_is_one_unknown_reading_then_recovers(tmp_path, co
     assert verdict.status is Status.HEALTHY
 
 
+def test_file_sensor_stale_file_makes_readings_unknown(tmp_path):
+    path = tmp_path / "h.json"
+    write_readings(path, [{"device": "gpu0", "metric": "temperature_c", "value": 50}])
+    mtime = os.stat(path).st_mtime
+    sensor = FileSensor(str(path), max_age=60, wall_clock=lambda: mtime + 10)
+    assert sensor.read()[0].value == 50
+    sensor = FileSensor(str(path), max_age=60, wall_clock=lambda: mtime + 61)
+    (reading,) = sensor.read()
+    assert reading.value is None and reading.error.startswith("stale:")
+
+
 # --- the monitor ---
 
 @pytest.mark.timeout(30)
