@@ -106,7 +106,7 @@ class NvmlSensor:
             nv.nvmlInit()
         except nv.NVMLError as exc:
             if _code(exc) in (nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED):
-                raise SensorUnavailable(f"no GPU: NVML {exc}") from None
+                raise SensorUnavailable(f"no GPU ({exc})") from None
             raise
         count = nv.nvmlDeviceGetCount()
         self._indices = [i for i in (self._wanted if self._wanted is not None else range(count)) if i < count]

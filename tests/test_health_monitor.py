@@ -168,7 +168,7 @@ def test_no_gpu_is_said_once_and_the_rest_keeps_running(tmp_path):
         for _ in range(4):
             await monitor.poll_once()
         assert [m for m in messages if "no GPU" in m] == [
-            "health: no GPU: NVML NVML Shared Library Not Found; running without sensor 'nvml'"]
+            "health: no GPU (NVML Shared Library Not Found); running without sensor 'nvml'"]
         assert "nvml" in monitor.unavailable
         assert [v.device for batch in recorder.batches for v in batch] == ["slot0"]
         task = asyncio.create_task(monitor.run())
