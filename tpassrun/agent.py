@@ -1,0 +1,481 @@
+"""The per-node agent: rendezvous, workers, restarts, and (through :mod:`tpassrun.swapper`) live swaps.
+
+One asyncio event loop (uvloop when available) per node. Everything that happens to the node becomes an
+event on one queue (a worker exited, a worker said something, the rendezvous changed, a signal arrived) and
+:meth:`Agent._supervise` handles them one at a time, so the agent's decisions never race each other.
+
+Exit codes are torchrun's: 0 on success, 1 when workers failed beyond ``--max-restarts`` or the rendezvous
+failed, 1 for a handled signal after workers started, ``128 + sig`` for one before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+import uuid
+from typing import Any
+
+# The agent forks workers (preexec_fn for PDEATHSIG) while gRPC threads exist; gRPC's fork handlers are
+# for children that use gRPC, which ours never do, and only print noise.
+_GRPC_QUIET = {"GRPC_ENABLE_FORK_SUPPORT": "false", "GRPC_VERBOSITY": "ERROR"}
+_GRPC_ADDED = {k for k in _GRPC_QUIET if k not in os.environ}
+for _k in _GRPC_ADDED:
+    os.environ[_k] = _GRPC_QUIET[_k]
+
+from . import envnames as E  # noqa: E402
+from .config import LaunchConfig  # noqa: E402
+from .events import EventLog  # noqa: E402
+from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
+from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
+from .rendezvous import (EmbeddedEtcd, EtcdConfig,  # noqa: E402 EtcdRendezvous, Generation, NodeInfo, RendezvousError,
+                         RendezvousSettings, find_etcd_binary)
+from .slots import LocalSlots, Slot, SlotState  # noqa: E402
+from .workerenv import WorkerAssignment, entrypoint_name, worker_argv, worker_env  # noqa: E402
+
+log = logging.getLogger("tpassrun.agent")
+
+
+class Outcome:
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"            # local workers failed: consumes a restart
+    MEMBERSHIP = "membership"    # someone else asked for a new generation: free
+    CLOSED = "closed"
+    SIGNALLED = "signalled"
+
+
+def _free_port(host: str = "") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class Agent:
+    """Construct with a resolved :class:`LaunchConfig`; ``await run()`` does everything and returns the exit code."""
+
+    def __init__(self, cfg: LaunchConfig, *, environ: dict[str, str] | None = None) -> None:
+        self.cfg = cfg
+        self.environ = dict(os.environ if environ is None else environ)
+        for k in _GRPC_ADDED:  # ours, not the user's: workers get the environment tpassrun was given
+            self.environ.pop(k, None)
+        self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        self.addr = cfg.local_addr or ("127.0.0.1" if cfg.uses_embedded_etcd else socket.getfqdn())
+        self.remaining_restarts = cfg.max_restarts
+        self.logs = RunLogs.from_config(cfg)
+        self.events = EventLog(None, node_id=self.node_id)
+        self.rdzv: EtcdRendezvous | None = None
+        self.slots: LocalSlots | None = None
+        self.generation: Generation | None = None
+        self.failures: list[ProcessFailure] = []
+        self.workers_started = False
+        self.signal_received: int | None = None
+        self._queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self._store_proc: asyncio.subprocess.Process | None = None
+        self.swapper: Any = None
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        handled = [s.strip() for s in self.cfg.signals_to_handle.split(",") if s.strip()]
+        for name in handled:
+            with contextlib.suppress(ValueError, AttributeError, RuntimeError):
+                loop.add_signal_handler(getattr(signal, name), self._on_signal, getattr(signal, name))
+        try:
+            return await self._run()
+        except RendezvousError as exc:
+            print(f"tpassrun: error: {exc}", file=sys.stderr, flush=True)
+            return 1
+        finally:
+            for name in handled:
+                with contextlib.suppress(ValueError, AttributeError, RuntimeError):
+                    loop.remove_signal_handler(getattr(signal, name))
+
+    def _on_signal(self, sig: int) -> None:
+        self.signal_received = sig
+        self._queue.put_nowait(("signal", sig))
+        if self._join_task is not None and not self._join_task.done():
+            self._join_task.cancel()
+
+    _join_task: asyncio.Task[Generation] | None = None
+
+    async def _run(self) -> int:
+        cfg = self.cfg
+        async with contextlib.AsyncExitStack() as stack:
+            endpoint = cfg.etcd_endpoint
+            if endpoint is None:
+                etcd = await stack.enter_async_context(EmbeddedEtcd(find_etcd_binary(cfg.etcd_bin)))
+                endpoint = etcd.endpoint
+            run_dir = self.logs.run_dir
+            event_path = cfg.event_log or (os.path.join(run_dir, "events.jsonl") if run_dir else None)
+            self.events = EventLog(event_path, node_id=self.node_id).open()
+            stack.callback(self.events.close)
+            settings = RendezvousSettings.from_conf(cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf)
+            node = NodeInfo(node_id=self.node_id, addr=self.addr, nproc=cfg.nproc_per_node,
+                            spares=cfg.spares_per_node, spare_node=cfg.spare_node)
+            self.rdzv = await stack.enter_async_context(
+                EtcdRendezvous(EtcdConfig.from_endpoint(endpoint, cfg.rdzv_conf), settings, node))
+            self.slots = await LocalSlots(cfg.nproc_per_node, cfg.spares_per_node,
+                                          on_message=self._on_worker_message).open()
+            stack.push_async_callback(self.slots.close)
+            stack.push_async_callback(self._stop_store)
+            from .swapper import Swapper
+
+            self.swapper = Swapper(self)
+            self.events.write("agent_started", endpoint=endpoint, run_id=cfg.rdzv_id, nproc=cfg.nproc_per_node,
+                              spares=cfg.spares_per_node)
+            code = await self._generations()
+            self.events.write("agent_exit", code=code)
+            return code
+
+    async def _generations(self) -> int:
+        assert self.rdzv is not None
+        while True:
+            self._join_task = asyncio.ensure_future(self.rdzv.join())
+            try:
+                gen = await self._join_task
+            except asyncio.CancelledError:
+                if self.signal_received is not None:
+                    return 128 + self.signal_received
+                raise
+            self.generation = gen
+            self.events.write("generation_joined", generation=gen.number, world_size=gen.world_size,
+                              members=[m.node_id for m in gen.members])
+            outcome, reason = await self._run_generation(gen)
+            self.events.write("generation_ended", generation=gen.number, outcome=outcome, reason=reason)
+            if outcome == Outcome.SUCCEEDED:
+                with contextlib.suppress(RendezvousError):
+                    await self.rdzv.close("succeeded")
+                return 0
+            if outcome == Outcome.SIGNALLED:
+                return 1
+            if outcome == Outcome.CLOSED:
+                self._report_failures()
+                return 1
+            if outcome == Outcome.FAILED:
+                if self.remaining_restarts > 0:
+                    self.remaining_restarts -= 1
+                    log.warning("Worker group FAILED. %d/%d attempts left; will restart worker group",
+                                self.remaining_restarts, self.cfg.max_restarts)
+                    self.events.write("restart", reason=reason, remaining=self.remaining_restarts)
+                    with contextlib.suppress(RendezvousError):
+                        await self.rdzv.request_restart(self.generation or gen, reason)
+                    continue
+                self._report_failures()
+                with contextlib.suppress(RendezvousError):
+                    await self.rdzv.close(f"workers failed: {reason}")
+                return 1
+            # MEMBERSHIP: a new generation without consuming a restart (torchrun's num_nodes_waiting rule).
+
+    @property
+    def restart_count(self) -> int:
+        return self.cfg.max_restarts - self.remaining_restarts
+
+    def _report_failures(self) -> None:
+        if not self.failures:
+            return
+        print(format_failure_report(entrypoint_name(self.cfg), self.failures), file=sys.stderr, flush=True)
+        copy_root_cause_error_file(self.failures, self.environ)
+
+    # ------------------------------------------------------------------ one generation
+    async def _run_generation(self, gen: Generation) -> tuple[str, str]:
+        assert self.rdzv is not None and self.slots is not None
+        me = gen.member(self.node_id)
+        self.failures = []
+        self._queue = asyncio.Queue()
+        if self.signal_received is not None:
+            return Outcome.SIGNALLED, "signal"
+        master = await self._bootstrap(gen, me is not None and me.group_rank == 0)
+        await self._spawn_generation(gen, master)
+        tasks = [asyncio.ensure_future(self._pump_rdzv_events(gen)),
+                 asyncio.ensure_future(self.swapper.run(gen)),
+                 asyncio.ensure_future(self._publish_status_loop())]
+        if self.cfg.hang_timeout > 0:
+            tasks.append(asyncio.ensure_future(self._hang_watchdog()))
+        try:
+            outcome, reason = await self._supervise(gen)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        sig = self.signal_received if outcome == Outcome.SIGNALLED else signal.SIGTERM
+        grace = float(self.cfg.shutdown_timeout) if outcome == Outcome.SIGNALLED else 30.0
+        await self._stop_all(sig, grace)
+        await self._stop_store()
+        return outcome, reason
+
+    async def _bootstrap(self, gen: Generation, host: bool) -> tuple[str, int]:
+        """A fresh TCPStore per generation, hosted next to group rank 0 (never a previous attempt's keys)."""
+        assert self.rdzv is not None
+        if gen.member(self.node_id) is None:
+            return ("", 0)
+        if host:
+            port = _free_port()
+            await self._start_store(port)
+            await self.rdzv.publish_bootstrap(gen, self.addr, port)
+            return self.addr, port
+        return await self.rdzv.wait_bootstrap(gen, timeout=float(self.cfg.rdzv_conf.get("join_timeout", 600)))
+
+    async def _start_store(self, port: int) -> None:
+        from .procs import _die_with_parent  # the same pdeathsig hook the workers get
+
+        self._store_proc = await asyncio.create_subprocess_exec(
+            self.cfg.python_exec, "-m", "tpassrun.storeserver", "0.0.0.0", str(port),
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+
+    async def _stop_store(self) -> None:
+        proc, self._store_proc = self._store_proc, None
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(proc.wait(), 5)
+
+    def assignment(self, gen: Generation, local_rank: int, rank: int, master: tuple[str, int],
+                   slot: Slot, spare: bool) -> WorkerAssignment:
+        me = gen.member(self.node_id)
+        assert me is not None and self.slots is not None
+        extra = {
+            E.TPASSRUN_CHANNEL: self.slots.channel_path, E.TPASSRUN_SLOT: str(slot.index),
+            E.TPASSRUN_AGENT_SOCK: self.slots.sock_path, E.TPASSRUN_GENERATION: str(gen.number),
+            E.TPASSRUN_NODE_ID: self.node_id,
+        }
+        if spare:
+            extra[E.TPASSRUN_SPARE] = "1"
+        attempt_dir = self.logs.attempt_dir(self.restart_count)
+        err = os.path.join(attempt_dir, str(slot.index if spare else local_rank), "error.json") if attempt_dir else ""
+        return WorkerAssignment(
+            local_rank=local_rank, rank=rank, group_rank=me.group_rank, role_rank=rank,
+            role_world_size=gen.world_size, local_world_size=self.cfg.nproc_per_node, world_size=gen.world_size,
+            group_world_size=len(gen.members), master_addr=master[0], master_port=master[1],
+            restart_count=self.restart_count, error_file=err, use_agent_store=True, extra=extra)
+
+    async def _spawn_generation(self, gen: Generation, master: tuple[str, int]) -> None:
+        assert self.slots is not None
+        me = gen.member(self.node_id)
+        if me is None:
+            return  # a spare node: its workers start when a swap needs them (not implemented: whole-node spares wait)
+        self.logs.start_attempt(self.restart_count)
+        usable = self.slots.usable_for_start()
+        if len(usable) < self.cfg.nproc_per_node:
+            usable = list(self.slots.slots)  # more quarantined slots than spares: reuse rather than not run
+            for s in usable:
+                s.state = SlotState.IDLE
+        for s in self.slots.slots:
+            if s.state != SlotState.QUARANTINED:
+                s.state = SlotState.IDLE
+                s.rank = None
+        actives, spares = usable[: self.cfg.nproc_per_node], usable[self.cfg.nproc_per_node:]
+        for local_rank, slot in enumerate(actives):
+            await self.spawn(gen, slot, local_rank=local_rank, rank=me.rank_offset + local_rank, master=master)
+        for slot in spares:
+            await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
+        self.workers_started = True
+        self.events.write("workers_started", generation=gen.number,
+                          slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
+                                 for s in actives + spares])
+
+    async def spawn(self, gen: Generation, slot: Slot, *, local_rank: int, rank: int, master: tuple[str, int],
+                    spare: bool = False) -> None:
+        assert self.slots is not None
+        self.slots.reset(slot)
+        a = self.assignment(gen, local_rank, rank, master, slot, spare)
+        env = worker_env(self.cfg, a, self.environ)
+        argv = worker_argv(self.cfg, local_rank)
+        stdio = self.logs.stdio(self.restart_count, local_rank, rank=rank if rank >= 0 else None,
+                                dir_name=str(slot.index) if spare else None)
+        slot.rank = None if spare else rank
+        slot.local_rank = local_rank
+        slot.state = SlotState.SPARE if spare else SlotState.RUNNING
+        slot.exit_code = None
+        slot.started_at = time.monotonic()
+        try:
+            slot.proc = await spawn_worker(argv, env, stdio, local_rank=local_rank, role=self.cfg.role)
+        except OSError as exc:
+            slot.proc = None
+            slot.state = SlotState.DEAD
+            self._queue.put_nowait(("spawn_failed", slot, exc))
+            return
+        proc = slot.proc
+        asyncio.ensure_future(self._watch_exit(slot, proc))
+
+    async def _watch_exit(self, slot: Slot, proc: Any) -> None:
+        code = await proc.wait()
+        self._queue.put_nowait(("exit", slot, proc, code))
+
+    def _on_worker_message(self, slot: Slot, msg: dict[str, Any]) -> None:
+        if msg["kind"] in ("hello", "done", "failed"):
+            self._queue.put_nowait(("msg", slot, msg))
+
+    async def _pump_rdzv_events(self, gen: Generation) -> None:
+        assert self.rdzv is not None
+        async for ev in self.rdzv.events():
+            self._queue.put_nowait(("rdzv", ev))
+
+    # ------------------------------------------------------------------ supervision
+    async def _supervise(self, gen: Generation) -> tuple[str, str]:
+        assert self.slots is not None and self.rdzv is not None
+        while True:
+            item = await self._queue.get()
+            kind = item[0]
+            if kind == "signal":
+                self.events.write("signal", signal=signal.Signals(item[1]).name)
+                return Outcome.SIGNALLED, f"signal {item[1]}"
+            if kind == "spawn_failed":
+                slot, exc = item[1], item[2]
+                print(f"tpassrun: error: cannot start worker: {exc}", file=sys.stderr, flush=True)
+                return Outcome.FAILED, f"cannot start worker: {exc}"
+            if kind == "exit":
+                result = await self._on_exit(gen, item[1], item[2], item[3])
+                if result is not None:
+                    return result
+            elif kind == "msg":
+                slot, msg = item[1], item[2]
+                if msg["kind"] == "failed":
+                    self.swapper.on_worker_failed_step(slot, msg)
+            elif kind == "rdzv":
+                result = await self._on_rdzv_event(gen, item[1])
+                if result is not None:
+                    return result
+            elif kind == "fallback":
+                self.events.write("fallback", reason=item[1])
+                self._record_failures(item[2] if len(item) > 2 else None)
+                return Outcome.FAILED, item[1]
+            elif kind == "restart_requested":
+                return Outcome.MEMBERSHIP, item[1]
+
+    async def _on_exit(self, gen: Generation, slot: Slot, proc: Any, code: int) -> tuple[str, str] | None:
+        if slot.proc is not proc:
+            return None  # an old worker of this slot
+        slot.exit_code = code
+        self.events.write("worker_exit", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
+                          state=slot.state)
+        if slot.state == SlotState.SPARE:
+            slot.state = SlotState.DEAD
+            self.events.write("spare_lost", slot=slot.index, code=code)
+            self.swapper.on_spare_lost(slot)
+            return None
+        if slot.state == SlotState.LEAVING:
+            slot.state = SlotState.QUARANTINED
+            return None
+        if slot.state != SlotState.RUNNING:
+            return None
+        if code == 0:
+            slot.state = SlotState.DONE
+            if all(s.state == SlotState.DONE for s in self.slots.slots if s.rank is not None
+                   and s.state in (SlotState.RUNNING, SlotState.DONE)):
+                return Outcome.SUCCEEDED, "all workers succeeded"
+            return None
+        slot.state = SlotState.DEAD
+        if await self.swapper.on_worker_death(slot, code):
+            return None
+        self._record_failures(slot)
+        return Outcome.FAILED, f"rank {slot.rank} (local {slot.local_rank}) exited with {code}"
+
+    def _record_failures(self, first: Slot | None) -> None:
+        """torchrun's report lists the failed worker and the ones it then had to stop."""
+        assert self.slots is not None
+        now = time.time()
+        for s in self.slots.slots:
+            if s.proc is None or s.rank is None:
+                continue
+            if s is first or (s.state in (SlotState.DEAD,) and s.exit_code not in (None, 0)):
+                self.failures.append(ProcessFailure.from_exit(
+                    local_rank=s.local_rank, rank=s.rank, pid=s.proc.pid, exitcode=s.exit_code or 1,
+                    error_file=s.proc.error_file, now=lambda: now))
+
+    async def _on_rdzv_event(self, gen: Generation, ev: Any) -> tuple[str, str] | None:
+        assert self.rdzv is not None
+        kind = getattr(ev.kind, "value", ev.kind)
+        if kind == "closed":
+            if any(s.state == SlotState.RUNNING for s in self.slots.slots):  # type: ignore[union-attr]
+                return Outcome.CLOSED, f"the run was closed by another agent: {ev.reason}"
+            return None
+        if kind == "generation_changed":
+            new = ev.generation
+            if new is None or new.number == gen.number:
+                return None
+            if getattr(new.state, "value", new.state) == "closed":
+                return Outcome.CLOSED, new.reason
+            if new.swap_id and getattr(new.state, "value", new.state) == "active":
+                self.swapper.on_generation_committed(new)
+                self.generation = new
+                return None
+            return Outcome.MEMBERSHIP, f"generation {new.number} requested: {new.reason}"
+        if kind in ("node_lost", "node_waiting") and self.rdzv.is_leader:
+            reason = f"{kind.replace('_', ' ')}: {ev.node_id}"
+            if kind == "node_lost" and await self.swapper.on_node_lost(ev.node_id):
+                return None
+            self.events.write("membership_change", reason=reason)
+            with contextlib.suppress(RendezvousError):
+                await self.rdzv.request_restart(self.generation or gen, reason)
+            return None
+        if kind == "connection_lost":
+            self.events.write("etcd_connection_lost", reason=getattr(ev, "reason", ""))
+        return None
+
+    # ------------------------------------------------------------------ helpers
+    async def _stop_all(self, sig: int, grace: float) -> None:
+        assert self.slots is not None
+        procs = [s.proc for s in self.slots.slots if s.proc is not None and s.proc.returncode is None]
+        if procs:
+            await stop_workers(procs, sig, grace)
+        for s in self.slots.slots:
+            if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
+                s.state = SlotState.IDLE
+
+    async def _publish_status_loop(self) -> None:
+        while True:
+            await self.publish_status()
+            await asyncio.sleep(1.0)
+
+    async def publish_status(self) -> None:
+        if self.rdzv is None or self.slots is None:
+            return
+        doc = {"v": 1, "node_id": self.node_id, "addr": self.addr, "pid": os.getpid(),
+               "generation": self.generation.number if self.generation else None,
+               "restart_count": self.restart_count, "workers": self.slots.table(), "time": time.time()}
+        with contextlib.suppress(Exception):
+            await self.rdzv.store.put_json(self.rdzv.key("status", self.node_id), doc, lease=True)
+
+    async def _hang_watchdog(self) -> None:
+        """A worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in a
+        collective with it get an error at once instead of waiting for gloo's 30-minute timeout."""
+        from .channel import Field, WorkerPhase
+
+        assert self.slots is not None
+        timeout_ns = int(self.cfg.hang_timeout * 1e9)
+        while True:
+            await asyncio.sleep(min(0.5, self.cfg.hang_timeout / 4))
+            now = time.monotonic_ns()
+            for s in self.slots.active():
+                if not s.managed or not s.alive or self.swapper.busy:
+                    continue
+                if self.slots.phase(s) != WorkerPhase.RUNNING:
+                    continue
+                beat = self.slots.field(s, Field.HEARTBEAT_NS)
+                if beat and now - beat > timeout_ns:
+                    self.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid,
+                                      seconds=round((now - beat) / 1e9, 3), step=self.slots.field(s, Field.STEP))
+                    s.proc.signal_group(signal.SIGKILL)
+
+
+def run_launcher(cfg: LaunchConfig) -> int:
+    """Run the agent for this node to completion and return torchrun's exit code."""
+    level = os.environ.get(E.LOGLEVEL, "WARNING").upper()
+    logging.basicConfig(level=getattr(logging, level, logging.WARNING),
+                        format="[%(asctime)s] %(name)s %(levelname)s: %(message)s")
+    agent = Agent(cfg)
+    try:
+        import uvloop
+
+        return uvloop.run(agent.run())
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        return asyncio.run(agent.run())
+    except KeyboardInterrupt:
+        return 130

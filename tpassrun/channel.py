@@ -1,0 +1,169 @@
+"""The local agent <-> worker channel.
+
+Two parts, chosen so that a healthy rank pays nothing per step:
+
+* a shared-memory file with one fixed 64-byte slot per local worker slot (active ranks and spares). The
+  agent writes ``run_until`` there; the worker reads it once per step (an mmap load: no syscall, no
+  network) and writes its step, phase and heartbeat back. Each slot also owns a small double-buffered area
+  where the worker leaves its "light" state (RNG, data position) at every step start, so that if the worker
+  dies mid-step its agent still holds what is needed to recover it bit-exact.
+* a unix socket carrying JSON lines, used only when something happens: ``hello`` at start, commands while a
+  worker is paused at a boundary, and the spare's assignment.
+
+Both sides use :class:`ChannelFile`; the socket framing is :func:`encode_msg` / :func:`decode_msg`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import mmap
+import os
+import struct
+from typing import Any
+
+INT64_MAX = (1 << 63) - 1
+
+SLOT_FIELDS = 8
+SLOT_BYTES = SLOT_FIELDS * 8
+LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
+_LIGHT_HEADER = struct.Struct("<q")  # payload length
+
+
+class Field(enum.IntEnum):
+    RUN_UNTIL = 0      # agent: pause before executing any step >= this
+    CTL_SEQ = 1        # agent: bumped whenever a socket message is waiting
+    STEP = 2           # worker: the step being executed, or about to be
+    PHASE = 3          # worker: WorkerPhase
+    HEARTBEAT_NS = 4   # worker: time.monotonic_ns() at the last step start (CLOCK_MONOTONIC is system-wide)
+    PID = 5            # worker
+    LAST_STEP_NS = 6   # worker: duration of the last completed step
+    LIGHT_SEQ = 7      # worker: number of light snapshots written; the newest is in buffer LIGHT_SEQ % 2
+
+
+class WorkerPhase(enum.IntEnum):
+    STARTING = 0
+    RUNNING = 1        # executing step STEP
+    PAUSED = 2         # stopped before executing step STEP, waiting for a command
+    RECONFIGURING = 3
+    SPARE = 4          # a warm spare blocked in tpassrun.init()
+    DONE = 5           # left the step loop normally
+    FAILED = 6         # step STEP raised (e.g. a peer died in a collective); waiting for a command
+    TRANSFERRING = 7
+
+
+class ChannelFile:
+    """The shared-memory file. The agent creates it; workers open it by path."""
+
+    def __init__(self, path: str, n_slots: int) -> None:
+        self.path = path
+        self.n_slots = n_slots
+        self._mm: mmap.mmap | None = None
+        self._ints: memoryview | None = None
+
+    @staticmethod
+    def size_for(n_slots: int) -> int:
+        return n_slots * (SLOT_BYTES + 2 * LIGHT_BYTES)
+
+    @classmethod
+    def create(cls, path: str, n_slots: int) -> "ChannelFile":
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.ftruncate(fd, cls.size_for(n_slots))
+            ch = cls(path, n_slots)
+            ch._map(fd)
+        finally:
+            os.close(fd)
+        for slot in range(n_slots):
+            ch.set(slot, Field.RUN_UNTIL, INT64_MAX)
+        return ch
+
+    @classmethod
+    def open(cls, path: str) -> "ChannelFile":
+        fd = os.open(path, os.O_RDWR)
+        try:
+            size = os.fstat(fd).st_size
+            per_slot = SLOT_BYTES + 2 * LIGHT_BYTES
+            ch = cls(path, size // per_slot)
+            ch._map(fd)
+        finally:
+            os.close(fd)
+        return ch
+
+    def _map(self, fd: int) -> None:
+        self._mm = mmap.mmap(fd, self.size_for(self.n_slots))
+        # The int64 header of every slot is at the start of the file, contiguous, so one cast covers them.
+        self._ints = memoryview(self._mm)[: self.n_slots * SLOT_BYTES].cast("q")
+
+    def close(self) -> None:
+        if self._ints is not None:
+            self._ints.release()
+            self._ints = None
+        if self._mm is not None:
+            self._mm.close()
+            self._mm = None
+
+    # --- the int64 fields ---
+    def get(self, slot: int, field: Field) -> int:
+        return self._ints[slot * SLOT_FIELDS + field]  # type: ignore[index]
+
+    def set(self, slot: int, field: Field, value: int) -> None:
+        self._ints[slot * SLOT_FIELDS + field] = value  # type: ignore[index]
+
+    def snapshot(self, slot: int) -> dict[str, int]:
+        return {f.name.lower(): self.get(slot, f) for f in Field}
+
+    # --- light-state buffers ---
+    def _light_offset(self, slot: int, buf: int) -> int:
+        return self.n_slots * SLOT_BYTES + (slot * 2 + buf) * LIGHT_BYTES
+
+    def write_light(self, slot: int, payload: bytes) -> bool:
+        """Write a light snapshot into the buffer not holding the newest one, then publish it.
+
+        A worker killed half-way through leaves the previous snapshot intact, because LIGHT_SEQ moves only
+        after the bytes are in place. Returns False if the payload does not fit (it is then not kept).
+        """
+        if len(payload) + _LIGHT_HEADER.size > LIGHT_BYTES:
+            return False
+        seq = self.get(slot, Field.LIGHT_SEQ)
+        off = self._light_offset(slot, (seq + 1) % 2)
+        mm = self._mm
+        assert mm is not None
+        _LIGHT_HEADER.pack_into(mm, off, len(payload))
+        mm[off + _LIGHT_HEADER.size: off + _LIGHT_HEADER.size + len(payload)] = payload
+        self.set(slot, Field.LIGHT_SEQ, seq + 1)
+        return True
+
+    def read_light(self, slot: int) -> bytes | None:
+        seq = self.get(slot, Field.LIGHT_SEQ)
+        if seq <= 0:
+            return None
+        off = self._light_offset(slot, seq % 2)
+        mm = self._mm
+        assert mm is not None
+        (n,) = _LIGHT_HEADER.unpack_from(mm, off)
+        if n < 0 or n > LIGHT_BYTES - _LIGHT_HEADER.size:
+            return None
+        return bytes(mm[off + _LIGHT_HEADER.size: off + _LIGHT_HEADER.size + n])
+
+    def copy_light(self, src: int, dst: int) -> bool:
+        data = self.read_light(src)
+        return data is not None and self.write_light(dst, data)
+
+    def reset_slot(self, slot: int) -> None:
+        for f in Field:
+            self.set(slot, f, 0)
+        self.set(slot, Field.RUN_UNTIL, INT64_MAX)
+
+
+# --- socket framing: one JSON object per line ---
+
+def encode_msg(kind: str, **fields: Any) -> bytes:
+    return (json.dumps({"kind": kind, **fields}, separators=(",", ":")) + "\n").encode()
+
+
+def decode_msg(line: bytes | str) -> dict[str, Any]:
+    msg = json.loads(line)
+    if not isinstance(msg, dict) or "kind" not in msg:
+        raise ValueError(f"malformed channel message: {line!r:.80}")
+    return msg

@@ -1,0 +1,212 @@
+"""The agent's local worker slots: processes, the shared-memory channel and the unix socket.
+
+A node has ``nproc`` active slots and ``--spares-per-node`` spare slots. A slot is a device (a GPU on real
+hardware); a worker process runs in it. After a swap a spare slot holds a rank and the leaver's slot is
+quarantined, so "local rank" and "slot" are different things: this module keeps the table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import os
+import shutil
+import tempfile
+import time
+from typing import Any, Callable
+
+from .channel import INT64_MAX, ChannelFile, Field, WorkerPhase, decode_msg, encode_msg
+
+log = logging.getLogger("tpassrun.agent")
+
+
+class SlotState:
+    IDLE = "idle"
+    RUNNING = "running"          # holds a rank
+    SPARE = "spare"              # warm spare, waiting in tpassrun.init()
+    LEAVING = "leaving"          # handed its rank over; about to exit 0
+    DONE = "done"                # exited 0 after finishing
+    DEAD = "dead"
+    QUARANTINED = "quarantined"  # tainted or failed; not used until untainted
+
+
+@dataclasses.dataclass
+class Slot:
+    index: int
+    rank: int | None = None
+    local_rank: int = 0
+    state: str = SlotState.IDLE
+    proc: Any = None                      # procs.WorkerProcess
+    managed: bool = False                 # said hello through tpassrun.init()
+    writer: asyncio.StreamWriter | None = None
+    inbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    exit_code: int | None = None
+    quarantine_reason: str | None = None
+    started_at: float = 0.0
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+
+class LocalSlots:
+    """Slot table + channel. ``open()`` does the I/O; the constructor does none."""
+
+    def __init__(self, n_active: int, n_spares: int, *,
+                 on_message: Callable[[Slot, dict[str, Any]], None]) -> None:
+        self.n_active = n_active
+        self.n_spares = n_spares
+        self.slots = [Slot(index=i, local_rank=i) for i in range(n_active + n_spares)]
+        self._on_message = on_message
+        self._dir: str | None = None
+        self.channel: ChannelFile | None = None
+        self.sock_path = ""
+        self.channel_path = ""
+        self._server: asyncio.base_events.Server | None = None
+
+    async def open(self) -> "LocalSlots":
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        self._dir = tempfile.mkdtemp(prefix="tpr-", dir="/tmp")
+        self.channel_path = os.path.join(shm or self._dir, f"tpassrun-{os.getpid()}-{id(self):x}.chan")
+        self.channel = ChannelFile.create(self.channel_path, len(self.slots))
+        self.sock_path = os.path.join(self._dir, "agent.sock")
+        self._server = await asyncio.start_unix_server(self._serve, path=self.sock_path)
+        return self
+
+    async def close(self) -> None:
+        if self._server is not None:
+            self._server.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 1)
+            self._server = None
+        for s in self.slots:
+            if s.writer is not None:
+                s.writer.close()
+                s.writer = None
+        if self.channel is not None:
+            self.channel.close()
+            self.channel = None
+        with contextlib.suppress(OSError):
+            os.unlink(self.channel_path)
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+    # --- socket ---
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        slot: Slot | None = None
+        try:
+            while True:
+                line = await reader.readline()
+                if not line:
+                    break
+                try:
+                    msg = decode_msg(line)
+                except ValueError as exc:
+                    log.warning("bad channel message: %s", exc)
+                    continue
+                idx = msg.get("slot")
+                if slot is None and isinstance(idx, int) and 0 <= idx < len(self.slots):
+                    slot = self.slots[idx]
+                    slot.writer = writer
+                if slot is None:
+                    continue
+                if msg["kind"] == "hello":
+                    slot.managed = True
+                slot.inbox.put_nowait(msg)
+                self._on_message(slot, msg)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            if slot is not None and slot.writer is writer:
+                slot.writer = None
+            writer.close()
+
+    def send(self, slot: Slot, kind: str, **fields: Any) -> bool:
+        if slot.writer is None:
+            return False
+        try:
+            slot.writer.write(encode_msg(kind, **fields))
+        except (ConnectionError, RuntimeError):
+            return False
+        assert self.channel is not None
+        self.channel.set(slot.index, Field.CTL_SEQ, self.channel.get(slot.index, Field.CTL_SEQ) + 1)
+        return True
+
+    async def expect(self, slot: Slot, kinds: set[str], timeout: float) -> dict[str, Any] | None:
+        """Next message of one of ``kinds`` from ``slot`` (others are dropped), or None on timeout/exit."""
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return None
+            if not slot.alive and slot.inbox.empty():
+                return None
+            try:
+                msg = await asyncio.wait_for(slot.inbox.get(), min(remaining, 0.5))
+            except asyncio.TimeoutError:
+                continue
+            if msg["kind"] in kinds:
+                return msg
+
+    def drain(self, slot: Slot) -> None:
+        while not slot.inbox.empty():
+            slot.inbox.get_nowait()
+
+    # --- shared memory ---
+    def field(self, slot: Slot, f: Field) -> int:
+        assert self.channel is not None
+        return self.channel.get(slot.index, f)
+
+    def set_run_until(self, slot: Slot, step: int) -> None:
+        assert self.channel is not None
+        self.channel.set(slot.index, Field.RUN_UNTIL, step)
+
+    def phase(self, slot: Slot) -> WorkerPhase:
+        try:
+            return WorkerPhase(self.field(slot, Field.PHASE))
+        except ValueError:
+            return WorkerPhase.STARTING
+
+    def reset(self, slot: Slot) -> None:
+        assert self.channel is not None
+        self.channel.reset_slot(slot.index)
+        slot.managed = False
+        self.drain(slot)
+
+    def release_all(self) -> None:
+        for s in self.slots:
+            self.set_run_until(s, INT64_MAX)
+
+    # --- views ---
+    def active(self) -> list[Slot]:
+        return [s for s in self.slots if s.state == SlotState.RUNNING]
+
+    def spares(self) -> list[Slot]:
+        return [s for s in self.slots if s.state == SlotState.SPARE and s.alive]
+
+    def by_rank(self, rank: int) -> Slot | None:
+        for s in self.slots:
+            if s.rank == rank and s.state in (SlotState.RUNNING, SlotState.DONE):
+                return s
+        return None
+
+    def usable_for_start(self) -> list[Slot]:
+        """Slots for a fresh generation: quarantined ones are skipped (health-aware restart)."""
+        return [s for s in self.slots if s.state != SlotState.QUARANTINED]
+
+    def table(self) -> list[dict[str, Any]]:
+        out = []
+        for s in self.slots:
+            step = self.field(s, Field.STEP) if self.channel is not None else 0
+            last = self.field(s, Field.LAST_STEP_NS) if self.channel is not None else 0
+            out.append({"slot": s.index, "rank": s.rank, "local_rank": s.local_rank, "pid": s.pid,
+                        "state": s.state, "step": step, "managed": s.managed,
+                        "spare": s.state == SlotState.SPARE, "last_step_ms": round(last / 1e6, 3),
+                        "quarantine_reason": s.quarantine_reason})
+        return out

@@ -1,0 +1,333 @@
+"""The swap planner: pure decisions, no I/O.
+
+Every function here takes the state it needs (plans, reports, the cluster view) and returns a decision with a
+human-readable reason; the effects (etcd writes, commands to workers) live in :mod:`tpassrun.swapper`.
+
+A swap moves one rank from a *leaver* slot to a *joiner* slot (a warm spare). Its phases, in order:
+
+====================  ==========================================================================
+``pause``             every agent stops its active workers at their next step start and reports
+                      the earliest boundary it can offer
+``boundary``          every agent lets its workers run up to the agreed step B and reports all paused at B
+``transfer``          the joiner listens; its agent reports the address (and, unplanned, the dead
+                      rank's light snapshot is attached by the dead rank's agent)
+``send``              the leaver (planned) or a donor replica (unplanned) streams its state to the joiner
+``reform``            the generation is committed; every rank joins the new world; the leaver exits
+``done``/``aborted``  terminal
+====================  ==========================================================================
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Iterable, Mapping, Sequence
+
+
+class Phase(str, enum.Enum):
+    PAUSE = "pause"
+    BOUNDARY = "boundary"
+    TRANSFER = "transfer"
+    SEND = "send"
+    REFORM = "reform"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+# The one table of allowed transitions.
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.PAUSE: frozenset({Phase.BOUNDARY, Phase.TRANSFER, Phase.ABORTED}),
+    Phase.BOUNDARY: frozenset({Phase.BOUNDARY, Phase.TRANSFER, Phase.ABORTED}),
+    Phase.TRANSFER: frozenset({Phase.SEND, Phase.TRANSFER, Phase.ABORTED}),
+    Phase.SEND: frozenset({Phase.SEND, Phase.TRANSFER, Phase.REFORM, Phase.ABORTED}),
+    Phase.REFORM: frozenset({Phase.DONE, Phase.ABORTED}),
+    Phase.DONE: frozenset(),
+    Phase.ABORTED: frozenset(),
+}
+
+
+class SwapKind(str, enum.Enum):
+    PLANNED = "planned"        # a taint: the leaver is alive and hands over its own state
+    UNPLANNED = "unplanned"    # the rank died: a donor replica sends model/optimizer, the agent the light state
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    node: str
+    slot: int
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "slot": self.slot, "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any] | None) -> "SlotRef | None":
+        if not d:
+            return None
+        return cls(str(d["node"]), int(d["slot"]), None if d.get("rank") is None else int(d["rank"]))
+
+
+@dataclass(frozen=True)
+class SwapPlan:
+    id: str
+    kind: SwapKind
+    generation: int
+    leaver: SlotRef
+    joiner: SlotRef
+    donor: SlotRef | None
+    phase: Phase
+    reason: str
+    nodes: tuple[str, ...]                 # member nodes that must report each phase
+    boundary: int | None = None
+    joiner_addr: tuple[str, int] | None = None
+    light_b64: str | None = None
+    attempt: int = 0
+    excluded_spares: tuple[tuple[str, int], ...] = ()
+    taint_id: str | None = None
+    history: tuple[tuple[str, float], ...] = ()   # (phase, wall time)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "v": 1, "id": self.id, "kind": self.kind.value, "generation": self.generation,
+            "leaver": self.leaver.to_json(), "joiner": self.joiner.to_json(),
+            "donor": self.donor.to_json() if self.donor else None, "phase": self.phase.value,
+            "reason": self.reason, "nodes": list(self.nodes), "boundary": self.boundary,
+            "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
+            "attempt": self.attempt, "excluded_spares": [list(x) for x in self.excluded_spares],
+            "taint_id": self.taint_id, "history": [list(h) for h in self.history],
+        }
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "SwapPlan":
+        if d.get("v") != 1:
+            raise ValueError(f"unsupported swap plan version {d.get('v')!r}")
+        leaver, joiner = SlotRef.from_json(d["leaver"]), SlotRef.from_json(d["joiner"])
+        assert leaver is not None and joiner is not None
+        return cls(
+            id=d["id"], kind=SwapKind(d["kind"]), generation=int(d["generation"]), leaver=leaver, joiner=joiner,
+            donor=SlotRef.from_json(d.get("donor")), phase=Phase(d["phase"]), reason=d.get("reason", ""),
+            nodes=tuple(d.get("nodes", ())), boundary=d.get("boundary"),
+            joiner_addr=tuple(d["joiner_addr"]) if d.get("joiner_addr") else None,  # type: ignore[arg-type]
+            light_b64=d.get("light_b64"), attempt=int(d.get("attempt", 0)),
+            excluded_spares=tuple(tuple(x) for x in d.get("excluded_spares", ())),  # type: ignore[misc]
+            taint_id=d.get("taint_id"), history=tuple(tuple(h) for h in d.get("history", ())),  # type: ignore[misc]
+        )
+
+    def advance(self, phase: Phase, now_wall: float, **changes: Any) -> "SwapPlan":
+        if phase not in TRANSITIONS[self.phase]:
+            raise ValueError(f"swap {self.id}: {self.phase.value} -> {phase.value} is not allowed")
+        return dataclasses.replace(self, phase=phase, history=self.history + ((phase.value, now_wall),), **changes)
+
+
+@dataclass(frozen=True)
+class SlotView:
+    """One worker slot as its agent publishes it in ``status/<node>``."""
+
+    node: str
+    slot: int
+    rank: int | None
+    state: str               # running | spare | quarantined | dead | done | leaving
+    managed: bool
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class ClusterView:
+    generation: int
+    members: tuple[str, ...]          # member node ids (group rank order)
+    spare_nodes: tuple[str, ...]
+    slots: tuple[SlotView, ...]
+
+    def slot_of_rank(self, rank: int) -> SlotView | None:
+        for s in self.slots:
+            if s.rank == rank and s.state in ("running", "done"):
+                return s
+        return None
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: str                # "plan" | "wait" | "reject" | "fallback"
+    reason: str
+    plan: SwapPlan | None = None
+
+
+def _spares(view: ClusterView, near: str, excluded: Iterable[tuple[str, int]] = ()) -> list[SlotView]:
+    banned = {tuple(x) for x in excluded}
+    spares = [s for s in view.slots if s.state == "spare" and (s.node, s.slot) not in banned]
+    # Same node first (no cross-node transfer), then other member nodes, then spare nodes.
+    order = {n: i for i, n in enumerate(view.members)}
+    return sorted(spares, key=lambda s: (s.node != near, s.node in view.spare_nodes, order.get(s.node, 1 << 30),
+                                         s.node, s.slot))
+
+
+def choose_spare(view: ClusterView, near: str, excluded: Iterable[tuple[str, int]] = ()) -> SlotView | None:
+    found = _spares(view, near, excluded)
+    return found[0] if found else None
+
+
+def choose_donor(view: ClusterView, dead_rank: int, near: str) -> SlotView | None:
+    """Any live managed rank holds a replica of the model and optimizer under data parallelism; prefer the
+    joiner's node so the bulk of the transfer stays local."""
+    live = [s for s in view.slots if s.rank is not None and s.rank != dead_rank and s.state == "running"
+            and s.managed]
+    live.sort(key=lambda s: (s.node != near, s.rank))
+    return live[0] if live else None
+
+
+def new_swap_id() -> str:
+    return "s-" + uuid.uuid4().hex[:8]
+
+
+def plan_for_taint(view: ClusterView, *, node: str, rank: int, reason: str, taint_id: str | None,
+                   now_wall: float, swap_id: str | None = None) -> Decision:
+    """A taint on a live, managed rank: plan a cooperative migration to a spare."""
+    leaver = view.slot_of_rank(rank)
+    if leaver is None:
+        return Decision("reject", f"rank {rank} is not running in generation {view.generation}")
+    if not leaver.managed:
+        return Decision("fallback", f"rank {rank} does not use tpassrun.init(): restart the group without the "
+                                    "tainted slot")
+    spare = choose_spare(view, leaver.node)
+    if spare is None:
+        return Decision("wait", f"no spare available for rank {rank}; the swap waits for one")
+    plan = SwapPlan(
+        id=swap_id or new_swap_id(), kind=SwapKind.PLANNED, generation=view.generation,
+        leaver=SlotRef(leaver.node, leaver.slot, rank), joiner=SlotRef(spare.node, spare.slot, rank), donor=None,
+        phase=Phase.PAUSE, reason=reason, nodes=_involved(view, spare.node), taint_id=taint_id,
+        history=((Phase.PAUSE.value, now_wall),),
+    )
+    return Decision("plan", f"migrate rank {rank} from {leaver.node}/{leaver.slot} to spare "
+                            f"{spare.node}/{spare.slot}: {reason}", plan)
+
+
+def plan_for_failure(view: ClusterView, *, node: str, slot: int, rank: int, reason: str, now_wall: float,
+                     light_available: bool, swap_id: str | None = None) -> Decision:
+    """A managed rank died: replace it from a data-parallel replica, or say why we must restart."""
+    spare = choose_spare(view, node)
+    if spare is None:
+        return Decision("fallback", f"rank {rank} died and no spare is left: whole-group restart")
+    donor = choose_donor(view, rank, spare.node)
+    if donor is None:
+        return Decision("fallback", f"rank {rank} died and no live replica can donate its state")
+    if not light_available:
+        return Decision("fallback", f"rank {rank} died before its first step snapshot: whole-group restart")
+    plan = SwapPlan(
+        id=swap_id or new_swap_id(), kind=SwapKind.UNPLANNED, generation=view.generation,
+        leaver=SlotRef(node, slot, rank), joiner=SlotRef(spare.node, spare.slot, rank),
+        donor=SlotRef(donor.node, donor.slot, donor.rank), phase=Phase.PAUSE, reason=reason,
+        nodes=_involved(view, spare.node), history=((Phase.PAUSE.value, now_wall),),
+    )
+    return Decision("plan", f"replace dead rank {rank} by spare {spare.node}/{spare.slot}, state from rank "
+                            f"{donor.rank} on {donor.node}: {reason}", plan)
+
+
+def _involved(view: ClusterView, joiner_node: str) -> tuple[str, ...]:
+    nodes = list(view.members)
+    if joiner_node not in nodes:
+        nodes.append(joiner_node)
+    return tuple(nodes)
+
+
+@dataclass(frozen=True)
+class Report:
+    """What one agent says about one phase of one swap."""
+
+    node: str
+    phase: Phase
+    ok: bool = True
+    candidate: int | None = None      # pause: earliest boundary this node can offer
+    steps: tuple[int, ...] = ()       # pause (unplanned): the step each local survivor stopped at
+    failed_steps: tuple[int, ...] = ()
+    joiner_addr: tuple[str, int] | None = None
+    light_b64: str | None = None
+    error: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": 1, "node": self.node, "phase": self.phase.value, "ok": self.ok, "candidate": self.candidate,
+                "steps": list(self.steps), "failed_steps": list(self.failed_steps),
+                "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
+                "error": self.error, "extra": dict(self.extra)}
+
+    @classmethod
+    def from_json(cls, d: Mapping[str, Any]) -> "Report":
+        return cls(node=d["node"], phase=Phase(d["phase"]), ok=bool(d.get("ok", True)),
+                   candidate=d.get("candidate"), steps=tuple(d.get("steps", ())),
+                   failed_steps=tuple(d.get("failed_steps", ())),
+                   joiner_addr=tuple(d["joiner_addr"]) if d.get("joiner_addr") else None,  # type: ignore[arg-type]
+                   light_b64=d.get("light_b64"), error=d.get("error"), extra=d.get("extra", {}))
+
+
+MAX_SEND_ATTEMPTS = 3
+
+
+def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
+              spare_after_failure: SlotView | None = None) -> Decision:
+    """The leader's move once reports for the plan's current phase are in (pure)."""
+    mine = [r for r in reports if r.phase == plan.phase]
+    if plan.phase in (Phase.DONE, Phase.ABORTED):
+        return Decision("wait", "terminal")
+    bad = [r for r in mine if not r.ok]
+    if plan.phase in (Phase.TRANSFER, Phase.SEND) and bad:
+        # The joiner died or the bytes were corrupt: try again (another spare if the joiner is gone).
+        if plan.attempt + 1 >= MAX_SEND_ATTEMPTS:
+            return Decision("plan", f"giving up after {plan.attempt + 1} attempts: {bad[0].error}",
+                            plan.advance(Phase.ABORTED, now_wall))
+        if spare_after_failure is not None:
+            joiner = SlotRef(spare_after_failure.node, spare_after_failure.slot, plan.joiner.rank)
+            return Decision("plan", f"retry with spare {joiner.node}/{joiner.slot}: {bad[0].error}",
+                            plan.advance(Phase.TRANSFER, now_wall, joiner=joiner, joiner_addr=None,
+                                         attempt=plan.attempt + 1,
+                                         excluded_spares=plan.excluded_spares + ((plan.joiner.node,
+                                                                                  plan.joiner.slot),)))
+        return Decision("plan", f"retry the transfer: {bad[0].error}",
+                        plan.advance(Phase.TRANSFER, now_wall, joiner_addr=None, attempt=plan.attempt + 1))
+    if bad:
+        return Decision("plan", f"aborted in {plan.phase.value}: {bad[0].node}: {bad[0].error}",
+                        plan.advance(Phase.ABORTED, now_wall))
+    needed = set(plan.nodes) if plan.phase in (Phase.PAUSE, Phase.BOUNDARY, Phase.REFORM) else set()
+    if plan.phase == Phase.TRANSFER:
+        needed = {plan.joiner.node}
+        if plan.kind == SwapKind.UNPLANNED:
+            needed.add(plan.leaver.node)
+    if plan.phase == Phase.SEND:
+        needed = {plan.joiner.node}
+    have = {r.node for r in mine}
+    if not needed <= have:
+        return Decision("wait", f"{plan.phase.value}: waiting for {sorted(needed - have)}")
+
+    if plan.phase == Phase.PAUSE:
+        if plan.kind == SwapKind.UNPLANNED:
+            stopped = {s for r in mine for s in r.steps} | {s for r in mine for s in r.failed_steps}
+            if len(stopped) > 1:
+                return Decision("plan", f"survivors stopped at different steps {sorted(stopped)}: the in-flight "
+                                        "step was applied by some ranks only; whole-group restart",
+                                plan.advance(Phase.ABORTED, now_wall))
+            step = stopped.pop() if stopped else 0
+            return Decision("plan", f"all survivors stopped at step {step}; resume there",
+                            plan.advance(Phase.TRANSFER, now_wall, boundary=step))
+        boundary = max((r.candidate or 0) for r in mine)
+        return Decision("plan", f"boundary step {boundary}", plan.advance(Phase.BOUNDARY, now_wall, boundary=boundary))
+    if plan.phase == Phase.BOUNDARY:
+        over = max((r.candidate or 0) for r in mine)
+        if plan.boundary is not None and over > plan.boundary:
+            return Decision("plan", f"a rank was already past {plan.boundary}: boundary moved to {over}",
+                            plan.advance(Phase.BOUNDARY, now_wall, boundary=over))
+        return Decision("plan", f"every rank paused at step {plan.boundary}", plan.advance(Phase.TRANSFER, now_wall))
+    if plan.phase == Phase.TRANSFER:
+        addr = next((r.joiner_addr for r in mine if r.joiner_addr), None)
+        light = next((r.light_b64 for r in mine if r.light_b64), None)
+        if addr is None:
+            return Decision("wait", "joiner has not reported its address")
+        if plan.kind == SwapKind.UNPLANNED and light is None:
+            return Decision("plan", "the dead rank's light snapshot is missing", plan.advance(Phase.ABORTED, now_wall))
+        return Decision("plan", f"joiner listening at {addr[0]}:{addr[1]}",
+                        plan.advance(Phase.SEND, now_wall, joiner_addr=addr, light_b64=light))
+    if plan.phase == Phase.SEND:
+        return Decision("plan", "state received and verified", plan.advance(Phase.REFORM, now_wall))
+    if plan.phase == Phase.REFORM:
+        return Decision("plan", "world re-formed; training resumed", plan.advance(Phase.DONE, now_wall))
+    return Decision("wait", f"nothing to do in {plan.phase.value}")

@@ -1,0 +1,536 @@
+"""Live swaps: the effects around the pure planner in :mod:`tpassrun.swap`.
+
+Two roles run in every agent:
+
+* **participant** (every agent): follows ``swaps/<id>`` in etcd and carries out its node's part of the
+  current phase (pause its workers, let them run to the boundary, hand a spare its rank, tell the leaver to
+  stream, re-form the world), then writes ``reports/<id>/<seq>/<node>``.
+* **coordinator** (the rendezvous leader only): turns taints and worker deaths into plans, and advances a
+  plan when every report for its phase is in. Decisions come from :func:`tpassrun.swap.next_step`; this
+  class only reads etcd, calls it, and writes what it returns (compare-and-swap, so a leader change mid-swap
+  cannot fork a plan).
+
+All of it happens while workers are stopped between two steps; healthy ranks never wait on etcd otherwise.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from .channel import INT64_MAX, Field, WorkerPhase
+from .swap import (ClusterView, Decision, Phase, Report, SlotRef, SlotView, SwapKind, SwapPlan, choose_spare,
+                   next_step, plan_for_failure, plan_for_taint)
+from .slots import Slot, SlotState
+
+if TYPE_CHECKING:
+    from .agent import Agent
+    from .rendezvous import Generation
+
+log = logging.getLogger("tpassrun.swap")
+
+PAUSE_SETTLE_S = 0.03         # how long a RUNNING step must stay unchanged before we call it "stuck in a collective"
+PHASE_TIMEOUT_S = 120.0
+FAILED_STEP_GRACE_S = 30.0    # a worker that failed in a collective with no recovery planned by then re-raises
+
+
+class Swapper:
+    def __init__(self, agent: "Agent") -> None:
+        self.agent = agent
+        self._done: set[tuple[str, int]] = set()     # (swap id, seq) this node already handled
+        self._active: SwapPlan | None = None
+        self._kick = asyncio.Event()
+        self._waiting_said: set[str] = set()
+        self._failed_timers: dict[int, asyncio.TimerHandle] = {}
+
+    # ------------------------------------------------------------------ agent hooks
+    @property
+    def busy(self) -> bool:
+        return self._active is not None and self._active.phase not in (Phase.DONE, Phase.ABORTED)
+
+    @property
+    def _slots(self):  # noqa: ANN202
+        assert self.agent.slots is not None
+        return self.agent.slots
+
+    def _key(self, *parts: str) -> str:
+        assert self.agent.rdzv is not None
+        return self.agent.rdzv.key(*parts)
+
+    @property
+    def _store(self):  # noqa: ANN202
+        assert self.agent.rdzv is not None
+        return self.agent.rdzv.store
+
+    def on_spare_lost(self, slot: Slot) -> None:
+        self._kick.set()
+        asyncio.ensure_future(self.agent.publish_status())
+
+    def on_generation_committed(self, gen: "Generation") -> None:
+        pass
+
+    async def on_node_lost(self, node_id: str) -> bool:
+        return False  # whole-node replacement by a spare node: not implemented, restart the group instead
+
+    def on_worker_failed_step(self, slot: Slot, msg: dict[str, Any]) -> None:
+        """A survivor's collective failed. Normally a death elsewhere is being recovered; if nothing claims
+        this worker within the grace period, it re-raises and the ordinary failure path takes over."""
+        loop = asyncio.get_running_loop()
+        old = self._failed_timers.pop(slot.index, None)
+        if old is not None:
+            old.cancel()
+
+        def expire() -> None:
+            if not self.busy and self._slots.phase(slot) == WorkerPhase.FAILED:
+                self._slots.send(slot, "raise", reason="no recovery was planned for this failure")
+
+        self._failed_timers[slot.index] = loop.call_later(FAILED_STEP_GRACE_S, expire)
+
+    async def on_worker_death(self, slot: Slot, code: int) -> bool:
+        """Return True when an unplanned swap will take care of this death."""
+        cfg = self.agent.cfg
+        if not slot.managed or slot.rank is None:
+            return False
+        gen = self.agent.generation
+        if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes):
+            return False
+        light = self._slots.channel.read_light(slot.index) if self._slots.channel else None
+        step = self._slots.field(slot, Field.STEP)
+        doc = {"v": 1, "node": self.agent.node_id, "slot": slot.index, "rank": slot.rank, "code": code,
+               "step": step, "light": light is not None, "generation": gen.number, "time": time.time()}
+        self.agent.events.write("worker_died", slot=slot.index, rank=slot.rank, code=code, step=step)
+        # Stop the other local ranks at their next step start (the ones blocked in a collective will fail).
+        for s in self._slots.active():
+            if s is not slot:
+                self._slots.set_run_until(s, 0)
+        await self._store.put_json(self._key("failures", f"{self.agent.node_id}-{slot.index}"), doc)
+        await self.agent.publish_status()
+        return True
+
+    # ------------------------------------------------------------------ main loop
+    async def run(self, gen: "Generation") -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._follow_plans())
+            tg.create_task(self._coordinate())
+            tg.create_task(self._follow_taint_removals())
+
+    async def _follow_plans(self) -> None:
+        prefix = self._key("swaps") + "/"
+        for key, doc, _rev in await self._store.get_prefix_json(prefix):
+            await self._on_plan(SwapPlan.from_json(doc))
+        async for ev in self._store.watch_prefix(prefix):
+            if ev.value is None:
+                continue
+            try:
+                plan = SwapPlan.from_json(ev.value)
+            except (ValueError, KeyError) as exc:
+                log.warning("ignoring malformed swap plan %s: %s", ev.key, exc)
+                continue
+            await self._on_plan(plan)
+
+    async def _on_plan(self, plan: SwapPlan) -> None:
+        gen = self.agent.generation
+        if gen is None or plan.generation < gen.number - 1 and plan.phase not in (Phase.DONE, Phase.ABORTED):
+            return
+        seq = len(plan.history)
+        if (plan.id, seq) in self._done:
+            return
+        self._done.add((plan.id, seq))
+        self._active = plan
+        self.agent.events.write(f"swap_{plan.phase.value}", swap_id=plan.id, kind=plan.kind.value,
+                                rank=plan.leaver.rank, leaver=plan.leaver.to_json(), joiner=plan.joiner.to_json(),
+                                boundary=plan.boundary, attempt=plan.attempt)
+        try:
+            report = await self._participate(plan)
+        except Exception as exc:  # noqa: BLE001 - a failed phase is reported, never fatal for the agent
+            log.exception("swap %s phase %s failed", plan.id, plan.phase.value)
+            report = Report(node=self.agent.node_id, phase=plan.phase, ok=False, error=f"{type(exc).__name__}: {exc}")
+        if report is not None:
+            await self._store.put_json(self._key("reports", plan.id, str(seq), self.agent.node_id), report.to_json())
+        await self.agent.publish_status()
+        self._kick.set()
+
+    # ------------------------------------------------------------------ participant
+    async def _participate(self, plan: SwapPlan) -> Report | None:
+        me = self.agent.node_id
+        phase = plan.phase
+        if phase == Phase.PAUSE:
+            return await self._pause(plan) if me in plan.nodes else None
+        if phase == Phase.BOUNDARY:
+            return await self._boundary(plan) if me in plan.nodes else None
+        if phase == Phase.TRANSFER:
+            return await self._transfer(plan)
+        if phase == Phase.SEND:
+            return await self._send(plan)
+        if phase == Phase.REFORM:
+            return await self._reform(plan) if me in plan.nodes else None
+        if phase == Phase.DONE:
+            self.agent.events.write("swap_resumed", swap_id=plan.id, rank=plan.leaver.rank,
+                                    seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
+            self._active = None
+            return None
+        if phase == Phase.ABORTED:
+            await self._abort(plan)
+            self._active = None
+            return None
+        return None
+
+    def _survivors(self, plan: SwapPlan) -> list[Slot]:
+        me = self.agent.node_id
+        return [s for s in self._slots.active() if s.alive and s.managed
+                and not (plan.leaver.node == me and s.index == plan.leaver.slot and plan.kind == SwapKind.UNPLANNED)]
+
+    async def _pause(self, plan: SwapPlan) -> Report:
+        survivors = self._survivors(plan)
+        for s in survivors:
+            self._slots.set_run_until(s, 0)
+        deadline = time.monotonic() + PHASE_TIMEOUT_S
+        last: dict[int, tuple[int, int, float]] = {}
+        while True:
+            now = time.monotonic()
+            stationary, cand, paused, failed = True, 0, [], []
+            for s in survivors:
+                ph, step = self._slots.phase(s), self._slots.field(s, Field.STEP)
+                if ph == WorkerPhase.PAUSED:
+                    paused.append(step)
+                    cand = max(cand, step)
+                    continue
+                if ph == WorkerPhase.FAILED:
+                    failed.append(step)
+                    cand = max(cand, step)
+                    continue
+                if not s.alive:
+                    continue
+                prev = last.get(s.index)
+                if prev is None or prev[:2] != (int(ph), step):
+                    last[s.index] = (int(ph), step, now)
+                    stationary = False
+                elif plan.kind == SwapKind.UNPLANNED or now - prev[2] < PAUSE_SETTLE_S:
+                    stationary = False
+                cand = max(cand, step + 1)
+            if stationary:
+                return Report(node=self.agent.node_id, phase=plan.phase, candidate=cand, steps=tuple(paused),
+                              failed_steps=tuple(failed))
+            if now > deadline:
+                return Report(node=self.agent.node_id, phase=plan.phase, ok=False,
+                              error="workers did not stop within the phase timeout")
+            await asyncio.sleep(0.002)
+
+    async def _boundary(self, plan: SwapPlan) -> Report:
+        boundary = int(plan.boundary or 0)
+        survivors = self._survivors(plan)
+        for s in survivors:
+            self._slots.set_run_until(s, boundary)
+        for s in survivors:
+            if self._slots.phase(s) == WorkerPhase.PAUSED and self._slots.field(s, Field.STEP) < boundary:
+                self._slots.send(s, "resume")
+        deadline = time.monotonic() + PHASE_TIMEOUT_S
+        while True:
+            over = 0
+            ready = True
+            for s in survivors:
+                ph, step = self._slots.phase(s), self._slots.field(s, Field.STEP)
+                if step > boundary or (step == boundary and ph == WorkerPhase.RUNNING):
+                    over = max(over, step + (1 if ph == WorkerPhase.RUNNING else 0))
+                if not (ph == WorkerPhase.PAUSED and step == boundary):
+                    ready = False
+                if not s.alive:
+                    return Report(node=self.agent.node_id, phase=plan.phase, ok=False,
+                                  error=f"rank {s.rank} died before the boundary")
+            if over > boundary:
+                return Report(node=self.agent.node_id, phase=plan.phase, candidate=over)
+            if ready:
+                self.agent.events.write("swap_boundary_reached", swap_id=plan.id, step=boundary)
+                return Report(node=self.agent.node_id, phase=plan.phase, candidate=boundary)
+            if time.monotonic() > deadline:
+                return Report(node=self.agent.node_id, phase=plan.phase, ok=False,
+                              error=f"workers did not reach step {boundary}")
+            await asyncio.sleep(0.002)
+
+    def _assign_fields(self, plan: SwapPlan) -> dict[str, Any]:
+        gen = self.agent.generation
+        assert gen is not None
+        member = gen.member(self.agent.node_id)
+        return {"rank": plan.leaver.rank, "world_size": gen.world_size, "role_rank": plan.leaver.rank,
+                "role_world_size": gen.world_size, "group_rank": member.group_rank if member else None,
+                "local_world_size": self.agent.cfg.nproc_per_node, "group_world_size": len(gen.members),
+                "swap_id": plan.id}
+
+    async def _transfer(self, plan: SwapPlan) -> Report | None:
+        me = self.agent.node_id
+        addr = None
+        light_b64 = None
+        if plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me:
+            data = self._slots.channel.read_light(plan.leaver.slot)
+            if data is not None:
+                light_b64 = base64.b64encode(data).decode()
+        if plan.joiner.node == me:
+            joiner = self._slots.slots[plan.joiner.slot]
+            if not joiner.alive or joiner.state != SlotState.SPARE:
+                return Report(node=me, phase=plan.phase, ok=False, error=f"spare {me}/{joiner.index} is gone")
+            self._slots.drain(joiner)
+            self._slots.send(joiner, "assign", **self._assign_fields(plan), timeout=PHASE_TIMEOUT_S)
+            msg = await self._slots.expect(joiner, {"listening"}, PHASE_TIMEOUT_S)
+            if msg is None:
+                return Report(node=me, phase=plan.phase, ok=False, error="the spare did not start listening")
+            addr = (self.agent.addr, int(msg["port"]))
+            self.agent.events.write("swap_transfer_start", swap_id=plan.id, joiner=plan.joiner.to_json())
+        if addr is None and light_b64 is None:
+            return None
+        return Report(node=me, phase=plan.phase, joiner_addr=addr, light_b64=light_b64)
+
+    async def _send(self, plan: SwapPlan) -> Report | None:
+        me = self.agent.node_id
+        assert plan.joiner_addr is not None
+        sender: SlotRef | None = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
+        if sender is not None and sender.node == me:
+            slot = self._slots.slots[sender.slot]
+            self._slots.send(slot, "send_state", addr=plan.joiner_addr[0], port=plan.joiner_addr[1],
+                             swap_id=plan.id, replicated_only=plan.kind == SwapKind.UNPLANNED,
+                             rng=plan.kind == SwapKind.PLANNED, timeout=PHASE_TIMEOUT_S)
+        if plan.joiner.node != me:
+            return None
+        joiner = self._slots.slots[plan.joiner.slot]
+        if plan.kind == SwapKind.UNPLANNED:
+            self._slots.send(joiner, "light", data=plan.light_b64, step=plan.boundary)
+        msg = await self._slots.expect(joiner, {"received"}, PHASE_TIMEOUT_S)
+        if msg is None or not msg.get("ok"):
+            err = (msg or {}).get("error", "the joiner died or timed out during the transfer")
+            self.agent.events.write("swap_transfer_failed", swap_id=plan.id, error=err, attempt=plan.attempt)
+            return Report(node=me, phase=plan.phase, ok=False, error=err)
+        self.agent.events.write("swap_transfer_end", swap_id=plan.id, nbytes=msg.get("nbytes"),
+                                seconds=msg.get("seconds"), checksum=msg.get("checksum"))
+        if plan.kind == SwapKind.UNPLANNED:
+            ok = await self._slots.expect(joiner, {"light_ok"}, 5.0)
+            if ok is None or ok.get("ok") is False:
+                return Report(node=me, phase=plan.phase, ok=False, error="the joiner rejected the light snapshot")
+        return Report(node=me, phase=plan.phase, extra={"nbytes": msg.get("nbytes"), "seconds": msg.get("seconds")})
+
+    async def _reform(self, plan: SwapPlan) -> Report:
+        me = self.agent.node_id
+        gen = self.agent.generation
+        assert gen is not None and gen.bootstrap is not None
+        addr, port = gen.bootstrap
+        world = {"addr": addr, "port": port, "prefix": f"/tpassrun/{plan.id}/{plan.attempt}/",
+                 "world_size": gen.world_size, "generation": gen.number + 1}
+        waiting: list[Slot] = []
+        for s in self._survivors(plan):
+            if plan.kind == SwapKind.PLANNED and plan.leaver.node == me and s.index == plan.leaver.slot:
+                continue
+            self._slots.set_run_until(s, INT64_MAX)
+            if plan.kind == SwapKind.UNPLANNED and self._slots.phase(s) == WorkerPhase.FAILED:
+                self._slots.send(s, "rollback")
+            self._slots.send(s, "reform", rank=s.rank, **world)
+            waiting.append(s)
+        if plan.joiner.node == me:
+            joiner = self._slots.slots[plan.joiner.slot]
+            fields = self._assign_fields(plan)
+            self._slots.set_run_until(joiner, INT64_MAX)
+            self._slots.send(joiner, "reform", **{**fields, **world})
+            joiner.state, joiner.rank = SlotState.RUNNING, plan.leaver.rank
+            waiting.append(joiner)
+        if plan.leaver.node == me:
+            leaver = self._slots.slots[plan.leaver.slot]
+            reason = plan.reason if plan.kind == SwapKind.PLANNED else f"rank died: {plan.reason}"
+            leaver.quarantine_reason = reason
+            if plan.kind == SwapKind.PLANNED:
+                leaver.state = SlotState.LEAVING
+                self._slots.send(leaver, "exit", code=0)
+            else:
+                leaver.state = SlotState.QUARANTINED
+            leaver.rank = None
+        for s in waiting:
+            msg = await self._slots.expect(s, {"reformed"}, PHASE_TIMEOUT_S)
+            if msg is None or msg.get("ok") is False:
+                return Report(node=me, phase=plan.phase, ok=False,
+                              error=f"rank {s.rank} did not join the new world: {(msg or {}).get('error')}")
+        self.agent.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
+        return Report(node=me, phase=plan.phase)
+
+    async def _abort(self, plan: SwapPlan) -> None:
+        me = self.agent.node_id
+        for s in self._slots.slots:
+            self._slots.set_run_until(s, INT64_MAX)
+            if s.state == SlotState.RUNNING and self._slots.phase(s) == WorkerPhase.PAUSED:
+                self._slots.send(s, "resume")
+        if plan.joiner.node == me:
+            joiner = self._slots.slots[plan.joiner.slot]
+            if joiner.state == SlotState.SPARE:
+                self._slots.send(joiner, "abort")
+        reason = plan.history[-1][0] if plan.history else ""
+        self.agent.events.write("swap_aborted_here", swap_id=plan.id, reason=reason)
+        if plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me:
+            dead = self._slots.slots[plan.leaver.slot]
+            self.agent._queue.put_nowait(("fallback", f"unplanned recovery of rank {plan.leaver.rank} aborted",
+                                          dead))
+
+    # ------------------------------------------------------------------ coordinator (leader)
+    async def _coordinate(self) -> None:
+        """Re-evaluate on every relevant change; only the leader acts."""
+        prefix = self._key("")
+        watcher = asyncio.ensure_future(self._watch_kicks(prefix))
+        try:
+            while True:
+                await self._kick.wait()
+                self._kick.clear()
+                if self.agent.rdzv is not None and self.agent.rdzv.is_leader:
+                    try:
+                        await self._leader_tick()
+                    except Exception:  # noqa: BLE001 - the next kick re-reads everything
+                        log.exception("swap coordinator tick failed")
+                        await asyncio.sleep(0.2)
+                        self._kick.set()
+        finally:
+            watcher.cancel()
+
+    async def _watch_kicks(self, prefix: str) -> None:
+        self._kick.set()
+        interesting = ("taints/", "failures/", "reports/", "status/", "swaps/")
+        async for ev in self._store.watch_prefix(prefix):
+            rel = ev.key[len(prefix):]
+            if rel.startswith(interesting):
+                self._kick.set()
+
+    async def _view(self) -> ClusterView:
+        gen = self.agent.generation
+        assert gen is not None
+        slots: list[SlotView] = []
+        for _key, doc, _rev in await self._store.get_prefix_json(self._key("status") + "/"):
+            node = doc.get("node_id")
+            for w in doc.get("workers", []):
+                slots.append(SlotView(node=node, slot=int(w["slot"]), rank=w.get("rank"), state=w.get("state", ""),
+                                      managed=bool(w.get("managed")), step=int(w.get("step") or 0)))
+        return ClusterView(generation=gen.number, members=tuple(m.node_id for m in gen.members),
+                           spare_nodes=tuple(gen.spare_nodes), slots=tuple(slots))
+
+    async def _leader_tick(self) -> None:
+        now = time.time()
+        plans = [(SwapPlan.from_json(d), rev) for _k, d, rev in await self._store.get_prefix_json(self._key("swaps") + "/")]
+        active = [(p, rev) for p, rev in plans if p.phase not in (Phase.DONE, Phase.ABORTED)]
+        if active:
+            plan, rev = active[0]
+            seq = len(plan.history)
+            reports = [Report.from_json(d) for _k, d, _r in
+                       await self._store.get_prefix_json(self._key("reports", plan.id, str(seq)) + "/")]
+            spare = None
+            if any(not r.ok for r in reports) and plan.phase in (Phase.TRANSFER, Phase.SEND):
+                view = await self._view()
+                joiner_alive = any(s.node == plan.joiner.node and s.slot == plan.joiner.slot and s.state == "spare"
+                                   for s in view.slots)
+                if not joiner_alive:
+                    sv = choose_spare(view, plan.joiner.node, plan.excluded_spares + ((plan.joiner.node, plan.joiner.slot),))
+                    spare = sv
+            decision = next_step(plan, reports, now, spare_after_failure=spare)
+            await self._apply(decision, plan, rev)
+            return
+        handled = {p.taint_id for p, _ in plans if p.taint_id and p.phase == Phase.DONE}
+        handled_fail = {p.id for p, _ in plans}
+        view = None
+        for key, doc, rev in await self._store.get_prefix_json(self._key("failures") + "/"):
+            fid = key.rsplit("/", 1)[-1]
+            if doc.get("handled"):
+                continue
+            view = view or await self._view()
+            decision = plan_for_failure(view, node=doc["node"], slot=int(doc["slot"]), rank=int(doc["rank"]),
+                                        reason=f"exit code {doc.get('code')}", now_wall=now,
+                                        light_available=bool(doc.get("light")), swap_id=f"u-{fid}-{doc.get('generation')}")
+            await self._store.put_json(key, {**doc, "handled": decision.action, "reason": decision.reason})
+            self.agent.events.write("recovery_decided", action=decision.action, reason=decision.reason)
+            if decision.plan is not None and decision.plan.id not in handled_fail:
+                await self._store.create_json(self._key("swaps", decision.plan.id), decision.plan.to_json())
+            elif decision.action == "fallback":
+                fake = plan_for_failure(view, node=doc["node"], slot=int(doc["slot"]), rank=int(doc["rank"]),
+                                        reason="", now_wall=now, light_available=True)
+                # Tell the dead rank's agent through an aborted plan: it turns that into a group restart.
+                if fake.plan is not None:
+                    await self._store.create_json(self._key("swaps", fake.plan.id),
+                                                  fake.plan.advance(Phase.ABORTED, now).to_json())
+                else:
+                    await self._store.put_json(self._key("fallbacks", doc["node"]), {"v": 1, "reason": decision.reason})
+            return
+        for key, doc, rev in await self._store.get_prefix_json(self._key("taints") + "/"):
+            tid = doc.get("id") or key.rsplit("/", 1)[-1]
+            if tid in handled or doc.get("handled_by"):
+                continue
+            view = view or await self._view()
+            rank = doc.get("rank")
+            if rank is None:
+                target = [s for s in view.slots if s.node == doc.get("node_id") and s.rank is not None
+                          and (doc.get("local_rank") is None or s.slot == doc.get("local_rank"))
+                          and s.state == "running"]
+                if not target:
+                    continue
+                rank = target[0].rank
+            decision = plan_for_taint(view, node=doc.get("node_id", ""), rank=int(rank), reason=doc.get("reason", ""),
+                                      taint_id=tid, now_wall=now)
+            if decision.action == "plan" and decision.plan is not None:
+                if await self._store.create_json(self._key("swaps", decision.plan.id), decision.plan.to_json()):
+                    await self._store.put_json(key, {**doc, "handled_by": decision.plan.id, "state": "migrating"})
+                    self.agent.events.write("swap_decided", swap_id=decision.plan.id, reason=decision.reason,
+                                            taint=tid)
+                return
+            if tid not in self._waiting_said:
+                self._waiting_said.add(tid)
+                self.agent.events.write("swap_waiting", taint=tid, action=decision.action, reason=decision.reason)
+                await self._store.put_json(key, {**doc, "state": f"{decision.action}: {decision.reason}"})
+            if decision.action == "fallback":
+                await self._store.put_json(key, {**doc, "handled_by": "restart", "state": decision.reason})
+                self.agent._queue.put_nowait(("fallback", f"health-aware restart: {decision.reason}", None))
+                return
+
+    async def _apply(self, decision: Decision, plan: SwapPlan, rev: int) -> None:
+        if decision.plan is None:
+            return
+        new = decision.plan
+        if new.phase == Phase.REFORM:
+            await self._commit_generation(new)
+        ok = await self._store.cas_json(self._key("swaps", plan.id), new.to_json(), rev)
+        if ok:
+            self.agent.events.write("swap_phase", swap_id=new.id, phase=new.phase.value, reason=decision.reason)
+            if new.phase == Phase.DONE and new.taint_id:
+                key = self._key("taints", new.taint_id)
+                doc, _ = await self._store.get_json(key)
+                if doc is not None:
+                    await self._store.put_json(key, {**doc, "handled_by": new.id, "state": "quarantined",
+                                                     "slot": new.leaver.slot, "node_id": new.leaver.node})
+
+    async def _commit_generation(self, plan: SwapPlan) -> None:
+        """One swap = one generation transition (compare-and-swap), carrying the swap id."""
+        import dataclasses
+
+        assert self.agent.rdzv is not None
+        old = await self.agent.rdzv.current()
+        if old is None:
+            return
+        assignments = dict(old.assignments or {})
+        assignments[str(plan.leaver.rank)] = {"node": plan.joiner.node, "slot": plan.joiner.slot}
+        new = dataclasses.replace(old, number=old.number + 1, swap_id=plan.id, reason=plan.reason,
+                                  assignments=assignments)
+        if await self.agent.rdzv.commit(old, new):
+            self.agent.generation = new
+            self.agent.events.write("generation_committed", generation=new.number, swap_id=plan.id)
+
+    async def _follow_taint_removals(self) -> None:
+        """``tpassctl untaint``: a quarantined slot of this node goes back to the spare pool."""
+        prefix = self._key("taints") + "/"
+        async for ev in self._store.watch_prefix(prefix):
+            if ev.value is not None:
+                continue
+            await self._requarantine_check()
+
+    async def _requarantine_check(self) -> None:
+        taints = await self._store.get_prefix_json(self._key("taints") + "/")
+        held = {(d.get("node_id"), d.get("slot")) for _k, d, _r in taints}
+        gen = self.agent.generation
+        if gen is None or gen.bootstrap is None:
+            return
+        for s in self._slots.slots:
+            if s.state == SlotState.QUARANTINED and (self.agent.node_id, s.index) not in held:
+                s.quarantine_reason = None
+                await self.agent.spawn(gen, s, local_rank=s.index, rank=-1, master=gen.bootstrap, spare=True)
+                self.agent.events.write("spare_returned", slot=s.index)
+        await self.agent.publish_status()

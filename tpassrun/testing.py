@@ -1,0 +1,62 @@
+"""Fault points for tests and benchmarks (no effect unless ``TPASSRUN_FAULTS`` is set).
+
+A training script calls :func:`fault_point` at interesting places (``tpassrun``'s example does so in the
+step loop and inside backward). ``TPASSRUN_FAULTS`` holds a JSON list of faults; each fires at most once
+per job, across processes, thanks to a marker file, so a joiner that re-executes the same step does not
+trip over the fault that killed its predecessor::
+
+    [{"rank": 1, "step": 7, "where": "backward", "action": "kill", "marker": "/tmp/f1"}]
+
+Actions: ``kill`` (SIGKILL self), ``stop`` (SIGSTOP self: a hang), ``exit`` (``os._exit(code)``),
+``sleep`` (``seconds``: a straggler, every step from ``step`` on, no marker needed), ``raise``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import signal
+import time
+from typing import Any
+
+FAULTS_ENV = "TPASSRUN_FAULTS"
+
+
+@functools.lru_cache(maxsize=1)
+def _faults() -> tuple[dict[str, Any], ...]:
+    raw = os.environ.get(FAULTS_ENV)
+    return tuple(json.loads(raw)) if raw else ()
+
+
+def _claim(marker: str | None) -> bool:
+    if not marker:
+        return True
+    try:
+        fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        return False
+    os.write(fd, str(os.getpid()).encode())
+    os.close(fd)
+    return True
+
+
+def fault_point(rank: int, step: int, where: str = "step") -> None:
+    for f in _faults():
+        if f.get("where", "step") != where or int(f.get("rank", -1)) != rank:
+            continue
+        action = f.get("action", "kill")
+        if action == "sleep":
+            if step >= int(f.get("step", 0)) and step < int(f.get("until", 1 << 62)):
+                time.sleep(float(f.get("seconds", 0.1)))
+            continue
+        if step != int(f.get("step", -1)) or not _claim(f.get("marker")):
+            continue
+        if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "stop":
+            os.kill(os.getpid(), signal.SIGSTOP)
+        elif action == "exit":
+            os._exit(int(f.get("code", 1)))
+        elif action == "raise":
+            raise RuntimeError(f"injected fault at rank {rank} step {step}")

@@ -1,0 +1,522 @@
+"""The worker API: ``sess = tpassrun.init()``, ``sess.track(...)``, ``sess.on_reconfigure(fn)``, ``sess.run(step_fn, n)``.
+
+A healthy rank pays one shared-memory read per step (``run_until``) and a local light-state snapshot; it never
+talks to the network for tpassrun's sake. Everything else happens only when the agent stops the world at a
+step boundary:
+
+* **survivor**: paused before step B; on ``reform`` it destroys its process group, joins the new world (same
+  rank, same size, the joiner in the leaver's place), runs the ``on_reconfigure`` callbacks, carries on at B.
+* **leaver** (planned swap): paused before step B; streams everything it tracks straight to the joiner, exits 0.
+* **joiner** (a warm spare): blocked in :func:`init` until assigned a rank; receives the state, joins the new
+  world; :meth:`Session.run` applies the state and starts at B.
+* **unplanned**: a step that raises a distributed error (a peer died) parks the worker; the agent picks a
+  donor (any survivor: under DDP every rank holds the model and optimizer) and a spare; survivors roll their
+  light state back to the snapshot taken at the start of the failed step and everyone re-executes it.
+
+Launched without tpassrun (plain ``torchrun`` or ``python``), :func:`init` just calls
+``init_process_group`` and :meth:`Session.run` is a plain loop, so the same script runs anywhere.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import socket
+import sys
+import time
+from datetime import timedelta
+from typing import Any, Callable
+
+from . import envnames as E
+from .channel import INT64_MAX, ChannelFile, Field, WorkerPhase, decode_msg, encode_msg
+
+log = logging.getLogger("tpassrun.worker")
+
+_DIST_ERROR_MARKERS = (
+    "gloo", "Gloo", "NCCL", "nccl", "Connection reset", "Connection closed", "connection closed",
+    "Broken pipe", "peer", "Socket", "socket", "timed out", "Timed out", "ProcessGroup",
+)
+
+
+def is_distributed_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` looks like a collective that failed because a peer went away (not a user bug)."""
+    import torch.distributed as dist
+
+    dist_error = getattr(dist, "DistError", None)
+    if dist_error is not None and isinstance(exc, dist_error):
+        return True
+    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DIST_ERROR_MARKERS)
+
+
+def _is_replicated(obj: Any) -> bool:
+    """Model, optimizer, scheduler and scaler are identical on every data-parallel replica; the rest
+    (samplers, loaders, user counters) is per rank and goes into the per-step light snapshot."""
+    import torch
+
+    replicated = (torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler)
+    scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+    if scaler is not None:
+        replicated = replicated + (scaler,)
+    return isinstance(obj, replicated)
+
+
+class _AgentLink:
+    """The worker's end of the channel: the shared-memory slot and the unix socket."""
+
+    def __init__(self, channel_path: str, slot: int, sock_path: str) -> None:
+        self.slot = slot
+        self.ch = ChannelFile.open(channel_path)
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(sock_path)
+        self._rfile = self.sock.makefile("rb")
+
+    def send(self, kind: str, **fields: Any) -> None:
+        self.sock.sendall(encode_msg(kind, slot=self.slot, **fields))
+
+    def recv(self) -> dict[str, Any]:
+        line = self._rfile.readline()
+        if not line:
+            # The agent is gone: a worker must never outlive it (PDEATHSIG normally gets here first).
+            os._exit(1)
+        return decode_msg(line)
+
+    def set(self, field: Field, value: int) -> None:
+        self.ch.set(self.slot, field, value)
+
+    def get(self, field: Field) -> int:
+        return self.ch.get(self.slot, field)
+
+
+class Session:
+    """What :func:`init` returns. Create through :func:`init`, not directly."""
+
+    def __init__(self, *, backend: str | None, link: _AgentLink | None, rank: int, world_size: int,
+                 local_rank: int, generation: int, joined: bool, timeout: timedelta | None) -> None:
+        self.backend = backend
+        self.rank = rank
+        self.world_size = world_size
+        self.local_rank = local_rank
+        self.generation = generation
+        self.joined = joined            # True on a spare that took over a rank
+        self.step = 0
+        self.swaps = 0
+        self._timeout = timeout
+        self._link = link
+        self._tracked: dict[str, Any] = {}
+        self._per_rank: set[str] = set()
+        self._callbacks: list[Callable[[], Any]] = []
+        self._pending_bundle: Any = None      # joiner: state received before the script built its objects
+        self._pending_light_bundle: Any = None   # joiner (unplanned): the dead rank's light snapshot
+        self._last_light: bytes | None = None
+        self._light_enabled = link is not None
+
+    # --- the hook protocol ---
+    def track(self, **objects: Any) -> "Session":
+        """Register objects with ``state_dict()``/``load_state_dict()`` to carry across a swap."""
+        for name, obj in objects.items():
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"tpassrun: {name!r} has no state_dict()/load_state_dict()")
+            self._tracked[name] = obj
+            if not _is_replicated(obj):
+                self._per_rank.add(name)
+            self._apply_pending_to(name, obj)
+        return self
+
+    def track_per_rank(self, **objects: Any) -> "Session":
+        """Like :meth:`track`, for objects that differ between ranks even if they look like models."""
+        self.track(**objects)
+        self._per_rank.update(objects)
+        return self
+
+    def ddp(self, module: Any, **kwargs: Any) -> "ReconfigurableDDP":
+        """``DistributedDataParallel(module, **kwargs)`` that rebuilds itself after every re-formed world.
+
+        Track ``module`` before calling this, so that a joiner holds the right weights before DDP
+        broadcasts rank 0's parameters (the joiner may be rank 0).
+        """
+        proxy = ReconfigurableDDP(module, kwargs)
+        self.on_reconfigure(proxy.rebuild)
+        return proxy
+
+    def on_reconfigure(self, fn: Callable[[], Any]) -> Callable[[], Any]:
+        """Run ``fn()`` after each re-formed world on every surviving rank (rebuild DDP, new_group()s)."""
+        self._callbacks.append(fn)
+        return fn
+
+    @property
+    def managed(self) -> bool:
+        return self._link is not None
+
+    # --- the step loop ---
+    def run(self, step_fn: Callable[[int], Any], total_steps: int) -> int:
+        """Call ``step_fn(step)`` from the current step up to ``total_steps``; swaps happen in between."""
+        self._apply_pending()
+        link = self._link
+        if link is None:
+            while self.step < total_steps:
+                step_fn(self.step)
+                self.step += 1
+            return self.step
+        link.set(Field.PHASE, WorkerPhase.RUNNING)
+        while self.step < total_steps:
+            step = self.step
+            link.set(Field.STEP, step)
+            start = time.monotonic_ns()
+            link.set(Field.HEARTBEAT_NS, start)
+            if link.get(Field.RUN_UNTIL) <= step:
+                self._at_boundary(step)
+                if self.step != step:     # a recovery moved us (never forward past work not done)
+                    continue
+                start = time.monotonic_ns()
+            if self._light_enabled:
+                self._snapshot_light(step)
+            link.set(Field.PHASE, WorkerPhase.RUNNING)
+            try:
+                step_fn(step)
+            except Exception as exc:  # noqa: BLE001 - classified right below
+                if not is_distributed_failure(exc):
+                    raise
+                log.warning("rank %d: step %d failed in a collective (%s); waiting for recovery",
+                            self.rank, step, exc)
+                self._after_failure(step, exc)
+                continue
+            self.step = step + 1
+            link.set(Field.LAST_STEP_NS, time.monotonic_ns() - start)
+        link.set(Field.STEP, self.step)
+        link.set(Field.PHASE, WorkerPhase.DONE)
+        link.send("done", step=self.step)
+        return self.step
+
+    # --- light state ---
+    def _light_objects(self) -> dict[str, Any]:
+        return {k: self._tracked[k] for k in self._per_rank}
+
+    def _snapshot_light(self, step: int) -> None:
+        from . import handoff
+
+        data = handoff.encode_small(handoff.capture(self._light_objects(), step=step, rng=handoff.capture_rng()))
+        self._last_light = data
+        assert self._link is not None
+        if not self._link.ch.write_light(self._link.slot, data):
+            log.warning("light state of %d bytes does not fit the channel; unplanned recovery will not be exact",
+                        len(data))
+            self._light_enabled = False
+
+    def _restore_light(self, data: bytes) -> int:
+        from . import handoff
+
+        return handoff.apply(handoff.decode_small(data), self._light_objects(), restore_rng_state=True)
+
+    def _apply_pending_to(self, name: str, obj: Any) -> None:
+        """On a joiner, load ``name``'s received state as soon as the script tracks it, so that a model is
+        right before DDP broadcasts from rank 0 and an optimizer before anything reads it."""
+        from . import handoff
+
+        for attr in ("_pending_bundle", "_pending_light_bundle"):
+            bundle = getattr(self, attr)
+            if bundle is not None and _has_object(bundle, name):
+                _apply_one(bundle, name, obj)
+
+    def _apply_pending(self) -> None:
+        """At the start of :meth:`run` on a joiner: everything not applied yet, then RNG and step."""
+        from . import handoff
+
+        for attr in ("_pending_bundle", "_pending_light_bundle"):
+            bundle = getattr(self, attr)
+            if bundle is None:
+                continue
+            missing = [n for n in _object_names(bundle) if n not in self._tracked]
+            if missing:
+                raise RuntimeError(f"tpassrun: the joiner received state for {missing} but the script did not "
+                                   "track objects with those names before run()")
+        light, bundle = self._pending_light_bundle, self._pending_bundle
+        rng_source = light if light is not None else bundle
+        if rng_source is not None:
+            rng = _bundle_rng(rng_source)
+            if rng is not None:
+                handoff.restore_rng(rng)
+            self.step = _bundle_step(rng_source)
+        self._pending_bundle = self._pending_light_bundle = None
+
+    # --- commands from the agent ---
+    def _at_boundary(self, step: int) -> None:
+        link = self._link
+        assert link is not None
+        link.set(Field.PHASE, WorkerPhase.PAUSED)
+        link.send("paused", step=step)
+        self._serve(step)
+
+    def _after_failure(self, step: int, exc: BaseException) -> None:
+        link = self._link
+        assert link is not None
+        link.set(Field.PHASE, WorkerPhase.FAILED)
+        link.send("failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500])
+        self._serve(step, failed=exc)
+
+    def _serve(self, step: int, failed: BaseException | None = None) -> None:
+        """Obey the agent until it lets this worker carry on (or tells it to leave)."""
+        from . import handoff
+
+        link = self._link
+        assert link is not None
+        while True:
+            msg = link.recv()
+            kind = msg["kind"]
+            if kind == "resume":
+                if failed is None and link.get(Field.RUN_UNTIL) <= step:
+                    link.set(Field.PHASE, WorkerPhase.PAUSED)
+                    continue  # still held at this boundary; wait for the next command
+                link.set(Field.PHASE, WorkerPhase.RUNNING)
+                return
+            if kind == "send_state":
+                link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
+                objs = {k: v for k, v in self._tracked.items()
+                        if not (msg.get("replicated_only") and k in self._per_rank)}
+                rng = handoff.capture_rng() if msg.get("rng", True) else None
+                bundle = handoff.capture(objs, step=step, rng=rng,
+                                         extra={"objects": sorted(objs), "swap_id": msg.get("swap_id")})
+                try:
+                    stats = handoff.connect_and_send(msg["addr"], int(msg["port"]), bundle,
+                                                     timeout=float(msg.get("timeout", 60)))
+                    link.send("sent", ok=True, nbytes=stats.nbytes, seconds=stats.seconds,
+                              checksum=stats.checksum, swap_id=msg.get("swap_id"))
+                except (OSError, handoff.HandoffError) as exc:
+                    link.send("sent", ok=False, error=str(exc)[:300], swap_id=msg.get("swap_id"))
+                continue
+            if kind == "rollback":
+                if self._last_light is not None:
+                    self._restore_light(self._last_light)
+                self._drop_grads()
+                link.send("rolled_back", step=step)
+                continue
+            if kind == "reform":
+                self._reform(msg)
+                link.send("reformed", rank=self.rank, world_size=self.world_size, generation=self.generation)
+                link.set(Field.PHASE, WorkerPhase.RUNNING)
+                return
+            if kind == "exit":
+                link.set(Field.PHASE, WorkerPhase.DONE)
+                _leave_process_group()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(int(msg.get("code", 0)))
+            if kind == "raise":
+                if failed is not None:
+                    raise failed
+                raise RuntimeError(msg.get("reason", "tpassrun agent asked this worker to fail"))
+            log.warning("ignoring unexpected command %r at step %d", kind, step)
+
+    def _drop_grads(self) -> None:
+        import torch
+
+        for obj in self._tracked.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.zero_grad(set_to_none=True)
+            elif isinstance(obj, torch.nn.Module):
+                obj.zero_grad(set_to_none=True)
+
+    def _reform(self, msg: dict[str, Any]) -> None:
+        link = self._link
+        assert link is not None
+        link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
+        _leave_process_group()
+        self.rank = int(msg["rank"])
+        self.world_size = int(msg["world_size"])
+        self.generation = int(msg.get("generation", self.generation))
+        _set_rank_env(msg)
+        _join_world(self.backend, msg, self._timeout)
+        self.swaps += 1
+        for fn in self._callbacks:
+            fn()
+
+
+# --- reading a received bundle piece by piece (the joiner loads each object as the script tracks it) ---
+
+def _object_names(bundle: Any) -> list[str]:
+    return sorted(bundle.meta.get("objects", {}))
+
+
+def _has_object(bundle: Any, name: str) -> bool:
+    return name in bundle.meta.get("objects", {})
+
+
+def _apply_one(bundle: Any, name: str, obj: Any) -> None:
+    from .handoff_codec import decode_tree
+
+    obj.load_state_dict(decode_tree(bundle.meta["objects"].pop(name), bundle.tensors))
+
+
+def _bundle_rng(bundle: Any) -> Any:
+    from .handoff_codec import decode_tree
+
+    tree = bundle.meta.get("rng")
+    return None if tree is None else decode_tree(tree, bundle.tensors)
+
+
+def _bundle_step(bundle: Any) -> int:
+    return int(bundle.meta.get("step", 0)) if bundle is not None else 0
+
+
+class ReconfigurableDDP:
+    """A ``DistributedDataParallel`` that is rebuilt around the same module after a re-formed world.
+
+    Attribute access and calls go to the current DDP instance, so ``ddp(x)``, ``ddp.parameters()``,
+    ``ddp.module`` keep working across swaps.
+    """
+
+    def __init__(self, module: Any, kwargs: dict[str, Any]) -> None:
+        self._module = module
+        self._kwargs = kwargs
+        self._ddp = self._build()
+
+    def _build(self) -> Any:
+        from torch.nn.parallel import DistributedDataParallel
+
+        return DistributedDataParallel(self._module, **self._kwargs)
+
+    def rebuild(self) -> None:
+        self._ddp = self._build()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._ddp(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_ddp"], name)
+
+
+def _leave_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as exc:  # noqa: BLE001 - a group with a dead peer may refuse a clean teardown
+            log.debug("destroy_process_group: %s", exc)
+
+
+def _join_world(backend: str | None, msg: dict[str, Any], timeout: timedelta | None) -> None:
+    import torch.distributed as dist
+
+    kwargs: dict[str, Any] = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    store = dist.TCPStore(msg["addr"], int(msg["port"]), is_master=False,
+                          timeout=timeout or timedelta(seconds=300))
+    store = dist.PrefixStore(str(msg["prefix"]), store)
+    dist.init_process_group(backend, store=store, rank=int(msg["rank"]), world_size=int(msg["world_size"]),
+                            **kwargs)
+
+
+def _set_rank_env(msg: dict[str, Any]) -> None:
+    """Keep ``os.environ`` truthful for code that reads RANK after a swap."""
+    for key, name in (("rank", E.RANK), ("world_size", E.WORLD_SIZE), ("group_rank", E.GROUP_RANK),
+                      ("role_rank", E.ROLE_RANK), ("role_world_size", E.ROLE_WORLD_SIZE),
+                      ("local_world_size", E.LOCAL_WORLD_SIZE), ("group_world_size", E.GROUP_WORLD_SIZE)):
+        if key in msg and msg[key] is not None:
+            os.environ[name] = str(msg[key])
+    if msg.get("generation") is not None:
+        os.environ[E.TPASSRUN_GENERATION] = str(msg["generation"])
+
+
+def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Session:
+    """Join the job. Active ranks return at once; a warm spare blocks here until it is given a rank.
+
+    Args:
+        backend: passed to ``init_process_group`` (None lets torch choose, as it does).
+        timeout: process-group timeout (torch's default if None).
+    """
+    import torch.distributed as dist
+
+    env = os.environ
+    channel, sock = env.get(E.TPASSRUN_CHANNEL), env.get(E.TPASSRUN_AGENT_SOCK)
+    local_rank = int(env.get(E.LOCAL_RANK, "0"))
+    if not channel or not sock:
+        # Not launched by tpassrun: behave like a plain torchrun script.
+        if not dist.is_initialized():
+            kwargs = {"timeout": timeout} if timeout is not None else {}
+            dist.init_process_group(backend, **kwargs)
+        return Session(backend=backend, link=None, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                       local_rank=local_rank, generation=0, joined=False, timeout=timeout)
+
+    link = _AgentLink(channel, int(env[E.TPASSRUN_SLOT]), sock)
+    link.set(Field.PID, os.getpid())
+    spare = env.get(E.TPASSRUN_SPARE) == "1"
+    link.send("hello", pid=os.getpid(), spare=spare)
+    generation = int(env.get(E.TPASSRUN_GENERATION, "0"))
+    if not spare:
+        if not dist.is_initialized():
+            kwargs = {"timeout": timeout} if timeout is not None else {}
+            dist.init_process_group(backend, **kwargs)
+        link.set(Field.PHASE, WorkerPhase.STARTING)
+        return Session(backend=backend, link=link, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                       local_rank=local_rank, generation=generation, joined=False, timeout=timeout)
+    return _wait_as_spare(backend, link, local_rank, timeout)
+
+
+def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
+                   timeout: timedelta | None) -> Session:
+    """Block until the agent hands this spare a rank, receive that rank's state, join the world."""
+    from . import handoff
+
+    link.set(Field.PHASE, WorkerPhase.SPARE)
+    bundle = None
+    light: bytes | None = None
+    listener = None
+    assign: dict[str, Any] | None = None
+    while True:
+        msg = link.recv()
+        kind = msg["kind"]
+        if kind == "assign":
+            assign = msg
+            if listener is not None:
+                listener.close()
+            listener, port = handoff.listen_for_bundle(msg.get("listen_host", "0.0.0.0"))
+            link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
+            link.send("listening", port=port, swap_id=msg.get("swap_id"))
+            try:
+                bundle, stats = handoff.accept_and_recv(listener, timeout=float(msg.get("timeout", 120)))
+                link.send("received", ok=True, nbytes=stats.nbytes, seconds=stats.seconds,
+                          checksum=stats.checksum, swap_id=msg.get("swap_id"))
+            except (OSError, handoff.HandoffError) as exc:
+                bundle = None
+                link.send("received", ok=False, error=f"{type(exc).__name__}: {exc}"[:300],
+                          swap_id=msg.get("swap_id"))
+            continue
+        if kind == "light":
+            light = base64.b64decode(msg["data"])
+            step = _bundle_step(handoff.decode_small(light))
+            ok = msg.get("step") is None or step == int(msg["step"])
+            link.send("light_ok", ok=ok, nbytes=len(light), step=step)
+            if not ok:
+                light = None
+            continue
+        if kind == "abort":
+            bundle, light, assign = None, None, None
+            link.set(Field.PHASE, WorkerPhase.SPARE)
+            continue
+        if kind == "reform":
+            if assign is None or bundle is None:
+                link.send("reformed", ok=False, error="no state received")
+                continue
+            if listener is not None:
+                listener.close()
+            link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
+            _set_rank_env(msg)
+            os.environ.pop(E.TPASSRUN_SPARE, None)
+            _join_world(backend, msg, timeout)
+            sess = Session(backend=backend, link=link, rank=int(msg["rank"]), world_size=int(msg["world_size"]),
+                           local_rank=local_rank, generation=int(msg.get("generation", 0)), joined=True,
+                           timeout=timeout)
+            sess._pending_bundle = bundle
+            sess._pending_light_bundle = handoff.decode_small(light) if light is not None else None
+            sess.step = _bundle_step(sess._pending_light_bundle or bundle)
+            link.set(Field.STEP, sess.step)
+            link.send("reformed", ok=True, rank=sess.rank, world_size=sess.world_size, generation=sess.generation)
+            return sess
+        if kind == "exit":
+            os._exit(int(msg.get("code", 0)))
+        log.warning("spare ignoring unexpected command %r", kind)
+
+
+__all__ = ["Session", "init", "is_distributed_failure", "INT64_MAX"]
