@@ -274,7 +274,7 @@ def _read_frame(reader: _Reader, crc: _Crc) -> _Frame:
             crc.feed(piece)
             chunks += 1
         data_len += len(view)
-        tensors.append(tensor)
+        tensors.append(tensor.requires_grad_(spec.requires_grad))
     expected = crc.result()
     end_magic, sent_len, sent_crc = _TRAILER.unpack(reader.read_exact(_TRAILER.size, "trailer"))
     if end_magic != _END_MAGIC or sent_len != data_len or sent_crc != expected:
@@ -395,9 +395,7 @@ def recv_bundle(sock: socket.socket, *, device: str = "cpu") -> tuple[StateBundl
     tensors = frame.bundle.tensors
     for index, spec in enumerate(frame.specs):
         if spec.device != "cpu" and device != "cpu":
-            tensors[index] = tensors[index].to(device)
-        if spec.requires_grad:
-            tensors[index].requires_grad_(True)
+            tensors[index] = tensors[index].to(device).requires_grad_(spec.requires_grad)
     stats = TransferStats(frame.nbytes, time.perf_counter() - started, frame.chunks, f"crc32:{frame.checksum:08x}")
     return frame.bundle, stats
 
