@@ -299,24 +299,17 @@ class EtcdRendezvous:
 
     # --- events ----------------------------------------------------------------------------------------
 
-    async def events(self) -> AsyncIterator[RdzvEvent]:
-        """What the agent reacts to while its workers run. Raises RendezvousConnectionError if etcd is gone."""
-        queue: asyncio.Queue[RdzvEvent | None] = asyncio.Queue()
-        self._subscribers.append(queue)
-        try:
-            # Anything that changed between join() returning and this subscription starting.
-            if self._last_joined is not None:
-                for kind, node_id, reason in events_between(self._last_joined, self._gen):
-                    yield RdzvEvent(kind, self._gen, node_id, reason)
-            while True:
-                self._check_fatal()
-                event = await queue.get()
-                if event is None:
-                    self._check_fatal()
-                    return
-                yield event
-        finally:
-            self._subscribers.remove(queue)
+    def events(self) -> "EventStream":
+        """What the agent reacts to while its workers run; raises RendezvousConnectionError if etcd is gone.
+
+        Subscribes at call time (not at the first ``__anext__``), so nothing that happens between the call
+        and the first iteration is missed; changes since ``join()`` returned are replayed first.
+        """
+        stream = EventStream(self)
+        if self._last_joined is not None:
+            for kind, node_id, reason in events_between(self._last_joined, self._gen):
+                stream.queue.put_nowait(RdzvEvent(kind, self._gen, node_id, reason))
+        return stream
 
     def _on_connection(self, up: bool) -> None:
         failure = self._store.failure
@@ -418,6 +411,31 @@ class EtcdRendezvous:
                 for key, doc, _mod, create in items:
                     _add_node(nodes, key[len(prefix):], doc, create)
             wake.set()
+
+
+class EventStream:
+    """An async iterator of ``RdzvEvent`` for one subscriber. ``aclose()`` unsubscribes."""
+
+    def __init__(self, rdzv: EtcdRendezvous) -> None:
+        self._rdzv = rdzv
+        self.queue: asyncio.Queue[RdzvEvent | None] = asyncio.Queue()
+        rdzv._subscribers.append(self.queue)
+
+    def __aiter__(self) -> "EventStream":
+        return self
+
+    async def __anext__(self) -> RdzvEvent:
+        self._rdzv._check_fatal()
+        event = await self.queue.get()
+        if event is None:
+            self._rdzv._check_fatal()
+            await self.aclose()
+            raise StopAsyncIteration
+        return event
+
+    async def aclose(self) -> None:
+        with contextlib.suppress(ValueError):
+            self._rdzv._subscribers.remove(self.queue)
 
 
 def _add_node(nodes: dict[str, NodeEntry], node_id: str, doc: dict[str, Any] | None, create_rev: int) -> None:

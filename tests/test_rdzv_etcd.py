@@ -1,0 +1,367 @@
+"""EtcdRendezvous against a real etcd: many agents in one process (plus one real child process to crash)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from dataclasses import replace
+from typing import AsyncIterator
+
+import pytest
+
+from tpassrun.rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, EventKind, GenState, NodeInfo,
+                                 RdzvEvent, RendezvousClosedError, RendezvousConnectionError,
+                                 RendezvousSettings, RendezvousTimeoutError)
+
+
+def cfg(endpoint: str, **conf: str) -> EtcdConfig:
+    return EtcdConfig.from_endpoint(endpoint, {"read_timeout": "5", **conf})
+
+
+def settings(run_id: str, min_nodes: int, max_nodes: int, **kw) -> RendezvousSettings:
+    base = dict(last_call_timeout=0.3, lease_ttl=2, join_timeout=20)
+    return RendezvousSettings(run_id=run_id, min_nodes=min_nodes, max_nodes=max_nodes, **{**base, **kw})
+
+
+@contextlib.asynccontextmanager
+async def agents(endpoint: str, s: RendezvousSettings, ids: list[str], spare: tuple[str, ...] = (),
+                 **conf: str) -> AsyncIterator[list[EtcdRendezvous]]:
+    async with contextlib.AsyncExitStack() as stack:
+        out = []
+        for node_id in ids:
+            node = NodeInfo(node_id, "127.0.0.1", 2, spare_node=node_id in spare)
+            out.append(await stack.enter_async_context(EtcdRendezvous(cfg(endpoint, **conf), s, node)))
+        yield out
+
+
+async def next_event(events: AsyncIterator[RdzvEvent], *kinds: EventKind, timeout: float = 10) -> RdzvEvent:
+    async def find() -> RdzvEvent:
+        async for ev in events:
+            if ev.kind in kinds:
+                return ev
+        raise AssertionError("event stream ended")
+    return await asyncio.wait_for(find(), timeout)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+# --- forming ------------------------------------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_single_node(etcd_server, run_id):
+    async def main():
+        async with agents(etcd_server.endpoint, settings(run_id, 1, 1), ["solo"]) as (r,):
+            gen = await r.join()
+            assert gen.state is GenState.ACTIVE and gen.number == 0
+            assert gen.member("solo").group_rank == 0 and gen.world_size == 2
+            assert r.is_leader and r.leader == "solo"
+            assert (await r.current()) == gen
+            assert r.key("a", "b") == f"/tpassrun/v1/{run_id}/a/b"
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_three_nodes_min_max_last_call(etcd_server, run_id):
+    async def main():
+        s = settings(run_id, 2, 4, last_call_timeout=0.5)
+        async with agents(etcd_server.endpoint, s, ["a", "b", "c"]) as rs:
+            gens = await asyncio.gather(*(r.join() for r in rs))
+            assert all(g == gens[0] for g in gens)
+            g = gens[0]
+            assert sorted(g.member_ids) == ["a", "b", "c"] and g.spare_nodes == ()
+            assert [m.group_rank for m in g.members] == [0, 1, 2]
+            assert [m.rank_offset for m in g.members] == [0, 2, 4] and g.world_size == 6
+            assert sum(r.is_leader for r in rs) == 1
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_spare_nodes_beyond_max_and_spare_node_agents(etcd_server, run_id):
+    async def main():
+        s = settings(run_id, 2, 2)
+        async with agents(etcd_server.endpoint, s, ["a", "b"]) as first:
+            g = (await asyncio.gather(*(r.join() for r in first)))[0]
+            assert set(g.member_ids) == {"a", "b"}
+            events = first[0].events()
+            async with agents(etcd_server.endpoint, s, ["c", "s"], spare=("s",)) as late:
+                joined = await asyncio.gather(*(r.join() for r in late))
+                final = await first[0].current()
+                assert set(final.spare_nodes) == {"c", "s"} and final.member_ids == g.member_ids
+                assert all(j.includes(n) and j.member(n) is None for j, n in zip(joined, ["c", "s"]))
+                ev = await next_event(events, EventKind.SPARE_NODE_JOINED)
+                assert ev.node_id in ("c", "s")
+            await events.aclose()
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_newcomer_with_room_is_waiting(etcd_server, run_id):
+    async def main():
+        s = settings(run_id, 1, 3, last_call_timeout=0)
+        async with agents(etcd_server.endpoint, s, ["a"]) as (a,):
+            await a.join()
+            events = a.events()
+            async with agents(etcd_server.endpoint, s, ["b"]) as (b,):
+                join_b = asyncio.create_task(b.join())
+                ev = await next_event(events, EventKind.NODE_WAITING)
+                assert ev.node_id == "b" and not join_b.done()
+                await a.request_restart(ev.generation, "node b is waiting")  # what torchrun does
+                g = await a.join()
+                assert g.member_ids == ("a", "b") and g.number == 1
+                assert (await join_b) == g
+            await events.aclose()
+    run(main())
+
+
+# --- node loss, restart, leader failover ------------------------------------------------------------------
+
+CHILD = textwrap.dedent("""
+    import asyncio, sys
+    from tpassrun.rendezvous import EtcdConfig, EtcdRendezvous, NodeInfo, RendezvousSettings
+    async def main(endpoint, run_id):
+        s = RendezvousSettings(run_id=run_id, min_nodes=3, max_nodes=3, last_call_timeout=0.3, lease_ttl=2)
+        r = EtcdRendezvous(EtcdConfig.from_endpoint(endpoint, {}), s, NodeInfo("child", "127.0.0.1", 2))
+        async with r:
+            for _ in range(100):
+                if r.is_leader:
+                    break
+                await asyncio.sleep(0.02)
+            print("leader" if r.is_leader else "follower", flush=True)
+            await r.join()
+            print("joined", flush=True)
+            await asyncio.sleep(3600)
+    asyncio.run(main(sys.argv[1], sys.argv[2]))
+""")
+
+
+@pytest.mark.timeout(40)
+def test_node_loss_seen_by_all_within_ttl_and_leader_takeover(etcd_server, run_id, tmp_path):
+    script = tmp_path / "child.py"
+    script.write_text(CHILD)
+
+    async def main():
+        child = await asyncio.create_subprocess_exec(sys.executable, str(script), etcd_server.endpoint, run_id,
+                                                     stdout=subprocess.PIPE)
+        try:
+            role = (await asyncio.wait_for(child.stdout.readline(), 20)).decode().strip()
+            assert role == "leader"  # it came first, so its crash also tests the takeover
+            s = settings(run_id, 3, 3)
+            async with agents(etcd_server.endpoint, s, ["a", "b"]) as rs:
+                g = (await asyncio.gather(*(r.join() for r in rs)))[0]
+                assert (await child.stdout.readline()).strip() == b"joined"
+                assert g.member_ids[0] == "child"
+                streams = [r.events() for r in rs]
+                child.send_signal(signal.SIGKILL)  # a crash: no lease revoke
+                t0 = time.monotonic()
+                seen = await asyncio.gather(*(next_event(e, EventKind.NODE_LOST, timeout=12) for e in streams))
+                latency = time.monotonic() - t0
+                print(f"node_lost seen by both survivors {latency:.2f} s after SIGKILL (lease_ttl=2)")
+                assert all(ev.node_id == "child" for ev in seen)
+                assert all(ev.generation.lost == ("child",) for ev in seen)
+                assert sum(r.is_leader for r in rs) == 1
+                for e in streams:
+                    await e.aclose()
+        finally:
+            if child.returncode is None:
+                child.kill()
+            await child.wait()
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_request_restart_seen_by_all_and_ranks_stay_stable(etcd_server, run_id):
+    async def main():
+        s = settings(run_id, 3, 3)
+        async with agents(etcd_server.endpoint, s, ["a", "b", "c"]) as rs:
+            g0 = (await asyncio.gather(*(r.join() for r in rs)))[0]
+            streams = [r.events() for r in rs]
+            await rs[1].request_restart(g0, "worker 3 failed")
+            await rs[2].request_restart(g0, "worker 4 failed too")  # idempotent: no second bump
+            changed = await asyncio.gather(*(next_event(e, EventKind.GENERATION_CHANGED) for e in streams))
+            assert all(ev.generation.state is GenState.FORMING and ev.generation.number == 1 for ev in changed)
+            assert changed[0].generation.reason == "worker 3 failed"
+            g1s = await asyncio.gather(*(r.join() for r in rs))
+            assert all(g == g1s[0] for g in g1s)
+            g1 = g1s[0]
+            assert g1.number == 1 and g1.state is GenState.ACTIVE
+            assert [(m.node_id, m.group_rank) for m in g1.members] == [(m.node_id, m.group_rank) for m in g0.members]
+            for e in streams:
+                await e.aclose()
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_commit_cas_conflict(etcd_server, run_id):
+    async def main():
+        s = settings(run_id, 2, 2)
+        async with agents(etcd_server.endpoint, s, ["a", "b"]) as (a, b):
+            g = (await asyncio.gather(a.join(), b.join()))[0]
+            new_a = replace(g, number=g.number + 1, swap_id="from-a", reason="swap a")
+            new_b = replace(g, number=g.number + 1, swap_id="from-b", reason="swap b")
+            results = await asyncio.gather(a.commit(g, new_a), b.commit(g, new_b))
+            assert sorted(results) == [False, True]
+            cur = await a.current()
+            assert cur.swap_id == ("from-a" if results[0] else "from-b") and cur.number == g.number + 1
+            assert not await a.commit(g, new_a)  # stale
+            handmade = replace(cur, revision=0)  # built by hand: compared by value
+            assert await b.commit(handmade, replace(cur, number=cur.number + 1, swap_id="next"))
+    run(main())
+
+
+# --- closing, timeouts, errors ------------------------------------------------------------------------
+
+@pytest.mark.timeout(30)
+def test_closed_run_rejects_joiners(etcd_server, run_id):
+    async def main():
+        s = settings(run_id, 1, 2, last_call_timeout=0)
+        async with agents(etcd_server.endpoint, s, ["a", "b"]) as (a, b):
+            await asyncio.gather(a.join(), b.join())
+            events = b.events()
+            await a.close("training finished")
+            ev = await next_event(events, EventKind.CLOSED)
+            assert ev.reason == "training finished" and ev.generation.state is GenState.CLOSED
+            await events.aclose()
+            async with agents(etcd_server.endpoint, s, ["late"]) as (late,):
+                with pytest.raises(RendezvousClosedError, match="training finished"):
+                    await late.join()
+            with pytest.raises(RendezvousClosedError):
+                await b.join()
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_join_timeout(etcd_server, run_id):
+    async def main():
+        s = settings(run_id, 2, 2, join_timeout=0.5)
+        async with agents(etcd_server.endpoint, s, ["alone"]) as (r,):
+            with pytest.raises(RendezvousTimeoutError, match="within 0.5 s"):
+                await r.join()
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_unreachable_etcd_fails_quickly(run_id):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # nothing listens here once closed
+
+    async def main():
+        r = EtcdRendezvous(cfg(f"127.0.0.1:{port}", read_timeout="1"), settings(run_id, 1, 1), NodeInfo("x", "h", 1))
+        t0 = time.monotonic()
+        with pytest.raises(RendezvousConnectionError, match=f"cannot reach etcd at 127.0.0.1:{port} within 1 s"):
+            await r.__aenter__()
+        print(f"unreachable etcd reported after {time.monotonic() - t0:.2f} s (read_timeout=1)")
+    run(main())
+
+
+def _restart_same(server) -> None:
+    """Start the fixture's etcd again with the same argv: same ports, same data (revisions survive)."""
+    args = server.proc.args
+    server.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{server.endpoint}/health", timeout=1) as resp:
+                if b"true" in resp.read():
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("etcd did not come back")
+
+
+@pytest.mark.timeout(60)
+def test_etcd_killed_mid_run_reconnects_after_restart(fresh_etcd, run_id):
+    async def main():
+        s = settings(run_id, 2, 2, lease_ttl=5)
+        async with agents(fresh_etcd.endpoint, s, ["a", "b"], reconnect_timeout="20") as (a, b):
+            g0 = (await asyncio.gather(a.join(), b.join()))[0]
+            events = a.events()
+            fresh_etcd.proc.kill()
+            fresh_etcd.proc.wait()
+            await next_event(events, EventKind.CONNECTION_LOST)
+            await asyncio.sleep(1.0)
+            await asyncio.to_thread(_restart_same, fresh_etcd)
+            await next_event(events, EventKind.CONNECTION_RESTORED, timeout=20)
+            # Everything still works after the outage: restart and re-join.
+            await b.request_restart(g0, "after outage")
+            await next_event(events, EventKind.GENERATION_CHANGED, timeout=20)
+            g1 = await asyncio.wait_for(asyncio.gather(a.join(), b.join()), 20)
+            assert g1[0].number == 1 and g1[0].member_ids == g0.member_ids
+            await events.aclose()
+    run(main())
+
+
+@pytest.mark.timeout(60)
+def test_etcd_killed_for_good_gives_a_clean_error(fresh_etcd, run_id):
+    async def main():
+        s = settings(run_id, 1, 1)
+        async with agents(fresh_etcd.endpoint, s, ["a"], reconnect_timeout="2") as (a,):
+            await a.join()
+            events = a.events()
+            fresh_etcd.proc.kill()
+            fresh_etcd.proc.wait()
+            with pytest.raises(RendezvousConnectionError, match="for more than 2 s"):
+                async for _ in events:
+                    pass
+            with pytest.raises(RendezvousConnectionError):
+                await a.current()
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_two_run_ids_are_isolated(etcd_server, run_id):
+    async def main():
+        sa, sb = settings(run_id + "-a", 2, 2), settings(run_id + "-b", 1, 1)
+        async with agents(etcd_server.endpoint, sa, ["n1", "n2"]) as ra, \
+                agents(etcd_server.endpoint, sb, ["n1"]) as (rb,):
+            ga, gb = await asyncio.gather(asyncio.gather(*(r.join() for r in ra)), rb.join())
+            assert ga[0].member_ids == ("n1", "n2") and gb.member_ids == ("n1",)
+            assert sum(r.is_leader for r in ra) == 1 and rb.is_leader
+            await ra[0].close("a is done")
+            assert (await rb.current()).state is GenState.ACTIVE
+            assert (await rb.current()) == gb
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_bootstrap_publish_and_wait(etcd_server, run_id):
+    async def main():
+        s = settings(run_id, 2, 2)
+        async with agents(etcd_server.endpoint, s, ["a", "b"]) as (a, b):
+            g = (await asyncio.gather(a.join(), b.join()))[0]
+            waiter = asyncio.create_task(b.wait_bootstrap(g, timeout=10))
+            await asyncio.sleep(0.1)
+            assert not waiter.done()
+            await a.publish_bootstrap(g, "10.1.2.3", 29400)
+            assert await waiter == ("10.1.2.3", 29400)
+            assert await a.wait_bootstrap(g, timeout=1) == ("10.1.2.3", 29400)  # already there
+            later = replace(g, number=g.number + 1)
+            with pytest.raises(RendezvousTimeoutError, match="generation 1"):
+                await b.wait_bootstrap(later, timeout=0.3)  # a fresh store per generation: no stale address
+    run(main())
+
+
+@pytest.mark.timeout(30)
+def test_embedded_etcd_leaves_nothing_behind(run_id):
+    async def main():
+        async with EmbeddedEtcd() as etcd:
+            pid, data_dir = etcd.pid, etcd.data_dir
+            assert os.path.isdir(data_dir)
+            async with agents(etcd.endpoint, settings(run_id, 1, 1), ["x"]) as (r,):
+                assert (await r.join()).member_ids == ("x",)
+        return pid, data_dir
+    pid, data_dir = run(main())
+    assert not os.path.exists(data_dir)
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
