@@ -222,7 +222,7 @@ def test_commit_cas_conflict(etcd_server, run_id):
 @pytest.mark.timeout(30)
 def test_closed_run_rejects_joiners(etcd_server, run_id):
     async def main():
-        s = settings(run_id, 1, 2, last_call_timeout=0)
+        s = settings(run_id, 2, 2)
         async with agents(etcd_server.endpoint, s, ["a", "b"]) as (a, b):
             await asyncio.gather(a.join(), b.join())
             events = b.events()

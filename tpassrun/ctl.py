@@ -1,0 +1,336 @@
+"""``tpassctl``: look at a running job and taint/untaint/drain its ranks through etcd.
+
+    tpassctl status  --rdzv-endpoint E --rdzv-id ID [--json]
+    tpassctl taint   --rdzv-endpoint E --rdzv-id ID (--rank R | --node N [--local-rank L]) --reason TEXT
+                     [--effect migrate|exclude|fail]
+    tpassctl untaint --rdzv-endpoint E --rdzv-id ID (--rank R | --node N [--local-rank L] | --id ID)
+    tpassctl drain   --rdzv-endpoint E --rdzv-id ID --node N --reason TEXT
+
+Everything is read in one etcd range request over the run's prefix. Errors are one line on stderr and
+exit code 1 (unreachable etcd, unknown run id, unknown node or rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from .rendezvous import EtcdConfig, EtcdStore, Generation, RendezvousError, RendezvousSettings
+
+EFFECTS = ("migrate", "exclude", "fail")
+
+
+class CtlError(Exception):
+    """A one-line user error (exit 1)."""
+
+
+def _parse_conf(text: str) -> dict[str, str]:
+    conf: dict[str, str] = {}
+    for item in (text or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise CtlError(f"--rdzv-conf item {item!r} is not key=value")
+        conf[key.strip()] = value.strip()
+    return conf
+
+
+@dataclass
+class RunSnapshot:
+    """Everything under one run's prefix, split by kind."""
+
+    run_id: str
+    generation: Generation | None = None
+    leader: dict[str, Any] | None = None
+    closed: dict[str, Any] | None = None
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    status: dict[str, dict[str, Any]] = field(default_factory=dict)
+    health: dict[str, dict[str, Any]] = field(default_factory=dict)
+    taints: dict[str, dict[str, Any]] = field(default_factory=dict)
+    swaps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    empty: bool = True
+
+    def workers(self) -> list[dict[str, Any]]:
+        """Every worker row from ``status/<node>`` with its node id."""
+        rows = []
+        for node_id, doc in sorted(self.status.items()):
+            for w in doc.get("workers", ()):
+                rows.append({"node_id": node_id, **w})
+        return rows
+
+    def resolve_rank(self, rank: int) -> tuple[str, int | None]:
+        """(node_id, local_rank) of a global rank: the agents' status first (true after swaps), else the ranges."""
+        for w in self.workers():
+            if w.get("rank") == rank and not w.get("spare"):
+                return w["node_id"], w.get("local_rank")
+        gen = self.generation
+        if gen is not None:
+            for m in gen.members:
+                if m.rank_offset <= rank < m.rank_offset + m.nproc:
+                    return m.node_id, rank - m.rank_offset
+        world = gen.world_size if gen else 0
+        raise CtlError(f"no rank {rank} in run {self.run_id!r} (world size {world})")
+
+    def check_node(self, node_id: str, local_rank: int | None) -> None:
+        gen = self.generation
+        member = gen.member(node_id) if gen else None
+        known = member is not None or node_id in self.status or (gen is not None and node_id in gen.spare_nodes)
+        if not known:
+            raise CtlError(f"no node {node_id!r} in run {self.run_id!r} (members: {_member_list(gen)})")
+        if local_rank is None:
+            return
+        local_ranks = {w.get("local_rank") for w in self.status.get(node_id, {}).get("workers", ())}
+        if member is not None:
+            local_ranks |= set(range(member.nproc))
+        if local_rank not in local_ranks:
+            raise CtlError(f"node {node_id!r} has no local rank {local_rank}")
+
+    def active_ranks(self, node_id: str) -> list[tuple[int, int | None]]:
+        """(rank, local_rank) of the non-spare workers of a node."""
+        rows = [w for w in self.workers() if w["node_id"] == node_id and not w.get("spare")
+                and w.get("rank") is not None]
+        if rows:
+            return sorted((int(w["rank"]), w.get("local_rank")) for w in rows)
+        member = self.generation.member(node_id) if self.generation else None
+        if member is None:
+            return []
+        return [(member.rank_offset + i, i) for i in range(member.nproc)]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "v": 1,
+            "run_id": self.run_id,
+            "generation": self.generation.to_json() if self.generation else None,
+            "leader": self.leader.get("node_id") if self.leader else None,
+            "closed": self.closed,
+            "nodes": self.nodes,
+            "status": self.status,
+            "health": self.health,
+            "taints": self.taints,
+            "swaps": self.swaps,
+        }
+
+
+def _member_list(gen: Generation | None) -> str:
+    return ", ".join(gen.member_ids) if gen and gen.members else "none"
+
+
+async def read_snapshot(store: EtcdStore, prefix: str, run_id: str) -> RunSnapshot:
+    snap = RunSnapshot(run_id)
+    items, _ = await store.read_prefix_json(prefix)
+    for key, doc, rev, _create in items:
+        snap.empty = False
+        rest = key[len(prefix):]
+        kind, _, name = rest.partition("/")
+        if rest == "generation":
+            try:
+                snap.generation = Generation.from_json(doc, rev)
+            except (KeyError, ValueError, TypeError):
+                pass
+        elif rest == "leader":
+            snap.leader = doc
+        elif rest == "closed":
+            snap.closed = doc
+        elif kind in ("nodes", "status", "health", "taints", "swaps") and name:
+            getattr(snap, kind)[name] = doc
+    return snap
+
+
+def _render_status(snap: RunSnapshot) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    gen = snap.generation
+    head = f"run [bold]{snap.run_id}[/]"
+    if gen is not None:
+        head += f"  generation {gen.number} [bold]{gen.state.value}[/]  world size {gen.world_size}"
+        if gen.reason:
+            head += f"  ({gen.reason})"
+    else:
+        head += "  no generation formed yet"
+    console.print(head)
+    console.print(f"leader: {snap.leader.get('node_id') if snap.leader else '-'}"
+                  + (f"   closed: {snap.closed.get('reason')}" if snap.closed else ""))
+
+    members = Table("node", "group rank", "addr", "nproc", "ranks", "role", title="nodes", title_justify="left")
+    if gen is not None:
+        for m in gen.members:
+            role = "lost" if m.node_id in gen.lost else "member"
+            members.add_row(m.node_id, str(m.group_rank), m.addr, str(m.nproc),
+                            f"{m.rank_offset}-{m.rank_offset + m.nproc - 1}", role)
+        for node_id in gen.spare_nodes:
+            members.add_row(node_id, "-", snap.nodes.get(node_id, {}).get("addr", "?"),
+                            str(snap.nodes.get(node_id, {}).get("nproc", "?")), "-", "spare node")
+        for node_id in gen.waiting:
+            members.add_row(node_id, "-", snap.nodes.get(node_id, {}).get("addr", "?"), "-", "-", "waiting")
+    console.print(members)
+
+    workers = Table("node", "slot", "rank", "local rank", "pid", "state", "step", "spare", title="workers",
+                    title_justify="left")
+    for w in snap.workers():
+        workers.add_row(str(w["node_id"]), *(str(w.get(k, "-")) for k in ("slot", "rank", "local_rank", "pid",
+                                                                           "state", "step")),
+                        "yes" if w.get("spare") else "")
+    console.print(workers)
+
+    if snap.taints:
+        taints = Table("id", "node", "rank", "local rank", "effect", "reason", "state", title="taints",
+                       title_justify="left")
+        for tid, t in sorted(snap.taints.items()):
+            taints.add_row(tid, str(t.get("node_id")), str(t.get("rank")), str(t.get("local_rank")),
+                           str(t.get("effect")), str(t.get("reason")), str(t.get("state", "")))
+        console.print(taints)
+    if snap.swaps:
+        swaps = Table("id", "phase", "reason", title="swaps", title_justify="left")
+        for sid, s in sorted(snap.swaps.items()):
+            swaps.add_row(sid, str(s.get("phase")), str(s.get("reason", "")))
+        console.print(swaps)
+    if snap.health:
+        health = Table("node", "device", "status", "effect", "reason", title="health", title_justify="left")
+        for node_id, doc in sorted(snap.health.items()):
+            verdicts = doc.get("verdicts") or []
+            if not verdicts:
+                health.add_row(node_id, "-", "no verdicts", "", "")
+            for v in verdicts:
+                health.add_row(node_id, str(v.get("device")), str(v.get("status")), str(v.get("effect")),
+                               str(v.get("reason", "")))
+        console.print(health)
+
+
+def _taint_doc(tid: str, node_id: str, local_rank: int | None, rank: int | None, reason: str,
+               effect: str) -> dict[str, Any]:
+    return {"v": 1, "id": tid, "node_id": node_id, "local_rank": local_rank, "rank": rank, "reason": reason,
+            "effect": effect, "source": "tpassctl", "time": time.time()}
+
+
+def _new_taint_id() -> str:
+    return "t" + uuid.uuid4().hex[:12]
+
+
+async def _run(args: argparse.Namespace) -> int:
+    conf = _parse_conf(args.rdzv_conf)
+    conf.setdefault("read_timeout", "5")  # a CLI should not sit for torchrun's 60 s default
+    etcd = EtcdConfig.from_endpoint(args.rdzv_endpoint, conf)
+    etcd = EtcdConfig(**{**etcd.__dict__, "reconnect_timeout": etcd.read_timeout})
+    prefix = RendezvousSettings.from_conf(args.rdzv_id, 1, 1, conf).run_prefix
+    async with EtcdStore(etcd) as store:
+        snap = await read_snapshot(store, prefix, args.rdzv_id)
+        if snap.empty:
+            raise CtlError(f"no run {args.rdzv_id!r} at etcd {etcd.display} (nothing under {prefix})")
+        if args.command == "status":
+            if args.json:
+                print(json.dumps(snap.to_json(), indent=2, sort_keys=True))
+            else:
+                _render_status(snap)
+            return 0
+        if args.command == "taint":
+            if args.rank is not None:
+                node_id, local_rank = snap.resolve_rank(args.rank)
+                rank: int | None = args.rank
+            else:
+                snap.check_node(args.node, args.local_rank)
+                node_id, local_rank, rank = args.node, args.local_rank, None
+                if local_rank is not None:
+                    rank = next((r for r, lr in snap.active_ranks(node_id) if lr == local_rank), None)
+            tid = _new_taint_id()
+            await store.put_json(prefix + f"taints/{tid}",
+                                 _taint_doc(tid, node_id, local_rank, rank, args.reason, args.effect))
+            print(f"tainted {_describe(node_id, local_rank, rank)} as {tid} ({args.effect}): {args.reason}")
+            return 0
+        if args.command == "drain":
+            snap.check_node(args.node, None)
+            ranks = snap.active_ranks(args.node)
+            if not ranks:
+                raise CtlError(f"node {args.node!r} has no active ranks to drain")
+            for rank, local_rank in ranks:
+                tid = _new_taint_id()
+                await store.put_json(prefix + f"taints/{tid}",
+                                     _taint_doc(tid, args.node, local_rank, rank, args.reason, "migrate"))
+                print(f"tainted {_describe(args.node, local_rank, rank)} as {tid} (migrate): {args.reason}")
+            return 0
+        if args.command == "untaint":
+            matches = [tid for tid, t in sorted(snap.taints.items()) if _matches(t, tid, args)]
+            if not matches:
+                raise CtlError("no matching taints")
+            for tid in matches:
+                await store.delete(prefix + f"taints/{tid}")
+                print(f"removed taint {tid}")
+            return 0
+    raise CtlError(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it)
+
+
+def _describe(node_id: str, local_rank: int | None, rank: int | None) -> str:
+    parts = [f"node {node_id}"]
+    if local_rank is not None:
+        parts.append(f"local rank {local_rank}")
+    if rank is not None:
+        parts.append(f"rank {rank}")
+    return " ".join(parts)
+
+
+def _matches(taint: dict[str, Any], tid: str, args: argparse.Namespace) -> bool:
+    if args.id is not None:
+        return tid == args.id
+    if args.rank is not None:
+        return taint.get("rank") == args.rank
+    if taint.get("node_id") != args.node:
+        return False
+    return args.local_rank is None or taint.get("local_rank") == args.local_rank
+
+
+def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="etcd host[:port][,...]")
+    common.add_argument("--rdzv-id", "--rdzv_id", required=True, help="the job's run id")
+    common.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="k=v,... (cacert, user, read_timeout, ...)")
+    parser = argparse.ArgumentParser(prog="tpassctl", description="Inspect and steer a running tpassrun job.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    status = sub.add_parser("status", parents=[common], help="generation, nodes, workers, taints, swaps, health")
+    status.add_argument("--json", action="store_true", help="print one JSON document")
+
+    taint = sub.add_parser("taint", parents=[common], help="mark a rank as bad (the job moves it to a spare)")
+    target = taint.add_mutually_exclusive_group(required=True)
+    target.add_argument("--rank", type=int)
+    target.add_argument("--node")
+    taint.add_argument("--local-rank", "--local_rank", type=int)
+    taint.add_argument("--reason", required=True)
+    taint.add_argument("--effect", choices=EFFECTS, default="migrate")
+
+    untaint = sub.add_parser("untaint", parents=[common], help="remove taints")
+    target = untaint.add_mutually_exclusive_group(required=True)
+    target.add_argument("--rank", type=int)
+    target.add_argument("--node")
+    target.add_argument("--id")
+    untaint.add_argument("--local-rank", "--local_rank", type=int)
+
+    drain = sub.add_parser("drain", parents=[common], help="taint every active rank of a node")
+    drain.add_argument("--node", required=True)
+    drain.add_argument("--reason", required=True)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "local_rank", None) is not None and getattr(args, "node", None) is None:
+        parser.error("--local-rank needs --node")
+    try:
+        return asyncio.run(_run(args))
+    except (CtlError, RendezvousError) as exc:
+        print(f"tpassctl: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
