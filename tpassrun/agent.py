@@ -33,8 +33,8 @@ from .config import LaunchConfig  # noqa: E402
 from .events import EventLog  # noqa: E402
 from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
-from .rendezvous import (EmbeddedEtcd, EtcdConfig,  # noqa: E402 EtcdRendezvous, Generation, NodeInfo, RendezvousError,
-                         RendezvousSettings, find_etcd_binary)
+from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
+                         RendezvousError, RendezvousSettings, find_etcd_binary)
 from .slots import LocalSlots, Slot, SlotState  # noqa: E402
 from .workerenv import WorkerAssignment, entrypoint_name, worker_argv, worker_env  # noqa: E402
 
@@ -77,6 +77,7 @@ class Agent:
         self._queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._store_proc: asyncio.subprocess.Process | None = None
         self.swapper: Any = None
+        self.master: tuple[str, int] = ("", 0)   # this generation's bootstrap store (also used by swaps)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:
@@ -190,6 +191,7 @@ class Agent:
         if self.signal_received is not None:
             return Outcome.SIGNALLED, "signal"
         master = await self._bootstrap(gen, me is not None and me.group_rank == 0)
+        self.master = master
         await self._spawn_generation(gen, master)
         tasks = [asyncio.ensure_future(self._pump_rdzv_events(gen)),
                  asyncio.ensure_future(self.swapper.run(gen)),

@@ -313,8 +313,8 @@ class Swapper:
     async def _reform(self, plan: SwapPlan) -> Report:
         me = self.agent.node_id
         gen = self.agent.generation
-        assert gen is not None and gen.bootstrap is not None
-        addr, port = gen.bootstrap
+        assert gen is not None
+        addr, port = self.agent.master
         world = {"addr": addr, "port": port, "prefix": f"/tpassrun/{plan.id}/{plan.attempt}/",
                  "world_size": gen.world_size, "generation": gen.number + 1}
         waiting: list[Slot] = []
@@ -526,11 +526,11 @@ class Swapper:
         taints = await self._store.get_prefix_json(self._key("taints") + "/")
         held = {(d.get("node_id"), d.get("slot")) for _k, d, _r in taints}
         gen = self.agent.generation
-        if gen is None or gen.bootstrap is None:
+        if gen is None or not self.agent.master[1]:
             return
         for s in self._slots.slots:
             if s.state == SlotState.QUARANTINED and (self.agent.node_id, s.index) not in held:
                 s.quarantine_reason = None
-                await self.agent.spawn(gen, s, local_rank=s.index, rank=-1, master=gen.bootstrap, spare=True)
+                await self.agent.spawn(gen, s, local_rank=s.index, rank=-1, master=self.agent.master, spare=True)
                 self.agent.events.write("spare_returned", slot=s.index)
         await self.agent.publish_status()

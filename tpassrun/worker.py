@@ -373,7 +373,17 @@ class ReconfigurableDDP:
     def _build(self) -> Any:
         from torch.nn.parallel import DistributedDataParallel
 
-        return DistributedDataParallel(self._module, **self._kwargs)
+        ddp = DistributedDataParallel(self._module, **self._kwargs)
+        # Fix the gradient bucket layout now instead of after the first iteration. DDP normally re-buckets
+        # once, by the order gradients became ready; a DDP rebuilt after a swap would then reduce its first
+        # step with a different layout, hence a different summation order, than the uninterrupted run, and
+        # the runs would drift apart in the last bits. With the layout fixed at construction (a collective,
+        # done by every rank, here and in every rebuild) both runs reduce in the same order on every step.
+        reducer = getattr(ddp, "reducer", None)
+        if reducer is not None and hasattr(reducer, "_push_all_rebuilt_params"):
+            reducer._push_all_rebuilt_params()
+            reducer._rebuild_buckets()
+        return ddp
 
     def rebuild(self) -> None:
         self._ddp = self._build()
