@@ -1,0 +1,56 @@
+#!/usr/bin/env python
+"""Parity worker: dumps its environment and command line to $PARITY_OUT, prints a line per stream.
+
+Script args (after any others): ``--exit-code N --exit-rank R``: global rank R exits with N, after
+every worker of its attempt has dumped (so the set of dumps is deterministic). No torch import.
+"""
+
+import json
+import os
+import sys
+import time
+
+
+def _opt(name: str, default: str) -> str:
+    argv = sys.argv[1:]
+    return argv[argv.index(name) + 1] if name in argv[:-1] else default
+
+
+def main() -> int:
+    out_dir = os.environ["PARITY_OUT"]
+    rank = os.environ.get("RANK", "?")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
+    dump = {
+        "env": dict(os.environ),
+        "argv": sys.argv,
+        "orig_argv": sys.orig_argv,
+        "write_through": sys.stdout.write_through,
+        "cwd": os.getcwd(),
+    }
+    # Print first, in one write each (under -u, print() writes the newline separately and lines of
+    # two workers could interleave); a peer that sees our dump knows our lines are out.
+    sys.stdout.write(f"hello-out rank {rank} attempt {attempt}\n")
+    sys.stdout.flush()
+    sys.stderr.write(f"hello-err rank {rank} attempt {attempt}\n")
+    sys.stderr.flush()
+    tmp = os.path.join(out_dir, f".{rank}_{attempt}_{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump(dump, f)
+    os.rename(tmp, os.path.join(out_dir, f"{rank}_{attempt}_{os.getpid()}.json"))
+
+    code = int(_opt("--exit-code", "0"))
+    if code and rank == _opt("--exit-rank", "0"):
+        peers = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            mine = [n for n in os.listdir(out_dir) if n.endswith(".json") and n.split("_")[1] == attempt]
+            if len(mine) >= peers:
+                break
+            time.sleep(0.02)
+        sys.stdout.flush()
+        os._exit(code)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
