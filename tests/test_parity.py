@@ -238,6 +238,21 @@ def _get(results, case: Case, side: str) -> SideResult:
     return results[(case.name, side)].result(timeout=RUN_TIMEOUT * 4)
 
 
+def _dump_diff(ours: list[dict], ref: list[dict]) -> str:
+    """Only what differs, as {field: (ours, torchrun)}, so a failure names the variable at once."""
+    if len(ours) != len(ref):
+        return f"{len(ours)} dumps vs {len(ref)}"
+    diffs = {}
+    for o, r in zip(ours, ref):
+        for k in sorted(set(o["env"]) | set(r["env"])):
+            if o["env"].get(k) != r["env"].get(k):
+                diffs[f"env.{k}"] = (o["env"].get(k), r["env"].get(k))
+        for k in sorted((set(o) | set(r)) - {"env"}):
+            if o.get(k) != r.get(k):
+                diffs[k] = (o.get(k), r.get(k))
+    return repr(diffs)
+
+
 def _why(r: SideResult) -> str:
     return f"rc={r.rc}\n--- stderr (tail) ---\n{r.stderr[-3000:]}"
 
@@ -267,7 +282,7 @@ def test_parity(results, case):
     assert ours.rc == ref.rc, _why(ours)
     assert sorted(ours.dumps) == sorted(ref.dumps), _why(ours)
     for key in ref.dumps:
-        assert ours.dumps[key] == ref.dumps[key], key
+        assert ours.dumps[key] == ref.dumps[key], f"RANK/attempt {key}: {_dump_diff(ours.dumps[key], ref.dumps[key])}"
     assert _console_lines(ours.stdout, "hello-out") == _console_lines(ref.stdout, "hello-out")
     assert _console_lines(ours.stderr, "hello-err") == _console_lines(ref.stderr, "hello-err")
     assert ours.log_tree == ref.log_tree
