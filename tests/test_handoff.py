@@ -369,6 +369,20 @@ def test_empty_bundle_round_trips():
     assert bundle.tensors == [] and sent.chunks == 0 and got.checksum == sent.checksum
 
 
+def test_crc32_streams_round_trip_too():
+    tensor = torch.randn(3, 1000)
+    out, sent, got = transfer(capture({"bag": Bag({"t": tensor})}, step=1), checksum="crc32")
+    assert sent.checksum == got.checksum and sent.checksum.startswith("crc32:")
+    assert torch.equal(out.tensors[0], tensor)
+
+
+def test_the_block_checksum_sees_swapped_blocks():
+    first, second = torch.zeros(16 << 10, dtype=torch.int64), torch.ones(16 << 10, dtype=torch.int64)
+    straight = capture({"bag": Bag({"t": torch.cat([first, second])})}, step=0)
+    swapped = capture({"bag": Bag({"t": torch.cat([second, first])})}, step=0)
+    assert transfer(straight)[1].checksum != transfer(swapped)[1].checksum
+
+
 @pytest.mark.timeout(60)
 def test_a_64_mb_tensor_round_trips_in_chunks():
     big = torch.randn(16 << 20)  # 64 MiB of float32
@@ -438,12 +452,13 @@ def test_light_snapshot_detects_torn_and_corrupted_frames_and_ignores_slack():
         decode_small(bytes(flipped))
 
 
+@pytest.mark.parametrize("checksum", ["blocksum64", "crc32"])
 @pytest.mark.parametrize("where", ["prefix", "meta", "data", "trailer"])
-def test_a_flipped_byte_on_the_wire_is_a_checksum_error(where: str):
+def test_a_flipped_byte_on_the_wire_is_a_checksum_error(where: str, checksum: str):
     bundle = capture({"bag": Bag({"t": torch.randn(1 << 16)})}, step=0)
     frame_len = len(encode_small(bundle))
     offset = {"prefix": 9, "meta": 30, "data": frame_len // 2, "trailer": frame_len - 3}[where]
-    sent, received = transfer_outcome(bundle, _corrupt_byte_at=offset)
+    sent, received = transfer_outcome(bundle, checksum=checksum, _corrupt_byte_at=offset)
     assert isinstance(received, ChecksumError)
     if where in ("data", "trailer"):  # the sender is waiting for the verdict and hears it
         assert isinstance(sent, ChecksumError)
@@ -463,7 +478,7 @@ SENDER_THAT_DIES = textwrap.dedent("""
                                            "load_state_dict": lambda s, x: None})()}, step=0)
     spec, _, view = _outgoing(bundle.tensors[0])
     sock = socket.create_connection(("127.0.0.1", int(sys.argv[1])))
-    sock.sendall(_encode_head(bundle.meta, [spec], 1 << 20))
+    sock.sendall(_encode_head(bundle.meta, [spec], 1 << 20, "blocksum64"))
     sock.sendall(view[: len(view) // 3])
     os.kill(os.getpid(), signal.SIGKILL)  # dies mid-stream, as a crashing rank would
 """)

@@ -1,0 +1,195 @@
+"""Handoff transfer benchmark: raw loopback TCP vs send_bundle/recv_bundle, and the light snapshot.
+
+    python bench/transfer.py [--mb 300] [--rounds 3]
+
+Prints, in one run:
+  * raw TCP throughput: sendall / recv_into of one buffer between two processes;
+  * handoff throughput: ``connect_and_send`` / ``accept_and_recv`` of a model + AdamW state of
+    about the same size between two processes (checksummed, acknowledged, fresh receive tensors);
+  * their ratio (target >= 0.70);
+  * ``capture_rng()`` + ``capture`` + ``encode_small`` per call (target < 100 us), with a breakdown.
+
+Raw and handoff rounds alternate so that background load hits both alike. The last line is JSON.
+Figures only, no assertions: this is not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import socket
+import statistics
+import time
+from typing import Any, Callable
+
+import torch
+
+from tpassrun.handoff import (
+    accept_and_recv,
+    capture,
+    capture_rng,
+    connect_and_send,
+    decode_small,
+    encode_small,
+    listen_for_bundle,
+)
+
+CHUNK = 8 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# receivers (child processes)
+
+
+def raw_receiver(nbytes: int, rounds: int, ports: Any) -> None:
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    ports.put(listener.getsockname()[1])
+    buffer = bytearray(nbytes)  # touched once, reused: the best case for raw TCP
+    view = memoryview(buffer)
+    with listener:
+        for _ in range(rounds):
+            conn, _ = listener.accept()
+            with conn:
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(view[got:got + CHUNK])
+                    if n == 0:
+                        raise RuntimeError("sender went away")
+                    got += n
+                conn.sendall(b"k")  # the sender's clock stops on this, as send_bundle's does on its ack
+
+
+def bundle_receiver(rounds: int, ports: Any) -> None:
+    listener, port = listen_for_bundle("127.0.0.1")
+    ports.put(port)
+    with listener:
+        for _ in range(rounds):
+            bundle, _stats = accept_and_recv(listener, timeout=120)
+            del bundle
+
+
+def start_receiver(target: Callable, *args: Any) -> tuple[Any, int]:
+    ctx = mp.get_context("spawn")
+    ports = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, ports), daemon=True)
+    proc.start()
+    return proc, ports.get(timeout=120)
+
+
+# ---------------------------------------------------------------------------------------------
+# senders (this process)
+
+
+def send_raw(port: int, payload: memoryview) -> float:
+    started = time.perf_counter()
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        for offset in range(0, len(payload), CHUNK):
+            sock.sendall(payload[offset:offset + CHUNK])
+        if sock.recv(1) != b"k":
+            raise RuntimeError("raw receiver did not confirm")
+    return time.perf_counter() - started
+
+
+def model_and_optimizer(target_bytes: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """A stack of 2048x2048 linears whose params + AdamW exp_avg + exp_avg_sq weigh ~target_bytes."""
+    width = 2048
+    layers = max(1, round(target_bytes / (12 * (width * width + width))))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()  # materialises exp_avg / exp_avg_sq / step
+    for p in model.parameters():
+        p.grad = None
+    return model, opt
+
+
+def per_call_us(fn: Callable[[], Any], calls: int = 2000, repeats: int = 5) -> tuple[float, float]:
+    """(best, median) microseconds per call over ``repeats`` batches of ``calls``."""
+    for _ in range(200):
+        fn()
+    samples = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        samples.append((time.perf_counter() - started) / calls * 1e6)
+    return min(samples), statistics.median(samples)
+
+
+class Sampler:
+    """A light object like the ones in the per-step snapshot: a position and an epoch."""
+
+    def __init__(self) -> None:
+        self.position, self.epoch = 1234, 2
+
+    def state_dict(self) -> dict:
+        return {"position": self.position, "epoch": self.epoch}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.position, self.epoch = state["position"], state["epoch"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mb", type=int, default=300, help="size of the raw buffer and of the tracked state, MB")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    nbytes = args.mb * 10**6
+
+    model, opt = model_and_optimizer(nbytes)
+    bundle = capture({"model": model, "opt": opt}, step=1, rng=capture_rng())
+    payload = memoryview(bytearray(b"\x5a" * nbytes))
+    print(f"state: {bundle.nbytes / 1e6:.0f} MB in {len(bundle.tensors)} tensors; raw buffer {nbytes / 1e6:.0f} MB; "
+          f"{args.rounds} alternating rounds, torch threads {torch.get_num_threads()}")
+
+    raw_proc, raw_port = start_receiver(raw_receiver, nbytes, args.rounds)
+    bundle_proc, bundle_port = start_receiver(bundle_receiver, args.rounds)
+    raw_gbps, bundle_gbps = [], []
+    try:
+        for round_no in range(args.rounds):
+            raw_gbps.append(nbytes / send_raw(raw_port, payload) / 1e9)
+            stats = connect_and_send("127.0.0.1", bundle_port, bundle, timeout=120)
+            bundle_gbps.append(stats.gbps)
+            print(f"  round {round_no}: raw {raw_gbps[-1]:.2f} GB/s, handoff {stats.gbps:.2f} GB/s "
+                  f"({stats.nbytes / 1e6:.0f} MB, {stats.chunks} chunks, {stats.seconds:.3f} s, {stats.checksum})")
+    finally:
+        for proc in (raw_proc, bundle_proc):
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+    raw_best, bundle_best = max(raw_gbps), max(bundle_gbps)
+    ratio_best = bundle_best / raw_best
+    ratio_median = statistics.median(bundle_gbps) / statistics.median(raw_gbps)
+    print(f"raw TCP    best {raw_best:.2f} GB/s, median {statistics.median(raw_gbps):.2f} GB/s")
+    print(f"handoff    best {bundle_best:.2f} GB/s, median {statistics.median(bundle_gbps):.2f} GB/s")
+    print(f"ratio      best/best {ratio_best:.2f}, median/median {ratio_median:.2f} (target >= 0.70)")
+
+    sampler = Sampler()
+    rng = capture_rng()
+    light = encode_small(capture({"sampler": sampler}, step=7, rng=rng))
+    timings = {
+        "capture_rng": per_call_us(capture_rng),
+        "capture+encode_small (rng given)": per_call_us(lambda: encode_small(capture({"sampler": sampler}, step=7, rng=rng))),
+        "capture_rng+capture+encode_small": per_call_us(
+            lambda: encode_small(capture({"sampler": sampler}, step=7, rng=capture_rng()))),
+        "decode_small": per_call_us(lambda: decode_small(light)),
+    }
+    print(f"light snapshot: {len(light)} bytes")
+    for name, (best, median) in timings.items():
+        print(f"  {name:36s} best {best:7.1f} us, median {median:7.1f} us")
+
+    print(json.dumps({
+        "raw_gbps": raw_gbps, "handoff_gbps": bundle_gbps, "ratio_best": round(ratio_best, 3),
+        "ratio_median": round(ratio_median, 3), "state_mb": round(bundle.nbytes / 1e6, 1),
+        "light_bytes": len(light), "light_us": {k: round(v[0], 1) for k, v in timings.items()},
+    }))
+
+
+if __name__ == "__main__":
+    main()
