@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
+import resource
 import socket
 import statistics
 import time
@@ -42,6 +43,11 @@ CHUNK = 8 << 20
 # receivers (child processes)
 
 
+def cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def raw_receiver(nbytes: int, rounds: int, ports: Any) -> None:
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -52,6 +58,7 @@ def raw_receiver(nbytes: int, rounds: int, ports: Any) -> None:
     with listener:
         for _ in range(rounds):
             conn, _ = listener.accept()
+            cpu_before = cpu_seconds()
             with conn:
                 got = 0
                 while got < nbytes:
@@ -60,6 +67,7 @@ def raw_receiver(nbytes: int, rounds: int, ports: Any) -> None:
                         raise RuntimeError("sender went away")
                     got += n
                 conn.sendall(b"k")  # the sender's clock stops on this, as send_bundle's does on its ack
+            ports.put(cpu_seconds() - cpu_before)
 
 
 def bundle_receiver(rounds: int, ports: Any) -> None:
@@ -67,8 +75,10 @@ def bundle_receiver(rounds: int, ports: Any) -> None:
     ports.put(port)
     with listener:
         for _ in range(rounds):
+            cpu_before = cpu_seconds()
             bundle, _stats = accept_and_recv(listener, timeout=120)
             del bundle
+            ports.put(cpu_seconds() - cpu_before)
 
 
 def start_receiver(target: Callable, *args: Any) -> tuple[Any, int]:
@@ -76,7 +86,7 @@ def start_receiver(target: Callable, *args: Any) -> tuple[Any, int]:
     ports = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, ports), daemon=True)
     proc.start()
-    return proc, ports.get(timeout=120)
+    return proc, ports, ports.get(timeout=120)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -146,16 +156,21 @@ def main() -> None:
     print(f"state: {bundle.nbytes / 1e6:.0f} MB in {len(bundle.tensors)} tensors; raw buffer {nbytes / 1e6:.0f} MB; "
           f"{args.rounds} alternating rounds, torch threads {torch.get_num_threads()}")
 
-    raw_proc, raw_port = start_receiver(raw_receiver, nbytes, args.rounds)
-    bundle_proc, bundle_port = start_receiver(bundle_receiver, args.rounds)
-    raw_gbps, bundle_gbps = [], []
+    raw_proc, raw_reports, raw_port = start_receiver(raw_receiver, nbytes, args.rounds)
+    bundle_proc, bundle_reports, bundle_port = start_receiver(bundle_receiver, args.rounds)
+    raw_gbps, bundle_gbps, raw_cpu, bundle_cpu = [], [], [], []
     try:
         for round_no in range(args.rounds):
+            cpu_before = cpu_seconds()
             raw_gbps.append(nbytes / send_raw(raw_port, payload) / 1e9)
+            raw_cpu.append((cpu_seconds() - cpu_before, raw_reports.get(timeout=120)))
+            cpu_before = cpu_seconds()
             stats = connect_and_send("127.0.0.1", bundle_port, bundle, timeout=120)
+            bundle_cpu.append((cpu_seconds() - cpu_before, bundle_reports.get(timeout=120)))
             bundle_gbps.append(stats.gbps)
-            print(f"  round {round_no}: raw {raw_gbps[-1]:.2f} GB/s, handoff {stats.gbps:.2f} GB/s "
-                  f"({stats.nbytes / 1e6:.0f} MB, {stats.chunks} chunks, {stats.seconds:.3f} s, {stats.checksum})")
+            print(f"  round {round_no}: raw {raw_gbps[-1]:.2f} GB/s (cpu s: send {raw_cpu[-1][0]:.3f}, "
+                  f"recv {raw_cpu[-1][1]:.3f}), handoff {stats.gbps:.2f} GB/s (cpu s: send {bundle_cpu[-1][0]:.3f}, "
+                  f"recv {bundle_cpu[-1][1]:.3f}; {stats.nbytes / 1e6:.0f} MB, {stats.chunks} chunks, {stats.checksum})")
     finally:
         for proc in (raw_proc, bundle_proc):
             proc.join(timeout=60)
@@ -169,6 +184,10 @@ def main() -> None:
     print(f"raw TCP    best {raw_best:.2f} GB/s, median {statistics.median(raw_gbps):.2f} GB/s")
     print(f"handoff    best {bundle_best:.2f} GB/s, median {statistics.median(bundle_gbps):.2f} GB/s")
     print(f"ratio      best/best {ratio_best:.2f}, median/median {ratio_median:.2f} (target >= 0.70)")
+    raw_cost = min(send + recv for send, recv in raw_cpu) / nbytes * 1e9
+    bundle_cost = min(send + recv for send, recv in bundle_cpu) / bundle.nbytes * 1e9
+    print(f"cpu cost   raw {raw_cost:.3f} s/GB, handoff {bundle_cost:.3f} s/GB (both ends; a load-independent "
+          f"view on a shared host): raw/handoff {raw_cost / bundle_cost:.2f}")
 
     sampler = Sampler()
     rng = capture_rng()
@@ -186,7 +205,8 @@ def main() -> None:
 
     print(json.dumps({
         "raw_gbps": raw_gbps, "handoff_gbps": bundle_gbps, "ratio_best": round(ratio_best, 3),
-        "ratio_median": round(ratio_median, 3), "state_mb": round(bundle.nbytes / 1e6, 1),
+        "ratio_median": round(ratio_median, 3), "cpu_s_per_gb": {"raw": round(raw_cost, 3), "handoff": round(bundle_cost, 3)},
+        "state_mb": round(bundle.nbytes / 1e6, 1),
         "light_bytes": len(light), "light_us": {k: round(v[0], 1) for k, v in timings.items()},
     }))
 
