@@ -19,7 +19,7 @@ import contextlib
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import aetcd
@@ -71,6 +71,7 @@ class WatchEvent:
     value: dict[str, Any] | None
     mod_revision: int
     create_revision: int = 0
+    raw: bytes = field(default=b"", repr=False, compare=False)  # the stored bytes (only with raw=True)
 
 
 class _TlsClient(aetcd.Client):
@@ -421,14 +422,21 @@ class EtcdStore:
 
     # --- watches ---------------------------------------------------------------------------------------
 
-    def watch_prefix(self, prefix: str, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
-        """Every change under ``prefix`` from ``start_revision`` on (default: from now), across reconnects."""
-        return self._watch(prefix, start_revision, prefix=True)
+    def watch_prefix(self, prefix: str, start_revision: int | None = None, *,
+                     ready: asyncio.Event | None = None) -> AsyncIterator[WatchEvent]:
+        """Every change under ``prefix`` from ``start_revision`` on (default: from now), across reconnects.
 
-    def watch_key(self, key: str, start_revision: int | None = None) -> AsyncIterator[WatchEvent]:
-        return self._watch(key, start_revision, prefix=False)
+        ``ready`` is set once etcd has confirmed the watch (the first time only).
+        """
+        return self._watch(prefix, start_revision, prefix=True, ready=ready)
 
-    async def _watch(self, key: str, start_revision: int | None, *, prefix: bool) -> AsyncIterator[WatchEvent]:
+    def watch_key(self, key: str, start_revision: int | None = None, *, raw: bool = False,
+                  ready: asyncio.Event | None = None) -> AsyncIterator[WatchEvent]:
+        """Changes of one key. ``raw=True`` hands over the stored bytes undecoded (``WatchEvent.raw``)."""
+        return self._watch(key, start_revision, prefix=False, raw=raw, ready=ready)
+
+    async def _watch(self, key: str, start_revision: int | None, *, prefix: bool, raw: bool = False,
+                     ready: asyncio.Event | None = None) -> AsyncIterator[WatchEvent]:
         k = key.encode()
         next_rev = start_revision
         if next_rev is None:
@@ -441,10 +449,15 @@ class EtcdStore:
             try:
                 watch = await client.watch(k, range_end=_range_end(k) if prefix else None,
                                            start_revision=next_rev)
+                if ready is not None:
+                    ready.set()
                 async for ev in watch:
                     kv = ev.kv
                     next_rev = kv.mod_revision + 1
                     kind = "put" if ev.kind == "PUT" else "delete"
+                    if raw:
+                        yield WatchEvent(kind, kv.key.decode(), None, kv.mod_revision, kv.create_revision, kv.value)
+                        continue
                     value = decode(kv.value) if kind == "put" else None
                     yield WatchEvent(kind, kv.key.decode(), value, kv.mod_revision, kv.create_revision)
                 # The iterator ended without us cancelling it: a reconnect closed this client. Resume.

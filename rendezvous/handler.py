@@ -22,9 +22,8 @@ import time
 from typing import Any, AsyncIterator, Callable
 
 from .config import EtcdConfig, RendezvousSettings
-from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
-                     RendezvousTimeoutError)
-from .etcd_io import EtcdConnection, EtcdStore, WatchEvent
+from .errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
+from .etcd_io import EtcdConnection, EtcdStore, WatchEvent, decode
 from .machine import Action, NodeEntry, RdzvView, closed_generation, decide, events_between, restart_generation
 from .state import EventKind, GenState, Generation, NodeInfo, RdzvEvent
 
@@ -98,8 +97,11 @@ class EtcdRendezvous:
             self._leader = leader_doc.get("node_id") if leader_doc else None
             if self._leader is None:
                 self._leader_vacant.set()
-            self._spawn(self._follow_generation(gen_header + 1), "rdzv-generation")
-            self._spawn(self._follow_leader(leader_header + 1), "rdzv-leader")
+            watching = [asyncio.Event(), asyncio.Event()]
+            self._spawn(self._follow_generation(gen_header + 1, watching[0]), "rdzv-generation")
+            self._spawn(self._follow_leader(leader_header + 1, watching[1]), "rdzv-leader")
+            # Live once etcd confirmed both watches (so a failing etcd shows up here, not later).
+            await self._until_ready(watching)
             self._spawn(self._leadership(), "rdzv-leadership")
         except BaseException:
             await self.__aexit__(None, None, None)
@@ -119,6 +121,17 @@ class EtcdRendezvous:
         await self._store.close()  # revokes the lease: our registration and leader key vanish at once
         for q in self._subscribers:
             q.put_nowait(None)
+
+    async def _until_ready(self, events: list[asyncio.Event]) -> None:
+        waits = [asyncio.ensure_future(e.wait()) for e in events]
+        try:
+            while not all(e.is_set() for e in events):
+                self._check_fatal()
+                await asyncio.wait(waits + list(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+            self._check_fatal()
+        finally:
+            for w in waits:
+                w.cancel()
 
     def _spawn(self, coro: Any, name: str) -> None:
         task = asyncio.create_task(coro, name=f"{name}:{self.node.node_id}")
@@ -186,13 +199,13 @@ class EtcdRendezvous:
 
     # --- generation record -----------------------------------------------------------------------------
 
-    async def _follow_generation(self, start_revision: int) -> None:
-        async for ev in self._store.watch_key(self.key("generation"), start_revision):
+    async def _follow_generation(self, start_revision: int, ready: asyncio.Event) -> None:
+        async for ev in self._store.watch_key(self.key("generation"), start_revision, raw=True, ready=ready):
             if ev.kind == "reset":
                 doc, rev = await self._store.get_json(self.key("generation"))
                 self._apply_generation(_decode_generation(doc, rev), force=True)
             elif ev.kind == "put":
-                self._apply_generation(_decode_generation(ev.value, ev.mod_revision))
+                self._apply_generation(_decode_generation_bytes(ev.raw, ev.mod_revision))
             else:
                 self._apply_generation(None, revision=ev.mod_revision)
 
@@ -326,8 +339,8 @@ class EtcdRendezvous:
 
     # --- leadership ------------------------------------------------------------------------------------
 
-    async def _follow_leader(self, start_revision: int) -> None:
-        async for ev in self._store.watch_key(self.key("leader"), start_revision):
+    async def _follow_leader(self, start_revision: int, ready: asyncio.Event) -> None:
+        async for ev in self._store.watch_key(self.key("leader"), start_revision, ready=ready):
             if ev.kind == "put" and ev.value is not None:
                 new = str(ev.value.get("node_id"))
             elif ev.kind == "reset":
@@ -464,6 +477,23 @@ def _decode_generation(doc: dict[str, Any] | None, revision: int) -> Generation 
         return Generation.from_json(doc, revision)
     except (KeyError, ValueError, TypeError) as exc:
         raise RendezvousError(f"unreadable generation record in etcd: {exc}") from exc
+
+
+# Many agents in one process (tests, the scale bench) all receive the same record; decoding a 1,024-member
+# record once instead of once per agent keeps that O(n) instead of O(n^2). Keyed by the bytes themselves, so
+# distinct etcd servers or runs can never alias. Generations are frozen, so sharing one object is safe.
+_DECODED: dict[bytes, Generation | None] = {}
+_DECODED_MAX = 16
+
+
+def _decode_generation_bytes(raw: bytes, revision: int) -> Generation | None:
+    gen = _DECODED.get(raw)
+    if gen is None and raw not in _DECODED:
+        gen = _decode_generation(decode(raw), 0)
+        if len(_DECODED) >= _DECODED_MAX:
+            _DECODED.pop(next(iter(_DECODED)))
+        _DECODED[raw] = gen
+    return gen.with_revision(revision) if gen is not None else None
 
 
 async def _first_of(awaitables: list[Any], timeout: float | None) -> None:
