@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from typing import Any, AsyncIterator, Callable
+from typing import Any, Callable
 
 from .config import EtcdConfig, RendezvousSettings
 from .errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
