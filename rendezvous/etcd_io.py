@@ -471,5 +471,7 @@ class EtcdStore:
                 raise RendezvousError(f"etcd watch on {key} failed: {_one_line(exc)}") from exc
             finally:
                 if watch is not None:
-                    with contextlib.suppress(Exception):
-                        await watch.cancel()
+                    # Bounded: aetcd queues the cancel request on a size-10 queue that nobody drains once
+                    # the stream is gone, and a finally block that hangs would hang every shutdown.
+                    with contextlib.suppress(Exception, asyncio.CancelledError):
+                        await asyncio.wait_for(watch.cancel(), 1.0)

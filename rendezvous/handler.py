@@ -112,9 +112,8 @@ class EtcdRendezvous:
         tasks, self._tasks = self._tasks, []
         for task in tasks:
             task.cancel()
-        for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+        if tasks:  # bounded: a task stuck in a library's cleanup must not hang the agent's exit
+            await asyncio.wait(tasks, timeout=5)
         with contextlib.suppress(ValueError):
             self._store.connection.listeners.remove(self._on_connection)
         self._is_leader = False
