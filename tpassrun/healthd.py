@@ -78,9 +78,14 @@ class TaintAction:
     kill_slot: int | None = None               # FAIL: the worker of this slot is killed
 
 
-def taint_id(node_id: str, device: str, metric: str | None) -> str:
-    """Stable per (node, device, metric), readable in ``tpassctl status``, and safe as one etcd path part."""
-    raw = f"h-{node_id}-{device}-{metric or 'any'}"
+def taint_id(node_id: str, device: str, metric: str | None, slot: int | None = None) -> str:
+    """Stable per (node, device, metric), readable in ``tpassctl status``, and safe as one etcd path part.
+
+    A ``rank<R>`` device moves with its rank, so its slot is part of the id: a rank that is slow again in
+    the spare it moved to is a new problem, in another slot.
+    """
+    where = f"-slot{slot}" if slot is not None and device.startswith("rank") else ""
+    raw = f"h-{node_id}-{device}{where}-{metric or 'any'}"
     return re.sub(r"[^A-Za-z0-9_.:-]", "_", raw)
 
 
@@ -101,16 +106,18 @@ def decide(verdict: HealthVerdict, slot: SlotInfo | None, written: Sequence[Writ
         if device.startswith("rank"):
             # A straggler verdict follows the rank, the taint stays with the slot it was slow in: only the
             # same rank recovering in that same slot clears it.
-            stale = [w for w in written if slot is None or w.slot != slot.index]
-            if stale:
-                return TaintAction(TaintOp.KEEP, f"{device} is healthy in another slot now; slot "
-                                                 f"{stale[0].slot} stays tainted until an operator untaints it")
+            here = [w for w in written if slot is not None and w.slot == slot.index]
+            if not here:
+                return TaintAction(TaintOp.KEEP, f"{device} is healthy in another slot now; slot(s) "
+                                                 f"{', '.join(str(w.slot) for w in written)} stay tainted until "
+                                                 "an operator untaints them")
+            written = here
         ids = tuple(w.id for w in written)
         return TaintAction(TaintOp.DELETE, f"{device} healthy again ({verdict.reason}): remove {', '.join(ids)}",
                            delete=ids)
-    tid = taint_id(node_id, device, verdict.metric)
     if slot is None:
         return TaintAction(TaintOp.KEEP, f"{device}: {verdict.reason}; no local slot uses this device")
+    tid = taint_id(node_id, device, verdict.metric, slot.index)
     if any(w.id == tid for w in written):
         return TaintAction(TaintOp.KEEP, f"{device}: already tainted as {tid}")
     effect = verdict.effect
