@@ -322,9 +322,7 @@ class Swapper:
             if plan.kind == SwapKind.PLANNED and plan.leaver.node == me and s.index == plan.leaver.slot:
                 continue
             self._slots.set_run_until(s, INT64_MAX)
-            if plan.kind == SwapKind.UNPLANNED and self._slots.phase(s) == WorkerPhase.FAILED:
-                self._slots.send(s, "rollback")
-            self._slots.send(s, "reform", rank=s.rank, **world)
+            self._slots.send(s, "reform", rank=s.rank, rollback=plan.kind == SwapKind.UNPLANNED, **world)
             waiting.append(s)
         if plan.joiner.node == me:
             joiner = self._slots.slots[plan.joiner.slot]

@@ -250,6 +250,10 @@ class Session:
     def _after_failure(self, step: int, exc: BaseException) -> None:
         link = self._link
         assert link is not None
+        # Tear our end of every collective down now: a peer blocked on *us* (not on the dead rank) only
+        # learns of the failure when our sockets close, so aborting here cascades the error to every
+        # survivor instead of leaving some blocked until gloo's 30-minute timeout.
+        _abort_process_groups()
         link.set(Field.PHASE, WorkerPhase.FAILED)
         link.send("failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500])
         self._serve(step, failed=exc)
@@ -291,6 +295,12 @@ class Session:
                 link.send("rolled_back", step=step)
                 continue
             if kind == "reform":
+                if msg.get("rollback") and failed is not None:
+                    # The failed step is re-executed by everyone: put back what it consumed (RNG, data
+                    # position) from the snapshot taken when it started. Model and optimizer were not touched.
+                    if self._last_light is not None:
+                        self._restore_light(self._last_light)
+                    self._drop_grads()
                 self._reform(msg)
                 link.send("reformed", rank=self.rank, world_size=self.world_size, generation=self.generation)
                 link.set(Field.PHASE, WorkerPhase.RUNNING)
@@ -395,6 +405,91 @@ class ReconfigurableDDP:
         return getattr(self.__dict__["_ddp"], name)
 
 
+def _socket_fds() -> dict[int, str]:
+    """fd -> "socket:[inode]" for this process's sockets (Linux /proc)."""
+    out: dict[int, str] = {}
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return out
+    for fd in names:
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:"):
+            out[int(fd)] = target
+    return out
+
+
+class _GroupSockets:
+    """The sockets a process-group init opened (gloo's full mesh, the store client).
+
+    When a peer dies in a gloo collective only its direct ring neighbours get an error; a rank blocked on a
+    *live* neighbour that has given up waits for gloo's timeout (30 min), and neither ``abort()`` nor
+    ``destroy_process_group()`` closes gloo's sockets while DDP still references the group. Shutting these
+    sockets down makes every peer blocked on us fail at once, so the error cascades through the ring.
+    """
+
+    def __init__(self) -> None:
+        self._fds: dict[int, str] = {}
+        self._before: dict[int, str] = {}
+
+    def __enter__(self) -> "_GroupSockets":
+        self._before = _socket_fds()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        after = _socket_fds()
+        self._fds = {fd: t for fd, t in after.items() if self._before.get(fd) != t}
+
+    def shutdown(self) -> int:
+        n = 0
+        for fd, target in self._fds.items():
+            try:
+                if os.readlink(f"/proc/self/fd/{fd}") != target:
+                    continue  # closed and reused for something else since
+                sock = socket.socket(fileno=os.dup(fd))
+                try:
+                    sock.getpeername()  # only connected pairs: gloo's listener thread aborts the process
+                    sock.shutdown(socket.SHUT_RDWR)  # if its listening socket is shut under it
+                    n += 1
+                finally:
+                    sock.close()
+            except OSError:
+                continue
+        self._fds = {}
+        return n
+
+
+_GROUP_SOCKETS = _GroupSockets()
+
+
+def _init_world(backend: str | None, **kwargs: Any) -> None:
+    import torch.distributed as dist
+
+    with _GROUP_SOCKETS:
+        dist.init_process_group(backend, **kwargs)
+
+
+def _abort_process_groups() -> None:
+    """Abort every communicator of this process at once (NCCL needs one grouped abort; gloo closes its
+    sockets), falling back to a plain destroy where abort is not supported."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    _GROUP_SOCKETS.shutdown()
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if abort is not None:
+        try:
+            abort()
+            return
+        except Exception as exc:  # noqa: BLE001 - not every backend implements abort
+            log.debug("abort_process_group: %s", exc)
+    _leave_process_group()
+
+
 def _leave_process_group() -> None:
     import torch.distributed as dist
 
@@ -414,8 +509,7 @@ def _join_world(backend: str | None, msg: dict[str, Any], timeout: timedelta | N
     store = dist.TCPStore(msg["addr"], int(msg["port"]), is_master=False,
                           timeout=timeout or timedelta(seconds=300))
     store = dist.PrefixStore(str(msg["prefix"]), store)
-    dist.init_process_group(backend, store=store, rank=int(msg["rank"]), world_size=int(msg["world_size"]),
-                            **kwargs)
+    _init_world(backend, store=store, rank=int(msg["rank"]), world_size=int(msg["world_size"]), **kwargs)
 
 
 def _set_rank_env(msg: dict[str, Any]) -> None:
@@ -457,7 +551,7 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
     if not spare:
         if not dist.is_initialized():
             kwargs = {"timeout": timeout} if timeout is not None else {}
-            dist.init_process_group(backend, **kwargs)
+            _init_world(backend, **kwargs)
         link.set(Field.PHASE, WorkerPhase.STARTING)
         return Session(backend=backend, link=link, rank=dist.get_rank(), world_size=dist.get_world_size(),
                        local_rank=local_rank, generation=generation, joined=False, timeout=timeout)
