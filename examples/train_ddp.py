@@ -120,7 +120,7 @@ def main() -> None:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if loss_log is not None:
-            loss_log.write(json.dumps({"step": i, "loss": loss.item(), "pid": os.getpid(),
+            loss_log.write(json.dumps({"step": i, "loss": loss.item(), "pid": os.getpid(), "t": time.time(),
                                        "generation": sess.generation}) + "\n")
         if not args.quiet and sess.rank == 0 and i % 50 == 0:
             print(f"step {i} loss {loss.item():.6f} world {sess.world_size} swaps {sess.swaps}", flush=True)

@@ -77,7 +77,8 @@ class Agent:
         self._queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._store_proc: asyncio.subprocess.Process | None = None
         self.swapper: Any = None
-        self.master: tuple[str, int] = ("", 0)   # this generation's bootstrap store (also used by swaps)
+        self.master: tuple[str, int] = ("", 0)
+        self._static_port_used = False   # this generation's bootstrap store (also used by swaps)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:
@@ -216,10 +217,16 @@ class Agent:
         if gen.member(self.node_id) is None:
             return ("", 0)
         if host:
-            port = _free_port()
+            addr, port = self.addr, 0
+            if self.cfg.rdzv_backend == "static" and not self._static_port_used:
+                # torchrun's static backend hands workers --master-addr/--master-port; so do we, for the
+                # first generation. Later generations get a fresh port: a new store, never stale keys.
+                addr, port = self.cfg.master_addr, self.cfg.master_port
+                self._static_port_used = True
+            port = port or _free_port()
             await self._start_store(port)
-            await self.rdzv.publish_bootstrap(gen, self.addr, port)
-            return self.addr, port
+            await self.rdzv.publish_bootstrap(gen, addr, port)
+            return addr, port
         return await self.rdzv.wait_bootstrap(gen, timeout=float(self.cfg.rdzv_conf.get("join_timeout", 600)))
 
     async def _start_store(self, port: int) -> None:

@@ -1,0 +1,177 @@
+"""Fault injection for tests and benchmarks: run a job, kill rank R at step S, stall it, taint it.
+
+In-process faults (a SIGKILL during backward, a SIGSTOP, a straggler) go through ``TPASSRUN_FAULTS`` and
+:func:`tpassrun.testing.fault_point`, which ``examples/train_ddp.py`` calls. Out-of-process faults
+(taints, killing an agent) act on the running job from outside. :class:`Job` runs one launcher
+(``tpassrun`` or ``torchrun``) as a real subprocess in its own session and always cleans it up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLE = os.path.join(REPO, "examples", "train_ddp.py")
+
+
+def kill_at(rank: int, step: int, marker: str, where: str = "backward") -> dict[str, Any]:
+    return {"rank": rank, "step": step, "where": where, "action": "kill", "marker": marker}
+
+
+def stop_at(rank: int, step: int, marker: str) -> dict[str, Any]:
+    return {"rank": rank, "step": step, "where": "step", "action": "stop", "marker": marker}
+
+
+def slow_from(rank: int, step: int, seconds: float) -> dict[str, Any]:
+    return {"rank": rank, "step": step, "where": "step", "action": "sleep", "seconds": seconds}
+
+
+def faults_env(*faults: dict[str, Any]) -> dict[str, str]:
+    return {"TPASSRUN_FAULTS": json.dumps(list(faults))}
+
+
+@dataclass
+class Job:
+    """One launcher process running the example job (or any script)."""
+
+    argv: list[str]
+    out: str
+    env: dict[str, str] = field(default_factory=dict)
+    log_path: str = ""
+    proc: subprocess.Popen | None = None
+    started: float = 0.0
+
+    @classmethod
+    def tpassrun(cls, out: str, *, endpoint: str | None, run_id: str, nproc: int = 4, spares: int = 0,
+                 steps: int = 40, step_sleep: float = 0.02, extra: list[str] | None = None,
+                 script_args: list[str] | None = None, env: dict[str, str] | None = None) -> "Job":
+        rdzv = (["--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id]
+                if endpoint else ["--standalone"])
+        argv = [sys.executable, "-m", "tpassrun", *rdzv, "--nproc-per-node", str(nproc),
+                "--spares-per-node", str(spares), "--log-dir", os.path.join(out, "logs"), *(extra or []),
+                EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", out, "--quiet",
+                *(script_args or [])]
+        return cls(argv=argv, out=out, env=env or {})
+
+    @classmethod
+    def torchrun(cls, out: str, *, nproc: int = 4, steps: int = 40, step_sleep: float = 0.02,
+                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> "Job":
+        argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+                *(extra or []), EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", out,
+                "--quiet"]
+        return cls(argv=argv, out=out, env=env or {})
+
+    def start(self) -> "Job":
+        os.makedirs(self.out, exist_ok=True)
+        self.log_path = os.path.join(self.out, "launcher.log")
+        env = {**os.environ, **self.env}
+        self.started = time.monotonic()
+        self.proc = subprocess.Popen(self.argv, env=env, stdout=open(self.log_path, "wb"),
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+        return self
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"job did not finish in {timeout}s; log:\n{self.log()[-3000:]}")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self.proc.wait(10)
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as fh:
+                return fh.read()
+        except OSError:
+            return ""
+
+    # --- what the job left behind ---
+    def losses(self, rank: int) -> list[dict[str, Any]]:
+        path = os.path.join(self.out, f"loss_rank{rank}.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as fh:
+            return [json.loads(line) for line in fh if line.strip()]
+
+    def step_reached(self, rank: int = 0) -> int:
+        rows = self.losses(rank)
+        return rows[-1]["step"] if rows else -1
+
+    def wait_step(self, step: int, timeout: float, rank: int = 0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.step_reached(rank) < step:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise AssertionError(f"job exited early ({self.proc.returncode}):\n{self.log()[-3000:]}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"step {step} not reached in {timeout}s:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
+
+    def events(self) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        for root, _dirs, files in os.walk(os.path.join(self.out, "logs")):
+            if "events.jsonl" in files:
+                with open(os.path.join(root, "events.jsonl")) as fh:
+                    out += [json.loads(line) for line in fh if line.strip()]
+        return sorted(out, key=lambda e: e["time"])
+
+    def final(self, rank: int) -> dict[str, Any]:
+        import torch
+
+        return torch.load(os.path.join(self.out, f"final_rank{rank}.pt"), weights_only=False)
+
+
+def taint(endpoint: str, run_id: str, *, rank: int | None = None, node: str | None = None,
+          local_rank: int | None = None, reason: str = "test") -> int:
+    """``tpassctl taint`` as a user would run it; returns its exit code."""
+    argv = [sys.executable, "-m", "tpassrun.ctl", "taint", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--reason", reason]
+    if rank is not None:
+        argv += ["--rank", str(rank)]
+    if node is not None:
+        argv += ["--node", node]
+    if local_rank is not None:
+        argv += ["--local-rank", str(local_rank)]
+    return subprocess.run(argv, capture_output=True, timeout=60).returncode
+
+
+def assert_bit_exact(a: Job, b: Job, world: int) -> None:
+    """Parameters and optimizer state ``torch.equal`` on every rank, and identical per-step loss logs."""
+    import torch
+
+    for r in range(world):
+        fa, fb = a.final(r), b.final(r)
+        for k, v in fa["model"].items():
+            assert torch.equal(v, fb["model"][k]), f"rank {r}: parameter {k} differs"
+        sa, sb = fa["optimizer"]["state"], fb["optimizer"]["state"]
+        assert sa.keys() == sb.keys()
+        for pid in sa:
+            for k, v in sa[pid].items():
+                assert torch.equal(v, sb[pid][k]), f"rank {r}: optimizer state {pid}/{k} differs"
+        assert fa["scheduler"] == fb["scheduler"] and fa["sampler"] == fb["sampler"]
+        la = [(x["step"], x["loss"]) for x in a.losses(r)]
+        lb = [(x["step"], x["loss"]) for x in b.losses(r)]
+        assert la == lb, f"rank {r}: per-step losses differ (or a step was lost or repeated)"
+
+
+def pids_by_rank(job: Job, world: int) -> dict[int, set[int]]:
+    return {r: {x["pid"] for x in job.losses(r)} for r in range(world)}
+
+
+def run_async(coro: Any) -> Any:
+    return asyncio.run(coro)
