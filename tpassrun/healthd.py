@@ -166,7 +166,6 @@ class AgentHealth:
         self.monitor: HealthMonitor | None = None
         self.straggler: StragglerDetector | None = None
         self.written: dict[str, WrittenTaint] = {}
-        self._adopted = False
         self._rank_slot: dict[int, int] = {}        # rank -> slot its step times came from
         self._rank_step: dict[int, int] = {}        # rank -> step of the last sample taken
 
@@ -198,21 +197,21 @@ class AgentHealth:
         """Poll and publish until cancelled (the agent cancels it at the end of each generation)."""
         if self.monitor is None:
             self.monitor = self._build()
-        if not self._adopted:
-            await self._adopt_taints()
-            self._adopted = True
+        await self._sync_taints()
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.monitor.run())
             tg.create_task(self._publish_loop())
 
-    async def _adopt_taints(self) -> None:
-        """Taints an earlier instance on this node wrote: ours to delete when their device recovers."""
+    async def _sync_taints(self) -> None:
+        """Make ``written`` match etcd: adopt what an earlier instance on this node wrote (ours to delete
+        when the device recovers) and forget what an operator removed meanwhile."""
         rdzv = self.agent.rdzv
+        found: dict[str, WrittenTaint] = {}
         for _key, doc, _rev in await rdzv.store.get_prefix_json(rdzv.key("taints") + "/"):
             if doc.get("source") == SOURCE and doc.get("node_id") == self.agent.node_id and doc.get("device"):
-                self.written[doc["id"]] = WrittenTaint(doc["id"], doc["device"], doc.get("metric"),
-                                                       int(doc.get("slot", doc.get("local_rank", -1))),
-                                                       doc.get("rank"))
+                found[doc["id"]] = WrittenTaint(doc["id"], doc["device"], doc.get("metric"),
+                                                int(doc.get("slot", doc.get("local_rank", -1))), doc.get("rank"))
+        self.written = found
 
     async def _publish_loop(self) -> None:
         while True:
@@ -288,10 +287,11 @@ class AgentHealth:
         if action.op is TaintOp.WRITE:
             doc = action.doc
             assert doc is not None
-            # create, not put: never clobber the coordinator's handled_by/state on a taint we already wrote.
-            created = await rdzv.store.create_json(rdzv.key("taints", doc["id"]), doc)
+            # Recorded before the write: a generation ending mid-write must not leave a taint nobody removes.
             self.written[doc["id"]] = WrittenTaint(doc["id"], verdict.device, verdict.metric, doc["slot"],
                                                    doc["rank"])
+            # create, not put: never clobber the coordinator's handled_by/state on a taint we already wrote.
+            created = await rdzv.store.create_json(rdzv.key("taints", doc["id"]), doc)
             self.agent.events.write("health_taint", id=doc["id"], slot=doc["slot"], rank=doc["rank"],
                                     effect=doc["effect"], reason=doc["reason"], created=created)
             if action.kill_slot is not None:

@@ -154,6 +154,15 @@ class LocalSlots:
             if msg["kind"] in kinds:
                 return msg
 
+    async def wait_ready(self, slot: Slot, timeout: float) -> bool:
+        """Wait until ``slot``'s worker has said hello (a freshly started spare is still importing torch)."""
+        deadline = time.monotonic() + timeout
+        while not (slot.managed and slot.writer is not None):
+            if not slot.alive or time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.05)
+        return True
+
     def drain(self, slot: Slot) -> None:
         while not slot.inbox.empty():
             slot.inbox.get_nowait()

@@ -159,8 +159,9 @@ def _spares(view: ClusterView, near: str, excluded: Iterable[tuple[str, int]] = 
     spares = [s for s in view.slots if s.state == "spare" and (s.node, s.slot) not in banned]
     # Same node first (no cross-node transfer), then other member nodes, then spare nodes.
     order = {n: i for i, n in enumerate(view.members)}
-    return sorted(spares, key=lambda s: (s.node != near, s.node in view.spare_nodes, order.get(s.node, 1 << 30),
-                                         s.node, s.slot))
+    # A spare that already said hello (torch imported, waiting in tpassrun.init) beats one still starting.
+    return sorted(spares, key=lambda s: (s.node != near, s.node in view.spare_nodes, not s.managed,
+                                         order.get(s.node, 1 << 30), s.node, s.slot))
 
 
 def choose_spare(view: ClusterView, near: str, excluded: Iterable[tuple[str, int]] = ()) -> SlotView | None:
@@ -261,7 +262,7 @@ class Report:
                    light_b64=d.get("light_b64"), error=d.get("error"), extra=d.get("extra", {}))
 
 
-MAX_SEND_ATTEMPTS = 3
+MAX_SEND_ATTEMPTS = 4
 
 
 def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,

@@ -272,6 +272,8 @@ class Swapper:
             joiner = self._slots.slots[plan.joiner.slot]
             if not joiner.alive or joiner.state != SlotState.SPARE:
                 return Report(node=me, phase=plan.phase, ok=False, error=f"spare {me}/{joiner.index} is gone")
+            if not await self._slots.wait_ready(joiner, PHASE_TIMEOUT_S):
+                return Report(node=me, phase=plan.phase, ok=False, error=f"spare {me}/{joiner.index} never got ready")
             self._slots.drain(joiner)
             self._slots.send(joiner, "assign", **self._assign_fields(plan), timeout=PHASE_TIMEOUT_S)
             msg = await self._slots.expect(joiner, {"listening"}, PHASE_TIMEOUT_S)

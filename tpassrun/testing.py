@@ -41,6 +41,19 @@ def _claim(marker: str | None) -> bool:
     return True
 
 
+def wants(rank: int, step: int, where: str, action: str) -> bool:
+    """True (once, by marker) when a fault of ``action`` is scheduled here; the caller performs it.
+
+    Used inside tpassrun for faults only it can stage, e.g. ``{"where": "send", "action": "corrupt"}`` flips a
+    byte of the next state transfer of ``rank``.
+    """
+    for f in _faults():
+        if (f.get("where") == where and f.get("action") == action and int(f.get("rank", -1)) == rank
+                and int(f.get("step", step)) <= step and _claim(f.get("marker"))):
+            return True
+    return False
+
+
 def fault_point(rank: int, step: int, where: str = "step") -> None:
     for f in _faults():
         if f.get("where", "step") != where or int(f.get("rank", -1)) != rank:

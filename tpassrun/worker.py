@@ -260,7 +260,7 @@ class Session:
 
     def _serve(self, step: int, failed: BaseException | None = None) -> None:
         """Obey the agent until it lets this worker carry on (or tells it to leave)."""
-        from . import handoff
+        from . import handoff, testing
 
         link = self._link
         assert link is not None
@@ -281,8 +281,7 @@ class Session:
                 bundle = handoff.capture(objs, step=step, rng=rng,
                                          extra={"objects": sorted(objs), "swap_id": msg.get("swap_id")})
                 try:
-                    stats = handoff.connect_and_send(msg["addr"], int(msg["port"]), bundle,
-                                                     timeout=float(msg.get("timeout", 60)))
+                    stats = _send_state(msg, bundle, corrupt=testing.wants(self.rank, step, "send", "corrupt"))
                     link.send("sent", ok=True, nbytes=stats.nbytes, seconds=stats.seconds,
                               checksum=stats.checksum, swap_id=msg.get("swap_id"))
                 except (OSError, handoff.HandoffError) as exc:
@@ -403,6 +402,16 @@ class ReconfigurableDDP:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["_ddp"], name)
+
+
+def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: bool = False) -> Any:
+    from . import handoff
+
+    timeout = float(msg.get("timeout", 60))
+    if not corrupt:
+        return handoff.connect_and_send(msg["addr"], int(msg["port"]), bundle, timeout=timeout)
+    with socket.create_connection((msg["addr"], int(msg["port"])), timeout=timeout) as sock:
+        return handoff.send_bundle(sock, bundle, _corrupt_byte_at=4096)
 
 
 def _socket_fds() -> dict[int, str]:
@@ -561,7 +570,7 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
 def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
                    timeout: timedelta | None) -> Session:
     """Block until the agent hands this spare a rank, receive that rank's state, join the world."""
-    from . import handoff
+    from . import handoff, testing
 
     link.set(Field.PHASE, WorkerPhase.SPARE)
     bundle = None
@@ -578,6 +587,7 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
             listener, port = handoff.listen_for_bundle(msg.get("listen_host", "0.0.0.0"))
             link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
             link.send("listening", port=port, swap_id=msg.get("swap_id"))
+            testing.fault_point(int(msg.get("rank", -1)), 0, "receive")  # tests: the joiner dies mid-transfer
             try:
                 bundle, stats = handoff.accept_and_recv(listener, timeout=float(msg.get("timeout", 120)))
                 link.send("received", ok=True, nbytes=stats.nbytes, seconds=stats.seconds,
