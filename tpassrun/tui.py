@@ -237,7 +237,7 @@ def _node_title(doc: Mapping[str, Any], node_id: str, now: float | None) -> str:
 
 
 def _node_table(doc: Mapping[str, Any], node_id: str, now: float | None) -> Table:
-    table = Table("slot", "rank", "pid", "state", "step", "last step ms", "note", box=box.SIMPLE_HEAD,
+    table = Table("slot", "rank", "pid", "state", "step", "last step ms", "note", box=box.SIMPLE_HEAD, show_edge=False,
                   title=_node_title(doc, node_id, now), title_justify="left", pad_edge=False)
     workers = [w for w in _workers(doc) if w["node_id"] == node_id]
     if not workers:
@@ -316,7 +316,7 @@ def _recent_swaps(doc: Mapping[str, Any], limit: int = 3) -> Table | None:
         finished.append((max(times, default=0.0), sid, plan, (max(times) - min(times)) if times else None))
     if not finished:
         return None
-    table = Table("swap", "result", "leaver → joiner", "took", "reason", box=box.SIMPLE_HEAD, title="recent swaps",
+    table = Table("swap", "result", "leaver → joiner", "took", "reason", box=box.SIMPLE_HEAD, show_edge=False, title="recent swaps",
                   title_justify="left", pad_edge=False)
     for _end, sid, plan, took in sorted(finished, key=lambda f: f[:2], reverse=True)[:limit]:
         phase = plan.get("phase")
@@ -330,7 +330,7 @@ def _taints(doc: Mapping[str, Any]) -> Table | None:
     taints = _dict(doc.get("taints"))
     if not taints:
         return None
-    table = Table("id", "target", "effect", "source", "state", "reason", box=box.SIMPLE_HEAD, title="taints",
+    table = Table("id", "target", "effect", "source", "state", "reason", box=box.SIMPLE_HEAD, show_edge=False, title="taints",
                   title_justify="left", pad_edge=False)
     for tid, t in sorted(taints.items()):
         t = _dict(t)
@@ -351,7 +351,7 @@ def _health(doc: Mapping[str, Any]) -> Table | None:
     health = _dict(doc.get("health"))
     if not health:
         return None
-    table = Table("node", "device", "status", "effect", "reason", box=box.SIMPLE_HEAD, title="health",
+    table = Table("node", "device", "status", "effect", "reason", box=box.SIMPLE_HEAD, show_edge=False, title="health",
                   title_justify="left", pad_edge=False)
     for node_id, h in sorted(health.items()):
         h = _dict(h)
@@ -371,16 +371,15 @@ def _health(doc: Mapping[str, Any]) -> Table | None:
 def render_status(doc: Mapping[str, Any], *, now: float | None = None) -> RenderableType:
     """The dashboard for one ``tpassctl status --json`` document (pure; ``now`` only adds ages)."""
     doc = _dict(doc)
-    parts: list[RenderableType] = [_header(doc)]
-    parts += [_node_table(doc, node_id, now) for node_id in _node_order(doc)]
-    parts.append(_spares(doc))
-    active = _active_swaps(doc)
-    for sid, plan in active:
-        parts += [Text(), _swap_block(sid, plan, now)]
-    if not active:
-        parts.append(Text("no swap in progress", style="dim"))
-    parts += [t for t in (_recent_swaps(doc), _taints(doc), _health(doc)) if t is not None]
-    return Group(*parts)
+    sections: list[RenderableType] = [_header(doc)]
+    sections += [_node_table(doc, node_id, now) for node_id in _node_order(doc)]
+    swaps: list[RenderableType] = [_swap_block(sid, plan, now) for sid, plan in _active_swaps(doc)]
+    sections.append(Group(_spares(doc), *(swaps or [Text("no swap in progress", style="dim")])))
+    sections += [t for t in (_recent_swaps(doc), _taints(doc), _health(doc)) if t is not None]
+    spaced: list[RenderableType] = []
+    for section in sections:
+        spaced += [section, Text()]
+    return Group(*spaced[:-1])
 
 
 # ---------------------------------------------------------------------------------------------- effects
