@@ -218,6 +218,8 @@ def test_reading_taints_the_slot_and_recovery_removes_it(etcd_server, run_id, tm
                 await until(lambda: health.monitor is not None and health.monitor.polls >= 2, "two polls")
                 write_readings(readings, [{"device": "gpu1", "metric": ECC, "value": 3}])
                 found = await until(lambda: taints(agent), "the taint key")
+                # the daemon is done with this verdict once it has logged the taint
+                await until(lambda: any(e["event"] == "health_taint" for e in agent.recorded), "health_taint")
             (tid, doc), = found.items()
             assert tid == taint_id(NODE, "gpu1", ECC) == doc["id"]
             assert (doc["node_id"], doc["slot"], doc["local_rank"], doc["rank"]) == (NODE, 1, 1, 1)
