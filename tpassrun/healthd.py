@@ -41,6 +41,11 @@ log = logging.getLogger("tpassrun.health")
 SOURCE = "health"
 PUBLISH_EVERY_S = 5.0           # the snapshot also goes out on every change; this keeps `polls` fresh
 KILLED = "health-kill"          # ``handled_by`` of a FAIL taint: the unplanned path owns the recovery
+# Whole-step time is the same on every rank of a synchronous job (the gradient all-reduce waits for the
+# slowest), so the worker's time *before* its first collective is what tells a straggler apart when the
+# channel carries it (``Field.LAST_COMPUTE_NS``); the whole step otherwise, which only catches stragglers
+# outside the collective's reach (e.g. an agent-side view of a non-synchronous job).
+STEP_TIME_FIELD: Field = getattr(Field, "LAST_COMPUTE_NS", Field.LAST_STEP_NS)
 
 
 class TaintOp(str, enum.Enum):
@@ -306,11 +311,5 @@ class AgentHealth:
         slot = self.agent.slots.slots[index]
         if slot.proc is not None and slot.proc.signal_group(signal.SIGKILL):
             self.agent.events.write("health_kill", slot=index, rank=slot.rank, pid=slot.pid, reason=reason)
-
-
-# Whole-step time is the same on every rank of a synchronous job (the gradient all-reduce waits for the
-# slowest), so the worker's time *before* its first collective is what tells a straggler apart when the
-# channel carries it; the whole step otherwise.
-STEP_TIME_FIELD: Field = getattr(Field, "LAST_COMPUTE_NS", Field.LAST_STEP_NS)
 
 __all__ = ["AgentHealth", "SlotInfo", "TaintAction", "TaintOp", "WrittenTaint", "decide", "taint_id"]
