@@ -1,0 +1,246 @@
+"""What every framework adapter needs: registering state with a session, making framework state travel through
+the handoff codec (which refuses DTensors, BytesIO and enums, because nothing is pickled), and re-pointing
+objects that cached process groups or device meshes at the new ones after a re-formed world.
+
+Nothing here imports a framework; torch is imported inside the functions that need it.
+"""
+
+from __future__ import annotations
+
+import io
+import types
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Mapping
+
+BYTESIO_TAG = "__tpassrun_bytesio__"   # marks a Transformer-Engine-style ``_extra_state`` BytesIO in a state tree
+
+
+def register(sess: Any, name: str, obj: Any, *, heavy: bool) -> None:
+    """Track ``obj`` under ``name``.
+
+    ``heavy`` state (weights, optimizer, everything identical on every data-parallel replica of a rank) travels
+    only when a rank is handed over; light state (RNG, counters, data position) is also snapshotted at every step
+    start so that an unplanned failure can roll it back. The worker decides by type (``nn.Module``, optimizer,
+    scheduler are heavy); adapters wrap framework objects in small Stateful views, so they say it explicitly.
+    """
+    track_replicated = getattr(sess, "track_replicated", None)
+    if heavy and callable(track_replicated):
+        track_replicated(**{name: obj})
+        return
+    if heavy:
+        sess.track(**{name: obj})
+        # Session has no public "this wrapper is heavy" switch yet: without this, a model wrapper would be
+        # snapshotted into the 256 KiB light buffer at every step.
+        getattr(sess, "_per_rank", set()).discard(name)
+        return
+    sess.track_per_rank(**{name: obj})
+
+
+# ---------------------------------------------------------------------------------------------
+# state trees the codec can carry
+
+
+def portable(tree: Any) -> Any:
+    """A copy of ``tree`` the handoff codec accepts: DTensor leaves become their local shard (the joiner takes
+    the same mesh coordinates, so the local shard is exactly what it needs) and ``io.BytesIO`` becomes bytes."""
+    import torch
+
+    if isinstance(tree, torch.Tensor):
+        local = getattr(tree, "to_local", None)
+        if local is not None and type(tree) not in (torch.Tensor, torch.nn.Parameter):
+            return local().detach()
+        return tree
+    if isinstance(tree, io.BytesIO):
+        return {BYTESIO_TAG: tree.getvalue()}
+    if isinstance(tree, Mapping):
+        out = type(tree)() if type(tree) in (dict,) or _is_ordered(tree) else {}
+        for key, value in tree.items():
+            out[key] = portable(value)
+        if _is_ordered(tree) and hasattr(tree, "_metadata"):
+            out._metadata = tree._metadata  # type: ignore[attr-defined]
+        return out
+    if type(tree) is list:
+        return [portable(v) for v in tree]
+    if type(tree) is tuple:
+        return tuple(portable(v) for v in tree)
+    return tree
+
+
+def restore_portable(tree: Any, like: Any) -> Any:
+    """Inverse of :func:`portable`: local shards become DTensors again with the placements of ``like`` (the live
+    object's own state tree), and tagged bytes become ``io.BytesIO``."""
+    import torch
+
+    if isinstance(tree, Mapping):
+        if set(tree) == {BYTESIO_TAG}:
+            return io.BytesIO(tree[BYTESIO_TAG])
+        like_map = like if isinstance(like, Mapping) else {}
+        out = type(tree)() if _is_ordered(tree) or type(tree) is dict else {}
+        for key, value in tree.items():
+            out[key] = restore_portable(value, like_map.get(key))
+        if _is_ordered(tree) and hasattr(tree, "_metadata"):
+            out._metadata = tree._metadata  # type: ignore[attr-defined]
+        return out
+    if type(tree) in (list, tuple):
+        like_seq = like if type(like) in (list, tuple) and len(like) == len(tree) else [None] * len(tree)
+        return type(tree)(restore_portable(v, w) for v, w in zip(tree, like_seq))
+    if isinstance(tree, torch.Tensor) and like is not None and _is_dtensor(like):
+        from torch.distributed.tensor import DTensor
+
+        return DTensor.from_local(tree.to(like.to_local().device), like.device_mesh, like.placements,
+                                  run_check=False, shape=like.shape, stride=like.stride())
+    return tree
+
+
+def _is_ordered(obj: Any) -> bool:
+    from collections import OrderedDict
+
+    return type(obj) is OrderedDict
+
+
+def _is_dtensor(obj: Any) -> bool:
+    return hasattr(obj, "device_mesh") and hasattr(obj, "placements") and hasattr(obj, "to_local")
+
+
+# ---------------------------------------------------------------------------------------------
+# re-pointing cached process groups / meshes
+
+
+def rebind_references(roots: Iterable[Any], replacements: Mapping[int, Any], *, max_objects: int = 200_000) -> int:
+    """Replace, inside every object reachable from ``roots``, each reference to an object whose ``id`` is a key of
+    ``replacements`` by the mapped object. Returns how many references were replaced.
+
+    Frameworks cache process groups everywhere (Megatron layers keep ``tp_group``, DDP buckets keep the
+    data-parallel group, FSDP2 keeps its mesh and DTensor specs keep theirs); after a re-formed world the old
+    groups are dead. Rather than knowing every attribute of every version, walk instance ``__dict__``s, lists,
+    dicts and tuples (rebuilt in place), and DTensor specs. Classes, modules, functions and plain tensors are not
+    entered; closures are not seen (say so in the adapter's notes).
+    """
+    import torch
+
+    seen: set[int] = set()
+    replaced = 0
+    stack = list(roots)
+    old_ids = set(replacements)
+
+    def swap(value: Any) -> tuple[Any, bool]:
+        if id(value) in old_ids:
+            return replacements[id(value)], True
+        if type(value) is tuple and any(id(v) in old_ids for v in value):
+            return tuple(replacements.get(id(v), v) for v in value), True
+        return value, False
+
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or id(obj) in old_ids:
+            continue
+        seen.add(id(obj))
+        if len(seen) > max_objects:
+            raise RuntimeError(f"rebind_references: more than {max_objects} objects reachable; refusing to walk on")
+        if isinstance(obj, (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType, str, bytes,
+                            int, float, bool, type(None))):
+            continue
+        if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            continue
+        if isinstance(obj, dict):
+            for key, value in list(obj.items()):
+                new, hit = swap(value)
+                if hit:
+                    obj[key] = new
+                    replaced += 1
+                else:
+                    stack.append(value)
+            continue
+        if isinstance(obj, list):
+            for i, value in enumerate(obj):
+                new, hit = swap(value)
+                if hit:
+                    obj[i] = new
+                    replaced += 1
+                else:
+                    stack.append(value)
+            continue
+        if isinstance(obj, (tuple, set, frozenset)):
+            stack.extend(obj)   # tuples holding a group are rebuilt by their owner's swap() above
+            continue
+        attrs = getattr(obj, "__dict__", None)
+        if isinstance(attrs, dict):
+            for key, value in list(attrs.items()):
+                new, hit = swap(value)
+                if hit:
+                    object.__setattr__(obj, key, new) if _frozen(obj) else attrs.__setitem__(key, new)
+                    replaced += 1
+                else:
+                    stack.append(value)
+    return replaced
+
+
+def _frozen(obj: Any) -> bool:
+    params = getattr(type(obj), "__dataclass_params__", None)
+    return bool(params is not None and params.frozen)
+
+
+@dataclass
+class GroupSnapshot:
+    """The process groups some objects reference, with their member ranks, recorded while they were alive, so
+    that the same groups can be re-created (by their members only) in a re-formed world."""
+
+    groups: list[tuple[Any, tuple[int, ...], bool]] = field(default_factory=list)   # (group, ranks, is_world)
+
+    @classmethod
+    def of(cls, roots: Iterable[Any]) -> "GroupSnapshot":
+        import torch.distributed as dist
+
+        world = dist.group.WORLD
+        found: dict[int, Any] = {}
+        _collect(roots, lambda o: isinstance(o, dist.ProcessGroup), found)
+        groups = []
+        for group in found.values():
+            ranks = tuple(dist.get_process_group_ranks(group))
+            groups.append((group, ranks, group is world))
+        # Every member must create the groups in the same order: sort by something all members agree on.
+        groups.sort(key=lambda g: (not g[2], g[1], str(getattr(g[0], "group_name", ""))))
+        return cls(groups)
+
+    def recreate(self) -> dict[int, Any]:
+        """New groups with the same members in the current world: ``{id(old): new}``."""
+        import torch.distributed as dist
+
+        mapping: dict[int, Any] = {}
+        for group, ranks, is_world in self.groups:
+            if is_world:
+                mapping[id(group)] = dist.group.WORLD
+            else:
+                # Only members call this (use_local_synchronization), and each rank only knows its own groups.
+                mapping[id(group)] = dist.new_group(list(ranks), use_local_synchronization=True)
+        return mapping
+
+
+def _collect(roots: Iterable[Any], match: Callable[[Any], bool], found: dict[int, Any],
+             max_objects: int = 200_000) -> None:
+    import torch
+
+    seen: set[int] = set()
+    stack = list(roots)
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if len(seen) > max_objects:
+            return
+        if match(obj):
+            found[id(obj)] = obj
+            continue
+        if isinstance(obj, (type, types.ModuleType, types.FunctionType, str, bytes, int, float, bool, type(None))):
+            continue
+        if isinstance(obj, torch.Tensor) and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            continue
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        else:
+            attrs = getattr(obj, "__dict__", None)
+            if isinstance(attrs, dict):
+                stack.extend(attrs.values())

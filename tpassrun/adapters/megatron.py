@@ -1,0 +1,494 @@
+"""Megatron-LM / megatron-core: what a rank must hand over, and what to rebuild after a re-formed world.
+
+Use it right after the model, optimizer and scheduler exist (a joiner loads the received state at that moment)::
+
+    sess = tpassrun.init(backend="nccl")
+    parallel_state.initialize_model_parallel(tp, pp, ...)
+    model, optimizer, scheduler = setup_model_and_optimizer(...)
+    adapter = MegatronAdapter(sess, model, optimizer, scheduler, data_iterator=train_iter)
+    sess.run(lambda i: train_step(...) and adapter.progress.advance(samples_per_step), total_iters)
+
+What travels (heavy = only at a handoff; light = also snapshotted at every step start for unplanned rollback):
+
+* heavy ``megatron.model``: each model chunk's ``state_dict_for_save_checkpoint()`` (virtual-pipeline chunks are
+  a list). The joiner takes the leaver's rank, hence the same TP/PP/CP/EP coordinates, so the rank-local form is
+  exactly right; ``sharded_state_dict`` would only be needed to re-shard onto different coordinates.
+* heavy ``megatron.optimizer``: ``optimizer.state_dict()`` plus, for a DistributedOptimizer (GPU only: it refuses
+  CPU tensors), this rank's own shard via ``get_parameter_state_dp_reshardable()`` /
+  ``load_parameter_state_from_dp_reshardable()``: no collective, unlike the ``dp_zero`` form, which gathers on
+  DP rank 0 and so cannot run while the world is paused for a handoff.
+* heavy ``megatron.scheduler``: ``OptimizerParamScheduler.state_dict()``.
+* light ``megatron.rng_tracker``: ``tensor_parallel.get_cuda_rng_tracker().get_states()`` (model-parallel,
+  expert-parallel and data-parallel streams; differ across TP ranks, equal across DP replicas).
+* light ``megatron.progress``: iteration, consumed train/valid samples, floating-point operations so far.
+* light ``megatron.data``: the data iterator's own state if it has one (``state_dict`` or Energon's
+  ``save_state``); Megatron's built-in samplers are rebuilt from ``consumed_train_samples`` instead.
+* light ``megatron.rerun``: the rerun state machine (normally a single "not running" flag).
+
+After a re-formed world every survivor runs :meth:`MegatronAdapter.reconfigure`: ``destroy_model_parallel()`` +
+``initialize_model_parallel(...)`` with the same sizes, then every cached reference to an old group (layers'
+``tp_group``, DDP bucket groups, the DistributedOptimizer's groups) is re-pointed at its new counterpart.
+
+Donors: model and optimizer state exists only on ranks with the same model-parallel coordinates
+(:func:`donor_rank`); under a DistributedOptimizer with one instance nobody else holds this rank's optimizer
+shard, so only a planned swap (the leaver itself sends) is exact: :attr:`MegatronAdapter.replicated` says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable, Collection, Sequence
+
+from ._common import portable, rebind_references, register, restore_portable
+
+log = logging.getLogger("tpassrun.adapters.megatron")
+
+STATE_VERSION = 1
+DEFAULT_ORDER = "tp-cp-ep-dp-pp"   # megatron-core's default rank order (the first token varies fastest)
+
+
+# ---------------------------------------------------------------------------------------------
+# rank layout: pure functions, mirroring megatron.core.parallel_state.RankGenerator
+
+
+def _grid(rank: int, sizes: dict[str, int], order: str) -> dict[str, int]:
+    """Coordinates of ``rank`` in the grid ``sizes`` laid out in ``order`` (first token fastest)."""
+    tokens = order.lower().split("-")
+    for name in sizes:
+        if name not in tokens:
+            tokens.append(name)   # Megatron appends missing size-1 dimensions the same way
+    coords, stride = {}, 1
+    for token in tokens:
+        size = sizes.get(token, 1)
+        coords[token] = (rank // stride) % size
+        stride *= size
+    return coords
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """The model-parallel sizes a job was started with: enough to re-initialise ``parallel_state`` identically
+    and to compute who holds a replica of whom."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int | None = None           # expert tensor parallel size (None: same as tp, Megatron's default)
+    vpp: int | None = None           # virtual pipeline stages per rank
+    distopt_instances: int = 1       # num_distributed_optimizer_instances
+    order: str = DEFAULT_ORDER
+    extra: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)  # more initialize_model_parallel kwargs
+
+    def data_parallel_size(self, world: int) -> int:
+        mp = self.tp * self.pp * self.cp
+        if world <= 0 or world % mp:
+            raise ValueError(f"world size {world} is not a multiple of tp*pp*cp = {self.tp}*{self.pp}*{self.cp}")
+        return world // mp
+
+    def expert_data_parallel_size(self, world: int) -> int:
+        etp = self.etp or self.tp
+        emp = etp * self.ep * self.pp
+        if world % emp:
+            raise ValueError(f"world size {world} is not a multiple of etp*ep*pp = {etp}*{self.ep}*{self.pp}")
+        return world // emp
+
+    def coords(self, rank: int, world: int) -> dict[str, int]:
+        """``{"tp", "cp", "dp", "pp"}`` in the dense grid and ``{"etp", "ep", "edp"}`` in the expert grid."""
+        if not 0 <= rank < world:
+            raise ValueError(f"rank {rank} is outside a world of {world}")
+        if (not self.order.lower().endswith("pp") and self.pp > 1
+                and self.expert_data_parallel_size(world) != self.data_parallel_size(world)):
+            # Megatron refuses this too: the expert grid's pipeline groups would not match the dense grid's
+            raise ValueError(f"order {self.order!r} without pp last needs equal dense and expert DP sizes")
+        dense = _grid(rank, {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": self.data_parallel_size(world),
+                             "pp": self.pp}, self.order)
+        expert = _grid(rank, {"tp": self.etp or self.tp, "cp": 1, "ep": self.ep,
+                              "dp": self.expert_data_parallel_size(world), "pp": self.pp}, self.order)
+        return {"tp": dense["tp"], "cp": dense["cp"], "dp": dense["dp"], "pp": dense["pp"],
+                "etp": expert["tp"], "ep": expert["ep"], "edp": expert["dp"]}
+
+    def replica_ranks(self, rank: int, world: int) -> list[int]:
+        """Every other rank holding the same model shards as ``rank`` (same TP/CP/PP and, with experts, the same
+        expert coordinates), i.e. its data-parallel replicas, nearest DP index first (cyclically)."""
+        mine = self.coords(rank, world)
+        dp = self.data_parallel_size(world)
+        same = ("tp", "cp", "pp", "etp", "ep") if self.ep > 1 else ("tp", "cp", "pp")
+        out = []
+        for other in range(world):
+            if other == rank:
+                continue
+            theirs = self.coords(other, world)
+            if all(theirs[k] == mine[k] for k in same):
+                out.append(((theirs["dp"] - mine["dp"]) % dp, other))
+        return [r for _, r in sorted(out)]
+
+    def init_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for ``parallel_state.initialize_model_parallel`` reproducing this layout."""
+        kwargs: dict[str, Any] = {
+            "tensor_model_parallel_size": self.tp,
+            "pipeline_model_parallel_size": self.pp,
+            "virtual_pipeline_model_parallel_size": self.vpp,
+            "context_parallel_size": self.cp,
+            "expert_model_parallel_size": self.ep,
+            "expert_tensor_parallel_size": self.etp,
+            "num_distributed_optimizer_instances": self.distopt_instances,
+            "order": self.order,
+        }
+        kwargs.update(self.extra)
+        return kwargs
+
+    @classmethod
+    def from_parallel_state(cls, **extra: Any) -> "ParallelLayout":
+        """Read the sizes of the live ``megatron.core.parallel_state`` (no I/O: module globals)."""
+        from megatron.core import parallel_state as ps
+
+        if not ps.model_parallel_is_initialized():
+            raise RuntimeError("megatron parallel_state is not initialised: call initialize_model_parallel first")
+        vpp = ps.get_virtual_pipeline_model_parallel_world_size()
+        inter = getattr(ps, "_INTER_DISTRIBUTED_OPTIMIZER_INSTANCE_GROUP", None)
+        distopt = inter.size() if inter is not None else 1
+        return cls(tp=ps.get_tensor_model_parallel_world_size(), pp=ps.get_pipeline_model_parallel_world_size(),
+                   cp=ps.get_context_parallel_world_size(), ep=ps.get_expert_model_parallel_world_size(),
+                   etp=ps.get_expert_tensor_parallel_world_size(), vpp=vpp, distopt_instances=distopt,
+                   extra=dict(extra))
+
+
+def donor_rank(rank: int, tp: int, pp: int, cp: int, world: int, *, ep: int = 1, etp: int | None = None,
+               order: str = DEFAULT_ORDER, avoid: Collection[int] = ()) -> int | None:
+    """The rank that holds a replica of ``rank``'s model (and, without a sharded optimizer, optimizer) state:
+    same TP/PP/CP (and expert) coordinates, another data-parallel replica; the next DP index, cyclically, that
+    is not in ``avoid`` (dead or leaving ranks). None when DP size is 1 or every replica is avoided.
+
+    >>> donor_rank(1, tp=2, pp=1, cp=1, world=4)    # ranks 0,1 = TP pair of replica 0; 2,3 = replica 1
+    3
+    """
+    layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, order=order)
+    for other in layout.replica_ranks(rank, world):
+        if other not in avoid:
+            return other
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
+# Stateful views of Megatron objects
+
+
+def _unwrap_chunks(model: Any) -> list[Any]:
+    return list(model) if isinstance(model, (list, tuple)) else [model]
+
+
+class ModelChunksState:
+    """All model chunks of this rank (one per virtual pipeline stage), in their rank-local form."""
+
+    def __init__(self, model: Any) -> None:
+        self.chunks = _unwrap_chunks(model)
+
+    def state_dict(self) -> dict[str, Any]:
+        out = []
+        for chunk in self.chunks:
+            save = getattr(chunk, "state_dict_for_save_checkpoint", None)
+            out.append(portable(save() if save is not None else chunk.state_dict()))
+        return {"v": STATE_VERSION, "chunks": out}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_version(state, "model")
+        if len(state["chunks"]) != len(self.chunks):
+            raise ValueError(f"received {len(state['chunks'])} model chunks, this rank has {len(self.chunks)} "
+                             "(different virtual pipeline size?)")
+        for chunk, chunk_state in zip(self.chunks, state["chunks"]):
+            chunk.load_state_dict(restore_portable(chunk_state, chunk.state_dict()), strict=True)
+
+
+def _is_distributed_optimizer(opt: Any) -> bool:
+    return hasattr(opt, "get_parameter_state_dp_reshardable") and hasattr(opt, "load_parameter_state_from_dp_reshardable")
+
+
+def _leaf_optimizers(opt: Any) -> list[Any]:
+    return list(getattr(opt, "chained_optimizers", None) or [opt])
+
+
+class MegatronOptimizerState:
+    """A MegatronOptimizer (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer, or a
+    ChainedOptimizer of them). DistributedOptimizer parameter state is this rank's shard only (GPU only)."""
+
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def sharded(self) -> bool:
+        return any(_is_distributed_optimizer(o) for o in _leaf_optimizers(self.optimizer))
+
+    def state_dict(self) -> dict[str, Any]:
+        shards = {i: portable(o.get_parameter_state_dp_reshardable())
+                  for i, o in enumerate(_leaf_optimizers(self.optimizer)) if _is_distributed_optimizer(o)}
+        return {"v": STATE_VERSION, "common": portable(self.optimizer.state_dict()), "param_shards": shards}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_version(state, "optimizer")
+        # common first: a DistributedOptimizer allocates its per-parameter state there
+        self.optimizer.load_state_dict(state["common"])
+        leaves = _leaf_optimizers(self.optimizer)
+        for index, shard in state["param_shards"].items():
+            for bucket_states in _bucket_states(shard):
+                for elem in bucket_states:
+                    elem.setdefault("padding", False)   # the getter omits it; the loader filters on it
+            leaves[int(index)].load_parameter_state_from_dp_reshardable(shard)
+
+
+def _bucket_states(shard: dict) -> list[list[dict]]:
+    out = []
+    for key, per_dtype in shard.items():
+        if type(key) is int and isinstance(per_dtype, dict):
+            for buckets in per_dtype.values():
+                out.extend(buckets)
+    return out
+
+
+class RngTrackerState:
+    """Megatron's named CUDA RNG streams (``model-parallel-rng``, ``expert-parallel-rng``, ``data-parallel-rng``).
+
+    The generic RNG capture covers ``torch.cuda``'s default generator; these streams live in the tracker."""
+
+    def __init__(self, tracker_getter: Callable[[], Any] | None = None) -> None:
+        self._tracker_getter = tracker_getter
+
+    def _tracker(self) -> Any:
+        if self._tracker_getter is not None:
+            return self._tracker_getter()
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.get_cuda_rng_tracker()
+
+    def state_dict(self) -> dict[str, Any]:
+        states = {}
+        for name, value in self._tracker().get_states().items():
+            # cudagraph-safe trackers hold torch.Generator objects: their state is a tensor
+            states[name] = value.get_state() if hasattr(value, "get_state") else value.clone()
+        return {"v": STATE_VERSION, "states": states}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_version(state, "rng_tracker")
+        tracker = self._tracker()
+        current = tracker.get_states()
+        restored = {}
+        for name, value in state["states"].items():
+            live = current.get(name)
+            if live is not None and hasattr(live, "set_state"):
+                live.set_state(value)
+                restored[name] = live
+            else:
+                restored[name] = value
+        tracker.set_states(restored)
+
+
+@dataclass
+class MegatronProgress:
+    """The counters Megatron's training loop keeps in ``args`` and its loop locals. The script updates them
+    (:meth:`advance`) and reads them back on a joiner."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    floating_point_operations: float = 0.0
+
+    def advance(self, samples: int, flops: float = 0.0) -> None:
+        self.iteration += 1
+        self.consumed_train_samples += samples
+        self.floating_point_operations += flops
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"v": STATE_VERSION, "iteration": self.iteration, "consumed_train_samples": self.consumed_train_samples,
+                "consumed_valid_samples": self.consumed_valid_samples,
+                "floating_point_operations": float(self.floating_point_operations)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_version(state, "progress")
+        self.iteration = int(state["iteration"])
+        self.consumed_train_samples = int(state["consumed_train_samples"])
+        self.consumed_valid_samples = int(state["consumed_valid_samples"])
+        self.floating_point_operations = float(state["floating_point_operations"])
+
+
+class DataIteratorState:
+    """The data iterator's position, when it can tell it (``state_dict`` / Energon's ``save_state``); otherwise
+    ``rebuild(consumed_train_samples)`` re-creates it on the joiner (Megatron's samplers are pure functions of
+    that counter and the DP rank)."""
+
+    def __init__(self, iterator: Any, progress: MegatronProgress,
+                 rebuild: Callable[[int], Any] | None = None) -> None:
+        self.iterator = iterator
+        self.progress = progress
+        self.rebuild = rebuild
+
+    def state_dict(self) -> dict[str, Any]:
+        it = self.iterator
+        if hasattr(it, "state_dict"):
+            return {"v": STATE_VERSION, "kind": "state_dict", "state": portable(it.state_dict())}
+        if hasattr(it, "save_state"):
+            return {"v": STATE_VERSION, "kind": "save_state", "state": portable(it.save_state())}
+        return {"v": STATE_VERSION, "kind": "consumed_samples", "state": None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_version(state, "data")
+        kind = state["kind"]
+        if kind == "state_dict":
+            self.iterator.load_state_dict(state["state"])
+        elif kind == "save_state":
+            self.iterator.restore_state(state["state"])
+        elif self.rebuild is not None:
+            # progress is tracked (and so loaded) before the data state: the counter is already the leaver's
+            self.iterator = self.rebuild(self.progress.consumed_train_samples)
+
+
+class RerunStateMachineState:
+    """Megatron's rerun state machine (result validation / step re-execution). Its enums travel by name and
+    its ``ShardedObject`` wrapper is dropped: the joiner is the same rank, so the rank-level dict is enough."""
+
+    def __init__(self, machine: Any, data_iterator: Any = None) -> None:
+        self.machine = machine
+        self.data_iterator = data_iterator
+
+    def state_dict(self) -> dict[str, Any]:
+        raw = self.machine.state_dict(self.data_iterator, "torch_dist")
+        if raw is None:
+            return {"v": STATE_VERSION, "active": False}
+        sharded = raw["sharded"]
+        sharded = getattr(sharded, "data", sharded)
+        return {"v": STATE_VERSION, "active": True, "mode": raw["mode"].name, "state": raw["state"].name,
+                "current_iteration": raw["current_iteration"], "sharded": portable(dict(sharded))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        _check_version(state, "rerun")
+        if not state["active"]:
+            return
+        machine = self.machine
+        machine.load_state_dict({"mode": type(machine.mode)[state["mode"]], "state": type(machine.state)[state["state"]],
+                                 "current_iteration": state["current_iteration"], "sharded": state["sharded"]})
+
+
+def _check_version(state: Any, what: str) -> None:
+    if not isinstance(state, dict) or state.get("v") != STATE_VERSION:
+        raise ValueError(f"megatron {what} state has version {getattr(state, 'get', lambda _k: None)('v')!r}, "
+                         f"expected {STATE_VERSION}")
+
+
+# ---------------------------------------------------------------------------------------------
+# re-initialising parallel_state after a re-formed world
+
+
+def _parallel_state_groups(ps: Any) -> dict[str, Any]:
+    """Every process group (or list of groups) parallel_state holds, by global name."""
+    import torch.distributed as dist
+
+    out = {}
+    for name, value in vars(ps).items():
+        if not name.startswith("_"):
+            continue
+        if isinstance(value, dist.ProcessGroup):
+            out[name] = value
+        elif isinstance(value, (list, tuple)) and value and all(isinstance(v, dist.ProcessGroup) for v in value):
+            out[name] = list(value)
+    return out
+
+
+def reinitialize_parallel_state(layout: ParallelLayout, roots: Sequence[Any]) -> int:
+    """``destroy_model_parallel()`` + ``initialize_model_parallel(**layout.init_kwargs())``, then re-point every
+    reference to an old group reachable from ``roots`` at the group with the same role. Returns the number of
+    references replaced. Run on every rank of the re-formed world (group creation is collective)."""
+    from megatron.core import parallel_state as ps
+
+    old = _parallel_state_groups(ps)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(**layout.init_kwargs())
+    new = _parallel_state_groups(ps)
+    mapping: dict[int, Any] = {}
+    for name, old_value in old.items():
+        new_value = new.get(name)
+        if new_value is None:
+            continue
+        if isinstance(old_value, list):
+            for o, n in zip(old_value, new_value if isinstance(new_value, list) else []):
+                mapping.setdefault(id(o), n)
+        else:
+            mapping.setdefault(id(old_value), new_value)
+    replaced = rebind_references(roots, mapping)
+    log.info("megatron parallel_state re-initialised (%s); %d cached group references re-pointed",
+             layout.init_kwargs(), replaced)
+    return replaced
+
+
+# ---------------------------------------------------------------------------------------------
+# the adapter
+
+
+class MegatronAdapter:
+    """Registers a Megatron job's state with a tpassrun session and rebuilds its groups after every swap.
+
+    Args:
+        sess: the session from ``tpassrun.init()``.
+        model: a model chunk or the list of chunks (virtual pipeline), usually wrapped in Megatron's DDP.
+        optimizer: the MegatronOptimizer from ``get_megatron_optimizer``.
+        opt_param_scheduler: Megatron's ``OptimizerParamScheduler`` (or None).
+        data_iterator: the training data iterator, when it can report its position (see DataIteratorState).
+        rerun_state_machine: ``get_rerun_state_machine()`` when the job uses result validation.
+        layout: the parallel layout to re-create; read from the live ``parallel_state`` when None.
+        rebuild_data_iterator: ``fn(consumed_train_samples) -> iterator`` for iterators without state.
+        progress: counters to carry (a fresh MegatronProgress when None).
+    """
+
+    def __init__(self, sess: Any, model: Any, optimizer: Any, opt_param_scheduler: Any, *,
+                 data_iterator: Any = None, rerun_state_machine: Any = None, layout: ParallelLayout | None = None,
+                 rebuild_data_iterator: Callable[[int], Any] | None = None,
+                 progress: MegatronProgress | None = None,
+                 rng_tracker_getter: Callable[[], Any] | None = None) -> None:
+        self.sess = sess
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = opt_param_scheduler
+        self.layout = layout if layout is not None else ParallelLayout.from_parallel_state()
+        self.progress = progress if progress is not None else MegatronProgress()
+        self.model_state = ModelChunksState(model)
+        self.optimizer_state = MegatronOptimizerState(optimizer)
+        self.rng_state = RngTrackerState(rng_tracker_getter)
+        self.data_state = (DataIteratorState(data_iterator, self.progress, rebuild_data_iterator)
+                           if data_iterator is not None or rebuild_data_iterator is not None else None)
+        # light state first: on a joiner the counters must be loaded before the data iterator is rebuilt
+        register(sess, "megatron.progress", self.progress, heavy=False)
+        register(sess, "megatron.rng_tracker", self.rng_state, heavy=False)
+        if self.data_state is not None:
+            register(sess, "megatron.data", self.data_state, heavy=False)
+        if rerun_state_machine is not None:
+            register(sess, "megatron.rerun", RerunStateMachineState(rerun_state_machine, data_iterator), heavy=False)
+        register(sess, "megatron.model", self.model_state, heavy=True)
+        register(sess, "megatron.optimizer", self.optimizer_state, heavy=True)
+        if opt_param_scheduler is not None:
+            register(sess, "megatron.scheduler", opt_param_scheduler, heavy=True)
+        sess.on_reconfigure(self.reconfigure)
+
+    @property
+    def data_iterator(self) -> Any:
+        """The current data iterator (a joiner may have rebuilt it)."""
+        return None if self.data_state is None else self.data_state.iterator
+
+    @property
+    def replicated(self) -> bool:
+        """Whether a live data-parallel replica holds everything this rank holds. False with a
+        DistributedOptimizer of one instance (the shard is unique): then only a planned swap is exact."""
+        return not (self.optimizer_state.sharded and self.layout.distopt_instances < 2)
+
+    def donor_for(self, rank: int, world: int, avoid: Collection[int] = ()) -> int | None:
+        """:func:`donor_rank` for this job's layout."""
+        lay = self.layout
+        return donor_rank(rank, lay.tp, lay.pp, lay.cp, world, ep=lay.ep, etp=lay.etp, order=lay.order, avoid=avoid)
+
+    def reconfigure(self) -> int:
+        """Re-create parallel_state's groups in the new world and re-point the model's and optimizer's cached
+        references at them. Registered with ``sess.on_reconfigure``."""
+        return reinitialize_parallel_state(self.layout, [*_unwrap_chunks(self.model), self.optimizer])
+
+
+__all__ = ["DEFAULT_ORDER", "DataIteratorState", "MegatronAdapter", "MegatronOptimizerState", "MegatronProgress",
+           "ModelChunksState", "ParallelLayout", "RerunStateMachineState", "RngTrackerState", "donor_rank",
+           "reinitialize_parallel_state"]
