@@ -261,3 +261,38 @@ def test_watch_on_a_terminal_draws_the_dashboard_and_stops_on_cancel():
     out = buf.getvalue()
     assert "run job-7" in out and "fetch failed: ConnectionError: etcd down" in out
     assert "▶ reform" in out
+
+
+def big_run(nodes: int) -> dict:
+    doc = run_doc()
+    doc["generation"]["members"] = [{"node_id": f"n{i}", "group_rank": i, "addr": f"10.0.0.{i}", "nproc": 8,
+                                     "rank_offset": 8 * i} for i in range(nodes)]
+    doc["generation"]["world_size"] = 8 * nodes
+    doc["status"] = {f"n{i}": {"time": T0, "workers": [worker(s, 8 * i + s, "running") for s in range(8)]
+                               + [worker(8, None, "spare")]} for i in range(nodes)}
+    doc["health"] = {f"n{i}": {"verdicts": [{"device": f"gpu{g}", "status": "healthy", "effect": "none",
+                                             "reason": "ok"} for g in range(8)]} for i in range(nodes)}
+    return doc
+
+
+def test_a_big_run_gets_one_row_per_node_and_tables_only_where_something_happens():
+    doc = big_run(12)
+    doc["status"]["n5"]["workers"][3]["state"] = "dead"
+    doc["health"]["n5"]["verdicts"][3].update(status="failing", effect="fail", reason="xid 79")
+    doc["swaps"] = {"s-1": {**swap_plan("send"), "leaver": {"node": "n9", "slot": 1, "rank": 73},
+                            "joiner": {"node": "n9", "slot": 8, "rank": 73}}}
+    out = text(doc, now=T0 + 2.0)
+    assert row(out, "n5 member 5") == "n5 member 5, ranks 40-47 1 dead, 7 running, 1 spare 17 12.5 2.0s"
+    assert row(out, "n11 member 11") == "n11 member 11, ranks 88-95 8 running, 1 spare 17 12.5 2.0s"
+    tables = [line.split()[0] for line in out.splitlines() if "status 2.0s old" in line]
+    assert tables == ["n5", "n9"]              # only the node with a dead slot and the one swapping
+    assert "spares: n0/8, n1/8" in out and "more (" not in out
+    assert row(out, "gpu3") == "n5 gpu3 failing fail xid 79"
+    assert "95 healthy devices not listed" in out and row(out, "gpu0") == ""
+    assert summary_line(doc) == "gen 3 | world 96 | ranks 95/96 running | spares 12 | unhealthy 1 | swap s-1 send"
+
+
+def test_a_big_run_lists_at_most_twelve_spares():
+    out = text(big_run(20))
+    assert "spares: n0/8, n1/8, n2/8" in out and "... 8 more (20 in all)" in out
+    assert "160 healthy devices not listed" in out and "\nhealth" in out

@@ -219,10 +219,9 @@ def _header(doc: Mapping[str, Any]) -> Text:
     return head
 
 
-def _node_title(doc: Mapping[str, Any], node_id: str, now: float | None) -> str:
+def _node_role(doc: Mapping[str, Any], node_id: str) -> str:
     gen = _dict(doc.get("generation"))
     member = next((m for m in gen.get("members") or () if isinstance(m, dict) and m.get("node_id") == node_id), None)
-    status = _dict(_dict(doc.get("status")).get(node_id))
     if member is not None:
         first, n = member.get("rank_offset", 0), member.get("nproc", 0)
         role = f"member {member.get('group_rank', '?')}, ranks {first}-{first + n - 1}" if n else "member"
@@ -230,10 +229,14 @@ def _node_title(doc: Mapping[str, Any], node_id: str, now: float | None) -> str:
         role = "spare node"
     else:
         role = "not a member"
-    if node_id in (gen.get("lost") or ()):
-        role += ", LOST"
+    return role + (", LOST" if node_id in (gen.get("lost") or ()) else "")
+
+
+def _node_title(doc: Mapping[str, Any], node_id: str, now: float | None) -> Text:
+    status = _dict(_dict(doc.get("status")).get(node_id))
     addr = status.get("addr") or _dict(_dict(doc.get("nodes")).get(node_id)).get("addr")
-    return f"{node_id}  [dim]{role}{'  ' + addr if addr else ''}{_age(status.get('time'), now)}[/]"
+    detail = f"{_node_role(doc, node_id)}{'  ' + addr if addr else ''}{_age(status.get('time'), now)}"
+    return Text.assemble((node_id, "bold"), "  ", (detail, "dim"))
 
 
 def _node_table(doc: Mapping[str, Any], node_id: str, now: float | None) -> Table:
@@ -252,8 +255,56 @@ def _node_table(doc: Mapping[str, Any], node_id: str, now: float | None) -> Tabl
     return table
 
 
+def _busy_nodes(doc: Mapping[str, Any]) -> set[str]:
+    """Nodes worth their own table in a big run: a slot that is not plainly running or spare, a swap or a
+    taint touching them, or no status at all."""
+    busy = {str(_dict(p.get(k)).get("node")) for _sid, p in _active_swaps(doc) for k in ("leaver", "joiner", "donor")}
+    busy |= {str(_dict(t).get("node_id")) for t in _dict(doc.get("taints")).values()}
+    busy |= {w["node_id"] for w in _workers(doc) if w.get("state") not in ("running", "spare")}
+    busy |= set(_node_order(doc)) - {w["node_id"] for w in _workers(doc)}
+    return busy
+
+
+def _nodes_overview(doc: Mapping[str, Any], node_ids: list[str], now: float | None) -> Table:
+    """One row per node, for runs too big for a table per node."""
+    table = Table("node", "role", "slots", "step", "slowest step ms", "status age", box=box.SIMPLE_HEAD,
+                  show_edge=False, title="nodes", title_justify="left", pad_edge=False)
+    by_node: dict[str, list[dict]] = {n: [] for n in node_ids}
+    for w in _workers(doc):
+        by_node.setdefault(w["node_id"], []).append(w)
+    for node_id in node_ids:
+        workers = by_node[node_id]
+        counts: dict[str, int] = {}
+        for w in workers:
+            counts[str(w.get("state"))] = counts.get(str(w.get("state")), 0) + 1
+        slots = Text(", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no status published",
+                     style="" if workers else "dim")
+        steps = sorted({w["step"] for w in workers if w.get("state") == "running" and isinstance(w.get("step"), int)})
+        step = "-" if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+        lasts = [w["last_step_ms"] for w in workers if isinstance(w.get("last_step_ms"), (int, float))]
+        when = _dict(_dict(doc.get("status")).get(node_id)).get("time")
+        age = f"{max(0.0, now - when):.1f}s" if now is not None and isinstance(when, (int, float)) else "-"
+        table.add_row(node_id, _node_role(doc, node_id), slots, step,
+                      f"{max(lasts):.1f}" if lasts and max(lasts) > 0 else "-", age)
+    return table
+
+
+def _node_sections(doc: Mapping[str, Any], now: float | None, detail_nodes: int) -> list[RenderableType]:
+    nodes = _node_order(doc)
+    if len(nodes) <= detail_nodes:
+        return [_node_table(doc, node_id, now) for node_id in nodes]
+    busy = _busy_nodes(doc)
+    detailed = [n for n in nodes if n in busy][:detail_nodes]
+    return [_nodes_overview(doc, nodes, now), *(_node_table(doc, n, now) for n in detailed)]
+
+
 def _spares(doc: Mapping[str, Any]) -> Text:
-    slots = [f"{w['node_id']}/{_text(w.get('slot'))}" for w in _workers(doc) if _is_spare(w)]
+    order = {n: i for i, n in enumerate(_node_order(doc))}
+    spares = sorted((w for w in _workers(doc) if _is_spare(w)),
+                    key=lambda w: (order.get(w["node_id"], 0), str(w.get("slot"))))
+    slots = [f"{w['node_id']}/{_text(w.get('slot'))}" for w in spares]
+    if len(slots) > 12:  # the count matters more than the list in a big run
+        slots = slots[:12] + [f"... {len(slots) - 12} more ({len(slots)} in all)"]
     nodes = [str(n) for n in _dict(doc.get("generation")).get("spare_nodes") or ()]
     line = Text("spares: ", style="bold")
     line.append(", ".join(slots) if slots else "none", style="cyan" if slots else "yellow")
@@ -347,16 +398,23 @@ def _taints(doc: Mapping[str, Any]) -> Table | None:
     return table
 
 
-def _health(doc: Mapping[str, Any]) -> Table | None:
+def _health(doc: Mapping[str, Any], all_rows: int = 16) -> RenderableType | None:
+    """Every verdict when there are few; otherwise only the ones that are not healthy, and a count of the rest."""
     health = _dict(doc.get("health"))
     if not health:
         return None
-    table = Table("node", "device", "status", "effect", "reason", box=box.SIMPLE_HEAD, show_edge=False, title="health",
-                  title_justify="left", pad_edge=False)
+    table = Table("node", "device", "status", "effect", "reason", box=box.SIMPLE_HEAD, show_edge=False,
+                  title="health", title_justify="left", pad_edge=False)
+    per_node = {n: [v for v in _dict(h).get("verdicts") or () if isinstance(v, dict)] for n, h in health.items()}
+    show_healthy = sum(map(len, per_node.values())) <= all_rows
+    hidden = 0
     for node_id, h in sorted(health.items()):
         h = _dict(h)
-        verdicts = [v for v in h.get("verdicts") or () if isinstance(v, dict)]
+        verdicts = per_node[node_id]
         for v in sorted(verdicts, key=lambda v: str(v.get("device"))):
+            if v.get("status") == "healthy" and not show_healthy:
+                hidden += 1
+                continue
             effect = v.get("effect")
             table.add_row(node_id, _text(v.get("device")), _styled(v.get("status"), HEALTH_STYLES),
                           Text(_text(effect), style="" if effect in (None, "none") else "bold"),
@@ -365,14 +423,22 @@ def _health(doc: Mapping[str, Any]) -> Table | None:
             table.add_row(node_id, str(sensor), Text("unavailable", style="dim"), "", str(why))
         if not verdicts and not h.get("unavailable"):
             table.add_row(node_id, "-", Text("no verdicts yet", style="dim"), "", "")
-    return table
+    if not hidden:
+        return table
+    note = Text(f"{hidden} healthy devices not listed", style="green")
+    return Group(table, note) if table.row_count else Group(Text("health", style="italic"), note)
 
 
-def render_status(doc: Mapping[str, Any], *, now: float | None = None) -> RenderableType:
-    """The dashboard for one ``tpassctl status --json`` document (pure; ``now`` only adds ages)."""
+def render_status(doc: Mapping[str, Any], *, now: float | None = None, detail_nodes: int = 8) -> RenderableType:
+    """The dashboard for one ``tpassctl status --json`` document (pure; ``now`` only adds ages).
+
+    Up to ``detail_nodes`` nodes get a table each; a bigger run gets one row per node plus tables for the
+    nodes where something is happening (a swap, a taint, a slot that is neither running nor spare), which
+    keeps the view on one screen and a frame cheap to draw.
+    """
     doc = _dict(doc)
     sections: list[RenderableType] = [_header(doc)]
-    sections += [_node_table(doc, node_id, now) for node_id in _node_order(doc)]
+    sections += _node_sections(doc, now, detail_nodes)
     swaps: list[RenderableType] = [_swap_block(sid, plan, now) for sid, plan in _active_swaps(doc)]
     sections.append(Group(_spares(doc), *(swaps or [Text("no swap in progress", style="dim")])))
     sections += [t for t in (_recent_swaps(doc), _taints(doc), _health(doc)) if t is not None]
