@@ -226,6 +226,14 @@ async def _run(args: argparse.Namespace) -> int:
         if snap.empty:
             raise CtlError(f"no run {args.rdzv_id!r} at etcd {etcd.display} (nothing under {prefix})")
         if args.command == "status":
+            if args.watch:
+                from . import tui
+
+                async def fetch() -> dict[str, Any]:
+                    return (await read_snapshot(store, prefix, args.rdzv_id)).to_json()
+
+                await tui.watch(fetch, interval=args.interval)
+                return 0
             if args.json:
                 print(json.dumps(snap.to_json(), indent=2, sort_keys=True))
             else:
@@ -295,7 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     status = sub.add_parser("status", parents=[common], help="generation, nodes, workers, taints, swaps, health")
-    status.add_argument("--json", action="store_true", help="print one JSON document")
+    shape = status.add_mutually_exclusive_group()
+    shape.add_argument("--json", action="store_true", help="print one JSON document")
+    shape.add_argument("--watch", action="store_true",
+                       help="live dashboard until Ctrl-C (one summary line per change when not on a terminal)")
+    status.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes with --watch")
 
     taint = sub.add_parser("taint", parents=[common], help="mark a rank as bad (the job moves it to a spare)")
     target = taint.add_mutually_exclusive_group(required=True)

@@ -343,11 +343,14 @@ class Swapper:
             else:
                 leaver.state = SlotState.QUARANTINED
             leaver.rank = None
+        timings = {}
         for s in waiting:
             msg = await self._slots.expect(s, {"reformed"}, PHASE_TIMEOUT_S)
             if msg is None or msg.get("ok") is False:
                 return Report(node=me, phase=plan.phase, ok=False,
                               error=f"rank {s.rank} did not join the new world: {(msg or {}).get('error')}")
+            timings[str(s.rank)] = {k: msg[k] for k in ("leave_s", "join_s", "callbacks_s") if k in msg}
+        self.agent.events.write("swap_reform_timings", swap_id=plan.id, ranks=timings)
         self.agent.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
         return Report(node=me, phase=plan.phase)
 

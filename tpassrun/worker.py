@@ -109,6 +109,7 @@ class Session:
         self._pending_bundle: Any = None      # joiner: state received before the script built its objects
         self._pending_light_bundle: Any = None   # joiner (unplanned): the dead rank's light snapshot
         self._last_light: bytes | None = None
+        self._reform_times: dict[str, float] = {}
         self._light_enabled = link is not None
 
     # --- the hook protocol ---
@@ -301,7 +302,8 @@ class Session:
                         self._restore_light(self._last_light)
                     self._drop_grads()
                 self._reform(msg)
-                link.send("reformed", rank=self.rank, world_size=self.world_size, generation=self.generation)
+                link.send("reformed", rank=self.rank, world_size=self.world_size, generation=self.generation,
+                          **self._reform_times)
                 link.set(Field.PHASE, WorkerPhase.RUNNING)
                 return
             if kind == "exit":
@@ -329,15 +331,20 @@ class Session:
         link = self._link
         assert link is not None
         link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
+        t0 = time.perf_counter()
         _leave_process_group()
         self.rank = int(msg["rank"])
         self.world_size = int(msg["world_size"])
         self.generation = int(msg.get("generation", self.generation))
         _set_rank_env(msg)
+        t1 = time.perf_counter()
         _join_world(self.backend, msg, self._timeout)
+        t2 = time.perf_counter()
         self.swaps += 1
         for fn in self._callbacks:
             fn()
+        self._reform_times = {"leave_s": round(t1 - t0, 4), "join_s": round(t2 - t1, 4),
+                              "callbacks_s": round(time.perf_counter() - t2, 4)}
 
 
 # --- reading a received bundle piece by piece (the joiner loads each object as the script tracks it) ---
@@ -552,9 +559,11 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
         return Session(backend=backend, link=None, rank=dist.get_rank(), world_size=dist.get_world_size(),
                        local_rank=local_rank, generation=0, joined=False, timeout=timeout)
 
+    spare = env.get(E.TPASSRUN_SPARE) == "1"
+    if spare:
+        _prewarm()
     link = _AgentLink(channel, int(env[E.TPASSRUN_SLOT]), sock)
     link.set(Field.PID, os.getpid())
-    spare = env.get(E.TPASSRUN_SPARE) == "1"
     link.send("hello", pid=os.getpid(), spare=spare)
     generation = int(env.get(E.TPASSRUN_GENERATION, "0"))
     if not spare:
@@ -565,6 +574,19 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
         return Session(backend=backend, link=link, rank=dist.get_rank(), world_size=dist.get_world_size(),
                        local_rank=local_rank, generation=generation, joined=False, timeout=timeout)
     return _wait_as_spare(backend, link, local_rank, timeout)
+
+
+def _prewarm() -> None:
+    """What a joiner would otherwise import on the critical path of a swap: DDP's constructor imports
+    ``torch._dynamo`` on first use (seconds), and the handoff codec pulls in numpy. A spare pays it before it
+    says hello, so "ready" means warm."""
+    import importlib
+
+    for name in ("torch._dynamo", "torch.nn.parallel.distributed", "tpassrun.handoff"):
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - a missing optional piece only costs time later
+            log.debug("prewarm %s: %s", name, exc)
 
 
 def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
