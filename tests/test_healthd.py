@@ -199,7 +199,9 @@ async def taints(agent) -> dict[str, dict]:
     return {k.rsplit("/", 1)[-1]: d for k, d, _ in await agent.rdzv.store.get_prefix_json(agent.rdzv.key("taints") + "/")}
 
 
-CLEARABLE_ECC = {"v": 1, "rules": [{"metric": ECC, "op": ">", "threshold": 0, "kind": "delta", "clear_after": 0,
+# A value rule that clears at once: the taint holds exactly as long as the file says so (a delta rule
+# would clear on the next poll by itself, racing the test).
+CLEARABLE_ECC = {"v": 1, "rules": [{"metric": ECC, "op": ">=", "threshold": 1, "clear_after": 0,
                                     "name": "uncorrected ECC"}]}
 
 
@@ -223,7 +225,7 @@ def test_reading_taints_the_slot_and_recovery_removes_it(etcd_server, run_id, tm
             (tid, doc), = found.items()
             assert tid == taint_id(NODE, "gpu1", ECC) == doc["id"]
             assert (doc["node_id"], doc["slot"], doc["local_rank"], doc["rank"]) == (NODE, 1, 1, 1)
-            assert (doc["effect"], doc["source"]) == ("migrate", "health") and "+3" in doc["reason"]
+            assert (doc["effect"], doc["source"]) == ("migrate", "health") and f"{ECC}=3" in doc["reason"]
             kinds = [e["event"] for e in agent.recorded]
             assert kinds.index("health_verdict") < kinds.index("health_taint")
             verdict_event = next(e for e in agent.recorded if e["event"] == "health_verdict")
@@ -234,10 +236,10 @@ def test_reading_taints_the_slot_and_recovery_removes_it(etcd_server, run_id, tm
             assert snapshot["v"] == 1 and any(v["device"] == "gpu1" for v in snapshot["verdicts"])
             assert snapshot["taints"] == [tid]
 
-            # A new generation runs the same AgentHealth again: counter baselines and our taints survive,
+            # A new generation runs the same AgentHealth again: the engine's state and our taints survive,
             # so recovery after the restart still removes the taint.
             async with running(health):
-                write_readings(readings, [{"device": "gpu1", "metric": ECC, "value": 3}])
+                write_readings(readings, [{"device": "gpu1", "metric": ECC, "value": 0}])
                 await until(lambda: _empty(taints(agent)), "the taint to be deleted")
             assert [e["event"] for e in agent.recorded].count("health_untaint") == 1
 
