@@ -66,6 +66,19 @@ def _grid(rank: int, sizes: dict[str, int], order: str) -> dict[str, int]:
     return coords
 
 
+def _rank_of(coords: dict[str, int], sizes: dict[str, int], order: str) -> int:
+    """Inverse of :func:`_grid`."""
+    tokens = order.lower().split("-")
+    for name in sizes:
+        if name not in tokens:
+            tokens.append(name)
+    rank, stride = 0, 1
+    for token in tokens:
+        rank += coords.get(token, 0) * stride
+        stride *= sizes.get(token, 1)
+    return rank
+
+
 @dataclass(frozen=True)
 class ParallelLayout:
     """The model-parallel sizes a job was started with: enough to re-initialise ``parallel_state`` identically
@@ -114,14 +127,15 @@ class ParallelLayout:
         expert coordinates), i.e. its data-parallel replicas, nearest DP index first (cyclically)."""
         mine = self.coords(rank, world)
         dp = self.data_parallel_size(world)
-        same = ("tp", "cp", "pp", "etp", "ep") if self.ep > 1 else ("tp", "cp", "pp")
+        dense = {"tp": self.tp, "cp": self.cp, "ep": 1, "dp": dp, "pp": self.pp}
         out = []
-        for other in range(world):
-            if other == rank:
-                continue
-            theirs = self.coords(other, world)
-            if all(theirs[k] == mine[k] for k in same):
-                out.append(((theirs["dp"] - mine["dp"]) % dp, other))
+        for shift in range(1, dp):   # nearest DP index first, cyclically
+            other = _rank_of({**mine, "ep": 0, "dp": (mine["dp"] + shift) % dp}, dense, self.order)
+            if self.ep > 1:
+                theirs = self.coords(other, world)
+                if (theirs["etp"], theirs["ep"]) != (mine["etp"], mine["ep"]):
+                    continue
+            out.append((shift, other))
         return [r for _, r in sorted(out)]
 
     def init_kwargs(self) -> dict[str, Any]:

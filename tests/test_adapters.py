@@ -1,0 +1,500 @@
+"""Framework adapters (tpassrun.adapters): pure rank-layout tests and state round trips.
+
+The Megatron, DeepSpeed and TorchTitan state views are exercised against small stand-in objects that expose the
+same method names as the real frameworks, and every round trip goes through the real handoff codec (capture ->
+bytes -> apply), so anything the codec would refuse (DTensor, BytesIO, enums) fails here. Real-framework runs need
+GPUs (Megatron's DistributedOptimizer, training steps) or heavy installs (DeepSpeed, torchtitan) and are not part
+of this suite. What does run for real on CPU:
+
+* FSDP2 (``fully_shard`` on a one-process gloo world): model/optimizer DTensor state through the TorchTitan views,
+  and the device-mesh rebuild after the world is re-created;
+* megatron-core's ``parallel_state`` init/destroy/re-init and a tiny GPTModel's state, only when ``megatron.core``
+  is importable (``pip install megatron-core==0.16.1``); skipped otherwise.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import itertools
+import socket
+from collections import OrderedDict
+from typing import Any, Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tpassrun import handoff
+from tpassrun.adapters._common import _collect, register
+from tpassrun.adapters.deepspeed import DeepSpeedAdapter, DeepSpeedEngineState
+from tpassrun.adapters.megatron import (DataIteratorState, MegatronAdapter, MegatronOptimizerState, MegatronProgress,
+                                        ModelChunksState, ParallelLayout, RerunStateMachineState, RngTrackerState,
+                                        donor_rank)
+from tpassrun.worker import Session
+
+
+def roundtrip(send: dict[str, Any], receive: dict[str, Any]) -> None:
+    """What a handoff does: capture on the leaver, bytes on the wire, apply on the joiner."""
+    data = handoff.encode_small(handoff.capture(send, step=7))
+    assert handoff.apply(handoff.decode_small(data), receive, restore_rng_state=False) == 7
+
+
+class StandInSession:
+    """Records what an adapter registers (same method names as tpassrun.worker.Session)."""
+
+    def __init__(self) -> None:
+        self.tracked: dict[str, Any] = {}
+        self._per_rank: set[str] = set()
+        self.callbacks: list[Any] = []
+
+    def track(self, **objects: Any) -> None:
+        self.tracked.update(objects)
+        self._per_rank.update(objects)   # like the worker: wrappers are not nn.Modules, so "per rank" by type
+
+    def track_per_rank(self, **objects: Any) -> None:
+        self.track(**objects)
+
+    def on_reconfigure(self, fn: Any) -> Any:
+        self.callbacks.append(fn)
+        return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# donor_rank: pure
+
+
+def test_donor_rank_worked_examples() -> None:
+    # 8 ranks, TP=2, PP=2, DP=2, order tp-cp-ep-dp-pp: rank = tp + 2*dp + 4*pp
+    assert donor_rank(0, 2, 2, 1, 8) == 2
+    assert donor_rank(1, 2, 2, 1, 8) == 3
+    assert donor_rank(5, 2, 2, 1, 8) == 7
+    assert donor_rank(7, 2, 2, 1, 8) == 5
+    # DP size 1: nobody holds a replica
+    assert donor_rank(3, 2, 2, 1, 4) is None
+    assert donor_rank(0, 1, 1, 1, 1) is None
+    # pure DP: the next rank, cyclically, skipping avoided (dead/leaving) ranks
+    assert donor_rank(3, 1, 1, 1, 4) == 0
+    assert donor_rank(3, 1, 1, 1, 4, avoid={0}) == 1
+    assert donor_rank(1, 1, 1, 1, 2, avoid={0}) is None
+    # context parallel: CP peers hold different sequence shards, so never donors
+    assert donor_rank(0, 1, 1, 2, 4) == 2
+
+
+@pytest.mark.parametrize("world", [1, 2, 4, 8, 12, 16, 24, 32, 64])
+def test_donor_rank_layouts(world: int) -> None:
+    checked = 0
+    for tp, pp, cp in itertools.product((1, 2, 4, 8), (1, 2, 3, 4), (1, 2)):
+        if world % (tp * pp * cp):
+            with pytest.raises(ValueError):
+                donor_rank(0, tp, pp, cp, world)
+            continue
+        layout = ParallelLayout(tp=tp, pp=pp, cp=cp)
+        dp = world // (tp * pp * cp)
+        for rank in range(world):
+            mine = layout.coords(rank, world)
+            donor = donor_rank(rank, tp, pp, cp, world)
+            replicas = layout.replica_ranks(rank, world)
+            assert len(replicas) == dp - 1 and rank not in replicas
+            if dp == 1:
+                assert donor is None
+                continue
+            theirs = layout.coords(donor, world)
+            assert {k: theirs[k] for k in ("tp", "cp", "pp")} == {k: mine[k] for k in ("tp", "cp", "pp")}
+            assert theirs["dp"] == (mine["dp"] + 1) % dp
+            assert donor_rank(rank, tp, pp, cp, world, avoid=set(replicas)) is None
+            checked += 1
+    assert checked or world == 1
+
+
+def test_donor_rank_with_experts_needs_same_expert_shard() -> None:
+    # 8 ranks, TP=1, EP=2, dense DP=8, expert DP=4: the donor must also hold the same experts (same EP rank)
+    for rank in range(8):
+        donor = donor_rank(rank, 1, 1, 1, 8, ep=2)
+        assert donor is not None and donor % 2 == rank % 2 and donor != rank
+    with pytest.raises(ValueError):
+        ParallelLayout(pp=2, ep=2, order="tp-cp-ep-pp-dp").coords(0, 4)   # Megatron refuses this layout too
+
+
+def test_donor_rank_matches_megatron_rank_generator() -> None:
+    ps = pytest.importorskip("megatron.core.parallel_state", reason="megatron-core not installed")
+    for world, tp, pp, cp, ep in itertools.product((4, 8, 16), (1, 2, 4), (1, 2), (1, 2), (1, 2)):
+        if world % (tp * pp * cp) or world % (tp * ep * pp):
+            continue
+        dp = world // (tp * pp * cp)
+        dense = ps.RankGenerator(tp=tp, ep=1, dp=dp, pp=pp, cp=cp, order="tp-cp-ep-dp-pp")
+        expert = ps.RankGenerator(tp=tp, ep=ep, dp=world // (tp * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        layout = ParallelLayout(tp=tp, pp=pp, cp=cp, ep=ep)
+        for rank in range(world):
+            want = set(next(g for g in dense.get_ranks("dp") if rank in g)) - {rank}
+            if ep > 1:
+                want &= set(next(g for g in expert.get_ranks("dp") if rank in g))
+            assert set(layout.replica_ranks(rank, world)) == want
+
+
+# ---------------------------------------------------------------------------------------------
+# registering with a real (unmanaged) Session
+
+
+def test_register_heavy_and_light_with_real_session() -> None:
+    sess = Session(backend=None, link=None, rank=0, world_size=1, local_rank=0, generation=0, joined=False,
+                   timeout=None)
+    register(sess, "heavy", MegatronProgress(), heavy=True)
+    register(sess, "light", MegatronProgress(), heavy=False)
+    assert set(sess._tracked) == {"heavy", "light"}
+    assert sess._per_rank == {"light"}   # heavy state is not snapshotted every step
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron stand-ins
+
+
+class Chunk(torch.nn.Module):
+    """A model chunk with a Transformer-Engine-style BytesIO extra state."""
+
+    def __init__(self, seed: int) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.lin = torch.nn.Linear(4, 3)
+        self.extra = b""
+
+    def get_extra_state(self) -> io.BytesIO:
+        return io.BytesIO(self.extra)
+
+    def set_extra_state(self, state: io.BytesIO) -> None:
+        self.extra = state.getvalue()
+
+    def state_dict_for_save_checkpoint(self) -> OrderedDict:
+        return self.state_dict()
+
+
+class StandInDistOpt:
+    """Names of megatron.core.optimizer.DistributedOptimizer used by the adapter."""
+
+    def __init__(self, value: float) -> None:
+        self.common = {"param_groups": [{"lr": value}]}
+        self.shard = torch.full((5,), value)
+        self.loaded_common: Any = None
+
+    def state_dict(self) -> dict:
+        return self.common
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded_common = state
+        self.common = state
+
+    def get_parameter_state_dp_reshardable(self) -> dict:
+        return {"per_bucket_numel": {0: {torch.float32: [5]}},
+                0: {torch.float32: [[{"param": self.shard, "exp_avg": self.shard * 2, "gbuf_local_start": 0,
+                                      "gbuf_local_end": 5}]]}}
+
+    def load_parameter_state_from_dp_reshardable(self, state: dict) -> None:
+        elem = state[0][torch.float32][0][0]
+        assert elem["padding"] is False
+        self.shard = elem["param"].clone()
+
+
+class StandInChained:
+    def __init__(self, *optimizers: Any) -> None:
+        self.chained_optimizers = list(optimizers)
+
+    def state_dict(self) -> list:
+        return [o.state_dict() for o in self.chained_optimizers]
+
+    def load_state_dict(self, state: list) -> None:
+        for o, s in zip(self.chained_optimizers, state):
+            o.load_state_dict(s)
+
+
+class StandInTracker:
+    def __init__(self, seed: int) -> None:
+        self.states_ = {"model-parallel-rng": torch.Generator().manual_seed(seed).get_state(),
+                        "data-parallel-rng": torch.Generator().manual_seed(seed + 1).get_state()}
+
+    def get_states(self) -> dict:
+        return dict(self.states_)
+
+    def set_states(self, states: dict) -> None:
+        self.states_ = states
+
+
+class Mode(enum.Enum):
+    DISABLED = 0
+    VALIDATE_RESULTS = 1
+
+
+class RState(enum.Enum):
+    NOT_RUNNING_YET = 0
+    WILL_RERUN_FROM_CHECKPOINT = 5
+
+
+class StandInRerun:
+    def __init__(self, state: RState) -> None:
+        self.mode, self.state, self.loaded = Mode.VALIDATE_RESULTS, state, None
+
+    def state_dict(self, data_iterator: Any, ckpt_format: str, force: bool = False) -> dict | None:
+        if self.state == RState.NOT_RUNNING_YET:
+            return None
+        return {"mode": self.mode, "state": self.state, "current_iteration": 12,
+                "sharded": {"rerun_requested": True, "initial_result": torch.tensor(1.5)}}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.loaded = state
+
+
+class Sampler:
+    def __init__(self, pos: int) -> None:
+        self.pos = pos
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+def test_megatron_views_roundtrip() -> None:
+    src_chunks, dst_chunks = [Chunk(0), Chunk(1)], [Chunk(2), Chunk(3)]
+    src_chunks[1].extra = b"fp8-meta"
+    src_opt = StandInChained(StandInDistOpt(0.5), StandInDistOpt(0.25))
+    dst_opt = StandInChained(StandInDistOpt(0.0), StandInDistOpt(0.0))
+    src_progress = MegatronProgress(iteration=41, consumed_train_samples=41 * 64, floating_point_operations=1e15)
+    dst_progress = MegatronProgress()
+    src_tracker, dst_tracker = StandInTracker(1), StandInTracker(99)
+    rebuilt: list[int] = []
+    send = {
+        "model": ModelChunksState(src_chunks), "optimizer": MegatronOptimizerState(src_opt),
+        "rng": RngTrackerState(lambda: src_tracker), "progress": src_progress,
+        "data": DataIteratorState(Sampler(640), src_progress),
+        "data_rebuilt": DataIteratorState(iter(()), src_progress, rebuild=rebuilt.append),
+        "rerun": RerunStateMachineState(StandInRerun(RState.WILL_RERUN_FROM_CHECKPOINT)),
+    }
+    dst_rerun = StandInRerun(RState.NOT_RUNNING_YET)
+    dst_sampler = Sampler(0)
+    receive = {
+        "model": ModelChunksState(dst_chunks), "optimizer": MegatronOptimizerState(dst_opt),
+        "rng": RngTrackerState(lambda: dst_tracker), "progress": dst_progress,
+        "data": DataIteratorState(dst_sampler, dst_progress),
+        "data_rebuilt": DataIteratorState(iter(()), dst_progress, rebuild=rebuilt.append),
+        "rerun": RerunStateMachineState(dst_rerun),
+    }
+    roundtrip(send, receive)
+    for a, b in zip(src_chunks, dst_chunks):
+        assert torch.equal(a.lin.weight, b.lin.weight) and a.extra == b.extra
+    assert [o.common for o in dst_opt.chained_optimizers] == [{"param_groups": [{"lr": 0.5}]},
+                                                              {"param_groups": [{"lr": 0.25}]}]
+    assert [float(o.shard[0]) for o in dst_opt.chained_optimizers] == [0.5, 0.25]
+    assert all(torch.equal(src_tracker.states_[k], dst_tracker.states_[k]) for k in src_tracker.states_)
+    assert dst_progress == src_progress
+    assert dst_sampler.pos == 640
+    assert rebuilt == [41 * 64]   # rebuilt from the received counter
+    assert dst_rerun.loaded["mode"] is Mode.VALIDATE_RESULTS
+    assert dst_rerun.loaded["state"] is RState.WILL_RERUN_FROM_CHECKPOINT
+    assert float(dst_rerun.loaded["sharded"]["initial_result"]) == 1.5
+
+
+def test_megatron_adapter_registers_and_reports_replication() -> None:
+    sess = StandInSession()
+    adapter = MegatronAdapter(sess, [Chunk(0)], StandInChained(StandInDistOpt(1.0)), Sampler(0),
+                              data_iterator=Sampler(3), rerun_state_machine=StandInRerun(RState.NOT_RUNNING_YET),
+                              layout=ParallelLayout(tp=2, pp=2), rng_tracker_getter=lambda: StandInTracker(0))
+    assert set(sess.tracked) == {"megatron.progress", "megatron.rng_tracker", "megatron.data", "megatron.rerun",
+                                 "megatron.model", "megatron.optimizer", "megatron.scheduler"}
+    assert sess._per_rank == {"megatron.progress", "megatron.rng_tracker", "megatron.data", "megatron.rerun"}
+    assert sess.callbacks == [adapter.reconfigure]
+    assert adapter.replicated is False    # one DistributedOptimizer instance: the shard is unique
+    assert MegatronAdapter(StandInSession(), Chunk(0), StandInChained(StandInDistOpt(1.0)), None,
+                           layout=ParallelLayout(distopt_instances=2),
+                           rng_tracker_getter=lambda: StandInTracker(0)).replicated
+    assert adapter.donor_for(1, 8) == 3 and adapter.donor_for(1, 4) is None
+
+
+def test_megatron_rejects_mismatched_chunks_and_versions() -> None:
+    with pytest.raises(handoff.HandoffError, match="virtual pipeline"):
+        roundtrip({"m": ModelChunksState([Chunk(0)])}, {"m": ModelChunksState([Chunk(0), Chunk(1)])})
+    with pytest.raises(ValueError, match="version"):
+        MegatronProgress().load_state_dict({"v": 99})
+
+
+# ---------------------------------------------------------------------------------------------
+# DeepSpeed stand-ins
+
+
+class StandInZeroOptimizer:
+    """Names of DeepSpeedZeroOptimizer (stage 1/2) used by the adapter."""
+
+    def __init__(self, value: float) -> None:
+        self.partition = torch.full((6,), value)
+        self.elastic_checkpoint = False
+        self.load_args: dict = {}
+
+    def state_dict(self) -> dict:
+        return {"base_optimizer_state": {"state": {0: {"exp_avg": self.partition * 3}}},
+                "single_partition_of_fp32_groups": [self.partition], "zero_stage": 2, "partition_count": [2]}
+
+    def load_state_dict(self, state_dict_list: list, load_optimizer_states: bool = True,
+                        load_from_fp32_weights: bool = False, checkpoint_folder: Any = None) -> None:
+        self.load_args = {"n": len(state_dict_list), "fp32": load_from_fp32_weights, "folder": checkpoint_folder}
+        self.partition = state_dict_list[1]["single_partition_of_fp32_groups"][0].clone()   # dp_rank 1
+
+
+class StandInEngine:
+    def __init__(self, seed: int, stage: int = 2) -> None:
+        torch.manual_seed(seed)
+        self.module = torch.nn.Linear(3, 2)
+        self.optimizer = StandInZeroOptimizer(float(seed))
+        self.lr_scheduler = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(self.module.parameters(), lr=0.1), 3)
+        self.global_steps, self.global_samples, self.skipped_steps, self.micro_steps = seed, seed * 8, 0, seed * 2
+        self.dp_world_size = 2
+        self._stage = stage
+
+    def zero_optimization_stage(self) -> int:
+        return self._stage
+
+
+def test_deepspeed_engine_roundtrip() -> None:
+    src, dst = StandInEngine(5), StandInEngine(1)
+    for _ in range(4):
+        src.lr_scheduler.optimizer.step()
+        src.lr_scheduler.step()
+    roundtrip({"engine": DeepSpeedEngineState(src)}, {"engine": DeepSpeedEngineState(dst)})
+    assert torch.equal(src.module.weight, dst.module.weight)
+    assert torch.equal(dst.optimizer.partition, src.optimizer.partition)
+    assert dst.optimizer.load_args == {"n": 2, "fp32": True, "folder": None}   # exact fp32 master shard
+    assert dst.lr_scheduler.state_dict()["last_epoch"] == 4
+    assert (dst.global_steps, dst.global_samples, dst.micro_steps) == (5, 40, 10)
+
+
+def test_deepspeed_adapter_replication_and_refusals() -> None:
+    sess = StandInSession()
+    adapter = DeepSpeedAdapter(sess, StandInEngine(0), data_loader=Sampler(0))
+    assert set(sess.tracked) == {"deepspeed.engine", "deepspeed.data"}
+    assert sess._per_rank == {"deepspeed.data"}
+    assert adapter.replicated is False
+    assert DeepSpeedAdapter(StandInSession(), StandInEngine(0, stage=0)).replicated is True
+    with pytest.raises(NotImplementedError, match="ZeRO-3"):
+        handoff.capture({"e": DeepSpeedEngineState(StandInEngine(0, stage=3))}, step=0)
+    with pytest.raises(handoff.HandoffError, match="stage"):
+        roundtrip({"e": DeepSpeedEngineState(StandInEngine(0, stage=2))},
+                  {"e": DeepSpeedEngineState(StandInEngine(0, stage=1))})
+    with pytest.raises(RuntimeError, match="record_groups"):
+        adapter.reconfigure()
+
+
+# ---------------------------------------------------------------------------------------------
+# real one-process worlds (gloo): FSDP2 for the TorchTitan views; megatron-core when installed
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _init_world() -> None:
+    store = dist.TCPStore("127.0.0.1", _free_port(), 1, True)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+
+
+@pytest.fixture
+def one_rank_world() -> Iterator[None]:
+    _init_world()
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _fsdp_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    fully_shard(model, mesh=init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",)))
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+def _train_step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> float:
+    loss = model(torch.randn(4, 8)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+@pytest.mark.timeout(60)
+def test_torchtitan_fsdp2_state_roundtrip_and_mesh_rebuild(one_rank_world: None) -> None:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from tpassrun.adapters.torchtitan import ModelPartsState, OptimizerState, TorchTitanAdapter
+
+    model, opt = _fsdp_model(0)
+    for _ in range(2):
+        _train_step(model, opt)
+    joiner_model, joiner_opt = _fsdp_model(1)   # a fresh joiner: different weights, no optimizer state yet
+    roundtrip({"m": ModelPartsState([model]), "o": OptimizerState(opt, [model])},
+              {"m": ModelPartsState([joiner_model]), "o": OptimizerState(joiner_opt, [joiner_model])})
+    torch.manual_seed(5)
+    leaver_next = _train_step(model, opt)
+    torch.manual_seed(5)
+    assert _train_step(joiner_model, joiner_opt) == leaver_next   # bit-identical continuation
+
+    sess = StandInSession()
+    sampler, sched = Sampler(9), torch.optim.lr_scheduler.StepLR(opt, 2)
+    adapter = TorchTitanAdapter(sess, [model], opt, sched, sampler, MegatronProgress())
+    assert sess._per_rank == {"titan.train_state", "titan.dataloader"}
+    assert adapter.replicated is False
+    old: dict[int, Any] = {}
+    _collect([model, opt], lambda o: isinstance(o, (DeviceMesh, dist.ProcessGroup)), old)
+    assert old
+
+    dist.destroy_process_group()     # what the worker does on a swap: a new world, same rank and size
+    _init_world()
+    assert adapter.reconfigure() > 0
+    now: dict[int, Any] = {}
+    _collect([model, opt], lambda o: isinstance(o, (DeviceMesh, dist.ProcessGroup)), now)
+    assert now and not set(old) & set(now)   # nothing reachable still points at the dead world
+    _train_step(model, opt)
+
+
+@pytest.mark.timeout(120)
+def test_megatron_parallel_state_reinit_real(one_rank_world: None) -> None:
+    pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install megatron-core==0.16.1)")
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tpassrun.adapters.megatron import reinitialize_parallel_state
+
+    ps.initialize_model_parallel(1, 1)
+    try:
+        config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
+                                   params_dtype=torch.float32)
+
+        def gpt(seed: int) -> Any:
+            torch.manual_seed(seed)
+            return GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
+                            max_sequence_length=16)
+
+        model, joiner = gpt(0), gpt(1)
+        roundtrip({"m": ModelChunksState(model)}, {"m": ModelChunksState(joiner)})
+        for (name, a), (_, b) in zip(model.state_dict().items(), joiner.state_dict().items()):
+            assert not isinstance(a, torch.Tensor) or torch.equal(a, b), name
+
+        layout = ParallelLayout.from_parallel_state()
+        assert (layout.tp, layout.pp, layout.cp, layout.ep) == (1, 1, 1, 1)
+        old: dict[int, Any] = {}
+        _collect([model], lambda o: isinstance(o, dist.ProcessGroup), old)
+        dist.destroy_process_group()
+        _init_world()
+        assert reinitialize_parallel_state(layout, [model]) > 0
+        now: dict[int, Any] = {}
+        _collect([model], lambda o: isinstance(o, dist.ProcessGroup), now)
+        assert now and not set(old) & set(now)
+        assert ps.get_tensor_model_parallel_group() in now.values()
+        assert ps.get_data_parallel_world_size() == 1
+    finally:
+        ps.destroy_model_parallel()
