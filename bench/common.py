@@ -232,3 +232,31 @@ def add_common_args(parser: Any, trials: int) -> None:
     parser.add_argument("--trials", type=int, default=trials, help="trials per launcher (alternated)")
     parser.add_argument("--quick", action="store_true", help="one trial per launcher")
     parser.add_argument("--keep", action="store_true", help="keep the jobs' output directories")
+
+
+def taint_times(endpoint: str, run_id: str, root: str = "/tpassrun/v1") -> list[float]:
+    """The ``time`` field of every taint of a run (when ``tpassctl`` wrote it), read straight from etcd."""
+    import asyncio
+
+    import aetcd
+
+    async def read() -> list[float]:
+        host, _, port = endpoint.rpartition(":")
+        async with aetcd.Client(host, int(port), timeout=10) as client:
+            kvs = await client.get_prefix(f"{root}/{run_id}/taints/".encode())
+            return sorted(float(json.loads(kv.value)["time"]) for kv in kvs)
+
+    return asyncio.run(read())
+
+
+def tracked_state_bytes(hidden: int, dim: int = 32) -> int:
+    """Bytes of model + AdamW state (exp_avg, exp_avg_sq) of examples/train_ddp.py's Net, float32."""
+    params = dim * hidden + hidden + hidden * hidden + hidden + hidden + 1
+    return 3 * 4 * params
+
+
+def hidden_for_state(target_bytes: int, dim: int = 32) -> int:
+    hidden = 16
+    while tracked_state_bytes(hidden + 16, dim) <= target_bytes:
+        hidden += 16
+    return hidden
