@@ -77,6 +77,7 @@ class Agent:
         self._queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
         self._store_proc: asyncio.subprocess.Process | None = None
         self.swapper: Any = None
+        self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
         self._static_port_used = False   # this generation's bootstrap store (also used by swaps)
 
@@ -128,6 +129,9 @@ class Agent:
             from .swapper import Swapper
 
             self.swapper = Swapper(self)
+            from .healthd import AgentHealth
+
+            self.health = AgentHealth(self)
             self.events.write("agent_started", endpoint=endpoint, run_id=cfg.rdzv_id, nproc=cfg.nproc_per_node,
                               spares=cfg.spares_per_node)
             code = await self._generations()
@@ -196,7 +200,8 @@ class Agent:
         await self._spawn_generation(gen, master)
         tasks = [asyncio.ensure_future(self._pump_rdzv_events(gen)),
                  asyncio.ensure_future(self.swapper.run(gen)),
-                 asyncio.ensure_future(self._publish_status_loop())]
+                 asyncio.ensure_future(self._publish_status_loop()),
+                 asyncio.ensure_future(self.health.run())]
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._hang_watchdog()))
         try:

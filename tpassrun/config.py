@@ -150,6 +150,7 @@ class LaunchConfig:
     tui: bool | None = None  # None: on when stdout is a terminal
     etcd_bin: str | None = None
     health_config: str | None = None
+    health_file: str | None = None  # JSON readings a site tool writes (FileSensor); env TPASSRUN_HEALTH_FILE
     health_interval: float = 1.0
     straggler_factor: float = 0.0
     migrate_back: bool = False
@@ -284,6 +285,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                       help="etcd binary for the embedded private etcd.")
     ours.add_argument("--health-config", "--health_config", type=str, default=None,
                       help="Health policy file.")
+    ours.add_argument("--health-file", "--health_file", type=str, default=environ.get(E.TPASSRUN_HEALTH_FILE),
+                      help="JSON readings file written by a site health tool (see tpassrun.health.FileSensor).")
     ours.add_argument("--health-interval", "--health_interval", type=float, default=1.0,
                       help="Seconds between health checks.")
     ours.add_argument("--straggler-factor", "--straggler_factor", type=float, default=0.0,
@@ -548,6 +551,7 @@ def parse_args(
         tui=ns.tui,
         etcd_bin=ns.etcd_bin,
         health_config=ns.health_config,
+        health_file=ns.health_file,
         health_interval=ns.health_interval,
         straggler_factor=ns.straggler_factor,
         migrate_back=ns.migrate_back,

@@ -402,10 +402,16 @@ class Swapper:
         gen = self.agent.generation
         assert gen is not None
         slots: list[SlotView] = []
+        # A taint naming a slot but no rank (health: a bad spare, or effect "exclude") keeps that spare out.
+        barred = {(d.get("node_id"), d.get("local_rank")) for _k, d, _r in
+                  await self._store.get_prefix_json(self._key("taints") + "/") if d.get("rank") is None}
         for _key, doc, _rev in await self._store.get_prefix_json(self._key("status") + "/"):
             node = doc.get("node_id")
             for w in doc.get("workers", []):
-                slots.append(SlotView(node=node, slot=int(w["slot"]), rank=w.get("rank"), state=w.get("state", ""),
+                state = w.get("state", "")
+                if state == "spare" and (node, int(w["slot"])) in barred:
+                    state = "tainted"
+                slots.append(SlotView(node=node, slot=int(w["slot"]), rank=w.get("rank"), state=state,
                                       managed=bool(w.get("managed")), step=int(w.get("step") or 0)))
         return ClusterView(generation=gen.number, members=tuple(m.node_id for m in gen.members),
                            spare_nodes=tuple(gen.spare_nodes), slots=tuple(slots))
@@ -457,8 +463,8 @@ class Swapper:
             return
         for key, doc, rev in await self._store.get_prefix_json(self._key("taints") + "/"):
             tid = doc.get("id") or key.rsplit("/", 1)[-1]
-            if tid in handled or doc.get("handled_by"):
-                continue
+            if tid in handled or doc.get("handled_by") or doc.get("effect") == "exclude":
+                continue  # exclude: keep the rank where it is, only never hand the slot out as a spare
             view = view or await self._view()
             rank = doc.get("rank")
             if rank is None:

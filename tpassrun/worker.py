@@ -111,6 +111,7 @@ class Session:
         self._last_light: bytes | None = None
         self._reform_times: dict[str, float] = {}
         self._light_enabled = link is not None
+        self._first_grad_ns = 0
 
     # --- the hook protocol ---
     def track(self, **objects: Any) -> "Session":
@@ -122,6 +123,13 @@ class Session:
             if not _is_replicated(obj):
                 self._per_rank.add(name)
             self._apply_pending_to(name, obj)
+        return self
+
+    def track_replicated(self, **objects: Any) -> "Session":
+        """Like :meth:`track`, for objects every data-parallel replica holds identically (sent only at a
+        handoff, never in the per-step light snapshot), whatever their type."""
+        self.track(**objects)
+        self._per_rank.difference_update(objects)
         return self
 
     def track_per_rank(self, **objects: Any) -> "Session":
@@ -137,8 +145,20 @@ class Session:
         broadcasts rank 0's parameters (the joiner may be rank 0).
         """
         proxy = ReconfigurableDDP(module, kwargs)
+        self._watch_first_grad(module)
         self.on_reconfigure(proxy.rebuild)
         return proxy
+
+    def _watch_first_grad(self, module: Any) -> None:
+        # A synchronous job's step time is the same on every rank (the all-reduce waits for the slowest);
+        # the time until the first gradient, before any collective, is what shows which rank is slow.
+        def hook(grad: Any) -> None:
+            if not self._first_grad_ns:
+                self._first_grad_ns = time.monotonic_ns()
+
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_hook(hook)
 
     def on_reconfigure(self, fn: Callable[[], Any]) -> Callable[[], Any]:
         """Run ``fn()`` after each re-formed world on every surviving rank (rebuild DDP, new_group()s)."""
@@ -173,6 +193,7 @@ class Session:
             if self._light_enabled:
                 self._snapshot_light(step)
             link.set(Field.PHASE, WorkerPhase.RUNNING)
+            self._first_grad_ns = 0
             try:
                 step_fn(step)
             except Exception as exc:  # noqa: BLE001 - classified right below
@@ -183,7 +204,9 @@ class Session:
                 self._after_failure(step, exc)
                 continue
             self.step = step + 1
-            link.set(Field.LAST_STEP_NS, time.monotonic_ns() - start)
+            end = time.monotonic_ns()
+            link.set(Field.LAST_STEP_NS, end - start)
+            link.set(Field.LAST_COMPUTE_NS, (self._first_grad_ns or end) - start)
         link.set(Field.STEP, self.step)
         link.set(Field.PHASE, WorkerPhase.DONE)
         link.send("done", step=self.step)
