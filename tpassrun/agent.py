@@ -466,17 +466,49 @@ class Agent:
         timeout_ns = int(self.cfg.hang_timeout * 1e9)
         while True:
             await asyncio.sleep(min(0.5, self.cfg.hang_timeout / 4))
+            if self.swapper.busy:
+                continue
             now = time.monotonic_ns()
+            stale = []
             for s in self.slots.active():
-                if not s.managed or not s.alive or self.swapper.busy:
-                    continue
-                if self.slots.phase(s) != WorkerPhase.RUNNING:
+                if not s.managed or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING:
                     continue
                 beat = self.slots.field(s, Field.HEARTBEAT_NS)
                 if beat and now - beat > timeout_ns:
-                    self.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid,
-                                      seconds=round((now - beat) / 1e9, 3), step=self.slots.field(s, Field.STEP))
-                    s.proc.signal_group(signal.SIGKILL)
+                    stale.append((beat, s))
+            culprit = pick_hung(stale, _proc_state)
+            if culprit is None:
+                continue
+            beat, s = culprit
+            self.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
+                              seconds=round((now - beat) / 1e9, 3), step=self.slots.field(s, Field.STEP),
+                              stale_ranks=sorted(x.rank for _b, x in stale))
+            s.proc.signal_group(signal.SIGKILL)
+            await asyncio.sleep(self.cfg.hang_timeout)  # let the death cascade and the recovery start
+
+
+def _proc_state(pid: int | None) -> str:
+    """The kernel's one-letter state of ``pid`` (R, S, D, T, Z...), or "?"."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def pick_hung(stale: list[tuple[int, Any]], state_of: Any) -> tuple[int, Any] | None:
+    """Which of the ranks whose step heartbeat is stale is the cause (pure but for ``state_of``).
+
+    When one rank hangs, its peers soon block in the next collective and go stale too: killing all of them
+    would throw away the replicas we recover from. A stopped (T/t) or uninterruptible (D) process is the
+    culprit; otherwise, with several stale ranks, the one whose heartbeat stopped first.
+    """
+    if not stale:
+        return None
+    for item in stale:
+        if state_of(item[1].pid) in ("T", "t", "D"):
+            return item
+    return min(stale, key=lambda x: x[0])
 
 
 def run_launcher(cfg: LaunchConfig) -> int:
