@@ -1,0 +1,168 @@
+"""The launcher as a user meets it: several agents on one etcd, agents dying, bad input, etcd dying.
+
+Real agents (``python -m tpassrun``), real workers, real etcd, real signals; nothing mocked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from faults import EXAMPLE, REPO, Job
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _agent(out: str, endpoint: str, run_id: str, *, nnodes: str, nproc: int, steps: int,
+           step_sleep: float = 0.05, extra: list[str] | None = None) -> Job:
+    argv = [sys.executable, "-m", "tpassrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--rdzv-conf", "lease_ttl=3,last_call_timeout=1", "--log-dir", os.path.join(out, "logs"),
+            *(extra or []), EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep),
+            "--out", os.path.join(os.path.dirname(out), "train"), "--quiet"]
+    return Job(argv=argv, out=out)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_two_agents_run_a_four_rank_ddp_job(tmp_path, etcd_server, run_id):
+    a = _agent(str(tmp_path / "a"), etcd_server.endpoint, run_id, nnodes="2", nproc=2, steps=20).start()
+    b = _agent(str(tmp_path / "b"), etcd_server.endpoint, run_id, nnodes="2", nproc=2, steps=20).start()
+    try:
+        assert a.wait(240) == 0, a.log()[-2000:]
+        assert b.wait(240) == 0, b.log()[-2000:]
+    finally:
+        a.kill()
+        b.kill()
+    train = tmp_path / "train"
+    assert sorted(p.name for p in train.glob("final_rank*.pt")) == [f"final_rank{r}.pt" for r in range(4)]
+    for r in range(4):
+        rows = [json.loads(x) for x in (train / f"loss_rank{r}.jsonl").read_text().splitlines()]
+        assert [x["step"] for x in rows] == list(range(20))
+
+
+def test_sigkilled_agent_takes_its_workers_and_the_other_agent_carries_on(tmp_path, etcd_server, run_id):
+    a = _agent(str(tmp_path / "a"), etcd_server.endpoint, run_id, nnodes="1:2", nproc=2, steps=400,
+               step_sleep=0.05, extra=["--max-restarts", "1"]).start()
+    b = _agent(str(tmp_path / "b"), etcd_server.endpoint, run_id, nnodes="1:2", nproc=2, steps=400,
+               step_sleep=0.05, extra=["--max-restarts", "1"]).start()
+    try:
+        deadline = time.monotonic() + 180
+        while not any(e["event"] == "workers_started" for e in b.events()):
+            assert time.monotonic() < deadline, b.log()[-2000:]
+            time.sleep(0.2)
+        # both agents in one generation, training underway
+        while not (tmp_path / "train" / "loss_rank3.jsonl").exists():
+            assert time.monotonic() < deadline, a.log()[-2000:] + b.log()[-2000:]
+            time.sleep(0.2)
+        started = [e for e in b.events() if e["event"] == "workers_started"][-1]
+        b_pids = [s["pid"] for s in started["slots"]]
+        killed_at = time.monotonic()
+        os.kill(b.proc.pid, signal.SIGKILL)   # the agent only: its workers must not outlive it
+        b.proc.wait(10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in b_pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(_alive(p) for p in b_pids), "workers outlived their SIGKILLed agent"
+        assert a.wait(300) == 0, a.log()[-3000:]
+        seen = [e for e in a.events() if e["event"] in ("membership_change", "restart", "generation_ended")]
+        assert seen, [e["event"] for e in a.events()]
+        first = min(e["mono"] for e in seen)
+        kill_mono = killed_at  # same clock (CLOCK_MONOTONIC) in this process and the agent
+        assert first - kill_mono < 3 + 3, f"noticed {first - kill_mono:.1f}s after the kill (lease ttl 3 s)"
+        joined = [e for e in a.events() if e["event"] == "generation_joined"]
+        assert joined[-1]["world_size"] == 2   # carried on alone, under the restart policy
+    finally:
+        a.kill()
+        b.kill()
+
+
+def _run(argv: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpassrun", *argv], capture_output=True, text=True,
+                          timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return lines[-1] if lines else ""
+
+
+def test_unknown_flag_is_a_usage_error():
+    r = _run(["--no-such-flag", EXAMPLE])
+    assert r.returncode == 2
+    assert "unrecognized arguments" in r.stderr or "no-such-flag" in r.stderr
+
+
+@pytest.mark.parametrize("bad", ["0", "3:2", "a:b", "1:2:3"])
+def test_malformed_nnodes_is_one_clear_line(bad):
+    r = _run(["--nnodes", bad, EXAMPLE])
+    assert r.returncode != 0
+    assert "nnodes" in _last_line(r.stderr).lower(), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unreachable_etcd_fails_fast_with_one_line(tmp_path):
+    t0 = time.monotonic()
+    r = _run(["--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", "127.0.0.1:9", "--rdzv-id", "x",
+              "--rdzv-conf", "read_timeout=2", "--log-dir", str(tmp_path), EXAMPLE], timeout=60)
+    assert r.returncode != 0
+    assert time.monotonic() - t0 < 30
+    assert "etcd" in _last_line(r.stderr), r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_script_fails_like_torchrun(tmp_path):
+    r = _run(["--standalone", "--nproc-per-node", "1", "--log-dir", str(tmp_path), str(tmp_path / "nope.py")])
+    assert r.returncode == 1
+    assert "FAILED" in r.stderr and "exitcode" in r.stderr
+
+
+def test_two_runs_with_different_ids_share_one_etcd(tmp_path, etcd_server):
+    jobs = [_agent(str(tmp_path / f"j{i}"), etcd_server.endpoint, f"iso-{i}-{os.getpid()}", nnodes="1", nproc=1,
+                   steps=15, step_sleep=0.02) for i in range(2)]
+    for j in jobs:
+        j.argv[j.argv.index("--out") + 1] = os.path.join(j.out, "train")
+        j.start()
+    try:
+        for j in jobs:
+            assert j.wait(240) == 0, j.log()[-2000:]
+    finally:
+        for j in jobs:
+            j.kill()
+    for j in jobs:
+        joined = [e for e in j.events() if e["event"] == "generation_joined"]
+        assert len(joined) == 1 and joined[0]["world_size"] == 1 and len(joined[0]["members"]) == 1
+
+
+def test_etcd_killed_mid_run_does_not_hang(tmp_path, fresh_etcd, run_id):
+    job = _agent(str(tmp_path / "a"), fresh_etcd.endpoint, run_id, nnodes="1", nproc=2, steps=60,
+                 step_sleep=0.05, extra=["--rdzv-conf", "lease_ttl=3,read_timeout=3"])
+    job.start()
+    try:
+        deadline = time.monotonic() + 180
+        while not (tmp_path / "train" / "loss_rank0.jsonl").exists():
+            assert time.monotonic() < deadline, job.log()[-2000:]
+            time.sleep(0.2)
+        fresh_etcd.stop()
+        code = job.wait(120)   # no hang: the workers finish (or the agent fails cleanly)
+    finally:
+        job.kill()
+    assert code in (0, 1), job.log()[-2000:]
+    if code == 1:
+        assert "etcd" in job.log()
