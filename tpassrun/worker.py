@@ -144,7 +144,7 @@ class Session:
         Track ``module`` before calling this, so that a joiner holds the right weights before DDP
         broadcasts rank 0's parameters (the joiner may be rank 0).
         """
-        proxy = ReconfigurableDDP(module, kwargs)
+        proxy = ReconfigurableDDP(module, kwargs, synced=self.joined)
         self._watch_first_grad(module)
         self.on_reconfigure(proxy.rebuild)
         return proxy
@@ -305,7 +305,8 @@ class Session:
                 bundle = handoff.capture(objs, step=step, rng=rng,
                                          extra={"objects": sorted(objs), "swap_id": msg.get("swap_id")})
                 try:
-                    stats = _send_state(msg, bundle, corrupt=testing.wants(self.rank, step, "send", "corrupt"))
+                    stats = _send_state(msg, bundle,
+                                        corrupt=lambda: testing.wants(self.rank, step, "send", "corrupt"))
                     link.send("sent", ok=True, nbytes=stats.nbytes, seconds=stats.seconds,
                               checksum=stats.checksum, swap_id=msg.get("swap_id"))
                 except (OSError, handoff.HandoffError) as exc:
@@ -404,15 +405,23 @@ class ReconfigurableDDP:
     ``ddp.module`` keep working across swaps.
     """
 
-    def __init__(self, module: Any, kwargs: dict[str, Any]) -> None:
+    def __init__(self, module: Any, kwargs: dict[str, Any], *, synced: bool = False) -> None:
         self._module = module
         self._kwargs = kwargs
-        self._ddp = self._build()
+        self._ddp = self._build(synced)
 
-    def _build(self) -> Any:
+    def _build(self, synced: bool) -> Any:
+        import inspect
+
         from torch.nn.parallel import DistributedDataParallel
 
-        ddp = DistributedDataParallel(self._module, **self._kwargs)
+        kwargs = dict(self._kwargs)
+        if synced and "init_sync" not in kwargs and "init_sync" in inspect.signature(DistributedDataParallel).parameters:
+            # After a swap every rank already holds identical weights (survivors kept theirs, the joiner
+            # loaded them before this call): skip DDP's broadcast of the whole model from rank 0. Survivors
+            # (rebuild) and the joiner (first build) both skip it, so their collectives still match.
+            kwargs["init_sync"] = False
+        ddp = DistributedDataParallel(self._module, **kwargs)
         # Fix the gradient bucket layout now instead of after the first iteration. DDP normally re-buckets
         # once, by the order gradients became ready; a DDP rebuilt after a swap would then reduce its first
         # step with a different layout, hence a different summation order, than the uninterrupted run, and
@@ -425,7 +434,7 @@ class ReconfigurableDDP:
         return ddp
 
     def rebuild(self) -> None:
-        self._ddp = self._build()
+        self._ddp = self._build(synced=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._ddp(*args, **kwargs)
@@ -434,14 +443,19 @@ class ReconfigurableDDP:
         return getattr(self.__dict__["_ddp"], name)
 
 
-def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: bool = False) -> Any:
+def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: Callable[[], bool]) -> Any:
+    """Stream ``bundle`` to the joiner named in ``msg``. ``corrupt`` is the tests' fault hook: asked only
+    once connected, so a fault meant for a transfer is not used up by a joiner that is already gone."""
     from . import handoff
 
     timeout = float(msg.get("timeout", 60))
-    if not corrupt:
-        return handoff.connect_and_send(msg["addr"], int(msg["port"]), bundle, timeout=timeout)
-    with socket.create_connection((msg["addr"], int(msg["port"])), timeout=timeout) as sock:
-        return handoff.send_bundle(sock, bundle, _corrupt_byte_at=4096)
+    try:
+        sock = socket.create_connection((msg["addr"], int(msg["port"])), timeout=timeout)
+    except OSError as exc:
+        raise handoff.HandoffError(f"cannot connect to the joiner at {msg['addr']}:{msg['port']}: {exc}") from exc
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return handoff.send_bundle(sock, bundle, _corrupt_byte_at=4096 if corrupt() else None)
 
 
 def _socket_fds() -> dict[int, str]:
