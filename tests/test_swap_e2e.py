@@ -218,3 +218,27 @@ def test_a_spare_dying_leaves_training_alone(tmp_path, etcd_server, run_id):
         job.kill()
     for r in range(2):
         assert [x["step"] for x in job.losses(r)] == list(range(30))
+
+
+def test_migrate_back_returns_the_rank_home(tmp_path, etcd_server, run_id, baseline3):
+    """--migrate-back: once the tainted slot is untainted (healthy again), the rank moves back to it and the
+    slot it borrowed returns to the spare pool."""
+    ep = etcd_server.endpoint
+    job = Job.tpassrun(str(tmp_path), endpoint=ep, run_id=run_id, nproc=3, spares=1, steps=LONG, step_sleep=0.1,
+                       extra=["--migrate-back"]).start()
+    try:
+        job.wait_step(4, 180)
+        assert taint(ep, run_id, rank=1, reason="sick") == 0
+        _wait_event(job, "swap_resumed", 1)
+        _untaint_all(ep, run_id, reason="sick")
+        _wait_event(job, "migrate_back_requested", 1)
+        _wait_event(job, "swap_resumed", 2)
+        _wait_event(job, "spare_returned", 2)
+        assert job.wait(240) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    assert_bit_exact(job, baseline3, 3)
+    decided = _events(job, "swap_decided")
+    assert "vm" in decided[1]["reason"] or "/1" in decided[1]["reason"]
+    moves = [e for e in job.events() if e["event"] == "swap_done"]
+    assert moves[0]["leaver"]["slot"] == 1 and moves[1]["joiner"]["slot"] == 1   # home again

@@ -376,6 +376,11 @@ class Agent:
             return None
         if slot.state == SlotState.LEAVING:
             slot.state = SlotState.QUARANTINED
+            if slot.release_after_exit:   # migrate-back: the slot it leaves was never sick
+                slot.release_after_exit = False
+                slot.quarantine_reason = None
+                await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=self.master, spare=True)
+                self.events.write("spare_returned", slot=slot.index, reason="migrate-back released it")
             return None
         if slot.state != SlotState.RUNNING:
             return None

@@ -44,6 +44,8 @@ class Slot:
     inbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
     exit_code: int | None = None
     quarantine_reason: str | None = None
+    home_rank: int | None = None          # the rank that left this slot because of a taint (migrate-back)
+    release_after_exit: bool = False      # a migrate-back leaver: its slot is healthy, back to the pool
     started_at: float = 0.0
 
     @property

@@ -86,6 +86,7 @@ class SwapPlan:
     attempt: int = 0
     excluded_spares: tuple[tuple[str, int], ...] = ()
     taint_id: str | None = None
+    release: bool = False          # migrate-back: the leaver's slot is healthy, return it to the spare pool
     history: tuple[tuple[str, float], ...] = ()   # (phase, wall time)
 
     def to_json(self) -> dict[str, Any]:
@@ -96,7 +97,7 @@ class SwapPlan:
             "reason": self.reason, "nodes": list(self.nodes), "boundary": self.boundary,
             "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
             "attempt": self.attempt, "excluded_spares": [list(x) for x in self.excluded_spares],
-            "taint_id": self.taint_id, "history": [list(h) for h in self.history],
+            "taint_id": self.taint_id, "release": self.release, "history": [list(h) for h in self.history],
         }
 
     @classmethod
@@ -112,7 +113,7 @@ class SwapPlan:
             joiner_addr=tuple(d["joiner_addr"]) if d.get("joiner_addr") else None,  # type: ignore[arg-type]
             light_b64=d.get("light_b64"), attempt=int(d.get("attempt", 0)),
             excluded_spares=tuple(tuple(x) for x in d.get("excluded_spares", ())),  # type: ignore[misc]
-            taint_id=d.get("taint_id"), history=tuple(tuple(h) for h in d.get("history", ())),  # type: ignore[misc]
+            taint_id=d.get("taint_id"), release=bool(d.get("release", False)), history=tuple(tuple(h) for h in d.get("history", ())),  # type: ignore[misc]
         )
 
     def advance(self, phase: Phase, now_wall: float, **changes: Any) -> "SwapPlan":
@@ -183,22 +184,33 @@ def new_swap_id() -> str:
 
 
 def plan_for_taint(view: ClusterView, *, node: str, rank: int, reason: str, taint_id: str | None,
-                   now_wall: float, swap_id: str | None = None) -> Decision:
-    """A taint on a live, managed rank: plan a cooperative migration to a spare."""
+                   now_wall: float, swap_id: str | None = None,
+                   home: tuple[str, int] | None = None) -> Decision:
+    """A taint on a live, managed rank: plan a cooperative migration to a spare.
+
+    ``home`` (migrate-back): the rank goes to that slot only, once it is a ready spare again, and the slot it
+    leaves is returned to the pool instead of quarantined.
+    """
     leaver = view.slot_of_rank(rank)
     if leaver is None:
         return Decision("reject", f"rank {rank} is not running in generation {view.generation}")
     if not leaver.managed:
         return Decision("fallback", f"rank {rank} does not use tpassrun.init(): restart the group without the "
                                     "tainted slot")
-    spare = choose_spare(view, leaver.node)
+    if home is not None:
+        spare = next((s for s in view.slots if (s.node, s.slot) == tuple(home) and s.state == "spare"
+                      and s.managed), None)
+        if spare is None:
+            return Decision("wait", f"rank {rank} waits for its home slot {home[0]}/{home[1]} to be a ready spare")
+    else:
+        spare = choose_spare(view, leaver.node)
     if spare is None:
         return Decision("wait", f"no spare available for rank {rank}; the swap waits for one")
     plan = SwapPlan(
         id=swap_id or new_swap_id(), kind=SwapKind.PLANNED, generation=view.generation,
         leaver=SlotRef(leaver.node, leaver.slot, rank), joiner=SlotRef(spare.node, spare.slot, rank), donor=None,
         phase=Phase.PAUSE, reason=reason, nodes=_involved(view, spare.node), taint_id=taint_id,
-        history=((Phase.PAUSE.value, now_wall),),
+        release=home is not None, history=((Phase.PAUSE.value, now_wall),),
     )
     return Decision("plan", f"migrate rank {rank} from {leaver.node}/{leaver.slot} to spare "
                             f"{spare.node}/{spare.slot}: {reason}", plan)

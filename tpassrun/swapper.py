@@ -336,9 +336,11 @@ class Swapper:
         if plan.leaver.node == me:
             leaver = self._slots.slots[plan.leaver.slot]
             reason = plan.reason if plan.kind == SwapKind.PLANNED else f"rank died: {plan.reason}"
-            leaver.quarantine_reason = reason
+            leaver.quarantine_reason = None if plan.release else reason
+            leaver.home_rank = None if plan.release else plan.leaver.rank
             if plan.kind == SwapKind.PLANNED:
                 leaver.state = SlotState.LEAVING
+                leaver.release_after_exit = plan.release
                 self._slots.send(leaver, "exit", code=0)
             else:
                 leaver.state = SlotState.QUARANTINED
@@ -474,8 +476,9 @@ class Swapper:
                 if not target:
                     continue
                 rank = target[0].rank
+            home = (doc["home_node"], int(doc["home_slot"])) if doc.get("home_node") is not None else None
             decision = plan_for_taint(view, node=doc.get("node_id", ""), rank=int(rank), reason=doc.get("reason", ""),
-                                      taint_id=tid, now_wall=now)
+                                      taint_id=tid, now_wall=now, home=home)
             if decision.action == "plan" and decision.plan is not None:
                 if await self._store.create_json(self._key("swaps", decision.plan.id), decision.plan.to_json()):
                     await self._store.put_json(key, {**doc, "handled_by": decision.plan.id, "state": "migrating"})
@@ -500,7 +503,9 @@ class Swapper:
         ok = await self._store.cas_json(self._key("swaps", plan.id), new.to_json(), rev)
         if ok:
             self.agent.events.write("swap_phase", swap_id=new.id, phase=new.phase.value, reason=decision.reason)
-            if new.phase == Phase.DONE and new.taint_id:
+            if new.phase == Phase.DONE and new.taint_id and new.release:
+                await self._store.delete(self._key("taints", new.taint_id))   # migrate-back done: nothing sick
+            elif new.phase == Phase.DONE and new.taint_id:
                 key = self._key("taints", new.taint_id)
                 doc, _ = await self._store.get_json(key)
                 if doc is not None:
@@ -542,4 +547,17 @@ class Swapper:
                 s.quarantine_reason = None
                 await self.agent.spawn(gen, s, local_rank=s.index, rank=-1, master=self.agent.master, spare=True)
                 self.agent.events.write("spare_returned", slot=s.index)
+                home, s.home_rank = s.home_rank, None
+                if self.agent.cfg.migrate_back and home is not None:
+                    await self._request_migrate_back(home, s)
+
+    async def _request_migrate_back(self, rank: int, home: Slot) -> None:
+        """--migrate-back: the slot a rank was moved off is healthy again; move the rank home once the new
+        spare there is ready (the planner waits for it), and free the slot it leaves."""
+        tid = f"mb-{self.agent.node_id}-{home.index}-{int(time.time() * 1000)}"
+        doc = {"v": 1, "id": tid, "rank": rank, "node_id": None, "local_rank": None, "effect": "migrate",
+               "reason": f"migrate back to healthy slot {self.agent.node_id}/{home.index}", "source": "migrate-back",
+               "home_node": self.agent.node_id, "home_slot": home.index, "time": time.time()}
+        await self._store.put_json(self._key("taints", tid), doc)
+        self.agent.events.write("migrate_back_requested", rank=rank, slot=home.index, taint=tid)
         await self.agent.publish_status()
