@@ -412,14 +412,19 @@ class Agent:
         assert self.rdzv is not None
         kind = getattr(ev.kind, "value", ev.kind)
         if kind == "closed":
+            reason = getattr(ev, "reason", "") or ""
+            if reason.startswith("succeeded"):
+                return None  # another node finished first; ours finish on their own (torchrun: same)
             if any(s.state == SlotState.RUNNING for s in self.slots.slots):  # type: ignore[union-attr]
-                return Outcome.CLOSED, f"the run was closed by another agent: {ev.reason}"
+                return Outcome.CLOSED, f"the run was closed by another agent: {reason}"
             return None
         if kind == "generation_changed":
             new = ev.generation
             if new is None or new.number == gen.number:
                 return None
             if getattr(new.state, "value", new.state) == "closed":
+                if (new.reason or "").startswith("succeeded"):
+                    return None
                 return Outcome.CLOSED, new.reason
             if new.swap_id and getattr(new.state, "value", new.state) == "active":
                 self.swapper.on_generation_committed(new)

@@ -194,7 +194,8 @@ class AgentHealth:
         return sensors
 
     def _say(self, message: str) -> None:
-        log.warning("%s", message)
+        # "no GPU" is the normal state of a CPU cluster: say it once, quietly (the console stays torchrun's).
+        (log.info if "no GPU" in message else log.warning)("%s", message)
         self.agent.events.write("health_message", message=message)
 
     # ------------------------------------------------------------------ the loop
