@@ -94,16 +94,24 @@ def _healthy(port: int) -> bool:
 class EmbeddedEtcd:
     """``async with EmbeddedEtcd() as etcd: ... etcd.endpoint`` -> ``"127.0.0.1:PORT"``."""
 
-    def __init__(self, binary: str | None = None, *, ready_timeout: float = 10.0) -> None:
+    def __init__(self, binary: str | None = None, *, ready_timeout: float = 10.0,
+                 client_port: int | None = None, listen_host: str = "127.0.0.1",
+                 advertise_host: str | None = None) -> None:
+        """``client_port``: serve on that port (one attempt: an "address in use" means someone else serves
+        there) on ``listen_host``, e.g. ``0.0.0.0`` to host a multi-node run's etcd (torchrun ``c10d``/``static``
+        endpoints); by default a free loopback port."""
         self._binary = binary
         self._ready_timeout = ready_timeout
         self._proc: subprocess.Popen[bytes] | None = None
         self._dir: str | None = None
+        self._fixed_port = client_port
+        self._listen = listen_host
+        self._advertise = advertise_host or ("127.0.0.1" if listen_host in ("127.0.0.1", "0.0.0.0") else listen_host)
         self.port = 0
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self._advertise}:{self.port}"
 
     @property
     def pid(self) -> int | None:
@@ -117,7 +125,7 @@ class EmbeddedEtcd:
         binary = find_etcd_binary(self._binary)
         self._dir = tempfile.mkdtemp(prefix="tpassrun-etcd-")
         try:
-            for _attempt in range(5):  # free-port races: another process may grab the port first
+            for _attempt in range(1 if self._fixed_port else 5):  # free-port races: retry on a new port
                 if await self._start(binary):
                     return self
             raise RendezvousError(f"embedded etcd ({binary}) did not become healthy; log: {self._log_tail()}")
@@ -127,14 +135,14 @@ class EmbeddedEtcd:
 
     async def _start(self, binary: str) -> bool:
         assert self._dir is not None
-        self.port, peer = _free_port(), _free_port()
+        self.port, peer = self._fixed_port or _free_port(), _free_port()
         data = os.path.join(self._dir, "data")
         shutil.rmtree(data, ignore_errors=True)
         with open(os.path.join(self._dir, "log"), "wb") as logf:
             self._proc = subprocess.Popen(
                 [binary, "--name", "tpassrun", "--data-dir", data,
-                 "--listen-client-urls", f"http://127.0.0.1:{self.port}",
-                 "--advertise-client-urls", f"http://127.0.0.1:{self.port}",
+                 "--listen-client-urls", f"http://{self._listen}:{self.port}",
+                 "--advertise-client-urls", f"http://{self._advertise}:{self.port}",
                  "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-cluster", f"tpassrun=http://127.0.0.1:{peer}",

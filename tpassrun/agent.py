@@ -17,6 +17,7 @@ import os
 import signal
 import socket
 import sys
+import tempfile
 import time
 import uuid
 from typing import Any
@@ -79,7 +80,8 @@ class Agent:
         self.swapper: Any = None
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
-        self._static_port_used = False   # this generation's bootstrap store (also used by swaps)
+        self._static_port_used = False
+        self.hosting_etcd = False   # this generation's bootstrap store (also used by swaps)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:
@@ -113,6 +115,8 @@ class Agent:
             if endpoint is None:
                 etcd = await stack.enter_async_context(EmbeddedEtcd(find_etcd_binary(cfg.etcd_bin)))
                 endpoint = etcd.endpoint
+            elif cfg.host_etcd:
+                self.hosting_etcd = await self._maybe_host_etcd(stack, endpoint)
             run_dir = self.logs.run_dir
             event_path = cfg.event_log or (os.path.join(run_dir, "events.jsonl") if run_dir else None)
             self.events = EventLog(event_path, node_id=self.node_id).open()
@@ -138,6 +142,54 @@ class Agent:
             self.events.write("agent_exit", code=code)
             return code
 
+    async def _maybe_host_etcd(self, stack: contextlib.AsyncExitStack, endpoint: str) -> bool:
+        """torchrun ``c10d``/``static``: the agent on the endpoint's machine hosts the rendezvous (a TCPStore
+        there); ours hosts an etcd on that address when nothing answers on it yet. Racing agents on one
+        machine: one binds the port, the others find it taken and connect as clients."""
+        host, _, port_s = endpoint.rpartition(":")
+        host = host.strip("[]")
+        port = int(port_s)
+        if not _is_local_address(host) or await _accepts(host, port):
+            return False
+        # Several agents of one machine (tests, single-host multi-agent runs) race for the port: a lock file
+        # decides who hosts; the others wait until the etcd answers.
+        import fcntl
+
+        lock = open(os.path.join(tempfile.gettempdir(), f"tpassrun-etcd-{port}.lock"), "w")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            lock.close()
+            deadline = time.monotonic() + 60
+            while not await _accepts(host, port) and time.monotonic() < deadline:
+                await asyncio.sleep(0.1)
+            return False
+        stack.callback(lock.close)
+        if await _accepts(host, port):
+            return False
+        try:
+            await stack.enter_async_context(EmbeddedEtcd(find_etcd_binary(self.cfg.etcd_bin), client_port=port,
+                                                         listen_host="0.0.0.0", advertise_host=host))
+        except RendezvousError as exc:
+            log.info("not hosting the etcd at %s (%s); joining as a client", endpoint, exc)
+            return False
+        self.events.write("etcd_hosted", endpoint=endpoint)
+        return True
+
+    async def _wait_for_other_agents(self, timeout: float) -> None:
+        """The hosting agent keeps its etcd up until the other agents are gone (their status keys live
+        under their leases), so a node that finishes first does not pull the rendezvous from under the rest."""
+        assert self.rdzv is not None
+        deadline = time.monotonic() + timeout
+        prefix = self.rdzv.key("status") + "/"
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                others = [k for k, _d, _r in await self.rdzv.store.get_prefix_json(prefix)
+                          if not k.endswith("/" + self.node_id)]
+                if not others:
+                    return
+            await asyncio.sleep(0.5)
+
     async def _generations(self) -> int:
         assert self.rdzv is not None
         while True:
@@ -156,6 +208,9 @@ class Agent:
             if outcome == Outcome.SUCCEEDED:
                 with contextlib.suppress(RendezvousError):
                     await self.rdzv.close("succeeded")
+                if self.hosting_etcd:
+                    with contextlib.suppress(asyncio.TimeoutError, RendezvousError):
+                        await self._wait_for_other_agents(float(self.cfg.rdzv_conf.get("close_timeout", 300)))
                 return 0
             if outcome == Outcome.SIGNALLED:
                 return 1
@@ -495,6 +550,30 @@ class Agent:
                               stale_ranks=sorted(x.rank for _b, x in stale))
             s.proc.signal_group(signal.SIGKILL)
             await asyncio.sleep(self.cfg.hang_timeout)  # let the death cascade and the recovery start
+
+
+def _is_local_address(host: str) -> bool:
+    """Whether ``host`` names this machine (binding one of its addresses works)."""
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    for family, _t, _p, _c, sockaddr in infos:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((sockaddr[0], 0))
+            return True
+    return False
+
+
+async def _accepts(host: str, port: int) -> bool:
+    try:
+        _r, w = await asyncio.wait_for(asyncio.open_connection(host, port), 2)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    w.close()
+    return True
 
 
 def _proc_state(pid: int | None) -> str:

@@ -142,6 +142,9 @@ class LaunchConfig:
     omp_num_threads: str | None = None  # value the launcher sets for workers (None: leave alone)
     # --- where tpassrun's etcd is ---
     etcd_endpoint: str | None = None
+    # c10d/static: like torchrun's store host, the agent on the endpoint's machine serves the etcd there if
+    # nothing does yet (torchrun users need no etcd of their own)
+    host_etcd: bool = False
     # --- tpassrun's own ---
     spares_per_node: int = 0
     spare_node: bool = False
@@ -428,6 +431,13 @@ def resolve_etcd_endpoint(backend: str, endpoint: str, max_nodes: int, standalon
     )
 
 
+def static_etcd_endpoint(master_addr: str, master_port: int) -> str:
+    """Multi-node ``static`` without an endpoint: torchrun's rank-0 agent hosts a store at
+    ``master_addr:master_port`` (which workers get as MASTER_PORT); tpassrun hosts its etcd next to it, on
+    ``master_port + 1``, on the agent whose address is ``master_addr``."""
+    return f"{master_addr}:{master_port + 1}"
+
+
 # --------------------------------------------------------------------------------------------
 # entry point
 # --------------------------------------------------------------------------------------------
@@ -468,7 +478,8 @@ def parse_args(
     master_port = STATIC_DEFAULT_MASTER_PORT if ns.master_port is None else ns.master_port
     if backend == "static" and not endpoint:
         endpoint = f"{ns.master_addr}:{master_port}"  # torchrun's get_rdzv_endpoint
-        etcd_endpoint = resolve_etcd_endpoint(backend, "", max_nodes, standalone)
+        etcd_endpoint = (static_etcd_endpoint(ns.master_addr, master_port) if max_nodes > 1 and not standalone
+                         else resolve_etcd_endpoint(backend, "", max_nodes, standalone))
     else:
         etcd_endpoint = resolve_etcd_endpoint(backend, endpoint, max_nodes, standalone)
 
@@ -544,6 +555,7 @@ def parse_args(
         log_line_prefix_template=env.get(E.TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE),
         omp_num_threads=derived_omp(nproc, env),
         etcd_endpoint=etcd_endpoint,
+        host_etcd=etcd_endpoint is not None and backend in ("c10d", "static"),
         spares_per_node=ns.spares_per_node,
         spare_node=ns.spare_node,
         hang_timeout=ns.hang_timeout,
