@@ -166,3 +166,34 @@ def test_etcd_killed_mid_run_does_not_hang(tmp_path, fresh_etcd, run_id):
     assert code in (0, 1), job.log()[-2000:]
     if code == 1:
         assert "etcd" in job.log()
+
+
+def test_c10d_endpoint_without_an_etcd_is_hosted_by_one_agent(tmp_path, run_id):
+    """torchrun users point c10d at a machine and run no etcd: the agent there hosts one, like torchrun's
+    TCPStore host, keeps it until the other agent is done, and leaves nothing behind."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    jobs = []
+    for name in ("a", "b"):
+        out = str(tmp_path / name)
+        argv = [sys.executable, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "1",
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id,
+                "--rdzv-conf", "lease_ttl=3,last_call_timeout=1", "--log-dir", os.path.join(out, "logs"),
+                EXAMPLE, "--steps", "15", "--step-sleep", "0.02", "--out", str(tmp_path / "train"), "--quiet"]
+        jobs.append(Job(argv=argv, out=out).start())
+    try:
+        for j in jobs:
+            assert j.wait(240) == 0, j.log()[-2000:]
+    finally:
+        for j in jobs:
+            j.kill()
+    hosted = [j for j in jobs if any(e["event"] == "etcd_hosted" for e in j.events())]
+    assert len(hosted) == 1
+    for r in range(2):
+        rows = (tmp_path / "train" / f"loss_rank{r}.jsonl").read_text().splitlines()
+        assert [json.loads(x)["step"] for x in rows] == list(range(15))
+    with socket.socket() as s:   # the hosted etcd is gone with its agent
+        assert s.connect_ex(("127.0.0.1", port)) != 0

@@ -169,10 +169,22 @@ def test_static_single_node_with_master_port_uses_embedded_etcd():
     assert cfg.rdzv_conf == {"timeout": "900", "rank": "0"} and cfg.uses_embedded_etcd and cfg.rdzv_id == "none"
 
 
-@pytest.mark.parametrize("backend", ["static", "c10d"])
-def test_multi_node_without_etcd_is_a_clear_error(backend):
+def test_multi_node_c10d_without_endpoint_is_a_clear_error():
     with pytest.raises(ConfigError, match="pass --rdzv-endpoint"):
-        parse("--nnodes", "2", "--rdzv-backend", backend, "--master-port", "1", "t.py")
+        parse("--nnodes", "2", "--rdzv-backend", "c10d", "--master-port", "1", "t.py")
+
+
+def test_multi_node_static_hosts_its_etcd_next_to_the_master_port():
+    # torchrun's static rank-0 agent hosts a store at master_addr:master_port; tpassrun's agent on that
+    # machine hosts an etcd next to it, and every agent uses it.
+    cfg = parse("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "1234", "t.py")
+    assert cfg.etcd_endpoint == "10.0.0.5:1235" and cfg.host_etcd and cfg.master_port == 1234
+
+
+def test_c10d_endpoint_is_hosted_by_the_agent_on_its_machine_etcd_endpoints_never():
+    assert parse("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:7", "t.py").host_etcd
+    assert not parse("--rdzv-backend", "etcd", "--rdzv-endpoint", "h:7", "t.py").host_etcd
+    assert not parse("--standalone", "t.py").host_etcd
 
 
 @pytest.mark.parametrize("backend,endpoint,etcd", [

@@ -121,6 +121,8 @@ class Agent:
             event_path = cfg.event_log or (os.path.join(run_dir, "events.jsonl") if run_dir else None)
             self.events = EventLog(event_path, node_id=self.node_id).open()
             stack.callback(self.events.close)
+            if self.hosting_etcd:
+                self.events.write("etcd_hosted", endpoint=endpoint)
             settings = RendezvousSettings.from_conf(cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf)
             node = NodeInfo(node_id=self.node_id, addr=self.addr, nproc=cfg.nproc_per_node,
                             spares=cfg.spares_per_node, spare_node=cfg.spare_node)
@@ -173,7 +175,6 @@ class Agent:
         except RendezvousError as exc:
             log.info("not hosting the etcd at %s (%s); joining as a client", endpoint, exc)
             return False
-        self.events.write("etcd_hosted", endpoint=endpoint)
         return True
 
     async def _wait_for_other_agents(self, timeout: float) -> None:
