@@ -168,11 +168,17 @@ class EtcdConnection:
             delay = min(delay * 2, 1.0)
 
     async def acquire(self) -> tuple[aetcd.Client, int]:
-        if self._failure is not None:
-            raise self._failure
-        if self._client is None:
-            raise RendezvousError("etcd connection is not open (use `async with`)")
-        return self._client, self._epoch
+        while True:
+            if self._failure is not None:
+                raise self._failure
+            if self._client is not None:
+                return self._client, self._epoch
+            if self._closed or not self._lock.locked():
+                raise RendezvousError("etcd connection is not open (use `async with`)")
+            # A reconnect (``recover``, which holds the lock) is in progress with no client: wait for its
+            # outcome. Failing here instead killed the lease keepalive one second into any outage.
+            async with self._lock:
+                pass
 
     async def recover(self, epoch: int, exc: BaseException | None) -> None:
         """Called by whoever saw ``exc`` on the client of ``epoch``: make a working client or raise."""
@@ -265,6 +271,12 @@ class EtcdStore:
         self._keepalive: asyncio.Task[None] | None = None
         self.lease_listeners: list[Callable[[], None]] = []  # called after the lease was re-granted
         self.failed = asyncio.Event()  # set when the keepalive gave up (connection lost for good)
+        # Fencing: by our own clock the lease is surely alive until ``lease_deadline`` (send time of the last
+        # acknowledged grant/refresh + ttl; etcd counts from when it received it, which is later). Past it,
+        # the leader may already have declared us lost and handed our ranks to someone else.
+        self.lease_deadline = float("inf")
+        self.lease_epoch = 0  # bumped when the lease was found expired and re-granted
+        self._lease_changed = asyncio.Event()
 
     @property
     def lease_id(self) -> int | None:
@@ -317,19 +329,45 @@ class EtcdStore:
                 raise RendezvousError(f"etcd request failed: {_one_line(exc)}") from exc
 
     async def _grant(self) -> None:
+        sent = self._clock()
         self._lease = await self._call(lambda c: c.lease(self.lease_ttl))
+        self.lease_deadline = sent + self.lease_ttl
 
     async def _keep_alive(self) -> None:
         interval = max(0.2, self.lease_ttl / 3)
         try:
             while True:
                 await asyncio.sleep(interval)
+                sent = self._clock()
                 reply = await self._call(lambda c: c.refresh_lease(self._lease.id))
                 if reply is None or reply.TTL <= 0:
+                    self.lease_epoch += 1
+                    self._lease_changed.set()
+                    self._lease_changed = asyncio.Event()
                     await self._regrant()
+                else:
+                    self.lease_deadline = max(self.lease_deadline, sent + reply.TTL)
         except RendezvousError as exc:
             log.error("etcd lease keepalive stopped: %s", exc)
             self.failed.set()
+
+    async def lease_lost(self) -> str:
+        """Return, with a reason, once our lease may expire (or has expired) since this call: its local deadline
+        is less than min(1 s, ttl/6) away without a refresh, or a refresh found it expired (and it was
+        re-granted). Never returns without a lease."""
+        if self.lease_ttl <= 0:
+            await asyncio.Event().wait()
+        epoch = self.lease_epoch
+        while True:
+            if self.lease_epoch != epoch:
+                return "etcd lease expired (found on refresh)"
+            # A margin before the deadline: killing the workers, and this event loop itself, take time, while
+            # the others need only a watch event to learn that our lease is gone.
+            remaining = self.lease_deadline - min(1.0, self.lease_ttl / 6) - self._clock()
+            if remaining <= 0:
+                return f"no etcd lease refresh acknowledged in time (lease ttl {self.lease_ttl} s)"
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._lease_changed.wait(), remaining)
 
     async def _regrant(self) -> None:
         log.warning("etcd lease expired (outage longer than %s s): re-registering", self.lease_ttl)

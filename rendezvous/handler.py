@@ -156,6 +156,11 @@ class EtcdRendezvous:
         if failure is not None:
             raise failure
 
+    async def lease_lost(self) -> str:
+        """Return (with a reason) once this node's lease may have expired: from then on the leader may have
+        declared us lost and given our ranks to others, so the agent must stop its workers (fencing)."""
+        return await self._store.lease_lost()
+
     # --- joining ---------------------------------------------------------------------------------------
 
     async def join(self) -> Generation:

@@ -10,7 +10,9 @@ Forming a generation (record absent, or state ``forming``)::
                  (stable ranks), then newcomers by registration order (etcd create_revision)
     len >= max_nodes          -> FORM: first max_nodes are members, the rest and spare-node agents spares
     len >= min_nodes:
-        re-forming round      -> FORM at once (everyone who wants in is already registered)
+        re-forming round      -> FORM at once (everyone who wants in is already registered); a round
+                                 with fewer candidates than previous members first promotes spare-node
+                                 agents (join order) into the lost members' places
         first round           -> LAST_CALL: FORM once last_call_timeout has passed since min was reached
     len <  min_nodes          -> WAIT
 
@@ -84,6 +86,13 @@ def _decide_forming(view: RdzvView, now: float, settings: RendezvousSettings) ->
     previous = gen.members if gen is not None else ()
     candidates = order_candidates(previous, view.nodes.values())
     spare_agents = sorted((e for e in view.nodes.values() if e.info.spare_node), key=_join_key)
+    # A re-forming round that lost members (node loss) promotes spare-node agents, in join order, into the
+    # lost members' places: that is what a spare node is for. Without this the survivors wait for min_nodes
+    # forever (or run smaller) while the spare node idles. The first round never promotes them.
+    missing = min(len(previous), settings.max_nodes) - len(candidates)
+    if previous and missing > 0 and spare_agents:
+        promoted, spare_agents = spare_agents[:missing], spare_agents[missing:]
+        candidates = _fill_lost_places(previous, candidates, promoted)
     have = len(candidates)
     if have >= settings.max_nodes:
         why = f"generation {number}: max_nodes={settings.max_nodes} reached ({have} candidates)"
@@ -165,6 +174,22 @@ def order_candidates(previous: Iterable[Member], nodes: Iterable[NodeEntry]) -> 
             ordered.append(entry)
     ordered.extend(sorted(live.values(), key=_join_key))
     return ordered
+
+
+def _fill_lost_places(previous: Iterable[Member], candidates: list[NodeEntry],
+                      promoted: list[NodeEntry]) -> list[NodeEntry]:
+    """Put promoted spare nodes at the group ranks of the members that are gone, so every survivor keeps its
+    ranks and only the lost node's ranks move (to the spare node). Appending them instead would shift the
+    survivors' ranks, and a survivor's old worker could still hold a rank that another node starts anew."""
+    live = {e.node_id: e for e in candidates}
+    queue = list(promoted)
+    ordered: list[NodeEntry] = []
+    for m in sorted(previous, key=lambda m: m.group_rank):
+        if m.node_id in live:
+            ordered.append(live.pop(m.node_id))
+        elif queue:
+            ordered.append(queue.pop(0))
+    return ordered + [e for e in candidates if e.node_id in live] + queue
 
 
 def form_generation(

@@ -178,6 +178,33 @@ def test_node_loss_seen_by_all_within_ttl_and_leader_takeover(etcd_server, run_i
 
 
 @pytest.mark.timeout(30)
+def test_lease_lost_fires_before_the_others_see_the_node_lost(etcd_server, run_id):
+    """Fencing: a node that cannot refresh its lease learns it (``lease_lost``) no later than the others see
+    it lost, so its agent can stop its workers before anyone starts their ranks elsewhere."""
+    async def main():
+        s = settings(run_id, 2, 2)
+        async with agents(etcd_server.endpoint, s, ["a", "b"]) as (a, b):
+            await asyncio.gather(a.join(), b.join())
+            events = a.events()
+
+            async def timed(aw):
+                result = await aw
+                return result, time.monotonic()
+
+            fenced = asyncio.create_task(timed(b.lease_lost()))
+            lost = asyncio.create_task(timed(next_event(events, EventKind.NODE_LOST, timeout=10)))
+            await asyncio.sleep(0.5)
+            assert not fenced.done()                     # refreshes are acknowledged: no alarm
+            cut = time.monotonic()
+            b.store._keepalive.cancel()                  # b can no longer refresh (cut off from etcd)
+            (reason, fenced_at), (ev, lost_at) = await asyncio.gather(fenced, lost)
+            assert "lease" in reason and fenced_at - cut <= 2 + 0.5
+            assert ev.node_id == "b" and fenced_at <= lost_at
+            await events.aclose()
+    run(main())
+
+
+@pytest.mark.timeout(30)
 def test_request_restart_seen_by_all_and_ranks_stay_stable(etcd_server, run_id):
     async def main():
         s = settings(run_id, 3, 3)

@@ -127,6 +127,21 @@ def test_reforming_below_min_waits():
     assert d.action is Action.WAIT
 
 
+def test_reforming_after_node_loss_promotes_spare_node_agents_into_the_lost_places():
+    forming = restart_generation(active("a", "b", spares=("s", "t")), "node lost: b")
+    d = decide(RdzvView(forming, nodes("a", "s", "t", spare=("s", "t"))), 0.0, S)
+    assert d.action is Action.FORM and d.generation.number == 1
+    assert d.generation.member_ids == ("a", "s")          # s joined first: it takes b's place (ranks 2, 3)
+    assert [m.rank_offset for m in d.generation.members] == [0, 2]
+    assert d.generation.spare_nodes == ("t",) and d.generation.world_size == 4
+    # the lost node was group rank 0: the spare node takes group rank 0 (and ranks 0, 1); a keeps ranks 2, 3
+    d = decide(RdzvView(forming, nodes("b", "s", spare=("s",))), 0.0, S)
+    assert d.generation.member_ids == ("s", "b") and [m.rank_offset for m in d.generation.members] == [0, 2]
+    # no member lost: nobody is promoted
+    d = decide(RdzvView(forming, nodes("a", "b", "s", spare=("s",))), 0.0, S)
+    assert d.generation.member_ids == ("a", "b") and d.generation.spare_nodes == ("s",)
+
+
 def test_order_candidates_drops_dead_and_spare_agents():
     prev = active("x", "y", "z").members
     got = order_candidates(prev, nodes("z", "s", "new", "x", spare=("s",)).values())

@@ -260,6 +260,7 @@ class Agent:
                  asyncio.ensure_future(self.health.run())]
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._hang_watchdog()))
+        tasks.append(asyncio.ensure_future(self._watch_lease()))
         try:
             outcome, reason = await self._supervise(gen)
         finally:
@@ -418,6 +419,10 @@ class Agent:
                 return Outcome.FAILED, item[1]
             elif kind == "restart_requested":
                 return Outcome.MEMBERSHIP, item[1]
+            elif kind == "lease_lost":
+                result = await self._fence(gen, item[1])
+                if result is not None:
+                    return result
 
     async def _on_exit(self, gen: Generation, slot: Slot, proc: Any, code: int) -> tuple[str, str] | None:
         if slot.proc is not proc:
@@ -470,6 +475,10 @@ class Agent:
         if kind == "closed":
             reason = getattr(ev, "reason", "") or ""
             if reason.startswith("succeeded"):
+                if gen.member(self.node_id) is None:
+                    # A spare node never promoted has no workers whose exit would end it: without this it
+                    # waited forever after the job succeeded.
+                    return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
                 return None  # another node finished first; ours finish on their own (torchrun: same)
             if any(s.state == SlotState.RUNNING for s in self.slots.slots):  # type: ignore[union-attr]
                 return Outcome.CLOSED, f"the run was closed by another agent: {reason}"
@@ -480,6 +489,8 @@ class Agent:
                 return None
             if getattr(new.state, "value", new.state) == "closed":
                 if (new.reason or "").startswith("succeeded"):
+                    if gen.member(self.node_id) is None:   # an idle spare node: see "closed" above
+                        return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
                     return None
                 return Outcome.CLOSED, new.reason
             if new.swap_id and getattr(new.state, "value", new.state) == "active":
@@ -498,6 +509,35 @@ class Agent:
         if kind == "connection_lost":
             self.events.write("etcd_connection_lost", reason=getattr(ev, "reason", ""))
         return None
+
+    # ------------------------------------------------------------------ fencing
+    async def _watch_lease(self) -> None:
+        assert self.rdzv is not None
+        self._queue.put_nowait(("lease_lost", await self.rdzv.lease_lost()))
+
+    async def _fence(self, gen: Generation, reason: str) -> tuple[str, str] | None:
+        """Our etcd lease may have expired (etcd unreachable from here, or refreshes too late): the leader may
+        already have declared this node lost and started our ranks elsewhere. Kill our workers at once, so no
+        rank is ever held by two live processes, then ask for a new generation and re-join it.
+
+        Only when another node could take our ranks: a job of one node with no spare node keeps running
+        through an etcd hiccup (nobody else can hold its ranks)."""
+        assert self.slots is not None and self.rdzv is not None
+        others = [m for m in gen.members if m.node_id != self.node_id] + [n for n in gen.spare_nodes
+                                                                           if n != self.node_id]
+        procs = [s.proc for s in self.slots.slots if s.proc is not None and s.proc.returncode is None]
+        if not others or not procs:
+            self.events.write("lease_lost", reason=reason, fenced=False)
+            return None
+        for s in self.slots.slots:   # their deaths are ours to cause: not failures, not swaps
+            if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
+                s.state = SlotState.IDLE
+        await stop_workers(procs, signal.SIGKILL, 5.0)
+        self.events.write("fenced", reason=reason, pids=[p.pid for p in procs])
+        log.warning("fenced: %s; stopped %d workers", reason, len(procs))
+        with contextlib.suppress(RendezvousError):
+            await self.rdzv.request_restart(gen, f"node {self.node_id} fenced: {reason}")
+        return Outcome.MEMBERSHIP, f"fenced: {reason}"
 
     # ------------------------------------------------------------------ helpers
     async def _stop_all(self, sig: int, grace: float) -> None:
