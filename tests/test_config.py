@@ -272,6 +272,16 @@ def test_worker_argv_variants():
     assert worker_argv(parse("t.py", env={"PYTHON_EXEC": "/opt/py"}), 0)[0] == "/opt/py"
 
 
+def test_spare_argv_goes_through_sparestart_unless_it_cannot():
+    py = sys.executable
+    assert worker_argv(parse("t.py", "--a"), 2, spare=True) == [py, "-u", "-m", "tpassrun.sparestart", "t.py", "--a"]
+    assert worker_argv(parse("-m", "pkg.mod", "x"), 2, spare=True)[3:] == ["tpassrun.sparestart", "-m", "pkg.mod", "x"]
+    assert worker_argv(parse("--run-path", "/abs/t.py"), 2, spare=True)[3:] == ["tpassrun.sparestart", "/abs/t.py"]
+    assert worker_argv(parse("--no-python", "/bin/echo", "x"), 2, spare=True) == ["/bin/echo", "x"]
+    # a foreign interpreter may not have tpassrun: the spare runs the script as it is
+    assert worker_argv(parse("t.py", env={"PYTHON_EXEC": "/opt/py"}), 2, spare=True) == ["/opt/py", "-u", "t.py"]
+
+
 def test_local_rank_macro():
     cfg = parse("--nproc-per-node", "2", "t_${local_rank}.py", "--out=${local_rank}.log", "$$HOME", "$other")
     assert worker_argv(cfg, 1)[2:] == ["t_1.py", "--out=1.log", "$HOME", "$other"]

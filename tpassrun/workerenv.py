@@ -116,17 +116,24 @@ def substitute_local_rank(args: tuple[str, ...] | list[str], local_rank: int) ->
     return [Template(arg).safe_substitute(local_rank=str(local_rank)) for arg in args]
 
 
-def worker_argv(cfg: LaunchConfig, local_rank: int) -> list[str]:
+def worker_argv(cfg: LaunchConfig, local_rank: int, *, spare: bool = False) -> list[str]:
     """The command line of one worker.
 
     ``[PYTHON_EXEC, "-u", ("-m"), script, *args]``; ``--no-python``: ``[script, *args]``;
     ``--run-path``: ``[PYTHON_EXEC, "-u", "-c", <runpy bootstrap>, script, *args]`` (see
     :data:`RUN_PATH_BOOTSTRAP`). ``${local_rank}`` is substituted with ``string.Template`` rules, as
     torchrun does (so ``$$`` becomes ``$``).
+
+    A ``spare`` (tpassrun's own, torchrun has none) starts through :mod:`tpassrun.sparestart`, which parks a
+    script that joins the world without ``tpassrun.init()`` instead of letting it fail on ``RANK=-1``; only
+    when the worker interpreter is ours (it must import tpassrun) and the target is Python.
     """
     # torchrun substitutes every Popen argument after the executable, so the script name too
     # (but not a --no-python binary, which is the executable itself).
     script_and_args = substitute_local_rank((cfg.training_script, *cfg.training_script_args), local_rank)
+    if spare and not cfg.no_python and cfg.python_exec == sys.executable:
+        return [cfg.python_exec, "-u", "-m", "tpassrun.sparestart", *(["-m"] if cfg.module else []),
+                *script_and_args]
     if cfg.run_path:
         return [cfg.python_exec, "-u", "-c", RUN_PATH_BOOTSTRAP, *script_and_args]
     if cfg.no_python:
