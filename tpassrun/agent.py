@@ -332,6 +332,7 @@ class Agent:
         if me is None:
             return  # a spare node: its workers start when a swap needs them (not implemented: whole-node spares wait)
         self.logs.start_attempt(self.restart_count)
+        await self._quarantine_restart_taints()
         usable = self.slots.usable_for_start()
         if len(usable) < self.cfg.nproc_per_node:
             usable = list(self.slots.slots)  # more quarantined slots than spares: reuse rather than not run
@@ -351,13 +352,32 @@ class Agent:
                           slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
                                  for s in actives + spares])
 
+    async def _quarantine_restart_taints(self) -> None:
+        """Slots of this node whose taint was answered by a health-aware restart sit this generation out
+        (until ``tpassctl untaint`` returns them to the spare pool)."""
+        assert self.rdzv is not None and self.slots is not None
+        try:
+            taints = await self.rdzv.store.get_prefix_json(self.rdzv.key("taints") + "/")
+        except RendezvousError as exc:
+            log.warning("cannot read taints before starting workers: %s", exc)
+            return
+        for _key, doc, _rev in taints:
+            if doc.get("handled_by") != "restart" or doc.get("node_id") != self.node_id or doc.get("slot") is None:
+                continue
+            slot = self.slots.slots[int(doc["slot"])] if int(doc["slot"]) < len(self.slots.slots) else None
+            if slot is not None and slot.state != SlotState.QUARANTINED:
+                slot.state = SlotState.QUARANTINED
+                slot.quarantine_reason = doc.get("reason") or "tainted"
+                self.events.write("slot_quarantined", slot=slot.index, reason=slot.quarantine_reason,
+                                  taint=doc.get("id"))
+
     async def spawn(self, gen: Generation, slot: Slot, *, local_rank: int, rank: int, master: tuple[str, int],
                     spare: bool = False) -> None:
         assert self.slots is not None
         self.slots.reset(slot)
         a = self.assignment(gen, local_rank, rank, master, slot, spare)
         env = worker_env(self.cfg, a, self.environ)
-        argv = worker_argv(self.cfg, local_rank)
+        argv = worker_argv(self.cfg, local_rank, spare=spare)
         stdio = self.logs.stdio(self.restart_count, local_rank, rank=rank if rank >= 0 else None,
                                 dir_name=str(slot.index) if spare else None)
         slot.rank = None if spare else rank
@@ -417,6 +437,10 @@ class Agent:
                 self.events.write("fallback", reason=item[1])
                 self._record_failures(item[2] if len(item) > 2 else None)
                 return Outcome.FAILED, item[1]
+            elif kind == "health_restart":
+                self.events.write("fallback", reason=item[1])
+                with contextlib.suppress(RendezvousError):
+                    await self.rdzv.request_restart(self.generation or gen, item[1])
             elif kind == "restart_requested":
                 return Outcome.MEMBERSHIP, item[1]
             elif kind == "lease_lost":

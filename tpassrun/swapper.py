@@ -490,8 +490,13 @@ class Swapper:
                 self.agent.events.write("swap_waiting", taint=tid, action=decision.action, reason=decision.reason)
                 await self._store.put_json(key, {**doc, "state": f"{decision.action}: {decision.reason}"})
             if decision.action == "fallback":
-                await self._store.put_json(key, {**doc, "handled_by": "restart", "state": decision.reason})
-                self.agent._queue.put_nowait(("fallback", f"health-aware restart: {decision.reason}", None))
+                # A rank that cannot swap live (its script never called tpassrun.init()): restart the group
+                # with the tainted slot quarantined on its node, so the rank starts in a spare slot instead.
+                # Like a membership change, this costs no --max-restarts: nothing failed.
+                held = view.slot_of_rank(int(rank))
+                where = {"node_id": held.node, "slot": held.slot} if held is not None else {}
+                await self._store.put_json(key, {**doc, **where, "handled_by": "restart", "state": decision.reason})
+                self.agent._queue.put_nowait(("health_restart", f"health-aware restart: {decision.reason}"))
                 return
 
     async def _apply(self, decision: Decision, plan: SwapPlan, rev: int) -> None:
