@@ -196,6 +196,12 @@ def test_etcd_endpoint_resolution(backend, endpoint, etcd):
     assert cfg.rdzv_backend == backend and cfg.etcd_endpoint == etcd
 
 
+def test_port_zero_endpoint_is_one_nodes_private_rendezvous():
+    assert parse("--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "t.py").uses_embedded_etcd
+    with pytest.raises(ConfigError, match="port 0"):
+        parse("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "localhost:0", "t.py")
+
+
 def test_unknown_backend():
     with pytest.raises(ConfigError, match="unknown backend"):
         parse("--rdzv-backend", "zookeeper", "--rdzv-endpoint", "h", "t.py")

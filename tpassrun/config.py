@@ -422,7 +422,16 @@ def resolve_etcd_endpoint(backend: str, endpoint: str, max_nodes: int, standalon
     if backend in ("etcd", "etcd-v2"):
         return with_default_port(endpoint or "localhost", ETCD_DEFAULT_PORT)
     if endpoint:
-        return with_default_port(endpoint, C10D_DEFAULT_PORT if backend == "c10d" else ETCD_DEFAULT_PORT)
+        endpoint = with_default_port(endpoint, C10D_DEFAULT_PORT if backend == "c10d" else ETCD_DEFAULT_PORT)
+        if endpoint.rsplit(":", 1)[1] != "0":
+            return endpoint
+        # torchrun's `--rdzv-endpoint host:0` (what --standalone uses): the agent picks a free port for its
+        # store, which no other node could find, so it is one node's private rendezvous: ours is the embedded
+        # etcd on a free port.
+        if max_nodes == 1:
+            return None
+        raise ConfigError(f"--rdzv-endpoint={endpoint} (port 0) cannot be shared by {max_nodes} nodes: "
+                          "give a fixed port")
     if max_nodes == 1:
         return None
     raise ConfigError(
