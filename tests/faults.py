@@ -169,6 +169,19 @@ def assert_bit_exact(a: Job, b: Job, world: int) -> None:
         assert la == lb, f"rank {r}: per-step losses differ (or a step was lost or repeated)"
 
 
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not count: it has died, nobody has reaped it yet)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
 def pids_by_rank(job: Job, world: int) -> dict[int, set[int]]:
     return {r: {x["pid"] for x in job.losses(r)} for r in range(world)}
 

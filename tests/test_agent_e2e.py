@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from faults import EXAMPLE, REPO, Job
+from faults import EXAMPLE, REPO, Job, alive as _alive
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -27,18 +27,6 @@ def _agent(out: str, endpoint: str, run_id: str, *, nnodes: str, nproc: int, ste
             *(extra or []), EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep),
             "--out", os.path.join(os.path.dirname(out), "train"), "--quiet"]
     return Job(argv=argv, out=out)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def test_two_agents_run_a_four_rank_ddp_job(tmp_path, etcd_server, run_id):

@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from faults import EXAMPLE, Job
+from faults import EXAMPLE, Job, alive as _alive
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -37,18 +37,6 @@ def _agent(out: str, train: str, endpoint: str, run_id: str, *, extra: list[str]
             "--log-dir", os.path.join(out, "logs"), *(extra or []),
             EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.05", "--out", train, "--quiet"]
     return Job(argv=argv, out=out)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _wait(cond: Any, timeout: float, what: str, *jobs: Job) -> None:
