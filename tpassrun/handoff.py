@@ -129,7 +129,9 @@ def capture(objects: Mapping[str, Any], *, step: int, rng: dict | None = None,
     for name, obj in objects.items():
         if type(name) is not str:
             raise HandoffError(f"object names must be str, got {name!r}")
-        if not isinstance(obj, Stateful):
+        # (duck typing by hand: isinstance against the runtime-checkable Protocol costs ~12 us, per object,
+        # per step in the light snapshot)
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
             raise HandoffError(f"{name!r} ({type(obj).__qualname__}) has no state_dict()/load_state_dict()")
         encoded_objects[name] = encoder.encode(obj.state_dict(), name)
     meta = {
