@@ -9,8 +9,8 @@ drains (standing in for the agent), tracking a model (replicated: not in the lig
 
   * the boundary check alone (one ``run_until`` read from the mmap);
   * the per-step channel bookkeeping of ``Session.run`` (step, heartbeat, phase, last step time, the check);
-  * the per-step light snapshot (``Session._snapshot_light``: RNG capture, encode, double-buffered write),
-    with its parts;
+  * the per-step light snapshot (``Session._snapshot_light``: :class:`tpassrun.light.LightSnapshotter` and the
+    double-buffered write), with its parts, and the general handoff codec it replaced, for comparison;
   * ``Session.run`` with a no-op step, managed vs. not launched by tpassrun: the whole per-step overhead.
 
 Best and median of ``--repeats`` rounds (each round measures every item once, in turn). Figures only, no assertions. The last line is JSON.
@@ -32,6 +32,7 @@ import torch
 from common import print_json
 from tpassrun import handoff
 from tpassrun.channel import ChannelFile, Field
+from tpassrun.light import LightSnapshotter
 from tpassrun.worker import Session, _AgentLink
 
 SLOT = 1  # not slot 0, so that an offset bug would show up as a wrong field rather than pass unnoticed
@@ -140,7 +141,8 @@ def main() -> None:
             sampler = Sampler()
             sess.track(model=torch.nn.Linear(256, 256), sampler=sampler)
             rng = handoff.capture_rng()
-            light = handoff.encode_small(handoff.capture({"sampler": sampler}, step=7, rng=rng))
+            snapper = LightSnapshotter()
+            light = snapper.take({"sampler": sampler}, step=7)
             step = [0]
 
             def snapshot() -> None:
@@ -154,10 +156,12 @@ def main() -> None:
                     lambda: channel.get(SLOT, Field.RUN_UNTIL), calls),
                 "channel bookkeeping per step": lambda: batch_us(channel_bookkeeping(link), calls),
                 "light snapshot per step": lambda: batch_us(snapshot, snapshot_calls),
-                "  capture_rng": lambda: batch_us(handoff.capture_rng, snapshot_calls),
-                "  capture + encode_small": lambda: batch_us(
-                    lambda: handoff.encode_small(handoff.capture({"sampler": sampler}, step=7, rng=rng)),
-                    snapshot_calls),
+                "  LightSnapshotter.take": lambda: batch_us(lambda: snapper.take({"sampler": sampler}, 7),
+                                                             snapshot_calls),
+                "  (general codec: capture_rng + capture + encode_small)": lambda: batch_us(
+                    lambda: handoff.encode_small(handoff.capture({"sampler": sampler}, step=7,
+                                                                 rng=handoff.capture_rng())), snapshot_calls),
+                "  (general codec: capture_rng alone)": lambda: batch_us(handoff.capture_rng, snapshot_calls),
                 "  ChannelFile.write_light": lambda: batch_us(lambda: channel.write_light(SLOT, light), calls),
                 "Session.run no-op step, managed": lambda: loop_batch_us(sess, snapshot_calls),
                 "Session.run no-op step, unmanaged": lambda: loop_batch_us(plain, calls),
@@ -168,10 +172,10 @@ def main() -> None:
 
     print(f"light snapshot: {len(light)} bytes (sampler + RNG); {calls} calls per batch, {args.repeats} interleaved rounds")
     for name, (best, median) in figures.items():
-        print(f"  {name:36s} best {best:8.2f} us   median {median:8.2f} us")
+        print(f"  {name:56s} best {best:8.2f} us   median {median:8.2f} us")
     managed = figures["Session.run no-op step, managed"]
     unmanaged = figures["Session.run no-op step, unmanaged"]
-    print(f"  {'=> per-step overhead of tpassrun':36s} best {managed[0] - unmanaged[0]:8.2f} us   "
+    print(f"  {'=> per-step overhead of tpassrun':56s} best {managed[0] - unmanaged[0]:8.2f} us   "
           f"median {managed[1] - unmanaged[1]:8.2f} us")
     print_json({"bench": "step_overhead", "light_bytes": len(light),
                 "us": {name.strip(): {"best": b, "median": m} for name, (b, m) in figures.items()}})
