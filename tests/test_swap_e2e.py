@@ -242,3 +242,51 @@ def test_migrate_back_returns_the_rank_home(tmp_path, etcd_server, run_id, basel
     assert "vm" in decided[1]["reason"] or "/1" in decided[1]["reason"]
     moves = [e for e in job.events() if e["event"] == "swap_done"]
     assert moves[0]["leaver"]["slot"] == 1 and moves[1]["joiner"]["slot"] == 1   # home again
+
+
+# --- pure pieces of the planned-swap fast path (no processes) ---------------------------------
+
+
+class _FakeLink:
+    """The worker's end of the agent channel over a socketpair (what _wait_for_sender uses of it)."""
+
+    def __init__(self, sock):
+        from tpassrun.worker import _AgentLink
+
+        self.sock, self._buf = sock, bytearray()
+        self.recv = _AgentLink.recv.__get__(self)
+        self.waiting = _AgentLink.waiting.__get__(self)
+
+
+@pytest.mark.parametrize("first", ["abort", "assign"])
+def test_an_assigned_spare_waiting_for_its_sender_still_obeys_the_agent(first):
+    """A spare assigned early (during the boundary phase) must not sit in accept() until its timeout when
+    the swap is aborted or re-assigned; an unplanned swap's light snapshot, sent while the donor streams,
+    is kept for after the state."""
+    import socket
+    import time
+
+    from tpassrun.channel import encode_msg
+    from tpassrun.handoff import listen_for_bundle
+    from tpassrun.worker import _wait_for_sender
+
+    agent, worker = socket.socketpair()
+    listener, port = listen_for_bundle("127.0.0.1")
+    with agent, worker, listener:
+        link = _FakeLink(worker)
+        pending: list = []
+        agent.sendall(encode_msg("light", data="x") + encode_msg(first))
+        started = time.monotonic()
+        assert _wait_for_sender(listener, link, 30.0, pending) is False
+        assert time.monotonic() - started < 10
+        assert [m["kind"] for m in pending] == ["light", first]
+
+        pending.clear()
+        agent.sendall(encode_msg("light", data="y"))
+        with socket.create_connection(("127.0.0.1", port)):
+            assert _wait_for_sender(listener, link, 30.0, pending) is True
+            listener.accept()[0].close()
+        assert [m["kind"] for m in pending] == ["light"]
+
+        pending.clear()
+        assert _wait_for_sender(listener, link, 0.2, pending) is False and pending == []  # timed out

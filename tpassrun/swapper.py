@@ -11,6 +11,8 @@ Two roles run in every agent:
   cannot fork a plan).
 
 All of it happens while workers are stopped between two steps; healthy ranks never wait on etcd otherwise.
+A planned swap's joiner is handed its rank as BOUNDARY starts, so it already listens when the survivors reach
+the boundary and TRANSFER costs no handshake with it (it stays able to take an abort or a new assignment).
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ class Swapper:
         self._kick = asyncio.Event()
         self._waiting_said: set[str] = set()
         self._failed_timers: dict[int, asyncio.TimerHandle] = {}
+        # planned swaps: the joiner is assigned during BOUNDARY; (swap id, attempt, slot) -> its address or error
+        self._early: tuple[tuple[str, int, int], asyncio.Task] | None = None
 
     # ------------------------------------------------------------------ agent hooks
     @property
@@ -174,6 +178,7 @@ class Swapper:
             self._active = None
             return None
         if phase == Phase.ABORTED:
+            self._cancel_early()
             await self._abort(plan)
             self._active = None
             return None
@@ -223,6 +228,11 @@ class Swapper:
     async def _boundary(self, plan: SwapPlan) -> Report:
         boundary = int(plan.boundary or 0)
         survivors = self._survivors(plan)
+        if plan.kind == SwapKind.PLANNED and plan.joiner.node == self.agent.node_id:
+            key = (plan.id, plan.attempt, plan.joiner.slot)
+            if self._early is None or self._early[0] != key:
+                self._cancel_early()
+                self._early = (key, asyncio.ensure_future(self._assign_joiner(plan)))
         for s in survivors:
             self._slots.set_run_until(s, boundary)
         for s in survivors:
@@ -269,21 +279,47 @@ class Swapper:
             if data is not None:
                 light_b64 = base64.b64encode(data).decode()
         if plan.joiner.node == me:
-            joiner = self._slots.slots[plan.joiner.slot]
-            if not joiner.alive or joiner.state != SlotState.SPARE:
-                return Report(node=me, phase=plan.phase, ok=False, error=f"spare {me}/{joiner.index} is gone")
-            if not await self._slots.wait_ready(joiner, PHASE_TIMEOUT_S):
-                return Report(node=me, phase=plan.phase, ok=False, error=f"spare {me}/{joiner.index} never got ready")
-            self._slots.drain(joiner)
-            self._slots.send(joiner, "assign", **self._assign_fields(plan), timeout=PHASE_TIMEOUT_S)
-            msg = await self._slots.expect(joiner, {"listening"}, PHASE_TIMEOUT_S)
-            if msg is None:
-                return Report(node=me, phase=plan.phase, ok=False, error="the spare did not start listening")
-            addr = (self.agent.addr, int(msg["port"]))
+            key = (plan.id, plan.attempt, plan.joiner.slot)
+            early, self._early = self._early, None
+            if early is not None and early[0] == key:
+                result = await early[1]     # assigned during BOUNDARY: normally listening already
+                if not isinstance(result, str) and not self._slots.slots[plan.joiner.slot].alive:
+                    result = f"spare {me}/{plan.joiner.slot} is gone"
+            else:
+                if early is not None:
+                    early[1].cancel()
+                result = await self._assign_joiner(plan)
+            if isinstance(result, str):
+                # (assigned early, a joiner that dies is now seen here, before any byte was sent)
+                self.agent.events.write("swap_transfer_failed", swap_id=plan.id, error=result, attempt=plan.attempt)
+                return Report(node=me, phase=plan.phase, ok=False, error=result)
+            addr = result
             self.agent.events.write("swap_transfer_start", swap_id=plan.id, joiner=plan.joiner.to_json())
         if addr is None and light_b64 is None:
             return None
         return Report(node=me, phase=plan.phase, joiner_addr=addr, light_b64=light_b64)
+
+    async def _assign_joiner(self, plan: SwapPlan) -> tuple[str, int] | str:
+        """Hand the spare its rank and wait until it listens: its address, or why not (a string)."""
+        me = self.agent.node_id
+        joiner = self._slots.slots[plan.joiner.slot]
+        if not joiner.alive or joiner.state != SlotState.SPARE:
+            return f"spare {me}/{joiner.index} is gone"
+        if not await self._slots.wait_ready(joiner, PHASE_TIMEOUT_S):
+            return f"spare {me}/{joiner.index} never got ready"
+        self._slots.drain(joiner)
+        fields = self._assign_fields(plan)
+        # Assigned during BOUNDARY, the spare may wait for the survivors' step and then the TRANSFER phase.
+        self._slots.send(joiner, "assign", **fields, timeout=PHASE_TIMEOUT_S, accept_timeout=3 * PHASE_TIMEOUT_S)
+        msg = await self._slots.expect(joiner, {"listening"}, PHASE_TIMEOUT_S)
+        if msg is None:
+            return "the spare did not start listening"
+        return (self.agent.addr, int(msg["port"]))
+
+    def _cancel_early(self) -> None:
+        early, self._early = self._early, None
+        if early is not None:
+            early[1].cancel()
 
     async def _send(self, plan: SwapPlan) -> Report | None:
         me = self.agent.node_id

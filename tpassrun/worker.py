@@ -22,6 +22,7 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import select
 import socket
 import sys
 import time
@@ -69,17 +70,30 @@ class _AgentLink:
         self.ch = ChannelFile.open(channel_path)
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(sock_path)
-        self._rfile = self.sock.makefile("rb")
+        self._buf = bytearray()  # our own line buffer, so that waiting() can tell what is already here
 
     def send(self, kind: str, **fields: Any) -> None:
         self.sock.sendall(encode_msg(kind, slot=self.slot, **fields))
 
     def recv(self) -> dict[str, Any]:
-        line = self._rfile.readline()
-        if not line:
-            # The agent is gone: a worker must never outlive it (PDEATHSIG normally gets here first).
-            os._exit(1)
-        return decode_msg(line)
+        while True:
+            end = self._buf.find(b"\n")
+            if end >= 0:
+                line = bytes(self._buf[:end + 1])
+                del self._buf[:end + 1]
+                return decode_msg(line)
+            chunk = self.sock.recv(1 << 16)
+            if not chunk:
+                # The agent is gone: a worker must never outlive it (PDEATHSIG normally gets here first).
+                os._exit(1)
+            self._buf += chunk
+
+    def waiting(self, timeout: float = 0.0) -> bool:
+        """True once a message (or the agent's end of the socket) is there to be read by :meth:`recv`."""
+        if b"\n" in self._buf:
+            return True
+        readable, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        return bool(readable)
 
     def set(self, field: Field, value: int) -> None:
         self.ch.set(self.slot, field, value)
@@ -626,6 +640,31 @@ def _prewarm() -> None:
             log.debug("prewarm %s: %s", name, exc)
 
 
+def _wait_for_sender(listener: socket.socket, link: _AgentLink, timeout: float,
+                     pending: list[dict[str, Any]]) -> bool:
+    """Wait until a sender connects (True), or until the agent sends a command other than the unplanned
+    swap's ``light`` snapshot (False; the command is appended to ``pending``), or the timeout (False).
+
+    An assigned spare may wait a while (it is assigned while the survivors finish their step), so it
+    must stay responsive: an abort or a new assignment must not wait for the accept timeout.
+    ``light`` arrives while the donor streams; it is kept in ``pending`` and answered after the
+    state, in the order the agent expects."""
+    deadline = time.monotonic() + timeout
+    while True:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        if link.waiting():
+            msg = link.recv()
+            pending.append(msg)
+            if msg["kind"] != "light":
+                return False
+            continue
+        readable, _, _ = select.select([listener, link.sock], [], [], remaining)
+        if listener in readable:
+            return True
+
+
 def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
                    timeout: timedelta | None) -> Session:
     """Block until the agent hands this spare a rank, receive that rank's state, join the world."""
@@ -636,8 +675,9 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
     light: bytes | None = None
     listener = None
     assign: dict[str, Any] | None = None
+    pending: list[dict[str, Any]] = []    # commands that came while waiting for the sender
     while True:
-        msg = link.recv()
+        msg = pending.pop(0) if pending else link.recv()
         kind = msg["kind"]
         if kind == "assign":
             assign = msg
@@ -647,8 +687,16 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
             link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
             link.send("listening", port=port, swap_id=msg.get("swap_id"))
             testing.fault_point(int(msg.get("rank", -1)), 0, "receive")  # tests: the joiner dies mid-transfer
+            wait_s = float(msg.get("timeout", 120))
+            accept_s = float(msg.get("accept_timeout", wait_s))
+            if not _wait_for_sender(listener, link, accept_s, pending):
+                bundle = None
+                if not pending or pending[-1]["kind"] == "light":   # timed out (not interrupted)
+                    link.send("received", ok=False, error=f"HandoffError: no sender connected within {accept_s} s",
+                              swap_id=msg.get("swap_id"))
+                continue   # an abort or a new assignment came first: the main loop handles it
             try:
-                bundle, stats = handoff.accept_and_recv(listener, timeout=float(msg.get("timeout", 120)))
+                bundle, stats = handoff.accept_and_recv(listener, timeout=wait_s)
                 link.send("received", ok=True, nbytes=stats.nbytes, seconds=stats.seconds,
                           checksum=stats.checksum, swap_id=msg.get("swap_id"))
             except (OSError, handoff.HandoffError) as exc:
