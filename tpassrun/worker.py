@@ -123,6 +123,7 @@ class Session:
         self._pending_bundle: Any = None      # joiner: state received before the script built its objects
         self._pending_light_bundle: Any = None   # joiner (unplanned): the dead rank's light snapshot
         self._last_light: bytes | None = None
+        self._light: Any = None                   # light.LightSnapshotter, made at the first snapshot
         self._reform_times: dict[str, float] = {}
         self._light_enabled = link is not None
         self._first_grad_ns = 0
@@ -231,9 +232,11 @@ class Session:
         return {k: self._tracked[k] for k in self._per_rank}
 
     def _snapshot_light(self, step: int) -> None:
-        from . import handoff
+        if self._light is None:
+            from .light import LightSnapshotter
 
-        data = handoff.encode_small(handoff.capture(self._light_objects(), step=step, rng=handoff.capture_rng()))
+            self._light = LightSnapshotter()
+        data = self._light.take(self._light_objects(), step)
         self._last_light = data
         assert self._link is not None
         if not self._link.ch.write_light(self._link.slot, data):
@@ -242,9 +245,9 @@ class Session:
             self._light_enabled = False
 
     def _restore_light(self, data: bytes) -> int:
-        from . import handoff
+        from . import handoff, light
 
-        return handoff.apply(handoff.decode_small(data), self._light_objects(), restore_rng_state=True)
+        return handoff.apply(light.decode(data), self._light_objects(), restore_rng_state=True)
 
     def _apply_pending_to(self, name: str, obj: Any) -> None:
         """On a joiner, load ``name``'s received state as soon as the script tracks it, so that a model is
@@ -669,6 +672,7 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
                    timeout: timedelta | None) -> Session:
     """Block until the agent hands this spare a rank, receive that rank's state, join the world."""
     from . import handoff, testing
+    from .light import decode as decode_light
 
     link.set(Field.PHASE, WorkerPhase.SPARE)
     bundle = None
@@ -706,7 +710,7 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
             continue
         if kind == "light":
             light = base64.b64decode(msg["data"])
-            step = _bundle_step(handoff.decode_small(light))
+            step = _bundle_step(decode_light(light))
             ok = msg.get("step") is None or step == int(msg["step"])
             link.send("light_ok", ok=ok, nbytes=len(light), step=step)
             if not ok:
@@ -730,7 +734,7 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
                            local_rank=local_rank, generation=int(msg.get("generation", 0)), joined=True,
                            timeout=timeout)
             sess._pending_bundle = bundle
-            sess._pending_light_bundle = handoff.decode_small(light) if light is not None else None
+            sess._pending_light_bundle = decode_light(light) if light is not None else None
             sess.step = _bundle_step(sess._pending_light_bundle or bundle)
             link.set(Field.STEP, sess.step)
             link.send("reformed", ok=True, rank=sess.rank, world_size=sess.world_size, generation=sess.generation)
