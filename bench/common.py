@@ -181,10 +181,13 @@ def first_event(evs: list[dict[str, Any]], name: str) -> dict[str, Any] | None:
 
 
 def marker_time(path: str) -> float | None:
-    """When a fault fired: ``fault_point`` creates its marker file right before it kills the process."""
+    """When a fault fired: ``fault_point`` writes its pid and ``time.time()`` into its marker file right
+    before it kills the process (the file's mtime is only a fallback: it can be several ms coarse)."""
     try:
-        return os.stat(path).st_mtime
-    except OSError:
+        with open(path) as fh:
+            fields = fh.read().split()
+        return float(fields[1]) if len(fields) > 1 else os.stat(path).st_mtime
+    except (OSError, ValueError):
         return None
 
 

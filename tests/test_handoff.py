@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import enum
 import math
+import ctypes
 import random
 import signal
 import socket
@@ -394,6 +395,31 @@ def test_a_64_mb_tensor_round_trips_in_chunks():
     assert torch.equal(bag.tree["big"], big) and torch.equal(bag.tree["small"], small)
     assert sent.chunks == got.chunks == 16 + 1
     assert sent.checksum == got.checksum and got.nbytes > 64 << 20
+
+
+@pytest.mark.timeout(60)
+def test_a_reserved_arena_receives_one_transfer_then_is_forgotten():
+    from tpassrun import handoff_wire
+
+    big, odd = torch.randn(1 << 20), torch.arange(7, dtype=torch.int16)   # 4 MiB, and a size that is not x8
+    bundle = capture({"bag": Bag({"big": big, "odd": odd, "half": torch.ones(3, dtype=torch.float16)})}, step=2)
+    assert handoff_wire.reserve_receive_arena(8 << 20) == 8 << 20
+    region = handoff_wire._arena.region
+    lo = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    out, _sent, _got = transfer(bundle)
+    assert handoff_wire.reserved_receive_bytes() == 0          # one transfer only
+    inside = [lo <= t.data_ptr() < lo + (8 << 20) for t in out.tensors]
+    assert all(inside), inside                                   # every tensor was carved from the arena
+    bag = Bag()
+    apply(out, {"bag": bag})
+    assert torch.equal(bag.tree["big"], big) and torch.equal(bag.tree["odd"], odd)
+    assert bag.tree["half"].dtype == torch.float16
+    # too small an arena: what does not fit comes from fresh memory, and is still exact
+    handoff_wire.reserve_receive_arena(1 << 20)
+    out, _sent, _got = transfer(bundle)
+    bag = Bag()
+    apply(out, {"bag": bag})
+    assert torch.equal(bag.tree["big"], big) and torch.equal(bag.tree["odd"], odd)
 
 
 # ---------------------------------------------------------------------------------------------

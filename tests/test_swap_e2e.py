@@ -157,6 +157,34 @@ def test_sigstopped_worker_is_detected_and_replaced(tmp_path, etcd_server, run_i
     assert_bit_exact(job, baseline4, 4)
 
 
+def test_donor_dying_mid_recovery_aborts_at_once_and_the_job_restarts(tmp_path, etcd_server, run_id):
+    """A double fault: rank 1 dies, and rank 0 (the replica chosen to donate its state) dies as it starts
+    streaming. The recovery is aborted as soon as the leader sees the donor gone (not after transfer
+    timeouts), the job falls back to a whole-group restart, and no swap is ever planned in the restarted
+    generation for the donor's stale death."""
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=1,
+                       steps=30, step_sleep=SLEEP, extra=["--max-restarts", "1"],
+                       env=faults_env(kill_at(1, 8, str(tmp_path / "f1")),
+                                      {"rank": 0, "step": 8, "where": "send", "action": "kill",
+                                       "marker": str(tmp_path / "f2")})).start()
+    try:
+        assert job.wait(240) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    events = job.events()
+    aborted = [e for e in events if e["event"] == "swap_phase" and e.get("phase") == "aborted"]
+    assert aborted and "died while handing over" in aborted[0]["reason"], [e["event"] for e in events]
+    died = [e for e in events if e["event"] == "worker_died"]
+    assert sorted(e["rank"] for e in died) == [0, 1]
+    assert aborted[0]["mono"] - max(e["mono"] for e in died) < 30   # no transfer timeout was waited out
+    assert [e for e in events if e["event"] == "restart"]
+    assert not [e for e in events if e["event"] == "swap_resumed"]   # nothing swapped, before or after
+    for r in range(3):
+        steps = [x["step"] for x in job.losses(r)]
+        assert steps[-30:] == list(range(30))   # the restarted attempt ran every step
+
+
 def test_no_spare_falls_back_to_a_whole_group_restart(tmp_path, etcd_server, run_id):
     marker = str(tmp_path / "fault")
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=0,

@@ -81,7 +81,8 @@ class Agent:
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
         self._static_port_used = False
-        self.hosting_etcd = False   # this generation's bootstrap store (also used by swaps)
+        self.hosting_etcd = False
+        self.spawned_generation = 0   # the generation whose start spawned the current workers (swaps keep them)   # this generation's bootstrap store (also used by swaps)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:
@@ -348,6 +349,7 @@ class Agent:
         for slot in spares:
             await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
         self.workers_started = True
+        self.spawned_generation = gen.number
         self.events.write("workers_started", generation=gen.number,
                           slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
                                  for s in actives + spares])
@@ -575,6 +577,7 @@ class Agent:
 
     async def _publish_status_loop(self) -> None:
         while True:
+            self.swapper.hint_spares()
             await self.publish_status()
             await asyncio.sleep(1.0)
 

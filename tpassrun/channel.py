@@ -24,7 +24,7 @@ from typing import Any
 
 INT64_MAX = (1 << 63) - 1
 
-SLOT_FIELDS = 16                  # 9 used; room to grow without moving the light buffers again
+SLOT_FIELDS = 16                  # 10 used; room to grow without moving the light buffers again
 SLOT_BYTES = SLOT_FIELDS * 8
 LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
 _LIGHT_HEADER = struct.Struct("<q")  # payload length
@@ -40,6 +40,7 @@ class Field(enum.IntEnum):
     LAST_STEP_NS = 6   # worker: duration of the last completed step
     LIGHT_SEQ = 7      # worker: number of light snapshots written; the newest is in buffer LIGHT_SEQ % 2
     LAST_COMPUTE_NS = 8  # worker: last step's time from its start to its first gradient (before any collective)
+    STATE_BYTES = 9    # worker: bytes of its tracked state, once known (after its first step): spares pre-fault as much
 
 
 class WorkerPhase(enum.IntEnum):

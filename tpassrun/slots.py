@@ -47,6 +47,7 @@ class Slot:
     home_rank: int | None = None          # the rank that left this slot because of a taint (migrate-back)
     release_after_exit: bool = False      # a migrate-back leaver: its slot is healthy, back to the pool
     started_at: float = 0.0
+    reserved: int = 0                     # a spare: receive arena size it was told to pre-fault
 
     @property
     def pid(self) -> int | None:
@@ -188,6 +189,7 @@ class LocalSlots:
         assert self.channel is not None
         self.channel.reset_slot(slot.index)
         slot.managed = False
+        slot.reserved = 0
         self.drain(slot)
 
     def release_all(self) -> None:

@@ -278,11 +278,22 @@ MAX_SEND_ATTEMPTS = 4
 
 
 def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
-              spare_after_failure: SlotView | None = None) -> Decision:
-    """The leader's move once reports for the plan's current phase are in (pure)."""
+              spare_after_failure: SlotView | None = None, sender_dead: bool = False) -> Decision:
+    """The leader's move once reports for the plan's current phase are in (pure).
+
+    ``sender_dead``: the rank that streams the state (the leaver of a planned swap, the donor of an
+    unplanned one) died during TRANSFER/SEND. Retrying cannot help: abort at once, whatever was reported,
+    so the failure is handled afresh (a planned swap's leaver becomes an unplanned recovery; an unplanned
+    recovery that lost its donor too falls back to a whole-group restart) instead of waiting out timeouts.
+    """
     mine = [r for r in reports if r.phase == plan.phase]
     if plan.phase in (Phase.DONE, Phase.ABORTED):
         return Decision("wait", "terminal")
+    if sender_dead and plan.phase in (Phase.TRANSFER, Phase.SEND):
+        sender = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
+        who = f"rank {sender.rank}" if sender is not None else "the sender"
+        return Decision("plan", f"{who} died while handing over the state: aborted",
+                        plan.advance(Phase.ABORTED, now_wall))
     bad = [r for r in mine if not r.ok]
     if plan.phase in (Phase.TRANSFER, Phase.SEND) and bad:
         # The joiner died or the bytes were corrupt: try again (another spare if the joiner is gone).

@@ -74,6 +74,21 @@ class Swapper:
         self._kick.set()
         asyncio.ensure_future(self.agent.publish_status())
 
+    def hint_spares(self) -> None:
+        """Tell this node's ready spares how much state a rank here holds (what the ranks publish after their
+        first step), so they pre-fault a receive arena while idle. Never during a swap: an assigned spare is
+        busy, and faulting memory in would compete with the transfer."""
+        if self.busy:
+            return
+        size = max((self._slots.field(s, Field.STATE_BYTES) for s in self._slots.active()), default=0)
+        if size <= 0:
+            return
+        want = size + size // 16 + (16 << 20)   # the leaver also sends RNG and per-rank objects
+        for s in self._slots.slots:
+            if s.state == SlotState.SPARE and s.alive and s.managed and s.reserved < size:
+                s.reserved = want
+                self._slots.send(s, "reserve", nbytes=want)
+
     def on_generation_committed(self, gen: "Generation") -> None:
         pass
 
@@ -140,6 +155,8 @@ class Swapper:
         gen = self.agent.generation
         if gen is None or plan.generation < gen.number - 1 and plan.phase not in (Phase.DONE, Phase.ABORTED):
             return
+        if plan.generation < self.agent.spawned_generation and plan.phase not in (Phase.DONE, Phase.ABORTED):
+            return   # from before the last whole-group restart: not ours to carry out
         seq = len(plan.history)
         if (plan.id, seq) in self._done:
             return
@@ -335,7 +352,10 @@ class Swapper:
         joiner = self._slots.slots[plan.joiner.slot]
         if plan.kind == SwapKind.UNPLANNED:
             self._slots.send(joiner, "light", data=plan.light_b64, step=plan.boundary)
-        msg = await self._slots.expect(joiner, {"received"}, PHASE_TIMEOUT_S)
+        msg = await self._await_received(plan, joiner)
+        if msg == "aborted":
+            self._slots.send(joiner, "abort")
+            return None
         if msg is None or not msg.get("ok"):
             err = (msg or {}).get("error", "the joiner died or timed out during the transfer")
             self.agent.events.write("swap_transfer_failed", swap_id=plan.id, error=err, attempt=plan.attempt)
@@ -347,6 +367,20 @@ class Swapper:
             if ok is None or ok.get("ok") is False:
                 return Report(node=me, phase=plan.phase, ok=False, error="the joiner rejected the light snapshot")
         return Report(node=me, phase=plan.phase, extra={"nbytes": msg.get("nbytes"), "seconds": msg.get("seconds")})
+
+    async def _await_received(self, plan: SwapPlan, joiner: Slot) -> dict[str, Any] | str | None:
+        """The joiner's "received", or "aborted" once the leader gave the plan up (a sender that died before
+        connecting leaves the joiner listening; plans are followed one at a time, so this wait must look)."""
+        deadline = time.monotonic() + PHASE_TIMEOUT_S
+        key = self._key("swaps", plan.id)
+        while time.monotonic() < deadline:
+            msg = await self._slots.expect(joiner, {"received"}, 0.5)
+            if msg is not None or not joiner.alive:
+                return msg
+            doc, _rev = await self._store.get_json(key)
+            if doc is not None and doc.get("phase") == Phase.ABORTED.value:
+                return "aborted"
+        return None
 
     async def _reform(self, plan: SwapPlan) -> Report:
         me = self.agent.node_id
@@ -458,12 +492,23 @@ class Swapper:
         now = time.time()
         plans = [(SwapPlan.from_json(d), rev) for _k, d, rev in await self._store.get_prefix_json(self._key("swaps") + "/")]
         active = [(p, rev) for p, rev in plans if p.phase not in (Phase.DONE, Phase.ABORTED)]
+        for p, rev in [(p, rev) for p, rev in active if p.generation < self.agent.spawned_generation]:
+            # planned before the last whole-group restart: its workers are gone
+            await self._store.cas_json(self._key("swaps", p.id), p.advance(Phase.ABORTED, now).to_json(), rev)
+            active.remove((p, rev))
         if active:
             plan, rev = active[0]
             seq = len(plan.history)
             reports = [Report.from_json(d) for _k, d, _r in
                        await self._store.get_prefix_json(self._key("reports", plan.id, str(seq)) + "/")]
             spare = None
+            sender_dead = False
+            if plan.phase in (Phase.TRANSFER, Phase.SEND):
+                sender = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
+                if sender is not None:
+                    held = next((s for s in (await self._view()).slots
+                                 if s.node == sender.node and s.slot == sender.slot), None)
+                    sender_dead = held is not None and held.state in ("dead", "idle")
             if any(not r.ok for r in reports) and plan.phase in (Phase.TRANSFER, Phase.SEND):
                 view = await self._view()
                 joiner_alive = any(s.node == plan.joiner.node and s.slot == plan.joiner.slot and s.state == "spare"
@@ -471,7 +516,7 @@ class Swapper:
                 if not joiner_alive:
                     sv = choose_spare(view, plan.joiner.node, plan.excluded_spares + ((plan.joiner.node, plan.joiner.slot),))
                     spare = sv
-            decision = next_step(plan, reports, now, spare_after_failure=spare)
+            decision = next_step(plan, reports, now, spare_after_failure=spare, sender_dead=sender_dead)
             await self._apply(decision, plan, rev)
             return
         handled = {p.taint_id for p, _ in plans if p.taint_id and p.phase == Phase.DONE}
@@ -480,6 +525,11 @@ class Swapper:
         for key, doc, rev in await self._store.get_prefix_json(self._key("failures") + "/"):
             fid = key.rsplit("/", 1)[-1]
             if doc.get("handled"):
+                continue
+            if int(doc.get("generation", -1)) < self.agent.spawned_generation:
+                # A death from before the last whole-group restart (e.g. a second failure that ended a
+                # recovery): those workers are gone, and the rank runs anew. Never plan a swap for it.
+                await self._store.put_json(key, {**doc, "handled": "stale", "reason": "before the restart"})
                 continue
             view = view or await self._view()
             decision = plan_for_failure(view, node=doc["node"], slot=int(doc["slot"]), rank=int(doc["rank"]),

@@ -36,7 +36,8 @@ def _claim(marker: str | None) -> bool:
         fd = os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
     except FileExistsError:
         return False
-    os.write(fd, str(os.getpid()).encode())
+    # pid and wall time: a file's mtime can be several ms coarse here, which benches timing a kill cannot afford
+    os.write(fd, f"{os.getpid()} {time.time():.6f}".encode())
     os.close(fd)
     return True
 

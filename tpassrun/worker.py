@@ -124,6 +124,7 @@ class Session:
         self._pending_light_bundle: Any = None   # joiner (unplanned): the dead rank's light snapshot
         self._last_light: bytes | None = None
         self._light: Any = None                   # light.LightSnapshotter, made at the first snapshot
+        self._size_published = False
         self._reform_times: dict[str, float] = {}
         self._light_enabled = link is not None
         self._first_grad_ns = 0
@@ -222,10 +223,28 @@ class Session:
             end = time.monotonic_ns()
             link.set(Field.LAST_STEP_NS, end - start)
             link.set(Field.LAST_COMPUTE_NS, (self._first_grad_ns or end) - start)
+            if not self._size_published:   # once: after a step, so the optimizer's state exists
+                self._size_published = True
+                link.set(Field.STATE_BYTES, self._tracked_nbytes())
         link.set(Field.STEP, self.step)
         link.set(Field.PHASE, WorkerPhase.DONE)
         link.send("done", step=self.step)
         return self.step
+
+    def _tracked_nbytes(self) -> int:
+        """Tensor bytes of every tracked object's state: about what a handoff of this rank streams."""
+        import torch
+
+        total, stack = 0, [obj.state_dict() for obj in self._tracked.values()]
+        while stack:
+            value = stack.pop()
+            if isinstance(value, dict):
+                stack.extend(value.values())
+            elif isinstance(value, (list, tuple)):
+                stack.extend(value)
+            elif isinstance(value, torch.Tensor):
+                total += value.numel() * value.element_size()
+        return total
 
     # --- light state ---
     def _light_objects(self) -> dict[str, Any]:
@@ -316,6 +335,7 @@ class Session:
                 return
             if kind == "send_state":
                 link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
+                testing.fault_point(self.rank, step, "send")   # tests: the sender dies mid-handoff
                 objs = {k: v for k, v in self._tracked.items()
                         if not (msg.get("replicated_only") and k in self._per_rank)}
                 rng = handoff.capture_rng() if msg.get("rng", True) else None
@@ -659,6 +679,8 @@ def _wait_for_sender(listener: socket.socket, link: _AgentLink, timeout: float,
             return False
         if link.waiting():
             msg = link.recv()
+            if msg["kind"] == "reserve":
+                continue   # too late to pre-fault for this transfer
             pending.append(msg)
             if msg["kind"] != "light":
                 return False
@@ -715,6 +737,14 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
             link.send("light_ok", ok=ok, nbytes=len(light), step=step)
             if not ok:
                 light = None
+            continue
+        if kind == "reserve":
+            # The agent says how big a rank's state is: fault in that much now, while idle, so the transfer
+            # does not pay the kernel for fresh pages (see handoff_wire._Arena).
+            from .handoff_wire import reserve_receive_arena
+
+            got = reserve_receive_arena(int(msg["nbytes"]))
+            link.send("reserved", nbytes=got)
             continue
         if kind == "abort":
             bundle, light, assign = None, None, None
