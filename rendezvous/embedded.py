@@ -146,7 +146,11 @@ class EmbeddedEtcd:
                  "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-cluster", f"tpassrun=http://127.0.0.1:{peer}",
-                 "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "error"],
+                 "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "error",
+                 # One member, no peers: nothing to time out against, but a fresh member still waits one
+                 # election timeout (default 1 s) before it leads and answers. 100 ms cut the start from
+                 # 0.3-1.0 s to under 0.15 s here, which is most of tpassrun's launch overhead.
+                 "--heartbeat-interval", "10", "--election-timeout", "100"],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logf,
                 start_new_session=True, preexec_fn=_set_pdeathsig)
         deadline = time.monotonic() + self._ready_timeout
