@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Mapping, Sequence
+from typing import Awaitable, Callable, Iterable, Mapping, Sequence
 
 from ._engine import PolicyEngine
 from ._straggler import StragglerDetector
@@ -123,6 +123,13 @@ class HealthMonitor:
         """The latest verdict of every device (reported or not)."""
         return list(self._verdicts.values())
 
+    def redeliver(self, devices: Iterable[str]) -> None:
+        """Deliver the next verdict of each of ``devices`` whatever it is. For a consumer that holds effects
+        of earlier verdicts (taints) which this monitor may not know it delivered: a run cancelled during a
+        delivery never recorded it, and a recovery would then look like "no change" forever."""
+        for device in devices:
+            self._reported[device] = _UNSURE
+
     def snapshot(self) -> dict:
         """Versioned JSON for ``P health/<node_id>`` (what ``tpassctl status`` shows)."""
         return {
@@ -135,6 +142,7 @@ class HealthMonitor:
 
 
 _HEALTHY = (Status.HEALTHY, TaintEffect.NONE, None)
+_UNSURE = (None, None, None)   # equal to no verdict's key: the next verdict is delivered
 
 
 def _key(verdict: HealthVerdict) -> tuple[Status, TaintEffect, str | None]:

@@ -286,3 +286,22 @@ def test_health_imports_neither_torch_nor_pynvml_nor_other_tpassrun_modules():
             "print(' '.join(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'pynvml', 'tpassrun'))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert all(m == "tpassrun" or m.startswith("tpassrun.health") for m in loaded), loaded
+
+
+def test_redeliver_sends_the_next_verdict_even_when_it_looks_unchanged(tmp_path):
+    """A consumer that holds a taint the monitor never recorded delivering (its run was cancelled mid-delivery)
+    asks for redelivery: a healthy reading then reaches it, so the taint can be removed."""
+    path = tmp_path / "h.json"
+    recorder = Recorder()
+
+    async def scenario():
+        monitor = HealthMonitor([FileSensor(str(path))], PolicyEngine(Policy((ECC_RULE,))), interval=0.01,
+                                on_verdicts=recorder, clock=FakeClock())
+        write_readings(path, [{"device": "gpu0", "metric": "ecc_uncorrected_volatile", "value": 0}])
+        assert await monitor.poll_once() == []               # healthy, and nothing was reported: no news
+        monitor.redeliver({"gpu0"})
+        (again,) = await monitor.poll_once()
+        assert (again.device, again.status) == ("gpu0", Status.HEALTHY)
+        assert await monitor.poll_once() == []               # once only
+
+    asyncio.run(scenario())

@@ -204,6 +204,9 @@ class AgentHealth:
         if self.monitor is None:
             self.monitor = self._build()
         await self._sync_taints()
+        # Our taints' devices: their next verdict must reach us even if it looks like no change to the
+        # monitor (a previous run may have been cancelled between writing a taint and recording that).
+        self.monitor.redeliver({w.device for w in self.written.values()})
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.monitor.run())
             tg.create_task(self._publish_loop())
