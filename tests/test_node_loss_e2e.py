@@ -99,17 +99,26 @@ def _watch_deaths(pids: list[int], since: float, timeout: float) -> dict[int, fl
     return dead_at
 
 
+def _started(job: Job) -> list[dict[str, Any]]:
+    return [e for e in job.events() if e["event"] == "workers_started"]
+
+
+def _start_all(a: Job, b: Job, c: Job) -> None:
+    """Start members A and B and spare node C; return once generation 0 runs on A and B."""
+    for j in (a, b, c):
+        j.start()
+    _wait(lambda: _started(a) and _started(b), 120, "generation 0 running on A and B", a, b, c)
+
+
 def test_node_loss_promotes_the_spare_node_and_no_rank_is_held_twice(tmp_path, etcd_server, run_id):
     train = str(tmp_path / "train")
     a = _agent(str(tmp_path / "a"), train, etcd_server.endpoint, run_id)
     b = _agent(str(tmp_path / "b"), train, etcd_server.endpoint, run_id)
     c = _agent(str(tmp_path / "c"), train, etcd_server.endpoint, run_id, extra=["--spare-node"])
     jobs = (a, b, c)
+    started = _started
     try:
-        for j in jobs:
-            j.start()
-        started = lambda j: [e for e in j.events() if e["event"] == "workers_started"]  # noqa: E731
-        _wait(lambda: started(a) and started(b), 120, "generation 0 running on A and B", *jobs)
+        _start_all(a, b, c)
         gen0 = [e for e in a.events() if e["event"] == "generation_joined"][-1]
         assert gen0["world_size"] == 4 and len(gen0["members"]) == 2
         b_node = started(b)[-1]["node"]
@@ -245,11 +254,9 @@ def test_agent_cut_off_from_etcd_fences_its_workers_before_the_spare_node_takes_
     b = _agent(str(tmp_path / "b"), train, proxy.endpoint, run_id, conf=",read_timeout=5,reconnect_timeout=5")
     c = _agent(str(tmp_path / "c"), train, etcd_server.endpoint, run_id, extra=["--spare-node"])
     jobs = (a, b, c)
+    started = _started
     try:
-        for j in jobs:
-            j.start()
-        started = lambda j: [e for e in j.events() if e["event"] == "workers_started"]  # noqa: E731
-        _wait(lambda: started(a) and started(b), 120, "generation 0 running on A and B", *jobs)
+        _start_all(a, b, c)
         b_pids = [s["pid"] for s in started(b)[-1]["slots"]]
         b_ranks = sorted(s["rank"] for s in started(b)[-1]["slots"])
         _wait(lambda: all(len(Job(argv=[], out=train).losses(r)) >= 10 for r in b_ranks), 120,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import contextlib
 import logging
 import time
 from typing import TYPE_CHECKING, Any

@@ -31,6 +31,8 @@ from typing import Any, Callable
 
 from . import envnames as E
 from .channel import INT64_MAX, ChannelFile, Field, WorkerPhase, decode_msg, encode_msg
+from .world import (ReconfigurableDDP, abort_process_groups, init_world, join_world, leave_process_group,
+                    set_rank_env)
 
 log = logging.getLogger("tpassrun.worker")
 
@@ -271,8 +273,6 @@ class Session:
     def _apply_pending_to(self, name: str, obj: Any) -> None:
         """On a joiner, load ``name``'s received state as soon as the script tracks it, so that a model is
         right before DDP broadcasts from rank 0 and an optimizer before anything reads it."""
-        from . import handoff
-
         for attr in ("_pending_bundle", "_pending_light_bundle"):
             bundle = getattr(self, attr)
             if bundle is not None and _has_object(bundle, name):
@@ -313,7 +313,7 @@ class Session:
         # Tear our end of every collective down now: a peer blocked on *us* (not on the dead rank) only
         # learns of the failure when our sockets close, so aborting here cascades the error to every
         # survivor instead of leaving some blocked until gloo's 30-minute timeout.
-        _abort_process_groups()
+        abort_process_groups()
         link.set(Field.PHASE, WorkerPhase.FAILED)
         link.send("failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500])
         self._serve(step, failed=exc)
@@ -369,7 +369,7 @@ class Session:
                 return
             if kind == "exit":
                 link.set(Field.PHASE, WorkerPhase.DONE)
-                _leave_process_group()
+                leave_process_group()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(int(msg.get("code", 0)))
@@ -393,13 +393,13 @@ class Session:
         assert link is not None
         link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
         t0 = time.perf_counter()
-        _leave_process_group()
+        leave_process_group()
         self.rank = int(msg["rank"])
         self.world_size = int(msg["world_size"])
         self.generation = int(msg.get("generation", self.generation))
-        _set_rank_env(msg)
+        set_rank_env(msg)
         t1 = time.perf_counter()
-        _join_world(self.backend, msg, self._timeout)
+        join_world(self.backend, msg, self._timeout)
         t2 = time.perf_counter()
         self.swaps += 1
         for fn in self._callbacks:
@@ -435,51 +435,6 @@ def _bundle_step(bundle: Any) -> int:
     return int(bundle.meta.get("step", 0)) if bundle is not None else 0
 
 
-class ReconfigurableDDP:
-    """A ``DistributedDataParallel`` that is rebuilt around the same module after a re-formed world.
-
-    Attribute access and calls go to the current DDP instance, so ``ddp(x)``, ``ddp.parameters()``,
-    ``ddp.module`` keep working across swaps.
-    """
-
-    def __init__(self, module: Any, kwargs: dict[str, Any], *, synced: bool = False) -> None:
-        self._module = module
-        self._kwargs = kwargs
-        self._ddp = self._build(synced)
-
-    def _build(self, synced: bool) -> Any:
-        import inspect
-
-        from torch.nn.parallel import DistributedDataParallel
-
-        kwargs = dict(self._kwargs)
-        if synced and "init_sync" not in kwargs and "init_sync" in inspect.signature(DistributedDataParallel).parameters:
-            # After a swap every rank already holds identical weights (survivors kept theirs, the joiner
-            # loaded them before this call): skip DDP's broadcast of the whole model from rank 0. Survivors
-            # (rebuild) and the joiner (first build) both skip it, so their collectives still match.
-            kwargs["init_sync"] = False
-        ddp = DistributedDataParallel(self._module, **kwargs)
-        # Fix the gradient bucket layout now instead of after the first iteration. DDP normally re-buckets
-        # once, by the order gradients became ready; a DDP rebuilt after a swap would then reduce its first
-        # step with a different layout, hence a different summation order, than the uninterrupted run, and
-        # the runs would drift apart in the last bits. With the layout fixed at construction (a collective,
-        # done by every rank, here and in every rebuild) both runs reduce in the same order on every step.
-        reducer = getattr(ddp, "reducer", None)
-        if reducer is not None and hasattr(reducer, "_push_all_rebuilt_params"):
-            reducer._push_all_rebuilt_params()
-            reducer._rebuild_buckets()
-        return ddp
-
-    def rebuild(self) -> None:
-        self._ddp = self._build(synced=True)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._ddp(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_ddp"], name)
-
-
 def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: Callable[[], bool]) -> Any:
     """Stream ``bundle`` to the joiner named in ``msg``. ``corrupt`` is the tests' fault hook: asked only
     once connected, so a fault meant for a transfer is not used up by a joiner that is already gone."""
@@ -493,124 +448,6 @@ def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: Callable[[], bool]
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return handoff.send_bundle(sock, bundle, _corrupt_byte_at=4096 if corrupt() else None)
-
-
-def _socket_fds() -> dict[int, str]:
-    """fd -> "socket:[inode]" for this process's sockets (Linux /proc)."""
-    out: dict[int, str] = {}
-    try:
-        names = os.listdir("/proc/self/fd")
-    except OSError:
-        return out
-    for fd in names:
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:"):
-            out[int(fd)] = target
-    return out
-
-
-class _GroupSockets:
-    """The sockets a process-group init opened (gloo's full mesh, the store client).
-
-    When a peer dies in a gloo collective only its direct ring neighbours get an error; a rank blocked on a
-    *live* neighbour that has given up waits for gloo's timeout (30 min), and neither ``abort()`` nor
-    ``destroy_process_group()`` closes gloo's sockets while DDP still references the group. Shutting these
-    sockets down makes every peer blocked on us fail at once, so the error cascades through the ring.
-    """
-
-    def __init__(self) -> None:
-        self._fds: dict[int, str] = {}
-        self._before: dict[int, str] = {}
-
-    def __enter__(self) -> "_GroupSockets":
-        self._before = _socket_fds()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        after = _socket_fds()
-        self._fds = {fd: t for fd, t in after.items() if self._before.get(fd) != t}
-
-    def shutdown(self) -> int:
-        n = 0
-        for fd, target in self._fds.items():
-            try:
-                if os.readlink(f"/proc/self/fd/{fd}") != target:
-                    continue  # closed and reused for something else since
-                sock = socket.socket(fileno=os.dup(fd))
-                try:
-                    sock.getpeername()  # only connected pairs: gloo's listener thread aborts the process
-                    sock.shutdown(socket.SHUT_RDWR)  # if its listening socket is shut under it
-                    n += 1
-                finally:
-                    sock.close()
-            except OSError:
-                continue
-        self._fds = {}
-        return n
-
-
-_GROUP_SOCKETS = _GroupSockets()
-
-
-def _init_world(backend: str | None, **kwargs: Any) -> None:
-    import torch.distributed as dist
-
-    with _GROUP_SOCKETS:
-        dist.init_process_group(backend, **kwargs)
-
-
-def _abort_process_groups() -> None:
-    """Abort every communicator of this process at once (NCCL needs one grouped abort; gloo closes its
-    sockets), falling back to a plain destroy where abort is not supported."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return
-    _GROUP_SOCKETS.shutdown()
-    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    if abort is not None:
-        try:
-            abort()
-            return
-        except Exception as exc:  # noqa: BLE001 - not every backend implements abort
-            log.debug("abort_process_group: %s", exc)
-    _leave_process_group()
-
-
-def _leave_process_group() -> None:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception as exc:  # noqa: BLE001 - a group with a dead peer may refuse a clean teardown
-            log.debug("destroy_process_group: %s", exc)
-
-
-def _join_world(backend: str | None, msg: dict[str, Any], timeout: timedelta | None) -> None:
-    import torch.distributed as dist
-
-    kwargs: dict[str, Any] = {}
-    if timeout is not None:
-        kwargs["timeout"] = timeout
-    store = dist.TCPStore(msg["addr"], int(msg["port"]), is_master=False,
-                          timeout=timeout or timedelta(seconds=300))
-    store = dist.PrefixStore(str(msg["prefix"]), store)
-    _init_world(backend, store=store, rank=int(msg["rank"]), world_size=int(msg["world_size"]), **kwargs)
-
-
-def _set_rank_env(msg: dict[str, Any]) -> None:
-    """Keep ``os.environ`` truthful for code that reads RANK after a swap."""
-    for key, name in (("rank", E.RANK), ("world_size", E.WORLD_SIZE), ("group_rank", E.GROUP_RANK),
-                      ("role_rank", E.ROLE_RANK), ("role_world_size", E.ROLE_WORLD_SIZE),
-                      ("local_world_size", E.LOCAL_WORLD_SIZE), ("group_world_size", E.GROUP_WORLD_SIZE)):
-        if key in msg and msg[key] is not None:
-            os.environ[name] = str(msg[key])
-    if msg.get("generation") is not None:
-        os.environ[E.TPASSRUN_GENERATION] = str(msg["generation"])
 
 
 def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Session:
@@ -643,7 +480,7 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
     if not spare:
         if not dist.is_initialized():
             kwargs = {"timeout": timeout} if timeout is not None else {}
-            _init_world(backend, **kwargs)
+            init_world(backend, **kwargs)
         link.set(Field.PHASE, WorkerPhase.STARTING)
         return Session(backend=backend, link=link, rank=dist.get_rank(), world_size=dist.get_world_size(),
                        local_rank=local_rank, generation=generation, joined=False, timeout=timeout)
@@ -757,9 +594,9 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
             if listener is not None:
                 listener.close()
             link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
-            _set_rank_env(msg)
+            set_rank_env(msg)
             os.environ.pop(E.TPASSRUN_SPARE, None)
-            _join_world(backend, msg, timeout)
+            join_world(backend, msg, timeout)
             sess = Session(backend=backend, link=link, rank=int(msg["rank"]), world_size=int(msg["world_size"]),
                            local_rank=local_rank, generation=int(msg.get("generation", 0)), joined=True,
                            timeout=timeout)
