@@ -185,3 +185,40 @@ def test_c10d_endpoint_without_an_etcd_is_hosted_by_one_agent(tmp_path, run_id):
         assert [json.loads(x)["step"] for x in rows] == list(range(15))
     with socket.socket() as s:   # the hosted etcd is gone with its agent
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_static_multi_node_keeps_torchruns_node_ranks(tmp_path):
+    """torchrun's classic two-node command line, no etcd anywhere: ``--node-rank`` decides GROUP_RANK and RANK
+    whatever order the agents start in, MASTER_ADDR/PORT are the user's, and both agents exit 0."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "envdump.py"
+    script.write_text(
+        "import json, os, torch.distributed as dist\n"
+        "dist.init_process_group('gloo'); dist.barrier()\n"
+        "keys = ['RANK', 'GROUP_RANK', 'LOCAL_RANK', 'WORLD_SIZE', 'MASTER_ADDR', 'MASTER_PORT']\n"
+        "open(os.path.join(os.environ['OUT'], 'r' + os.environ['RANK'] + '.json'), 'w').write(\n"
+        "    json.dumps({k: os.environ[k] for k in keys} | {'dist_rank': dist.get_rank()}))\n"
+        "dist.destroy_process_group()\n")
+    jobs = []
+    for node_rank in (1, 0):    # node 1 first: it must not become group rank 0
+        out = str(tmp_path / f"n{node_rank}")
+        argv = [sys.executable, "-m", "tpassrun", "--nnodes", "2", "--node-rank", str(node_rank),
+                "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port", str(port),
+                "--log-dir", os.path.join(out, "logs"), str(script)]
+        jobs.append(Job(argv=argv, out=out, env={"OUT": str(tmp_path)}).start())
+        time.sleep(1.0)
+    try:
+        for j in jobs:
+            assert j.wait(240) == 0, j.log()[-2000:]
+    finally:
+        for j in jobs:
+            j.kill()
+    for rank in range(4):
+        got = json.loads((tmp_path / f"r{rank}.json").read_text())
+        assert got == {"RANK": str(rank), "GROUP_RANK": str(rank // 2), "LOCAL_RANK": str(rank % 2),
+                       "WORLD_SIZE": "4", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+                       "dist_rank": rank}
