@@ -6,7 +6,7 @@ Layout: ``config`` (EtcdConfig, RendezvousSettings), ``state`` (the data and its
 """
 
 from .config import EtcdConfig, RendezvousSettings
-from .embedded import EmbeddedEtcd, find_etcd_binary
+from .embedded import EmbeddedEtcd, find_etcd_binary, host_etcd_if_absent
 from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
                      RendezvousTimeoutError)
 from .etcd_io import EtcdConnection, EtcdStore, WatchEvent
@@ -15,6 +15,7 @@ from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
 
 __all__ = [
     "EmbeddedEtcd",
+    "host_etcd_if_absent",
     "EtcdConfig",
     "EtcdConnection",
     "EtcdRendezvous",

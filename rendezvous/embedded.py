@@ -185,3 +185,62 @@ class EmbeddedEtcd:
         if self._dir is not None:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = None
+
+
+async def host_etcd_if_absent(endpoint: str, binary: str,
+                              stack: contextlib.AsyncExitStack) -> "EmbeddedEtcd | None":
+    """Serve an etcd at ``endpoint`` if it names this machine and nothing answers there yet (torchrun's
+    ``c10d`` rule: the agent on the endpoint's machine hosts the store). Returns the etcd, kept until
+    ``stack`` closes, or None when another process serves (or will serve) it.
+
+    Several agents of one machine (tests, single-host multi-agent runs) race for the port: a lock file
+    decides who hosts; the others wait until the etcd answers, and connect as clients.
+    """
+    import fcntl
+
+    host, _, port_s = endpoint.rpartition(":")
+    host = host.strip("[]")
+    port = int(port_s)
+    if not _is_local_address(host) or await _accepts(host, port):
+        return None
+    lock = open(os.path.join(tempfile.gettempdir(), f"tpassrun-etcd-{port}.lock"), "w")
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        lock.close()
+        deadline = time.monotonic() + 60
+        while not await _accepts(host, port) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return None
+    stack.callback(lock.close)
+    if await _accepts(host, port):
+        return None
+    try:
+        return await stack.enter_async_context(EmbeddedEtcd(binary, client_port=port, listen_host="0.0.0.0",
+                                                            advertise_host=host))
+    except RendezvousError:
+        return None   # someone else took the port meanwhile: join as a client
+
+
+def _is_local_address(host: str) -> bool:
+    """Whether ``host`` names this machine (binding one of its addresses works)."""
+    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname(), socket.getfqdn()):
+        return True
+    try:
+        infos = socket.getaddrinfo(host, None)
+    except OSError:
+        return False
+    for family, _t, _p, _c, sockaddr in infos:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((sockaddr[0], 0))
+            return True
+    return False
+
+
+async def _accepts(host: str, port: int) -> bool:
+    try:
+        _r, w = await asyncio.wait_for(asyncio.open_connection(host, port), 2)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    w.close()
+    return True

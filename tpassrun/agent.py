@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import sys
-import tempfile
 import time
 import uuid
 from typing import Any
@@ -35,7 +34,7 @@ from .events import EventLog  # noqa: E402
 from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
 from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
-                         RendezvousError, RendezvousSettings, find_etcd_binary)
+                         RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent)
 from .slots import LocalSlots, Slot, SlotState  # noqa: E402
 from .workerenv import WorkerAssignment, entrypoint_name, worker_argv, worker_env  # noqa: E402
 
@@ -147,36 +146,9 @@ class Agent:
 
     async def _maybe_host_etcd(self, stack: contextlib.AsyncExitStack, endpoint: str) -> bool:
         """torchrun ``c10d``/``static``: the agent on the endpoint's machine hosts the rendezvous (a TCPStore
-        there); ours hosts an etcd on that address when nothing answers on it yet. Racing agents on one
-        machine: one binds the port, the others find it taken and connect as clients."""
-        host, _, port_s = endpoint.rpartition(":")
-        host = host.strip("[]")
-        port = int(port_s)
-        if not _is_local_address(host) or await _accepts(host, port):
-            return False
-        # Several agents of one machine (tests, single-host multi-agent runs) race for the port: a lock file
-        # decides who hosts; the others wait until the etcd answers.
-        import fcntl
-
-        lock = open(os.path.join(tempfile.gettempdir(), f"tpassrun-etcd-{port}.lock"), "w")
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            lock.close()
-            deadline = time.monotonic() + 60
-            while not await _accepts(host, port) and time.monotonic() < deadline:
-                await asyncio.sleep(0.1)
-            return False
-        stack.callback(lock.close)
-        if await _accepts(host, port):
-            return False
-        try:
-            await stack.enter_async_context(EmbeddedEtcd(find_etcd_binary(self.cfg.etcd_bin), client_port=port,
-                                                         listen_host="0.0.0.0", advertise_host=host))
-        except RendezvousError as exc:
-            log.info("not hosting the etcd at %s (%s); joining as a client", endpoint, exc)
-            return False
-        return True
+        there); ours hosts an etcd on that address when nothing answers on it yet."""
+        etcd = await host_etcd_if_absent(endpoint, find_etcd_binary(self.cfg.etcd_bin), stack)
+        return etcd is not None
 
     async def _wait_for_other_agents(self, timeout: float) -> None:
         """The hosting agent keeps its etcd up until the other agents are gone (their status keys live
@@ -618,30 +590,6 @@ class Agent:
                               stale_ranks=sorted(x.rank for _b, x in stale))
             s.proc.signal_group(signal.SIGKILL)
             await asyncio.sleep(self.cfg.hang_timeout)  # let the death cascade and the recovery start
-
-
-def _is_local_address(host: str) -> bool:
-    """Whether ``host`` names this machine (binding one of its addresses works)."""
-    if host in ("localhost", "127.0.0.1", "::1", "0.0.0.0", socket.gethostname(), socket.getfqdn()):
-        return True
-    try:
-        infos = socket.getaddrinfo(host, None)
-    except OSError:
-        return False
-    for family, _t, _p, _c, sockaddr in infos:
-        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((sockaddr[0], 0))
-            return True
-    return False
-
-
-async def _accepts(host: str, port: int) -> bool:
-    try:
-        _r, w = await asyncio.wait_for(asyncio.open_connection(host, port), 2)
-    except (OSError, asyncio.TimeoutError):
-        return False
-    w.close()
-    return True
 
 
 def _proc_state(pid: int | None) -> str:
