@@ -154,8 +154,10 @@ class Swapper:
         gen = self.agent.generation
         if gen is None or plan.generation < gen.number - 1 and plan.phase not in (Phase.DONE, Phase.ABORTED):
             return
-        if plan.generation < self.agent.spawned_generation and plan.phase not in (Phase.DONE, Phase.ABORTED):
-            return   # from before the last whole-group restart: not ours to carry out
+        if plan.generation < self.agent.spawned_generation:
+            # Planned before the last whole-group restart: its workers are gone. Nothing to carry out, and
+            # nothing to undo either (undoing an aborted recovery means a fallback restart: not again).
+            return
         seq = len(plan.history)
         if (plan.id, seq) in self._done:
             return
