@@ -103,11 +103,16 @@ def _started(job: Job) -> list[dict[str, Any]]:
     return [e for e in job.events() if e["event"] == "workers_started"]
 
 
+def _joined(job: Job) -> bool:
+    return any(e["event"] == "generation_joined" for e in job.events())
+
+
 def _start_all(a: Job, b: Job, c: Job) -> None:
-    """Start members A and B and spare node C; return once generation 0 runs on A and B."""
+    """Start members A and B and spare node C; return once generation 0 runs on A and B and C has joined it
+    as a spare node (C may start last and be slower: the test must not race its registration)."""
     for j in (a, b, c):
         j.start()
-    _wait(lambda: _started(a) and _started(b), 120, "generation 0 running on A and B", a, b, c)
+    _wait(lambda: _started(a) and _started(b) and _joined(c), 120, "generation 0 on A and B, C joined", a, b, c)
 
 
 def test_node_loss_promotes_the_spare_node_and_no_rank_is_held_twice(tmp_path, etcd_server, run_id):
