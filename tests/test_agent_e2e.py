@@ -81,6 +81,16 @@ def test_sigkilled_agent_takes_its_workers_and_the_other_agent_carries_on(tmp_pa
         b.kill()
 
 
+def _all_succeed(jobs: list[Job], timeout: float = 240) -> None:
+    """Every launcher exits 0; none is left running, whatever happens."""
+    try:
+        for j in jobs:
+            assert j.wait(timeout) == 0, j.log()[-2000:]
+    finally:
+        for j in jobs:
+            j.kill()
+
+
 def _run(argv: list[str], timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpassrun", *argv], capture_output=True, text=True,
                           timeout=timeout, cwd=REPO, env={**os.environ, **(env or {})})
@@ -127,12 +137,7 @@ def test_two_runs_with_different_ids_share_one_etcd(tmp_path, etcd_server):
     for j in jobs:
         j.argv[j.argv.index("--out") + 1] = os.path.join(j.out, "train")
         j.start()
-    try:
-        for j in jobs:
-            assert j.wait(240) == 0, j.log()[-2000:]
-    finally:
-        for j in jobs:
-            j.kill()
+    _all_succeed(jobs)
     for j in jobs:
         joined = [e for e in j.events() if e["event"] == "generation_joined"]
         assert len(joined) == 1 and joined[0]["world_size"] == 1 and len(joined[0]["members"]) == 1
@@ -172,12 +177,7 @@ def test_c10d_endpoint_without_an_etcd_is_hosted_by_one_agent(tmp_path, run_id):
                 "--rdzv-conf", "lease_ttl=3,last_call_timeout=1", "--log-dir", os.path.join(out, "logs"),
                 EXAMPLE, "--steps", "15", "--step-sleep", "0.02", "--out", str(tmp_path / "train"), "--quiet"]
         jobs.append(Job(argv=argv, out=out).start())
-    try:
-        for j in jobs:
-            assert j.wait(240) == 0, j.log()[-2000:]
-    finally:
-        for j in jobs:
-            j.kill()
+    _all_succeed(jobs)
     hosted = [j for j in jobs if any(e["event"] == "etcd_hosted" for e in j.events())]
     assert len(hosted) == 1
     for r in range(2):
@@ -211,12 +211,7 @@ def test_static_multi_node_keeps_torchruns_node_ranks(tmp_path):
                 "--log-dir", os.path.join(out, "logs"), str(script)]
         jobs.append(Job(argv=argv, out=out, env={"OUT": str(tmp_path)}).start())
         time.sleep(1.0)
-    try:
-        for j in jobs:
-            assert j.wait(240) == 0, j.log()[-2000:]
-    finally:
-        for j in jobs:
-            j.kill()
+    _all_succeed(jobs)
     for rank in range(4):
         got = json.loads((tmp_path / f"r{rank}.json").read_text())
         assert got == {"RANK": str(rank), "GROUP_RANK": str(rank // 2), "LOCAL_RANK": str(rank % 2),

@@ -79,9 +79,9 @@ class Agent:
         self.swapper: Any = None
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
-        self._static_port_used = False
-        self.hosting_etcd = False
-        self.spawned_generation = 0   # the generation whose start spawned the current workers (swaps keep them)   # this generation's bootstrap store (also used by swaps)
+        self._static_port_used = False   # static: the user's --master-port served the first generation's store
+        self.hosting_etcd = False        # c10d/static: this agent serves the run's etcd
+        self.spawned_generation = 0      # the generation whose start spawned the current workers (swaps keep them)
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:
@@ -116,7 +116,9 @@ class Agent:
                 etcd = await stack.enter_async_context(EmbeddedEtcd(find_etcd_binary(cfg.etcd_bin)))
                 endpoint = etcd.endpoint
             elif cfg.host_etcd:
-                self.hosting_etcd = await self._maybe_host_etcd(stack, endpoint)
+                # torchrun's c10d/static: the agent on the endpoint's machine hosts the rendezvous there
+                hosted = await host_etcd_if_absent(endpoint, find_etcd_binary(cfg.etcd_bin), stack)
+                self.hosting_etcd = hosted is not None
             run_dir = self.logs.run_dir
             event_path = cfg.event_log or (os.path.join(run_dir, "events.jsonl") if run_dir else None)
             self.events = EventLog(event_path, node_id=self.node_id).open()
@@ -143,12 +145,6 @@ class Agent:
             code = await self._generations()
             self.events.write("agent_exit", code=code)
             return code
-
-    async def _maybe_host_etcd(self, stack: contextlib.AsyncExitStack, endpoint: str) -> bool:
-        """torchrun ``c10d``/``static``: the agent on the endpoint's machine hosts the rendezvous (a TCPStore
-        there); ours hosts an etcd on that address when nothing answers on it yet."""
-        etcd = await host_etcd_if_absent(endpoint, find_etcd_binary(self.cfg.etcd_bin), stack)
-        return etcd is not None
 
     async def _wait_for_other_agents(self, timeout: float) -> None:
         """The hosting agent keeps its etcd up until the other agents are gone (their status keys live

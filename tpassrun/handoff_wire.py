@@ -392,7 +392,9 @@ def _read_tensors(reader: _Reader, specs: list[TensorSpec], chunk_bytes: int,
     global _arena
     chunk_bytes = chunk_bytes if chunk_bytes > 0 else _DEFAULT_CHUNK
     tensors, chunks, data_len = [], 0, 0
-    arena, _arena = (_arena, None) if isinstance(reader, _SocketReader) else (None, _arena)   # one transfer
+    arena = None
+    if isinstance(reader, _SocketReader):   # a reservation serves one transfer; in-memory frames never use it
+        arena, _arena = _arena, None
     for index, spec in enumerate(specs):
         tensor, view = _allocate(spec, arena)
         for offset in range(0, len(view), chunk_bytes):

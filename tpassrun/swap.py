@@ -141,6 +141,9 @@ class ClusterView:
     spare_nodes: tuple[str, ...]
     slots: tuple[SlotView, ...]
 
+    def slot_at(self, node: str, slot: int) -> SlotView | None:
+        return next((s for s in self.slots if s.node == node and s.slot == slot), None)
+
     def slot_of_rank(self, rank: int) -> SlotView | None:
         for s in self.slots:
             if s.rank == rank and s.state in ("running", "done"):

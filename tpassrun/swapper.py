@@ -505,18 +505,14 @@ class Swapper:
             spare = None
             sender_dead = False
             if plan.phase in (Phase.TRANSFER, Phase.SEND):
-                sender = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
-                if sender is not None:
-                    held = next((s for s in (await self._view()).slots
-                                 if s.node == sender.node and s.slot == sender.slot), None)
-                    sender_dead = held is not None and held.state in ("dead", "idle")
-            if any(not r.ok for r in reports) and plan.phase in (Phase.TRANSFER, Phase.SEND):
                 view = await self._view()
-                joiner_alive = any(s.node == plan.joiner.node and s.slot == plan.joiner.slot and s.state == "spare"
-                                   for s in view.slots)
-                if not joiner_alive:
-                    sv = choose_spare(view, plan.joiner.node, plan.excluded_spares + ((plan.joiner.node, plan.joiner.slot),))
-                    spare = sv
+                sender = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
+                held = view.slot_at(sender.node, sender.slot) if sender is not None else None
+                sender_dead = held is not None and held.state in ("dead", "idle")
+                joiner = view.slot_at(plan.joiner.node, plan.joiner.slot)
+                if any(not r.ok for r in reports) and (joiner is None or joiner.state != "spare"):
+                    spare = choose_spare(view, plan.joiner.node,
+                                         plan.excluded_spares + ((plan.joiner.node, plan.joiner.slot),))
             decision = next_step(plan, reports, now, spare_after_failure=spare, sender_dead=sender_dead)
             await self._apply(decision, plan, rev)
             return

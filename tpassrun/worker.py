@@ -234,19 +234,13 @@ class Session:
         return self.step
 
     def _tracked_nbytes(self) -> int:
-        """Tensor bytes of every tracked object's state: about what a handoff of this rank streams."""
-        import torch
+        """Tensor bytes a handoff of this rank streams (capture copies nothing; 0 if it cannot travel)."""
+        from . import handoff
 
-        total, stack = 0, [obj.state_dict() for obj in self._tracked.values()]
-        while stack:
-            value = stack.pop()
-            if isinstance(value, dict):
-                stack.extend(value.values())
-            elif isinstance(value, (list, tuple)):
-                stack.extend(value)
-            elif isinstance(value, torch.Tensor):
-                total += value.numel() * value.element_size()
-        return total
+        try:
+            return handoff.capture(self._tracked, step=self.step).nbytes
+        except handoff.HandoffError:
+            return 0
 
     # --- light state ---
     def _light_objects(self) -> dict[str, Any]:
