@@ -1,17 +1,25 @@
-"""The status view: hand-made ``tpassctl status --json`` documents rendered to text, and ``watch()`` driven by a
-fake fetch. No network, no etcd: the view is a pure function of the document."""
+"""The live view: hand-made ``tpassctl status --json`` documents rendered to text, golden frames at 80x24 and
+200x50, keys, and ``watch()`` driven by a fake fetch. No network, no etcd: a frame is a pure function of the
+document, the view state, the size and an injected clock.
+
+Golden frames live in ``tests/golden/tui/*.txt`` (plain text, no colours). After a deliberate layout change,
+regenerate them with ``TPASSRUN_UPDATE_GOLDEN=1 .venv/bin/python -m pytest tests/test_tui.py -k golden`` and
+review the diff."""
 
 from __future__ import annotations
 
 import asyncio
 import copy
 import io
+import os
+from pathlib import Path
 from typing import Any
 
 import pytest
 from rich.console import Console
 
-from tpassrun.tui import TaintState, render_status, summary_line, swap_timeline, taint_state, watch
+from tpassrun.tui import TaintState, ViewState, apply_key, render_status, summary_line, swap_timeline, taint_state
+from tpassrun.tui_live import WatchTracker, run_outcome, watch
 
 T0 = 1_700_000_000.0
 
@@ -58,35 +66,48 @@ def swap_plan(phase: str, *, kind: str = "planned", history: list | None = None)
             "donor": None, "boundary": 120, "attempt": 0, "nodes": ["n0", "n1"], "history": history}
 
 
+GOLDEN = Path(__file__).parent / "golden" / "tui"
+UPDATE_GOLDEN = os.environ.get("TPASSRUN_UPDATE_GOLDEN") == "1"
+
+
+def frame(doc: dict, width: int = 80, height: int | None = 24, now: float | None = T0 + 2.0,
+          view: ViewState = ViewState()) -> str:
+    """What a person sees: the frame as plain text (no colours), trailing spaces dropped."""
+    console = Console(width=width, height=height or 1000, record=True, file=io.StringIO(), color_system=None,
+                      force_terminal=False, legacy_windows=False, _environ={})
+    console.print(render_status(doc, now=now, width=width, height=height, view=view))
+    return "\n".join(line.rstrip() for line in console.export_text(styles=False).splitlines()) + "\n"
+
+
 def text(doc: dict, now: float | None = None) -> str:
-    console = Console(record=True, width=140, file=io.StringIO())
-    console.print(render_status(doc, now=now))
-    return console.export_text()
+    return frame(doc, width=140, height=None, now=now)
 
 
 def row(out: str, *cells: str) -> str:
-    """The first line holding every cell, with runs of spaces collapsed (column widths are rich's business)."""
+    """The first line that starts with the first cell and holds the others, with runs of spaces collapsed (column
+    widths are rich's business)."""
     lines = [" ".join(line.split()) for line in out.splitlines()]
-    return next((line for line in lines if all(c in line for c in cells)), "")
+    return next((line for line in lines if line.startswith(cells[0].strip()) and all(c in line for c in cells)), "")
 
 
-def test_no_swap_shows_header_nodes_and_spares():
+def test_no_swap_shows_summary_and_one_row_per_node():
     doc = run_doc()
     out = text(doc, now=T0 + 1.5)
-    for fact in ("run job-7", "generation 3 active", "world size 4", "leader n0", "member 0, ranks 0-1",
-                 "member 1, ranks 2-3", "spares: n1/2", "no swap in progress", "status 1.5s old", "12.5"):
-        assert fact in out, fact
-    assert "taints" not in out and "health" not in out
+    assert out.splitlines()[0] == "gen 3 active  world 4  step 17 · 12.5ms  spares 1  swaps 0"
+    assert "run job-7  leader n0  nodes 2  status 1.5s old" in out
+    assert "no alerts" in out
+    assert row(out, "n0 ") == "n0 member 0 0-1 RR 17 12.5 1.5s - -"
+    assert row(out, "n1 ") == "n1 member 1 2-3 RRs 17 12.5 1.5s - -"
     assert summary_line(doc) == "gen 3 | world 4 | ranks 4 running | spares 1 | no swap"
 
 
 @pytest.mark.parametrize("phase", ["pause", "boundary", "transfer", "send", "reform"])
-def test_active_swap_in_each_phase(phase):
+def test_active_swap_in_each_phase_is_the_first_alert_with_its_timeline(phase):
     doc = run_doc(swaps={"s-1": swap_plan(phase)})
-    out = text(doc)
-    assert f"▶ {phase} +{PHASE_TIMES[phase]:.2f}s" in out
-    assert "swap s-1  planned  n1/1 (rank 3) → n1/2 (rank 3)  boundary step 120" in out
-    assert "· done" in out and "no swap in progress" not in out
+    lines = frame(doc).splitlines()
+    assert lines[2] == "▶ swap s-1 planned n1/1 r3 → n1/2 r3 at step 120 2.0s (maintenance)"
+    assert f"▶{phase} +{PHASE_TIMES[phase]:.2f}" in lines[3] and "·done" in lines[3]
+    assert "swaps 1 (1 live)" in lines[0]
     assert summary_line(doc) == f"gen 3 | world 4 | ranks 4 running | spares 1 | swap s-1 {phase}"
     marks = {s.phase: s.mark for s in swap_timeline(swap_plan(phase))}
     order = list(PHASE_TIMES)
@@ -94,12 +115,11 @@ def test_active_swap_in_each_phase(phase):
                                          + ["pending"] * (len(order) - order.index(phase) - 1))
 
 
-def test_finished_swaps_leave_the_active_view_and_list_as_recent():
+def test_finished_swaps_leave_the_alerts_and_the_last_one_is_listed():
     doc = run_doc(swaps={"s-1": swap_plan("done"), "s-2": {**swap_plan("aborted"), "id": "s-2"}})
-    out = text(doc)
-    assert "no swap in progress" in out and "recent swaps" in out
-    assert row(out, "s-1").startswith("s-1 done") and row(out, "s-2").startswith("s-2 aborted")
-    assert "2.00s" in out        # s-1 took pause -> done
+    out = frame(doc)
+    assert "▶ swap" not in out and "swaps 2" in out
+    assert "✓ swap s-1 done in 2.00s n1/1 r3 → n1/2 r3 (maintenance)" in out
     assert summary_line(doc).endswith("| no swap")
     aborted = swap_timeline(swap_plan("aborted"))
     assert [(s.phase, s.mark) for s in aborted] == [("pause", "done"), ("boundary", "done"), ("transfer", "pending"),
@@ -115,8 +135,8 @@ def test_unplanned_swap_skips_the_boundary_and_a_retry_shows_the_last_entry():
     assert steps["boundary"].mark == "skipped" and steps["boundary"].offset is None
     assert steps["transfer"].offset == pytest.approx(1.0) and steps["send"].mark == "current"
     out = text(run_doc(swaps={"s-1": plan}))
-    assert "unplanned" in out and "state from n0/0 (rank 0)" in out and "attempt 2" in out
-    assert "– boundary" in out and "▶ send +1.20s" in out
+    assert "unplanned n1/1 r3 → n1/2 r3 from n0/0 r0" in out and "attempt 2" in out
+    assert "–boundary" in out and "▶send +1.20" in out
 
 
 @pytest.mark.parametrize("record, state", [
@@ -137,47 +157,54 @@ def test_taint_waiting_for_a_spare():
                                  "effect": "migrate", "source": "tpassctl", "reason": "bad fan",
                                  "state": "wait: no spare available for rank 3; the swap waits for one"}})
     doc["status"]["n1"]["workers"].pop()  # the spare is gone
-    out = text(doc)
-    assert "spares: none" in out
-    assert row(out, "t9") == "t9 n1/1 (rank 3) migrate tpassctl waiting bad fan"
+    out = frame(doc)
+    assert "spares 0  " in out
+    assert out.splitlines()[2] == "! taint t9 n1/1 r3 waiting (migrate, tpassctl): bad fan"
     assert summary_line(doc) == "gen 3 | world 4 | ranks 4 running | spares 0 | taints 1 waiting | no swap"
 
 
-def test_quarantined_slot_shows_its_reason():
+def test_quarantined_slot_and_its_settled_taint():
     doc = run_doc()
     doc["status"]["n0"]["workers"] = [worker(0, 0, "running"),
                                       worker(1, None, "quarantined", quarantine_reason="gpu1: ECC errors 12 > 0"),
                                       worker(2, 1, "running")]
     doc["taints"] = {"t1": {"id": "t1", "node_id": "n0", "slot": 1, "rank": 1, "effect": "migrate",
                             "source": "health", "reason": "gpu1: ECC", "state": "quarantined", "handled_by": "s-0"}}
-    out = text(doc)
-    assert row(out, "4001") == "1 - 4001 quarantined 0 - gpu1: ECC errors 12 > 0"
-    assert row(out, "t1 ").startswith("t1 n0/1 (rank 1) migrate health quarantined")
+    out = frame(doc, view=ViewState(expanded=True))
+    assert row(out, "n0 ").startswith("n0 member 0 0-1 RQR ")
+    assert row(out, "slot 1") == "slot 1 quarantined rank - pid 4001 0 -"
+    assert "· taint t1 n0/1 r1 quarantined (migrate, health): gpu1: ECC" in out
     assert summary_line(doc) == "gen 3 | world 4 | ranks 4 running | spares 1 | quarantined 1 | no swap"
 
 
-def test_health_verdicts_per_device():
+def test_unhealthy_verdicts_are_alerts_and_healthy_ones_a_node_column():
     doc = run_doc(health={
         "n0": {"v": 1, "verdicts": [{"device": "gpu1", "status": "failing", "effect": "migrate",
                                      "reason": "ECC errors 12 > 0"},
-                                    {"device": "gpu0", "status": "healthy", "effect": "none", "reason": "ok"}],
-               "unavailable": {"nvml": "NVML Shared Library Not Found"}},
+                                    {"device": "gpu0", "status": "healthy", "effect": "none", "reason": "ok"}]},
         "n1": {"v": 1, "verdicts": []}})
-    out = text(doc)
-    assert row(out, "gpu0") == "n0 gpu0 healthy none ok"
-    assert row(out, "gpu1") == "n0 gpu1 failing migrate ECC errors 12 > 0"
-    assert row(out, "nvml") == "n0 nvml unavailable NVML Shared Library Not Found"
-    assert row(out, "no verdicts yet") == "n1 - no verdicts yet"
+    out = frame(doc, width=200, height=50)
+    assert "! health n0 gpu1 failing → migrate: ECC errors 12 > 0" in out
+    assert row(out, "n0 ").endswith("- 1 bad") and row(out, "n1 ").endswith("- ok")
+    assert "gpu0" not in out
     assert "| unhealthy 1 |" in summary_line(doc)
+
+
+def test_dead_slot_is_an_alert():
+    doc = run_doc()
+    doc["status"]["n1"]["workers"][0]["state"] = "dead"
+    out = frame(doc)
+    assert "! dead n1/0 rank 2 pid 4000" in out and row(out, "n1 ").startswith("n1 member 1 2-3 XRs")
 
 
 def test_forming_closed_lost_and_waiting_runs():
     doc = run_doc(closed={"v": 1, "reason": "worker failed"})
     doc["generation"].update(state="forming", lost=["n1"], waiting=["n2"], reason="node n1 lost")
-    out = text(doc)
-    for fact in ("generation 3 forming", "node n1 lost", "closed: worker failed", "lost nodes: n1",
-                 "waiting nodes: n2", "LOST"):
-        assert fact in out, fact
+    out = frame(doc)
+    assert out.startswith("gen 3 forming")
+    for fact in ("lost: n1", "waiting for: n2", "run closed: worker failed"):
+        assert fact in out.splitlines()[1], fact
+    assert row(out, "n1 ").startswith("n1 LOST 2-3")
     assert summary_line(doc).startswith("gen 3 forming | ")
     assert summary_line(doc).endswith("| closed: worker failed")
 
@@ -192,107 +219,279 @@ def test_forming_closed_lost_and_waiting_runs():
 ])
 def test_empty_and_missing_fields_render(doc):
     before = copy.deepcopy(doc)
-    out = text(doc)
-    assert "run " in out
+    for expanded in (False, True):
+        out = frame(doc, view=ViewState(expanded=expanded))
+        assert "run " in out and len(out.splitlines()) <= 24
     line = summary_line(doc)
     assert line.startswith("gen ") and "\n" not in line
     assert doc == before                       # rendering never mutates the document
 
 
 def test_empty_doc_facts():
-    out = text({})
-    assert "no generation formed yet" in out and "spares: none" in out
+    out = frame({})
+    assert out.startswith("gen - ") and "spares 0  " in out and "no alerts" in out
     assert summary_line({}) == "gen - | world - | ranks 0 running | spares 0 | no swap"
-    assert "no status published" in text({"run_id": "r", "status": {"n5": {}}})
+    assert row(frame({"run_id": "r", "status": {"n5": {}}}), "n5") == "n5 other - no status - - -"
 
 
-# ---------------------------------------------------------------------------------------------- watch()
+@pytest.mark.parametrize("reason", ["[/]", "[bold]x", "[/bold] [red]y[/red] [link=http://a]z"])
+def test_user_text_with_rich_markup_renders_literally(reason):
+    """Issue 11: a taint reason "[/]" used to break the status view for good."""
+    doc = run_doc(taints={"t[/]": {"id": "t[/]", "node_id": "n[b]1", "rank": 3, "effect": "migrate",
+                                   "source": "[i]me", "reason": reason, "state": "pending"}})
+    doc["generation"]["members"][1]["node_id"] = "n[b]1"
+    doc["status"]["n[b]1"] = doc["status"].pop("n1")
+    doc["status"]["n[b]1"]["workers"][0]["quarantine_reason"] = reason
+    doc["health"] = {"n0": {"verdicts": [{"device": "[dev]", "status": "failing", "effect": "fail", "reason": reason}]}}
+    out = frame(doc, width=200, height=50, view=ViewState(expanded=True))
+    assert f"! taint t[/] n[b]1 r3 pending (migrate, [i]me): {reason}" in out
+    assert f"! health n0 [dev] failing → fail: {reason}" in out
+    assert row(out, "n[b]1 ").startswith("n[b]1 member 1 2-3") and reason[:20] in out.split("slot 0", 2)[2]
+
+
+def test_ctl_plain_status_escapes_user_text(capsys):
+    from tpassrun.ctl import RunSnapshot, _render_status
+
+    snap = RunSnapshot("run[/]", taints={"t1": {"node_id": "n[/]", "reason": "[/]", "effect": "[bold]x"}},
+                       swaps={"s1": {"phase": "done", "reason": "[/] [bold]y"}},
+                       health={"n[/]": {"verdicts": [{"device": "d", "status": "failing", "reason": "[bold]x"}]}},
+                       status={"n[/]": {"workers": [{"slot": 0, "state": "[red]z"}]}})
+    _render_status(snap)
+    out = capsys.readouterr().out
+    for literal in ("run[/]", "[/] [bold]y", "[bold]x", "[red]z", "n[/]"):
+        assert literal in out, literal
+
+
+# ---------------------------------------------------------------------------------------------- fitting, golden
+def big_run(nodes: int, *, spares: int = 1) -> dict:
+    """``nodes`` x 8 ranks with host-like node ids, ``spares`` spare slots per node, healthy."""
+    names = [f"dgx-a100-{i:03d}-{31000 + i}-{i * 2654435761 % 65536:04x}" for i in range(nodes)]
+    doc = run_doc()
+    doc["generation"]["members"] = [{"node_id": n, "group_rank": i, "addr": f"10.1.{i // 250}.{i % 250 + 1}",
+                                     "nproc": 8, "rank_offset": 8 * i} for i, n in enumerate(names)]
+    doc["generation"]["world_size"] = 8 * nodes
+    doc["status"] = {n: {"time": T0 + 1.5, "addr": f"10.1.{i // 250}.{i % 250 + 1}",
+                         "workers": [worker(s, 8 * i + s, "running", step=1234, last_step_ms=142.25 + (i % 7))
+                                     for s in range(8)] + [worker(8 + k, None, "spare") for k in range(spares)]}
+                     for i, n in enumerate(names)}
+    doc["health"] = {n: {"verdicts": [{"device": f"gpu{g}", "status": "healthy", "effect": "none", "reason": "ok"}
+                                      for g in range(8)]} for n in names}
+    return doc
+
+
+def eventful_run(nodes: int) -> dict:
+    """A run in trouble: a planned swap in flight on the last node, a waiting taint, an unhealthy GPU."""
+    doc = big_run(nodes, spares=2)
+    names = list(doc["status"])
+    last, first = names[-1], names[0]
+    rank = 8 * (nodes - 1) + 3
+    doc["swaps"] = {"s-7f3a": {**swap_plan("transfer"), "id": "s-7f3a", "reason": "taint t-91: xid 79",
+                               "leaver": {"node": last, "slot": 3, "rank": rank},
+                               "joiner": {"node": last, "slot": 9, "rank": rank}},
+                    "s-1c02": {**swap_plan("done"), "id": "s-1c02", "reason": "tpassctl drain",
+                               "leaver": {"node": first, "slot": 5, "rank": 5},
+                               "joiner": {"node": first, "slot": 8, "rank": 5}}}
+    doc["status"][last]["workers"][3]["state"] = "leaving"
+    doc["status"][first]["workers"][5].update(state="quarantined", rank=None, quarantine_reason="drained")
+    doc["status"][first]["workers"][8].update(state="running", rank=5, step=1234, spare=False)
+    doc["taints"] = {"t-91": {"id": "t-91", "node_id": last, "slot": 3, "rank": rank, "effect": "migrate",
+                              "source": "health", "reason": "gpu3: xid 79 (fell off the bus)", "state": "migrating",
+                              "handled_by": "s-7f3a"}}
+    doc["health"][last]["verdicts"][3].update(status="failing", effect="migrate", reason="xid 79 (fell off the bus)")
+    return doc
+
+
+GOLDEN_CASES = [(nodes, w, h) for nodes in (1, 2, 8, 64) for (w, h) in ((80, 24), (200, 50))]
+
+
+def check_golden(name: str, out: str) -> None:
+    path = GOLDEN / f"{name}.txt"
+    if UPDATE_GOLDEN:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(out, encoding="utf-8")
+    assert path.exists(), f"{path} missing: run with TPASSRUN_UPDATE_GOLDEN=1 to create it"
+    assert out == path.read_text(encoding="utf-8"), f"{name}: frame differs from {path}"
+
+
+@pytest.mark.parametrize("nodes, width, height", GOLDEN_CASES)
+def test_golden_frames(nodes, width, height):
+    out = frame(eventful_run(nodes), width=width, height=height)
+    lines = out.splitlines()
+    assert len(lines) <= height and max(map(len, lines)) <= width
+    assert lines[0].startswith("gen 3 active") and lines[2].startswith("▶ swap s-7f3a planned")
+    assert lines[-1].startswith("page 1/")
+    check_golden(f"{nodes}n_{width}x{height}", out)
+
+
+@pytest.mark.parametrize("name, view", [("64n_80x24_page3", ViewState(page=2)),
+                                        ("64n_80x24_filter", ViewState(node_filter="-06")),
+                                        ("2n_80x24_expanded", ViewState(expanded=True)),
+                                        ("8n_80x24_typing_filter", ViewState(editing="a100-00"))])
+def test_golden_frames_with_keys(name, view):
+    nodes = int(name.split("n_")[0])
+    out = frame(eventful_run(nodes), view=view)
+    assert len(out.splitlines()) <= 24
+    check_golden(name, out)
+
+
+@pytest.mark.parametrize("width, height", [(80, 24), (200, 50), (60, 12), (100, 30)])
+def test_64_nodes_fit_every_size_and_pages_cover_every_node(width, height):
+    doc = eventful_run(64)
+    seen: list[str] = []
+    page = 0
+    while True:
+        out = frame(doc, width=width, height=height, view=ViewState(page=page))
+        lines = out.splitlines()
+        assert len(lines) <= height and max(map(len, lines)) <= width
+        footer = lines[-1]
+        seen += [line.split()[0] for line in lines if line.startswith("dgx-")]
+        total = int(footer.split()[1].split("/")[1])
+        if page + 1 >= total:
+            break
+        page += 1
+    assert len(seen) == 64                                    # every node on exactly one page
+    if width >= 80:
+        assert len(set(seen)) == 64                           # and told apart
+    assert frame(doc, width=width, height=height, view=ViewState(page=page + 5)) == out   # past the end: last page
+
+
+def test_many_alerts_keep_node_rows_on_screen():
+    doc = big_run(64)
+    doc["taints"] = {f"t{i}": {"id": f"t{i}", "node_id": "n", "effect": "migrate", "reason": "r", "state": "pending"}
+                     for i in range(40)}
+    lines = frame(doc).splitlines()
+    assert len(lines) == 24
+    assert any(line.startswith("… ") and "more alerts" in line for line in lines)
+    assert sum(line.startswith("dgx-") for line in lines) >= 3
+
+
+# ---------------------------------------------------------------------------------------------- keys
+def test_keys_page_filter_expand_and_quit():
+    v = ViewState()
+    v, q = apply_key(v, "n")
+    assert (v.page, q) == (1, False)
+    v, _ = apply_key(v, "p")
+    v, _ = apply_key(v, "p")
+    assert v.page == 0
+    v, _ = apply_key(v, "/")
+    for key in "a1x":
+        v, q = apply_key(v, key)
+        assert not q                             # "q" typed into a filter is text, not quit
+    v, _ = apply_key(v, "\x7f")
+    assert v.editing == "a1"
+    v, _ = apply_key(v, "\r")
+    assert (v.node_filter, v.editing, v.page) == ("a1", None, 0)
+    v, _ = apply_key(v, "e")
+    assert v.expanded
+    v, _ = apply_key(v, "\x1b")
+    assert v.node_filter == ""
+    assert apply_key(v, "q")[1] and apply_key(v, "\x03")[1]
+
+
+def test_escape_sequences_are_one_key():
+    from tpassrun.tui_live import _split_keys
+
+    assert _split_keys("n\x1b[6~q\x1b[A") == ["n", "\x1b[6~", "q", "\x1b[A"]
+
+
+# ---------------------------------------------------------------------------------------------- the end of a run
+def test_outcome_from_the_closed_record():
+    assert run_outcome(run_doc()) is None
+    assert run_outcome(run_doc(closed={"reason": "succeeded"})).code == 0
+    failed = run_outcome(run_doc(closed={"reason": "workers failed: rank 1 exited 1"}))
+    assert failed.code == 1 and failed.message == "run job-7 ended: workers failed: rank 1 exited 1"
+    gen_closed = run_doc()
+    gen_closed["generation"].update(state="closed", reason="succeeded")
+    assert run_outcome(gen_closed).code == 0
+
+
+def test_tracker_survives_short_outages_and_gives_up_after_lost_after():
+    tracker = WatchTracker(lost_after=10.0)
+    assert tracker.update(run_doc(), None, now=0.0) is None
+    assert tracker.update(None, "fetch failed: lost etcd", now=1.0) is None
+    assert tracker.update(None, "fetch failed: lost etcd", now=10.9) is None
+    assert tracker.update(run_doc(), None, now=11.0) is None                 # back: the clock restarts
+    assert tracker.update(None, "fetch failed: lost etcd", now=12.0) is None
+    end = tracker.update(None, "fetch failed: lost etcd", now=22.0)
+    assert end is not None and end.code == 3 and "no answer for 10s" in end.message
+    assert "last seen: gen 3 | world 4" in end.message
+
+
 class FakeFetch:
-    """Returns the scripted documents (an Exception instance is raised), then repeats the last one and says so."""
+    """Returns the scripted documents (an Exception instance is raised), then repeats the last one."""
 
     def __init__(self, script: list) -> None:
         self.script = list(script)
         self.calls = 0
-        self.exhausted = asyncio.Event()
 
     async def __call__(self) -> dict:
         self.calls += 1
         item = self.script[min(self.calls, len(self.script)) - 1]
-        if self.calls >= len(self.script):
-            self.exhausted.set()
         if isinstance(item, Exception):
             raise item
         return item
 
 
-async def _watch_until_exhausted(fetch: FakeFetch, console: Console) -> None:
-    task = asyncio.create_task(watch(fetch, interval=0, console=console))
-    await asyncio.wait_for(fetch.exhausted.wait(), 5)
-    await asyncio.sleep(0)  # let the last document be drawn
-    task.cancel()
-    with pytest.raises(asyncio.CancelledError):
-        await task
-    assert task.cancelled()
-
-
 @pytest.mark.timeout(10)
-def test_watch_off_a_terminal_prints_one_line_per_change_and_stops_on_cancel():
+def test_watch_off_a_terminal_prints_one_line_per_change_and_exits_with_the_outcome():
     swapping = run_doc(swaps={"s-1": swap_plan("send")})
     script = [run_doc(), run_doc(), swapping, swapping, ConnectionError("etcd down"), ConnectionError("etcd down"),
-              run_doc()]
+              run_doc(), run_doc(closed={"v": 1, "reason": "workers failed: rank 1"})]
     buf = io.StringIO()
     console = Console(file=buf, width=60)
     assert not console.is_terminal
-    asyncio.run(_watch_until_exhausted(FakeFetch(script), console))
+    assert asyncio.run(watch(FakeFetch(script), interval=0, console=console)) == 1
     assert buf.getvalue().splitlines() == [
         "gen 3 | world 4 | ranks 4 running | spares 1 | no swap",
         "gen 3 | world 4 | ranks 4 running | spares 1 | swap s-1 send",
         "fetch failed: ConnectionError: etcd down",
         "gen 3 | world 4 | ranks 4 running | spares 1 | no swap",
+        "gen 3 | world 4 | ranks 4 running | spares 1 | no swap | closed: workers failed: rank 1",
+        "run job-7 ended: workers failed: rank 1",
     ]
 
 
 @pytest.mark.timeout(10)
-def test_watch_on_a_terminal_draws_the_dashboard_and_stops_on_cancel():
+def test_watch_gives_up_when_etcd_is_gone_for_good():
+    clock = iter(range(0, 1000, 4))
     buf = io.StringIO()
-    console = Console(file=buf, width=120, force_terminal=True, color_system=None, _environ={})
-    script = [run_doc(), ConnectionError("etcd down"), run_doc(swaps={"s-1": swap_plan("reform")})]
-    asyncio.run(_watch_until_exhausted(FakeFetch(script), console))
+    code = asyncio.run(watch(FakeFetch([run_doc(), ConnectionError("lost etcd")]), interval=0,
+                             console=Console(file=buf, width=200), clock=lambda: float(next(clock)), lost_after=10))
+    assert code == 3 and "lost the run: no answer for 10s" in buf.getvalue().splitlines()[-1]
+
+
+def terminal(width: int = 80, height: int = 24) -> tuple[Console, io.StringIO]:
+    buf = io.StringIO()
+    return Console(file=buf, width=width, height=height, force_terminal=True, color_system=None,
+                   legacy_windows=False, _environ={}), buf
+
+
+@pytest.mark.timeout(10)
+def test_watch_on_a_terminal_draws_frames_follows_keys_and_exits_on_success():
+    console, buf = terminal()
+    keys: asyncio.Queue[str] = asyncio.Queue()
+    docs = [eventful_run(64)] * 3 + [{**eventful_run(64), "closed": {"reason": "succeeded"}}]
+    for key in "n":
+        keys.put_nowait(key)
+    code = asyncio.run(watch(FakeFetch(docs), interval=0.01, console=console, keys=keys, clock=lambda: T0 + 2.0))
     out = buf.getvalue()
-    assert "run job-7" in out and "fetch failed: ConnectionError: etcd down" in out
-    assert "▶ reform" in out
+    assert code == 0
+    assert "page 1/" in out and "page 2/" in out and "▶ swap s-7f3a" in out
+    assert out.rstrip().endswith("run job-7 ended: succeeded")
 
 
-def big_run(nodes: int) -> dict:
-    doc = run_doc()
-    doc["generation"]["members"] = [{"node_id": f"n{i}", "group_rank": i, "addr": f"10.0.0.{i}", "nproc": 8,
-                                     "rank_offset": 8 * i} for i in range(nodes)]
-    doc["generation"]["world_size"] = 8 * nodes
-    doc["status"] = {f"n{i}": {"time": T0, "workers": [worker(s, 8 * i + s, "running") for s in range(8)]
-                               + [worker(8, None, "spare")]} for i in range(nodes)}
-    doc["health"] = {f"n{i}": {"verdicts": [{"device": f"gpu{g}", "status": "healthy", "effect": "none",
-                                             "reason": "ok"} for g in range(8)]} for i in range(nodes)}
-    return doc
+@pytest.mark.timeout(10)
+def test_watch_on_a_terminal_quits_on_q_and_shows_fetch_errors():
+    console, buf = terminal()
+    keys: asyncio.Queue[str] = asyncio.Queue()
 
+    class Then(FakeFetch):
+        async def __call__(self) -> dict:
+            if self.calls == 2:
+                keys.put_nowait("q")
+            return await super().__call__()
 
-def test_a_big_run_gets_one_row_per_node_and_tables_only_where_something_happens():
-    doc = big_run(12)
-    doc["status"]["n5"]["workers"][3]["state"] = "dead"
-    doc["health"]["n5"]["verdicts"][3].update(status="failing", effect="fail", reason="xid 79")
-    doc["swaps"] = {"s-1": {**swap_plan("send"), "leaver": {"node": "n9", "slot": 1, "rank": 73},
-                            "joiner": {"node": "n9", "slot": 8, "rank": 73}}}
-    out = text(doc, now=T0 + 2.0)
-    assert row(out, "n5 member 5") == "n5 member 5, ranks 40-47 1 dead, 7 running, 1 spare 17 12.5 2.0s"
-    assert row(out, "n11 member 11") == "n11 member 11, ranks 88-95 8 running, 1 spare 17 12.5 2.0s"
-    tables = [line.split()[0] for line in out.splitlines() if "status 2.0s old" in line]
-    assert tables == ["n5", "n9"]              # only the node with a dead slot and the one swapping
-    assert "spares: n0/8, n1/8" in out and "more (" not in out
-    assert row(out, "gpu3") == "n5 gpu3 failing fail xid 79"
-    assert "95 healthy devices not listed" in out and row(out, "gpu0") == ""
-    assert summary_line(doc) == "gen 3 | world 96 | ranks 95/96 running | spares 12 | unhealthy 1 | swap s-1 send"
-
-
-def test_a_big_run_lists_at_most_twelve_spares():
-    out = text(big_run(20))
-    assert "spares: n0/8, n1/8, n2/8" in out and "... 8 more (20 in all)" in out
-    assert "160 healthy devices not listed" in out and "\nhealth" in out
+    code = asyncio.run(watch(Then([run_doc(), ConnectionError("etcd down"), ConnectionError("etcd down")]),
+                             interval=0.01, console=console, keys=keys))
+    out = buf.getvalue()
+    assert code == 0 and "fetch failed: ConnectionError: etcd down" in out and "run job-7" in out

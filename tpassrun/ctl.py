@@ -146,62 +146,65 @@ async def read_snapshot(store: EtcdStore, prefix: str, run_id: str) -> RunSnapsh
 def _render_status(snap: RunSnapshot) -> None:
     from rich.console import Console
     from rich.table import Table
+    from rich.text import Text
+
+    def row(table: Table, *cells: Any) -> None:
+        # User text (node ids, taint reasons, health reasons) is never parsed as rich markup: "[/]" stays literal.
+        table.add_row(*(Text(str(c)) for c in cells))
 
     console = Console()
     gen = snap.generation
-    head = f"run [bold]{snap.run_id}[/]"
+    head = Text.assemble("run ", (snap.run_id, "bold"))
     if gen is not None:
-        head += f"  generation {gen.number} [bold]{gen.state.value}[/]  world size {gen.world_size}"
-        if gen.reason:
-            head += f"  ({gen.reason})"
+        head.append(f"  generation {gen.number} ")
+        head.append(gen.state.value, style="bold")
+        head.append(f"  world size {gen.world_size}" + (f"  ({gen.reason})" if gen.reason else ""))
     else:
-        head += "  no generation formed yet"
+        head.append("  no generation formed yet")
     console.print(head)
-    console.print(f"leader: {snap.leader.get('node_id') if snap.leader else '-'}"
-                  + (f"   closed: {snap.closed.get('reason')}" if snap.closed else ""))
+    console.print(Text(f"leader: {snap.leader.get('node_id') if snap.leader else '-'}"
+                       + (f"   closed: {snap.closed.get('reason')}" if snap.closed else "")))
 
     members = Table("node", "group rank", "addr", "nproc", "ranks", "role", title="nodes", title_justify="left")
     if gen is not None:
         for m in gen.members:
             role = "lost" if m.node_id in gen.lost else "member"
-            members.add_row(m.node_id, str(m.group_rank), m.addr, str(m.nproc),
-                            f"{m.rank_offset}-{m.rank_offset + m.nproc - 1}", role)
+            row(members, m.node_id, m.group_rank, m.addr, m.nproc, f"{m.rank_offset}-{m.rank_offset + m.nproc - 1}",
+                role)
         for node_id in gen.spare_nodes:
-            members.add_row(node_id, "-", snap.nodes.get(node_id, {}).get("addr", "?"),
-                            str(snap.nodes.get(node_id, {}).get("nproc", "?")), "-", "spare node")
+            row(members, node_id, "-", snap.nodes.get(node_id, {}).get("addr", "?"),
+                snap.nodes.get(node_id, {}).get("nproc", "?"), "-", "spare node")
         for node_id in gen.waiting:
-            members.add_row(node_id, "-", snap.nodes.get(node_id, {}).get("addr", "?"), "-", "-", "waiting")
+            row(members, node_id, "-", snap.nodes.get(node_id, {}).get("addr", "?"), "-", "-", "waiting")
     console.print(members)
 
     workers = Table("node", "slot", "rank", "local rank", "pid", "state", "step", "spare", title="workers",
                     title_justify="left")
     for w in snap.workers():
-        workers.add_row(str(w["node_id"]), *(str(w.get(k, "-")) for k in ("slot", "rank", "local_rank", "pid",
-                                                                           "state", "step")),
-                        "yes" if w.get("spare") else "")
+        row(workers, w["node_id"], *(w.get(k, "-") for k in ("slot", "rank", "local_rank", "pid", "state", "step")),
+            "yes" if w.get("spare") else "")
     console.print(workers)
 
     if snap.taints:
         taints = Table("id", "node", "rank", "local rank", "effect", "reason", "state", title="taints",
                        title_justify="left")
         for tid, t in sorted(snap.taints.items()):
-            taints.add_row(tid, str(t.get("node_id")), str(t.get("rank")), str(t.get("local_rank")),
-                           str(t.get("effect")), str(t.get("reason")), str(t.get("state", "")))
+            row(taints, tid, t.get("node_id"), t.get("rank"), t.get("local_rank"), t.get("effect"), t.get("reason"),
+                t.get("state", ""))
         console.print(taints)
     if snap.swaps:
         swaps = Table("id", "phase", "reason", title="swaps", title_justify="left")
         for sid, s in sorted(snap.swaps.items()):
-            swaps.add_row(sid, str(s.get("phase")), str(s.get("reason", "")))
+            row(swaps, sid, s.get("phase"), s.get("reason", ""))
         console.print(swaps)
     if snap.health:
         health = Table("node", "device", "status", "effect", "reason", title="health", title_justify="left")
         for node_id, doc in sorted(snap.health.items()):
             verdicts = doc.get("verdicts") or []
             if not verdicts:
-                health.add_row(node_id, "-", "no verdicts", "", "")
+                row(health, node_id, "-", "no verdicts", "", "")
             for v in verdicts:
-                health.add_row(node_id, str(v.get("device")), str(v.get("status")), str(v.get("effect")),
-                               str(v.get("reason", "")))
+                row(health, node_id, v.get("device"), v.get("status"), v.get("effect"), v.get("reason", ""))
         console.print(health)
 
 
@@ -227,13 +230,12 @@ async def _run(args: argparse.Namespace) -> int:
             raise CtlError(f"no run {args.rdzv_id!r} at etcd {etcd.display} (nothing under {prefix})")
         if args.command == "status":
             if args.watch:
-                from . import tui
+                from . import tui_live
 
                 async def fetch() -> dict[str, Any]:
                     return (await read_snapshot(store, prefix, args.rdzv_id)).to_json()
 
-                await tui.watch(fetch, interval=args.interval)
-                return 0
+                return await tui_live.watch(fetch, interval=args.interval, lost_after=args.lost_after)
             if args.json:
                 print(json.dumps(snap.to_json(), indent=2, sort_keys=True))
             else:
@@ -306,8 +308,11 @@ def build_parser() -> argparse.ArgumentParser:
     shape = status.add_mutually_exclusive_group()
     shape.add_argument("--json", action="store_true", help="print one JSON document")
     shape.add_argument("--watch", action="store_true",
-                       help="live dashboard until Ctrl-C (one summary line per change when not on a terminal)")
+                       help="live view until the run ends (exit 0 succeeded, 1 failed, 3 lost) or q; keys n/p page, / filter,"
+                            " e expand; one summary line per change when not on a terminal")
     status.add_argument("--interval", type=float, default=0.5, help="seconds between refreshes with --watch")
+    status.add_argument("--lost-after", type=float, default=10.0,
+                        help="--watch: give up (exit 3) when etcd has not answered for this many seconds")
 
     taint = sub.add_parser("taint", parents=[common], help="mark a rank as bad (the job moves it to a spare)")
     target = taint.add_mutually_exclusive_group(required=True)

@@ -1,37 +1,41 @@
-"""The rich status view: a dashboard of one run, drawn from the document ``tpassctl status --json`` prints.
+"""The live status view: one frame of a run, drawn from the document ``tpassctl status --json`` prints.
 
-Everything that decides *what* to show is a pure function of that document (and, for ages, an injected
-``now``): :func:`summary_line`, :func:`taint_state`, :func:`swap_timeline` and :func:`render_status`, which
-returns a rich renderable and writes nothing. Only :func:`watch` has effects: it polls ``fetch()`` and either
-redraws a ``Live`` view (a terminal) or prints one summary line per change (CI logs, pipes), so a log never
-fills with redrawn frames.
+Layout (htop/k9s style), top to bottom, sized to the terminal::
+
+    tpassrun <run>  gen 3 active  world 512  step 1234  12.5 ms/step  spares 63 free  swaps 2 (1 active)
+    leader <node>  nodes 64  status 0.4s old  [lost / waiting nodes, run closed]
+    ▶ swap s-1 planned n9/1 r73 → n9/8 r73 at step 120 1.2s         <- alerts: swaps in flight with their
+        ✓pause +0.00  ✓boundary +0.10  ▶transfer +0.50  ·send ...      phase timeline, taints, unhealthy
+    ! taint t9 n1/1 r3 waiting (migrate, tpassctl): bad fan             verdicts, dead slots, last swap
+    NODE  ROLE  RANKS  SLOTS  STEP  MS  AGE [ADDR  HEALTH]              <- one row per node (``e``: + slots)
+    page 1/5  nodes 1-17 of 64  q quit  n/p page  / filter  e expand
+
+Everything here is pure: :func:`render_status` maps (document, :class:`ViewState`, width, height, now) to a
+rich renderable of at most ``height`` lines, and :func:`apply_key` maps a key to the next view. The effects
+(polling etcd, the terminal, keys, the launcher's panel) live in :mod:`tpassrun.tui_live`.
 
 The document is read defensively: every field may be missing or ``null`` (a run that is still forming, an
-agent that has not published yet, an older agent), and the view says so instead of raising.
+agent that has not published yet, an older agent), and the view says so instead of raising. User text (taint
+reasons, node ids, script output) is always put on screen as :class:`rich.text.Text`, never parsed as markup.
 """
 
 from __future__ import annotations
 
-import asyncio
 import enum
-import time
-from dataclasses import dataclass
-from typing import Any, Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
 
-from rich import box
-from rich.console import Console, Group, RenderableType
-from rich.live import Live
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["TaintState", "TimelineStep", "render_status", "summary_line", "swap_timeline", "taint_state", "watch"]
+__all__ = ["TaintState", "TimelineStep", "ViewState", "apply_key", "render_status", "summary_line", "swap_timeline",
+           "taint_state"]
 
 # The planner's phase order (tpassrun/swap.py); repeated here so the view never imports the agent side.
 PHASES = ("pause", "boundary", "transfer", "send", "reform", "done")
 TERMINAL_PHASES = ("done", "aborted")
 
-WORKER_STYLES = {"running": "green", "spare": "cyan", "leaving": "yellow", "done": "blue", "dead": "bold red",
-                 "quarantined": "red", "idle": "dim"}
 GENERATION_STYLES = {"active": "bold green", "forming": "bold yellow", "closed": "bold red"}
 HEALTH_STYLES = {"healthy": "green", "unknown": "yellow", "degraded": "dark_orange", "failing": "bold red"}
 
@@ -181,151 +185,69 @@ def summary_line(doc: Mapping[str, Any]) -> str:
     return " | ".join(parts)
 
 
+# ---------------------------------------------------------------------------------------------- the view's state
+@dataclass(frozen=True)
+class ViewState:
+    """What the person at the terminal chose: the page, a node filter, expanded rows. Keys change it through
+    :func:`apply_key`; the frame is a pure function of (document, view, size, now)."""
+
+    page: int = 0
+    node_filter: str = ""
+    expanded: bool = False
+    editing: str | None = None   # the filter being typed after "/" (None: not typing)
+
+
+def apply_key(view: ViewState, key: str) -> tuple[ViewState, bool]:
+    """(the new view, quit?) after one key. ``q`` quits, ``n``/``p`` page (also space/PgDn, PgUp), ``/`` or
+    ``a`` starts typing a node filter (Enter applies it, Esc clears it), ``e`` expands nodes to their ranks."""
+    if view.editing is not None:
+        if key in ("\r", "\n"):
+            return replace(view, node_filter=view.editing.strip(), editing=None, page=0), False
+        if key == "\x1b":
+            return replace(view, node_filter="", editing=None, page=0), False
+        if key in ("\x7f", "\b"):
+            return replace(view, editing=view.editing[:-1]), False
+        if key.isprintable():
+            return replace(view, editing=view.editing + key), False
+        return view, False
+    if key in ("q", "Q", "\x03"):
+        return view, True
+    if key in ("n", " ", "\x1b[6~", "\x1b[B", "j"):
+        return replace(view, page=view.page + 1), False
+    if key in ("p", "\x1b[5~", "\x1b[A", "k"):
+        return replace(view, page=max(0, view.page - 1)), False
+    if key in ("/", "a", "f"):
+        return replace(view, editing=view.node_filter), False
+    if key == "e":
+        return replace(view, expanded=not view.expanded, page=0), False
+    if key == "\x1b":
+        return replace(view, node_filter="", page=0), False
+    return view, False
+
+
 # ---------------------------------------------------------------------------------------------- rendering
+# One letter per slot, so a node of 8 ranks and a spare is one short cell: "RRRRRRRR s".
+SLOT_GLYPHS = {"running": ("R", "green"), "spare": ("s", "cyan"), "leaving": ("L", "yellow"), "done": ("D", "blue"),
+               "dead": ("X", "bold red"), "quarantined": ("Q", "red"), "idle": (".", "dim")}
+_MARKS = {"done": ("✓", "green"), "current": ("▶", "bold yellow"), "pending": ("·", "dim"),
+          "skipped": ("–", "dim"), "aborted": ("✗", "bold red")}
+KEYS_HELP = "q quit  n/p page  / filter  e expand"
+
+
 def _text(value: Any, default: str = "-") -> str:
+    """User-supplied values (taint reasons, node ids, script output) only ever reach the screen through this
+    and :class:`rich.text.Text`, never through rich markup, so ``[/]`` or ``[bold]`` show literally."""
     return default if value is None or value == "" else str(value)
 
 
-def _styled(value: Any, styles: Mapping[Any, str]) -> Text:
-    return Text(_text(value), style=styles.get(value, ""))
-
-
-def _age(when: Any, now: float | None) -> str:
-    if now is None or not isinstance(when, (int, float)):
-        return ""
-    return f"  (status {max(0.0, now - when):.1f}s old)"
-
-
-def _header(doc: Mapping[str, Any]) -> Text:
-    gen = _dict(doc.get("generation"))
-    head = Text.assemble("run ", (_text(doc.get("run_id"), "?"), "bold"))
-    if gen:
-        state = gen.get("state")
-        head.append(f"  generation {_text(gen.get('number'))} ")
-        head.append(_text(state), style=GENERATION_STYLES.get(state, "bold"))
-        head.append(f"  world size {_text(gen.get('world_size'))}")
-    else:
-        head.append("  no generation formed yet", style="yellow")
-    head.append(f"  leader {_text(doc.get('leader'))}")
-    if gen.get("reason"):
-        head.append(f"\n{gen['reason']}", style="dim")
-    closed = doc.get("closed")
-    if closed:
-        head.append(f"\nclosed: {_text(_dict(closed).get('reason'), 'yes')}", style="bold red")
-    if gen.get("lost"):
-        head.append(f"\nlost nodes: {', '.join(map(str, gen['lost']))}", style="red")
-    if gen.get("waiting"):
-        head.append(f"\nwaiting nodes: {', '.join(map(str, gen['waiting']))}", style="yellow")
-    return head
-
-
-def _node_role(doc: Mapping[str, Any], node_id: str) -> str:
-    gen = _dict(doc.get("generation"))
-    member = next((m for m in gen.get("members") or () if isinstance(m, dict) and m.get("node_id") == node_id), None)
-    if member is not None:
-        first, n = member.get("rank_offset", 0), member.get("nproc", 0)
-        role = f"member {member.get('group_rank', '?')}, ranks {first}-{first + n - 1}" if n else "member"
-    elif node_id in (gen.get("spare_nodes") or ()):
-        role = "spare node"
-    else:
-        role = "not a member"
-    return role + (", LOST" if node_id in (gen.get("lost") or ()) else "")
-
-
-def _node_title(doc: Mapping[str, Any], node_id: str, now: float | None) -> Text:
-    status = _dict(_dict(doc.get("status")).get(node_id))
-    addr = status.get("addr") or _dict(_dict(doc.get("nodes")).get(node_id)).get("addr")
-    detail = f"{_node_role(doc, node_id)}{'  ' + addr if addr else ''}{_age(status.get('time'), now)}"
-    return Text.assemble((node_id, "bold"), "  ", (detail, "dim"))
-
-
-def _node_table(doc: Mapping[str, Any], node_id: str, now: float | None) -> Table:
-    table = Table("slot", "rank", "pid", "state", "step", "last step ms", "note", box=box.SIMPLE_HEAD, show_edge=False,
-                  title=_node_title(doc, node_id, now), title_justify="left", pad_edge=False)
-    workers = [w for w in _workers(doc) if w["node_id"] == node_id]
-    if not workers:
-        table.add_row("-", "-", "-", Text("no status published", style="dim"), "", "", "")
-    for w in sorted(workers, key=lambda w: (w.get("slot") is None, w.get("slot") or 0)):
-        last = w.get("last_step_ms")
-        note = w.get("quarantine_reason") or ("" if w.get("managed", True) else "not using tpassrun.init()")
-        table.add_row(_text(w.get("slot")), _text(w.get("rank")), _text(w.get("pid")),
-                      _styled(w.get("state"), WORKER_STYLES), _text(w.get("step")),
-                      f"{last:.1f}" if isinstance(last, (int, float)) and last > 0 else "-",
-                      Text(str(note), style="red" if w.get("quarantine_reason") else "dim"))
-    return table
-
-
-def _busy_nodes(doc: Mapping[str, Any]) -> set[str]:
-    """Nodes worth their own table in a big run: a slot that is not plainly running or spare, a swap or a
-    taint touching them, or no status at all."""
-    busy = {str(_dict(p.get(k)).get("node")) for _sid, p in _active_swaps(doc) for k in ("leaver", "joiner", "donor")}
-    busy |= {str(_dict(t).get("node_id")) for t in _dict(doc.get("taints")).values()}
-    busy |= {w["node_id"] for w in _workers(doc) if w.get("state") not in ("running", "spare")}
-    busy |= set(_node_order(doc)) - {w["node_id"] for w in _workers(doc)}
-    return busy
-
-
-def _nodes_overview(doc: Mapping[str, Any], node_ids: list[str], now: float | None) -> Table:
-    """One row per node, for runs too big for a table per node."""
-    table = Table("node", "role", "slots", "step", "slowest step ms", "status age", box=box.SIMPLE_HEAD,
-                  show_edge=False, title="nodes", title_justify="left", pad_edge=False)
-    by_node: dict[str, list[dict]] = {n: [] for n in node_ids}
-    for w in _workers(doc):
-        by_node.setdefault(w["node_id"], []).append(w)
-    for node_id in node_ids:
-        workers = by_node[node_id]
-        counts: dict[str, int] = {}
-        for w in workers:
-            counts[str(w.get("state"))] = counts.get(str(w.get("state")), 0) + 1
-        slots = Text(", ".join(f"{n} {state}" for state, n in sorted(counts.items())) or "no status published",
-                     style="" if workers else "dim")
-        steps = sorted({w["step"] for w in workers if w.get("state") == "running" and isinstance(w.get("step"), int)})
-        step = "-" if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
-        lasts = [w["last_step_ms"] for w in workers if isinstance(w.get("last_step_ms"), (int, float))]
-        when = _dict(_dict(doc.get("status")).get(node_id)).get("time")
-        age = f"{max(0.0, now - when):.1f}s" if now is not None and isinstance(when, (int, float)) else "-"
-        table.add_row(node_id, _node_role(doc, node_id), slots, step,
-                      f"{max(lasts):.1f}" if lasts and max(lasts) > 0 else "-", age)
-    return table
-
-
-def _node_sections(doc: Mapping[str, Any], now: float | None, detail_nodes: int) -> list[RenderableType]:
-    nodes = _node_order(doc)
-    if len(nodes) <= detail_nodes:
-        return [_node_table(doc, node_id, now) for node_id in nodes]
-    busy = _busy_nodes(doc)
-    detailed = [n for n in nodes if n in busy][:detail_nodes]
-    return [_nodes_overview(doc, nodes, now), *(_node_table(doc, n, now) for n in detailed)]
-
-
-def _spares(doc: Mapping[str, Any]) -> Text:
-    order = {n: i for i, n in enumerate(_node_order(doc))}
-    spares = sorted((w for w in _workers(doc) if _is_spare(w)),
-                    key=lambda w: (order.get(w["node_id"], 0), str(w.get("slot"))))
-    slots = [f"{w['node_id']}/{_text(w.get('slot'))}" for w in spares]
-    if len(slots) > 12:  # the count matters more than the list in a big run
-        slots = slots[:12] + [f"... {len(slots) - 12} more ({len(slots)} in all)"]
-    nodes = [str(n) for n in _dict(doc.get("generation")).get("spare_nodes") or ()]
-    line = Text("spares: ", style="bold")
-    line.append(", ".join(slots) if slots else "none", style="cyan" if slots else "yellow")
-    if nodes:
-        line.append(f"   spare nodes: {', '.join(nodes)}", style="cyan")
-    return line
-
-
-_MARKS = {"done": ("✓", "green"), "current": ("▶", "bold yellow"), "pending": ("·", "dim"),
-          "skipped": ("–", "dim"), "aborted": ("✗", "bold red")}
-
-
-def _timeline_text(plan: Mapping[str, Any]) -> Text:
-    out = Text()
-    for i, step in enumerate(swap_timeline(plan)):
-        if i:
-            out.append(" → ", style="dim")
-        symbol, style = _MARKS[step.mark]
-        out.append(f"{symbol} {step.phase}", style=style)
-        if step.offset is not None:
-            out.append(f" +{step.offset:.2f}s", style="dim")
+def _line(*parts: Any, style: str = "") -> Text:
+    """One screen line: never wraps (a long reason is cut with an ellipsis), so the frame height is exact."""
+    out = Text(style=style, no_wrap=True, overflow="ellipsis")
+    for part in parts:
+        if isinstance(part, tuple):
+            out.append(_text(part[0], ""), style=part[1])
+        else:
+            out.append(_text(part, ""))
     return out
 
 
@@ -333,164 +255,235 @@ def _ref(ref: Any) -> str:
     r = _dict(ref)
     if not r:
         return "-"
-    return f"{_text(r.get('node'), '?')}/{_text(r.get('slot'), '?')}" + (
-        f" (rank {r['rank']})" if r.get("rank") is not None else "")
+    rank = f" r{r['rank']}" if r.get("rank") is not None else ""
+    return f"{_text(r.get('node'), '?')}/{_text(r.get('slot'), '?')}{rank}"
 
 
-def _swap_block(sid: str, plan: Mapping[str, Any], now: float | None) -> RenderableType:
-    title = Text.assemble(("swap ", "bold"), (sid, "bold magenta"),
-                          f"  {_text(plan.get('kind'), '?')}  {_ref(plan.get('leaver'))} → {_ref(plan.get('joiner'))}")
-    if plan.get("donor"):
-        title.append(f"  state from {_ref(plan.get('donor'))}")
-    if plan.get("boundary") is not None:
-        title.append(f"  boundary step {plan['boundary']}")
-    if plan.get("attempt"):
-        title.append(f"  attempt {int(plan['attempt']) + 1}", style="yellow")
-    history = [h[1] for h in plan.get("history") or () if isinstance(h, (list, tuple)) and len(h) == 2
-               and isinstance(h[1], (int, float))]
-    if history and now is not None:
-        title.append(f"  running {max(0.0, now - min(history)):.1f}s", style="dim")
-    lines: list[RenderableType] = [title, Text("  ").append_text(_timeline_text(plan))]
-    if plan.get("reason"):
-        lines.append(Text(f"  {plan['reason']}", style="dim"))
-    return Group(*lines)
+def _history_times(plan: Mapping[str, Any]) -> list[float]:
+    return [float(h[1]) for h in plan.get("history") or () if isinstance(h, (list, tuple)) and len(h) == 2
+            and isinstance(h[1], (int, float))]
 
 
-def _recent_swaps(doc: Mapping[str, Any], limit: int = 3) -> Table | None:
-    """The last few finished swaps, newest first, with how long each took."""
-    finished = []
-    for sid, plan in _dict(doc.get("swaps")).items():
-        if not isinstance(plan, dict) or plan.get("phase") not in TERMINAL_PHASES:
-            continue
-        times = [h[1] for h in plan.get("history") or () if isinstance(h, (list, tuple)) and len(h) == 2
-                 and isinstance(h[1], (int, float))]
-        finished.append((max(times, default=0.0), sid, plan, (max(times) - min(times)) if times else None))
-    if not finished:
-        return None
-    table = Table("swap", "result", "leaver → joiner", "took", "reason", box=box.SIMPLE_HEAD, show_edge=False, title="recent swaps",
-                  title_justify="left", pad_edge=False)
-    for _end, sid, plan, took in sorted(finished, key=lambda f: f[:2], reverse=True)[:limit]:
-        phase = plan.get("phase")
-        table.add_row(sid, Text(str(phase), style="green" if phase == "done" else "bold red"),
-                      f"{_ref(plan.get('leaver'))} → {_ref(plan.get('joiner'))}",
-                      "-" if took is None else f"{took:.2f}s", _text(plan.get("reason"), ""))
-    return table
+def _step_info(doc: Mapping[str, Any]) -> tuple[str, str]:
+    """(step, step time) of the run: the slowest running rank's step and the slowest last step time."""
+    running = [w for w in _workers(doc) if w.get("state") == "running" and w.get("rank") is not None]
+    steps = [w["step"] for w in running if isinstance(w.get("step"), int)]
+    lasts = [w["last_step_ms"] for w in running if isinstance(w.get("last_step_ms"), (int, float))
+             and w["last_step_ms"] > 0]
+    return (str(min(steps)) if steps else "-"), (f"{max(lasts):.1f}ms" if lasts else "-")
 
 
-def _taints(doc: Mapping[str, Any]) -> Table | None:
-    taints = _dict(doc.get("taints"))
-    if not taints:
-        return None
-    table = Table("id", "target", "effect", "source", "state", "reason", box=box.SIMPLE_HEAD, show_edge=False, title="taints",
-                  title_justify="left", pad_edge=False)
-    for tid, t in sorted(taints.items()):
+def _summary(doc: Mapping[str, Any], now: float | None) -> list[Text]:
+    gen = _dict(doc.get("generation"))
+    workers = _workers(doc)
+    step, step_ms = _step_info(doc)
+    spares = sum(1 for w in workers if _is_spare(w))
+    swaps = _dict(doc.get("swaps"))
+    active = len(_active_swaps(doc))
+    gen_state = _text(gen.get("state"), "")
+    first = _line((f"gen {_text(gen.get('number'))} ", "bold"), (gen_state, GENERATION_STYLES.get(gen_state, "bold")),
+                  f"  world {_text(gen.get('world_size'))}  step {step} · {step_ms}  ",
+                  (f"spares {spares}", "cyan" if spares else "yellow"),
+                  f"  swaps {len(swaps)}" + (f" ({active} live)" if active else ""))
+    nodes = _node_order(doc)
+    second = _line("run ", (_text(doc.get("run_id"), "?"), "bold"), style="dim")
+    closed = doc.get("closed")
+    if closed:
+        second.append(f"  run closed: {_text(_dict(closed).get('reason'), 'yes')}", style="bold red")
+    elif gen.get("reason") and gen_state != "active":
+        second.append(f"  {gen['reason']}", style="yellow")
+    if gen.get("lost"):
+        second.append(f"  lost: {', '.join(map(str, gen['lost']))}", style="bold red")
+    if gen.get("waiting"):
+        second.append(f"  waiting for: {', '.join(map(str, gen['waiting']))}", style="yellow")
+    second.append(f"  leader {_text(doc.get('leader'))}  nodes {len(nodes)}")
+    times = [_dict(s).get("time") for s in _dict(doc.get("status")).values()]
+    times = [t for t in times if isinstance(t, (int, float))]
+    if now is not None and times:
+        second.append(f"  status {max(0.0, now - min(times)):.1f}s old")
+    return [first, second]
+
+
+def _timeline(plan: Mapping[str, Any]) -> Text:
+    out = _line("  ")
+    for i, step in enumerate(swap_timeline(plan)):
+        symbol, style = _MARKS[step.mark]
+        out.append((" " if i else "") + f"{symbol}{step.phase}", style=style)
+        if step.offset is not None:
+            out.append(f" +{step.offset:.2f}", style="dim")
+    return out
+
+
+def _alerts(doc: Mapping[str, Any], now: float | None) -> list[Text]:
+    """Most urgent first: swaps in flight (with their phase timeline), live taints, unhealthy verdicts, dead
+    slots, then settled taints and the last finished swap."""
+    urgent: list[Text] = []
+    for sid, plan in _active_swaps(doc):
+        line = _line(("▶ swap ", "bold magenta"), (sid, "bold magenta"),
+                     f" {_text(plan.get('kind'), '?')} {_ref(plan.get('leaver'))} → {_ref(plan.get('joiner'))}")
+        if plan.get("donor"):
+            line.append(f" from {_ref(plan.get('donor'))}")
+        if plan.get("boundary") is not None:
+            line.append(f" at step {plan['boundary']}")
+        if plan.get("attempt"):
+            line.append(f" attempt {int(plan['attempt']) + 1}", style="yellow")
+        times = _history_times(plan)
+        if times and now is not None:
+            line.append(f" {max(0.0, now - min(times)):.1f}s", style="dim")
+        if plan.get("reason"):
+            line.append(f" ({plan['reason']})", style="dim")
+        urgent += [line, _timeline(plan)]
+    settled: list[Text] = []
+    for tid, t in sorted(_dict(doc.get("taints")).items()):
         t = _dict(t)
+        state = taint_state(t)
         target = _text(t.get("node_id"), "?")
         if t.get("slot") is not None or t.get("local_rank") is not None:
             target += f"/{t.get('slot', t.get('local_rank'))}"
         if t.get("rank") is not None:
-            target += f" (rank {t['rank']})"
-        state = taint_state(t)
-        label = state.value + (f" by {t['handled_by']}" if state == TaintState.MIGRATING and t.get("handled_by")
-                               else "")
-        table.add_row(tid, target, _text(t.get("effect")), _text(t.get("source")),
-                      Text(label, style=TAINT_STYLES[state]), _text(t.get("reason"), ""))
+            target += f" r{t['rank']}"
+        line = _line(("! taint " if state != TaintState.QUARANTINED else "· taint ", TAINT_STYLES[state]),
+                     (tid, "bold"), f" {target} ", (state.value, TAINT_STYLES[state]),
+                     f" ({_text(t.get('effect'))}, {_text(t.get('source'))}): ", (_text(t.get("reason"), ""), ""))
+        (settled if state in (TaintState.QUARANTINED, TaintState.REJECTED) else urgent).append(line)
+    for node_id, v in _unhealthy(doc):
+        status = _text(v.get("status"))
+        urgent.append(_line(("! health ", HEALTH_STYLES.get(status, "bold")), f"{node_id} {_text(v.get('device'))} ",
+                            (status, HEALTH_STYLES.get(status, "bold")), f" → {_text(v.get('effect'))}: ",
+                            _text(v.get("reason"), "")))
+    for w in _workers(doc):
+        if w.get("state") == "dead":
+            urgent.append(_line(("! dead ", "bold red"), f"{w['node_id']}/{_text(w.get('slot'))} rank "
+                                f"{_text(w.get('rank'))} pid {_text(w.get('pid'))}"))
+    finished = [(max(_history_times(p), default=0.0), sid, p) for sid, p in _dict(doc.get("swaps")).items()
+                if isinstance(p, dict) and p.get("phase") in TERMINAL_PHASES]
+    if finished:
+        _end, sid, plan = max(finished, key=lambda f: f[:2])
+        times = _history_times(plan)
+        took = f" in {max(times) - min(times):.2f}s" if times else ""
+        ok = plan.get("phase") == "done"
+        settled.append(_line(("✓ swap " if ok else "✗ swap ", "green" if ok else "bold red"), (sid, "bold"),
+                             f" {plan.get('phase')}{took} {_ref(plan.get('leaver'))} → {_ref(plan.get('joiner'))}",
+                             (f" ({plan['reason']})" if plan.get("reason") else "", "dim")))
+    return urgent + settled
+
+
+def _node_role(doc: Mapping[str, Any], node_id: str) -> tuple[str, str]:
+    """(role, ranks) of a node: ``("member 3", "24-31")``, ``("spare node", "-")``."""
+    gen = _dict(doc.get("generation"))
+    member = next((m for m in gen.get("members") or () if isinstance(m, dict) and m.get("node_id") == node_id), None)
+    lost = node_id in (gen.get("lost") or ())
+    if member is not None:
+        first, n = member.get("rank_offset", 0), member.get("nproc", 0)
+        ranks = f"{first}-{first + n - 1}" if isinstance(first, int) and isinstance(n, int) and n else "-"
+        return ("LOST" if lost else f"member {_text(member.get('group_rank'), '?')}"), ranks
+    if node_id in (gen.get("spare_nodes") or ()):
+        return "spare node", "-"
+    if node_id in (gen.get("waiting") or ()):
+        return "waiting", "-"
+    return ("LOST" if lost else "other"), "-"
+
+
+def _node_rows(doc: Mapping[str, Any], view: ViewState, now: float | None) -> list[tuple[list[Any], str]]:
+    """Table rows ([cells], style) per node, each followed by its slot rows when expanded."""
+    by_node: dict[str, list[dict]] = {}
+    for w in _workers(doc):
+        by_node.setdefault(w["node_id"], []).append(w)
+    unhealthy: dict[str, int] = {}
+    for node_id, _v in _unhealthy(doc):
+        unhealthy[node_id] = unhealthy.get(node_id, 0) + 1
+    wanted = view.node_filter.lower()
+    groups = []
+    for node_id in _node_order(doc):
+        status = _dict(_dict(doc.get("status")).get(node_id))
+        if wanted and wanted not in node_id.lower() and wanted not in str(status.get("addr", "")).lower():
+            continue
+        workers = sorted(by_node.get(node_id, []), key=lambda w: (w.get("slot") is None, str(w.get("slot"))))
+        role, ranks = _node_role(doc, node_id)
+        slots = Text(no_wrap=True, overflow="ellipsis", end="")
+        for w in workers:
+            glyph, style = SLOT_GLYPHS.get(str(w.get("state")), ("?", "bold"))
+            slots.append(glyph, style=style)
+        if not workers:
+            slots.append("no status", style="dim")
+        steps = sorted({w["step"] for w in workers if w.get("state") == "running" and isinstance(w.get("step"), int)})
+        step = "-" if not steps else str(steps[0]) if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+        lasts = [w["last_step_ms"] for w in workers if isinstance(w.get("last_step_ms"), (int, float))]
+        when = status.get("time")
+        age = f"{max(0.0, now - when):.1f}s" if now is not None and isinstance(when, (int, float)) else "-"
+        health = f"{unhealthy[node_id]} bad" if node_id in unhealthy else "ok" if node_id in _dict(
+            doc.get("health")) else "-"
+        cells = [node_id, role, ranks, slots, step, f"{max(lasts):.1f}" if lasts and max(lasts) > 0 else "-", age,
+                 _text(status.get("addr")), health]
+        rows = [(cells, "bold red" if role == "LOST" else "")]
+        if view.expanded:
+            for w in workers:
+                last = w.get("last_step_ms")
+                note = w.get("quarantine_reason") or ("" if w.get("managed", True) else "no tpassrun.init()")
+                rows.append(([f"  slot {_text(w.get('slot'))}", _text(w.get("state")), f"rank {_text(w.get('rank'))}",
+                              f"pid {_text(w.get('pid'))}", _text(w.get("step")),
+                              f"{last:.1f}" if isinstance(last, (int, float)) and last > 0 else "-", "", "",
+                              _text(note, "")], "dim" if w.get("state") != "dead" else "red"))
+        groups.append(rows)
+    return [row for g in groups for row in g]
+
+
+def _pages(rows: list, per_page: int) -> int:
+    return max(1, -(-len(rows) // max(1, per_page)))
+
+
+def _node_table(rows: list[tuple[list[Any], str]], width: int) -> Table:
+    wide = width >= 120
+    table = Table(box=None, padding=(0, 1), pad_edge=False, show_edge=False, header_style="bold")
+    fixed = 11 + 9 + (12 + 9 + 8 + 6 + 16 + 24 if wide else 10 + 7 + 6 + 5) + (9 if wide else 7)  # widths + gaps
+    table.add_column("NODE", min_width=8, max_width=max(8, min(48, width - fixed)), no_wrap=True, overflow="ellipsis")
+    table.add_column("ROLE", width=11, no_wrap=True, overflow="ellipsis")
+    table.add_column("RANKS", width=9, no_wrap=True, overflow="ellipsis")
+    table.add_column("SLOTS", width=12 if wide else 10, no_wrap=True, overflow="ellipsis")
+    table.add_column("STEP", width=9 if wide else 7, justify="right", no_wrap=True, overflow="ellipsis")
+    table.add_column("MS", width=8 if wide else 6, justify="right", no_wrap=True, overflow="ellipsis")
+    table.add_column("AGE", width=6 if wide else 5, justify="right", no_wrap=True, overflow="ellipsis")
+    if wide:
+        table.add_column("ADDR", width=16, no_wrap=True, overflow="ellipsis")
+        table.add_column("HEALTH", width=24, no_wrap=True, overflow="ellipsis")
+    for cells, style in rows:
+        table.add_row(*(c if isinstance(c, Text) else Text(_text(c, "")) for c in cells[:9 if wide else 7]),
+                      style=style)
     return table
 
 
-def _health(doc: Mapping[str, Any], all_rows: int = 16) -> RenderableType | None:
-    """Every verdict when there are few; otherwise only the ones that are not healthy, and a count of the rest."""
-    health = _dict(doc.get("health"))
-    if not health:
-        return None
-    table = Table("node", "device", "status", "effect", "reason", box=box.SIMPLE_HEAD, show_edge=False,
-                  title="health", title_justify="left", pad_edge=False)
-    per_node = {n: [v for v in _dict(h).get("verdicts") or () if isinstance(v, dict)] for n, h in health.items()}
-    show_healthy = sum(map(len, per_node.values())) <= all_rows
-    hidden = 0
-    for node_id, h in sorted(health.items()):
-        h = _dict(h)
-        verdicts = per_node[node_id]
-        for v in sorted(verdicts, key=lambda v: str(v.get("device"))):
-            if v.get("status") == "healthy" and not show_healthy:
-                hidden += 1
-                continue
-            effect = v.get("effect")
-            table.add_row(node_id, _text(v.get("device")), _styled(v.get("status"), HEALTH_STYLES),
-                          Text(_text(effect), style="" if effect in (None, "none") else "bold"),
-                          _text(v.get("reason"), ""))
-        for sensor, why in sorted(_dict(h.get("unavailable")).items()):
-            table.add_row(node_id, str(sensor), Text("unavailable", style="dim"), "", str(why))
-        if not verdicts and not h.get("unavailable"):
-            table.add_row(node_id, "-", Text("no verdicts yet", style="dim"), "", "")
-    if not hidden:
-        return table
-    note = Text(f"{hidden} healthy devices not listed", style="green")
-    return Group(table, note) if table.row_count else Group(Text("health", style="italic"), note)
+def render_status(doc: Mapping[str, Any], *, now: float | None = None, width: int = 80, height: int | None = 24,
+                  view: ViewState = ViewState()) -> RenderableType:
+    """One frame of the live view for a ``tpassctl status --json`` document (pure; ``now`` only adds ages).
 
-
-def render_status(doc: Mapping[str, Any], *, now: float | None = None, detail_nodes: int = 8) -> RenderableType:
-    """The dashboard for one ``tpassctl status --json`` document (pure; ``now`` only adds ages).
-
-    Up to ``detail_nodes`` nodes get a table each; a bigger run gets one row per node plus tables for the
-    nodes where something is happening (a swap, a taint, a slot that is neither running nor spare), which
-    keeps the view on one screen and a frame cheap to draw.
+    The frame is at most ``height`` lines of ``width`` columns: two summary lines, the alerts (as many as fit,
+    keeping at least a few node rows), a node table of one row per node (``view.expanded``: plus one per slot),
+    paged, and a footer with the page and the keys. ``height=None`` draws every row (``tpassctl status``).
     """
     doc = _dict(doc)
-    sections: list[RenderableType] = [_header(doc)]
-    sections += _node_sections(doc, now, detail_nodes)
-    swaps: list[RenderableType] = [_swap_block(sid, plan, now) for sid, plan in _active_swaps(doc)]
-    sections.append(Group(_spares(doc), *(swaps or [Text("no swap in progress", style="dim")])))
-    sections += [t for t in (_recent_swaps(doc), _taints(doc), _health(doc)) if t is not None]
-    spaced: list[RenderableType] = []
-    for section in sections:
-        spaced += [section, Text()]
-    return Group(*spaced[:-1])
-
-
-# ---------------------------------------------------------------------------------------------- effects
-async def _poll(fetch: Callable[[], Awaitable[dict]]) -> tuple[dict | None, str | None]:
-    """One fetch; a failure (etcd briefly unreachable) is shown, not raised, so the view outlives it."""
-    try:
-        return await fetch(), None
-    except Exception as exc:  # noqa: BLE001 - any fetch error is reported in the view and retried
-        return None, f"fetch failed: {type(exc).__name__}: {exc}"
-
-
-async def watch(fetch: Callable[[], Awaitable[dict]], *, interval: float = 0.5, console: Console | None = None,
-                clock: Callable[[], float] = time.time) -> None:
-    """Show the run until cancelled (Ctrl-C under ``asyncio.run`` cancels this task).
-
-    On a terminal: a ``Live`` dashboard redrawn every ``interval`` seconds. ``auto_refresh=False`` keeps all
-    drawing on this task (rich would otherwise redraw from its own thread while we swap the renderable).
-    Elsewhere: one summary line each time it changes, so CI logs stay readable.
-    """
-    console = console or Console()
-    if not console.is_terminal:
-        last = None
-        while True:
-            doc, error = await _poll(fetch)
-            line = error or summary_line(doc or {})
-            if line != last:
-                console.print(line, markup=False, highlight=False, soft_wrap=True)
-                last = line
-            await asyncio.sleep(interval)
-
-    view: RenderableType = Text("waiting for the first status...", style="dim")
-    with Live(view, console=console, auto_refresh=False) as live:
-        while True:
-            doc, error = await _poll(fetch)
-            if doc is not None:
-                view = render_status(doc, now=clock())
-                live.update(view, refresh=True)
-            else:
-                # Keep the last good frame on screen and say why it is not fresh.
-                live.update(Group(view, Text(error or "", style="bold red")), refresh=True)
-            await asyncio.sleep(interval)
-
-
-if __name__ == "__main__":  # pragma: no cover - debug aid: tpassctl status --json | python -m tpassrun.tui
-    import json
-    import sys
-
-    Console().print(render_status(json.load(sys.stdin), now=time.time()))
+    top = _summary(doc, now)
+    alerts = _alerts(doc, now) or [_line("no alerts", style="dim")]
+    rows = _node_rows(doc, view, now)
+    if height is None:
+        shown, page, pages, per_page = rows, 0, 1, len(rows)
+    else:
+        room = max(1, height - len(top) - 2)                   # minus the table header and the footer
+        keep_rows = min(len(rows) or 1, max(3, room // 2))     # alerts never push every node off the screen
+        if len(alerts) > room - keep_rows:
+            hidden = len(alerts) - max(0, room - keep_rows - 1)
+            alerts = alerts[:max(0, room - keep_rows - 1)] + [
+                _line((f"… {hidden} more alerts (tpassctl status --json shows all)", "yellow"))]
+        per_page = max(1, room - len(alerts))
+        pages = _pages(rows, per_page)
+        page = min(view.page, pages - 1)
+        shown = rows[page * per_page:(page + 1) * per_page]
+    start = 0 if height is None else page * per_page
+    footer = _line(f"page {page + 1}/{pages}", style="reverse" if height is not None else "")
+    what = "rows" if view.expanded else "nodes"
+    footer.append(f"  {what} {start + 1 if shown else 0}-{start + len(shown)} of {len(rows)}")
+    if view.node_filter or view.editing is not None:
+        footer.append(f"  filter: {view.editing if view.editing is not None else view.node_filter}")
+        footer.append("_  (enter/esc)" if view.editing is not None else "")
+    footer.append(f"  {KEYS_HELP}")
+    footer.pad_right(max(0, width - footer.cell_len))
+    return Group(*top, *alerts, _node_table(shown, width), footer)
