@@ -9,9 +9,11 @@ review the diff."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import io
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -495,3 +497,58 @@ def test_watch_on_a_terminal_quits_on_q_and_shows_fetch_errors():
                              interval=0.01, console=console, keys=keys))
     out = buf.getvalue()
     assert code == 0 and "fetch failed: ConnectionError: etcd down" in out and "run job-7" in out
+
+
+# ---------------------------------------------------------------------------------------------- tpassrun --tui
+def test_panel_draws_the_bottom_lines_under_a_scroll_region_for_the_workers():
+    from tpassrun.tui_panel import panel_bytes, panel_height
+
+    assert [panel_height(r) for r in (10, 24, 50, 5)] == [5, 8, 16, 0]
+    raw = panel_bytes(eventful_run(8), 80, 24, T0 + 2.0).decode()
+    assert raw.startswith("\x1b7\x1b[1;16r") and raw.endswith("\x1b8")   # save, workers scroll in lines 1-16
+    assert raw.count("\x1b[2K") == 8 and "\x1b[17;1H\x1b[2K" in raw and "\x1b[24;1H\x1b[2K" in raw
+    plain = re.sub("\x1b\\[[0-9;]*m", "", raw)                           # colours off
+    assert "gen 3 active" in plain and "q quit" not in plain             # the launcher reads no keys
+    assert panel_bytes(run_doc(), 80, 5, T0) == b""
+
+
+@pytest.mark.timeout(10)
+def test_panel_is_off_without_a_terminal_and_gives_the_terminal_back(tmp_path):
+    import pty
+
+    from tpassrun.tui_panel import run_panel
+
+    async def never() -> dict:
+        raise AssertionError("no terminal: nothing is fetched")
+
+    with open(tmp_path / "out", "wb") as f:
+        asyncio.run(run_panel(never, fd=f.fileno()))
+    master, slave = pty.openpty()
+    try:
+        import fcntl
+        import struct
+        import termios
+
+        fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 80, 0, 0))
+        os.set_blocking(master, False)
+
+        async def fetch() -> dict:
+            return run_doc()
+
+        async def main() -> None:
+            task = asyncio.create_task(run_panel(fetch, fd=slave, interval=0.01, clock=lambda: T0))
+            await asyncio.sleep(0.2)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+        asyncio.run(main())
+        out = b""
+        with contextlib.suppress(BlockingIOError):
+            while chunk := os.read(master, 65536):
+                out += chunk
+        plain = re.sub(b"\x1b\\[[0-9;]*m", b"", out)
+        assert b"gen 3 active" in plain and plain.endswith(b"\x1b8") and b"\x1b[r" in plain.split(b"gen 3 active")[-1]
+    finally:
+        os.close(master)
+        os.close(slave)

@@ -230,6 +230,8 @@ class Agent:
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._hang_watchdog()))
         tasks.append(asyncio.ensure_future(self._watch_lease()))
+        if self.cfg.tui:
+            tasks.append(asyncio.ensure_future(self._status_panel()))
         try:
             outcome, reason = await self._supervise(gen)
         finally:
@@ -557,6 +559,19 @@ class Agent:
                "restart_count": self.restart_count, "workers": self.slots.table(), "time": time.time()}
         with contextlib.suppress(Exception):
             await self.rdzv.store.put_json(self.rdzv.key("status", self.node_id), doc, lease=True)
+
+    async def _status_panel(self) -> None:
+        """``--tui``: the live view under the workers' output, from one etcd read a second (tui_panel.py)."""
+        from .ctl import read_snapshot
+        from .tui_panel import run_panel
+
+        assert self.rdzv is not None
+        rdzv = self.rdzv
+
+        async def fetch() -> dict:
+            return (await read_snapshot(rdzv.store, rdzv.settings.run_prefix, self.cfg.rdzv_id)).to_json()
+
+        await run_panel(fetch)
 
     async def _hang_watchdog(self) -> None:
         """A worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in a

@@ -150,7 +150,7 @@ class LaunchConfig:
     spare_node: bool = False
     hang_timeout: float = 0.0
     event_log: str | None = None  # None: <run log dir>/events.jsonl
-    tui: bool | None = None  # None: on when stdout is a terminal
+    tui: bool | None = None  # None/False: no panel (torchrun's console); True: --tui, the status panel
     etcd_bin: str | None = None
     health_config: str | None = None
     health_file: str | None = None  # JSON readings a site tool writes (FileSensor); env TPASSRUN_HEALTH_FILE
@@ -282,8 +282,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                       help="Seconds without a step heartbeat before a worker counts as hung (0 = off).")
     ours.add_argument("--event-log", "--event_log", type=str, default=None,
                       help="JSON-lines event log (default <run log dir>/events.jsonl).")
-    ours.add_argument("--tui", dest="tui", action="store_true", default=None, help="Show the live status view.")
-    ours.add_argument("--no-tui", "--no_tui", dest="tui", action="store_false", help="Run headless.")
+    ours.add_argument("--tui", dest="tui", action="store_true", default=None,
+                      help="Show the live status view as a panel under the workers' output (stdout a terminal).")
+    ours.add_argument("--no-tui", "--no_tui", dest="tui", action="store_false", help="No status panel (the default).")
     ours.add_argument("--etcd-bin", "--etcd_bin", type=str, default=environ.get(E.TPASSRUN_ETCD_BIN),
                       help="etcd binary for the embedded private etcd.")
     ours.add_argument("--health-config", "--health_config", type=str, default=None,

@@ -453,12 +453,12 @@ def _node_table(rows: list[tuple[list[Any], str]], width: int) -> Table:
 
 
 def render_status(doc: Mapping[str, Any], *, now: float | None = None, width: int = 80, height: int | None = 24,
-                  view: ViewState = ViewState()) -> RenderableType:
+                  view: ViewState = ViewState(), keys: bool = True) -> RenderableType:
     """One frame of the live view for a ``tpassctl status --json`` document (pure; ``now`` only adds ages).
 
     The frame is at most ``height`` lines of ``width`` columns: two summary lines, the alerts (as many as fit,
     keeping at least a few node rows), a node table of one row per node (``view.expanded``: plus one per slot),
-    paged, and a footer with the page and the keys. ``height=None`` draws every row (``tpassctl status``).
+    paged, and a footer with the page and (``keys``) the keys. ``height=None`` draws every row.
     """
     doc = _dict(doc)
     top = _summary(doc, now)
@@ -484,6 +484,7 @@ def render_status(doc: Mapping[str, Any], *, now: float | None = None, width: in
     if view.node_filter or view.editing is not None:
         footer.append(f"  filter: {view.editing if view.editing is not None else view.node_filter}")
         footer.append("_  (enter/esc)" if view.editing is not None else "")
-    footer.append(f"  {KEYS_HELP}")
+    if keys:
+        footer.append(f"  {KEYS_HELP}")
     footer.pad_right(max(0, width - footer.cell_len))
     return Group(*top, *alerts, _node_table(shown, width), footer)

@@ -1,0 +1,122 @@
+"""The real ``tpassctl status --watch`` in a real terminal (tmux), against a real etcd: what a person sees is
+the pure frame of the same document, keys page and filter it, and the watch exits with the run's outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from tpassrun.ctl import main as ctl_main
+from tpassrun.rendezvous import EtcdConfig, EtcdStore, RendezvousSettings
+from tpassrun.tui import ViewState
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_tui import eventful_run, frame  # noqa: E402
+
+pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+
+
+def _put_run(endpoint: str, run_id: str, doc: dict) -> None:
+    """The run's keys as its agents would leave them (generation, status, health, taints)."""
+    async def put() -> None:
+        prefix = RendezvousSettings.from_conf(run_id, 1, 1, {}).run_prefix
+        async with EtcdStore(EtcdConfig.from_endpoint(endpoint, {"read_timeout": "5"})) as store:
+            if doc.get("generation"):
+                await store.put_json(prefix + "generation", doc["generation"])
+            if doc.get("closed"):
+                await store.put_json(prefix + "closed", doc["closed"])
+            for kind in ("status", "health", "taints"):
+                for name, value in (doc.get(kind) or {}).items():
+                    await store.put_json(prefix + f"{kind}/{name}", value)
+    asyncio.run(put())
+
+
+def _capture(session: str) -> str:
+    out = subprocess.run(["tmux", "capture-pane", "-t", session, "-p"], check=True, capture_output=True,
+                         text=True).stdout
+    return "\n".join(line.rstrip() for line in out.splitlines()).strip("\n") + "\n"
+
+
+def _wait_for(session: str, text: str, timeout: float = 15.0) -> str:
+    deadline = time.monotonic() + timeout
+    while True:
+        screen = _capture(session)
+        if text in screen or time.monotonic() > deadline:
+            assert text in screen, f"{text!r} never appeared; screen:\n{screen}"
+            return screen
+        time.sleep(0.1)
+
+
+@pytest.mark.timeout(90)
+def test_watch_in_tmux_pages_filters_and_exits_with_the_outcome(etcd_server, run_id, tmp_path):
+    doc = eventful_run(64)
+    doc.pop("swaps")                                          # no wall-clock ages on screen: frames are exact
+    for status in doc["status"].values():
+        status.pop("time")
+    _put_run(etcd_server.endpoint, run_id, doc)
+    # What the frame must be: the pure render of what `tpassctl status --json` reads back.
+    buf = io.StringIO()
+    sys_stdout, sys.stdout = sys.stdout, buf
+    try:
+        assert ctl_main(["status", "--json", "--rdzv-endpoint", etcd_server.endpoint, "--rdzv-id", run_id]) == 0
+    finally:
+        sys.stdout = sys_stdout
+    read_back = json.loads(buf.getvalue())
+
+    session = f"tpw-{uuid.uuid4().hex[:8]}"
+    rc_file = tmp_path / "rc"
+    cmd = (f"{sys.executable} -m tpassrun.ctl status --watch --interval 0.2 --rdzv-endpoint {etcd_server.endpoint}"
+           f" --rdzv-id {run_id}; echo $? > {rc_file}; sleep 30")
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
+    try:
+        screen = _wait_for(session, "page 1/")
+        assert screen == frame(read_back, now=None)
+        assert len(screen.splitlines()) == 24 and "nodes 1-18 of 64" in screen
+
+        subprocess.run(["tmux", "send-keys", "-t", session, "n"], check=True)
+        screen = _wait_for(session, "page 2/")
+        assert screen == frame(read_back, now=None, view=ViewState(page=1))
+        subprocess.run(["tmux", "send-keys", "-t", session, "p"], check=True)
+        _wait_for(session, "page 1/")
+        subprocess.run(["tmux", "send-keys", "-t", session, "/", "-", "0", "6", "Enter"], check=True)
+        screen = _wait_for(session, "filter: -06")
+        assert screen == frame(read_back, now=None, view=ViewState(node_filter="-06"))
+
+        _put_run(etcd_server.endpoint, run_id, {"closed": {"v": 1, "reason": "workers failed: rank 3 exited 1"}})
+        deadline = time.monotonic() + 15
+        while not rc_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert rc_file.read_text().strip() == "1"
+        assert "run " + run_id + " ended: workers failed: rank 3 exited 1" in _capture(session)
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+
+
+@pytest.mark.timeout(60)
+def test_watch_in_tmux_quits_on_q(etcd_server, run_id, tmp_path):
+    doc = eventful_run(2)
+    doc.pop("swaps")
+    _put_run(etcd_server.endpoint, run_id, doc)
+    session = f"tpw-{uuid.uuid4().hex[:8]}"
+    rc_file = tmp_path / "rc"
+    cmd = (f"{sys.executable} -m tpassrun.ctl status --watch --rdzv-endpoint {etcd_server.endpoint}"
+           f" --rdzv-id {run_id}; echo $? > {rc_file}; sleep 30")
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd], check=True)
+    try:
+        _wait_for(session, "page 1/1")
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        deadline = time.monotonic() + 15
+        while not rc_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert rc_file.read_text().strip() == "0"
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
