@@ -52,6 +52,7 @@ class WorkerPhase(enum.IntEnum):
     DONE = 5           # left the step loop normally
     FAILED = 6         # step STEP raised (e.g. a peer died in a collective); waiting for a command
     TRANSFERRING = 7
+    RAISED = 8         # step STEP raised an ordinary exception (a user error): the worker is exiting
 
 
 class ChannelFile:

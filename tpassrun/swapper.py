@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from .channel import INT64_MAX, Field, WorkerPhase
 from .swap import (ClusterView, Decision, Phase, Report, SlotRef, SlotView, SwapKind, SwapPlan, choose_spare,
                    next_step, plan_for_failure, plan_for_taint)
+from .failkind import classify_death, recoverable
 from .slots import Slot, SlotState
 
 if TYPE_CHECKING:
@@ -116,11 +117,16 @@ class Swapper:
         gen = self.agent.generation
         if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes):
             return False
-        light = self._slots.channel.read_light(slot.index) if self._slots.channel else None
         step = self._slots.field(slot, Field.STEP)
+        kind, why = classify_death(code, self._slots.phase(slot))
+        if not recoverable(kind):   # a spare would only raise again: torchrun's path, at once
+            self.agent.events.write("user_error", slot=slot.index, rank=slot.rank, code=code, step=step, why=why)
+            return False
+        light = self._slots.channel.read_light(slot.index) if self._slots.channel else None
         doc = {"v": 1, "node": self.agent.node_id, "slot": slot.index, "rank": slot.rank, "code": code,
                "step": step, "light": light is not None, "generation": gen.number, "time": time.time()}
-        self.agent.events.write("worker_died", slot=slot.index, rank=slot.rank, code=code, step=step)
+        self.agent.events.write("worker_died", slot=slot.index, rank=slot.rank, code=code, step=step,
+                                kind=kind.value, why=why)
         # Stop the other local ranks at their next step start (the ones blocked in a collective will fail).
         for s in self._slots.active():
             if s is not slot:
@@ -135,6 +141,7 @@ class Swapper:
             tg.create_task(self._follow_plans())
             tg.create_task(self._coordinate())
             tg.create_task(self._follow_taint_removals())
+            tg.create_task(self._follow_fallbacks())
 
     async def _follow_plans(self) -> None:
         prefix = self._key("swaps") + "/"
@@ -543,8 +550,10 @@ class Swapper:
                 if fake.plan is not None:
                     await self._store.create_json(self._key("swaps", fake.plan.id),
                                                   fake.plan.advance(Phase.ABORTED, now).to_json())
-                else:
-                    await self._store.put_json(self._key("fallbacks", doc["node"]), {"v": 1, "reason": decision.reason})
+                else:   # no plan to abort (no spare at all): tell the dead rank's agent directly
+                    await self._store.put_json(self._key("fallbacks", doc["node"]),
+                                               {"v": 1, "reason": decision.reason, "slot": int(doc["slot"]),
+                                                "generation": int(doc.get("generation", -1))})
             return
         for key, doc, rev in await self._store.get_prefix_json(self._key("taints") + "/"):
             tid = doc.get("id") or key.rsplit("/", 1)[-1]
@@ -615,6 +624,24 @@ class Swapper:
         if await self.agent.rdzv.commit(old, new):
             self.agent.generation = new
             self.agent.events.write("generation_committed", generation=new.number, swap_id=plan.id)
+
+    async def _follow_fallbacks(self) -> None:
+        """The leader found no way to recover a rank of this node (no spare left): restart the group, as
+        torchrun would. Without this, the dead rank's agent waited for a recovery that never came."""
+        key = self._key("fallbacks", self.agent.node_id)
+        async for ev in self._store.watch_prefix(key):
+            doc = ev.value
+            if ev.key != key or not isinstance(doc, dict):
+                continue
+            try:
+                generation, index, reason = int(doc.get("generation", -1)), int(doc["slot"]), str(doc["reason"])
+            except (KeyError, TypeError, ValueError):
+                log.warning("ignoring malformed fallback record %s", key)
+                continue
+            if generation < self.agent.spawned_generation:
+                continue   # from before the last whole-group restart
+            dead = self._slots.slots[index] if 0 <= index < len(self._slots.slots) else None
+            self.agent._queue.put_nowait(("fallback", reason, dead))
 
     async def _follow_taint_removals(self) -> None:
         """``tpassctl untaint``: a quarantined slot of this node goes back to the spare pool."""

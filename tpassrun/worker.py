@@ -216,6 +216,7 @@ class Session:
                 step_fn(step)
             except Exception as exc:  # noqa: BLE001 - classified right below
                 if not is_distributed_failure(exc):
+                    link.set(Field.PHASE, WorkerPhase.RAISED)   # a user error: torchrun's path, not a spare
                     raise
                 log.warning("rank %d: step %d failed in a collective (%s); waiting for recovery",
                             self.rank, step, exc)
