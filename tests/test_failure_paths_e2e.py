@@ -97,3 +97,15 @@ def test_losing_etcd_for_good_ends_the_run(tmp_path, fresh_etcd, run_id):
         job.kill()
     assert code in (0, 1), job.log()[-3000:]
     assert os.path.exists(os.path.join(str(tmp_path), "final_rank0.pt")) or code == 1
+
+
+def test_a_full_disk_for_the_event_log_mid_recovery_loses_nothing_but_the_log(tmp_path):
+    """Issue 11: every event-log write fails (ENOSPC); the recovery and the run go on, said once."""
+    job = _job(tmp_path, kill_at(1, 6, str(tmp_path / "k"), where="step"), extra=["--event-log", "/dev/full"])
+    try:
+        assert job.wait(180) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    log = job.log()
+    assert log.count("cannot write the event log /dev/full") == 1, log[-3000:]
+    assert "recovered and resumed" in log

@@ -30,6 +30,7 @@ for _k in _GRPC_ADDED:
 
 from . import envnames as E  # noqa: E402
 from .config import LaunchConfig  # noqa: E402
+from .console import WAITING_EVERY_S, ConsoleReporter  # noqa: E402
 from .events import EventLog  # noqa: E402
 from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
@@ -68,6 +69,7 @@ class Agent:
         self.remaining_restarts = cfg.max_restarts
         self.logs = RunLogs.from_config(cfg)
         self.events = EventLog(None, node_id=self.node_id)
+        self.console = ConsoleReporter()         # one launcher line per event, and the exit summary
         self.rdzv: EtcdRendezvous | None = None
         self.slots: LocalSlots | None = None
         self.generation: Generation | None = None
@@ -122,6 +124,7 @@ class Agent:
             run_dir = self.logs.run_dir
             event_path = cfg.event_log or (os.path.join(run_dir, "events.jsonl") if run_dir else None)
             self.events = EventLog(event_path, node_id=self.node_id).open()
+            self.events.add_listener(self.console)
             stack.callback(self.events.close)
             if self.hosting_etcd:
                 self.events.write("etcd_hosted", endpoint=endpoint)
@@ -165,7 +168,11 @@ class Agent:
         while True:
             self._join_task = asyncio.ensure_future(self.rdzv.join())
             try:
-                gen = await self._join_task
+                waited = 0.0
+                while not (await asyncio.wait({self._join_task}, timeout=WAITING_EVERY_S))[0]:
+                    waited += WAITING_EVERY_S
+                    await self._say_waiting(waited)
+                gen = self._join_task.result()
             except asyncio.CancelledError:
                 if self.signal_received is not None:
                     return 128 + self.signal_received
@@ -201,6 +208,19 @@ class Agent:
                     await self.rdzv.close(f"workers failed: {reason}")
                 return 1
             # MEMBERSHIP: a new generation without consuming a restart (torchrun's num_nodes_waiting rule).
+
+    async def _say_waiting(self, waited: float) -> None:
+        """Every 10 s without a generation: who has joined, how many are needed (never a silent wait)."""
+        assert self.rdzv is not None
+        try:
+            nodes = sorted(k.rsplit("/", 1)[-1] for k, _d, _r in
+                           await self.rdzv.store.get_prefix_json(self.rdzv.key("nodes") + "/"))
+        except Exception as exc:  # noqa: BLE001 - etcd unreachable is itself worth saying
+            self.events.write("waiting_for_nodes", seconds=waited, joined=0, needed=self.cfg.min_nodes,
+                              missing=[f"etcd unreachable: {type(exc).__name__}"])
+            return
+        self.events.write("waiting_for_nodes", seconds=waited, joined=len(nodes), needed=self.cfg.min_nodes,
+                          nodes=nodes, missing=[f"{max(0, self.cfg.min_nodes - len(nodes))} more node(s)"])
 
     @property
     def restart_count(self) -> int:
@@ -372,6 +392,8 @@ class Agent:
         self._queue.put_nowait(("exit", slot, proc, code))
 
     def _on_worker_message(self, slot: Slot, msg: dict[str, Any]) -> None:
+        if msg["kind"] == "hello" and msg.get("spare"):
+            self.events.write("spare_ready", slot=slot.index, pid=msg.get("pid"))
         if msg["kind"] in ("hello", "done", "failed"):
             self._queue.put_nowait(("msg", slot, msg))
 

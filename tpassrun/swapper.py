@@ -47,6 +47,7 @@ class Swapper:
         self._active: SwapPlan | None = None
         self._kick = asyncio.Event()
         self._waiting_said: set[str] = set()
+        self._taints_said: set[str] = set()
         self._failed_timers: dict[int, asyncio.TimerHandle] = {}
         # planned swaps: the joiner is assigned during BOUNDARY; (swap id, attempt, slot) -> its address or error
         self._early: tuple[tuple[str, int, int], asyncio.Task] | None = None
@@ -557,6 +558,11 @@ class Swapper:
             return
         for key, doc, rev in await self._store.get_prefix_json(self._key("taints") + "/"):
             tid = doc.get("id") or key.rsplit("/", 1)[-1]
+            if tid not in self._taints_said and doc.get("source") != "health":   # health's own: health_taint
+                self._taints_said.add(tid)
+                self.agent.events.write("taint_received", id=tid, rank=doc.get("rank"), slot=doc.get("local_rank"),
+                                        target_node=doc.get("node_id"), effect=doc.get("effect"),
+                                        source=doc.get("source") or "tpassctl", reason=doc.get("reason"))
             if tid in handled or doc.get("handled_by") or doc.get("effect") == "exclude":
                 continue  # exclude: keep the rank where it is, only never hand the slot out as a spare
             view = view or await self._view()

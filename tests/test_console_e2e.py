@@ -1,0 +1,89 @@
+"""What the operator sees: one launcher console line per event, and the exit summary (real job, real faults)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from faults import Job, faults_env, stop_at, taint
+
+pytestmark = pytest.mark.timeout(300)
+PREFIX = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ tpassrun/agent\] \[node [^\]]+\] ", re.M)
+
+
+def _lines(log: str, pattern: str) -> list[str]:
+    return [m.group(0) for m in re.finditer(PREFIX.pattern + pattern + ".*$", log, re.M)]
+
+
+def _wait_event(job: Job, name: str, count: int = 1, timeout: float = 180) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(e["event"] == name for e in job.events()) < count:
+        if job.proc is not None and job.proc.poll() is not None:
+            raise AssertionError(f"job exited before {name}:\n{job.log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {name} within {timeout}s:\n{job.log()[-3000:]}")
+        time.sleep(0.1)
+
+
+def test_every_event_kind_and_the_summary_reach_the_launcher_console(tmp_path, etcd_server, run_id):
+    """A hang killed and recovered, then a planned swap (taint), then a death with no spare left: the fallback
+    to torchrun's path. Each leaves its line, in torchrun's logger format, and the summary counts them."""
+    job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=2,
+                       steps=100000, step_sleep=0.05, extra=["--hang-timeout", "3"],
+                       env=faults_env(stop_at(0, 8, str(tmp_path / "stop")))).start()   # a hang: killed, recovered
+    try:
+        _wait_event(job, "spare_ready", 2)
+        _wait_event(job, "swap_resumed")
+        job.wait_step(job.step_reached(1) + 3, 120, rank=1)
+        assert taint(etcd_server.endpoint, run_id, rank=1, reason="console test") == 0
+        _wait_event(job, "swap_resumed", 2)
+        step = job.step_reached(1)
+        job.wait_step(step + 2, 120, rank=1)
+        os.kill(job.losses(1)[-1]["pid"], signal.SIGKILL)                 # no spare left: torchrun's path
+        assert job.wait(180) == 1, job.log()[-4000:]
+    finally:
+        job.kill()
+    log = job.log()
+    expect = {
+        "start": r"run \S+ at etcd 127\.0\.0\.1:\d+",
+        "generation": r"generation 0 formed: world size 2, 1 node\(s\)",
+        "spare ready": r"spare ready: slot [23]",
+        "taint": r"taint received: rank 1 .*console test",
+        "swap decided": r"swap \S+ decided: ",
+        "phase with duration": r"\[rank 1\] swap \S+: transfer \(boundary took \d+",
+        "resumed": r"\[rank 1\] swapped and resumed \(swap \S+\): paused [\d.]+ m?s, [\d.]+ [KM]iB moved, 0 steps lost",
+        "hang": r"\[rank 0\] hang: no step for ",
+        "recovery decided": r"recovery decided \(plan\): replace dead rank 0",
+        "recovered": r"\[rank 0\] recovered and resumed .* 0 steps lost, \d redone",
+        "death": r"\[rank 1\] died at step \d+: killed by SIGKILL",
+        "fallback": r"fallback to torchrun's whole-group restart: ",
+        "summary": r"summary: exit code 1, wall time ",
+        "summary counts": r"summary: 1 swap\(s\) \(pause .*\), 1 recover\(ies\) \(pause .*\), 0 whole-group restart\(s\), 1 hang kill",
+        "goodput": r"summary: time lost to failures [\d.]+ m?s, steps lost 0, steps redone \d+, goodput \d+\.\d%",
+    }
+    missing = [k for k, pat in expect.items() if not _lines(log, pat)]
+    assert not missing, (missing, "\n".join(ln for ln in log.splitlines() if PREFIX.match(ln)))
+
+
+def test_waiting_for_nodes_is_said_every_ten_seconds(tmp_path, etcd_server, run_id):
+    """One node of two: the agent says who joined and how many are missing, instead of waiting silently."""
+    argv = [sys.executable, "-m", "tpassrun", "--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+            etcd_server.endpoint, "--rdzv-id", run_id, "--nproc-per-node", "1", "--log-dir", str(tmp_path / "logs"),
+            "-m", "this"]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out = ""
+        deadline = time.monotonic() + 60
+        assert proc.stdout is not None
+        while "waiting for nodes" not in out and time.monotonic() < deadline:
+            out += proc.stdout.readline()
+    finally:
+        proc.terminate()
+        proc.wait(30)
+    assert _lines(out, r"waiting for nodes: 1/2 joined for 10\.00 s; missing: 1 more node\(s\)"), out

@@ -1,0 +1,81 @@
+"""The event log survives a full disk and broken listeners; the console describer is a pure function."""
+
+from __future__ import annotations
+
+import io
+
+from tpassrun.console import ConsoleReporter, Describer, RunTally, summary_lines
+from tpassrun.events import EventLog, read_events
+
+
+def test_a_full_disk_is_reported_once_and_the_events_go_on(capsys):
+    seen = []
+    ev = EventLog("/dev/full", node_id="n").open()       # every write fails with ENOSPC
+    ev.add_listener(seen.append)
+    for i in range(3):
+        ev.write("swap_phase", swap_id="s", phase="transfer", i=i)
+    ev.close()
+    err = capsys.readouterr().err
+    assert err.count("cannot write the event log /dev/full") == 1 and "No space left" in err
+    assert [e["i"] for e in seen] == [0, 1, 2] and ev.write_error
+
+
+def test_a_failing_listener_never_raises_into_the_agent(caplog):
+    def broken(_record):
+        raise RuntimeError("boom")
+
+    seen = []
+    ev = EventLog(None, echo=broken)
+    ev.add_listener(seen.append)
+    ev.write("a")
+    ev.write("b")
+    assert [e["event"] for e in seen] == ["a", "b"]
+    assert sum("boom" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_torn_last_line_is_skipped(tmp_path):
+    p = tmp_path / "e.jsonl"
+    p.write_text('{"event": "a"}\n{"event": "b", "ti')
+    assert [e["event"] for e in read_events(str(p))] == ["a"]
+
+
+def _ev(name, mono, **kw):
+    return {"event": name, "time": 1700000000.0 + mono, "mono": mono, "node": "host1-123-abcd", **kw}
+
+
+def test_phases_have_durations_and_the_summary_adds_up():
+    d = Describer()
+    d.describe(_ev("agent_started", 0.0, endpoint="e:1", run_id="r", nproc=2, spares=1))
+    assert d.describe(_ev("worker_died", 10.0, rank=1, step=7, code=-9, why="killed by SIGKILL")).startswith("[rank 1]")
+    assert "pausing" in d.describe(_ev("swap_pause", 10.1, swap_id="u1", kind="unplanned", rank=1, boundary=None))
+    line = d.describe(_ev("swap_phase", 10.3, swap_id="u1", phase="transfer", reason="stopped at step 7"))
+    assert line == "[rank 1] recovery u1: transfer (pause took 200 ms): stopped at step 7"
+    assert d.describe(_ev("swap_transfer", 10.31, swap_id="u1", kind="unplanned", rank=1, boundary=7)) is None
+    d.describe(_ev("swap_transfer_end", 10.4, swap_id="u1", nbytes=2 * 1024 * 1024, seconds=0.05, checksum="c"))
+    line = d.describe(_ev("swap_resumed", 10.6, swap_id="u1", rank=1, seconds=0.5))
+    assert line == "[rank 1] recovered and resumed (swap u1): paused 500 ms, 2.0 MiB moved, 0 steps lost, 1 redone"
+    d.describe(_ev("generation_ended", 20.0, generation=0, outcome="failed", reason="x"))
+    d.describe(_ev("generation_joined", 25.0, generation=1, world_size=2, members=["host1-123-abcd"]))
+    d.describe(_ev("agent_exit", 100.0, code=0))
+    t = d.tally
+    assert (t.wall, round(t.lost, 3), t.steps_redone) == (100.0, 5.5, 1)
+    lines = summary_lines(t, 0)
+    assert lines[1] == "summary: 0 swap(s), 1 recover(ies) (pause 500 ms), 1 whole-group restart(s), 0 hang kill(s)"
+    assert lines[2] == "summary: time lost to failures 5.50 s, steps lost 0, steps redone 1, goodput 94.5%"
+
+
+def test_health_verdicts_only_when_they_change():
+    d = Describer()
+    assert d.describe(_ev("health_verdict", 1, device=0, status="healthy")) is None
+    assert d.describe(_ev("health_verdict", 2, device=0, status="degraded", reason="ecc")) == \
+        "health: device 0: healthy -> degraded (ecc)"
+    assert d.describe(_ev("health_verdict", 3, device=0, status="degraded", reason="ecc")) is None
+
+
+def test_the_console_line_has_torchruns_prefix_and_the_node_and_rank():
+    out = io.StringIO()
+    rep = ConsoleReporter(stream=out, pid=42)
+    rep(_ev("hang_detected", 1.0, rank=3, pid=9, seconds=4.2, step=11, proc_state="T"))
+    line = out.getvalue()
+    assert line.startswith("W") and " 42 tpassrun/agent] [node host1] [rank 3] hang: no step for 4.20 s" in line
+    assert RunTally().goodput == 100.0

@@ -1,0 +1,313 @@
+"""One console line per event, and the exit summary: what an operator sees from the launcher.
+
+Everything the agent and the swapper decide is already an event (:mod:`tpassrun.events`); this module turns
+the stream into human lines in torchrun's logger format (``I1123 10:37:45.123000 <pid> <where>] <message>``)
+with ``[node ...]`` / ``[rank N]`` prefixes, without touching the code that emits them. :func:`describe` is a
+pure function of (tracker state, event); :class:`RunTally` accumulates what the summary needs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+WAITING_EVERY_S = 10.0
+
+
+def _short(node: Any) -> str:
+    """``host-pid-rand`` -> ``host``: what an operator calls the machine (tpassctl --node accepts it too)."""
+    text = str(node or "?")
+    parts = text.rsplit("-", 2)
+    return parts[0] if len(parts) == 3 and parts[1].isdigit() else text
+
+
+def _secs(x: Any) -> str:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return "?"
+    return f"{v * 1000:.0f} ms" if v < 1 else f"{v:.2f} s"
+
+
+def _bytes(n: Any) -> str:
+    try:
+        v = float(n)
+    except (TypeError, ValueError):
+        return "? bytes"
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if v < 1024 or unit == "GiB":
+            return f"{v:.0f} {unit}" if unit == "bytes" else f"{v:.1f} {unit}"
+        v /= 1024
+    return f"{v:.1f} GiB"
+
+
+def _rank(ev: dict[str, Any]) -> str:
+    r = ev.get("rank")
+    return f"[rank {r}] " if r is not None else ""
+
+
+@dataclasses.dataclass
+class _Swap:
+    kind: str = "planned"
+    rank: Any = None
+    phase: str = ""
+    phase_at: float = 0.0
+    led_here: bool = False
+    nbytes: int = 0
+    died_step: int | None = None
+    boundary: int | None = None
+    started: float = 0.0
+    reason: str = ""
+
+
+@dataclasses.dataclass
+class RunTally:
+    """What the exit summary reports (fed by every event, also by the metrics)."""
+
+    started: float | None = None
+    ended: float | None = None
+    swaps: list[tuple[str, str, float]] = dataclasses.field(default_factory=list)   # (kind, id, pause s)
+    restarts: list[tuple[str, float]] = dataclasses.field(default_factory=list)      # (why, downtime s)
+    aborted: list[tuple[str, float]] = dataclasses.field(default_factory=list)       # (id, held s)
+    steps_redone: int = 0
+    fallbacks: int = 0
+    hang_kills: int = 0
+    _restart_at: float | None = None
+    _restart_why: str = ""
+
+    @property
+    def wall(self) -> float:
+        if self.started is None:
+            return 0.0
+        return max(0.0, (self.ended if self.ended is not None else time.monotonic()) - self.started)
+
+    @property
+    def lost(self) -> float:
+        return (sum(p for _k, _i, p in self.swaps) + sum(d for _w, d in self.restarts)
+                + sum(d for _i, d in self.aborted))
+
+    @property
+    def goodput(self) -> float:
+        """Share of wall time not spent in swap pauses or whole-group restarts (start-up counts as good)."""
+        wall = self.wall
+        return 100.0 if wall <= 0 else max(0.0, 100.0 * (wall - self.lost) / wall)
+
+
+class Describer:
+    """Turns events into lines; keeps just enough state for durations and changes (health, phases)."""
+
+    def __init__(self) -> None:
+        self.swaps: dict[str, _Swap] = {}
+        self.health: dict[Any, str] = {}
+        self.tally = RunTally()
+        self._last_death: dict[Any, int] = {}
+
+    def _swap(self, sid: Any) -> _Swap:
+        return self.swaps.setdefault(str(sid), _Swap())
+
+    def describe(self, ev: dict[str, Any]) -> str | None:  # noqa: C901 - one branch per event kind, on purpose
+        name, now, t = ev.get("event"), float(ev.get("mono") or 0.0), self.tally
+        sid = ev.get("swap_id")
+        if name == "agent_started":
+            t.started = now
+            return (f"run {ev.get('run_id')} at etcd {ev.get('endpoint')}: {ev.get('nproc')} rank(s) and "
+                    f"{ev.get('spares')} spare(s) per node  (see it: tpassctl status; events: tpassctl events -f)")
+        if name == "generation_joined":
+            members = [_short(m) for m in ev.get("members") or []]
+            shown = ", ".join(members[:8]) + (f" (+{len(members) - 8} more)" if len(members) > 8 else "")
+            if t._restart_at is not None:
+                t.restarts.append((t._restart_why, max(0.0, now - t._restart_at)))
+                t._restart_at = None
+            return (f"generation {ev.get('generation')} formed: world size {ev.get('world_size')}, "
+                    f"{len(members)} node(s): {shown}")
+        if name == "waiting_for_nodes":
+            missing = ev.get("missing")
+            return (f"waiting for nodes: {ev.get('joined')}/{ev.get('needed')} joined for {_secs(ev.get('seconds'))}"
+                    + (f"; missing: {', '.join(map(str, missing))}" if missing else ""))
+        if name == "workers_started":
+            slots = ev.get("slots") or []
+            ranks = [s for s in slots if s.get("rank") is not None]
+            spares = [s for s in slots if s.get("rank") is None]
+            return (f"generation {ev.get('generation')}: started {len(ranks)} worker(s)"
+                    + (f" and {len(spares)} spare(s) (slots {', '.join(str(s.get('slot')) for s in spares)})"
+                       if spares else ""))
+        if name == "spare_ready":
+            return f"spare ready: slot {ev.get('slot')} (pid {ev.get('pid')}), warm in tpassrun.init()"
+        if name in ("spare_lost", "spare_returned"):
+            what = "spare lost" if name == "spare_lost" else "spare back in the pool"
+            return f"{what}: slot {ev.get('slot')}" + (f" ({ev['reason']})" if ev.get("reason") else "")
+        if name == "taint_received" or name == "health_taint":
+            who = f"rank {ev.get('rank')}" if ev.get("rank") is not None else f"slot {ev.get('slot')}"
+            where = f" on {_short(ev.get('target_node'))}" if ev.get("target_node") else ""
+            return (f"taint received: {who}{where} ({ev.get('effect') or 'migrate'}, from "
+                    f"{ev.get('source') or 'health'}): {ev.get('reason')}")
+        if name == "health_untaint":
+            return f"taint lifted: device {ev.get('device')}: {ev.get('reason')}"
+        if name == "health_verdict":
+            dev, status = ev.get("device"), ev.get("status")
+            before = self.health.get(dev)
+            self.health[dev] = status
+            if before == status or (before is None and status in ("healthy", "ok")):
+                return None
+            return f"health: device {dev}: {before or 'unknown'} -> {status}" + (
+                f" ({ev['reason']})" if ev.get("reason") else "")
+        if name == "health_kill":
+            return f"{_rank(ev)}health: killed pid {ev.get('pid')}: {ev.get('reason')}"
+        if name == "health_message":
+            return str(ev.get("message"))
+        if name == "worker_exit":
+            if ev.get("code") == 0 or ev.get("state") not in ("running",):
+                return None
+            return f"{_rank(ev)}worker pid {ev.get('pid')} (slot {ev.get('slot')}) exited with code {ev.get('code')}"
+        if name == "user_error":
+            return (f"{_rank(ev)}{ev.get('why')} at step {ev.get('step')}: a user error, not handed to a spare; "
+                    "following torchrun's failure path")
+        if name == "worker_died":
+            self._last_death[ev.get("rank")] = int(ev.get("step") or 0)
+            return f"{_rank(ev)}died at step {ev.get('step')}: {ev.get('why') or 'exit code ' + str(ev.get('code'))}"
+        if name == "recovery_decided":
+            return f"recovery decided ({ev.get('action')}): {ev.get('reason')}"
+        if name == "swap_decided":
+            return f"swap {sid} decided: {ev.get('reason')}"
+        if name == "swap_waiting":
+            return f"taint {ev.get('taint')} queued ({ev.get('action')}): {ev.get('reason')}"
+        if name == "swap_phase":
+            s = self._swap(sid)
+            s.led_here = True
+            return self._phase_line(sid, s, str(ev.get("phase")), now, ev.get("reason"))
+        if name is not None and name.startswith("swap_") and name[5:] in (
+                "pause", "boundary", "transfer", "send", "reform", "done", "aborted"):
+            s = self._swap(sid)
+            s.kind, s.rank = ev.get("kind") or s.kind, ev.get("rank")
+            if ev.get("boundary") is not None:
+                s.boundary = int(ev["boundary"])
+            if name == "swap_pause" and not s.phase:
+                s.phase, s.phase_at, s.started = "pause", now, now
+                s.died_step = self._last_death.get(s.rank)
+                label = "recovery" if s.kind == "unplanned" else "swap"
+                return f"[rank {s.rank}] {label} {sid}: pausing the workers"
+            if s.led_here or s.phase == name[5:]:
+                return None
+            return self._phase_line(sid, s, name[5:], now, None)
+        if name == "swap_transfer_end":
+            s = self._swap(sid)
+            s.nbytes = int(ev.get("nbytes") or 0)
+            return f"swap {sid}: {_bytes(ev.get('nbytes'))} received in {_secs(ev.get('seconds'))} ({ev.get('checksum')})"
+        if name == "swap_transfer_failed":
+            return f"swap {sid}: transfer attempt {ev.get('attempt')} failed: {ev.get('error')}"
+        if name == "swap_resumed":
+            s = self._swap(sid)
+            pause = float(ev.get("seconds") or 0.0)
+            redone = 0
+            if s.kind == "unplanned" and s.died_step is not None and s.boundary is not None:
+                redone = max(0, s.died_step - s.boundary + 1)
+            t.swaps.append((s.kind, str(sid), pause))
+            t.steps_redone += redone
+            label = "recovered" if s.kind == "unplanned" else "swapped"
+            moved = f", {_bytes(s.nbytes)} moved" if s.nbytes else ""
+            return (f"[rank {ev.get('rank')}] {label} and resumed (swap {sid}): paused {_secs(pause)}{moved}, "
+                    f"0 steps lost, {redone} redone")
+        if name == "swap_aborted_here":
+            s = self._swap(sid)
+            if s.started:   # the time it held the workers is lost all the same
+                t.aborted.append((str(sid), max(0.0, now - s.started)))
+                s.started = 0.0
+            return f"swap {sid} aborted after {_secs(t.aborted[-1][1]) if t.aborted else '?'}: {s.reason or ev.get('reason')}"
+        if name == "fallback":
+            t.fallbacks += 1
+            return f"fallback to torchrun's whole-group restart: {ev.get('reason')}"
+        if name == "hang_detected":
+            t.hang_kills += 1
+            return (f"{_rank(ev)}hang: no step for {_secs(ev.get('seconds'))} at step {ev.get('step')} "
+                    f"(pid {ev.get('pid')}, state {ev.get('proc_state')}); killing it")
+        if name == "generation_ended":
+            if ev.get("outcome") in ("failed", "membership"):
+                t._restart_at, t._restart_why = now, str(ev.get("reason"))
+            return f"generation {ev.get('generation')} ended ({ev.get('outcome')}): {ev.get('reason')}"
+        if name == "restart":
+            return f"whole-group restart ({ev.get('remaining')} left): {ev.get('reason')}"
+        if name in ("membership_change", "lease_lost", "fenced", "etcd_connection_lost", "slot_quarantined",
+                    "migrate_back_requested", "signal", "etcd_hosted"):
+            detail = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "mono", "node"))
+            return f"{name.replace('_', ' ')}: {detail}"
+        if name == "agent_exit":
+            t.ended = now
+            return None
+        return None
+
+    def _phase_line(self, sid: Any, s: _Swap, phase: str, now: float, reason: Any) -> str | None:
+        if phase == s.phase:
+            return None   # the leader's decision and this node's part of it: said once
+        took = f" ({s.phase} took {_secs(now - s.phase_at)})" if s.phase and s.phase_at else ""
+        s.phase, s.phase_at = phase, now
+        if phase == "aborted":
+            s.reason = str(reason or "")
+        if phase == "done":
+            return None   # swap_resumed says it, with the pause
+        label = "recovery" if s.kind == "unplanned" else "swap"
+        return f"[rank {s.rank}] {label} {sid}: {phase}{took}" + (f": {reason}" if reason else "")
+
+
+def summary_lines(t: RunTally, code: Any) -> list[str]:
+    planned = [p for k, _i, p in t.swaps if k != "unplanned"]
+    unplanned = [p for k, _i, p in t.swaps if k == "unplanned"]
+
+    def pauses(xs: list[float]) -> str:
+        return "" if not xs else f" (pause {', '.join(_secs(x) for x in xs[:6])}{', ...' if len(xs) > 6 else ''})"
+
+    lines = [f"summary: exit code {code}, wall time {_secs(t.wall)}",
+             f"summary: {len(planned)} swap(s){pauses(planned)}, {len(unplanned)} recover(ies){pauses(unplanned)}, "
+             f"{len(t.restarts)} whole-group restart(s), {t.hang_kills} hang kill(s)"
+             + (f", {len(t.aborted)} aborted swap(s)" if t.aborted else ""),
+             f"summary: time lost to failures {_secs(t.lost)}, steps lost 0, steps redone {t.steps_redone}, "
+             f"goodput {t.goodput:.1f}%"]
+    return lines
+
+
+def log_prefix(pid: int, now: float | None = None, level: str = "I", where: str = "tpassrun/agent") -> str:
+    """torchrun's (glog-style) logger prefix: ``I1123 10:37:45.123456 4242 <where>] ``."""
+    now = time.time() if now is None else now
+    lt = time.localtime(now)
+    return f"{level}{lt.tm_mon:02d}{lt.tm_mday:02d} {time.strftime('%H:%M:%S', lt)}.{int(now % 1 * 1e6):06d} {pid} {where}] "
+
+
+class ConsoleReporter:
+    """An :class:`~tpassrun.events.EventLog` listener printing one line per event (stderr, like torchrun)."""
+
+    def __init__(self, *, stream: TextIO | None = None, pid: int | None = None,
+                 enabled: bool = True, wall: Callable[[], float] = time.time) -> None:
+        self.stream = stream
+        self.pid = os.getpid() if pid is None else pid
+        self.enabled = enabled
+        self.describer = Describer()
+        self._wall = wall
+
+    @property
+    def tally(self) -> RunTally:
+        return self.describer.tally
+
+    def __call__(self, ev: dict[str, Any]) -> None:
+        line = self.describer.describe(ev)
+        if ev.get("event") == "agent_exit":
+            for s in summary_lines(self.tally, ev.get("code")):
+                self._emit(ev, s, node=True)
+            return
+        if line is not None:
+            self._emit(ev, line, node=True)
+
+    def _emit(self, ev: dict[str, Any], line: str, *, node: bool) -> None:
+        if not self.enabled:
+            return
+        level = "W" if ev.get("event") in ("fallback", "user_error", "hang_detected", "worker_died",
+                                          "swap_aborted_here", "swap_transfer_failed", "fenced") else "I"
+        prefix = log_prefix(self.pid, float(ev.get("time") or self._wall()), level)
+        text = f"{prefix}[node {_short(ev.get('node'))}] {line}\n"
+        stream = self.stream or sys.stderr
+        try:
+            stream.write(text)
+            stream.flush()
+        except (OSError, ValueError):
+            self.enabled = False   # a closed or full stderr: nothing else to tell it with
