@@ -144,10 +144,28 @@ class Agent:
 
             self.health = AgentHealth(self)
             self.events.write("agent_started", endpoint=endpoint, run_id=cfg.rdzv_id, nproc=cfg.nproc_per_node,
-                              spares=cfg.spares_per_node)
+                              spares=cfg.spares_per_node, event_log=event_path)
+            self._register_run(stack, endpoint, event_path)
             code = await self._generations()
             self.events.write("agent_exit", code=code)
             return code
+
+    def _register_run(self, stack: contextlib.AsyncExitStack, endpoint: str, event_path: str | None) -> None:
+        """List this run in the machine's run registry while it lives (``tpassctl`` without ids finds it)."""
+        from .registry import RegistryError, RunEntry, register, unregister
+
+        conf = ",".join(f"{k}={v}" for k, v in dict(self.cfg.rdzv_conf or {}).items()
+                        if k in ("cacert", "cert", "key", "user", "read_timeout"))
+        entry = RunEntry(run_id=self.cfg.rdzv_id, endpoint=endpoint, pid=os.getpid(), node_id=self.node_id,
+                         event_log=os.path.abspath(event_path) if event_path else None, log_dir=self.logs.run_dir,
+                         credentials=getattr(self, "credentials_file", None), rdzv_conf=conf,
+                         nproc=self.cfg.nproc_per_node, spares=self.cfg.spares_per_node)
+        try:
+            path = register(entry)
+        except (RegistryError, OSError) as exc:
+            log.warning("run registry unavailable (tpassctl needs --rdzv-endpoint/--rdzv-id): %s", exc)
+            return
+        stack.callback(unregister, path)
 
     async def _wait_for_other_agents(self, timeout: float) -> None:
         """The hosting agent keeps its etcd up until the other agents are gone (their status keys live

@@ -1,6 +1,11 @@
 """``tpassctl``: look at a running job and taint/untaint/drain its ranks through etcd.
 
+Without ``--rdzv-endpoint``/``--rdzv-id``, the run comes from this machine's run registry
+(:mod:`tpassrun.registry`): the only one running, or the one with that id; ``tpassctl status`` alone lists
+them when there are several. ``--node`` takes a node id or its hostname.
+
     tpassctl status  --rdzv-endpoint E --rdzv-id ID [--json]
+    tpassctl events  [--rdzv-id ID] [--follow] [--json]
     tpassctl taint   --rdzv-endpoint E --rdzv-id ID (--rank R | --node N [--local-rank L]) --reason TEXT
                      [--effect migrate|exclude|fail]
     tpassctl untaint --rdzv-endpoint E --rdzv-id ID (--rank R | --node N [--local-rank L] | --id ID)
@@ -241,6 +246,8 @@ async def _run(args: argparse.Namespace) -> int:
             else:
                 _render_status(snap)
             return 0
+        if getattr(args, "node", None):
+            args.node = _resolve_node(snap, args.node)
         if args.command == "taint":
             if args.rank is not None:
                 node_id, local_rank = snap.resolve_rank(args.rank)
@@ -298,8 +305,9 @@ def _matches(taint: dict[str, Any], tid: str, args: argparse.Namespace) -> bool:
 
 def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--rdzv-endpoint", "--rdzv_endpoint", required=True, help="etcd host[:port][,...]")
-    common.add_argument("--rdzv-id", "--rdzv_id", required=True, help="the job's run id")
+    common.add_argument("--rdzv-endpoint", "--rdzv_endpoint",
+                        help="etcd host[:port][,...] (default: the run's, from this machine's run registry)")
+    common.add_argument("--rdzv-id", "--rdzv_id", help="the job's run id (default: the only run on this machine)")
     common.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="k=v,... (cacert, user, read_timeout, ...)")
     parser = argparse.ArgumentParser(prog="tpassctl", description="Inspect and steer a running tpassrun job.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -329,10 +337,61 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--id")
     untaint.add_argument("--local-rank", "--local_rank", type=int)
 
+    events = sub.add_parser("events", parents=[common], help="print a run's event log, one line per event")
+    events.add_argument("--follow", "-f", action="store_true", help="keep printing new events until the run ends")
+    events.add_argument("--json", action="store_true", help="the raw JSON lines")
+
     drain = sub.add_parser("drain", parents=[common], help="taint every active rank of a node")
     drain.add_argument("--node", required=True)
     drain.add_argument("--reason", required=True)
     return parser
+
+
+def _pick_run(args: argparse.Namespace) -> int | None:
+    """Fill in ``--rdzv-endpoint``/``--rdzv-id`` from the run registry; an exit code when there is nothing to
+    pick (several runs listed for ``status``), else None."""
+    from .registry import list_runs
+
+    if args.rdzv_endpoint and args.rdzv_id and args.command != "events":
+        return None
+    runs = list_runs()
+    if args.rdzv_id:
+        runs = [r for r in runs if r.run_id == args.rdzv_id]
+    if args.rdzv_endpoint:
+        runs = [r for r in runs if r.endpoint == args.rdzv_endpoint]
+    if len(runs) == 1:
+        run = runs[0]
+        args.rdzv_endpoint, args.rdzv_id = args.rdzv_endpoint or run.endpoint, args.rdzv_id or run.run_id
+        args.rdzv_conf = args.rdzv_conf or run.rdzv_conf
+        args.registry_entry = run
+        return None
+    if args.command == "events" and not runs:
+        raise CtlError("no such run on this machine (tpassctl events reads the event log of a local run)")
+    if args.rdzv_endpoint and args.rdzv_id:
+        return None
+    if not runs:
+        raise CtlError("no tpassrun runs on this machine; give --rdzv-endpoint and --rdzv-id")
+    if args.command == "status" and not args.watch and not args.json:
+        print(f"{len(runs)} runs on this machine (pick one with --rdzv-id):")
+        for r in runs:
+            age = time.time() - r.started
+            print(f"  {r.run_id}  etcd {r.endpoint}  pid {r.pid}  {r.nproc}+{r.spares} slots  up {age:.0f} s")
+        return 0
+    raise CtlError(f"{len(runs)} runs on this machine: pick one with --rdzv-id ({', '.join(r.run_id for r in runs)})")
+
+
+def _resolve_node(snap: RunSnapshot, node: str) -> str:
+    """A node id, or a hostname naming exactly one node of the run (ids are ``host-pid-rand``)."""
+    gen = snap.generation
+    known = set(snap.status) | set(snap.nodes) | (set(gen.member_ids) if gen else set())
+    if node in known:
+        return node
+    hits = sorted(n for n in known if n.rsplit("-", 2)[0] == node)
+    if len(hits) == 1:
+        return hits[0]
+    if len(hits) > 1:
+        raise CtlError(f"host {node!r} runs several nodes of run {snap.run_id!r}: {', '.join(hits)}")
+    return node   # check_node says it is unknown
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -341,6 +400,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if getattr(args, "local_rank", None) is not None and getattr(args, "node", None) is None:
         parser.error("--local-rank needs --node")
     try:
+        picked = _pick_run(args)
+        if picked is not None:
+            return picked
+        if args.command == "events":
+            from .ctl_events import print_events
+
+            return print_events(args.registry_entry, follow=args.follow, raw=args.json)
         return asyncio.run(_run(args))
     except (CtlError, RendezvousError) as exc:
         print(f"tpassctl: error: {exc}", file=sys.stderr)

@@ -1,0 +1,77 @@
+"""The run registry and tpassctl without ids: a running --standalone job is found by ``tpassctl status``."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from faults import Job
+from tpassrun import registry
+from tpassrun.registry import RegistryError, RunEntry, list_runs, register, registry_dir, unregister
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_entries_are_private_and_dead_launchers_are_pruned(tmp_path):
+    d = registry_dir({"XDG_RUNTIME_DIR": str(tmp_path)})
+    assert d == str(tmp_path / "tpassrun") and os.stat(d).st_mode & 0o777 == 0o700
+    live = register(RunEntry(run_id="a/b", endpoint="127.0.0.1:1", pid=os.getpid(), credentials="/x/creds"), d)
+    assert os.stat(live).st_mode & 0o777 == 0o600 and "/" not in os.path.basename(live)[:-5]
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = register(RunEntry(run_id="old", endpoint="127.0.0.1:2", pid=dead.pid), d)
+    runs = list_runs(d)
+    assert [r.run_id for r in runs] == ["a/b"] and runs[0].credentials == "/x/creds"
+    assert not os.path.exists(stale)
+    doc = json.load(open(live))
+    assert "password" not in json.dumps(doc)
+    unregister(live)
+    assert list_runs(d) == []
+
+
+def test_a_directory_others_can_write_is_refused(tmp_path):
+    os.makedirs(tmp_path / "tpassrun", mode=0o777)
+    os.chmod(tmp_path / "tpassrun", 0o777)
+    with pytest.raises(RegistryError):
+        registry_dir({"XDG_RUNTIME_DIR": str(tmp_path)})
+
+
+def _ctl(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "tpassrun.ctl", *argv], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **env})
+
+
+def test_tpassctl_finds_a_standalone_job_without_ids(tmp_path):
+    env = {"XDG_RUNTIME_DIR": str(tmp_path / "xdg")}
+    os.makedirs(env["XDG_RUNTIME_DIR"], mode=0o700)
+    assert "no tpassrun runs on this machine" in _ctl("status", env=env).stderr
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=None, run_id="", nproc=2, spares=1, steps=100000,
+                       step_sleep=0.05, env=env).start()
+    try:
+        job.wait_step(2, 180)
+        log = job.log()
+        assert " at etcd 127.0.0.1:" in log and "event log " in log      # printed at start
+        st = _ctl("status", "--json", env=env)
+        assert st.returncode == 0, st.stderr
+        snap = json.loads(st.stdout)
+        node = next(iter(snap["status"]))
+        host = node.rsplit("-", 2)[0]
+        tainted = _ctl("taint", "--node", host, "--local-rank", "1", "--reason", "by hostname", env=env)
+        assert tainted.returncode == 0 and f"node {node} local rank 1" in tainted.stdout, tainted
+        deadline = time.monotonic() + 120
+        while "swap_resumed" not in [e["event"] for e in job.events()]:
+            assert time.monotonic() < deadline and job.proc.poll() is None, job.log()[-3000:]
+            time.sleep(0.2)
+        ev = _ctl("events", env=env)
+        assert ev.returncode == 0 and "taint received: rank 1 on " in ev.stdout and "by hostname" in ev.stdout and "swapped and resumed" in ev.stdout, ev
+        raw = _ctl("events", "--json", env=env).stdout.splitlines()
+        assert json.loads(raw[0])["event"] == "agent_started"
+    finally:
+        job.kill()
+    assert registry.list_runs(os.path.join(env["XDG_RUNTIME_DIR"], "tpassrun")) == []   # pruned: launcher gone
+    assert "no tpassrun runs on this machine" in _ctl("status", env=env).stderr

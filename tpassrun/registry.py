@@ -1,0 +1,119 @@
+"""The runs on this machine: a small registry so ``tpassctl`` finds a job without an endpoint or a run id.
+
+Each launcher writes one JSON file (0600) into a private directory while it runs: ``$XDG_RUNTIME_DIR/tpassrun``
+when the user has one (systemd's per-user tmpfs, cleaned at logout), else ``<tmp>/tpassrun-<uid>`` created
+0700. The directory must be ours and private, or we refuse it (another user could plant entries). An entry
+records where the run's etcd is, its id, the event log and the path of the etcd credentials file (never a
+secret). It is removed at exit; entries whose launcher died are pruned by whoever lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import socket
+import stat
+import tempfile
+import time
+from typing import Any
+
+VERSION = 1
+
+
+class RegistryError(Exception):
+    """The registry directory is not private to this user."""
+
+
+def registry_dir(environ: dict[str, str] | None = None) -> str:
+    env = os.environ if environ is None else environ
+    xdg = env.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.stat(xdg).st_uid == os.getuid():
+        path = os.path.join(xdg, "tpassrun")
+    else:
+        path = os.path.join(tempfile.gettempdir(), f"tpassrun-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+        raise RegistryError(f"{path} is not a private directory of this user (mode {oct(st.st_mode & 0o777)})")
+    return path
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEntry:
+    run_id: str
+    endpoint: str
+    pid: int
+    node_id: str = ""
+    host: str = dataclasses.field(default_factory=socket.gethostname)
+    started: float = dataclasses.field(default_factory=time.time)
+    event_log: str | None = None
+    log_dir: str | None = None
+    credentials: str | None = None     # path of the run's etcd credentials file (0600), never its content
+    rdzv_conf: str = ""                # the non-secret --rdzv-conf items tpassctl needs (e.g. a cacert path)
+    nproc: int = 0
+    spares: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": VERSION, **dataclasses.asdict(self)}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "RunEntry":
+        if not isinstance(doc, dict) or doc.get("v") != VERSION:
+            raise ValueError("not a run entry")
+        names = {f.name for f in dataclasses.fields(cls)}
+        entry = cls(**{k: v for k, v in doc.items() if k in names})
+        if not isinstance(entry.run_id, str) or not isinstance(entry.endpoint, str) or not isinstance(entry.pid, int):
+            raise ValueError("malformed run entry")
+        return entry
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def register(entry: RunEntry, directory: str | None = None) -> str:
+    """Write ``entry`` (atomically, 0600); returns the path to pass to :func:`unregister`."""
+    directory = directory or registry_dir()
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in entry.run_id)[:80]
+    path = os.path.join(directory, f"{safe}-{entry.pid}.json")
+    tmp = f"{path}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump(entry.to_json(), fh)
+    os.replace(tmp, path)
+    return path
+
+
+def unregister(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def list_runs(directory: str | None = None, *, prune: bool = True) -> list[RunEntry]:
+    """The live runs on this machine, oldest first; entries of dead launchers are removed."""
+    directory = directory or registry_dir()
+    out = []
+    for name in sorted(os.listdir(directory)):
+        if not name.endswith(".json"):
+            continue
+        path = os.path.join(directory, name)
+        try:
+            with open(path) as fh:
+                entry = RunEntry.from_json(json.load(fh))
+        except (OSError, ValueError, TypeError):
+            continue
+        if not _alive(entry.pid):
+            if prune:
+                unregister(path)
+            continue
+        out.append(entry)
+    return sorted(out, key=lambda e: e.started)
