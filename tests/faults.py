@@ -137,10 +137,10 @@ class Job:
 
 
 def taint(endpoint: str, run_id: str, *, rank: int | None = None, node: str | None = None,
-          local_rank: int | None = None, reason: str = "test") -> int:
-    """``tpassctl taint`` as a user would run it; returns its exit code."""
+          local_rank: int | None = None, reason: str = "test", wait: bool = False) -> int:
+    """``tpassctl taint`` as a user would run it; returns its exit code (``wait``: until the swap resumed)."""
     argv = [sys.executable, "-m", "tpassrun.ctl", "taint", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--reason", reason]
+            "--reason", reason, *([] if wait else ["--no-wait"])]
     if rank is not None:
         argv += ["--rank", str(rank)]
     if node is not None:

@@ -73,7 +73,7 @@ def test_status_json_and_table(formed_run, capsys):
 def test_taint_by_rank_and_node_then_untaint(formed_run, capsys):
     endpoint, run_id, offsets = formed_run
     rank = offsets["b"] + 1
-    assert ctl(endpoint, run_id, "taint", "--rank", str(rank), "--reason", "ecc errors") == 0
+    assert ctl(endpoint, run_id, "taint", "--rank", str(rank), "--reason", "ecc errors", "--no-wait") == 0
     assert ctl(endpoint, run_id, "taint", "--node", "a", "--local-rank", "0", "--reason", "slow",
                "--effect", "exclude") == 0
     found = taints(endpoint, run_id, capsys)

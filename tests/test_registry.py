@@ -63,6 +63,11 @@ def test_tpassctl_finds_a_standalone_job_without_ids(tmp_path):
         host = node.rsplit("-", 2)[0]
         tainted = _ctl("taint", "--node", host, "--local-rank", "1", "--reason", "by hostname", env=env)
         assert tainted.returncode == 0 and f"node {node} local rank 1" in tainted.stdout, tainted
+        # it waited (like kubectl drain), printing the phases, until training resumed on the spare
+        assert ": pause" in tainted.stdout and "transfer (boundary took" in tainted.stdout, tainted.stdout
+        assert tainted.stdout.rstrip().splitlines()[-1].startswith("resumed: rank 1 now runs on "), tainted.stdout
+        queued = _ctl("taint", "--rank", "0", "--reason", "no spare left", env=env)        # the spare is used
+        assert queued.returncode == 0 and "queued for lack of a spare" in queued.stdout, queued
         deadline = time.monotonic() + 120
         while "swap_resumed" not in [e["event"] for e in job.events()]:
             assert time.monotonic() < deadline and job.proc.poll() is None, job.log()[-3000:]

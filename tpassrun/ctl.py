@@ -260,8 +260,10 @@ async def _run(args: argparse.Namespace) -> int:
             tid = _new_taint_id()
             await store.put_json(prefix + f"taints/{tid}",
                                  _taint_doc(tid, node_id, local_rank, rank, args.reason, args.effect))
-            print(f"tainted {_describe(node_id, local_rank, rank)} as {tid} ({args.effect}): {args.reason}")
-            return 0
+            print(f"tainted {_describe(node_id, local_rank, rank)} as {tid} ({args.effect}): {args.reason}", flush=True)
+            if args.no_wait or args.effect == "exclude":
+                return 0
+            return await _wait_for_taint(store, prefix, tid, args.wait_timeout)
         if args.command == "drain":
             snap.check_node(args.node, None)
             ranks = snap.active_ranks(args.node)
@@ -282,6 +284,63 @@ async def _run(args: argparse.Namespace) -> int:
                 print(f"removed taint {tid}")
             return 0
     raise CtlError(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it)
+
+
+async def _wait_for_taint(store: EtcdStore, prefix: str, tid: str, timeout: float, poll: float = 0.2) -> int:
+    """Like ``kubectl drain``: follow the taint until its swap resumed training (0), it is queued for lack of a
+    spare (0, said so), or the swap was given up / the run ended (1); print each phase as it happens."""
+    deadline = time.monotonic() + timeout
+    said: set[str] = set()
+    started = time.monotonic()
+
+    def say(key: str, text: str) -> None:
+        if key not in said:
+            said.add(key)
+            print(f"  {time.monotonic() - started:6.2f} s  {text}", flush=True)
+
+    while time.monotonic() < deadline:
+        doc, _ = await store.get_json(prefix + f"taints/{tid}")
+        closed, _ = await store.get_json(prefix + "closed")
+        plan_id = (doc or {}).get("handled_by")
+        if plan_id == "restart":
+            say("restart", f"no live swap possible: {doc.get('state')}; the job restarts with the slot quarantined")
+            return 0
+        if plan_id:
+            plan, _ = await store.get_json(prefix + f"swaps/{plan_id}")
+            history = (plan or {}).get("history") or []
+            for i, item in enumerate(history):
+                phase = item[0] if isinstance(item, (list, tuple)) and item else "?"
+                took = ""
+                if i and isinstance(history[i - 1], (list, tuple)) and len(item) > 1 and len(history[i - 1]) > 1:
+                    took = f" ({history[i - 1][0]} took {float(item[1]) - float(history[i - 1][1]):.3f} s)"
+                say(f"{plan_id}/{i}", f"swap {plan_id}: {phase}{took}")
+            phase = (plan or {}).get("phase")
+            if phase == "done":
+                print(f"resumed: rank {(plan.get('leaver') or {}).get('rank')} now runs on "
+                      f"{(plan.get('joiner') or {}).get('node')}/{(plan.get('joiner') or {}).get('slot')}")
+                return 0
+            if phase == "aborted":
+                print(f"tpassctl: error: swap {plan_id} aborted: {plan.get('reason') or ''}", file=sys.stderr)
+                return 1
+        elif doc is None:
+            print("the taint was removed before anything happened")
+            return 0
+        elif doc.get("state"):
+            if str(doc["state"]).startswith("reject"):
+                print(f"tpassctl: error: the job refused taint {tid}: {doc['state']}", file=sys.stderr)
+                return 1
+            say("state", f"queued: {doc['state']}")
+            if "no spare" in str(doc["state"]) or str(doc["state"]).startswith("wait"):
+                print(f"taint {tid} is queued for lack of a spare; it will be handled when one is free "
+                      "(tpassctl events -f to follow)")
+                return 0
+        if closed is not None:
+            print(f"tpassctl: error: the run ended: {closed.get('reason')}", file=sys.stderr)
+            return 1
+        await asyncio.sleep(poll)
+    print(f"tpassctl: error: nothing happened to taint {tid} within {timeout:g} s (it stays in place)",
+          file=sys.stderr)
+    return 1
 
 
 def _describe(node_id: str, local_rank: int | None, rank: int | None) -> str:
@@ -329,6 +388,10 @@ def build_parser() -> argparse.ArgumentParser:
     taint.add_argument("--local-rank", "--local_rank", type=int)
     taint.add_argument("--reason", required=True)
     taint.add_argument("--effect", choices=EFFECTS, default="migrate")
+    taint.add_argument("--no-wait", action="store_true",
+                       help="return once the taint is recorded (default: wait until the swap resumed or the taint"
+                            " is queued for lack of a spare, printing each phase)")
+    taint.add_argument("--wait-timeout", type=float, default=600.0, help="seconds to wait (default 600)")
 
     untaint = sub.add_parser("untaint", parents=[common], help="remove taints")
     target = untaint.add_mutually_exclusive_group(required=True)
