@@ -41,6 +41,19 @@ _CONNECTION_ERRORS = (
 )
 
 
+def raise_if_cancelling() -> None:
+    """Re-raise a cancellation that an await swallowed.
+
+    Python 3.11's ``asyncio.wait_for`` returns the inner result, dropping the caller's cancel, when the two
+    coincide (aetcd's ``watch()`` uses it); a watch loop that then carried on made a cancelled task run
+    forever, and the agent hung in ~1 of 10 launches waiting for it. ``Task.cancelling()`` still counts that
+    request, so loops check it after such awaits.
+    """
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 def encode(value: dict[str, Any]) -> bytes:
     # sort_keys: the same value always has the same bytes, which keeps value comparisons meaningful.
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
@@ -368,6 +381,7 @@ class EtcdStore:
                 return f"no etcd lease refresh acknowledged in time (lease ttl {self.lease_ttl} s)"
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._lease_changed.wait(), remaining)
+            raise_if_cancelling()
 
     async def _regrant(self) -> None:
         log.warning("etcd lease expired (outage longer than %s s): re-registering", self.lease_ttl)
@@ -487,6 +501,7 @@ class EtcdStore:
             try:
                 watch = await client.watch(k, range_end=_range_end(k) if prefix else None,
                                            start_revision=next_rev)
+                raise_if_cancelling()
                 if ready is not None:
                     ready.set()
                 async for ev in watch:
@@ -499,6 +514,7 @@ class EtcdStore:
                     value = decode(kv.value) if kind == "put" else None
                     yield WatchEvent(kind, kv.key.decode(), value, kv.mod_revision, kv.create_revision)
                 # The iterator ended without us cancelling it: a reconnect closed this client. Resume.
+                raise_if_cancelling()
                 await self.connection.recover(epoch, None)
             except aetcd_errors.RevisionCompactedError as exc:
                 next_rev = exc.compacted_revision

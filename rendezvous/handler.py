@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from .config import EtcdConfig, RendezvousSettings
 from .errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
-from .etcd_io import EtcdConnection, EtcdStore, WatchEvent, decode
+from .etcd_io import EtcdConnection, EtcdStore, WatchEvent, decode, raise_if_cancelling
 from .machine import Action, NodeEntry, RdzvView, closed_generation, decide, events_between, restart_generation
 from .state import EventKind, GenState, Generation, NodeInfo, RdzvEvent
 
@@ -196,6 +196,7 @@ class EtcdRendezvous:
         changed = self._changed
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(changed.wait(), timeout)
+        raise_if_cancelling()
 
     def _wake(self) -> None:
         self._changed.set()

@@ -115,6 +115,7 @@ class Agent:
         async with contextlib.AsyncExitStack() as stack:
             endpoint = cfg.etcd_endpoint
             if endpoint is None:
+                log.debug("waiting for the embedded etcd to start")
                 etcd = await stack.enter_async_context(EmbeddedEtcd(find_etcd_binary(cfg.etcd_bin)))
                 endpoint = etcd.endpoint
             elif cfg.host_etcd:
@@ -131,6 +132,7 @@ class Agent:
             settings = RendezvousSettings.from_conf(cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf)
             node = NodeInfo(node_id=self.node_id, addr=self.addr, nproc=cfg.nproc_per_node,
                             spares=cfg.spares_per_node, spare_node=cfg.spare_node)
+            log.debug("connecting to etcd at %s", endpoint)
             self.rdzv = await stack.enter_async_context(
                 EtcdRendezvous(EtcdConfig.from_endpoint(endpoint, cfg.rdzv_conf), settings, node))
             self.slots = await LocalSlots(cfg.nproc_per_node, cfg.spares_per_node,
@@ -203,6 +205,7 @@ class Agent:
     async def _generations(self) -> int:
         assert self.rdzv is not None
         while True:
+            log.debug("waiting in rendezvous (run %s)", self.cfg.rdzv_id)
             self._join_task = asyncio.ensure_future(self.rdzv.join())
             try:
                 waited = 0.0
@@ -219,6 +222,7 @@ class Agent:
                               members=[m.node_id for m in gen.members])
             outcome, reason = await self._run_generation(gen)
             self.events.write("generation_ended", generation=gen.number, outcome=outcome, reason=reason)
+            log.debug("generation %d ended: %s (%s)", gen.number, outcome, reason)
             if outcome == Outcome.SUCCEEDED:
                 with contextlib.suppress(RendezvousError):
                     await self.rdzv.close("succeeded")
@@ -277,9 +281,13 @@ class Agent:
         self._queue = asyncio.Queue()
         if self.signal_received is not None:
             return Outcome.SIGNALLED, "signal"
+        log.debug("generation %d: waiting for the workers' store (hosting: %s)", gen.number,
+                  me is not None and me.group_rank == 0)
         master = await self._bootstrap(gen, me is not None and me.group_rank == 0)
         self.master = master
+        log.debug("generation %d: store at %s:%d; spawning workers", gen.number, *master)
         await self._spawn_generation(gen, master)
+        log.debug("generation %d: workers spawned; supervising", gen.number)
         tasks = [asyncio.ensure_future(self._pump_rdzv_events(gen)),
                  asyncio.ensure_future(self.swapper.run(gen)),
                  asyncio.ensure_future(self._publish_status_loop()),
@@ -292,9 +300,16 @@ class Agent:
         try:
             outcome, reason = await self._supervise(gen)
         finally:
+            log.debug("generation %d: supervision over; stopping the generation's tasks", gen.number)
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Bounded: a task that swallows its cancel (see rendezvous.etcd_io.raise_if_cancelling) must not
+            # hang the agent; it is named so the bug can be found.
+            _done, stuck = await asyncio.wait(tasks, timeout=10)
+            for t in stuck:
+                log.warning("generation task %r did not stop within 10 s of its cancel; leaving it", t)
+            await asyncio.gather(*(t for t in tasks if t.done()), return_exceptions=True)
+            log.debug("generation %d: tasks stopped; stopping workers and store", gen.number)
         sig = self.signal_received if outcome == Outcome.SIGNALLED else signal.SIGTERM
         grace = float(self.cfg.shutdown_timeout) if outcome == Outcome.SIGNALLED else 30.0
         await self._stop_all(sig, grace)
@@ -426,6 +441,7 @@ class Agent:
 
     async def _watch_exit(self, slot: Slot, proc: Any) -> None:
         code = await proc.wait()
+        log.debug("slot %d (pid %d) exited with %s", slot.index, proc.pid, code)
         self._queue.put_nowait(("exit", slot, proc, code))
 
     def _on_worker_message(self, slot: Slot, msg: dict[str, Any]) -> None:
@@ -445,6 +461,7 @@ class Agent:
         while True:
             item = await self._queue.get()
             kind = item[0]
+            log.debug("supervisor event: %s", kind)
             if kind == "signal":
                 self.events.write("signal", signal=signal.Signals(item[1]).name)
                 return Outcome.SIGNALLED, f"signal {item[1]}"

@@ -355,6 +355,7 @@ async def spawn_worker(
     for f in files:  # the child has its own copy of the descriptor now
         f.close()
     files.clear()
+    log.debug("spawned worker %s%d: pid %d", role, local_rank, proc.pid)
 
     pumps: list[asyncio.Task[None]] = []
     prefix = s.prefix.encode()
