@@ -402,10 +402,94 @@ def test_raw_parse_matches_torchruns_parser(monkeypatch):
 # ---------------------------------------------------------------- cli
 
 
-def test_cli_config_error_is_one_line_and_exit_2(capsys):
-    assert main(["--nnodes", "3:2", "t.py"]) == 2
+def test_cli_config_error_is_one_line_and_torchruns_exit_1(capsys):
+    assert main(["--nnodes", "3:2", "t.py"]) == 1
     err = capsys.readouterr().err
     assert err.startswith("tpassrun: error: ") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [
+    ["--rdzv-backend", "nosuch", "--rdzv-endpoint", "h:1", "t.py"],  # unknown backend
+    ["--logs-specs", "nosuch", "t.py"],
+    ["--nproc-per-node", "lots", "t.py"],
+    ["--nnodes", "1:2:3", "t.py"],
+    ["--shutdown-timeout", "-1", "t.py"],
+    ["--no-python", "-m", "t.py"],
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:port", "t.py"],  # malformed endpoint: at once, not after 60 s
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1:2", "t.py"],
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", ":29400", "t.py"],
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:70000", "t.py"],
+    ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-id", "a/b", "t.py"],
+])
+def test_rejected_values_exit_1_like_torchrun_with_one_line(argv, capsys):
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("tpassrun: error: ") and err.count("\n") == 1, err
+
+
+def test_logs_specs_default_is_torchruns_own_plugin():
+    assert parse("--logs-specs", "default", "t.py").logs_specs == "default"
+    assert parse("--logs_specs=default", "t.py").logs_specs == "default"
+
+
+def test_run_id_with_slash_is_fine_when_standalone_ignores_it():
+    assert parse("--standalone", "--rdzv-id", "a/b", "t.py").rdzv_id == "UUID"
+
+
+@pytest.mark.parametrize("value", ['"5\'"', "'5'", "five"])
+def test_quoted_timeout_is_ignored_where_torchrun_ignores_it(value):
+    # c10d's dynamic handler never reads "timeout": torchrun runs whatever its value
+    cfg = parse("--rdzv-conf", f"timeout={value}", "t.py")
+    assert cfg.rdzv_conf["timeout"] == "900"
+    cfg = parse("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", f"timeout={value},x=1", "t.py")
+    assert cfg.rdzv_conf == {"timeout": "900", "x": "1"}
+    # the legacy etcd and static handlers int() it: the value is kept and the agent rejects it, like torchrun
+    assert parse("--rdzv-backend", "etcd", "--rdzv-conf", f"timeout={value}", "t.py").rdzv_conf["timeout"] == value
+
+
+@pytest.mark.parametrize("endpoint", ["h", "h:1", "10.0.0.1:29400", "[::1]:5", "[::1]", "::1:29400", "localhost:0"])
+def test_wellformed_endpoints_pass(endpoint):
+    parse("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "t.py")
+
+
+# ---------------------------------------------------------------- preflight (issue 11: bad input is one line)
+
+
+def _preflight_main(tmp_path, *argv):
+    return main(list(argv) + [str(tmp_path / "t.py")])
+
+
+def test_missing_cert_is_one_line(tmp_path, capsys):
+    rc = main(["--rdzv-backend", "etcd", "--rdzv-endpoint", "h:1", "--rdzv-conf", f"cacert={tmp_path}/none.pem",
+               "t.py"])
+    err = capsys.readouterr().err
+    assert rc == 1 and "cacert=" in err and err.count("\n") == 1
+
+
+def test_uncreatable_log_dir_and_event_log_are_one_line(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    for argv in (["--log-dir", str(blocker / "logs")], ["--event-log", str(blocker / "sub" / "e.jsonl")],
+                 ["--event-log", str(tmp_path)]):
+        assert main(argv + ["t.py"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("tpassrun: error: ") and err.count("\n") == 1, err
+
+
+def test_log_dir_and_event_log_are_created(tmp_path):
+    from tpassrun.config import preflight
+
+    preflight(parse("--log-dir", str(tmp_path / "a" / "b"), "--event-log", str(tmp_path / "c" / "e.jsonl"), "t.py"))
+    assert (tmp_path / "a" / "b").is_dir() and (tmp_path / "c" / "e.jsonl").is_file()
+
+
+def test_missing_or_invalid_health_config_is_one_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("rules = [ {")
+    for path in (tmp_path / "missing.toml", bad):
+        assert main(["--health-config", str(path), "t.py"]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("tpassrun: error: --health-config") and err.count("\n") == 1, err
 
 
 def test_cli_usage_error_exit_2(capsys):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import io
 import json
 import os
@@ -356,3 +357,41 @@ def test_copy_root_cause_error_file(tmp_path):
 def test_exit_codes_follow_torchrun():
     assert exit_code(RunOutcome.SUCCEEDED) == 0
     assert {exit_code(o) for o in RunOutcome if o is not RunOutcome.SUCCEEDED} == {1}
+
+
+@pytest.mark.parametrize("content", ['{"message": {"message": "Bo', "", "[1, 2]", '{"message": 5}', '{"x": 1}',
+                                     '{"message": {"extraInfo": {}}}'])
+def test_torn_or_foreign_error_file_is_reported_without_it(tmp_path, content):
+    """issue 11: a worker killed mid-write leaves a torn error.json; the failure is still reported (torchrun 2.13
+    raises here and its agent dies with a traceback, never using --max-restarts)."""
+    torn = tmp_path / "error.json"
+    torn.write_text(content)
+    f = ProcessFailure.from_exit(local_rank=1, rank=3, pid=9, exitcode=3, error_file=str(torn), now=lambda: 7.0)
+    assert (f.error_file, f.timestamp, f.rank) == ("<N/A>", 7, 3)
+    assert "FAILED" in format_failure_report("train.py", [f])
+    target = tmp_path / "parent.json"
+    bogus = dataclasses.replace(f, error_file=str(torn))  # as if it had been read: the copy must not crash either
+    copied = copy_root_cause_error_file([bogus], {"TORCHELASTIC_ERROR_FILE": str(target)})
+    assert copied == (str(target) if content.startswith("{\"") and content.endswith("}") else None)
+
+
+@pytest.mark.timeout(240)
+def test_torn_error_file_still_uses_max_restarts(tmp_path):
+    """End to end: every attempt's worker writes a torn error.json and exits 3; the agent restarts it once
+    (--max-restarts 1), then prints torchrun's failure report and exits 1."""
+    script = tmp_path / "torn.py"
+    script.write_text(textwrap.dedent("""
+        import os, sys
+        p = os.environ["TORCHELASTIC_ERROR_FILE"]
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "w") as f:
+            f.write('{"message": {"message": "Bo')
+        print("attempt", os.environ["TORCHELASTIC_RESTART_COUNT"], flush=True)
+        sys.exit(3)
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "TORCHELASTIC_", "TPASSRUN_"))}
+    done = subprocess.run([PY, "-m", "tpassrun", "--max-restarts", "1", "--log-dir", str(tmp_path / "logs"),
+                           str(script)], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=200)
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert "attempt 0" in done.stdout and "attempt 1" in done.stdout, done.stdout
+    assert "torn.py FAILED" in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]

@@ -1,7 +1,8 @@
 """``tpassrun`` console script: parse a torchrun command line, hand it to the agent.
 
-Exit codes: 0 success, 1 workers failed or the agent failed (torchrun's rule), 2 bad command line
-(argparse usage error, or a :class:`~tpassrun.config.ConfigError` printed on one line).
+Exit codes are torchrun's: 0 success; 1 workers failed, the agent failed, or a value was rejected (torchrun
+raises from ``main`` and exits 1; tpassrun prints a :class:`~tpassrun.config.ConfigError` on one line
+instead of a traceback); 2 an argparse usage error (unknown flag, a value argparse itself rejects).
 """
 
 from __future__ import annotations
@@ -9,9 +10,10 @@ from __future__ import annotations
 import os
 import sys
 
-from .config import ConfigError, parse_args
+from .config import ConfigError, parse_args, preflight
 
-USAGE_ERROR = 2
+USAGE_ERROR = 2     # argparse's code, as torchrun
+REJECTED_VALUE = 1  # torchrun's code when run.py raises on a value (unknown backend, bad --nnodes, ...)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,9 +21,10 @@ def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_args(args, os.environ)
+        preflight(cfg)
     except ConfigError as exc:
         print(f"tpassrun: error: {exc}", file=sys.stderr)
-        return USAGE_ERROR
+        return REJECTED_VALUE
     except SystemExit as exc:  # argparse: usage line already printed (or --help)
         return exc.code if isinstance(exc.code, int) else USAGE_ERROR
 

@@ -90,6 +90,11 @@ DEFAULT_RDZV_TIMEOUT = "900"
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 DEFAULT_SHUTDOWN_TIMEOUT = 30
 BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+DEFAULT_LOGS_SPECS = "default"  # torchrun's entry point name for DefaultLogsSpecs
+# --rdzv-conf keys torchrun's c10d/etcd-v2 handler never reads (the dynamic handler reads join_timeout, ...):
+# whatever their value, torchrun runs. tpassrun reads "timeout" as the join timeout when join_timeout is
+# absent, so an unreadable one falls back to the default instead of failing the launch.
+_IGNORED_BY_DYNAMIC = ("timeout",)
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 
 
@@ -388,6 +393,35 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_endpoint(endpoint: str, backend: str) -> None:
+    """torchrun's ``parse_rendezvous_endpoint``: an empty host or a port that is not an integer in 0..65535 is
+    an error at once (tpassrun used to find out by trying to connect for 60 s)."""
+    if not endpoint:
+        return
+    text = endpoint.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ("" if not rest else None)
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            host, port = text, ""
+    if port is None or not host.strip():
+        raise ConfigError(f"--rdzv-endpoint={endpoint}: the hostname of the rendezvous endpoint is missing or "
+                          "malformed (expected <host>[:<port>])")
+    if port and not (port.isdigit() and 0 <= int(port) <= 65535):
+        raise ConfigError(f"--rdzv-endpoint={endpoint}: the port number of the rendezvous endpoint must be an "
+                          "integer between 0 and 65535")
+
+
 def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
     if not text:
         return None
@@ -502,8 +536,13 @@ def parse_args(
         raise ConfigError(f"--monitor-interval must be > 0 (got {ns.monitor_interval})")
     if ns.no_python and ns.module and not ns.run_path:
         raise ConfigError("Don't use both the '--no-python' flag and the '--module' flag at the same time.")
-    if ns.logs_specs is not None:
-        raise ConfigError(f"--logs-specs={ns.logs_specs}: custom LogsSpecs plugins are not supported by tpassrun")
+    if ns.logs_specs not in (None, DEFAULT_LOGS_SPECS):
+        # torchrun: ValueError "Could not find entrypoint under 'torchrun.logs_specs[...]'" and exit 1
+        raise ConfigError(f"--logs-specs={ns.logs_specs}: no such logs specs (tpassrun knows only "
+                          f"{DEFAULT_LOGS_SPECS!r}, torchrun's built-in one)")
+    if not standalone and "/" in run_id:
+        # torchrun: a FileNotFoundError traceback from mkdtemp(prefix=f"{run_id}_") for the log dir
+        raise ConfigError(f"--rdzv-id={run_id}: a run id cannot contain '/' (it names the run's log directory)")
     if ns.log_dir and ns.log_dir != os.devnull and os.path.isfile(ns.log_dir):
         raise ConfigError(f"--log-dir={ns.log_dir} is a file")
     if ns.spares_per_node < 0:
@@ -519,7 +558,12 @@ def parse_args(
         raise ConfigError("--hang-timeout and --straggler-factor must be >= 0, --health-interval > 0")
 
     rdzv_conf = parse_rdzv_conf(ns.rdzv_conf)
+    if backend in ("c10d", "etcd-v2"):
+        for key in _IGNORED_BY_DYNAMIC:
+            if key in rdzv_conf and not _is_number(rdzv_conf[key]):
+                del rdzv_conf[key]
     rdzv_conf.setdefault("timeout", DEFAULT_RDZV_TIMEOUT)
+    check_endpoint(endpoint, backend)
     if backend == "static":
         rdzv_conf["rank"] = str(ns.node_rank)
 
@@ -589,3 +633,50 @@ def parse_args(
         migrate_back=ns.migrate_back,
         metrics_port=ns.metrics_port,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# preflight: the checks that touch the file system, done once before the agent starts
+# --------------------------------------------------------------------------------------------
+
+_CERT_KEYS = ("cacert", "ca_cert", "cert", "ssl_cert", "key", "ssl_cert_key")
+
+
+def preflight(cfg: LaunchConfig) -> None:
+    """Everything the command line names on disk exists and is usable, else one :class:`ConfigError` line
+    (these were tracebacks, or a health policy silently switched off, deep inside the agent).
+
+    Creates ``--log-dir`` and the ``--event-log``'s directory, as the agent would a moment later.
+    """
+    for key in _CERT_KEYS:
+        path = cfg.rdzv_conf.get(key)
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            raise ConfigError(f"--rdzv-conf {key}={path}: no such readable file")
+    if cfg.log_dir and cfg.log_dir != os.devnull:
+        _ensure_dir(cfg.log_dir, "--log-dir")
+    if cfg.event_log:
+        parent = os.path.dirname(os.path.abspath(cfg.event_log))
+        _ensure_dir(parent, "--event-log")
+        if os.path.isdir(cfg.event_log):
+            raise ConfigError(f"--event-log={cfg.event_log} is a directory")
+        try:
+            with open(cfg.event_log, "a"):
+                pass
+        except OSError as exc:
+            raise ConfigError(f"--event-log={cfg.event_log}: cannot write: {exc.strerror or exc}") from None
+    if cfg.health_config:
+        from health import Policy  # noqa: PLC0415  (only when asked for)
+
+        try:
+            Policy.load(cfg.health_config)
+        except ValueError as exc:
+            raise ConfigError(f"--health-config: {exc}") from None
+
+
+def _ensure_dir(path: str, flag: str) -> None:
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"{flag}={path}: cannot create the directory: {exc.strerror or exc}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"{flag}={path}: the directory is not writable")

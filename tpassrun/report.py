@@ -71,18 +71,22 @@ class ProcessFailure:
         error_file: str,
         now: Callable[[], float] = time.time,
     ) -> "ProcessFailure":
-        """Build it the way torchrun does: read ``error_file`` if the worker wrote one."""
+        """Build it the way torchrun does: read ``error_file`` if the worker wrote one.
+
+        A torn or foreign file (a worker killed mid-write, a script that wrote its own) is logged and then
+        treated as no file. torchrun 2.13 raises here ("Failed to parse reply file"), which kills its agent
+        with a traceback and never uses ``--max-restarts``; the worker's death is what matters, not its note.
+        """
         if error_file and os.path.isfile(error_file):
-            with open(error_file) as fp:
-                data = json.load(fp)
-            message = data["message"]
-            if isinstance(message, str):
-                timestamp = int(data.get("timestamp", 0))
+            try:
+                message, timestamp = _read_error_file(error_file)
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                log.warning("Failed to parse reply file: %s (%s: %s); reporting the failure without it",
+                            error_file, type(exc).__name__, exc)
             else:
-                timestamp = int(message["extraInfo"]["timestamp"])
-            if message:
-                return cls(local_rank, rank, pid, exitcode, error_file, timestamp, message)
-            return cls(local_rank, rank, pid, exitcode, error_file, timestamp, _generated_message(exitcode, pid))
+                if message:
+                    return cls(local_rank, rank, pid, exitcode, error_file, timestamp, message)
+                return cls(local_rank, rank, pid, exitcode, error_file, timestamp, _generated_message(exitcode, pid))
         return cls(local_rank, rank, pid, exitcode, NOT_AVAILABLE, int(now()), _generated_message(exitcode, pid))
 
     def signal_name(self) -> str:
@@ -96,6 +100,18 @@ class ProcessFailure:
     def timestamp_isoformat(self) -> str:
         """``YYYY-MM-DD_HH:MM:SS`` in local time, like torchrun."""
         return datetime.fromtimestamp(self.timestamp).isoformat(sep="_")
+
+
+def _read_error_file(path: str) -> tuple[str | dict[str, Any], int]:
+    """(message, timestamp) of a ``@record`` error file; raises on anything that is not one."""
+    with open(path) as fp:
+        data = json.load(fp)
+    message = data["message"]
+    if isinstance(message, str):
+        return message, int(data.get("timestamp", 0))
+    if not isinstance(message, dict):
+        raise TypeError(f"'message' is a {type(message).__name__}")
+    return message, int(message["extraInfo"]["timestamp"])
 
 
 def _generated_message(exitcode: int, pid: int) -> str:
@@ -163,8 +179,14 @@ def copy_root_cause_error_file(failures: Sequence[ProcessFailure], environ: Mapp
         log.info("local_rank %s FAILED with no error file. Decorate your entrypoint fn with @record "
                  "for traceback info. See: https://pytorch.org/docs/stable/elastic/errors.html", root.rank)
         return None
-    with open(root.error_file) as fp:
-        data = json.load(fp)
+    try:
+        with open(root.error_file) as fp:
+            data = json.load(fp)
+        if not isinstance(data, dict):
+            raise TypeError(f"a JSON {type(data).__name__}, not an object")
+    except (OSError, ValueError, TypeError) as exc:
+        log.warning("not copying %s to %s: %s", root.error_file, target, exc)
+        return None
     # The child cannot record its own code when a signal killed it: the launcher knows it.
     if root.exitcode and isinstance(data.get("message"), dict):
         data["message"]["errorCode"] = root.exitcode
