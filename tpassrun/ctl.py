@@ -144,6 +144,8 @@ async def read_snapshot(store: EtcdStore, prefix: str, run_id: str) -> RunSnapsh
         elif rest == "closed":
             snap.closed = doc
         elif kind in ("nodes", "status", "health", "taints", "swaps") and name:
+            if kind == "swaps" and isinstance(doc, dict):
+                doc = {k: v for k, v in doc.items() if k != "secret"}   # the transfer key is never shown
             getattr(snap, kind)[name] = doc
     return snap
 

@@ -30,6 +30,8 @@ import torch
 
 from .handoff_codec import META_VERSION, ChecksumError, HandoffError, StateBundle, TreeEncoder, decode_tree
 from .handoff_wire import (
+    AuthError,
+    TransferAuth,
     TransferStats,
     accept_and_recv,
     connect_and_send,
@@ -46,7 +48,7 @@ except ImportError:  # pragma: no cover
     np = None  # type: ignore[assignment]
 
 __all__ = [
-    "ChecksumError", "HandoffError", "StateBundle", "Stateful", "TransferStats",
+    "AuthError", "ChecksumError", "HandoffError", "StateBundle", "Stateful", "TransferAuth", "TransferStats",
     "accept_and_recv", "apply", "capture", "capture_rng", "connect_and_send", "decode_small",
     "encode_small", "listen_for_bundle", "recv_bundle", "restore_rng", "send_bundle",
 ]

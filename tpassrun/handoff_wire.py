@@ -20,13 +20,32 @@ the two overlap instead of adding up); see ``_BlockSum64`` for why streams do no
 
 ``encode_small``/``decode_small`` use the very same frame in memory (no ack, no thread) for the
 per-step "light" snapshot a worker leaves in shared memory.
+
+A transfer between processes is authenticated (:class:`TransferAuth`): a per-swap key reaches both ends only
+through the control plane, never the network. Before any state byte is read or sent, the two ends prove the
+key to each other over fresh nonces (either end may be a stranger: a process that found the port, or a forged
+plan's address)::
+
+    receiver -> sender    40 B  b"TPNC" | u16 version | u16 0 | nonce_r (32 B)
+    sender -> receiver    68 B  b"TPAU" | nonce_s (32 B) | HMAC(key, "sender" | nonce_r | nonce_s | context)
+    receiver -> sender    36 B  b"TPOK" | HMAC(key, "receiver" | nonce_r | nonce_s | context)
+
+``context`` names the swap and the rank, so a key-holder of another swap or rank is refused too. The frame
+then runs as above with HMAC-SHA256 over both nonces, the context and every byte of the frame as its checksum
+("hmac-sha256"), the full 32-byte tag following the trailer; the receiver applies nothing before the tag
+verified (constant-time compare), and allocates nothing beyond ``max_bytes``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
+import math
 import mmap
+import os
+import secrets
 import socket
 import struct
 import time
@@ -34,6 +53,7 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
+import logging
 
 import torch
 
@@ -43,6 +63,8 @@ try:
     import numpy as np
 except ImportError:  # pragma: no cover - then streams fall back to crc32
     np = None  # type: ignore[assignment]
+
+log = logging.getLogger("tpassrun.handoff")
 
 WIRE_VERSION = 1
 _MAGIC = b"TPHO"
@@ -55,6 +77,12 @@ _TRAILER = struct.Struct("<4sQI")  # end magic, data_len, crc of everything befo
 _ACK = struct.Struct("<4sI")
 _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
 _MAX_HEAD_BYTES = 1 << 30  # a corrupt length must not make us allocate the moon
+_HELLO = struct.Struct("<4sHH32s")     # b"TPNC", version, 0, receiver nonce
+_PROOF = struct.Struct("<4s32s32s")    # b"TPAU", sender nonce, sender proof
+_ACCEPT = struct.Struct("<4s32s")      # b"TPOK", receiver proof
+_TAG_LEN = 32
+_HMAC_CHECKSUM = "hmac-sha256"
+_HANDSHAKE_TIMEOUT_S = 10.0            # a stranger that connects and says nothing is dropped after this
 _DEFAULT_CHUNK = 8 << 20
 _HUGE_PAGE_MIN_BYTES = 4 << 20
 _JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once: this runs every step
@@ -97,10 +125,103 @@ class TensorSpec:
         except (KeyError, TypeError, ValueError) as exc:
             raise HandoffError(f"malformed tensor table row {row!r}") from exc
         dtype = dtype_from_name(spec.dtype)
-        expected = torch.Size(spec.shape).numel() * torch.empty((), dtype=dtype).element_size()
-        if spec.nbytes != expected or any(n < 0 for n in spec.shape):
+        if any(n < 0 or n >= 1 << 62 for n in spec.shape) or len(spec.shape) > 64:
+            raise HandoffError(f"tensor table row {row!r} has an impossible shape")
+        expected = math.prod(spec.shape) * torch.empty((), dtype=dtype).element_size()
+        if spec.nbytes != expected:
             raise HandoffError(f"tensor table row {row!r} is inconsistent (expected {expected} bytes)")
         return spec
+
+
+class AuthError(HandoffError):
+    """The peer did not prove the swap's key: a stranger, or a sender/receiver of another swap or rank."""
+
+
+@dataclass(frozen=True)
+class TransferAuth:
+    """What both ends of one transfer share: the per-swap ``key`` (from the control plane, never on the
+    network) and the transfer's identity (swap id, the rank whose state moves)."""
+
+    key: bytes
+    swap_id: str
+    rank: int
+
+    def __post_init__(self) -> None:
+        if len(self.key) < 16:
+            raise ValueError("a transfer key needs at least 16 bytes")
+
+    def __repr__(self) -> str:   # never print the key
+        return f"TransferAuth(swap_id={self.swap_id!r}, rank={self.rank})"
+
+    def _context(self, nonce_r: bytes, nonce_s: bytes) -> bytes:
+        ident = json.dumps([WIRE_VERSION, self.swap_id, self.rank]).encode()
+        return nonce_r + nonce_s + struct.pack("<I", len(ident)) + ident
+
+    def proof(self, role: bytes, nonce_r: bytes, nonce_s: bytes) -> bytes:
+        return hmac.new(self.key, b"tpassrun-handoff/" + role + b"\0" + self._context(nonce_r, nonce_s),
+                        hashlib.sha256).digest()
+
+    def frame_mac(self, nonce_r: bytes, nonce_s: bytes) -> "_Hmac":
+        return _Hmac(hmac.new(self.key, b"tpassrun-handoff/frame\0" + self._context(nonce_r, nonce_s),
+                              hashlib.sha256))
+
+
+class _Hmac:
+    """HMAC-SHA256 as a frame checksum: ``result`` is its first 4 bytes (the trailer's field), ``tag`` all 32."""
+
+    def __init__(self, mac: "hmac.HMAC") -> None:
+        self._mac = mac
+
+    def feed(self, data: Any) -> None:
+        self._mac.update(data)
+
+    def result(self) -> int:
+        return int.from_bytes(self.tag()[:4], "little")
+
+    def tag(self) -> bytes:
+        return self._mac.copy().digest()
+
+
+def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> "_Hmac":
+    """Listener side: a fresh nonce out, the sender's proof in (constant-time), our proof out."""
+    nonce_r = secrets.token_bytes(32)
+    try:
+        sock.sendall(_HELLO.pack(b"TPNC", WIRE_VERSION, 0, nonce_r))
+    except OSError as exc:
+        raise AuthError(f"the peer left before the handshake ({exc})") from exc
+    try:
+        raw = _SocketReader(sock).read_exact(_PROOF.size, "the sender's proof")
+    except HandoffError as exc:
+        raise AuthError(f"no proof of the swap key from the peer: {exc}") from exc
+    magic, nonce_s, proof = _PROOF.unpack(raw)
+    if magic != b"TPAU" or not hmac.compare_digest(proof, auth.proof(b"sender", nonce_r, nonce_s)):
+        raise AuthError("the peer did not prove the swap's key (a stranger, or another swap or rank)")
+    try:
+        sock.sendall(_ACCEPT.pack(b"TPOK", auth.proof(b"receiver", nonce_r, nonce_s)))
+    except OSError as exc:
+        raise HandoffError(f"the sender left during the handshake ({exc})") from exc
+    return auth.frame_mac(nonce_r, nonce_s)
+
+
+def _sender_handshake(sock: socket.socket, auth: TransferAuth) -> "_Hmac":
+    """Connecting side: prove the key over the receiver's nonce, and send nothing more unless the receiver
+    proves it too (a forged address must not receive a single byte of state)."""
+    reader = _SocketReader(sock)
+    magic, version, _zero, nonce_r = _HELLO.unpack(reader.read_exact(_HELLO.size, "the receiver's nonce"))
+    if magic != b"TPNC" or version != WIRE_VERSION:
+        raise AuthError(f"the peer is not a tpassrun joiner (hello {magic!r} v{version})")
+    nonce_s = secrets.token_bytes(32)
+    try:
+        sock.sendall(_PROOF.pack(b"TPAU", nonce_s, auth.proof(b"sender", nonce_r, nonce_s)))
+    except OSError as exc:
+        raise HandoffError(f"sending the proof: connection lost ({exc})") from exc
+    try:
+        magic, proof = _ACCEPT.unpack(reader.read_exact(_ACCEPT.size, "the receiver's proof"))
+    except HandoffError as exc:
+        raise AuthError(f"the receiver refused our proof or left: {exc}") from exc
+    if magic != b"TPOK" or not hmac.compare_digest(proof, auth.proof(b"receiver", nonce_r, nonce_s)):
+        raise AuthError("the receiver did not prove the swap's key: not sending any state to it")
+    return auth.frame_mac(nonce_r, nonce_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -348,8 +469,13 @@ class _Frame:
     checksum: str
 
 
-def _read_frame(reader: _Reader, pipelined: bool) -> _Frame:
-    """Read and verify one frame. Raises ChecksumError on any mismatch, HandoffError otherwise."""
+def _read_frame(reader: _Reader, pipelined: bool, mac: _Hmac | None = None,
+                max_bytes: int | None = None) -> _Frame:
+    """Read and verify one frame. Raises ChecksumError on any mismatch, HandoffError otherwise.
+
+    With ``mac`` (an authenticated stream) the frame's checksum must be that HMAC and its full tag, read after
+    the trailer, must match; ``max_bytes`` bounds the header and the tensor table before anything is allocated."""
+    limit = _MAX_HEAD_BYTES if max_bytes is None else max_bytes
     prefix = reader.read_exact(_PREFIX_LEN, "header")
     (prefix_crc,) = _PREFIX_CRC.unpack_from(prefix, _PREFIX_BODY.size)
     if zlib.crc32(prefix[:_PREFIX_BODY.size]) != prefix_crc:
@@ -359,8 +485,8 @@ def _read_frame(reader: _Reader, pipelined: bool) -> _Frame:
     _magic, version, _flags, head_len, head_crc = _PREFIX_BODY.unpack_from(prefix)
     if version != WIRE_VERSION:
         raise HandoffError(f"handoff wire version {version} is not supported (this side speaks {WIRE_VERSION})")
-    if head_len > _MAX_HEAD_BYTES:
-        raise HandoffError(f"handoff header claims {head_len} bytes of meta, refusing")
+    if head_len > min(limit, _MAX_HEAD_BYTES):
+        raise HandoffError(f"handoff header claims {head_len} bytes of meta, refusing (limit {limit})")
     body = reader.read_exact(head_len, "header meta")
     if zlib.crc32(body) != head_crc:
         raise ChecksumError("handoff meta corrupted (meta checksum mismatch)")
@@ -372,18 +498,35 @@ def _read_frame(reader: _Reader, pipelined: bool) -> _Frame:
         raise HandoffError(f"malformed handoff meta: {exc}") from exc
     if doc.get("v") != WIRE_VERSION:
         raise HandoffError(f"unsupported handoff meta version {doc.get('v')!r}")
+    if not isinstance(rows, list):
+        raise HandoffError("malformed handoff meta: the tensor table is not a list")
     specs = [TensorSpec.from_json(row) for row in rows]
-    checksum = _new_checksum(checksum_name)
+    announced = head_len + sum(spec.nbytes for spec in specs)
+    if max_bytes is not None and announced > max_bytes:
+        raise HandoffError(f"the sender announces {announced} bytes of state, more than the {max_bytes} "
+                           f"this transfer allows: refusing before allocating")
+    if mac is not None:
+        if checksum_name != _HMAC_CHECKSUM:
+            raise HandoffError(f"an authenticated stream must use {_HMAC_CHECKSUM}, not {checksum_name!r}")
+        checksum: _Checksum = mac
+    else:
+        checksum = _new_checksum(checksum_name)
     with _Pipelined(checksum) if pipelined else contextlib.nullcontext(checksum) as crc:
         crc.feed(prefix)
         crc.feed(body)
         tensors, chunks, data_len = _read_tensors(reader, specs, chunk_bytes, crc)
         expected = crc.result()
-    end_magic, sent_len, sent_crc = _TRAILER.unpack(reader.read_exact(_TRAILER.size, "trailer"))
+    trailer = reader.read_exact(_TRAILER.size, "trailer")
+    end_magic, sent_len, sent_crc = _TRAILER.unpack(trailer)
+    if mac is not None:
+        mac.feed(trailer)
+        if not hmac.compare_digest(reader.read_exact(_TAG_LEN, "the frame's tag"), mac.tag()):
+            raise ChecksumError(f"handoff data corrupted or forged: {_HMAC_CHECKSUM} tag mismatch "
+                                f"({data_len} bytes received, sender says {sent_len})")
     if end_magic != _END_MAGIC or sent_len != data_len or sent_crc != expected:
         raise ChecksumError(f"handoff data corrupted: {checksum_name} {expected:08x} received, sender says "
                             f"{sent_crc:08x} ({data_len} bytes received, sender says {sent_len})")
-    nbytes = _PREFIX_LEN + head_len + data_len + _TRAILER.size
+    nbytes = _PREFIX_LEN + head_len + data_len + _TRAILER.size + (_TAG_LEN if mac is not None else 0)
     return _Frame(StateBundle(meta, tensors), specs, nbytes, chunks, f"{checksum_name}:{expected:08x}")
 
 
@@ -461,23 +604,29 @@ class _Sender:
 
 
 def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = _DEFAULT_CHUNK,
-                checksum: str = _STREAM_CHECKSUM, _corrupt_byte_at: int | None = None) -> TransferStats:
+                checksum: str = _STREAM_CHECKSUM, auth: TransferAuth | None = None,
+                _corrupt_byte_at: int | None = None) -> TransferStats:
     """Stream ``bundle`` over a connected socket and wait for the receiver's verdict.
 
     Returns only once the receiver has verified the checksum. Raises ChecksumError if the
     receiver saw corrupted data, HandoffError if the connection failed or stalled longer
     than the socket's timeout. ``checksum`` is "blocksum64" (default, memory-bandwidth fast)
     or "crc32" (stronger, ~2 GB/s per core); the receiver follows the header. ``_corrupt_byte_at`` (tests only) flips the byte at that
-    offset of the frame on the wire while checksumming the original.
+    offset of the frame on the wire while checksumming the original. With ``auth`` the receiver must prove
+    the swap's key before a byte of state goes out (:class:`AuthError` otherwise) and the frame is
+    authenticated with HMAC-SHA256.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     started = time.perf_counter()
+    mac = _sender_handshake(sock, auth) if auth is not None else None
+    if mac is not None:
+        checksum = _HMAC_CHECKSUM
     outgoing = [_outgoing(t) for t in bundle.tensors]
     head = _encode_head(bundle.meta, [spec for spec, _, _ in outgoing], chunk_bytes, checksum)
     sender = _Sender(sock, _corrupt_byte_at)
     chunks = 0
-    with _Pipelined(_new_checksum(checksum)) as crc:
+    with _Pipelined(mac if mac is not None else _new_checksum(checksum)) as crc:
         crc.feed(head[:_PREFIX_LEN])  # the same pieces the receiver will feed
         crc.feed(head[_PREFIX_LEN:])
         sender.send(head, "header")
@@ -490,7 +639,11 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
                 chunks += 1
             data_len += len(view)
         result = crc.result()
-    sender.send(_TRAILER.pack(_END_MAGIC, data_len, result), "trailer")
+    trailer = _TRAILER.pack(_END_MAGIC, data_len, result)
+    if mac is not None:
+        mac.feed(trailer)
+        trailer += mac.tag()
+    sender.send(trailer, "trailer")
     reply = _SocketReader(sock).read_exact(_ACK.size, "the receiver's acknowledgement")
     magic, status = _ACK.unpack(reply)
     if magic != _ACK_MAGIC:
@@ -502,16 +655,24 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     return TransferStats(sender.offset, time.perf_counter() - started, chunks, f"{checksum}:{result:08x}")
 
 
-def recv_bundle(sock: socket.socket, *, device: str = "cpu") -> tuple[StateBundle, TransferStats]:
+def recv_bundle(sock: socket.socket, *, device: str = "cpu", auth: TransferAuth | None = None,
+                max_bytes: int | None = None) -> tuple[StateBundle, TransferStats]:
     """Receive one bundle from a connected socket, verify it, acknowledge it.
 
     Tensors that lived on an accelerator on the sender are moved to ``device``; CPU tensors
     (RNG states, optimizer ``step`` counters) stay on the CPU, as they were.
-    Raises ChecksumError on corruption, HandoffError on a lost or stalled connection.
+    Raises ChecksumError on corruption, HandoffError on a lost or stalled connection, AuthError when the
+    peer does not prove ``auth``'s key (checked before anything else is read).
     """
     started = time.perf_counter()
+    mac = None
+    if auth is not None:
+        stream_timeout = sock.gettimeout()
+        sock.settimeout(_HANDSHAKE_TIMEOUT_S if stream_timeout is None else min(stream_timeout, _HANDSHAKE_TIMEOUT_S))
+        mac = _receiver_handshake(sock, auth)
+        sock.settimeout(stream_timeout)
     try:
-        frame = _read_frame(_SocketReader(sock), pipelined=True)
+        frame = _read_frame(_SocketReader(sock), pipelined=True, mac=mac, max_bytes=max_bytes)
     except ChecksumError:
         _send_ack_quietly(sock, _ACK_CHECKSUM_MISMATCH)
         raise
@@ -536,14 +697,27 @@ def _send_ack_quietly(sock: socket.socket, status: int) -> None:
 # connection helpers for the joiner (listens) and the leaver/donor (connects)
 
 
-def listen_for_bundle(host: str = "0.0.0.0") -> tuple[socket.socket, int]:
-    """A bound, listening socket on a free port of ``host``, and that port."""
+def listen_for_bundle(host: str = "127.0.0.1") -> tuple[socket.socket, int]:
+    """A bound, listening socket on a free port of ``host`` (the node's advertised address), and that port.
+
+    If ``host`` is a name that does not resolve to an address of this machine (a misconfigured FQDN), the
+    listener falls back to every interface with a warning: the transfer's authentication still holds."""
+    try:
+        return _listen(host)
+    except OSError as exc:
+        if host in ("0.0.0.0", "::"):
+            raise
+        log.warning("cannot listen for the handoff on %s (%s); listening on every interface instead", host, exc)
+        return _listen("::" if ":" in host else "0.0.0.0")
+
+
+def _listen(host: str) -> tuple[socket.socket, int]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, 0))
-        listener.listen(1)
+        listener.listen(8)     # strangers may queue ahead of the sender: it must still get in
     except OSError:
         listener.close()
         raise
@@ -551,7 +725,8 @@ def listen_for_bundle(host: str = "0.0.0.0") -> tuple[socket.socket, int]:
 
 
 def connect_and_send(addr: str, port: int, bundle: StateBundle, *, timeout: float,
-                     chunk_bytes: int = _DEFAULT_CHUNK) -> TransferStats:
+                     chunk_bytes: int = _DEFAULT_CHUNK, auth: TransferAuth | None = None,
+                     _corrupt_byte_at: int | None = None) -> TransferStats:
     """Connect to a joiner and stream ``bundle``. ``timeout`` bounds the connect and every stall."""
     try:
         sock = socket.create_connection((addr, port), timeout=timeout)
@@ -559,21 +734,38 @@ def connect_and_send(addr: str, port: int, bundle: StateBundle, *, timeout: floa
         raise HandoffError(f"cannot connect to the joiner at {addr}:{port}: {exc}") from exc
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return send_bundle(sock, bundle, chunk_bytes=chunk_bytes)
+        return send_bundle(sock, bundle, chunk_bytes=chunk_bytes, auth=auth, _corrupt_byte_at=_corrupt_byte_at)
 
 
-def accept_and_recv(listener: socket.socket, *, timeout: float,
-                    device: str = "cpu") -> tuple[StateBundle, TransferStats]:
-    """Accept one sender on ``listener`` and receive its bundle. ``timeout`` bounds the wait
-    for the sender and every stall of the stream. The listener stays open (the caller owns it)."""
+def accept_and_recv(listener: socket.socket, *, timeout: float, device: str = "cpu",
+                    auth: TransferAuth | None = None, max_bytes: int | None = None,
+                    strangers: list[str] | None = None) -> tuple[StateBundle, TransferStats]:
+    """Accept senders on ``listener`` until one proves ``auth`` (strangers are dropped and noted in
+    ``strangers``), and receive its bundle. ``timeout`` bounds the whole wait for the sender and every stall
+    of the stream. The listener stays open (the caller owns it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        conn = accept_one(listener, deadline - time.monotonic())
+        with conn:
+            conn.settimeout(timeout)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                return recv_bundle(conn, device=device, auth=auth, max_bytes=max_bytes)
+            except AuthError as exc:
+                log.warning("handoff: dropped a connection that did not prove the swap key: %s", exc)
+                if strangers is not None:
+                    strangers.append(str(exc))
+
+
+def accept_one(listener: socket.socket, timeout: float) -> socket.socket:
+    """The next connection on ``listener`` within ``timeout`` seconds (HandoffError otherwise)."""
+    if timeout <= 0:
+        raise HandoffError("no authenticated sender connected in time")
     listener.settimeout(timeout)
     try:
         conn, _peer = listener.accept()
     except TimeoutError as exc:
-        raise HandoffError(f"no sender connected within {timeout} s") from exc
+        raise HandoffError(f"no sender connected within {timeout:.1f} s") from exc
     except OSError as exc:
         raise HandoffError(f"accepting the sender failed: {exc}") from exc
-    with conn:
-        conn.settimeout(timeout)
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return recv_bundle(conn, device=device)
+    return conn

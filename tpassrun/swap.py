@@ -88,10 +88,12 @@ class SwapPlan:
     taint_id: str | None = None
     release: bool = False          # migrate-back: the leaver's slot is healthy, return it to the spare pool
     history: tuple[tuple[str, float], ...] = ()   # (phase, wall time)
+    # hex; the leader draws it when it writes the plan; each attempt's transfer key derives from it
+    secret: str | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "v": 1, "id": self.id, "kind": self.kind.value, "generation": self.generation,
+            "v": 1, "id": self.id, "secret": self.secret, "kind": self.kind.value, "generation": self.generation,
             "leaver": self.leaver.to_json(), "joiner": self.joiner.to_json(),
             "donor": self.donor.to_json() if self.donor else None, "phase": self.phase.value,
             "reason": self.reason, "nodes": list(self.nodes), "boundary": self.boundary,
@@ -114,6 +116,7 @@ class SwapPlan:
             light_b64=d.get("light_b64"), attempt=int(d.get("attempt", 0)),
             excluded_spares=tuple(tuple(x) for x in d.get("excluded_spares", ())),  # type: ignore[misc]
             taint_id=d.get("taint_id"), release=bool(d.get("release", False)), history=tuple(tuple(h) for h in d.get("history", ())),  # type: ignore[misc]
+            secret=d["secret"] if isinstance(d.get("secret"), str) else None,
         )
 
     def advance(self, phase: Phase, now_wall: float, **changes: Any) -> "SwapPlan":

@@ -19,7 +19,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
+import hashlib
+import hmac
 import logging
+import secrets
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -51,6 +55,7 @@ class Swapper:
         self._failed_timers: dict[int, asyncio.TimerHandle] = {}
         # planned swaps: the joiner is assigned during BOUNDARY; (swap id, attempt, slot) -> its address or error
         self._early: tuple[tuple[str, int, int], asyncio.Task] | None = None
+        self._transfers_seen: set[tuple[str, int]] = set()   # (swap id, attempt) this node followed into TRANSFER
 
     # ------------------------------------------------------------------ agent hooks
     @property
@@ -304,6 +309,7 @@ class Swapper:
             data = self._slots.channel.read_light(plan.leaver.slot)
             if data is not None:
                 light_b64 = base64.b64encode(data).decode()
+        self._transfers_seen.add((plan.id, plan.attempt))
         if plan.joiner.node == me:
             key = (plan.id, plan.attempt, plan.joiner.slot)
             early, self._early = self._early, None
@@ -333,10 +339,16 @@ class Swapper:
             return f"spare {me}/{joiner.index} is gone"
         if not await self._slots.wait_ready(joiner, PHASE_TIMEOUT_S):
             return f"spare {me}/{joiner.index} never got ready"
+        key = _transfer_key(plan)
+        if key is None:
+            return f"swap {plan.id} carries no transfer secret: refusing an unauthenticated transfer"
         self._slots.drain(joiner)
         fields = self._assign_fields(plan)
         # Assigned during BOUNDARY, the spare may wait for the survivors' step and then the TRANSFER phase.
-        self._slots.send(joiner, "assign", **fields, timeout=PHASE_TIMEOUT_S, accept_timeout=3 * PHASE_TIMEOUT_S)
+        # It listens on this node's advertised address only, and accepts only a sender that proves the key
+        # (which reaches it over its private agent socket, never the network).
+        self._slots.send(joiner, "assign", **fields, timeout=PHASE_TIMEOUT_S, accept_timeout=3 * PHASE_TIMEOUT_S,
+                         key=key, listen_host=self.agent.addr, max_bytes=joiner.reserved or None)
         msg = await self._slots.expect(joiner, {"listening"}, PHASE_TIMEOUT_S)
         if msg is None:
             return "the spare did not start listening"
@@ -352,10 +364,16 @@ class Swapper:
         assert plan.joiner_addr is not None
         sender: SlotRef | None = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
         if sender is not None and sender.node == me:
+            refused = await self._refuse_destination(plan)
+            if refused is not None:
+                log.error("swap %s: refusing to send rank %s's state: %s", plan.id, plan.leaver.rank, refused)
+                self.agent.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
+                return Report(node=me, phase=plan.phase, ok=False, error=f"send refused: {refused}")
             slot = self._slots.slots[sender.slot]
             self._slots.send(slot, "send_state", addr=plan.joiner_addr[0], port=plan.joiner_addr[1],
                              swap_id=plan.id, replicated_only=plan.kind == SwapKind.UNPLANNED,
-                             rng=plan.kind == SwapKind.PLANNED, timeout=PHASE_TIMEOUT_S)
+                             rng=plan.kind == SwapKind.PLANNED, timeout=PHASE_TIMEOUT_S,
+                             key=_transfer_key(plan), rank=plan.leaver.rank)
         if plan.joiner.node != me:
             return None
         joiner = self._slots.slots[plan.joiner.slot]
@@ -367,6 +385,11 @@ class Swapper:
             return None
         if msg is None or not msg.get("ok"):
             err = (msg or {}).get("error", "the joiner died or timed out during the transfer")
+            self.agent.events.write("swap_transfer_failed", swap_id=plan.id, error=err, attempt=plan.attempt)
+            return Report(node=me, phase=plan.phase, ok=False, error=err)
+        if plan.kind == SwapKind.PLANNED and plan.boundary is not None and msg.get("step") is not None \
+                and int(msg["step"]) != int(plan.boundary):
+            err = f"the joiner received the state of step {msg['step']}, the swap is at step {plan.boundary}"
             self.agent.events.write("swap_transfer_failed", swap_id=plan.id, error=err, attempt=plan.attempt)
             return Report(node=me, phase=plan.phase, ok=False, error=err)
         self.agent.events.write("swap_transfer_end", swap_id=plan.id, nbytes=msg.get("nbytes"),
@@ -383,12 +406,42 @@ class Swapper:
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         key = self._key("swaps", plan.id)
         while time.monotonic() < deadline:
-            msg = await self._slots.expect(joiner, {"received"}, 0.5)
+            msg = await self._slots.expect(joiner, {"received", "stranger"}, 0.5)
+            if msg is not None and msg["kind"] == "stranger":
+                self.agent.events.write("swap_transfer_stranger", swap_id=plan.id, error=msg.get("error"))
+                continue
             if msg is not None or not joiner.alive:
                 return msg
             doc, _rev = await self._store.get_json(key)
             if doc is not None and doc.get("phase") == Phase.ABORTED.value:
                 return "aborted"
+        return None
+
+    async def _refuse_destination(self, plan: SwapPlan) -> str | None:
+        """Why this node must not stream a rank's state to ``plan.joiner_addr`` (None: it may). The state goes
+        only to a spare slot of a node of the current generation, at that node's registered address, in a
+        swap this node followed into its TRANSFER phase: a plan written straight into SEND, or naming any
+        other address, is forged or stale."""
+        gen = self.agent.generation
+        assert plan.joiner_addr is not None
+        host = plan.joiner_addr[0]
+        if (plan.id, plan.attempt) not in self._transfers_seen:
+            return f"this node never took part in the transfer phase of attempt {plan.attempt}"
+        if plan.secret is None:
+            return "the plan carries no transfer secret"
+        if gen is None or not gen.includes(plan.joiner.node):
+            return f"the joiner's node {plan.joiner.node!r} is not part of the current generation"
+        member = gen.member(plan.joiner.node)
+        registered = member.addr if member is not None else None
+        if registered is None:
+            doc, _rev = await self._store.get_json(self._key("nodes", plan.joiner.node))
+            registered = doc.get("addr") if isinstance(doc, dict) else None
+        if host != registered:
+            return f"{host}:{plan.joiner_addr[1]} is not the address of node {plan.joiner.node!r} ({registered})"
+        view = await self._view()
+        held = view.slot_at(plan.joiner.node, plan.joiner.slot)
+        if held is None or held.state not in ("spare", "transferring"):
+            return f"{plan.joiner.node}/{plan.joiner.slot} is not a spare ({held.state if held else 'unknown'})"
         return None
 
     async def _reform(self, plan: SwapPlan) -> Report:
@@ -439,7 +492,10 @@ class Swapper:
         me = self.agent.node_id
         for s in self._slots.slots:
             self._slots.set_run_until(s, INT64_MAX)
-            if s.state == SlotState.RUNNING and self._slots.phase(s) == WorkerPhase.PAUSED:
+            # A leaver whose sending failed is still TRANSFERRING (waiting for its next command): resume it
+            # too, or the whole job waits for it forever.
+            if s.state == SlotState.RUNNING and self._slots.phase(s) in (WorkerPhase.PAUSED,
+                                                                         WorkerPhase.TRANSFERRING):
                 self._slots.send(s, "resume")
         if plan.joiner.node == me:
             joiner = self._slots.slots[plan.joiner.slot]
@@ -543,7 +599,7 @@ class Swapper:
             await self._store.put_json(key, {**doc, "handled": decision.action, "reason": decision.reason})
             self.agent.events.write("recovery_decided", action=decision.action, reason=decision.reason)
             if decision.plan is not None and decision.plan.id not in handled_fail:
-                await self._store.create_json(self._key("swaps", decision.plan.id), decision.plan.to_json())
+                await self._store.create_json(self._key("swaps", decision.plan.id), _with_secret(decision.plan).to_json())
             elif decision.action == "fallback":
                 fake = plan_for_failure(view, node=doc["node"], slot=int(doc["slot"]), rank=int(doc["rank"]),
                                         reason="", now_wall=now, light_available=True)
@@ -578,7 +634,8 @@ class Swapper:
             decision = plan_for_taint(view, node=doc.get("node_id", ""), rank=int(rank), reason=doc.get("reason", ""),
                                       taint_id=tid, now_wall=now, home=home)
             if decision.action == "plan" and decision.plan is not None:
-                if await self._store.create_json(self._key("swaps", decision.plan.id), decision.plan.to_json()):
+                if await self._store.create_json(self._key("swaps", decision.plan.id),
+                                                 _with_secret(decision.plan).to_json()):
                     await self._store.put_json(key, {**doc, "handled_by": decision.plan.id, "state": "migrating"})
                     self.agent.events.write("swap_decided", swap_id=decision.plan.id, reason=decision.reason,
                                             taint=tid)
@@ -682,3 +739,19 @@ class Swapper:
         await self._store.put_json(self._key("taints", tid), doc)
         self.agent.events.write("migrate_back_requested", rank=rank, slot=home.index, taint=tid)
         await self.agent.publish_status()
+
+
+def _with_secret(plan: SwapPlan) -> SwapPlan:
+    """The plan as the leader writes it: with a fresh secret that only the job's control plane ever sees."""
+    return dataclasses.replace(plan, secret=secrets.token_hex(32))
+
+
+def _transfer_key(plan: SwapPlan) -> str | None:
+    """This attempt's transfer key (hex): a fresh key per attempt, derived from the plan's secret."""
+    if not plan.secret:
+        return None
+    try:
+        secret = bytes.fromhex(plan.secret)
+    except ValueError:
+        return None
+    return hmac.new(secret, f"tpassrun-transfer/{plan.id}/{plan.attempt}".encode(), hashlib.sha256).hexdigest()

@@ -435,6 +435,7 @@ def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: Callable[[], bool]
     once connected, so a fault meant for a transfer is not used up by a joiner that is already gone."""
     from . import handoff
 
+    auth = _transfer_auth(msg)
     timeout = float(msg.get("timeout", 60))
     try:
         sock = socket.create_connection((msg["addr"], int(msg["port"])), timeout=timeout)
@@ -442,7 +443,18 @@ def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: Callable[[], bool]
         raise handoff.HandoffError(f"cannot connect to the joiner at {msg['addr']}:{msg['port']}: {exc}") from exc
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return handoff.send_bundle(sock, bundle, _corrupt_byte_at=4096 if corrupt() else None)
+        return handoff.send_bundle(sock, bundle, auth=auth, _corrupt_byte_at=4096 if corrupt() else None)
+
+
+def _transfer_auth(msg: dict[str, Any]) -> Any:
+    """The swap's transfer key and identity from the agent's command (never from the network): a transfer
+    without one is refused on both ends."""
+    from . import handoff
+
+    try:
+        return handoff.TransferAuth(bytes.fromhex(str(msg["key"])), str(msg["swap_id"]), int(msg["rank"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise handoff.HandoffError(f"the agent gave no usable transfer key for this swap ({exc})") from exc
 
 
 def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Session:
@@ -522,6 +534,55 @@ def _wait_for_sender(listener: socket.socket, link: _AgentLink, timeout: float,
             return True
 
 
+def _receive_state(listener: socket.socket, link: _AgentLink, msg: dict[str, Any], auth: Any,
+                   pending: list[dict[str, Any]]) -> Any:
+    """Wait for the sender the agent announced and receive its state (None if none came, or it failed).
+    Connections that do not prove the swap key are dropped and the wait goes on: a stranger that connects
+    first neither delays the swap past its timeout nor gets anything applied."""
+    from . import handoff
+    from .handoff_wire import accept_one
+
+    swap_id = msg.get("swap_id")
+    wait_s = float(msg.get("timeout", 120))
+    accept_s = float(msg.get("accept_timeout", wait_s))
+    max_bytes = int(msg["max_bytes"]) if msg.get("max_bytes") else None
+    deadline = time.monotonic() + accept_s
+    strangers = 0
+    while True:
+        if not _wait_for_sender(listener, link, deadline - time.monotonic(), pending):
+            if not pending or pending[-1]["kind"] == "light":   # timed out (not interrupted)
+                link.send("received", ok=False, swap_id=swap_id, error=f"HandoffError: no sender connected "
+                          f"within {accept_s} s" + (f" ({strangers} unauthenticated connections dropped)"
+                                                     if strangers else ""))
+            return None   # an abort or a new assignment came first: the main loop handles it
+        try:
+            conn = accept_one(listener, 1.0)
+        except handoff.HandoffError:
+            continue
+        with conn:
+            conn.settimeout(wait_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            try:
+                bundle, stats = handoff.recv_bundle(conn, auth=auth, max_bytes=max_bytes)
+            except handoff.AuthError as exc:
+                strangers += 1
+                log.warning("spare: dropped a connection that did not prove the swap key: %s", exc)
+                link.send("stranger", swap_id=swap_id, error=str(exc)[:200])
+                continue
+            except (OSError, handoff.HandoffError) as exc:
+                link.send("received", ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=swap_id)
+                return None
+        extra = bundle.meta.get("extra")
+        sent_for = extra.get("swap_id") if isinstance(extra, dict) else None
+        if sent_for != swap_id:   # authenticated, so a bug rather than an attack: still never apply it
+            link.send("received", ok=False, swap_id=swap_id,
+                      error=f"HandoffError: the state is for swap {sent_for!r}, not {swap_id!r}")
+            return None
+        link.send("received", ok=True, nbytes=stats.nbytes, seconds=stats.seconds, checksum=stats.checksum,
+                  swap_id=swap_id, step=_bundle_step(bundle))
+        return bundle
+
+
 def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
                    timeout: timedelta | None) -> Session:
     """Block until the agent hands this spare a rank, receive that rank's state, join the world."""
@@ -541,26 +602,18 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
             assign = msg
             if listener is not None:
                 listener.close()
-            listener, port = handoff.listen_for_bundle(msg.get("listen_host", "0.0.0.0"))
+            listener = None
+            try:
+                auth = _transfer_auth(msg)
+                listener, port = handoff.listen_for_bundle(str(msg.get("listen_host") or "127.0.0.1"))
+            except (OSError, handoff.HandoffError) as exc:
+                bundle = None
+                link.send("received", ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=msg.get("swap_id"))
+                continue
             link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
             link.send("listening", port=port, swap_id=msg.get("swap_id"))
             testing.fault_point(int(msg.get("rank", -1)), 0, "receive")  # tests: the joiner dies mid-transfer
-            wait_s = float(msg.get("timeout", 120))
-            accept_s = float(msg.get("accept_timeout", wait_s))
-            if not _wait_for_sender(listener, link, accept_s, pending):
-                bundle = None
-                if not pending or pending[-1]["kind"] == "light":   # timed out (not interrupted)
-                    link.send("received", ok=False, error=f"HandoffError: no sender connected within {accept_s} s",
-                              swap_id=msg.get("swap_id"))
-                continue   # an abort or a new assignment came first: the main loop handles it
-            try:
-                bundle, stats = handoff.accept_and_recv(listener, timeout=wait_s)
-                link.send("received", ok=True, nbytes=stats.nbytes, seconds=stats.seconds,
-                          checksum=stats.checksum, swap_id=msg.get("swap_id"))
-            except (OSError, handoff.HandoffError) as exc:
-                bundle = None
-                link.send("received", ok=False, error=f"{type(exc).__name__}: {exc}"[:300],
-                          swap_id=msg.get("swap_id"))
+            bundle = _receive_state(listener, link, msg, auth, pending)
             continue
         if kind == "light":
             light = base64.b64decode(msg["data"])

@@ -1,0 +1,301 @@
+"""Only the job steers the job: the state transfer is authenticated and addressed, and an aborted swap never
+leaves a worker hanging (issue 11).
+
+The pyramid: the wire handshake and its bounds against real sockets in one process, then real jobs (real
+agents, gloo workers, etcd) under the two attacks from the issue: a stranger connecting to the spare first
+with perturbed weights, and a forged swap plan naming an arbitrary address.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+
+import pytest
+import torch
+
+from faults import Job, faults_env, run_async, taint
+from tpassrun.handoff import (AuthError, HandoffError, StateBundle, TransferAuth, accept_and_recv, connect_and_send,
+                              listen_for_bundle, recv_bundle, send_bundle)
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _bundle(scale: float = 1.0) -> StateBundle:
+    return StateBundle({"step": 7, "extra": {"swap_id": "s-1"}}, [torch.arange(4096, dtype=torch.float32) * scale])
+
+
+def _auth(key: bytes | None = None, swap_id: str = "s-1", rank: int = 1) -> TransferAuth:
+    return TransferAuth(key or b"k" * 32, swap_id, rank)
+
+
+# --- the wire, in one process -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("stranger", ["garbage", "unauthenticated-bundle", "wrong-key", "other-swap", "other-rank",
+                                      "silent-then-gone"])
+def test_a_stranger_connecting_first_is_dropped_and_the_sender_still_gets_through(stranger):
+    listener, port = listen_for_bundle("127.0.0.1")
+    results: dict[str, object] = {}
+
+    def attack() -> None:
+        try:
+            if stranger == "garbage":
+                with socket.create_connection(("127.0.0.1", port)) as s:
+                    s.sendall(os.urandom(200))
+                    s.recv(100)
+            elif stranger == "unauthenticated-bundle":
+                with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+                    send_bundle(s, _bundle(scale=2.0))
+            elif stranger == "silent-then-gone":
+                with socket.create_connection(("127.0.0.1", port)):
+                    time.sleep(0.3)
+            else:
+                auth = {"wrong-key": _auth(b"x" * 32), "other-swap": _auth(swap_id="s-2"),
+                        "other-rank": _auth(rank=2)}[stranger]
+                connect_and_send("127.0.0.1", port, _bundle(scale=2.0), timeout=10, auth=auth)
+        except (OSError, HandoffError) as exc:
+            results["attacker"] = exc
+
+    with listener:
+        attacker = threading.Thread(target=attack)
+        attacker.start()
+        # the stranger is accepted first: wait until it is queued before the sender connects
+        time.sleep(0.2)
+        sender = threading.Thread(target=lambda: results.setdefault(
+            "sent", connect_and_send("127.0.0.1", port, _bundle(), timeout=30, auth=_auth())))
+        sender.start()
+        strangers: list[str] = []
+        got, stats = accept_and_recv(listener, timeout=60, auth=_auth(), max_bytes=1 << 20, strangers=strangers)
+        sender.join(30)
+        attacker.join(30)
+    assert torch.equal(got.tensors[0], _bundle().tensors[0])          # the real state, never the perturbed one
+    assert stats.checksum.startswith("hmac-sha256:")
+    assert len(strangers) == 1, strangers
+    if stranger in ("unauthenticated-bundle", "wrong-key", "other-swap", "other-rank"):
+        assert isinstance(results.get("attacker"), HandoffError), results
+
+
+def _fake_joiner(port_box: list[int], received: list[bytes], *, prove_with: TransferAuth | None) -> threading.Thread:
+    """A listener that speaks the handshake's first message (a nonce) and records every byte it gets."""
+    listener, port = listen_for_bundle("127.0.0.1")
+    port_box.append(port)
+
+    def run() -> None:
+        with listener:
+            listener.settimeout(20)
+            conn, _ = listener.accept()
+            with conn:
+                conn.settimeout(3)
+                nonce_r = os.urandom(32)
+                conn.sendall(struct.pack("<4sHH32s", b"TPNC", 1, 0, nonce_r))
+                data = b""
+                try:
+                    while len(data) < 68:
+                        chunk = conn.recv(1 << 16)
+                        if not chunk:
+                            break
+                        data += chunk
+                    if prove_with is not None and len(data) >= 68:
+                        # answer with a proof made with the wrong key: it must not be accepted
+                        conn.sendall(struct.pack("<4s32s", b"TPOK",
+                                                 prove_with.proof(b"receiver", nonce_r, data[4:36])))
+                    while True:
+                        chunk = conn.recv(1 << 16)
+                        if not chunk:
+                            break
+                        data += chunk
+                except OSError:
+                    pass
+                received.append(data)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("answer", ["silence", "wrong-proof"])
+def test_the_sender_sends_no_state_to_a_receiver_that_cannot_prove_the_key(answer):
+    port: list[int] = []
+    received: list[bytes] = []
+    thread = _fake_joiner(port, received, prove_with=_auth(b"y" * 32) if answer == "wrong-proof" else None)
+    with pytest.raises(AuthError):
+        connect_and_send("127.0.0.1", port[0], _bundle(), timeout=2, auth=_auth())
+    thread.join(30)
+    assert len(received[0]) == 68, len(received[0])          # the sender's proof, and not one byte of state
+    assert received[0][:4] == b"TPAU"
+
+
+def _authenticated_pair():
+    listener, port = listen_for_bundle("127.0.0.1")
+    sender = socket.create_connection(("127.0.0.1", port))
+    receiver, _ = listener.accept()
+    listener.close()
+    return sender, receiver
+
+
+def test_sizes_are_bounded_by_what_the_transfer_allows_before_anything_is_allocated():
+    """A header announcing 1 GiB is refused before allocating; so is an overflowing shape (no crash)."""
+    from tpassrun import handoff_wire as hw
+
+    def header_only(specs: list[hw.TensorSpec]) -> bytes:
+        return hw._encode_head({"step": 0}, specs, chunk_bytes=1 << 20, checksum="crc32")
+
+    huge = [hw.TensorSpec("uint8", (1 << 30,), 1 << 30, "cpu", False)]
+    with pytest.raises(HandoffError, match="more than"):
+        hw._read_frame(hw._BufferReader(header_only(huge)), pipelined=False, max_bytes=64 << 20)
+    doc = {"v": 1, "meta": {}, "checksum": "crc32", "chunk_bytes": 1,
+           "tensors": [{"dtype": "float32", "shape": [1 << 62, 1 << 62], "nbytes": 16, "device": "cpu",
+                        "requires_grad": False}]}
+    body = json.dumps(doc).encode()
+    import zlib
+    prefix = hw._PREFIX_BODY.pack(hw._MAGIC, 1, 0, len(body), zlib.crc32(body))
+    frame = prefix + hw._PREFIX_CRC.pack(zlib.crc32(prefix)) + body
+    with pytest.raises(HandoffError):
+        hw._read_frame(hw._BufferReader(frame), pipelined=False)
+    # and over an authenticated socket, a sender with the key announcing more than allowed is refused
+    sender, receiver = _authenticated_pair()
+    with sender, receiver:
+        receiver.settimeout(10)
+        big = StateBundle({"step": 1}, [torch.zeros(1 << 20)])
+        t = threading.Thread(target=lambda: pytest.raises(HandoffError, send_bundle, sender, big, auth=_auth()))
+        t.start()
+        with pytest.raises(HandoffError, match="more than"):
+            recv_bundle(receiver, auth=_auth(), max_bytes=1 << 20)
+        sender.shutdown(socket.SHUT_RDWR)
+        t.join(30)
+
+
+def test_a_tampered_authenticated_stream_is_rejected():
+    sender, receiver = _authenticated_pair()
+    with sender, receiver:
+        receiver.settimeout(10)
+        out: dict[str, object] = {}
+        t = threading.Thread(target=lambda: out.setdefault("err", pytest.raises(
+            HandoffError, send_bundle, sender, _bundle(), auth=_auth(), _corrupt_byte_at=2000)))
+        t.start()
+        with pytest.raises(HandoffError, match="mismatch"):
+            recv_bundle(receiver, auth=_auth())
+        t.join(30)
+
+
+# --- real jobs under attack --------------------------------------------------------------------------
+
+
+def _events(job: Job, name: str) -> list[dict]:
+    return [e for e in job.events() if e["event"] == name]
+
+
+def _wait_event(job: Job, name: str, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        found = _events(job, name)
+        if found:
+            return found[0]
+        if job.proc is not None and job.proc.poll() is not None:
+            raise AssertionError(f"job exited before {name}:\n{job.log()[-3000:]}")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"no {name} within {timeout}s:\n{job.log()[-3000:]}")
+        time.sleep(0.05)
+
+
+def test_a_foreign_connection_to_the_spare_cannot_inject_weights(tmp_path, etcd_server, run_id):
+    """The issue's attack: a process that found the spare's port connects before the leaver and sends
+    perturbed weights. The spare drops it, the real state arrives, and rank 1 ends equal to rank 0 (DDP keeps
+    replicas identical; injected weights would make them differ)."""
+    # the leaver waits 3 s before it connects: the attacker surely comes first
+    env = faults_env({"rank": 1, "where": "send", "action": "sleep", "seconds": 3.0, "step": 0})
+    job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
+                       steps=40, step_sleep=0.05, env=env).start()
+    attacks: list[object] = []
+    try:
+        job.wait_step(4, 180)
+        assert taint(etcd_server.endpoint, run_id, rank=1, reason="attack") == 0
+        ev = None
+        deadline = time.monotonic() + 120
+        while ev is None:
+            for e in _events(job, "swap_phase"):
+                if e.get("phase") == "send" and "listening at" in e.get("reason", ""):
+                    ev = e
+            if time.monotonic() > deadline:
+                raise AssertionError(job.log()[-3000:])
+            time.sleep(0.02)
+        host, port = ev["reason"].rsplit(" ", 1)[-1].rsplit(":", 1)
+        evil = StateBundle({"step": 0}, [torch.full((1000,), 7.0)])
+        for auth in (None, TransferAuth(secrets.token_bytes(32), ev["swap_id"], 1)):
+            try:
+                with socket.create_connection((host, int(port)), timeout=10) as s:
+                    send_bundle(s, evil, auth=auth)
+                attacks.append("accepted")
+            except (OSError, HandoffError) as exc:
+                attacks.append(exc)
+        assert job.wait(240) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    assert "accepted" not in attacks, attacks
+    assert len(_events(job, "swap_transfer_stranger")) == 2
+    assert len(_events(job, "swap_resumed")) == 1
+    f0, f1 = job.final(0), job.final(1)
+    for k, v in f0["model"].items():
+        assert torch.equal(v, f1["model"][k]), f"rank 1's parameter {k} differs from rank 0's"
+    for r in range(2):
+        assert [x["step"] for x in job.losses(r)] == list(range(40))
+
+
+def test_a_forged_plan_sends_nothing_anywhere(tmp_path, etcd_server, run_id):
+    """Anyone who can write etcd writes a plan in its SEND phase naming their own socket: the leaver's agent
+    refuses (it never took part in that transfer, and the address is no spare's), and not one byte arrives."""
+    from tpassrun.rendezvous import EtcdConfig, EtcdStore
+
+    job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
+                       steps=400, step_sleep=0.05).start()
+    listener, port = listen_for_bundle("127.0.0.1")
+    try:
+        job.wait_step(3, 180)
+        started = _events(job, "workers_started")[0]
+        node = started["node"]
+        spare = next(s["slot"] for s in started["slots"] if s["state"] == "spare")
+        prefix = f"/tpassrun/v1/{run_id}/"
+
+        async def forge() -> None:
+            async with EtcdStore(EtcdConfig.from_endpoint(etcd_server.endpoint, {"read_timeout": "5"})) as store:
+                gen, _ = await store.get_json(prefix + "generation")
+                plan = {"v": 1, "id": "s-forged", "secret": secrets.token_hex(32), "kind": "planned",
+                        "generation": gen["number"], "leaver": {"node": node, "slot": 1, "rank": 1},
+                        "joiner": {"node": node, "slot": spare, "rank": 1}, "donor": None, "phase": "send",
+                        "reason": "forged", "nodes": [node], "boundary": 0, "joiner_addr": ["127.0.0.1", port],
+                        "attempt": 0, "history": [["pause", time.time()], ["send", time.time()]]}
+                await store.put_json(prefix + "swaps/s-forged", plan)
+
+        run_async(forge())
+        refused = _wait_event(job, "swap_send_refused")
+        assert "transfer phase" in refused["reason"] or "address" in refused["reason"], refused
+        listener.settimeout(3.0)
+        with pytest.raises(TimeoutError):   # nothing even connected
+            listener.accept()
+    finally:
+        listener.close()
+        job.kill()
+
+
+def test_an_aborted_planned_swap_resumes_the_leaver(tmp_path, etcd_server, run_id):
+    """Every transfer attempt corrupted: the swap is given up after SEND, and the leaver (left TRANSFERRING)
+    is resumed with everyone else: the job finishes every step instead of hanging."""
+    faults = [{"rank": 1, "where": "send", "action": "corrupt", "marker": str(tmp_path / f"f{i}")} for i in range(6)]
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
+                       steps=30, step_sleep=0.05, env=faults_env(*faults)).start()
+    try:
+        job.wait_step(4, 180)
+        assert taint(etcd_server.endpoint, run_id, rank=1, reason="doomed") == 0
+        assert job.wait(240) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    assert _events(job, "swap_aborted_here"), [e["event"] for e in job.events()]
+    assert not _events(job, "swap_resumed")
+    for r in range(2):
+        assert [x["step"] for x in job.losses(r)] == list(range(30))
