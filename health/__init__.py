@@ -12,7 +12,7 @@ This package imports nothing from the rest of tpassrun, and ``pynvml`` only when
 from ._engine import PolicyEngine
 from ._filesensor import FileSensor
 from ._monitor import HealthMonitor, device_for_local_rank
-from ._nvml import NvmlSensor
+from ._nvml import NvmlSensor, nvml_device_count
 from ._policy import RECOVERY_ACTION_EFFECTS, XID_EFFECTS, Policy, Rule
 from ._straggler import StragglerDetector
 from ._types import HealthVerdict, Reading, Sensor, SensorUnavailable, Status, TaintEffect
@@ -34,4 +34,5 @@ __all__ = [
     "TaintEffect",
     "XID_EFFECTS",
     "device_for_local_rank",
+    "nvml_device_count",
 ]

@@ -51,6 +51,28 @@ VALUE_TYPE_MEMBERS = {
 MAX_EVENTS_PER_READ = 256   # an XID storm must not keep one read busy forever
 
 
+def nvml_device_count(nvml_module: Any = None) -> int | None:
+    """How many GPUs NVML sees (NVML initialised and shut down again), or None when there is no NVML:
+    nvidia-ml-py not installed, no driver, no library. Any other NVML error is raised (a broken driver must
+    not look like a CPU-only node)."""
+    nv = nvml_module
+    if nv is None:
+        try:
+            import pynvml as nv  # noqa: PLC0415 - lazy, like NvmlSensor
+        except ImportError:
+            return None
+    try:
+        nv.nvmlInit()
+    except nv.NVMLError as exc:
+        if _code(exc) in (nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED):
+            return None
+        raise
+    try:
+        return int(nv.nvmlDeviceGetCount())
+    finally:
+        nv.nvmlShutdown()
+
+
 class _Optional(Exception):
     """The GPU lacks this feature: no reading (as opposed to a check that failed)."""
 

@@ -32,6 +32,7 @@ from . import envnames as E  # noqa: E402
 from .config import LaunchConfig  # noqa: E402
 from .console import WAITING_EVERY_S, ConsoleReporter  # noqa: E402
 from .events import EventLog  # noqa: E402
+from .devices import node_devices, slot_env, visible_devices  # noqa: E402
 from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
 from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
@@ -84,6 +85,7 @@ class Agent:
         self._static_port_used = False   # static: the user's --master-port served the first generation's store
         self.hosting_etcd = False        # c10d/static: this agent serves the run's etcd
         self.spawned_generation = 0      # the generation whose start spawned the current workers (swaps keep them)
+        self.devices: list[str] | None = None  # the node's GPUs in slot order (devices.py); None: no GPU
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:
@@ -112,6 +114,7 @@ class Agent:
 
     async def _run(self) -> int:
         cfg = self.cfg
+        self.devices = await asyncio.to_thread(self._find_devices)
         async with contextlib.AsyncExitStack() as stack:
             endpoint = cfg.etcd_endpoint
             if endpoint is None:
@@ -350,6 +353,13 @@ class Agent:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(proc.wait(), 5)
 
+    def _find_devices(self) -> list[str] | None:
+        try:
+            return node_devices(self.environ)
+        except Exception as exc:  # noqa: BLE001 - a broken NVML: fall back to CUDA_VISIBLE_DEVICES alone
+            log.warning("cannot count GPUs through NVML (%s); using CUDA_VISIBLE_DEVICES only", exc)
+            return visible_devices(self.environ.get(E.CUDA_VISIBLE_DEVICES), None)
+
     def assignment(self, gen: Generation, local_rank: int, rank: int, master: tuple[str, int],
                    slot: Slot, spare: bool) -> WorkerAssignment:
         me = gen.member(self.node_id)
@@ -361,6 +371,10 @@ class Agent:
         }
         if spare:
             extra[E.TPASSRUN_SPARE] = "1"
+        # Each slot owns its GPU: a spare sees only its own, a rank moved off a tainted slot is steered to
+        # its new slot's GPU (devices.py); on a CPU node this adds nothing.
+        extra.update(slot_env(slot.index, local_rank, self.devices, spare=spare,
+                              virtual_local_rank=self.cfg.virtual_local_rank))
         attempt_dir = self.logs.attempt_dir(self.restart_count)
         err = os.path.join(attempt_dir, str(slot.index if spare else local_rank), "error.json") if attempt_dir else ""
         return WorkerAssignment(

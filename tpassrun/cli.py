@@ -16,12 +16,28 @@ USAGE_ERROR = 2     # argparse's code, as torchrun
 REJECTED_VALUE = 1  # torchrun's code when run.py raises on a value (unknown backend, bad --nnodes, ...)
 
 
+def _check_devices(cfg) -> None:  # noqa: ANN001 - a LaunchConfig
+    """A layout whose spares need more GPUs than the node has is refused before anything starts."""
+    if cfg.spares_per_node <= 0:
+        return
+    from .devices import check_layout, node_devices  # noqa: PLC0415
+
+    try:
+        devices = node_devices(os.environ)
+    except Exception:  # noqa: BLE001 - NVML broken: the agent says so; the layout is not refused for it
+        return
+    error = check_layout(cfg.nproc_per_node, cfg.spares_per_node, devices)
+    if error:
+        raise ConfigError(error)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the launcher; returns the process exit code."""
     args = sys.argv[1:] if argv is None else argv
     try:
         cfg = parse_args(args, os.environ)
         preflight(cfg)
+        _check_devices(cfg)
     except ConfigError as exc:
         print(f"tpassrun: error: {exc}", file=sys.stderr)
         return REJECTED_VALUE
