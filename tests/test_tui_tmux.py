@@ -46,6 +46,17 @@ def _capture(session: str) -> str:
     return "\n".join(line.rstrip() for line in out.splitlines()).strip("\n") + "\n"
 
 
+def _wait_for_screen(session: str, expected: str, timeout: float = 15.0) -> None:
+    """The pane shows exactly ``expected`` (a capture can land in the middle of a redraw: poll)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        screen = _capture(session)
+        if screen == expected or time.monotonic() > deadline:
+            assert screen == expected
+            return
+        time.sleep(0.1)
+
+
 def _wait_for(session: str, text: str, timeout: float = 15.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
@@ -78,18 +89,17 @@ def test_watch_in_tmux_pages_filters_and_exits_with_the_outcome(etcd_server, run
            f" --rdzv-id {run_id}; echo $? > {rc_file}; sleep 30")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
     try:
-        screen = _wait_for(session, "page 1/")
-        assert screen == frame(read_back, now=None)
-        assert len(screen.splitlines()) == 24 and "nodes 1-18 of 64" in screen
+        _wait_for(session, "page 1/")
+        first = frame(read_back, now=None)
+        _wait_for_screen(session, first)
+        assert len(first.splitlines()) == 24 and "nodes 1-18 of 64" in first
 
         subprocess.run(["tmux", "send-keys", "-t", session, "n"], check=True)
-        screen = _wait_for(session, "page 2/")
-        assert screen == frame(read_back, now=None, view=ViewState(page=1))
+        _wait_for_screen(session, frame(read_back, now=None, view=ViewState(page=1)))
         subprocess.run(["tmux", "send-keys", "-t", session, "p"], check=True)
         _wait_for(session, "page 1/")
         subprocess.run(["tmux", "send-keys", "-t", session, "/", "-", "0", "6", "Enter"], check=True)
-        screen = _wait_for(session, "filter: -06")
-        assert screen == frame(read_back, now=None, view=ViewState(node_filter="-06"))
+        _wait_for_screen(session, frame(read_back, now=None, view=ViewState(node_filter="-06")))
 
         _put_run(etcd_server.endpoint, run_id, {"closed": {"v": 1, "reason": "workers failed: rank 3 exited 1"}})
         deadline = time.monotonic() + 15
