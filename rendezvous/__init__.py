@@ -5,7 +5,7 @@ Layout: ``config`` (EtcdConfig, RendezvousSettings), ``state`` (the data and its
 (EtcdRendezvous: effects around the machine), ``embedded`` (a throw-away etcd server).
 """
 
-from .config import EtcdConfig, RendezvousSettings
+from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, refuse_inline_secrets
 from .embedded import EmbeddedEtcd, find_etcd_binary, host_etcd_if_absent
 from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
                      RendezvousTimeoutError)
@@ -33,4 +33,6 @@ __all__ = [
     "RendezvousTimeoutError",
     "WatchEvent",
     "find_etcd_binary",
+    "ETCD_PASSWORD_ENV",
+    "refuse_inline_secrets",
 ]

@@ -6,14 +6,61 @@ strings). Unknown ``--rdzv-conf`` keys are ignored here because the conf is shar
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import os
+import stat
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from .errors import RendezvousError
 
 DEFAULT_ETCD_PORT = 2379
 DEFAULT_PREFIX = "/tpassrun/v1"
+# Where a password may come from instead of the command line (spelled here: rendezvous must not import tpassrun).
+ETCD_PASSWORD_ENV = "TPASSRUN_ETCD_PASSWORD"
+_SECRET_KEYS = ("password",)
+
+
+def refuse_inline_secrets(conf: Mapping[str, str]) -> None:
+    """A password typed into ``--rdzv-conf`` is visible to every user in ``ps``: refuse it, naming the ways
+    that are not (a 0600 file, or the environment)."""
+    for key in _SECRET_KEYS:
+        if conf.get(key):
+            raise RendezvousError(f"--rdzv-conf {key}=... would be visible to every user in `ps`: use "
+                                  f"password_file=PATH (a file only you can read) or ${ETCD_PASSWORD_ENV}")
+
+
+def read_private_file(path: str, what: str) -> str:
+    """The content of a secret file, refused unless only its owner can read it (like ssh does)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise RendezvousError(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
+    with os.fdopen(fd, "r") as fh:
+        info = os.fstat(fh.fileno())
+        if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise RendezvousError(f"the {what} {path} is readable by others (mode {stat.S_IMODE(info.st_mode):o}): "
+                                  f"chmod 600 it")
+        return fh.read()
+
+
+def _credentials(conf: Mapping[str, str], environ: Mapping[str, str]) -> tuple[str | None, str | None]:
+    """(user, password) from, in order: ``credentials_file`` (JSON, what a tpassrun-hosted etcd writes),
+    ``password_file``, the inline ``password`` (in-process callers only; the CLI refuses it), ``$TPASSRUN_ETCD_PASSWORD``."""
+    user = conf.get("user") or conf.get("username") or None
+    path = conf.get("credentials_file")
+    if path:
+        try:
+            doc = json.loads(read_private_file(path, "etcd credentials file"))
+            return str(doc["user"]), str(doc["password"])
+        except (ValueError, KeyError, TypeError):
+            raise RendezvousError(f"the etcd credentials file {path} is not {{\"user\": ..., \"password\": ...}}") from None
+    if conf.get("password_file"):
+        lines = read_private_file(conf["password_file"], "etcd password file").splitlines()
+        return user, (lines[0] if lines else "")
+    password = conf.get("password") or (environ.get(ETCD_PASSWORD_ENV) if user else None) or None
+    return user, password
 
 
 def _float(conf: Mapping[str, str], key: str, default: float) -> float:
@@ -65,7 +112,7 @@ class EtcdConfig:
     cert: str | None = None
     key: str | None = None
     user: str | None = None
-    password: str | None = None
+    password: str | None = field(default=None, repr=False)
     read_timeout: float = 60.0
     reconnect_timeout: float = 30.0
     prefix: str | None = None  # --rdzv-conf etcd_prefix, if given
@@ -106,7 +153,7 @@ class EtcdConfig:
                     raise RendezvousError(f"etcd endpoint scheme {scheme!r} contradicts protocol={protocol!r}")
                 protocol = scheme
             endpoints.append(_parse_host_port(item.rstrip("/")))
-        user = conf.get("user") or conf.get("username") or None
+        user, password = _credentials(conf, os.environ)
         read_timeout = _float(conf, "read_timeout", 60.0)
         return cls(
             endpoints=tuple(endpoints),
@@ -115,7 +162,7 @@ class EtcdConfig:
             cert=conf.get("cert") or conf.get("ssl_cert") or None,
             key=conf.get("key") or conf.get("ssl_cert_key") or None,
             user=user,
-            password=conf.get("password") or None,
+            password=password,
             read_timeout=read_timeout,
             reconnect_timeout=_float(conf, "reconnect_timeout", max(30.0, read_timeout)),
             prefix=conf.get("etcd_prefix") or None,

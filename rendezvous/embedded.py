@@ -1,15 +1,23 @@
 """A throw-away single-node etcd for single-host runs and tests (``EmbeddedEtcd``).
 
 The child gets PR_SET_PDEATHSIG=SIGKILL, so it never outlives the launcher even if the launcher is
-SIGKILLed; the data directory is temporary and removed on exit.
+SIGKILLed; the data directory is temporary and removed on exit, and the next start on this machine removes
+the directories of launchers that were killed before they could (each holds its owner's pid).
+
+With ``auth=True`` only the job can read or write it: etcd's authentication is enabled at start with a root
+user and a fresh random password, kept in a 0600 credentials file inside the 0700 data directory (given to
+clients as ``--rdzv-conf credentials_file=PATH``, never on a command line).
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import ctypes
+import json
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -83,9 +91,92 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
 
 
-def _healthy(port: int) -> bool:
+_DIR_PREFIX = "tpassrun-etcd-"
+_OWNER_FILE = "owner.pid"
+CREDENTIALS_FILE = "credentials.json"
+
+
+def private_runtime_dir() -> str:
+    """``$TMPDIR/tpassrun-<uid>``: 0700, owned by us, not a symlink (created if absent). Anything that must not
+    be squatted or redirected by another local user (lock files) lives here."""
+    path = os.path.join(tempfile.gettempdir(), f"tpassrun-{os.getuid()}")
+    with contextlib.suppress(FileExistsError):
+        os.mkdir(path, 0o700)
+    info = os.lstat(path)
+    import stat as _stat
+    if not _stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise RendezvousError(f"{path} is not a private directory of this user (owner {info.st_uid}, mode "
+                              f"{_stat.S_IMODE(info.st_mode):o}): remove it")
+    return path
+
+
+def open_private_lock(name: str) -> int:
+    """A lock file in :func:`private_runtime_dir`: 0600, never truncated, never followed if it is a symlink."""
+    return os.open(os.path.join(private_runtime_dir(), name), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   0o600)
+
+
+def reap_stale_dirs(parent: str | None = None) -> list[str]:
+    """Remove the data directories of embedded etcds whose launcher died without cleaning up (SIGKILL): they
+    are ours, and the pid in them is gone. Returns what was removed."""
+    parent = parent or tempfile.gettempdir()
+    removed = []
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            path = os.path.join(parent, name)
+            if not name.startswith(_DIR_PREFIX) or os.path.islink(path):
+                continue
+            try:
+                if os.lstat(path).st_uid != os.getuid():
+                    continue
+                with open(os.path.join(path, _OWNER_FILE)) as fh:
+                    pid = int(fh.read().strip() or 0)
+            except (OSError, ValueError):
+                continue
+            if pid > 0 and not _pid_alive(pid):
+                shutil.rmtree(path, ignore_errors=True)
+                removed.append(path)
+    return removed
+
+
+def _pid_alive(pid: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _url_host(host: str) -> str:
+    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
+    return f"[{host}]" if ":" in host else host
+
+
+def _gateway(host: str, port: int, path: str, body: dict, token: str | None = None) -> dict:
+    """One call of etcd's JSON gateway (used only to set up authentication at start)."""
+    request = urllib.request.Request(f"http://{_url_host(host)}:{port}/v3/{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              **({"Authorization": token} if token else {})})
+    with urllib.request.urlopen(request, timeout=5) as r:
+        doc = json.loads(r.read() or b"{}")
+    if "error" in doc:
+        raise RendezvousError(f"etcd {path}: {doc['error']}")
+    return doc
+
+
+def enable_auth(host: str, port: int, user: str, password: str) -> None:
+    """Create ``user`` with the root role and switch etcd's authentication on (a fresh etcd only)."""
+    _gateway(host, port, "auth/role/add", {"name": "root"})
+    _gateway(host, port, "auth/user/add", {"name": user, "password": password})
+    _gateway(host, port, "auth/user/grant", {"user": user, "role": "root"})
+    _gateway(host, port, "auth/enable", {})
+
+
+def _healthy(host: str, port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{_url_host(host)}:{port}/health", timeout=1) as r:
             return b"true" in r.read()
     except OSError:
         return False
@@ -96,7 +187,8 @@ class EmbeddedEtcd:
 
     def __init__(self, binary: str | None = None, *, ready_timeout: float = 10.0,
                  client_port: int | None = None, listen_host: str = "127.0.0.1",
-                 advertise_host: str | None = None) -> None:
+                 advertise_host: str | None = None, auth: bool = False,
+                 credentials: tuple[str, str] | None = None) -> None:
         """``client_port``: serve on that port (one attempt: an "address in use" means someone else serves
         there) on ``listen_host``, e.g. ``0.0.0.0`` to host a multi-node run's etcd (torchrun ``c10d``/``static``
         endpoints); by default a free loopback port."""
@@ -108,6 +200,15 @@ class EmbeddedEtcd:
         self._listen = listen_host
         self._advertise = advertise_host or ("127.0.0.1" if listen_host in ("127.0.0.1", "0.0.0.0") else listen_host)
         self.port = 0
+        self._auth = auth or credentials is not None
+        self._credentials = credentials
+        self.user: str | None = None
+        self.password: str | None = None
+
+    @property
+    def credentials_file(self) -> str | None:
+        """The 0600 file with this etcd's user and password (``--rdzv-conf credentials_file=``), if auth is on."""
+        return os.path.join(self._dir, CREDENTIALS_FILE) if self._dir and self.user is not None else None
 
     @property
     def endpoint(self) -> str:
@@ -123,10 +224,15 @@ class EmbeddedEtcd:
 
     async def __aenter__(self) -> "EmbeddedEtcd":
         binary = find_etcd_binary(self._binary)
-        self._dir = tempfile.mkdtemp(prefix="tpassrun-etcd-")
+        await asyncio.to_thread(reap_stale_dirs)
+        self._dir = tempfile.mkdtemp(prefix=_DIR_PREFIX)     # 0700
+        with open(os.path.join(self._dir, _OWNER_FILE), "w") as fh:
+            fh.write(str(os.getpid()))
         try:
             for _attempt in range(1 if self._fixed_port else 5):  # free-port races: retry on a new port
                 if await self._start(binary):
+                    if self._auth:
+                        await asyncio.to_thread(self._lock_down)
                     return self
             raise RendezvousError(f"embedded etcd ({binary}) did not become healthy; log: {self._log_tail()}")
         except BaseException:
@@ -155,11 +261,24 @@ class EmbeddedEtcd:
                 start_new_session=True, preexec_fn=_set_pdeathsig)
         deadline = time.monotonic() + self._ready_timeout
         while time.monotonic() < deadline and self._proc.poll() is None:
-            if await asyncio.to_thread(_healthy, self.port):
+            if await asyncio.to_thread(_healthy, self._listen, self.port):
                 return True
             await asyncio.sleep(0.02)
         await asyncio.to_thread(self._stop)
         return False
+
+    def _lock_down(self) -> None:
+        assert self._dir is not None
+        user, password = self._credentials or ("root", secrets.token_urlsafe(24))
+        try:
+            enable_auth(self._listen, self.port, user, password)
+        except (OSError, ValueError) as exc:
+            raise RendezvousError(f"could not enable authentication on the embedded etcd: {exc}") from exc
+        fd = os.open(os.path.join(self._dir, CREDENTIALS_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                     0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump({"user": user, "password": password}, fh)
+        self.user, self.password = user, password
 
     def _log_tail(self) -> str:
         if not self._dir:
@@ -187,14 +306,16 @@ class EmbeddedEtcd:
             self._dir = None
 
 
-async def host_etcd_if_absent(endpoint: str, binary: str,
-                              stack: contextlib.AsyncExitStack) -> "EmbeddedEtcd | None":
+async def host_etcd_if_absent(endpoint: str, binary: str, stack: contextlib.AsyncExitStack, *,
+                              credentials: tuple[str, str] | None = None) -> "EmbeddedEtcd | None":
     """Serve an etcd at ``endpoint`` if it names this machine and nothing answers there yet (torchrun's
     ``c10d`` rule: the agent on the endpoint's machine hosts the store). Returns the etcd, kept until
     ``stack`` closes, or None when another process serves (or will serve) it.
 
     Several agents of one machine (tests, single-host multi-agent runs) race for the port: a lock file
-    decides who hosts; the others wait until the etcd answers, and connect as clients.
+    decides who hosts; the others wait until the etcd answers, and connect as clients. The lock lives in a
+    private directory (0600, never truncated, symlinks not followed). The etcd listens on the endpoint's
+    address only, and with ``credentials`` (the user and password every node was given) only the job can use it.
     """
     import fcntl
 
@@ -203,7 +324,7 @@ async def host_etcd_if_absent(endpoint: str, binary: str,
     port = int(port_s)
     if not _is_local_address(host) or await _accepts(host, port):
         return None
-    lock = open(os.path.join(tempfile.gettempdir(), f"tpassrun-etcd-{port}.lock"), "w")
+    lock = os.fdopen(open_private_lock(f"etcd-{port}.lock"), "r+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -216,10 +337,29 @@ async def host_etcd_if_absent(endpoint: str, binary: str,
     if await _accepts(host, port):
         return None
     try:
-        return await stack.enter_async_context(EmbeddedEtcd(binary, client_port=port, listen_host="0.0.0.0",
-                                                            advertise_host=host))
+        return await stack.enter_async_context(EmbeddedEtcd(binary, client_port=port, listen_host=_bind_address(host),
+                                                            advertise_host=host, credentials=credentials))
     except RendezvousError:
         return None   # someone else took the port meanwhile: join as a client
+
+
+def _bind_address(host: str) -> str:
+    """The IP to serve ``host`` on (etcd binds IPs, not names): the first of its addresses this machine has."""
+    if host == "localhost":
+        return "127.0.0.1"
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except OSError:
+        return host
+    for family, _t, _p, _c, sockaddr in infos:
+        with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
+            s.bind((sockaddr[0], 0))
+            if sockaddr[0].startswith("127.") and not host.startswith("127."):
+                # a host name that resolves to loopback here (Debian's 127.0.1.1) names this machine for the
+                # other nodes: serve every interface (credentials, when given, still keep others out)
+                return "0.0.0.0"
+            return sockaddr[0]
+    return host
 
 
 def _is_local_address(host: str) -> bool:

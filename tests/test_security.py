@@ -299,3 +299,96 @@ def test_an_aborted_planned_swap_resumes_the_leaver(tmp_path, etcd_server, run_i
     assert not _events(job, "swap_resumed")
     for r in range(2):
         assert [x["step"] for x in job.losses(r)] == list(range(30))
+
+
+# --- a control plane only the job can write -----------------------------------------------------------
+
+
+def test_the_embedded_etcd_answers_only_with_the_runs_credentials(tmp_path):
+    import urllib.request
+
+    from tpassrun.rendezvous import EmbeddedEtcd, EtcdConfig, EtcdStore
+
+    async def scenario() -> None:
+        async with EmbeddedEtcd(auth=True) as etcd:
+            creds = etcd.credentials_file
+            assert creds is not None and os.stat(creds).st_mode & 0o777 == 0o600
+            assert os.stat(os.path.dirname(creds)).st_mode & 0o777 == 0o700
+            # a stranger (no credentials) can neither write nor read
+            import urllib.error
+            for path in ("kv/put", "kv/range"):
+                body = json.dumps({"key": "Zm9v", "value": "YmFy"}).encode()
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(f"http://{etcd.endpoint}/v3/{path}", data=body, timeout=5)
+                assert "user name is empty" in refused.value.read().decode()
+            cfg = EtcdConfig.from_endpoint(etcd.endpoint, {"credentials_file": creds, "read_timeout": "5"})
+            assert cfg.password not in repr(cfg)
+            async with EtcdStore(cfg) as store:
+                await store.put_json("/k", {"v": 1})
+                assert (await store.get_json("/k"))[0] == {"v": 1}
+
+    run_async(scenario())
+
+
+def test_secrets_never_come_from_the_command_line(tmp_path, monkeypatch):
+    from tpassrun.rendezvous import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousError, refuse_inline_secrets
+
+    with pytest.raises(RendezvousError, match="password_file"):
+        refuse_inline_secrets({"user": "u", "password": "hunter2"})
+    pw = tmp_path / "pw"
+    pw.write_text("s3cret\n")
+    os.chmod(pw, 0o644)
+    with pytest.raises(RendezvousError, match="chmod 600"):
+        EtcdConfig.from_endpoint("h", {"user": "u", "password_file": str(pw)})
+    os.chmod(pw, 0o600)
+    assert EtcdConfig.from_endpoint("h", {"user": "u", "password_file": str(pw)}).password == "s3cret"
+    monkeypatch.setenv(ETCD_PASSWORD_ENV, "from-env")
+    assert EtcdConfig.from_endpoint("h", {"user": "u"}).password == "from-env"
+    # the launcher refuses the inline password with one line, before doing anything
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "tpassrun", "--standalone", "--nproc-per-node", "1",
+                        "--rdzv-conf", "user=u,password=hunter2", "x.py"], capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "password_file" in r.stderr and "Traceback" not in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_the_c10d_lock_is_private_and_never_follows_a_symlink(tmp_path, monkeypatch):
+    from tpassrun.rendezvous.embedded import open_private_lock, private_runtime_dir
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    import tempfile
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    d = private_runtime_dir()
+    assert d.startswith(str(tmp_path)) and os.stat(d).st_mode & 0o777 == 0o700
+    fd = open_private_lock("etcd-1.lock")
+    os.close(fd)
+    assert os.stat(os.path.join(d, "etcd-1.lock")).st_mode & 0o777 == 0o600
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    os.symlink(victim, os.path.join(d, "etcd-2.lock"))
+    with pytest.raises(OSError):
+        open_private_lock("etcd-2.lock")
+    assert victim.read_text() == "precious"
+    # a squatter's world-writable directory is refused, not used
+    os.chmod(d, 0o777)
+    from tpassrun.rendezvous import RendezvousError
+    with pytest.raises(RendezvousError, match="private"):
+        private_runtime_dir()
+    os.chmod(d, 0o700)
+
+
+def test_a_killed_launchers_etcd_dir_is_removed_by_the_next_start(tmp_path):
+    import subprocess
+    import sys
+
+    from tpassrun.rendezvous.embedded import reap_stale_dirs
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale = tmp_path / "tpassrun-etcd-stale"
+    live = tmp_path / "tpassrun-etcd-live"
+    for path, pid in ((stale, dead.stdout.strip()), (live, str(os.getpid()))):
+        (path / "data").mkdir(parents=True)
+        (path / "owner.pid").write_text(pid)
+    assert reap_stale_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists()

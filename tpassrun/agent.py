@@ -36,7 +36,8 @@ from .devices import node_devices, slot_env, visible_devices  # noqa: E402
 from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
 from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
-                         RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent)
+                         RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent,
+                         refuse_inline_secrets)
 from .slots import LocalSlots, Slot, SlotState  # noqa: E402
 from .workerenv import WorkerAssignment, entrypoint_name, worker_argv, worker_env  # noqa: E402
 
@@ -117,13 +118,21 @@ class Agent:
         self.devices = await asyncio.to_thread(self._find_devices)
         async with contextlib.AsyncExitStack() as stack:
             endpoint = cfg.etcd_endpoint
+            rdzv_conf = dict(cfg.rdzv_conf or {})
+            refuse_inline_secrets(rdzv_conf)
             if endpoint is None:
                 log.debug("waiting for the embedded etcd to start")
-                etcd = await stack.enter_async_context(EmbeddedEtcd(find_etcd_binary(cfg.etcd_bin)))
+                # only this job may read or write it: a fresh root password, in a 0600 file
+                etcd = await stack.enter_async_context(EmbeddedEtcd(find_etcd_binary(cfg.etcd_bin), auth=True))
                 endpoint = etcd.endpoint
+                self.credentials_file = etcd.credentials_file
+                rdzv_conf["credentials_file"] = etcd.credentials_file
             elif cfg.host_etcd:
-                # torchrun's c10d/static: the agent on the endpoint's machine hosts the rendezvous there
-                hosted = await host_etcd_if_absent(endpoint, find_etcd_binary(cfg.etcd_bin), stack)
+                # torchrun's c10d/static: the agent on the endpoint's machine hosts the rendezvous there, with
+                # authentication when the nodes were given a user and password (password_file / environment)
+                given = EtcdConfig.from_endpoint(endpoint, rdzv_conf)
+                creds = (given.user, given.password) if given.user and given.password else None
+                hosted = await host_etcd_if_absent(endpoint, find_etcd_binary(cfg.etcd_bin), stack, credentials=creds)
                 self.hosting_etcd = hosted is not None
             run_dir = self.logs.run_dir
             event_path = cfg.event_log or (os.path.join(run_dir, "events.jsonl") if run_dir else None)
@@ -137,7 +146,7 @@ class Agent:
                             spares=cfg.spares_per_node, spare_node=cfg.spare_node)
             log.debug("connecting to etcd at %s", endpoint)
             self.rdzv = await stack.enter_async_context(
-                EtcdRendezvous(EtcdConfig.from_endpoint(endpoint, cfg.rdzv_conf), settings, node))
+                EtcdRendezvous(EtcdConfig.from_endpoint(endpoint, rdzv_conf), settings, node))
             self.slots = await LocalSlots(cfg.nproc_per_node, cfg.spares_per_node,
                                           on_message=self._on_worker_message).open()
             stack.push_async_callback(self.slots.close)
@@ -179,7 +188,7 @@ class Agent:
         from .registry import RegistryError, RunEntry, register, unregister
 
         conf = ",".join(f"{k}={v}" for k, v in dict(self.cfg.rdzv_conf or {}).items()
-                        if k in ("cacert", "cert", "key", "user", "read_timeout"))
+                        if k in ("cacert", "cert", "key", "user", "password_file", "read_timeout"))
         entry = RunEntry(run_id=self.cfg.rdzv_id, endpoint=endpoint, pid=os.getpid(), node_id=self.node_id,
                          event_log=os.path.abspath(event_path) if event_path else None, log_dir=self.logs.run_dir,
                          credentials=getattr(self, "credentials_file", None), rdzv_conf=conf,

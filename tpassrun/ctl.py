@@ -26,7 +26,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .rendezvous import EtcdConfig, EtcdStore, Generation, RendezvousError, RendezvousSettings
+from .rendezvous import (EtcdConfig, EtcdStore, Generation, RendezvousError, RendezvousSettings,
+                         refuse_inline_secrets)
 
 EFFECTS = ("migrate", "exclude", "fail")
 
@@ -227,6 +228,10 @@ def _new_taint_id() -> str:
 
 async def _run(args: argparse.Namespace) -> int:
     conf = _parse_conf(args.rdzv_conf)
+    refuse_inline_secrets(conf)
+    entry = getattr(args, "registry_entry", None)
+    if entry is not None and entry.credentials and "credentials_file" not in conf:
+        conf["credentials_file"] = entry.credentials     # a standalone run's etcd: its 0600 credentials file
     conf.setdefault("read_timeout", "5")  # a CLI should not sit for torchrun's 60 s default
     etcd = EtcdConfig.from_endpoint(args.rdzv_endpoint, conf)
     etcd = EtcdConfig(**{**etcd.__dict__, "reconnect_timeout": etcd.read_timeout})
