@@ -552,3 +552,25 @@ def test_panel_is_off_without_a_terminal_and_gives_the_terminal_back(tmp_path):
     finally:
         os.close(master)
         os.close(slave)
+
+
+def test_a_lost_run_ends_with_the_exit_code_in_its_launchers_event_log(tmp_path):
+    from tpassrun.tui_live import outcome_from_event_log
+
+    log = tmp_path / "events.jsonl"
+    assert outcome_from_event_log(str(log)) is None and outcome_from_event_log(None) is None
+    log.write_text('{"event": "swap_done"}\nnot json\n')
+    assert outcome_from_event_log(str(log)) is None
+    log.write_text('{"event": "generation_ended"}\n{"event": "agent_exit", "code": 1}\n')
+    end = outcome_from_event_log(str(log))
+    assert end.code == 1 and "exited with 1" in end.message
+    tracker = WatchTracker(lost_after=10.0, on_lost=lambda: outcome_from_event_log(str(log)))
+    tracker.update(run_doc(), None, now=0.0)
+    assert tracker.update(None, "fetch failed: lost etcd", now=0.5).code == 1   # at once, no 10 s wait
+    log.write_text('{"event": "agent_exit", "code": 0}\n')
+    clock = iter(range(100))
+    buf = io.StringIO()
+    code = asyncio.run(watch(FakeFetch([run_doc(), ConnectionError("lost etcd")]), interval=0,
+                             console=Console(file=buf, width=200), clock=lambda: float(next(clock)),
+                             on_lost=lambda: outcome_from_event_log(str(log))))
+    assert code == 0 and buf.getvalue().splitlines()[-1].startswith("the run ended: its launcher exited with 0")

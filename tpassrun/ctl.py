@@ -247,7 +247,11 @@ async def _run(args: argparse.Namespace) -> int:
                 async def fetch() -> dict[str, Any]:
                     return (await read_snapshot(store, prefix, args.rdzv_id)).to_json()
 
-                return await tui_live.watch(fetch, interval=args.interval, lost_after=args.lost_after)
+                # A --standalone run's etcd ends with it: its launcher's event log (from the run registry,
+                # looked up now, while the launcher still lists it) then says how it ended.
+                event_log = _event_log_of(args)
+                return await tui_live.watch(fetch, interval=args.interval, lost_after=args.lost_after,
+                                            on_lost=lambda: tui_live.outcome_from_event_log(event_log))
             if args.json:
                 print(json.dumps(snap.to_json(), indent=2, sort_keys=True))
             else:
@@ -448,6 +452,19 @@ def _pick_run(args: argparse.Namespace) -> int | None:
             print(f"  {r.run_id}  etcd {r.endpoint}  pid {r.pid}  {r.nproc}+{r.spares} slots  up {age:.0f} s")
         return 0
     raise CtlError(f"{len(runs)} runs on this machine: pick one with --rdzv-id ({', '.join(r.run_id for r in runs)})")
+
+
+def _event_log_of(args: argparse.Namespace) -> str | None:
+    entry = getattr(args, "registry_entry", None)
+    if entry is None:
+        try:
+            from .registry import list_runs
+
+            entry = next((r for r in list_runs() if r.run_id == args.rdzv_id and r.endpoint == args.rdzv_endpoint),
+                         None)
+        except Exception:  # noqa: BLE001 - no registry (not private, unreadable): the watch goes on without it
+            entry = None
+    return entry.event_log if entry is not None else None
 
 
 def _resolve_node(snap: RunSnapshot, node: str) -> str:

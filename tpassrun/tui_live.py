@@ -8,7 +8,8 @@ change. Either way it returns the run's outcome as an exit code when the run end
 0     the run closed with ``succeeded``
 1     the run closed for any other reason (workers failed, ...)
 3     the run's etcd stopped answering for ``lost_after`` seconds before a close was seen (a
-      ``--standalone`` run takes its etcd with it when it ends): the outcome is unknown
+      ``--standalone`` run takes its etcd with it when it ends) and the launcher's event log (found
+      through the run registry) does not say how it ended either
 ====  ===========================================================================================
 
 Whether to stop is decided by :class:`WatchTracker`, a pure function of what each poll returned and the time.
@@ -30,7 +31,7 @@ from rich.text import Text
 
 from .tui import ViewState, _dict, apply_key, render_status, summary_line
 
-__all__ = ["WatchEnd", "WatchTracker", "run_outcome", "terminal_keys", "watch"]
+__all__ = ["WatchEnd", "WatchTracker", "outcome_from_event_log", "run_outcome", "terminal_keys", "watch"]
 
 EXIT_LOST = 3
 
@@ -53,12 +54,36 @@ def run_outcome(doc: Mapping[str, Any]) -> WatchEnd | None:
     return WatchEnd(0 if reason == "succeeded" else 1, f"run {doc.get('run_id') or '?'} ended: {reason}")
 
 
+def outcome_from_event_log(path: str | None) -> WatchEnd | None:
+    """The launcher's exit code from its event log (``agent_exit``), for a run whose etcd went away with it
+    (``--standalone``) before the watch saw the ``closed`` record. None if unknown."""
+    if not path:
+        return None
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            lines = fh.readlines()[-200:]
+    except OSError:
+        return None
+    import json
+
+    for line in reversed(lines):
+        try:
+            event = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(event, dict) and event.get("event") == "agent_exit" and isinstance(event.get("code"), int):
+            code = event["code"]
+            return WatchEnd(0 if code == 0 else 1, f"the run ended: its launcher exited with {code} (event log {path})")
+    return None
+
+
 class WatchTracker:
     """Decides, poll by poll, whether the watch goes on. Fetch errors are shown and survived (etcd restarting,
     a partition) until they last ``lost_after`` seconds."""
 
-    def __init__(self, lost_after: float) -> None:
+    def __init__(self, lost_after: float, on_lost: Callable[[], WatchEnd | None] | None = None) -> None:
         self.lost_after = lost_after
+        self.on_lost = on_lost     # a second source for the outcome (the launcher's event log)
         self.last_doc: dict | None = None
         self.failing_since: float | None = None
 
@@ -68,6 +93,8 @@ class WatchTracker:
             return run_outcome(doc)
         if self.failing_since is None:
             self.failing_since = now
+        if self.on_lost is not None and (end := self.on_lost()) is not None:
+            return end
         if now - self.failing_since < self.lost_after:
             return None
         last = f"; last seen: {summary_line(self.last_doc)}" if self.last_doc is not None else ""
@@ -142,14 +169,15 @@ async def _next_key(queue: "asyncio.Queue[str]", timeout: float) -> str | None:
 
 async def watch(fetch: Callable[[], Awaitable[dict]], *, interval: float = 0.5, console: Console | None = None,
                 clock: Callable[[], float] = time.time, lost_after: float = 10.0,
-                keys: "asyncio.Queue[str] | None" = None, screen: bool = True) -> int:
+                keys: "asyncio.Queue[str] | None" = None, screen: bool = True,
+                on_lost: Callable[[], WatchEnd | None] | None = None) -> int:
     """Show the run until it ends (returns its exit code, see the module doc), ``q`` or cancellation.
 
     ``keys``: where keys come from (default: the terminal's stdin). ``auto_refresh=False`` keeps all drawing
     on this task (rich would otherwise redraw from its own thread while the document changes).
     """
     console = console or Console()
-    tracker = WatchTracker(lost_after)
+    tracker = WatchTracker(lost_after, on_lost)
     if not console.is_terminal:
         last = None
         while True:
