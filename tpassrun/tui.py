@@ -264,19 +264,18 @@ def _history_times(plan: Mapping[str, Any]) -> list[float]:
             and isinstance(h[1], (int, float))]
 
 
-def _step_info(doc: Mapping[str, Any]) -> tuple[str, str]:
+def _step_info(workers: list[dict]) -> tuple[str, str]:
     """(step, step time) of the run: the slowest running rank's step and the slowest last step time."""
-    running = [w for w in _workers(doc) if w.get("state") == "running" and w.get("rank") is not None]
+    running = [w for w in workers if w.get("state") == "running" and w.get("rank") is not None]
     steps = [w["step"] for w in running if isinstance(w.get("step"), int)]
     lasts = [w["last_step_ms"] for w in running if isinstance(w.get("last_step_ms"), (int, float))
              and w["last_step_ms"] > 0]
     return (str(min(steps)) if steps else "-"), (f"{max(lasts):.1f}ms" if lasts else "-")
 
 
-def _summary(doc: Mapping[str, Any], now: float | None) -> list[Text]:
+def _summary(doc: Mapping[str, Any], now: float | None, workers: list[dict]) -> list[Text]:
     gen = _dict(doc.get("generation"))
-    workers = _workers(doc)
-    step, step_ms = _step_info(doc)
+    step, step_ms = _step_info(workers)
     spares = sum(1 for w in workers if _is_spare(w))
     swaps = _dict(doc.get("swaps"))
     active = len(_active_swaps(doc))
@@ -314,7 +313,7 @@ def _timeline(plan: Mapping[str, Any]) -> Text:
     return out
 
 
-def _alerts(doc: Mapping[str, Any], now: float | None) -> list[Text]:
+def _alerts(doc: Mapping[str, Any], now: float | None, workers: list[dict]) -> list[Text]:
     """Most urgent first: swaps in flight (with their phase timeline), live taints, unhealthy verdicts, dead
     slots, then settled taints and the last finished swap."""
     urgent: list[Text] = []
@@ -351,7 +350,7 @@ def _alerts(doc: Mapping[str, Any], now: float | None) -> list[Text]:
         urgent.append(_line(("! health ", HEALTH_STYLES.get(status, "bold")), f"{node_id} {_text(v.get('device'))} ",
                             (status, HEALTH_STYLES.get(status, "bold")), f" → {_text(v.get('effect'))}: ",
                             _text(v.get("reason"), "")))
-    for w in _workers(doc):
+    for w in workers:
         if w.get("state") == "dead":
             urgent.append(_line(("! dead ", "bold red"), f"{w['node_id']}/{_text(w.get('slot'))} rank "
                                 f"{_text(w.get('rank'))} pid {_text(w.get('pid'))}"))
@@ -368,10 +367,15 @@ def _alerts(doc: Mapping[str, Any], now: float | None) -> list[Text]:
     return urgent + settled
 
 
-def _node_role(doc: Mapping[str, Any], node_id: str) -> tuple[str, str]:
+def _members(doc: Mapping[str, Any]) -> dict[str, dict]:
+    gen = _dict(doc.get("generation"))
+    return {str(m.get("node_id")): m for m in gen.get("members") or () if isinstance(m, dict)}
+
+
+def _node_role(doc: Mapping[str, Any], node_id: str, members: Mapping[str, dict]) -> tuple[str, str]:
     """(role, ranks) of a node: ``("member 3", "24-31")``, ``("spare node", "-")``."""
     gen = _dict(doc.get("generation"))
-    member = next((m for m in gen.get("members") or () if isinstance(m, dict) and m.get("node_id") == node_id), None)
+    member = members.get(node_id)
     lost = node_id in (gen.get("lost") or ())
     if member is not None:
         first, n = member.get("rank_offset", 0), member.get("nproc", 0)
@@ -384,22 +388,24 @@ def _node_role(doc: Mapping[str, Any], node_id: str) -> tuple[str, str]:
     return ("LOST" if lost else "other"), "-"
 
 
-def _node_rows(doc: Mapping[str, Any], view: ViewState, now: float | None) -> list[tuple[list[Any], str]]:
+def _node_rows(doc: Mapping[str, Any], view: ViewState, now: float | None,
+               workers: list[dict]) -> list[tuple[list[Any], str]]:
     """Table rows ([cells], style) per node, each followed by its slot rows when expanded."""
     by_node: dict[str, list[dict]] = {}
-    for w in _workers(doc):
+    for w in workers:
         by_node.setdefault(w["node_id"], []).append(w)
     unhealthy: dict[str, int] = {}
     for node_id, _v in _unhealthy(doc):
         unhealthy[node_id] = unhealthy.get(node_id, 0) + 1
     wanted = view.node_filter.lower()
+    members = _members(doc)
     groups = []
     for node_id in _node_order(doc):
         status = _dict(_dict(doc.get("status")).get(node_id))
         if wanted and wanted not in node_id.lower() and wanted not in str(status.get("addr", "")).lower():
             continue
         workers = sorted(by_node.get(node_id, []), key=lambda w: (w.get("slot") is None, str(w.get("slot"))))
-        role, ranks = _node_role(doc, node_id)
+        role, ranks = _node_role(doc, node_id, members)
         slots = Text(no_wrap=True, overflow="ellipsis", end="")
         for w in workers:
             glyph, style = SLOT_GLYPHS.get(str(w.get("state")), ("?", "bold"))
@@ -461,9 +467,10 @@ def render_status(doc: Mapping[str, Any], *, now: float | None = None, width: in
     paged, and a footer with the page and (``keys``) the keys. ``height=None`` draws every row.
     """
     doc = _dict(doc)
-    top = _summary(doc, now)
-    alerts = _alerts(doc, now) or [_line("no alerts", style="dim")]
-    rows = _node_rows(doc, view, now)
+    workers = _workers(doc)   # read once: a 512-node run has thousands of worker rows
+    top = _summary(doc, now, workers)
+    alerts = _alerts(doc, now, workers) or [_line("no alerts", style="dim")]
+    rows = _node_rows(doc, view, now, workers)
     if height is None:
         shown, page, pages, per_page = rows, 0, 1, len(rows)
     else:
