@@ -392,3 +392,36 @@ def test_a_killed_launchers_etcd_dir_is_removed_by_the_next_start(tmp_path):
         (path / "owner.pid").write_text(pid)
     assert reap_stale_dirs(str(tmp_path)) == [str(stale)]
     assert not stale.exists() and live.exists()
+
+
+# --- no path hangs the agent ---------------------------------------------------------------------------
+
+
+def test_a_health_file_that_blocks_is_an_error_not_a_hang(tmp_path):
+    from tpassrun.health import FileSensor
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    readings = FileSensor(str(fifo), read_timeout=30).read()      # a FIFO: refused at once, never waited on
+    assert len(readings) == 1 and "not a regular file" in (readings[0].error or ""), readings
+
+    release = threading.Event()
+    sensor = FileSensor(str(tmp_path / "hung.json"), read_timeout=0.3)
+    sensor._read_into = lambda box: release.wait(60)              # a hung NFS read, as the kernel would do it
+    first = sensor.read()
+    assert "blocked for more than" in (first[0].error or ""), first
+    threads = threading.active_count()
+    second = sensor.read()                                         # no second read piles up behind the first
+    assert "still blocked" in (second[0].error or "") and threading.active_count() == threads
+    release.set()
+
+
+def test_the_agent_exits_with_a_fifo_as_health_file(tmp_path):
+    fifo = tmp_path / "health.fifo"
+    os.mkfifo(fifo)
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=None, run_id="", nproc=1, steps=10, step_sleep=0.02,
+                       extra=["--health-file", str(fifo)]).start()
+    try:
+        assert job.wait(180) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
