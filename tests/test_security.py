@@ -425,3 +425,33 @@ def test_the_agent_exits_with_a_fifo_as_health_file(tmp_path):
         assert job.wait(180) == 0, job.log()[-3000:]
     finally:
         job.kill()
+
+
+def _catches(pid: int, sig: int) -> bool:
+    with open(f"/proc/{pid}/status") as fh:
+        mask = next(int(line.split()[1], 16) for line in fh if line.startswith("SigCgt:"))
+    return bool(mask & (1 << (sig - 1)))
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_while_connecting_to_etcd_is_obeyed_at_once(tmp_path, sig):
+    """Nothing answers at the endpoint and the connection would be retried for 10 minutes: a signal stops the
+    launcher now, with torchrun's 128 + signal."""
+    import signal as signals
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]          # closed again: nothing listens there
+    job = Job.tpassrun(str(tmp_path), endpoint=f"127.0.0.1:{port}", run_id="r", nproc=1,
+                       extra=["--rdzv-conf", "read_timeout=600"]).start()
+    try:
+        number = getattr(signals, sig)
+        deadline = time.monotonic() + 120
+        while not _catches(job.proc.pid, signals.SIGTERM):     # the agent's handlers are in place
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.log()[-2000:]
+            time.sleep(0.05)
+        time.sleep(0.5)
+        job.proc.send_signal(number)
+        assert job.wait(60) == 128 + number, job.log()[-2000:]
+    finally:
+        job.kill()

@@ -95,8 +95,14 @@ class Agent:
         for name in handled:
             with contextlib.suppress(ValueError, AttributeError, RuntimeError):
                 loop.add_signal_handler(getattr(signal, name), self._on_signal, getattr(signal, name))
+        self._main_task = asyncio.current_task()
         try:
             return await self._run()
+        except asyncio.CancelledError:
+            # a signal while connecting to etcd or starting it (see _on_signal): torchrun's code for it
+            if self.signal_received is not None and self._starting:
+                return 128 + self.signal_received
+            raise
         except RendezvousError as exc:
             print(f"tpassrun: error: {exc}", file=sys.stderr, flush=True)
             return 1
@@ -108,10 +114,16 @@ class Agent:
     def _on_signal(self, sig: int) -> None:
         self.signal_received = sig
         self._queue.put_nowait(("signal", sig))
+        if self._starting and self._main_task is not None and not self._main_task.done():
+            # still starting (an etcd that does not answer is retried for --rdzv-conf read_timeout): nothing
+            # to drain yet, so stop now instead of after the retries
+            self._main_task.cancel()
         if self._join_task is not None and not self._join_task.done():
             self._join_task.cancel()
 
     _join_task: asyncio.Task[Generation] | None = None
+    _main_task: asyncio.Task[Any] | None = None
+    _starting = True      # until the rendezvous connection is up; a signal then cancels the start
 
     async def _run(self) -> int:
         cfg = self.cfg
@@ -163,6 +175,9 @@ class Agent:
             if metrics_at is not None:
                 self.events.write("metrics_serving", addr=metrics_at[0], port=metrics_at[1])
             self._register_run(stack, endpoint, event_path)
+            self._starting = False
+            if self.signal_received is not None:
+                return 128 + self.signal_received
             code = await self._generations()
             self.events.write("agent_exit", code=code)
             return code
