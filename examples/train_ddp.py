@@ -20,6 +20,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 import tpassrun
 from tpassrun.testing import fault_point
@@ -77,6 +78,8 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step")
     p.add_argument("--out", default=None, help="directory for per-rank loss logs and final state")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--ddp", choices=("session", "torch"), default="session",
+                   help="session: sess.ddp(model); torch: DistributedDataParallel(model), re-created on reconfigure")
     args = p.parse_args()
 
     sess = tpassrun.init(backend="gloo")
@@ -85,8 +88,16 @@ def main() -> None:
     torch.manual_seed(args.seed)                       # identical initial weights on every rank
     model = Net(args.dim, args.hidden)
     sess.track(model=model)                            # before DDP: a joiner loads its weights first
-    ddp = sess.ddp(model)                              # rebuilt automatically after a swap
-    opt = torch.optim.AdamW(ddp.parameters(), lr=args.lr, weight_decay=0.01)
+    if args.ddp == "session":
+        ddp = sess.ddp(model)                          # rebuilt automatically after a swap
+    else:                                              # what a torchrun script does, rebuilt by hand
+        ddp = DistributedDataParallel(model)
+
+        @sess.on_reconfigure
+        def _rebuild_ddp() -> None:
+            nonlocal ddp
+            ddp = DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
     sampler = ShuffledSampler(args.samples, rank, world, args.seed)
     sess.track(optimizer=opt, scheduler=sched, sampler=sampler)

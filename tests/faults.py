@@ -63,10 +63,11 @@ class Job:
 
     @classmethod
     def torchrun(cls, out: str, *, nproc: int = 4, steps: int = 40, step_sleep: float = 0.02,
-                 extra: list[str] | None = None, env: dict[str, str] | None = None) -> "Job":
+                 extra: list[str] | None = None, script_args: list[str] | None = None,
+                 env: dict[str, str] | None = None) -> "Job":
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
                 *(extra or []), EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", out,
-                "--quiet"]
+                "--quiet", *(script_args or [])]
         return cls(argv=argv, out=out, env=env or {})
 
     def start(self) -> "Job":

@@ -39,6 +39,7 @@ verified (constant-time compare), and allocates nothing beyond ``max_bytes``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import hmac
 import json
@@ -238,7 +239,15 @@ def _outgoing(tensor: torch.Tensor) -> tuple[TensorSpec, torch.Tensor, memoryvie
     dtype_name = _DTYPE_NAMES.get(source.dtype) or str(source.dtype).removeprefix("torch.")
     raw = source.reshape(-1).view(torch.uint8)
     spec = TensorSpec(dtype_name, tuple(tensor.shape), raw.numel(), tensor.device.type, tensor.requires_grad)
-    return spec, source, memoryview(raw.numpy())
+    return spec, source, _writable_view(raw)
+
+
+def _writable_view(raw: torch.Tensor) -> memoryview:
+    """The memory of a contiguous CPU uint8 tensor as a writable memoryview (the caller keeps the tensor alive).
+    ``Tensor.numpy()`` raises when numpy is not installed, and numpy is not a dependency: then ctypes."""
+    if np is not None:
+        return memoryview(raw.numpy())
+    return memoryview((ctypes.c_ubyte * raw.numel()).from_address(raw.data_ptr())).cast("B")
 
 
 _DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
@@ -297,7 +306,7 @@ def _allocate(spec: TensorSpec, arena: _Arena | None = None) -> tuple[torch.Tens
     piece = arena.take(spec.nbytes) if arena is not None else None
     if piece is not None:
         tensor = torch.frombuffer(piece, dtype=torch.uint8).view(dtype).reshape(spec.shape)
-        return tensor, memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+        return tensor, _writable_view(tensor.reshape(-1).view(torch.uint8))
     if spec.nbytes >= _HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
         # Faulting in fresh 4 KiB pages costs the receiver as much CPU as the copy out of the
         # socket; transparent huge pages (granted on madvise by default) cut that in half.
@@ -307,7 +316,7 @@ def _allocate(spec: TensorSpec, arena: _Arena | None = None) -> tuple[torch.Tens
         tensor = torch.frombuffer(region, dtype=torch.uint8).view(dtype).reshape(spec.shape)
     else:
         tensor = torch.empty(spec.shape, dtype=dtype)
-    return tensor, memoryview(tensor.reshape(-1).view(torch.uint8).numpy())
+    return tensor, _writable_view(tensor.reshape(-1).view(torch.uint8))
 
 
 def _encode_head(meta: dict, specs: list[TensorSpec], chunk_bytes: int, checksum: str) -> bytes:

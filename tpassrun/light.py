@@ -35,9 +35,9 @@ import torch
 from .handoff import RNG_VERSION, capture, decode_small, encode_small
 from .handoff_codec import ChecksumError, StateBundle, decode_tree
 
-try:
+try:  # optional: numpy is not a dependency. Without it there is no numpy generator to carry.
     import numpy as np
-except ImportError:  # pragma: no cover - numpy ships with every torch wheel we support
+except ImportError:
     np = None  # type: ignore[assignment]
 
 MAGIC, END = b"TPL1", b"TPLE"
@@ -112,9 +112,9 @@ class LightSnapshotter:
             st = self._numpy.state()
             np_head = [int(st["state"]["pos"]), int(st["has_gauss"]), float(st["gauss"])]
             parts.append(np.ascontiguousarray(st["state"]["key"], dtype="<u4").tobytes())
-        torch_state = torch.get_rng_state().numpy().tobytes()
+        torch_state = _bytes_of(torch.get_rng_state())
         parts.append(torch_state)
-        cuda = [s.numpy().tobytes() for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
+        cuda = [_bytes_of(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
         parts += cuda
         objs = encode_small(capture(objects, step=step)) if objects else b""
         parts.append(objs)
@@ -124,6 +124,12 @@ class LightSnapshotter:
         parts[0], parts[1] = MAGIC + _LEN.pack(len(head)), head
         body = b"".join(parts)
         return body + END + _LEN.pack(zlib.crc32(body))
+
+
+def _bytes_of(state: torch.Tensor) -> bytes:
+    """A generator state (a fresh, contiguous CPU uint8 tensor) as bytes, without ``Tensor.numpy()``, which
+    raises when numpy is not installed; one memcpy either way."""
+    return ctypes.string_at(state.data_ptr(), state.numel()) if state.numel() else b""
 
 
 def decode(data: bytes | bytearray | memoryview) -> StateBundle:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 from . import envnames as E
 from .channel import INT64_MAX, ChannelFile, Field, WorkerPhase, decode_msg, encode_msg
-from .world import (ReconfigurableDDP, abort_process_groups, init_world, join_world, leave_process_group,
+from .world import (BucketLayout, ReconfigurableDDP, abort_process_groups, init_world, join_world, leave_process_group,
                     set_rank_env)
 
 log = logging.getLogger("tpassrun.worker")
@@ -130,6 +130,7 @@ class Session:
         self._reform_times: dict[str, float] = {}
         self._light_enabled = link is not None
         self._first_grad_ns = 0
+        self._ddps = 0                  # sess.ddp() calls so far: names their bucket layouts
 
     # --- the hook protocol ---
     def track(self, **objects: Any) -> "Session":
@@ -162,7 +163,11 @@ class Session:
         Track ``module`` before calling this, so that a joiner holds the right weights before DDP
         broadcasts rank 0's parameters (the joiner may be rank 0).
         """
-        proxy = ReconfigurableDDP(module, kwargs, synced=self.joined)
+        # The bucket layout travels with the replicated state (a joiner loads it here, before building)
+        layout = BucketLayout()
+        self.track_replicated(**{f"tpassrun.ddp{self._ddps}.buckets": layout})
+        self._ddps += 1
+        proxy = ReconfigurableDDP(module, kwargs, synced=self.joined, layout=layout)
         self._watch_first_grad(module)
         self.on_reconfigure(proxy.rebuild)
         return proxy

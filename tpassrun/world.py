@@ -18,21 +18,81 @@ from . import envnames as E
 log = logging.getLogger("tpassrun.worker")
 
 
+class BucketLayout:
+    """The gradient bucket layout of a :class:`ReconfigurableDDP`, tracked as a replicated object so that a
+    joiner builds its DDP with the same buckets as the survivors.
+
+    Why it matters: the all-reduce of a bucket sums each element in an order that depends on where it sits in
+    the flat bucket (gloo's and NCCL's rings chunk the bucket), so the same gradients reduced with another
+    layout differ in the last bits. ``DistributedDataParallel`` starts with one bucket and re-buckets once,
+    at its second iteration, in the order gradients became ready. A DDP rebuilt after a swap would start over
+    from one bucket while the uninterrupted run uses the rebuilt layout; given this layout it reduces exactly
+    as the uninterrupted one does. ``buckets`` is None until the first DDP has re-bucketed.
+    """
+
+    def __init__(self) -> None:
+        self.buckets: list[list[int]] | None = None
+        self.sizes: list[int] | None = None
+        self._source: Any = None   # the ReconfigurableDDP whose live DDP may know a newer layout
+
+    def refresh(self) -> None:
+        if self._source is not None:
+            found = rebuilt_layout(self._source._ddp)
+            if found is not None:
+                self.buckets, self.sizes = found
+
+    def state_dict(self) -> dict[str, Any]:
+        self.refresh()
+        return {"v": 1, "buckets": self.buckets, "sizes": self.sizes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("v") != 1:
+            raise ValueError(f"DDP bucket layout version {state.get('v')!r} is not supported (expected 1)")
+        buckets, sizes = state.get("buckets"), state.get("sizes")
+        if buckets is not None and not (all(type(i) is int for b in buckets for i in b)
+                                        and isinstance(sizes, list) and len(sizes) == len(buckets)):
+            raise ValueError("DDP bucket layout is malformed")
+        self.buckets = [list(b) for b in buckets] if buckets is not None else None
+        self.sizes = list(sizes) if sizes is not None else None
+
+
+def rebuilt_layout(ddp: Any) -> tuple[list[list[int]], list[int]] | None:
+    """The bucket layout ``ddp`` re-bucketed to (parameter indices per bucket, bucket bytes), from its
+    logging data (recorded on the iterations right after the re-bucketing); None before that."""
+    try:
+        data = ddp._get_ddp_logging_data()
+        indices, sizes = data.get("rebuilt_per_bucket_param_indices"), data.get("rebuilt_bucket_sizes")
+        if not indices or not sizes:
+            return None
+        buckets = [[int(i) for i in bucket.split()] for bucket in str(indices).split(",")]
+        nbytes = [int(n) for n in str(sizes).split(",")]
+    except Exception as exc:  # noqa: BLE001 - a torch without this logging: fall back to DDP's own layout
+        log.debug("no DDP bucket layout: %s", exc)
+        return None
+    return (buckets, nbytes) if len(buckets) == len(nbytes) else None
+
+
 class ReconfigurableDDP:
     """A ``DistributedDataParallel`` that is rebuilt around the same module after a re-formed world.
 
     Attribute access and calls go to the current DDP instance, so ``ddp(x)``, ``ddp.parameters()``,
-    ``ddp.module`` keep working across swaps.
+    ``ddp.module`` keep working across swaps. Numerically it is ``DistributedDataParallel(module, **kwargs)``:
+    the first DDP is built exactly so, and every rebuild (and a joiner's first build) starts with the layout
+    the first one re-bucketed to (:class:`BucketLayout`).
     """
 
-    def __init__(self, module: Any, kwargs: dict[str, Any], *, synced: bool = False) -> None:
+    def __init__(self, module: Any, kwargs: dict[str, Any], *, synced: bool = False,
+                 layout: BucketLayout | None = None) -> None:
         self._module = module
         self._kwargs = kwargs
+        self._layout = layout if layout is not None else BucketLayout()
         self._ddp = self._build(synced)
+        self._layout._source = self
 
     def _build(self, synced: bool) -> Any:
         import inspect
 
+        import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel
 
         kwargs = dict(self._kwargs)
@@ -41,19 +101,27 @@ class ReconfigurableDDP:
             # loaded them before this call): skip DDP's broadcast of the whole model from rank 0. Survivors
             # (rebuild) and the joiner (first build) both skip it, so their collectives still match.
             kwargs["init_sync"] = False
-        ddp = DistributedDataParallel(self._module, **kwargs)
-        # Fix the gradient bucket layout now instead of after the first iteration. DDP normally re-buckets
-        # once, by the order gradients became ready; a DDP rebuilt after a swap would then reduce its first
-        # step with a different layout, hence a different summation order, than the uninterrupted run, and
-        # the runs would drift apart in the last bits. With the layout fixed at construction (a collective,
-        # done by every rank, here and in every rebuild) both runs reduce in the same order on every step.
-        reducer = getattr(ddp, "reducer", None)
-        if reducer is not None and hasattr(reducer, "_push_all_rebuilt_params"):
-            reducer._push_all_rebuilt_params()
-            reducer._rebuild_buckets()
-        return ddp
+        buckets, sizes = self._layout.buckets, self._layout.sizes
+        if buckets is None or sizes is None:
+            return DistributedDataParallel(self._module, **kwargs)
+        # DDP computes its initial buckets with this function and hands them to the reducer reversed; give it
+        # the re-bucketed layout instead (reversed here, so the reducer gets it in its own order). The
+        # reducer re-buckets once more after its first iteration, by the same ready order: the same layout.
+        compute = dist._compute_bucket_assignment_by_size
+
+        def recorded_layout(params: Any, limits: Any, *args: Any, **kw: Any) -> Any:
+            if sorted(i for b in buckets for i in b) != list(range(len(params))):
+                return compute(params, limits, *args, **kw)   # not the module we recorded: DDP's own
+            return [list(b) for b in reversed(buckets)], list(reversed(sizes))
+
+        dist._compute_bucket_assignment_by_size = recorded_layout
+        try:
+            return DistributedDataParallel(self._module, **kwargs)
+        finally:
+            dist._compute_bucket_assignment_by_size = compute
 
     def rebuild(self) -> None:
+        self._layout.refresh()     # what the DDP being replaced re-bucketed to (if it did)
         self._ddp = self._build(synced=True)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
