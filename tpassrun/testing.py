@@ -8,7 +8,8 @@ trip over the fault that killed its predecessor::
     [{"rank": 1, "step": 7, "where": "backward", "action": "kill", "marker": "/tmp/f1"}]
 
 Actions: ``kill`` (SIGKILL self), ``stop`` (SIGSTOP self: a hang), ``exit`` (``os._exit(code)``),
-``sleep`` (``seconds``: a straggler, every step from ``step`` on, no marker needed), ``raise``.
+``sleep`` (``seconds``: a straggler, every step from ``step`` on, no marker needed), ``raise``, ``hold``
+(wait until the file ``release`` exists: lets a test line up a spare or a taint at an exact step).
 """
 
 from __future__ import annotations
@@ -72,5 +73,8 @@ def fault_point(rank: int, step: int, where: str = "step") -> None:
             os.kill(os.getpid(), signal.SIGSTOP)
         elif action == "exit":
             os._exit(int(f.get("code", 1)))
+        elif action == "hold":
+            while not os.path.exists(f["release"]):
+                time.sleep(0.02)
         elif action == "raise":
             raise RuntimeError(f"injected fault at rank {rank} step {step}")
