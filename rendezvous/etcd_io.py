@@ -66,9 +66,17 @@ def decode(raw: bytes | None) -> dict[str, Any] | None:
     try:
         doc = json.loads(raw)
     except ValueError:
-        log.warning("ignoring a non-JSON value in etcd (%d bytes)", len(raw))
+        # Once per distinct value: readers re-read on every change, and one bad value must not flood the log.
+        if raw not in _NON_JSON_SEEN:
+            if len(_NON_JSON_SEEN) >= 256:
+                _NON_JSON_SEEN.clear()
+            _NON_JSON_SEEN.add(raw)
+            log.warning("ignoring a non-JSON value in etcd (%d bytes)", len(raw))
         return None
     return doc if isinstance(doc, dict) else None
+
+
+_NON_JSON_SEEN: set[bytes] = set()
 
 
 def _range_end(key: bytes) -> bytes:

@@ -50,6 +50,8 @@ class EtcdRendezvous:
         self._clock = clock
         self._store = EtcdStore(etcd, lease_ttl=settings.lease_seconds, connection=connection, clock=clock)
         self._gen: Generation | None = None
+        self._stored_rev = 0       # mod revision of whatever the generation key holds (a malformed value too)
+        self._bad_rev = 0          # the malformed generation value last logged
         self._changed = asyncio.Event()  # replaced after every set: waiters grab the current one
         self._leader: str | None = None
         self._leader_vacant = asyncio.Event()
@@ -92,7 +94,8 @@ class EtcdRendezvous:
         try:
             self._store.connection.listeners.append(self._on_connection)
             gen_doc, gen_rev, gen_header = await self._store.read_json(self.key("generation"))
-            self._gen = _decode_generation(gen_doc, gen_rev)
+            self._gen = self._readable(gen_doc, gen_rev)
+            self._stored_rev = gen_rev
             leader_doc, _, leader_header = await self._store.read_json(self.key("leader"))
             self._leader = leader_doc.get("node_id") if leader_doc else None
             if self._leader is None:
@@ -208,10 +211,18 @@ class EtcdRendezvous:
         async for ev in self._store.watch_key(self.key("generation"), start_revision, raw=True, ready=ready):
             if ev.kind == "reset":
                 doc, rev = await self._store.get_json(self.key("generation"))
-                self._apply_generation(_decode_generation(doc, rev), force=True)
+                self._stored_rev = rev
+                self._apply_generation(self._readable(doc, rev), force=True)
             elif ev.kind == "put":
-                self._apply_generation(_decode_generation_bytes(ev.raw, ev.mod_revision))
+                try:
+                    gen = _decode_generation_bytes(ev.raw, ev.mod_revision)
+                except _Unreadable as exc:
+                    gen = self._malformed(ev.mod_revision, exc)
+                    if gen is None:
+                        continue    # nothing good was ever read: nothing to tell anyone
+                self._apply_generation(gen)
             else:
+                self._stored_rev = 0
                 self._apply_generation(None, revision=ev.mod_revision)
 
     def _apply_generation(self, new: Generation | None, *, revision: int = 0, force: bool = False) -> None:
@@ -220,9 +231,30 @@ class EtcdRendezvous:
         if not force and old is not None and 0 < new_rev <= old.revision:
             return  # already applied (our own CAS), or older than what we have
         self._gen = new
+        if new is not None:
+            self._stored_rev = new.revision
         for kind, node_id, reason in events_between(old, new):
             self._publish(RdzvEvent(kind, new, node_id, reason))
         self._wake()
+
+    def _readable(self, doc: dict[str, Any] | None, revision: int) -> Generation | None:
+        """The generation read at ``revision`` (0: absent), a malformed value read as :meth:`_malformed`."""
+        if revision == 0:
+            return None
+        try:
+            return _decode_generation(doc, revision)
+        except _Unreadable as exc:
+            return self._malformed(revision, exc)
+
+    def _malformed(self, revision: int, exc: Exception) -> Generation | None:
+        """A malformed generation value (torn, foreign, forged) is logged once and read as the last good
+        record at the malformed value's revision: the next compare-and-set replaces it, nothing dies, and no
+        CAS loop spins against a revision it can never match."""
+        if revision != self._bad_rev:
+            self._bad_rev = revision
+            log.warning("ignoring malformed generation record in etcd (revision %d): %s", revision, exc)
+        self._stored_rev = max(self._stored_rev, revision)
+        return self._gen.with_revision(revision) if self._gen is not None else None
 
     def _publish(self, event: RdzvEvent) -> None:
         for q in self._subscribers:
@@ -231,7 +263,7 @@ class EtcdRendezvous:
     async def current(self) -> Generation | None:
         """Read the generation record from etcd (and refresh this handle's copy)."""
         doc, rev = await self._store.get_json(self.key("generation"))
-        gen = _decode_generation(doc, rev)
+        gen = self._readable(doc, rev)
         if gen is not None:
             self._apply_generation(gen)
         return gen
@@ -277,7 +309,7 @@ class EtcdRendezvous:
             cur = await self.current()
             if cur is not None and cur.state is GenState.CLOSED:
                 return
-            expected = cur.revision if cur is not None else 0
+            expected = cur.revision if cur is not None else self._stored_rev
             new = closed_generation(cur, reason)
             rev = await self._store.cas_json_rev(self.key("generation"), new.to_json(), expected)
             if rev is not None:
@@ -404,7 +436,7 @@ class EtcdRendezvous:
                     self._last_reason = decision.reason
                 quorum_since = decision.quorum_since
                 if decision.action in (Action.FORM, Action.UPDATE) and decision.generation is not None:
-                    expected = self._gen.revision if self._gen is not None else 0
+                    expected = self._gen.revision if self._gen is not None else self._stored_rev
                     rev = await self._store.cas_json_rev(self.key("generation"),
                                                          decision.generation.to_json(), expected)
                     if rev is not None:
@@ -475,13 +507,17 @@ def _apply_node_event(nodes: dict[str, NodeEntry], prefix: str, ev: WatchEvent) 
         nodes.pop(node_id, None)
 
 
-def _decode_generation(doc: dict[str, Any] | None, revision: int) -> Generation | None:
+class _Unreadable(ValueError):
+    """The generation key holds a value that is not a generation record."""
+
+
+def _decode_generation(doc: dict[str, Any] | None, revision: int) -> Generation:
     if doc is None:
-        return None
+        raise _Unreadable("not a JSON object")
     try:
         return Generation.from_json(doc, revision)
-    except (KeyError, ValueError, TypeError) as exc:
-        raise RendezvousError(f"unreadable generation record in etcd: {exc}") from exc
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise _Unreadable(str(exc)) from exc
 
 
 # Many agents in one process (tests, the scale bench) all receive the same record; decoding a 1,024-member
@@ -494,7 +530,7 @@ _DECODED_MAX = 16
 def _decode_generation_bytes(raw: bytes, revision: int) -> Generation | None:
     gen = _DECODED.get(raw)
     if gen is None and raw not in _DECODED:
-        gen = _decode_generation(decode(raw), 0)
+        gen = _decode_generation(decode(raw), 0) if raw else None
         if len(_DECODED) >= _DECODED_MAX:
             _DECODED.pop(next(iter(_DECODED)))
         _DECODED[raw] = gen

@@ -45,8 +45,8 @@ SPARE = SlotInfo(4, None, SlotState.SPARE)
 def test_migrate_on_a_running_slot_writes_a_taint_for_its_rank():
     action = decide(verdict("gpu1"), RUNNING, [], node_id=NODE, now_wall=123.0)
     assert action.op is TaintOp.WRITE and action.kill_slot is None
-    doc = action.doc
-    assert doc == {**doc, "v": 1, "node_id": NODE, "local_rank": 1, "slot": 1, "rank": 1, "effect": "migrate",
+    doc = action.taint.to_json()
+    assert doc == {**doc, "v": 1, "node_id": NODE, "local_rank": None, "slot": 1, "rank": 1, "effect": "migrate",
                    "source": "health", "time": 123.0, "device": "gpu1", "metric": ECC}
     assert doc["id"] == taint_id(NODE, "gpu1", ECC) and "uncorrected ECC: +3 > 0" in doc["reason"]
     assert "migrate rank 1" in action.reason
@@ -60,10 +60,10 @@ def test_a_taint_is_written_once():
 
 def test_spare_and_exclude_taints_name_the_slot_not_a_rank():
     on_spare = decide(verdict("gpu4"), SPARE, [], node_id=NODE, now_wall=0)
-    assert on_spare.op is TaintOp.WRITE and on_spare.doc["rank"] is None and on_spare.doc["local_rank"] == 4
+    assert on_spare.op is TaintOp.WRITE and on_spare.taint.rank is None and on_spare.taint.slot == 4
     exclude = decide(verdict("gpu1", TaintEffect.EXCLUDE), RUNNING, [], node_id=NODE, now_wall=0)
     assert exclude.op is TaintOp.WRITE
-    assert (exclude.doc["effect"], exclude.doc["rank"], exclude.doc["local_rank"]) == ("exclude", None, 1)
+    assert (exclude.taint.effect.value, exclude.taint.rank, exclude.taint.slot) == ("exclude", None, 1)
     assert "exclude slot 1" in exclude.reason
 
 
@@ -71,7 +71,7 @@ def test_fail_kills_the_rank_and_leaves_recovery_to_the_unplanned_path():
     action = decide(verdict("gpu1", TaintEffect.FAIL), RUNNING, [], node_id=NODE, now_wall=0)
     assert action.op is TaintOp.WRITE and action.kill_slot == 1
     # handled_by keeps the coordinator from also planning a migration of the rank's replacement
-    assert action.doc["handled_by"] == healthd.KILLED and action.doc["effect"] == "fail"
+    assert action.taint.handled_by == healthd.KILLED and action.taint.effect.value == "fail"
 
 
 def test_recovery_deletes_only_on_a_healthy_reading():
@@ -224,7 +224,7 @@ def test_reading_taints_the_slot_and_recovery_removes_it(etcd_server, run_id, tm
                 await until(lambda: any(e["event"] == "health_taint" for e in agent.recorded), "health_taint")
             (tid, doc), = found.items()
             assert tid == taint_id(NODE, "gpu1", ECC) == doc["id"]
-            assert (doc["node_id"], doc["slot"], doc["local_rank"], doc["rank"]) == (NODE, 1, 1, 1)
+            assert (doc["node_id"], doc["slot"], doc["local_rank"], doc["rank"]) == (NODE, 1, None, 1)
             assert (doc["effect"], doc["source"]) == ("migrate", "health") and f"{ECC}=3" in doc["reason"]
             kinds = [e["event"] for e in agent.recorded]
             assert kinds.index("health_verdict") < kinds.index("health_taint")
@@ -297,7 +297,7 @@ def test_exclude_on_a_spare_and_fail_on_a_rank(etcd_server, run_id, tmp_path):
                 found = await _two_taints(agent)
             by_device = {d["device"]: d for d in found.values()}
             spare, failed = by_device["gpu4"], by_device["gpu3"]
-            assert (spare["effect"], spare["rank"], spare["local_rank"]) == ("exclude", None, 4)
+            assert (spare["effect"], spare["rank"], spare["slot"]) == ("exclude", None, 4)
             assert (failed["effect"], failed["rank"], failed["handled_by"]) == ("fail", 3, healthd.KILLED)
             assert agent.slots.slots[3].proc.signals == [signal.SIGKILL]
             assert agent.slots.slots[4].proc.signals == []

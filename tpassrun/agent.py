@@ -34,6 +34,7 @@ from .console import WAITING_EVERY_S, ConsoleReporter  # noqa: E402
 from .events import EventLog  # noqa: E402
 from .devices import node_devices, slot_env, visible_devices  # noqa: E402
 from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
+from .records import HANDLED_RESTART, Keys, NodeStatus, Taint, load  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
 from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
                          RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent,
@@ -220,7 +221,7 @@ class Agent:
         under their leases), so a node that finishes first does not pull the rendezvous from under the rest."""
         assert self.rdzv is not None
         deadline = time.monotonic() + timeout
-        prefix = self.rdzv.key("status") + "/"
+        prefix = Keys(self.rdzv.key("")).family("status")
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
                 others = [k for k, _d, _r in await self.rdzv.store.get_prefix_json(prefix)
@@ -439,19 +440,21 @@ class Agent:
         (until ``tpassctl untaint`` returns them to the spare pool)."""
         assert self.rdzv is not None and self.slots is not None
         try:
-            taints = await self.rdzv.store.get_prefix_json(self.rdzv.key("taints") + "/")
+            taints = await self.rdzv.store.get_prefix_json(Keys(self.rdzv.key("")).family("taints"))
         except RendezvousError as exc:
             log.warning("cannot read taints before starting workers: %s", exc)
             return
-        for _key, doc, _rev in taints:
-            if doc.get("handled_by") != "restart" or doc.get("node_id") != self.node_id or doc.get("slot") is None:
+        for key, doc, rev in taints:
+            taint = load(Taint.from_json, key, doc, rev)
+            if (taint is None or taint.handled_by != HANDLED_RESTART or taint.node_id != self.node_id
+                    or taint.slot is None):
                 continue
-            slot = self.slots.slots[int(doc["slot"])] if int(doc["slot"]) < len(self.slots.slots) else None
+            slot = self.slots.slots[taint.slot] if taint.slot < len(self.slots.slots) else None
             if slot is not None and slot.state != SlotState.QUARANTINED:
                 slot.state = SlotState.QUARANTINED
-                slot.quarantine_reason = doc.get("reason") or "tainted"
+                slot.quarantine_reason = taint.reason or "tainted"
                 self.events.write("slot_quarantined", slot=slot.index, reason=slot.quarantine_reason,
-                                  taint=doc.get("id"))
+                                  taint=taint.id)
 
     async def spawn(self, gen: Generation, slot: Slot, *, local_rank: int, rank: int, master: tuple[str, int],
                     spare: bool = False) -> None:
@@ -668,11 +671,11 @@ class Agent:
     async def publish_status(self) -> None:
         if self.rdzv is None or self.slots is None:
             return
-        doc = {"v": 1, "node_id": self.node_id, "addr": self.addr, "pid": os.getpid(),
-               "generation": self.generation.number if self.generation else None,
-               "restart_count": self.restart_count, "workers": self.slots.table(), "time": time.time()}
+        status = NodeStatus(node_id=self.node_id, addr=self.addr, pid=os.getpid(),
+                            generation=self.generation.number if self.generation else None,
+                            restart_count=self.restart_count, workers=self.slots.table(), time=time.time())
         with contextlib.suppress(Exception):
-            await self.rdzv.store.put_json(self.rdzv.key("status", self.node_id), doc, lease=True)
+            await self.rdzv.store.put_json(Keys(self.rdzv.key("")).status(self.node_id), status.to_json(), lease=True)
 
     async def _status_panel(self) -> None:
         """``--tui``: the live view under the workers' output, from one etcd read a second (tui_panel.py)."""

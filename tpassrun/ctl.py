@@ -7,7 +7,7 @@ them when there are several. ``--node`` takes a node id or its hostname.
     tpassctl status  --rdzv-endpoint E --rdzv-id ID [--json]
     tpassctl events  [--rdzv-id ID] [--follow] [--json]
     tpassctl taint   --rdzv-endpoint E --rdzv-id ID (--rank R | --node N [--local-rank L]) --reason TEXT
-                     [--effect migrate|exclude|fail]
+                     [--effect migrate|exclude]
     tpassctl untaint --rdzv-endpoint E --rdzv-id ID (--rank R | --node N [--local-rank L] | --id ID)
     tpassctl drain   --rdzv-endpoint E --rdzv-id ID --node N --reason TEXT
 
@@ -26,10 +26,16 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .rendezvous import (EtcdConfig, EtcdStore, Generation, RendezvousError, RendezvousSettings,
+from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RecordError, RunClosed, SwapPlan,
+                      Taint, TaintEffect, TaintSource, leader_of, load, node_info)
+from .rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, RendezvousError, RendezvousSettings,
                          refuse_inline_secrets)
 
-EFFECTS = ("migrate", "exclude", "fail")
+# "fail" (kill the worker now, recover it unplanned) is a health-policy effect only: the node's own health
+# daemon does the kill. From tpassctl, kill the worker yourself (the recovery is the same).
+EFFECTS = (TaintEffect.MIGRATE.value, TaintEffect.EXCLUDE.value)
+EFFECT_HELP = ("migrate: move the rank to a warm spare at the next step boundary and keep the slot out until "
+               "untainted (default); exclude: leave the rank where it is, never hand the slot out as a spare")
 
 
 class CtlError(Exception):
@@ -54,33 +60,45 @@ class RunSnapshot:
 
     run_id: str
     generation: Generation | None = None
-    leader: dict[str, Any] | None = None
-    closed: dict[str, Any] | None = None
-    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
-    status: dict[str, dict[str, Any]] = field(default_factory=dict)
-    health: dict[str, dict[str, Any]] = field(default_factory=dict)
-    taints: dict[str, dict[str, Any]] = field(default_factory=dict)
-    swaps: dict[str, dict[str, Any]] = field(default_factory=dict)
+    leader: str | None = None
+    closed: RunClosed | None = None
+    nodes: dict[str, NodeInfo] = field(default_factory=dict)
+    status: dict[str, NodeStatus] = field(default_factory=dict)
+    health: dict[str, HealthRecord] = field(default_factory=dict)
+    taints: dict[str, Taint] = field(default_factory=dict)
+    swaps: dict[str, SwapPlan] = field(default_factory=dict)
     empty: bool = True
 
     def workers(self) -> list[dict[str, Any]]:
-        """Every worker row from ``status/<node>`` with its node id."""
+        """Every worker row from ``status/<node>`` with its node id (for display)."""
         rows = []
-        for node_id, doc in sorted(self.status.items()):
-            for w in doc.get("workers", ()):
-                rows.append({"node_id": node_id, **w})
+        for node_id, status in sorted(self.status.items()):
+            for w in status.workers:
+                rows.append({"node_id": node_id, **w.to_json()})
         return rows
 
-    def resolve_rank(self, rank: int) -> tuple[str, int | None]:
-        """(node_id, local_rank) of a global rank: the agents' status first (true after swaps), else the ranges."""
-        for w in self.workers():
-            if w.get("rank") == rank and not w.get("spare"):
-                return w["node_id"], w.get("local_rank")
+    def slot_of(self, node_id: str, local_rank: int | None) -> int | None:
+        """The worker slot that runs ``local_rank`` on a node (the agents' status; at start slot == local rank)."""
+        if local_rank is None:
+            return None
+        status = self.status.get(node_id)
+        for w in status.workers if status else ():
+            if w.local_rank == local_rank and not w.spare and w.rank is not None:
+                return w.slot
+        return local_rank
+
+    def resolve_rank(self, rank: int) -> tuple[str, int | None, int | None]:
+        """(node_id, local_rank, slot) of a global rank: the agents' status first (true after swaps), else the
+        ranges of the generation."""
+        for node_id, status in sorted(self.status.items()):
+            for w in status.workers:
+                if w.rank == rank and not w.spare:
+                    return node_id, w.local_rank, w.slot
         gen = self.generation
         if gen is not None:
             for m in gen.members:
                 if m.rank_offset <= rank < m.rank_offset + m.nproc:
-                    return m.node_id, rank - m.rank_offset
+                    return m.node_id, rank - m.rank_offset, rank - m.rank_offset
         world = gen.world_size if gen else 0
         raise CtlError(f"no rank {rank} in run {self.run_id!r} (world size {world})")
 
@@ -92,7 +110,8 @@ class RunSnapshot:
             raise CtlError(f"no node {node_id!r} in run {self.run_id!r} (members: {_member_list(gen)})")
         if local_rank is None:
             return
-        local_ranks = {w.get("local_rank") for w in self.status.get(node_id, {}).get("workers", ())}
+        status = self.status.get(node_id)
+        local_ranks = {w.local_rank for w in status.workers} if status else set()
         if member is not None:
             local_ranks |= set(range(member.nproc))
         if local_rank not in local_ranks:
@@ -100,10 +119,10 @@ class RunSnapshot:
 
     def active_ranks(self, node_id: str) -> list[tuple[int, int | None]]:
         """(rank, local_rank) of the non-spare workers of a node."""
-        rows = [w for w in self.workers() if w["node_id"] == node_id and not w.get("spare")
-                and w.get("rank") is not None]
+        status = self.status.get(node_id)
+        rows = [w for w in status.workers if not w.spare and w.rank is not None] if status else []
         if rows:
-            return sorted((int(w["rank"]), w.get("local_rank")) for w in rows)
+            return sorted((w.rank, w.local_rank) for w in rows if w.rank is not None)
         member = self.generation.member(node_id) if self.generation else None
         if member is None:
             return []
@@ -114,13 +133,14 @@ class RunSnapshot:
             "v": 1,
             "run_id": self.run_id,
             "generation": self.generation.to_json() if self.generation else None,
-            "leader": self.leader.get("node_id") if self.leader else None,
-            "closed": self.closed,
-            "nodes": self.nodes,
-            "status": self.status,
-            "health": self.health,
-            "taints": self.taints,
-            "swaps": self.swaps,
+            "leader": self.leader,
+            "closed": self.closed.to_json() if self.closed else None,
+            "nodes": {k: v.to_json() for k, v in self.nodes.items()},
+            "status": {k: v.to_json() for k, v in self.status.items()},
+            "health": {k: v.to_json() for k, v in self.health.items()},
+            "taints": {k: v.to_json() for k, v in self.taints.items()},
+            # the plan's secret (the transfer key's seed) is never shown
+            "swaps": {k: {f: x for f, x in v.to_json().items() if f != "secret"} for k, v in self.swaps.items()},
         }
 
 
@@ -129,26 +149,36 @@ def _member_list(gen: Generation | None) -> str:
 
 
 async def read_snapshot(store: EtcdStore, prefix: str, run_id: str) -> RunSnapshot:
+    """Every record of one run, typed; a malformed value is skipped (and logged once), never fatal."""
     snap = RunSnapshot(run_id)
     items, _ = await store.read_prefix_json(prefix)
+    keys = Keys(prefix)
     for key, doc, rev, _create in items:
         snap.empty = False
-        rest = key[len(prefix):]
+        rest = keys.relative(key)
         kind, _, name = rest.partition("/")
         if rest == "generation":
-            try:
-                snap.generation = Generation.from_json(doc, rev)
-            except (KeyError, ValueError, TypeError):
-                pass
+            snap.generation = load(lambda d: _generation(d, rev), key, doc, rev)
         elif rest == "leader":
-            snap.leader = doc
+            snap.leader = load(leader_of, key, doc, rev)
         elif rest == "closed":
-            snap.closed = doc
-        elif kind in ("nodes", "status", "health", "taints", "swaps") and name:
-            if kind == "swaps" and isinstance(doc, dict):
-                doc = {k: v for k, v in doc.items() if k != "secret"}   # the transfer key is never shown
-            getattr(snap, kind)[name] = doc
+            snap.closed = load(RunClosed.from_json, key, doc, rev)
+        elif kind in _FAMILIES and name and "/" not in name:
+            record = load(_FAMILIES[kind], key, doc, rev)
+            if record is not None:
+                getattr(snap, kind)[name] = record
     return snap
+
+
+def _generation(doc: Any, rev: int) -> Generation:
+    try:
+        return Generation.from_json(doc, rev)
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise RecordError(f"generation record: {exc}") from exc
+
+
+_FAMILIES: dict[str, Any] = {"nodes": node_info, "status": NodeStatus.from_json, "health": HealthRecord.from_json,
+                             "taints": Taint.from_json, "swaps": SwapPlan.from_json}
 
 
 def _render_status(snap: RunSnapshot) -> None:
@@ -170,8 +200,7 @@ def _render_status(snap: RunSnapshot) -> None:
     else:
         head.append("  no generation formed yet")
     console.print(head)
-    console.print(Text(f"leader: {snap.leader.get('node_id') if snap.leader else '-'}"
-                       + (f"   closed: {snap.closed.get('reason')}" if snap.closed else "")))
+    console.print(Text(f"leader: {snap.leader or '-'}" + (f"   closed: {snap.closed.reason}" if snap.closed else "")))
 
     members = Table("node", "group rank", "addr", "nproc", "ranks", "role", title="nodes", title_justify="left")
     if gen is not None:
@@ -180,10 +209,11 @@ def _render_status(snap: RunSnapshot) -> None:
             row(members, m.node_id, m.group_rank, m.addr, m.nproc, f"{m.rank_offset}-{m.rank_offset + m.nproc - 1}",
                 role)
         for node_id in gen.spare_nodes:
-            row(members, node_id, "-", snap.nodes.get(node_id, {}).get("addr", "?"),
-                snap.nodes.get(node_id, {}).get("nproc", "?"), "-", "spare node")
+            info = snap.nodes.get(node_id)
+            row(members, node_id, "-", info.addr if info else "?", info.nproc if info else "?", "-", "spare node")
         for node_id in gen.waiting:
-            row(members, node_id, "-", snap.nodes.get(node_id, {}).get("addr", "?"), "-", "-", "waiting")
+            info = snap.nodes.get(node_id)
+            row(members, node_id, "-", info.addr if info else "?", "-", "-", "waiting")
     console.print(members)
 
     workers = Table("node", "slot", "rank", "local rank", "pid", "state", "step", "spare", title="workers",
@@ -194,21 +224,20 @@ def _render_status(snap: RunSnapshot) -> None:
     console.print(workers)
 
     if snap.taints:
-        taints = Table("id", "node", "rank", "local rank", "effect", "reason", "state", title="taints",
+        taints = Table("id", "node", "slot", "rank", "effect", "reason", "state", title="taints",
                        title_justify="left")
         for tid, t in sorted(snap.taints.items()):
-            row(taints, tid, t.get("node_id"), t.get("rank"), t.get("local_rank"), t.get("effect"), t.get("reason"),
-                t.get("state", ""))
+            row(taints, tid, t.node_id, t.slot, t.rank, t.effect.value, t.reason, t.state)
         console.print(taints)
     if snap.swaps:
         swaps = Table("id", "phase", "reason", title="swaps", title_justify="left")
         for sid, s in sorted(snap.swaps.items()):
-            row(swaps, sid, s.get("phase"), s.get("reason", ""))
+            row(swaps, sid, s.phase.value, s.reason)
         console.print(swaps)
     if snap.health:
         health = Table("node", "device", "status", "effect", "reason", title="health", title_justify="left")
-        for node_id, doc in sorted(snap.health.items()):
-            verdicts = doc.get("verdicts") or []
+        for node_id, record in sorted(snap.health.items()):
+            verdicts = record.verdicts
             if not verdicts:
                 row(health, node_id, "-", "no verdicts", "", "")
             for v in verdicts:
@@ -216,10 +245,10 @@ def _render_status(snap: RunSnapshot) -> None:
         console.print(health)
 
 
-def _taint_doc(tid: str, node_id: str, local_rank: int | None, rank: int | None, reason: str,
-               effect: str) -> dict[str, Any]:
-    return {"v": 1, "id": tid, "node_id": node_id, "local_rank": local_rank, "rank": rank, "reason": reason,
-            "effect": effect, "source": "tpassctl", "time": time.time()}
+def _taint(tid: str, node_id: str, local_rank: int | None, slot: int | None, rank: int | None, reason: str,
+           effect: str) -> Taint:
+    return Taint(id=tid, node_id=node_id, local_rank=local_rank, slot=slot, rank=rank, reason=reason,
+                 effect=TaintEffect(effect), source=TaintSource.TPASSCTL.value, time=time.time())
 
 
 def _new_taint_id() -> str:
@@ -236,6 +265,7 @@ async def _run(args: argparse.Namespace) -> int:
     etcd = EtcdConfig.from_endpoint(args.rdzv_endpoint, conf)
     etcd = EtcdConfig(**{**etcd.__dict__, "reconnect_timeout": etcd.read_timeout})
     prefix = RendezvousSettings.from_conf(args.rdzv_id, 1, 1, conf).run_prefix
+    keys = Keys(prefix)
     async with EtcdStore(etcd) as store:
         snap = await read_snapshot(store, prefix, args.rdzv_id)
         if snap.empty:
@@ -261,18 +291,19 @@ async def _run(args: argparse.Namespace) -> int:
             args.node = _resolve_node(snap, args.node)
         if args.command == "taint":
             if args.rank is not None:
-                node_id, local_rank = snap.resolve_rank(args.rank)
+                node_id, local_rank, slot = snap.resolve_rank(args.rank)
                 rank: int | None = args.rank
             else:
                 snap.check_node(args.node, args.local_rank)
                 node_id, local_rank, rank = args.node, args.local_rank, None
+                slot = snap.slot_of(node_id, local_rank)
                 if local_rank is not None:
                     rank = next((r for r, lr in snap.active_ranks(node_id) if lr == local_rank), None)
             tid = _new_taint_id()
-            await store.put_json(prefix + f"taints/{tid}",
-                                 _taint_doc(tid, node_id, local_rank, rank, args.reason, args.effect))
+            await store.put_json(keys.taint(tid),
+                                 _taint(tid, node_id, local_rank, slot, rank, args.reason, args.effect).to_json())
             print(f"tainted {_describe(node_id, local_rank, rank)} as {tid} ({args.effect}): {args.reason}", flush=True)
-            if args.no_wait or args.effect == "exclude":
+            if args.no_wait or args.effect == TaintEffect.EXCLUDE.value:
                 return 0
             return await _wait_for_taint(store, prefix, tid, args.wait_timeout)
         if args.command == "drain":
@@ -282,8 +313,9 @@ async def _run(args: argparse.Namespace) -> int:
                 raise CtlError(f"node {args.node!r} has no active ranks to drain")
             for rank, local_rank in ranks:
                 tid = _new_taint_id()
-                await store.put_json(prefix + f"taints/{tid}",
-                                     _taint_doc(tid, args.node, local_rank, rank, args.reason, "migrate"))
+                taint = _taint(tid, args.node, local_rank, snap.slot_of(args.node, local_rank), rank, args.reason,
+                               TaintEffect.MIGRATE.value)
+                await store.put_json(keys.taint(tid), taint.to_json())
                 print(f"tainted {_describe(args.node, local_rank, rank)} as {tid} (migrate): {args.reason}")
             return 0
         if args.command == "untaint":
@@ -291,7 +323,7 @@ async def _run(args: argparse.Namespace) -> int:
             if not matches:
                 raise CtlError("no matching taints")
             for tid in matches:
-                await store.delete(prefix + f"taints/{tid}")
+                await store.delete(keys.taint(tid))
                 print(f"removed taint {tid}")
             return 0
     raise CtlError(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it)
@@ -309,44 +341,43 @@ async def _wait_for_taint(store: EtcdStore, prefix: str, tid: str, timeout: floa
             said.add(key)
             print(f"  {time.monotonic() - started:6.2f} s  {text}", flush=True)
 
+    keys = Keys(prefix)
     while time.monotonic() < deadline:
-        doc, _ = await store.get_json(prefix + f"taints/{tid}")
-        closed, _ = await store.get_json(prefix + "closed")
-        plan_id = (doc or {}).get("handled_by")
-        if plan_id == "restart":
-            say("restart", f"no live swap possible: {doc.get('state')}; the job restarts with the slot quarantined")
+        doc, rev = await store.get_json(keys.taint(tid))
+        taint = load(Taint.from_json, keys.taint(tid), doc, rev) if doc is not None else None
+        doc, rev = await store.get_json(keys.closed)
+        closed = load(RunClosed.from_json, keys.closed, doc, rev) if doc is not None else None
+        plan_id = taint.handled_by if taint is not None else None
+        if taint is not None and plan_id == HANDLED_RESTART:
+            say("restart", f"no live swap possible: {taint.state}; the job restarts with the slot quarantined")
             return 0
         if plan_id:
-            plan, _ = await store.get_json(prefix + f"swaps/{plan_id}")
-            history = (plan or {}).get("history") or []
-            for i, item in enumerate(history):
-                phase = item[0] if isinstance(item, (list, tuple)) and item else "?"
-                took = ""
-                if i and isinstance(history[i - 1], (list, tuple)) and len(item) > 1 and len(history[i - 1]) > 1:
-                    took = f" ({history[i - 1][0]} took {float(item[1]) - float(history[i - 1][1]):.3f} s)"
-                say(f"{plan_id}/{i}", f"swap {plan_id}: {phase}{took}")
-            phase = (plan or {}).get("phase")
-            if phase == "done":
-                print(f"resumed: rank {(plan.get('leaver') or {}).get('rank')} now runs on "
-                      f"{(plan.get('joiner') or {}).get('node')}/{(plan.get('joiner') or {}).get('slot')}")
+            doc, rev = await store.get_json(keys.swap(plan_id))
+            plan = load(SwapPlan.from_json, keys.swap(plan_id), doc, rev) if doc is not None else None
+            history = plan.history if plan is not None else ()
+            for i, (phase_name, at) in enumerate(history):
+                took = f" ({history[i - 1][0]} took {at - history[i - 1][1]:.3f} s)" if i else ""
+                say(f"{plan_id}/{i}", f"swap {plan_id}: {phase_name}{took}")
+            if plan is not None and plan.phase is Phase.DONE:
+                print(f"resumed: rank {plan.leaver.rank} now runs on {plan.joiner.node}/{plan.joiner.slot}")
                 return 0
-            if phase == "aborted":
-                print(f"tpassctl: error: swap {plan_id} aborted: {plan.get('reason') or ''}", file=sys.stderr)
+            if plan is not None and plan.phase is Phase.ABORTED:
+                print(f"tpassctl: error: swap {plan_id} aborted: {plan.reason}", file=sys.stderr)
                 return 1
-        elif doc is None:
+        elif taint is None:
             print("the taint was removed before anything happened")
             return 0
-        elif doc.get("state"):
-            if str(doc["state"]).startswith("reject"):
-                print(f"tpassctl: error: the job refused taint {tid}: {doc['state']}", file=sys.stderr)
+        elif taint.state:
+            if taint.state.startswith("reject"):
+                print(f"tpassctl: error: the job refused taint {tid}: {taint.state}", file=sys.stderr)
                 return 1
-            say("state", f"queued: {doc['state']}")
-            if "no spare" in str(doc["state"]) or str(doc["state"]).startswith("wait"):
+            say("state", f"queued: {taint.state}")
+            if "no spare" in taint.state or taint.state.startswith("wait"):
                 print(f"taint {tid} is queued for lack of a spare; it will be handled when one is free "
                       "(tpassctl events -f to follow)")
                 return 0
         if closed is not None:
-            print(f"tpassctl: error: the run ended: {closed.get('reason')}", file=sys.stderr)
+            print(f"tpassctl: error: the run ended: {closed.reason}", file=sys.stderr)
             return 1
         await asyncio.sleep(poll)
     print(f"tpassctl: error: nothing happened to taint {tid} within {timeout:g} s (it stays in place)",
@@ -363,14 +394,16 @@ def _describe(node_id: str, local_rank: int | None, rank: int | None) -> str:
     return " ".join(parts)
 
 
-def _matches(taint: dict[str, Any], tid: str, args: argparse.Namespace) -> bool:
+def _matches(taint: Taint, tid: str, args: argparse.Namespace) -> bool:
     if args.id is not None:
         return tid == args.id
     if args.rank is not None:
-        return taint.get("rank") == args.rank
-    if taint.get("node_id") != args.node:
+        return taint.rank == args.rank
+    if taint.node_id != args.node:
         return False
-    return args.local_rank is None or taint.get("local_rank") == args.local_rank
+    # a health taint names a slot, not a local rank (at start, slot i runs local rank i)
+    return args.local_rank is None or taint.local_rank == args.local_rank or (
+        taint.local_rank is None and taint.slot == args.local_rank)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -398,7 +431,7 @@ def build_parser() -> argparse.ArgumentParser:
     target.add_argument("--node")
     taint.add_argument("--local-rank", "--local_rank", type=int)
     taint.add_argument("--reason", required=True)
-    taint.add_argument("--effect", choices=EFFECTS, default="migrate")
+    taint.add_argument("--effect", choices=EFFECTS, default=TaintEffect.MIGRATE.value, help=EFFECT_HELP)
     taint.add_argument("--no-wait", action="store_true",
                        help="return once the taint is recorded (default: wait until the swap resumed or the taint"
                             " is queued for lack of a spare, printing each phase)")

@@ -34,13 +34,14 @@ from . import envnames as E
 from .channel import Field
 from .health import (FileSensor, HealthMonitor, HealthVerdict, NvmlSensor, Policy, PolicyEngine, Sensor, Status,
                      StragglerDetector, TaintEffect, device_for_local_rank)
+from .records import HANDLED_KILLED, HealthRecord, Keys, Taint, TaintSource, load
 from .slots import SlotState
 
 log = logging.getLogger("tpassrun.health")
 
-SOURCE = "health"
+SOURCE = TaintSource.HEALTH.value
 PUBLISH_EVERY_S = 5.0           # the snapshot also goes out on every change; this keeps `polls` fresh
-KILLED = "health-kill"          # ``handled_by`` of a FAIL taint: the unplanned path owns the recovery
+KILLED = HANDLED_KILLED         # ``handled_by`` of a FAIL taint: the unplanned path owns the recovery
 # Whole-step time is the same on every rank of a synchronous job (the gradient all-reduce waits for the
 # slowest), so the worker's time *before* its first collective is what tells a straggler apart when the
 # channel carries it (``Field.LAST_COMPUTE_NS``); the whole step otherwise, which only catches stragglers
@@ -78,7 +79,7 @@ class WrittenTaint:
 class TaintAction:
     op: TaintOp
     reason: str
-    doc: dict[str, Any] | None = None          # WRITE: the taint document
+    taint: Taint | None = None                 # WRITE: the taint
     delete: tuple[str, ...] = ()               # DELETE: taint ids
     kill_slot: int | None = None               # FAIL: the worker of this slot is killed
 
@@ -127,24 +128,22 @@ def decide(verdict: HealthVerdict, slot: SlotInfo | None, written: Sequence[Writ
         return TaintAction(TaintOp.KEEP, f"{device}: already tainted as {tid}")
     effect = verdict.effect
     holds_rank = slot.rank is not None and slot.state == SlotState.RUNNING
-    doc: dict[str, Any] = {
-        "v": 1, "id": tid, "node_id": node_id, "local_rank": slot.index, "slot": slot.index,
-        "rank": slot.rank if holds_rank and effect is not TaintEffect.EXCLUDE else None,
-        "reason": f"{device}: {verdict.reason}", "effect": effect.value, "source": SOURCE, "time": now_wall,
-        "device": device, "metric": verdict.metric, "status": verdict.status.value,
-    }
+    taint = Taint(id=tid, node_id=node_id, slot=slot.index,
+                  rank=slot.rank if holds_rank and effect is not TaintEffect.EXCLUDE else None,
+                  reason=f"{device}: {verdict.reason}", effect=effect, source=SOURCE, time=now_wall,
+                  device=device, metric=verdict.metric, status=verdict.status.value)
     if effect is TaintEffect.EXCLUDE:
         return TaintAction(TaintOp.WRITE, f"exclude slot {slot.index} ({device}) from the spare pool: "
-                                          f"{verdict.reason}", doc=doc)
+                                          f"{verdict.reason}", taint=taint)
     if not holds_rank:
         return TaintAction(TaintOp.WRITE, f"slot {slot.index} ({device}, {slot.state}) holds no rank: taint it "
-                                          f"so it is not handed out: {verdict.reason}", doc=doc)
+                                          f"so it is not handed out: {verdict.reason}", taint=taint)
     if effect is TaintEffect.FAIL:
-        doc.update(handled_by=KILLED, state="killed")
         return TaintAction(TaintOp.WRITE, f"rank {slot.rank} in slot {slot.index} ({device}) fails now: "
-                                          f"{verdict.reason}", doc=doc, kill_slot=slot.index)
+                                          f"{verdict.reason}", taint=taint.handled(KILLED, "killed"),
+                           kill_slot=slot.index)
     return TaintAction(TaintOp.WRITE, f"migrate rank {slot.rank} off slot {slot.index} ({device}): {verdict.reason}",
-                       doc=doc)
+                       taint=taint)
 
 
 class AgentHealth:
@@ -216,10 +215,11 @@ class AgentHealth:
         when the device recovers) and forget what an operator removed meanwhile."""
         rdzv = self.agent.rdzv
         found: dict[str, WrittenTaint] = {}
-        for _key, doc, _rev in await rdzv.store.get_prefix_json(rdzv.key("taints") + "/"):
-            if doc.get("source") == SOURCE and doc.get("node_id") == self.agent.node_id and doc.get("device"):
-                found[doc["id"]] = WrittenTaint(doc["id"], doc["device"], doc.get("metric"),
-                                                int(doc.get("slot", doc.get("local_rank", -1))), doc.get("rank"))
+        for key, doc, rev in await rdzv.store.get_prefix_json(Keys(rdzv.key("")).family("taints")):
+            t = load(Taint.from_json, key, doc, rev)
+            if (t is not None and t.source == SOURCE and t.node_id == self.agent.node_id and t.device
+                    and t.slot is not None):
+                found[t.id] = WrittenTaint(t.id, t.device, t.metric, t.slot, t.rank)
         self.written = found
 
     async def _publish_loop(self) -> None:
@@ -231,10 +231,12 @@ class AgentHealth:
         if self.monitor is None:
             return
         rdzv = self.agent.rdzv
-        doc = {**self.monitor.snapshot(), "node_id": self.agent.node_id, "time": self._wall_clock(),
-               "taints": sorted(self.written)}
+        snap = self.monitor.snapshot()
+        record = HealthRecord(node_id=self.agent.node_id, time=self._wall_clock(), taints=tuple(sorted(self.written)),
+                              polls=int(snap.get("polls", 0)), unavailable=dict(snap.get("unavailable") or {}),
+                              readings=tuple(snap.get("readings") or ()), verdicts=tuple(snap.get("verdicts") or ()))
         with contextlib.suppress(Exception):  # status is best effort; the taints are what must land
-            await rdzv.store.put_json(rdzv.key("health", self.agent.node_id), doc, lease=True)
+            await rdzv.store.put_json(Keys(rdzv.key("")).health(self.agent.node_id), record.to_json(), lease=True)
 
     # ------------------------------------------------------------------ inputs
     def slot_for_device(self, device: str) -> SlotInfo | None:
@@ -294,20 +296,19 @@ class AgentHealth:
     async def _apply(self, action: TaintAction, verdict: HealthVerdict) -> None:
         rdzv = self.agent.rdzv
         if action.op is TaintOp.WRITE:
-            doc = action.doc
-            assert doc is not None
+            taint = action.taint
+            assert taint is not None and taint.slot is not None
             # Recorded before the write: a generation ending mid-write must not leave a taint nobody removes.
-            self.written[doc["id"]] = WrittenTaint(doc["id"], verdict.device, verdict.metric, doc["slot"],
-                                                   doc["rank"])
+            self.written[taint.id] = WrittenTaint(taint.id, verdict.device, verdict.metric, taint.slot, taint.rank)
             # create, not put: never clobber the coordinator's handled_by/state on a taint we already wrote.
-            created = await rdzv.store.create_json(rdzv.key("taints", doc["id"]), doc)
-            self.agent.events.write("health_taint", id=doc["id"], slot=doc["slot"], rank=doc["rank"],
-                                    effect=doc["effect"], reason=doc["reason"], created=created)
+            created = await rdzv.store.create_json(Keys(rdzv.key("")).taint(taint.id), taint.to_json())
+            self.agent.events.write("health_taint", id=taint.id, slot=taint.slot, rank=taint.rank,
+                                    effect=taint.effect.value, reason=taint.reason, created=created)
             if action.kill_slot is not None:
-                self._kill(action.kill_slot, doc["reason"])
+                self._kill(action.kill_slot, taint.reason)
         elif action.op is TaintOp.DELETE:
             for tid in action.delete:
-                await rdzv.store.delete(rdzv.key("taints", tid))
+                await rdzv.store.delete(Keys(rdzv.key("")).taint(tid))
                 self.written.pop(tid, None)
                 self.agent.events.write("health_untaint", id=tid, device=verdict.device, reason=action.reason)
 

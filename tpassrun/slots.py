@@ -18,6 +18,7 @@ import time
 from typing import Any, Callable
 
 from .channel import INT64_MAX, ChannelFile, Field, WorkerPhase, decode_msg, encode_msg
+from .records import WorkerRow
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -213,13 +214,13 @@ class LocalSlots:
         """Slots for a fresh generation: quarantined ones are skipped (health-aware restart)."""
         return [s for s in self.slots if s.state != SlotState.QUARANTINED]
 
-    def table(self) -> list[dict[str, Any]]:
+    def table(self) -> tuple[WorkerRow, ...]:
         out = []
         for s in self.slots:
             step = self.field(s, Field.STEP) if self.channel is not None else 0
             last = self.field(s, Field.LAST_STEP_NS) if self.channel is not None else 0
-            out.append({"slot": s.index, "rank": s.rank, "local_rank": s.local_rank, "pid": s.pid,
-                        "state": s.state, "step": step, "managed": s.managed,
-                        "spare": s.state == SlotState.SPARE, "last_step_ms": round(last / 1e6, 3),
-                        "quarantine_reason": s.quarantine_reason})
-        return out
+            out.append(WorkerRow(slot=s.index, rank=s.rank, local_rank=s.local_rank, pid=s.pid,
+                                 state=str(getattr(s.state, "value", s.state)), step=step, managed=s.managed,
+                                 spare=s.state == SlotState.SPARE, last_step_ms=round(last / 1e6, 3),
+                                 quarantine_reason=s.quarantine_reason))
+        return tuple(out)

@@ -19,110 +19,16 @@ A swap moves one rank from a *leaver* slot to a *joiner* slot (a warm spare). It
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Iterable, Sequence
 
+# The records a plan is made of live with every other etcd record; re-exported: they are the planner's words.
+from .records import TRANSITIONS, Phase, Report, SlotRef, SwapKind, SwapPlan
 
-class Phase(str, enum.Enum):
-    PAUSE = "pause"
-    BOUNDARY = "boundary"
-    TRANSFER = "transfer"
-    SEND = "send"
-    REFORM = "reform"
-    DONE = "done"
-    ABORTED = "aborted"
-
-
-# The one table of allowed transitions.
-TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.PAUSE: frozenset({Phase.BOUNDARY, Phase.TRANSFER, Phase.ABORTED}),
-    Phase.BOUNDARY: frozenset({Phase.BOUNDARY, Phase.TRANSFER, Phase.ABORTED}),
-    Phase.TRANSFER: frozenset({Phase.SEND, Phase.TRANSFER, Phase.ABORTED}),
-    Phase.SEND: frozenset({Phase.SEND, Phase.TRANSFER, Phase.REFORM, Phase.ABORTED}),
-    Phase.REFORM: frozenset({Phase.DONE, Phase.ABORTED}),
-    Phase.DONE: frozenset(),
-    Phase.ABORTED: frozenset(),
-}
-
-
-class SwapKind(str, enum.Enum):
-    PLANNED = "planned"        # a taint: the leaver is alive and hands over its own state
-    UNPLANNED = "unplanned"    # the rank died: a donor replica sends model/optimizer, the agent the light state
-
-
-@dataclass(frozen=True)
-class SlotRef:
-    node: str
-    slot: int
-    rank: int | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {"node": self.node, "slot": self.slot, "rank": self.rank}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any] | None) -> "SlotRef | None":
-        if not d:
-            return None
-        return cls(str(d["node"]), int(d["slot"]), None if d.get("rank") is None else int(d["rank"]))
-
-
-@dataclass(frozen=True)
-class SwapPlan:
-    id: str
-    kind: SwapKind
-    generation: int
-    leaver: SlotRef
-    joiner: SlotRef
-    donor: SlotRef | None
-    phase: Phase
-    reason: str
-    nodes: tuple[str, ...]                 # member nodes that must report each phase
-    boundary: int | None = None
-    joiner_addr: tuple[str, int] | None = None
-    light_b64: str | None = None
-    attempt: int = 0
-    excluded_spares: tuple[tuple[str, int], ...] = ()
-    taint_id: str | None = None
-    release: bool = False          # migrate-back: the leaver's slot is healthy, return it to the spare pool
-    history: tuple[tuple[str, float], ...] = ()   # (phase, wall time)
-    # hex; the leader draws it when it writes the plan; each attempt's transfer key derives from it
-    secret: str | None = field(default=None, repr=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "v": 1, "id": self.id, "secret": self.secret, "kind": self.kind.value, "generation": self.generation,
-            "leaver": self.leaver.to_json(), "joiner": self.joiner.to_json(),
-            "donor": self.donor.to_json() if self.donor else None, "phase": self.phase.value,
-            "reason": self.reason, "nodes": list(self.nodes), "boundary": self.boundary,
-            "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
-            "attempt": self.attempt, "excluded_spares": [list(x) for x in self.excluded_spares],
-            "taint_id": self.taint_id, "release": self.release, "history": [list(h) for h in self.history],
-        }
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "SwapPlan":
-        if d.get("v") != 1:
-            raise ValueError(f"unsupported swap plan version {d.get('v')!r}")
-        leaver, joiner = SlotRef.from_json(d["leaver"]), SlotRef.from_json(d["joiner"])
-        assert leaver is not None and joiner is not None
-        return cls(
-            id=d["id"], kind=SwapKind(d["kind"]), generation=int(d["generation"]), leaver=leaver, joiner=joiner,
-            donor=SlotRef.from_json(d.get("donor")), phase=Phase(d["phase"]), reason=d.get("reason", ""),
-            nodes=tuple(d.get("nodes", ())), boundary=d.get("boundary"),
-            joiner_addr=tuple(d["joiner_addr"]) if d.get("joiner_addr") else None,  # type: ignore[arg-type]
-            light_b64=d.get("light_b64"), attempt=int(d.get("attempt", 0)),
-            excluded_spares=tuple(tuple(x) for x in d.get("excluded_spares", ())),  # type: ignore[misc]
-            taint_id=d.get("taint_id"), release=bool(d.get("release", False)), history=tuple(tuple(h) for h in d.get("history", ())),  # type: ignore[misc]
-            secret=d["secret"] if isinstance(d.get("secret"), str) else None,
-        )
-
-    def advance(self, phase: Phase, now_wall: float, **changes: Any) -> "SwapPlan":
-        if phase not in TRANSITIONS[self.phase]:
-            raise ValueError(f"swap {self.id}: {self.phase.value} -> {phase.value} is not allowed")
-        return dataclasses.replace(self, phase=phase, history=self.history + ((phase.value, now_wall),), **changes)
+__all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Phase", "Report", "SlotRef", "SlotView", "SwapKind",
+           "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "new_swap_id", "next_step", "plan_for_failure",
+           "plan_for_taint"]
 
 
 @dataclass(frozen=True)
@@ -248,36 +154,6 @@ def _involved(view: ClusterView, joiner_node: str) -> tuple[str, ...]:
     if joiner_node not in nodes:
         nodes.append(joiner_node)
     return tuple(nodes)
-
-
-@dataclass(frozen=True)
-class Report:
-    """What one agent says about one phase of one swap."""
-
-    node: str
-    phase: Phase
-    ok: bool = True
-    candidate: int | None = None      # pause: earliest boundary this node can offer
-    steps: tuple[int, ...] = ()       # pause (unplanned): the step each local survivor stopped at
-    failed_steps: tuple[int, ...] = ()
-    joiner_addr: tuple[str, int] | None = None
-    light_b64: str | None = None
-    error: str | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"v": 1, "node": self.node, "phase": self.phase.value, "ok": self.ok, "candidate": self.candidate,
-                "steps": list(self.steps), "failed_steps": list(self.failed_steps),
-                "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
-                "error": self.error, "extra": dict(self.extra)}
-
-    @classmethod
-    def from_json(cls, d: Mapping[str, Any]) -> "Report":
-        return cls(node=d["node"], phase=Phase(d["phase"]), ok=bool(d.get("ok", True)),
-                   candidate=d.get("candidate"), steps=tuple(d.get("steps", ())),
-                   failed_steps=tuple(d.get("failed_steps", ())),
-                   joiner_addr=tuple(d["joiner_addr"]) if d.get("joiner_addr") else None,  # type: ignore[arg-type]
-                   light_b64=d.get("light_b64"), error=d.get("error"), extra=d.get("extra", {}))
 
 
 MAX_SEND_ATTEMPTS = 4

@@ -28,7 +28,9 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .channel import INT64_MAX, Field, WorkerPhase
-from .swap import (ClusterView, Decision, Phase, Report, SlotRef, SlotView, SwapKind, SwapPlan, choose_spare,
+from .records import (HANDLED_RESTART, Failure, Fallback, Keys, NodeStatus, RecordError, Report, SwapPlan, Taint,
+                      TaintEffect, TaintSource, load, node_info)
+from .swap import (ClusterView, Decision, Phase, SlotRef, SlotView, SwapKind, choose_spare,
                    next_step, plan_for_failure, plan_for_taint)
 from .failkind import classify_death, recoverable
 from .slots import Slot, SlotState
@@ -67,9 +69,10 @@ class Swapper:
         assert self.agent.slots is not None
         return self.agent.slots
 
-    def _key(self, *parts: str) -> str:
+    @property
+    def _keys(self) -> Keys:
         assert self.agent.rdzv is not None
-        return self.agent.rdzv.key(*parts)
+        return Keys(self.agent.rdzv.key(""))
 
     @property
     def _store(self):  # noqa: ANN202
@@ -129,15 +132,15 @@ class Swapper:
             self.agent.events.write("user_error", slot=slot.index, rank=slot.rank, code=code, step=step, why=why)
             return False
         light = self._slots.channel.read_light(slot.index) if self._slots.channel else None
-        doc = {"v": 1, "node": self.agent.node_id, "slot": slot.index, "rank": slot.rank, "code": code,
-               "step": step, "light": light is not None, "generation": gen.number, "time": time.time()}
+        failure = Failure(node=self.agent.node_id, slot=slot.index, rank=slot.rank, code=code, step=step,
+                          light=light is not None, generation=gen.number, time=time.time())
         self.agent.events.write("worker_died", slot=slot.index, rank=slot.rank, code=code, step=step,
                                 kind=kind.value, why=why)
         # Stop the other local ranks at their next step start (the ones blocked in a collective will fail).
         for s in self._slots.active():
             if s is not slot:
                 self._slots.set_run_until(s, 0)
-        await self._store.put_json(self._key("failures", f"{self.agent.node_id}-{slot.index}"), doc)
+        await self._store.put_json(self._keys.failure(self.agent.node_id, slot.index), failure.to_json())
         await self.agent.publish_status()
         return True
 
@@ -150,18 +153,17 @@ class Swapper:
             tg.create_task(self._follow_fallbacks())
 
     async def _follow_plans(self) -> None:
-        prefix = self._key("swaps") + "/"
-        for key, doc, _rev in await self._store.get_prefix_json(prefix):
-            await self._on_plan(SwapPlan.from_json(doc))
+        prefix = self._keys.family("swaps")
+        for key, doc, rev in await self._store.get_prefix_json(prefix):
+            plan = load(SwapPlan.from_json, key, doc, rev)
+            if plan is not None:
+                await self._on_plan(plan)
         async for ev in self._store.watch_prefix(prefix):
-            if ev.value is None:
+            if ev.kind != "put":
                 continue
-            try:
-                plan = SwapPlan.from_json(ev.value)
-            except (ValueError, KeyError) as exc:
-                log.warning("ignoring malformed swap plan %s: %s", ev.key, exc)
-                continue
-            await self._on_plan(plan)
+            plan = load(SwapPlan.from_json, ev.key, ev.value, ev.mod_revision)
+            if plan is not None:
+                await self._on_plan(plan)
 
     async def _on_plan(self, plan: SwapPlan) -> None:
         gen = self.agent.generation
@@ -185,7 +187,7 @@ class Swapper:
             log.exception("swap %s phase %s failed", plan.id, plan.phase.value)
             report = Report(node=self.agent.node_id, phase=plan.phase, ok=False, error=f"{type(exc).__name__}: {exc}")
         if report is not None:
-            await self._store.put_json(self._key("reports", plan.id, str(seq), self.agent.node_id), report.to_json())
+            await self._store.put_json(self._keys.report(plan.id, seq, self.agent.node_id), report.to_json())
         await self.agent.publish_status()
         self._kick.set()
 
@@ -404,7 +406,7 @@ class Swapper:
         """The joiner's "received", or "aborted" once the leader gave the plan up (a sender that died before
         connecting leaves the joiner listening; plans are followed one at a time, so this wait must look)."""
         deadline = time.monotonic() + PHASE_TIMEOUT_S
-        key = self._key("swaps", plan.id)
+        key = self._keys.swap(plan.id)
         while time.monotonic() < deadline:
             msg = await self._slots.expect(joiner, {"received", "stranger"}, 0.5)
             if msg is not None and msg["kind"] == "stranger":
@@ -412,8 +414,9 @@ class Swapper:
                 continue
             if msg is not None or not joiner.alive:
                 return msg
-            doc, _rev = await self._store.get_json(key)
-            if doc is not None and doc.get("phase") == Phase.ABORTED.value:
+            doc, rev = await self._store.get_json(key)
+            now = load(SwapPlan.from_json, key, doc, rev) if doc is not None else None
+            if now is not None and now.phase == Phase.ABORTED:
                 return "aborted"
         return None
 
@@ -434,8 +437,10 @@ class Swapper:
         member = gen.member(plan.joiner.node)
         registered = member.addr if member is not None else None
         if registered is None:
-            doc, _rev = await self._store.get_json(self._key("nodes", plan.joiner.node))
-            registered = doc.get("addr") if isinstance(doc, dict) else None
+            key = self._keys.node(plan.joiner.node)
+            doc, rev = await self._store.get_json(key)
+            info = load(node_info, key, doc, rev) if doc is not None else None
+            registered = info.addr if info is not None else None
         if host != registered:
             return f"{host}:{plan.joiner_addr[1]} is not the address of node {plan.joiner.node!r} ({registered})"
         view = await self._view()
@@ -511,8 +516,9 @@ class Swapper:
     # ------------------------------------------------------------------ coordinator (leader)
     async def _coordinate(self) -> None:
         """Re-evaluate on every relevant change; only the leader acts."""
-        prefix = self._key("")
+        prefix = self._keys.prefix
         watcher = asyncio.ensure_future(self._watch_kicks(prefix))
+        backoff, said = 0.2, ""
         try:
             while True:
                 await self._kick.wait()
@@ -520,9 +526,14 @@ class Swapper:
                 if self.agent.rdzv is not None and self.agent.rdzv.is_leader:
                     try:
                         await self._leader_tick()
-                    except Exception:  # noqa: BLE001 - the next kick re-reads everything
-                        log.exception("swap coordinator tick failed")
-                        await asyncio.sleep(0.2)
+                        backoff, said = 0.2, ""
+                    except Exception as exc:  # noqa: BLE001 - the next kick re-reads everything
+                        # Once per distinct error, then retry with a growing pause: never a traceback per tick.
+                        if repr(exc) != said:
+                            said = repr(exc)
+                            log.exception("swap coordinator tick failed; retrying")
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
                         self._kick.set()
         finally:
             watcher.cancel()
@@ -539,33 +550,55 @@ class Swapper:
         gen = self.agent.generation
         assert gen is not None
         slots: list[SlotView] = []
-        # A taint naming a slot but no rank (health: a bad spare, or effect "exclude") keeps that spare out.
-        barred = {(d.get("node_id"), d.get("local_rank")) for _k, d, _r in
-                  await self._store.get_prefix_json(self._key("taints") + "/") if d.get("rank") is None}
-        for _key, doc, _rev in await self._store.get_prefix_json(self._key("status") + "/"):
-            node = doc.get("node_id")
-            for w in doc.get("workers", []):
-                state = w.get("state", "")
-                if state == "spare" and (node, int(w["slot"])) in barred:
+        # A taint naming a slot but no rank (health: a bad spare), or any "exclude" taint, keeps that slot out
+        # of the spare pool.
+        barred = {(t.node_id, t.slot) for t in await self._taints()
+                  if t.rank is None or t.effect is TaintEffect.EXCLUDE}
+        for key, doc, rev in await self._store.get_prefix_json(self._keys.family("status")):
+            status = load(NodeStatus.from_json, key, doc, rev)
+            if status is None:
+                continue
+            for w in status.workers:
+                state = w.state
+                if state == "spare" and (status.node_id, w.slot) in barred:
                     state = "tainted"
-                slots.append(SlotView(node=node, slot=int(w["slot"]), rank=w.get("rank"), state=state,
-                                      managed=bool(w.get("managed")), step=int(w.get("step") or 0)))
+                slots.append(SlotView(node=status.node_id, slot=w.slot, rank=w.rank, state=state,
+                                      managed=w.managed, step=w.step))
         return ClusterView(generation=gen.number, members=tuple(m.node_id for m in gen.members),
                            spare_nodes=tuple(gen.spare_nodes), slots=tuple(slots))
 
+    async def _taints(self) -> list[Taint]:
+        out = []
+        for key, doc, rev in await self._store.get_prefix_json(self._keys.family("taints")):
+            taint = load(Taint.from_json, key, doc, rev)
+            if taint is not None and taint.id == self._keys.last(key):
+                out.append(taint)
+            elif taint is not None:
+                load(_mismatched_id, key, taint, rev)
+        return out
+
+    async def _plans(self) -> list[tuple[SwapPlan, int]]:
+        plans = []
+        for key, doc, rev in await self._store.get_prefix_json(self._keys.family("swaps")):
+            plan = load(SwapPlan.from_json, key, doc, rev)
+            if plan is not None:
+                plans.append((plan, rev))
+        return plans
+
     async def _leader_tick(self) -> None:
         now = time.time()
-        plans = [(SwapPlan.from_json(d), rev) for _k, d, rev in await self._store.get_prefix_json(self._key("swaps") + "/")]
-        active = [(p, rev) for p, rev in plans if p.phase not in (Phase.DONE, Phase.ABORTED)]
+        keys = self._keys
+        plans = await self._plans()
+        active = [(p, rev) for p, rev in plans if not p.terminal]
         for p, rev in [(p, rev) for p, rev in active if p.generation < self.agent.spawned_generation]:
             # planned before the last whole-group restart: its workers are gone
-            await self._store.cas_json(self._key("swaps", p.id), p.advance(Phase.ABORTED, now).to_json(), rev)
+            await self._store.cas_json(keys.swap(p.id), p.advance(Phase.ABORTED, now).to_json(), rev)
             active.remove((p, rev))
         if active:
             plan, rev = active[0]
             seq = len(plan.history)
-            reports = [Report.from_json(d) for _k, d, _r in
-                       await self._store.get_prefix_json(self._key("reports", plan.id, str(seq)) + "/")]
+            reports = [r for k, d, rv in await self._store.get_prefix_json(keys.reports(plan.id, seq))
+                       if (r := load(Report.from_json, k, d, rv)) is not None]
             spare = None
             sender_dead = False
             if plan.phase in (Phase.TRANSFER, Phase.SEND):
@@ -583,74 +616,73 @@ class Swapper:
         handled = {p.taint_id for p, _ in plans if p.taint_id and p.phase == Phase.DONE}
         handled_fail = {p.id for p, _ in plans}
         view = None
-        for key, doc, rev in await self._store.get_prefix_json(self._key("failures") + "/"):
-            fid = key.rsplit("/", 1)[-1]
-            if doc.get("handled"):
+        for key, doc, rev in await self._store.get_prefix_json(keys.family("failures")):
+            failure = load(Failure.from_json, key, doc, rev)
+            if failure is None or failure.handled:
                 continue
-            if int(doc.get("generation", -1)) < self.agent.spawned_generation:
+            fid = keys.last(key)
+            if failure.generation < self.agent.spawned_generation:
                 # A death from before the last whole-group restart (e.g. a second failure that ended a
                 # recovery): those workers are gone, and the rank runs anew. Never plan a swap for it.
-                await self._store.put_json(key, {**doc, "handled": "stale", "reason": "before the restart"})
+                await self._store.put_json(key, failure.mark("stale", "before the restart").to_json())
                 continue
             view = view or await self._view()
-            decision = plan_for_failure(view, node=doc["node"], slot=int(doc["slot"]), rank=int(doc["rank"]),
-                                        reason=f"exit code {doc.get('code')}", now_wall=now,
-                                        light_available=bool(doc.get("light")), swap_id=f"u-{fid}-{doc.get('generation')}")
-            await self._store.put_json(key, {**doc, "handled": decision.action, "reason": decision.reason})
+            decision = plan_for_failure(view, node=failure.node, slot=failure.slot, rank=failure.rank,
+                                        reason=f"exit code {failure.code}", now_wall=now,
+                                        light_available=failure.light, swap_id=f"u-{fid}-{failure.generation}")
+            await self._store.put_json(key, failure.mark(decision.action, decision.reason).to_json())
             self.agent.events.write("recovery_decided", action=decision.action, reason=decision.reason)
             if decision.plan is not None and decision.plan.id not in handled_fail:
-                await self._store.create_json(self._key("swaps", decision.plan.id), _with_secret(decision.plan).to_json())
+                await self._store.create_json(keys.swap(decision.plan.id), _with_secret(decision.plan).to_json())
             elif decision.action == "fallback":
-                fake = plan_for_failure(view, node=doc["node"], slot=int(doc["slot"]), rank=int(doc["rank"]),
+                fake = plan_for_failure(view, node=failure.node, slot=failure.slot, rank=failure.rank,
                                         reason="", now_wall=now, light_available=True)
                 # Tell the dead rank's agent through an aborted plan: it turns that into a group restart.
                 if fake.plan is not None:
-                    await self._store.create_json(self._key("swaps", fake.plan.id),
+                    await self._store.create_json(keys.swap(fake.plan.id),
                                                   fake.plan.advance(Phase.ABORTED, now).to_json())
                 else:   # no plan to abort (no spare at all): tell the dead rank's agent directly
-                    await self._store.put_json(self._key("fallbacks", doc["node"]),
-                                               {"v": 1, "reason": decision.reason, "slot": int(doc["slot"]),
-                                                "generation": int(doc.get("generation", -1))})
+                    await self._store.put_json(keys.fallback(failure.node),
+                                               Fallback(decision.reason, failure.generation, failure.slot).to_json())
             return
-        for key, doc, rev in await self._store.get_prefix_json(self._key("taints") + "/"):
-            tid = doc.get("id") or key.rsplit("/", 1)[-1]
-            if tid not in self._taints_said and doc.get("source") != "health":   # health's own: health_taint
+        for taint in await self._taints():
+            tid = taint.id
+            key = keys.taint(tid)
+            if tid not in self._taints_said and taint.source != TaintSource.HEALTH.value:   # health's own: health_taint
                 self._taints_said.add(tid)
-                self.agent.events.write("taint_received", id=tid, rank=doc.get("rank"), slot=doc.get("local_rank"),
-                                        target_node=doc.get("node_id"), effect=doc.get("effect"),
-                                        source=doc.get("source") or "tpassctl", reason=doc.get("reason"))
-            if tid in handled or doc.get("handled_by") or doc.get("effect") == "exclude":
+                self.agent.events.write("taint_received", id=tid, rank=taint.rank, slot=taint.slot,
+                                        target_node=taint.node_id, effect=taint.effect.value,
+                                        source=taint.source or "tpassctl", reason=taint.reason)
+            if tid in handled or taint.handled_by or taint.effect is TaintEffect.EXCLUDE:
                 continue  # exclude: keep the rank where it is, only never hand the slot out as a spare
             view = view or await self._view()
-            rank = doc.get("rank")
+            rank = taint.rank
             if rank is None:
-                target = [s for s in view.slots if s.node == doc.get("node_id") and s.rank is not None
-                          and (doc.get("local_rank") is None or s.slot == doc.get("local_rank"))
-                          and s.state == "running"]
+                target = [s for s in view.slots if s.node == taint.node_id and s.rank is not None
+                          and (taint.slot is None or s.slot == taint.slot) and s.state == "running"]
                 if not target:
                     continue
                 rank = target[0].rank
-            home = (doc["home_node"], int(doc["home_slot"])) if doc.get("home_node") is not None else None
-            decision = plan_for_taint(view, node=doc.get("node_id", ""), rank=int(rank), reason=doc.get("reason", ""),
-                                      taint_id=tid, now_wall=now, home=home)
+            assert rank is not None
+            decision = plan_for_taint(view, node=taint.node_id or "", rank=rank, reason=taint.reason,
+                                      taint_id=tid, now_wall=now, home=taint.home)
             if decision.action == "plan" and decision.plan is not None:
-                if await self._store.create_json(self._key("swaps", decision.plan.id),
-                                                 _with_secret(decision.plan).to_json()):
-                    await self._store.put_json(key, {**doc, "handled_by": decision.plan.id, "state": "migrating"})
+                if await self._store.create_json(keys.swap(decision.plan.id), _with_secret(decision.plan).to_json()):
+                    await self._store.put_json(key, taint.handled(decision.plan.id, "migrating").to_json())
                     self.agent.events.write("swap_decided", swap_id=decision.plan.id, reason=decision.reason,
                                             taint=tid)
                 return
             if tid not in self._waiting_said:
                 self._waiting_said.add(tid)
                 self.agent.events.write("swap_waiting", taint=tid, action=decision.action, reason=decision.reason)
-                await self._store.put_json(key, {**doc, "state": f"{decision.action}: {decision.reason}"})
+                await self._store.put_json(key, taint.handled(None, f"{decision.action}: {decision.reason}").to_json())
             if decision.action == "fallback":
                 # A rank that cannot swap live (its script never called tpassrun.init()): restart the group
                 # with the tainted slot quarantined on its node, so the rank starts in a spare slot instead.
                 # Like a membership change, this costs no --max-restarts: nothing failed.
-                held = view.slot_of_rank(int(rank))
+                held = view.slot_of_rank(rank)
                 where = {"node_id": held.node, "slot": held.slot} if held is not None else {}
-                await self._store.put_json(key, {**doc, **where, "handled_by": "restart", "state": decision.reason})
+                await self._store.put_json(key, taint.handled(HANDLED_RESTART, decision.reason, **where).to_json())
                 self.agent._queue.put_nowait(("health_restart", f"health-aware restart: {decision.reason}"))
                 return
 
@@ -660,17 +692,18 @@ class Swapper:
         new = decision.plan
         if new.phase == Phase.REFORM:
             await self._commit_generation(new)
-        ok = await self._store.cas_json(self._key("swaps", plan.id), new.to_json(), rev)
+        ok = await self._store.cas_json(self._keys.swap(plan.id), new.to_json(), rev)
         if ok:
             self.agent.events.write("swap_phase", swap_id=new.id, phase=new.phase.value, reason=decision.reason)
             if new.phase == Phase.DONE and new.taint_id and new.release:
-                await self._store.delete(self._key("taints", new.taint_id))   # migrate-back done: nothing sick
+                await self._store.delete(self._keys.taint(new.taint_id))   # migrate-back done: nothing sick
             elif new.phase == Phase.DONE and new.taint_id:
-                key = self._key("taints", new.taint_id)
-                doc, _ = await self._store.get_json(key)
-                if doc is not None:
-                    await self._store.put_json(key, {**doc, "handled_by": new.id, "state": "quarantined",
-                                                     "slot": new.leaver.slot, "node_id": new.leaver.node})
+                key = self._keys.taint(new.taint_id)
+                doc, trev = await self._store.get_json(key)
+                taint = load(Taint.from_json, key, doc, trev) if doc is not None else None
+                if taint is not None:
+                    await self._store.put_json(key, taint.handled(new.id, "quarantined", slot=new.leaver.slot,
+                                                                  node_id=new.leaver.node).to_json())
 
     async def _commit_generation(self, plan: SwapPlan) -> None:
         """One swap = one generation transition (compare-and-swap), carrying the swap id."""
@@ -691,32 +724,24 @@ class Swapper:
     async def _follow_fallbacks(self) -> None:
         """The leader found no way to recover a rank of this node (no spare left): restart the group, as
         torchrun would. Without this, the dead rank's agent waited for a recovery that never came."""
-        key = self._key("fallbacks", self.agent.node_id)
-        async for ev in self._store.watch_prefix(key):
-            doc = ev.value
-            if ev.key != key or not isinstance(doc, dict):
-                continue
-            try:
-                generation, index, reason = int(doc.get("generation", -1)), int(doc["slot"]), str(doc["reason"])
-            except (KeyError, TypeError, ValueError):
-                log.warning("ignoring malformed fallback record %s", key)
-                continue
-            if generation < self.agent.spawned_generation:
-                continue   # from before the last whole-group restart
-            dead = self._slots.slots[index] if 0 <= index < len(self._slots.slots) else None
-            self.agent._queue.put_nowait(("fallback", reason, dead))
+        key = self._keys.fallback(self.agent.node_id)
+        async for ev in self._store.watch_key(key):
+            fallback = load(Fallback.from_json, key, ev.value, ev.mod_revision) if ev.kind == "put" else None
+            if fallback is None or fallback.generation < self.agent.spawned_generation:
+                continue   # malformed (logged once), or from before the last whole-group restart
+            index = fallback.slot
+            dead = self._slots.slots[index] if index is not None and index < len(self._slots.slots) else None
+            self.agent._queue.put_nowait(("fallback", fallback.reason, dead))
 
     async def _follow_taint_removals(self) -> None:
         """``tpassctl untaint``: a quarantined slot of this node goes back to the spare pool."""
-        prefix = self._key("taints") + "/"
-        async for ev in self._store.watch_prefix(prefix):
+        async for ev in self._store.watch_prefix(self._keys.family("taints")):
             if ev.value is not None:
                 continue
             await self._requarantine_check()
 
     async def _requarantine_check(self) -> None:
-        taints = await self._store.get_prefix_json(self._key("taints") + "/")
-        held = {(d.get("node_id"), d.get("slot")) for _k, d, _r in taints}
+        held = {(t.node_id, t.slot) for t in await self._taints()}
         gen = self.agent.generation
         if gen is None or not self.agent.master[1]:
             return
@@ -733,10 +758,10 @@ class Swapper:
         """--migrate-back: the slot a rank was moved off is healthy again; move the rank home once the new
         spare there is ready (the planner waits for it), and free the slot it leaves."""
         tid = f"mb-{self.agent.node_id}-{home.index}-{int(time.time() * 1000)}"
-        doc = {"v": 1, "id": tid, "rank": rank, "node_id": None, "local_rank": None, "effect": "migrate",
-               "reason": f"migrate back to healthy slot {self.agent.node_id}/{home.index}", "source": "migrate-back",
-               "home_node": self.agent.node_id, "home_slot": home.index, "time": time.time()}
-        await self._store.put_json(self._key("taints", tid), doc)
+        taint = Taint(id=tid, effect=TaintEffect.MIGRATE, rank=rank, source=TaintSource.MIGRATE_BACK.value,
+                      reason=f"migrate back to healthy slot {self.agent.node_id}/{home.index}",
+                      home_node=self.agent.node_id, home_slot=home.index, time=time.time())
+        await self._store.put_json(self._keys.taint(tid), taint.to_json())
         self.agent.events.write("migrate_back_requested", rank=rank, slot=home.index, taint=tid)
         await self.agent.publish_status()
 
@@ -755,3 +780,7 @@ def _transfer_key(plan: SwapPlan) -> str | None:
     except ValueError:
         return None
     return hmac.new(secret, f"tpassrun-transfer/{plan.id}/{plan.attempt}".encode(), hashlib.sha256).hexdigest()
+
+
+def _mismatched_id(taint: Taint) -> Taint:
+    raise RecordError(f"taint id {taint.id!r} differs from its key")
