@@ -253,14 +253,20 @@ def test_user_text_with_rich_markup_renders_literally(reason):
 
 def test_ctl_plain_status_escapes_user_text(capsys):
     from tpassrun.ctl import RunSnapshot, _render_status
+    from tpassrun.records import HealthRecord, NodeStatus, SwapPlan, Taint, WorkerRow
 
-    snap = RunSnapshot("run[/]", taints={"t1": {"node_id": "n[/]", "reason": "[/]", "effect": "[bold]x"}},
-                       swaps={"s1": {"phase": "done", "reason": "[/] [bold]y"}},
-                       health={"n[/]": {"verdicts": [{"device": "d", "status": "failing", "reason": "[bold]x"}]}},
-                       status={"n[/]": {"workers": [{"slot": 0, "state": "[red]z"}]}})
+    plan = SwapPlan.from_json({"v": 1, "id": "s1", "kind": "planned", "generation": 0, "phase": "done",
+                               "reason": "[/] [bold]y", "leaver": {"node": "n", "slot": 0, "rank": 0},
+                               "joiner": {"node": "n", "slot": 1, "rank": 0}})
+    snap = RunSnapshot("run[/]", taints={"t1": Taint.from_json({"v": 1, "id": "t1", "node_id": "n[/]", "reason": "[/]",
+                                                                "effect": "migrate", "state": "[bold]w"})},
+                       swaps={"s1": plan},
+                       health={"n[/]": HealthRecord(node_id="n[/]", verdicts=({"device": "d", "status": "failing",
+                                                                             "reason": "[bold]x"},))},
+                       status={"n[/]": NodeStatus(node_id="n[/]", workers=(WorkerRow(slot=0, state="[red]z"),))})
     _render_status(snap)
     out = capsys.readouterr().out
-    for literal in ("run[/]", "[/] [bold]y", "[bold]x", "[red]z", "n[/]"):
+    for literal in ("run[/]", "[/] [bold]y", "[bold]x", "[bold]w", "[red]z", "n[/]"):
         assert literal in out, literal
 
 
