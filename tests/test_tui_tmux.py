@@ -130,3 +130,40 @@ def test_watch_in_tmux_quits_on_q(etcd_server, run_id, tmp_path):
         assert rc_file.read_text().strip() == "0"
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
+
+
+@pytest.mark.timeout(300)
+def test_tpassrun_tui_draws_the_panel_under_the_workers_output(tmp_path):
+    """``tpassrun --tui`` in a real terminal: the workers' lines scroll above, the status panel stays in the
+    bottom lines, and at exit the panel is wiped and the terminal given back."""
+    from tpassrun.tui_panel import panel_height
+
+    root = Path(__file__).parent.parent
+    session = f"tpr-{uuid.uuid4().hex[:8]}"
+    rc_file = tmp_path / "rc"
+    cmd = (f"cd {root} && {sys.executable} -m tpassrun --tui --standalone --nproc-per-node 1 "
+           f"--log-dir {tmp_path}/logs examples/train_ddp.py --steps 150; echo $? > {rc_file}; sleep 60")
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd], check=True)
+    try:
+        deadline = time.monotonic() + 100
+        while True:
+            lines = subprocess.run(["tmux", "capture-pane", "-t", session, "-p"], check=True, capture_output=True,
+                                   text=True).stdout.splitlines()
+            panel = lines[30 - panel_height(30):]
+            above = lines[:30 - panel_height(30)]
+            if any(line.startswith("step 50 loss") for line in above) and panel and \
+                    panel[0].startswith("gen 0 active"):
+                break
+            assert time.monotonic() < deadline and not rc_file.exists(), "\n".join(lines)
+            time.sleep(0.2)
+        assert panel[1].startswith("run ") and any(line.startswith("NODE") for line in panel)
+        assert any(line.split()[:3][1:] == ["member", "0"] for line in panel if line.strip()), panel
+        deadline = time.monotonic() + 120
+        while not rc_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert rc_file.read_text().strip() == "0"
+        final = subprocess.run(["tmux", "capture-pane", "-t", session, "-p"], check=True, capture_output=True,
+                               text=True).stdout
+        assert "done: 150 steps" in final and "NODE" not in final   # the panel is gone with the run
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], check=False)
