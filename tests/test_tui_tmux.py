@@ -22,6 +22,7 @@ from tpassrun.tui import ViewState
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import eventful_run, frame  # noqa: E402
 
+FUTURE = 1e11
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
 
 
@@ -36,7 +37,10 @@ def _put_run(endpoint: str, run_id: str, doc: dict) -> None:
                 await store.put_json(prefix + "closed", doc["closed"])
             for kind in ("status", "health", "taints"):
                 for name, value in (doc.get(kind) or {}).items():
-                    await store.put_json(prefix + f"{kind}/{name}", value)
+                    record = {**value, "v": 1} if kind == "taints" else {**value, "v": 1, "node_id": name}
+                    if kind == "status":
+                        record["time"] = FUTURE   # ages show as 0.0s whatever the clock: exact frames
+                    await store.put_json(prefix + f"{kind}/{name}", record)   # valid records (records.py)
     asyncio.run(put())
 
 
@@ -71,8 +75,6 @@ def _wait_for(session: str, text: str, timeout: float = 15.0) -> str:
 def test_watch_in_tmux_pages_filters_and_exits_with_the_outcome(etcd_server, run_id, tmp_path):
     doc = eventful_run(64)
     doc.pop("swaps")                                          # no wall-clock ages on screen: frames are exact
-    for status in doc["status"].values():
-        status.pop("time")
     _put_run(etcd_server.endpoint, run_id, doc)
     # What the frame must be: the pure render of what `tpassctl status --json` reads back.
     buf = io.StringIO()
@@ -90,16 +92,16 @@ def test_watch_in_tmux_pages_filters_and_exits_with_the_outcome(etcd_server, run
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
     try:
         _wait_for(session, "page 1/")
-        first = frame(read_back, now=None)
+        first = frame(read_back, now=time.time())
         _wait_for_screen(session, first)
         assert len(first.splitlines()) == 24 and "nodes 1-18 of 64" in first
 
         subprocess.run(["tmux", "send-keys", "-t", session, "n"], check=True)
-        _wait_for_screen(session, frame(read_back, now=None, view=ViewState(page=1)))
+        _wait_for_screen(session, frame(read_back, now=time.time(), view=ViewState(page=1)))
         subprocess.run(["tmux", "send-keys", "-t", session, "p"], check=True)
         _wait_for(session, "page 1/")
         subprocess.run(["tmux", "send-keys", "-t", session, "/", "-", "0", "6", "Enter"], check=True)
-        _wait_for_screen(session, frame(read_back, now=None, view=ViewState(node_filter="-06")))
+        _wait_for_screen(session, frame(read_back, now=time.time(), view=ViewState(node_filter="-06")))
 
         _put_run(etcd_server.endpoint, run_id, {"closed": {"v": 1, "reason": "workers failed: rank 3 exited 1"}})
         deadline = time.monotonic() + 15
