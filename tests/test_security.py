@@ -455,3 +455,41 @@ def test_a_signal_while_connecting_to_etcd_is_obeyed_at_once(tmp_path, sig):
         assert job.wait(60) == 128 + number, job.log()[-2000:]
     finally:
         job.kill()
+
+
+def _leftovers_of(pid: int) -> list[str]:
+    import glob
+    import tempfile
+
+    found = glob.glob(f"/dev/shm/tpassrun-{pid}-*.chan")
+    for pattern in (os.path.join(tempfile.gettempdir(), "tpassrun-etcd-*"), "/tmp/tpr-*"):
+        for path in glob.glob(pattern):
+            try:
+                with open(os.path.join(path, "owner.pid")) as fh:
+                    if fh.read().strip() == str(pid):
+                        found.append(path)
+            except OSError:
+                pass
+    return found
+
+
+def test_what_a_sigkilled_agent_leaves_is_cleaned_by_the_next_run(tmp_path):
+    import signal as signals
+
+    job = Job.tpassrun(str(tmp_path / "a"), endpoint=None, run_id="", nproc=1, steps=2000, step_sleep=0.05).start()
+    try:
+        job.wait_step(2, 180)
+        pid = job.proc.pid
+        left = _leftovers_of(pid)
+        assert len(left) == 3, left            # its etcd data dir, channel file, socket dir
+        os.kill(pid, signals.SIGKILL)
+        job.proc.wait(30)
+    finally:
+        job.kill()
+    assert sorted(_leftovers_of(pid)) == sorted(left)
+    nxt = Job.tpassrun(str(tmp_path / "b"), endpoint=None, run_id="", nproc=1, steps=3, step_sleep=0.01).start()
+    try:
+        assert nxt.wait(180) == 0, nxt.log()[-2000:]
+    finally:
+        nxt.kill()
+    assert _leftovers_of(pid) == []

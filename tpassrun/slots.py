@@ -76,7 +76,10 @@ class LocalSlots:
 
     async def open(self) -> "LocalSlots":
         shm = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        await asyncio.to_thread(reap_leftovers, shm)
         self._dir = tempfile.mkdtemp(prefix="tpr-", dir="/tmp")
+        with open(os.path.join(self._dir, _OWNER_FILE), "w") as fh:
+            fh.write(str(os.getpid()))
         self.channel_path = os.path.join(shm or self._dir, f"tpassrun-{os.getpid()}-{id(self):x}.chan")
         self.channel = ChannelFile.create(self.channel_path, len(self.slots))
         self.sock_path = os.path.join(self._dir, "agent.sock")
@@ -224,3 +227,53 @@ class LocalSlots:
                                  spare=s.state == SlotState.SPARE, last_step_ms=round(last / 1e6, 3),
                                  quarantine_reason=s.quarantine_reason))
         return tuple(out)
+
+
+_OWNER_FILE = "owner.pid"
+
+
+def reap_leftovers(shm: str | None, tmp: str = "/tmp") -> list[str]:
+    """Remove what a SIGKILLed agent of this user left behind (its channel file in shared memory, its socket
+    directory): the next agent on the machine cleans up. Only paths whose owning agent pid is gone."""
+    import re
+
+    removed: list[str] = []
+
+    def dead(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            return False
+        return False
+
+    for directory, pattern in ((shm, re.compile(r"tpassrun-(\d+)-[0-9a-f]+\.chan$")), (tmp, re.compile(r"tpr-"))):
+        if not directory:
+            continue
+        with contextlib.suppress(OSError):
+            for name in os.listdir(directory):
+                match = pattern.match(name)
+                if match is None:
+                    continue
+                path = os.path.join(directory, name)
+                try:
+                    info = os.lstat(path)
+                    if info.st_uid != os.getuid():
+                        continue
+                    if match.groups():
+                        pid = int(match.group(1))
+                    else:
+                        with open(os.path.join(path, _OWNER_FILE)) as fh:
+                            pid = int(fh.read().strip() or 0)
+                except (OSError, ValueError):
+                    continue
+                if pid <= 0 or not dead(pid):
+                    continue
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(path)
+                removed.append(path)
+    return removed
