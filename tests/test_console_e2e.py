@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -87,3 +88,32 @@ def test_waiting_for_nodes_is_said_every_ten_seconds(tmp_path, etcd_server, run_
         proc.terminate()
         proc.wait(30)
     assert _lines(out, r"waiting for nodes: 1/2 joined for 10\.00 s; missing: 1 more node\(s\)"), out
+
+
+def test_a_health_verdict_that_changes_and_its_taint_reach_the_console(tmp_path):
+    """The site tool's file says gpu1's uncorrected ECC count rose: a verdict change, a health taint, a swap; a
+    SIGTERM then ends the launcher, which still prints its summary."""
+    readings = tmp_path / "health.json"
+
+    def write(value: int) -> None:
+        (tmp_path / "h.tmp").write_text(json.dumps({"v": 1, "readings": [
+            {"device": "gpu1", "metric": "ecc_uncorrected_volatile", "value": value}]}))
+        os.replace(tmp_path / "h.tmp", readings)
+
+    write(0)
+    job = Job.tpassrun(str(tmp_path), endpoint=None, run_id="", nproc=2, spares=1, steps=100000, step_sleep=0.05,
+                       extra=["--health-interval", "0.2"], env={"TPASSRUN_HEALTH_FILE": str(readings)}).start()
+    try:
+        _wait_event(job, "spare_ready")
+        job.wait_step(3, 120, rank=1)
+        write(2)
+        _wait_event(job, "swap_resumed")
+        os.kill(job.proc.pid, signal.SIGTERM)
+        code = job.wait(120)
+    finally:
+        job.kill()
+    log = job.log()
+    assert code == 1
+    for pattern in (r"health: device gpu1: \w+ -> (degraded|failing) \(uncorrected ECC", r"taint received: rank 1 .*from health",
+                    r"\[rank 1\] swapped and resumed", r"summary: 1 swap\(s\)"):
+        assert _lines(log, pattern), (pattern, "\n".join(ln for ln in log.splitlines() if PREFIX.match(ln)))
