@@ -80,3 +80,20 @@ def test_tpassctl_finds_a_standalone_job_without_ids(tmp_path):
         job.kill()
     assert registry.list_runs(os.path.join(env["XDG_RUNTIME_DIR"], "tpassrun")) == []   # pruned: launcher gone
     assert "no tpassrun runs on this machine" in _ctl("status", env=env).stderr
+
+
+def test_tpassctl_events_prints_console_lines_and_follow_stops_with_the_launcher(tmp_path):
+    import io
+
+    from tpassrun.ctl_events import print_events
+
+    log = tmp_path / "events.jsonl"
+    log.write_text(json.dumps({"event": "generation_joined", "time": 1.0, "mono": 1.0, "node": "h-1-ab",
+                               "generation": 0, "world_size": 2, "members": ["h-1-ab"]}) + "\n"
+                   + '{"event": "torn')
+    done = subprocess.Popen([sys.executable, "-c", "pass"])
+    done.wait()
+    out = io.StringIO()
+    entry = RunEntry(run_id="r", endpoint="e", pid=done.pid, event_log=str(log))
+    assert print_events(entry, follow=True, raw=False, out=out) == 0          # the launcher is gone: returns
+    assert out.getvalue().count("\n") == 1 and "[node h] generation 0 formed: world size 2" in out.getvalue()

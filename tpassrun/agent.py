@@ -201,7 +201,7 @@ class Agent:
 
     def _register_run(self, stack: contextlib.AsyncExitStack, endpoint: str, event_path: str | None) -> None:
         """List this run in the machine's run registry while it lives (``tpassctl`` without ids finds it)."""
-        from .registry import RegistryError, RunEntry, register, unregister
+        from .registry import RegistryError, RunEntry, list_runs, register, unregister
 
         conf = ",".join(f"{k}={v}" for k, v in dict(self.cfg.rdzv_conf or {}).items()
                         if k in ("cacert", "cert", "key", "user", "password_file", "read_timeout"))
@@ -210,6 +210,7 @@ class Agent:
                          credentials=getattr(self, "credentials_file", None), rdzv_conf=conf,
                          nproc=self.cfg.nproc_per_node, spares=self.cfg.spares_per_node)
         try:
+            list_runs()             # prunes the entries of launchers that died without removing theirs
             path = register(entry)
         except (RegistryError, OSError) as exc:
             log.warning("run registry unavailable (tpassctl needs --rdzv-endpoint/--rdzv-id): %s", exc)
