@@ -87,7 +87,7 @@ def test_waiting_for_nodes_is_said_every_ten_seconds(tmp_path, etcd_server, run_
     finally:
         proc.terminate()
         proc.wait(30)
-    assert _lines(out, r"waiting for nodes: 1/2 joined for 10\.00 s; missing: 1 more node\(s\)"), out
+    assert _lines(out, r"waiting for nodes \(10\.00 s\): 1 of 2 joined \(\S+\); missing: 1 more node\(s\)"), out
 
 
 def test_a_health_verdict_that_changes_and_its_taint_reach_the_console(tmp_path):

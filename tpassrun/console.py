@@ -127,8 +127,9 @@ class Describer:
             return (f"generation {ev.get('generation')} formed: world size {ev.get('world_size')}, "
                     f"{len(members)} node(s): {shown}")
         if name == "waiting_for_nodes":
-            missing = ev.get("missing")
-            return (f"waiting for nodes: {ev.get('joined')}/{ev.get('needed')} joined for {_secs(ev.get('seconds'))}"
+            missing, nodes = ev.get("missing"), [_short(n) for n in ev.get("nodes") or []]
+            return (f"waiting for nodes ({_secs(ev.get('seconds'))}): {ev.get('joined')} of {ev.get('needed')} "
+                    f"joined" + (f" ({', '.join(nodes[:8])})" if nodes else "")
                     + (f"; missing: {', '.join(map(str, missing))}" if missing else ""))
         if name == "workers_started":
             slots = ev.get("slots") or []
