@@ -33,6 +33,7 @@ from .config import LaunchConfig  # noqa: E402
 from .console import WAITING_EVERY_S, ConsoleReporter  # noqa: E402
 from .events import EventLog  # noqa: E402
 from .devices import node_devices, slot_env, visible_devices  # noqa: E402
+from .registry import register_run  # noqa: E402
 from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
 from .records import HANDLED_RESTART, Keys, NodeStatus, Taint, load  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
@@ -170,52 +171,22 @@ class Agent:
             from .healthd import AgentHealth
 
             self.health = AgentHealth(self)
-            metrics_at = self._serve_metrics(stack)
+            metrics_at = None
+            if cfg.metrics_port is not None:   # prometheus_client is optional: imported only when asked for
+                from .metrics import serve_metrics
+
+                metrics_at = serve_metrics(self, stack)
             self.events.write("agent_started", endpoint=endpoint, run_id=cfg.rdzv_id, nproc=cfg.nproc_per_node,
                               spares=cfg.spares_per_node, event_log=event_path)
             if metrics_at is not None:
                 self.events.write("metrics_serving", addr=metrics_at[0], port=metrics_at[1])
-            self._register_run(stack, endpoint, event_path)
+            register_run(self, stack, endpoint, event_path)   # tpassctl on this machine finds it without ids
             self._starting = False
             if self.signal_received is not None:
                 return 128 + self.signal_received
             code = await self._generations()
             self.events.write("agent_exit", code=code)
             return code
-
-    def _serve_metrics(self, stack: contextlib.AsyncExitStack) -> tuple[str, int] | None:
-        """--metrics-port: a Prometheus endpoint fed by the event stream (before the first event)."""
-        if self.cfg.metrics_port is None:
-            return None
-        from .metrics import AgentMetrics
-
-        metrics = AgentMetrics(self)
-        self.events.add_listener(metrics)
-        bind = "127.0.0.1" if self.cfg.uses_embedded_etcd else "0.0.0.0"
-        try:
-            port = metrics.serve(bind, self.cfg.metrics_port)
-        except OSError as exc:
-            raise RendezvousError(f"--metrics-port {self.cfg.metrics_port}: cannot listen: {exc}") from exc
-        stack.callback(metrics.close)
-        return bind, port
-
-    def _register_run(self, stack: contextlib.AsyncExitStack, endpoint: str, event_path: str | None) -> None:
-        """List this run in the machine's run registry while it lives (``tpassctl`` without ids finds it)."""
-        from .registry import RegistryError, RunEntry, list_runs, register, unregister
-
-        conf = ",".join(f"{k}={v}" for k, v in dict(self.cfg.rdzv_conf or {}).items()
-                        if k in ("cacert", "cert", "key", "user", "password_file", "read_timeout"))
-        entry = RunEntry(run_id=self.cfg.rdzv_id, endpoint=endpoint, pid=os.getpid(), node_id=self.node_id,
-                         event_log=os.path.abspath(event_path) if event_path else None, log_dir=self.logs.run_dir,
-                         credentials=getattr(self, "credentials_file", None), rdzv_conf=conf,
-                         nproc=self.cfg.nproc_per_node, spares=self.cfg.spares_per_node)
-        try:
-            list_runs()             # prunes the entries of launchers that died without removing theirs
-            path = register(entry)
-        except (RegistryError, OSError) as exc:
-            log.warning("run registry unavailable (tpassctl needs --rdzv-endpoint/--rdzv-id): %s", exc)
-            return
-        stack.callback(unregister, path)
 
     async def _wait_for_other_agents(self, timeout: float) -> None:
         """The hosting agent keeps its etcd up until the other agents are gone (their status keys live

@@ -8,6 +8,7 @@ goodput are read when Prometheus scrapes (no per-step cost). ``prometheus_client
 
 from __future__ import annotations
 
+import contextlib
 from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
@@ -115,3 +116,18 @@ class AgentMetrics:
         if server is not None:
             server.shutdown()
             server.server_close()
+
+
+def serve_metrics(agent: "Agent", stack: contextlib.AsyncExitStack) -> tuple[str, int]:
+    """--metrics-port: listen (closed by ``stack``) and follow ``agent``'s events from now on."""
+    from .rendezvous import RendezvousError
+
+    metrics = AgentMetrics(agent)
+    agent.events.add_listener(metrics)
+    bind = "127.0.0.1" if agent.cfg.uses_embedded_etcd else "0.0.0.0"
+    try:
+        port = metrics.serve(bind, int(agent.cfg.metrics_port or 0))
+    except OSError as exc:
+        raise RendezvousError(f"--metrics-port {agent.cfg.metrics_port}: cannot listen: {exc}") from exc
+    stack.callback(metrics.close)
+    return bind, port

@@ -9,16 +9,22 @@ secret). It is removed at exit; entries whose launcher died are pruned by whoeve
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import socket
 import stat
 import tempfile
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .agent import Agent
 
 VERSION = 1
+log = logging.getLogger("tpassrun.registry")
 
 
 class RegistryError(Exception):
@@ -117,3 +123,21 @@ def list_runs(directory: str | None = None, *, prune: bool = True) -> list[RunEn
             continue
         out.append(entry)
     return sorted(out, key=lambda e: e.started)
+
+
+def register_run(agent: "Agent", stack: contextlib.AsyncExitStack, endpoint: str, event_path: str | None) -> None:
+    """List ``agent``'s run while it lives (removed by ``stack``); a registry we cannot use is only a warning."""
+    cfg = agent.cfg
+    conf = ",".join(f"{k}={v}" for k, v in dict(cfg.rdzv_conf or {}).items()
+                    if k in ("cacert", "cert", "key", "user", "password_file", "read_timeout"))   # paths, no secrets
+    entry = RunEntry(run_id=cfg.rdzv_id, endpoint=endpoint, pid=os.getpid(), node_id=agent.node_id,
+                     event_log=os.path.abspath(event_path) if event_path else None, log_dir=agent.logs.run_dir,
+                     credentials=getattr(agent, "credentials_file", None), rdzv_conf=conf,
+                     nproc=cfg.nproc_per_node, spares=cfg.spares_per_node)
+    try:
+        list_runs()             # prunes the entries of launchers that died without removing theirs
+        path = register(entry)
+    except (RegistryError, OSError) as exc:
+        log.warning("run registry unavailable (tpassctl needs --rdzv-endpoint/--rdzv-id): %s", exc)
+        return
+    stack.callback(unregister, path)
