@@ -493,3 +493,27 @@ def test_what_a_sigkilled_agent_leaves_is_cleaned_by_the_next_run(tmp_path):
     finally:
         nxt.kill()
     assert _leftovers_of(pid) == []
+
+
+def test_a_full_disk_for_tee_logs_is_reported_once_and_the_worker_never_blocks(caplog):
+    import io
+
+    from tpassrun.procs import _pump, _StreamCopier
+
+    async def scenario() -> bytes:
+        console = io.BytesIO()
+        with open("/dev/full", "wb") as full:                 # every write: ENOSPC
+            copier = _StreamCopier(full, console, b"[0]:", None, ())
+            reader = asyncio.StreamReader()
+            for i in range(2000):                             # far more than a pipe holds
+                reader.feed_data(b"line %d\n" % i)
+            reader.feed_eof()
+            await asyncio.wait_for(_pump(reader, copier), 30)  # drained to the end, no exception
+        return console.getvalue()
+
+    import asyncio
+    with caplog.at_level("WARNING", logger="tpassrun.procs"):
+        shown = run_async(scenario())
+    assert shown.count(b"\n") == 2000 and shown.startswith(b"[0]:line 0\n")
+    warnings = [r for r in caplog.records if "cannot write" in r.getMessage()]
+    assert len(warnings) == 1, warnings

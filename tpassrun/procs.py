@@ -217,10 +217,24 @@ class _StreamCopier:
         self.file, self.console, self.prefix = file, console, prefix
         self.filtered, self.filters = filtered, filters
         self._partial = b""
+        self._broken: set[str] = set()     # copies whose writes failed (reported once, then skipped)
+
+    def _write(self, name: str, stream: IO[bytes] | BinaryIO, data: bytes) -> None:
+        """A write that fails (disk full, a closed console) is reported once and that copy stops; the pipe is
+        still drained, so the worker never blocks on its own output and the job goes on."""
+        if name in self._broken:
+            return
+        try:
+            stream.write(data)
+            stream.flush()
+        except (OSError, ValueError) as exc:
+            self._broken.add(name)
+            log.warning(
+                "cannot write the worker's output to %s (%s): dropping that copy, the job goes on",
+                getattr(stream, "name", name), getattr(exc, "strerror", None) or exc)
 
     def feed(self, chunk: bytes) -> None:
-        self.file.write(chunk)
-        self.file.flush()
+        self._write("log file", self.file, chunk)
         data = self._partial + chunk
         *lines, self._partial = data.split(b"\n")
         self._emit([line + b"\n" for line in lines])
@@ -234,13 +248,11 @@ class _StreamCopier:
         if not lines:
             return
         if self.console is not None:
-            self.console.write(b"".join(self.prefix + line for line in lines))
-            self.console.flush()
+            self._write("console", self.console, b"".join(self.prefix + line for line in lines))
         if self.filtered is not None:
             hits = [self.prefix + line for line in lines if any(f in line for f in self.filters)]
             if hits:
-                self.filtered.write(b"".join(hits))
-                self.filtered.flush()
+                self._write("filtered log", self.filtered, b"".join(hits))
 
 
 async def _pump(reader: asyncio.StreamReader, copier: _StreamCopier) -> None:
