@@ -118,24 +118,34 @@ def main() -> None:
 
     current = [0]
     model.fc1.weight.register_hook(bwd_hook)
+    # named fault points at each phase of a step (no effect unless TPASSRUN_FAULTS names them)
+    model.register_forward_pre_hook(lambda *_: fault_point(sess.rank, current[0], "forward"))
+    opt.register_step_post_hook(lambda *_: fault_point(sess.rank, current[0], "opt_step"))
 
     def step(i: int) -> None:
         current[0] = i
         fault_point(sess.rank, i, "step")
         idx = sampler.next(args.batch)
+        fault_point(sess.rank, i, "load")
         opt.zero_grad(set_to_none=True)
         loss = F.mse_loss(ddp(xs[idx]), ys[idx])
         loss.backward()
-        opt.step()
-        sched.step()
-        if args.step_sleep:
-            time.sleep(args.step_sleep)
         if loss_log is not None:
+            # the step's record, written once its collectives are done and before it commits: a step that is
+            # re-executed after a failure logged nothing the first time, one that committed logged already
             loss_log.write(json.dumps({"step": i, "loss": loss.item(), "pid": os.getpid(), "t": time.time(),
                                        "generation": sess.generation}) + "\n")
+        opt.step()
+        fault_point(sess.rank, i, "after_opt")
+        sched.step()
+        if args.step_sleep:
+            time.sleep(args.step_sleep)   # the user's own work after the step (logging, evaluation, saving)
+        fault_point(sess.rank, i, "user")
         if not args.quiet and sess.rank == 0 and i % 50 == 0:
             print(f"step {i} loss {loss.item():.6f} world {sess.world_size} swaps {sess.swaps}", flush=True)
+        fault_point(sess.rank, i, "end")
 
+    fault_point(sess.rank, 0, "init")    # before the first step
     sess.run(step, args.steps)
     if args.out:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),

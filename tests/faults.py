@@ -34,6 +34,31 @@ def slow_from(rank: int, step: int, seconds: float) -> dict[str, Any]:
     return {"rank": rank, "step": step, "where": "step", "action": "sleep", "seconds": seconds}
 
 
+def pid_of_rank(out: str, rank: int) -> int | None:
+    """The process holding ``rank`` now, from the latest line of its loss log (a joiner's after a swap)."""
+    path = os.path.join(out, f"loss_rank{rank}.jsonl")
+    try:
+        with open(path, "rb") as fh:
+            lines = [line for line in fh.read().splitlines() if line.strip()]
+        return int(json.loads(lines[-1])["pid"]) if lines else None
+    except (OSError, ValueError, KeyError):
+        return None
+
+
+def sigkill_rank(out: str, rank: int) -> tuple[int, float] | None:
+    """SIGKILL the process holding ``rank`` at this very instant, from outside (wherever it is in its step).
+    Returns (pid, wall time of the kill), or None if no such process is known yet."""
+    pid = pid_of_rank(out, rank)
+    if pid is None:
+        return None
+    when = time.time()
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        return None
+    return pid, when
+
+
 def faults_env(*faults: dict[str, Any]) -> dict[str, str]:
     return {"TPASSRUN_FAULTS": json.dumps(list(faults))}
 

@@ -59,7 +59,6 @@ def test_failure_plans_a_recovery_from_a_replica_near_the_spare():
 @pytest.mark.parametrize("v,light,says", [
     (view(run("a", 0, 0), run("a", 1, 1)), True, "no spare"),
     (view(run("a", 0, 0, managed=False), run("a", 1, 1), spare("a", 2)), True, "no live replica"),
-    (TWO_NODES, False, "snapshot"),
 ])
 def test_failure_falls_back_to_a_group_restart(v, light, says):
     d = plan_for_failure(v, node="a", slot=1, rank=1, reason="x", now_wall=NOW, light_available=light)

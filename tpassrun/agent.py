@@ -71,6 +71,10 @@ class Agent:
         self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.addr = cfg.local_addr or ("127.0.0.1" if cfg.uses_embedded_etcd else socket.getfqdn())
         self.remaining_restarts = cfg.max_restarts
+        # A death a spare should have absorbed, whose live recovery turned out impossible, restarts the group
+        # without spending --max-restarts (the user gave spares, not a restart budget), at most once per spare
+        # of this node: a rank killed over and over still ends in torchrun's failure report.
+        self.free_fallbacks = cfg.spares_per_node
         self.logs = RunLogs.from_config(cfg)
         self.events = EventLog(None, node_id=self.node_id)
         self.console = ConsoleReporter()         # one launcher line per event, and the exit summary
@@ -495,7 +499,19 @@ class Agent:
                 if result is not None:
                     return result
             elif kind == "fallback":
-                self.events.write("fallback", reason=item[1])
+                free = len(item) > 3 and bool(item[3]) and self.free_fallbacks > 0
+                if free:
+                    self.free_fallbacks -= 1
+                    log.warning("tpassrun: %s; restarting the whole group (this does not spend --max-restarts; "
+                                "%d such restart(s) left on this node)", item[1], self.free_fallbacks)
+                    self.events.write("fallback", reason=item[1], spends_restart=False)
+                    with contextlib.suppress(RendezvousError):
+                        await self.rdzv.request_restart(self.generation or gen, item[1])
+                    continue
+                nxt = ("restarting the whole group (spends one of --max-restarts)" if self.remaining_restarts > 0
+                       else "no restart left (--max-restarts): the job fails")
+                log.warning("tpassrun: %s; %s", item[1], nxt)
+                self.events.write("fallback", reason=item[1], spends_restart=True)
                 self._record_failures(item[2] if len(item) > 2 else None)
                 return Outcome.FAILED, item[1]
             elif kind == "health_restart":

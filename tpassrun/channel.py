@@ -24,7 +24,7 @@ from typing import Any
 
 INT64_MAX = (1 << 63) - 1
 
-SLOT_FIELDS = 16                  # 10 used; room to grow without moving the light buffers again
+SLOT_FIELDS = 16                  # 13 used; room to grow without moving the light buffers again
 SLOT_BYTES = SLOT_FIELDS * 8
 LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
 _LIGHT_HEADER = struct.Struct("<q")  # payload length
@@ -41,6 +41,9 @@ class Field(enum.IntEnum):
     LIGHT_SEQ = 7      # worker: number of light snapshots written; the newest is in buffer LIGHT_SEQ % 2
     LAST_COMPUTE_NS = 8  # worker: last step's time from its start to its first gradient (before any collective)
     STATE_BYTES = 9    # worker: bytes of its tracked state, once known (after its first step): spares pre-fault as much
+    COMMITTED = 10     # worker: 1 + the last step that reached its commit point (a tracked optimizer's step)
+    LIGHT_STEP_0 = 11  # worker: the step light buffer 0 resumes at (-1 while being written)
+    LIGHT_STEP_1 = 12  # worker: the same for light buffer 1
 
 
 class WorkerPhase(enum.IntEnum):
@@ -120,7 +123,7 @@ class ChannelFile:
     def _light_offset(self, slot: int, buf: int) -> int:
         return self.n_slots * SLOT_BYTES + (slot * 2 + buf) * LIGHT_BYTES
 
-    def write_light(self, slot: int, payload: bytes) -> bool:
+    def write_light(self, slot: int, payload: bytes, step: int = -1) -> bool:
         """Write a light snapshot into the buffer not holding the newest one, then publish it.
 
         A worker killed half-way through leaves the previous snapshot intact, because LIGHT_SEQ moves only
@@ -129,16 +132,39 @@ class ChannelFile:
         if len(payload) + _LIGHT_HEADER.size > LIGHT_BYTES:
             return False
         seq = self.get(slot, Field.LIGHT_SEQ)
-        off = self._light_offset(slot, (seq + 1) % 2)
+        buf = (seq + 1) % 2
+        off = self._light_offset(slot, buf)
         mm = self._mm
         assert mm is not None
+        step_field = Field.LIGHT_STEP_1 if buf else Field.LIGHT_STEP_0
+        self.set(slot, step_field, -1)
         _LIGHT_HEADER.pack_into(mm, off, len(payload))
         mm[off + _LIGHT_HEADER.size: off + _LIGHT_HEADER.size + len(payload)] = payload
+        self.set(slot, step_field, step)
         self.set(slot, Field.LIGHT_SEQ, seq + 1)
         return True
 
-    def read_light(self, slot: int) -> bytes | None:
+    def rewrite_light(self, slot: int, payload: bytes, step: int) -> bool:
+        """Replace the newest light snapshot in place (the previous one stays). While the bytes are written its
+        step reads -1, so a worker killed half-way leaves a buffer nobody uses, never a torn one that looks whole."""
         seq = self.get(slot, Field.LIGHT_SEQ)
+        if seq <= 0:
+            return self.write_light(slot, payload, step)
+        if len(payload) + _LIGHT_HEADER.size > LIGHT_BYTES:
+            return False
+        off = self._light_offset(slot, seq % 2)
+        mm = self._mm
+        assert mm is not None
+        step_field = Field.LIGHT_STEP_1 if seq % 2 else Field.LIGHT_STEP_0
+        self.set(slot, step_field, -1)
+        _LIGHT_HEADER.pack_into(mm, off, len(payload))
+        mm[off + _LIGHT_HEADER.size: off + _LIGHT_HEADER.size + len(payload)] = payload
+        self.set(slot, step_field, step)
+        return True
+
+    def read_light(self, slot: int, previous: bool = False) -> bytes | None:
+        """The newest light snapshot of ``slot`` (or, ``previous``, the one before it), None if there is none."""
+        seq = self.get(slot, Field.LIGHT_SEQ) - (1 if previous else 0)
         if seq <= 0:
             return None
         off = self._light_offset(slot, seq % 2)
@@ -149,9 +175,18 @@ class ChannelFile:
             return None
         return bytes(mm[off + _LIGHT_HEADER.size: off + _LIGHT_HEADER.size + n])
 
+    def light_step(self, slot: int, previous: bool = False) -> int | None:
+        """The step the newest (``previous``: the older) light snapshot was taken for; None if none or torn."""
+        seq = self.get(slot, Field.LIGHT_SEQ) - (1 if previous else 0)
+        if seq <= 0:
+            return None
+        step = self.get(slot, Field.LIGHT_STEP_1 if seq % 2 else Field.LIGHT_STEP_0)
+        return None if step < 0 else step
+
     def copy_light(self, src: int, dst: int) -> bool:
         data = self.read_light(src)
-        return data is not None and self.write_light(dst, data)
+        step = self.light_step(src)
+        return data is not None and self.write_light(dst, data, -1 if step is None else step)
 
     def reset_slot(self, slot: int) -> None:
         for f in Field:

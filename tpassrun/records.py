@@ -533,6 +533,7 @@ class SwapPlan:
     history: tuple[tuple[str, float], ...] = ()   # (phase, wall time)
     # hex; the leader draws it when it writes the plan; each attempt's transfer key derives from it
     secret: str | None = field(default=None, repr=False)
+    outcome: str | None = None     # why it ended (aborted: what made a live recovery impossible)
 
     @property
     def terminal(self) -> bool:
@@ -547,6 +548,7 @@ class SwapPlan:
             "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
             "attempt": self.attempt, "excluded_spares": [list(x) for x in self.excluded_spares],
             "taint_id": self.taint_id, "release": self.release, "history": [list(h) for h in self.history],
+            "outcome": self.outcome,
         }
 
     @classmethod
@@ -577,7 +579,7 @@ class SwapPlan:
             light_b64=_opt_str(d, "light_b64", what), attempt=_int(d, "attempt", what, 0, minimum=0),
             excluded_spares=tuple((x[0], x[1]) for x in excluded), taint_id=_opt_str(d, "taint_id", what),
             release=_bool(d, "release", what), history=tuple((h[0], float(h[1])) for h in history),
-            secret=_opt_str(d, "secret", what),
+            secret=_opt_str(d, "secret", what), outcome=_opt_str(d, "outcome", what),
         )
 
     def advance(self, phase: Phase, now_wall: float, **changes: Any) -> "SwapPlan":
@@ -596,6 +598,9 @@ class Report:
     candidate: int | None = None      # pause: earliest boundary this node can offer
     steps: tuple[int, ...] = ()       # pause (unplanned): the step each local survivor stopped at
     failed_steps: tuple[int, ...] = ()
+    post_commit: tuple[int, ...] = ()   # pause (unplanned): steps a local survivor failed in after its commit point
+    dead_steps: tuple[int, ...] | None = None   # pause (unplanned, the dead rank's node): its saved snapshots' steps
+    final: bool = False               # the error is deterministic: retrying cannot help
     joiner_addr: tuple[str, int] | None = None
     light_b64: str | None = None
     error: str | None = None
@@ -604,6 +609,8 @@ class Report:
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node": self.node, "phase": self.phase.value, "ok": self.ok,
                 "candidate": self.candidate, "steps": list(self.steps), "failed_steps": list(self.failed_steps),
+                "post_commit": list(self.post_commit),
+                "dead_steps": None if self.dead_steps is None else list(self.dead_steps), "final": self.final,
                 "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
                 "error": self.error, "extra": dict(self.extra)}
 
@@ -612,13 +619,17 @@ class Report:
         what = "swap report"
         d = _check(doc, what)
         steps, failed = _list(d, "steps", what), _list(d, "failed_steps", what)
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps + failed):
+        post = _list(d, "post_commit", what)
+        dead = None if d.get("dead_steps") is None else _list(d, "dead_steps", what)
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps + failed + post + (dead or [])):
             raise RecordError(f"{what}: steps must be integers")
         extra = d.get("extra") or {}
         if not isinstance(extra, Mapping):
             raise RecordError(f"{what}: extra must be a JSON object")
         return cls(node=_str(d, "node", what), phase=_enum(Phase, d, "phase", what), ok=_bool(d, "ok", what, True),
                    candidate=_opt_int(d, "candidate", what), steps=tuple(steps), failed_steps=tuple(failed),
+                   post_commit=tuple(post), dead_steps=None if dead is None else tuple(dead),
+                   final=_bool(d, "final", what),
                    joiner_addr=_addr(d.get("joiner_addr"), what), light_b64=_opt_str(d, "light_b64", what),
                    error=_opt_str(d, "error", what), extra=dict(extra))
 

@@ -27,7 +27,7 @@ from typing import Iterable, Sequence
 from .records import TRANSITIONS, Phase, Report, SlotRef, SwapKind, SwapPlan
 
 __all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Phase", "Report", "SlotRef", "SlotView", "SwapKind",
-           "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "new_swap_id", "next_step", "plan_for_failure",
+           "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "new_swap_id", "next_step", "plan_for_failure", "resume_step",
            "plan_for_taint"]
 
 
@@ -137,8 +137,8 @@ def plan_for_failure(view: ClusterView, *, node: str, slot: int, rank: int, reas
     donor = choose_donor(view, rank, spare.node)
     if donor is None:
         return Decision("fallback", f"rank {rank} died and no live replica can donate its state")
-    if not light_available:
-        return Decision("fallback", f"rank {rank} died before its first step snapshot: whole-group restart")
+    # Without a snapshot (it died before its first step) the rank can still be replaced at step 0: the
+    # joiner's script builds the same per-rank state the dead one had. The PAUSE phase decides.
     plan = SwapPlan(
         id=swap_id or new_swap_id(), kind=SwapKind.UNPLANNED, generation=view.generation,
         leaver=SlotRef(node, slot, rank), joiner=SlotRef(spare.node, spare.slot, rank),
@@ -159,6 +159,40 @@ def _involved(view: ClusterView, joiner_node: str) -> tuple[str, ...]:
 MAX_SEND_ATTEMPTS = 4
 
 
+def resume_step(reports: Sequence[Report], dead_rank: int | None) -> tuple[int | None, str]:
+    """The step an unplanned recovery resumes at, or None and why no step is exact (pure).
+
+    A step is a transaction that commits when the tracked optimizers start stepping (after every collective
+    of the step). A survivor paused before step s, or failed inside step s before its commit point, holds the
+    model of step s and rolls its per-rank state back to s's start snapshot: it resumes at s. All survivors
+    must agree (a collective that completed on some ranks only leaves them one step apart: a mixed commit),
+    and the dead rank must have left a snapshot for that step (taken at step s's start, or at step s-1's
+    commit point when it died after committing). A survivor that failed after its commit point (a collective
+    in user code after the optimizer step) holds a step that can be neither finished nor undone.
+    """
+    who = f"rank {dead_rank}" if dead_rank is not None else "the dead rank"
+    post = sorted({s for r in reports for s in r.post_commit})
+    if post:
+        return None, (f"survivors failed in a collective after their optimizer step of step {post[0]} (user code "
+                      "after the commit point): that step can be neither finished nor undone")
+    stopped = sorted({s for r in reports for s in r.steps} | {s for r in reports for s in r.failed_steps})
+    if len(stopped) > 1:
+        return None, (f"mixed commit: survivors stopped at different steps {stopped} (a collective completed on "
+                      "some ranks only)")
+    step = stopped[0] if stopped else 0
+    saved = [r.dead_steps for r in reports if r.dead_steps is not None]
+    if saved:
+        have = set(saved[0])
+        if step not in have and not (step == 0 and not have):
+            if have and max(have) < step:
+                why = (f"{who} died inside step {max(have)} after the survivors had completed it (its part of "
+                       "a collective was delivered before it died, its own state after the step was not saved)")
+            else:
+                why = f"{who} saved state for steps {sorted(have)}, the survivors stopped at step {step}"
+            return None, why
+    return step, f"all survivors stopped at step {step}; {who} resumes there too"
+
+
 def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
               spare_after_failure: SlotView | None = None, sender_dead: bool = False) -> Decision:
     """The leader's move once reports for the plan's current phase are in (pure).
@@ -177,6 +211,10 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
         return Decision("plan", f"{who} died while handing over the state: aborted",
                         plan.advance(Phase.ABORTED, now_wall))
     bad = [r for r in mine if not r.ok]
+    if plan.phase in (Phase.TRANSFER, Phase.SEND) and any(r.final for r in bad):
+        err = next(r.error for r in bad if r.final)
+        return Decision("plan", f"aborted (not retried, it cannot succeed): {err}",
+                        plan.advance(Phase.ABORTED, now_wall, outcome=err))
     if plan.phase in (Phase.TRANSFER, Phase.SEND) and bad:
         # The joiner died or the bytes were corrupt: try again (another spare if the joiner is gone).
         if plan.attempt + 1 >= MAX_SEND_ATTEMPTS:
@@ -207,14 +245,10 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
 
     if plan.phase == Phase.PAUSE:
         if plan.kind == SwapKind.UNPLANNED:
-            stopped = {s for r in mine for s in r.steps} | {s for r in mine for s in r.failed_steps}
-            if len(stopped) > 1:
-                return Decision("plan", f"survivors stopped at different steps {sorted(stopped)}: the in-flight "
-                                        "step was applied by some ranks only; whole-group restart",
-                                plan.advance(Phase.ABORTED, now_wall))
-            step = stopped.pop() if stopped else 0
-            return Decision("plan", f"all survivors stopped at step {step}; resume there",
-                            plan.advance(Phase.TRANSFER, now_wall, boundary=step))
+            step, why = resume_step(mine, plan.leaver.rank)
+            if step is None:
+                return Decision("plan", why, plan.advance(Phase.ABORTED, now_wall, outcome=why))
+            return Decision("plan", why, plan.advance(Phase.TRANSFER, now_wall, boundary=step))
         boundary = max((r.candidate or 0) for r in mine)
         return Decision("plan", f"boundary step {boundary}", plan.advance(Phase.BOUNDARY, now_wall, boundary=boundary))
     if plan.phase == Phase.BOUNDARY:
@@ -228,8 +262,9 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
         light = next((r.light_b64 for r in mine if r.light_b64), None)
         if addr is None:
             return Decision("wait", "joiner has not reported its address")
-        if plan.kind == SwapKind.UNPLANNED and light is None:
-            return Decision("plan", "the dead rank's light snapshot is missing", plan.advance(Phase.ABORTED, now_wall))
+        if plan.kind == SwapKind.UNPLANNED and light is None and plan.boundary:
+            why = f"the dead rank's snapshot for step {plan.boundary} is missing"
+            return Decision("plan", why, plan.advance(Phase.ABORTED, now_wall, outcome=why))
         return Decision("plan", f"joiner listening at {addr[0]}:{addr[1]}",
                         plan.advance(Phase.SEND, now_wall, joiner_addr=addr, light_b64=light))
     if plan.phase == Phase.SEND:

@@ -228,9 +228,10 @@ class Swapper:
             self._slots.set_run_until(s, 0)
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         last: dict[int, tuple[int, int, float]] = {}
+        dead_steps = self._dead_light_steps(plan)
         while True:
             now = time.monotonic()
-            stationary, cand, paused, failed = True, 0, [], []
+            stationary, cand, paused, failed, post = True, 0, [], [], []
             for s in survivors:
                 ph, step = self._slots.phase(s), self._slots.field(s, Field.STEP)
                 if ph == WorkerPhase.PAUSED:
@@ -238,7 +239,8 @@ class Swapper:
                     cand = max(cand, step)
                     continue
                 if ph == WorkerPhase.FAILED:
-                    failed.append(step)
+                    # failed after its commit point: its model already holds the step's update
+                    (post if self._slots.field(s, Field.COMMITTED) == step + 1 else failed).append(step)
                     cand = max(cand, step)
                     continue
                 if not s.alive:
@@ -252,11 +254,33 @@ class Swapper:
                 cand = max(cand, step + 1)
             if stationary:
                 return Report(node=self.agent.node_id, phase=plan.phase, candidate=cand, steps=tuple(paused),
-                              failed_steps=tuple(failed))
+                              failed_steps=tuple(failed), post_commit=tuple(post), dead_steps=dead_steps)
             if now > deadline:
                 return Report(node=self.agent.node_id, phase=plan.phase, ok=False,
                               error="workers did not stop within the phase timeout")
             await asyncio.sleep(0.002)
+
+    def _dead_lights(self, plan: SwapPlan) -> list[tuple[int, bytes]]:
+        """The dead rank's saved light snapshots as (step, bytes), newest first (unplanned, its node only).
+
+        A worker keeps its last two in shared memory: the current step's start, and the commit-point one
+        (labelled with the next step) or the previous step's start. One killed mid-write has no step (the
+        channel says which step each buffer holds: the agent never decodes a snapshot, nor imports torch).
+        """
+        ch = self._slots.channel
+        if plan.kind != SwapKind.UNPLANNED or plan.leaver.node != self.agent.node_id or not ch:
+            return []
+        found = []
+        for previous in (False, True):
+            step, data = ch.light_step(plan.leaver.slot, previous), ch.read_light(plan.leaver.slot, previous)
+            if step is not None and data is not None:
+                found.append((step, data))
+        return found
+
+    def _dead_light_steps(self, plan: SwapPlan) -> tuple[int, ...] | None:
+        if plan.kind != SwapKind.UNPLANNED or plan.leaver.node != self.agent.node_id:
+            return None
+        return tuple(step for step, _ in self._dead_lights(plan))
 
     async def _boundary(self, plan: SwapPlan) -> Report:
         boundary = int(plan.boundary or 0)
@@ -307,8 +331,10 @@ class Swapper:
         me = self.agent.node_id
         addr = None
         light_b64 = None
-        if plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me:
-            data = self._slots.channel.read_light(plan.leaver.slot)
+        dead_here = plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me
+        if dead_here:
+            # the snapshot for the step the planner chose (the newest if two carry it); none at step 0 is fine
+            data = next((d for step, d in self._dead_lights(plan) if step == plan.boundary), None)
             if data is not None:
                 light_b64 = base64.b64encode(data).decode()
         self._transfers_seen.add((plan.id, plan.attempt))
@@ -329,7 +355,7 @@ class Swapper:
                 return Report(node=me, phase=plan.phase, ok=False, error=result)
             addr = result
             self.agent.events.write("swap_transfer_start", swap_id=plan.id, joiner=plan.joiner.to_json())
-        if addr is None and light_b64 is None:
+        if addr is None and light_b64 is None and not dead_here:
             return None
         return Report(node=me, phase=plan.phase, joiner_addr=addr, light_b64=light_b64)
 
@@ -379,7 +405,8 @@ class Swapper:
         if plan.joiner.node != me:
             return None
         joiner = self._slots.slots[plan.joiner.slot]
-        if plan.kind == SwapKind.UNPLANNED:
+        light = plan.kind == SwapKind.UNPLANNED and plan.light_b64 is not None
+        if light:
             self._slots.send(joiner, "light", data=plan.light_b64, step=plan.boundary)
         msg = await self._await_received(plan, joiner)
         if msg == "aborted":
@@ -396,10 +423,13 @@ class Swapper:
             return Report(node=me, phase=plan.phase, ok=False, error=err)
         self.agent.events.write("swap_transfer_end", swap_id=plan.id, nbytes=msg.get("nbytes"),
                                 seconds=msg.get("seconds"), checksum=msg.get("checksum"))
-        if plan.kind == SwapKind.UNPLANNED:
+        if light:
             ok = await self._slots.expect(joiner, {"light_ok"}, 5.0)
             if ok is None or ok.get("ok") is False:
-                return Report(node=me, phase=plan.phase, ok=False, error="the joiner rejected the light snapshot")
+                # the same bytes would be rejected again: do not retry
+                return Report(node=me, phase=plan.phase, ok=False, final=ok is not None,
+                              error=f"the joiner rejected the dead rank's snapshot (step {(ok or {}).get('step')}, "
+                                    f"resume step {plan.boundary})")
         return Report(node=me, phase=plan.phase, extra={"nbytes": msg.get("nbytes"), "seconds": msg.get("seconds")})
 
     async def _await_received(self, plan: SwapPlan, joiner: Slot) -> dict[str, Any] | str | None:
@@ -510,8 +540,11 @@ class Swapper:
         self.agent.events.write("swap_aborted_here", swap_id=plan.id, reason=reason)
         if plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me:
             dead = self._slots.slots[plan.leaver.slot]
-            self.agent._queue.put_nowait(("fallback", f"unplanned recovery of rank {plan.leaver.rank} aborted",
-                                          dead))
+            # free of --max-restarts only when the planner found the live recovery impossible (it says why);
+            # a second fault during the recovery or no spare at all spends a restart, as under torchrun
+            why = plan.outcome or "its recovery was aborted"
+            self.agent._queue.put_nowait(("fallback", f"rank {plan.leaver.rank} cannot be recovered live: {why}",
+                                          dead, plan.outcome is not None))
 
     # ------------------------------------------------------------------ coordinator (leader)
     async def _coordinate(self) -> None:

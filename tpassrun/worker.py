@@ -20,6 +20,7 @@ Launched without tpassrun (plain ``torchrun`` or ``python``), :func:`init` just 
 from __future__ import annotations
 
 import base64
+import enum
 import logging
 import os
 import select
@@ -36,20 +37,50 @@ from .world import (BucketLayout, ReconfigurableDDP, abort_process_groups, init_
 
 log = logging.getLogger("tpassrun.worker")
 
-_DIST_ERROR_MARKERS = (
-    "gloo", "Gloo", "NCCL", "nccl", "Connection reset", "Connection closed", "connection closed",
-    "Broken pipe", "peer", "Socket", "socket", "timed out", "Timed out", "ProcessGroup",
-)
+class FailureKind(str, enum.Enum):
+    """Where an exception in a step came from, read from its type and its raising frame (never its message).
+
+    Only the distributed kinds park the worker for a recovery; a ``USER`` error takes torchrun's failure
+    path at once (a swap cannot fix a bug in the script).
+    """
+
+    DIST_ERROR = "dist_error"      # torch.distributed.DistError or a subclass (typed by torch itself)
+    COLLECTIVE = "collective"      # raised inside torch.distributed or DDP's own code (gloo raises RuntimeError)
+    BACKWARD = "backward"          # raised by autograd's engine in a distributed job: DDP all-reduces in its hooks
+    USER = "user"                  # anything else
+
+    @property
+    def distributed(self) -> bool:
+        return self is not FailureKind.USER
 
 
-def is_distributed_failure(exc: BaseException) -> bool:
-    """Whether ``exc`` looks like a collective that failed because a peer went away (not a user bug)."""
+_COLLECTIVE_DIRS = (os.sep.join(("torch", "distributed", "")), os.sep.join(("torch", "nn", "parallel", "")))
+_AUTOGRAD_DIR = os.sep.join(("torch", "autograd", ""))
+
+
+def classify_failure(exc: BaseException) -> FailureKind:
+    """Classify ``exc`` raised by a step: by type first, then by the innermost frame that raised it."""
+    import traceback
+
     import torch.distributed as dist
 
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(exc, dist_error):
-        return True
-    return isinstance(exc, RuntimeError) and any(m in str(exc) for m in _DIST_ERROR_MARKERS)
+        return FailureKind.DIST_ERROR
+    frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
+    if not frames:
+        return FailureKind.USER
+    innermost = frames[-1].filename
+    if any(d in innermost for d in _COLLECTIVE_DIRS):
+        return FailureKind.COLLECTIVE
+    if _AUTOGRAD_DIR in innermost and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return FailureKind.BACKWARD
+    return FailureKind.USER
+
+
+def is_distributed_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of a collective (a peer may have gone away), not out of the user's code."""
+    return classify_failure(exc).distributed
 
 
 def _is_replicated(obj: Any) -> bool:
@@ -131,6 +162,15 @@ class Session:
         self._light_enabled = link is not None
         self._first_grad_ns = 0
         self._ddps = 0                  # sess.ddp() calls so far: names their bucket layouts
+        # The step as a transaction (see _seal and _commit_point): sealed when its collectives are done,
+        # committed when a tracked optimizer starts changing the model.
+        self._in_step = -1                        # the step step_fn is executing, -1 outside it
+        self._sealed = -1                         # the last step whose per-rank state was sealed
+        self._seal_queued = False
+        self._committed = -1                      # the last step that reached its commit point
+        self._commit_light: bytes | None = None   # the sealed snapshot, labelled with the next step
+        self._commit_snapshots = True             # off once user code after the seal changed per-rank state
+        self._hooked: set[int] = set()
 
     # --- the hook protocol ---
     def track(self, **objects: Any) -> "Session":
@@ -141,6 +181,7 @@ class Session:
             self._tracked[name] = obj
             if not _is_replicated(obj):
                 self._per_rank.add(name)
+            self._hook_commit_point(obj)
             self._apply_pending_to(name, obj)
         return self
 
@@ -156,6 +197,73 @@ class Session:
         self.track(**objects)
         self._per_rank.update(objects)
         return self
+
+    def _hook_commit_point(self, obj: Any) -> None:
+        import torch
+
+        if self._link is None or id(obj) in self._hooked:
+            return
+        if isinstance(obj, torch.optim.Optimizer):
+            self._hooked.add(id(obj))
+            obj.register_step_pre_hook(lambda _opt, _args, _kwargs: self._commit_point())
+        elif isinstance(obj, torch.nn.Module):
+            param = next((p for p in obj.parameters() if p.requires_grad), None)
+            if param is not None:
+                self._hooked.add(id(obj))
+                param.register_hook(self._queue_seal)
+
+    # A step is a transaction. Its per-rank state (RNG, data position) is *sealed* at the end of each backward
+    # pass (after DDP's all-reduce, which autograd runs in a callback queued before ours) and, as a backstop,
+    # when a tracked optimizer starts stepping: from then on the survivors of this rank's death finish the step
+    # and stop at the next one, and what this rank's state would be there is what it is now, unless user code
+    # after the step changes it (the next step's start checks, and stops sealing if so). The seal goes to
+    # shared memory labelled with the next step; the step's start snapshot stays in the other buffer, for the
+    # survivors that do not finish the step. The step *commits* when a tracked optimizer starts changing the
+    # model: a survivor that fails after that can no longer re-execute the step. Nothing is copied but the
+    # light state: the model and optimizer are held by every survivor.
+
+    def _queue_seal(self, grad: Any) -> None:
+        if self._in_step < 0 or self._seal_queued or not self._commit_snapshots or not self._light_enabled:
+            return
+        from torch.autograd import Variable
+
+        self._seal_queued = True
+        # twice: our callback then runs after every callback queued during this backward (DDP's finalize)
+        Variable._execution_engine.queue_callback(
+            lambda: Variable._execution_engine.queue_callback(self._seal_now))
+
+    def _seal_now(self) -> None:
+        self._seal_queued = False
+        if self._in_step >= 0:
+            self._seal(self._in_step)
+
+    def _seal(self, step: int) -> None:
+        if not (self._light_enabled and self._commit_snapshots):
+            return
+        if self._light is None:
+            from .light import LightSnapshotter
+
+            self._light = LightSnapshotter()
+        data = self._light.take(self._light_objects(), step + 1)
+        assert self._link is not None
+        # a second backward in the same step (gradient accumulation) re-seals in place: keep the start snapshot
+        fits = (self._link.ch.rewrite_light(self._link.slot, data, step + 1) if self._sealed == step
+                else self._link.ch.write_light(self._link.slot, data, step + 1))
+        if not fits:
+            self._light_enabled = False
+            return
+        self._sealed, self._commit_light = step, data
+
+    def _commit_point(self) -> None:
+        """A tracked optimizer is about to step: the model changes from here on (see the note above)."""
+        step = self._in_step
+        if step < 0 or self._committed == step:
+            return               # outside run(), or a second optimizer in the same step
+        self._committed = step
+        if self._sealed != step:
+            self._seal(step)     # no backward seen (or none through a tracked model)
+        assert self._link is not None
+        self._link.set(Field.COMMITTED, step + 1)
 
     def ddp(self, module: Any, **kwargs: Any) -> "ReconfigurableDDP":
         """``DistributedDataParallel(module, **kwargs)`` that rebuilds itself after every re-formed world.
@@ -217,16 +325,20 @@ class Session:
                 self._snapshot_light(step)
             link.set(Field.PHASE, WorkerPhase.RUNNING)
             self._first_grad_ns = 0
+            self._in_step = step
             try:
                 step_fn(step)
             except Exception as exc:  # noqa: BLE001 - classified right below
-                if not is_distributed_failure(exc):
+                self._in_step = -1
+                kind = classify_failure(exc)
+                if not kind.distributed:
                     link.set(Field.PHASE, WorkerPhase.RAISED)   # a user error: torchrun's path, not a spare
                     raise
-                log.warning("rank %d: step %d failed in a collective (%s); waiting for recovery",
-                            self.rank, step, exc)
-                self._after_failure(step, exc)
+                log.warning("rank %d: step %d failed in a collective (%s: %s); waiting for recovery",
+                            self.rank, step, type(exc).__name__, exc)
+                self._after_failure(step, exc, kind)
                 continue
+            self._in_step = -1
             self.step = step + 1
             end = time.monotonic_ns()
             link.set(Field.LAST_STEP_NS, end - start)
@@ -253,14 +365,40 @@ class Session:
         return {k: self._tracked[k] for k in self._per_rank}
 
     def _snapshot_light(self, step: int) -> None:
+        """The step-start snapshot: what a failed step rolls back to, and what a joiner starts from."""
+        if self._light is None:
+            from .light import LightSnapshotter
+
+            self._light = LightSnapshotter()
+        commit, self._commit_light = self._commit_light, None
+        if commit is not None:
+            data = self._light.take(self._light_objects(), step)
+            self._last_light = data
+            if data == commit:
+                # Already published at the commit point; not writing it again keeps the previous step's start
+                # snapshot in the other buffer, for a death inside a collective that only this rank completed.
+                return
+            if self._commit_snapshots:
+                self._commit_snapshots = False
+                log.warning("rank %d: the per-rank state (RNG, data position) changed after the optimizer step of "
+                            "step %d; a death between the optimizer step and the next step cannot be recovered "
+                            "live", self.rank, step - 1)
+            self._write_light(data, step)
+            return
+        self._last_light = self._publish_light(step)
+
+    def _publish_light(self, step: int) -> bytes | None:
         if self._light is None:
             from .light import LightSnapshotter
 
             self._light = LightSnapshotter()
         data = self._light.take(self._light_objects(), step)
-        self._last_light = data
+        self._write_light(data, step)
+        return data
+
+    def _write_light(self, data: bytes, step: int) -> None:
         assert self._link is not None
-        if not self._link.ch.write_light(self._link.slot, data):
+        if not self._link.ch.write_light(self._link.slot, data, step):
             log.warning("light state of %d bytes does not fit the channel; unplanned recovery will not be exact",
                         len(data))
             self._light_enabled = False
@@ -307,15 +445,18 @@ class Session:
         link.send("paused", step=step)
         self._serve(step)
 
-    def _after_failure(self, step: int, exc: BaseException) -> None:
+    def _after_failure(self, step: int, exc: BaseException, kind: FailureKind) -> None:
         link = self._link
         assert link is not None
+        self._commit_light = None   # the step is either re-executed from its start or not resumed at all
         # Tear our end of every collective down now: a peer blocked on *us* (not on the dead rank) only
         # learns of the failure when our sockets close, so aborting here cascades the error to every
         # survivor instead of leaving some blocked until gloo's 30-minute timeout.
         abort_process_groups()
         link.set(Field.PHASE, WorkerPhase.FAILED)
-        link.send("failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500])
+        link.send("failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500], failure=kind.value,
+                  distributed=kind.distributed, exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+                  committed=self._committed == step)
         self._serve(step, failed=exc)
 
     def _serve(self, step: int, failed: BaseException | None = None) -> None:
@@ -664,4 +805,4 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
         log.warning("spare ignoring unexpected command %r", kind)
 
 
-__all__ = ["Session", "init", "is_distributed_failure", "INT64_MAX"]
+__all__ = ["FailureKind", "Session", "classify_failure", "init", "is_distributed_failure", "INT64_MAX"]

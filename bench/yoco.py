@@ -1,0 +1,177 @@
+"""You Only Crash Once: SIGKILL a random rank at a uniformly random instant; is it recovered live, exactly?
+
+    python bench/yoco.py [--runs 20] [--double 4] [--steps 40] [--seed S]
+
+Each run is ``examples/train_ddp.py`` (a realistic step: the next batch from a stateful sampler, forward with
+dropout, backward through DDP, AdamW + LR schedule, ~20 ms of user code after the optimizer step) under
+tpassrun with 4 ranks + 1 spare and ``--max-restarts 0``. While it trains, one rank chosen at random is killed
+with SIGKILL from outside (``tests/faults.py:sigkill_rank``) at an instant drawn uniformly over the training
+window, so it lands wherever that rank happens to be: forward, backward, inside the optimizer step, the user
+code after it, the next batch, between steps. Printed per run:
+
+  * live: recovered by a spare (``swap_resumed``), no fallback restart, exit 0;
+  * lost: steps redone + steps never logged (0 expected);
+  * exact: final parameters, optimizer state, scheduler, sampler and per-step losses ``torch.equal`` to the same
+    script under plain torchrun without any fault (one reference run per world size);
+  * recovery: seconds from the kill until every rank logged a later step; the step the dead rank died in.
+
+Then the YOCO fraction (live, 0 lost and exact) with the recovery-time median and p95. ``--double N`` adds N
+runs with two faults in one job (3 ranks + 2 spares): half kill two ranks at two independent random instants,
+half kill a second rank during the first one's recovery. Figures only, no assertions. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+import uuid
+from typing import Any
+
+from common import REPO, Workdir, events, next_step_after, print_json, steps_lost, tail
+
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from faults import Job, assert_bit_exact, sigkill_rank  # noqa: E402
+
+
+def reference(work: Workdir, world: int, args: argparse.Namespace) -> tuple[Job, float]:
+    """The same script under plain torchrun, no fault; and its steady seconds per step."""
+    out = work.sub(f"torchrun-{world}")
+    job = Job.torchrun(out, nproc=world, steps=args.steps, step_sleep=args.step_sleep).start()
+    try:
+        code = job.wait(300)
+    finally:
+        job.kill()
+    if code != 0:
+        raise SystemExit(f"the torchrun reference failed ({code}):\n{tail(job)}")
+    rows = job.losses(0)
+    per_step = (rows[-1]["t"] - rows[len(rows) // 4]["t"]) / max(1, len(rows) - 1 - len(rows) // 4)
+    return job, per_step
+
+
+def wait_first_step(job: Job, timeout: float = 120) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if job.losses(0):
+            return True
+        if job.proc is not None and job.proc.poll() is not None:
+            return False
+        time.sleep(0.01)
+    return False
+
+
+def wait_event(out: str, name: str, after: float, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(e["event"] == name and e["time"] >= after for e in events(out)):
+            return True
+        time.sleep(0.005)
+    return False
+
+
+def one_run(work: Workdir, index: int, world: int, spares: int, mode: str, ref: Job, per_step: float,
+            rng: random.Random, args: argparse.Namespace) -> dict[str, Any]:
+    out = work.sub(f"run-{index}")
+    job = Job.tpassrun(out, endpoint=None, run_id=uuid.uuid4().hex[:8], nproc=world, spares=spares,
+                       steps=args.steps, step_sleep=args.step_sleep, extra=["--max-restarts", "0"]).start()
+    kills: list[tuple[int, float]] = []
+    try:
+        if wait_first_step(job):
+            window = per_step * (args.steps - 8)     # leave the last steps for the recovery to show
+            first_at = time.time() + rng.uniform(0, window)
+            victims = rng.sample(range(world), 2 if mode != "single" else 1)
+            time.sleep(max(0.0, first_at - time.time()))
+            done = sigkill_rank(out, victims[0])
+            if done:
+                kills.append((victims[0], done[1]))
+            if mode == "two-instants":
+                time.sleep(rng.uniform(0, max(0.0, window - (time.time() - first_at))))
+                done = sigkill_rank(out, victims[1])
+                if done:
+                    kills.append((victims[1], done[1]))
+            elif mode == "during-recovery" and kills:
+                if wait_event(out, "swap_pause", kills[0][1] - 0.5, 30):
+                    time.sleep(rng.uniform(0, 0.3))
+                    done = sigkill_rank(out, victims[1])
+                    if done:
+                        kills.append((victims[1], done[1]))
+        code = job.wait(300)
+    except AssertionError:
+        code = -1
+    finally:
+        job.kill()
+    evs = events(out)
+    resumed = [e for e in evs if e["event"] == "swap_resumed"]
+    fallbacks = [e for e in evs if e["event"] in ("fallback", "restart")]
+    died = [e for e in evs if e["event"] == "worker_died"]
+    live = code == 0 and bool(kills) and len(resumed) >= len(kills) and not fallbacks
+    lost = steps_lost(out, world, args.steps)
+    try:
+        assert_bit_exact(job, ref, world)
+        exact, why = True, ""
+    except (AssertionError, OSError, KeyError, EOFError, RuntimeError) as exc:
+        exact, why = False, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
+    recovery = next_step_after(out, world, kills[-1][1]) if kills and code == 0 else None
+    reasons = [e.get("reason", "") for e in fallbacks] + [
+        e.get("reason", "") for e in evs if e["event"] == "swap_phase" and e.get("phase") == "aborted"]
+    return {"run": index, "mode": mode, "world": world, "killed": [r for r, _ in kills],
+            "died_in_step": [e.get("step") for e in died], "exit": code, "live": live,
+            "lost": lost["redone"] + lost["missing"], "exact": exact, "recovery_s": recovery,
+            "yoco": live and exact and lost["redone"] + lost["missing"] == 0 and len(kills) > 0,
+            "why": why or "; ".join(r for r in reasons if r)[:300], "log": "" if code == 0 else tail(job, 600)}
+
+
+def pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    return values[min(len(values) - 1, int(round(q * (len(values) - 1))))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20, help="single-fault runs")
+    parser.add_argument("--double", type=int, default=4, help="runs with two faults in one job")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--step-sleep", type=float, default=0.02, help="user code after the optimizer step (s)")
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    args = parser.parse_args()
+    seed = args.seed if args.seed is not None else random.randrange(1 << 30)
+    rng = random.Random(seed)
+    print(f"yoco: {args.runs} single-fault runs (4 ranks + 1 spare) and {args.double} double-fault runs "
+          f"(3 ranks + 2 spares), {args.steps} steps, --max-restarts 0, seed {seed}", flush=True)
+    results: list[dict[str, Any]] = []
+    with Workdir(keep=args.keep) as work:
+        refs = {w: reference(work, w, args) for w in ((4, 3) if args.double else (4,))}
+        plan = [("single", 4, 1)] * args.runs + [
+            ("two-instants" if i % 2 == 0 else "during-recovery", 3, 2) for i in range(args.double)]
+        for i, (mode, world, spares) in enumerate(plan):
+            ref, per_step = refs[world]
+            r = one_run(work, i, world, spares, mode, ref, per_step, rng, args)
+            results.append(r)
+            rec = f"{r['recovery_s']:.2f} s" if r["recovery_s"] is not None else "-"
+            print(f"  run {i:2d} {mode:15s} killed {r['killed']} (in step {r['died_in_step']}): "
+                  f"live {'yes' if r['live'] else 'NO '}  lost {r['lost']}  exact {'yes' if r['exact'] else 'NO '}"
+                  f"  recovery {rec}" + (f"  [{r['why']}]" if not r["yoco"] and r["why"] else ""), flush=True)
+            if r["log"] and not r["live"]:
+                print("      " + r["log"].replace("\n", "\n      ")[-600:], flush=True)
+    for mode in ("single", "two-instants", "during-recovery"):
+        rows = [r for r in results if r["mode"] == mode]
+        if not rows:
+            continue
+        times = [r["recovery_s"] for r in rows if r["yoco"] and r["recovery_s"] is not None]
+        med, p95 = pct(times, 0.5), pct(times, 0.95)
+        print(f"{mode:15s}: YOCO {sum(r['yoco'] for r in rows)}/{len(rows)} (live, 0 lost, bit-identical to "
+              f"torchrun); recovery median {med if med is None else round(med, 2)} s, "
+              f"p95 {p95 if p95 is None else round(p95, 2)} s")
+    single = [r for r in results if r["mode"] == "single"]
+    print_json({"bench": "yoco", "seed": seed, "steps": args.steps,
+                "yoco_single": f"{sum(r['yoco'] for r in single)}/{len(single)}",
+                "runs": [{k: v for k, v in r.items() if k != "log"} for r in results]})
+
+
+if __name__ == "__main__":
+    main()
