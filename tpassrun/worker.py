@@ -37,7 +37,7 @@ from .world import (BucketLayout, ReconfigurableDDP, abort_process_groups, init_
 
 log = logging.getLogger("tpassrun.worker")
 
-class FailureKind(str, enum.Enum):
+class StepFailure(str, enum.Enum):
     """Where an exception in a step came from, read from its type and its raising frame (never its message).
 
     Only the distributed kinds park the worker for a recovery; a ``USER`` error takes torchrun's failure
@@ -51,14 +51,14 @@ class FailureKind(str, enum.Enum):
 
     @property
     def distributed(self) -> bool:
-        return self is not FailureKind.USER
+        return self is not StepFailure.USER
 
 
 _COLLECTIVE_DIRS = (os.sep.join(("torch", "distributed", "")), os.sep.join(("torch", "nn", "parallel", "")))
 _AUTOGRAD_DIR = os.sep.join(("torch", "autograd", ""))
 
 
-def classify_failure(exc: BaseException) -> FailureKind:
+def classify_failure(exc: BaseException) -> StepFailure:
     """Classify ``exc`` raised by a step: by type first, then by the innermost frame that raised it."""
     import traceback
 
@@ -66,16 +66,16 @@ def classify_failure(exc: BaseException) -> FailureKind:
 
     dist_error = getattr(dist, "DistError", None)
     if dist_error is not None and isinstance(exc, dist_error):
-        return FailureKind.DIST_ERROR
+        return StepFailure.DIST_ERROR
     frames = traceback.extract_tb(exc.__traceback__) if exc.__traceback__ is not None else []
     if not frames:
-        return FailureKind.USER
+        return StepFailure.USER
     innermost = frames[-1].filename
     if any(d in innermost for d in _COLLECTIVE_DIRS):
-        return FailureKind.COLLECTIVE
+        return StepFailure.COLLECTIVE
     if _AUTOGRAD_DIR in innermost and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return FailureKind.BACKWARD
-    return FailureKind.USER
+        return StepFailure.BACKWARD
+    return StepFailure.USER
 
 
 def is_distributed_failure(exc: BaseException) -> bool:
@@ -93,6 +93,13 @@ def _is_replicated(obj: Any) -> bool:
     if scaler is not None:
         replicated = replicated + (scaler,)
     return isinstance(obj, replicated)
+
+
+# A seal is trusted as the next step's start snapshot once this many were found equal to it, and checked again
+# on every this-many-th step after: user code that changes per-rank state after the optimizer step does so in
+# every step (a prefetch, random draws in its logging) and is caught at once, at no per-step cost otherwise.
+_SEALS_VERIFIED_FIRST = 2
+_VERIFY_SEAL_EVERY = 8
 
 
 class _AgentLink:
@@ -170,6 +177,7 @@ class Session:
         self._committed = -1                      # the last step that reached its commit point
         self._commit_light: bytes | None = None   # the sealed snapshot, labelled with the next step
         self._commit_snapshots = True             # off once user code after the seal changed per-rank state
+        self._seals_verified = 0                  # seals found equal to the next step's start snapshot
         self._hooked: set[int] = set()
 
     # --- the hook protocol ---
@@ -371,18 +379,25 @@ class Session:
 
             self._light = LightSnapshotter()
         commit, self._commit_light = self._commit_light, None
+        if commit is not None and self._sealed == step - 1 and self._seals_verified >= _SEALS_VERIFIED_FIRST \
+                and step % _VERIFY_SEAL_EVERY:
+            # The seal already is this step's start snapshot (published, labelled with this step): taking it
+            # again would double the per-step cost. Checked on the first seals and on every few steps after.
+            self._last_light = commit
+            return
         if commit is not None:
             data = self._light.take(self._light_objects(), step)
             self._last_light = data
             if data == commit:
+                self._seals_verified += 1
                 # Already published at the commit point; not writing it again keeps the previous step's start
                 # snapshot in the other buffer, for a death inside a collective that only this rank completed.
                 return
             if self._commit_snapshots:
                 self._commit_snapshots = False
-                log.warning("rank %d: the per-rank state (RNG, data position) changed after the optimizer step of "
-                            "step %d; a death between the optimizer step and the next step cannot be recovered "
-                            "live", self.rank, step - 1)
+                log.warning("rank %d: the per-rank state (RNG, data position) changed after the backward pass of "
+                            "step %d (user code after it draws random numbers or reads data); a death between "
+                            "the optimizer step and the next step cannot be recovered live", self.rank, step - 1)
             self._write_light(data, step)
             return
         self._last_light = self._publish_light(step)
@@ -445,7 +460,7 @@ class Session:
         link.send("paused", step=step)
         self._serve(step)
 
-    def _after_failure(self, step: int, exc: BaseException, kind: FailureKind) -> None:
+    def _after_failure(self, step: int, exc: BaseException, kind: StepFailure) -> None:
         link = self._link
         assert link is not None
         self._commit_light = None   # the step is either re-executed from its start or not resumed at all
@@ -805,4 +820,4 @@ def _wait_as_spare(backend: str | None, link: _AgentLink, local_rank: int,
         log.warning("spare ignoring unexpected command %r", kind)
 
 
-__all__ = ["FailureKind", "Session", "classify_failure", "init", "is_distributed_failure", "INT64_MAX"]
+__all__ = ["StepFailure", "Session", "classify_failure", "init", "is_distributed_failure", "INT64_MAX"]
