@@ -27,8 +27,8 @@ from typing import Iterable, Sequence
 from .records import TRANSITIONS, Phase, Report, SlotRef, SwapKind, SwapPlan
 
 __all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Phase", "Report", "SlotRef", "SlotView", "SwapKind",
-           "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "new_swap_id", "next_step", "plan_for_failure", "resume_step",
-           "plan_for_taint"]
+           "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "new_swap_id", "next_step", "plan_for_failure",
+           "plan_for_taint", "resume_step"]
 
 
 @dataclass(frozen=True)
