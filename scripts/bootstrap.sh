@@ -6,10 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
-if [ "$(id -u)" = "0" ] && ! command -v /usr/bin/etcd >/dev/null 2>&1 && command -v apt-get >/dev/null 2>&1; then
-    echo "+ apt-get install etcd-server"
+# tmux: the live-view tests drive the real `tpassctl status --watch` / `tpassrun --tui` in a terminal.
+if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1 \
+        && { ! command -v /usr/bin/etcd >/dev/null 2>&1 || ! command -v tmux >/dev/null 2>&1; }; then
+    echo "+ apt-get install etcd-server tmux"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server tmux >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then
