@@ -517,3 +517,25 @@ def test_a_full_disk_for_tee_logs_is_reported_once_and_the_worker_never_blocks(c
     assert shown.count(b"\n") == 2000 and shown.startswith(b"[0]:line 0\n")
     warnings = [r for r in caplog.records if "cannot write" in r.getMessage()]
     assert len(warnings) == 1, warnings
+
+
+@pytest.mark.timeout(600)
+def test_chaos_short_tier(tmp_path):
+    """bench/chaos.py's short tier: attacks and a malformed value on a live 2-agent job (the long run with
+    every fault kind is the benchmark). Nothing reaches a stranger or a forged address; the job ends as the
+    uninterrupted run does, with no orphan, no leftover and no rank ever held twice."""
+    import subprocess
+    import sys
+
+    bench = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "chaos.py")
+    r = subprocess.run([sys.executable, bench, "--faults", "3", "--steps", "300", "--seed", "2", "--settle", "30",
+                        "--kinds", "stranger,forged_plan,malformed_value"],
+                       capture_output=True, text=True, timeout=540)
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-3000:]
+    assert "ACCEPTED" not in out and "CONNECTED" not in out, out
+    assert "exit codes: chaos agents [0, 0], uninterrupted 0" in out, out
+    assert "steps lost: 0, steps repeated in the logs: 0" in out, out
+    assert "bit-identical to the uninterrupted run: yes" in out, out
+    assert "orphans: 0 " in out and "leftover files: 0 " in out, out
+    assert "ranks held by two live processes at once: 0" in out, out
