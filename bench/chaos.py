@@ -44,6 +44,7 @@ KINDS = ("worker_sigkill", "taint", "stranger", "forged_plan", "malformed_value"
 
 def _agent(out: str, endpoint: str, run_id: str, steps: int, step_sleep: float) -> Job:
     argv = [sys.executable, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "2", "--spares-per-node", "1",
+            "--max-restarts", "3",
             "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             "--rdzv-conf", "lease_ttl=10,last_call_timeout=1", "--log-dir", os.path.join(out, "logs"),
             EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep),
