@@ -73,10 +73,11 @@ def _wait_spare_ready(job: Job, endpoint: str, run_id: str, timeout: float) -> N
     raise AssertionError(f"no warm spare within {timeout}s:\n{job.log()[-3000:]}")
 
 
-def _swap_once(tmp_path, etcd_server, run_id, ddp: str, env: dict[str, str] | None = None) -> Job:
+def _swap_once(tmp_path, etcd_server, run_id, ddp: str, env: dict[str, str] | None = None,
+               at: int | None = None) -> Job:
     """A planned swap of rank 2 decided while rank 0 is held at the start of a random step (so that a spare
     slow to warm up on a busy host cannot let the job end first); the boundary is the agent's choice."""
-    at = random.Random().randint(3, 25)
+    at = random.Random().randint(3, 25) if at is None else at
     release = str(tmp_path / "release")
     hold = {"rank": 0, "step": at, "where": "step", "action": "hold", "release": release,
             "marker": str(tmp_path / "held")}
@@ -84,7 +85,8 @@ def _swap_once(tmp_path, etcd_server, run_id, ddp: str, env: dict[str, str] | No
                        steps=STEPS, step_sleep=SLEEP, script_args=["--ddp", ddp],
                        env={**(env or {}), **faults_env(hold)}).start()
     try:
-        job.wait_step(at - 1, 180)
+        if at > 0:
+            job.wait_step(at - 1, 180)
         _wait_spare_ready(job, etcd_server.endpoint, run_id, 180)
         assert taint(etcd_server.endpoint, run_id, rank=2, reason=f"test at step {at}") == 0
         deadline = time.monotonic() + 120
@@ -103,6 +105,13 @@ def _swap_once(tmp_path, etcd_server, run_id, ddp: str, env: dict[str, str] | No
 
 def test_planned_swap_with_session_ddp_equals_torchrun(tmp_path, etcd_server, run_id, torchrun_ref):
     job = _swap_once(tmp_path, etcd_server, run_id, "session")
+    assert_bit_exact(job, torchrun_ref, 4)
+
+
+def test_swap_before_torch_rebuckets_equals_torchrun(tmp_path, etcd_server, run_id, torchrun_ref):
+    """Decided during step 1: DDP re-buckets at step 1's forward (by step 0's ready order), its logging data
+    shows the new layout only after step 2; the layout handed over is computed from the ready order."""
+    job = _swap_once(tmp_path, etcd_server, run_id, "session", at=1)
     assert_bit_exact(job, torchrun_ref, 4)
 
 

@@ -37,7 +37,7 @@ class BucketLayout:
 
     def refresh(self) -> None:
         if self._source is not None:
-            found = rebuilt_layout(self._source._ddp)
+            found = rebuilt_layout(self._source._ddp) or self._source._pending_layout()
             if found is not None:
                 self.buckets, self.sizes = found
 
@@ -88,6 +88,10 @@ class ReconfigurableDDP:
         self._layout = layout if layout is not None else BucketLayout()
         self._ddp = self._build(synced)
         self._layout._source = self
+        self._ready: list[int] = []      # parameter indices in the order their gradients became ready
+        self._ready_hooks: list[Any] = []
+        if self._layout.buckets is None:
+            self._record_ready_order()
 
     def _build(self, synced: bool) -> Any:
         import inspect
@@ -120,9 +124,58 @@ class ReconfigurableDDP:
         finally:
             dist._compute_bucket_assignment_by_size = compute
 
+    def _record_ready_order(self) -> None:
+        """Note the order gradients become ready in the first backward, as the reducer does: torch re-buckets
+        by it at the next forward, and a swap right before that (at step 1) must hand over that layout."""
+        params = self._reducer_params()
+
+        def hook(index: int) -> Any:
+            def ready(_param: Any) -> None:
+                if index not in self._ready:
+                    self._ready.append(index)
+                if len(self._ready) == len(params):
+                    self._drop_ready_hooks()
+            return ready
+
+        for i, p in enumerate(params):
+            self._ready_hooks.append(p.register_post_accumulate_grad_hook(hook(i)))
+
+    def _drop_ready_hooks(self) -> None:
+        for handle in self._ready_hooks:
+            handle.remove()
+        self._ready_hooks = []
+
+    def _reducer_params(self) -> list[Any]:
+        """The parameters the reducer indexes, in its order (DDP's ``_build_params_for_reducer``)."""
+        ignored = getattr(self._module, "_ddp_params_and_buffers_to_ignore", ())
+        names = {id(p): n for n, p in self._module.named_parameters()}
+        return [p for p in self._module.parameters() if p.requires_grad and names.get(id(p)) not in ignored]
+
+    def _pending_layout(self) -> tuple[list[list[int]], list[int]] | None:
+        """The layout torch's DDP will re-bucket to at its next forward, when its first backward is done and
+        it has not re-bucketed yet (computed as the reducer does: ready order, first-bucket and bucket caps)."""
+        import torch.distributed as dist
+
+        ddp, params = self._ddp, self._reducer_params()
+        if not params or len(self._ready) != len(params) or ddp.find_unused_parameters:
+            return None
+        try:
+            config = ddp._bucket_config
+            limits = list(config.per_bucket_bytes_caps) or [config.first_bucket_bytes_cap, config.bucket_bytes_cap]
+            buckets, sizes = dist._compute_bucket_assignment_by_size(
+                [params[i] for i in self._ready], limits, [False] * len(params), list(self._ready))
+        except Exception as exc:  # noqa: BLE001 - another torch: leave DDP its own layout
+            log.debug("cannot compute DDP's pending bucket layout: %s", exc)
+            return None
+        return [list(b) for b in buckets], list(sizes)
+
     def rebuild(self) -> None:
-        self._layout.refresh()     # what the DDP being replaced re-bucketed to (if it did)
+        self._layout.refresh()     # what the DDP being replaced re-bucketed to (or is about to)
+        self._drop_ready_hooks()
         self._ddp = self._build(synced=True)
+        if self._layout.buckets is None:
+            self._ready = []
+            self._record_ready_order()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._ddp(*args, **kwargs)
