@@ -204,7 +204,7 @@ def form_generation(
     offset = 0
     for group_rank, entry in enumerate(candidates[: settings.max_nodes]):
         info = entry.info
-        members.append(Member(info.node_id, group_rank, info.addr, info.nproc, offset, info.spares))
+        members.append(Member(info.node_id, group_rank, info.addr, info.nproc, offset, info.spares, info.role))
         offset += info.nproc
     extra = [e.node_id for e in candidates[settings.max_nodes:]]
     spares = tuple(extra + [e.node_id for e in spare_agents])

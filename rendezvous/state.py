@@ -43,17 +43,18 @@ class NodeInfo:
     spares: int = 0  # warm spare worker slots on this node
     spare_node: bool = False  # --spare-node: never a member at formation, only a spare node
     pid: int = field(default_factory=os.getpid)
+    role: str = "default"  # --role: ROLE_RANK/ROLE_WORLD_SIZE count the workers of the same role
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node_id": self.node_id, "addr": self.addr, "nproc": self.nproc,
-                "spares": self.spares, "spare_node": self.spare_node, "pid": self.pid}
+                "spares": self.spares, "spare_node": self.spare_node, "pid": self.pid, "role": self.role}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "NodeInfo":
         _check_version(doc, "node record")
         return cls(node_id=str(doc["node_id"]), addr=str(doc["addr"]), nproc=int(doc["nproc"]),
                    spares=int(doc.get("spares", 0)), spare_node=bool(doc.get("spare_node", False)),
-                   pid=int(doc.get("pid", 0)))
+                   pid=int(doc.get("pid", 0)), role=str(doc.get("role", "default")))
 
 
 @dataclass(frozen=True)
@@ -66,15 +67,17 @@ class Member:
     nproc: int
     rank_offset: int
     spares: int = 0
+    role: str = "default"
 
     def to_json(self) -> dict[str, Any]:
         return {"node_id": self.node_id, "group_rank": self.group_rank, "addr": self.addr,
-                "nproc": self.nproc, "rank_offset": self.rank_offset, "spares": self.spares}
+                "nproc": self.nproc, "rank_offset": self.rank_offset, "spares": self.spares, "role": self.role}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "Member":
         return cls(node_id=str(doc["node_id"]), group_rank=int(doc["group_rank"]), addr=str(doc["addr"]),
-                   nproc=int(doc["nproc"]), rank_offset=int(doc["rank_offset"]), spares=int(doc.get("spares", 0)))
+                   nproc=int(doc["nproc"]), rank_offset=int(doc["rank_offset"]), spares=int(doc.get("spares", 0)),
+                   role=str(doc.get("role", "default")))
 
 
 @dataclass(frozen=True)

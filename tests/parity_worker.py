@@ -2,7 +2,9 @@
 """Parity worker: dumps its environment and command line to $PARITY_OUT, prints a line per stream.
 
 Script args (after any others): ``--exit-code N --exit-rank R``: global rank R exits with N, after
-every worker of its attempt has dumped (so the set of dumps is deterministic). No torch import.
+every worker of its attempt has dumped (so the set of dumps is deterministic). ``--linger``: the other ranks
+then wait (up to 60 s) to be stopped by the launcher, so they are the failure report's other failures.
+No torch import.
 """
 
 import json
@@ -49,6 +51,8 @@ def main() -> int:
             time.sleep(0.02)
         sys.stdout.flush()
         os._exit(code)
+    if code and "--linger" in sys.argv[1:]:
+        time.sleep(60)
     return 0
 
 

@@ -41,7 +41,7 @@ from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, N
                          RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent,
                          refuse_inline_secrets)
 from .slots import LocalSlots, Slot, SlotState  # noqa: E402
-from .workerenv import WorkerAssignment, entrypoint_name, worker_argv, worker_env  # noqa: E402
+from .workerenv import WorkerAssignment, entrypoint_name, role_ranks, worker_argv, worker_env  # noqa: E402
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -161,7 +161,7 @@ class Agent:
                 self.events.write("etcd_hosted", endpoint=endpoint)
             settings = RendezvousSettings.from_conf(cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf)
             node = NodeInfo(node_id=self.node_id, addr=self.addr, nproc=cfg.nproc_per_node,
-                            spares=cfg.spares_per_node, spare_node=cfg.spare_node)
+                            spares=cfg.spares_per_node, spare_node=cfg.spare_node, role=cfg.role)
             log.debug("connecting to etcd at %s", endpoint)
             self.rdzv = await stack.enter_async_context(
                 EtcdRendezvous(EtcdConfig.from_endpoint(endpoint, rdzv_conf), settings, node))
@@ -317,6 +317,8 @@ class Agent:
         sig = self.signal_received if outcome == Outcome.SIGNALLED else signal.SIGTERM
         grace = float(self.cfg.shutdown_timeout) if outcome == Outcome.SIGNALLED else 30.0
         await self._stop_all(sig, grace)
+        if outcome == Outcome.FAILED and self.failures:
+            self._record_stopped()
         await self._stop_store()
         return outcome, reason
 
@@ -326,7 +328,9 @@ class Agent:
         if gen.member(self.node_id) is None:
             return ("", 0)
         if host:
-            addr, port = self.addr, 0
+            # torchrun's RendezvousStoreInfo.build: the rank-0 node's --local-addr, else its FQDN ("localhost"
+            # on a machine without a domain), even for one node: workers see the same MASTER_ADDR as under it.
+            addr, port = self.cfg.local_addr or socket.getfqdn(), 0
             if self.cfg.rdzv_backend == "static" and not self._static_port_used:
                 # torchrun's static backend hands workers --master-addr/--master-port; so do we, for the
                 # first generation. Later generations get a fresh port: a new store, never stale keys.
@@ -378,9 +382,10 @@ class Agent:
                               virtual_local_rank=self.cfg.virtual_local_rank))
         attempt_dir = self.logs.attempt_dir(self.restart_count)
         err = os.path.join(attempt_dir, str(slot.index if spare else local_rank), "error.json") if attempt_dir else ""
+        role_rank, role_world_size = role_ranks(gen.members, rank, gen.world_size)
         return WorkerAssignment(
-            local_rank=local_rank, rank=rank, group_rank=me.group_rank, role_rank=rank,
-            role_world_size=gen.world_size, local_world_size=self.cfg.nproc_per_node, world_size=gen.world_size,
+            local_rank=local_rank, rank=rank, group_rank=me.group_rank, role_rank=role_rank,
+            role_world_size=role_world_size, local_world_size=self.cfg.nproc_per_node, world_size=gen.world_size,
             group_world_size=len(gen.members), master_addr=master[0], master_port=master[1],
             restart_count=self.restart_count, error_file=err, use_agent_store=True, extra=extra)
 
@@ -569,6 +574,19 @@ class Agent:
                 self.failures.append(ProcessFailure.from_exit(
                     local_rank=s.local_rank, rank=s.rank, pid=s.proc.pid, exitcode=s.exit_code or 1,
                     error_file=s.proc.error_file, now=lambda: now))
+
+    def _record_stopped(self) -> None:
+        """torchrun re-polls after SIGTERMing the rest of the group: the workers that died of it (exit -15, or
+        whatever they exited with but 0) are the report's "other failures", after the first ones (torchrun's
+        failures dict keeps that insertion order; on a timestamp tie the first one is the root cause)."""
+        assert self.slots is not None
+        seen = {f.pid for f in self.failures}
+        for s in self.slots.slots:
+            proc = s.proc
+            if proc is None or s.rank is None or s.rank < 0 or proc.pid in seen or proc.returncode in (None, 0):
+                continue
+            self.failures.append(ProcessFailure.from_exit(local_rank=s.local_rank, rank=s.rank, pid=proc.pid,
+                                                          exitcode=proc.returncode, error_file=proc.error_file))
 
     async def _on_rdzv_event(self, gen: Generation, ev: Any) -> tuple[str, str] | None:
         assert self.rdzv is not None

@@ -10,9 +10,10 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from string import Template
+from typing import Any
 
 from . import envnames as E
 from .config import ConfigError, LaunchConfig
@@ -55,6 +56,21 @@ class WorkerAssignment:
     error_file: str  # "" when logs go to os.devnull, like torchrun
     use_agent_store: bool
     extra: Mapping[str, str] = field(default_factory=dict)  # TPASSRUN_* variables
+
+
+def role_ranks(members: Sequence[Any], rank: int, world_size: int) -> tuple[int, int]:
+    """``(ROLE_RANK, ROLE_WORLD_SIZE)`` of global ``rank``, as torchrun's ``_assign_worker_ranks``: the
+    workers of one ``--role`` are numbered 0..n-1 in group-rank order; the size counts that role only.
+
+    ``members`` have ``group_rank``, ``rank_offset``, ``nproc`` and ``role``. A spare (rank < 0) or a rank
+    no member holds gets ``(rank, world_size)``.
+    """
+    owner = next((m for m in members if m.rank_offset <= rank < m.rank_offset + m.nproc), None)
+    if rank < 0 or owner is None:
+        return rank, world_size
+    same = [m for m in members if m.role == owner.role]
+    before = sum(m.nproc for m in same if m.group_rank < owner.group_rank)
+    return before + rank - owner.rank_offset, sum(m.nproc for m in same)
 
 
 @functools.lru_cache(maxsize=1)
