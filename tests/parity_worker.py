@@ -18,6 +18,15 @@ def _opt(name: str, default: str) -> str:
     return argv[argv.index(name) + 1] if name in argv[:-1] else default
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a zombie has exited; only its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
 def main() -> int:
     out_dir = os.environ["PARITY_OUT"]
     rank = os.environ.get("RANK", "?")
@@ -49,6 +58,13 @@ def main() -> int:
             if len(mine) >= peers:
                 break
             time.sleep(0.02)
+        if "--linger" not in sys.argv[1:]:
+            # ...and until they have exited (0): a launcher that reacts faster than torchrun's 0.1 s poll must
+            # not catch one of them still shutting down and report it as stopped.
+            pids = [int(n[:-5].split("_")[2]) for n in os.listdir(out_dir)
+                    if n.endswith(".json") and n.split("_")[1] == attempt]
+            while time.monotonic() < deadline and any(_running(p) for p in pids if p != os.getpid()):
+                time.sleep(0.02)
         sys.stdout.flush()
         os._exit(code)
     if code and "--linger" in sys.argv[1:]:
