@@ -415,6 +415,7 @@ def test_cli_config_error_is_one_line_and_torchruns_exit_1(capsys):
     ["--nnodes", "1:2:3", "t.py"],
     ["--shutdown-timeout", "-1", "t.py"],
     ["--no-python", "-m", "t.py"],
+    ["--event-log-handler", "nosuch", "t.py"],
     ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:port", "t.py"],  # malformed endpoint: at once, not after 60 s
     ["--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1:2", "t.py"],
     ["--rdzv-backend", "c10d", "--rdzv-endpoint", ":29400", "t.py"],
@@ -495,3 +496,20 @@ def test_missing_or_invalid_health_config_is_one_line(tmp_path, capsys):
 def test_cli_usage_error_exit_2(capsys):
     assert main(["--bogus", "t.py"]) == 2
     assert main(["--help"]) == 0
+
+
+# ---------------------------------------------------------------- roles (torchrun's _assign_worker_ranks)
+
+
+def test_role_ranks_count_per_role_in_group_rank_order():
+    from types import SimpleNamespace as M
+
+    from tpassrun.workerenv import role_ranks
+
+    members = [M(group_rank=0, rank_offset=0, nproc=1, role="master"),
+               M(group_rank=1, rank_offset=1, nproc=2, role="trainer"),
+               M(group_rank=2, rank_offset=3, nproc=3, role="ps"),
+               M(group_rank=3, rank_offset=6, nproc=2, role="trainer")]
+    got = [role_ranks(members, r, 8) for r in range(8)]
+    assert got == [(0, 1), (0, 4), (1, 4), (0, 3), (1, 3), (2, 3), (2, 4), (3, 4)]
+    assert role_ranks(members, -1, 8) == (-1, 8)  # a spare

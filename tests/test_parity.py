@@ -113,6 +113,10 @@ CASES = [
     # issue 14: the failure report lists the workers the launcher had to stop ("other failures")
     Case("other_failures", ("--nproc-per-node", "3", W, "--exit-code", "3", "--exit-rank", "1", "--linger"),
          rc=1, dumps=3),
+    # torchelastic's JSON events on the console (rendezvous, worker start/end, launcher end), success and failure
+    Case("event_log_handler_console", ("--event-log-handler", "console", *N2, W), dumps=2),
+    Case("event_log_handler_console_failure", ("--event-log-handler=console", "--max-restarts", "1", *N2, W,
+                                               "--exit-code", "3", "--exit-rank", "0"), rc=1, dumps=4),
     Case("logs_specs_default", ("--logs-specs=default", *N2, W), dumps=2),
     Case("rdzv_conf_quoted_timeout", ("--rdzv-conf", "timeout=\"5'\"", W)),
     Case("rdzv_conf_quoted_timeout_c10d", ("--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:{PORT}",
@@ -198,7 +202,28 @@ def _report_block(stderr: str, root: str) -> str | None:
     block = re.sub(r"(time      : ).*", r"\1<time>", block)
     block = re.sub(r"(host      : ).*", r"\1<host>", block)
     block = re.sub(r"pid(:? )\d+", r"pid\1<pid>", block)
+    block = re.sub(r"by PID \d+", "by PID <pid>", block)
     return normalise(block, root)
+
+
+_EVENT_PREFIX = '{"name": "torchelastic.worker.status.'
+_VOLATILE_EVENT_FIELDS = ("run_id", "worker_id", "hostname", "duration_ms", "total_run_time")
+
+
+def _elastic_events(stderr: str) -> list[dict]:
+    """--event-log-handler console: torchelastic's JSON events, without what differs by design (ids, pids,
+    host, times); ``duration_ms`` is only checked to be set where torchrun sets it."""
+    events = []
+    for line in stderr.splitlines():
+        if line.startswith(_EVENT_PREFIX):
+            ev = json.loads(line)
+            md = ev["metadata"]
+            for k in _VOLATILE_EVENT_FIELDS:
+                md[k] = None if md.get(k) is None else "<set>"
+            md["raw_error"] = None if md.get("raw_error") is None else "<set>"
+            md["metadata"] = re.sub(r'"worker_pid": \[\d+\]', '"worker_pid": [<pid>]', md["metadata"])
+            events.append(ev)
+    return events
 
 
 def _console_lines(text: str, marker: str) -> list[str]:
@@ -315,6 +340,14 @@ def _why(r: SideResult) -> str:
 # ---------------------------------------------------------------- tests
 
 
+def test_readme_states_the_corpus_real_count():
+    if os.environ.get("PARITY_ONLY"):
+        pytest.skip("a subset of the corpus")
+    readme = (HERE.parent / "README.md").read_text()
+    stated = re.search(r"`tests/test_parity.py` runs (\d+) command lines", readme)
+    assert stated is not None and int(stated.group(1)) == len(CASES)
+
+
 def test_corpus_is_big_enough():
     assert len(CASES) >= (1 if os.environ.get("PARITY_ONLY") else 20) and len({c.name for c in CASES}) == len(CASES)
 
@@ -340,5 +373,6 @@ def test_parity(results, case):
         assert ours.dumps[key] == ref.dumps[key], f"RANK/attempt {key}: {_dump_diff(ours.dumps[key], ref.dumps[key])}"
     assert _console_lines(ours.stdout, "hello-out") == _console_lines(ref.stdout, "hello-out")
     assert _console_lines(ours.stderr, "hello-err") == _console_lines(ref.stderr, "hello-err")
+    assert _elastic_events(ours.stderr) == _elastic_events(ref.stderr)
     assert ours.log_tree == ref.log_tree
     assert ours.report == ref.report

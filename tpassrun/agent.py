@@ -31,6 +31,7 @@ for _k in _GRPC_ADDED:
 from . import envnames as E  # noqa: E402
 from .config import LaunchConfig  # noqa: E402
 from .console import WAITING_EVERY_S, ConsoleReporter  # noqa: E402
+from .elasticevents import ElasticEvents  # noqa: E402
 from .events import EventLog  # noqa: E402
 from .devices import node_devices, slot_env, visible_devices  # noqa: E402
 from .registry import register_run  # noqa: E402
@@ -41,7 +42,8 @@ from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, N
                          RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent,
                          refuse_inline_secrets)
 from .slots import LocalSlots, Slot, SlotState  # noqa: E402
-from .workerenv import WorkerAssignment, entrypoint_name, role_ranks, worker_argv, worker_env  # noqa: E402
+from .workerenv import (WorkerAssignment, elastic_entry_point, entrypoint_name, role_ranks, worker_argv,  # noqa: E402
+                        worker_env)  # noqa: E402
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -77,6 +79,9 @@ class Agent:
         self.free_fallbacks = cfg.spares_per_node
         self.logs = RunLogs.from_config(cfg)
         self.events = EventLog(None, node_id=self.node_id)
+        self.elastic = ElasticEvents(cfg.event_log_handler, cfg.rdzv_id, cfg.role, cfg.rdzv_backend,
+                                     elastic_entry_point(cfg), cfg.max_restarts)
+        self._started_at = time.monotonic()
         self.console = ConsoleReporter()         # one launcher line per event, and the exit summary
         self.rdzv: EtcdRendezvous | None = None
         self.slots: LocalSlots | None = None
@@ -210,6 +215,7 @@ class Agent:
         assert self.rdzv is not None
         while True:
             log.debug("waiting in rendezvous (run %s)", self.cfg.rdzv_id)
+            joining_since = time.monotonic()
             self._join_task = asyncio.ensure_future(self.rdzv.join())
             try:
                 waited = 0.0
@@ -221,6 +227,9 @@ class Agent:
                 if self.signal_received is not None:
                     return 128 + self.signal_received
                 raise
+            # torchrun records these before it stores the new group rank/size: the previous round's (None at first)
+            self.elastic.rendezvous_done(self.generation, self.node_id, time.monotonic() - joining_since,
+                                         self.remaining_restarts)
             self.generation = gen
             self.events.write("generation_joined", generation=gen.number, world_size=gen.world_size,
                               members=[m.node_id for m in gen.members])
@@ -233,11 +242,14 @@ class Agent:
                 if self.hosting_etcd:
                     with contextlib.suppress(asyncio.TimeoutError, RendezvousError):
                         await self._wait_for_other_agents(float(self.cfg.rdzv_conf.get("close_timeout", 300)))
+                self._elastic_end("SUCCEEDED", "SUCCEEDED", gen)
                 return 0
             if outcome == Outcome.SIGNALLED:
+                self._elastic_end(None, "FAILED", gen)
                 return 1
             if outcome == Outcome.CLOSED:
                 self._report_failures()
+                self._elastic_end(None, "FAILED", gen)
                 return 1
             if outcome == Outcome.FAILED:
                 if self.remaining_restarts > 0:
@@ -249,6 +261,8 @@ class Agent:
                         await self.rdzv.request_restart(self.generation or gen, reason)
                     continue
                 self._report_failures()
+                # torchrun's agent returns a FAILED result normally: the launcher records SUCCEEDED for itself
+                self._elastic_end("FAILED", "SUCCEEDED", gen)
                 with contextlib.suppress(RendezvousError):
                     await self.rdzv.close(f"workers failed: {reason}")
                 return 1
@@ -266,6 +280,20 @@ class Agent:
             return
         self.events.write("waiting_for_nodes", seconds=waited, joined=len(nodes), needed=self.cfg.min_nodes,
                           nodes=nodes, missing=[f"{max(0, self.cfg.min_nodes - len(nodes))} more node(s)"])
+
+    def _elastic_end(self, workers: str | None, launcher: str, gen: Generation | None) -> None:
+        """--event-log-handler: the per-worker end events of this node (``workers``: SUCCEEDED, or FAILED for
+        FAILED/TERMINATED; None when torchrun's agent would have raised: a signal, a closed rendezvous) and the
+        launcher's own event."""
+        total = int(time.monotonic() - self._started_at)
+        if workers is not None and gen is not None and self.slots is not None:
+            self.elastic.workers(workers, gen, self.node_id, self.slots.slots, self.remaining_restarts,
+                                 failures=self.failures if workers == "FAILED" else (), total_run_time=total)
+        me = gen.member(self.node_id) if gen is not None else None
+        self.elastic.agent(launcher, group_rank=me.group_rank if me else None,
+                           group_world_size=len(gen.members) if gen is not None else None,
+                           remaining_restarts=self.remaining_restarts, total_run_time=total,
+                           raw_error="" if launcher == "FAILED" else None)
 
     @property
     def restart_count(self) -> int:
@@ -291,6 +319,7 @@ class Agent:
         self.master = master
         log.debug("generation %d: store at %s:%d; spawning workers", gen.number, *master)
         await self._spawn_generation(gen, master)
+        self.elastic.workers("START", gen, self.node_id, self.slots.slots, self.remaining_restarts)
         log.debug("generation %d: workers spawned; supervising", gen.number)
         tasks = [asyncio.ensure_future(self._pump_rdzv_events(gen)),
                  asyncio.ensure_future(self.swapper.run(gen)),

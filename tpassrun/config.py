@@ -90,6 +90,7 @@ DEFAULT_RDZV_TIMEOUT = "900"
 DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
 DEFAULT_SHUTDOWN_TIMEOUT = 30
 BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")  # torchrun's events/handlers.py
 DEFAULT_LOGS_SPECS = "default"  # torchrun's entry point name for DefaultLogsSpecs
 # --rdzv-conf keys torchrun's c10d/etcd-v2 handler never reads (the dynamic handler reads join_timeout, ...):
 # whatever their value, torchrun runs. tpassrun reads "timeout" as the join timeout when join_timeout is
@@ -245,7 +246,8 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--start-method", "--start_method", action=env, type=str, default="spawn",
         choices=["spawn", "fork", "forkserver"], help="Multiprocessing start method (accepted for parity).")
     add("--event-log-handler", "--event_log_handler", action=env, type=str, default="null",
-        help="torchrun event logging handler name (accepted for parity; see --event-log).")
+        help="torchelastic event handler: null, console (JSON events on stderr, like torchrun) or "
+             "dynamic_rendezvous (prints nothing). tpassrun's own event log: --event-log.")
     add("--role", action=env, type=str, default="default", help="User-defined role for the workers.")
     add("-m", "--module", action=flag, help="Run the script as a module, like 'python -m'.")
     add("--no-python", "--no_python", action=flag, help="Execute the training script directly.")
@@ -540,6 +542,10 @@ def parse_args(
         # torchrun: ValueError "Could not find entrypoint under 'torchrun.logs_specs[...]'" and exit 1
         raise ConfigError(f"--logs-specs={ns.logs_specs}: no such logs specs (tpassrun knows only "
                           f"{DEFAULT_LOGS_SPECS!r}, torchrun's built-in one)")
+    if ns.event_log_handler not in EVENT_LOG_HANDLERS:
+        # torchrun: KeyError from events/handlers.py get_logging_handler, exit 1
+        raise ConfigError(f"--event-log-handler={ns.event_log_handler}: unknown handler (choose from "
+                          f"{', '.join(EVENT_LOG_HANDLERS)})")
     if not standalone and "/" in run_id:
         # torchrun: a FileNotFoundError traceback from mkdtemp(prefix=f"{run_id}_") for the log dir
         raise ConfigError(f"--rdzv-id={run_id}: a run id cannot contain '/' (it names the run's log directory)")

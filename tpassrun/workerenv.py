@@ -8,6 +8,7 @@ What a worker sees is exactly what torchrun 2.13 gives it (agent/server/local_el
 from __future__ import annotations
 
 import functools
+import os
 import logging
 import sys
 from collections.abc import Mapping, Sequence
@@ -56,6 +57,14 @@ class WorkerAssignment:
     error_file: str  # "" when logs go to os.devnull, like torchrun
     use_agent_store: bool
     extra: Mapping[str, str] = field(default_factory=dict)  # TPASSRUN_* variables
+
+
+def elastic_entry_point(cfg: LaunchConfig) -> str:
+    """torchrun's ``WorkerSpec.get_entrypoint_name()`` (events' ``entry_point``): the basename of what it
+    executes (the interpreter, or the binary with ``--no-python``), or ``run_script_path`` for ``--run-path``."""
+    if cfg.run_path:
+        return RUN_PATH_ENTRYPOINT_NAME
+    return os.path.basename(cfg.training_script if cfg.no_python else cfg.python_exec)
 
 
 def role_ranks(members: Sequence[Any], rank: int, world_size: int) -> tuple[int, int]:
