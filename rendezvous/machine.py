@@ -202,7 +202,13 @@ def form_generation(
     """An active generation: the first max_nodes candidates as members, everyone else as spare nodes."""
     members: list[Member] = []
     offset = 0
-    for group_rank, entry in enumerate(candidates[: settings.max_nodes]):
+    chosen = candidates[: settings.max_nodes]
+    if number == 0:
+        # The first round ranks its members as torchrun's dynamic rendezvous does: sorted by (address, pid), not
+        # by arrival (on one machine the agent started first gets the low ranks even if it registered last, e.g.
+        # while it was starting the etcd). Later rounds keep the previous members' group ranks (swaps need it).
+        chosen = sorted(chosen, key=lambda e: (e.info.addr, e.info.pid, e.join_order))
+    for group_rank, entry in enumerate(chosen):
         info = entry.info
         members.append(Member(info.node_id, group_rank, info.addr, info.nproc, offset, info.spares, info.role))
         offset += info.nproc

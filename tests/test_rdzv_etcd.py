@@ -158,7 +158,7 @@ def test_node_loss_seen_by_all_within_ttl_and_leader_takeover(etcd_server, run_i
             async with agents(etcd_server.endpoint, s, ["a", "b"]) as rs:
                 g = (await asyncio.gather(*(r.join() for r in rs)))[0]
                 assert (await child.stdout.readline()).strip() == b"joined"
-                assert g.member_ids[0] == "child"
+                assert "child" in g.member_ids  # (group ranks of the first round: by address, pid, like torchrun)
                 streams = [r.events() for r in rs]
                 child.send_signal(signal.SIGKILL)  # a crash: no lease revoke
                 t0 = time.monotonic()

@@ -90,7 +90,7 @@ def test_zero_last_call_forms_at_min():
 
 def test_mixed_nproc_rank_offsets():
     ns = nodes("a", "b")
-    ns["b"] = NodeEntry(NodeInfo("b", "h", 4, pid=1), 2)
+    ns["b"] = NodeEntry(NodeInfo("b", "host-b", 4, pid=2**31), 2)  # started after "a" (torchrun ranks the first round by address, pid)
     d = decide(RdzvView(None, ns, quorum_since=0.0), 100.0, S)
     assert [(m.rank_offset, m.nproc) for m in d.generation.members] == [(0, 2), (2, 4)]
     assert d.generation.world_size == 6
@@ -314,3 +314,9 @@ def test_settings_validation(kw):
     base = dict(run_id="r", min_nodes=1, max_nodes=2)
     with pytest.raises(RendezvousError):
         RendezvousSettings(**{**base, **kw})
+
+
+def test_first_round_ranks_by_address_then_pid_like_torchrun_later_rounds_keep_ranks():
+    ns = {"late": NodeEntry(NodeInfo("late", "h", 1, pid=200), 1), "early": NodeEntry(NodeInfo("early", "h", 1, pid=100), 2)}
+    d = decide(RdzvView(None, ns, quorum_since=0.0), 100.0, S)
+    assert [m.node_id for m in d.generation.members] == ["early", "late"]
