@@ -10,9 +10,11 @@ import types
 
 import pytest
 
+from tpassrun.port import AgentPort, SwapSettings
 from tpassrun.records import Keys, NodeStatus, Phase, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, WorkerRow
 from tpassrun.rendezvous import (EtcdConfig, EtcdRendezvous, EtcdStore, GenState, Generation, Member, NodeInfo,
                                  RendezvousSettings)
+from tpassrun.coordinator import Coordinator
 from tpassrun.swapper import Swapper
 
 GARBAGE = b"0123456789"   # the 10-byte value of the finding
@@ -34,13 +36,19 @@ class _Events:
         self.written.append((kind, fields))
 
 
-def _fake_agent(store: EtcdStore, prefix: str) -> types.SimpleNamespace:
-    """What the coordinator reads of its agent: the rendezvous handle (keys, store, leadership), the
-    generation, and where its events and requests go."""
+def _fake_agent(store: EtcdStore, prefix: str) -> AgentPort:
+    """The coordinator's port with no agent behind it: the rendezvous handle (keys, store, leadership) is real
+    etcd, the generation is fixed, events and requests are recorded."""
     rdzv = types.SimpleNamespace(key=lambda *parts: prefix + "/".join(parts), store=store, is_leader=True)
     gen = Generation(number=0, state=GenState.ACTIVE, members=(Member("n0", 0, "127.0.0.1", 1, 0),), world_size=1)
-    return types.SimpleNamespace(rdzv=rdzv, generation=gen, spawned_generation=0, events=_Events(),
-                                 _queue=asyncio.Queue(), node_id="n0")
+    posted: list = []
+
+    async def nothing(*_a) -> None:
+        return None
+    return AgentPort(node_id="n0", addr="127.0.0.1", settings=SwapSettings(1, 1), events=_Events(),
+                     rdzv=rdzv, slots=None, generation=lambda: gen,  # type: ignore[arg-type]
+                     spawned_generation=lambda: 0, master=lambda: ("", 0), set_generation=lambda g: None,
+                     spawn_spare=nothing, publish_status=nothing, post=posted.append)
 
 
 async def _seed_taintable_rank(store: EtcdStore, keys: Keys) -> None:
@@ -74,17 +82,16 @@ def test_coordinator_skips_a_malformed_plan_and_still_swaps(etcd_server, run_id,
         async with EtcdStore(_cfg(etcd_server.endpoint)) as store:
             await _put_raw(store, keys.swap("x"), bad)
             await _seed_taintable_rank(store, keys)
-            agent = _fake_agent(store, prefix)
-            swapper = Swapper(agent)  # type: ignore[arg-type]
+            coordinator = Coordinator(_fake_agent(store, prefix))
             ticks = 0
-            tick = swapper._leader_tick
+            tick = coordinator._leader_tick
 
             async def counted() -> None:
                 nonlocal ticks
                 ticks += 1
                 await tick()
-            swapper._leader_tick = counted  # type: ignore[method-assign]
-            task = asyncio.ensure_future(swapper._coordinate())
+            coordinator._leader_tick = counted  # type: ignore[method-assign]
+            task = asyncio.ensure_future(coordinator.run())
             try:
                 plans = await _planned(store, keys)
                 assert plans and plans[0].leaver == SlotRef("n0", 0, 0) and plans[0].joiner.slot == 1
@@ -111,7 +118,7 @@ def test_participant_survives_a_plan_with_an_invalid_leaver(etcd_server, run_id,
         keys = Keys(prefix)
         async with EtcdStore(_cfg(etcd_server.endpoint)) as store:
             await store.put_json(keys.swap("early"), {"v": 1, "id": "early", "leaver": 5})
-            swapper = Swapper(_fake_agent(store, prefix))  # type: ignore[arg-type]
+            swapper = Swapper(_fake_agent(store, prefix))
             seen: list[str] = []
 
             async def on_plan(plan: SwapPlan) -> None:

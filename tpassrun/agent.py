@@ -41,7 +41,10 @@ from .report import ProcessFailure, copy_root_cause_error_file, format_failure_r
 from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
                          RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent,
                          refuse_inline_secrets)
+from .port import (AgentEvent, AgentPort, FallbackRequested, HealthRestartRequested, LeaseLost,  # noqa: E402
+                   RendezvousChanged, SignalReceived, SpawnFailed, SwapSettings, WorkerExited, WorkerSaid)
 from .slots import LocalSlots, Slot, SlotState  # noqa: E402
+from .swapper import Swapper  # noqa: E402
 from .workerenv import (WorkerAssignment, elastic_entry_point, entrypoint_name, role_ranks, worker_argv,  # noqa: E402
                         worker_env)  # noqa: E402
 
@@ -89,9 +92,9 @@ class Agent:
         self.failures: list[ProcessFailure] = []
         self.workers_started = False
         self.signal_received: int | None = None
-        self._queue: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self._queue: asyncio.Queue[AgentEvent] = asyncio.Queue()
         self._store_proc: asyncio.subprocess.Process | None = None
-        self.swapper: Any = None
+        self.swapper: Swapper | None = None
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
         self._static_port_used = False   # static: the user's --master-port served the first generation's store
@@ -124,7 +127,7 @@ class Agent:
 
     def _on_signal(self, sig: int) -> None:
         self.signal_received = sig
-        self._queue.put_nowait(("signal", sig))
+        self._queue.put_nowait(SignalReceived(sig))
         if self._starting and self._main_task is not None and not self._main_task.done():
             # still starting (an etcd that does not answer is retried for --rdzv-conf read_timeout): nothing
             # to drain yet, so stop now instead of after the retries
@@ -174,9 +177,7 @@ class Agent:
                                           on_message=self._on_worker_message).open()
             stack.push_async_callback(self.slots.close)
             stack.push_async_callback(self._stop_store)
-            from .swapper import Swapper
-
-            self.swapper = Swapper(self)
+            self.swapper = Swapper(self._port())
             from .healthd import AgentHealth
 
             self.health = AgentHealth(self)
@@ -196,6 +197,28 @@ class Agent:
             code = await self._generations()
             self.events.write("agent_exit", code=code)
             return code
+
+    def _port(self) -> AgentPort:
+        """What the swapper sees of this agent (see :mod:`tpassrun.port`)."""
+        assert self.rdzv is not None and self.slots is not None
+        cfg = self.cfg
+
+        def set_generation(gen: Generation) -> None:
+            self.generation = gen
+
+        async def spawn_spare(slot: Slot) -> None:
+            assert self.generation is not None
+            await self.spawn(self.generation, slot, local_rank=slot.index, rank=-1, master=self.master, spare=True)
+
+        return AgentPort(node_id=self.node_id, addr=self.addr, events=self.events, rdzv=self.rdzv, slots=self.slots,
+                         settings=SwapSettings(nproc_per_node=cfg.nproc_per_node, spares_per_node=cfg.spares_per_node,
+                                               migrate_back=bool(getattr(cfg, "migrate_back", False))),
+                         generation=lambda: self.generation, spawned_generation=lambda: self.spawned_generation,
+                         master=lambda: self.master, set_generation=set_generation, spawn_spare=spawn_spare,
+                         publish_status=self.publish_status, post=self._queue_put)
+
+    def _queue_put(self, event: AgentEvent) -> None:
+        self._queue.put_nowait(event)   # the queue of the current generation (replaced by each one)
 
     async def _wait_for_other_agents(self, timeout: float) -> None:
         """The hosting agent keeps its etcd up until the other agents are gone (their status keys live
@@ -485,7 +508,7 @@ class Agent:
         except OSError as exc:
             slot.proc = None
             slot.state = SlotState.DEAD
-            self._queue.put_nowait(("spawn_failed", slot, exc))
+            self._queue.put_nowait(SpawnFailed(slot, exc))
             return
         proc = slot.proc
         asyncio.ensure_future(self._watch_exit(slot, proc))
@@ -493,71 +516,63 @@ class Agent:
     async def _watch_exit(self, slot: Slot, proc: Any) -> None:
         code = await proc.wait()
         log.debug("slot %d (pid %d) exited with %s", slot.index, proc.pid, code)
-        self._queue.put_nowait(("exit", slot, proc, code))
+        self._queue.put_nowait(WorkerExited(slot, proc, code))
 
     def _on_worker_message(self, slot: Slot, msg: dict[str, Any]) -> None:
         if msg["kind"] == "hello" and msg.get("spare"):
             self.events.write("spare_ready", slot=slot.index, pid=msg.get("pid"))
         if msg["kind"] in ("hello", "done", "failed"):
-            self._queue.put_nowait(("msg", slot, msg))
+            self._queue.put_nowait(WorkerSaid(slot, msg))
 
     async def _pump_rdzv_events(self, gen: Generation) -> None:
         assert self.rdzv is not None
         async for ev in self.rdzv.events():
-            self._queue.put_nowait(("rdzv", ev))
+            self._queue.put_nowait(RendezvousChanged(ev))
 
     # ------------------------------------------------------------------ supervision
     async def _supervise(self, gen: Generation) -> tuple[str, str]:
-        assert self.slots is not None and self.rdzv is not None
+        """One event at a time, so the agent's decisions never race each other."""
+        assert self.slots is not None and self.rdzv is not None and self.swapper is not None
         while True:
-            item = await self._queue.get()
-            kind = item[0]
-            log.debug("supervisor event: %s", kind)
-            if kind == "signal":
-                self.events.write("signal", signal=signal.Signals(item[1]).name)
-                return Outcome.SIGNALLED, f"signal {item[1]}"
-            if kind == "spawn_failed":
-                slot, exc = item[1], item[2]
-                print(f"tpassrun: error: cannot start worker: {exc}", file=sys.stderr, flush=True)
-                return Outcome.FAILED, f"cannot start worker: {exc}"
-            if kind == "exit":
-                result = await self._on_exit(gen, item[1], item[2], item[3])
-                if result is not None:
-                    return result
-            elif kind == "msg":
-                slot, msg = item[1], item[2]
-                if msg["kind"] == "failed":
-                    self.swapper.on_worker_failed_step(slot, msg)
-            elif kind == "rdzv":
-                result = await self._on_rdzv_event(gen, item[1])
-                if result is not None:
-                    return result
-            elif kind == "fallback":
-                free = len(item) > 3 and bool(item[3]) and self.free_fallbacks > 0
-                if free:
+            ev = await self._queue.get()
+            log.debug("supervisor event: %s", type(ev).__name__)
+            if isinstance(ev, SignalReceived):
+                self.events.write("signal", signal=signal.Signals(ev.signal).name)
+                return Outcome.SIGNALLED, f"signal {ev.signal}"
+            if isinstance(ev, SpawnFailed):
+                print(f"tpassrun: error: cannot start worker: {ev.error}", file=sys.stderr, flush=True)
+                return Outcome.FAILED, f"cannot start worker: {ev.error}"
+            result: tuple[str, str] | None = None
+            if isinstance(ev, WorkerExited):
+                result = await self._on_exit(gen, ev.slot, ev.proc, ev.code)
+            elif isinstance(ev, WorkerSaid):
+                if ev.message.get("kind") == "failed":
+                    self.swapper.on_worker_failed_step(ev.slot, ev.message)
+            elif isinstance(ev, RendezvousChanged):
+                result = await self._on_rdzv_event(gen, ev.event)
+            elif isinstance(ev, FallbackRequested):
+                if ev.free and self.free_fallbacks > 0:
                     self.free_fallbacks -= 1
                     log.warning("tpassrun: %s; restarting the whole group (this does not spend --max-restarts; "
-                                "%d such restart(s) left on this node)", item[1], self.free_fallbacks)
-                    self.events.write("fallback", reason=item[1], spends_restart=False)
+                                "%d such restart(s) left on this node)", ev.reason, self.free_fallbacks)
+                    self.events.write("fallback", reason=ev.reason, spends_restart=False)
                     with contextlib.suppress(RendezvousError):
-                        await self.rdzv.request_restart(self.generation or gen, item[1])
+                        await self.rdzv.request_restart(self.generation or gen, ev.reason)
                     continue
                 nxt = ("restarting the whole group (spends one of --max-restarts)" if self.remaining_restarts > 0
                        else "no restart left (--max-restarts): the job fails")
-                log.warning("tpassrun: %s; %s", item[1], nxt)
-                self.events.write("fallback", reason=item[1], spends_restart=True)
-                self._record_failures(item[2] if len(item) > 2 else None)
-                return Outcome.FAILED, item[1]
-            elif kind == "health_restart":
-                self.events.write("fallback", reason=item[1])
+                log.warning("tpassrun: %s; %s", ev.reason, nxt)
+                self.events.write("fallback", reason=ev.reason, spends_restart=True)
+                self._record_failures(ev.slot)
+                return Outcome.FAILED, ev.reason
+            elif isinstance(ev, HealthRestartRequested):
+                self.events.write("fallback", reason=ev.reason)
                 with contextlib.suppress(RendezvousError):
-                    await self.rdzv.request_restart(self.generation or gen, item[1])
-            elif kind == "restart_requested":
-                return Outcome.MEMBERSHIP, item[1]
-            elif kind == "lease_lost":
-                result = await self._fence(gen, item[1])
-                if result is not None:
-                    return result
+                    await self.rdzv.request_restart(self.generation or gen, ev.reason)
+            elif isinstance(ev, LeaseLost):
+                result = await self._fence(gen, ev.reason)
+            if result is not None:
+                return result
 
     async def _on_exit(self, gen: Generation, slot: Slot, proc: Any, code: int) -> tuple[str, str] | None:
         if slot.proc is not proc:
@@ -661,7 +676,7 @@ class Agent:
     # ------------------------------------------------------------------ fencing
     async def _watch_lease(self) -> None:
         assert self.rdzv is not None
-        self._queue.put_nowait(("lease_lost", await self.rdzv.lease_lost()))
+        self._queue.put_nowait(LeaseLost(await self.rdzv.lease_lost()))
 
     async def _fence(self, gen: Generation, reason: str) -> tuple[str, str] | None:
         """Our etcd lease may have expired (etcd unreachable from here, or refreshes too late): the leader may

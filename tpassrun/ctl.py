@@ -28,6 +28,7 @@ from typing import Any, Sequence
 
 from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RecordError, RunClosed, SwapPlan,
                       Taint, TaintEffect, TaintSource, leader_of, load, node_info)
+from .registry import CtlError
 from .rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, RendezvousError, RendezvousSettings,
                          refuse_inline_secrets)
 
@@ -36,10 +37,6 @@ from .rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, Rendezvous
 EFFECTS = (TaintEffect.MIGRATE.value, TaintEffect.EXCLUDE.value)
 EFFECT_HELP = ("migrate: move the rank to a warm spare at the next step boundary and keep the slot out until "
                "untainted (default); exclude: leave the rank where it is, never hand the slot out as a spare")
-
-
-class CtlError(Exception):
-    """A one-line user error (exit 1)."""
 
 
 def _parse_conf(text: str) -> dict[str, str]:

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from .console import Describer, log_prefix, summary_lines, _short
-from .registry import RunEntry, _alive
+from .registry import CtlError, RunEntry, _alive
 
 POLL_S = 0.2
 
@@ -22,8 +22,6 @@ def _line(d: Describer, ev: dict[str, Any], pid: int) -> list[str]:
 
 
 def print_events(entry: RunEntry, *, follow: bool, raw: bool, out: Any = None) -> int:
-    from .ctl import CtlError
-
     out = out or sys.stdout
     if not entry.event_log:
         raise CtlError(f"run {entry.run_id!r} keeps no event log (--log-dir {os.devnull})")

@@ -34,6 +34,7 @@ from . import envnames as E
 from .channel import Field
 from .health import (FileSensor, HealthMonitor, HealthVerdict, NvmlSensor, Policy, PolicyEngine, Sensor, Status,
                      StragglerDetector, TaintEffect, device_for_local_rank)
+from .port import HealthHost
 from .records import HANDLED_KILLED, HealthRecord, Keys, Taint, TaintSource, load
 from .slots import SlotState
 
@@ -154,14 +155,14 @@ class AgentHealth:
     its predecessor wrote.
 
     Args:
-        agent: the :class:`tpassrun.agent.Agent` (``cfg``, ``node_id``, ``rdzv``, ``slots``, ``events``,
-            ``environ``).
+        agent: what the daemon reads of its agent (:class:`tpassrun.port.HealthHost`: ``cfg``, ``node_id``,
+            ``rdzv``, ``slots``, ``events``, ``environ``).
         sensors: replaces the default NVML + file sensors (tests, benchmarks).
         clock: monotonic time the verdicts are judged at.
         wall_clock: wall time written into taints.
     """
 
-    def __init__(self, agent: Any, *, sensors: Sequence[Sensor] | None = None,
+    def __init__(self, agent: HealthHost, *, sensors: Sequence[Sensor] | None = None,
                  clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
         self.agent = agent
         self._sensors = list(sensors) if sensors is not None else None

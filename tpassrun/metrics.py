@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily
 from .console import Describer
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .port import StatusHost
 
 PAUSE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -25,7 +25,7 @@ PAUSE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 class AgentMetrics:
     """An event listener and a Prometheus collector. Constructing it does no I/O; :meth:`serve` listens."""
 
-    def __init__(self, agent: "Agent") -> None:
+    def __init__(self, agent: "StatusHost") -> None:
         self.agent = agent
         self.registry = CollectorRegistry()
         self.describer = Describer()

@@ -91,6 +91,9 @@ class Keys:
     def failure(self, node_id: str, slot: int) -> str:
         return self._join("failures", f"{node_id}-{slot}")
 
+    def failure_by_id(self, failure_id: str) -> str:
+        return self._join("failures", failure_id)
+
     def swap(self, swap_id: str) -> str:
         return self._join("swaps", swap_id)
 

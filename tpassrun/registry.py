@@ -27,6 +27,10 @@ VERSION = 1
 log = logging.getLogger("tpassrun.registry")
 
 
+class CtlError(Exception):
+    """A one-line tpassctl user error (exit 1)."""
+
+
 class RegistryError(Exception):
     """The registry directory is not private to this user."""
 

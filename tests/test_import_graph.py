@@ -1,0 +1,105 @@
+"""The module graph: no import circle inside tpassrun (imports for annotations under ``if TYPE_CHECKING:`` and
+imports inside functions count too: a circle of types is still a circle), and no upward import
+(``rendezvous``/``health`` never import the rest of tpassrun)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = {"tpassrun": ROOT / "tpassrun", "tpassrun.rendezvous": ROOT / "rendezvous",
+            "tpassrun.health": ROOT / "health"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for pkg, path in PACKAGES.items():
+        for f in sorted(path.glob("*.py")):
+            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    for f in sorted((ROOT / "tpassrun" / "adapters").glob("*.py")):
+        out["tpassrun.adapters" if f.stem == "__init__" else f"tpassrun.adapters.{f.stem}"] = f
+    return out
+
+
+def _imports(module: str, path: Path, known: set[str]) -> set[str]:
+    package = module if path.stem == "__init__" else module.rsplit(".", 1)[0]
+    found: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ImportFrom):
+                base = child.module or ""
+                if child.level:
+                    parts = package.split(".")
+                    parts = parts[: len(parts) - (child.level - 1)]
+                    base = ".".join(parts + ([base] if base else []))
+                for alias in child.names:
+                    full = f"{base}.{alias.name}"
+                    found.add(full if full in known else base)
+            elif isinstance(child, ast.Import):
+                found.update(a.name for a in child.names)
+            visit(child)
+
+    visit(ast.parse(path.read_text()))
+    return {m for m in found if m in known and m != module}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = _modules()
+    return {m: _imports(m, p, set(mods)) for m, p in mods.items()}
+
+
+def _cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in g[v]:
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in g:
+        if v not in index:
+            strong(v)
+    return out
+
+
+def _package_level(g: dict[str, set[str]]) -> dict[str, set[str]]:
+    """Package __init__ modules re-export their submodules: an edge into ``tpassrun`` itself is an edge
+    into the lazy top-level API, which imports nothing at import time."""
+    return {m: {d for d in deps if d != "tpassrun"} for m, deps in g.items()}
+
+
+def test_no_import_circle():
+    assert _cycles(_package_level(graph())) == []
+
+
+def test_no_upward_import():
+    for module, deps in graph().items():
+        if any(module == p or module.startswith(p + ".") for p in ("tpassrun.rendezvous", "tpassrun.health")):
+            own = module.split(".")[:2]
+            up = [d for d in deps if d.split(".")[:2] != own]
+            assert up == [], f"{module} imports {up}"
+
+
+def test_the_agent_is_not_imported_by_its_parts():
+    importers = sorted(m for m, deps in graph().items() if "tpassrun.agent" in deps)
+    assert importers == ["tpassrun.cli"] or set(importers) <= {"tpassrun.cli", "tpassrun.config"}, importers

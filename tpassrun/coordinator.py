@@ -1,0 +1,215 @@
+"""The swap coordinator: the rendezvous leader's half of live swaps (every agent runs the participant half,
+:class:`tpassrun.swapper.Swapper`).
+
+On every relevant change in etcd (a taint, a worker failure, a report, a node's status, a plan) the leader
+reads the control plane once, asks :func:`tpassrun.triage.triage` (pure) what to do, and writes it: plans are
+created and advanced by compare-and-swap, so a leader change mid-swap cannot fork a plan. A REFORM commits the
+next generation (the swap's) before the plan moves on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+
+from .port import AgentPort, HealthRestartRequested
+from .records import Failure, Keys, NodeStatus, RecordError, Report, SwapPlan, Taint, TaintEffect, load
+from .swap import ClusterView, Decision, Phase, SlotView
+from .triage import Action, CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen, triage
+
+log = logging.getLogger("tpassrun.swap")
+
+
+class Coordinator:
+    """Construct once per agent; ``await run()`` in every generation; :meth:`kick` on any local change."""
+
+    def __init__(self, port: AgentPort) -> None:
+        self.port = port
+        self._kick = asyncio.Event()
+        self._waiting_said: set[str] = set()
+        self._taints_said: set[str] = set()    # taint ids whose arrival the event log has
+
+    def kick(self) -> None:
+        self._kick.set()
+
+    @property
+    def _keys(self) -> Keys:
+        return Keys(self.port.rdzv.key(""))
+
+    @property
+    def _store(self):  # noqa: ANN202
+        return self.port.rdzv.store
+
+    async def run(self) -> None:
+        await self._coordinate()
+
+    # ------------------------------------------------------------------ reads (the participant uses them too)
+    async def view(self) -> ClusterView:
+        return await self._view()
+
+    async def taints(self) -> list[Taint]:
+        return await self._taints()
+
+    # ------------------------------------------------------------------ the loop
+    async def _coordinate(self) -> None:
+        """Re-evaluate on every relevant change; only the leader acts."""
+        prefix = self._keys.prefix
+        watcher = asyncio.ensure_future(self._watch_kicks(prefix))
+        backoff, said = 0.2, ""
+        try:
+            while True:
+                await self._kick.wait()
+                self._kick.clear()
+                if self.port.rdzv.is_leader:
+                    try:
+                        await self._leader_tick()
+                        backoff, said = 0.2, ""
+                    except Exception as exc:  # noqa: BLE001 - the next kick re-reads everything
+                        # Once per distinct error, then retry with a growing pause: never a traceback per tick.
+                        if repr(exc) != said:
+                            said = repr(exc)
+                            log.exception("swap coordinator tick failed; retrying")
+                        await asyncio.sleep(backoff)
+                        backoff = min(backoff * 2, 5.0)
+                        self._kick.set()
+        finally:
+            watcher.cancel()
+
+    async def _watch_kicks(self, prefix: str) -> None:
+        self._kick.set()
+        interesting = ("taints/", "failures/", "reports/", "status/", "swaps/")
+        async for ev in self._store.watch_prefix(prefix):
+            rel = ev.key[len(prefix):]
+            if rel.startswith(interesting):
+                self._kick.set()
+
+    async def _view(self) -> ClusterView:
+        gen = self.port.generation()
+        assert gen is not None
+        slots: list[SlotView] = []
+        # A taint naming a slot but no rank (health: a bad spare), or any "exclude" taint, keeps that slot out
+        # of the spare pool.
+        barred = {(t.node_id, t.slot) for t in await self._taints()
+                  if t.rank is None or t.effect is TaintEffect.EXCLUDE}
+        for key, doc, rev in await self._store.get_prefix_json(self._keys.family("status")):
+            status = load(NodeStatus.from_json, key, doc, rev)
+            if status is None:
+                continue
+            for w in status.workers:
+                state = w.state
+                if state == "spare" and (status.node_id, w.slot) in barred:
+                    state = "tainted"
+                slots.append(SlotView(node=status.node_id, slot=w.slot, rank=w.rank, state=state,
+                                      managed=w.managed, step=w.step))
+        return ClusterView(generation=gen.number, members=tuple(m.node_id for m in gen.members),
+                           spare_nodes=tuple(gen.spare_nodes), slots=tuple(slots))
+
+    async def _taints(self) -> list[Taint]:
+        out = []
+        for key, doc, rev in await self._store.get_prefix_json(self._keys.family("taints")):
+            taint = load(Taint.from_json, key, doc, rev)
+            if taint is not None and taint.id == self._keys.last(key):
+                out.append(taint)
+            elif taint is not None:
+                load(_mismatched_id, key, taint, rev)
+        return out
+
+    async def _plans(self) -> list[tuple[SwapPlan, int]]:
+        plans = []
+        for key, doc, rev in await self._store.get_prefix_json(self._keys.family("swaps")):
+            plan = load(SwapPlan.from_json, key, doc, rev)
+            if plan is not None:
+                plans.append((plan, rev))
+        return plans
+
+    async def _leader_tick(self) -> None:
+        """Read -> decide (:func:`tpassrun.triage.triage`, pure) -> write."""
+        result = triage(await self._read(time.time()))
+        self._waiting_said |= result.said
+        self._taints_said |= result.received
+        for action in result.actions:
+            await self._carry_out(action)
+
+    async def _read(self, now: float) -> Seen:
+        keys = self._keys
+        plans = await self._plans()
+        active = [p for p, _ in plans if not p.terminal and p.generation >= self.port.spawned_generation()]
+        reports: list[Report] = []
+        if active:
+            seq = len(active[0].history)
+            reports = [r for k, d, rv in await self._store.get_prefix_json(keys.reports(active[0].id, seq))
+                       if (r := load(Report.from_json, k, d, rv)) is not None]
+        failures = [(keys.last(k), f) for k, d, rv in await self._store.get_prefix_json(keys.family("failures"))
+                    if (f := load(Failure.from_json, k, d, rv)) is not None]
+        return Seen(now=now, spawned_generation=self.port.spawned_generation(), plans=plans, reports=reports,
+                    failures=failures, taints=await self._taints(), view=await self._view(),
+                    waiting_said=frozenset(self._waiting_said), received_said=frozenset(self._taints_said))
+
+    async def _carry_out(self, action: Action) -> None:
+        keys, store, events = self._keys, self._store, self.port.events
+        if isinstance(action, CasPlan):
+            if action.decision is None:     # a stale plan, aborted quietly
+                await store.cas_json(keys.swap(action.old.id), action.new.to_json(), action.revision)
+            else:
+                await self._apply(action.decision, action.old, action.revision)
+        elif isinstance(action, CreatePlan):
+            plan = action.plan if action.plan.terminal else _with_secret(action.plan)
+            created = await store.create_json(keys.swap(plan.id), plan.to_json())
+            if created and action.taint is not None:
+                await store.put_json(keys.taint(action.taint.id), action.taint.handled(plan.id, "migrating").to_json())
+                events.write("swap_decided", swap_id=plan.id, reason=action.reason, taint=action.taint.id)
+        elif isinstance(action, PutFailure):
+            await store.put_json(keys.failure_by_id(action.failure_id), action.failure.to_json())
+        elif isinstance(action, PutTaint):
+            await store.put_json(keys.taint(action.taint.id), action.taint.to_json())
+        elif isinstance(action, PutFallback):
+            await store.put_json(keys.fallback(action.node), action.fallback.to_json())
+        elif isinstance(action, Say):
+            events.write(action.event, **action.fields)
+        elif isinstance(action, RestartGroup):
+            self.port.post(HealthRestartRequested(action.reason))
+
+    async def _apply(self, decision: Decision, plan: SwapPlan, rev: int) -> None:
+        if decision.plan is None:
+            return
+        new = decision.plan
+        if new.phase == Phase.REFORM:
+            await self._commit_generation(new)
+        ok = await self._store.cas_json(self._keys.swap(plan.id), new.to_json(), rev)
+        if ok:
+            self.port.events.write("swap_phase", swap_id=new.id, phase=new.phase.value, reason=decision.reason)
+            if new.phase == Phase.DONE and new.taint_id and new.release:
+                await self._store.delete(self._keys.taint(new.taint_id))   # migrate-back done: nothing sick
+            elif new.phase == Phase.DONE and new.taint_id:
+                key = self._keys.taint(new.taint_id)
+                doc, trev = await self._store.get_json(key)
+                taint = load(Taint.from_json, key, doc, trev) if doc is not None else None
+                if taint is not None:
+                    await self._store.put_json(key, taint.handled(new.id, "quarantined", slot=new.leaver.slot,
+                                                                  node_id=new.leaver.node).to_json())
+
+    async def _commit_generation(self, plan: SwapPlan) -> None:
+        """One swap = one generation transition (compare-and-swap), carrying the swap id."""
+        import dataclasses
+
+        old = await self.port.rdzv.current()
+        if old is None:
+            return
+        assignments = dict(old.assignments or {})
+        assignments[str(plan.leaver.rank)] = {"node": plan.joiner.node, "slot": plan.joiner.slot}
+        new = dataclasses.replace(old, number=old.number + 1, swap_id=plan.id, reason=plan.reason,
+                                  assignments=assignments)
+        if await self.port.rdzv.commit(old, new):
+            self.port.set_generation(new)
+            self.port.events.write("generation_committed", generation=new.number, swap_id=plan.id)
+
+
+def _with_secret(plan: SwapPlan) -> SwapPlan:
+    """The plan as the leader writes it: with a fresh secret that only the job's control plane ever sees."""
+    return dataclasses.replace(plan, secret=secrets.token_hex(32))
+
+def _mismatched_id(taint: Taint) -> Taint:
+    raise RecordError(f"taint id {taint.id!r} differs from its key")

@@ -1,0 +1,207 @@
+"""The swap coordinator's triage: one pure function from what the leader read to what it must write.
+
+The leader's tick is *read -> decide -> write*: :class:`tpassrun.swapper.Swapper` reads every swap plan, the
+reports for the active one, worker failures, taints and the cluster view from etcd; :func:`triage` (here, no
+I/O, no clock) says what to do, as a list of typed :data:`Action` s; the swapper carries them out in order.
+
+Precedence, one thing per tick (each write makes the next tick see the new state):
+
+1. plans from before the last whole-group restart are aborted (their workers are gone);
+2. an active plan is advanced by :func:`tpassrun.swap.next_step` (one swap at a time);
+3. else the first unhandled worker failure gets a recovery (an unplanned swap, or a fallback restart);
+4. else the first unhandled taint gets a migration (or waits for a spare, or restarts the group without the
+   slot when its rank cannot swap live).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Sequence, Union
+
+from .records import (HANDLED_RESTART, Failure, Fallback, Phase, Report, SwapKind, SwapPlan, Taint, TaintEffect,
+                      TaintSource)
+from .swap import ClusterView, Decision, choose_spare, next_step, plan_for_failure, plan_for_taint
+
+
+@dataclass(frozen=True)
+class Seen:
+    """What the leader read in one tick."""
+
+    now: float                                        # wall time (plans' history)
+    spawned_generation: int                           # the generation whose start spawned the current workers
+    plans: Sequence[tuple[SwapPlan, int]]             # every plan with its etcd mod revision
+    reports: Sequence[Report]                         # for the first active plan's current phase
+    failures: Sequence[tuple[str, Failure]]           # (failure id, record), key order
+    taints: Sequence[Taint]                           # key order
+    view: ClusterView
+    waiting_said: frozenset[str] = frozenset()        # taints whose "waiting" was already announced
+    received_said: frozenset[str] = frozenset()       # taints whose arrival was already announced
+
+
+# --------------------------------------------------------------------------------------------- actions
+@dataclass(frozen=True)
+class CasPlan:
+    """Replace ``old`` (at ``revision``) by ``new``; ``decision`` is None for a stale plan aborted quietly."""
+
+    old: SwapPlan
+    new: SwapPlan
+    revision: int
+    decision: Decision | None = None
+
+
+@dataclass(frozen=True)
+class CreatePlan:
+    """Create a new plan (with a fresh transfer secret unless it is born aborted); for a taint, mark the taint
+    ``migrating`` once the plan exists."""
+
+    plan: SwapPlan
+    taint: Taint | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class PutFailure:
+    failure_id: str
+    failure: Failure
+
+
+@dataclass(frozen=True)
+class PutTaint:
+    taint: Taint
+
+
+@dataclass(frozen=True)
+class PutFallback:
+    node: str
+    fallback: Fallback
+
+
+@dataclass(frozen=True)
+class Say:
+    """An event-log line."""
+
+    event: str
+    fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RestartGroup:
+    """A health-aware restart: a new generation without the tainted slot (costs no restart)."""
+
+    reason: str
+
+
+Action = Union[CasPlan, CreatePlan, PutFailure, PutTaint, PutFallback, Say, RestartGroup]
+
+
+@dataclass(frozen=True)
+class Triage:
+    actions: tuple[Action, ...]
+    said: frozenset[str] = frozenset()                # taints whose "waiting" is announced by this triage
+    received: frozenset[str] = frozenset()            # taints whose arrival is announced by this triage
+
+
+def triage(seen: Seen) -> Triage:
+    now = seen.now
+    stale = [(p, rev) for p, rev in seen.plans if not p.terminal and p.generation < seen.spawned_generation]
+    out: list[Action] = [CasPlan(p, p.advance(Phase.ABORTED, now), rev) for p, rev in stale]
+    active = [(p, rev) for p, rev in seen.plans if not p.terminal and (p, rev) not in stale]
+    if active:
+        plan, rev = active[0]
+        return Triage(tuple(out) + _advance(plan, rev, seen))
+    stale_failures = []
+    for fid, f in seen.failures:
+        if f.handled:
+            continue
+        if f.generation < seen.spawned_generation:
+            # A death from before the last whole-group restart (e.g. a second failure that ended a
+            # recovery): those workers are gone, and the rank runs anew. Never plan a swap for it.
+            stale_failures.append(PutFailure(fid, f.mark("stale", "before the restart")))
+            continue
+        return Triage(tuple(out + stale_failures) + _recover(fid, f, seen))
+    out += stale_failures
+    taint_actions, said, received = _taints(seen)
+    return Triage(tuple(out) + taint_actions, said, received)
+
+
+def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
+    spare = None
+    sender_dead = False
+    if plan.phase in (Phase.TRANSFER, Phase.SEND):
+        view = seen.view
+        sender = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
+        held = view.slot_at(sender.node, sender.slot) if sender is not None else None
+        sender_dead = held is not None and held.state in ("dead", "idle")
+        joiner = view.slot_at(plan.joiner.node, plan.joiner.slot)
+        if any(not r.ok for r in seen.reports) and (joiner is None or joiner.state != "spare"):
+            spare = choose_spare(view, plan.joiner.node, plan.excluded_spares + ((plan.joiner.node, plan.joiner.slot),))
+    decision = next_step(plan, seen.reports, seen.now, spare_after_failure=spare, sender_dead=sender_dead)
+    return (CasPlan(plan, decision.plan, rev, decision),) if decision.plan is not None else ()
+
+
+def _recover(fid: str, f: Failure, seen: Seen) -> tuple[Action, ...]:
+    view, now = seen.view, seen.now
+    decision = plan_for_failure(view, node=f.node, slot=f.slot, rank=f.rank, reason=f"exit code {f.code}",
+                                now_wall=now, light_available=f.light, swap_id=f"u-{fid}-{f.generation}")
+    out: list[Action] = [PutFailure(fid, f.mark(decision.action, decision.reason)),
+                         Say("recovery_decided", {"action": decision.action, "reason": decision.reason})]
+    known = {p.id for p, _ in seen.plans}
+    if decision.plan is not None and decision.plan.id not in known:
+        out.append(CreatePlan(decision.plan))
+    elif decision.action == "fallback":
+        fake = plan_for_failure(view, node=f.node, slot=f.slot, rank=f.rank, reason="", now_wall=now,
+                                light_available=True)
+        if fake.plan is not None:
+            # Tell the dead rank's agent through an aborted plan: it turns that into a group restart.
+            out.append(CreatePlan(fake.plan.advance(Phase.ABORTED, now)))
+        else:   # no plan to abort (no spare at all): tell the dead rank's agent directly
+            out.append(PutFallback(f.node, Fallback(decision.reason, f.generation, f.slot)))
+    return tuple(out)
+
+
+def _taints(seen: Seen) -> tuple[tuple[Action, ...], frozenset[str], frozenset[str]]:
+    """Every unhandled taint in turn: the first one that can move gets its plan (one plan per tick); the ones
+    that must wait say so once; one whose rank cannot swap live restarts the group without its slot."""
+    view, now = seen.view, seen.now
+    done = {p.taint_id for p, _ in seen.plans if p.taint_id and p.phase == Phase.DONE}
+    out: list[Action] = []
+    said: set[str] = set()
+    received: set[str] = set()
+    for taint in seen.taints:
+        if taint.id not in seen.received_said and taint.source != TaintSource.HEALTH.value:   # health: health_taint
+            received.add(taint.id)
+            out.append(Say("taint_received", {"id": taint.id, "rank": taint.rank, "slot": taint.slot,
+                                              "target_node": taint.node_id, "effect": taint.effect.value,
+                                              "source": taint.source or "tpassctl", "reason": taint.reason}))
+        if taint.id in done or taint.handled_by or taint.effect is TaintEffect.EXCLUDE:
+            continue  # exclude: keep the rank where it is, only never hand the slot out as a spare
+        rank = taint.rank
+        if rank is None:
+            target = [s for s in view.slots if s.node == taint.node_id and s.rank is not None
+                      and (taint.slot is None or s.slot == taint.slot) and s.state == "running"]
+            if not target or target[0].rank is None:
+                continue
+            rank = target[0].rank
+        decision = plan_for_taint(view, node=taint.node_id or "", rank=rank, reason=taint.reason,
+                                  taint_id=taint.id, now_wall=now, home=taint.home)
+        if decision.action == "plan" and decision.plan is not None:
+            out.append(CreatePlan(decision.plan, taint, decision.reason))
+            break
+        if taint.id not in seen.waiting_said:
+            said.add(taint.id)
+            out += [Say("swap_waiting", {"taint": taint.id, "action": decision.action, "reason": decision.reason}),
+                    PutTaint(taint.handled(None, f"{decision.action}: {decision.reason}"))]
+        if decision.action == "fallback":
+            # A rank that cannot swap live (its script never called tpassrun.init()): restart the group
+            # with the tainted slot quarantined on its node, so the rank starts in a spare slot instead.
+            # Like a membership change, this costs no --max-restarts: nothing failed.
+            held = view.slot_of_rank(rank)
+            where = {"node_id": held.node, "slot": held.slot} if held is not None else {}
+            out += [PutTaint(taint.handled(HANDLED_RESTART, decision.reason, **where)),
+                    RestartGroup(f"health-aware restart: {decision.reason}")]
+            break
+    return tuple(out), frozenset(said), frozenset(received)
+
+
+__all__ = ["Action", "CasPlan", "CreatePlan", "PutFailure", "PutFallback", "PutTaint", "RestartGroup", "Say", "Seen",
+           "Triage", "triage"]
