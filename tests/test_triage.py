@@ -181,4 +181,5 @@ def test_an_aborted_unplanned_recovery_asks_the_agent_for_a_fallback():
     swapper = Swapper(port(slots, posted))
     aborted = dataclasses.replace(plan(kind=SwapKind.UNPLANNED, donor=SlotRef("a", 0, 0)), phase=Phase.ABORTED)
     asyncio.run(swapper._abort(aborted))
-    assert posted == [FallbackRequested("unplanned recovery of rank 1 aborted", slots.slots[1])]
+    assert posted == [FallbackRequested("rank 1 cannot be recovered live: its recovery was aborted", slots.slots[1],
+                                        free=False)]

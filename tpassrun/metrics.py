@@ -118,7 +118,7 @@ class AgentMetrics:
             server.server_close()
 
 
-def serve_metrics(agent: "Agent", stack: contextlib.AsyncExitStack) -> tuple[str, int]:
+def serve_metrics(agent: "StatusHost", stack: contextlib.AsyncExitStack) -> tuple[str, int]:
     """--metrics-port: listen (closed by ``stack``) and follow ``agent``'s events from now on."""
     from .rendezvous import RendezvousError
 

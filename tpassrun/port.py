@@ -116,8 +116,12 @@ class HealthHost(Protocol):
 
 
 class StatusHost(Protocol):
-    """One agent as its metrics endpoint sees it (read at scrape time)."""
+    """One agent as its metrics endpoint and its run-registry entry see it."""
 
+    node_id: str
+    cfg: Any                       # the launch settings (run id, metrics port, nproc, spares, rdzv conf)
+    logs: Any                      # procs.RunLogs (the run's log dir)
+    events: Any                    # events.EventLog (listeners are added to it)
     slots: "LocalSlots | None"
     generation: "Generation | None"
 

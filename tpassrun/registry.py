@@ -21,7 +21,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .agent import Agent
+    from .port import StatusHost
 
 VERSION = 1
 log = logging.getLogger("tpassrun.registry")
@@ -129,7 +129,7 @@ def list_runs(directory: str | None = None, *, prune: bool = True) -> list[RunEn
     return sorted(out, key=lambda e: e.started)
 
 
-def register_run(agent: "Agent", stack: contextlib.AsyncExitStack, endpoint: str, event_path: str | None) -> None:
+def register_run(agent: "StatusHost", stack: contextlib.AsyncExitStack, endpoint: str, event_path: str | None) -> None:
     """List ``agent``'s run while it lives (removed by ``stack``); a registry we cannot use is only a warning."""
     cfg = agent.cfg
     conf = ",".join(f"{k}={v}" for k, v in dict(cfg.rdzv_conf or {}).items()
