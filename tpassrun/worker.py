@@ -494,6 +494,15 @@ class Session:
                 testing.fault_point(self.rank, step, "send")   # tests: the sender dies mid-handoff
                 objs = {k: v for k, v in self._tracked.items()
                         if not (msg.get("replicated_only") and k in self._per_rank)}
+                unique = _not_replicated(objs) if msg.get("replicated_only") else []
+                if unique:
+                    # e.g. a ZeRO optimizer partition: this rank's copy is not the dead rank's. Refuse (the
+                    # joiner sees the connection close at once) rather than hand over the wrong state.
+                    log.warning("rank %d cannot donate state for an unplanned recovery: %s", self.rank,
+                                "; ".join(unique))
+                    _refuse_send(msg)
+                    link.send("sent", ok=False, error="; ".join(unique)[:300], swap_id=msg.get("swap_id"))
+                    continue
                 rng = handoff.capture_rng() if msg.get("rng", True) else None
                 bundle = handoff.capture(objs, step=step, rng=rng,
                                          extra={"objects": sorted(objs), "swap_id": msg.get("swap_id")})
@@ -543,6 +552,8 @@ class Session:
                 obj.zero_grad(set_to_none=True)
             elif isinstance(obj, torch.nn.Module):
                 obj.zero_grad(set_to_none=True)
+            elif callable(getattr(obj, "drop_grads", None)):
+                obj.drop_grads()   # a framework adapter's view (e.g. a DeepSpeed engine's gradient buffers)
 
     def _reform(self, msg: dict[str, Any]) -> None:
         link = self._link
@@ -589,6 +600,24 @@ def _bundle_rng(bundle: Any) -> Any:
 
 def _bundle_step(bundle: Any) -> int:
     return int(bundle.meta.get("step", 0)) if bundle is not None else 0
+
+
+def _not_replicated(objs: dict[str, Any]) -> list[str]:
+    """Why each object that declares ``replicated = False`` (a framework adapter's sharded state) cannot be
+    taken from a data-parallel peer."""
+    out = []
+    for name, obj in objs.items():
+        if getattr(obj, "replicated", True) is False:
+            why = getattr(obj, "why_not_replicated", None)
+            out.append(f"{name}: {why() if callable(why) else 'not replicated on other ranks'}")
+    return out
+
+
+def _refuse_send(msg: dict[str, Any]) -> None:
+    try:
+        socket.create_connection((msg["addr"], int(msg["port"])), timeout=5).close()
+    except OSError:
+        pass
 
 
 def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: Callable[[], bool]) -> Any:

@@ -183,7 +183,13 @@ def _frozen(obj: Any) -> bool:
 @dataclass
 class GroupSnapshot:
     """The process groups some objects reference, with their member ranks, recorded while they were alive, so
-    that the same groups can be re-created (by their members only) in a re-formed world."""
+    that the same groups can be re-created in a re-formed world.
+
+    Groups are re-created in their original creation order and with ``new_group``'s default (world-wide)
+    synchronization: that is exactly what a joiner does when it builds the framework's objects from scratch
+    (DeepSpeed's ``_clone_world_group``, Megatron's ``initialize_model_parallel``), so the survivors' calls and
+    the joiner's pair up (same group names, same store keys). Mixing modes, or orders, hangs the new world.
+    """
 
     groups: list[tuple[Any, tuple[int, ...], bool]] = field(default_factory=list)   # (group, ranks, is_world)
 
@@ -198,22 +204,24 @@ class GroupSnapshot:
         for group in found.values():
             ranks = tuple(dist.get_process_group_ranks(group))
             groups.append((group, ranks, group is world))
-        # Every member must create the groups in the same order: sort by something all members agree on.
-        groups.sort(key=lambda g: (not g[2], g[1], str(getattr(g[0], "group_name", ""))))
+        groups.sort(key=lambda g: (not g[2], _creation_index(g[0]), g[1]))
         return cls(groups)
 
     def recreate(self) -> dict[int, Any]:
-        """New groups with the same members in the current world: ``{id(old): new}``."""
+        """New groups with the same members in the current world, ``{id(old): new}``. Every rank of the new
+        world must call this (the joiner makes the same calls while building its objects)."""
         import torch.distributed as dist
 
         mapping: dict[int, Any] = {}
         for group, ranks, is_world in self.groups:
-            if is_world:
-                mapping[id(group)] = dist.group.WORLD
-            else:
-                # Only members call this (use_local_synchronization), and each rank only knows its own groups.
-                mapping[id(group)] = dist.new_group(list(ranks), use_local_synchronization=True)
+            mapping[id(group)] = dist.group.WORLD if is_world else dist.new_group(list(ranks))
         return mapping
+
+
+def _creation_index(group: Any) -> int:
+    """torch names groups made without hashed names by a counter ("1", "2", ...): their creation order."""
+    name = str(getattr(group, "group_name", ""))
+    return int(name) if name.isdigit() else 1 << 30
 
 
 def _collect(roots: Iterable[Any], match: Callable[[Any], bool], found: dict[int, Any],

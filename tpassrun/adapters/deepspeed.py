@@ -1,27 +1,37 @@
-"""DeepSpeed: a Stateful view of a ``DeepSpeedEngine``, and re-created groups after a re-formed world.
+"""DeepSpeed: a Stateful view of a ``DeepSpeedEngine``, and the engine's groups re-created after a re-formed world.
 
-    engine, optimizer, loader, scheduler = deepspeed.initialize(...)
-    adapter = DeepSpeedAdapter(sess, engine, data_loader=loader)
+    sess = tpassrun.init()                               # instead of deepspeed.init_distributed()
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=..., config=cfg)
+    batches = ResumableLoader(DataLoader(dataset, sampler=DistributedSampler(dataset), ...))
+    DeepSpeedAdapter(sess, engine, data_loader=batches)
     sess.run(step_fn, total_steps)
 
-What travels (all heavy, i.e. only at a handoff, except the data loader's position):
+What travels (heavy = only at a handoff; light = also snapshotted at every step start):
 
-* the module's ``state_dict()``;
-* the optimizer through the engine's own objects: under ZeRO-1/2 ``engine.optimizer.state_dict()`` is *this
-  rank's partition* (``base_optimizer_state``, ``single_partition_of_fp32_groups``, loss scaler, ...) and is loaded
-  back with ``load_state_dict([...], load_from_fp32_weights=True)`` so the fp32 master shard is exact even under
-  bf16/fp16; without ZeRO ``optimizer.state_dict()`` / ``load_state_dict()``;
-* ``engine.lr_scheduler``; ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``;
-* light: the data loader's position when it has ``state_dict()`` (DeepSpeed's own loader does not).
+* heavy: the module's ``state_dict()``; the optimizer through the engine's own objects: under ZeRO-1/2
+  ``engine.optimizer.state_dict()`` is *this rank's partition* (``base_optimizer_state``,
+  ``single_partition_of_fp32_groups``, ...) and is loaded back with ``load_from_fp32_weights=True`` so the fp32
+  master shard is exact even under bf16/fp16; without ZeRO the wrapped optimizer's ``state_dict()``;
+  ``engine.lr_scheduler``; ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``. The loss
+  scaler (an object, never pickled) travels as its plain attributes and is applied to the joiner's own scaler.
+* light: the data position (any loader with ``state_dict()``, e.g. :class:`tpassrun.adapters.data.ResumableLoader`).
 
-ZeRO partitions are owned by DP index: a joiner must take the leaver's rank (tpassrun always does). Nobody else
-holds a rank's partition, so an *unplanned* failure has no live replica under ZeRO >= 1 (:attr:`replicated` is
-False); a planned swap (the leaver sends its own partition) is exact. ZeRO-3 parameter partitions are refused.
-DeepSpeed does not save RNG; tpassrun's generic RNG capture moves the global generators (``deepspeed.checkpointing``'s
-model-parallel CUDA tracker, used with activation checkpointing + MP, is not covered).
+After a re-formed world (survivors, in ``on_reconfigure``) the adapter does what a joiner's
+``deepspeed.initialize`` does collectively, in the same order: re-create the groups the engine cached (DeepSpeed's
+clone of the world group in ``deepspeed.utils.groups``, the groups in ``deepspeed.comm``'s backend) with
+``new_group``'s default synchronization, then the engine's parameter broadcast, whose result the survivors throw
+away (the joiner loads the real state right after). Both sides therefore issue the same collectives and the new
+world never hangs.
 
-Not exercised here: DeepSpeed is a heavy install (CPU runs need ``DS_ACCELERATOR=cpu`` and a JIT build); the tests
-use stand-ins with the same method names. deepspeed is imported lazily, only to find its cached groups.
+Replicas: ZeRO partitions are owned by DP index and nobody else holds a rank's partition, so under ZeRO >= 1 an
+*unplanned* failure has no live donor (:attr:`DeepSpeedEngineState.replicated` is False: a survivor asked to donate
+refuses, and the job falls back to a whole-group restart, saying why); a planned swap (the leaver sends its own
+partition) is exact. ZeRO-0 state is identical on every rank: unplanned recovery takes it from a survivor.
+ZeRO-3 parameter partitions are refused. DeepSpeed does not save RNG; tpassrun's generic RNG capture moves the
+global generators (``deepspeed.checkpointing``'s model-parallel CUDA tracker is not covered).
+
+Tested against DeepSpeed 0.19.8 on CPU (``DS_ACCELERATOR=cpu``, gloo): ZeRO 0/1/2 planned swaps and a ZeRO-0
+unplanned SIGKILL end ``torch.equal`` to the same script under torchrun (``tests/test_deepspeed_real.py``).
 """
 
 from __future__ import annotations
@@ -34,8 +44,15 @@ from ._common import GroupSnapshot, portable, rebind_references, register, resto
 
 log = logging.getLogger("tpassrun.adapters.deepspeed")
 
-STATE_VERSION = 1
+STATE_VERSION = 2
+TESTED_VERSIONS = ("0.19.8",)
 COUNTERS = ("global_steps", "global_samples", "skipped_steps", "micro_steps")
+_SCALER_KEY = "__tpassrun_loss_scaler__"
+_ENUM_KEY = "__tpassrun_int_enum__"
+# Entries of a ZeRO optimizer state_dict that describe the live layout rather than training progress (fragment
+# address objects, used by universal checkpoints only): kept from the joiner's own optimizer.
+_LAYOUT_ONLY = ("param_slice_mappings",)
+_PLAIN = (int, float, bool, str, type(None))
 
 
 def zero_stage(engine: Any) -> int:
@@ -43,11 +60,99 @@ def zero_stage(engine: Any) -> int:
     return int(stage()) if callable(stage) else 0
 
 
+def _version() -> str:
+    mod = sys.modules.get("deepspeed")
+    return str(getattr(mod, "__version__", "unknown"))
+
+
+def _require(obj: Any, attr: str) -> Any:
+    """A DeepSpeed attribute the adapter depends on; a clear error naming the versions tested if it is gone."""
+    try:
+        return getattr(obj, attr)
+    except AttributeError:
+        raise RuntimeError(f"tpassrun's DeepSpeed adapter needs {type(obj).__name__}.{attr}, which DeepSpeed "
+                           f"{_version()} does not have (tested with DeepSpeed {', '.join(TESTED_VERSIONS)})") from None
+
+
+def _is_loss_scaler(obj: Any) -> bool:
+    return any(c.__name__ == "LossScalerBase" for c in type(obj).__mro__)
+
+
+def _scaler_state(scaler: Any) -> dict[str, Any]:
+    import torch
+
+    attrs = {k: v for k, v in vars(scaler).items() if type(v) in _PLAIN or isinstance(v, torch.dtype)}
+    return {_SCALER_KEY: type(scaler).__name__, "attrs": attrs}
+
+
+def _to_portable_optimizer(sd: Any) -> Any:
+    """The ZeRO/fp16 optimizer's state_dict with its objects made plain: the loss scaler as its attributes,
+    int enums (``ZeroStageEnum``) as ints, layout-only entries dropped."""
+    import enum
+
+    if not isinstance(sd, dict):
+        return portable(sd)
+    out: dict[str, Any] = {}
+    for key, value in sd.items():
+        if key in _LAYOUT_ONLY:
+            continue
+        if _is_loss_scaler(value):
+            out[key] = _scaler_state(value)
+        elif isinstance(value, enum.Enum):
+            out[key] = {_ENUM_KEY: int(value.value)}
+        else:
+            out[key] = portable(value)
+    return out
+
+
+def _from_portable_optimizer(sd: Any, live: Any) -> Any:
+    """Inverse of :func:`_to_portable_optimizer` against the joiner's own optimizer ``live``: the received scaler
+    attributes are applied to the live scaler object, enums and layout entries are taken from the live state."""
+    if not isinstance(sd, dict):
+        return sd
+    own = live.state_dict()
+    out: dict[str, Any] = {}
+    for key, value in sd.items():
+        if isinstance(value, dict) and _SCALER_KEY in value:
+            scaler = own.get(key)
+            if scaler is None or type(scaler).__name__ != value[_SCALER_KEY]:
+                raise ValueError(f"received a {value[_SCALER_KEY]} loss scaler, this engine has "
+                                 f"{type(scaler).__name__}: the DeepSpeed configs differ")
+            for attr, v in value["attrs"].items():
+                setattr(scaler, attr, v)
+            out[key] = scaler
+        elif isinstance(value, dict) and set(value) == {_ENUM_KEY}:
+            out[key] = own.get(key, value[_ENUM_KEY])
+        else:
+            out[key] = value
+    for key in _LAYOUT_ONLY:
+        if key in own:
+            out[key] = own[key]
+    return out
+
+
 class DeepSpeedEngineState:
     """Module, optimizer (this rank's ZeRO partition), scheduler and counters of one engine."""
 
     def __init__(self, engine: Any) -> None:
         self.engine = engine
+
+    @property
+    def replicated(self) -> bool:
+        """Whether every data-parallel rank holds this same state: only without ZeRO (stage 0). A survivor never
+        donates a non-replicated state for an unplanned recovery (it would hand over the wrong partition)."""
+        return zero_stage(self.engine) == 0
+
+    def why_not_replicated(self) -> str:
+        return (f"DeepSpeed ZeRO-{zero_stage(self.engine)} keeps each rank's optimizer partition on that rank only; "
+                "no live replica exists (a planned swap is exact, an unplanned failure restarts the group)")
+
+    def drop_grads(self) -> None:
+        """Forget the gradients of a step that failed half-way (it is re-executed after an unplanned recovery)."""
+        self.engine.module.zero_grad(set_to_none=True)
+        optimizer = getattr(self.engine, "optimizer", None)
+        if optimizer is not None:
+            optimizer.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
         engine = self.engine
@@ -60,7 +165,7 @@ class DeepSpeedEngineState:
             "v": STATE_VERSION,
             "zero_stage": stage,
             "module": portable(engine.module.state_dict()),
-            "optimizer": None if optimizer is None else portable(optimizer.state_dict()),
+            "optimizer": None if optimizer is None else _to_portable_optimizer(optimizer.state_dict()),
             "lr_scheduler": None if scheduler is None else portable(scheduler.state_dict()),
             "counters": {name: getattr(engine, name) for name in COUNTERS if hasattr(engine, name)},
         }
@@ -74,7 +179,7 @@ class DeepSpeedEngineState:
             raise ValueError(f"received ZeRO stage {state['zero_stage']} state, this engine runs stage {stage}")
         engine.module.load_state_dict(restore_portable(state["module"], engine.module.state_dict()), strict=True)
         if state["optimizer"] is not None:
-            self._load_optimizer(state["optimizer"], stage)
+            self._load_optimizer(_from_portable_optimizer(state["optimizer"], engine.optimizer), stage)
         if state["lr_scheduler"] is not None:
             engine.lr_scheduler.load_state_dict(state["lr_scheduler"])
         for name, value in state["counters"].items():
@@ -101,15 +206,20 @@ def _distributed_ready() -> bool:
 
 
 class DeepSpeedAdapter:
-    """Registers a DeepSpeed engine with a tpassrun session and re-creates its groups after every swap.
+    """Registers a DeepSpeed engine with a tpassrun session and, after every swap, repeats on the survivors the
+    collectives a joiner's ``deepspeed.initialize`` makes.
 
     Args:
         sess: the session from ``tpassrun.init()``.
         engine: the ``DeepSpeedEngine`` from ``deepspeed.initialize``.
-        data_loader: a loader (or sampler) with ``state_dict()``/``load_state_dict()``, carried per rank.
+        data_loader: a loader with ``state_dict()``/``load_state_dict()`` (e.g.
+            :class:`tpassrun.adapters.data.ResumableLoader`), carried per rank.
     """
 
     def __init__(self, sess: Any, engine: Any, *, data_loader: Any = None) -> None:
+        if _version() not in TESTED_VERSIONS and "deepspeed" in sys.modules:
+            log.warning("tpassrun's DeepSpeed adapter was tested with DeepSpeed %s, this is %s",
+                        ", ".join(TESTED_VERSIONS), _version())
         self.sess = sess
         self.engine = engine
         self.data_loader = data_loader
@@ -124,15 +234,18 @@ class DeepSpeedAdapter:
 
     @property
     def replicated(self) -> bool:
-        """Whether another data-parallel rank holds everything this rank holds: only without ZeRO (stage 0).
-        Under ZeRO-1/2 the optimizer partition is unique: only a planned swap (the leaver sends) is exact."""
-        return zero_stage(self.engine) == 0
+        """Whether another data-parallel rank holds everything this rank holds: only without ZeRO (stage 0)."""
+        return self.engine_state.replicated
 
     def _roots(self) -> list[Any]:
         roots: list[Any] = [self.engine]
         groups_module = sys.modules.get("deepspeed.utils.groups")
         if groups_module is not None:
-            roots.append(vars(groups_module))   # module globals cache the DP/MP/EP groups
+            roots.append(vars(groups_module))   # module globals cache the world clone and the DP/MP/EP groups
+        comm_module = sys.modules.get("deepspeed.comm.comm")
+        backend = getattr(comm_module, "cdb", None)
+        if backend is not None:
+            roots.append(backend)               # deepspeed.comm's backend keeps the world group it was made with
         return roots
 
     def record_groups(self) -> GroupSnapshot:
@@ -142,14 +255,24 @@ class DeepSpeedAdapter:
         return self._groups
 
     def reconfigure(self) -> int:
-        """Re-create every group the engine cached, with the same members, and re-point references to them."""
+        """Re-create every group the engine cached, with the same members, in the order the joiner's engine
+        creates them; re-point references; then mirror the joiner's parameter broadcast (result discarded)."""
+        import torch
+
         if self._groups is None:
             raise RuntimeError("DeepSpeedAdapter.record_groups() was not called before the world was re-formed")
         mapping = self._groups.recreate()
         replaced = rebind_references(self._roots(), mapping)
         self._groups = GroupSnapshot.of(self._roots())   # ready for the next swap
+        broadcast = _require(self.engine, "_broadcast_model")
+        params = [p for p in self.engine.module.parameters()]
+        kept = [p.detach().clone() for p in params]
+        broadcast()
+        with torch.no_grad():
+            for p, k in zip(params, kept):
+                p.copy_(k)
         log.info("deepspeed: %d groups re-created, %d references re-pointed", len(mapping), replaced)
         return replaced
 
 
-__all__ = ["DeepSpeedAdapter", "DeepSpeedEngineState", "zero_stage"]
+__all__ = ["DeepSpeedAdapter", "DeepSpeedEngineState", "TESTED_VERSIONS", "zero_stage"]

@@ -1,0 +1,70 @@
+"""Shared by the real-framework tests: run an example training script under torchrun (the reference) and under
+tpassrun (with a planned swap or an unplanned SIGKILL), and compare what both left behind.
+
+The libraries are real (DeepSpeed, torchtitan, megatron-core); each test module skips, with the reason in the
+summary (pytest -ra), only when its library is not installed. CI installs all three (scripts/bootstrap.sh).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+import torch
+
+from faults import REPO, Job
+
+CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+def example(*parts: str) -> str:
+    return os.path.join(REPO, "examples", *parts)
+
+
+def torchrun_job(out: str, script: str, nproc: int, args: list[str], env: dict[str, str] | None = None) -> Job:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+            script, *args, "--out", out]
+    return Job(argv=argv, out=out, env={**CPU_ENV, **(env or {})})
+
+
+def tpassrun_job(out: str, script: str, nproc: int, args: list[str], *, endpoint: str, run_id: str,
+                 spares: int = 1, env: dict[str, str] | None = None, extra: list[str] | None = None) -> Job:
+    argv = [sys.executable, "-m", "tpassrun", "--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
+            "--rdzv-id", run_id, "--nproc-per-node", str(nproc), "--spares-per-node", str(spares),
+            "--log-dir", os.path.join(out, "logs"), *(extra or []), script, *args, "--out", out]
+    return Job(argv=argv, out=out, env={**CPU_ENV, **(env or {})})
+
+
+def assert_trees_equal(a: Any, b: Any, where: str) -> None:
+    if torch.is_tensor(a):
+        assert torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs"
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and set(a) == set(b), f"{where}: keys {sorted(a)} != {sorted(b)}"
+        for k in a:
+            assert_trees_equal(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_trees_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_run(job: Job, ref: Job, world: int) -> None:
+    """Final state (whatever the script saved: module, optimizer partition, ...) torch.equal on every rank, and
+    the same per-step losses (no step lost or repeated)."""
+    for r in range(world):
+        assert_trees_equal(job.final(r), ref.final(r), f"rank {r}")
+        la = [(x["step"], x["loss"]) for x in job.losses(r)]
+        lb = [(x["step"], x["loss"]) for x in ref.losses(r)]
+        assert la == lb, f"rank {r}: per-step losses differ (or a step was lost or repeated)"
+
+
+def swap_pause_s(job: Job) -> float:
+    """From the event log: the time from the swap's decision (planned) or the rank's death (unplanned) to
+    training resumed; -1 if the log has no swap."""
+    ev = job.events()
+    start = next((e["time"] for e in ev if e["event"] in ("swap_decided", "worker_died")), None)
+    end = next((e["time"] for e in ev if e["event"] == "swap_resumed"), None)
+    return -1.0 if start is None or end is None else end - start

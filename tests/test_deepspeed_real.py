@@ -1,0 +1,91 @@
+"""DeepSpeed 0.19.8 for real (CPU, gloo): examples/deepspeed/train.py under tpassrun with a planned swap (ZeRO 0, 1,
+2) or an unplanned SIGKILL (ZeRO-0: recovered from a replica; ZeRO-1: no replica, the job falls back and says so),
+against the same script under plain torchrun. 2 ranks + 1 spare: 3 worker processes at most."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+pytest.importorskip("deepspeed", reason="DeepSpeed not installed (scripts/bootstrap.sh installs deepspeed==0.19.8)")
+
+from faults import faults_env, kill_at, pids_by_rank, taint  # noqa: E402
+from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
+
+SCRIPT = example("deepspeed", "train.py")
+STEPS = 30
+pytestmark = pytest.mark.timeout(420)
+
+
+def _args(stage: int, sleep: float = 0.2) -> list[str]:
+    return ["--zero-stage", str(stage), "--steps", str(STEPS), "--step-sleep", str(sleep)]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """The same script under plain torchrun, no fault, one run per ZeRO stage (made on first use)."""
+    done: dict[int, object] = {}
+
+    def get(stage: int):
+        if stage not in done:
+            job = torchrun_job(str(tmp_path_factory.mktemp(f"ref{stage}")), SCRIPT, 2, _args(stage, 0.0)).start()
+            assert job.wait(300) == 0, job.log()[-3000:]
+            done[stage] = job
+        return done[stage]
+    return get
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, reference, stage):
+    ref = reference(stage)
+    at = random.Random().randint(2, 7)
+    job = tpassrun_job(str(tmp_path), SCRIPT, 2, _args(stage), endpoint=etcd_server.endpoint, run_id=run_id).start()
+    try:
+        job.wait_step(at, 240)
+        assert taint(etcd_server.endpoint, run_id, rank=1, reason=f"test at step {at}") == 0
+        assert job.wait(300) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-3000:]
+    assert_same_run(job, ref, 2)
+    pids = pids_by_rank(job, 2)
+    assert len(pids[0]) == 1 and len(pids[1]) == 2, pids      # rank 0 kept its process; rank 1 moved
+    print(f"deepspeed ZeRO-{stage} planned swap pause: {swap_pause_s(job):.2f} s")
+
+
+def test_zero0_unplanned_kill_is_recovered_from_a_replica(tmp_path, etcd_server, run_id, reference):
+    ref = reference(0)
+    at = random.Random().randint(2, 9)
+    marker = str(tmp_path / "fault")
+    job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 2, _args(0, 0.05), endpoint=etcd_server.endpoint,
+                       run_id=run_id, env=faults_env(kill_at(1, at, marker))).start()
+    try:
+        assert job.wait(300) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert_same_run(job, ref, 2)
+    pids = pids_by_rank(job, 2)
+    assert len(pids[0]) == 1 and len(pids[1]) == 2, pids
+    print(f"deepspeed ZeRO-0 unplanned recovery pause: {swap_pause_s(job):.2f} s")
+
+
+def test_zero1_unplanned_kill_falls_back_and_says_why(tmp_path, etcd_server, run_id, reference):
+    """No live replica holds a ZeRO-1 partition: the survivor refuses to donate (never the wrong partition) and
+    the job takes torchrun's path, a whole-group restart, which (the script has no checkpoint) re-runs it."""
+    ref = reference(1)
+    marker = str(tmp_path / "fault")
+    job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 2, _args(1, 0.05), endpoint=etcd_server.endpoint,
+                       run_id=run_id, env=faults_env(kill_at(1, 4, marker)), extra=["--max-restarts", "1"]).start()
+    try:
+        assert job.wait(360) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    log = job.log()
+    assert "cannot donate state for an unplanned recovery" in log and "ZeRO-1" in log, log[-4000:]
+    names = [e["event"] for e in job.events()]
+    assert "swap_resumed" not in names, names
+    # the restarted group ran the whole script again: its final state is the reference's
+    for r in range(2):
+        from realjobs import assert_trees_equal
+        assert_trees_equal(job.final(r), ref.final(r), f"rank {r}")
