@@ -28,4 +28,18 @@ if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, pytest, pytest_timeout, py
     echo "+ pip install -e .[test,etcd,nvml]"
     "$VPY" -m pip install -q -e ".[test,etcd,nvml]"
 fi
+# The real-framework tier (tests/test_*_real.py): DeepSpeed, torchtitan (slim: --no-deps plus only what its
+# components import, not datasets/pyarrow/wandb/tensorboard) and megatron-core, every install constrained to the
+# CPU torch above (without the pin pip would fetch a multi-GB CUDA torch to satisfy their torch requirements).
+FRAMEWORKS_PIN=$(mktemp)
+trap 'rm -f "$FRAMEWORKS_PIN"' EXIT
+echo "torch==$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$FRAMEWORKS_PIN"
+if ! "$VPY" -c "import deepspeed, megatron.core, torchtitan, tyro, spmd_types, psutil" 2>/dev/null; then
+    echo "+ pip install deepspeed==0.19.8 megatron-core==0.16.1 torchtitan==0.3.0 (slim), torch pinned"
+    "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" "deepspeed==0.19.8" "megatron-core==0.16.1" psutil
+    "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" torch_checkpointing
+    "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" tyro safetensors
+fi
+"$VPY" -c "import sys, torch; sys.exit(0 if torch.__version__.startswith('2.13.0') and not torch.version.cuda else
+    'a framework install replaced the CPU torch 2.13.0 with ' + torch.__version__)"
 echo "ready: .venv/bin/python ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"
