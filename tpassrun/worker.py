@@ -614,9 +614,14 @@ def _not_replicated(objs: dict[str, Any]) -> list[str]:
 
 
 def _refuse_send(msg: dict[str, Any]) -> None:
+    """Tell the waiting joiner at once that no state comes from here: authenticate (so it is not taken for a
+    stranger and ignored), then close before the first byte of state; it reports the transfer failed."""
+    from . import handoff, handoff_wire
+
     try:
-        socket.create_connection((msg["addr"], int(msg["port"])), timeout=5).close()
-    except OSError:
+        with socket.create_connection((msg["addr"], int(msg["port"])), timeout=5) as sock:
+            handoff_wire._sender_handshake(sock, _transfer_auth(msg))
+    except (OSError, handoff.HandoffError):
         pass
 
 

@@ -17,16 +17,16 @@ heavy = sent only when a rank is handed over; light = also snapshotted at every 
 |             | tracker streams, iteration/consumed       | DDP buckets, optimizer    | GPTModel state on CPU    |
 |             | samples/flops, data iterator, rerun SM    |                           | (megatron-core 0.16.1)   |
 +-------------+-------------------------------------------+---------------------------+--------------------------+
-| deepspeed   | heavy: module, optimizer (ZeRO-1/2: this  | re-create the engine's    | not run against real     |
-|             | rank's partition, fp32 master exact),     | groups (same members) and | DeepSpeed (heavy install)|
-|             | lr_scheduler, global_steps/samples,       | re-point references,      | stand-ins only; ZeRO-3   |
-|             | skipped/micro steps. light: data loader   | incl. deepspeed.utils.    | refused                  |
-|             |                                           | groups globals            |                          |
+| deepspeed   | heavy: module, optimizer (ZeRO-1/2: this  | repeat the joiner's init  | real DeepSpeed 0.19.8 on |
+|             | rank's partition, fp32 master exact, loss | collectives: re-create    | CPU: ZeRO 0/1/2 planned, |
+|             | scaler as attributes), lr_scheduler,      | the engine's groups in    | ZeRO-0 SIGKILL (tests/   |
+|             | global_steps/samples, skipped/micro       | creation order, re-point, | test_deepspeed_real.py); |
+|             | steps. light: data loader position        | parameter broadcast       | ZeRO-3 refused           |
 +-------------+-------------------------------------------+---------------------------+--------------------------+
-| torchtitan  | heavy: model parts and optimizer (DTensor | init_device_mesh (same    | torchtitan itself not    |
-|             | local shards, re-wrapped on the joiner),  | shape/names), re-point    | installed; FSDP2 state + |
-|             | LR schedulers. light: dataloader,         | FSDP2 mesh info, groups,  | mesh rebuild tested on a |
-|             | TrainState                                | DTensor specs             | 1-process CPU world      |
+| torchtitan  | heavy: model parts and optimizer (DTensor | ParallelDims.build_mesh() | real torchtitan 0.3.0 on |
+|             | local shards + shard coordinates,         | again (or init_device_    | CPU, 4 ranks: FSDP2      |
+|             | re-wrapped on the joiner), LR schedulers. | mesh), re-point FSDP2     | planned swap (test_      |
+|             | light: dataloader, TrainState             | mesh info, DTensor specs  | torchtitan_real)         |
 +-------------+-------------------------------------------+---------------------------+--------------------------+
 
 Replicas: each adapter has ``replicated`` (is there a live peer holding everything this rank holds?). Under

@@ -38,6 +38,7 @@ from ._common import _collect, portable, rebind_references, register, restore_po
 log = logging.getLogger("tpassrun.adapters.torchtitan")
 
 STATE_VERSION = 1
+TESTED_VERSIONS = ("0.3.0",)
 
 
 def _options() -> Any:
@@ -46,8 +47,47 @@ def _options() -> Any:
     return StateDictOptions(full_state_dict=False, flatten_optimizer_state_dict=True)
 
 
-class ModelPartsState:
-    """Every model part's sharded state (DTensor local shards)."""
+def shard_coords(model_parts: Sequence[Any]) -> dict[str, int]:
+    """This rank's coordinates on every mesh dim of its parameters except ``dp_replicate``: the ranks with equal
+    coordinates (in other replica groups) hold exactly the same shards."""
+    for part in model_parts:
+        for param in part.parameters():
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is not None and mesh.mesh_dim_names:
+                coords = mesh.get_coordinate() or []
+                return {n: int(c) for n, c in zip(mesh.mesh_dim_names, coords) if n != "dp_replicate"}
+    return {}
+
+
+def replica_dims(model_parts: Sequence[Any]) -> int:
+    """Size of the ``dp_replicate`` dim of the parameters' mesh (1 without HSDP)."""
+    for part in model_parts:
+        for param in part.parameters():
+            mesh = getattr(param, "device_mesh", None)
+            names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
+            if "dp_replicate" in names:
+                return int(mesh["dp_replicate"].size())
+            if mesh is not None:
+                return 1
+    return 1
+
+
+class _Sharded:
+    """Model and optimizer views: replicated only across ``dp_replicate`` (HSDP)."""
+
+    model_parts: list[Any]
+
+    @property
+    def replicated(self) -> bool:
+        return replica_dims(self.model_parts) > 1
+
+    def why_not_replicated(self) -> str:
+        return ("FSDP shards the model and optimizer over dp_shard and there is no dp_replicate dimension: no live "
+                "rank holds this rank's shards (a planned swap is exact, an unplanned failure restarts the group)")
+
+
+class ModelPartsState(_Sharded):
+    """Every model part's sharded state (DTensor local shards), with the shard coordinates they belong to."""
 
     def __init__(self, model_parts: Sequence[Any]) -> None:
         self.model_parts = list(model_parts)
@@ -55,13 +95,17 @@ class ModelPartsState:
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return {"v": STATE_VERSION,
+        return {"v": STATE_VERSION, "coords": shard_coords(self.model_parts),
                 "parts": [portable(get_model_state_dict(part, options=_options())) for part in self.model_parts]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         _check(state, "model")
+        mine = shard_coords(self.model_parts)
+        if state.get("coords", mine) != mine:
+            # a donor from another shard position (unplanned recovery): never load someone else's shards
+            raise ValueError(f"received the shards of mesh coordinates {state['coords']}, this rank holds {mine}")
         if len(state["parts"]) != len(self.model_parts):
             raise ValueError(f"received {len(state['parts'])} model parts, this rank has {len(self.model_parts)}")
         for part, part_state in zip(self.model_parts, state["parts"]):
@@ -69,7 +113,7 @@ class ModelPartsState:
             set_model_state_dict(part, restore_portable(part_state, like), options=_options())
 
 
-class OptimizerState:
+class OptimizerState(_Sharded):
     """torchtitan's OptimizersContainer (Stateful already) or a plain optimizer over ``model_parts``."""
 
     def __init__(self, optimizers: Any, model_parts: Sequence[Any]) -> None:
@@ -178,6 +222,35 @@ class MeshSnapshot:
                 mapping.setdefault(id(group), new.get_group(dim))
         return mapping
 
+    def rebuild_from(self, parallel_dims: Any) -> dict[int, Any]:
+        """``{id(old mesh or group): new}`` with the new meshes taken from a ``ParallelDims`` whose
+        ``build_mesh()`` already ran in the new world (by dim names: the same named meshes the model used)."""
+        mapping: dict[int, Any] = {}
+        for old in self.meshes:
+            names = tuple(old.mesh_dim_names or ())
+            if old is self.root:
+                new = _require(parallel_dims, "world_mesh")
+            else:
+                new = parallel_dims.get_mesh(list(names) if len(names) > 1 else names[0])
+            mapping[id(old)] = new
+            for dim, group in enumerate(self.groups[id(old)]):
+                mapping.setdefault(id(group), new.get_group(dim))
+        return mapping
+
+
+def _require(obj: Any, attr: str) -> Any:
+    try:
+        return getattr(obj, attr)
+    except AttributeError:
+        import importlib.metadata as md
+
+        try:
+            version = md.version("torchtitan")
+        except md.PackageNotFoundError:
+            version = "not installed"
+        raise RuntimeError(f"tpassrun's TorchTitan adapter needs {type(obj).__name__}.{attr}, which torchtitan "
+                           f"{version} does not have (tested with torchtitan {', '.join(TESTED_VERSIONS)})") from None
+
 
 def _root_of(mesh: Any) -> Any:
     getter = getattr(mesh, "_get_root_mesh", None)
@@ -199,10 +272,13 @@ class TorchTitanAdapter:
     """
 
     def __init__(self, sess: Any, model_parts: Sequence[Any], optimizers: Any, lr_schedulers: Any,
-                 dataloader: Any, train_state: Any, *, world_mesh: Any = None) -> None:
+                 dataloader: Any, train_state: Any, *, world_mesh: Any = None, parallel_dims: Any = None) -> None:
         self.sess = sess
         self.model_parts = list(model_parts)
         self.optimizers = optimizers
+        self.parallel_dims = parallel_dims
+        if world_mesh is None and parallel_dims is not None:
+            world_mesh = _require(parallel_dims, "world_mesh")
         self.world_mesh = world_mesh
         self._meshes: MeshSnapshot | None = None
         if _distributed_ready():
@@ -227,6 +303,19 @@ class TorchTitanAdapter:
     def _roots(self) -> list[Any]:
         return [*self.model_parts, self.optimizers]
 
+    def _rebuilt_parallel_dims(self) -> Any:
+        """A joiner builds its meshes with ``ParallelDims.build_mesh()``: do exactly the same (same group creation
+        order and backends), then make the user's ``parallel_dims`` object hand out the new meshes."""
+        import dataclasses
+
+        old = self.parallel_dims
+        init = {f.name: getattr(old, f.name) for f in dataclasses.fields(old) if f.init and not f.name.startswith("_")}
+        new = type(old)(**init)
+        _require(new, "build_mesh")()
+        for f in dataclasses.fields(old):
+            object.__setattr__(old, f.name, getattr(new, f.name))
+        return old
+
     def record_meshes(self) -> MeshSnapshot:
         self._meshes = MeshSnapshot.of(self._roots(), self.world_mesh)
         return self._meshes
@@ -235,7 +324,8 @@ class TorchTitanAdapter:
         """Rebuild the device mesh in the new world and re-point FSDP2's and the DTensors' references at it."""
         if self._meshes is None:
             raise RuntimeError("TorchTitanAdapter.record_meshes() was not called before the world was re-formed")
-        mapping = self._meshes.rebuild()
+        mapping = (self._meshes.rebuild() if self.parallel_dims is None
+                   else self._meshes.rebuild_from(self._rebuilt_parallel_dims()))
         old_root = self._meshes.root
         replaced = rebind_references(self._roots(), mapping)
         if self.world_mesh is not None:
