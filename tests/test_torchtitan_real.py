@@ -2,8 +2,10 @@
 (torchtitan's ParallelDims mesh, FSDP2 fully_shard per block, OptimizersContainer, LRSchedulersContainer) under
 tpassrun with a planned swap (pure FSDP2), against the same script under plain torchrun.
 
-Not here yet: an unplanned SIGKILL under HSDP. The survivors abort only the sockets of the default process group;
-a survivor blocked in a device-mesh sub-group collective with another survivor then waits for gloo's timeout."""
+Not here yet: an unplanned SIGKILL under HSDP. The recovery itself now completes (the adapters hand the mesh
+groups' sockets to tpassrun's failure teardown, so survivors blocked in sub-group collectives fail at once; the
+donor is checked by shard coordinates), but FSDP2 keeps the half-done backward's state on the survivors, and the
+re-executed step then issues different collectives than the joiner (gloo: received size mismatch)."""
 
 from __future__ import annotations
 

@@ -222,6 +222,16 @@ class GroupSockets:
         after = socket_fds()
         self._fds = {fd: t for fd, t in after.items() if self._before.get(fd) != t}
 
+    def adopt_since_init(self) -> int:
+        """Also shut down, on a failure, the TCP sockets opened since the world's init: the groups made after
+        ``init_process_group`` (device meshes, a framework's data-parallel groups). Without this a survivor
+        blocked in a sub-group collective with another survivor waits for gloo's timeout. Framework adapters
+        call it once their groups exist (and again after re-creating them)."""
+        added = {fd: t for fd, t in socket_fds().items()
+                 if self._before.get(fd) != t and fd not in self._fds and _is_inet(fd)}
+        self._fds.update(added)
+        return len(added)
+
     def shutdown(self) -> int:
         n = 0
         for fd, target in self._fds.items():
@@ -239,6 +249,17 @@ class GroupSockets:
                 continue
         self._fds = {}
         return n
+
+
+def _is_inet(fd: int) -> bool:
+    try:
+        sock = socket.socket(fileno=os.dup(fd))
+    except OSError:
+        return False
+    try:
+        return sock.family in (socket.AF_INET, socket.AF_INET6)
+    finally:
+        sock.close()
 
 
 GROUP_SOCKETS = GroupSockets()

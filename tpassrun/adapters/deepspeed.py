@@ -40,7 +40,7 @@ import logging
 import sys
 from typing import Any
 
-from ._common import GroupSnapshot, portable, rebind_references, register, restore_portable
+from ._common import GroupSnapshot, adopt_group_sockets, portable, rebind_references, register, restore_portable
 
 log = logging.getLogger("tpassrun.adapters.deepspeed")
 
@@ -227,6 +227,7 @@ class DeepSpeedAdapter:
         self._groups: GroupSnapshot | None = None
         if _distributed_ready():
             self.record_groups()   # local bookkeeping only: which groups the engine uses, and their members
+            adopt_group_sockets()
         register(sess, "deepspeed.engine", self.engine_state, heavy=True)
         if data_loader is not None and hasattr(data_loader, "state_dict") and hasattr(data_loader, "load_state_dict"):
             register(sess, "deepspeed.data", data_loader, heavy=False)
@@ -271,6 +272,7 @@ class DeepSpeedAdapter:
         with torch.no_grad():
             for p, k in zip(params, kept):
                 p.copy_(k)
+        adopt_group_sockets()
         log.info("deepspeed: %d groups re-created, %d references re-pointed", len(mapping), replaced)
         return replaced
 

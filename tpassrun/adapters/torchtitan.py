@@ -33,7 +33,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ._common import _collect, portable, rebind_references, register, restore_portable
+from ._common import _collect, adopt_group_sockets, portable, rebind_references, register, restore_portable
 
 log = logging.getLogger("tpassrun.adapters.torchtitan")
 
@@ -73,13 +73,20 @@ def replica_dims(model_parts: Sequence[Any]) -> int:
 
 
 class _Sharded:
-    """Model and optimizer views: replicated only across ``dp_replicate`` (HSDP)."""
+    """Model and optimizer views: replicated only across ``dp_replicate`` (HSDP). The layout is read while the
+    world is alive (a donor answers after its groups were aborted) and again after every re-formed world."""
 
     model_parts: list[Any]
+    _replicas: int = 1
+    _coords: dict[str, int] = {}
+
+    def refresh_layout(self) -> None:
+        self._replicas = replica_dims(self.model_parts)
+        self._coords = shard_coords(self.model_parts)
 
     @property
     def replicated(self) -> bool:
-        return replica_dims(self.model_parts) > 1
+        return self._replicas > 1
 
     def why_not_replicated(self) -> str:
         return ("FSDP shards the model and optimizer over dp_shard and there is no dp_replicate dimension: no live "
@@ -91,18 +98,19 @@ class ModelPartsState(_Sharded):
 
     def __init__(self, model_parts: Sequence[Any]) -> None:
         self.model_parts = list(model_parts)
+        self.refresh_layout()
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return {"v": STATE_VERSION, "coords": shard_coords(self.model_parts),
+        return {"v": STATE_VERSION, "coords": dict(self._coords),
                 "parts": [portable(get_model_state_dict(part, options=_options())) for part in self.model_parts]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
         _check(state, "model")
-        mine = shard_coords(self.model_parts)
+        mine = self._coords
         if state.get("coords", mine) != mine:
             # a donor from another shard position (unplanned recovery): never load someone else's shards
             raise ValueError(f"received the shards of mesh coordinates {state['coords']}, this rank holds {mine}")
@@ -119,6 +127,7 @@ class OptimizerState(_Sharded):
     def __init__(self, optimizers: Any, model_parts: Sequence[Any]) -> None:
         self.optimizers = optimizers
         self.model_parts = list(model_parts)
+        self.refresh_layout()
 
     def _is_plain(self) -> bool:
         import torch
@@ -283,12 +292,14 @@ class TorchTitanAdapter:
         self._meshes: MeshSnapshot | None = None
         if _distributed_ready():
             self.record_meshes()   # local bookkeeping: which meshes/groups the model uses
+            adopt_group_sockets()
         if train_state is not None:
             register(sess, "titan.train_state", train_state, heavy=False)
         if dataloader is not None:
             register(sess, "titan.dataloader", dataloader, heavy=False)
-        register(sess, "titan.model", ModelPartsState(self.model_parts), heavy=True)
-        register(sess, "titan.optimizer", OptimizerState(optimizers, self.model_parts), heavy=True)
+        self._views = [ModelPartsState(self.model_parts), OptimizerState(optimizers, self.model_parts)]
+        register(sess, "titan.model", self._views[0], heavy=True)
+        register(sess, "titan.optimizer", self._views[1], heavy=True)
         if lr_schedulers is not None:
             register(sess, "titan.lr_schedulers", lr_schedulers, heavy=True)
         sess.on_reconfigure(self.reconfigure)
@@ -331,6 +342,9 @@ class TorchTitanAdapter:
         if self.world_mesh is not None:
             self.world_mesh = mapping[id(old_root)]
         self._meshes = MeshSnapshot.of(self._roots(), self.world_mesh)
+        for view in self._views:
+            view.refresh_layout()
+        adopt_group_sockets()
         log.info("torchtitan: device mesh rebuilt, %d references re-pointed", replaced)
         return replaced
 
