@@ -62,6 +62,16 @@ def wait_first_step(job: Job, timeout: float = 120) -> bool:
     return False
 
 
+def at_instant(job: Job, step: int, per_step: float, rng: random.Random) -> None:
+    """Return at a uniformly random instant of ``step`` (as rank 0 runs it)."""
+    deadline = time.monotonic() + 300
+    while job.step_reached(0) < step - 1 and time.monotonic() < deadline:
+        if job.proc is not None and job.proc.poll() is not None:
+            return
+        time.sleep(0.002)
+    time.sleep(rng.uniform(0, per_step))
+
+
 def wait_event(out: str, name: str, after: float, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -79,15 +89,16 @@ def one_run(work: Workdir, index: int, world: int, spares: int, mode: str, ref: 
     kills: list[tuple[int, float]] = []
     try:
         if wait_first_step(job):
-            window = per_step * (args.steps - 8)     # leave the last steps for the recovery to show
-            first_at = time.time() + rng.uniform(0, window)
             victims = rng.sample(range(world), 2 if mode != "single" else 1)
-            time.sleep(max(0.0, first_at - time.time()))
+            # a uniformly random step of the training window (the last steps are left for the recovery to
+            # show), then a uniformly random instant inside it: the kill lands wherever that rank then is
+            at_instant(job, rng.randrange(0, args.steps - 8), per_step, rng)
             done = sigkill_rank(out, victims[0])
             if done:
                 kills.append((victims[0], done[1]))
             if mode == "two-instants":
-                time.sleep(rng.uniform(0, max(0.0, window - (time.time() - first_at))))
+                at_instant(job, rng.randrange(min(job.step_reached(0) + 2, args.steps - 5), args.steps - 4),
+                           per_step, rng)
                 done = sigkill_rank(out, victims[1])
                 if done:
                     kills.append((victims[1], done[1]))
