@@ -49,6 +49,11 @@ from .workerenv import (WorkerAssignment, elastic_entry_point, entrypoint_name, 
                         worker_env)  # noqa: E402
 
 log = logging.getLogger("tpassrun.agent")
+# torchrun's exit barrier (LocalElasticAgent's exit_barrier_timeout): how long the agent that hosts the run's
+# etcd waits for the others to leave after success. Not the rendezvous's close_timeout (30 s), which it used to
+# re-parse from --rdzv-conf with a default of its own; the rendezvous timeouts are parsed once, in
+# RendezvousSettings.from_conf.
+EXIT_BARRIER_TIMEOUT_S = 300.0
 
 
 class Outcome:
@@ -264,7 +269,7 @@ class Agent:
                     await self.rdzv.close("succeeded")
                 if self.hosting_etcd:
                     with contextlib.suppress(asyncio.TimeoutError, RendezvousError):
-                        await self._wait_for_other_agents(float(self.cfg.rdzv_conf.get("close_timeout", 300)))
+                        await self._wait_for_other_agents(EXIT_BARRIER_TIMEOUT_S)
                 self._elastic_end("SUCCEEDED", "SUCCEEDED", gen)
                 return 0
             if outcome == Outcome.SIGNALLED:
@@ -392,7 +397,7 @@ class Agent:
             await self._start_store(port)
             await self.rdzv.publish_bootstrap(gen, addr, port)
             return addr, port
-        return await self.rdzv.wait_bootstrap(gen, timeout=float(self.cfg.rdzv_conf.get("join_timeout", 600)))
+        return await self.rdzv.wait_bootstrap(gen, timeout=self.rdzv.settings.join_timeout)
 
     async def _start_store(self, port: int) -> None:
         from .procs import _die_with_parent  # the same pdeathsig hook the workers get

@@ -1,0 +1,295 @@
+"""The agent <-> worker protocol: one frozen type per command and per reply, encoded and decoded here only.
+
+Transport (``tpassrun/channel.py``): one JSON object per line over the agent's unix socket, ``{"kind": ...,
+"slot": ..., <fields>}``. The worker sends :class:`Hello` from ``tpassrun.init()``; the agent sends commands only
+to a worker that is paused at a step boundary, failed in a collective, or a spare. Replies the agent waits for:
+``Listening``, ``Received``, ``LightOk``, ``Reformed``; ``Hello``, ``Done`` and ``Failed`` reach the agent's
+supervisor as events. The step boundary itself is signalled through shared memory, not by a message.
+
+This module imports nothing of tpassrun: the worker side (``import tpassrun`` in the user's script) pays for it
+only a dataclass import.
+
+Status: this is the declared contract. The agent (``slots.py``, ``swapper.py``) and the worker's two command
+loops (``worker._serve``, ``worker._wait_as_spare``) still write these messages as dicts of the same shape; they
+switch to these types (one dispatcher in the worker) next. Dead messages are already left out here: ``rollback``
+(nothing sends it), ``rolled_back``, ``paused`` (the shared-memory phase says it), ``sent`` and ``reserved``
+(never awaited).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any, ClassVar, Mapping, Union
+
+# --------------------------------------------------------------------------------------------- the world
+
+
+class ProtocolError(ValueError):
+    """A channel line that is not one of the messages below (wrong kind, missing or mistyped field)."""
+
+
+@dataclass(frozen=True)
+class WorldSpec:
+    """A rank's place in a world: what a joiner is assigned, and what every rank re-forms into.
+
+    ``None`` fields are left as the worker has them (a survivor keeps its group rank and local world size).
+    The store fields (``addr``, ``port``, ``prefix``, ``generation``) are filled for ``Reform`` only.
+    """
+
+    rank: int
+    world_size: int
+    role_rank: int | None = None
+    role_world_size: int | None = None
+    group_rank: int | None = None
+    local_world_size: int | None = None
+    group_world_size: int | None = None
+    addr: str = ""
+    port: int = 0
+    prefix: str = ""
+    generation: int | None = None
+
+    def with_store(self, addr: str, port: int, prefix: str, generation: int) -> "WorldSpec":
+        return dataclasses.replace(self, addr=addr, port=port, prefix=prefix, generation=generation)
+
+    def env_fields(self) -> dict[str, Any]:
+        """The mapping :func:`tpassrun.world.set_rank_env` and ``join_world`` read."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+# --------------------------------------------------------------------------------------------- messages
+
+
+@dataclass(frozen=True)
+class Message:
+    KIND: ClassVar[str] = ""
+
+
+# agent -> worker: commands
+@dataclass(frozen=True)
+class Resume(Message):
+    """Carry on (up to the shared-memory ``run_until``)."""
+
+    KIND: ClassVar[str] = "resume"
+
+
+@dataclass(frozen=True)
+class SendState(Message):
+    """Stream this rank's state to the joiner listening at ``addr:port`` (the leaver, or a donor replica)."""
+
+    KIND: ClassVar[str] = "send_state"
+    addr: str
+    port: int
+    swap_id: str
+    key: str                          # hex: this attempt's transfer key (from the plan's secret)
+    rank: int                         # the rank whose state this is (authenticated with the key)
+    replicated_only: bool = False     # a donor: only what every data-parallel replica holds alike
+    rng: bool = True                  # the leaver's own RNG goes along (a donor's would be wrong)
+    timeout: float = 60.0
+
+
+@dataclass(frozen=True)
+class Reform(Message):
+    """Leave the old world and join ``world`` (a survivor; a joiner that received its state)."""
+
+    KIND: ClassVar[str] = "reform"
+    world: WorldSpec
+    rollback: bool = False            # unplanned: the failed step is re-run; restore what it consumed
+
+
+@dataclass(frozen=True)
+class Exit(Message):
+    KIND: ClassVar[str] = "exit"
+    code: int = 0
+
+
+@dataclass(frozen=True)
+class Raise(Message):
+    """Re-raise the collective failure (nothing recovers it): the ordinary failure path takes over."""
+
+    KIND: ClassVar[str] = "raise"
+    reason: str = ""
+
+
+@dataclass(frozen=True)
+class Assign(Message):
+    """A spare takes ``world.rank``: listen for its state and reply ``Listening``."""
+
+    KIND: ClassVar[str] = "assign"
+    world: WorldSpec
+    swap_id: str
+    key: str                          # hex: this attempt's transfer key; a sender that cannot prove it is dropped
+    listen_host: str                  # the agent's advertised address (never 0.0.0.0)
+    timeout: float = 120.0            # receiving, once a sender connected
+    accept_timeout: float = 120.0     # waiting for the sender to connect
+    max_bytes: int | None = None      # the most the transfer may announce (nothing larger is allocated)
+
+
+@dataclass(frozen=True)
+class Light(Message):
+    """Unplanned swap: the dead rank's light snapshot (RNG, step, per-rank objects), base64."""
+
+    KIND: ClassVar[str] = "light"
+    data: str
+    step: int | None = None
+
+
+@dataclass(frozen=True)
+class Reserve(Message):
+    """An idle spare pre-faults a receive arena of ``nbytes`` (no reply)."""
+
+    KIND: ClassVar[str] = "reserve"
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class Abort(Message):
+    """A spare drops an assignment (the swap was given up)."""
+
+    KIND: ClassVar[str] = "abort"
+
+
+# worker -> agent: replies and news
+@dataclass(frozen=True)
+class Hello(Message):
+    KIND: ClassVar[str] = "hello"
+    pid: int
+    spare: bool = False
+
+
+@dataclass(frozen=True)
+class Done(Message):
+    KIND: ClassVar[str] = "done"
+    step: int
+
+
+@dataclass(frozen=True)
+class Failed(Message):
+    """A collective failed at ``step``; the worker waits for ``Reform`` or ``Raise``.
+
+    ``error_type`` is the exception's qualified class name (e.g. ``torch.distributed.DistNetworkError``): the
+    typed signal failure classification uses, instead of guessing from the message text."""
+
+    KIND: ClassVar[str] = "failed"
+    step: int
+    error: str = ""
+    error_type: str = ""
+
+
+@dataclass(frozen=True)
+class Listening(Message):
+    KIND: ClassVar[str] = "listening"
+    port: int
+    swap_id: str = ""
+
+
+@dataclass(frozen=True)
+class Received(Message):
+    KIND: ClassVar[str] = "received"
+    ok: bool
+    swap_id: str = ""
+    nbytes: int = 0
+    seconds: float = 0.0
+    checksum: str = ""
+    error: str = ""
+    step: int | None = None           # the step of the state received (checked against the swap's boundary)
+
+
+@dataclass(frozen=True)
+class Stranger(Message):
+    """A connection to the joiner's listener that could not prove the key was dropped (it keeps listening)."""
+
+    KIND: ClassVar[str] = "stranger"
+    swap_id: str = ""
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class LightOk(Message):
+    KIND: ClassVar[str] = "light_ok"
+    ok: bool
+    nbytes: int = 0
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class Reformed(Message):
+    KIND: ClassVar[str] = "reformed"
+    ok: bool = True
+    rank: int | None = None
+    world_size: int | None = None
+    generation: int | None = None
+    error: str = ""
+    leave_s: float | None = None
+    join_s: float | None = None
+    callbacks_s: float | None = None
+
+    def timings(self) -> dict[str, float]:
+        return {k: v for k, v in (("leave_s", self.leave_s), ("join_s", self.join_s),
+                                  ("callbacks_s", self.callbacks_s)) if v is not None}
+
+
+Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort]
+Reply = Union[Hello, Done, Failed, Listening, Received, Stranger, LightOk, Reformed]
+COMMANDS: dict[str, type[Message]] = {c.KIND: c for c in (Resume, SendState, Reform, Exit, Raise, Assign, Light,
+                                                             Reserve, Abort)}
+REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Listening, Received, Stranger,
+                                                            LightOk, Reformed)}
+_ALL = {**COMMANDS, **REPLIES}
+
+# --------------------------------------------------------------------------------------------- encoding
+
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+
+
+def encode(msg: Message, *, slot: int | None = None) -> bytes:
+    doc: dict[str, Any] = {"kind": msg.KIND}
+    if slot is not None:
+        doc["slot"] = slot
+    for f in dataclasses.fields(msg):
+        value = getattr(msg, f.name)
+        doc[f.name] = dataclasses.asdict(value) if isinstance(value, WorldSpec) else value
+    return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
+
+
+def decode(line: bytes | str) -> tuple[Message, int | None]:
+    """One channel line -> (message, the sender's slot if it said so). Raises :class:`ProtocolError`."""
+    try:
+        doc = json.loads(line)
+    except ValueError as exc:
+        raise ProtocolError(f"not JSON: {line!r:.80}") from exc
+    if not isinstance(doc, dict) or doc.get("kind") not in _ALL:
+        raise ProtocolError(f"unknown channel message: {line!r:.80}")
+    cls = _ALL[doc["kind"]]
+    slot = doc.get("slot")
+    return _build(cls, doc), slot if isinstance(slot, int) and not isinstance(slot, bool) else None
+
+
+def _build(cls: type, doc: Mapping[str, Any]) -> Any:
+    kwargs: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in doc:
+            if f.default is dataclasses.MISSING:
+                raise ProtocolError(f"{cls.__name__}: missing {f.name}")
+            continue
+        value = doc[f.name]
+        kind = str(f.type)
+        if kind == "WorldSpec":
+            if not isinstance(value, Mapping):
+                raise ProtocolError(f"{cls.__name__}: {f.name} must be an object")
+            value = _build(WorldSpec, value)
+        else:
+            optional = "None" in kind
+            base = kind.replace(" | None", "")
+            if value is None and optional:
+                pass
+            elif not isinstance(value, _TYPES[base]) or (base != "bool" and isinstance(value, bool)):
+                raise ProtocolError(f"{cls.__name__}: {f.name} must be {base}, not {value!r:.40}")
+        kwargs[f.name] = value
+    return cls(**kwargs)
+
+
+__all__ = ["Abort", "Assign", "COMMANDS", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
+           "Listening", "Message", "ProtocolError", "REPLIES", "Raise", "Received", "Reform", "Reformed", "Reply",
+           "Reserve", "Resume", "SendState", "Stranger", "WorldSpec", "decode", "encode"]
