@@ -89,6 +89,7 @@ class ReconfigurableDDP:
         self._ddp = self._build(synced)
         self._layout._source = self
         self._ready: list[int] = []      # parameter indices in the order their gradients became ready
+        self._ready_done = False         # ... and that backward finished (its all-reduce completed)
         self._ready_hooks: list[Any] = []
         if self._layout.buckets is None:
             self._record_ready_order()
@@ -127,7 +128,15 @@ class ReconfigurableDDP:
     def _record_ready_order(self) -> None:
         """Note the order gradients become ready in the first backward, as the reducer does: torch re-buckets
         by it at the next forward, and a swap right before that (at step 1) must hand over that layout."""
+        from torch.autograd import Variable
+
         params = self._reducer_params()
+
+        def finished() -> None:
+            self._ready_done = True
+
+        def after_ddp() -> None:   # queued behind DDP's end-of-backward callback, whichever was queued first
+            Variable._execution_engine.queue_callback(finished)
 
         def hook(index: int) -> Any:
             def ready(_param: Any) -> None:
@@ -135,6 +144,11 @@ class ReconfigurableDDP:
                     self._ready.append(index)
                 if len(self._ready) == len(params):
                     self._drop_ready_hooks()
+                    # `finished` runs at the end of this backward, after DDP's own end-of-backward callback
+                    # (which waits for the all-reduce), and not at all when that one raises: a first
+                    # backward whose all-reduce failed is re-executed as the first iteration again, with
+                    # DDP's initial buckets, exactly as the uninterrupted run did; its order must not be used.
+                    Variable._execution_engine.queue_callback(after_ddp)
             return ready
 
         for i, p in enumerate(params):
@@ -157,7 +171,7 @@ class ReconfigurableDDP:
         import torch.distributed as dist
 
         ddp, params = self._ddp, self._reducer_params()
-        if not params or len(self._ready) != len(params) or ddp.find_unused_parameters:
+        if not params or not self._ready_done or len(self._ready) != len(params) or ddp.find_unused_parameters:
             return None
         try:
             config = ddp._bucket_config
@@ -174,7 +188,7 @@ class ReconfigurableDDP:
         self._drop_ready_hooks()
         self._ddp = self._build(synced=True)
         if self._layout.buckets is None:
-            self._ready = []
+            self._ready, self._ready_done = [], False
             self._record_ready_order()
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
