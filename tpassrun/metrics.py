@@ -82,14 +82,14 @@ class AgentMetrics:
         rows = slots.table() if slots is not None else []
         step = GaugeMetricFamily("tpassrun_step", "Step each rank is executing", labels=["rank"])
         took = GaugeMetricFamily("tpassrun_step_seconds", "Duration of each rank's last step", labels=["rank"])
-        for w in rows:
-            if w.get("rank") is not None and not w.get("spare"):
-                step.add_metric([str(w["rank"])], float(w.get("step") or 0))
-                took.add_metric([str(w["rank"])], float(w.get("last_step_ms") or 0) / 1000.0)
+        for w in rows:    # records.WorkerRow
+            if w.rank is not None and not w.spare:
+                step.add_metric([str(w.rank)], float(w.step))
+                took.add_metric([str(w.rank)], w.last_step_ms / 1000.0)
         yield step
         yield took
         yield GaugeMetricFamily("tpassrun_spares_free", "Ready spare slots on this node",
-                                value=float(sum(1 for w in rows if w.get("spare"))))
+                                value=float(sum(1 for w in rows if w.spare)))
         gen = self.agent.generation
         yield GaugeMetricFamily("tpassrun_generation", "Current generation number",
                                 value=float(gen.number if gen is not None else -1))
