@@ -222,6 +222,9 @@ def test_reading_taints_the_slot_and_recovery_removes_it(etcd_server, run_id, tm
                 found = await until(lambda: taints(agent), "the taint key")
                 # the daemon is done with this verdict once it has logged the taint
                 await until(lambda: any(e["event"] == "health_taint" for e in agent.recorded), "health_taint")
+                # ... and has published its snapshot (right after the taint; leaving `running` earlier
+                # cancels that write)
+                await until(lambda: _published_taints(agent), "the health snapshot with the taint")
             (tid, doc), = found.items()
             assert tid == taint_id(NODE, "gpu1", ECC) == doc["id"]
             assert (doc["node_id"], doc["slot"], doc["local_rank"], doc["rank"]) == (NODE, 1, None, 1)
@@ -248,6 +251,11 @@ def test_reading_taints_the_slot_and_recovery_removes_it(etcd_server, run_id, tm
 
 async def _empty(coro) -> bool:
     return not await coro
+
+
+async def _published_taints(agent) -> bool:
+    snapshot, _ = await agent.rdzv.store.get_json(agent.rdzv.key("health", NODE))
+    return bool(snapshot and snapshot.get("taints"))
 
 
 @pytest.mark.timeout(60)
