@@ -6,7 +6,7 @@ Layout: ``config`` (EtcdConfig, RendezvousSettings), ``state`` (the data and its
 """
 
 from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, refuse_inline_secrets
-from .embedded import EmbeddedEtcd, find_etcd_binary, host_etcd_if_absent
+from .embedded import EmbeddedEtcd, find_etcd_binary, host_etcd_if_absent, pid_alive
 from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
                      RendezvousTimeoutError)
 from .etcd_io import EtcdConnection, EtcdStore, WatchEvent
@@ -16,6 +16,7 @@ from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
 __all__ = [
     "EmbeddedEtcd",
     "host_etcd_if_absent",
+    "pid_alive",
     "EtcdConfig",
     "EtcdConnection",
     "EtcdRendezvous",

@@ -133,13 +133,14 @@ def reap_stale_dirs(parent: str | None = None) -> list[str]:
                     pid = int(fh.read().strip() or 0)
             except (OSError, ValueError):
                 continue
-            if pid > 0 and not _pid_alive(pid):
+            if pid > 0 and not pid_alive(pid):
                 shutil.rmtree(path, ignore_errors=True)
                 removed.append(path)
     return removed
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (another user's counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

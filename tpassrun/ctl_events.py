@@ -9,7 +9,8 @@ import time
 from typing import Any
 
 from .console import Describer, log_prefix, summary_lines, _short
-from .registry import CtlError, RunEntry, _alive
+from .registry import CtlError, RunEntry
+from .rendezvous import pid_alive
 
 POLL_S = 0.2
 
@@ -48,6 +49,6 @@ def print_events(entry: RunEntry, *, follow: bool, raw: bool, out: Any = None) -
                     out.write(r + "\n")
                 out.flush()
                 continue
-            if not follow or not _alive(entry.pid):
+            if not follow or not pid_alive(entry.pid):
                 return 0
             time.sleep(POLL_S)

@@ -20,6 +20,8 @@ import tempfile
 import time
 from typing import TYPE_CHECKING, Any
 
+from .rendezvous import pid_alive
+
 if TYPE_CHECKING:
     from .port import StatusHost
 
@@ -78,16 +80,6 @@ class RunEntry:
         return entry
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def register(entry: RunEntry, directory: str | None = None) -> str:
     """Write ``entry`` (atomically, 0600); returns the path to pass to :func:`unregister`."""
     directory = directory or registry_dir()
@@ -121,7 +113,7 @@ def list_runs(directory: str | None = None, *, prune: bool = True) -> list[RunEn
                 entry = RunEntry.from_json(json.load(fh))
         except (OSError, ValueError, TypeError):
             continue
-        if not _alive(entry.pid):
+        if not pid_alive(entry.pid):
             if prune:
                 unregister(path)
             continue

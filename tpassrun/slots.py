@@ -239,14 +239,7 @@ def reap_leftovers(shm: str | None, tmp: str = "/tmp") -> list[str]:
 
     removed: list[str] = []
 
-    def dead(pid: int) -> bool:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
-        except PermissionError:
-            return False
-        return False
+    from .rendezvous import pid_alive
 
     for directory, pattern in ((shm, re.compile(r"tpassrun-(\d+)-[0-9a-f]+\.chan$")), (tmp, re.compile(r"tpr-"))):
         if not directory:
@@ -268,7 +261,7 @@ def reap_leftovers(shm: str | None, tmp: str = "/tmp") -> list[str]:
                             pid = int(fh.read().strip() or 0)
                 except (OSError, ValueError):
                     continue
-                if pid <= 0 or not dead(pid):
+                if pid <= 0 or pid_alive(pid):
                     continue
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path, ignore_errors=True)
