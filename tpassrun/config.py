@@ -416,12 +416,21 @@ def check_endpoint(endpoint: str, backend: str) -> None:
         host, sep, port = text.rpartition(":")
         if not sep:
             host, port = text, ""
-    if port is None or not host.strip():
+    if port is None or not host.strip() or (":" in host and not text.startswith("[") and not _is_ipv6(host)):
         raise ConfigError(f"--rdzv-endpoint={endpoint}: the hostname of the rendezvous endpoint is missing or "
                           "malformed (expected <host>[:<port>])")
     if port and not (port.isdigit() and 0 <= int(port) <= 65535):
         raise ConfigError(f"--rdzv-endpoint={endpoint}: the port number of the rendezvous endpoint must be an "
                           "integer between 0 and 65535")
+
+
+def _is_ipv6(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
 
 
 def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
