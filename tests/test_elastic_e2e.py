@@ -43,7 +43,13 @@ def _free_port() -> int:
 
 
 def _dumps(out: Path) -> list[dict]:
-    return [json.loads(p.read_text()) | {"file": p.name} for p in out.glob("*.json")]
+    dumps = []
+    for p in out.glob("*.json"):
+        try:
+            dumps.append(json.loads(p.read_text()) | {"file": p.name})
+        except ValueError:
+            pass   # a worker is writing it right now: read it on the next poll
+    return dumps
 
 
 def _wait(cond, timeout: float, what: str, *jobs: Job) -> None:
