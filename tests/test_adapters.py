@@ -459,6 +459,69 @@ def test_torchtitan_fsdp2_state_roundtrip_and_mesh_rebuild(one_rank_world: None)
     _train_step(model, opt)
 
 
+class _Boom(Exception):
+    pass
+
+
+def _nested_fsdp_model(seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("dp_shard",))
+    fully_shard(model[2], mesh=mesh)          # an inner group (its backward runs first), then the root
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
+
+
+@pytest.mark.timeout(60)
+def test_fsdp2_failed_backward_is_reset_before_the_step_is_re_executed(one_rank_world: None) -> None:
+    """A backward that dies half-way (here: an exception where a peer's death would raise in a collective) leaves
+    FSDP2 state behind: the root's unsharded parameters hold the gradients autograd already wrote, the inner group
+    reduced its gradients into the sharded ``.grad``, flags say a post-backward callback is queued. After
+    reset_failed_step the re-executed step is bit-identical to the same step on a model that never failed."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from tpassrun.adapters._common import fsdp2_roots, reset_failed_step
+
+    ref, ref_opt = _nested_fsdp_model(0)
+    model, opt = _nested_fsdp_model(0)
+    assert fsdp2_roots(model) == [model] and fsdp2_roots(torch.nn.Sequential(model)) == [model]
+    x = torch.randn(4, 8)
+    for m, o in ((ref, ref_opt), (model, opt)):   # one good step each: lazy init done, unsharded params exist
+        m(x).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+
+    fail = {"on": True}
+
+    def die(grad: torch.Tensor) -> torch.Tensor:
+        if fail["on"]:
+            raise _Boom()
+        return grad
+
+    # raises once the inner group's and part of the root's backward ran
+    handle = model[1].register_forward_hook(lambda _m, _i, out: out.register_hook(die) and None)
+    with pytest.raises(_Boom):
+        model(x).pow(2).mean().backward()
+    handle.remove()
+    fail["on"] = False
+    assert isinstance(model, FSDPModule)
+    assert reset_failed_step(model) == 1
+    assert all(p.grad is None for p in model.parameters())
+
+    for m, o in ((ref, ref_opt), (model, opt)):
+        torch.manual_seed(3)
+        y = torch.randn(4, 8)
+        m(y).pow(2).mean().backward()
+        o.step()
+        o.zero_grad()
+    for (name, a), (_, b) in zip(ref.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(a.to_local(), b.to_local()), name
+
+
 @pytest.mark.timeout(120)
 def test_megatron_parallel_state_reinit_real(one_rank_world: None) -> None:
     pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install megatron-core==0.16.1)")

@@ -1,21 +1,23 @@
 """torchtitan 0.3.0 for real (CPU, gloo, 4 ranks + 1 spare = 5 worker processes): examples/torchtitan/train.py
 (torchtitan's ParallelDims mesh, FSDP2 fully_shard per block, OptimizersContainer, LRSchedulersContainer) under
-tpassrun with a planned swap (pure FSDP2), against the same script under plain torchrun.
+tpassrun, against the same script under plain torchrun (one reference run per mesh shape for the module):
 
-Not here yet: an unplanned SIGKILL under HSDP. The recovery itself now completes (the adapters hand the mesh
-groups' sockets to tpassrun's failure teardown, so survivors blocked in sub-group collectives fail at once; the
-donor is checked by shard coordinates), but FSDP2 keeps the half-done backward's state on the survivors, and the
-re-executed step then issues different collectives than the joiner (gloo: received size mismatch)."""
+* a planned swap under pure FSDP2 (dp_shard=4) and under HSDP (dp_replicate=2 x dp_shard=2);
+* an unplanned SIGKILL under HSDP at several instants of a step (inside the forward, mid-backward with the last
+  block's gradients already reduce-scattered, inside the optimizer step, in user code after it): recovered live
+  from the dead rank's replica in the other replica group. The survivors reset FSDP2's per-iteration state
+  (tpassrun.adapters._common.reset_failed_step) before re-executing a step that failed half-way."""
 
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan not installed (scripts/bootstrap.sh installs torchtitan==0.3.0)")
 
-from faults import pids_by_rank, taint  # noqa: E402
+from faults import faults_env, kill_at, pids_by_rank, taint  # noqa: E402
 from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
 
 SCRIPT = example("torchtitan", "train.py")
@@ -40,10 +42,11 @@ def reference(tmp_path_factory):
     return get
 
 
-def test_fsdp2_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, reference):
-    ref = reference(1)
+@pytest.mark.parametrize("replicate", [1, 2])
+def test_fsdp2_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, reference, replicate):
+    ref = reference(replicate)
     at = random.Random().randint(1, 5)
-    job = tpassrun_job(str(tmp_path), SCRIPT, 4, _args(1), endpoint=etcd_server.endpoint, run_id=run_id).start()
+    job = tpassrun_job(str(tmp_path), SCRIPT, 4, _args(replicate), endpoint=etcd_server.endpoint, run_id=run_id).start()
     try:
         job.wait_step(at, 240)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason=f"test at step {at}") == 0
@@ -55,3 +58,22 @@ def test_fsdp2_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, referenc
     pids = pids_by_rank(job, 4)
     assert all(len(pids[r]) == 1 for r in (0, 2, 3)) and len(pids[1]) == 2, pids
     print(f"torchtitan FSDP2 planned swap pause: {swap_pause_s(job):.2f} s")
+
+
+@pytest.mark.parametrize("rank,where", [(2, "forward"), (2, "backward"), (2, "opt_step"), (2, "after_opt")])
+def test_hsdp_unplanned_kill_is_recovered_from_the_replica_group(tmp_path, etcd_server, run_id, reference, rank,
+                                                                 where):
+    ref = reference(2)
+    marker = str(tmp_path / "fault")
+    job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 4, _args(2, 0.05), endpoint=etcd_server.endpoint,
+                       run_id=run_id, env=faults_env(kill_at(rank, 4, marker, where=where))).start()
+    try:
+        assert job.wait(300) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert os.path.exists(marker), "the fault never fired"
+    assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-3000:]
+    assert_same_run(job, ref, 4)
+    pids = pids_by_rank(job, 4)
+    assert all(len(pids[r]) == 1 for r in range(4) if r != rank) and len(pids[rank]) == 2, pids
+    print(f"torchtitan HSDP unplanned recovery ({where}) pause: {swap_pause_s(job):.2f} s")

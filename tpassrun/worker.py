@@ -214,6 +214,12 @@ class Session:
         if isinstance(obj, torch.optim.Optimizer):
             self._hooked.add(id(obj))
             obj.register_step_pre_hook(lambda _opt, _args, _kwargs: self._commit_point())
+        elif callable(getattr(obj, "commit_optimizers", None)):
+            # a framework adapter's view: the optimizers whose step commits a step (e.g. the torch optimizers
+            # inside torchtitan's OptimizersContainer or a DeepSpeed engine)
+            self._hooked.add(id(obj))
+            for opt in obj.commit_optimizers():
+                self._hook_commit_point(opt)
         elif isinstance(obj, torch.nn.Module):
             param = next((p for p in obj.parameters() if p.requires_grad), None)
             if param is not None:

@@ -151,22 +151,37 @@ def main() -> None:
         os.makedirs(args.out, exist_ok=True)
         log = open(os.path.join(args.out, f"loss_rank{sess.rank}.jsonl"), "a", buffering=1)
 
+    # named fault points for tests (no effect unless TPASSRUN_FAULTS names them): inside the forward (before the
+    # last block's all-gather), mid-backward (the last block's gradients already reduce-scattered), inside the
+    # optimizer step (after the update)
+    current = [0]
+
+    def die_in_backward(_module: nn.Module, _inputs: object, out: torch.Tensor) -> None:
+        out.register_hook(lambda _grad: fault_point(sess.rank, current[0], "backward"))
+
+    model.layers[-1].register_forward_pre_hook(lambda *_: fault_point(sess.rank, current[0], "forward"))
+    model.layers[0].register_forward_hook(die_in_backward)
+    optimizers.optimizers[0].register_step_post_hook(lambda *_: fault_point(sess.rank, current[0], "opt_step"))
+
     def step(i: int) -> None:                                         # tpassrun (the loop body as a function)
+        current[0] = i
+        train_state.step += 1                     # as torchtitan's Trainer: the counters move as the step starts
         tokens = data.next()
+        train_state.ntokens_seen += tokens.numel()
         logits = model(tokens[:, :-1])
-        logits.register_hook(lambda g: fault_point(sess.rank, i, "backward"))   # tests: die mid-backward
         loss = F.cross_entropy(logits.reshape(-1, args.vocab), tokens[:, 1:].reshape(-1))
         loss.backward()
+        if log is not None:
+            # the step's record, once its collectives are done and before it commits (a step re-executed after
+            # a failure logged nothing the first time; one that committed has logged)
+            log.write(json.dumps({"step": i, "loss": loss.item(), "pid": os.getpid(),
+                                  "generation": sess.generation}) + "\n")
         optimizers.step()
         lr_schedulers.step()
         optimizers.zero_grad()
-        train_state.step += 1
-        train_state.ntokens_seen += tokens.numel()
+        fault_point(sess.rank, i, "after_opt")
         if args.step_sleep:
-            time.sleep(args.step_sleep)
-        if log is not None:
-            log.write(json.dumps({"step": i, "loss": loss.item(), "pid": os.getpid(),
-                                  "generation": sess.generation}) + "\n")
+            time.sleep(args.step_sleep)           # the user's own work after the step (logging, evaluation)
 
     sess.run(step, args.steps)                                        # tpassrun (was: for i in range(steps))
     if args.out:

@@ -103,6 +103,80 @@ def _is_dtensor(obj: Any) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
+# a step that failed half-way (re-executed after an unplanned recovery)
+
+
+def fsdp2_roots(module: Any) -> list[Any]:
+    """The outermost FSDP2 (``fully_shard``) modules in ``module``'s tree (the module itself when it is one)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    roots: list[str] = []
+    found = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, FSDPModule) and not any(name == r or name.startswith(r + ".") or r == ""
+                                                     for r in roots):
+            roots.append(name)
+            found.append(sub)
+    return found
+
+
+def reset_failed_step(module: Any) -> int:
+    """Forget everything a forward/backward that died in a collective left behind in ``module``, so that the step
+    can be re-executed exactly as if it had never started. Returns the number of FSDP2 roots reset.
+
+    Plain modules keep only gradients (dropped). FSDP2 also keeps per-iteration state across a failed backward:
+    parameter groups left unsharded (the re-executed forward would skip their all-gather while a joiner issues
+    it: gloo then sees mismatched sizes), the queued post-backward callback flag (the next backward would never
+    finalize), the forward root marker and post-forward order (backward prefetch), in-flight all-gather and
+    reduce-scatter results, HSDP's partially reduced gradients. torch 2.13's public
+    ``FSDPModule.reset_iter_state()`` clears all of it on the root; gradients already reduced into the sharded
+    parameters' ``.grad`` are dropped by ``zero_grad(set_to_none=True)``.
+    """
+    roots = fsdp2_roots(module)
+    for root in roots:
+        _torch_attr(root, "reset_iter_state", "FSDPModule")()
+        # reset_iter_state() leaves the gradients autograd already wrote into the *unsharded* parameters (the
+        # groups whose backward ran but whose reduce-scatter never did: the next backward would add to them) and
+        # the reduce-dtype accumulation buffer: torch has no public way to reach them.
+        for state in _fsdp2_states(root):
+            for group in _torch_attr(state, "_fsdp_param_groups", "FSDPState"):
+                for param in _torch_attr(group, "fsdp_params", "FSDPParamGroup"):
+                    unsharded = getattr(param, "_unsharded_param", None)   # absent before the first all-gather
+                    if unsharded is not None:
+                        unsharded.grad = None
+                    _torch_attr(param, "unsharded_accumulated_grad", "FSDPParam")
+                    param.unsharded_accumulated_grad = None
+    module.zero_grad(set_to_none=True)
+    return len(roots)
+
+
+FSDP2_TESTED_TORCH = ("2.13.0",)
+
+
+def _fsdp2_states(root: Any) -> list[Any]:
+    """Every FSDP2 state under ``root`` (each ``fully_shard`` call has one), deduplicated."""
+    from torch.distributed.fsdp import FSDPModule
+
+    states: dict[int, Any] = {}
+    for sub in root.modules():
+        if isinstance(sub, FSDPModule):
+            state = _torch_attr(sub, "_get_fsdp_state", "FSDPModule")()
+            states.setdefault(id(state), state)
+    return list(states.values())
+
+
+def _torch_attr(obj: Any, attr: str, owner: str) -> Any:
+    """A torch (FSDP2) attribute tpassrun depends on; a clear error naming the tested versions if it is gone."""
+    try:
+        return getattr(obj, attr)
+    except AttributeError:
+        import torch
+
+        raise RuntimeError(f"tpassrun cannot reset FSDP2 after a failed step: {owner}.{attr} is missing in torch "
+                           f"{torch.__version__} (tested with torch {', '.join(FSDP2_TESTED_TORCH)})") from None
+
+
+# ---------------------------------------------------------------------------------------------
 # re-pointing cached process groups / meshes
 
 

@@ -33,7 +33,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ._common import _collect, adopt_group_sockets, portable, rebind_references, register, restore_portable
+from ._common import (_collect, adopt_group_sockets, portable, rebind_references, register, reset_failed_step,
+                      restore_portable)
 
 log = logging.getLogger("tpassrun.adapters.torchtitan")
 
@@ -106,6 +107,12 @@ class ModelPartsState(_Sharded):
         return {"v": STATE_VERSION, "coords": dict(self._coords),
                 "parts": [portable(get_model_state_dict(part, options=_options())) for part in self.model_parts]}
 
+    def drop_grads(self) -> None:
+        """A step failed half-way and will be re-executed (unplanned recovery): reset FSDP2's per-iteration state
+        (unsharded groups, post-backward flags, partial reductions) and drop the gradients."""
+        for part in self.model_parts:
+            reset_failed_step(part)
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
@@ -140,6 +147,15 @@ class OptimizerState(_Sharded):
 
             return get_optimizer_state_dict(self.model_parts[0], self.optimizers, options=_options())
         return self.optimizers.state_dict()
+
+    def commit_optimizers(self) -> list[Any]:
+        """The torch optimizers whose ``step()`` commits a training step (tpassrun's step transaction)."""
+        if self._is_plain():
+            return [self.optimizers]
+        return list(_require(self.optimizers, "optimizers"))
+
+    def drop_grads(self) -> None:
+        self.optimizers.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {"v": STATE_VERSION, "state": portable(self._current())}
