@@ -44,17 +44,20 @@ class NodeInfo:
     spare_node: bool = False  # --spare-node: never a member at formation, only a spare node
     pid: int = field(default_factory=os.getpid)
     role: str = "default"  # --role: ROLE_RANK/ROLE_WORLD_SIZE count the workers of the same role
+    mirror_port: int = 0  # the agent's mirror store listens here, on ``addr`` (0: none)
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node_id": self.node_id, "addr": self.addr, "nproc": self.nproc,
-                "spares": self.spares, "spare_node": self.spare_node, "pid": self.pid, "role": self.role}
+                "spares": self.spares, "spare_node": self.spare_node, "pid": self.pid, "role": self.role,
+                "mirror_port": self.mirror_port}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "NodeInfo":
         _check_version(doc, "node record")
         return cls(node_id=str(doc["node_id"]), addr=str(doc["addr"]), nproc=int(doc["nproc"]),
                    spares=int(doc.get("spares", 0)), spare_node=bool(doc.get("spare_node", False)),
-                   pid=int(doc.get("pid", 0)), role=str(doc.get("role", "default")))
+                   pid=int(doc.get("pid", 0)), role=str(doc.get("role", "default")),
+                   mirror_port=int(doc.get("mirror_port", 0)))
 
 
 @dataclass(frozen=True)

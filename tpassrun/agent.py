@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -43,6 +44,7 @@ from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, N
                          refuse_inline_secrets)
 from .port import (AgentEvent, AgentPort, FallbackRequested, HealthRestartRequested, LeaseLost,  # noqa: E402
                    RendezvousChanged, SignalReceived, SpawnFailed, SwapSettings, WorkerExited, WorkerSaid)
+from .mirrorplane import MirrorPlane  # noqa: E402
 from .slots import LocalSlots, Slot, SlotState  # noqa: E402
 from .swapper import Swapper  # noqa: E402
 from .workerenv import (WorkerAssignment, elastic_entry_point, entrypoint_name, role_ranks, worker_argv,  # noqa: E402
@@ -100,6 +102,7 @@ class Agent:
         self._queue: asyncio.Queue[AgentEvent] = asyncio.Queue()
         self._store_proc: asyncio.subprocess.Process | None = None
         self.swapper: Swapper | None = None
+        self.mirror: MirrorPlane | None = None   # this node's mirror store and its light mirror (mirrorplane.py)
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
         self._static_port_used = False   # static: the user's --master-port served the first generation's store
@@ -183,6 +186,9 @@ class Agent:
             stack.push_async_callback(self.slots.close)
             stack.push_async_callback(self._stop_store)
             self.swapper = Swapper(self._port())
+            # the mirror store serves before this node registers: its port is part of the registration
+            self.mirror = await stack.enter_async_context(MirrorPlane(self._port(), cfg.rdzv_id))
+            self.rdzv.node = dataclasses.replace(self.rdzv.node, mirror_port=self.mirror.mirror_port)
             from .healthd import AgentHealth
 
             self.health = AgentHealth(self)
@@ -200,7 +206,7 @@ class Agent:
             if self.signal_received is not None:
                 return 128 + self.signal_received
             code = await self._generations()
-            self.events.write("agent_exit", code=code)
+            self.events.write("agent_exit", code=code, mirror=self.mirror.usage() if self.mirror else None)
             return code
 
     def _port(self) -> AgentPort:
@@ -353,6 +359,8 @@ class Agent:
                  asyncio.ensure_future(self.swapper.run(gen)),
                  asyncio.ensure_future(self._publish_status_loop()),
                  asyncio.ensure_future(self.health.run())]
+        if self.mirror is not None:
+            tasks.append(asyncio.ensure_future(self.mirror.run()))
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._hang_watchdog()))
         tasks.append(asyncio.ensure_future(self._watch_lease()))
@@ -526,6 +534,8 @@ class Agent:
     def _on_worker_message(self, slot: Slot, msg: dict[str, Any]) -> None:
         if msg["kind"] == "hello" and msg.get("spare"):
             self.events.write("spare_ready", slot=slot.index, pid=msg.get("pid"))
+        if msg["kind"] == "mirror_info" and self.mirror is not None:
+            self.mirror.answer(slot)
         if msg["kind"] in ("hello", "done", "failed"):
             self._queue.put_nowait(WorkerSaid(slot, msg))
 

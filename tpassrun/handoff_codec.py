@@ -41,12 +41,8 @@ except ImportError:  # pragma: no cover - numpy ships with every torch wheel we 
 META_VERSION = 1
 
 
-class HandoffError(Exception):
-    """A state handoff could not be captured, transferred or applied."""
-
-
-class ChecksumError(HandoffError):
-    """The received bytes do not match the sender's checksum: the state must not be used."""
+# torch-free, so the agent's mirror store (which never imports torch) raises the same errors
+from .wireauth import ChecksumError, HandoffError  # noqa: E402,F401 - re-exported: the codec's errors
 
 
 @dataclass

@@ -30,7 +30,8 @@ plan's address)::
     sender -> receiver    68 B  b"TPAU" | nonce_s (32 B) | HMAC(key, "sender" | nonce_r | nonce_s | context)
     receiver -> sender    36 B  b"TPOK" | HMAC(key, "receiver" | nonce_r | nonce_s | context)
 
-``context`` names the swap and the rank, so a key-holder of another swap or rank is refused too. The frame
+``context`` names the swap and the rank, so a key-holder of another swap or rank is refused too (the handshake
+itself is :mod:`tpassrun.wireauth`'s, torch-free, shared with the agent's mirror store). The frame
 then runs as above with HMAC-SHA256 over both nonces, the context and every byte of the frame as its checksum
 ("hmac-sha256"), the full 32-byte tag following the trailer; the receiver applies nothing before the tag
 verified (constant-time compare), and allocates nothing beyond ``max_bytes``.
@@ -40,13 +41,11 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
 import hmac
 import json
 import math
 import mmap
 import os
-import secrets
 import socket
 import struct
 import time
@@ -59,6 +58,8 @@ import logging
 import torch
 
 from .handoff_codec import ChecksumError, HandoffError, StateBundle, dtype_from_name
+from .wireauth import (ACCEPT, HELLO, PROOF, TAG_LEN, AuthError, ConnectorHandshake, FrameMac,  # noqa: F401
+                       ListenerHandshake, TransferAuth)
 
 try:
     import numpy as np
@@ -78,10 +79,7 @@ _TRAILER = struct.Struct("<4sQI")  # end magic, data_len, crc of everything befo
 _ACK = struct.Struct("<4sI")
 _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
 _MAX_HEAD_BYTES = 1 << 30  # a corrupt length must not make us allocate the moon
-_HELLO = struct.Struct("<4sHH32s")     # b"TPNC", version, 0, receiver nonce
-_PROOF = struct.Struct("<4s32s32s")    # b"TPAU", sender nonce, sender proof
-_ACCEPT = struct.Struct("<4s32s")      # b"TPOK", receiver proof
-_TAG_LEN = 32
+_TAG_LEN = TAG_LEN
 _HMAC_CHECKSUM = "hmac-sha256"
 _HANDSHAKE_TIMEOUT_S = 10.0            # a stranger that connects and says nothing is dropped after this
 _DEFAULT_CHUNK = 8 << 20
@@ -134,95 +132,40 @@ class TensorSpec:
         return spec
 
 
-class AuthError(HandoffError):
-    """The peer did not prove the swap's key: a stranger, or a sender/receiver of another swap or rank."""
-
-
-@dataclass(frozen=True)
-class TransferAuth:
-    """What both ends of one transfer share: the per-swap ``key`` (from the control plane, never on the
-    network) and the transfer's identity (swap id, the rank whose state moves)."""
-
-    key: bytes
-    swap_id: str
-    rank: int
-
-    def __post_init__(self) -> None:
-        if len(self.key) < 16:
-            raise ValueError("a transfer key needs at least 16 bytes")
-
-    def __repr__(self) -> str:   # never print the key
-        return f"TransferAuth(swap_id={self.swap_id!r}, rank={self.rank})"
-
-    def _context(self, nonce_r: bytes, nonce_s: bytes) -> bytes:
-        ident = json.dumps([WIRE_VERSION, self.swap_id, self.rank]).encode()
-        return nonce_r + nonce_s + struct.pack("<I", len(ident)) + ident
-
-    def proof(self, role: bytes, nonce_r: bytes, nonce_s: bytes) -> bytes:
-        return hmac.new(self.key, b"tpassrun-handoff/" + role + b"\0" + self._context(nonce_r, nonce_s),
-                        hashlib.sha256).digest()
-
-    def frame_mac(self, nonce_r: bytes, nonce_s: bytes) -> "_Hmac":
-        return _Hmac(hmac.new(self.key, b"tpassrun-handoff/frame\0" + self._context(nonce_r, nonce_s),
-                              hashlib.sha256))
-
-
-class _Hmac:
-    """HMAC-SHA256 as a frame checksum: ``result`` is its first 4 bytes (the trailer's field), ``tag`` all 32."""
-
-    def __init__(self, mac: "hmac.HMAC") -> None:
-        self._mac = mac
-
-    def feed(self, data: Any) -> None:
-        self._mac.update(data)
-
-    def result(self) -> int:
-        return int.from_bytes(self.tag()[:4], "little")
-
-    def tag(self) -> bytes:
-        return self._mac.copy().digest()
-
-
-def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> "_Hmac":
+def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
     """Listener side: a fresh nonce out, the sender's proof in (constant-time), our proof out."""
-    nonce_r = secrets.token_bytes(32)
+    shake = ListenerHandshake(auth)
     try:
-        sock.sendall(_HELLO.pack(b"TPNC", WIRE_VERSION, 0, nonce_r))
+        sock.sendall(shake.hello())
     except OSError as exc:
         raise AuthError(f"the peer left before the handshake ({exc})") from exc
     try:
-        raw = _SocketReader(sock).read_exact(_PROOF.size, "the sender's proof")
+        raw = _SocketReader(sock).read_exact(PROOF.size, "the sender's proof")
     except HandoffError as exc:
         raise AuthError(f"no proof of the swap key from the peer: {exc}") from exc
-    magic, nonce_s, proof = _PROOF.unpack(raw)
-    if magic != b"TPAU" or not hmac.compare_digest(proof, auth.proof(b"sender", nonce_r, nonce_s)):
-        raise AuthError("the peer did not prove the swap's key (a stranger, or another swap or rank)")
+    answer = shake.accept(raw)
     try:
-        sock.sendall(_ACCEPT.pack(b"TPOK", auth.proof(b"receiver", nonce_r, nonce_s)))
+        sock.sendall(answer)
     except OSError as exc:
         raise HandoffError(f"the sender left during the handshake ({exc})") from exc
-    return auth.frame_mac(nonce_r, nonce_s)
+    return shake.frame_mac()
 
 
-def _sender_handshake(sock: socket.socket, auth: TransferAuth) -> "_Hmac":
+def _sender_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
     """Connecting side: prove the key over the receiver's nonce, and send nothing more unless the receiver
     proves it too (a forged address must not receive a single byte of state)."""
     reader = _SocketReader(sock)
-    magic, version, _zero, nonce_r = _HELLO.unpack(reader.read_exact(_HELLO.size, "the receiver's nonce"))
-    if magic != b"TPNC" or version != WIRE_VERSION:
-        raise AuthError(f"the peer is not a tpassrun joiner (hello {magic!r} v{version})")
-    nonce_s = secrets.token_bytes(32)
+    shake = ConnectorHandshake(auth)
+    proof = shake.prove(reader.read_exact(HELLO.size, "the receiver's nonce"))
     try:
-        sock.sendall(_PROOF.pack(b"TPAU", nonce_s, auth.proof(b"sender", nonce_r, nonce_s)))
+        sock.sendall(proof)
     except OSError as exc:
         raise HandoffError(f"sending the proof: connection lost ({exc})") from exc
     try:
-        magic, proof = _ACCEPT.unpack(reader.read_exact(_ACCEPT.size, "the receiver's proof"))
+        raw = reader.read_exact(ACCEPT.size, "the receiver's proof")
     except HandoffError as exc:
         raise AuthError(f"the receiver refused our proof or left: {exc}") from exc
-    if magic != b"TPOK" or not hmac.compare_digest(proof, auth.proof(b"receiver", nonce_r, nonce_s)):
-        raise AuthError("the receiver did not prove the swap's key: not sending any state to it")
-    return auth.frame_mac(nonce_r, nonce_s)
+    return shake.verify(raw)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -478,7 +421,7 @@ class _Frame:
     checksum: str
 
 
-def _read_frame(reader: _Reader, pipelined: bool, mac: _Hmac | None = None,
+def _read_frame(reader: _Reader, pipelined: bool, mac: FrameMac | None = None,
                 max_bytes: int | None = None) -> _Frame:
     """Read and verify one frame. Raises ChecksumError on any mismatch, HandoffError otherwise.
 

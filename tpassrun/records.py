@@ -57,6 +57,7 @@ class Keys:
         "status": "status/<node_id>",
         "health": "health/<node_id>",
         "fallbacks": "fallbacks/<node_id>",
+        "mirror_key": "mirror_key",
     }
 
     def _join(self, *parts: object) -> str:
@@ -111,6 +112,10 @@ class Keys:
 
     def fallback(self, node_id: str) -> str:
         return self._join("fallbacks", node_id)
+
+    @property
+    def mirror_key(self) -> str:
+        return self.prefix + "mirror_key"
 
 
 # ---------------------------------------------------------------------------------------------- validation

@@ -111,11 +111,37 @@ class _AgentLink:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(sock_path)
         self._buf = bytearray()  # our own line buffer, so that waiting() can tell what is already here
+        self._held: list[dict[str, Any]] = []   # commands read while waiting for an answer (request())
 
     def send(self, kind: str, **fields: Any) -> None:
         self.sock.sendall(encode_msg(kind, slot=self.slot, **fields))
 
+    def request(self, kind: str, timeout: float = 10.0) -> dict[str, Any] | None:
+        """Ask the agent something and wait for its answer (a message of the same kind); a command that
+        arrives meanwhile is kept for :meth:`recv`. None if no answer came within ``timeout``."""
+        self.send(kind)
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not self._readable(remaining):
+                return None
+            msg = self._read_one()
+            if msg["kind"] == kind:
+                return msg
+            self._held.append(msg)
+
+    def _readable(self, timeout: float) -> bool:
+        if b"\n" in self._buf:
+            return True
+        readable, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
+        return bool(readable)
+
     def recv(self) -> dict[str, Any]:
+        if self._held:
+            return self._held.pop(0)
+        return self._read_one()
+
+    def _read_one(self) -> dict[str, Any]:
         while True:
             end = self._buf.find(b"\n")
             if end >= 0:
@@ -130,7 +156,7 @@ class _AgentLink:
 
     def waiting(self, timeout: float = 0.0) -> bool:
         """True once a message (or the agent's end of the socket) is there to be read by :meth:`recv`."""
-        if b"\n" in self._buf:
+        if self._held or b"\n" in self._buf:
             return True
         readable, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
         return bool(readable)
@@ -313,6 +339,19 @@ class Session:
     @property
     def managed(self) -> bool:
         return self._link is not None
+
+    def mirror_target(self) -> Any:
+        """Where this rank's redundant copies go: its node's buddy mirror (a :class:`tpassrun.mirror.MirrorTarget`,
+        whose ``client()`` puts copies there), asked from the agent over the private socket; None when not
+        launched by tpassrun or when no other node can hold them. Call it from the main thread while running
+        (not from a helper thread), again after a re-formed world: the ring may have changed."""
+        if self._link is None:
+            return None
+        from .mirror import MirrorTarget
+
+        answer = self._link.request("mirror_info")
+        buddy = (answer or {}).get("buddy")
+        return MirrorTarget.from_json(buddy) if buddy else None
 
     # --- the step loop ---
     def run(self, step_fn: Callable[[int], Any], total_steps: int) -> int:
