@@ -9,7 +9,7 @@ from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, refuse_in
 from .embedded import EmbeddedEtcd, find_etcd_binary, host_etcd_if_absent, pid_alive
 from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
                      RendezvousTimeoutError)
-from .etcd_io import EtcdConnection, EtcdStore, WatchEvent
+from .etcd_io import EtcdConnection, EtcdStore, Link, WatchEvent, one_line
 from .handler import EtcdRendezvous
 from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
 
@@ -33,6 +33,8 @@ __all__ = [
     "RendezvousSettings",
     "RendezvousTimeoutError",
     "WatchEvent",
+    "Link",
+    "one_line",
     "find_etcd_binary",
     "ETCD_PASSWORD_ENV",
     "refuse_inline_secrets",

@@ -3,10 +3,15 @@
 aetcd gives us a plain asyncio gRPC client and nothing else: no background keepalive, no reconnect, and a
 watch iterator that raises (or silently ends) when etcd goes away. This module adds exactly that:
 
-* ``EtcdConnection`` owns one ``aetcd.Client``. When a call fails with a connection error it replaces the
-  client (next endpoint, fresh gRPC channel so we don't sit in gRPC's own reconnect backoff) with
-  backoff, and gives up with ``RendezvousConnectionError`` once an outage outlasts ``reconnect_timeout``.
-  Many stores may share one connection (the scale bench simulates 1,024 agents in one process).
+* ``EtcdConnection`` owns one ``aetcd.Client``. When a call fails with a connection error, one background
+  task replaces the client (next endpoint, fresh gRPC channel so we don't sit in gRPC's own reconnect
+  backoff) with backoff, for as long as the connection is open: an etcd restart or a partition of any
+  length is survived. What waits for it depends on the caller: the lease keepalive and the watches wait
+  as long as it takes (they are what makes the job go on afterwards); a request someone is waiting on
+  (a join, a restart, a CAS) fails with ``RendezvousConnectionError`` once the outage has lasted
+  ``reconnect_timeout``, and works again as soon as etcd is back. Listeners hear each outage and each
+  recovery once. Many stores may share one connection (the scale bench simulates 1,024 agents in one
+  process).
 * ``EtcdStore`` is one agent's view: a lease kept alive every ttl/3, the lease-bound keys it wrote
   (re-written under a fresh lease if the old one expired during an outage), JSON values, and watches
   that resume from the last revision they delivered after a reconnect.
@@ -16,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import logging
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import aetcd
@@ -39,6 +46,32 @@ _CONNECTION_ERRORS = (
     aetcd_errors.WatchTimeoutError,
     asyncio.TimeoutError,
 )
+# etcd forgets its auth tokens when it restarts: the old client's token is refused, a new client logs in again.
+_RECONNECT_ERRORS = (*_CONNECTION_ERRORS, aetcd_errors.UnauthenticatedError)
+_PROBE_TIMEOUT_S = 5.0        # one reconnect attempt (a partition drops packets: nothing ever answers)
+_BACKOFF_MAX_S = 1.0
+
+
+class Link(str, Enum):
+    """What an :class:`EtcdConnection` tells its listeners, once per outage each."""
+
+    LOST = "lost"            # a request failed: reconnecting in the background
+    OVERDUE = "overdue"      # the outage has lasted reconnect_timeout: requests now fail until etcd is back
+    RESTORED = "restored"    # a new client answers again
+
+
+# Set in the rendezvous's own long-lived tasks (watches, leadership): their requests wait out an outage of any
+# length instead of failing after reconnect_timeout, so they simply carry on once etcd is back. Tasks they
+# create inherit it (asyncio copies the context).
+_PATIENT: contextvars.ContextVar[bool] = contextvars.ContextVar("tpassrun_etcd_patient", default=False)
+
+
+def patient_context() -> contextvars.Context:
+    """A context for ``asyncio.create_task(..., context=)``: every etcd request the task (and the tasks it
+    creates) makes waits out an outage of any length."""
+    ctx = contextvars.copy_context()
+    ctx.run(_PATIENT.set, True)
+    return ctx
 
 
 def raise_if_cancelling() -> None:
@@ -122,7 +155,10 @@ class _TlsClient(aetcd.Client):
 
 
 class EtcdConnection:
-    """One etcd client plus the reconnect policy. ``epoch`` counts client replacements."""
+    """One etcd client plus the reconnect policy. ``epoch`` counts client replacements.
+
+    ``listeners`` are called with ``(Link, detail)``: LOST with the error, OVERDUE with the error once the outage
+    has lasted ``reconnect_timeout``, RESTORED with the outage's length in seconds."""
 
     def __init__(self, config: EtcdConfig, *, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
@@ -130,15 +166,30 @@ class EtcdConnection:
         self._client: aetcd.Client | None = None
         self._endpoint_index = 0
         self._epoch = 0
-        self._lock = asyncio.Lock()  # no loop binding at construction since Python 3.10
         self._outage_since: float | None = None
-        self._failure: RendezvousConnectionError | None = None
+        self._last_error: BaseException | None = None
+        self._restored = asyncio.Event()   # replaced at the start of every outage
+        self._reconnector: asyncio.Task[None] | None = None
         self._closed = False
-        self.listeners: list[Callable[[bool], None]] = []  # called with False on loss, True on restore
+        self.outages = 0
+        self.listeners: list[Callable[[Link, Any], None]] = []
+
+    @property
+    def up(self) -> bool:
+        return self._client is not None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
 
     @property
     def failure(self) -> RendezvousConnectionError | None:
-        return self._failure
+        """The error a request gets now: set while an outage has lasted ``reconnect_timeout`` or longer."""
+        since = self._outage_since
+        if since is None or self._clock() - since < self.config.reconnect_timeout:
+            return None
+        return RendezvousConnectionError(f"lost etcd at {self.config.display} for more than "
+                                         f"{self.config.reconnect_timeout:g} s: {one_line(self._last_error)}")
 
     def _new_client(self) -> aetcd.Client:
         host, port = self.config.endpoints[self._endpoint_index % len(self.config.endpoints)]
@@ -184,75 +235,99 @@ class EtcdConnection:
             if self._clock() + delay >= deadline:
                 raise RendezvousConnectionError(
                     f"cannot reach etcd at {self.config.display} within {self.config.read_timeout:g} s: "
-                    f"{_one_line(last)}") from last
+                    f"{one_line(last)}") from last
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 1.0)
+            delay = min(delay * 2, _BACKOFF_MAX_S)
 
-    async def acquire(self) -> tuple[aetcd.Client, int]:
+    async def acquire(self, *, forever: bool = False) -> tuple[aetcd.Client, int]:
+        """The current client and its epoch; during an outage, wait for the next one (``forever``, or until the
+        outage has lasted ``reconnect_timeout``: then RendezvousConnectionError)."""
         while True:
-            if self._failure is not None:
-                raise self._failure
-            if self._client is not None:
-                return self._client, self._epoch
-            if self._closed or not self._lock.locked():
-                raise RendezvousError("etcd connection is not open (use `async with`)")
-            # A reconnect (``recover``, which holds the lock) is in progress with no client: wait for its
-            # outcome. Failing here instead killed the lease keepalive one second into any outage.
-            async with self._lock:
-                pass
-
-    async def recover(self, epoch: int, exc: BaseException | None) -> None:
-        """Called by whoever saw ``exc`` on the client of ``epoch``: make a working client or raise."""
-        async with self._lock:
-            if self._failure is not None:
-                raise self._failure
             if self._closed:
                 raise RendezvousError("etcd connection closed")
-            if epoch != self._epoch:
-                return  # someone else already replaced that client
-            now = self._clock()
+            if self._client is not None:
+                return self._client, self._epoch
             if self._outage_since is None:
-                self._outage_since = now
-                log.warning("lost etcd at %s: %s", self.config.display, _one_line(exc))
-                self._notify(False)
-            delay = 0.05
-            while True:
-                old, self._client = self._client, None
-                if old is not None:
-                    await _close_quietly(old)  # also ends its watches, which then resume on the new client
-                self._endpoint_index += 1
-                client = self._new_client()
-                remaining = self._outage_since + self.config.reconnect_timeout - self._clock()
-                try:
-                    await self._probe(client, max(0.1, min(self.config.read_timeout, remaining)))
-                except (*_CONNECTION_ERRORS, aetcd_errors.ClientError) as probe_exc:
-                    await _close_quietly(client)
-                    exc = probe_exc
-                    if self._clock() + delay >= self._outage_since + self.config.reconnect_timeout:
-                        self._failure = RendezvousConnectionError(
-                            f"lost etcd at {self.config.display} for more than "
-                            f"{self.config.reconnect_timeout:g} s: {_one_line(exc)}")
-                        self._notify(False)
-                        raise self._failure from exc
-                    await asyncio.sleep(delay)
-                    delay = min(delay * 2, 1.0)
-                    continue
-                self._client = client
-                self._epoch += 1
-                self._outage_since = None
-                log.warning("etcd at %s is back", self.config.display)
-                self._notify(True)
-                return
+                raise RendezvousError("etcd connection is not open (use `async with`)")
+            await self._wait_restored(forever)
 
-    def _notify(self, up: bool) -> None:
+    async def recover(self, epoch: int, exc: BaseException | None, *, forever: bool = False) -> None:
+        """Called by whoever saw ``exc`` on the client of ``epoch``: start replacing it (the first to notice does)
+        and wait for a working client as :meth:`acquire` does."""
+        if self._closed:
+            raise RendezvousError("etcd connection closed")
+        if epoch == self._epoch and self._client is not None:
+            old, self._client = self._client, None
+            self._outage_since, self._last_error = self._clock(), exc
+            self._restored = asyncio.Event()
+            self.outages += 1
+            log.info("lost etcd at %s: %s; reconnecting", self.config.display, one_line(exc))
+            self._notify(Link.LOST, exc)
+            self._reconnector = asyncio.create_task(self._reconnect(old), name="etcd-reconnect")
+        await self._wait_restored(forever)
+
+    async def _wait_restored(self, forever: bool) -> None:
+        restored, since = self._restored, self._outage_since
+        if since is None:
+            return
+        if forever:
+            await restored.wait()
+            return
+        remaining = since + self.config.reconnect_timeout - self._clock()
+        if remaining > 0:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(restored.wait(), remaining)
+            raise_if_cancelling()
+        if not restored.is_set():
+            failure = self.failure
+            if failure is not None:
+                raise failure
+
+    async def _reconnect(self, old: aetcd.Client) -> None:
+        """Replace the client, with backoff, until one answers or the connection is closed."""
+        await _close_quietly(old)  # also ends its watches, which then resume on the new client
+        delay, overdue = 0.05, False
+        while not self._closed:
+            self._endpoint_index += 1
+            client = self._new_client()
+            try:
+                await self._probe(client, min(self.config.read_timeout, _PROBE_TIMEOUT_S))
+            except (*_CONNECTION_ERRORS, aetcd_errors.ClientError) as exc:
+                await _close_quietly(client)
+                self._last_error = exc
+                if not overdue and self.failure is not None:
+                    overdue = True
+                    log.info("etcd at %s still unreachable after %g s; still trying", self.config.display,
+                             self.config.reconnect_timeout)
+                    self._notify(Link.OVERDUE, exc)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _BACKOFF_MAX_S)
+                continue
+            if self._closed:
+                await _close_quietly(client)
+                return
+            lasted = self._clock() - (self._outage_since or self._clock())
+            self._client, self._epoch, self._outage_since = client, self._epoch + 1, None
+            self._restored.set()
+            log.info("etcd at %s is back after %.1f s", self.config.display, lasted)
+            self._notify(Link.RESTORED, lasted)
+            return
+
+    def _notify(self, link: Link, detail: Any) -> None:
         for listener in list(self.listeners):
             try:
-                listener(up)
+                listener(link, detail)
             except Exception:  # a listener bug must not break reconnects
                 log.exception("etcd connection listener failed")
 
     async def close(self) -> None:
         self._closed = True
+        self._restored.set()   # wake every waiter: they see the connection closed
+        task, self._reconnector = self._reconnector, None
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
         client, self._client = self._client, None
         if client is not None:
             await _close_quietly(client)
@@ -263,7 +338,7 @@ async def _close_quietly(client: aetcd.Client) -> None:
         await client.close()
 
 
-def _one_line(exc: BaseException | None) -> str:
+def one_line(exc: BaseException | None) -> str:
     if exc is None:
         return "connection closed"
     text = str(exc).strip().splitlines()
@@ -291,7 +366,6 @@ class EtcdStore:
         self._leased_keys: dict[str, bytes] = {}  # re-written under a new lease after an expiry
         self._keepalive: asyncio.Task[None] | None = None
         self.lease_listeners: list[Callable[[], None]] = []  # called after the lease was re-granted
-        self.failed = asyncio.Event()  # set when the keepalive gave up (connection lost for good)
         # Fencing: by our own clock the lease is surely alive until ``lease_deadline`` (send time of the last
         # acknowledged grant/refresh + ttl; etcd counts from when it received it, which is later). Past it,
         # the leader may already have declared us lost and handed our ranks to someone else.
@@ -327,40 +401,51 @@ class EtcdStore:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._keepalive
             self._keepalive = None
-        if self._lease is not None and self.connection.failure is None:
+        if self._lease is not None and self.connection.up:
             # Revoking deletes our lease-bound keys at once, so peers see us leave without a TTL wait.
             with contextlib.suppress(Exception):
                 client, _ = await self.connection.acquire()
                 await asyncio.wait_for(client.revoke_lease(self._lease.id), 2.0)
-            self._lease = None
+        self._lease = None
         if self._owns_connection:
             await self.connection.close()
 
     # --- low level -------------------------------------------------------------------------------------
 
-    async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]]) -> T:
+    async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]], *, forever: bool | None = None) -> T:
+        """Run ``op`` on the current client, through reconnects. ``forever`` (default: in a task of :func:`patient_context`):
+        wait out an outage of any length; otherwise raise RendezvousConnectionError once it has lasted
+        reconnect_timeout."""
+        if forever is None:
+            forever = _PATIENT.get()
         while True:
-            client, epoch = await self.connection.acquire()
+            client, epoch = await self.connection.acquire(forever=forever)
             self.requests += 1
             try:
                 return await op(client)
-            except _CONNECTION_ERRORS as exc:
-                await self.connection.recover(epoch, exc)
+            except _RECONNECT_ERRORS as exc:
+                await self.connection.recover(epoch, exc, forever=forever)
             except aetcd_errors.ClientError as exc:
-                raise RendezvousError(f"etcd request failed: {_one_line(exc)}") from exc
+                raise RendezvousError(f"etcd request failed: {one_line(exc)}") from exc
 
     async def _grant(self) -> None:
         sent = self._clock()
-        self._lease = await self._call(lambda c: c.lease(self.lease_ttl))
+        self._lease = await self._call(lambda c: c.lease(self.lease_ttl), forever=True)
         self.lease_deadline = sent + self.lease_ttl
 
     async def _keep_alive(self) -> None:
+        """Refresh the lease every ttl/3 for as long as the store is open, through outages of any length: when
+        etcd comes back after the lease expired, re-grant it and re-write our lease-bound keys."""
         interval = max(0.2, self.lease_ttl / 3)
-        try:
-            while True:
-                await asyncio.sleep(interval)
+        said = ""
+        while True:
+            await asyncio.sleep(interval)
+            try:
                 sent = self._clock()
-                reply = await self._call(lambda c: c.refresh_lease(self._lease.id))
+                # Bounded by the refresh interval: over a partition nothing answers, and the sooner a request
+                # fails the sooner the connection starts reconnecting.
+                reply = await self._call(
+                    lambda c: asyncio.wait_for(c.refresh_lease(self._lease.id), max(1.0, interval)), forever=True)
                 if reply is None or reply.TTL <= 0:
                     self.lease_epoch += 1
                     self._lease_changed.set()
@@ -368,9 +453,13 @@ class EtcdStore:
                     await self._regrant()
                 else:
                     self.lease_deadline = max(self.lease_deadline, sent + reply.TTL)
-        except RendezvousError as exc:
-            log.error("etcd lease keepalive stopped: %s", exc)
-            self.failed.set()
+                said = ""
+            except RendezvousError as exc:   # etcd refused something (not an outage): say it once, keep trying
+                if self.connection.closed:
+                    return
+                if str(exc) != said:
+                    said = str(exc)
+                    log.warning("etcd lease refresh failed (retrying every %.1f s): %s", interval, exc)
 
     async def lease_lost(self) -> str:
         """Return, with a reason, once our lease may expire (or has expired) since this call: its local deadline
@@ -391,13 +480,25 @@ class EtcdStore:
                 await asyncio.wait_for(self._lease_changed.wait(), remaining)
             raise_if_cancelling()
 
+    async def lease_held(self) -> None:
+        """Return once the lease is surely alive again by our clock (a refresh or a re-grant was acknowledged
+        since it looked lost): what :meth:`lease_lost` waits for next."""
+        if self.lease_ttl <= 0:
+            return
+        margin = min(1.0, self.lease_ttl / 6)
+        while self.lease_deadline - margin <= self._clock():
+            await asyncio.sleep(min(0.5, self.lease_ttl / 6))
+
     async def _regrant(self) -> None:
-        log.warning("etcd lease expired (outage longer than %s s): re-registering", self.lease_ttl)
+        log.info("etcd lease expired (outage longer than %s s): re-registering", self.lease_ttl)
         await self._grant()
         for key, raw in list(self._leased_keys.items()):
-            await self._call(lambda c, k=key, r=raw: c.put(k.encode(), r, lease=self._lease))
+            await self._call(lambda c, k=key, r=raw: c.put(k.encode(), r, lease=self._lease), forever=True)
         for listener in list(self.lease_listeners):
-            listener()
+            try:
+                listener()
+            except Exception:  # a listener bug must not stop the keepalive
+                log.exception("etcd lease listener failed")
 
     # --- JSON API --------------------------------------------------------------------------------------
 
@@ -503,7 +604,7 @@ class EtcdStore:
             _, _, header = await self.read_json(key)
             next_rev = header + 1
         while True:
-            client, epoch = await self.connection.acquire()
+            client, epoch = await self.connection.acquire(forever=True)
             self.requests += 1
             watch = None
             try:
@@ -523,14 +624,14 @@ class EtcdStore:
                     yield WatchEvent(kind, kv.key.decode(), value, kv.mod_revision, kv.create_revision)
                 # The iterator ended without us cancelling it: a reconnect closed this client. Resume.
                 raise_if_cancelling()
-                await self.connection.recover(epoch, None)
+                await self.connection.recover(epoch, None, forever=True)
             except aetcd_errors.RevisionCompactedError as exc:
                 next_rev = exc.compacted_revision
                 yield WatchEvent("reset", key, None, exc.compacted_revision)
-            except _CONNECTION_ERRORS as exc:
-                await self.connection.recover(epoch, exc)
+            except _RECONNECT_ERRORS as exc:
+                await self.connection.recover(epoch, exc, forever=True)
             except aetcd_errors.ClientError as exc:
-                raise RendezvousError(f"etcd watch on {key} failed: {_one_line(exc)}") from exc
+                raise RendezvousError(f"etcd watch on {key} failed: {one_line(exc)}") from exc
             finally:
                 if watch is not None:
                     # Bounded: aetcd queues the cancel request on a size-10 queue that nobody drains once

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 from .config import EtcdConfig, RendezvousSettings
 from .errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
-from .etcd_io import EtcdConnection, EtcdStore, WatchEvent, decode, raise_if_cancelling
+from .etcd_io import (EtcdConnection, EtcdStore, Link, WatchEvent, decode, one_line, patient_context,
+                      raise_if_cancelling)
 from .machine import Action, NodeEntry, RdzvView, closed_generation, decide, events_between, restart_generation
 from .state import EventKind, GenState, Generation, NodeInfo, RdzvEvent
 
@@ -129,14 +130,17 @@ class EtcdRendezvous:
         try:
             while not all(e.is_set() for e in events):
                 self._check_fatal()
-                await asyncio.wait(waits + list(self._tasks), return_when=asyncio.FIRST_COMPLETED)
+                # Bounded: the watches wait out an outage, but a start does not (it fails after reconnect_timeout).
+                await asyncio.wait(waits + list(self._tasks), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
             self._check_fatal()
         finally:
             for w in waits:
                 w.cancel()
 
     def _spawn(self, coro: Any, name: str) -> None:
-        task = asyncio.create_task(coro, name=f"{name}:{self.node.node_id}")
+        # The rendezvous's own tasks wait out etcd outages of any length (their requests never give up): they
+        # are what carries the run on once etcd is back.
+        task = asyncio.create_task(coro, name=f"{name}:{self.node.node_id}", context=patient_context())
         task.add_done_callback(self._task_done)
         self._tasks.append(task)
 
@@ -153,6 +157,8 @@ class EtcdRendezvous:
                 q.put_nowait(None)
 
     def _check_fatal(self) -> None:
+        """Raise if a rendezvous task died, or if etcd has been gone for ``reconnect_timeout`` (a join or a
+        start cannot go on without it; the event stream, the lease and the watches wait it out)."""
         if self._fatal is not None:
             raise self._fatal
         failure = self._store.failure
@@ -163,6 +169,10 @@ class EtcdRendezvous:
         """Return (with a reason) once this node's lease may have expired: from then on the leader may have
         declared us lost and given our ranks to others, so the agent must stop its workers (fencing)."""
         return await self._store.lease_lost()
+
+    async def lease_held(self) -> None:
+        """Return once this node's lease is surely alive again (after an outage, re-granted if it expired)."""
+        await self._store.lease_held()
 
     # --- joining ---------------------------------------------------------------------------------------
 
@@ -361,17 +371,15 @@ class EtcdRendezvous:
                 stream.queue.put_nowait(RdzvEvent(kind, self._gen, node_id, reason))
         return stream
 
-    def _on_connection(self, up: bool) -> None:
-        failure = self._store.failure
-        if up:
-            self._publish(RdzvEvent(EventKind.CONNECTION_RESTORED, self._gen, reason="etcd is reachable again"))
-        else:
-            reason = str(failure) if failure else "etcd connection lost; reconnecting"
-            self._publish(RdzvEvent(EventKind.CONNECTION_LOST, self._gen, reason=reason))
-        if failure is not None and self._fatal is None:
-            self._fatal = failure
-            for q in self._subscribers:
-                q.put_nowait(None)
+    def _on_connection(self, link: Link, detail: Any) -> None:
+        """Each outage and each recovery reaches the subscribers once; a join waiting on an outage that has
+        lasted reconnect_timeout wakes up to fail."""
+        if link is Link.RESTORED:
+            self._publish(RdzvEvent(EventKind.CONNECTION_RESTORED, self._gen,
+                                    reason=f"etcd is reachable again after {float(detail):.1f} s"))
+        elif link is Link.LOST:
+            self._publish(RdzvEvent(EventKind.CONNECTION_LOST, self._gen,
+                                    reason=f"etcd connection lost ({one_line(detail)}); reconnecting"))
         self._wake()
 
     # --- leadership ------------------------------------------------------------------------------------
@@ -475,10 +483,14 @@ class EventStream:
         return self
 
     async def __anext__(self) -> RdzvEvent:
-        self._rdzv._check_fatal()
+        # Only a dead rendezvous task ends the stream: an etcd outage of any length is survived (the
+        # subscriber hears connection_lost / connection_restored).
+        if self._rdzv._fatal is not None:
+            raise self._rdzv._fatal
         event = await self.queue.get()
         if event is None:
-            self._rdzv._check_fatal()
+            if self._rdzv._fatal is not None:
+                raise self._rdzv._fatal
             await self.aclose()
             raise StopAsyncIteration
         return event

@@ -9,11 +9,14 @@ In-process faults (a SIGKILL during backward, a SIGSTOP, a straggler) go through
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,3 +217,77 @@ def pids_by_rank(job: Job, world: int) -> dict[int, set[int]]:
 
 def run_async(coro: Any) -> Any:
     return asyncio.run(coro)
+
+
+class EtcdProxy:
+    """A TCP forwarder in front of etcd for one client: ``cut()`` partitions that client from etcd as a dead
+    link does (nothing is refused or reset: bytes just stop arriving, on open and new connections alike),
+    ``heal()`` ends it (the connections open during the cut are then dropped). ``endpoint`` is what the
+    client is given instead of etcd's. ``close()`` always cleans up."""
+
+    def __init__(self, target: str) -> None:
+        host, _, port = target.rpartition(":")
+        self.target = (host, int(port))
+        self._lsock = socket.create_server(("127.0.0.1", 0), backlog=64)
+        self.endpoint = f"127.0.0.1:{self._lsock.getsockname()[1]}"
+        self._lock = threading.Lock()
+        self._socks: list[socket.socket] = []
+        self.is_cut = False
+        self._closed = False
+        threading.Thread(target=self._accept, daemon=True, name="etcd-proxy").start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                c, _ = self._lsock.accept()
+            except OSError:
+                return
+            with self._lock:
+                if self._closed:
+                    c.close()
+                    return
+                self._socks.append(c)
+                if self.is_cut:
+                    continue      # a black hole: the client waits for an answer that never comes
+            try:
+                u = socket.create_connection(self.target, timeout=5)
+                u.settimeout(None)
+            except OSError:
+                continue
+            with self._lock:
+                self._socks.append(u)
+            for src, dst in ((c, u), (u, c)):
+                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+
+    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                if not self.is_cut:
+                    dst.sendall(data)
+        except OSError:
+            pass
+        for x in (src, dst):
+            with contextlib.suppress(OSError):
+                x.shutdown(socket.SHUT_RDWR)
+
+    def _drop_all(self, *, cut: bool) -> None:
+        with self._lock:
+            socks, self._socks = self._socks, []
+            self.is_cut = cut
+        for x in socks:
+            with contextlib.suppress(OSError):
+                x.shutdown(socket.SHUT_RDWR)
+            x.close()
+
+    def cut(self) -> None:
+        self.is_cut = True
+
+    def heal(self) -> None:
+        # what was open across the cut is dead, as TCP connections over a long cut are
+        self._drop_all(cut=False)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+        self._drop_all(cut=True)
+        self._lsock.close()

@@ -39,8 +39,8 @@ from .registry import register_run  # noqa: E402
 from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
 from .records import HANDLED_RESTART, Keys, NodeStatus, Taint, load  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
-from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
-                         RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent,
+from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, Link, NodeInfo,  # noqa: E402
+                         RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent, one_line,
                          refuse_inline_secrets)
 from .port import (AgentEvent, AgentPort, FallbackRequested, HealthRestartRequested, LeaseLost,  # noqa: E402
                    RendezvousChanged, SignalReceived, SpawnFailed, SwapSettings, WorkerExited, WorkerSaid)
@@ -181,6 +181,9 @@ class Agent:
             log.debug("connecting to etcd at %s", endpoint)
             self.rdzv = await stack.enter_async_context(
                 EtcdRendezvous(EtcdConfig.from_endpoint(endpoint, rdzv_conf), settings, node))
+            self.rdzv.store.connection.listeners.append(self._on_etcd_link)
+            self.rdzv.store.lease_listeners.append(
+                lambda: self.events.write("lease_regranted", reason="the lease expired during the outage"))
             self.slots = await LocalSlots(cfg.nproc_per_node, cfg.spares_per_node,
                                           on_message=self._on_worker_message).open()
             stack.push_async_callback(self.slots.close)
@@ -676,6 +679,10 @@ class Agent:
                 self.generation = new
                 return None
             return Outcome.MEMBERSHIP, f"generation {new.number} requested: {new.reason}"
+        if kind == "node_lost" and ev.node_id == self.node_id:
+            # Our lease expired during an etcd outage, and we are alive: we fenced ourselves if anyone else
+            # could hold our ranks; otherwise nobody can, and the lost mark goes with the next generation.
+            return None
         if kind in ("node_lost", "node_waiting") and self.rdzv.is_leader:
             reason = f"{kind.replace('_', ' ')}: {ev.node_id}"
             if kind == "node_lost" and await self.swapper.on_node_lost(ev.node_id):
@@ -684,14 +691,24 @@ class Agent:
             with contextlib.suppress(RendezvousError):
                 await self.rdzv.request_restart(self.generation or gen, reason)
             return None
-        if kind == "connection_lost":
-            self.events.write("etcd_connection_lost", reason=getattr(ev, "reason", ""))
         return None
+
+    def _on_etcd_link(self, link: Link, detail: Any) -> None:
+        """Each etcd outage and recovery, said once (the workers keep running through it; fencing below)."""
+        if link is Link.LOST:
+            self.events.write("etcd_connection_lost", reason=one_line(detail))
+        elif link is Link.OVERDUE:
+            self.events.write("etcd_connection_overdue", seconds=self.rdzv.store.config.reconnect_timeout
+                              if self.rdzv else None, reason=one_line(detail))
+        else:
+            self.events.write("etcd_connection_restored", seconds=round(float(detail), 2))
 
     # ------------------------------------------------------------------ fencing
     async def _watch_lease(self) -> None:
         assert self.rdzv is not None
-        self._queue.put_nowait(LeaseLost(await self.rdzv.lease_lost()))
+        while True:
+            self._queue.put_nowait(LeaseLost(await self.rdzv.lease_lost()))
+            await self.rdzv.lease_held()   # not fenced (nobody else could hold our ranks): watch the next one
 
     async def _fence(self, gen: Generation, reason: str) -> tuple[str, str] | None:
         """Our etcd lease may have expired (etcd unreachable from here, or refreshes too late): the leader may

@@ -233,7 +233,16 @@ class Describer:
             return f"generation {ev.get('generation')} ended ({ev.get('outcome')}): {ev.get('reason')}"
         if name == "restart":
             return f"whole-group restart ({ev.get('remaining')} left): {ev.get('reason')}"
-        if name in ("membership_change", "lease_lost", "fenced", "etcd_connection_lost", "slot_quarantined",
+        if name == "etcd_connection_lost":
+            return f"etcd unreachable ({ev.get('reason')}); reconnecting, the workers keep running"
+        if name == "etcd_connection_overdue":
+            return (f"etcd still unreachable after {_secs(ev.get('seconds'))}: rendezvous requests fail until it "
+                    f"is back (still reconnecting)")
+        if name == "etcd_connection_restored":
+            return f"etcd reachable again after {_secs(ev.get('seconds'))}"
+        if name == "lease_regranted":
+            return f"etcd lease re-granted and this node re-registered ({ev.get('reason')})"
+        if name in ("membership_change", "lease_lost", "fenced", "slot_quarantined",
                     "migrate_back_requested", "signal", "etcd_hosted"):
             detail = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "mono", "node"))
             return f"{name.replace('_', ' ')}: {detail}"
@@ -306,7 +315,8 @@ class ConsoleReporter:
         if not self.enabled:
             return
         level = "W" if ev.get("event") in ("fallback", "user_error", "hang_detected", "worker_died",
-                                          "swap_aborted_here", "swap_transfer_failed", "fenced") else "I"
+                                          "swap_aborted_here", "swap_transfer_failed", "fenced",
+                                          "etcd_connection_lost", "etcd_connection_overdue") else "I"
         prefix = log_prefix(self.pid, float(ev.get("time") or self._wall()), level)
         text = f"{prefix}[node {_short(ev.get('node'))}] {line}\n"
         stream = self.stream or sys.stderr
