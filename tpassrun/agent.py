@@ -6,6 +6,11 @@ event on one queue (a worker exited, a worker said something, the rendezvous cha
 
 Exit codes are torchrun's: 0 on success, 1 when workers failed beyond ``--max-restarts`` or the rendezvous
 failed, 1 for a handled signal after workers started, ``128 + sig`` for one before.
+
+This module is the agent's lifecycle and its generation loop (join, bootstrap the workers' store, run one
+generation, restart or finish). The rest of :class:`Agent` is in mixins: :mod:`tpassrun.agent_supervise` (the
+events of a generation, fencing), :mod:`tpassrun.agent_workers` (spawning and stopping workers),
+:mod:`tpassrun.agent_tasks` (status, the ``--tui`` panel, the hang watchdog).
 """
 
 from __future__ import annotations
@@ -30,25 +35,25 @@ for _k in _GRPC_ADDED:
     os.environ[_k] = _GRPC_QUIET[_k]
 
 from . import envnames as E  # noqa: E402
-from .config import LaunchConfig  # noqa: E402
+from .agent_supervise import Outcome, Supervision  # noqa: E402
+from .agent_tasks import GenerationTasks  # noqa: E402
+from .agent_workers import WorkerSpawning  # noqa: E402
+from .settings import LaunchConfig  # noqa: E402
 from .console import WAITING_EVERY_S, ConsoleReporter  # noqa: E402
 from .elasticevents import ElasticEvents  # noqa: E402
 from .events import EventLog  # noqa: E402
-from .devices import node_devices, slot_env, visible_devices  # noqa: E402
 from .registry import register_run  # noqa: E402
-from .procs import RunLogs, spawn_worker, stop_workers  # noqa: E402
-from .records import HANDLED_RESTART, Keys, NodeStatus, Taint, load  # noqa: E402
+from .procs import RunLogs  # noqa: E402
+from .records import Keys  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
-from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, Link, NodeInfo,  # noqa: E402
-                         RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent, one_line,
+from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
+                         RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent,
                          refuse_inline_secrets)
-from .port import (AgentEvent, AgentPort, FallbackRequested, HealthRestartRequested, LeaseLost,  # noqa: E402
-                   RendezvousChanged, SignalReceived, SpawnFailed, SwapSettings, WorkerExited, WorkerSaid)
+from .port import AgentEvent, AgentPort, SignalReceived, SwapSettings  # noqa: E402
 from .mirrorplane import MirrorPlane  # noqa: E402
-from .slots import LocalSlots, Slot, SlotState  # noqa: E402
+from .slots import LocalSlots, Slot  # noqa: E402
 from .swapper import Swapper  # noqa: E402
-from .workerenv import (WorkerAssignment, elastic_entry_point, entrypoint_name, role_ranks, worker_argv,  # noqa: E402
-                        worker_env)  # noqa: E402
+from .workerenv import elastic_entry_point, entrypoint_name  # noqa: E402
 
 log = logging.getLogger("tpassrun.agent")
 # torchrun's exit barrier (LocalElasticAgent's exit_barrier_timeout): how long the agent that hosts the run's
@@ -58,21 +63,13 @@ log = logging.getLogger("tpassrun.agent")
 EXIT_BARRIER_TIMEOUT_S = 300.0
 
 
-class Outcome:
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"            # local workers failed: consumes a restart
-    MEMBERSHIP = "membership"    # someone else asked for a new generation: free
-    CLOSED = "closed"
-    SIGNALLED = "signalled"
-
-
 def _free_port(host: str = "") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
 
 
-class Agent:
+class Agent(Supervision, WorkerSpawning, GenerationTasks):
     """Construct with a resolved :class:`LaunchConfig`; ``await run()`` does everything and returns the exit code."""
 
     def __init__(self, cfg: LaunchConfig, *, environ: dict[str, str] | None = None) -> None:
@@ -425,405 +422,6 @@ class Agent:
                 proc.kill()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(proc.wait(), 5)
-
-    def _find_devices(self) -> list[str] | None:
-        try:
-            return node_devices(self.environ)
-        except Exception as exc:  # noqa: BLE001 - a broken NVML: fall back to CUDA_VISIBLE_DEVICES alone
-            log.warning("cannot count GPUs through NVML (%s); using CUDA_VISIBLE_DEVICES only", exc)
-            return visible_devices(self.environ.get(E.CUDA_VISIBLE_DEVICES), None)
-
-    def assignment(self, gen: Generation, local_rank: int, rank: int, master: tuple[str, int],
-                   slot: Slot, spare: bool) -> WorkerAssignment:
-        me = gen.member(self.node_id)
-        assert me is not None and self.slots is not None
-        extra = {
-            E.TPASSRUN_CHANNEL: self.slots.channel_path, E.TPASSRUN_SLOT: str(slot.index),
-            E.TPASSRUN_AGENT_SOCK: self.slots.sock_path, E.TPASSRUN_GENERATION: str(gen.number),
-            E.TPASSRUN_NODE_ID: self.node_id,
-        }
-        if spare:
-            extra[E.TPASSRUN_SPARE] = "1"
-        # Each slot owns its GPU: a spare sees only its own, a rank moved off a tainted slot is steered to
-        # its new slot's GPU (devices.py); on a CPU node this adds nothing.
-        extra.update(slot_env(slot.index, local_rank, self.devices, spare=spare,
-                              virtual_local_rank=self.cfg.virtual_local_rank))
-        attempt_dir = self.logs.attempt_dir(self.restart_count)
-        err = os.path.join(attempt_dir, str(slot.index if spare else local_rank), "error.json") if attempt_dir else ""
-        role_rank, role_world_size = role_ranks(gen.members, rank, gen.world_size)
-        return WorkerAssignment(
-            local_rank=local_rank, rank=rank, group_rank=me.group_rank, role_rank=role_rank,
-            role_world_size=role_world_size, local_world_size=self.cfg.nproc_per_node, world_size=gen.world_size,
-            group_world_size=len(gen.members), master_addr=master[0], master_port=master[1],
-            restart_count=self.restart_count, error_file=err, use_agent_store=True, extra=extra)
-
-    async def _spawn_generation(self, gen: Generation, master: tuple[str, int]) -> None:
-        assert self.slots is not None
-        me = gen.member(self.node_id)
-        if me is None:
-            return  # a spare node: its workers start when a swap needs them (not implemented: whole-node spares wait)
-        self.logs.start_attempt(self.restart_count)
-        await self._quarantine_restart_taints()
-        usable = self.slots.usable_for_start()
-        if len(usable) < self.cfg.nproc_per_node:
-            usable = list(self.slots.slots)  # more quarantined slots than spares: reuse rather than not run
-            for s in usable:
-                s.state = SlotState.IDLE
-        for s in self.slots.slots:
-            if s.state != SlotState.QUARANTINED:
-                s.state = SlotState.IDLE
-                s.rank = None
-        actives, spares = usable[: self.cfg.nproc_per_node], usable[self.cfg.nproc_per_node:]
-        for local_rank, slot in enumerate(actives):
-            await self.spawn(gen, slot, local_rank=local_rank, rank=me.rank_offset + local_rank, master=master)
-        for slot in spares:
-            await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
-        self.workers_started = True
-        self.spawned_generation = gen.number
-        self.events.write("workers_started", generation=gen.number,
-                          slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
-                                 for s in actives + spares])
-
-    async def _quarantine_restart_taints(self) -> None:
-        """Slots of this node whose taint was answered by a health-aware restart sit this generation out
-        (until ``tpassctl untaint`` returns them to the spare pool)."""
-        assert self.rdzv is not None and self.slots is not None
-        try:
-            taints = await self.rdzv.store.get_prefix_json(Keys(self.rdzv.key("")).family("taints"))
-        except RendezvousError as exc:
-            log.warning("cannot read taints before starting workers: %s", exc)
-            return
-        for key, doc, rev in taints:
-            taint = load(Taint.from_json, key, doc, rev)
-            if (taint is None or taint.handled_by != HANDLED_RESTART or taint.node_id != self.node_id
-                    or taint.slot is None):
-                continue
-            slot = self.slots.slots[taint.slot] if taint.slot < len(self.slots.slots) else None
-            if slot is not None and slot.state != SlotState.QUARANTINED:
-                slot.state = SlotState.QUARANTINED
-                slot.quarantine_reason = taint.reason or "tainted"
-                self.events.write("slot_quarantined", slot=slot.index, reason=slot.quarantine_reason,
-                                  taint=taint.id)
-
-    async def spawn(self, gen: Generation, slot: Slot, *, local_rank: int, rank: int, master: tuple[str, int],
-                    spare: bool = False) -> None:
-        assert self.slots is not None
-        self.slots.reset(slot)
-        a = self.assignment(gen, local_rank, rank, master, slot, spare)
-        env = worker_env(self.cfg, a, self.environ)
-        argv = worker_argv(self.cfg, local_rank, spare=spare)
-        stdio = self.logs.stdio(self.restart_count, local_rank, rank=rank if rank >= 0 else None,
-                                dir_name=str(slot.index) if spare else None)
-        slot.rank = None if spare else rank
-        slot.local_rank = local_rank
-        slot.state = SlotState.SPARE if spare else SlotState.RUNNING
-        slot.exit_code = None
-        slot.started_at = time.monotonic()
-        try:
-            slot.proc = await spawn_worker(argv, env, stdio, local_rank=local_rank, role=self.cfg.role)
-        except OSError as exc:
-            slot.proc = None
-            slot.state = SlotState.DEAD
-            self._queue.put_nowait(SpawnFailed(slot, exc))
-            return
-        proc = slot.proc
-        asyncio.ensure_future(self._watch_exit(slot, proc))
-
-    async def _watch_exit(self, slot: Slot, proc: Any) -> None:
-        code = await proc.wait()
-        log.debug("slot %d (pid %d) exited with %s", slot.index, proc.pid, code)
-        self._queue.put_nowait(WorkerExited(slot, proc, code))
-
-    def _on_worker_message(self, slot: Slot, msg: dict[str, Any]) -> None:
-        if msg["kind"] == "hello" and msg.get("spare"):
-            self.events.write("spare_ready", slot=slot.index, pid=msg.get("pid"))
-        if msg["kind"] == "mirror_info" and self.mirror is not None:
-            self.mirror.answer(slot)
-        if msg["kind"] in ("hello", "done", "failed"):
-            self._queue.put_nowait(WorkerSaid(slot, msg))
-
-    async def _pump_rdzv_events(self, gen: Generation) -> None:
-        assert self.rdzv is not None
-        async for ev in self.rdzv.events():
-            self._queue.put_nowait(RendezvousChanged(ev))
-
-    # ------------------------------------------------------------------ supervision
-    async def _supervise(self, gen: Generation) -> tuple[str, str]:
-        """One event at a time, so the agent's decisions never race each other."""
-        assert self.slots is not None and self.rdzv is not None and self.swapper is not None
-        while True:
-            ev = await self._queue.get()
-            log.debug("supervisor event: %s", type(ev).__name__)
-            if isinstance(ev, SignalReceived):
-                self.events.write("signal", signal=signal.Signals(ev.signal).name)
-                return Outcome.SIGNALLED, f"signal {ev.signal}"
-            if isinstance(ev, SpawnFailed):
-                print(f"tpassrun: error: cannot start worker: {ev.error}", file=sys.stderr, flush=True)
-                return Outcome.FAILED, f"cannot start worker: {ev.error}"
-            result: tuple[str, str] | None = None
-            if isinstance(ev, WorkerExited):
-                result = await self._on_exit(gen, ev.slot, ev.proc, ev.code)
-            elif isinstance(ev, WorkerSaid):
-                if ev.message.get("kind") == "failed":
-                    self.swapper.on_worker_failed_step(ev.slot, ev.message)
-            elif isinstance(ev, RendezvousChanged):
-                result = await self._on_rdzv_event(gen, ev.event)
-            elif isinstance(ev, FallbackRequested):
-                if ev.free and self.free_fallbacks > 0:
-                    self.free_fallbacks -= 1
-                    log.warning("tpassrun: %s; restarting the whole group (this does not spend --max-restarts; "
-                                "%d such restart(s) left on this node)", ev.reason, self.free_fallbacks)
-                    self.events.write("fallback", reason=ev.reason, spends_restart=False)
-                    with contextlib.suppress(RendezvousError):
-                        await self.rdzv.request_restart(self.generation or gen, ev.reason)
-                    continue
-                nxt = ("restarting the whole group (spends one of --max-restarts)" if self.remaining_restarts > 0
-                       else "no restart left (--max-restarts): the job fails")
-                log.warning("tpassrun: %s; %s", ev.reason, nxt)
-                self.events.write("fallback", reason=ev.reason, spends_restart=True)
-                self._record_failures(ev.slot)
-                return Outcome.FAILED, ev.reason
-            elif isinstance(ev, HealthRestartRequested):
-                self.events.write("fallback", reason=ev.reason)
-                with contextlib.suppress(RendezvousError):
-                    await self.rdzv.request_restart(self.generation or gen, ev.reason)
-            elif isinstance(ev, LeaseLost):
-                result = await self._fence(gen, ev.reason)
-            if result is not None:
-                return result
-
-    async def _on_exit(self, gen: Generation, slot: Slot, proc: Any, code: int) -> tuple[str, str] | None:
-        if slot.proc is not proc:
-            return None  # an old worker of this slot
-        slot.exit_code = code
-        self.events.write("worker_exit", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
-                          state=slot.state)
-        if slot.state == SlotState.SPARE:
-            slot.state = SlotState.DEAD
-            self.events.write("spare_lost", slot=slot.index, code=code)
-            self.swapper.on_spare_lost(slot)
-            return None
-        if slot.state == SlotState.LEAVING:
-            slot.state = SlotState.QUARANTINED
-            if slot.release_after_exit:   # migrate-back: the slot it leaves was never sick
-                slot.release_after_exit = False
-                slot.quarantine_reason = None
-                await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=self.master, spare=True)
-                self.events.write("spare_returned", slot=slot.index, reason="migrate-back released it")
-            return None
-        if slot.state != SlotState.RUNNING:
-            return None
-        if code == 0:
-            slot.state = SlotState.DONE
-            if all(s.state == SlotState.DONE for s in self.slots.slots if s.rank is not None
-                   and s.state in (SlotState.RUNNING, SlotState.DONE)):
-                return Outcome.SUCCEEDED, "all workers succeeded"
-            return None
-        slot.state = SlotState.DEAD
-        if await self.swapper.on_worker_death(slot, code):
-            return None
-        self._record_failures(slot)
-        return Outcome.FAILED, f"rank {slot.rank} (local {slot.local_rank}) exited with {code}"
-
-    def _record_failures(self, first: Slot | None) -> None:
-        """torchrun's report lists the failed worker and the ones it then had to stop."""
-        assert self.slots is not None
-        now = time.time()
-        for s in self.slots.slots:
-            if s.proc is None or s.rank is None:
-                continue
-            if s is first or (s.state in (SlotState.DEAD,) and s.exit_code not in (None, 0)):
-                self.failures.append(ProcessFailure.from_exit(
-                    local_rank=s.local_rank, rank=s.rank, pid=s.proc.pid, exitcode=s.exit_code or 1,
-                    error_file=s.proc.error_file, now=lambda: now))
-
-    def _record_stopped(self) -> None:
-        """torchrun re-polls after SIGTERMing the rest of the group: the workers that died of it (exit -15, or
-        whatever they exited with but 0) are the report's "other failures", after the first ones (torchrun's
-        failures dict keeps that insertion order; on a timestamp tie the first one is the root cause)."""
-        assert self.slots is not None
-        seen = {f.pid for f in self.failures}
-        for s in self.slots.slots:
-            proc = s.proc
-            if proc is None or s.rank is None or s.rank < 0 or proc.pid in seen or proc.returncode in (None, 0):
-                continue
-            self.failures.append(ProcessFailure.from_exit(local_rank=s.local_rank, rank=s.rank, pid=proc.pid,
-                                                          exitcode=proc.returncode, error_file=proc.error_file))
-
-    async def _on_rdzv_event(self, gen: Generation, ev: Any) -> tuple[str, str] | None:
-        assert self.rdzv is not None
-        kind = getattr(ev.kind, "value", ev.kind)
-        if kind == "closed":
-            reason = getattr(ev, "reason", "") or ""
-            if reason.startswith("succeeded"):
-                if gen.member(self.node_id) is None:
-                    # A spare node never promoted has no workers whose exit would end it: without this it
-                    # waited forever after the job succeeded.
-                    return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
-                return None  # another node finished first; ours finish on their own (torchrun: same)
-            if any(s.state == SlotState.RUNNING for s in self.slots.slots):  # type: ignore[union-attr]
-                return Outcome.CLOSED, f"the run was closed by another agent: {reason}"
-            return None
-        if kind == "generation_changed":
-            new = ev.generation
-            if new is None or new.number == gen.number:
-                return None
-            if getattr(new.state, "value", new.state) == "closed":
-                if (new.reason or "").startswith("succeeded"):
-                    if gen.member(self.node_id) is None:   # an idle spare node: see "closed" above
-                        return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
-                    return None
-                return Outcome.CLOSED, new.reason
-            if new.swap_id and getattr(new.state, "value", new.state) == "active":
-                self.swapper.on_generation_committed(new)
-                self.generation = new
-                return None
-            return Outcome.MEMBERSHIP, f"generation {new.number} requested: {new.reason}"
-        if kind == "node_lost" and ev.node_id == self.node_id:
-            # Our lease expired during an etcd outage, and we are alive: we fenced ourselves if anyone else
-            # could hold our ranks; otherwise nobody can, and the lost mark goes with the next generation.
-            return None
-        if kind in ("node_lost", "node_waiting") and self.rdzv.is_leader:
-            reason = f"{kind.replace('_', ' ')}: {ev.node_id}"
-            if kind == "node_lost" and await self.swapper.on_node_lost(ev.node_id):
-                return None
-            self.events.write("membership_change", reason=reason)
-            with contextlib.suppress(RendezvousError):
-                await self.rdzv.request_restart(self.generation or gen, reason)
-            return None
-        return None
-
-    def _on_etcd_link(self, link: Link, detail: Any) -> None:
-        """Each etcd outage and recovery, said once (the workers keep running through it; fencing below)."""
-        if link is Link.LOST:
-            self.events.write("etcd_connection_lost", reason=one_line(detail))
-        elif link is Link.OVERDUE:
-            self.events.write("etcd_connection_overdue", seconds=self.rdzv.store.config.reconnect_timeout
-                              if self.rdzv else None, reason=one_line(detail))
-        else:
-            self.events.write("etcd_connection_restored", seconds=round(float(detail), 2))
-
-    # ------------------------------------------------------------------ fencing
-    async def _watch_lease(self) -> None:
-        assert self.rdzv is not None
-        while True:
-            self._queue.put_nowait(LeaseLost(await self.rdzv.lease_lost()))
-            await self.rdzv.lease_held()   # not fenced (nobody else could hold our ranks): watch the next one
-
-    async def _fence(self, gen: Generation, reason: str) -> tuple[str, str] | None:
-        """Our etcd lease may have expired (etcd unreachable from here, or refreshes too late): the leader may
-        already have declared this node lost and started our ranks elsewhere. Kill our workers at once, so no
-        rank is ever held by two live processes, then ask for a new generation and re-join it.
-
-        Only when another node could take our ranks: a job of one node with no spare node keeps running
-        through an etcd hiccup (nobody else can hold its ranks)."""
-        assert self.slots is not None and self.rdzv is not None
-        others = [m for m in gen.members if m.node_id != self.node_id] + [n for n in gen.spare_nodes
-                                                                           if n != self.node_id]
-        procs = [s.proc for s in self.slots.slots if s.proc is not None and s.proc.returncode is None]
-        if not others or not procs:
-            self.events.write("lease_lost", reason=reason, fenced=False)
-            return None
-        for s in self.slots.slots:   # their deaths are ours to cause: not failures, not swaps
-            if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
-                s.state = SlotState.IDLE
-        await stop_workers(procs, signal.SIGKILL, 5.0)
-        self.events.write("fenced", reason=reason, pids=[p.pid for p in procs])
-        log.warning("fenced: %s; stopped %d workers", reason, len(procs))
-        with contextlib.suppress(RendezvousError):
-            await self.rdzv.request_restart(gen, f"node {self.node_id} fenced: {reason}")
-        return Outcome.MEMBERSHIP, f"fenced: {reason}"
-
-    # ------------------------------------------------------------------ helpers
-    async def _stop_all(self, sig: int, grace: float) -> None:
-        assert self.slots is not None
-        procs = [s.proc for s in self.slots.slots if s.proc is not None and s.proc.returncode is None]
-        if procs:
-            await stop_workers(procs, sig, grace)
-        for s in self.slots.slots:
-            if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
-                s.state = SlotState.IDLE
-
-    async def _publish_status_loop(self) -> None:
-        while True:
-            self.swapper.hint_spares()
-            await self.publish_status()
-            await asyncio.sleep(1.0)
-
-    async def publish_status(self) -> None:
-        if self.rdzv is None or self.slots is None:
-            return
-        status = NodeStatus(node_id=self.node_id, addr=self.addr, pid=os.getpid(),
-                            generation=self.generation.number if self.generation else None,
-                            restart_count=self.restart_count, workers=self.slots.table(), time=time.time())
-        with contextlib.suppress(Exception):
-            await self.rdzv.store.put_json(Keys(self.rdzv.key("")).status(self.node_id), status.to_json(), lease=True)
-
-    async def _status_panel(self) -> None:
-        """``--tui``: the live view under the workers' output, from one etcd read a second (tui_panel.py)."""
-        from .ctl import read_snapshot
-        from .tui_panel import run_panel
-
-        assert self.rdzv is not None
-        rdzv = self.rdzv
-
-        async def fetch() -> dict:
-            return (await read_snapshot(rdzv.store, rdzv.settings.run_prefix, self.cfg.rdzv_id)).to_json()
-
-        await run_panel(fetch)
-
-    async def _hang_watchdog(self) -> None:
-        """A worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in a
-        collective with it get an error at once instead of waiting for gloo's 30-minute timeout."""
-        from .channel import Field, WorkerPhase
-
-        assert self.slots is not None
-        timeout_ns = int(self.cfg.hang_timeout * 1e9)
-        while True:
-            await asyncio.sleep(min(0.5, self.cfg.hang_timeout / 4))
-            if self.swapper.busy:
-                continue
-            now = time.monotonic_ns()
-            stale = []
-            for s in self.slots.active():
-                if not s.managed or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING:
-                    continue
-                beat = self.slots.field(s, Field.HEARTBEAT_NS)
-                if beat and now - beat > timeout_ns:
-                    stale.append((beat, s))
-            culprit = pick_hung(stale, _proc_state)
-            if culprit is None:
-                continue
-            beat, s = culprit
-            self.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
-                              seconds=round((now - beat) / 1e9, 3), step=self.slots.field(s, Field.STEP),
-                              stale_ranks=sorted(x.rank for _b, x in stale))
-            s.proc.signal_group(signal.SIGKILL)
-            await asyncio.sleep(self.cfg.hang_timeout)  # let the death cascade and the recovery start
-
-
-def _proc_state(pid: int | None) -> str:
-    """The kernel's one-letter state of ``pid`` (R, S, D, T, Z...), or "?"."""
-    try:
-        with open(f"/proc/{pid}/stat") as fh:
-            return fh.read().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return "?"
-
-
-def pick_hung(stale: list[tuple[int, Any]], state_of: Any) -> tuple[int, Any] | None:
-    """Which of the ranks whose step heartbeat is stale is the cause (pure but for ``state_of``).
-
-    When one rank hangs, its peers soon block in the next collective and go stale too: killing all of them
-    would throw away the replicas we recover from. A stopped (T/t) or uninterruptible (D) process is the
-    culprit; otherwise, with several stale ranks, the one whose heartbeat stopped first.
-    """
-    if not stale:
-        return None
-    for item in stale:
-        if state_of(item[1].pid) in ("T", "t", "D"):
-            return item
-    return min(stale, key=lambda x: x[0])
 
 
 def run_launcher(cfg: LaunchConfig) -> int:

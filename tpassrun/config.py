@@ -21,153 +21,28 @@ backend                ``--rdzv-endpoint`` given                   omitted
 ``--standalone`` (explicit, or implicit like torchrun: ``static`` + no endpoint + no
 ``--master-port`` + max nodes == 1) forces ``c10d``/``localhost:0`` and a uuid4 run id, and always
 uses the embedded private etcd.
+
+The frozen result type, torchrun's defaults and ``Std`` are in :mod:`tpassrun.settings` (what the rest of
+tpassrun imports, never this parser); the pure resolution rules in :mod:`tpassrun.config_rules`. Both are
+re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import enum
 import os
-import re
 import sys
 import uuid
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 from . import envnames as E
-
-
-class ConfigError(Exception):
-    """A bad command line or environment; the message is one user-facing line."""
-
-
-# --------------------------------------------------------------------------------------------
-# stdio redirect/tee specs (torchrun's ``Std``)
-# --------------------------------------------------------------------------------------------
-
-
-class Std(enum.IntFlag):
-    """Which standard streams of a worker go to files: torchrun's ``Std``."""
-
-    NONE = 0
-    OUT = 1
-    ERR = 2
-    ALL = 3
-
-
-StdSpec = Std | Mapping[int, Std]
-
-# Same regexes as torchrun (multiprocessing/api.py): single-digit local ranks only.
-_STD_VALUE = re.compile(r"^[0123]$")
-_STD_MAPPING = re.compile(r"^(\d:[0123],)*(\d:[0123])$")
-
-
-def parse_std(text: str) -> StdSpec:
-    """Parse ``-r``/``-t``: ``"3"`` -> Std.ALL, ``"0:3,1:1"`` -> {0: ALL, 1: OUT}."""
-    if _STD_VALUE.match(text):
-        return Std(int(text))
-    if _STD_MAPPING.match(text):
-        return {int(k): Std(int(v)) for k, v in (item.split(":") for item in text.split(","))}
-    raise ConfigError(f"{text} does not match: <{_STD_VALUE.pattern}> or <{_STD_MAPPING.pattern}>")
-
-
-def std_for(spec: StdSpec, local_rank: int) -> Std:
-    """The setting that applies to one local rank (ranks missing from a mapping get NONE)."""
-    if isinstance(spec, Std):
-        return spec
-    return spec.get(local_rank, Std.NONE)
-
-
-# --------------------------------------------------------------------------------------------
-# the resolved configuration
-# --------------------------------------------------------------------------------------------
-
-ETCD_DEFAULT_PORT = 2379
-C10D_DEFAULT_PORT = 29400
-STATIC_DEFAULT_MASTER_PORT = 29500
-DEFAULT_RDZV_TIMEOUT = "900"
-DEFAULT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
-DEFAULT_SHUTDOWN_TIMEOUT = 30
-BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
-EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")  # torchrun's events/handlers.py
-DEFAULT_LOGS_SPECS = "default"  # torchrun's entry point name for DefaultLogsSpecs
-# --rdzv-conf keys torchrun's c10d/etcd-v2 handler never reads (the dynamic handler reads join_timeout, ...):
-# whatever their value, torchrun runs. tpassrun reads "timeout" as the join timeout when join_timeout is
-# absent, so an unreadable one falls back to the default instead of failing the launch.
-_IGNORED_BY_DYNAMIC = ("timeout",)
-NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """Everything the launcher needs, resolved. Field names follow torchrun's argparse dests.
-
-    ``rdzv_backend``/``rdzv_endpoint``/``rdzv_id`` hold what torchrun itself would use after
-    ``--standalone`` resolution; ``etcd_endpoint`` is the etcd v3 server tpassrun talks to
-    (``None`` = start the embedded private etcd).
-    """
-
-    # --- torchrun's options ---
-    min_nodes: int = 1
-    max_nodes: int = 1
-    nproc_per_node: int = 1
-    rdzv_backend: str = "static"
-    rdzv_endpoint: str = ""
-    rdzv_id: str = "none"
-    rdzv_conf: Mapping[str, str] = field(default_factory=dict)
-    standalone: bool = False
-    max_restarts: int = 0
-    monitor_interval: float = 0.1
-    start_method: str = "spawn"
-    event_log_handler: str = "null"
-    role: str = "default"
-    module: bool = False
-    no_python: bool = False
-    run_path: bool = False
-    log_dir: str | None = None
-    redirects: StdSpec = Std.NONE
-    tee: StdSpec = Std.NONE
-    local_ranks_filter: frozenset[int] | None = None
-    duplicate_stdout_filters: tuple[str, ...] = ()
-    duplicate_stderr_filters: tuple[str, ...] = ()
-    node_rank: int = 0
-    master_addr: str = "127.0.0.1"
-    master_port: int = STATIC_DEFAULT_MASTER_PORT
-    local_addr: str | None = None
-    logs_specs: str | None = None
-    numa_binding: str | None = None
-    signals_to_handle: str = DEFAULT_SIGNALS
-    shutdown_timeout: int = DEFAULT_SHUTDOWN_TIMEOUT
-    virtual_local_rank: bool = False
-    training_script: str = ""
-    training_script_args: tuple[str, ...] = ()
-    # --- read from the launcher's environment, like torchrun ---
-    python_exec: str = sys.executable
-    log_line_prefix_template: str | None = None
-    omp_num_threads: str | None = None  # value the launcher sets for workers (None: leave alone)
-    # --- where tpassrun's etcd is ---
-    etcd_endpoint: str | None = None
-    # c10d/static: like torchrun's store host, the agent on the endpoint's machine serves the etcd there if
-    # nothing does yet (torchrun users need no etcd of their own)
-    host_etcd: bool = False
-    # --- tpassrun's own ---
-    spares_per_node: int = 0
-    spare_node: bool = False
-    hang_timeout: float = 0.0
-    event_log: str | None = None  # None: <run log dir>/events.jsonl
-    tui: bool | None = None  # None/False: no panel (torchrun's console); True: --tui, the status panel
-    etcd_bin: str | None = None
-    health_config: str | None = None
-    health_file: str | None = None  # JSON readings a site tool writes (FileSensor); env TPASSRUN_HEALTH_FILE
-    health_interval: float = 1.0
-    straggler_factor: float = 0.0
-    migrate_back: bool = False
-    metrics_port: int | None = None  # Prometheus endpoint of this agent (0: any free port; None: off)
-
-    @property
-    def uses_embedded_etcd(self) -> bool:
-        return self.etcd_endpoint is None
+from .config_rules import (_accelerator_count, _is_number, check_endpoint, cpu_count, derived_omp,
+                           determine_local_world_size, parse_local_ranks_filter, parse_min_max_nnodes, parse_rdzv_conf,
+                           resolve_etcd_endpoint, static_etcd_endpoint, with_default_port)
+from .settings import (_IGNORED_BY_DYNAMIC, BACKENDS, C10D_DEFAULT_PORT, DEFAULT_LOGS_SPECS, DEFAULT_RDZV_TIMEOUT,
+                       DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SIGNALS, ETCD_DEFAULT_PORT, EVENT_LOG_HANDLERS, NUMA_MODES,
+                       STATIC_DEFAULT_MASTER_PORT, ConfigError, LaunchConfig, Std, StdSpec, parse_std, std_for)
 
 
 # --------------------------------------------------------------------------------------------
@@ -311,189 +186,6 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("training_script", type=str, help="The training script (or module, or binary) and its arguments.")
     add("training_script_args", nargs=argparse.REMAINDER)
     return p
-
-
-# --------------------------------------------------------------------------------------------
-# resolution rules (pure)
-# --------------------------------------------------------------------------------------------
-
-
-def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
-    """``"2"`` -> (2, 2), ``"1:4"`` -> (1, 4); needs 0 < MIN <= MAX."""
-    parts = nnodes.split(":")
-    try:
-        if len(parts) == 1:
-            lo = hi = int(parts[0])
-        elif len(parts) == 2:
-            lo, hi = int(parts[0]), int(parts[1])
-        else:
-            raise ValueError
-    except ValueError:
-        raise ConfigError(f'--nnodes={nnodes} is not in "N" or "MIN:MAX" format') from None
-    if not 0 < lo <= hi:
-        raise ConfigError(f"--nnodes={nnodes}: need 0 < MIN <= MAX (got MIN={lo}, MAX={hi})")
-    return lo, hi
-
-
-def cpu_count() -> int:
-    """CPUs this process may run on (``torch._utils.cpu_count`` without importing torch)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _accelerator_count(kind: str) -> int:
-    """Device count for ``gpu``/``xpu``/``auto``/a privateuse1 name. Imports torch, so only on demand."""
-    import torch  # noqa: PLC0415  (lazy on purpose: the launcher must not pay for torch)
-
-    if kind == "gpu":
-        if not torch.cuda.is_available():
-            raise ConfigError("--nproc-per-node=gpu: Cuda is not available.")
-        return torch.cuda.device_count()
-    if kind == "xpu":
-        if not torch.xpu.is_available():
-            raise ConfigError("--nproc-per-node=xpu: Xpu is not available.")
-        return torch.xpu.device_count()
-    if kind == "auto":
-        if torch.accelerator.is_available():
-            return torch.accelerator.device_count()
-        return cpu_count()
-    if kind == torch._C._get_privateuse1_backend_name():
-        mod = getattr(torch, kind)
-        if not mod.is_available():
-            raise ConfigError(f"--nproc-per-node={kind}: {kind} is not available.")
-        return mod.device_count()
-    raise ConfigError(f"Unsupported nproc_per_node value: {kind}")
-
-
-def determine_local_world_size(value: str, accelerator_count: Callable[[str], int] = _accelerator_count) -> int:
-    """``--nproc-per-node``: an int, ``cpu``, or an accelerator kind (``gpu``, ``xpu``, ``auto``, ...)."""
-    try:
-        return int(value)
-    except ValueError:
-        pass
-    if value == "cpu":
-        return cpu_count()
-    return accelerator_count(value)
-
-
-def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """``k1=v1,k2=v2`` like torchrun's ``_parse_rendezvous_config`` (empty values rejected)."""
-    conf: dict[str, str] = {}
-    text = text.strip()
-    if not text:
-        return conf
-    for kv in text.split(","):
-        key, *values = kv.split("=", 1)
-        key = key.strip()
-        if not key:
-            raise ConfigError("--rdzv-conf must be in format <key1>=<value1>,...,<keyN>=<valueN>.")
-        value = values[0].strip() if values else ""
-        if not value:
-            raise ConfigError(f"--rdzv-conf: the rendezvous configuration option '{key}' must have a value specified.")
-        conf[key] = value
-    return conf
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def check_endpoint(endpoint: str, backend: str) -> None:
-    """torchrun's ``parse_rendezvous_endpoint``: an empty host or a port that is not an integer in 0..65535 is
-    an error at once (tpassrun used to find out by trying to connect for 60 s)."""
-    if not endpoint:
-        return
-    text = endpoint.strip()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ("" if not rest else None)
-    else:
-        host, sep, port = text.rpartition(":")
-        if not sep:
-            host, port = text, ""
-    if port is None or not host.strip() or (":" in host and not text.startswith("[") and not _is_ipv6(host)):
-        raise ConfigError(f"--rdzv-endpoint={endpoint}: the hostname of the rendezvous endpoint is missing or "
-                          "malformed (expected <host>[:<port>])")
-    if port and not (port.isdigit() and 0 <= int(port) <= 65535):
-        raise ConfigError(f"--rdzv-endpoint={endpoint}: the port number of the rendezvous endpoint must be an "
-                          "integer between 0 and 65535")
-
-
-def _is_ipv6(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
-    except ValueError:
-        return False
-
-
-def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
-    if not text:
-        return None
-    try:
-        return frozenset(int(r) for r in text.split(","))
-    except ValueError:
-        raise ConfigError(
-            "--local_ranks_filter must be a comma-separated list of integers e.g. --local_ranks_filter=0,1,2"
-        ) from None
-
-
-def derived_omp(nproc_per_node: int, environ: Mapping[str, str]) -> str | None:
-    """torchrun's rule: OMP_NUM_THREADS unset and more than one worker -> the launcher sets "1"."""
-    if E.OMP_NUM_THREADS not in environ and nproc_per_node > 1:
-        return "1"
-    return None
-
-
-def with_default_port(endpoint: str, default_port: int) -> str:
-    """``host`` -> ``host:default``; ``host:port`` and ``[v6]:port`` kept as they are."""
-    endpoint = endpoint.strip()
-    if not endpoint:
-        return endpoint
-    if endpoint.startswith("["):
-        return endpoint if "]:" in endpoint else f"{endpoint}:{default_port}"
-    host, sep, port = endpoint.rpartition(":")
-    if sep and host and port.isdigit():
-        return endpoint
-    return f"{endpoint}:{default_port}"
-
-
-def resolve_etcd_endpoint(backend: str, endpoint: str, max_nodes: int, standalone: bool) -> str | None:
-    """Which etcd v3 server the run uses; ``None`` means the embedded private one. See module doc."""
-    if standalone:
-        return None
-    if backend in ("etcd", "etcd-v2"):
-        return with_default_port(endpoint or "localhost", ETCD_DEFAULT_PORT)
-    if endpoint:
-        endpoint = with_default_port(endpoint, C10D_DEFAULT_PORT if backend == "c10d" else ETCD_DEFAULT_PORT)
-        if endpoint.rsplit(":", 1)[1] != "0":
-            return endpoint
-        # torchrun's `--rdzv-endpoint host:0` (what --standalone uses): the agent picks a free port for its
-        # store, which no other node could find, so it is one node's private rendezvous: ours is the embedded
-        # etcd on a free port.
-        if max_nodes == 1:
-            return None
-        raise ConfigError(f"--rdzv-endpoint={endpoint} (port 0) cannot be shared by {max_nodes} nodes: "
-                          "give a fixed port")
-    if max_nodes == 1:
-        return None
-    raise ConfigError(
-        f"--rdzv-backend={backend} with more than one node needs an etcd v3 server: "
-        "pass --rdzv-endpoint=<host>:<port> of an etcd reachable from every node"
-    )
-
-
-def static_etcd_endpoint(master_addr: str, master_port: int) -> str:
-    """Multi-node ``static`` without an endpoint: torchrun's rank-0 agent hosts a store at
-    ``master_addr:master_port`` (which workers get as MASTER_PORT); tpassrun hosts its etcd next to it, on
-    ``master_port + 1``, on the agent whose address is ``master_addr``."""
-    return f"{master_addr}:{master_port + 1}"
 
 
 # --------------------------------------------------------------------------------------------
@@ -695,3 +387,11 @@ def _ensure_dir(path: str, flag: str) -> None:
         raise ConfigError(f"{flag}={path}: cannot create the directory: {exc.strerror or exc}") from None
     if not os.access(path, os.W_OK | os.X_OK):
         raise ConfigError(f"{flag}={path}: the directory is not writable")
+
+
+__all__ = ["BACKENDS", "C10D_DEFAULT_PORT", "DEFAULT_LOGS_SPECS", "DEFAULT_RDZV_TIMEOUT", "DEFAULT_SHUTDOWN_TIMEOUT",
+           "DEFAULT_SIGNALS", "ETCD_DEFAULT_PORT", "EVENT_LOG_HANDLERS", "NUMA_MODES", "STATIC_DEFAULT_MASTER_PORT",
+           "ConfigError", "LaunchConfig", "Std", "StdSpec", "build_parser", "check_endpoint", "cpu_count",
+           "derived_omp", "determine_local_world_size", "parse_args", "parse_local_ranks_filter",
+           "parse_min_max_nnodes", "parse_rdzv_conf", "parse_std", "preflight", "resolve_etcd_endpoint",
+           "static_etcd_endpoint", "std_for", "with_default_port"]

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from string import Template
 from typing import IO, BinaryIO
 
-from .config import LaunchConfig, Std, StdSpec, std_for
+from .settings import LaunchConfig, Std, StdSpec, std_for
 
 log = logging.getLogger(__name__)
 

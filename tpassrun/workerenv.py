@@ -17,7 +17,7 @@ from string import Template
 from typing import Any
 
 from . import envnames as E
-from .config import ConfigError, LaunchConfig
+from .settings import ConfigError, LaunchConfig
 
 log = logging.getLogger(__name__)
 

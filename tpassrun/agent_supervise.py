@@ -1,0 +1,220 @@
+"""The agent's supervision: every event of a generation (a worker exited or said it failed, the rendezvous
+changed, a fallback or a health restart was asked for, the lease was lost, a signal) handled one at a time,
+and what each one ends in (:class:`Outcome`). A mixin of :class:`tpassrun.agent.Agent`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import sys
+import time
+from typing import Any
+
+from .port import (FallbackRequested, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
+                   SpawnFailed, WorkerExited, WorkerSaid)
+from .procs import stop_workers
+from .rendezvous import Generation, Link, RendezvousError, one_line
+from .report import ProcessFailure
+from .slots import Slot, SlotState
+
+log = logging.getLogger("tpassrun.agent")
+
+
+class Outcome:
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"            # local workers failed: consumes a restart
+    MEMBERSHIP = "membership"    # someone else asked for a new generation: free
+    CLOSED = "closed"
+    SIGNALLED = "signalled"
+
+
+class Supervision:
+    """Agent's event handling within one generation (the generation loop is :class:`tpassrun.agent.Agent`)."""
+
+    async def _supervise(self, gen: Generation) -> tuple[str, str]:
+        """One event at a time, so the agent's decisions never race each other."""
+        assert self.slots is not None and self.rdzv is not None and self.swapper is not None
+        while True:
+            ev = await self._queue.get()
+            log.debug("supervisor event: %s", type(ev).__name__)
+            if isinstance(ev, SignalReceived):
+                self.events.write("signal", signal=signal.Signals(ev.signal).name)
+                return Outcome.SIGNALLED, f"signal {ev.signal}"
+            if isinstance(ev, SpawnFailed):
+                print(f"tpassrun: error: cannot start worker: {ev.error}", file=sys.stderr, flush=True)
+                return Outcome.FAILED, f"cannot start worker: {ev.error}"
+            result: tuple[str, str] | None = None
+            if isinstance(ev, WorkerExited):
+                result = await self._on_exit(gen, ev.slot, ev.proc, ev.code)
+            elif isinstance(ev, WorkerSaid):
+                if ev.message.get("kind") == "failed":
+                    self.swapper.on_worker_failed_step(ev.slot, ev.message)
+            elif isinstance(ev, RendezvousChanged):
+                result = await self._on_rdzv_event(gen, ev.event)
+            elif isinstance(ev, FallbackRequested):
+                if ev.free and self.free_fallbacks > 0:
+                    self.free_fallbacks -= 1
+                    log.warning("tpassrun: %s; restarting the whole group (this does not spend --max-restarts; "
+                                "%d such restart(s) left on this node)", ev.reason, self.free_fallbacks)
+                    self.events.write("fallback", reason=ev.reason, spends_restart=False)
+                    with contextlib.suppress(RendezvousError):
+                        await self.rdzv.request_restart(self.generation or gen, ev.reason)
+                    continue
+                nxt = ("restarting the whole group (spends one of --max-restarts)" if self.remaining_restarts > 0
+                       else "no restart left (--max-restarts): the job fails")
+                log.warning("tpassrun: %s; %s", ev.reason, nxt)
+                self.events.write("fallback", reason=ev.reason, spends_restart=True)
+                self._record_failures(ev.slot)
+                return Outcome.FAILED, ev.reason
+            elif isinstance(ev, HealthRestartRequested):
+                self.events.write("fallback", reason=ev.reason)
+                with contextlib.suppress(RendezvousError):
+                    await self.rdzv.request_restart(self.generation or gen, ev.reason)
+            elif isinstance(ev, LeaseLost):
+                result = await self._fence(gen, ev.reason)
+            if result is not None:
+                return result
+
+    async def _on_exit(self, gen: Generation, slot: Slot, proc: Any, code: int) -> tuple[str, str] | None:
+        if slot.proc is not proc:
+            return None  # an old worker of this slot
+        slot.exit_code = code
+        self.events.write("worker_exit", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
+                          state=slot.state)
+        if slot.state == SlotState.SPARE:
+            slot.state = SlotState.DEAD
+            self.events.write("spare_lost", slot=slot.index, code=code)
+            self.swapper.on_spare_lost(slot)
+            return None
+        if slot.state == SlotState.LEAVING:
+            slot.state = SlotState.QUARANTINED
+            if slot.release_after_exit:   # migrate-back: the slot it leaves was never sick
+                slot.release_after_exit = False
+                slot.quarantine_reason = None
+                await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=self.master, spare=True)
+                self.events.write("spare_returned", slot=slot.index, reason="migrate-back released it")
+            return None
+        if slot.state != SlotState.RUNNING:
+            return None
+        if code == 0:
+            slot.state = SlotState.DONE
+            if all(s.state == SlotState.DONE for s in self.slots.slots if s.rank is not None
+                   and s.state in (SlotState.RUNNING, SlotState.DONE)):
+                return Outcome.SUCCEEDED, "all workers succeeded"
+            return None
+        slot.state = SlotState.DEAD
+        if await self.swapper.on_worker_death(slot, code):
+            return None
+        self._record_failures(slot)
+        return Outcome.FAILED, f"rank {slot.rank} (local {slot.local_rank}) exited with {code}"
+
+    def _record_failures(self, first: Slot | None) -> None:
+        """torchrun's report lists the failed worker and the ones it then had to stop."""
+        assert self.slots is not None
+        now = time.time()
+        for s in self.slots.slots:
+            if s.proc is None or s.rank is None:
+                continue
+            if s is first or (s.state in (SlotState.DEAD,) and s.exit_code not in (None, 0)):
+                self.failures.append(ProcessFailure.from_exit(
+                    local_rank=s.local_rank, rank=s.rank, pid=s.proc.pid, exitcode=s.exit_code or 1,
+                    error_file=s.proc.error_file, now=lambda: now))
+
+    def _record_stopped(self) -> None:
+        """torchrun re-polls after SIGTERMing the rest of the group: the workers that died of it (exit -15, or
+        whatever they exited with but 0) are the report's "other failures", after the first ones (torchrun's
+        failures dict keeps that insertion order; on a timestamp tie the first one is the root cause)."""
+        assert self.slots is not None
+        seen = {f.pid for f in self.failures}
+        for s in self.slots.slots:
+            proc = s.proc
+            if proc is None or s.rank is None or s.rank < 0 or proc.pid in seen or proc.returncode in (None, 0):
+                continue
+            self.failures.append(ProcessFailure.from_exit(local_rank=s.local_rank, rank=s.rank, pid=proc.pid,
+                                                          exitcode=proc.returncode, error_file=proc.error_file))
+
+    async def _on_rdzv_event(self, gen: Generation, ev: Any) -> tuple[str, str] | None:
+        assert self.rdzv is not None
+        kind = getattr(ev.kind, "value", ev.kind)
+        if kind == "closed":
+            reason = getattr(ev, "reason", "") or ""
+            if reason.startswith("succeeded"):
+                if gen.member(self.node_id) is None:
+                    # A spare node never promoted has no workers whose exit would end it: without this it
+                    # waited forever after the job succeeded.
+                    return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
+                return None  # another node finished first; ours finish on their own (torchrun: same)
+            if any(s.state == SlotState.RUNNING for s in self.slots.slots):  # type: ignore[union-attr]
+                return Outcome.CLOSED, f"the run was closed by another agent: {reason}"
+            return None
+        if kind == "generation_changed":
+            new = ev.generation
+            if new is None or new.number == gen.number:
+                return None
+            if getattr(new.state, "value", new.state) == "closed":
+                if (new.reason or "").startswith("succeeded"):
+                    if gen.member(self.node_id) is None:   # an idle spare node: see "closed" above
+                        return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
+                    return None
+                return Outcome.CLOSED, new.reason
+            if new.swap_id and getattr(new.state, "value", new.state) == "active":
+                self.swapper.on_generation_committed(new)
+                self.generation = new
+                return None
+            return Outcome.MEMBERSHIP, f"generation {new.number} requested: {new.reason}"
+        if kind == "node_lost" and ev.node_id == self.node_id:
+            # Our lease expired during an etcd outage, and we are alive: we fenced ourselves if anyone else
+            # could hold our ranks; otherwise nobody can, and the lost mark goes with the next generation.
+            return None
+        if kind in ("node_lost", "node_waiting") and self.rdzv.is_leader:
+            reason = f"{kind.replace('_', ' ')}: {ev.node_id}"
+            if kind == "node_lost" and await self.swapper.on_node_lost(ev.node_id):
+                return None
+            self.events.write("membership_change", reason=reason)
+            with contextlib.suppress(RendezvousError):
+                await self.rdzv.request_restart(self.generation or gen, reason)
+            return None
+        return None
+
+    def _on_etcd_link(self, link: Link, detail: Any) -> None:
+        """Each etcd outage and recovery, said once (the workers keep running through it; fencing below)."""
+        if link is Link.LOST:
+            self.events.write("etcd_connection_lost", reason=one_line(detail))
+        elif link is Link.OVERDUE:
+            self.events.write("etcd_connection_overdue", seconds=self.rdzv.store.config.reconnect_timeout
+                              if self.rdzv else None, reason=one_line(detail))
+        else:
+            self.events.write("etcd_connection_restored", seconds=round(float(detail), 2))
+
+    # ------------------------------------------------------------------ fencing
+    async def _watch_lease(self) -> None:
+        assert self.rdzv is not None
+        while True:
+            self._queue.put_nowait(LeaseLost(await self.rdzv.lease_lost()))
+            await self.rdzv.lease_held()   # not fenced (nobody else could hold our ranks): watch the next one
+
+    async def _fence(self, gen: Generation, reason: str) -> tuple[str, str] | None:
+        """Our etcd lease may have expired (etcd unreachable from here, or refreshes too late): the leader may
+        already have declared this node lost and started our ranks elsewhere. Kill our workers at once, so no
+        rank is ever held by two live processes, then ask for a new generation and re-join it.
+
+        Only when another node could take our ranks: a job of one node with no spare node keeps running
+        through an etcd hiccup (nobody else can hold its ranks)."""
+        assert self.slots is not None and self.rdzv is not None
+        others = [m for m in gen.members if m.node_id != self.node_id] + [n for n in gen.spare_nodes
+                                                                           if n != self.node_id]
+        procs = [s.proc for s in self.slots.slots if s.proc is not None and s.proc.returncode is None]
+        if not others or not procs:
+            self.events.write("lease_lost", reason=reason, fenced=False)
+            return None
+        for s in self.slots.slots:   # their deaths are ours to cause: not failures, not swaps
+            if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
+                s.state = SlotState.IDLE
+        await stop_workers(procs, signal.SIGKILL, 5.0)
+        self.events.write("fenced", reason=reason, pids=[p.pid for p in procs])
+        log.warning("fenced: %s; stopped %d workers", reason, len(procs))
+        with contextlib.suppress(RendezvousError):
+            await self.rdzv.request_restart(gen, f"node {self.node_id} fenced: {reason}")
+        return Outcome.MEMBERSHIP, f"fenced: {reason}"

@@ -1,0 +1,110 @@
+"""What runs beside the agent's supervision during a generation: the rendezvous event pump, the status
+publisher (``status/<node>``), the ``--tui`` panel, and the hang watchdog (``--hang-timeout``) with its pure
+choice of the culprit (:func:`pick_hung`). A mixin of :class:`tpassrun.agent.Agent`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from .port import RendezvousChanged
+from .records import Keys, NodeStatus
+from .rendezvous import Generation
+
+log = logging.getLogger("tpassrun.agent")
+
+
+class GenerationTasks:
+    """Agent's per-generation background tasks (started and cancelled by ``Agent._run_generation``)."""
+
+    async def _pump_rdzv_events(self, gen: Generation) -> None:
+        assert self.rdzv is not None
+        async for ev in self.rdzv.events():
+            self._queue.put_nowait(RendezvousChanged(ev))
+
+    async def _publish_status_loop(self) -> None:
+        while True:
+            self.swapper.hint_spares()
+            await self.publish_status()
+            await asyncio.sleep(1.0)
+
+    async def publish_status(self) -> None:
+        if self.rdzv is None or self.slots is None:
+            return
+        status = NodeStatus(node_id=self.node_id, addr=self.addr, pid=os.getpid(),
+                            generation=self.generation.number if self.generation else None,
+                            restart_count=self.restart_count, workers=self.slots.table(), time=time.time())
+        with contextlib.suppress(Exception):
+            await self.rdzv.store.put_json(Keys(self.rdzv.key("")).status(self.node_id), status.to_json(), lease=True)
+
+    async def _status_panel(self) -> None:
+        """``--tui``: the live view under the workers' output, from one etcd read a second (tui_panel.py)."""
+        from .ctl import read_snapshot
+        from .tui_panel import run_panel
+
+        assert self.rdzv is not None
+        rdzv = self.rdzv
+
+        async def fetch() -> dict:
+            return (await read_snapshot(rdzv.store, rdzv.settings.run_prefix, self.cfg.rdzv_id)).to_json()
+
+        await run_panel(fetch)
+
+    async def _hang_watchdog(self) -> None:
+        """A worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in a
+        collective with it get an error at once instead of waiting for gloo's 30-minute timeout."""
+        from .channel import Field, WorkerPhase
+
+        assert self.slots is not None
+        timeout_ns = int(self.cfg.hang_timeout * 1e9)
+        while True:
+            await asyncio.sleep(min(0.5, self.cfg.hang_timeout / 4))
+            if self.swapper.busy:
+                continue
+            now = time.monotonic_ns()
+            stale = []
+            for s in self.slots.active():
+                if not s.managed or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING:
+                    continue
+                beat = self.slots.field(s, Field.HEARTBEAT_NS)
+                if beat and now - beat > timeout_ns:
+                    stale.append((beat, s))
+            culprit = pick_hung(stale, _proc_state)
+            if culprit is None:
+                continue
+            beat, s = culprit
+            self.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
+                              seconds=round((now - beat) / 1e9, 3), step=self.slots.field(s, Field.STEP),
+                              stale_ranks=sorted(x.rank for _b, x in stale))
+            s.proc.signal_group(signal.SIGKILL)
+            await asyncio.sleep(self.cfg.hang_timeout)  # let the death cascade and the recovery start
+
+
+def _proc_state(pid: int | None) -> str:
+    """The kernel's one-letter state of ``pid`` (R, S, D, T, Z...), or "?"."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+def pick_hung(stale: list[tuple[int, Any]], state_of: Any) -> tuple[int, Any] | None:
+    """Which of the ranks whose step heartbeat is stale is the cause (pure but for ``state_of``).
+
+    When one rank hangs, its peers soon block in the next collective and go stale too: killing all of them
+    would throw away the replicas we recover from. A stopped (T/t) or uninterruptible (D) process is the
+    culprit; otherwise, with several stale ranks, the one whose heartbeat stopped first.
+    """
+    if not stale:
+        return None
+    for item in stale:
+        if state_of(item[1].pid) in ("T", "t", "D"):
+            return item
+    return min(stale, key=lambda x: x[0])

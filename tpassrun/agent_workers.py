@@ -1,0 +1,152 @@
+"""The agent's workers: the devices of the node, each worker's assignment and environment, spawning a
+generation's actives and spares, watching their exits and hellos, stopping them. A mixin of
+:class:`tpassrun.agent.Agent`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+from . import envnames as E
+from .devices import node_devices, slot_env, visible_devices
+from .port import SpawnFailed, WorkerExited, WorkerSaid
+from .procs import spawn_worker, stop_workers
+from .records import HANDLED_RESTART, Keys, Taint, load
+from .rendezvous import Generation, RendezvousError
+from .slots import Slot, SlotState
+from .workerenv import WorkerAssignment, role_ranks, worker_argv, worker_env
+
+log = logging.getLogger("tpassrun.agent")
+
+
+class WorkerSpawning:
+    """Agent's workers on this node."""
+
+    def _find_devices(self) -> list[str] | None:
+        try:
+            return node_devices(self.environ)
+        except Exception as exc:  # noqa: BLE001 - a broken NVML: fall back to CUDA_VISIBLE_DEVICES alone
+            log.warning("cannot count GPUs through NVML (%s); using CUDA_VISIBLE_DEVICES only", exc)
+            return visible_devices(self.environ.get(E.CUDA_VISIBLE_DEVICES), None)
+
+    def assignment(self, gen: Generation, local_rank: int, rank: int, master: tuple[str, int],
+                   slot: Slot, spare: bool) -> WorkerAssignment:
+        me = gen.member(self.node_id)
+        assert me is not None and self.slots is not None
+        extra = {
+            E.TPASSRUN_CHANNEL: self.slots.channel_path, E.TPASSRUN_SLOT: str(slot.index),
+            E.TPASSRUN_AGENT_SOCK: self.slots.sock_path, E.TPASSRUN_GENERATION: str(gen.number),
+            E.TPASSRUN_NODE_ID: self.node_id,
+        }
+        if spare:
+            extra[E.TPASSRUN_SPARE] = "1"
+        # Each slot owns its GPU: a spare sees only its own, a rank moved off a tainted slot is steered to
+        # its new slot's GPU (devices.py); on a CPU node this adds nothing.
+        extra.update(slot_env(slot.index, local_rank, self.devices, spare=spare,
+                              virtual_local_rank=self.cfg.virtual_local_rank))
+        attempt_dir = self.logs.attempt_dir(self.restart_count)
+        err = os.path.join(attempt_dir, str(slot.index if spare else local_rank), "error.json") if attempt_dir else ""
+        role_rank, role_world_size = role_ranks(gen.members, rank, gen.world_size)
+        return WorkerAssignment(
+            local_rank=local_rank, rank=rank, group_rank=me.group_rank, role_rank=role_rank,
+            role_world_size=role_world_size, local_world_size=self.cfg.nproc_per_node, world_size=gen.world_size,
+            group_world_size=len(gen.members), master_addr=master[0], master_port=master[1],
+            restart_count=self.restart_count, error_file=err, use_agent_store=True, extra=extra)
+
+    async def _spawn_generation(self, gen: Generation, master: tuple[str, int]) -> None:
+        assert self.slots is not None
+        me = gen.member(self.node_id)
+        if me is None:
+            return  # a spare node: its workers start when a swap needs them (not implemented: whole-node spares wait)
+        self.logs.start_attempt(self.restart_count)
+        await self._quarantine_restart_taints()
+        usable = self.slots.usable_for_start()
+        if len(usable) < self.cfg.nproc_per_node:
+            usable = list(self.slots.slots)  # more quarantined slots than spares: reuse rather than not run
+            for s in usable:
+                s.state = SlotState.IDLE
+        for s in self.slots.slots:
+            if s.state != SlotState.QUARANTINED:
+                s.state = SlotState.IDLE
+                s.rank = None
+        actives, spares = usable[: self.cfg.nproc_per_node], usable[self.cfg.nproc_per_node:]
+        for local_rank, slot in enumerate(actives):
+            await self.spawn(gen, slot, local_rank=local_rank, rank=me.rank_offset + local_rank, master=master)
+        for slot in spares:
+            await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
+        self.workers_started = True
+        self.spawned_generation = gen.number
+        self.events.write("workers_started", generation=gen.number,
+                          slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
+                                 for s in actives + spares])
+
+    async def _quarantine_restart_taints(self) -> None:
+        """Slots of this node whose taint was answered by a health-aware restart sit this generation out
+        (until ``tpassctl untaint`` returns them to the spare pool)."""
+        assert self.rdzv is not None and self.slots is not None
+        try:
+            taints = await self.rdzv.store.get_prefix_json(Keys(self.rdzv.key("")).family("taints"))
+        except RendezvousError as exc:
+            log.warning("cannot read taints before starting workers: %s", exc)
+            return
+        for key, doc, rev in taints:
+            taint = load(Taint.from_json, key, doc, rev)
+            if (taint is None or taint.handled_by != HANDLED_RESTART or taint.node_id != self.node_id
+                    or taint.slot is None):
+                continue
+            slot = self.slots.slots[taint.slot] if taint.slot < len(self.slots.slots) else None
+            if slot is not None and slot.state != SlotState.QUARANTINED:
+                slot.state = SlotState.QUARANTINED
+                slot.quarantine_reason = taint.reason or "tainted"
+                self.events.write("slot_quarantined", slot=slot.index, reason=slot.quarantine_reason,
+                                  taint=taint.id)
+
+    async def spawn(self, gen: Generation, slot: Slot, *, local_rank: int, rank: int, master: tuple[str, int],
+                    spare: bool = False) -> None:
+        assert self.slots is not None
+        self.slots.reset(slot)
+        a = self.assignment(gen, local_rank, rank, master, slot, spare)
+        env = worker_env(self.cfg, a, self.environ)
+        argv = worker_argv(self.cfg, local_rank, spare=spare)
+        stdio = self.logs.stdio(self.restart_count, local_rank, rank=rank if rank >= 0 else None,
+                                dir_name=str(slot.index) if spare else None)
+        slot.rank = None if spare else rank
+        slot.local_rank = local_rank
+        slot.state = SlotState.SPARE if spare else SlotState.RUNNING
+        slot.exit_code = None
+        slot.started_at = time.monotonic()
+        try:
+            slot.proc = await spawn_worker(argv, env, stdio, local_rank=local_rank, role=self.cfg.role)
+        except OSError as exc:
+            slot.proc = None
+            slot.state = SlotState.DEAD
+            self._queue.put_nowait(SpawnFailed(slot, exc))
+            return
+        proc = slot.proc
+        asyncio.ensure_future(self._watch_exit(slot, proc))
+
+    async def _watch_exit(self, slot: Slot, proc: Any) -> None:
+        code = await proc.wait()
+        log.debug("slot %d (pid %d) exited with %s", slot.index, proc.pid, code)
+        self._queue.put_nowait(WorkerExited(slot, proc, code))
+
+    def _on_worker_message(self, slot: Slot, msg: dict[str, Any]) -> None:
+        if msg["kind"] == "hello" and msg.get("spare"):
+            self.events.write("spare_ready", slot=slot.index, pid=msg.get("pid"))
+        if msg["kind"] == "mirror_info" and self.mirror is not None:
+            self.mirror.answer(slot)
+        if msg["kind"] in ("hello", "done", "failed"):
+            self._queue.put_nowait(WorkerSaid(slot, msg))
+
+    async def _stop_all(self, sig: int, grace: float) -> None:
+        assert self.slots is not None
+        procs = [s.proc for s in self.slots.slots if s.proc is not None and s.proc.returncode is None]
+        if procs:
+            await stop_workers(procs, sig, grace)
+        for s in self.slots.slots:
+            if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
+                s.state = SlotState.IDLE

@@ -1,0 +1,190 @@
+"""The pure resolution rules of a torchrun command line: node ranges, ``--nproc-per-node``, ``--rdzv-conf``,
+endpoints and which etcd a run uses (see :mod:`tpassrun.config`'s table). No argparse, no I/O but the CPU and
+accelerator counts.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping
+
+from . import envnames as E
+from .settings import C10D_DEFAULT_PORT, ETCD_DEFAULT_PORT, ConfigError
+
+
+def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
+    """``"2"`` -> (2, 2), ``"1:4"`` -> (1, 4); needs 0 < MIN <= MAX."""
+    parts = nnodes.split(":")
+    try:
+        if len(parts) == 1:
+            lo = hi = int(parts[0])
+        elif len(parts) == 2:
+            lo, hi = int(parts[0]), int(parts[1])
+        else:
+            raise ValueError
+    except ValueError:
+        raise ConfigError(f'--nnodes={nnodes} is not in "N" or "MIN:MAX" format') from None
+    if not 0 < lo <= hi:
+        raise ConfigError(f"--nnodes={nnodes}: need 0 < MIN <= MAX (got MIN={lo}, MAX={hi})")
+    return lo, hi
+
+
+def cpu_count() -> int:
+    """CPUs this process may run on (``torch._utils.cpu_count`` without importing torch)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+def _accelerator_count(kind: str) -> int:
+    """Device count for ``gpu``/``xpu``/``auto``/a privateuse1 name. Imports torch, so only on demand."""
+    import torch  # noqa: PLC0415  (lazy on purpose: the launcher must not pay for torch)
+
+    if kind == "gpu":
+        if not torch.cuda.is_available():
+            raise ConfigError("--nproc-per-node=gpu: Cuda is not available.")
+        return torch.cuda.device_count()
+    if kind == "xpu":
+        if not torch.xpu.is_available():
+            raise ConfigError("--nproc-per-node=xpu: Xpu is not available.")
+        return torch.xpu.device_count()
+    if kind == "auto":
+        if torch.accelerator.is_available():
+            return torch.accelerator.device_count()
+        return cpu_count()
+    if kind == torch._C._get_privateuse1_backend_name():
+        mod = getattr(torch, kind)
+        if not mod.is_available():
+            raise ConfigError(f"--nproc-per-node={kind}: {kind} is not available.")
+        return mod.device_count()
+    raise ConfigError(f"Unsupported nproc_per_node value: {kind}")
+
+
+def determine_local_world_size(value: str, accelerator_count: Callable[[str], int] = _accelerator_count) -> int:
+    """``--nproc-per-node``: an int, ``cpu``, or an accelerator kind (``gpu``, ``xpu``, ``auto``, ...)."""
+    try:
+        return int(value)
+    except ValueError:
+        pass
+    if value == "cpu":
+        return cpu_count()
+    return accelerator_count(value)
+
+
+def parse_rdzv_conf(text: str) -> dict[str, str]:
+    """``k1=v1,k2=v2`` like torchrun's ``_parse_rendezvous_config`` (empty values rejected)."""
+    conf: dict[str, str] = {}
+    text = text.strip()
+    if not text:
+        return conf
+    for kv in text.split(","):
+        key, *values = kv.split("=", 1)
+        key = key.strip()
+        if not key:
+            raise ConfigError("--rdzv-conf must be in format <key1>=<value1>,...,<keyN>=<valueN>.")
+        value = values[0].strip() if values else ""
+        if not value:
+            raise ConfigError(f"--rdzv-conf: the rendezvous configuration option '{key}' must have a value specified.")
+        conf[key] = value
+    return conf
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def check_endpoint(endpoint: str, backend: str) -> None:
+    """torchrun's ``parse_rendezvous_endpoint``: an empty host or a port that is not an integer in 0..65535 is
+    an error at once (tpassrun used to find out by trying to connect for 60 s)."""
+    if not endpoint:
+        return
+    text = endpoint.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        port = rest[1:] if rest.startswith(":") else ("" if not rest else None)
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep:
+            host, port = text, ""
+    if port is None or not host.strip() or (":" in host and not text.startswith("[") and not _is_ipv6(host)):
+        raise ConfigError(f"--rdzv-endpoint={endpoint}: the hostname of the rendezvous endpoint is missing or "
+                          "malformed (expected <host>[:<port>])")
+    if port and not (port.isdigit() and 0 <= int(port) <= 65535):
+        raise ConfigError(f"--rdzv-endpoint={endpoint}: the port number of the rendezvous endpoint must be an "
+                          "integer between 0 and 65535")
+
+
+def _is_ipv6(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
+    except ValueError:
+        return False
+
+
+def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
+    if not text:
+        return None
+    try:
+        return frozenset(int(r) for r in text.split(","))
+    except ValueError:
+        raise ConfigError(
+            "--local_ranks_filter must be a comma-separated list of integers e.g. --local_ranks_filter=0,1,2"
+        ) from None
+
+
+def derived_omp(nproc_per_node: int, environ: Mapping[str, str]) -> str | None:
+    """torchrun's rule: OMP_NUM_THREADS unset and more than one worker -> the launcher sets "1"."""
+    if E.OMP_NUM_THREADS not in environ and nproc_per_node > 1:
+        return "1"
+    return None
+
+
+def with_default_port(endpoint: str, default_port: int) -> str:
+    """``host`` -> ``host:default``; ``host:port`` and ``[v6]:port`` kept as they are."""
+    endpoint = endpoint.strip()
+    if not endpoint:
+        return endpoint
+    if endpoint.startswith("["):
+        return endpoint if "]:" in endpoint else f"{endpoint}:{default_port}"
+    host, sep, port = endpoint.rpartition(":")
+    if sep and host and port.isdigit():
+        return endpoint
+    return f"{endpoint}:{default_port}"
+
+
+def resolve_etcd_endpoint(backend: str, endpoint: str, max_nodes: int, standalone: bool) -> str | None:
+    """Which etcd v3 server the run uses; ``None`` means the embedded private one. See module doc."""
+    if standalone:
+        return None
+    if backend in ("etcd", "etcd-v2"):
+        return with_default_port(endpoint or "localhost", ETCD_DEFAULT_PORT)
+    if endpoint:
+        endpoint = with_default_port(endpoint, C10D_DEFAULT_PORT if backend == "c10d" else ETCD_DEFAULT_PORT)
+        if endpoint.rsplit(":", 1)[1] != "0":
+            return endpoint
+        # torchrun's `--rdzv-endpoint host:0` (what --standalone uses): the agent picks a free port for its
+        # store, which no other node could find, so it is one node's private rendezvous: ours is the embedded
+        # etcd on a free port.
+        if max_nodes == 1:
+            return None
+        raise ConfigError(f"--rdzv-endpoint={endpoint} (port 0) cannot be shared by {max_nodes} nodes: "
+                          "give a fixed port")
+    if max_nodes == 1:
+        return None
+    raise ConfigError(
+        f"--rdzv-backend={backend} with more than one node needs an etcd v3 server: "
+        "pass --rdzv-endpoint=<host>:<port> of an etcd reachable from every node"
+    )
+
+
+def static_etcd_endpoint(master_addr: str, master_port: int) -> str:
+    """Multi-node ``static`` without an endpoint: torchrun's rank-0 agent hosts a store at
+    ``master_addr:master_port`` (which workers get as MASTER_PORT); tpassrun hosts its etcd next to it, on
+    ``master_port + 1``, on the agent whose address is ``master_addr``."""
+    return f"{master_addr}:{master_port + 1}"

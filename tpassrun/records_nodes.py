@@ -1,0 +1,139 @@
+"""What each node publishes about itself, and the run's end: ``status/`` (the worker table), ``health/`` (the
+monitor's snapshot), ``closed``, and the rendezvous's ``nodes/`` and ``leader`` records read strictly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .records_fields import (SCHEMA_VERSION, RecordError, _bool, _check, _int, _list, _num, _opt_int, _opt_str,
+                             _str)
+from .rendezvous.state import NodeInfo
+
+
+# ---------------------------------------------------------------------------------------------- status
+@dataclass(frozen=True)
+class WorkerRow:
+    """One worker slot in ``status/<node>``."""
+
+    slot: int
+    state: str                  # a SlotState value: running | spare | quarantined | dead | done | leaving | idle
+    rank: int | None = None
+    local_rank: int | None = None
+    pid: int | None = None
+    step: int = 0
+    managed: bool = False       # the worker said hello (it runs tpassrun.init())
+    spare: bool = False
+    last_step_ms: float = 0.0
+    quarantine_reason: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"slot": self.slot, "rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
+                "state": self.state, "step": self.step, "managed": self.managed, "spare": self.spare,
+                "last_step_ms": self.last_step_ms, "quarantine_reason": self.quarantine_reason}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "WorkerRow":
+        what = "status worker row"
+        if not isinstance(doc, Mapping):
+            raise RecordError(f"{what}: not a JSON object")
+        return cls(slot=_int(doc, "slot", what, minimum=0), state=_str(doc, "state", what),
+                   rank=_opt_int(doc, "rank", what, minimum=0), local_rank=_opt_int(doc, "local_rank", what),
+                   pid=_opt_int(doc, "pid", what), step=_int(doc, "step", what, 0),
+                   managed=_bool(doc, "managed", what), spare=_bool(doc, "spare", what),
+                   last_step_ms=_num(doc, "last_step_ms", what),
+                   quarantine_reason=_opt_str(doc, "quarantine_reason", what))
+
+
+@dataclass(frozen=True)
+class NodeStatus:
+    """``status/<node>`` (under the agent's lease): the node's worker table, for the coordinator and tpassctl."""
+
+    node_id: str
+    workers: tuple[WorkerRow, ...]
+    addr: str = ""
+    pid: int = 0
+    generation: int | None = None
+    restart_count: int = 0
+    time: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "node_id": self.node_id, "addr": self.addr, "pid": self.pid,
+                "generation": self.generation, "restart_count": self.restart_count,
+                "workers": [w.to_json() for w in self.workers], "time": self.time}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "NodeStatus":
+        what = "node status"
+        d = _check(doc, what)
+        return cls(node_id=_str(d, "node_id", what), addr=_str(d, "addr", what, ""), pid=_int(d, "pid", what, 0),
+                   generation=_opt_int(d, "generation", what), restart_count=_int(d, "restart_count", what, 0),
+                   workers=tuple(WorkerRow.from_json(w) for w in _list(d, "workers", what)),
+                   time=_num(d, "time", what))
+
+
+# ---------------------------------------------------------------------------------------------- health
+@dataclass(frozen=True)
+class HealthRecord:
+    """``health/<node>`` (under the agent's lease): the monitor's snapshot (readings, verdicts) for display."""
+
+    node_id: str
+    time: float = 0.0
+    taints: tuple[str, ...] = ()
+    polls: int = 0
+    unavailable: Mapping[str, str] = field(default_factory=dict)
+    readings: tuple[Mapping[str, Any], ...] = ()
+    verdicts: tuple[Mapping[str, Any], ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "node_id": self.node_id, "time": self.time, "taints": list(self.taints),
+                "polls": self.polls, "unavailable": dict(self.unavailable),
+                "readings": [dict(r) for r in self.readings], "verdicts": [dict(v) for v in self.verdicts]}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "HealthRecord":
+        what = "health record"
+        d = _check(doc, what)
+        unavailable = d.get("unavailable") or {}
+        rows = {k: _list(d, k, what) for k in ("readings", "verdicts", "taints")}
+        if not isinstance(unavailable, Mapping) or not all(isinstance(r, Mapping) for r in
+                                                           rows["readings"] + rows["verdicts"]):
+            raise RecordError(f"{what}: readings, verdicts and unavailable must be JSON objects")
+        return cls(node_id=_str(d, "node_id", what, ""), time=_num(d, "time", what),
+                   taints=tuple(str(t) for t in rows["taints"]), polls=_int(d, "polls", what, 0),
+                   unavailable=dict(unavailable), readings=tuple(rows["readings"]), verdicts=tuple(rows["verdicts"]))
+
+
+# ---------------------------------------------------------------------------------------------- run
+@dataclass(frozen=True)
+class RunClosed:
+    """``closed`` (written by the rendezvous when the run ends), as tpassctl reads it."""
+
+    reason: str
+    node_id: str | None = None
+    time: float = 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "reason": self.reason, "node_id": self.node_id, "time": self.time}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "RunClosed":
+        what = "closed record"
+        d = _check(doc, what)
+        return cls(reason=_str(d, "reason", what, ""), node_id=_opt_str(d, "node_id", what), time=_num(d, "time", what))
+
+
+def node_info(doc: Any) -> NodeInfo:
+    """``nodes/<node_id>`` (the rendezvous's registration record), with :class:`RecordError` for a bad one."""
+    try:
+        return NodeInfo.from_json(doc)
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise RecordError(f"node record: {exc}") from exc
+
+
+def leader_of(doc: Any) -> str:
+    """The node id in ``leader`` (written by the rendezvous under the leader's lease)."""
+    if not isinstance(doc, Mapping) or not isinstance(doc.get("node_id"), str):
+        raise RecordError(f"leader record: no node_id in {doc!r}")
+    return doc["node_id"]

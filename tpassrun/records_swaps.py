@@ -1,0 +1,182 @@
+"""The swap records: ``swaps/<id>`` (a :class:`SwapPlan`, advanced phase by phase along :data:`TRANSITIONS`) and
+``reports/<id>/<seq>/<node>`` (each agent's :class:`Report` on one phase).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .records_fields import (SCHEMA_VERSION, RecordError, _addr, _bool, _check, _enum, _int, _list, _opt_int,
+                             _opt_str, _str)
+
+
+# ---------------------------------------------------------------------------------------------- swaps
+class Phase(str, enum.Enum):
+    PAUSE = "pause"
+    BOUNDARY = "boundary"
+    TRANSFER = "transfer"
+    SEND = "send"
+    REFORM = "reform"
+    DONE = "done"
+    ABORTED = "aborted"
+
+
+# The one table of a swap plan's allowed transitions (the planner, tpassrun.swap, decides which to take).
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.PAUSE: frozenset({Phase.BOUNDARY, Phase.TRANSFER, Phase.ABORTED}),
+    Phase.BOUNDARY: frozenset({Phase.BOUNDARY, Phase.TRANSFER, Phase.ABORTED}),
+    Phase.TRANSFER: frozenset({Phase.SEND, Phase.TRANSFER, Phase.ABORTED}),
+    Phase.SEND: frozenset({Phase.SEND, Phase.TRANSFER, Phase.REFORM, Phase.ABORTED}),
+    Phase.REFORM: frozenset({Phase.DONE, Phase.ABORTED}),
+    Phase.DONE: frozenset(),
+    Phase.ABORTED: frozenset(),
+}
+TERMINAL = frozenset({Phase.DONE, Phase.ABORTED})
+
+
+class SwapKind(str, enum.Enum):
+    PLANNED = "planned"        # a taint: the leaver is alive and hands over its own state
+    UNPLANNED = "unplanned"    # the rank died: a donor replica sends model/optimizer, the agent the light state
+
+
+@dataclass(frozen=True)
+class SlotRef:
+    node: str
+    slot: int
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"node": self.node, "slot": self.slot, "rank": self.rank}
+
+    @classmethod
+    def from_json(cls, d: Any, what: str = "slot reference") -> "SlotRef":
+        if not isinstance(d, Mapping):
+            raise RecordError(f"{what}: must be {{node, slot, rank}}, not {d!r}")
+        return cls(_str(d, "node", what), _int(d, "slot", what, minimum=0), _opt_int(d, "rank", what, minimum=0))
+
+
+@dataclass(frozen=True)
+class SwapPlan:
+    """``swaps/<id>``: one swap, advanced phase by phase by the leader (compare-and-swap)."""
+
+    id: str
+    kind: SwapKind
+    generation: int
+    leaver: SlotRef
+    joiner: SlotRef
+    donor: SlotRef | None
+    phase: Phase
+    reason: str
+    nodes: tuple[str, ...]                 # member nodes that must report each phase
+    boundary: int | None = None
+    joiner_addr: tuple[str, int] | None = None
+    light_b64: str | None = None
+    attempt: int = 0
+    excluded_spares: tuple[tuple[str, int], ...] = ()
+    taint_id: str | None = None
+    release: bool = False          # migrate-back: the leaver's slot is healthy, return it to the spare pool
+    history: tuple[tuple[str, float], ...] = ()   # (phase, wall time)
+    # hex; the leader draws it when it writes the plan; each attempt's transfer key derives from it
+    secret: str | None = field(default=None, repr=False)
+    outcome: str | None = None     # why it ended (aborted: what made a live recovery impossible)
+
+    @property
+    def terminal(self) -> bool:
+        return self.phase in TERMINAL
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "v": SCHEMA_VERSION, "id": self.id, "secret": self.secret, "kind": self.kind.value, "generation": self.generation,
+            "leaver": self.leaver.to_json(), "joiner": self.joiner.to_json(),
+            "donor": self.donor.to_json() if self.donor else None, "phase": self.phase.value,
+            "reason": self.reason, "nodes": list(self.nodes), "boundary": self.boundary,
+            "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
+            "attempt": self.attempt, "excluded_spares": [list(x) for x in self.excluded_spares],
+            "taint_id": self.taint_id, "release": self.release, "history": [list(h) for h in self.history],
+            "outcome": self.outcome,
+        }
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "SwapPlan":
+        what = "swap plan"
+        d = _check(doc, what)
+        what = f"swap plan {d.get('id')!r}"
+        nodes = _list(d, "nodes", what)
+        excluded = _list(d, "excluded_spares", what)
+        history = _list(d, "history", what)
+        if not all(isinstance(n, str) for n in nodes):
+            raise RecordError(f"{what}: nodes must be strings")
+        if not all(isinstance(x, list) and len(x) == 2 and isinstance(x[0], str) and isinstance(x[1], int)
+                   for x in excluded):
+            raise RecordError(f"{what}: excluded_spares must be [node, slot] pairs")
+        if not all(isinstance(h, list) and len(h) == 2 and isinstance(h[0], str)
+                   and isinstance(h[1], (int, float)) for h in history):
+            raise RecordError(f"{what}: history must be [phase, time] pairs")
+        donor = d.get("donor")
+        return cls(
+            id=_str(d, "id", what), kind=_enum(SwapKind, d, "kind", what),
+            generation=_int(d, "generation", what, minimum=0),
+            leaver=SlotRef.from_json(d.get("leaver"), f"{what} leaver"),
+            joiner=SlotRef.from_json(d.get("joiner"), f"{what} joiner"),
+            donor=None if donor is None else SlotRef.from_json(donor, f"{what} donor"),
+            phase=_enum(Phase, d, "phase", what), reason=_str(d, "reason", what, ""), nodes=tuple(nodes),
+            boundary=_opt_int(d, "boundary", what, minimum=0), joiner_addr=_addr(d.get("joiner_addr"), what),
+            light_b64=_opt_str(d, "light_b64", what), attempt=_int(d, "attempt", what, 0, minimum=0),
+            excluded_spares=tuple((x[0], x[1]) for x in excluded), taint_id=_opt_str(d, "taint_id", what),
+            release=_bool(d, "release", what), history=tuple((h[0], float(h[1])) for h in history),
+            secret=_opt_str(d, "secret", what), outcome=_opt_str(d, "outcome", what),
+        )
+
+    def advance(self, phase: Phase, now_wall: float, **changes: Any) -> "SwapPlan":
+        if phase not in TRANSITIONS[self.phase]:
+            raise ValueError(f"swap {self.id}: {self.phase.value} -> {phase.value} is not allowed")
+        return dataclasses.replace(self, phase=phase, history=self.history + ((phase.value, now_wall),), **changes)
+
+
+@dataclass(frozen=True)
+class Report:
+    """``reports/<swap id>/<seq>/<node>``: what one agent says about one phase of one swap."""
+
+    node: str
+    phase: Phase
+    ok: bool = True
+    candidate: int | None = None      # pause: earliest boundary this node can offer
+    steps: tuple[int, ...] = ()       # pause (unplanned): the step each local survivor stopped at
+    failed_steps: tuple[int, ...] = ()
+    post_commit: tuple[int, ...] = ()   # pause (unplanned): steps a local survivor failed in after its commit point
+    dead_steps: tuple[int, ...] | None = None   # pause (unplanned, the dead rank's node): its saved snapshots' steps
+    final: bool = False               # the error is deterministic: retrying cannot help
+    joiner_addr: tuple[str, int] | None = None
+    light_b64: str | None = None
+    error: str | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "node": self.node, "phase": self.phase.value, "ok": self.ok,
+                "candidate": self.candidate, "steps": list(self.steps), "failed_steps": list(self.failed_steps),
+                "post_commit": list(self.post_commit),
+                "dead_steps": None if self.dead_steps is None else list(self.dead_steps), "final": self.final,
+                "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
+                "error": self.error, "extra": dict(self.extra)}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "Report":
+        what = "swap report"
+        d = _check(doc, what)
+        steps, failed = _list(d, "steps", what), _list(d, "failed_steps", what)
+        post = _list(d, "post_commit", what)
+        dead = None if d.get("dead_steps") is None else _list(d, "dead_steps", what)
+        if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps + failed + post + (dead or [])):
+            raise RecordError(f"{what}: steps must be integers")
+        extra = d.get("extra") or {}
+        if not isinstance(extra, Mapping):
+            raise RecordError(f"{what}: extra must be a JSON object")
+        return cls(node=_str(d, "node", what), phase=_enum(Phase, d, "phase", what), ok=_bool(d, "ok", what, True),
+                   candidate=_opt_int(d, "candidate", what), steps=tuple(steps), failed_steps=tuple(failed),
+                   post_commit=tuple(post), dead_steps=None if dead is None else tuple(dead),
+                   final=_bool(d, "final", what),
+                   joiner_addr=_addr(d.get("joiner_addr"), what), light_b64=_opt_str(d, "light_b64", what),
+                   error=_opt_str(d, "error", what), extra=dict(extra))

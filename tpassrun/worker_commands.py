@@ -1,0 +1,194 @@
+"""What a paused or failed worker does for the agent: the commands it obeys at a step boundary or after a
+failed step (resume, send its state, reform the world, exit, raise), and the state transfer to a joiner.
+A mixin of :class:`tpassrun.worker_session.Session`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+from typing import Any, Callable
+
+from .channel import Field, WorkerPhase
+from .world import abort_process_groups, join_world, leave_process_group, set_rank_env
+from .worker_failure import StepFailure
+
+log = logging.getLogger("tpassrun.worker")
+
+
+class BoundaryCommands:
+    """Session's command loop at a boundary or after a failed step."""
+
+    def _at_boundary(self, step: int) -> None:
+        link = self._link
+        assert link is not None
+        link.set(Field.PHASE, WorkerPhase.PAUSED)
+        link.send("paused", step=step)
+        self._serve(step)
+
+    def _after_failure(self, step: int, exc: BaseException, kind: StepFailure) -> None:
+        link = self._link
+        assert link is not None
+        self._commit_light = None   # the step is either re-executed from its start or not resumed at all
+        # Tear our end of every collective down now: a peer blocked on *us* (not on the dead rank) only
+        # learns of the failure when our sockets close, so aborting here cascades the error to every
+        # survivor instead of leaving some blocked until gloo's 30-minute timeout.
+        abort_process_groups()
+        link.set(Field.PHASE, WorkerPhase.FAILED)
+        link.send("failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500], failure=kind.value,
+                  distributed=kind.distributed, exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
+                  committed=self._committed == step)
+        self._serve(step, failed=exc)
+
+    def _serve(self, step: int, failed: BaseException | None = None) -> None:
+        """Obey the agent until it lets this worker carry on (or tells it to leave)."""
+        from . import handoff, testing
+
+        link = self._link
+        assert link is not None
+        while True:
+            msg = link.recv()
+            kind = msg["kind"]
+            if kind == "resume":
+                if failed is None and link.get(Field.RUN_UNTIL) <= step:
+                    link.set(Field.PHASE, WorkerPhase.PAUSED)
+                    continue  # still held at this boundary; wait for the next command
+                link.set(Field.PHASE, WorkerPhase.RUNNING)
+                return
+            if kind == "send_state":
+                link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
+                testing.fault_point(self.rank, step, "send")   # tests: the sender dies mid-handoff
+                objs = {k: v for k, v in self._tracked.items()
+                        if not (msg.get("replicated_only") and k in self._per_rank)}
+                unique = _not_replicated(objs) if msg.get("replicated_only") else []
+                if unique:
+                    # e.g. a ZeRO optimizer partition: this rank's copy is not the dead rank's. Refuse (the
+                    # joiner sees the connection close at once) rather than hand over the wrong state.
+                    log.warning("rank %d cannot donate state for an unplanned recovery: %s", self.rank,
+                                "; ".join(unique))
+                    _refuse_send(msg)
+                    link.send("sent", ok=False, error="; ".join(unique)[:300], swap_id=msg.get("swap_id"))
+                    continue
+                rng = handoff.capture_rng() if msg.get("rng", True) else None
+                bundle = handoff.capture(objs, step=step, rng=rng,
+                                         extra={"objects": sorted(objs), "swap_id": msg.get("swap_id")})
+                try:
+                    stats = _send_state(msg, bundle,
+                                        corrupt=lambda: testing.wants(self.rank, step, "send", "corrupt"))
+                    link.send("sent", ok=True, nbytes=stats.nbytes, seconds=stats.seconds,
+                              checksum=stats.checksum, swap_id=msg.get("swap_id"))
+                except (OSError, handoff.HandoffError) as exc:
+                    link.send("sent", ok=False, error=str(exc)[:300], swap_id=msg.get("swap_id"))
+                continue
+            if kind == "rollback":
+                if self._last_light is not None:
+                    self._restore_light(self._last_light)
+                self._drop_grads()
+                link.send("rolled_back", step=step)
+                continue
+            if kind == "reform":
+                if msg.get("rollback") and failed is not None:
+                    # The failed step is re-executed by everyone: put back what it consumed (RNG, data
+                    # position) from the snapshot taken when it started. Model and optimizer were not touched.
+                    if self._last_light is not None:
+                        self._restore_light(self._last_light)
+                    self._drop_grads()
+                self._reform(msg)
+                link.send("reformed", rank=self.rank, world_size=self.world_size, generation=self.generation,
+                          **self._reform_times)
+                link.set(Field.PHASE, WorkerPhase.RUNNING)
+                return
+            if kind == "exit":
+                link.set(Field.PHASE, WorkerPhase.DONE)
+                leave_process_group()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(int(msg.get("code", 0)))
+            if kind == "raise":
+                if failed is not None:
+                    raise failed
+                raise RuntimeError(msg.get("reason", "tpassrun agent asked this worker to fail"))
+            log.warning("ignoring unexpected command %r at step %d", kind, step)
+
+    def _drop_grads(self) -> None:
+        import torch
+
+        for obj in self._tracked.values():
+            if isinstance(obj, torch.optim.Optimizer):
+                obj.zero_grad(set_to_none=True)
+            elif isinstance(obj, torch.nn.Module):
+                obj.zero_grad(set_to_none=True)
+            elif callable(getattr(obj, "drop_grads", None)):
+                obj.drop_grads()   # a framework adapter's view (e.g. a DeepSpeed engine's gradient buffers)
+
+    def _reform(self, msg: dict[str, Any]) -> None:
+        link = self._link
+        assert link is not None
+        link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
+        t0 = time.perf_counter()
+        leave_process_group()
+        self.rank = int(msg["rank"])
+        self.world_size = int(msg["world_size"])
+        self.generation = int(msg.get("generation", self.generation))
+        set_rank_env(msg)
+        t1 = time.perf_counter()
+        join_world(self.backend, msg, self._timeout)
+        t2 = time.perf_counter()
+        self.swaps += 1
+        for fn in self._callbacks:
+            fn()
+        self._reform_times = {"leave_s": round(t1 - t0, 4), "join_s": round(t2 - t1, 4),
+                              "callbacks_s": round(time.perf_counter() - t2, 4)}
+
+
+def _not_replicated(objs: dict[str, Any]) -> list[str]:
+    """Why each object that declares ``replicated = False`` (a framework adapter's sharded state) cannot be
+    taken from a data-parallel peer."""
+    out = []
+    for name, obj in objs.items():
+        if getattr(obj, "replicated", True) is False:
+            why = getattr(obj, "why_not_replicated", None)
+            out.append(f"{name}: {why() if callable(why) else 'not replicated on other ranks'}")
+    return out
+
+
+def _refuse_send(msg: dict[str, Any]) -> None:
+    """Tell the waiting joiner at once that no state comes from here: authenticate (so it is not taken for a
+    stranger and ignored), then close before the first byte of state; it reports the transfer failed."""
+    from . import handoff, handoff_wire
+
+    try:
+        with socket.create_connection((msg["addr"], int(msg["port"])), timeout=5) as sock:
+            handoff_wire._sender_handshake(sock, _transfer_auth(msg))
+    except (OSError, handoff.HandoffError):
+        pass
+
+
+def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: Callable[[], bool]) -> Any:
+    """Stream ``bundle`` to the joiner named in ``msg``. ``corrupt`` is the tests' fault hook: asked only
+    once connected, so a fault meant for a transfer is not used up by a joiner that is already gone."""
+    from . import handoff
+
+    auth = _transfer_auth(msg)
+    timeout = float(msg.get("timeout", 60))
+    try:
+        sock = socket.create_connection((msg["addr"], int(msg["port"])), timeout=timeout)
+    except OSError as exc:
+        raise handoff.HandoffError(f"cannot connect to the joiner at {msg['addr']}:{msg['port']}: {exc}") from exc
+    with sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return handoff.send_bundle(sock, bundle, auth=auth, _corrupt_byte_at=4096 if corrupt() else None)
+
+
+def _transfer_auth(msg: dict[str, Any]) -> Any:
+    """The swap's transfer key and identity from the agent's command (never from the network): a transfer
+    without one is refused on both ends."""
+    from . import handoff
+
+    try:
+        return handoff.TransferAuth(bytes.fromhex(str(msg["key"])), str(msg["swap_id"]), int(msg["rank"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise handoff.HandoffError(f"the agent gave no usable transfer key for this swap ({exc})") from exc
