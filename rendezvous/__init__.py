@@ -6,7 +6,7 @@ Layout: ``config`` (EtcdConfig, RendezvousSettings), ``state`` (the data and its
 """
 
 from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, refuse_inline_secrets
-from .embedded import EmbeddedEtcd, find_etcd_binary, host_etcd_if_absent, pid_alive
+from .embedded import EmbeddedEtcd, ServerTls, find_etcd_binary, host_etcd_if_absent, pid_alive
 from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
                      RendezvousTimeoutError)
 from .etcd_io import EtcdConnection, EtcdStore, Link, WatchEvent, one_line
@@ -15,6 +15,7 @@ from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
 
 __all__ = [
     "EmbeddedEtcd",
+    "ServerTls",
     "host_etcd_if_absent",
     "pid_alive",
     "EtcdConfig",

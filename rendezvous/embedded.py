@@ -7,6 +7,10 @@ the directories of launchers that were killed before they could (each holds its 
 With ``auth=True`` only the job can read or write it: etcd's authentication is enabled at start with a root
 user and a fresh random password, kept in a 0600 credentials file inside the 0700 data directory (given to
 clients as ``--rdzv-conf credentials_file=PATH``, never on a command line).
+
+With ``tls`` (:class:`ServerTls`: what a job that asked for ``cacert``/``cert``/``key`` gets when an agent hosts
+its etcd) it serves HTTPS/gRPC over TLS only, and with a CA it requires every client to present a certificate
+that CA signed (etcd's ``--client-cert-auth``).
 """
 
 from __future__ import annotations
@@ -21,10 +25,12 @@ import secrets
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import tempfile
 import time
-import urllib.request
+from dataclasses import dataclass
+from typing import Mapping
 
 from .errors import RendezvousError
 
@@ -150,37 +156,94 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
-def _url_host(host: str) -> str:
-    host = "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
-    return f"[{host}]" if ":" in host else host
+def _connect_host(host: str) -> str:
+    return "127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host
 
 
-def _gateway(host: str, port: int, path: str, body: dict, token: str | None = None) -> dict:
+@dataclass(frozen=True)
+class ServerTls:
+    """TLS for an etcd this process serves: its certificate and key, the CA whose certificates clients must
+    present (None: any client may connect, as over TLS without client auth), and the client certificate this
+    process itself presents to it (its health probe and set-up calls)."""
+
+    cert: str
+    key: str
+    ca: str | None = None
+    client_cert: str | None = None
+    client_key: str | None = None
+
+    @classmethod
+    def for_hosting(cls, conf: Mapping[str, str], *, cacert: str | None, cert: str | None,
+                    key: str | None, tls: bool) -> "ServerTls | None":
+        """What an agent hosting a job's etcd (torchrun's c10d/static endpoint) serves, from the job's
+        ``--rdzv-conf``: the job's ``cert``/``key`` (or ``server_cert``/``server_key`` when the server's differ
+        from the nodes' client certificate), clients authenticated against ``cacert``. None without TLS."""
+        if not tls:
+            return None
+        server_cert, server_key = conf.get("server_cert") or cert, conf.get("server_key") or key
+        if not server_cert or not server_key:
+            raise RendezvousError("the rendezvous asks for TLS but hosting its etcd here needs a server certificate: "
+                                  "--rdzv-conf cert=PATH,key=PATH (or server_cert=,server_key=)")
+        for what, path in (("server_cert", server_cert), ("server_key", server_key), ("cacert", cacert)):
+            if path is not None and not os.path.isfile(path):
+                raise RendezvousError(f"--rdzv-conf {what}: no such file: {path}")
+        return cls(server_cert, server_key, cacert, cert, key)
+
+    def client_context(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=self.ca) if self.ca else ssl.create_default_context()
+        if self.client_cert and self.client_key:
+            ctx.load_cert_chain(self.client_cert, self.client_key)
+        return ctx
+
+
+def _http(host: str, port: int, method: str, path: str, body: bytes = b"", *, tls: ServerTls | None = None,
+          server_name: str | None = None, headers: Mapping[str, str] | None = None, timeout: float = 5) -> bytes:
+    """One HTTP/1.0 request to etcd's client port (plain, or TLS verified against ``server_name``): the body."""
+    sock = socket.create_connection((_connect_host(host), port), timeout=timeout)
+    try:
+        if tls is not None:
+            sock = tls.client_context().wrap_socket(sock, server_hostname=server_name or _connect_host(host))
+        head = [f"{method} {path} HTTP/1.0", f"Host: {server_name or _connect_host(host)}",
+                f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+        sock.sendall(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+        chunks = []
+        while data := sock.recv(65536):
+            chunks.append(data)
+    finally:
+        sock.close()
+    _status, _, body = b"".join(chunks).partition(b"\r\n\r\n")
+    return body
+
+
+def _gateway(host: str, port: int, path: str, body: dict, *, tls: ServerTls | None = None,
+             server_name: str | None = None) -> dict:
     """One call of etcd's JSON gateway (used only to set up authentication at start)."""
-    request = urllib.request.Request(f"http://{_url_host(host)}:{port}/v3/{path}", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              **({"Authorization": token} if token else {})})
-    with urllib.request.urlopen(request, timeout=5) as r:
-        doc = json.loads(r.read() or b"{}")
+    raw = _http(host, port, "POST", f"/v3/{path}", json.dumps(body).encode(), tls=tls, server_name=server_name,
+                headers={"Content-Type": "application/json"})
+    doc = json.loads(raw or b"{}")
     if "error" in doc:
         raise RendezvousError(f"etcd {path}: {doc['error']}")
     return doc
 
 
-def enable_auth(host: str, port: int, user: str, password: str) -> None:
+def enable_auth(host: str, port: int, user: str, password: str, *, tls: ServerTls | None = None,
+                server_name: str | None = None) -> None:
     """Create ``user`` with the root role and switch etcd's authentication on (a fresh etcd only)."""
-    _gateway(host, port, "auth/role/add", {"name": "root"})
-    _gateway(host, port, "auth/user/add", {"name": user, "password": password})
-    _gateway(host, port, "auth/user/grant", {"user": user, "role": "root"})
-    _gateway(host, port, "auth/enable", {})
+    for path, body in (("auth/role/add", {"name": "root"}), ("auth/user/add", {"name": user, "password": password}),
+                       ("auth/user/grant", {"user": user, "role": "root"}), ("auth/enable", {})):
+        _gateway(host, port, path, body, tls=tls, server_name=server_name)
 
 
-def _healthy(host: str, port: int) -> bool:
+def _health_problem(host: str, port: int, *, tls: ServerTls | None = None,
+                    server_name: str | None = None) -> str | None:
+    """None if etcd answers healthy at host:port, else what went wrong (a TLS verification error says why)."""
     try:
-        with urllib.request.urlopen(f"http://{_url_host(host)}:{port}/health", timeout=1) as r:
-            return b"true" in r.read()
-    except OSError:
-        return False
+        body = _http(host, port, "GET", "/health", tls=tls, server_name=server_name, timeout=1)
+    except ssl.SSLError as exc:
+        return f"TLS: {exc}"
+    except (OSError, ValueError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None if b"true" in body else f"unhealthy: {body[:80]!r}"
 
 
 class EmbeddedEtcd:
@@ -189,7 +252,7 @@ class EmbeddedEtcd:
     def __init__(self, binary: str | None = None, *, ready_timeout: float = 10.0,
                  client_port: int | None = None, listen_host: str = "127.0.0.1",
                  advertise_host: str | None = None, auth: bool = False,
-                 credentials: tuple[str, str] | None = None) -> None:
+                 credentials: tuple[str, str] | None = None, tls: ServerTls | None = None) -> None:
         """``client_port``: serve on that port (one attempt: an "address in use" means someone else serves
         there) on ``listen_host``, e.g. ``0.0.0.0`` to host a multi-node run's etcd (torchrun ``c10d``/``static``
         endpoints); by default a free loopback port."""
@@ -203,6 +266,8 @@ class EmbeddedEtcd:
         self.port = 0
         self._auth = auth or credentials is not None
         self._credentials = credentials
+        self._tls = tls
+        self._problem: str | None = None
         self.user: str | None = None
         self.password: str | None = None
 
@@ -235,7 +300,8 @@ class EmbeddedEtcd:
                     if self._auth:
                         await asyncio.to_thread(self._lock_down)
                     return self
-            raise RendezvousError(f"embedded etcd ({binary}) did not become healthy; log: {self._log_tail()}")
+            raise RendezvousError(f"embedded etcd ({binary}) did not become healthy (last check: {self._problem}); "
+                                  f"log: {self._log_tail()}")
         except BaseException:
             await self.__aexit__(None, None, None)
             raise
@@ -245,11 +311,16 @@ class EmbeddedEtcd:
         self.port, peer = self._fixed_port or _free_port(), _free_port()
         data = os.path.join(self._dir, "data")
         shutil.rmtree(data, ignore_errors=True)
+        scheme, tls_args = "http", []
+        if self._tls is not None:
+            scheme, tls_args = "https", ["--cert-file", self._tls.cert, "--key-file", self._tls.key]
+            if self._tls.ca:
+                tls_args += ["--trusted-ca-file", self._tls.ca, "--client-cert-auth"]
         with open(os.path.join(self._dir, "log"), "wb") as logf:
             self._proc = subprocess.Popen(
-                [binary, "--name", "tpassrun", "--data-dir", data,
-                 "--listen-client-urls", f"http://{self._listen}:{self.port}",
-                 "--advertise-client-urls", f"http://{self._advertise}:{self.port}",
+                [binary, "--name", "tpassrun", "--data-dir", data, *tls_args,
+                 "--listen-client-urls", f"{scheme}://{self._listen}:{self.port}",
+                 "--advertise-client-urls", f"{scheme}://{self._advertise}:{self.port}",
                  "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-cluster", f"tpassrun=http://127.0.0.1:{peer}",
@@ -262,7 +333,9 @@ class EmbeddedEtcd:
                 start_new_session=True, preexec_fn=_set_pdeathsig)
         deadline = time.monotonic() + self._ready_timeout
         while time.monotonic() < deadline and self._proc.poll() is None:
-            if await asyncio.to_thread(_healthy, self._listen, self.port):
+            self._problem = await asyncio.to_thread(_health_problem, self._listen, self.port, tls=self._tls,
+                                                    server_name=self._advertise)
+            if self._problem is None:
                 return True
             await asyncio.sleep(0.02)
         await asyncio.to_thread(self._stop)
@@ -272,7 +345,7 @@ class EmbeddedEtcd:
         assert self._dir is not None
         user, password = self._credentials or ("root", secrets.token_urlsafe(24))
         try:
-            enable_auth(self._listen, self.port, user, password)
+            enable_auth(self._listen, self.port, user, password, tls=self._tls, server_name=self._advertise)
         except (OSError, ValueError) as exc:
             raise RendezvousError(f"could not enable authentication on the embedded etcd: {exc}") from exc
         fd = os.open(os.path.join(self._dir, CREDENTIALS_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
@@ -308,7 +381,8 @@ class EmbeddedEtcd:
 
 
 async def host_etcd_if_absent(endpoint: str, binary: str, stack: contextlib.AsyncExitStack, *,
-                              credentials: tuple[str, str] | None = None) -> "EmbeddedEtcd | None":
+                              credentials: tuple[str, str] | None = None,
+                              tls: ServerTls | None = None) -> "EmbeddedEtcd | None":
     """Serve an etcd at ``endpoint`` if it names this machine and nothing answers there yet (torchrun's
     ``c10d`` rule: the agent on the endpoint's machine hosts the store). Returns the etcd, kept until
     ``stack`` closes, or None when another process serves (or will serve) it.
@@ -316,7 +390,8 @@ async def host_etcd_if_absent(endpoint: str, binary: str, stack: contextlib.Asyn
     Several agents of one machine (tests, single-host multi-agent runs) race for the port: a lock file
     decides who hosts; the others wait until the etcd answers, and connect as clients. The lock lives in a
     private directory (0600, never truncated, symlinks not followed). The etcd listens on the endpoint's
-    address only, and with ``credentials`` (the user and password every node was given) only the job can use it.
+    address only, and with ``credentials`` (the user and password every node was given) only the job can use it;
+    with ``tls`` it serves TLS only, and only to clients with a certificate from the job's CA.
     """
     import fcntl
 
@@ -339,7 +414,7 @@ async def host_etcd_if_absent(endpoint: str, binary: str, stack: contextlib.Asyn
         return None
     try:
         return await stack.enter_async_context(EmbeddedEtcd(binary, client_port=port, listen_host=_bind_address(host),
-                                                            advertise_host=host, credentials=credentials))
+                                                            advertise_host=host, credentials=credentials, tls=tls))
     except RendezvousError:
         return None   # someone else took the port meanwhile: join as a client
 

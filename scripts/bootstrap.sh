@@ -7,11 +7,14 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 
 # tmux: the live-view tests drive the real `tpassctl status --watch` / `tpassrun --tui` in a terminal.
+# openssl: the TLS tests make a throw-away CA and certificates with it. iproute2: the chaos tier partitions an
+# agent in a network namespace (ip netns, veth).
 if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1 \
-        && { ! command -v /usr/bin/etcd >/dev/null 2>&1 || ! command -v tmux >/dev/null 2>&1; }; then
-    echo "+ apt-get install etcd-server tmux"
+        && { ! command -v /usr/bin/etcd >/dev/null 2>&1 || ! command -v tmux >/dev/null 2>&1 \
+             || ! command -v openssl >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; }; then
+    echo "+ apt-get install etcd-server tmux openssl iproute2"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server tmux >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server tmux openssl iproute2 >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then

@@ -47,7 +47,7 @@ from .procs import RunLogs  # noqa: E402
 from .records import Keys  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
 from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
-                         RendezvousError, RendezvousSettings, find_etcd_binary, host_etcd_if_absent,
+                         RendezvousError, RendezvousSettings, ServerTls, find_etcd_binary, host_etcd_if_absent,
                          refuse_inline_secrets)
 from .port import AgentEvent, AgentPort, SignalReceived, SwapSettings  # noqa: E402
 from .mirrorplane import MirrorPlane  # noqa: E402
@@ -163,7 +163,10 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                 # authentication when the nodes were given a user and password (password_file / environment)
                 given = EtcdConfig.from_endpoint(endpoint, rdzv_conf)
                 creds = (given.user, given.password) if given.user and given.password else None
-                hosted = await host_etcd_if_absent(endpoint, find_etcd_binary(cfg.etcd_bin), stack, credentials=creds)
+                tls = ServerTls.for_hosting(rdzv_conf, cacert=given.cacert, cert=given.cert, key=given.key,
+                                            tls=given.tls)
+                hosted = await host_etcd_if_absent(endpoint, find_etcd_binary(cfg.etcd_bin), stack,
+                                                   credentials=creds, tls=tls)
                 self.hosting_etcd = hosted is not None
             run_dir = self.logs.run_dir
             event_path = cfg.event_log or (os.path.join(run_dir, "events.jsonl") if run_dir else None)
