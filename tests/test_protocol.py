@@ -15,6 +15,7 @@ MESSAGES = [
              max_bytes=1 << 20),
     P.Light(data="AAAA", step=None), P.Light(data="AAAA", step=17), P.Reserve(nbytes=1 << 30), P.Abort(),
     P.Hello(pid=12, spare=True), P.Done(step=99),
+    P.Replicas(ranks=(1, 3), alone=""), P.Replicas(ranks=(2,), alone="FSDP without dp_replicate"),
     P.Failed(step=4, error="DistNetworkError: peer gone", error_type="torch.distributed.DistNetworkError"),
     P.Listening(port=4000, swap_id="s-1"), P.Received(ok=False, swap_id="s-1", error="checksum mismatch"),
     P.Received(ok=True, swap_id="s-1", nbytes=10, seconds=0.5, checksum="x", step=17),
@@ -42,6 +43,7 @@ def test_commands_and_replies_are_disjoint_and_complete():
     b'{"kind": "listening"}\n', b'{"kind": "assign", "swap_id": "s", "key": "", "listen_host": "h", "world": 5}\n',
     b'{"kind": "assign", "swap_id": "s", "key": "", "listen_host": "h", "world": {"rank": "1", "world_size": 2}}\n',
     b'{"kind": "received", "ok": 1}\n', b'{"kind": "reserve", "nbytes": true}\n',
+    b'{"kind": "replicas", "ranks": 3}\n', b'{"kind": "replicas", "ranks": [1, "2"]}\n',
 ])
 def test_a_bad_line_is_one_protocol_error(line):
     with pytest.raises(P.ProtocolError):

@@ -22,6 +22,8 @@ SAMPLES = [
     Taint(id="t1", effect=TaintEffect.MIGRATE, reason="ecc", source="tpassctl", node_id="n0", slot=2, local_rank=1,
           rank=7, time=12.5, home_node="n1", home_slot=3, handled_by="s-1", state="migrating"),
     Failure(node="n0", slot=1, rank=5, code=-9, step=17, light=True, generation=3, time=1.0, handled="plan"),
+    Failure(node="n0", slot=1, rank=5, code=-9, step=17, light=True, generation=3, replicas=(1, 5)),
+    Failure(node="n0", slot=1, rank=5, code=-9, step=17, light=True, generation=3, replicas=(5,), alone="ZeRO-1"),
     NodeStatus(node_id="n0", workers=(WorkerRow(slot=0, state="running", rank=0, local_rank=0, pid=10, step=3,
                                                 managed=True), WorkerRow(slot=1, state="spare", spare=True)),
                addr="127.0.0.1", pid=4, generation=2, restart_count=1, time=3.0),

@@ -65,6 +65,24 @@ def test_failure_falls_back_to_a_group_restart(v, light, says):
     assert d.action == "fallback" and says in d.reason
 
 
+def test_a_declared_replica_group_picks_the_donor():
+    """HSDP 2 x 2 over ranks 0-3 (replicas 0/2 and 1/3): rank 3's state is on rank 1 only, wherever the spare is;
+    a rank alone in its group (pure FSDP, ZeRO >= 1) or whose replicas are all gone falls back, saying why."""
+    d = plan_for_failure(TWO_NODES, node="b", slot=1, rank=3, reason="x", now_wall=NOW, light_available=True,
+                         replicas=(1, 3))
+    assert d.action == "plan" and d.plan.donor.rank == 1 and d.plan.joiner.node == "b"
+    assert choose_donor(TWO_NODES, 3, "b", replicas=(1, 3)).rank == 1
+    alone = plan_for_failure(TWO_NODES, node="b", slot=1, rank=3, reason="x", now_wall=NOW, light_available=True,
+                             replicas=(3,), alone="FSDP shards it over dp_shard without dp_replicate")
+    assert alone.action == "fallback" and alone.plan is None
+    assert alone.reason == ("rank 3 died and no other rank holds its state: FSDP shards it over dp_shard without "
+                            "dp_replicate: whole-group restart")
+    gone = view(run("a", 0, 0), run("a", 1, 1, state="dead"), run("b", 0, 2), spare("b", 2))
+    d = plan_for_failure(gone, node="b", slot=1, rank=3, reason="x", now_wall=NOW, light_available=True,
+                         replicas=(1, 3))
+    assert d.action == "fallback" and "none of the ranks holding its state (1) is running" in d.reason
+
+
 def _plan(kind=SwapKind.PLANNED, phase=Phase.PAUSE, **kw) -> SwapPlan:
     base = plan_for_taint(TWO_NODES, node="a", rank=1, reason="x", taint_id=None, now_wall=NOW).plan
     if kind == SwapKind.UNPLANNED:

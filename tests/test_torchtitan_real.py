@@ -21,32 +21,33 @@ from faults import faults_env, kill_at, pids_by_rank, taint  # noqa: E402
 from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
 
 SCRIPT = example("torchtitan", "train.py")
-STEPS = 40
+STEPS = 40          # planned swaps (a taint at a random early step)
+KILL_STEPS = 12     # unplanned kills (at step 4)
 pytestmark = pytest.mark.timeout(420)
 
 
-def _args(replicate: int, sleep: float = 0.1) -> list[str]:
-    return ["--dp-replicate", str(replicate), "--steps", str(STEPS), "--step-sleep", str(sleep)]
+def _args(replicate: int, sleep: float = 0.1, steps: int = STEPS) -> list[str]:
+    return ["--dp-replicate", str(replicate), "--steps", str(steps), "--step-sleep", str(sleep)]
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    done: dict[int, object] = {}
+    done: dict[tuple[int, int], object] = {}
 
-    def get(replicate: int):
-        if replicate not in done:
-            job = torchrun_job(str(tmp_path_factory.mktemp(f"ref{replicate}")), SCRIPT, 4, _args(replicate, 0.0)).start()
+    def get(replicate: int, steps: int = STEPS):
+        if (replicate, steps) not in done:
+            job = torchrun_job(str(tmp_path_factory.mktemp(f"ref{replicate}")), SCRIPT, 4,
+                               _args(replicate, 0.0, steps)).start()
             assert job.wait(300) == 0, job.log()[-3000:]
-            done[replicate] = job
-        return done[replicate]
+            done[replicate, steps] = job
+        return done[replicate, steps]
     return get
 
 
-@pytest.mark.parametrize("replicate", [1, 2])
-def test_fsdp2_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, reference, replicate):
-    ref = reference(replicate)
+def test_fsdp2_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, reference):
+    ref = reference(1)
     at = random.Random().randint(1, 5)
-    job = tpassrun_job(str(tmp_path), SCRIPT, 4, _args(replicate), endpoint=etcd_server.endpoint, run_id=run_id).start()
+    job = tpassrun_job(str(tmp_path), SCRIPT, 4, _args(1), endpoint=etcd_server.endpoint, run_id=run_id).start()
     try:
         job.wait_step(at, 240)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason=f"test at step {at}") == 0
@@ -60,12 +61,12 @@ def test_fsdp2_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, referenc
     print(f"torchtitan FSDP2 planned swap pause: {swap_pause_s(job):.2f} s")
 
 
-@pytest.mark.parametrize("rank,where", [(2, "forward"), (2, "backward"), (2, "opt_step"), (2, "after_opt")])
+@pytest.mark.parametrize("rank,where", [(3, "forward"), (1, "backward"), (2, "opt_step"), (0, "after_opt")])
 def test_hsdp_unplanned_kill_is_recovered_from_the_replica_group(tmp_path, etcd_server, run_id, reference, rank,
                                                                  where):
-    ref = reference(2)
+    ref = reference(2, KILL_STEPS)
     marker = str(tmp_path / "fault")
-    job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 4, _args(2, 0.05), endpoint=etcd_server.endpoint,
+    job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 4, _args(2, 0.05, KILL_STEPS), endpoint=etcd_server.endpoint,
                        run_id=run_id, env=faults_env(kill_at(rank, 4, marker, where=where))).start()
     try:
         assert job.wait(300) == 0, job.log()[-4000:]
@@ -77,3 +78,24 @@ def test_hsdp_unplanned_kill_is_recovered_from_the_replica_group(tmp_path, etcd_
     pids = pids_by_rank(job, 4)
     assert all(len(pids[r]) == 1 for r in range(4) if r != rank) and len(pids[rank]) == 2, pids
     print(f"torchtitan HSDP unplanned recovery ({where}) pause: {swap_pause_s(job):.2f} s")
+
+
+def test_pure_fsdp_unplanned_kill_falls_back_and_says_why(tmp_path, etcd_server, run_id):
+    """dp_shard=4, no replica: nobody holds the dead rank's shards. The recovery is not attempted: one console
+    line names the rank and the reason, and the job takes torchrun's path (a whole-group restart that, without a
+    checkpoint, runs the script again)."""
+    marker = str(tmp_path / "fault")
+    job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 4, ["--dp-replicate", "1", "--steps", "8"],
+                       endpoint=etcd_server.endpoint, run_id=run_id, env=faults_env(kill_at(1, 3, marker)),
+                       extra=["--max-restarts", "1"]).start()
+    try:
+        assert job.wait(300) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    lines = [line for line in job.log().splitlines() if "recovery decided (fallback)" in line]
+    assert len(lines) == 1, job.log()[-4000:]
+    assert ("rank 1 died and no other rank holds its state: FSDP shards its model and optimizer state over "
+            "dp_shard and the mesh has no dp_replicate dimension: whole-group restart") in lines[0], lines
+    names = [e["event"] for e in job.events()]
+    assert "swap_resumed" not in names and "restart" in names, names
+    assert job.losses(1)[-1]["step"] == 7

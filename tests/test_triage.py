@@ -93,6 +93,18 @@ def test_a_worker_failure_becomes_an_unplanned_swap_from_a_replica():
     assert result.actions[0].failure.handled == "plan"
 
 
+def test_a_failure_takes_its_state_from_its_declared_replica_or_falls_back_at_once():
+    dead = Failure(node="a", slot=1, rank=1, code=-9, step=9, light=True, generation=2, replicas=(1,),
+                   alone="ZeRO-1 keeps each rank's partition on that rank only")
+    dead_view = view(RUNNING[0], SlotView("a", 1, 1, "dead", True, 9), RUNNING[2], SPARE)
+    result = triage(seen(view=dead_view, failures=(("a-1", dead),)))
+    assert kinds(result)[:2] == ["PutFailure", "Say"] and "CreatePlan" in kinds(result)
+    said = result.actions[1].fields
+    assert said["action"] == "fallback" and said["reason"].startswith("rank 1 died and no other rank holds its "
+                                                                       "state: ZeRO-1 keeps")
+    assert result.actions[2].plan.phase is Phase.ABORTED      # the dead rank's agent restarts the group
+
+
 def test_a_failure_with_no_spare_falls_back():
     dead = Failure(node="a", slot=1, rank=1, code=1, step=9, light=True, generation=2)
     result = triage(seen(view=view(*RUNNING), failures=(("a-1", dead),)))

@@ -178,6 +178,18 @@ class Failed(Message):
 
 
 @dataclass(frozen=True)
+class Replicas(Message):
+    """Declared once by a framework adapter (``Session.declare_replicas``): the ranks, this one included, that
+    hold exactly this rank's model and optimizer state (its replica group under HSDP; itself alone under pure
+    FSDP or ZeRO >= 1). An unplanned recovery of this rank takes its state from one of them; ``alone`` says why
+    no other rank holds it. The slot table keeps it; no reply."""
+
+    KIND: ClassVar[str] = "replicas"
+    ranks: tuple[int, ...]
+    alone: str = ""
+
+
+@dataclass(frozen=True)
 class Listening(Message):
     KIND: ClassVar[str] = "listening"
     port: int
@@ -231,11 +243,11 @@ class Reformed(Message):
 
 
 Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort]
-Reply = Union[Hello, Done, Failed, Listening, Received, Stranger, LightOk, Reformed]
+Reply = Union[Hello, Done, Failed, Replicas, Listening, Received, Stranger, LightOk, Reformed]
 COMMANDS: dict[str, type[Message]] = {c.KIND: c for c in (Resume, SendState, Reform, Exit, Raise, Assign, Light,
                                                              Reserve, Abort)}
-REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Listening, Received, Stranger,
-                                                            LightOk, Reformed)}
+REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Replicas, Listening, Received,
+                                                            Stranger, LightOk, Reformed)}
 _ALL = {**COMMANDS, **REPLIES}
 
 # --------------------------------------------------------------------------------------------- encoding
@@ -249,7 +261,8 @@ def encode(msg: Message, *, slot: int | None = None) -> bytes:
         doc["slot"] = slot
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
-        doc[f.name] = dataclasses.asdict(value) if isinstance(value, WorldSpec) else value
+        doc[f.name] = (dataclasses.asdict(value) if isinstance(value, WorldSpec)
+                       else list(value) if isinstance(value, tuple) else value)
     return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
 
 
@@ -279,6 +292,10 @@ def _build(cls: type, doc: Mapping[str, Any]) -> Any:
             if not isinstance(value, Mapping):
                 raise ProtocolError(f"{cls.__name__}: {f.name} must be an object")
             value = _build(WorldSpec, value)
+        elif kind == "tuple[int, ...]":
+            if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+                raise ProtocolError(f"{cls.__name__}: {f.name} must be a list of integers")
+            value = tuple(value)
         else:
             optional = "None" in kind
             base = kind.replace(" | None", "")
@@ -291,5 +308,5 @@ def _build(cls: type, doc: Mapping[str, Any]) -> Any:
 
 
 __all__ = ["Abort", "Assign", "COMMANDS", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
-           "Listening", "Message", "ProtocolError", "REPLIES", "Raise", "Received", "Reform", "Reformed", "Reply",
+           "Listening", "Message", "ProtocolError", "REPLIES", "Raise", "Received", "Reform", "Reformed", "Replicas", "Reply",
            "Reserve", "Resume", "SendState", "Stranger", "WorldSpec", "decode", "encode"]

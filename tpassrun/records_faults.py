@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from .health import TaintEffect
-from .records_fields import (SCHEMA_VERSION, RecordError, _bool, _check, _enum, _int, _num, _opt_int, _opt_str,
-                             _str)
+from .records_fields import (SCHEMA_VERSION, RecordError, _bool, _check, _enum, _int, _num, _opt_int, _opt_ranks,
+                             _opt_str, _str)
 
 
 # ---------------------------------------------------------------------------------------------- taints
@@ -104,11 +104,16 @@ class Failure:
     time: float = 0.0
     handled: str | None = None   # the coordinator's action ("plan", "fallback", "stale", ...)
     reason: str = ""
+    # the ranks holding exactly the dead rank's model/optimizer state, as its framework adapter declared them
+    # (None: not declared, every rank does); ``alone``: why no other rank does, when it is the only one
+    replicas: tuple[int, ...] | None = None
+    alone: str = ""
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node": self.node, "slot": self.slot, "rank": self.rank, "code": self.code,
                 "step": self.step, "light": self.light, "generation": self.generation, "time": self.time,
-                "handled": self.handled, "reason": self.reason}
+                "handled": self.handled, "reason": self.reason,
+                "replicas": None if self.replicas is None else list(self.replicas), "alone": self.alone}
 
     @classmethod
     def from_json(cls, doc: Any) -> "Failure":
@@ -118,7 +123,8 @@ class Failure:
                    rank=_int(d, "rank", what, minimum=0), code=_int(d, "code", what),
                    step=_int(d, "step", what, 0), light=_bool(d, "light", what),
                    generation=_int(d, "generation", what, minimum=0), time=_num(d, "time", what),
-                   handled=_opt_str(d, "handled", what), reason=_str(d, "reason", what, ""))
+                   handled=_opt_str(d, "handled", what), reason=_str(d, "reason", what, ""),
+                   replicas=_opt_ranks(d, "replicas", what), alone=_str(d, "alone", what, ""))
 
     def mark(self, handled: str, reason: str) -> "Failure":
         return dataclasses.replace(self, handled=handled, reason=reason)

@@ -58,6 +58,16 @@ def _opt_int(doc: Mapping[str, Any], key: str, what: str, *, minimum: int | None
     return None if doc.get(key) is None else _int(doc, key, what, minimum=minimum)
 
 
+def _opt_ranks(doc: Mapping[str, Any], key: str, what: str) -> tuple[int, ...] | None:
+    value = doc.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                              for r in value):
+        raise RecordError(f"{what}: {key} must be a list of ranks or null, not {value!r:.80}")
+    return tuple(value)
+
+
 def _num(doc: Mapping[str, Any], key: str, what: str, default: float = 0.0) -> float:
     value = doc.get(key, default)
     if isinstance(value, bool) or not isinstance(value, (int, float)):

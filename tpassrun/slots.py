@@ -49,6 +49,8 @@ class Slot:
     release_after_exit: bool = False      # a migrate-back leaver: its slot is healthy, back to the pool
     started_at: float = 0.0
     reserved: int = 0                     # a spare: receive arena size it was told to pre-fault
+    replicas: tuple[int, ...] | None = None   # the worker's declared replica group (protocol.Replicas)
+    alone: str = ""                       # ... and why no other rank holds its state, if it is alone
 
     @property
     def pid(self) -> int | None:
@@ -125,6 +127,11 @@ class LocalSlots:
                     continue
                 if msg["kind"] == "hello":
                     slot.managed = True
+                if msg["kind"] == "replicas":     # a declaration, kept with the slot (no one awaits it)
+                    ranks = msg.get("ranks")
+                    if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks):
+                        slot.replicas, slot.alone = tuple(ranks), str(msg.get("alone", ""))[:300]
+                    continue
                 slot.inbox.put_nowait(msg)
                 self._on_message(slot, msg)
         except (ConnectionError, asyncio.IncompleteReadError):
@@ -193,6 +200,7 @@ class LocalSlots:
         assert self.channel is not None
         self.channel.reset_slot(slot.index)
         slot.managed = False
+        slot.replicas, slot.alone = None, ""
         slot.reserved = 0
         self.drain(slot)
 

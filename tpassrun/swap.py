@@ -82,11 +82,14 @@ def choose_spare(view: ClusterView, near: str, excluded: Iterable[tuple[str, int
     return found[0] if found else None
 
 
-def choose_donor(view: ClusterView, dead_rank: int, near: str) -> SlotView | None:
-    """Any live managed rank holds a replica of the model and optimizer under data parallelism; prefer the
-    joiner's node so the bulk of the transfer stays local."""
+def choose_donor(view: ClusterView, dead_rank: int, near: str,
+                 replicas: Sequence[int] | None = None) -> SlotView | None:
+    """A live managed rank holding the dead rank's model and optimizer: any rank under plain data parallelism,
+    one of ``replicas`` when the dead rank's adapter declared its replica group (HSDP: the rank with the same
+    shard coordinates in another replica group). Prefer the joiner's node so the bulk of the transfer stays
+    local."""
     live = [s for s in view.slots if s.rank is not None and s.rank != dead_rank and s.state == "running"
-            and s.managed]
+            and s.managed and (replicas is None or s.rank in replicas)]
     live.sort(key=lambda s: (s.node != near, s.rank))
     return live[0] if live else None
 
@@ -129,13 +132,25 @@ def plan_for_taint(view: ClusterView, *, node: str, rank: int, reason: str, tain
 
 
 def plan_for_failure(view: ClusterView, *, node: str, slot: int, rank: int, reason: str, now_wall: float,
-                     light_available: bool, swap_id: str | None = None) -> Decision:
-    """A managed rank died: replace it from a data-parallel replica, or say why we must restart."""
+                     light_available: bool, swap_id: str | None = None, replicas: Sequence[int] | None = None,
+                     alone: str = "") -> Decision:
+    """A managed rank died: replace it from a data-parallel replica, or say why we must restart.
+
+    ``replicas``: the dead rank's declared replica group (None: every rank holds its state); ``alone``: why no
+    other rank does, quoted when it is the only member."""
     spare = choose_spare(view, node)
     if spare is None:
         return Decision("fallback", f"rank {rank} died and no spare is left: whole-group restart")
-    donor = choose_donor(view, rank, spare.node)
+    donor = choose_donor(view, rank, spare.node, replicas)
     if donor is None:
+        others = sorted(set(replicas or ()) - {rank})
+        if replicas is not None and not others:
+            why = f": {alone}" if alone else " (its state is sharded without a replica)"
+            return Decision("fallback", f"rank {rank} died and no other rank holds its state{why}: whole-group "
+                                        "restart")
+        if others:
+            return Decision("fallback", f"rank {rank} died and none of the ranks holding its state "
+                                        f"({', '.join(map(str, others))}) is running: whole-group restart")
         return Decision("fallback", f"rank {rank} died and no live replica can donate its state")
     # Without a snapshot (it died before its first step) the rank can still be replaced at step 0: the
     # joiner's script builds the same per-rank state the dead one had. The PAUSE phase decides.

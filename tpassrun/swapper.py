@@ -125,7 +125,8 @@ class Swapper:
             return False
         light = self._slots.channel.read_light(slot.index) if self._slots.channel else None
         failure = Failure(node=self.port.node_id, slot=slot.index, rank=slot.rank, code=code, step=step,
-                          light=light is not None, generation=gen.number, time=time.time())
+                          light=light is not None, generation=gen.number, time=time.time(),
+                          replicas=slot.replicas, alone=slot.alone)
         self.port.events.write("worker_died", slot=slot.index, rank=slot.rank, code=code, step=step,
                                 kind=kind.value, why=why)
         # Stop the other local ranks at their next step start (the ones blocked in a collective will fail).

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from .channel import Field, WorkerPhase
 from .world import BucketLayout, ReconfigurableDDP
@@ -95,6 +95,19 @@ class Session(StepTransaction, BoundaryCommands):
         self.track(**objects)
         self._per_rank.update(objects)
         return self
+
+    def declare_replicas(self, ranks: Iterable[int], alone: str = "") -> tuple[int, ...]:
+        """Framework adapters: the ranks, this one included, holding exactly this rank's model and optimizer
+        state (HSDP: the ranks with the same shard coordinates in the other replica groups; pure FSDP, ZeRO >= 1:
+        this rank alone, and ``alone`` says why). An unplanned recovery of this rank then takes its state from a
+        live one of them, or restarts the group at once saying why. Without a declaration every rank is taken to
+        hold the same state (plain data parallelism)."""
+        group = tuple(sorted({int(r) for r in ranks}))
+        if self.rank not in group:
+            raise ValueError(f"tpassrun: rank {self.rank}'s replica group {list(group)} does not contain it")
+        if self._link is not None:
+            self._link.send("replicas", ranks=list(group), alone=alone[:300])
+        return group
 
     def ddp(self, module: Any, **kwargs: Any) -> "ReconfigurableDDP":
         """``DistributedDataParallel(module, **kwargs)`` that rebuilds itself after every re-formed world.

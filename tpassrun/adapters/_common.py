@@ -36,6 +36,14 @@ def register(sess: Any, name: str, obj: Any, *, heavy: bool) -> None:
     sess.track_per_rank(**{name: obj})
 
 
+def declare_replicas(sess: Any, ranks: Iterable[int], alone: str = "") -> None:
+    """Tell tpassrun which ranks hold exactly this rank's model and optimizer state (``Session.declare_replicas``:
+    an unplanned recovery takes the state from one of them, or restarts at once saying ``alone``)."""
+    declare = getattr(sess, "declare_replicas", None)
+    if callable(declare):
+        declare(list(ranks), alone)
+
+
 # ---------------------------------------------------------------------------------------------
 # state trees the codec can carry
 

@@ -40,7 +40,8 @@ import logging
 import sys
 from typing import Any
 
-from ._common import GroupSnapshot, adopt_group_sockets, portable, rebind_references, register, restore_portable
+from ._common import (GroupSnapshot, adopt_group_sockets, declare_replicas, portable, rebind_references, register,
+                      restore_portable)
 
 log = logging.getLogger("tpassrun.adapters.deepspeed")
 
@@ -228,6 +229,11 @@ class DeepSpeedAdapter:
         if _distributed_ready():
             self.record_groups()   # local bookkeeping only: which groups the engine uses, and their members
             adopt_group_sockets()
+            if not self.engine_state.replicated:   # ZeRO >= 1: nobody else holds this rank's partition
+                import torch.distributed as dist
+
+                declare_replicas(sess, [dist.get_rank()], f"DeepSpeed ZeRO-{zero_stage(engine)} keeps each rank's "
+                                                          "optimizer partition on that rank only")
         register(sess, "deepspeed.engine", self.engine_state, heavy=True)
         if data_loader is not None and hasattr(data_loader, "state_dict") and hasattr(data_loader, "load_state_dict"):
             register(sess, "deepspeed.data", data_loader, heavy=False)

@@ -40,7 +40,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
-from ._common import portable, rebind_references, register, restore_portable
+from ._common import declare_replicas, portable, rebind_references, register, restore_portable
 
 log = logging.getLogger("tpassrun.adapters.megatron")
 
@@ -479,7 +479,23 @@ class MegatronAdapter:
         register(sess, "megatron.optimizer", self.optimizer_state, heavy=True)
         if opt_param_scheduler is not None:
             register(sess, "megatron.scheduler", opt_param_scheduler, heavy=True)
+        self._declare_replicas()
         sess.on_reconfigure(self.reconfigure)
+
+    def _declare_replicas(self) -> None:
+        """The donors of an unplanned recovery of this rank: its data-parallel replicas (same TP/PP/CP/expert
+        coordinates), or itself alone under a DistributedOptimizer with one instance."""
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            return
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if self.optimizer_state.sharded and self.layout.distopt_instances < 2:
+            declare_replicas(self.sess, [rank], "Megatron's DistributedOptimizer keeps each data-parallel rank's "
+                                                "optimizer shard on that rank only")
+        elif not self.optimizer_state.sharded:
+            declare_replicas(self.sess, [rank, *self.layout.replica_ranks(rank, world)])
+        # several DistributedOptimizer instances: not declared (instance-aware donors are not worked out here)
 
     @property
     def data_iterator(self) -> Any:

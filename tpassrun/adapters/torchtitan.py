@@ -33,13 +33,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ._common import (_collect, adopt_group_sockets, portable, rebind_references, register, reset_failed_step,
-                      restore_portable)
+from ._common import (_collect, adopt_group_sockets, declare_replicas, portable, rebind_references, register,
+                      reset_failed_step, restore_portable)
 
 log = logging.getLogger("tpassrun.adapters.torchtitan")
 
 STATE_VERSION = 1
 TESTED_VERSIONS = ("0.3.0",)
+ALONE = "FSDP shards its model and optimizer state over dp_shard and the mesh has no dp_replicate dimension"
 
 
 def _options() -> Any:
@@ -58,6 +59,25 @@ def shard_coords(model_parts: Sequence[Any]) -> dict[str, int]:
                 coords = mesh.get_coordinate() or []
                 return {n: int(c) for n, c in zip(mesh.mesh_dim_names, coords) if n != "dp_replicate"}
     return {}
+
+
+def replica_group(model_parts: Sequence[Any]) -> list[int] | None:
+    """The global ranks holding exactly this rank's shards: its own coordinates on every mesh dim of the
+    parameters but ``dp_replicate``, any coordinate on ``dp_replicate`` (this rank alone without HSDP). None when
+    no parameter is a DTensor (nothing is sharded). Read from the mesh's rank grid: no collective."""
+    for part in model_parts:
+        for param in part.parameters():
+            mesh = getattr(param, "device_mesh", None)
+            if mesh is None:
+                continue
+            coords = mesh.get_coordinate()
+            if coords is None:
+                return None
+            names = tuple(mesh.mesh_dim_names or ())
+            index = tuple(slice(None) if n == "dp_replicate" else c
+                          for n, c in zip(names or [None] * len(coords), coords))
+            return sorted(int(r) for r in mesh.mesh[index].flatten().tolist())
+    return None
 
 
 def replica_dims(model_parts: Sequence[Any]) -> int:
@@ -92,6 +112,8 @@ class _Sharded:
     def why_not_replicated(self) -> str:
         return ("FSDP shards the model and optimizer over dp_shard and there is no dp_replicate dimension: no live "
                 "rank holds this rank's shards (a planned swap is exact, an unplanned failure restarts the group)")
+
+
 
 
 class ModelPartsState(_Sharded):
@@ -309,6 +331,9 @@ class TorchTitanAdapter:
         if _distributed_ready():
             self.record_meshes()   # local bookkeeping: which meshes/groups the model uses
             adopt_group_sockets()
+            group = replica_group(self.model_parts)
+            if group is not None:   # who holds this rank's shards: the donors of an unplanned recovery
+                declare_replicas(sess, group, "" if len(group) > 1 else ALONE)
         if train_state is not None:
             register(sess, "titan.train_state", train_state, heavy=False)
         if dataloader is not None:
