@@ -51,13 +51,21 @@ def assert_trees_equal(a: Any, b: Any, where: str) -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
-def assert_same_run(job: Job, ref: Job, world: int) -> None:
+def assert_same_run(job: Job, ref: Job, world: int, *, redone: bool = False) -> None:
     """Final state (whatever the script saved: module, optimizer partition, ...) torch.equal on every rank, and
-    the same per-step losses (no step lost or repeated)."""
+    the same per-step losses (no step lost or repeated). ``redone``: a recovery may have rolled survivors back
+    over steps they had finished and logged (sharded state, tpassrun/shards.py): each step's every logged loss
+    must still be the reference's, and no step may be missing."""
     for r in range(world):
         assert_trees_equal(job.final(r), ref.final(r), f"rank {r}")
         la = [(x["step"], x["loss"]) for x in job.losses(r)]
         lb = [(x["step"], x["loss"]) for x in ref.losses(r)]
+        if redone:
+            want = dict(lb)
+            assert {s for s, _ in la} == set(want), f"rank {r}: steps {sorted(set(want) - {s for s, _ in la})} lost"
+            bad = [(s, x, want[s]) for s, x in la if x != want[s]]
+            assert not bad, f"rank {r}: per-step losses differ from the reference's: {bad[:3]}"
+            continue
         assert la == lb, f"rank {r}: per-step losses differ (or a step was lost or repeated)"
 
 

@@ -5,12 +5,13 @@ against the same script under plain torchrun. 2 ranks + 1 spare: 3 worker proces
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed not installed (scripts/bootstrap.sh installs deepspeed==0.19.8)")
 
-from faults import faults_env, kill_at, pids_by_rank, taint  # noqa: E402
+from faults import faults_env, kill_at, pids_by_rank, sigkill_rank, taint  # noqa: E402
 from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
 
 SCRIPT = example("deepspeed", "train.py")
@@ -70,14 +71,43 @@ def test_zero0_unplanned_kill_is_recovered_from_a_replica(tmp_path, etcd_server,
     print(f"deepspeed ZeRO-0 unplanned recovery pause: {swap_pause_s(job):.2f} s")
 
 
-def test_zero1_unplanned_kill_falls_back_and_says_why(tmp_path, etcd_server, run_id, reference):
-    """No live replica holds a ZeRO-1 partition (the adapter declares rank 1 alone in its replica group): the
-    recovery is not attempted, one console line names the rank and the reason, and the job takes torchrun's path,
-    a whole-group restart, which (the script has no checkpoint) re-runs it."""
+@pytest.mark.parametrize("stage,where", [(1, "backward"), (2, "random")])
+def test_zero_unplanned_kill_is_recovered_from_the_mirror(tmp_path, etcd_server, run_id, reference, stage, where):
+    """No live rank holds a ZeRO-1/2 partition: the dead rank's comes from the in-memory mirror of it (on one node,
+    its agent's own), module and scheduler from a survivor; the survivor keeps its process. "random": SIGKILL from
+    outside at a random instant of a random step (inside or after the optimizer step included: then every rank
+    rolls back to its local copy of the step's start)."""
+    ref = reference(stage)
+    rnd = random.Random()
+    at = rnd.randint(2, 8)
+    marker = str(tmp_path / "fault")
+    faults = {} if where == "random" else faults_env(kill_at(1, at, marker, where=where))
+    job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 2, _args(stage, 0.05), endpoint=etcd_server.endpoint,
+                       run_id=run_id, env=faults).start()
+    try:
+        if where == "random":
+            job.wait_step(at, 240, rank=1)
+            time.sleep(rnd.uniform(0.0, 0.1))
+            assert sigkill_rank(job.out, 1) is not None
+        assert job.wait(300) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-4000:]
+    assert_same_run(job, ref, 2, redone=True)
+    pids = pids_by_rank(job, 2)
+    assert len(pids[0]) == 1 and len(pids[1]) == 2, pids
+    print(f"deepspeed ZeRO-{stage} unplanned recovery from the mirror ({where}) pause: {swap_pause_s(job):.2f} s")
+
+
+def test_zero1_unplanned_kill_without_a_mirror_falls_back_and_says_why(tmp_path, etcd_server, run_id, reference):
+    """--shard-mirror-interval 0: no copy of a ZeRO-1 partition exists anywhere (the adapter declares rank 1 alone
+    in its replica group): the recovery is not attempted, one console line names the rank and the reason, and the
+    job takes torchrun's path, a whole-group restart, which (the script has no checkpoint) re-runs it."""
     ref = reference(1)
     marker = str(tmp_path / "fault")
     job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 2, _args(1, 0.05), endpoint=etcd_server.endpoint,
-                       run_id=run_id, env=faults_env(kill_at(1, 4, marker)), extra=["--max-restarts", "1"]).start()
+                       run_id=run_id, env=faults_env(kill_at(1, 4, marker)),
+                       extra=["--max-restarts", "1", "--shard-mirror-interval", "0"]).start()
     try:
         assert job.wait(360) == 0, job.log()[-4000:]
     finally:

@@ -229,7 +229,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                                                migrate_back=bool(getattr(cfg, "migrate_back", False))),
                          generation=lambda: self.generation, spawned_generation=lambda: self.spawned_generation,
                          master=lambda: self.master, set_generation=set_generation, spawn_spare=spawn_spare,
-                         publish_status=self.publish_status, post=self._queue_put)
+                         publish_status=self.publish_status, post=self._queue_put, mirror=lambda: self.mirror)
 
     def _queue_put(self, event: AgentEvent) -> None:
         self._queue.put_nowait(event)   # the queue of the current generation (replaced by each one)

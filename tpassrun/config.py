@@ -182,6 +182,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                       help="Swap a rank whose step time exceeds F x the median (0 = off).")
     ours.add_argument("--migrate-back", "--migrate_back", action="store_true",
                       help="Move work back to a repaired node when it returns.")
+    ours.add_argument("--shard-mirror-interval", "--shard_mirror_interval", type=int, default=1,
+                      help="Refresh the in-memory copies of sharded state (sess.track_sharded: ZeRO, FSDP) every K "
+                           "steps (default 1; an unplanned failure then recomputes up to K-1 steps; 0 = off).")
 
     add("training_script", type=str, help="The training script (or module, or binary) and its arguments.")
     add("training_script_args", nargs=argparse.REMAINDER)
@@ -254,6 +257,8 @@ def parse_args(
         raise ConfigError(f"--log-dir={ns.log_dir} is a file")
     if ns.spares_per_node < 0:
         raise ConfigError(f"--spares-per-node must be >= 0 (got {ns.spares_per_node})")
+    if ns.shard_mirror_interval < 0:
+        raise ConfigError(f"--shard-mirror-interval must be >= 0 (got {ns.shard_mirror_interval})")
     if ns.metrics_port is not None and not 0 <= ns.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be a port number (0-65535), not {ns.metrics_port}")
     if ns.metrics_port is not None:
@@ -339,6 +344,7 @@ def parse_args(
         straggler_factor=ns.straggler_factor,
         migrate_back=ns.migrate_back,
         metrics_port=ns.metrics_port,
+        shard_mirror_interval=ns.shard_mirror_interval,
     )
 
 

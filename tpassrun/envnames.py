@@ -44,4 +44,5 @@ TPASSRUN_GENERATION = "TPASSRUN_GENERATION"      # generation number the worker 
 TPASSRUN_NODE_ID = "TPASSRUN_NODE_ID"            # the agent's node id in the rendezvous
 TPASSRUN_EVENT_LOG = "TPASSRUN_EVENT_LOG"        # JSON-lines event log of this agent
 TPASSRUN_HANG_TIMEOUT = "TPASSRUN_HANG_TIMEOUT"  # seconds without a step heartbeat before a worker counts as hung
+TPASSRUN_SHARD_MIRROR_INTERVAL = "TPASSRUN_SHARD_MIRROR_INTERVAL"  # sharded state: local copy + mirror every K steps
 TPASSRUN_HEALTH_FILE = "TPASSRUN_HEALTH_FILE"    # JSON readings file a site tool writes (FileSensor)

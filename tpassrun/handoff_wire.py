@@ -508,6 +508,14 @@ def _read_tensors(reader: _Reader, specs: list[TensorSpec], chunk_bytes: int,
 
 def encode_small(bundle: StateBundle) -> bytes:
     """The bundle as one self-checking frame in memory (meant for RNG + small objects)."""
+    return b"".join(encode_parts(bundle))
+
+
+def encode_parts(bundle: StateBundle) -> list[Any]:
+    """:func:`encode_small`'s frame as its pieces (head, each tensor's memory as is, trailer), nothing joined:
+    a sender that streams it (the shard mirror's pusher thread) never copies the tensors once more. The caller
+    keeps the bundle's tensors alive and unchanged until the pieces are sent. ``decode_small`` reads the
+    pieces joined."""
     outgoing = [_outgoing(t) for t in bundle.tensors]
     head = _encode_head(bundle.meta, [spec for spec, _, _ in outgoing], chunk_bytes=0, checksum="crc32")
     views = [view for _, _, view in outgoing]
@@ -515,7 +523,7 @@ def encode_small(bundle: StateBundle) -> bytes:
     for view in views:
         crc = zlib.crc32(view, crc)
     trailer = _TRAILER.pack(_END_MAGIC, sum(len(v) for v in views), crc)
-    return b"".join([head, *views, trailer])
+    return [head, *views, trailer]
 
 
 def decode_small(data: bytes | bytearray | memoryview) -> StateBundle:

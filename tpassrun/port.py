@@ -102,6 +102,7 @@ class AgentPort:
     spawn_spare: Callable[["Slot"], Awaitable[None]]       # start a warm spare in a slot
     publish_status: Callable[[], Awaitable[None]]
     post: Callable[[AgentEvent], None]                     # onto the agent's supervision queue
+    mirror: Callable[[], Any] = lambda: None               # this node's mirrorplane.MirrorPlane (None: none)
 
 
 class HealthHost(Protocol):

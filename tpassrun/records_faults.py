@@ -108,12 +108,14 @@ class Failure:
     # (None: not declared, every rank does); ``alone``: why no other rank does, when it is the only one
     replicas: tuple[int, ...] | None = None
     alone: str = ""
+    sharded: bool = False     # it kept local copies of sharded state (tpassrun/shards.py): a mirror may hold its shard
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node": self.node, "slot": self.slot, "rank": self.rank, "code": self.code,
                 "step": self.step, "light": self.light, "generation": self.generation, "time": self.time,
                 "handled": self.handled, "reason": self.reason,
-                "replicas": None if self.replicas is None else list(self.replicas), "alone": self.alone}
+                "replicas": None if self.replicas is None else list(self.replicas), "alone": self.alone,
+                "sharded": self.sharded}
 
     @classmethod
     def from_json(cls, doc: Any) -> "Failure":
@@ -124,7 +126,8 @@ class Failure:
                    step=_int(d, "step", what, 0), light=_bool(d, "light", what),
                    generation=_int(d, "generation", what, minimum=0), time=_num(d, "time", what),
                    handled=_opt_str(d, "handled", what), reason=_str(d, "reason", what, ""),
-                   replicas=_opt_ranks(d, "replicas", what), alone=_str(d, "alone", what, ""))
+                   replicas=_opt_ranks(d, "replicas", what), alone=_str(d, "alone", what, ""),
+                   sharded=_bool(d, "sharded", what))
 
     def mark(self, handled: str, reason: str) -> "Failure":
         return dataclasses.replace(self, handled=handled, reason=reason)

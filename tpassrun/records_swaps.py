@@ -82,6 +82,10 @@ class SwapPlan:
     # hex; the leader draws it when it writes the plan; each attempt's transfer key derives from it
     secret: str | None = field(default=None, repr=False)
     outcome: str | None = None     # why it ended (aborted: what made a live recovery impossible)
+    # sharded state (tpassrun/shards.py): every survivor first rolls back to its local copy of ``boundary``'s start
+    restore: bool = False
+    shard_from: tuple[str, int] | None = None   # the dead rank's shard: this agent's mirror server ...
+    shard_node: str | None = None               # ... on this node (its step is ``boundary``)
 
     @property
     def terminal(self) -> bool:
@@ -96,7 +100,8 @@ class SwapPlan:
             "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
             "attempt": self.attempt, "excluded_spares": [list(x) for x in self.excluded_spares],
             "taint_id": self.taint_id, "release": self.release, "history": [list(h) for h in self.history],
-            "outcome": self.outcome,
+            "outcome": self.outcome, "restore": self.restore,
+            "shard_from": list(self.shard_from) if self.shard_from else None, "shard_node": self.shard_node,
         }
 
     @classmethod
@@ -128,6 +133,8 @@ class SwapPlan:
             excluded_spares=tuple((x[0], x[1]) for x in excluded), taint_id=_opt_str(d, "taint_id", what),
             release=_bool(d, "release", what), history=tuple((h[0], float(h[1])) for h in history),
             secret=_opt_str(d, "secret", what), outcome=_opt_str(d, "outcome", what),
+            restore=_bool(d, "restore", what), shard_from=_addr(d.get("shard_from"), what),
+            shard_node=_opt_str(d, "shard_node", what),
         )
 
     def advance(self, phase: Phase, now_wall: float, **changes: Any) -> "SwapPlan":
@@ -148,6 +155,12 @@ class Report:
     failed_steps: tuple[int, ...] = ()
     post_commit: tuple[int, ...] = ()   # pause (unplanned): steps a local survivor failed in after its commit point
     dead_steps: tuple[int, ...] | None = None   # pause (unplanned, the dead rank's node): its saved snapshots' steps
+    # sharded state (pause, unplanned): the steps every local survivor holds a local copy of (None: no sharded
+    # state here); the dead rank's own (None: it had none); the dead rank's shard in this agent's mirror
+    rings: tuple[int, ...] | None = None
+    dead_ring: tuple[int, ...] | None = None
+    mirror_steps: tuple[int, ...] = ()
+    mirror_addr: tuple[str, int] | None = None
     final: bool = False               # the error is deterministic: retrying cannot help
     joiner_addr: tuple[str, int] | None = None
     light_b64: str | None = None
@@ -160,7 +173,11 @@ class Report:
                 "post_commit": list(self.post_commit),
                 "dead_steps": None if self.dead_steps is None else list(self.dead_steps), "final": self.final,
                 "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None, "light_b64": self.light_b64,
-                "error": self.error, "extra": dict(self.extra)}
+                "error": self.error, "extra": dict(self.extra),
+                "rings": None if self.rings is None else list(self.rings),
+                "dead_ring": None if self.dead_ring is None else list(self.dead_ring),
+                "mirror_steps": list(self.mirror_steps),
+                "mirror_addr": list(self.mirror_addr) if self.mirror_addr else None}
 
     @classmethod
     def from_json(cls, doc: Any) -> "Report":
@@ -169,7 +186,11 @@ class Report:
         steps, failed = _list(d, "steps", what), _list(d, "failed_steps", what)
         post = _list(d, "post_commit", what)
         dead = None if d.get("dead_steps") is None else _list(d, "dead_steps", what)
-        if not all(isinstance(s, int) and not isinstance(s, bool) for s in steps + failed + post + (dead or [])):
+        rings = None if d.get("rings") is None else _list(d, "rings", what)
+        dead_ring = None if d.get("dead_ring") is None else _list(d, "dead_ring", what)
+        mirrored = _list(d, "mirror_steps", what)
+        if not all(isinstance(s, int) and not isinstance(s, bool)
+                   for s in steps + failed + post + (dead or []) + (rings or []) + (dead_ring or []) + mirrored):
             raise RecordError(f"{what}: steps must be integers")
         extra = d.get("extra") or {}
         if not isinstance(extra, Mapping):
@@ -179,4 +200,7 @@ class Report:
                    post_commit=tuple(post), dead_steps=None if dead is None else tuple(dead),
                    final=_bool(d, "final", what),
                    joiner_addr=_addr(d.get("joiner_addr"), what), light_b64=_opt_str(d, "light_b64", what),
-                   error=_opt_str(d, "error", what), extra=dict(extra))
+                   error=_opt_str(d, "error", what), extra=dict(extra),
+                   rings=None if rings is None else tuple(rings),
+                   dead_ring=None if dead_ring is None else tuple(dead_ring), mirror_steps=tuple(mirrored),
+                   mirror_addr=_addr(d.get("mirror_addr"), what))

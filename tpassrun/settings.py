@@ -140,6 +140,7 @@ class LaunchConfig:
     straggler_factor: float = 0.0
     migrate_back: bool = False
     metrics_port: int | None = None  # Prometheus endpoint of this agent (0: any free port; None: off)
+    shard_mirror_interval: int = 1   # sharded state (sess.track_sharded): local copy + buddy mirror every K steps
 
     @property
     def uses_embedded_etcd(self) -> bool:

@@ -26,9 +26,9 @@ from typing import Iterable, Sequence
 # The records a plan is made of live with every other etcd record; re-exported: they are the planner's words.
 from .records import TRANSITIONS, Phase, Report, SlotRef, SwapKind, SwapPlan
 
-__all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Phase", "Report", "SlotRef", "SlotView", "SwapKind",
-           "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "new_swap_id", "next_step", "plan_for_failure",
-           "plan_for_taint", "resume_step"]
+__all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Phase", "Report", "ResumeChoice", "SlotRef", "SlotView",
+           "SwapKind", "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "new_swap_id", "next_step",
+           "plan_for_failure", "plan_for_taint", "resume_plan", "resume_step"]
 
 
 @dataclass(frozen=True)
@@ -133,14 +133,18 @@ def plan_for_taint(view: ClusterView, *, node: str, rank: int, reason: str, tain
 
 def plan_for_failure(view: ClusterView, *, node: str, slot: int, rank: int, reason: str, now_wall: float,
                      light_available: bool, swap_id: str | None = None, replicas: Sequence[int] | None = None,
-                     alone: str = "") -> Decision:
+                     alone: str = "", sharded: bool = False) -> Decision:
     """A managed rank died: replace it from a data-parallel replica, or say why we must restart.
 
     ``replicas``: the dead rank's declared replica group (None: every rank holds its state); ``alone``: why no
-    other rank does, quoted when it is the only member."""
+    other rank does, quoted when it is the only member. ``sharded``: the dead rank kept copies of its sharded state
+    (``sess.track_sharded``), so when it is alone in its group its shard may come from a mirror (the PAUSE phase
+    finds out, :func:`resume_plan`) and the rest of its state, identical on every rank, from any of them."""
     spare = choose_spare(view, node)
     if spare is None:
         return Decision("fallback", f"rank {rank} died and no spare is left: whole-group restart")
+    if sharded and replicas is not None and not set(replicas) - {rank}:
+        replicas = None
     donor = choose_donor(view, rank, spare.node, replicas)
     if donor is None:
         others = sorted(set(replicas or ()) - {rank})
@@ -208,6 +212,64 @@ def resume_step(reports: Sequence[Report], dead_rank: int | None) -> tuple[int |
     return step, f"all survivors stopped at step {step}; {who} resumes there too"
 
 
+@dataclass(frozen=True)
+class ResumeChoice:
+    """Where an unplanned recovery resumes (:func:`resume_plan`): ``step`` (None: nowhere exact, ``why``)."""
+
+    step: int | None
+    why: str
+    restore: bool = False                       # every survivor first rolls back to its local copy of ``step``
+    shard_from: tuple[str, int] | None = None   # the dead rank's shard comes from this mirror server ...
+    shard_node: str | None = None               # ... of this node
+
+
+def resume_plan(reports: Sequence[Report], dead_rank: int | None) -> ResumeChoice:
+    """:func:`resume_step`, and for a job with sharded state (``sess.track_sharded``) where the dead rank's shard
+    comes from (pure).
+
+    No live peer holds a dead rank's shard: its buddy's mirror does, at the steps it was refreshed at
+    (``mirror_steps``), and every rank keeps a local copy of its whole state at the same steps (``rings``).
+    The recovery resumes at the step :func:`resume_step` finds when the mirror holds the dead rank's shard of
+    that step (the survivors roll back their light state only, as under DDP). Otherwise (the rank died after
+    the survivors committed the step's optimizer update, or before the refresh of its step had landed, or the
+    mirror is refreshed every K > 1 steps) every rank rolls back to the newest step that every survivor holds a
+    local copy of and the mirror holds the dead rank's shard of, and re-executes from there; none: the group
+    restarts, and the reason says which copy was missing.
+    """
+    who = f"rank {dead_rank}" if dead_rank is not None else "the dead rank"
+    step, why = resume_step(reports, dead_rank)
+    if not any(r.dead_ring is not None or r.rings is not None for r in reports):
+        return ResumeChoice(step, why)
+    holders = [(r.node, r.mirror_addr, set(r.mirror_steps)) for r in reports if r.mirror_steps and r.mirror_addr]
+
+    def source(v: int) -> tuple[str, tuple[str, int]] | None:
+        return next(((node, addr) for node, addr, steps in holders if v in steps), None)
+
+    if step is not None and (src := source(step)) is not None:
+        return ResumeChoice(step, f"{why}; its shard of step {step} from the mirror on {src[0]}",
+                            shard_from=src[1], shard_node=src[0])
+    mirrored = sorted(set().union(*(steps for _, _, steps in holders))) if holders else []
+    if not mirrored:
+        return ResumeChoice(None, f"{who} held sharded state and no mirror holds a copy of it "
+                                  "(it died before its first refresh, or its buddy is gone too)")
+    rings = [set(r.rings or ()) for r in reports if r.rings is not None or (r.steps or r.failed_steps or r.post_commit)]
+    common = set.intersection(*rings) if rings else set()
+    usable = sorted((v for v in common if source(v) is not None), reverse=True)
+    if not usable:
+        have = sorted(common)
+        return ResumeChoice(None, f"no step is held both by the mirror of {who}'s shard (steps {mirrored}) and by "
+                                  f"every survivor's local copy (steps {have}): "
+                                  + (why if step is None else f"the survivors stopped at step {step}"))
+    v = usable[0]
+    src = source(v)
+    assert src is not None
+    stopped = sorted({s for r in reports for s in (*r.steps, *r.failed_steps, *r.post_commit)})
+    at = f"step {stopped[0]}" if len(stopped) == 1 else f"steps {stopped}" if stopped else "their step"
+    return ResumeChoice(v, f"every rank rolls back to its copy of step {v} (the survivors stopped at {at}; "
+                           f"{who}'s newest mirrored shard that every rank can match is step {v}, on {src[0]})",
+                        restore=True, shard_from=src[1], shard_node=src[0])
+
+
 def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
               spare_after_failure: SlotView | None = None, sender_dead: bool = False) -> Decision:
     """The leader's move once reports for the plan's current phase are in (pure).
@@ -252,6 +314,8 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
         needed = {plan.joiner.node}
         if plan.kind == SwapKind.UNPLANNED:
             needed.add(plan.leaver.node)
+        if plan.restore:
+            needed |= set(plan.nodes)     # every survivor rolled back before the donor sends
     if plan.phase == Phase.SEND:
         needed = {plan.joiner.node}
     have = {r.node for r in mine}
@@ -260,10 +324,12 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
 
     if plan.phase == Phase.PAUSE:
         if plan.kind == SwapKind.UNPLANNED:
-            step, why = resume_step(mine, plan.leaver.rank)
-            if step is None:
-                return Decision("plan", why, plan.advance(Phase.ABORTED, now_wall, outcome=why))
-            return Decision("plan", why, plan.advance(Phase.TRANSFER, now_wall, boundary=step))
+            choice = resume_plan(mine, plan.leaver.rank)
+            if choice.step is None:
+                return Decision("plan", choice.why, plan.advance(Phase.ABORTED, now_wall, outcome=choice.why))
+            return Decision("plan", choice.why, plan.advance(Phase.TRANSFER, now_wall, boundary=choice.step,
+                                                             restore=choice.restore, shard_from=choice.shard_from,
+                                                             shard_node=choice.shard_node))
         boundary = max((r.candidate or 0) for r in mine)
         return Decision("plan", f"boundary step {boundary}", plan.advance(Phase.BOUNDARY, now_wall, boundary=boundary))
     if plan.phase == Phase.BOUNDARY:
@@ -277,7 +343,7 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
         light = next((r.light_b64 for r in mine if r.light_b64), None)
         if addr is None:
             return Decision("wait", "joiner has not reported its address")
-        if plan.kind == SwapKind.UNPLANNED and light is None and plan.boundary:
+        if plan.kind == SwapKind.UNPLANNED and light is None and plan.boundary and plan.shard_from is None:
             why = f"the dead rank's snapshot for step {plan.boundary} is missing"
             return Decision("plan", why, plan.advance(Phase.ABORTED, now_wall, outcome=why))
         return Decision("plan", f"joiner listening at {addr[0]}:{addr[1]}",

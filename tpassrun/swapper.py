@@ -26,6 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .channel import INT64_MAX, Field, WorkerPhase
+from . import shardplane
 from .coordinator import Coordinator
 from .failkind import classify_death, recoverable
 from .port import AgentPort, FallbackRequested
@@ -53,6 +54,7 @@ class Swapper:
         # planned swaps: the joiner is assigned during BOUNDARY; (swap id, attempt, slot) -> its address or error
         self._early: tuple[tuple[str, int, int], asyncio.Task] | None = None
         self._transfers_seen: set[tuple[str, int]] = set()   # (swap id, attempt) this node followed into TRANSFER
+        self._rolled_back: set[str] = set()                  # swaps whose survivors here loaded their shard copies
 
     # ------------------------------------------------------------------ agent hooks
     @property
@@ -126,7 +128,8 @@ class Swapper:
         light = self._slots.channel.read_light(slot.index) if self._slots.channel else None
         failure = Failure(node=self.port.node_id, slot=slot.index, rank=slot.rank, code=code, step=step,
                           light=light is not None, generation=gen.number, time=time.time(),
-                          replicas=slot.replicas, alone=slot.alone)
+                          replicas=slot.replicas, alone=slot.alone,
+                          sharded=shardplane.ring_of(self._slots.channel, slot.index) is not None)
         self.port.events.write("worker_died", slot=slot.index, rank=slot.rank, code=code, step=step,
                                 kind=kind.value, why=why)
         # Stop the other local ranks at their next step start (the ones blocked in a collective will fail).
@@ -247,7 +250,8 @@ class Swapper:
                 cand = max(cand, step + 1)
             if stationary:
                 return Report(node=self.port.node_id, phase=plan.phase, candidate=cand, steps=tuple(paused),
-                              failed_steps=tuple(failed), post_commit=tuple(post), dead_steps=dead_steps)
+                              failed_steps=tuple(failed), post_commit=tuple(post), dead_steps=dead_steps,
+                              **shardplane.pause_fields(self.port, plan, survivors))
             if now > deadline:
                 return Report(node=self.port.node_id, phase=plan.phase, ok=False,
                               error="workers did not stop within the phase timeout")
@@ -331,6 +335,14 @@ class Swapper:
             if data is not None:
                 light_b64 = base64.b64encode(data).decode()
         self._transfers_seen.add((plan.id, plan.attempt))
+        restored = plan.restore and me in plan.nodes
+        if restored and plan.id not in self._rolled_back:
+            # every survivor back to its own copy of the resume step before any donor sends (shardplane.py)
+            why = await shardplane.roll_back(self._slots, self._survivors(plan), int(plan.boundary or 0))
+            if why is not None:
+                return Report(node=me, phase=plan.phase, ok=False, final=True, error=why)
+            self._rolled_back.add(plan.id)
+            self.port.events.write("swap_shards_rolled_back", swap_id=plan.id, step=plan.boundary)
         if plan.joiner.node == me:
             key = (plan.id, plan.attempt, plan.joiner.slot)
             early, self._early = self._early, None
@@ -348,7 +360,7 @@ class Swapper:
                 return Report(node=me, phase=plan.phase, ok=False, error=result)
             addr = result
             self.port.events.write("swap_transfer_start", swap_id=plan.id, joiner=plan.joiner.to_json())
-        if addr is None and light_b64 is None and not dead_here:
+        if addr is None and light_b64 is None and not dead_here and not restored:
             return None
         return Report(node=me, phase=plan.phase, joiner_addr=addr, light_b64=light_b64)
 
@@ -365,6 +377,9 @@ class Swapper:
             return f"swap {plan.id} carries no transfer secret: refusing an unauthenticated transfer"
         self._slots.drain(joiner)
         fields = self._assign_fields(plan)
+        mirrored = await shardplane.mirror_source(self.port.mirror(), plan)
+        if mirrored is not None:
+            fields["mirror_from"] = mirrored   # the dead rank's shard: the joiner fetches it from that mirror
         # Assigned during BOUNDARY, the spare may wait for the survivors' step and then the TRANSFER phase.
         # It listens on this node's advertised address only, and accepts only a sender that proves the key
         # (which reaches it over its private agent socket, never the network).
@@ -393,6 +408,7 @@ class Swapper:
             slot = self._slots.slots[sender.slot]
             self._slots.send(slot, "send_state", addr=plan.joiner_addr[0], port=plan.joiner_addr[1],
                              swap_id=plan.id, replicated_only=plan.kind == SwapKind.UNPLANNED,
+                             without_sharded=plan.shard_from is not None,
                              rng=plan.kind == SwapKind.PLANNED, timeout=PHASE_TIMEOUT_S,
                              key=_transfer_key(plan), rank=plan.leaver.rank)
         if plan.joiner.node != me:

@@ -143,7 +143,7 @@ def _recover(fid: str, f: Failure, seen: Seen) -> tuple[Action, ...]:
     view, now = seen.view, seen.now
     decision = plan_for_failure(view, node=f.node, slot=f.slot, rank=f.rank, reason=f"exit code {f.code}",
                                 now_wall=now, light_available=f.light, swap_id=f"u-{fid}-{f.generation}",
-                                replicas=f.replicas, alone=f.alone)
+                                replicas=f.replicas, alone=f.alone, sharded=f.sharded)
     out: list[Action] = [PutFailure(fid, f.mark(decision.action, decision.reason)),
                          Say("recovery_decided", {"action": decision.action, "reason": decision.reason})]
     known = {p.id for p, _ in seen.plans}

@@ -33,6 +33,7 @@ class BoundaryCommands:
         link = self._link
         assert link is not None
         self._commit_light = None   # the step is either re-executed from its start or not resumed at all
+        self._shard_fence()         # its local copies' steps are published before the agent reads them
         # Tear our end of every collective down now: a peer blocked on *us* (not on the dead rank) only
         # learns of the failure when our sockets close, so aborting here cascades the error to every
         # survivor instead of leaving some blocked until gloo's 30-minute timeout.
@@ -62,7 +63,8 @@ class BoundaryCommands:
                 link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
                 testing.fault_point(self.rank, step, "send")   # tests: the sender dies mid-handoff
                 objs = {k: v for k, v in self._tracked.items()
-                        if not (msg.get("replicated_only") and k in self._per_rank)}
+                        if not (msg.get("replicated_only") and k in self._per_rank)
+                        and not (msg.get("without_sharded") and k in self._sharded)}   # those: from the mirror
                 unique = _not_replicated(objs) if msg.get("replicated_only") else []
                 if unique:
                     # e.g. a ZeRO optimizer partition: this rank's copy is not the dead rank's. Refuse (the
@@ -88,6 +90,19 @@ class BoundaryCommands:
                     self._restore_light(self._last_light)
                 self._drop_grads()
                 link.send("rolled_back", step=step)
+                continue
+            if kind == "shard_rollback":
+                # the whole state back to this rank's own copy of an earlier step's start (worker_shards.py)
+                target = int(msg["step"])
+                try:
+                    self._shard_rollback(target)
+                except Exception as exc:  # noqa: BLE001 - reported: the recovery aborts, nothing half-applied runs
+                    log.exception("rank %d: rolling back to its copy of step %d failed", self.rank, target)
+                    link.send("shard_rolled_back", ok=False, step=target, error=f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                step = target
+                link.set(Field.STEP, target)
+                link.send("shard_rolled_back", ok=True, step=target)
                 continue
             if kind == "reform":
                 if msg.get("rollback") and failed is not None:
@@ -140,6 +155,7 @@ class BoundaryCommands:
         self.swaps += 1
         for fn in self._callbacks:
             fn()
+        self._shard_after_reform()   # a rolled-back survivor loads its sharded copy in the new world
         self._reform_times = {"leave_s": round(t1 - t0, 4), "join_s": round(t2 - t1, 4),
                               "callbacks_s": round(time.perf_counter() - t2, 4)}
 

@@ -15,6 +15,7 @@ from .world import BucketLayout, ReconfigurableDDP
 from .worker_commands import BoundaryCommands
 from .worker_failure import classify_failure
 from .worker_link import AgentLink
+from .worker_shards import ShardedState
 from .worker_step import StepTransaction
 
 log = logging.getLogger("tpassrun.worker")
@@ -32,7 +33,7 @@ def _is_replicated(obj: Any) -> bool:
     return isinstance(obj, replicated)
 
 
-class Session(StepTransaction, BoundaryCommands):
+class Session(StepTransaction, BoundaryCommands, ShardedState):
     """What :func:`init` returns. Create through :func:`init`, not directly."""
 
     def __init__(self, *, backend: str | None, link: AgentLink | None, rank: int, world_size: int,
@@ -69,6 +70,11 @@ class Session(StepTransaction, BoundaryCommands):
         self._commit_snapshots = True             # off once user code after the seal changed per-rank state
         self._seals_verified = 0                  # seals found equal to the next step's start snapshot
         self._hooked: set[int] = set()
+        # Sharded state (track_sharded; worker_shards.py, shards.py): local pre-step copies + a buddy's mirror.
+        self._sharded: set[str] = set()
+        self._shards: Any = None
+        self._shard_restore_due: int | None = None
+        self._pending_shard_bundle: Any = None    # joiner: the dead rank's shard, from its mirror
 
     # --- the hook protocol ---
     def track(self, **objects: Any) -> "Session":
@@ -180,6 +186,7 @@ class Session(StepTransaction, BoundaryCommands):
                 start = time.monotonic_ns()
             if self._light_enabled:
                 self._snapshot_light(step)
+            self._shard_begin(step, self._last_light)
             link.set(Field.PHASE, WorkerPhase.RUNNING)
             self._first_grad_ns = 0
             self._in_step = step
@@ -197,6 +204,7 @@ class Session(StepTransaction, BoundaryCommands):
                 continue
             self._in_step = -1
             self.step = step + 1
+            self._shard_fence()    # a step without a commit point (no tracked optimizer): its copy ends here
             end = time.monotonic_ns()
             link.set(Field.LAST_STEP_NS, end - start)
             link.set(Field.LAST_COMPUTE_NS, (self._first_grad_ns or end) - start)
@@ -204,6 +212,7 @@ class Session(StepTransaction, BoundaryCommands):
                 self._size_published = True
                 link.set(Field.STATE_BYTES, self._tracked_nbytes())
         link.set(Field.STEP, self.step)
+        self._shard_close()
         link.set(Field.PHASE, WorkerPhase.DONE)
         link.send("done", step=self.step)
         return self.step
@@ -220,7 +229,7 @@ class Session(StepTransaction, BoundaryCommands):
     def _apply_pending_to(self, name: str, obj: Any) -> None:
         """On a joiner, load ``name``'s received state as soon as the script tracks it, so that a model is
         right before DDP broadcasts from rank 0 and an optimizer before anything reads it."""
-        for attr in ("_pending_bundle", "_pending_light_bundle"):
+        for attr in ("_pending_bundle", "_pending_light_bundle", "_pending_shard_bundle"):
             bundle = getattr(self, attr)
             if bundle is not None and _has_object(bundle, name):
                 _apply_one(bundle, name, obj)
@@ -229,7 +238,7 @@ class Session(StepTransaction, BoundaryCommands):
         """At the start of :meth:`run` on a joiner: everything not applied yet, then RNG and step."""
         from . import handoff
 
-        for attr in ("_pending_bundle", "_pending_light_bundle"):
+        for attr in ("_pending_bundle", "_pending_light_bundle", "_pending_shard_bundle"):
             bundle = getattr(self, attr)
             if bundle is None:
                 continue
@@ -244,7 +253,7 @@ class Session(StepTransaction, BoundaryCommands):
             if rng is not None:
                 handoff.restore_rng(rng)
             self.step = _bundle_step(rng_source)
-        self._pending_bundle = self._pending_light_bundle = None
+        self._pending_bundle = self._pending_light_bundle = self._pending_shard_bundle = None
 
 
 # --- reading a received bundle piece by piece (the joiner loads each object as the script tracks it) ---

@@ -66,7 +66,8 @@ def _wait_for_sender(listener: socket.socket, link: AgentLink, timeout: float,
 
 def _receive_state(listener: socket.socket, link: AgentLink, msg: dict[str, Any], auth: Any,
                    pending: list[dict[str, Any]]) -> Any:
-    """Wait for the sender the agent announced and receive its state (None if none came, or it failed).
+    """Wait for the sender the agent announced and receive its state, and the dead rank's mirrored shard when
+    the assignment names one: (bundle, (shard bundle, light) or None); None if none came, or it failed.
     Connections that do not prove the swap key are dropped and the wait goes on: a stranger that connects
     first neither delays the swap past its timeout nor gets anything applied."""
     from . import handoff
@@ -108,9 +109,23 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: dict[str, Any]
             link.send("received", ok=False, swap_id=swap_id,
                       error=f"HandoffError: the state is for swap {sent_for!r}, not {swap_id!r}")
             return None
-        link.send("received", ok=True, nbytes=stats.nbytes, seconds=stats.seconds, checksum=stats.checksum,
-                  swap_id=swap_id, step=_bundle_step(bundle))
-        return bundle
+        mirrored, nbytes = None, stats.nbytes
+        if msg.get("mirror_from"):
+            # the dead rank's sharded state is in its buddy's mirror, not on any live rank (tpassrun/shards.py)
+            source = msg["mirror_from"]
+            try:
+                from .shards import fetch_mirrored
+
+                shard, shard_light, _ = fetch_mirrored(source["target"], int(source["owner"]), int(source["step"]))
+            except Exception as exc:  # noqa: BLE001 - reported: the agent retries or gives the recovery up
+                link.send("received", ok=False, swap_id=swap_id,
+                          error=f"fetching rank {source.get('owner')}'s shard of step {source.get('step')} from its "
+                                f"mirror failed: {type(exc).__name__}: {exc}"[:300])
+                return None
+            mirrored, nbytes = (shard, shard_light), nbytes + shard.nbytes
+        link.send("received", ok=True, nbytes=nbytes, seconds=stats.seconds, checksum=stats.checksum,
+                  swap_id=swap_id, step=_bundle_step(bundle), mirrored=mirrored is not None)
+        return bundle, mirrored
 
 
 def _wait_as_spare(backend: str | None, link: AgentLink, local_rank: int,
@@ -122,6 +137,7 @@ def _wait_as_spare(backend: str | None, link: AgentLink, local_rank: int,
     link.set(Field.PHASE, WorkerPhase.SPARE)
     bundle = None
     light: bytes | None = None
+    mirrored: tuple[Any, bytes | None] | None = None   # the dead rank's shard and light snapshot, from its mirror
     listener = None
     assign: dict[str, Any] | None = None
     pending: list[dict[str, Any]] = []    # commands that came while waiting for the sender
@@ -143,7 +159,8 @@ def _wait_as_spare(backend: str | None, link: AgentLink, local_rank: int,
             link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
             link.send("listening", port=port, swap_id=msg.get("swap_id"))
             testing.fault_point(int(msg.get("rank", -1)), 0, "receive")  # tests: the joiner dies mid-transfer
-            bundle = _receive_state(listener, link, msg, auth, pending)
+            received = _receive_state(listener, link, msg, auth, pending)
+            bundle, mirrored = received if received is not None else (None, None)
             continue
         if kind == "light":
             light = base64.b64decode(msg["data"])
@@ -162,7 +179,7 @@ def _wait_as_spare(backend: str | None, link: AgentLink, local_rank: int,
             link.send("reserved", nbytes=got)
             continue
         if kind == "abort":
-            bundle, light, assign = None, None, None
+            bundle, light, assign, mirrored = None, None, None, None
             link.set(Field.PHASE, WorkerPhase.SPARE)
             continue
         if kind == "reform":
@@ -179,6 +196,10 @@ def _wait_as_spare(backend: str | None, link: AgentLink, local_rank: int,
                            local_rank=local_rank, generation=int(msg.get("generation", 0)), joined=True,
                            timeout=timeout)
             sess._pending_bundle = bundle
+            if mirrored is not None:
+                sess._pending_shard_bundle = mirrored[0]
+                if light is None:
+                    light = mirrored[1]     # the dead rank's node is gone, or kept no snapshot of that step
             sess._pending_light_bundle = decode_light(light) if light is not None else None
             sess.step = _bundle_step(sess._pending_light_bundle or bundle)
             link.set(Field.STEP, sess.step)

@@ -90,6 +90,7 @@ class StepTransaction:
         if step < 0 or self._committed == step:
             return               # outside run(), or a second optimizer in the same step
         self._committed = step
+        self._shard_fence()      # the step's pre-step copy must have read the state the optimizer now changes
         if self._sealed != step:
             self._seal(step)     # no backward seen (or none through a tracked model)
         assert self._link is not None

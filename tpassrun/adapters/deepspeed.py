@@ -23,10 +23,12 @@ clone of the world group in ``deepspeed.utils.groups``, the groups in ``deepspee
 away (the joiner loads the real state right after). Both sides therefore issue the same collectives and the new
 world never hangs.
 
-Replicas: ZeRO partitions are owned by DP index and nobody else holds a rank's partition, so under ZeRO >= 1 an
-*unplanned* failure has no live donor (:attr:`DeepSpeedEngineState.replicated` is False: a survivor asked to donate
-refuses, and the job falls back to a whole-group restart, saying why); a planned swap (the leaver sends its own
-partition) is exact. ZeRO-0 state is identical on every rank: unplanned recovery takes it from a survivor.
+Replicas: ZeRO partitions are owned by DP index and nobody else holds a rank's partition, so under ZeRO-1/2 the
+partition is tracked on its own as sharded state (:class:`DeepSpeedZeroState`, ``sess.track_sharded``): it is
+mirrored to a buddy node every step, and an unplanned failure takes the module, scheduler and counters from a
+survivor and the partition from the mirror (without a mirror copy the job falls back to a whole-group restart,
+saying why); a planned swap (the leaver sends its own partition) is exact. ZeRO-0 state is identical on every
+rank: unplanned recovery takes it from a survivor.
 ZeRO-3 parameter partitions are refused. DeepSpeed does not save RNG; tpassrun's generic RNG capture moves the
 global generators (``deepspeed.checkpointing``'s model-parallel CUDA tracker is not covered).
 
@@ -133,16 +135,19 @@ def _from_portable_optimizer(sd: Any, live: Any) -> Any:
 
 
 class DeepSpeedEngineState:
-    """Module, optimizer (this rank's ZeRO partition), scheduler and counters of one engine."""
+    """Module, optimizer (this rank's ZeRO partition), scheduler and counters of one engine. With
+    ``optimizer=False`` the optimizer is left to a :class:`DeepSpeedZeroState` (tracked as sharded state)."""
 
-    def __init__(self, engine: Any) -> None:
+    def __init__(self, engine: Any, *, optimizer: bool = True) -> None:
         self.engine = engine
+        self.with_optimizer = optimizer
 
     @property
     def replicated(self) -> bool:
-        """Whether every data-parallel rank holds this same state: only without ZeRO (stage 0). A survivor never
-        donates a non-replicated state for an unplanned recovery (it would hand over the wrong partition)."""
-        return zero_stage(self.engine) == 0
+        """Whether every data-parallel rank holds this same state: only without ZeRO (stage 0), or without the
+        optimizer. A survivor never donates a non-replicated state for an unplanned recovery (it would hand over
+        the wrong partition)."""
+        return zero_stage(self.engine) == 0 or not self.with_optimizer
 
     def why_not_replicated(self) -> str:
         return (f"DeepSpeed ZeRO-{zero_stage(self.engine)} keeps each rank's optimizer partition on that rank only; "
@@ -153,7 +158,10 @@ class DeepSpeedEngineState:
         self.engine.module.zero_grad(set_to_none=True)
         optimizer = getattr(self.engine, "optimizer", None)
         if optimizer is not None:
+            if zero_stage(self.engine) in (1, 2):
+                reset_zero_reduction(optimizer)
             optimizer.zero_grad(set_to_none=True)
+
 
     def state_dict(self) -> dict[str, Any]:
         engine = self.engine
@@ -166,7 +174,8 @@ class DeepSpeedEngineState:
             "v": STATE_VERSION,
             "zero_stage": stage,
             "module": portable(engine.module.state_dict()),
-            "optimizer": None if optimizer is None else _to_portable_optimizer(optimizer.state_dict()),
+            "optimizer": None if optimizer is None or not self.with_optimizer
+            else _to_portable_optimizer(optimizer.state_dict()),
             "lr_scheduler": None if scheduler is None else portable(scheduler.state_dict()),
             "counters": {name: getattr(engine, name) for name in COUNTERS if hasattr(engine, name)},
         }
@@ -200,6 +209,81 @@ class DeepSpeedEngineState:
                                   checkpoint_folder=None)
 
 
+def reset_zero_reduction(optimizer: Any) -> None:
+    """Put a ZeRO-1/2 optimizer's gradient-reduction bookkeeping back to how a step finds it, after a backward that
+    failed half-way (a peer died in one of its reductions): the partly filled reduction buckets, the "already
+    reduced" flags and the partition counters would make the re-executed step reduce other sizes than the joiner's
+    fresh optimizer (gloo: "Received data size doesn't match expected size"). Local only (no collective: the old
+    process groups are gone by then). Read from DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer``."""
+    for bucket in getattr(optimizer, "ipg_buckets", {}).values():
+        bucket.clear()
+        bucket.index = 0
+    for name in ("extra_large_param_to_reduce",):
+        held = getattr(optimizer, name, None)
+        if isinstance(held, dict):
+            held.clear()
+    flags = getattr(optimizer, "params_already_reduced", None)
+    if isinstance(flags, list):
+        flags[:] = [False] * len(flags)
+    for lst in getattr(optimizer, "previous_reduced_grads", {}).values():
+        lst.clear()
+    for name in ("averaged_gradients", "all_grad_tensors"):
+        held = getattr(optimizer, name, None)
+        if isinstance(held, dict):
+            for key in held:
+                held[key] = None
+    totals = getattr(optimizer, "total_grads_in_partition", {})
+    for i, parts in getattr(optimizer, "is_partition_reduced", {}).items():
+        for partition_id in parts:
+            parts[partition_id] = False
+            optimizer.remaining_grads_in_partition[i][partition_id] = totals[i][partition_id]
+            computed = optimizer.is_grad_computed[i][partition_id]
+            for param_id in computed:
+                computed[param_id] = False
+    release = getattr(optimizer, "_release_ipg_buffers", None)
+    if callable(release):
+        release()                       # also: ready_for_gradients = False (the next backward sets buckets up)
+    if hasattr(optimizer, "micro_step_id"):
+        optimizer.micro_step_id = -1    # INITIAL_MICRO_STEP_ID, as step() leaves it
+    if hasattr(optimizer, "_epilogue_ran_this_backward"):
+        optimizer._epilogue_ran_this_backward = False
+
+
+class DeepSpeedZeroState:
+    """This rank's ZeRO-1/2 optimizer partition alone (fp32 master shard, base optimizer state, loss scaler):
+    tracked as sharded state (``sess.track_sharded``), so that it is mirrored to a buddy node and an unplanned
+    failure is recovered from there; module, scheduler and counters stay in the replicated
+    :class:`DeepSpeedEngineState`."""
+
+    replicated = False
+
+    def __init__(self, engine: Any) -> None:
+        self.engine = engine
+
+    def why_not_replicated(self) -> str:
+        return f"DeepSpeed ZeRO-{zero_stage(self.engine)} keeps each rank's optimizer partition on that rank only"
+
+    def commit_optimizers(self) -> list[Any]:
+        """The step of the torch optimizer inside the ZeRO optimizer is where the partition starts changing."""
+        base = getattr(self.engine.optimizer, "optimizer", None)
+        import torch
+
+        return [base] if isinstance(base, torch.optim.Optimizer) else []
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"v": STATE_VERSION, "zero_stage": zero_stage(self.engine),
+                "optimizer": _to_portable_optimizer(self.engine.optimizer.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if not isinstance(state, dict) or state.get("v") != STATE_VERSION:
+            raise ValueError(f"deepspeed ZeRO state version {state.get('v')!r}, expected {STATE_VERSION}")
+        stage = zero_stage(self.engine)
+        if state["zero_stage"] != stage:
+            raise ValueError(f"received ZeRO stage {state['zero_stage']} state, this engine runs stage {stage}")
+        DeepSpeedEngineState(self.engine)._load_optimizer(
+            _from_portable_optimizer(state["optimizer"], self.engine.optimizer), stage)
+
+
 def _distributed_ready() -> bool:
     import torch.distributed as dist
 
@@ -224,17 +308,24 @@ class DeepSpeedAdapter:
         self.sess = sess
         self.engine = engine
         self.data_loader = data_loader
-        self.engine_state = DeepSpeedEngineState(engine)
+        # ZeRO-1/2: the optimizer partition is sharded state of its own (mirrored to a buddy node), the rest of the
+        # engine is identical on every data-parallel rank
+        track_sharded = getattr(sess, "track_sharded", None)
+        sharded = zero_stage(engine) in (1, 2) and callable(track_sharded)
+        self.engine_state = DeepSpeedEngineState(engine, optimizer=not sharded)
+        self.zero_state = DeepSpeedZeroState(engine) if sharded else None
         self._groups: GroupSnapshot | None = None
         if _distributed_ready():
             self.record_groups()   # local bookkeeping only: which groups the engine uses, and their members
             adopt_group_sockets()
-            if not self.engine_state.replicated:   # ZeRO >= 1: nobody else holds this rank's partition
+            if zero_stage(engine) >= 1:   # nobody else holds this rank's partition (the mirror may: track_sharded)
                 import torch.distributed as dist
 
                 declare_replicas(sess, [dist.get_rank()], f"DeepSpeed ZeRO-{zero_stage(engine)} keeps each rank's "
                                                           "optimizer partition on that rank only")
         register(sess, "deepspeed.engine", self.engine_state, heavy=True)
+        if self.zero_state is not None:
+            track_sharded(**{"deepspeed.zero": self.zero_state})
         if data_loader is not None and hasattr(data_loader, "state_dict") and hasattr(data_loader, "load_state_dict"):
             register(sess, "deepspeed.data", data_loader, heavy=False)
         sess.on_reconfigure(self.reconfigure)
@@ -242,7 +333,7 @@ class DeepSpeedAdapter:
     @property
     def replicated(self) -> bool:
         """Whether another data-parallel rank holds everything this rank holds: only without ZeRO (stage 0)."""
-        return self.engine_state.replicated
+        return self.engine_state.replicated and self.zero_state is None
 
     def _roots(self) -> list[Any]:
         roots: list[Any] = [self.engine]
@@ -283,4 +374,4 @@ class DeepSpeedAdapter:
         return replaced
 
 
-__all__ = ["DeepSpeedAdapter", "DeepSpeedEngineState", "TESTED_VERSIONS", "zero_stage"]
+__all__ = ["DeepSpeedAdapter", "DeepSpeedEngineState", "DeepSpeedZeroState", "TESTED_VERSIONS", "zero_stage"]

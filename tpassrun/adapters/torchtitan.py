@@ -339,8 +339,14 @@ class TorchTitanAdapter:
         if dataloader is not None:
             register(sess, "titan.dataloader", dataloader, heavy=False)
         self._views = [ModelPartsState(self.model_parts), OptimizerState(optimizers, self.model_parts)]
-        register(sess, "titan.model", self._views[0], heavy=True)
-        register(sess, "titan.optimizer", self._views[1], heavy=True)
+        # Pure FSDP: no other rank holds this rank's shards, so they are sharded state (mirrored to a buddy node,
+        # sess.track_sharded); under HSDP the replica group holds them and nothing is mirrored.
+        track_sharded = getattr(sess, "track_sharded", None)
+        for name, view in (("titan.model", self._views[0]), ("titan.optimizer", self._views[1])):
+            if callable(track_sharded) and not view.replicated:
+                track_sharded(**{name: view})
+            else:
+                register(sess, name, view, heavy=True)
         if lr_schedulers is not None:
             register(sess, "titan.lr_schedulers", lr_schedulers, heavy=True)
         sess.on_reconfigure(self.reconfigure)

@@ -1,0 +1,97 @@
+"""Where an unplanned recovery of a job with sharded state resumes, and where the dead rank's shard comes from
+(pure: :func:`tpassrun.swap.resume_plan` and the plan it leads to). The dead rank's buddy mirrors its shard at the
+steps it refreshed; every rank keeps local copies of its whole state at the same steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from tpassrun.records import SwapPlan
+from tpassrun.swap import ClusterView, Phase, Report, SlotView, next_step, plan_for_failure, resume_plan
+
+NOW = 1000.0
+VIEW = ClusterView(generation=0, members=("a", "b"), spare_nodes=(),
+                   slots=(SlotView("a", 0, 0, "running", True), SlotView("a", 1, 1, "dead", True),
+                          SlotView("b", 0, 2, "running", True), SlotView("b", 1, None, "spare", True)))
+MIRROR = ("10.0.0.2", 4000)
+
+
+def _unplanned(**kw) -> SwapPlan:
+    plan = plan_for_failure(VIEW, node="a", slot=1, rank=1, reason="exit -9", now_wall=NOW, light_available=True).plan
+    return dataclasses.replace(plan, **kw)
+
+
+def _mirror(*steps: int) -> dict:
+    return {"mirror_steps": steps, "mirror_addr": MIRROR}
+
+
+def test_the_failed_steps_shard_in_the_mirror_resumes_there_with_no_rollback_of_the_model():
+    reports = [Report("a", Phase.PAUSE, failed_steps=(7,), dead_steps=(7, 6), rings=(6, 7), dead_ring=(6, 7)),
+               Report("b", Phase.PAUSE, steps=(7,), rings=(6, 7), **_mirror(6, 7))]
+    choice = resume_plan(reports, 1)
+    assert (choice.step, choice.restore, choice.shard_from, choice.shard_node) == (7, False, MIRROR, "b")
+    plan = next_step(_unplanned(), reports, NOW).plan
+    assert plan.phase == Phase.TRANSFER and plan.boundary == 7 and not plan.restore and plan.shard_from == MIRROR
+
+
+@pytest.mark.parametrize("where,reports,step", [
+    # died after its optimizer step: the survivors finished step 7, its own state of step 8 was never copied
+    ("after commit", [Report("a", Phase.PAUSE, steps=(8,), dead_steps=(8, 7), rings=(6, 7), dead_ring=(6, 7)),
+                      Report("b", Phase.PAUSE, failed_steps=(8,), rings=(7, 8), **_mirror(6, 7))], 7),
+    # ZeRO: survivors failed in the all-gather after their optimizer step (post-commit): roll their shards back
+    ("post commit", [Report("a", Phase.PAUSE, post_commit=(7,), dead_steps=(7, 6), rings=(6, 7), dead_ring=(6, 7)),
+                     Report("b", Phase.PAUSE, post_commit=(7,), rings=(6, 7), **_mirror(6, 7))], 7),
+    # a mixed commit: one survivor finished the step, the other failed in it
+    ("mixed", [Report("a", Phase.PAUSE, steps=(8,), dead_steps=(7, 6), rings=(6, 7), dead_ring=(6, 7)),
+               Report("b", Phase.PAUSE, failed_steps=(7,), rings=(6, 7), **_mirror(6, 7))], 7),
+    # died before its refresh of step 7 had landed: the newest mirrored step is 6, everyone goes back there
+    ("refresh in flight", [Report("a", Phase.PAUSE, failed_steps=(7,), dead_steps=(7, 6), rings=(6, 7),
+                                  dead_ring=(6,)),
+                           Report("b", Phase.PAUSE, failed_steps=(7,), rings=(6, 7), **_mirror(5, 6))], 6),
+    # --shard-mirror-interval 4: the last refresh was step 4; steps 4..6 are recomputed
+    ("interval 4", [Report("a", Phase.PAUSE, failed_steps=(6,), dead_steps=(6, 5), rings=(0, 4), dead_ring=(0, 4)),
+                    Report("b", Phase.PAUSE, failed_steps=(6,), rings=(0, 4), **_mirror(0, 4))], 4),
+])
+def test_otherwise_every_rank_rolls_back_to_the_newest_step_all_copies_share(where, reports, step):
+    choice = resume_plan(reports, 1)
+    assert (choice.step, choice.restore, choice.shard_from) == (step, True, MIRROR), (where, choice.why)
+    plan = next_step(_unplanned(), reports, NOW).plan
+    assert plan.phase == Phase.TRANSFER and plan.boundary == step and plan.restore, where
+    assert "rolls back to its copy of step" in choice.why
+
+
+@pytest.mark.parametrize("reports,says", [
+    ([Report("a", Phase.PAUSE, failed_steps=(7,), dead_steps=(7, 6), rings=(6, 7), dead_ring=(6, 7)),
+      Report("b", Phase.PAUSE, steps=(7,), rings=(6, 7))], "no mirror holds a copy"),
+    ([Report("a", Phase.PAUSE, steps=(9,), dead_steps=(9, 8), rings=(8, 9), dead_ring=(8, 9)),
+      Report("b", Phase.PAUSE, steps=(9,), rings=(8, 9), **_mirror(5, 6))], "no step is held both"),
+])
+def test_without_a_shared_copy_the_recovery_aborts_and_says_which_copy_is_missing(reports, says):
+    choice = resume_plan(reports, 1)
+    assert choice.step is None and says in choice.why, choice.why
+    plan = next_step(_unplanned(), reports, NOW).plan
+    assert plan.phase == Phase.ABORTED and says in plan.outcome
+
+
+def test_a_job_without_sharded_state_plans_as_before():
+    reports = [Report("a", Phase.PAUSE, failed_steps=(7,), dead_steps=(7, 6)), Report("b", Phase.PAUSE, steps=(7,))]
+    choice = resume_plan(reports, 1)
+    assert (choice.step, choice.restore, choice.shard_from) == (7, False, None)
+
+
+def test_a_rollback_waits_for_every_node_to_roll_back_before_the_donor_sends():
+    plan = _unplanned(phase=Phase.TRANSFER, boundary=6, restore=True, shard_from=MIRROR, shard_node="b")
+    joiner = Report("b", Phase.TRANSFER, joiner_addr=("10.0.0.2", 5000))
+    assert next_step(plan, [joiner], NOW).action == "wait"
+    # the mirror carries the dead rank's light snapshot: none from its node is fine
+    d = next_step(plan, [joiner, Report("a", Phase.TRANSFER)], NOW)
+    assert d.plan.phase == Phase.SEND, d.reason
+
+
+def test_the_plan_round_trips_through_etcd_json():
+    plan = _unplanned(boundary=6, restore=True, shard_from=MIRROR, shard_node="b")
+    assert SwapPlan.from_json(plan.to_json()) == plan
+    r = Report("b", Phase.PAUSE, steps=(7,), rings=(6, 7), dead_ring=(5,), **_mirror(6, 7))
+    assert Report.from_json(r.to_json()) == r
