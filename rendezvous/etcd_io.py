@@ -519,6 +519,18 @@ class EtcdStore:
         items, _ = await self.read_prefix_json(prefix)
         return [(k, v, mod) for k, v, mod, _create in items]
 
+    async def revoke_lease_of(self, key: str) -> bool:
+        """Revoke the lease ``key`` is bound to: every key under it vanishes at once, as when it expires, without
+        the wait (an agent known to be dead). False if the key is gone or has no lease."""
+        k = key.encode()
+        res = await self._call(lambda c: c.get_range(k, k + b"\0"))
+        lease = next((kv.lease for kv in res if kv.lease), 0)
+        if not lease:
+            return False
+        with contextlib.suppress(RendezvousError):   # already expired: as good
+            await self._call(lambda c: c.revoke_lease(lease))
+        return True
+
     async def read_prefix_json(self, prefix: str) -> tuple[list[tuple[str, dict[str, Any], int, int]], int]:
         """``([(key, value, mod_revision, create_revision)], header_revision)``, keys in order."""
         p = prefix.encode()

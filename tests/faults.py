@@ -62,6 +62,27 @@ def sigkill_rank(out: str, rank: int) -> tuple[int, float] | None:
     return pid, when
 
 
+def sigkill_agent(job: "Job") -> float:
+    """A whole node dies: SIGKILL its agent at this very instant (its workers follow it through PDEATHSIG, as
+    a host's processes die together). Returns ``time.monotonic()`` of the kill."""
+    assert job.proc is not None
+    when = time.monotonic()
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.proc.wait(10)
+    return when
+
+
+def wait_dead(pids: list[int], since: float, timeout: float) -> dict[int, float]:
+    """pid -> the first moment (monotonic) it was seen dead (an upper bound on its death)."""
+    dead_at: dict[int, float] = {}
+    while len(dead_at) < len(pids) and time.monotonic() - since < timeout:
+        for p in pids:
+            if p not in dead_at and not alive(p):
+                dead_at[p] = time.monotonic()
+        time.sleep(0.02)
+    return dead_at
+
+
 def faults_env(*faults: dict[str, Any]) -> dict[str, str]:
     return {"TPASSRUN_FAULTS": json.dumps(list(faults))}
 
@@ -88,6 +109,28 @@ class Job:
                 EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", out, "--quiet",
                 *(script_args or [])]
         return cls(argv=argv, out=out, env=env or {})
+
+    @classmethod
+    def agent(cls, out: str, train: str, *, endpoint: str, run_id: str, nnodes: str = "2", nproc: int = 2,
+              steps: int = 40, step_sleep: float = 0.05, conf: str = "", extra: list[str] | None = None,
+              env: dict[str, str] | None = None, ttl: float = 3) -> "Job":
+        """One node's agent of a multi-node job (several of them share one etcd): its logs and events under
+        ``out``, the training's loss logs and final states under ``train`` (shared by every node)."""
+        argv = [sys.executable, "-m", "tpassrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+                "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+                "--rdzv-conf", f"lease_ttl={ttl:g},last_call_timeout=1{conf}", "--max-restarts", "1",
+                "--log-dir", os.path.join(out, "logs"), *(extra or []),
+                EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", train, "--quiet"]
+        return cls(argv=argv, out=out, env=env or {})
+
+    def node_id(self) -> str | None:
+        """This agent's node id (from its event log), once it started."""
+        return next((e["node"] for e in self.events() if e["event"] == "agent_started"), None)
+
+    def worker_pids(self) -> list[int]:
+        """The pids of the ranks this agent started in its last generation."""
+        started = [e for e in self.events() if e["event"] == "workers_started" and not e.get("spare_node")]
+        return [s["pid"] for s in started[-1]["slots"] if s["rank"] is not None and s["rank"] >= 0] if started else []
 
     @classmethod
     def torchrun(cls, out: str, *, nproc: int = 4, steps: int = 40, step_sleep: float = 0.02,

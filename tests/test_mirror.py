@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from tpassrun import mirror as M
+from tpassrun import mirror_net as N
 from tpassrun.wireauth import ACCEPT, HELLO, AuthError, ConnectorHandshake, TransferAuth
 
 pytestmark = pytest.mark.timeout(60)
@@ -191,7 +192,7 @@ def test_a_writer_dying_mid_put_leaves_the_previous_version_intact(served):
         c.put(4, "light", 10, b"complete ten")
     s, base = _raw_authenticated(served)
     meta = b'{"owner":4,"kind":"light","version":11,"epoch":0}'
-    s.sendall(struct.pack("<4sBBHQQ", b"TPMR", M.OP_PUT, 0, len(meta), 1000, 0) + meta + b"half" * 100)
+    s.sendall(struct.pack("<4sBBHQQ", b"TPMR", N.OP_PUT, 0, len(meta), 1000, 0) + meta + b"half" * 100)
     s.close()                                              # dies with 600 bytes and the tag missing
     with served.client() as c:
         assert c.versions(4, "light") == (10,) and c.get(4, "light").data == b"complete ten"
@@ -201,8 +202,8 @@ def test_a_writer_dying_mid_put_leaves_the_previous_version_intact(served):
 def test_a_tampered_frame_is_not_kept(served):
     s, base = _raw_authenticated(served)
     meta = b'{"owner":4,"kind":"light","version":11,"epoch":0}'
-    head = struct.pack("<4sBBHQQ", b"TPMR", M.OP_PUT, 0, len(meta), 5, 0)
-    mac = M._mac_of(base, b"C", head, meta)
+    head = struct.pack("<4sBBHQQ", b"TPMR", N.OP_PUT, 0, len(meta), 5, 0)
+    mac = N._mac_of(base, b"C", head, meta)
     mac.feed(b"hello")
     s.sendall(head + meta + b"jello" + mac.tag())          # one byte changed on the way
     assert s.recv(100) == b""

@@ -98,10 +98,12 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self.signal_received: int | None = None
         self._queue: asyncio.Queue[AgentEvent] = asyncio.Queue()
         self._store_proc: asyncio.subprocess.Process | None = None
+        self._standby: tuple[asyncio.subprocess.Process, int] | None = None   # a store ready to take over (port)
         self.swapper: Swapper | None = None
         self.mirror: MirrorPlane | None = None   # this node's mirror store and its light mirror (mirrorplane.py)
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
+        self.store_host: str | None = None       # the node running the workers' store (group rank 0's, or a swap's)
         self._static_port_used = False   # static: the user's --master-port served the first generation's store
         self.hosting_etcd = False        # c10d/static: this agent serves the run's etcd
         self.spawned_generation = 0      # the generation whose start spawned the current workers (swaps keep them)
@@ -224,12 +226,17 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             assert self.generation is not None
             await self.spawn(self.generation, slot, local_rank=slot.index, rank=-1, master=self.master, spare=True)
 
+        def set_master(addr: tuple[str, int], host: str | None) -> None:
+            self.master, self.store_host = (str(addr[0]), int(addr[1])), host
+
         return AgentPort(node_id=self.node_id, addr=self.addr, events=self.events, rdzv=self.rdzv, slots=self.slots,
                          settings=SwapSettings(nproc_per_node=cfg.nproc_per_node, spares_per_node=cfg.spares_per_node,
                                                migrate_back=bool(getattr(cfg, "migrate_back", False))),
                          generation=lambda: self.generation, spawned_generation=lambda: self.spawned_generation,
                          master=lambda: self.master, set_generation=set_generation, spawn_spare=spawn_spare,
-                         publish_status=self.publish_status, post=self._queue_put, mirror=lambda: self.mirror)
+                         publish_status=self.publish_status, post=self._queue_put,
+                         store_host=lambda: self.store_host, set_master=set_master, start_store=self._host_new_store,
+                         mirror=lambda: self.mirror)
 
     def _queue_put(self, event: AgentEvent) -> None:
         self._queue.put_nowait(event)   # the queue of the current generation (replaced by each one)
@@ -354,6 +361,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                   me is not None and me.group_rank == 0)
         master = await self._bootstrap(gen, me is not None and me.group_rank == 0)
         self.master = master
+        self.store_host = next((m.node_id for m in gen.members if m.group_rank == 0), None)
         log.debug("generation %d: store at %s:%d; spawning workers", gen.number, *master)
         await self._spawn_generation(gen, master)
         self.elastic.workers("START", gen, self.node_id, self.slots.slots, self.remaining_restarts)
@@ -394,7 +402,13 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         """A fresh TCPStore per generation, hosted next to group rank 0 (never a previous attempt's keys)."""
         assert self.rdzv is not None
         if gen.member(self.node_id) is None:
-            return ("", 0)
+            # a spare node: its spares join re-formed worlds at the swap's store; knowing this generation's
+            # lets it lead a swap (the leader names the store). Not worth failing over.
+            try:
+                return await self.rdzv.wait_bootstrap(gen, timeout=min(60.0, self.rdzv.settings.join_timeout))
+            except RendezvousError as exc:
+                log.debug("spare node: no bootstrap address for generation %d: %s", gen.number, exc)
+                return ("", 0)
         if host:
             # torchrun's RendezvousStoreInfo.build: the rank-0 node's --local-addr, else its FQDN ("localhost"
             # on a machine without a domain), even for one node: workers see the same MASTER_ADDR as under it.
@@ -411,20 +425,62 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         return await self.rdzv.wait_bootstrap(gen, timeout=self.rdzv.settings.join_timeout)
 
     async def _start_store(self, port: int) -> None:
+        self._store_proc = await self._spawn_store(port)
+
+    async def _spawn_store(self, port: int) -> asyncio.subprocess.Process:
         from .procs import _die_with_parent  # the same pdeathsig hook the workers get
 
-        self._store_proc = await asyncio.create_subprocess_exec(
+        return await asyncio.create_subprocess_exec(
             self.cfg.python_exec, "-m", "tpassrun.storeserver", "0.0.0.0", str(port),
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
 
+    async def _standby_store(self) -> None:
+        """A worker here failed in a collective: if the node that died ran the workers' store, the re-formed world
+        needs a new one, and starting a store process (it imports torch) takes seconds. Start it now, while the
+        loss is being confirmed (the lease takes as long to expire): idle unless this node leads the recovery."""
+        if self._standby is not None or self.store_host == self.node_id or self._store_proc is not None:
+            return
+        port = _free_port()
+        self._standby = standby = (await self._spawn_store(port), port)
+        asyncio.ensure_future(self._retire_standby(standby))
+
+    async def _retire_standby(self, standby: tuple[Any, int]) -> None:
+        """Stop an unused standby store once nothing is being recovered any more (it holds a process)."""
+        from .channel import WorkerPhase
+
+        quiet = 0.0
+        while self._standby is standby:
+            await asyncio.sleep(1.0)
+            failed = self.slots is not None and any(self.slots.phase(s) == WorkerPhase.FAILED
+                                                    for s in self.slots.active())
+            quiet = 0.0 if (failed or (self.swapper is not None and self.swapper.busy)) else quiet + 1.0
+            if quiet >= 5.0 and self._standby is standby:
+                self._standby = None
+                with contextlib.suppress(ProcessLookupError):
+                    standby[0].kill()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(standby[0].wait(), 5)
+
+    async def _host_new_store(self) -> tuple[str, int]:
+        """Run the workers' store here from now on (the node that ran it was lost): the standby if one is up."""
+        standby, self._standby = self._standby, None
+        if standby is not None and standby[0].returncode is None:
+            self._store_proc, port = standby
+        else:
+            port = _free_port()
+            await self._start_store(port)
+        return (self.cfg.local_addr or socket.getfqdn(), port)
+
     async def _stop_store(self) -> None:
-        proc, self._store_proc = self._store_proc, None
-        if proc is not None and proc.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(proc.wait(), 5)
+        procs = [self._store_proc, self._standby[0] if self._standby else None]
+        self._store_proc, self._standby = None, None
+        for proc in procs:
+            if proc is not None and proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(proc.wait(), 5)
 
 
 def run_launcher(cfg: LaunchConfig) -> int:

@@ -51,6 +51,7 @@ class Supervision:
             elif isinstance(ev, WorkerSaid):
                 if ev.message.get("kind") == "failed":
                     self.swapper.on_worker_failed_step(ev.slot, ev.message)
+                    await self._standby_store()
             elif isinstance(ev, RendezvousChanged):
                 result = await self._on_rdzv_event(gen, ev.event)
             elif isinstance(ev, FallbackRequested):
@@ -141,7 +142,7 @@ class Supervision:
         if kind == "closed":
             reason = getattr(ev, "reason", "") or ""
             if reason.startswith("succeeded"):
-                if gen.member(self.node_id) is None:
+                if self._holds_no_rank(gen):
                     # A spare node never promoted has no workers whose exit would end it: without this it
                     # waited forever after the job succeeded.
                     return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
@@ -155,7 +156,7 @@ class Supervision:
                 return None
             if getattr(new.state, "value", new.state) == "closed":
                 if (new.reason or "").startswith("succeeded"):
-                    if gen.member(self.node_id) is None:   # an idle spare node: see "closed" above
+                    if self._holds_no_rank(gen):   # an idle spare node: see "closed" above
                         return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
                     return None
                 return Outcome.CLOSED, new.reason
@@ -177,6 +178,14 @@ class Supervision:
                 await self.rdzv.request_restart(self.generation or gen, reason)
             return None
         return None
+
+    def _holds_no_rank(self, gen: Generation) -> bool:
+        """Neither a member of the generation we run in now (a swap may have made a spare node one) nor running
+        a rank a swap handed to this node's spares."""
+        current = self.generation or gen
+        running = self.slots is not None and any(s.state == SlotState.RUNNING and s.rank is not None
+                                                 for s in self.slots.slots)
+        return current.member(self.node_id) is None and not running
 
     def _on_etcd_link(self, link: Link, detail: Any) -> None:
         """Each etcd outage and recovery, said once (the workers keep running through it; fencing below)."""

@@ -36,7 +36,7 @@ class WorkerSpawning:
     def assignment(self, gen: Generation, local_rank: int, rank: int, master: tuple[str, int],
                    slot: Slot, spare: bool) -> WorkerAssignment:
         me = gen.member(self.node_id)
-        assert me is not None and self.slots is not None
+        assert (me is not None or spare) and self.slots is not None
         extra = {
             E.TPASSRUN_CHANNEL: self.slots.channel_path, E.TPASSRUN_SLOT: str(slot.index),
             E.TPASSRUN_AGENT_SOCK: self.slots.sock_path, E.TPASSRUN_GENERATION: str(gen.number),
@@ -53,7 +53,7 @@ class WorkerSpawning:
         err = os.path.join(attempt_dir, str(slot.index if spare else local_rank), "error.json") if attempt_dir else ""
         role_rank, role_world_size = role_ranks(gen.members, rank, gen.world_size)
         return WorkerAssignment(
-            local_rank=local_rank, rank=rank, group_rank=me.group_rank, role_rank=role_rank,
+            local_rank=local_rank, rank=rank, group_rank=me.group_rank if me is not None else -1, role_rank=role_rank,
             role_world_size=role_world_size, local_world_size=self.cfg.nproc_per_node, world_size=gen.world_size,
             group_world_size=len(gen.members), master_addr=master[0], master_port=master[1],
             restart_count=self.restart_count, error_file=err, use_agent_store=True, extra=extra)
@@ -61,8 +61,11 @@ class WorkerSpawning:
     async def _spawn_generation(self, gen: Generation, master: tuple[str, int]) -> None:
         assert self.slots is not None
         me = gen.member(self.node_id)
+        if self.mirror is not None:   # copies from before this (re)start must never be taken for this one's
+            self.mirror.store.drop(below_epoch=gen.number)
         if me is None:
-            return  # a spare node: its workers start when a swap needs them (not implemented: whole-node spares wait)
+            await self._spawn_spare_node(gen, master)
+            return
         self.logs.start_attempt(self.restart_count)
         await self._quarantine_restart_taints()
         usable = self.slots.usable_for_start()
@@ -84,6 +87,26 @@ class WorkerSpawning:
         self.events.write("workers_started", generation=gen.number,
                           slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
                                  for s in actives + spares])
+
+    async def _spawn_spare_node(self, gen: Generation, master: tuple[str, int]) -> None:
+        """A node of the generation that is not a member (a --spare-node agent, or one more node than
+        --nnodes allows): every slot runs a warm spare, so a lost node's ranks (or any single rank) can move
+        here live, without starting a process."""
+        assert self.slots is not None
+        if not gen.includes(self.node_id):
+            return
+        self.logs.start_attempt(self.restart_count)
+        await self._quarantine_restart_taints()
+        for s in self.slots.slots:
+            if s.state != SlotState.QUARANTINED:
+                s.state, s.rank = SlotState.IDLE, None
+        spares = self.slots.usable_for_start()
+        for slot in spares:
+            await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
+        self.workers_started = True
+        self.spawned_generation = gen.number
+        self.events.write("workers_started", generation=gen.number, spare_node=True,
+                          slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state} for s in spares])
 
     async def _quarantine_restart_taints(self) -> None:
         """Slots of this node whose taint was answered by a health-aware restart sit this generation out

@@ -191,6 +191,9 @@ class Describer:
             if name == "swap_pause" and not s.phase:
                 s.phase, s.phase_at, s.started = "pause", now, now
                 s.died_step = self._last_death.get(s.rank)
+                if s.kind == "node":
+                    return (f"[ranks {ev.get('ranks')}] node recovery {sid}: pausing the workers (node "
+                            f"{_short(ev.get('lost_node'))} lost)")
                 label = "recovery" if s.kind == "unplanned" else "swap"
                 return f"[rank {s.rank}] {label} {sid}: pausing the workers"
             if s.led_here or s.phase == name[5:]:
@@ -220,6 +223,24 @@ class Describer:
                 t.aborted.append((str(sid), max(0.0, now - s.started)))
                 s.started = 0.0
             return f"swap {sid} aborted after {_secs(t.aborted[-1][1]) if t.aborted else '?'}: {s.reason or ev.get('reason')}"
+        if name == "node_lost":
+            return f"node {_short(ev.get('lost_node'))} lost"
+        if name == "agent_gone":
+            return f"node {_short(ev.get('lost_node'))}: {ev.get('reason')}"
+        if name == "node_lost_decided":
+            if ev.get("action") != "plan":
+                return None   # the fallback line says it
+            return f"node {_short(ev.get('lost_node'))}: live recovery decided: {ev.get('reason')}"
+        if name == "node_recovered":
+            pause = float(ev.get("seconds") or 0.0)
+            t.swaps.append(("node", str(sid), pause))
+            return (f"node {_short(ev.get('lost_node'))} lost: ranks {ev.get('ranks')} recovered live on "
+                    f"{', '.join(_short(n) for n in ev.get('to') or [])} at step {ev.get('boundary')} (swap {sid}): "
+                    f"paused {_secs(pause)}, 0 steps lost")
+        if name == "store_moved":
+            return f"the workers' store moved to {ev.get('addr')}:{ev.get('port')}: {ev.get('reason')}"
+        if name == "mirror_push_failed":
+            return f"mirror: cannot copy light state to buddy {_short(ev.get('buddy'))}: {ev.get('error')}"
         if name == "fallback":
             t.fallbacks += 1
             return f"fallback to torchrun's whole-group restart: {ev.get('reason')}"
@@ -260,13 +281,14 @@ class Describer:
             s.reason = str(reason or "")
         if phase == "done":
             return None   # swap_resumed says it, with the pause
-        label = "recovery" if s.kind == "unplanned" else "swap"
-        return f"[rank {s.rank}] {label} {sid}: {phase}{took}" + (f": {reason}" if reason else "")
+        label = {"unplanned": "recovery", "node": "node recovery"}.get(s.kind or "", "swap")
+        who = "ranks of a lost node" if s.kind == "node" else f"rank {s.rank}"
+        return f"[{who}] {label} {sid}: {phase}{took}" + (f": {reason}" if reason else "")
 
 
 def summary_lines(t: RunTally, code: Any) -> list[str]:
-    planned = [p for k, _i, p in t.swaps if k != "unplanned"]
-    unplanned = [p for k, _i, p in t.swaps if k == "unplanned"]
+    planned = [p for k, _i, p in t.swaps if k not in ("unplanned", "node")]
+    unplanned = [p for k, _i, p in t.swaps if k in ("unplanned", "node")]
 
     def pauses(xs: list[float]) -> str:
         return "" if not xs else f" (pause {', '.join(_secs(x) for x in xs[:6])}{', ...' if len(xs) > 6 else ''})"

@@ -14,11 +14,17 @@ import dataclasses
 import logging
 import secrets
 import time
+from typing import TYPE_CHECKING
 
 from .port import AgentPort, HealthRestartRequested
-from .records import Failure, Keys, NodeStatus, RecordError, Report, SwapPlan, Taint, TaintEffect, load
+from .records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect, load,
+                      node_info)
+from .rendezvous import NodeInfo
 from .swap import ClusterView, Decision, Phase, SlotView
 from .triage import Action, CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen, triage
+
+if TYPE_CHECKING:
+    from .rendezvous import Generation
 
 log = logging.getLogger("tpassrun.swap")
 
@@ -103,9 +109,12 @@ class Coordinator:
                 if state == "spare" and (status.node_id, w.slot) in barred:
                     state = "tainted"
                 slots.append(SlotView(node=status.node_id, slot=w.slot, rank=w.rank, state=state,
-                                      managed=w.managed, step=w.step))
+                                      managed=w.managed, step=w.step, replicas=w.replicas))
+        latest = getattr(self.port.rdzv, "generation", None)   # annotations (lost nodes) rewrite it in place
+        lost = tuple(latest.lost) if latest is not None and latest.number == gen.number else tuple(gen.lost)
+        slots = [s for s in slots if s.node not in lost]   # a lost node's last status may outlive it briefly
         return ClusterView(generation=gen.number, members=tuple(m.node_id for m in gen.members),
-                           spare_nodes=tuple(gen.spare_nodes), slots=tuple(slots))
+                           spare_nodes=tuple(gen.spare_nodes), slots=tuple(slots), lost=lost, homes=homes_of(gen))
 
     async def _taints(self) -> list[Taint]:
         out = []
@@ -127,6 +136,10 @@ class Coordinator:
 
     async def _leader_tick(self) -> None:
         """Read -> decide (:func:`tpassrun.triage.triage`, pure) -> write."""
+        latest, gen = getattr(self.port.rdzv, "generation", None), self.port.generation()
+        if latest is not None and gen is not None and (latest.number > gen.number
+                                                       or getattr(latest.state, "value", latest.state) != "active"):
+            return    # a restart (or a commit this agent has not seen yet) is under way: nothing to plan in this one
         result = triage(await self._read(time.time()))
         self._waiting_said |= result.said
         self._taints_said |= result.received
@@ -156,7 +169,7 @@ class Coordinator:
             else:
                 await self._apply(action.decision, action.old, action.revision)
         elif isinstance(action, CreatePlan):
-            plan = action.plan if action.plan.terminal else _with_secret(action.plan)
+            plan = action.plan if action.plan.terminal else await self._with_store(_with_secret(action.plan))
             created = await store.create_json(keys.swap(plan.id), plan.to_json())
             if created and action.taint is not None:
                 await store.put_json(keys.taint(action.taint.id), action.taint.handled(plan.id, "migrating").to_json())
@@ -191,20 +204,72 @@ class Coordinator:
                     await self._store.put_json(key, taint.handled(new.id, "quarantined", slot=new.leaver.slot,
                                                                   node_id=new.leaver.node).to_json())
 
+    async def _with_store(self, plan: SwapPlan) -> SwapPlan:
+        """Where the re-formed world meets: this generation's workers' store, or a new one this agent hosts when
+        the node that ran it was lost (the store dies with its agent)."""
+        addr, port = self.port.master()
+        host = self.port.store_host()
+        if not port or (host is not None and host in await self._lost()):
+            if self.port.start_store is None:
+                return plan        # (tests' ports) the participants use the store they know
+            addr, port = await self.port.start_store()
+            host = self.port.node_id
+            self.port.events.write("store_moved", addr=addr, port=port, swap_id=plan.id,
+                                   reason=f"the workers' store was on lost node {plan.lost_node}")
+        return dataclasses.replace(plan, store=(addr, port), store_host=host)
+
+    async def _lost(self) -> set[str]:
+        latest = getattr(self.port.rdzv, "generation", None)
+        return set(latest.lost) if latest is not None else set()
+
     async def _commit_generation(self, plan: SwapPlan) -> None:
         """One swap = one generation transition (compare-and-swap), carrying the swap id."""
-        import dataclasses
-
         old = await self.port.rdzv.current()
         if old is None:
             return
-        assignments = dict(old.assignments or {})
-        assignments[str(plan.leaver.rank)] = {"node": plan.joiner.node, "slot": plan.joiner.slot}
-        new = dataclasses.replace(old, number=old.number + 1, swap_id=plan.id, reason=plan.reason,
-                                  assignments=assignments)
+        info = None
+        if plan.replaces is not None:
+            key = self._keys.node(plan.replaces)
+            doc, rev = await self._store.get_json(key)
+            info = load(node_info, key, doc, rev) if doc is not None else None
+        new = committed_generation(old, plan, info)
         if await self.port.rdzv.commit(old, new):
             self.port.set_generation(new)
             self.port.events.write("generation_committed", generation=new.number, swap_id=plan.id)
+
+
+def homes_of(gen: "Generation") -> tuple[tuple[int, str, int], ...]:
+    """(rank, node, slot) where a generation placed each rank: its member's range, moved by swaps' assignments."""
+    homes: dict[int, tuple[str, int]] = {}
+    for m in gen.members:
+        for i in range(m.nproc):
+            homes[m.rank_offset + i] = (m.node_id, i)
+    for rank, where in (gen.assignments or {}).items():
+        if isinstance(where, dict) and str(rank).isdigit() and isinstance(where.get("node"), str):
+            slot = where.get("slot")
+            homes[int(rank)] = (where["node"], slot if isinstance(slot, int) and slot >= 0 else 0)
+    return tuple((r, n, s) for r, (n, s) in sorted(homes.items()))
+
+
+def committed_generation(old: "Generation", plan: SwapPlan, replacing: NodeInfo | None = None) -> "Generation":
+    """The generation a swap's REFORM commits (pure): the moved ranks' new places, the swap's store; for a node
+    plan whose ranks all went to one node (``plan.replaces``), that node takes the lost member's place (its
+    group rank and rank range), so a later restart keeps every rank where it is now."""
+    assignments = dict(old.assignments or {})
+    for move in plan.all_moves:
+        assignments[str(move.rank)] = {"node": move.joiner.node, "slot": move.joiner.slot}
+    members, spare_nodes, lost = old.members, old.spare_nodes, old.lost
+    gone = old.member(plan.lost_node) if plan.kind == SwapKind.NODE and plan.lost_node else None
+    if gone is not None and plan.replaces is not None:
+        new_member = dataclasses.replace(gone, node_id=plan.replaces,
+                                         addr=replacing.addr if replacing is not None else gone.addr,
+                                         spares=replacing.spares if replacing is not None else gone.spares)
+        members = tuple(new_member if m.node_id == gone.node_id else m for m in members)
+        spare_nodes = tuple(n for n in spare_nodes if n != plan.replaces)
+        lost = tuple(n for n in lost if n != gone.node_id)
+    return dataclasses.replace(old, number=old.number + 1, swap_id=plan.id, reason=plan.reason,
+                               assignments=assignments, members=members, spare_nodes=spare_nodes, lost=lost,
+                               bootstrap=plan.store or old.bootstrap)
 
 
 def _with_secret(plan: SwapPlan) -> SwapPlan:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 import time
 import zlib
 from typing import TYPE_CHECKING, Any, Iterable
@@ -244,6 +245,25 @@ class MirrorPlane:
         with contextlib.suppress(MirrorError, OSError):
             return await asyncio.to_thread(fetch)
         return None
+
+    async def agent_gone(self, node_id: str) -> bool:
+        """Whether ``node_id``'s agent process is certainly gone: its mirror port, served for the agent's whole
+        life, refuses connections (the host answered, nobody listens). A frozen agent, a partition or a host
+        that is down do not refuse: those wait for the lease, as they must."""
+        target = await self.target_of(node_id) if node_id != self.port.node_id else None
+        if target is None:
+            return False
+
+        def refused() -> bool:
+            try:
+                with socket.create_connection((target.addr, target.port), timeout=1.0):
+                    return False
+            except ConnectionRefusedError:
+                return True
+            except OSError:
+                return False
+
+        return await asyncio.to_thread(refused)
 
     def usage(self) -> dict[str, Any]:
         """What the mirror costs here, for status and the event log."""

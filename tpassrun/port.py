@@ -102,7 +102,10 @@ class AgentPort:
     spawn_spare: Callable[["Slot"], Awaitable[None]]       # start a warm spare in a slot
     publish_status: Callable[[], Awaitable[None]]
     post: Callable[[AgentEvent], None]                     # onto the agent's supervision queue
-    mirror: Callable[[], Any] = lambda: None               # this node's mirrorplane.MirrorPlane (None: none)
+    store_host: Callable[[], "str | None"] = lambda: None   # the node running that store
+    set_master: Callable[[tuple[str, int], "str | None"], None] = lambda addr, host: None   # a swap moved it
+    start_store: "Callable[[], Awaitable[tuple[str, int]]] | None" = None   # host a new one here (its address)
+    mirror: Callable[[], Any] = lambda: None   # this node's mirrorplane.MirrorPlane (its mirror store), or None
 
 
 class HealthHost(Protocol):

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from .records_fields import (SCHEMA_VERSION, RecordError, _bool, _check, _int, _list, _num, _opt_int, _opt_str,
+from .records_fields import (SCHEMA_VERSION, RecordError, _bool, _check, _int, _list, _num, _opt_int, _opt_ranks, _opt_str,
                              _str)
 from .rendezvous.state import NodeInfo
 
@@ -27,11 +27,14 @@ class WorkerRow:
     spare: bool = False
     last_step_ms: float = 0.0
     quarantine_reason: str | None = None
+    replicas: tuple[int, ...] | None = None   # the ranks holding this rank's state, as its adapter declared them
+                                              # (None: every rank, plain data parallelism)
 
     def to_json(self) -> dict[str, Any]:
         return {"slot": self.slot, "rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
                 "state": self.state, "step": self.step, "managed": self.managed, "spare": self.spare,
-                "last_step_ms": self.last_step_ms, "quarantine_reason": self.quarantine_reason}
+                "last_step_ms": self.last_step_ms, "quarantine_reason": self.quarantine_reason,
+                "replicas": None if self.replicas is None else list(self.replicas)}
 
     @classmethod
     def from_json(cls, doc: Any) -> "WorkerRow":
@@ -43,7 +46,8 @@ class WorkerRow:
                    pid=_opt_int(doc, "pid", what), step=_int(doc, "step", what, 0),
                    managed=_bool(doc, "managed", what), spare=_bool(doc, "spare", what),
                    last_step_ms=_num(doc, "last_step_ms", what),
-                   quarantine_reason=_opt_str(doc, "quarantine_reason", what))
+                   quarantine_reason=_opt_str(doc, "quarantine_reason", what),
+                   replicas=_opt_ranks(doc, "replicas", what))
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,8 @@ TERMINAL = frozenset({Phase.DONE, Phase.ABORTED})
 class SwapKind(str, enum.Enum):
     PLANNED = "planned"        # a taint: the leaver is alive and hands over its own state
     UNPLANNED = "unplanned"    # the rank died: a donor replica sends model/optimizer, the agent the light state
+    NODE = "node"              # a whole node was lost: all its ranks at once, model/optimizer from donors on
+                               # other nodes, the light state from the mirror of the node's buddy
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,47 @@ class SlotRef:
 
 
 @dataclass(frozen=True)
+class Move:
+    """One rank of a multi-rank plan (a lost node): from where it was, to the spare that takes it, with the
+    replica that streams its model/optimizer and (once the joiner listens) the joiner's address."""
+
+    leaver: SlotRef
+    joiner: SlotRef
+    donor: SlotRef | None = None
+    joiner_addr: tuple[str, int] | None = None
+
+    @property
+    def rank(self) -> int:
+        assert self.leaver.rank is not None
+        return self.leaver.rank
+
+    def to_json(self) -> dict[str, Any]:
+        return {"leaver": self.leaver.to_json(), "joiner": self.joiner.to_json(),
+                "donor": self.donor.to_json() if self.donor else None,
+                "joiner_addr": list(self.joiner_addr) if self.joiner_addr else None}
+
+    @classmethod
+    def from_json(cls, d: Any, what: str = "move") -> "Move":
+        if not isinstance(d, Mapping):
+            raise RecordError(f"{what}: must be an object, not {d!r}")
+        leaver = SlotRef.from_json(d.get("leaver"), f"{what} leaver")
+        if leaver.rank is None:
+            raise RecordError(f"{what}: the leaver names no rank")
+        donor = d.get("donor")
+        return cls(leaver, SlotRef.from_json(d.get("joiner"), f"{what} joiner"),
+                   None if donor is None else SlotRef.from_json(donor, f"{what} donor"),
+                   _addr(d.get("joiner_addr"), what))
+
+
+@dataclass(frozen=True)
 class SwapPlan:
-    """``swaps/<id>``: one swap, advanced phase by phase by the leader (compare-and-swap)."""
+    """``swaps/<id>``: one swap, advanced phase by phase by the leader (compare-and-swap).
+
+    A node plan (``kind`` node) moves every rank of ``lost_node`` at once: ``moves`` lists them (``leaver``,
+    ``joiner`` and ``donor`` repeat the first, for readers that show one), ``light_from`` says which node's
+    mirror holds each rank's light state for the resume step, ``replaces`` names the node that takes the lost
+    node's place among the members (all its ranks went there), ``store`` is the workers' store the re-formed
+    world meets at (a new one when the lost node hosted it; ``store_host`` runs it)."""
 
     id: str
     kind: SwapKind
@@ -86,10 +127,27 @@ class SwapPlan:
     restore: bool = False
     shard_from: tuple[str, int] | None = None   # the dead rank's shard: this agent's mirror server ...
     shard_node: str | None = None               # ... on this node (its step is ``boundary``)
+    moves: tuple[Move, ...] = ()   # node plans: every rank that moves
+    lost_node: str | None = None
+    light_from: Mapping[int, str] = field(default_factory=dict)
+    replaces: str | None = None
+    store: tuple[str, int] | None = None
+    store_host: str | None = None
 
     @property
     def terminal(self) -> bool:
         return self.phase in TERMINAL
+
+    @property
+    def all_moves(self) -> tuple[Move, ...]:
+        """Every rank the plan moves (one for a single-rank swap)."""
+        if self.moves:
+            return self.moves
+        return (Move(self.leaver, self.joiner, self.donor, self.joiner_addr),)
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(m.rank for m in self.all_moves if m.leaver.rank is not None)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -102,6 +160,9 @@ class SwapPlan:
             "taint_id": self.taint_id, "release": self.release, "history": [list(h) for h in self.history],
             "outcome": self.outcome, "restore": self.restore,
             "shard_from": list(self.shard_from) if self.shard_from else None, "shard_node": self.shard_node,
+            "moves": [m.to_json() for m in self.moves], "lost_node": self.lost_node,
+            "light_from": {str(r): n for r, n in self.light_from.items()}, "replaces": self.replaces,
+            "store": list(self.store) if self.store else None, "store_host": self.store_host,
         }
 
     @classmethod
@@ -121,7 +182,15 @@ class SwapPlan:
                    and isinstance(h[1], (int, float)) for h in history):
             raise RecordError(f"{what}: history must be [phase, time] pairs")
         donor = d.get("donor")
+        light_from = d.get("light_from") or {}
+        if not isinstance(light_from, Mapping) or not all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in light_from.items()):
+            raise RecordError(f"{what}: light_from must map ranks to node ids")
         return cls(
+            moves=tuple(Move.from_json(m, f"{what} move") for m in _list(d, "moves", what)),
+            lost_node=_opt_str(d, "lost_node", what), light_from={int(k): v for k, v in light_from.items()},
+            replaces=_opt_str(d, "replaces", what), store=_addr(d.get("store"), what),
+            store_host=_opt_str(d, "store_host", what),
             id=_str(d, "id", what), kind=_enum(SwapKind, d, "kind", what),
             generation=_int(d, "generation", what, minimum=0),
             leaver=SlotRef.from_json(d.get("leaver"), f"{what} leaver"),
@@ -166,9 +235,14 @@ class Report:
     light_b64: str | None = None
     error: str | None = None
     extra: Mapping[str, Any] = field(default_factory=dict)
+    held: Mapping[int, tuple[int, ...]] = field(default_factory=dict)   # pause (node plan): rank -> steps of the
+                                                                      # light copies this node's mirror holds
+    joiner_addrs: Mapping[int, tuple[str, int]] = field(default_factory=dict)   # transfer (node plan): rank -> addr
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node": self.node, "phase": self.phase.value, "ok": self.ok,
+                "held": {str(r): list(v) for r, v in self.held.items()},
+                "joiner_addrs": {str(r): list(a) for r, a in self.joiner_addrs.items()},
                 "candidate": self.candidate, "steps": list(self.steps), "failed_steps": list(self.failed_steps),
                 "post_commit": list(self.post_commit),
                 "dead_steps": None if self.dead_steps is None else list(self.dead_steps), "final": self.final,
@@ -195,7 +269,16 @@ class Report:
         extra = d.get("extra") or {}
         if not isinstance(extra, Mapping):
             raise RecordError(f"{what}: extra must be a JSON object")
-        return cls(node=_str(d, "node", what), phase=_enum(Phase, d, "phase", what), ok=_bool(d, "ok", what, True),
+        held, addrs = d.get("held") or {}, d.get("joiner_addrs") or {}
+        if not isinstance(held, Mapping) or not isinstance(addrs, Mapping) or not all(
+                isinstance(k, str) and k.isdigit() for k in [*held, *addrs]):
+            raise RecordError(f"{what}: held and joiner_addrs must be keyed by rank")
+        if not all(isinstance(v, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in v)
+                   for v in held.values()):
+            raise RecordError(f"{what}: held must list steps")
+        return cls(
+                   held={int(k): tuple(v) for k, v in held.items()},
+                   joiner_addrs={int(k): a for k, v in addrs.items() if (a := _addr(v, what)) is not None},node=_str(d, "node", what), phase=_enum(Phase, d, "phase", what), ok=_bool(d, "ok", what, True),
                    candidate=_opt_int(d, "candidate", what), steps=tuple(steps), failed_steps=tuple(failed),
                    post_commit=tuple(post), dead_steps=None if dead is None else tuple(dead),
                    final=_bool(d, "final", what),

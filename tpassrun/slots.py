@@ -233,7 +233,7 @@ class LocalSlots:
             out.append(WorkerRow(slot=s.index, rank=s.rank, local_rank=s.local_rank, pid=s.pid,
                                  state=str(getattr(s.state, "value", s.state)), step=step, managed=s.managed,
                                  spare=s.state == SlotState.SPARE, last_step_ms=round(last / 1e6, 3),
-                                 quarantine_reason=s.quarantine_reason))
+                                 quarantine_reason=s.quarantine_reason, replicas=s.replicas))
         return tuple(out)
 
 

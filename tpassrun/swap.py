@@ -15,20 +15,32 @@ A swap moves one rank from a *leaver* slot to a *joiner* slot (a warm spare). It
 ``reform``            the generation is committed; every rank joins the new world; the leaver exits
 ``done``/``aborted``  terminal
 ====================  ==========================================================================
+
+A *node plan* (:func:`plan_for_node_loss`) moves every rank of a lost node at once, through the same phases:
+in PAUSE every surviving node also says which light copies its mirror holds for the lost ranks
+(:func:`resume_step_node` picks the step and where each rank's state comes from); in TRANSFER every joiner
+node hands its spares their ranks; in SEND several donors stream in parallel (one per joiner, spread over the
+surviving nodes) while the joiners' agents fetch the light state from the buddy's mirror; REFORM re-forms the
+world with the joiners in the lost ranks' places. It is never retried: a failure aborts it, and the group
+restarts (what torchrun would have done from the start).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import hmac
 import uuid
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
 # The records a plan is made of live with every other etcd record; re-exported: they are the planner's words.
-from .records import TRANSITIONS, Phase, Report, SlotRef, SwapKind, SwapPlan
+from .records import TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
 
-__all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Phase", "Report", "ResumeChoice", "SlotRef", "SlotView",
-           "SwapKind", "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "new_swap_id", "next_step",
-           "plan_for_failure", "plan_for_taint", "resume_plan", "resume_step"]
+__all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Move", "PHASE_TIMEOUT_S", "Phase", "Report", "ResumeChoice",
+           "SlotRef", "SlotView", "SwapKind", "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "lost_ranks",
+           "new_swap_id", "next_step", "node_plan_id", "plan_for_failure", "plan_for_node_loss", "plan_for_taint",
+           "resume_plan", "resume_step", "resume_step_node", "transfer_key"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,7 @@ class SlotView:
     state: str               # running | spare | quarantined | dead | done | leaving
     managed: bool
     step: int = 0
+    replicas: tuple[int, ...] | None = None   # its declared replica group (None: every rank holds its state)
 
 
 @dataclass(frozen=True)
@@ -49,6 +62,8 @@ class ClusterView:
     members: tuple[str, ...]          # member node ids (group rank order)
     spare_nodes: tuple[str, ...]
     slots: tuple[SlotView, ...]
+    lost: tuple[str, ...] = ()        # nodes whose lease expired in this generation
+    homes: tuple[tuple[int, str, int], ...] = ()   # (rank, node, slot) where the generation placed each rank
 
     def slot_at(self, node: str, slot: int) -> SlotView | None:
         return next((s for s in self.slots if s.node == node and s.slot == slot), None)
@@ -169,13 +184,164 @@ def plan_for_failure(view: ClusterView, *, node: str, slot: int, rank: int, reas
 
 
 def _involved(view: ClusterView, joiner_node: str) -> tuple[str, ...]:
-    nodes = list(view.members)
+    nodes = [n for n in view.members if n not in view.lost]
     if joiner_node not in nodes:
         nodes.append(joiner_node)
     return tuple(nodes)
 
 
+# --------------------------------------------------------------------------------------------- node loss
+def node_plan_id(node: str) -> str:
+    """One node plan per lost node, ever (node ids are unique per agent): a second look finds it done."""
+    return f"n-{node}"
+
+
+def lost_ranks(view: ClusterView, node: str) -> list[tuple[int, int]]:
+    """(rank, slot) of every rank the generation placed on ``node`` that no live slot holds now."""
+    return sorted((rank, slot) for rank, where, slot in view.homes
+                  if where == node and view.slot_of_rank(rank) is None)
+
+
+def _node_joiners(view: ClusterView, lost: str, n: int) -> list[SlotView] | None:
+    """``n`` ready spare slots off the lost node: all on one spare node when one has enough (it then takes the
+    lost node's place, as one more node of the same shape would), else wherever spares are."""
+    ready = [s for s in view.slots if s.state == "spare" and s.managed and s.node != lost
+             and s.node not in view.lost]
+    by_node: dict[str, list[SlotView]] = {}
+    for s in ready:
+        by_node.setdefault(s.node, []).append(s)
+    for node in sorted(by_node, key=lambda x: (x not in view.spare_nodes, x in view.members, x)):
+        if node not in view.members and len(by_node[node]) >= n:
+            return sorted(by_node[node], key=lambda s: s.slot)[:n]
+    spread = _spares(view, near="", excluded=[(s.node, s.slot) for s in view.slots if s not in ready])
+    return spread[:n] if len(spread) >= n else None
+
+
+def _interleaved_donors(view: ClusterView, lost: str, rank: int | None = None) -> list[SlotView]:
+    """Live managed ranks ordered to spread the transfers: one per node in turn (several donors in parallel,
+    each streaming to one joiner, the bulk leaving from as many nodes as there are). With ``rank``: only those
+    holding that rank's state (a declared replica group that names it, or none declared: data parallel)."""
+    live = [s for s in view.slots if s.rank is not None and s.state == "running" and s.node != lost
+            and s.node not in view.lost and (rank is None or s.replicas is None or rank in s.replicas)]
+    by_node: dict[str, list[SlotView]] = {}
+    for s in sorted(live, key=lambda s: s.rank or 0):
+        by_node.setdefault(s.node, []).append(s)
+    out: list[SlotView] = []
+    queues = [by_node[n] for n in sorted(by_node)]
+    while any(queues):
+        for q in queues:
+            if q:
+                out.append(q.pop(0))
+    return out
+
+
+def plan_for_node_loss(view: ClusterView, *, node: str, now_wall: float, swap_id: str | None = None) -> Decision:
+    """A whole node is gone (its lease expired): plan to move all its ranks at once, or say why the group must
+    restart. ``none``: the node held no ranks (an idle spare node): nothing to recover."""
+    lost = lost_ranks(view, node)
+    if not lost:
+        return Decision("none", f"node {node} held no ranks: nothing to recover")
+    ranks = [r for r, _slot in lost]
+    donors = _interleaved_donors(view, node)
+    if not donors:
+        return Decision("fallback", f"node {node} lost with ranks {ranks} and no rank survived elsewhere")
+    unmanaged = sorted({d.rank for d in donors if not d.managed and d.rank is not None})
+    if unmanaged:
+        return Decision("fallback", f"node {node} lost: ranks {unmanaged} do not use tpassrun.init(), no live "
+                                    "recovery")
+    joiners = _node_joiners(view, node, len(lost))
+    if joiners is None:
+        have = len([s for s in view.slots if s.state == "spare" and s.managed and s.node not in view.lost])
+        return Decision("fallback", f"node {node} lost with {len(lost)} ranks {ranks}; only {have} ready spare "
+                                    f"slot(s) elsewhere")
+    chosen: list[SlotView] = []
+    used: dict[tuple[str, int], int] = {}
+    for rank, _slot in lost:
+        holders = _interleaved_donors(view, node, rank)
+        if not holders:
+            return Decision("fallback", f"node {node} lost: no surviving rank holds rank {rank}'s state (its "
+                                        "replica group was on that node, or its state is sharded without one)")
+        # the least used holder first: one donor per joiner while there are enough of them
+        donor = min(holders, key=lambda s: (used.get((s.node, s.slot), 0), holders.index(s)))
+        used[(donor.node, donor.slot)] = used.get((donor.node, donor.slot), 0) + 1
+        chosen.append(donor)
+    moves = tuple(Move(SlotRef(node, slot, rank), SlotRef(j.node, j.slot, rank),
+                       SlotRef(d.node, d.slot, d.rank))
+                  for (rank, slot), j, d in zip(lost, joiners, chosen))
+    where = sorted({j.node for j in joiners})
+    replaces = where[0] if len(where) == 1 and where[0] not in view.members else None
+    nodes = [n for n in view.members if n not in view.lost and n != node]
+    nodes += [n for n in where if n not in nodes]
+    first = moves[0]
+    plan = SwapPlan(id=swap_id or node_plan_id(node), kind=SwapKind.NODE, generation=view.generation,
+                    leaver=first.leaver, joiner=first.joiner, donor=first.donor, phase=Phase.PAUSE,
+                    reason=f"node {node} lost", nodes=tuple(nodes), history=((Phase.PAUSE.value, now_wall),),
+                    moves=moves, lost_node=node, replaces=replaces)
+    donors_used = sorted({m.donor.rank for m in moves if m.donor is not None and m.donor.rank is not None})
+    return Decision("plan", f"node {node} lost: ranks {ranks} to spare slots on {', '.join(where)}, state from "
+                            f"ranks {donors_used} in parallel and from the buddy's mirror", plan)
+
+
+def resume_step_node(reports: Sequence[Report], ranks: Sequence[int]) -> tuple[int | None, dict[int, str], str]:
+    """The step a node plan resumes at and, for each lost rank, the node whose mirror holds its light state for
+    that step; or None and why not (pure). The survivors' rule is :func:`resume_step`'s."""
+    step, why = resume_step(reports, None)
+    if step is None:
+        return None, {}, why
+    light_from: dict[int, str] = {}
+    for rank in ranks:
+        held = [(r.node, set(r.held.get(rank, ()))) for r in sorted(reports, key=lambda r: r.node)]
+        having = [node for node, steps in held if step in steps]
+        if having:
+            light_from[rank] = having[0]
+            continue
+        seen = sorted(set().union(*(steps for _n, steps in held)))
+        if step == 0 and not seen:
+            continue   # died before its first snapshot: the joiner's script builds the same state at step 0
+        if seen:
+            return None, {}, (f"the mirror holds rank {rank}'s state for steps {seen}, the survivors stopped at "
+                              f"step {step}")
+        return None, {}, (f"no copy of rank {rank}'s per-rank state survived (its buddy node is lost too, or "
+                          "its copies never reached it)")
+    return step, light_from, f"all survivors stopped at step {step}; ranks {list(ranks)} resume there from the mirror"
+
+
+def _next_node_step(plan: SwapPlan, mine: Sequence[Report], now_wall: float, sender_dead: bool) -> Decision:
+    """:func:`next_step` for a node plan: no retries (any failure aborts: the group restarts)."""
+    def abort(why: str) -> Decision:
+        return Decision("plan", f"aborted: {why}", plan.advance(Phase.ABORTED, now_wall, outcome=why))
+
+    if sender_dead and plan.phase in (Phase.TRANSFER, Phase.SEND):
+        return abort("a donor died while handing over the state")
+    bad = [r for r in mine if not r.ok]
+    if bad:
+        return abort(f"{plan.phase.value}: {bad[0].node}: {bad[0].error}")
+    joiner_nodes = {m.joiner.node for m in plan.moves}
+    needed = joiner_nodes if plan.phase in (Phase.TRANSFER, Phase.SEND) else set(plan.nodes)
+    have = {r.node for r in mine}
+    if not needed <= have:
+        return Decision("wait", f"{plan.phase.value}: waiting for {sorted(needed - have)}")
+    if plan.phase == Phase.PAUSE:
+        step, light_from, why = resume_step_node(mine, plan.ranks)
+        if step is None:
+            return abort(why)
+        return Decision("plan", why, plan.advance(Phase.TRANSFER, now_wall, boundary=step, light_from=light_from))
+    if plan.phase == Phase.TRANSFER:
+        addrs = {rank: addr for r in mine for rank, addr in r.joiner_addrs.items()}
+        missing = [m.rank for m in plan.moves if m.rank not in addrs]
+        if missing:
+            return abort(f"no joiner listened for ranks {missing}")
+        moves = tuple(dataclasses.replace(m, joiner_addr=addrs[m.rank]) for m in plan.moves)
+        return Decision("plan", f"{len(moves)} joiners listening", plan.advance(Phase.SEND, now_wall, moves=moves))
+    if plan.phase == Phase.SEND:
+        return Decision("plan", "every joiner received and verified its state", plan.advance(Phase.REFORM, now_wall))
+    if plan.phase == Phase.REFORM:
+        return Decision("plan", "world re-formed; training resumed", plan.advance(Phase.DONE, now_wall))
+    return Decision("wait", f"nothing to do in {plan.phase.value}")
+
+
 MAX_SEND_ATTEMPTS = 4
+PHASE_TIMEOUT_S = 120.0        # how long a participant waits for its workers in one phase
 
 
 def resume_step(reports: Sequence[Report], dead_rank: int | None) -> tuple[int | None, str]:
@@ -282,6 +448,8 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
     mine = [r for r in reports if r.phase == plan.phase]
     if plan.phase in (Phase.DONE, Phase.ABORTED):
         return Decision("wait", "terminal")
+    if plan.kind == SwapKind.NODE:
+        return _next_node_step(plan, mine, now_wall, sender_dead)
     if sender_dead and plan.phase in (Phase.TRANSFER, Phase.SEND):
         sender = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
         who = f"rank {sender.rank}" if sender is not None else "the sender"
@@ -353,3 +521,14 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
     if plan.phase == Phase.REFORM:
         return Decision("plan", "world re-formed; training resumed", plan.advance(Phase.DONE, now_wall))
     return Decision("wait", f"nothing to do in {plan.phase.value}")
+
+
+def transfer_key(plan: SwapPlan) -> str | None:
+    """This attempt's transfer key (hex): a fresh key per attempt, derived from the plan's secret."""
+    if not plan.secret:
+        return None
+    try:
+        secret = bytes.fromhex(plan.secret)
+    except ValueError:
+        return None
+    return hmac.new(secret, f"tpassrun-transfer/{plan.id}/{plan.attempt}".encode(), hashlib.sha256).hexdigest()

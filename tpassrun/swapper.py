@@ -30,8 +30,9 @@ from . import shardplane
 from .coordinator import Coordinator
 from .failkind import classify_death, recoverable
 from .port import AgentPort, FallbackRequested
-from .records import Failure, Fallback, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load, node_info
-from .swap import Phase, SlotRef, SwapKind
+from .nodeswap import NodePlans
+from .records import Failure, Fallback, Keys, Move, Report, SwapPlan, Taint, TaintEffect, TaintSource, load, node_info
+from .swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, transfer_key as _transfer_key
 from .slots import Slot, SlotState
 
 if TYPE_CHECKING:
@@ -40,7 +41,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("tpassrun.swap")
 
 PAUSE_SETTLE_S = 0.03         # how long a RUNNING step must stay unchanged before we call it "stuck in a collective"
-PHASE_TIMEOUT_S = 120.0
 FAILED_STEP_GRACE_S = 30.0    # a worker that failed in a collective with no recovery planned by then re-raises
 
 
@@ -51,10 +51,12 @@ class Swapper:
         self._active: SwapPlan | None = None
         self.coordinator = Coordinator(port)
         self._failed_timers: dict[int, asyncio.TimerHandle] = {}
+        self._probe: asyncio.Future[None] | None = None
         # planned swaps: the joiner is assigned during BOUNDARY; (swap id, attempt, slot) -> its address or error
         self._early: tuple[tuple[str, int, int], asyncio.Task] | None = None
         self._transfers_seen: set[tuple[str, int]] = set()   # (swap id, attempt) this node followed into TRANSFER
         self._rolled_back: set[str] = set()                  # swaps whose survivors here loaded their shard copies
+        self.node_plans = NodePlans(self)
 
     # ------------------------------------------------------------------ agent hooks
     @property
@@ -96,7 +98,7 @@ class Swapper:
         pass
 
     async def on_node_lost(self, node_id: str) -> bool:
-        return False  # whole-node replacement by a spare node: not implemented, restart the group instead
+        return self.node_plans.on_node_lost(node_id)
 
     def on_worker_failed_step(self, slot: Slot, msg: dict[str, Any]) -> None:
         """A survivor's collective failed. Normally a death elsewhere is being recovered; if nothing claims
@@ -111,6 +113,8 @@ class Swapper:
                 self._slots.send(slot, "raise", reason="no recovery was planned for this failure")
 
         self._failed_timers[slot.index] = loop.call_later(FAILED_STEP_GRACE_S, expire)
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self.node_plans.probe_agents())
 
     async def on_worker_death(self, slot: Slot, code: int) -> bool:
         """Return True when an unplanned swap will take care of this death."""
@@ -173,10 +177,13 @@ class Swapper:
         if (plan.id, seq) in self._done:
             return
         self._done.add((plan.id, seq))
+        if plan.kind == SwapKind.NODE and plan.terminal and seq == 1:
+            return   # a lost node with no live recovery: the leader restarts the group, says why
         self._active = plan
         self.port.events.write(f"swap_{plan.phase.value}", swap_id=plan.id, kind=plan.kind.value,
                                 rank=plan.leaver.rank, leaver=plan.leaver.to_json(), joiner=plan.joiner.to_json(),
-                                boundary=plan.boundary, attempt=plan.attempt)
+                                boundary=plan.boundary, attempt=plan.attempt, ranks=list(plan.ranks),
+                                lost_node=plan.lost_node)
         try:
             report = await self._participate(plan)
         except Exception as exc:  # noqa: BLE001 - a failed phase is reported, never fatal for the agent
@@ -191,6 +198,8 @@ class Swapper:
     async def _participate(self, plan: SwapPlan) -> Report | None:
         me = self.port.node_id
         phase = plan.phase
+        if plan.kind == SwapKind.NODE:
+            return await self.node_plans.participate(plan)
         if phase == Phase.PAUSE:
             return await self._pause(plan) if me in plan.nodes else None
         if phase == Phase.BOUNDARY:
@@ -245,7 +254,7 @@ class Swapper:
                 if prev is None or prev[:2] != (int(ph), step):
                     last[s.index] = (int(ph), step, now)
                     stationary = False
-                elif plan.kind == SwapKind.UNPLANNED or now - prev[2] < PAUSE_SETTLE_S:
+                elif plan.kind != SwapKind.PLANNED or now - prev[2] < PAUSE_SETTLE_S:
                     stationary = False
                 cand = max(cand, step + 1)
             if stationary:
@@ -315,11 +324,13 @@ class Swapper:
                               error=f"workers did not reach step {boundary}")
             await asyncio.sleep(0.002)
 
-    def _assign_fields(self, plan: SwapPlan) -> dict[str, Any]:
+    def _assign_fields(self, plan: SwapPlan, move: Move | None = None) -> dict[str, Any]:
         gen = self.port.generation()
         assert gen is not None
-        member = gen.member(self.port.node_id)
-        return {"rank": plan.leaver.rank, "world_size": gen.world_size, "role_rank": plan.leaver.rank,
+        rank = move.rank if move is not None else plan.leaver.rank
+        me = plan.lost_node if plan.lost_node and plan.replaces == self.port.node_id else self.port.node_id
+        member = gen.member(me)   # a node taking a lost member's place takes its group rank too
+        return {"rank": rank, "world_size": gen.world_size, "role_rank": rank,
                 "role_world_size": gen.world_size, "group_rank": member.group_rank if member else None,
                 "local_world_size": self.port.settings.nproc_per_node, "group_world_size": len(gen.members),
                 "swap_id": plan.id}
@@ -364,10 +375,10 @@ class Swapper:
             return None
         return Report(node=me, phase=plan.phase, joiner_addr=addr, light_b64=light_b64)
 
-    async def _assign_joiner(self, plan: SwapPlan) -> tuple[str, int] | str:
+    async def _assign_joiner(self, plan: SwapPlan, move: Move | None = None) -> tuple[str, int] | str:
         """Hand the spare its rank and wait until it listens: its address, or why not (a string)."""
         me = self.port.node_id
-        joiner = self._slots.slots[plan.joiner.slot]
+        joiner = self._slots.slots[(move.joiner if move is not None else plan.joiner).slot]
         if not joiner.alive or joiner.state != SlotState.SPARE:
             return f"spare {me}/{joiner.index} is gone"
         if not await self._slots.wait_ready(joiner, PHASE_TIMEOUT_S):
@@ -376,7 +387,7 @@ class Swapper:
         if key is None:
             return f"swap {plan.id} carries no transfer secret: refusing an unauthenticated transfer"
         self._slots.drain(joiner)
-        fields = self._assign_fields(plan)
+        fields = self._assign_fields(plan, move)
         mirrored = await shardplane.mirror_source(self.port.mirror(), plan)
         if mirrored is not None:
             fields["mirror_from"] = mirrored   # the dead rank's shard: the joiner fetches it from that mirror
@@ -459,40 +470,46 @@ class Swapper:
                 return "aborted"
         return None
 
-    async def _refuse_destination(self, plan: SwapPlan) -> str | None:
-        """Why this node must not stream a rank's state to ``plan.joiner_addr`` (None: it may). The state goes
+    async def _refuse_destination(self, plan: SwapPlan, move: Move | None = None) -> str | None:
+        """Why this node must not stream a rank's state to the joiner's address (None: it may). The state goes
         only to a spare slot of a node of the current generation, at that node's registered address, in a
         swap this node followed into its TRANSFER phase: a plan written straight into SEND, or naming any
         other address, is forged or stale."""
         gen = self.port.generation()
-        assert plan.joiner_addr is not None
-        host = plan.joiner_addr[0]
+        latest = getattr(self.port.rdzv, "generation", None)   # spare nodes that joined since: annotations
+        gen = latest if gen is not None and latest is not None and latest.number == gen.number else gen
+        move = move or plan.all_moves[0]
+        addr = move.joiner_addr
+        assert addr is not None and gen is not None
+        host = addr[0]
         if (plan.id, plan.attempt) not in self._transfers_seen:
             return f"this node never took part in the transfer phase of attempt {plan.attempt}"
         if plan.secret is None:
             return "the plan carries no transfer secret"
-        if gen is None or not gen.includes(plan.joiner.node):
-            return f"the joiner's node {plan.joiner.node!r} is not part of the current generation"
-        member = gen.member(plan.joiner.node)
+        if gen is None or not gen.includes(move.joiner.node):
+            return f"the joiner's node {move.joiner.node!r} is not part of the current generation"
+        member = gen.member(move.joiner.node)
         registered = member.addr if member is not None else None
         if registered is None:
-            key = self._keys.node(plan.joiner.node)
+            key = self._keys.node(move.joiner.node)
             doc, rev = await self._store.get_json(key)
             info = load(node_info, key, doc, rev) if doc is not None else None
             registered = info.addr if info is not None else None
         if host != registered:
-            return f"{host}:{plan.joiner_addr[1]} is not the address of node {plan.joiner.node!r} ({registered})"
+            return f"{host}:{addr[1]} is not the address of node {move.joiner.node!r} ({registered})"
         view = await self.coordinator.view()
-        held = view.slot_at(plan.joiner.node, plan.joiner.slot)
+        held = view.slot_at(move.joiner.node, move.joiner.slot)
         if held is None or held.state not in ("spare", "transferring"):
-            return f"{plan.joiner.node}/{plan.joiner.slot} is not a spare ({held.state if held else 'unknown'})"
+            return f"{move.joiner.node}/{move.joiner.slot} is not a spare ({held.state if held else 'unknown'})"
         return None
 
     async def _reform(self, plan: SwapPlan) -> Report:
         me = self.port.node_id
         gen = self.port.generation()
         assert gen is not None
-        addr, port = self.port.master()
+        addr, port = plan.store or self.port.master()
+        if plan.store is not None:
+            self.port.set_master(plan.store, plan.store_host)
         world = {"addr": addr, "port": port, "prefix": f"/tpassrun/{plan.id}/{plan.attempt}/",
                  "world_size": gen.world_size, "generation": gen.number + 1}
         waiting: list[Slot] = []
@@ -555,7 +572,6 @@ class Swapper:
             self.port.post(FallbackRequested(f"rank {plan.leaver.rank} cannot be recovered live: {why}", dead,
                                              free=plan.outcome is not None))
 
-
     async def _follow_fallbacks(self) -> None:
         """The leader found no way to recover a rank of this node (no spare left): restart the group, as
         torchrun would. Without this, the dead rank's agent waited for a recovery that never came."""
@@ -599,14 +615,3 @@ class Swapper:
         await self._store.put_json(self._keys.taint(tid), taint.to_json())
         self.port.events.write("migrate_back_requested", rank=rank, slot=home.index, taint=tid)
         await self.port.publish_status()
-
-
-def _transfer_key(plan: SwapPlan) -> str | None:
-    """This attempt's transfer key (hex): a fresh key per attempt, derived from the plan's secret."""
-    if not plan.secret:
-        return None
-    try:
-        secret = bytes.fromhex(plan.secret)
-    except ValueError:
-        return None
-    return hmac.new(secret, f"tpassrun-transfer/{plan.id}/{plan.attempt}".encode(), hashlib.sha256).hexdigest()

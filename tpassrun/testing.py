@@ -7,7 +7,8 @@ trip over the fault that killed its predecessor::
 
     [{"rank": 1, "step": 7, "where": "backward", "action": "kill", "marker": "/tmp/f1"}]
 
-Actions: ``kill`` (SIGKILL self), ``stop`` (SIGSTOP self: a hang), ``exit`` (``os._exit(code)``),
+Actions: ``kill`` (SIGKILL self), ``kill_node`` (SIGKILL the agent that started this worker, then self: the
+whole node dies at that point, its other workers with it), ``stop`` (SIGSTOP self: a hang), ``exit`` (``os._exit(code)``),
 ``sleep`` (``seconds``: a straggler, every step from ``step`` on, no marker needed), ``raise``, ``hold``
 (wait until the file ``release`` exists: lets a test line up a spare or a taint at an exact step).
 """
@@ -68,6 +69,9 @@ def fault_point(rank: int, step: int, where: str = "step") -> None:
         if step != int(f.get("step", -1)) or not _claim(f.get("marker")):
             continue
         if action == "kill":
+            os.kill(os.getpid(), signal.SIGKILL)
+        elif action == "kill_node":
+            os.kill(os.getppid(), signal.SIGKILL)     # the agent; the node's other workers follow it (PDEATHSIG)
             os.kill(os.getpid(), signal.SIGKILL)
         elif action == "stop":
             os.kill(os.getpid(), signal.SIGSTOP)

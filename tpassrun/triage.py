@@ -7,9 +7,13 @@ I/O, no clock) says what to do, as a list of typed :data:`Action` s; the swapper
 Precedence, one thing per tick (each write makes the next tick see the new state):
 
 1. plans from before the last whole-group restart are aborted (their workers are gone);
-2. an active plan is advanced by :func:`tpassrun.swap.next_step` (one swap at a time);
-3. else the first unhandled worker failure gets a recovery (an unplanned swap, or a fallback restart);
-4. else the first unhandled taint gets a migration (or waits for a spare, or restarts the group without the
+2. an active plan is advanced by :func:`tpassrun.swap.next_step` (one swap at a time); one that needs a node
+   that was lost meanwhile is aborted (it would wait for that node forever);
+3. else a lost node whose ranks nobody holds gets a node plan (:func:`tpassrun.swap.plan_for_node_loss`) or,
+   when none is possible, a whole-group restart that says why (worker failures reported from that node
+   before it died are its plan's business);
+4. else the first unhandled worker failure gets a recovery (an unplanned swap, or a fallback restart);
+5. else the first unhandled taint gets a migration (or waits for a spare, or restarts the group without the
    slot when its rank cannot swap live).
 """
 
@@ -18,9 +22,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
-from .records import (HANDLED_RESTART, Failure, Fallback, Phase, Report, SwapKind, SwapPlan, Taint, TaintEffect,
-                      TaintSource)
-from .swap import ClusterView, Decision, choose_spare, next_step, plan_for_failure, plan_for_taint
+from .records import (HANDLED_RESTART, Failure, Fallback, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint,
+                      TaintEffect, TaintSource)
+from .swap import (ClusterView, Decision, choose_spare, next_step, node_plan_id, plan_for_failure, plan_for_node_loss,
+                   plan_for_taint)
 
 
 @dataclass(frozen=True)
@@ -108,10 +113,25 @@ def triage(seen: Seen) -> Triage:
     active = [(p, rev) for p, rev in seen.plans if not p.terminal and (p, rev) not in stale]
     if active:
         plan, rev = active[0]
+        gone = sorted(_needs(plan) & set(seen.view.lost))
+        if gone:
+            why = f"node {gone[0]} was lost during the swap"
+            decision = Decision("plan", f"aborted: {why}", plan.advance(Phase.ABORTED, now, outcome=why))
+            assert decision.plan is not None
+            restart = (RestartGroup(f"{plan.reason}: {why}"),) if plan.kind == SwapKind.NODE else ()
+            return Triage(tuple(out) + (CasPlan(plan, decision.plan, rev, decision),) + restart)
         return Triage(tuple(out) + _advance(plan, rev, seen))
+    node_actions = _lost_nodes(seen)
+    if node_actions:
+        return Triage(tuple(out) + node_actions)
     stale_failures = []
+    lost = set(seen.view.lost)
     for fid, f in seen.failures:
         if f.handled:
+            continue
+        if f.node in lost:
+            # a death reported by a node that was lost since: its node plan takes all of its ranks
+            stale_failures.append(PutFailure(fid, f.mark("node_lost", f"node {f.node} was lost")))
             continue
         if f.generation < seen.spawned_generation:
             # A death from before the last whole-group restart (e.g. a second failure that ended a
@@ -124,19 +144,58 @@ def triage(seen: Seen) -> Triage:
     return Triage(tuple(out) + taint_actions, said, received)
 
 
+def _needs(plan: SwapPlan) -> set[str]:
+    """The nodes a plan cannot finish without."""
+    nodes = set(plan.nodes) | {m.joiner.node for m in plan.all_moves}
+    nodes |= {m.donor.node for m in plan.all_moves if m.donor is not None}
+    if plan.kind == SwapKind.PLANNED:
+        nodes.add(plan.leaver.node)
+    return nodes
+
+
+def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
+    """The first lost node whose ranks nobody holds: its node plan, or the group restart (said once: a plan
+    born aborted marks it handled)."""
+    view, now = seen.view, seen.now
+    known = {p.id for p, _ in seen.plans}
+    for node in view.lost:
+        plan_id = node_plan_id(node)
+        if plan_id in known:
+            continue
+        decision = plan_for_node_loss(view, node=node, now_wall=now, swap_id=plan_id)
+        if decision.action == "none":
+            continue
+        out: list[Action] = [Say("node_lost_decided", {"lost_node": node, "action": decision.action,
+                                                       "reason": decision.reason})]
+        if decision.plan is not None:
+            return tuple(out) + (CreatePlan(decision.plan, reason=decision.reason),)
+        marker = SwapPlan(id=plan_id, kind=SwapKind.NODE, generation=view.generation, leaver=SlotRef(node, 0),
+                          joiner=SlotRef(node, 0), donor=None, phase=Phase.ABORTED, reason=f"node {node} lost",
+                          nodes=(), history=((Phase.ABORTED.value, now),), lost_node=node, outcome=decision.reason)
+        return tuple(out) + (CreatePlan(marker), RestartGroup(decision.reason))
+    return ()
+
+
 def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
     spare = None
     sender_dead = False
     if plan.phase in (Phase.TRANSFER, Phase.SEND):
         view = seen.view
-        sender = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
-        held = view.slot_at(sender.node, sender.slot) if sender is not None else None
-        sender_dead = held is not None and held.state in ("dead", "idle")
+        senders = [plan.leaver] if plan.kind == SwapKind.PLANNED else [m.donor for m in plan.all_moves if m.donor]
+        for sender in senders:
+            held = view.slot_at(sender.node, sender.slot)
+            sender_dead = sender_dead or (held is not None and held.state in ("dead", "idle"))
         joiner = view.slot_at(plan.joiner.node, plan.joiner.slot)
         if any(not r.ok for r in seen.reports) and (joiner is None or joiner.state != "spare"):
             spare = choose_spare(view, plan.joiner.node, plan.excluded_spares + ((plan.joiner.node, plan.joiner.slot),))
     decision = next_step(plan, seen.reports, seen.now, spare_after_failure=spare, sender_dead=sender_dead)
-    return (CasPlan(plan, decision.plan, rev, decision),) if decision.plan is not None else ()
+    if decision.plan is None:
+        return ()
+    out: tuple[Action, ...] = (CasPlan(plan, decision.plan, rev, decision),)
+    if plan.kind == SwapKind.NODE and decision.plan.phase == Phase.ABORTED:
+        # nothing is undone by hand: the group restarts, as torchrun would have at once
+        out += (RestartGroup(f"{plan.reason}, no live recovery: {decision.plan.outcome or decision.reason}"),)
+    return out
 
 
 def _recover(fid: str, f: Failure, seen: Seen) -> tuple[Action, ...]:

@@ -1,0 +1,185 @@
+"""Whole-node loss as pure decisions: the node planner (tpassrun/swap.py), the triage's part (tpassrun/triage.py)
+and the generation a node plan commits (tpassrun/coordinator.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tpassrun.coordinator import committed_generation, homes_of
+from tpassrun.records import Failure, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
+from tpassrun.rendezvous import GenState, Generation, Member, NodeInfo
+from tpassrun.swap import (ClusterView, SlotView, lost_ranks, next_step, node_plan_id, plan_for_node_loss,
+                           resume_step_node, transfer_key)
+from tpassrun.triage import CasPlan, CreatePlan, PutFailure, RestartGroup, Say, Seen, triage
+
+NOW = 1000.0
+# a: ranks 0,1; b: ranks 2,3 (lost); c: a --spare-node with two warm spares
+HOMES = ((0, "a", 0), (1, "a", 1), (2, "b", 0), (3, "b", 1))
+A = (SlotView("a", 0, 0, "running", True, 7), SlotView("a", 1, 1, "running", True, 7))
+C = (SlotView("c", 0, None, "spare", True), SlotView("c", 1, None, "spare", True))
+
+
+def view(*slots: SlotView, lost=("b",), members=("a", "b"), spare_nodes=("c",)) -> ClusterView:
+    return ClusterView(generation=3, members=members, spare_nodes=spare_nodes, slots=slots, lost=lost, homes=HOMES)
+
+
+def test_the_lost_nodes_ranks_go_to_one_spare_node_with_donors_spread_and_it_takes_the_nodes_place():
+    d = plan_for_node_loss(view(*A, *C), node="b", now_wall=NOW)
+    assert d.action == "plan" and d.plan is not None
+    plan = d.plan
+    assert plan.id == node_plan_id("b") and plan.kind == SwapKind.NODE and plan.lost_node == "b"
+    assert [(m.rank, m.leaver, m.joiner) for m in plan.moves] == [
+        (2, SlotRef("b", 0, 2), SlotRef("c", 0, 2)), (3, SlotRef("b", 1, 3), SlotRef("c", 1, 3))]
+    assert [m.donor.rank for m in plan.moves] == [0, 1]          # two donors, in parallel
+    assert plan.replaces == "c" and plan.nodes == ("a", "c") and plan.phase == Phase.PAUSE
+    assert plan.ranks == (2, 3) and (plan.leaver, plan.joiner) == (plan.moves[0].leaver, plan.moves[0].joiner)
+    assert SwapPlan.from_json(plan.to_json()) == plan
+
+
+def test_without_a_spare_node_the_ranks_spread_over_spare_slots_of_other_nodes():
+    spares = (SlotView("a", 2, None, "spare", True), SlotView("d", 1, None, "spare", True))
+    d = plan_for_node_loss(view(*A, SlotView("d", 0, 4, "running", True, 7), *spares,
+                                members=("a", "b", "d"), spare_nodes=()), node="b", now_wall=NOW)
+    assert d.action == "plan" and d.plan is not None
+    assert sorted((m.joiner.node, m.joiner.slot) for m in d.plan.moves) == [("a", 2), ("d", 1)]
+    assert d.plan.replaces is None and set(d.plan.nodes) == {"a", "d"}
+    assert len({m.donor.node for m in d.plan.moves}) == 2        # one donor on each surviving node
+
+
+def test_when_no_live_recovery_is_possible_the_planner_says_why():
+    assert plan_for_node_loss(view(*A, C[0]), node="b", now_wall=NOW).action == "fallback"     # one spare, two ranks
+    no_donor = plan_for_node_loss(view(*C), node="b", now_wall=NOW)
+    assert no_donor.action == "fallback" and "no rank survived" in no_donor.reason
+    unmanaged = plan_for_node_loss(view(dataclasses.replace(A[0], managed=False), A[1], *C), node="b", now_wall=NOW)
+    assert unmanaged.action == "fallback" and "tpassrun.init()" in unmanaged.reason
+    assert plan_for_node_loss(view(*A, *C, lost=("c",)), node="c", now_wall=NOW).action == "none"   # idle spare node
+    assert lost_ranks(view(*A, *C), "b") == [(2, 0), (3, 1)]
+
+
+def _plan() -> SwapPlan:
+    d = plan_for_node_loss(view(*A, *C), node="b", now_wall=NOW)
+    assert d.plan is not None
+    return dataclasses.replace(d.plan, secret="ab" * 32)
+
+
+def test_resume_step_needs_every_lost_ranks_copy_for_the_survivors_step():
+    survivors = Report(node="a", phase=Phase.PAUSE, failed_steps=(12, 12), held={2: (11, 12), 3: (12, 13)})
+    spare = Report(node="c", phase=Phase.PAUSE)
+    assert resume_step_node([survivors, spare], (2, 3)) == (12, {2: "a", 3: "a"}, resume_step_node(
+        [survivors, spare], (2, 3))[2])
+    old = dataclasses.replace(survivors, held={2: (10, 11), 3: (12, 13)})
+    step, _, why = resume_step_node([old, spare], (2, 3))
+    assert step is None and "rank 2" in why and "[10, 11]" in why
+    gone = dataclasses.replace(survivors, held={})
+    step, _, why = resume_step_node([gone, spare], (2, 3))
+    assert step is None and "buddy node is lost too" in why
+    mixed = dataclasses.replace(survivors, failed_steps=(12,), steps=(13,))
+    assert resume_step_node([mixed], (2, 3))[0] is None
+    fresh = Report(node="a", phase=Phase.PAUSE, steps=(0, 0))    # lost before anyone took a snapshot
+    assert resume_step_node([fresh], (2, 3)) == (0, {}, resume_step_node([fresh], (2, 3))[2])
+
+
+def test_a_node_plan_runs_through_its_phases_and_never_retries():
+    plan = _plan()
+    pause = [Report(node="a", phase=Phase.PAUSE, failed_steps=(12, 12), held={2: (11, 12), 3: (11, 12)})]
+    assert next_step(plan, pause, NOW).action == "wait"              # c has not reported yet
+    pause.append(Report(node="c", phase=Phase.PAUSE))
+    d = next_step(plan, pause, NOW)
+    assert d.plan is not None and d.plan.phase == Phase.TRANSFER and d.plan.boundary == 12
+    assert d.plan.light_from == {2: "a", 3: "a"}
+    plan = d.plan
+    addrs = Report(node="c", phase=Phase.TRANSFER, joiner_addrs={2: ("10.0.0.3", 4002), 3: ("10.0.0.3", 4003)})
+    d = next_step(plan, [addrs], NOW)
+    assert d.plan is not None and d.plan.phase == Phase.SEND
+    assert [m.joiner_addr for m in d.plan.moves] == [("10.0.0.3", 4002), ("10.0.0.3", 4003)]
+    send = d.plan
+    failed = next_step(send, [Report(node="c", phase=Phase.SEND, ok=False, error="rank 3: checksum")], NOW)
+    assert failed.plan is not None and failed.plan.phase == Phase.ABORTED and "checksum" in failed.plan.outcome
+    dead_donor = next_step(send, [], NOW, sender_dead=True)
+    assert dead_donor.plan is not None and dead_donor.plan.phase == Phase.ABORTED
+    d = next_step(send, [Report(node="c", phase=Phase.SEND)], NOW)
+    assert d.plan is not None and d.plan.phase == Phase.REFORM
+    d = next_step(d.plan, [Report(node="a", phase=Phase.REFORM), Report(node="c", phase=Phase.REFORM)], NOW)
+    assert d.plan is not None and d.plan.phase == Phase.DONE
+    assert transfer_key(plan) == transfer_key(send) is not None
+
+
+# --------------------------------------------------------------------------------------------- triage
+def seen(**kw) -> Seen:
+    base = dict(now=NOW, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=view(*A, *C))
+    return Seen(**{**base, **kw})
+
+
+def test_triage_plans_a_lost_node_once_and_marks_its_late_failures():
+    failure = Failure(node="b", slot=0, rank=2, code=-9, step=12, light=True, generation=3)
+    result = triage(seen(failures=(("b-0", failure),)))
+    assert [type(a).__name__ for a in result.actions] == ["Say", "CreatePlan"]
+    plan = result.actions[1].plan
+    assert plan.kind == SwapKind.NODE and plan.id == "n-b"
+    # the plan exists: the failure reported by the lost node is its plan's business
+    again = triage(seen(failures=(("b-0", failure),), plans=((dataclasses.replace(plan, phase=Phase.DONE), 5),)))
+    assert [type(a) for a in again.actions] == [PutFailure] and again.actions[0].failure.handled == "node_lost"
+
+
+def test_triage_restarts_the_group_once_when_the_lost_node_cannot_be_recovered_live():
+    result = triage(seen(view=view(*A, C[0])))
+    assert [type(a) for a in result.actions] == [Say, CreatePlan, RestartGroup]
+    marker = result.actions[1].plan
+    assert marker.phase == Phase.ABORTED and marker.id == "n-b" and "spare" in marker.outcome
+    assert "only 1 ready spare" in result.actions[2].reason
+    assert triage(seen(view=view(*A, C[0]), plans=((marker, 4),))).actions == ()
+
+
+def test_a_plan_that_needs_a_node_lost_meanwhile_is_aborted_at_once():
+    taint_plan = SwapPlan(id="s-1", kind=SwapKind.PLANNED, generation=3, leaver=SlotRef("a", 0, 0),
+                          joiner=SlotRef("b", 2, 0), donor=None, phase=Phase.BOUNDARY, reason="ecc",
+                          nodes=("a", "b"), history=(("pause", NOW),))
+    result = triage(seen(plans=((taint_plan, 9),)))
+    assert [type(a) for a in result.actions] == [CasPlan]
+    assert result.actions[0].new.phase == Phase.ABORTED and "node b was lost" in result.actions[0].new.outcome
+    node_plan = dataclasses.replace(_plan(), phase=Phase.SEND)
+    result = triage(seen(plans=((node_plan, 9),), view=view(*A, *C, lost=("b", "c"))))
+    assert [type(a) for a in result.actions] == [CasPlan, RestartGroup]
+
+
+def test_an_aborted_node_plan_restarts_the_group():
+    plan = _plan()
+    bad = Report(node="c", phase=Phase.PAUSE, ok=False, error="workers did not stop")
+    result = triage(seen(plans=((plan, 9),), reports=(Report(node="a", phase=Phase.PAUSE), bad)))
+    assert [type(a) for a in result.actions] == [CasPlan, RestartGroup]
+
+
+# --------------------------------------------------------------------------------------------- generation
+def _gen() -> Generation:
+    return Generation(number=3, state=GenState.ACTIVE, world_size=4, spare_nodes=("c",), lost=("b",),
+                      members=(Member("a", 0, "10.0.0.1", 2, 0), Member("b", 1, "10.0.0.2", 2, 2, role="r")))
+
+
+def test_the_committed_generation_puts_the_spare_node_in_the_lost_members_place():
+    plan = dataclasses.replace(_plan(), store=("10.0.0.1", 29500))
+    info = NodeInfo(node_id="c", addr="10.0.0.3", nproc=2, spares=1, spare_node=True)
+    new = committed_generation(_gen(), plan, info)
+    assert new.number == 4 and new.swap_id == plan.id and new.bootstrap == ("10.0.0.1", 29500)
+    assert new.members[1] == Member("c", 1, "10.0.0.3", 2, 2, spares=1, role="r")
+    assert new.spare_nodes == () and new.lost == () and new.world_size == 4
+    assert new.assignments == {"2": {"node": "c", "slot": 0}, "3": {"node": "c", "slot": 1}}
+    assert homes_of(new) == ((0, "a", 0), (1, "a", 1), (2, "c", 0), (3, "c", 1))
+
+
+def test_spread_ranks_leave_the_lost_member_in_place_and_marked_lost():
+    plan = dataclasses.replace(_plan(), replaces=None, moves=(
+        Move(SlotRef("b", 0, 2), SlotRef("a", 2, 2)), Move(SlotRef("b", 1, 3), SlotRef("c", 0, 3))))
+    new = committed_generation(_gen(), plan, None)
+    assert [m.node_id for m in new.members] == ["a", "b"] and new.lost == ("b",) and new.spare_nodes == ("c",)
+    assert homes_of(new)[2:] == ((2, "a", 2), (3, "c", 0))
+
+
+def test_donors_come_from_each_lost_ranks_declared_replica_group():
+    """HSDP-like: ranks {0, 2} and {1, 3} hold the same shards; b (ranks 2, 3) is lost: rank 2's state comes from
+    rank 0 only, rank 3's from rank 1 only; a rank whose whole replica group was on b cannot be recovered live."""
+    hsdp = (dataclasses.replace(A[0], replicas=(0, 2)), dataclasses.replace(A[1], replicas=(1, 3)))
+    d = plan_for_node_loss(view(*hsdp, *C), node="b", now_wall=NOW)
+    assert d.plan is not None and [(m.rank, m.donor.rank) for m in d.plan.moves] == [(2, 0), (3, 1)]
+    zero = (dataclasses.replace(A[0], replicas=(0,)), dataclasses.replace(A[1], replicas=(1,)))
+    d = plan_for_node_loss(view(*zero, *C), node="b", now_wall=NOW)
+    assert d.action == "fallback" and "no surviving rank holds rank 2's state" in d.reason

@@ -1,0 +1,467 @@
+"""The mirror's network end: an authenticated asyncio :class:`MirrorServer` around a store, a blocking
+:class:`MirrorClient` (see :mod:`tpassrun.mirror` for the API).
+
+Every connection proves the per-run mirror key (:mod:`tpassrun.wireauth`'s handshake, purpose "mirror", the
+run id as context) before the server reads a byte of request or allocates anything for it.
+
+Wire, after the handshake, both directions (little endian)::
+
+    head 24 B  b"TPMR" | u8 op | u8 status | u16 meta_len | u64 payload_len | u64 seq
+    meta       meta_len B of UTF-8 JSON      payload   payload_len B      tag   32 B
+
+ops: PUT {owner, kind, version, epoch} + payload -> {kept}; GET {owner, kind, version|null, epoch|null} ->
+{version, epoch} + payload | NOT_FOUND; LIST {owner|null, kind|null} -> {entries, bytes, max_bytes};
+DROP {owner|null, kind|null, below_epoch|null} -> {freed}.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import struct
+import threading
+from typing import Any, Sequence
+
+from .mirror_store import MirrorEntry, MirrorError, MirrorFull, MirrorItem, MirrorStore
+from .wireauth import ACCEPT, HELLO, PROOF, TAG_LEN, AuthError, ConnectorHandshake, FrameMac, ListenerHandshake, \
+    TransferAuth
+
+log = logging.getLogger("tpassrun.mirror")
+
+MAX_META = 1 << 16                  # a request's JSON; a LIST answer may be longer (see MAX_REPLY_META)
+MAX_REPLY_META = 16 << 20
+HANDSHAKE_TIMEOUT_S = 10.0
+MAX_UNAUTHENTICATED = 64            # connections still in their handshake; more are closed at once
+_CHUNK = 4 << 20                    # payloads stream in pieces of this size (MAC off the event loop above it)
+_THREAD_MAC = 1 << 20
+
+_HEAD = struct.Struct("<4sBBHQQ")
+_MAGIC = b"TPMR"
+OP_PUT, OP_GET, OP_LIST, OP_DROP, OP_REPLY = 1, 2, 3, 4, 5
+OK, NOT_FOUND, REFUSED, BAD_REQUEST = 0, 1, 2, 3
+_TO_SERVER, _TO_CLIENT = b"C", b"S"
+
+
+# ---------------------------------------------------------------------------------------------- framing
+def _mac_of(base: FrameMac, direction: bytes, head: bytes, meta: bytes) -> FrameMac:
+    mac = base.copy()
+    mac.feed(direction)
+    mac.feed(head)
+    mac.feed(meta)
+    return mac
+
+
+def _encode_meta(meta: dict[str, Any]) -> bytes:
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
+def _decode_meta(raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw) if raw else {}
+    except ValueError as exc:
+        raise MirrorError(f"malformed mirror frame meta: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise MirrorError("malformed mirror frame meta: not a JSON object")
+    return doc
+
+
+def _int_field(meta: dict[str, Any], name: str, optional: bool = False) -> int | None:
+    value = meta.get(name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MirrorError(f"mirror request: {name} must be an integer, not {value!r}")
+    return value
+
+
+def _str_field(meta: dict[str, Any], name: str, optional: bool = False) -> str | None:
+    value = meta.get(name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise MirrorError(f"mirror request: {name} must be a short string, not {value!r}")
+    return value
+
+
+def _auth(key: bytes, run_id: str) -> TransferAuth:
+    return TransferAuth(key, run_id, -1, purpose="mirror")
+
+
+# ---------------------------------------------------------------------------------------------- server
+class MirrorServer:
+    """The agent's end: serves one :class:`MirrorStore` on ``host`` (the agent's advertised address only).
+
+    ``async with`` (or :meth:`start` / :meth:`close`) does the I/O; the constructor does none."""
+
+    def __init__(self, store: MirrorStore, key: bytes, *, host: str, run_id: str = "", port: int = 0,
+                 max_item_bytes: int | None = None) -> None:
+        self.store = store
+        self.host = host
+        self.port = port
+        self.max_item_bytes = max_item_bytes or store.max_bytes
+        self._auth = _auth(key, run_id)
+        self._server: asyncio.base_events.Server | None = None
+        self._handshaking = 0
+        self._conns: set[asyncio.Task[Any]] = set()
+        self.strangers = 0                # connections dropped for not proving the key
+        self.puts = 0
+        self.bytes_in = 0
+
+    async def __aenter__(self) -> "MirrorServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> tuple[str, int]:
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=1 << 20)
+        except OSError as exc:
+            if self.host in ("0.0.0.0", "::"):
+                raise
+            # a name that does not resolve to an address of this machine (a misconfigured FQDN): as the handoff
+            # does, listen on every interface; the key still guards every connection
+            log.warning("cannot listen for the mirror on %s (%s); listening on every interface instead",
+                        self.host, exc)
+            self._server = await asyncio.start_server(self._serve, None, self.port, limit=1 << 20)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.host, self.port
+
+    async def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for task in list(self._conns):
+            task.cancel()
+        if self._conns:
+            await asyncio.wait(self._conns, timeout=2)
+        if server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            base = await self._handshake(reader, writer)
+            if base is not None:
+                await self._requests(reader, writer, base)
+        except (ConnectionError, asyncio.IncompleteReadError, MirrorError, OSError) as exc:
+            log.debug("mirror connection ended: %s", exc)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._conns.discard(task)
+            writer.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> FrameMac | None:
+        if self._handshaking >= MAX_UNAUTHENTICATED:
+            self.strangers += 1
+            return None
+        self._handshaking += 1
+        try:
+            shake = ListenerHandshake(self._auth)
+            writer.write(shake.hello())
+            try:
+                raw = await asyncio.wait_for(reader.readexactly(PROOF.size), HANDSHAKE_TIMEOUT_S)
+                writer.write(shake.accept(raw))
+                await writer.drain()
+            except (AuthError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+                self.strangers += 1
+                log.warning("mirror: dropped a connection that did not prove the mirror key: %s",
+                            type(exc).__name__ if not isinstance(exc, AuthError) else exc)
+                return None
+            return shake.frame_mac()
+        finally:
+            self._handshaking -= 1
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, base: FrameMac) -> None:
+        seq_in = seq_out = 0
+        while True:
+            try:
+                head = await reader.readexactly(_HEAD.size)
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:
+                    return      # the client closed between requests
+                raise
+            magic, op, _status, meta_len, payload_len, seq = _HEAD.unpack(head)
+            if magic != _MAGIC or seq != seq_in or meta_len > MAX_META:
+                raise MirrorError(f"bad mirror frame (magic {magic!r}, seq {seq}/{seq_in}, meta {meta_len} B)")
+            seq_in += 1
+            meta_raw = await reader.readexactly(meta_len)
+            mac = _mac_of(base, _TO_SERVER, head, meta_raw)
+            status, reply, out = OK, {}, ()
+            if op == OP_PUT:
+                status, reply = await self._put(reader, mac, meta_raw, payload_len)
+            else:
+                if payload_len:
+                    raise MirrorError(f"mirror op {op} carries no payload")
+                if not mac.verify(await reader.readexactly(TAG_LEN)):
+                    raise MirrorError("mirror request MAC mismatch")
+                try:
+                    status, reply, out = self._answer(op, _decode_meta(meta_raw))
+                except MirrorError as exc:
+                    status, reply = BAD_REQUEST, {"error": str(exc)}
+            await self._reply(writer, base, seq_out, status, reply, out)
+            seq_out += 1
+
+    async def _put(self, reader: asyncio.StreamReader, mac: FrameMac, meta_raw: bytes,
+                   payload_len: int) -> tuple[int, dict[str, Any]]:
+        try:
+            meta = _decode_meta(meta_raw)
+            owner, kind = _int_field(meta, "owner"), _str_field(meta, "kind")
+            version, epoch = _int_field(meta, "version"), _int_field(meta, "epoch")
+        except MirrorError as exc:
+            await _discard(reader, payload_len + TAG_LEN)
+            return BAD_REQUEST, {"error": str(exc)}
+        assert owner is not None and kind is not None and version is not None and epoch is not None
+        why = (f"a copy of {payload_len} bytes is over this store's item limit {self.max_item_bytes}"
+               if payload_len > self.max_item_bytes else self.store.admit(owner, kind, version, epoch, payload_len))
+        if why is not None:
+            await _discard(reader, payload_len + TAG_LEN)
+            return REFUSED, {"error": why}
+        self.store.reserved += payload_len
+        try:
+            chunks = []
+            left = payload_len
+            while left:
+                piece = await reader.readexactly(min(left, _CHUNK))
+                left -= len(piece)
+                if len(piece) >= _THREAD_MAC:
+                    await asyncio.to_thread(mac.feed, piece)   # hashlib drops the GIL: the loop keeps going
+                else:
+                    mac.feed(piece)
+                chunks.append(piece)
+            if not mac.verify(await reader.readexactly(TAG_LEN)):
+                raise MirrorError("mirror put MAC mismatch: nothing kept")
+        finally:
+            self.store.reserved -= payload_len
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        del chunks
+        try:
+            kept = self.store._commit(owner, kind, version, epoch, data)
+        except MirrorFull as exc:
+            return REFUSED, {"error": str(exc)}
+        self.puts += 1
+        self.bytes_in += payload_len
+        return OK, {"kept": kept}
+
+    def _answer(self, op: int, meta: dict[str, Any]) -> tuple[int, dict[str, Any], Sequence[bytes]]:
+        if op == OP_GET:
+            owner, kind = _int_field(meta, "owner"), _str_field(meta, "kind")
+            item = self.store.get(owner, kind, _int_field(meta, "version", True),   # type: ignore[arg-type]
+                                  _int_field(meta, "epoch", True))
+            if item is None:
+                return NOT_FOUND, {}, ()
+            return OK, {"version": item.version, "epoch": item.epoch}, (item.data,)
+        if op == OP_LIST:
+            rows = self.store.usage(_int_field(meta, "owner", True), _str_field(meta, "kind", True))
+            return OK, {"entries": [r.to_json() for r in rows], "bytes": self.store.nbytes,
+                        "max_bytes": self.store.max_bytes}, ()
+        if op == OP_DROP:
+            freed = self.store.drop(_int_field(meta, "owner", True), _str_field(meta, "kind", True),
+                                    _int_field(meta, "below_epoch", True))
+            return OK, {"freed": freed}, ()
+        raise MirrorError(f"unknown mirror op {op}")
+
+    async def _reply(self, writer: asyncio.StreamWriter, base: FrameMac, seq: int, status: int,
+                     meta: dict[str, Any], payload: Sequence[bytes]) -> None:
+        meta_raw = _encode_meta(meta)
+        head = _HEAD.pack(_MAGIC, OP_REPLY, status, min(len(meta_raw), 0xFFFF), sum(len(p) for p in payload), seq)
+        # meta_len is u16: a long LIST answer carries its meta length in the payload's place instead
+        if len(meta_raw) >= 0xFFFF:
+            head = _HEAD.pack(_MAGIC, OP_REPLY, status, 0xFFFF, len(meta_raw), seq)
+            payload, meta_raw = (meta_raw,), b""
+        mac = _mac_of(base, _TO_CLIENT, head, meta_raw)
+        writer.write(head + meta_raw)
+        for piece in payload:
+            if len(piece) >= _THREAD_MAC:
+                await asyncio.to_thread(mac.feed, piece)
+            else:
+                mac.feed(piece)
+            writer.write(piece)
+            await writer.drain()
+        writer.write(mac.tag())
+        await writer.drain()
+
+
+async def _discard(reader: asyncio.StreamReader, n: int) -> None:
+    while n > 0:
+        n -= len(await reader.readexactly(min(n, _CHUNK)))
+
+
+# ---------------------------------------------------------------------------------------------- client
+class MirrorClient:
+    """Blocking client for one :class:`MirrorServer` (a worker's background thread, or the agent through
+    ``asyncio.to_thread``). One connection, reused; calls are serialized by a lock; ``timeout`` bounds the
+    connect and every stall."""
+
+    def __init__(self, host: str, port: int, key: bytes, *, run_id: str = "", timeout: float = 10.0) -> None:
+        self.host, self.port = host, int(port)
+        self.timeout = timeout
+        self._auth = _auth(key, run_id)
+        self._sock: socket.socket | None = None
+        self._base: FrameMac | None = None
+        self._seq_out = self._seq_in = 0
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "MirrorClient":
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MirrorClient({self.host}:{self.port})"
+
+    def connect(self) -> "MirrorClient":
+        with self._lock:
+            self._connect()
+        return self
+
+    def _connect(self) -> None:
+        if self._sock is not None:
+            return
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as exc:
+            raise MirrorError(f"cannot reach the mirror at {self.host}:{self.port}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            shake = ConnectorHandshake(self._auth)
+            sock.sendall(shake.prove(_recv_exact(sock, HELLO.size)))
+            try:
+                answer = _recv_exact(sock, ACCEPT.size)
+            except MirrorError as exc:
+                raise AuthError(f"the mirror at {self.host}:{self.port} refused our proof of the key or left: "
+                                f"{exc}") from exc
+            self._base = shake.verify(answer)
+        except (OSError, MirrorError, AuthError) as exc:
+            sock.close()
+            if isinstance(exc, AuthError):
+                raise
+            raise MirrorError(f"mirror handshake with {self.host}:{self.port} failed: {exc}") from exc
+        self._sock, self._seq_out, self._seq_in = sock, 0, 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        sock, self._sock, self._base = self._sock, None, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    # --- the operations --------------------------------------------------------------------------------
+    def put(self, owner: int, kind: str, version: int, payload: Any, *, epoch: int = 0) -> bool:
+        """Store a copy; True if kept. ``payload`` is one bytes-like object or a sequence of them (e.g. the
+        memoryviews of several tensors), streamed as they are: never joined, never copied. Raises
+        :class:`MirrorFull` when the store refuses it, :class:`MirrorError` when the connection fails."""
+        pieces = [memoryview(p).cast("B") for p in (payload if isinstance(payload, (list, tuple)) else [payload])]
+        status, meta, _ = self._call(OP_PUT, {"owner": owner, "kind": kind, "version": version, "epoch": epoch},
+                                     pieces)
+        if status == REFUSED:
+            raise MirrorFull(str(meta.get("error", "refused")))
+        _check_ok(status, meta)
+        return bool(meta.get("kept", False))
+
+    def get(self, owner: int, kind: str, version: int | None = None, *, epoch: int | None = None) -> MirrorItem | None:
+        status, meta, data = self._call(OP_GET, {"owner": owner, "kind": kind, "version": version, "epoch": epoch})
+        if status == NOT_FOUND:
+            return None
+        _check_ok(status, meta)
+        return MirrorItem(owner, kind, int(meta["version"]), int(meta["epoch"]), data)
+
+    def versions(self, owner: int, kind: str) -> tuple[int, ...]:
+        rows = self.list(owner, kind)
+        return rows[0].versions if rows else ()
+
+    def list(self, owner: int | None = None, kind: str | None = None) -> list[MirrorEntry]:
+        status, meta, _ = self._call(OP_LIST, {"owner": owner, "kind": kind})
+        _check_ok(status, meta)
+        return [MirrorEntry.from_json(r) for r in meta.get("entries", [])]
+
+    def drop(self, owner: int | None = None, kind: str | None = None, *, below_epoch: int | None = None) -> int:
+        status, meta, _ = self._call(OP_DROP, {"owner": owner, "kind": kind, "below_epoch": below_epoch})
+        _check_ok(status, meta)
+        return int(meta.get("freed", 0))
+
+    # --- one request, one answer -----------------------------------------------------------------------
+    def _call(self, op: int, meta: dict[str, Any], pieces: Sequence[memoryview] = ()) -> tuple[int, dict[str, Any], bytes]:
+        with self._lock:
+            self._connect()
+            try:
+                return self._exchange(op, meta, pieces)
+            except (OSError, MirrorError) as exc:
+                self._drop()       # a broken stream is never reused: the next call reconnects
+                if isinstance(exc, MirrorError):
+                    raise
+                raise MirrorError(f"mirror at {self.host}:{self.port}: connection lost ({exc})") from exc
+
+    def _exchange(self, op: int, meta: dict[str, Any], pieces: Sequence[memoryview]) -> tuple[int, dict[str, Any], bytes]:
+        sock, base = self._sock, self._base
+        assert sock is not None and base is not None
+        meta_raw = _encode_meta(meta)
+        head = _HEAD.pack(_MAGIC, op, 0, len(meta_raw), sum(p.nbytes for p in pieces), self._seq_out)
+        self._seq_out += 1
+        mac = _mac_of(base, _TO_SERVER, head, meta_raw)
+        sock.sendall(head + meta_raw)
+        for piece in pieces:
+            for off in range(0, piece.nbytes, _CHUNK):
+                part = piece[off:off + _CHUNK]
+                mac.feed(part)
+                sock.sendall(part)
+        sock.sendall(mac.tag())
+        head_in = _recv_exact(sock, _HEAD.size)
+        magic, rop, status, meta_len, payload_len, seq = _HEAD.unpack(head_in)
+        if magic != _MAGIC or rop != OP_REPLY or seq != self._seq_in:
+            raise MirrorError(f"bad mirror reply (magic {magic!r}, op {rop}, seq {seq}/{self._seq_in})")
+        self._seq_in += 1
+        long_meta = meta_len == 0xFFFF
+        if long_meta and payload_len > MAX_REPLY_META:
+            raise MirrorError(f"mirror reply meta of {payload_len} bytes is over the limit")
+        meta_in = b"" if long_meta else _recv_exact(sock, meta_len)
+        mac = _mac_of(base, _TO_CLIENT, head_in, meta_in)
+        data = bytearray(payload_len)
+        view = memoryview(data)
+        for off in range(0, payload_len, _CHUNK):
+            part = view[off:off + _CHUNK]
+            _recv_into(sock, part)
+            mac.feed(part)
+        if not mac.verify(_recv_exact(sock, TAG_LEN)):
+            raise MirrorError("mirror reply MAC mismatch: forged or corrupted")
+        if long_meta:
+            return status, _decode_meta(bytes(data)), b""
+        return status, _decode_meta(meta_in), bytes(data) if payload_len else b""
+
+
+def _check_ok(status: int, meta: dict[str, Any]) -> None:
+    if status != OK:
+        raise MirrorError(f"mirror request failed (status {status}): {meta.get('error', '')}")
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError as exc:
+            raise MirrorError(f"the mirror made no progress for {sock.gettimeout()} s") from exc
+        if n == 0:
+            raise MirrorError("the mirror closed the connection")
+        got += n
+
+
+__all__ = ["BAD_REQUEST", "MirrorClient", "MirrorServer", "NOT_FOUND", "OK", "REFUSED"]

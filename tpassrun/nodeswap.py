@@ -1,0 +1,240 @@
+"""The participant's part of a node plan: every rank of a lost node moved at once (see :mod:`tpassrun.swap`).
+
+Each agent follows the plan phase by phase, as for a single-rank swap (:class:`tpassrun.swapper.Swapper`), and
+reports its part:
+
+* PAUSE (surviving members): stop the workers (they fail in the collective the lost ranks never joined, or stop
+  at their next step start) and say which light copies this node's mirror holds for the lost ranks;
+* TRANSFER (joiner nodes): hand every joiner its rank at once, report where each listens; meanwhile fetch each
+  lost rank's light frame for the resume step from the mirror the planner named (the buddy's);
+* SEND (donor and joiner nodes): donors stream model/optimizer, several in parallel, each to its joiner (the
+  address checked against the joiner node's registration); joiners get their light frame, verify both;
+* REFORM (everyone): survivors roll back to the failed step's start and join the new world, the joiners take
+  the lost ranks, all at the swap's store (a new one when the lost node ran it).
+
+Nothing is retried: on a failure the leader aborts the plan and restarts the group.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import dataclasses
+import logging
+from typing import Any
+
+from .channel import INT64_MAX
+from .records import Move, Phase, Report, SwapPlan
+from .slots import SlotState
+from .swap import PHASE_TIMEOUT_S, transfer_key
+
+log = logging.getLogger("tpassrun.swap")
+
+
+class NodePlans:
+    """One per swapper; :meth:`participate` is its ``_participate`` for plans of kind ``node``."""
+
+    def __init__(self, swapper: Any) -> None:   # the swapper.Swapper it belongs to (not imported: no circle)
+        self.sw = swapper
+        self._lights: dict[tuple[str, int], bytes | None] = {}   # (plan id, rank) -> light frame for the joiner
+
+    @property
+    def port(self) -> Any:
+        return self.sw.port
+
+    @property
+    def me(self) -> str:
+        return self.sw.port.node_id
+
+    def _mine(self, plan: SwapPlan) -> list[Move]:
+        return [m for m in plan.moves if m.joiner.node == self.me]
+
+    async def participate(self, plan: SwapPlan) -> Report | None:
+        phase, me = plan.phase, self.me
+        if phase == Phase.PAUSE:
+            return await self._pause(plan) if me in plan.nodes else None
+        if phase == Phase.TRANSFER:
+            return await self._transfer(plan)
+        if phase == Phase.SEND:
+            return await self._send(plan)
+        if phase == Phase.REFORM:
+            return await self._reform(plan) if me in plan.nodes else None
+        if phase == Phase.DONE:
+            if me in plan.nodes:
+                self.port.events.write("node_recovered", swap_id=plan.id, lost_node=plan.lost_node,
+                                       ranks=list(plan.ranks), to=sorted({m.joiner.node for m in plan.moves}),
+                                       boundary=plan.boundary,
+                                       seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
+            self._forget(plan)
+            self.sw._active = None
+            return None
+        if phase == Phase.ABORTED:
+            if len(plan.history) > 1:     # born aborted (no live recovery was possible): nothing was started
+                self._abort(plan)
+            self._forget(plan)
+            self.sw._active = None
+        return None
+
+    def on_node_lost(self, node_id: str) -> bool:
+        """The leader heard that a node's lease ended: its coordinator moves the node's ranks live (a node plan)
+        or restarts the group saying why; a node that held no ranks (an idle spare node) costs nothing."""
+        self.port.events.write("node_lost", lost_node=node_id)
+        self.sw.coordinator.kick()
+        return True
+
+    async def probe_agents(self) -> None:
+        """A collective failed here, so a peer died. A node whose agent is gone (it crashed or was killed: its
+        workers died with it) is declared lost at once by revoking its lease, instead of after the lease's TTL;
+        the node plan starts from there. Anything less certain (no answer at all) waits for the lease."""
+        mirror, gen = self.port.mirror(), self.port.rdzv.generation or self.port.generation()
+        if mirror is None or gen is None:
+            return
+        async def probe(node: str) -> None:
+            try:
+                if await mirror.agent_gone(node) and await self.sw._store.revoke_lease_of(self.sw._keys.node(node)):
+                    log.warning("node %s: its agent is gone (its mirror port refuses connections); revoked its "
+                                "lease", node)
+                    self.port.events.write("agent_gone", lost_node=node,
+                                           reason="its agent's port refuses connections: declared lost now")
+            except Exception as exc:  # noqa: BLE001 - the lease expiry still comes
+                log.debug("probing node %s: %s", node, exc)
+
+        nodes = [m.node_id for m in gen.members] + list(gen.spare_nodes)
+        await asyncio.gather(*(probe(n) for n in nodes if n != self.port.node_id and n not in gen.lost))
+
+    def _forget(self, plan: SwapPlan) -> None:
+        for key in [k for k in self._lights if k[0] == plan.id]:
+            del self._lights[key]
+
+    # ------------------------------------------------------------------ phases
+    async def _pause(self, plan: SwapPlan) -> Report:
+        report = await self.sw._pause(plan)
+        mirror = self.port.mirror()
+        held = mirror.held(plan.ranks) if mirror is not None else {}
+        return dataclasses.replace(report, held=held)
+
+    async def _transfer(self, plan: SwapPlan) -> Report | None:
+        self.sw._transfers_seen.add((plan.id, plan.attempt))
+        mine = self._mine(plan)
+        if not mine:
+            return None
+        assigned, fetched = await asyncio.gather(
+            asyncio.gather(*(self.sw._assign_joiner(plan, m) for m in mine)),
+            asyncio.gather(*(self._fetch_light(plan, m) for m in mine)))
+        addrs: dict[int, tuple[str, int]] = {}
+        for move, result in zip(mine, assigned):
+            if isinstance(result, str):
+                self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=result, rank=move.rank)
+                return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=result)
+            addrs[move.rank] = result
+        for move, err in zip(mine, fetched):
+            if err is not None:
+                return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=err)
+        self.port.events.write("swap_transfer_start", swap_id=plan.id, ranks=sorted(addrs))
+        return Report(node=self.me, phase=plan.phase, joiner_addrs=addrs)
+
+    async def _fetch_light(self, plan: SwapPlan, move: Move) -> str | None:
+        """Keep the lost rank's light frame for the resume step (from the mirror the planner named); the error
+        if it is gone. A rank with no copy at all resumes at step 0 from what its script builds."""
+        source = plan.light_from.get(move.rank)
+        if source is None:
+            self._lights[(plan.id, move.rank)] = None
+            return None if not plan.boundary else f"no mirror holds rank {move.rank}'s state for step {plan.boundary}"
+        mirror = self.port.mirror()
+        data = await mirror.fetch_light(source, move.rank, int(plan.boundary or 0)) if mirror is not None else None
+        if data is None:
+            return f"rank {move.rank}'s state for step {plan.boundary} is no longer in {source}'s mirror"
+        self._lights[(plan.id, move.rank)] = data
+        return None
+
+    async def _send(self, plan: SwapPlan) -> Report | None:
+        me = self.me
+        for move in plan.moves:
+            if move.donor is None or move.donor.node != me:
+                continue
+            refused = await self.sw._refuse_destination(plan, move)
+            if refused is not None:
+                log.error("swap %s: refusing to send rank %s's state: %s", plan.id, move.rank, refused)
+                self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
+                return Report(node=me, phase=plan.phase, ok=False, final=True, error=f"send refused: {refused}")
+            assert move.joiner_addr is not None
+            donor = self.sw._slots.slots[move.donor.slot]
+            # a donor serving several joiners streams to them one after the other (it reads its commands in turn)
+            self.sw._slots.send(donor, "send_state", addr=move.joiner_addr[0], port=move.joiner_addr[1],
+                                swap_id=plan.id, replicated_only=True, rng=False, timeout=PHASE_TIMEOUT_S,
+                                key=transfer_key(plan), rank=move.rank)
+        mine = self._mine(plan)
+        if not mine:
+            return None
+        results = await asyncio.gather(*(self._receive(plan, m) for m in mine))
+        errors = [r for r in results if isinstance(r, str)]
+        if errors:
+            return Report(node=me, phase=plan.phase, ok=False, final=True, error=errors[0])
+        return Report(node=me, phase=plan.phase, extra={"nbytes": sum(int(r or 0) for r in results)})
+
+    async def _receive(self, plan: SwapPlan, move: Move) -> int | str:
+        """One joiner here: its light frame in, its state received and verified: the bytes, or why not."""
+        joiner = self.sw._slots.slots[move.joiner.slot]
+        light = self._lights.get((plan.id, move.rank))
+        if light is not None:
+            self.sw._slots.send(joiner, "light", data=base64.b64encode(light).decode(), step=plan.boundary)
+        msg = await self.sw._await_received(plan, joiner)
+        if msg == "aborted":
+            self.sw._slots.send(joiner, "abort")
+            return "the plan was aborted"
+        if not isinstance(msg, dict) or not msg.get("ok"):
+            err = (msg or {}).get("error") if isinstance(msg, dict) else None
+            err = f"rank {move.rank}: {err or 'the joiner died or timed out during the transfer'}"
+            self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=err, rank=move.rank)
+            return err
+        self.port.events.write("swap_transfer_end", swap_id=plan.id, rank=move.rank, nbytes=msg.get("nbytes"),
+                               seconds=msg.get("seconds"), checksum=msg.get("checksum"))
+        if light is not None:
+            ok = await self.sw._slots.expect(joiner, {"light_ok"}, 5.0)
+            if ok is None or ok.get("ok") is False:
+                return (f"the joiner of rank {move.rank} rejected its mirrored snapshot (step "
+                        f"{(ok or {}).get('step')}, resume step {plan.boundary})")
+        return int(msg.get("nbytes") or 0)
+
+    async def _reform(self, plan: SwapPlan) -> Report:
+        me, slots = self.me, self.sw._slots
+        gen = self.port.generation()
+        assert gen is not None
+        addr, port = plan.store or self.port.master()
+        world = {"addr": addr, "port": port, "prefix": f"/tpassrun/{plan.id}/{plan.attempt}/",
+                 "world_size": gen.world_size, "generation": gen.number + 1}
+        waiting = []
+        for s in self.sw._survivors(plan):
+            slots.set_run_until(s, INT64_MAX)
+            slots.send(s, "reform", rank=s.rank, rollback=True, **world)
+            waiting.append(s)
+        for move in self._mine(plan):
+            joiner = slots.slots[move.joiner.slot]
+            slots.set_run_until(joiner, INT64_MAX)
+            slots.send(joiner, "reform", **{**self.sw._assign_fields(plan, move), **world})
+            joiner.state, joiner.rank = SlotState.RUNNING, move.rank
+            waiting.append(joiner)
+        if plan.store is not None:
+            self.port.set_master(plan.store, plan.store_host)
+        answers = await asyncio.gather(*(slots.expect(s, {"reformed"}, PHASE_TIMEOUT_S) for s in waiting))
+        for s, msg in zip(waiting, answers):
+            if msg is None or msg.get("ok") is False:
+                return Report(node=me, phase=plan.phase, ok=False,
+                              error=f"rank {s.rank} did not join the new world: {(msg or {}).get('error')}")
+        self.port.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
+        return Report(node=me, phase=plan.phase)
+
+    def _abort(self, plan: SwapPlan) -> None:
+        """Give back the spares this node had assigned; the survivors wait for the group restart the leader
+        asked for (a failed collective cannot be resumed)."""
+        slots = self.sw._slots
+        for s in slots.slots:
+            slots.set_run_until(s, INT64_MAX)
+        for move in self._mine(plan):
+            joiner = slots.slots[move.joiner.slot]
+            if joiner.state == SlotState.SPARE:
+                slots.send(joiner, "abort")
+        self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=plan.outcome or "aborted")
+
+
+__all__ = ["NodePlans"]
