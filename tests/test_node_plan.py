@@ -183,3 +183,14 @@ def test_donors_come_from_each_lost_ranks_declared_replica_group():
     zero = (dataclasses.replace(A[0], replicas=(0,)), dataclasses.replace(A[1], replicas=(1,)))
     d = plan_for_node_loss(view(*zero, *C), node="b", now_wall=NOW)
     assert d.action == "fallback" and "no surviving rank holds rank 2's state" in d.reason
+
+
+def test_a_spare_nodes_slots_also_serve_a_single_rank_from_any_node():
+    from tpassrun.swap import plan_for_failure, plan_for_taint
+
+    live = view(*A, SlotView("b", 0, 2, "running", True, 7), SlotView("b", 1, 3, "running", True, 7), *C, lost=())
+    died = plan_for_failure(live, node="a", slot=1, rank=1, reason="exit -9", now_wall=NOW, light_available=True)
+    assert died.plan is not None and died.plan.joiner.node == "c" and died.plan.donor.node in ("a", "b")
+    assert "c" in died.plan.nodes
+    moved = plan_for_taint(live, node="b", rank=3, reason="ecc", taint_id="t1", now_wall=NOW)
+    assert moved.plan is not None and moved.plan.joiner.node == "c"

@@ -286,8 +286,9 @@ class _FakeLink:
     def __init__(self, sock):
         from tpassrun.worker import _AgentLink
 
-        self.sock, self._buf = sock, bytearray()
+        self.sock, self._buf, self._held = sock, bytearray(), []
         self.recv = _AgentLink.recv.__get__(self)
+        self._read_one = _AgentLink._read_one.__get__(self)
         self.waiting = _AgentLink.waiting.__get__(self)
 
 
