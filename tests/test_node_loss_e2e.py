@@ -169,6 +169,31 @@ def test_a_node_cut_off_from_etcd_fences_its_workers_and_the_spare_node_takes_it
     _assert_recovered_live(train, reference, survivors, a_ranks, c, a_pids)
 
 
+def test_a_spare_nodes_slot_takes_a_single_dead_rank_from_another_node(tmp_path, etcd_server, run_id, reference):
+    """No node has a spare slot of its own: a rank SIGKILLed in its backward pass is replaced live by the spare
+    node's warm spare (the spare node serves single-rank recoveries too)."""
+    train = str(tmp_path / "train")
+    die = faults_env({"rank": 1, "step": random.randint(3, STEPS // 2), "where": "backward", "action": "kill",
+                      "marker": str(tmp_path / "died")})
+    a, b, c = (Job.agent(str(tmp_path / n), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS,
+                         nproc=1 if n == "c" else 2, extra=["--spare-node"] if n == "c" else [], env=die)
+               for n in "abc")
+    try:
+        _start(a, b, c)
+        assert a.wait(240) == 0, a.log()[-3000:]
+        assert b.wait(60) == 0, b.log()[-3000:]
+        assert c.wait(60) == 0, c.log()[-3000:]
+    finally:
+        for j in (a, b, c):
+            j.kill()
+    assert_bit_exact(Job(argv=[], out=train), reference, 4)
+    pids = _pids_by_rank(train, 4)
+    c_pids = {s["pid"] for e in c.events() if e["event"] == "workers_started" for s in e["slots"]}
+    assert len(pids[1]) == 2 and pids[1][1] in c_pids, pids
+    assert all(len(pids[r]) == 1 for r in (0, 2, 3)), pids
+    assert FALLBACK not in a.log() + b.log() + c.log()
+
+
 def test_when_the_lost_nodes_buddy_dies_too_the_group_restarts_and_says_why(tmp_path, etcd_server, run_id):
     """Three members of one rank each (a ring A -> B -> D -> A: D holds B's copies) and a spare node; B and D die
     together. B's light state died with D: no live recovery, the group restarts (one line says why) and the job

@@ -171,7 +171,13 @@ class MirrorServer:
                 raw = await asyncio.wait_for(reader.readexactly(PROOF.size), HANDSHAKE_TIMEOUT_S)
                 writer.write(shake.accept(raw))
                 await writer.drain()
-            except (AuthError, asyncio.TimeoutError, asyncio.IncompleteReadError) as exc:
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:      # connected and left without a word (a liveness probe): not a stranger
+                    return None
+                self.strangers += 1
+                log.warning("mirror: dropped a connection that did not prove the mirror key: it left mid-proof")
+                return None
+            except (AuthError, asyncio.TimeoutError) as exc:
                 self.strangers += 1
                 log.warning("mirror: dropped a connection that did not prove the mirror key: %s",
                             type(exc).__name__ if not isinstance(exc, AuthError) else exc)

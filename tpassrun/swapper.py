@@ -121,7 +121,9 @@ class Swapper:
         cfg = self.port.settings
         if not slot.managed or slot.rank is None:
             return False
-        gen = self.port.generation()
+        gen, latest = self.port.generation(), getattr(self.port.rdzv, "generation", None)
+        if gen is not None and latest is not None and latest.number == gen.number:
+            gen = latest        # spare nodes that joined since the generation formed are annotations of it
         if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes):
             return False
         step = self._slots.field(slot, Field.STEP)
