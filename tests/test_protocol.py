@@ -21,21 +21,37 @@ MESSAGES = [
     P.Received(ok=True, swap_id="s-1", nbytes=10, seconds=0.5, checksum="x", step=17),
     P.Stranger(swap_id="s-1", error="no key"),
     P.LightOk(ok=True, nbytes=10, step=17), P.Reformed(ok=True, rank=3, world_size=4, generation=7, join_s=0.25),
+    P.Failed(step=4, error="RuntimeError: x", error_type="builtins.RuntimeError", failure="collective"),
+    P.MirrorInfoRequest(), P.MirrorInfo(buddy={"node": "n2", "addr": "h", "port": 1}, local=None), P.MirrorInfo(),
 ]
 
 
-@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: m.KIND)
+def _table(msg):
+    return P.COMMANDS if type(msg) in P.COMMANDS.values() else P.REPLIES
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
 def test_every_message_round_trips(msg):
     line = P.encode(msg, slot=2)
     assert line.endswith(b"\n") and line.count(b"\n") == 1
-    assert P.decode(line) == (msg, 2)
+    assert P.decode(line, _table(msg)) == (msg, 2)
+    if _table(msg) is P.COMMANDS:
+        assert P.decode_command(line) == msg
+    else:
+        assert P.decode_reply(line) == (msg, 2)
 
 
-def test_commands_and_replies_are_disjoint_and_complete():
-    assert not set(P.COMMANDS) & set(P.REPLIES)
-    assert {type(m).KIND for m in MESSAGES} == set(P.COMMANDS) | set(P.REPLIES)
+def test_each_direction_has_its_own_table_and_both_are_complete():
+    """A question and its answer may share a kind (mirror_info); no other kind is in both directions."""
+    assert set(P.COMMANDS) & set(P.REPLIES) == {"mirror_info"}
+    assert P.COMMANDS["mirror_info"] is P.MirrorInfo and P.REPLIES["mirror_info"] is P.MirrorInfoRequest
+    assert {type(m) for m in MESSAGES} == set(P.COMMANDS.values()) | set(P.REPLIES.values())
     for dead in ("rollback", "rolled_back", "paused", "sent", "reserved"):      # nothing sends or awaits them
         assert dead not in P.COMMANDS and dead not in P.REPLIES
+    with pytest.raises(P.ProtocolError):
+        P.decode_command(P.encode(P.Hello(pid=1)))      # a worker's message is no command
+    with pytest.raises(P.ProtocolError):
+        P.decode_reply(P.encode(P.Resume()))
 
 
 @pytest.mark.parametrize("line", [
@@ -46,11 +62,18 @@ def test_commands_and_replies_are_disjoint_and_complete():
     b'{"kind": "replicas", "ranks": 3}\n', b'{"kind": "replicas", "ranks": [1, "2"]}\n',
 ])
 def test_a_bad_line_is_one_protocol_error(line):
-    with pytest.raises(P.ProtocolError):
-        P.decode(line)
+    for table in (P.COMMANDS, P.REPLIES):
+        with pytest.raises(P.ProtocolError):
+            P.decode(line, table)
 
 
-def test_world_spec_env_fields_leave_unknowns_alone():
-    survivor = P.WorldSpec(rank=1, world_size=4).with_store("h", 1, "/p/", 2)
-    assert survivor.env_fields() == {"rank": 1, "world_size": 4, "addr": "h", "port": 1, "prefix": "/p/",
-                                     "generation": 2}
+def test_a_survivors_world_leaves_what_it_does_not_say_alone(monkeypatch):
+    import os
+
+    from tpassrun import envnames as E
+    from tpassrun.world import set_rank_env
+
+    for name, value in ((E.RANK, "0"), (E.WORLD_SIZE, "3"), (E.GROUP_RANK, "5"), (E.TPASSRUN_GENERATION, "1")):
+        monkeypatch.setenv(name, value)     # restored after the test
+    set_rank_env(P.WorldSpec(rank=1, world_size=4).with_store("h", 1, "/p/", 2))
+    assert [os.environ[n] for n in (E.RANK, E.WORLD_SIZE, E.GROUP_RANK, E.TPASSRUN_GENERATION)] == ["1", "4", "5", "2"]

@@ -300,27 +300,30 @@ def test_an_assigned_spare_waiting_for_its_sender_still_obeys_the_agent(first):
     import socket
     import time
 
-    from tpassrun.channel import encode_msg
+    from tpassrun import protocol as P
     from tpassrun.handoff import listen_for_bundle
     from tpassrun.worker import _wait_for_sender
+
+    world = P.WorldSpec(rank=1, world_size=2)
+    commands = {"abort": P.Abort(), "assign": P.Assign(world=world, swap_id="s", key="ab" * 32, listen_host="h")}
 
     agent, worker = socket.socketpair()
     listener, port = listen_for_bundle("127.0.0.1")
     with agent, worker, listener:
         link = _FakeLink(worker)
         pending: list = []
-        agent.sendall(encode_msg("light", data="x") + encode_msg(first))
+        agent.sendall(P.encode(P.Light(data="x")) + P.encode(commands[first]))
         started = time.monotonic()
         assert _wait_for_sender(listener, link, 30.0, pending) is False
         assert time.monotonic() - started < 10
-        assert [m["kind"] for m in pending] == ["light", first]
+        assert [m.KIND for m in pending] == ["light", first]
 
         pending.clear()
-        agent.sendall(encode_msg("light", data="y"))
+        agent.sendall(P.encode(P.Light(data="y")))
         with socket.create_connection(("127.0.0.1", port)):
             assert _wait_for_sender(listener, link, 30.0, pending) is True
             listener.accept()[0].close()
-        assert [m["kind"] for m in pending] == ["light"]
+        assert [m.KIND for m in pending] == ["light"]
 
         pending.clear()
         assert _wait_for_sender(listener, link, 0.2, pending) is False and pending == []  # timed out

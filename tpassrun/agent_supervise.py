@@ -15,6 +15,7 @@ from typing import Any
 from .port import (FallbackRequested, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
                    SpawnFailed, WorkerExited, WorkerSaid)
 from .procs import stop_workers
+from .protocol import Failed
 from .rendezvous import Generation, Link, RendezvousError, one_line
 from .report import ProcessFailure
 from .slots import Slot, SlotState
@@ -49,7 +50,7 @@ class Supervision:
             if isinstance(ev, WorkerExited):
                 result = await self._on_exit(gen, ev.slot, ev.proc, ev.code)
             elif isinstance(ev, WorkerSaid):
-                if ev.message.get("kind") == "failed":
+                if isinstance(ev.message, Failed):
                     self.swapper.on_worker_failed_step(ev.slot, ev.message)
                     await self._standby_store()
             elif isinstance(ev, RendezvousChanged):

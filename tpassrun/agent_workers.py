@@ -15,6 +15,7 @@ from . import envnames as E
 from .devices import node_devices, slot_env, visible_devices
 from .port import SpawnFailed, WorkerExited, WorkerSaid
 from .procs import spawn_worker, stop_workers
+from .protocol import Done, Failed, Hello, MirrorInfoRequest, Reply
 from .records import HANDLED_RESTART, Keys, Taint, load
 from .rendezvous import Generation, RendezvousError
 from .slots import Slot, SlotState
@@ -158,12 +159,12 @@ class WorkerSpawning:
         log.debug("slot %d (pid %d) exited with %s", slot.index, proc.pid, code)
         self._queue.put_nowait(WorkerExited(slot, proc, code))
 
-    def _on_worker_message(self, slot: Slot, msg: dict[str, Any]) -> None:
-        if msg["kind"] == "hello" and msg.get("spare"):
-            self.events.write("spare_ready", slot=slot.index, pid=msg.get("pid"))
-        if msg["kind"] == "mirror_info" and self.mirror is not None:
+    def _on_worker_message(self, slot: Slot, msg: Reply) -> None:
+        if isinstance(msg, Hello) and msg.spare:
+            self.events.write("spare_ready", slot=slot.index, pid=msg.pid)
+        if isinstance(msg, MirrorInfoRequest) and self.mirror is not None:
             self.mirror.answer(slot)
-        if msg["kind"] in ("hello", "done", "failed"):
+        if isinstance(msg, (Hello, Done, Failed)):
             self._queue.put_nowait(WorkerSaid(slot, msg))
 
     async def _stop_all(self, sig: int, grace: float) -> None:

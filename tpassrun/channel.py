@@ -10,17 +10,16 @@ Two parts, chosen so that a healthy rank pays nothing per step:
 * a unix socket carrying JSON lines, used only when something happens: ``hello`` at start, commands while a
   worker is paused at a boundary, and the spare's assignment.
 
-Both sides use :class:`ChannelFile`; the socket framing is :func:`encode_msg` / :func:`decode_msg`.
+Both sides use :class:`ChannelFile`; what crosses the socket is declared, encoded and decoded in
+:mod:`tpassrun.protocol`.
 """
 
 from __future__ import annotations
 
 import enum
-import json
 import mmap
 import os
 import struct
-from typing import Any
 
 INT64_MAX = (1 << 63) - 1
 
@@ -199,16 +198,3 @@ class ChannelFile:
         for f in Field:
             self.set(slot, f, 0)
         self.set(slot, Field.RUN_UNTIL, INT64_MAX)
-
-
-# --- socket framing: one JSON object per line ---
-
-def encode_msg(kind: str, **fields: Any) -> bytes:
-    return (json.dumps({"kind": kind, **fields}, separators=(",", ":")) + "\n").encode()
-
-
-def decode_msg(line: bytes | str) -> dict[str, Any]:
-    msg = json.loads(line)
-    if not isinstance(msg, dict) or "kind" not in msg:
-        raise ValueError(f"malformed channel message: {line!r:.80}")
-    return msg

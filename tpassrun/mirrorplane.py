@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from .channel import Field
 from .mirror import (DEFAULT_MAX_BYTES, MirrorClient, MirrorError, MirrorServer, MirrorStore, MirrorTarget, copies_of,
                      ensure_mirror_key, ring_nodes)
+from .protocol import MirrorInfo
 from .records import Keys, load, node_info
 
 if TYPE_CHECKING:
@@ -213,8 +214,8 @@ class MirrorPlane:
     def answer(self, slot: "Slot") -> None:
         """A worker's ``mirror_info``: where its copies go (this node's buddy, None without one) and this
         node's own mirror, with the key; over its private socket only."""
-        self.port.slots.send(slot, "mirror_info", buddy=self.buddy.to_json() if self.buddy else None,
-                             local=self.own_target().to_json())
+        self.port.slots.send(slot, MirrorInfo(buddy=self.buddy.to_json() if self.buddy else None,
+                                              local=self.own_target().to_json()))
 
     # ------------------------------------------------------------------ recovery
     def held(self, ranks: Iterable[int], kind: str = LIGHT, min_epoch: int = 0) -> dict[int, tuple[int, ...]]:

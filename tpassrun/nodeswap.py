@@ -24,6 +24,7 @@ import logging
 from typing import Any
 
 from .channel import INT64_MAX
+from .protocol import Abort, Light, LightOk, Received, Reform, Reformed, SendState, WorldSpec
 from .records import Move, Phase, Report, SwapPlan
 from .slots import SlotState
 from .swap import PHASE_TIMEOUT_S, transfer_key
@@ -160,9 +161,11 @@ class NodePlans:
             assert move.joiner_addr is not None
             donor = self.sw._slots.slots[move.donor.slot]
             # a donor serving several joiners streams to them one after the other (it reads its commands in turn)
-            self.sw._slots.send(donor, "send_state", addr=move.joiner_addr[0], port=move.joiner_addr[1],
-                                swap_id=plan.id, replicated_only=True, rng=False, timeout=PHASE_TIMEOUT_S,
-                                key=transfer_key(plan), rank=move.rank)
+            key = transfer_key(plan)
+            assert key is not None   # _refuse_destination checked it
+            self.sw._slots.send(donor, SendState(addr=move.joiner_addr[0], port=move.joiner_addr[1], swap_id=plan.id,
+                                                 key=key, rank=move.rank, replicated_only=True, rng=False,
+                                                 timeout=PHASE_TIMEOUT_S))
         mine = self._mine(plan)
         if not mine:
             return None
@@ -177,50 +180,50 @@ class NodePlans:
         joiner = self.sw._slots.slots[move.joiner.slot]
         light = self._lights.get((plan.id, move.rank))
         if light is not None:
-            self.sw._slots.send(joiner, "light", data=base64.b64encode(light).decode(), step=plan.boundary)
+            self.sw._slots.send(joiner, Light(data=base64.b64encode(light).decode(), step=plan.boundary))
         msg = await self.sw._await_received(plan, joiner)
         if msg == "aborted":
-            self.sw._slots.send(joiner, "abort")
+            self.sw._slots.send(joiner, Abort())
             return "the plan was aborted"
-        if not isinstance(msg, dict) or not msg.get("ok"):
-            err = (msg or {}).get("error") if isinstance(msg, dict) else None
+        if not isinstance(msg, Received) or not msg.ok:
+            err = msg.error if isinstance(msg, Received) else None
             err = f"rank {move.rank}: {err or 'the joiner died or timed out during the transfer'}"
             self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=err, rank=move.rank)
             return err
-        self.port.events.write("swap_transfer_end", swap_id=plan.id, rank=move.rank, nbytes=msg.get("nbytes"),
-                               seconds=msg.get("seconds"), checksum=msg.get("checksum"))
+        self.port.events.write("swap_transfer_end", swap_id=plan.id, rank=move.rank, nbytes=msg.nbytes,
+                               seconds=msg.seconds, checksum=msg.checksum)
         if light is not None:
-            ok = await self.sw._slots.expect(joiner, {"light_ok"}, 5.0)
-            if ok is None or ok.get("ok") is False:
+            ok = await self.sw._slots.expect(joiner, (LightOk,), 5.0)
+            if ok is None or ok.ok is False:
                 return (f"the joiner of rank {move.rank} rejected its mirrored snapshot (step "
-                        f"{(ok or {}).get('step')}, resume step {plan.boundary})")
-        return int(msg.get("nbytes") or 0)
+                        f"{ok.step if ok else None}, resume step {plan.boundary})")
+        return int(msg.nbytes or 0)
 
     async def _reform(self, plan: SwapPlan) -> Report:
         me, slots = self.me, self.sw._slots
         gen = self.port.generation()
         assert gen is not None
         addr, port = plan.store or self.port.master()
-        world = {"addr": addr, "port": port, "prefix": f"/tpassrun/{plan.id}/{plan.attempt}/",
-                 "world_size": gen.world_size, "generation": gen.number + 1}
+        store = (addr, port, f"/tpassrun/{plan.id}/{plan.attempt}/", gen.number + 1)
         waiting = []
         for s in self.sw._survivors(plan):
             slots.set_run_until(s, INT64_MAX)
-            slots.send(s, "reform", rank=s.rank, rollback=True, **world)
+            slots.send(s, Reform(world=WorldSpec(rank=s.rank, world_size=gen.world_size).with_store(*store),
+                                 rollback=True))
             waiting.append(s)
         for move in self._mine(plan):
             joiner = slots.slots[move.joiner.slot]
             slots.set_run_until(joiner, INT64_MAX)
-            slots.send(joiner, "reform", **{**self.sw._assign_fields(plan, move), **world})
+            slots.send(joiner, Reform(world=self.sw._joiner_world(plan, move).with_store(*store)))
             joiner.state, joiner.rank = SlotState.RUNNING, move.rank
             waiting.append(joiner)
         if plan.store is not None:
             self.port.set_master(plan.store, plan.store_host)
-        answers = await asyncio.gather(*(slots.expect(s, {"reformed"}, PHASE_TIMEOUT_S) for s in waiting))
+        answers = await asyncio.gather(*(slots.expect(s, (Reformed,), PHASE_TIMEOUT_S) for s in waiting))
         for s, msg in zip(waiting, answers):
-            if msg is None or msg.get("ok") is False:
+            if msg is None or msg.ok is False:
                 return Report(node=me, phase=plan.phase, ok=False,
-                              error=f"rank {s.rank} did not join the new world: {(msg or {}).get('error')}")
+                              error=f"rank {s.rank} did not join the new world: {msg.error if msg else None}")
         self.port.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
         return Report(node=me, phase=plan.phase)
 
@@ -233,7 +236,7 @@ class NodePlans:
         for move in self._mine(plan):
             joiner = slots.slots[move.joiner.slot]
             if joiner.state == SlotState.SPARE:
-                slots.send(joiner, "abort")
+                slots.send(joiner, Abort())
         self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=plan.outcome or "aborted")
 
 

@@ -9,9 +9,10 @@ circle.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Mapping, Protocol, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union
 
 if TYPE_CHECKING:
+    from .protocol import Done, Failed, Hello
     from .rendezvous import EtcdRendezvous, Generation, RdzvEvent
     from .slots import LocalSlots, Slot
 
@@ -38,7 +39,7 @@ class WorkerExited:
 @dataclass(frozen=True)
 class WorkerSaid:
     slot: "Slot"
-    message: Mapping[str, Any]      # a channel message (hello, done, failed)
+    message: "Hello | Done | Failed"      # what a worker said that its agent's supervisor handles
 
 
 @dataclass(frozen=True)

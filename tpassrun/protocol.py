@@ -9,11 +9,15 @@ supervisor as events. The step boundary itself is signalled through shared memor
 This module imports nothing of tpassrun: the worker side (``import tpassrun`` in the user's script) pays for it
 only a dataclass import.
 
-Status: this is the declared contract. The agent (``slots.py``, ``swapper.py``) and the worker's two command
-loops (``worker._serve``, ``worker._wait_as_spare``) still write these messages as dicts of the same shape; they
-switch to these types (one dispatcher in the worker) next. Dead messages are already left out here: ``rollback``
-(nothing sends it), ``rolled_back``, ``paused`` (the shared-memory phase says it), ``sent`` and ``reserved``
-(never awaited).
+Every message crosses the socket as one of these types: the agent (``slots.py``: ``send``/``expect``,
+``swapper.py``, ``mirrorplane.py``) builds and reads them, the worker (``worker_link.py``) decodes commands and
+one dispatcher (``worker_commands.py``) obeys them, whether the worker holds a rank or is a spare. Messages
+nothing sent or awaited are gone: ``rollback``, ``rolled_back``, ``paused`` (the shared-memory phase says it),
+``sent`` and ``reserved``.
+
+Each direction has its own table (:data:`COMMANDS` from the agent, :data:`REPLIES` from the worker) and its own
+decoder (:func:`decode_command`, :func:`decode_reply`): a question and its answer may share a kind
+(``mirror_info``).
 """
 
 from __future__ import annotations
@@ -53,10 +57,18 @@ class WorldSpec:
     def with_store(self, addr: str, port: int, prefix: str, generation: int) -> "WorldSpec":
         return dataclasses.replace(self, addr=addr, port=port, prefix=prefix, generation=generation)
 
-    def env_fields(self) -> dict[str, Any]:
-        """The mapping :func:`tpassrun.world.set_rank_env` and ``join_world`` read."""
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
+@dataclass(frozen=True)
+class MirrorSource:
+    """Where a joiner fetches the dead rank's sharded state itself: that rank's (``owner``) copy of ``step`` in
+    the mirror at ``target`` (a ``tpassrun.mirror.MirrorTarget`` as JSON, with the run's key)."""
+
+    target: dict[str, Any]
+    owner: int
+    step: int
+
+
+_NESTED: dict[str, type] = {"WorldSpec": WorldSpec, "MirrorSource": MirrorSource}
 
 # --------------------------------------------------------------------------------------------- messages
 
@@ -85,6 +97,7 @@ class SendState(Message):
     key: str                          # hex: this attempt's transfer key (from the plan's secret)
     rank: int                         # the rank whose state this is (authenticated with the key)
     replicated_only: bool = False     # a donor: only what every data-parallel replica holds alike
+    without_sharded: bool = False     # leave the sharded objects out: the joiner fetches them from a mirror
     rng: bool = True                  # the leaver's own RNG goes along (a donor's would be wrong)
     timeout: float = 60.0
 
@@ -124,6 +137,7 @@ class Assign(Message):
     timeout: float = 120.0            # receiving, once a sender connected
     accept_timeout: float = 120.0     # waiting for the sender to connect
     max_bytes: int | None = None      # the most the transfer may announce (nothing larger is allocated)
+    mirror_from: MirrorSource | None = None   # the dead rank's sharded state: fetched from this mirror
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,25 @@ class Abort(Message):
     """A spare drops an assignment (the swap was given up)."""
 
     KIND: ClassVar[str] = "abort"
+
+
+@dataclass(frozen=True)
+class ShardRollback(Message):
+    """A survivor loads its own local copy of ``step``'s start (sharded state; the dead rank's newest mirrored
+    shard is older than where the survivors stopped). Answered by :class:`ShardRolledBack`."""
+
+    KIND: ClassVar[str] = "shard_rollback"
+    step: int
+
+
+@dataclass(frozen=True)
+class MirrorInfo(Message):
+    """The answer to :class:`MirrorInfoRequest`: where this rank's redundant copies go (its node's buddy mirror,
+    None without one) and its own node's mirror, each a ``tpassrun.mirror.MirrorTarget`` as JSON."""
+
+    KIND: ClassVar[str] = "mirror_info"
+    buddy: dict[str, Any] | None = None
+    local: dict[str, Any] | None = None
 
 
 # worker -> agent: replies and news
@@ -175,6 +208,7 @@ class Failed(Message):
     step: int
     error: str = ""
     error_type: str = ""
+    failure: str = ""                 # the worker's StepFailure value (dist_error, collective, backward)
 
 
 @dataclass(frozen=True)
@@ -206,6 +240,7 @@ class Received(Message):
     checksum: str = ""
     error: str = ""
     step: int | None = None           # the step of the state received (checked against the swap's boundary)
+    mirrored: bool = False            # the dead rank's sharded state came from its mirror too
 
 
 @dataclass(frozen=True)
@@ -226,6 +261,21 @@ class LightOk(Message):
 
 
 @dataclass(frozen=True)
+class ShardRolledBack(Message):
+    KIND: ClassVar[str] = "shard_rolled_back"
+    ok: bool
+    step: int
+    error: str = ""
+
+
+@dataclass(frozen=True)
+class MirrorInfoRequest(Message):
+    """Where do my copies go? Answered by :class:`MirrorInfo` (the same kind, the other direction)."""
+
+    KIND: ClassVar[str] = "mirror_info"
+
+
+@dataclass(frozen=True)
 class Reformed(Message):
     KIND: ClassVar[str] = "reformed"
     ok: bool = True
@@ -242,17 +292,18 @@ class Reformed(Message):
                                   ("callbacks_s", self.callbacks_s)) if v is not None}
 
 
-Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort]
-Reply = Union[Hello, Done, Failed, Replicas, Listening, Received, Stranger, LightOk, Reformed]
+Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort, ShardRollback, MirrorInfo]
+Reply = Union[Hello, Done, Failed, Replicas, Listening, Received, Stranger, LightOk, Reformed, ShardRolledBack,
+              MirrorInfoRequest]
 COMMANDS: dict[str, type[Message]] = {c.KIND: c for c in (Resume, SendState, Reform, Exit, Raise, Assign, Light,
-                                                             Reserve, Abort)}
+                                                             Reserve, Abort, ShardRollback, MirrorInfo)}
 REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Replicas, Listening, Received,
-                                                            Stranger, LightOk, Reformed)}
-_ALL = {**COMMANDS, **REPLIES}
+                                                            Stranger, LightOk, Reformed, ShardRolledBack,
+                                                            MirrorInfoRequest)}
 
 # --------------------------------------------------------------------------------------------- encoding
 
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,)}
+_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict[str, Any]": (dict,)}
 
 
 def encode(msg: Message, *, slot: int | None = None) -> bytes:
@@ -261,22 +312,32 @@ def encode(msg: Message, *, slot: int | None = None) -> bytes:
         doc["slot"] = slot
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
-        doc[f.name] = (dataclasses.asdict(value) if isinstance(value, WorldSpec)
+        doc[f.name] = (dataclasses.asdict(value) if isinstance(value, tuple(_NESTED.values()))
                        else list(value) if isinstance(value, tuple) else value)
     return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
 
 
-def decode(line: bytes | str) -> tuple[Message, int | None]:
-    """One channel line -> (message, the sender's slot if it said so). Raises :class:`ProtocolError`."""
+def decode(line: bytes | str, table: Mapping[str, type[Message]]) -> tuple[Message, int | None]:
+    """One channel line -> (message of ``table``, the sender's slot if it said so). Raises :class:`ProtocolError`."""
     try:
         doc = json.loads(line)
     except ValueError as exc:
         raise ProtocolError(f"not JSON: {line!r:.80}") from exc
-    if not isinstance(doc, dict) or doc.get("kind") not in _ALL:
+    if not isinstance(doc, dict) or doc.get("kind") not in table:
         raise ProtocolError(f"unknown channel message: {line!r:.80}")
-    cls = _ALL[doc["kind"]]
+    cls = table[doc["kind"]]
     slot = doc.get("slot")
     return _build(cls, doc), slot if isinstance(slot, int) and not isinstance(slot, bool) else None
+
+
+def decode_command(line: bytes | str) -> Message:
+    """The worker's side: one line from its agent -> a :data:`Command`."""
+    return decode(line, COMMANDS)[0]
+
+
+def decode_reply(line: bytes | str) -> tuple[Message, int | None]:
+    """The agent's side: one line from a worker -> (a :data:`Reply`, the worker's slot if it said so)."""
+    return decode(line, REPLIES)
 
 
 def _build(cls: type, doc: Mapping[str, Any]) -> Any:
@@ -288,10 +349,14 @@ def _build(cls: type, doc: Mapping[str, Any]) -> Any:
             continue
         value = doc[f.name]
         kind = str(f.type)
-        if kind == "WorldSpec":
-            if not isinstance(value, Mapping):
+        nested = _NESTED.get(kind.replace(" | None", ""))
+        if nested is not None:
+            if value is None and "None" in kind:
+                pass
+            elif not isinstance(value, Mapping):
                 raise ProtocolError(f"{cls.__name__}: {f.name} must be an object")
-            value = _build(WorldSpec, value)
+            else:
+                value = _build(nested, value)
         elif kind == "tuple[int, ...]":
             if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
                 raise ProtocolError(f"{cls.__name__}: {f.name} must be a list of integers")
@@ -308,5 +373,6 @@ def _build(cls: type, doc: Mapping[str, Any]) -> Any:
 
 
 __all__ = ["Abort", "Assign", "COMMANDS", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
-           "Listening", "Message", "ProtocolError", "REPLIES", "Raise", "Received", "Reform", "Reformed", "Replicas", "Reply",
-           "Reserve", "Resume", "SendState", "Stranger", "WorldSpec", "decode", "encode"]
+           "Listening", "Message", "MirrorInfo", "MirrorInfoRequest", "ProtocolError", "REPLIES", "Raise", "MirrorSource", "Received",
+           "Reform", "Reformed", "Replicas", "Reply", "ShardRollback", "ShardRolledBack", "Reserve", "Resume", "SendState", "Stranger", "WorldSpec", "decode",
+           "decode_command", "decode_reply", "encode"]

@@ -21,6 +21,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
 from .channel import Field, WorkerPhase
+from .protocol import MirrorSource, ShardRolledBack, ShardRollback
 
 if TYPE_CHECKING:
     from .records import SwapPlan
@@ -75,7 +76,7 @@ def pause_fields(port: Any, plan: "SwapPlan", survivors: Iterable["Slot"]) -> di
     return fields
 
 
-async def mirror_source(mirror: Any, plan: "SwapPlan") -> dict[str, Any] | None:
+async def mirror_source(mirror: Any, plan: "SwapPlan") -> MirrorSource | None:
     """For the joiner's ``assign``: the dead rank's mirrored shard (the holder's target with the key, the owner
     rank and the step), None when the plan takes no shard from a mirror."""
     if plan.shard_from is None or mirror is None:
@@ -83,7 +84,8 @@ async def mirror_source(mirror: Any, plan: "SwapPlan") -> dict[str, Any] | None:
     target = await mirror.target_of(plan.shard_node) if plan.shard_node else None
     if target is None:
         raise RuntimeError(f"the mirror of node {plan.shard_node!r} holding rank {plan.leaver.rank}'s shard is gone")
-    return {"target": target.to_json(), "owner": plan.leaver.rank, "step": plan.boundary}
+    assert plan.leaver.rank is not None and plan.boundary is not None
+    return MirrorSource(target=target.to_json(), owner=plan.leaver.rank, step=plan.boundary)
 
 
 async def roll_back(slots: "LocalSlots", survivors: Iterable["Slot"], step: int) -> str | None:
@@ -92,13 +94,13 @@ async def roll_back(slots: "LocalSlots", survivors: Iterable["Slot"], step: int)
     for s in survivors:
         if slots.phase(s) not in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
             return f"rank {s.rank} is not stopped (phase {slots.phase(s)!r}): cannot roll it back"
-        slots.send(s, "shard_rollback", step=step)
+        slots.send(s, ShardRollback(step=step))
         waiting.append(s)
-    answers = await asyncio.gather(*(slots.expect(s, {"shard_rolled_back"}, ROLLBACK_TIMEOUT_S) for s in waiting))
+    answers = await asyncio.gather(*(slots.expect(s, (ShardRolledBack,), ROLLBACK_TIMEOUT_S) for s in waiting))
     for s, msg in zip(waiting, answers):
-        if msg is None or not msg.get("ok"):
+        if msg is None or not msg.ok:
             return (f"rank {s.rank} could not roll back to its copy of step {step}: "
-                    f"{(msg or {}).get('error', 'no answer')}")
+                    f"{msg.error if msg is not None else 'no answer'}")
     return None
 
 

@@ -17,7 +17,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from .channel import INT64_MAX, ChannelFile, Field, WorkerPhase, decode_msg, encode_msg
+from .channel import INT64_MAX, ChannelFile, Field, WorkerPhase
+from .protocol import Command, Hello, Message, ProtocolError, Replicas, Reply, decode_reply, encode
 from .records import WorkerRow
 
 log = logging.getLogger("tpassrun.agent")
@@ -42,7 +43,7 @@ class Slot:
     proc: Any = None                      # procs.WorkerProcess
     managed: bool = False                 # said hello through tpassrun.init()
     writer: asyncio.StreamWriter | None = None
-    inbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)
+    inbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)   # the worker's protocol Replies
     exit_code: int | None = None
     quarantine_reason: str | None = None
     home_rank: int | None = None          # the rank that left this slot because of a taint (migrate-back)
@@ -65,7 +66,7 @@ class LocalSlots:
     """Slot table + channel. ``open()`` does the I/O; the constructor does none."""
 
     def __init__(self, n_active: int, n_spares: int, *,
-                 on_message: Callable[[Slot, dict[str, Any]], None]) -> None:
+                 on_message: Callable[[Slot, Reply], None]) -> None:
         self.n_active = n_active
         self.n_spares = n_spares
         self.slots = [Slot(index=i, local_rank=i) for i in range(n_active + n_spares)]
@@ -115,22 +116,19 @@ class LocalSlots:
                 if not line:
                     break
                 try:
-                    msg = decode_msg(line)
-                except ValueError as exc:
+                    msg, idx = decode_reply(line)
+                except ProtocolError as exc:
                     log.warning("bad channel message: %s", exc)
                     continue
-                idx = msg.get("slot")
-                if slot is None and isinstance(idx, int) and 0 <= idx < len(self.slots):
+                if slot is None and idx is not None and 0 <= idx < len(self.slots):
                     slot = self.slots[idx]
                     slot.writer = writer
                 if slot is None:
                     continue
-                if msg["kind"] == "hello":
+                if isinstance(msg, Hello):
                     slot.managed = True
-                if msg["kind"] == "replicas":     # a declaration, kept with the slot (no one awaits it)
-                    ranks = msg.get("ranks")
-                    if isinstance(ranks, list) and all(isinstance(r, int) for r in ranks):
-                        slot.replicas, slot.alone = tuple(ranks), str(msg.get("alone", ""))[:300]
+                if isinstance(msg, Replicas):     # a declaration, kept with the slot (no one awaits it)
+                    slot.replicas, slot.alone = msg.ranks, msg.alone[:300]
                     continue
                 slot.inbox.put_nowait(msg)
                 self._on_message(slot, msg)
@@ -141,19 +139,21 @@ class LocalSlots:
                 slot.writer = None
             writer.close()
 
-    def send(self, slot: Slot, kind: str, **fields: Any) -> bool:
+    def send(self, slot: Slot, msg: Command) -> bool:
+        """Send ``slot``'s worker a command (False if it is not connected)."""
         if slot.writer is None:
             return False
         try:
-            slot.writer.write(encode_msg(kind, **fields))
+            slot.writer.write(encode(msg))
         except (ConnectionError, RuntimeError):
             return False
         assert self.channel is not None
         self.channel.set(slot.index, Field.CTL_SEQ, self.channel.get(slot.index, Field.CTL_SEQ) + 1)
         return True
 
-    async def expect(self, slot: Slot, kinds: set[str], timeout: float) -> dict[str, Any] | None:
-        """Next message of one of ``kinds`` from ``slot`` (others are dropped), or None on timeout/exit."""
+    async def expect(self, slot: Slot, kinds: tuple[type[Message], ...], timeout: float) -> Any:
+        """Next message of one of the types ``kinds`` from ``slot`` (others are dropped), or None on
+        timeout/exit."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -165,7 +165,7 @@ class LocalSlots:
                 msg = await asyncio.wait_for(slot.inbox.get(), min(remaining, 0.5))
             except asyncio.TimeoutError:
                 continue
-            if msg["kind"] in kinds:
+            if isinstance(msg, kinds):
                 return msg
 
     async def wait_ready(self, slot: Slot, timeout: float) -> bool:

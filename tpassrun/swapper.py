@@ -19,17 +19,17 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
-import hmac
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .channel import INT64_MAX, Field, WorkerPhase
 from . import shardplane
 from .coordinator import Coordinator
 from .failkind import classify_death, recoverable
 from .port import AgentPort, FallbackRequested
+from .protocol import (Abort, Assign, Exit, Failed, Light, LightOk, Listening, Raise, Received, Reform, Reformed,
+                       Reserve, Resume, SendState, Stranger, WorldSpec)
 from .nodeswap import NodePlans
 from .records import Failure, Fallback, Keys, Move, Report, SwapPlan, Taint, TaintEffect, TaintSource, load, node_info
 from .swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, transfer_key as _transfer_key
@@ -92,7 +92,7 @@ class Swapper:
         for s in self._slots.slots:
             if s.state == SlotState.SPARE and s.alive and s.managed and s.reserved < size:
                 s.reserved = want
-                self._slots.send(s, "reserve", nbytes=want)
+                self._slots.send(s, Reserve(nbytes=want))
 
     def on_generation_committed(self, gen: "Generation") -> None:
         pass
@@ -100,7 +100,7 @@ class Swapper:
     async def on_node_lost(self, node_id: str) -> bool:
         return self.node_plans.on_node_lost(node_id)
 
-    def on_worker_failed_step(self, slot: Slot, msg: dict[str, Any]) -> None:
+    def on_worker_failed_step(self, slot: Slot, msg: Failed) -> None:
         """A survivor's collective failed. Normally a death elsewhere is being recovered; if nothing claims
         this worker within the grace period, it re-raises and the ordinary failure path takes over."""
         loop = asyncio.get_running_loop()
@@ -110,7 +110,7 @@ class Swapper:
 
         def expire() -> None:
             if not self.busy and self._slots.phase(slot) == WorkerPhase.FAILED:
-                self._slots.send(slot, "raise", reason="no recovery was planned for this failure")
+                self._slots.send(slot, Raise(reason="no recovery was planned for this failure"))
 
         self._failed_timers[slot.index] = loop.call_later(FAILED_STEP_GRACE_S, expire)
         if self._probe is None or self._probe.done():
@@ -302,7 +302,7 @@ class Swapper:
             self._slots.set_run_until(s, boundary)
         for s in survivors:
             if self._slots.phase(s) == WorkerPhase.PAUSED and self._slots.field(s, Field.STEP) < boundary:
-                self._slots.send(s, "resume")
+                self._slots.send(s, Resume())
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         while True:
             over = 0
@@ -326,16 +326,17 @@ class Swapper:
                               error=f"workers did not reach step {boundary}")
             await asyncio.sleep(0.002)
 
-    def _assign_fields(self, plan: SwapPlan, move: Move | None = None) -> dict[str, Any]:
+    def _joiner_world(self, plan: SwapPlan, move: Move | None = None) -> WorldSpec:
+        """A joiner's place: the rank it takes on this node (its store is added at REFORM)."""
         gen = self.port.generation()
         assert gen is not None
         rank = move.rank if move is not None else plan.leaver.rank
+        assert rank is not None
         me = plan.lost_node if plan.lost_node and plan.replaces == self.port.node_id else self.port.node_id
         member = gen.member(me)   # a node taking a lost member's place takes its group rank too
-        return {"rank": rank, "world_size": gen.world_size, "role_rank": rank,
-                "role_world_size": gen.world_size, "group_rank": member.group_rank if member else None,
-                "local_world_size": self.port.settings.nproc_per_node, "group_world_size": len(gen.members),
-                "swap_id": plan.id}
+        return WorldSpec(rank=rank, world_size=gen.world_size, role_rank=rank, role_world_size=gen.world_size,
+                         group_rank=member.group_rank if member else None,
+                         local_world_size=self.port.settings.nproc_per_node, group_world_size=len(gen.members))
 
     async def _transfer(self, plan: SwapPlan) -> Report | None:
         me = self.port.node_id
@@ -389,19 +390,19 @@ class Swapper:
         if key is None:
             return f"swap {plan.id} carries no transfer secret: refusing an unauthenticated transfer"
         self._slots.drain(joiner)
-        fields = self._assign_fields(plan, move)
+        # the dead rank's shard, when a mirror holds it: the joiner fetches it from there
         mirrored = await shardplane.mirror_source(self.port.mirror(), plan)
-        if mirrored is not None:
-            fields["mirror_from"] = mirrored   # the dead rank's shard: the joiner fetches it from that mirror
         # Assigned during BOUNDARY, the spare may wait for the survivors' step and then the TRANSFER phase.
         # It listens on this node's advertised address only, and accepts only a sender that proves the key
         # (which reaches it over its private agent socket, never the network).
-        self._slots.send(joiner, "assign", **fields, timeout=PHASE_TIMEOUT_S, accept_timeout=3 * PHASE_TIMEOUT_S,
-                         key=key, listen_host=self.port.addr, max_bytes=joiner.reserved or None)
-        msg = await self._slots.expect(joiner, {"listening"}, PHASE_TIMEOUT_S)
+        self._slots.send(joiner, Assign(world=self._joiner_world(plan, move), swap_id=plan.id, key=key,
+                                        listen_host=self.port.addr, timeout=PHASE_TIMEOUT_S,
+                                        accept_timeout=3 * PHASE_TIMEOUT_S, max_bytes=joiner.reserved or None,
+                                        mirror_from=mirrored))
+        msg = await self._slots.expect(joiner, (Listening,), PHASE_TIMEOUT_S)
         if msg is None:
             return "the spare did not start listening"
-        return (self.port.addr, int(msg["port"]))
+        return (self.port.addr, msg.port)
 
     def _cancel_early(self) -> None:
         early, self._early = self._early, None
@@ -419,50 +420,52 @@ class Swapper:
                 self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
                 return Report(node=me, phase=plan.phase, ok=False, error=f"send refused: {refused}")
             slot = self._slots.slots[sender.slot]
-            self._slots.send(slot, "send_state", addr=plan.joiner_addr[0], port=plan.joiner_addr[1],
-                             swap_id=plan.id, replicated_only=plan.kind == SwapKind.UNPLANNED,
-                             without_sharded=plan.shard_from is not None,
-                             rng=plan.kind == SwapKind.PLANNED, timeout=PHASE_TIMEOUT_S,
-                             key=_transfer_key(plan), rank=plan.leaver.rank)
+            key = _transfer_key(plan)
+            assert key is not None and plan.leaver.rank is not None   # _refuse_destination checked both
+            self._slots.send(slot, SendState(addr=plan.joiner_addr[0], port=plan.joiner_addr[1], swap_id=plan.id,
+                                             key=key, rank=plan.leaver.rank,
+                                             replicated_only=plan.kind == SwapKind.UNPLANNED,
+                                             without_sharded=plan.shard_from is not None,
+                                             rng=plan.kind == SwapKind.PLANNED, timeout=PHASE_TIMEOUT_S))
         if plan.joiner.node != me:
             return None
         joiner = self._slots.slots[plan.joiner.slot]
         light = plan.kind == SwapKind.UNPLANNED and plan.light_b64 is not None
         if light:
-            self._slots.send(joiner, "light", data=plan.light_b64, step=plan.boundary)
+            self._slots.send(joiner, Light(data=plan.light_b64, step=plan.boundary))
         msg = await self._await_received(plan, joiner)
         if msg == "aborted":
-            self._slots.send(joiner, "abort")
+            self._slots.send(joiner, Abort())
             return None
-        if msg is None or not msg.get("ok"):
-            err = (msg or {}).get("error", "the joiner died or timed out during the transfer")
+        if not isinstance(msg, Received) or not msg.ok:
+            err = msg.error if isinstance(msg, Received) else "the joiner died or timed out during the transfer"
             self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=err, attempt=plan.attempt)
             return Report(node=me, phase=plan.phase, ok=False, error=err)
-        if plan.kind == SwapKind.PLANNED and plan.boundary is not None and msg.get("step") is not None \
-                and int(msg["step"]) != int(plan.boundary):
-            err = f"the joiner received the state of step {msg['step']}, the swap is at step {plan.boundary}"
+        if plan.kind == SwapKind.PLANNED and plan.boundary is not None and msg.step is not None \
+                and msg.step != int(plan.boundary):
+            err = f"the joiner received the state of step {msg.step}, the swap is at step {plan.boundary}"
             self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=err, attempt=plan.attempt)
             return Report(node=me, phase=plan.phase, ok=False, error=err)
-        self.port.events.write("swap_transfer_end", swap_id=plan.id, nbytes=msg.get("nbytes"),
-                                seconds=msg.get("seconds"), checksum=msg.get("checksum"))
+        self.port.events.write("swap_transfer_end", swap_id=plan.id, nbytes=msg.nbytes, seconds=msg.seconds,
+                                checksum=msg.checksum)
         if light:
-            ok = await self._slots.expect(joiner, {"light_ok"}, 5.0)
-            if ok is None or ok.get("ok") is False:
+            ok = await self._slots.expect(joiner, (LightOk,), 5.0)
+            if ok is None or ok.ok is False:
                 # the same bytes would be rejected again: do not retry
                 return Report(node=me, phase=plan.phase, ok=False, final=ok is not None,
-                              error=f"the joiner rejected the dead rank's snapshot (step {(ok or {}).get('step')}, "
+                              error=f"the joiner rejected the dead rank's snapshot (step {ok.step if ok else None}, "
                                     f"resume step {plan.boundary})")
-        return Report(node=me, phase=plan.phase, extra={"nbytes": msg.get("nbytes"), "seconds": msg.get("seconds")})
+        return Report(node=me, phase=plan.phase, extra={"nbytes": msg.nbytes, "seconds": msg.seconds})
 
-    async def _await_received(self, plan: SwapPlan, joiner: Slot) -> dict[str, Any] | str | None:
+    async def _await_received(self, plan: SwapPlan, joiner: Slot) -> Received | str | None:
         """The joiner's "received", or "aborted" once the leader gave the plan up (a sender that died before
         connecting leaves the joiner listening; plans are followed one at a time, so this wait must look)."""
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         key = self._keys.swap(plan.id)
         while time.monotonic() < deadline:
-            msg = await self._slots.expect(joiner, {"received", "stranger"}, 0.5)
-            if msg is not None and msg["kind"] == "stranger":
-                self.port.events.write("swap_transfer_stranger", swap_id=plan.id, error=msg.get("error"))
+            msg = await self._slots.expect(joiner, (Received, Stranger), 0.5)
+            if isinstance(msg, Stranger):
+                self.port.events.write("swap_transfer_stranger", swap_id=plan.id, error=msg.error)
                 continue
             if msg is not None or not joiner.alive:
                 return msg
@@ -486,8 +489,10 @@ class Swapper:
         host = addr[0]
         if (plan.id, plan.attempt) not in self._transfers_seen:
             return f"this node never took part in the transfer phase of attempt {plan.attempt}"
-        if plan.secret is None:
+        if plan.secret is None or _transfer_key(plan) is None:
             return "the plan carries no transfer secret"
+        if move.rank is None:
+            return "the plan names no rank to send"
         if gen is None or not gen.includes(move.joiner.node):
             return f"the joiner's node {move.joiner.node!r} is not part of the current generation"
         member = gen.member(move.joiner.node)
@@ -512,20 +517,20 @@ class Swapper:
         addr, port = plan.store or self.port.master()
         if plan.store is not None:
             self.port.set_master(plan.store, plan.store_host)
-        world = {"addr": addr, "port": port, "prefix": f"/tpassrun/{plan.id}/{plan.attempt}/",
-                 "world_size": gen.world_size, "generation": gen.number + 1}
+        store = (addr, port, f"/tpassrun/{plan.id}/{plan.attempt}/", gen.number + 1)
         waiting: list[Slot] = []
         for s in self._survivors(plan):
             if plan.kind == SwapKind.PLANNED and plan.leaver.node == me and s.index == plan.leaver.slot:
                 continue
             self._slots.set_run_until(s, INT64_MAX)
-            self._slots.send(s, "reform", rank=s.rank, rollback=plan.kind == SwapKind.UNPLANNED, **world)
+            assert s.rank is not None
+            self._slots.send(s, Reform(world=WorldSpec(rank=s.rank, world_size=gen.world_size).with_store(*store),
+                                       rollback=plan.kind == SwapKind.UNPLANNED))
             waiting.append(s)
         if plan.joiner.node == me:
             joiner = self._slots.slots[plan.joiner.slot]
-            fields = self._assign_fields(plan)
             self._slots.set_run_until(joiner, INT64_MAX)
-            self._slots.send(joiner, "reform", **{**fields, **world})
+            self._slots.send(joiner, Reform(world=self._joiner_world(plan).with_store(*store)))
             joiner.state, joiner.rank = SlotState.RUNNING, plan.leaver.rank
             waiting.append(joiner)
         if plan.leaver.node == me:
@@ -536,17 +541,17 @@ class Swapper:
             if plan.kind == SwapKind.PLANNED:
                 leaver.state = SlotState.LEAVING
                 leaver.release_after_exit = plan.release
-                self._slots.send(leaver, "exit", code=0)
+                self._slots.send(leaver, Exit(code=0))
             else:
                 leaver.state = SlotState.QUARANTINED
             leaver.rank = None
         timings = {}
         for s in waiting:
-            msg = await self._slots.expect(s, {"reformed"}, PHASE_TIMEOUT_S)
-            if msg is None or msg.get("ok") is False:
+            msg = await self._slots.expect(s, (Reformed,), PHASE_TIMEOUT_S)
+            if msg is None or msg.ok is False:
                 return Report(node=me, phase=plan.phase, ok=False,
-                              error=f"rank {s.rank} did not join the new world: {(msg or {}).get('error')}")
-            timings[str(s.rank)] = {k: msg[k] for k in ("leave_s", "join_s", "callbacks_s") if k in msg}
+                              error=f"rank {s.rank} did not join the new world: {msg.error if msg else None}")
+            timings[str(s.rank)] = msg.timings()
         self.port.events.write("swap_reform_timings", swap_id=plan.id, ranks=timings)
         self.port.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
         return Report(node=me, phase=plan.phase)
@@ -559,11 +564,11 @@ class Swapper:
             # too, or the whole job waits for it forever.
             if s.state == SlotState.RUNNING and self._slots.phase(s) in (WorkerPhase.PAUSED,
                                                                          WorkerPhase.TRANSFERRING):
-                self._slots.send(s, "resume")
+                self._slots.send(s, Resume())
         if plan.joiner.node == me:
             joiner = self._slots.slots[plan.joiner.slot]
             if joiner.state == SlotState.SPARE:
-                self._slots.send(joiner, "abort")
+                self._slots.send(joiner, Abort())
         reason = plan.history[-1][0] if plan.history else ""
         self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=reason)
         if plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me:

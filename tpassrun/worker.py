@@ -18,8 +18,8 @@ Launched without tpassrun (plain ``torchrun`` or ``python``), :func:`init` just 
 
 Where the code is: :mod:`tpassrun.worker_session` (``Session``: hooks, the step loop, a joiner's pending
 state), :mod:`tpassrun.worker_step` (the step transaction: light snapshots, seal, commit point),
-:mod:`tpassrun.worker_commands` (the agent's commands at a boundary, sending state), :mod:`tpassrun.worker_spare`
-(a spare's wait and the joiner's receive path), :mod:`tpassrun.worker_failure` (what a step's exception is),
+:mod:`tpassrun.worker_commands` (the one command dispatcher, a rank's commands, sending state),
+:mod:`tpassrun.worker_spare` (a spare's commands and the joiner's receive path), :mod:`tpassrun.worker_failure` (what a step's exception is),
 :mod:`tpassrun.worker_link` (the channel's worker end).
 """
 
@@ -31,11 +31,12 @@ from datetime import timedelta
 
 from . import envnames as E
 from .channel import INT64_MAX, Field, WorkerPhase
+from .protocol import Hello
 from .world import init_world
 from .worker_failure import StepFailure, classify_failure, is_distributed_failure
 from .worker_link import AgentLink
 from .worker_session import Session
-from .worker_spare import _prewarm, _wait_as_spare, _wait_for_sender
+from .worker_spare import _prewarm, _wait_for_sender
 
 log = logging.getLogger("tpassrun.worker")
 
@@ -67,7 +68,7 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
         _prewarm()
     link = AgentLink(channel, int(env[E.TPASSRUN_SLOT]), sock)
     link.set(Field.PID, os.getpid())
-    link.send("hello", pid=os.getpid(), spare=spare)
+    link.send(Hello(pid=os.getpid(), spare=spare))
     generation = int(env.get(E.TPASSRUN_GENERATION, "0"))
     if not spare:
         if not dist.is_initialized():
@@ -76,7 +77,11 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
         link.set(Field.PHASE, WorkerPhase.STARTING)
         return Session(backend=backend, link=link, rank=dist.get_rank(), world_size=dist.get_world_size(),
                        local_rank=local_rank, generation=generation, joined=False, timeout=timeout)
-    return _wait_as_spare(backend, link, local_rank, timeout)
+    # a spare is a session without a rank: it serves the agent's commands until one makes it a rank
+    sess = Session(backend=backend, link=link, rank=-1, world_size=0, local_rank=local_rank, generation=generation,
+                   joined=False, timeout=timeout)
+    sess._wait_for_rank()
+    return sess
 
 
 __all__ = ["AgentLink", "INT64_MAX", "Session", "StepFailure", "_AgentLink", "_wait_for_sender", "classify_failure", "init",

@@ -1,6 +1,8 @@
-"""What a paused or failed worker does for the agent: the commands it obeys at a step boundary or after a
-failed step (resume, send its state, reform the world, exit, raise), and the state transfer to a joiner.
-A mixin of :class:`tpassrun.worker_session.Session`.
+"""The worker's one command dispatcher, and what a worker holding a rank does for the agent: the commands it
+obeys paused at a step boundary or after a failed step (resume, send its state, reform the world, exit,
+raise), and the state transfer to a joiner. A spare is a session without a rank: the same dispatcher serves
+it with the spare's commands (:mod:`tpassrun.worker_spare`). A mixin of
+:class:`tpassrun.worker_session.Session`.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import time
 from typing import Any, Callable
 
 from .channel import Field, WorkerPhase
+from .protocol import Exit, Failed, Message, Raise, Reform, Reformed, Resume, SendState, ShardRolledBack, ShardRollback
 from .world import abort_process_groups, join_world, leave_process_group, set_rank_env
 from .worker_failure import StepFailure
 
@@ -20,13 +23,18 @@ log = logging.getLogger("tpassrun.worker")
 
 
 class BoundaryCommands:
-    """Session's command loop at a boundary or after a failed step."""
+    """Session's command dispatcher (both roles) and the commands of a worker that holds a rank."""
+
+    # The commands a rank obeys, by type; each handler returns True once the worker is released (it carries
+    # on, or leaves). A spare's table is SpareCommands._SPARE_COMMANDS.
+    _RANK_COMMANDS: dict[type[Message], str] = {Resume: "_on_resume", SendState: "_on_send_state",
+                                                ShardRollback: "_on_shard_rollback", Reform: "_on_reform",
+                                                Exit: "_on_exit", Raise: "_on_raise"}
 
     def _at_boundary(self, step: int) -> None:
         link = self._link
         assert link is not None
         link.set(Field.PHASE, WorkerPhase.PAUSED)
-        link.send("paused", step=step)
         self._serve(step)
 
     def _after_failure(self, step: int, exc: BaseException, kind: StepFailure) -> None:
@@ -39,94 +47,102 @@ class BoundaryCommands:
         # survivor instead of leaving some blocked until gloo's 30-minute timeout.
         abort_process_groups()
         link.set(Field.PHASE, WorkerPhase.FAILED)
-        link.send("failed", step=step, error=f"{type(exc).__name__}: {exc}"[:500], failure=kind.value,
-                  distributed=kind.distributed, exc_type=f"{type(exc).__module__}.{type(exc).__qualname__}",
-                  committed=self._committed == step)
+        link.send(Failed(step=step, error=f"{type(exc).__name__}: {exc}"[:500],
+                         error_type=f"{type(exc).__module__}.{type(exc).__qualname__}", failure=kind.value))
         self._serve(step, failed=exc)
 
     def _serve(self, step: int, failed: BaseException | None = None) -> None:
-        """Obey the agent until it lets this worker carry on (or tells it to leave)."""
+        """Obey the agent until it releases this worker: a rank carries on at ``step`` (or leaves), a spare
+        has become a rank. Commands that came while a spare waited for its sender are obeyed first. A handler
+        that moves the rank to another step (a shard rollback) sets ``_serve_step``."""
+        link = self._link
+        assert link is not None
+        spare = self._spare is not None
+        table = self._SPARE_COMMANDS if spare else self._RANK_COMMANDS
+        self._serve_step = step
+        while True:
+            msg = self._pending.pop(0) if self._pending else link.recv()
+            handler = table.get(type(msg))
+            if handler is None:
+                if spare:
+                    log.warning("spare ignoring unexpected command %r", msg.KIND)
+                else:
+                    log.warning("ignoring unexpected command %r at step %d", msg.KIND, self._serve_step)
+                continue
+            if getattr(self, handler)(msg, self._serve_step, failed):
+                return
+
+    # --- a rank's commands ---
+    def _on_resume(self, msg: Resume, step: int, failed: BaseException | None) -> bool:
+        link = self._link
+        if failed is None and link.get(Field.RUN_UNTIL) <= step:
+            link.set(Field.PHASE, WorkerPhase.PAUSED)
+            return False  # still held at this boundary; wait for the next command
+        link.set(Field.PHASE, WorkerPhase.RUNNING)
+        return True
+
+    def _on_send_state(self, msg: SendState, step: int, failed: BaseException | None) -> bool:
         from . import handoff, testing
 
         link = self._link
-        assert link is not None
-        while True:
-            msg = link.recv()
-            kind = msg["kind"]
-            if kind == "resume":
-                if failed is None and link.get(Field.RUN_UNTIL) <= step:
-                    link.set(Field.PHASE, WorkerPhase.PAUSED)
-                    continue  # still held at this boundary; wait for the next command
-                link.set(Field.PHASE, WorkerPhase.RUNNING)
-                return
-            if kind == "send_state":
-                link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
-                testing.fault_point(self.rank, step, "send")   # tests: the sender dies mid-handoff
-                objs = {k: v for k, v in self._tracked.items()
-                        if not (msg.get("replicated_only") and k in self._per_rank)
-                        and not (msg.get("without_sharded") and k in self._sharded)}   # those: from the mirror
-                unique = _not_replicated(objs) if msg.get("replicated_only") else []
-                if unique:
-                    # e.g. a ZeRO optimizer partition: this rank's copy is not the dead rank's. Refuse (the
-                    # joiner sees the connection close at once) rather than hand over the wrong state.
-                    log.warning("rank %d cannot donate state for an unplanned recovery: %s", self.rank,
-                                "; ".join(unique))
-                    _refuse_send(msg)
-                    link.send("sent", ok=False, error="; ".join(unique)[:300], swap_id=msg.get("swap_id"))
-                    continue
-                rng = handoff.capture_rng() if msg.get("rng", True) else None
-                bundle = handoff.capture(objs, step=step, rng=rng,
-                                         extra={"objects": sorted(objs), "swap_id": msg.get("swap_id")})
-                try:
-                    stats = _send_state(msg, bundle,
-                                        corrupt=lambda: testing.wants(self.rank, step, "send", "corrupt"))
-                    link.send("sent", ok=True, nbytes=stats.nbytes, seconds=stats.seconds,
-                              checksum=stats.checksum, swap_id=msg.get("swap_id"))
-                except (OSError, handoff.HandoffError) as exc:
-                    link.send("sent", ok=False, error=str(exc)[:300], swap_id=msg.get("swap_id"))
-                continue
-            if kind == "rollback":
-                if self._last_light is not None:
-                    self._restore_light(self._last_light)
-                self._drop_grads()
-                link.send("rolled_back", step=step)
-                continue
-            if kind == "shard_rollback":
-                # the whole state back to this rank's own copy of an earlier step's start (worker_shards.py)
-                target = int(msg["step"])
-                try:
-                    self._shard_rollback(target)
-                except Exception as exc:  # noqa: BLE001 - reported: the recovery aborts, nothing half-applied runs
-                    log.exception("rank %d: rolling back to its copy of step %d failed", self.rank, target)
-                    link.send("shard_rolled_back", ok=False, step=target, error=f"{type(exc).__name__}: {exc}"[:300])
-                    continue
-                step = target
-                link.set(Field.STEP, target)
-                link.send("shard_rolled_back", ok=True, step=target)
-                continue
-            if kind == "reform":
-                if msg.get("rollback") and failed is not None:
-                    # The failed step is re-executed by everyone: put back what it consumed (RNG, data
-                    # position) from the snapshot taken when it started. Model and optimizer were not touched.
-                    if self._last_light is not None:
-                        self._restore_light(self._last_light)
-                    self._drop_grads()
-                self._reform(msg)
-                link.send("reformed", rank=self.rank, world_size=self.world_size, generation=self.generation,
-                          **self._reform_times)
-                link.set(Field.PHASE, WorkerPhase.RUNNING)
-                return
-            if kind == "exit":
-                link.set(Field.PHASE, WorkerPhase.DONE)
-                leave_process_group()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(int(msg.get("code", 0)))
-            if kind == "raise":
-                if failed is not None:
-                    raise failed
-                raise RuntimeError(msg.get("reason", "tpassrun agent asked this worker to fail"))
-            log.warning("ignoring unexpected command %r at step %d", kind, step)
+        link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
+        testing.fault_point(self.rank, step, "send")   # tests: the sender dies mid-handoff
+        objs = {k: v for k, v in self._tracked.items() if not (msg.replicated_only and k in self._per_rank)
+                and not (msg.without_sharded and k in self._sharded)}   # those: from the mirror
+        unique = _not_replicated(objs) if msg.replicated_only else []
+        if unique:
+            # e.g. a ZeRO optimizer partition: this rank's copy is not the dead rank's. Refuse (the joiner sees
+            # the connection close at once) rather than hand over the wrong state.
+            log.warning("rank %d cannot donate state for an unplanned recovery: %s", self.rank, "; ".join(unique))
+            _refuse_send(msg)
+            return False
+        rng = handoff.capture_rng() if msg.rng else None
+        bundle = handoff.capture(objs, step=step, rng=rng, extra={"objects": sorted(objs), "swap_id": msg.swap_id})
+        try:
+            _send_state(msg, bundle, corrupt=lambda: testing.wants(self.rank, step, "send", "corrupt"))
+        except (OSError, handoff.HandoffError) as exc:
+            # the joiner reports the failed transfer; this rank waits for the next command (resume, exit)
+            log.debug("rank %d: sending its state failed: %s", self.rank, exc)
+        return False
+
+    def _on_shard_rollback(self, msg: ShardRollback, step: int, failed: BaseException | None) -> bool:
+        # the whole state back to this rank's own copy of an earlier step's start (worker_shards.py)
+        target = msg.step
+        try:
+            self._shard_rollback(target)
+        except Exception as exc:  # noqa: BLE001 - reported: the recovery aborts, nothing half-applied runs
+            log.exception("rank %d: rolling back to its copy of step %d failed", self.rank, target)
+            self._link.send(ShardRolledBack(ok=False, step=target, error=f"{type(exc).__name__}: {exc}"[:300]))
+            return False
+        self._serve_step = target
+        self._link.set(Field.STEP, target)
+        self._link.send(ShardRolledBack(ok=True, step=target))
+        return False
+
+    def _on_reform(self, msg: Reform, step: int, failed: BaseException | None) -> bool:
+        if msg.rollback and failed is not None:
+            # The failed step is re-executed by everyone: put back what it consumed (RNG, data position) from
+            # the snapshot taken when it started. Model and optimizer were not touched.
+            if self._last_light is not None:
+                self._restore_light(self._last_light)
+            self._drop_grads()
+        self._reform(msg)
+        self._link.send(Reformed(rank=self.rank, world_size=self.world_size, generation=self.generation,
+                                 **self._reform_times))
+        self._link.set(Field.PHASE, WorkerPhase.RUNNING)
+        return True
+
+    def _on_exit(self, msg: Exit, step: int, failed: BaseException | None) -> bool:
+        self._link.set(Field.PHASE, WorkerPhase.DONE)
+        leave_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(msg.code)
+
+    def _on_raise(self, msg: Raise, step: int, failed: BaseException | None) -> bool:
+        if failed is not None:
+            raise failed
+        raise RuntimeError(msg.reason or "tpassrun agent asked this worker to fail")
 
     def _drop_grads(self) -> None:
         import torch
@@ -139,18 +155,19 @@ class BoundaryCommands:
             elif callable(getattr(obj, "drop_grads", None)):
                 obj.drop_grads()   # a framework adapter's view (e.g. a DeepSpeed engine's gradient buffers)
 
-    def _reform(self, msg: dict[str, Any]) -> None:
+    def _reform(self, msg: Reform) -> None:
         link = self._link
         assert link is not None
         link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
         t0 = time.perf_counter()
         leave_process_group()
-        self.rank = int(msg["rank"])
-        self.world_size = int(msg["world_size"])
-        self.generation = int(msg.get("generation", self.generation))
-        set_rank_env(msg)
+        world = msg.world
+        self.rank = world.rank
+        self.world_size = world.world_size
+        self.generation = world.generation if world.generation is not None else self.generation
+        set_rank_env(world)
         t1 = time.perf_counter()
-        join_world(self.backend, msg, self._timeout)
+        join_world(self.backend, world, self._timeout)
         t2 = time.perf_counter()
         self.swaps += 1
         for fn in self._callbacks:
@@ -171,40 +188,39 @@ def _not_replicated(objs: dict[str, Any]) -> list[str]:
     return out
 
 
-def _refuse_send(msg: dict[str, Any]) -> None:
+def _refuse_send(msg: SendState) -> None:
     """Tell the waiting joiner at once that no state comes from here: authenticate (so it is not taken for a
     stranger and ignored), then close before the first byte of state; it reports the transfer failed."""
     from . import handoff, handoff_wire
 
     try:
-        with socket.create_connection((msg["addr"], int(msg["port"])), timeout=5) as sock:
-            handoff_wire._sender_handshake(sock, _transfer_auth(msg))
+        with socket.create_connection((msg.addr, msg.port), timeout=5) as sock:
+            handoff_wire._sender_handshake(sock, _transfer_auth(msg.key, msg.swap_id, msg.rank))
     except (OSError, handoff.HandoffError):
         pass
 
 
-def _send_state(msg: dict[str, Any], bundle: Any, *, corrupt: Callable[[], bool]) -> Any:
+def _send_state(msg: SendState, bundle: Any, *, corrupt: Callable[[], bool]) -> Any:
     """Stream ``bundle`` to the joiner named in ``msg``. ``corrupt`` is the tests' fault hook: asked only
     once connected, so a fault meant for a transfer is not used up by a joiner that is already gone."""
     from . import handoff
 
-    auth = _transfer_auth(msg)
-    timeout = float(msg.get("timeout", 60))
+    auth = _transfer_auth(msg.key, msg.swap_id, msg.rank)
     try:
-        sock = socket.create_connection((msg["addr"], int(msg["port"])), timeout=timeout)
+        sock = socket.create_connection((msg.addr, msg.port), timeout=msg.timeout)
     except OSError as exc:
-        raise handoff.HandoffError(f"cannot connect to the joiner at {msg['addr']}:{msg['port']}: {exc}") from exc
+        raise handoff.HandoffError(f"cannot connect to the joiner at {msg.addr}:{msg.port}: {exc}") from exc
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return handoff.send_bundle(sock, bundle, auth=auth, _corrupt_byte_at=4096 if corrupt() else None)
 
 
-def _transfer_auth(msg: dict[str, Any]) -> Any:
+def _transfer_auth(key: str, swap_id: str, rank: int) -> Any:
     """The swap's transfer key and identity from the agent's command (never from the network): a transfer
     without one is refused on both ends."""
     from . import handoff
 
     try:
-        return handoff.TransferAuth(bytes.fromhex(str(msg["key"])), str(msg["swap_id"]), int(msg["rank"]))
-    except (KeyError, TypeError, ValueError) as exc:
+        return handoff.TransferAuth(bytes.fromhex(key), swap_id, rank)
+    except (TypeError, ValueError) as exc:
         raise handoff.HandoffError(f"the agent gave no usable transfer key for this swap ({exc})") from exc

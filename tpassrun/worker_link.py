@@ -1,14 +1,18 @@
-"""The worker's end of the agent channel: its shared-memory slot and the unix socket (JSON lines)."""
+"""The worker's end of the agent channel: its shared-memory slot and the unix socket (protocol messages, one
+JSON line each; encoded and decoded by :mod:`tpassrun.protocol` only)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import socket
 import time
-from typing import Any
 
-from .channel import ChannelFile, Field, decode_msg, encode_msg
+from .channel import ChannelFile, Field
+from .protocol import Message, ProtocolError, decode_command, encode
+
+log = logging.getLogger("tpassrun.worker")
 
 
 class AgentLink:
@@ -20,24 +24,24 @@ class AgentLink:
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.connect(sock_path)
         self._buf = bytearray()  # our own line buffer, so that waiting() can tell what is already here
-        self._held: list[dict[str, Any]] = []   # commands read while waiting for an answer (request())
+        self._held: list[Message] = []   # commands read while waiting for an answer (request())
 
-    def send(self, kind: str, **fields: Any) -> None:
-        self.sock.sendall(encode_msg(kind, slot=self.slot, **fields))
+    def send(self, msg: Message) -> None:
+        self.sock.sendall(encode(msg, slot=self.slot))
 
-    def request(self, kind: str, timeout: float = 10.0) -> dict[str, Any] | None:
-        """Ask the agent something and wait for its answer (a message of the same kind); a command that
-        arrives meanwhile is kept for :meth:`recv`. None if no answer came within ``timeout``."""
-        self.send(kind)
+    def request(self, msg: Message, answer: type[Message], timeout: float = 10.0) -> Message | None:
+        """Ask the agent something and wait for its ``answer``; a command that arrives meanwhile is kept for
+        :meth:`recv`. None if no answer came within ``timeout``."""
+        self.send(msg)
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0 or not self._readable(remaining):
                 return None
-            msg = self._read_one()
-            if msg["kind"] == kind:
-                return msg
-            self._held.append(msg)
+            got = self._read_one()
+            if isinstance(got, answer):
+                return got
+            self._held.append(got)
 
     def _readable(self, timeout: float) -> bool:
         if b"\n" in self._buf:
@@ -45,18 +49,23 @@ class AgentLink:
         readable, _, _ = select.select([self.sock], [], [], max(0.0, timeout))
         return bool(readable)
 
-    def recv(self) -> dict[str, Any]:
+    def recv(self) -> Message:
+        """The next command from the agent (blocks)."""
         if self._held:
             return self._held.pop(0)
         return self._read_one()
 
-    def _read_one(self) -> dict[str, Any]:
+    def _read_one(self) -> Message:
         while True:
             end = self._buf.find(b"\n")
             if end >= 0:
                 line = bytes(self._buf[:end + 1])
                 del self._buf[:end + 1]
-                return decode_msg(line)
+                try:
+                    return decode_command(line)
+                except ProtocolError as exc:
+                    log.warning("ignoring a line from the agent that is no command: %s", exc)
+                    continue
             chunk = self.sock.recv(1 << 16)
             if not chunk:
                 # The agent is gone: a worker must never outlive it (PDEATHSIG normally gets here first).

@@ -1,6 +1,7 @@
 """The worker's :class:`Session`: what :func:`tpassrun.init` returns. The hook protocol (``track``, ``ddp``,
 ``on_reconfigure``), the step loop (``run``), and a joiner's received state applied piece by piece. The step
-transaction is :mod:`tpassrun.worker_step`, the commands at a boundary :mod:`tpassrun.worker_commands`.
+transaction is :mod:`tpassrun.worker_step`, the command dispatcher and a rank's commands
+:mod:`tpassrun.worker_commands`, a spare's commands :mod:`tpassrun.worker_spare`.
 """
 
 from __future__ import annotations
@@ -11,11 +12,13 @@ from datetime import timedelta
 from typing import Any, Callable, Iterable
 
 from .channel import Field, WorkerPhase
+from .protocol import Done, Message, MirrorInfo, MirrorInfoRequest, Replicas
 from .world import BucketLayout, ReconfigurableDDP
 from .worker_commands import BoundaryCommands
 from .worker_failure import classify_failure
 from .worker_link import AgentLink
 from .worker_shards import ShardedState
+from .worker_spare import SpareCommands, SpareWait, _apply_one, _bundle_rng, _bundle_step, _has_object, _object_names
 from .worker_step import StepTransaction
 
 log = logging.getLogger("tpassrun.worker")
@@ -33,7 +36,7 @@ def _is_replicated(obj: Any) -> bool:
     return isinstance(obj, replicated)
 
 
-class Session(StepTransaction, BoundaryCommands, ShardedState):
+class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
     """What :func:`init` returns. Create through :func:`init`, not directly."""
 
     def __init__(self, *, backend: str | None, link: AgentLink | None, rank: int, world_size: int,
@@ -75,6 +78,8 @@ class Session(StepTransaction, BoundaryCommands, ShardedState):
         self._shards: Any = None
         self._shard_restore_due: int | None = None
         self._pending_shard_bundle: Any = None    # joiner: the dead rank's shard, from its mirror
+        self._spare: SpareWait | None = None      # set while this session is a spare (no rank yet)
+        self._pending: list[Message] = []         # commands that came while a spare waited for its sender
 
     # --- the hook protocol ---
     def track(self, **objects: Any) -> "Session":
@@ -112,7 +117,7 @@ class Session(StepTransaction, BoundaryCommands, ShardedState):
         if self.rank not in group:
             raise ValueError(f"tpassrun: rank {self.rank}'s replica group {list(group)} does not contain it")
         if self._link is not None:
-            self._link.send("replicas", ranks=list(group), alone=alone[:300])
+            self._link.send(Replicas(ranks=group, alone=alone[:300]))
         return group
 
     def ddp(self, module: Any, **kwargs: Any) -> "ReconfigurableDDP":
@@ -159,8 +164,8 @@ class Session(StepTransaction, BoundaryCommands, ShardedState):
             return None
         from .mirror import MirrorTarget
 
-        answer = self._link.request("mirror_info")
-        buddy = (answer or {}).get("buddy")
+        answer = self._link.request(MirrorInfoRequest(), MirrorInfo)
+        buddy = answer.buddy if isinstance(answer, MirrorInfo) else None
         return MirrorTarget.from_json(buddy) if buddy else None
 
     # --- the step loop ---
@@ -214,7 +219,7 @@ class Session(StepTransaction, BoundaryCommands, ShardedState):
         link.set(Field.STEP, self.step)
         self._shard_close()
         link.set(Field.PHASE, WorkerPhase.DONE)
-        link.send("done", step=self.step)
+        link.send(Done(step=self.step))
         return self.step
 
     def _tracked_nbytes(self) -> int:
@@ -254,30 +259,3 @@ class Session(StepTransaction, BoundaryCommands, ShardedState):
                 handoff.restore_rng(rng)
             self.step = _bundle_step(rng_source)
         self._pending_bundle = self._pending_light_bundle = self._pending_shard_bundle = None
-
-
-# --- reading a received bundle piece by piece (the joiner loads each object as the script tracks it) ---
-
-def _object_names(bundle: Any) -> list[str]:
-    return sorted(bundle.meta.get("objects", {}))
-
-
-def _has_object(bundle: Any, name: str) -> bool:
-    return name in bundle.meta.get("objects", {})
-
-
-def _apply_one(bundle: Any, name: str, obj: Any) -> None:
-    from .handoff_codec import decode_tree
-
-    obj.load_state_dict(decode_tree(bundle.meta["objects"].pop(name), bundle.tensors))
-
-
-def _bundle_rng(bundle: Any) -> Any:
-    from .handoff_codec import decode_tree
-
-    tree = bundle.meta.get("rng")
-    return None if tree is None else decode_tree(tree, bundle.tensors)
-
-
-def _bundle_step(bundle: Any) -> int:
-    return int(bundle.meta.get("step", 0)) if bundle is not None else 0

@@ -79,8 +79,10 @@ class ShardedState:
         (the ring may have changed): one round trip over the private socket, never per step."""
         if self._shards is None or self._link is None or not self._shards.enabled:
             return
-        answer = self._link.request("mirror_info") or {}
-        self._shards.retarget(answer.get("buddy") or answer.get("local"), self.rank)
+        from .protocol import MirrorInfo, MirrorInfoRequest
+
+        answer = self._link.request(MirrorInfoRequest(), MirrorInfo)
+        self._shards.retarget((answer.buddy or answer.local) if isinstance(answer, MirrorInfo) else None, self.rank)
 
     # --- recovery ---
     def _shard_rollback(self, step: int) -> None:

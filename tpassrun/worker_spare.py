@@ -1,27 +1,134 @@
-"""A warm spare: waits in :func:`tpassrun.init` until the agent assigns it a rank, receives that rank's state
-(and, for an unplanned swap, the dead rank's light snapshot), joins the world and becomes a joiner's
-:class:`~tpassrun.worker_session.Session`.
+"""A warm spare: a session without a rank. It waits in :func:`tpassrun.init` for the agent's commands (the
+same dispatcher as a rank's, :mod:`tpassrun.worker_commands`, with the spare's table): an assignment to a
+rank, whose state it receives (and, for an unplanned swap, the dead rank's light snapshot), then the reform
+that makes it that rank (a joiner). Also here: reading a received bundle piece by piece (the joiner loads each
+object as the script tracks it). A mixin of :class:`tpassrun.worker_session.Session`.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import os
 import select
 import socket
 import time
-from datetime import timedelta
 from typing import Any
 
 from . import envnames as E
 from .channel import Field, WorkerPhase
+from .protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
+                       Reserve, Stranger)
 from .world import join_world, set_rank_env
 from .worker_commands import _transfer_auth
 from .worker_link import AgentLink
-from .worker_session import Session, _bundle_step
 
 log = logging.getLogger("tpassrun.worker")
+
+
+@dataclasses.dataclass
+class SpareWait:
+    """What a spare holds while it waits for its rank."""
+
+    assign: Assign | None = None
+    bundle: Any = None                  # the assigned rank's state, once received
+    light: bytes | None = None          # unplanned: the dead rank's light snapshot
+    mirrored: tuple[Any, bytes | None] | None = None   # the dead rank's shard and light snapshot, from its mirror
+    listener: socket.socket | None = None
+
+
+class SpareCommands:
+    """Session's commands while it is a spare (``_spare`` set; the dispatcher is ``BoundaryCommands._serve``)."""
+
+    _SPARE_COMMANDS: dict[type[Message], str] = {Assign: "_on_assign", Light: "_on_light", Reserve: "_on_reserve",
+                                                 Abort: "_on_abort", Reform: "_on_join", Exit: "_on_spare_exit"}
+
+    def _wait_for_rank(self) -> None:
+        """Block until the agent hands this spare a rank, receive that rank's state, join the world."""
+        self._link.set(Field.PHASE, WorkerPhase.SPARE)
+        self._spare = SpareWait()
+        self._serve(0)
+
+    def _on_assign(self, msg: Assign, step: int, failed: BaseException | None) -> bool:
+        from . import handoff, testing
+
+        link, wait = self._link, self._spare
+        wait.assign = msg
+        if wait.listener is not None:
+            wait.listener.close()
+        wait.listener = None
+        try:
+            auth = _transfer_auth(msg.key, msg.swap_id, msg.world.rank)
+            wait.listener, port = handoff.listen_for_bundle(msg.listen_host or "127.0.0.1")
+        except (OSError, handoff.HandoffError) as exc:
+            wait.bundle = None
+            link.send(Received(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=msg.swap_id))
+            return False
+        link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
+        link.send(Listening(port=port, swap_id=msg.swap_id))
+        testing.fault_point(msg.world.rank, 0, "receive")  # tests: the joiner dies mid-transfer
+        received = _receive_state(wait.listener, link, msg, auth, self._pending)
+        wait.bundle, wait.mirrored = received if received is not None else (None, None)
+        return False
+
+    def _on_light(self, msg: Light, step: int, failed: BaseException | None) -> bool:
+        from .light import decode as decode_light
+
+        light: bytes | None = base64.b64decode(msg.data)
+        got = _bundle_step(decode_light(light))
+        ok = msg.step is None or got == msg.step
+        self._link.send(LightOk(ok=ok, nbytes=len(light), step=got))
+        self._spare.light = light if ok else None
+        return False
+
+    def _on_reserve(self, msg: Reserve, step: int, failed: BaseException | None) -> bool:
+        # The agent says how big a rank's state is: fault in that much now, while idle, so the transfer does not
+        # pay the kernel for fresh pages (see handoff_wire._Arena).
+        from .handoff_wire import reserve_receive_arena
+
+        reserve_receive_arena(msg.nbytes)
+        return False
+
+    def _on_abort(self, msg: Abort, step: int, failed: BaseException | None) -> bool:
+        wait = self._spare
+        wait.bundle, wait.light, wait.assign, wait.mirrored = None, None, None, None
+        self._link.set(Field.PHASE, WorkerPhase.SPARE)
+        return False
+
+    def _on_join(self, msg: Reform, step: int, failed: BaseException | None) -> bool:
+        from .light import decode as decode_light
+
+        link, wait = self._link, self._spare
+        if wait.assign is None or wait.bundle is None:
+            link.send(Reformed(ok=False, error="no state received"))
+            return False
+        if wait.listener is not None:
+            wait.listener.close()
+        link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
+        world = msg.world
+        set_rank_env(world)
+        os.environ.pop(E.TPASSRUN_SPARE, None)
+        join_world(self.backend, world, self._timeout)
+        self.rank, self.world_size = world.rank, world.world_size
+        self.generation = world.generation if world.generation is not None else 0
+        self.joined = True
+        self._spare = None
+        self._pending.clear()
+        self._pending_bundle = wait.bundle
+        light = wait.light
+        if wait.mirrored is not None:
+            self._pending_shard_bundle = wait.mirrored[0]
+            if light is None:
+                light = wait.mirrored[1]     # the dead rank's node is gone, or kept no snapshot of that step
+        self._pending_light_bundle = decode_light(light) if light is not None else None
+        self.step = _bundle_step(self._pending_light_bundle or wait.bundle)
+        link.set(Field.STEP, self.step)
+        link.send(Reformed(ok=True, rank=self.rank, world_size=self.world_size, generation=self.generation))
+        return True
+
+    def _on_spare_exit(self, msg: Exit, step: int, failed: BaseException | None) -> bool:
+        os._exit(msg.code)
 
 
 def _prewarm() -> None:
@@ -37,14 +144,13 @@ def _prewarm() -> None:
             log.debug("prewarm %s: %s", name, exc)
 
 
-def _wait_for_sender(listener: socket.socket, link: AgentLink, timeout: float,
-                     pending: list[dict[str, Any]]) -> bool:
+def _wait_for_sender(listener: socket.socket, link: AgentLink, timeout: float, pending: list[Message]) -> bool:
     """Wait until a sender connects (True), or until the agent sends a command other than the unplanned
-    swap's ``light`` snapshot (False; the command is appended to ``pending``), or the timeout (False).
+    swap's ``Light`` snapshot (False; the command is appended to ``pending``), or the timeout (False).
 
     An assigned spare may wait a while (it is assigned while the survivors finish their step), so it
     must stay responsive: an abort or a new assignment must not wait for the accept timeout.
-    ``light`` arrives while the donor streams; it is kept in ``pending`` and answered after the
+    ``Light`` arrives while the donor streams; it is kept in ``pending`` and answered after the
     state, in the order the agent expects."""
     deadline = time.monotonic() + timeout
     while True:
@@ -53,10 +159,10 @@ def _wait_for_sender(listener: socket.socket, link: AgentLink, timeout: float,
             return False
         if link.waiting():
             msg = link.recv()
-            if msg["kind"] == "reserve":
+            if isinstance(msg, Reserve):
                 continue   # too late to pre-fault for this transfer
             pending.append(msg)
-            if msg["kind"] != "light":
+            if not isinstance(msg, Light):
                 return False
             continue
         readable, _, _ = select.select([listener, link.sock], [], [], remaining)
@@ -64,8 +170,8 @@ def _wait_for_sender(listener: socket.socket, link: AgentLink, timeout: float,
             return True
 
 
-def _receive_state(listener: socket.socket, link: AgentLink, msg: dict[str, Any], auth: Any,
-                   pending: list[dict[str, Any]]) -> Any:
+def _receive_state(listener: socket.socket, link: AgentLink, msg: Assign, auth: Any,
+                   pending: list[Message]) -> tuple[Any, tuple[Any, bytes | None] | None] | None:
     """Wait for the sender the agent announced and receive its state, and the dead rank's mirrored shard when
     the assignment names one: (bundle, (shard bundle, light) or None); None if none came, or it failed.
     Connections that do not prove the swap key are dropped and the wait goes on: a stranger that connects
@@ -73,19 +179,19 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: dict[str, Any]
     from . import handoff
     from .handoff_wire import accept_one
 
-    swap_id = msg.get("swap_id")
-    wait_s = float(msg.get("timeout", 120))
-    accept_s = float(msg.get("accept_timeout", wait_s))
-    max_bytes = int(msg["max_bytes"]) if msg.get("max_bytes") else None
+    swap_id = msg.swap_id
+    wait_s = float(msg.timeout)
+    accept_s = float(msg.accept_timeout)
+    max_bytes = msg.max_bytes or None
     deadline = time.monotonic() + accept_s
     strangers = 0
     while True:
         if not _wait_for_sender(listener, link, deadline - time.monotonic(), pending):
-            if not pending or pending[-1]["kind"] == "light":   # timed out (not interrupted)
-                link.send("received", ok=False, swap_id=swap_id, error=f"HandoffError: no sender connected "
-                          f"within {accept_s} s" + (f" ({strangers} unauthenticated connections dropped)"
-                                                     if strangers else ""))
-            return None   # an abort or a new assignment came first: the main loop handles it
+            if not pending or isinstance(pending[-1], Light):   # timed out (not interrupted)
+                link.send(Received(ok=False, swap_id=swap_id, error=f"HandoffError: no sender connected "
+                                   f"within {accept_s} s" + (f" ({strangers} unauthenticated connections dropped)"
+                                                              if strangers else "")))
+            return None   # an abort or a new assignment came first: the dispatcher handles it
         try:
             conn = accept_one(listener, 1.0)
         except handoff.HandoffError:
@@ -98,113 +204,58 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: dict[str, Any]
             except handoff.AuthError as exc:
                 strangers += 1
                 log.warning("spare: dropped a connection that did not prove the swap key: %s", exc)
-                link.send("stranger", swap_id=swap_id, error=str(exc)[:200])
+                link.send(Stranger(swap_id=swap_id, error=str(exc)[:200]))
                 continue
             except (OSError, handoff.HandoffError) as exc:
-                link.send("received", ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=swap_id)
+                link.send(Received(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=swap_id))
                 return None
         extra = bundle.meta.get("extra")
         sent_for = extra.get("swap_id") if isinstance(extra, dict) else None
         if sent_for != swap_id:   # authenticated, so a bug rather than an attack: still never apply it
-            link.send("received", ok=False, swap_id=swap_id,
-                      error=f"HandoffError: the state is for swap {sent_for!r}, not {swap_id!r}")
+            link.send(Received(ok=False, swap_id=swap_id,
+                               error=f"HandoffError: the state is for swap {sent_for!r}, not {swap_id!r}"))
             return None
         mirrored, nbytes = None, stats.nbytes
-        if msg.get("mirror_from"):
+        if msg.mirror_from is not None:
             # the dead rank's sharded state is in its buddy's mirror, not on any live rank (tpassrun/shards.py)
-            source = msg["mirror_from"]
+            source = msg.mirror_from
             try:
                 from .shards import fetch_mirrored
 
-                shard, shard_light, _ = fetch_mirrored(source["target"], int(source["owner"]), int(source["step"]))
+                shard, shard_light, _ = fetch_mirrored(source.target, source.owner, source.step)
             except Exception as exc:  # noqa: BLE001 - reported: the agent retries or gives the recovery up
-                link.send("received", ok=False, swap_id=swap_id,
-                          error=f"fetching rank {source.get('owner')}'s shard of step {source.get('step')} from its "
-                                f"mirror failed: {type(exc).__name__}: {exc}"[:300])
+                link.send(Received(ok=False, swap_id=swap_id,
+                                   error=f"fetching rank {source.owner}'s shard of step {source.step} from its "
+                                         f"mirror failed: {type(exc).__name__}: {exc}"[:300]))
                 return None
             mirrored, nbytes = (shard, shard_light), nbytes + shard.nbytes
-        link.send("received", ok=True, nbytes=nbytes, seconds=stats.seconds, checksum=stats.checksum,
-                  swap_id=swap_id, step=_bundle_step(bundle), mirrored=mirrored is not None)
+        link.send(Received(ok=True, nbytes=nbytes, seconds=stats.seconds, checksum=stats.checksum,
+                           swap_id=swap_id, step=_bundle_step(bundle), mirrored=mirrored is not None))
         return bundle, mirrored
 
 
-def _wait_as_spare(backend: str | None, link: AgentLink, local_rank: int,
-                   timeout: timedelta | None) -> Session:
-    """Block until the agent hands this spare a rank, receive that rank's state, join the world."""
-    from . import handoff, testing
-    from .light import decode as decode_light
+# --- reading a received bundle piece by piece (the joiner loads each object as the script tracks it) ---
 
-    link.set(Field.PHASE, WorkerPhase.SPARE)
-    bundle = None
-    light: bytes | None = None
-    mirrored: tuple[Any, bytes | None] | None = None   # the dead rank's shard and light snapshot, from its mirror
-    listener = None
-    assign: dict[str, Any] | None = None
-    pending: list[dict[str, Any]] = []    # commands that came while waiting for the sender
-    while True:
-        msg = pending.pop(0) if pending else link.recv()
-        kind = msg["kind"]
-        if kind == "assign":
-            assign = msg
-            if listener is not None:
-                listener.close()
-            listener = None
-            try:
-                auth = _transfer_auth(msg)
-                listener, port = handoff.listen_for_bundle(str(msg.get("listen_host") or "127.0.0.1"))
-            except (OSError, handoff.HandoffError) as exc:
-                bundle = None
-                link.send("received", ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=msg.get("swap_id"))
-                continue
-            link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
-            link.send("listening", port=port, swap_id=msg.get("swap_id"))
-            testing.fault_point(int(msg.get("rank", -1)), 0, "receive")  # tests: the joiner dies mid-transfer
-            received = _receive_state(listener, link, msg, auth, pending)
-            bundle, mirrored = received if received is not None else (None, None)
-            continue
-        if kind == "light":
-            light = base64.b64decode(msg["data"])
-            step = _bundle_step(decode_light(light))
-            ok = msg.get("step") is None or step == int(msg["step"])
-            link.send("light_ok", ok=ok, nbytes=len(light), step=step)
-            if not ok:
-                light = None
-            continue
-        if kind == "reserve":
-            # The agent says how big a rank's state is: fault in that much now, while idle, so the transfer
-            # does not pay the kernel for fresh pages (see handoff_wire._Arena).
-            from .handoff_wire import reserve_receive_arena
+def _object_names(bundle: Any) -> list[str]:
+    return sorted(bundle.meta.get("objects", {}))
 
-            got = reserve_receive_arena(int(msg["nbytes"]))
-            link.send("reserved", nbytes=got)
-            continue
-        if kind == "abort":
-            bundle, light, assign, mirrored = None, None, None, None
-            link.set(Field.PHASE, WorkerPhase.SPARE)
-            continue
-        if kind == "reform":
-            if assign is None or bundle is None:
-                link.send("reformed", ok=False, error="no state received")
-                continue
-            if listener is not None:
-                listener.close()
-            link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
-            set_rank_env(msg)
-            os.environ.pop(E.TPASSRUN_SPARE, None)
-            join_world(backend, msg, timeout)
-            sess = Session(backend=backend, link=link, rank=int(msg["rank"]), world_size=int(msg["world_size"]),
-                           local_rank=local_rank, generation=int(msg.get("generation", 0)), joined=True,
-                           timeout=timeout)
-            sess._pending_bundle = bundle
-            if mirrored is not None:
-                sess._pending_shard_bundle = mirrored[0]
-                if light is None:
-                    light = mirrored[1]     # the dead rank's node is gone, or kept no snapshot of that step
-            sess._pending_light_bundle = decode_light(light) if light is not None else None
-            sess.step = _bundle_step(sess._pending_light_bundle or bundle)
-            link.set(Field.STEP, sess.step)
-            link.send("reformed", ok=True, rank=sess.rank, world_size=sess.world_size, generation=sess.generation)
-            return sess
-        if kind == "exit":
-            os._exit(int(msg.get("code", 0)))
-        log.warning("spare ignoring unexpected command %r", kind)
+
+def _has_object(bundle: Any, name: str) -> bool:
+    return name in bundle.meta.get("objects", {})
+
+
+def _apply_one(bundle: Any, name: str, obj: Any) -> None:
+    from .handoff_codec import decode_tree
+
+    obj.load_state_dict(decode_tree(bundle.meta["objects"].pop(name), bundle.tensors))
+
+
+def _bundle_rng(bundle: Any) -> Any:
+    from .handoff_codec import decode_tree
+
+    tree = bundle.meta.get("rng")
+    return None if tree is None else decode_tree(tree, bundle.tensors)
+
+
+def _bundle_step(bundle: Any) -> int:
+    return int(bundle.meta.get("step", 0)) if bundle is not None else 0

@@ -11,9 +11,12 @@ import logging
 import os
 import socket
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import envnames as E
+
+if TYPE_CHECKING:
+    from .protocol import WorldSpec
 
 log = logging.getLogger("tpassrun.worker")
 
@@ -314,24 +317,26 @@ def leave_process_group() -> None:
             log.debug("destroy_process_group: %s", exc)
 
 
-def join_world(backend: str | None, msg: dict[str, Any], timeout: timedelta | None) -> None:
+def join_world(backend: str | None, world: "WorldSpec", timeout: timedelta | None) -> None:
+    """Join the world ``world`` names (its store: the generation's TCPStore under the swap's prefix)."""
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = timeout
-    store = dist.TCPStore(msg["addr"], int(msg["port"]), is_master=False,
+    store = dist.TCPStore(world.addr, int(world.port), is_master=False,
                           timeout=timeout or timedelta(seconds=300))
-    store = dist.PrefixStore(str(msg["prefix"]), store)
-    init_world(backend, store=store, rank=int(msg["rank"]), world_size=int(msg["world_size"]), **kwargs)
+    store = dist.PrefixStore(str(world.prefix), store)
+    init_world(backend, store=store, rank=int(world.rank), world_size=int(world.world_size), **kwargs)
 
 
-def set_rank_env(msg: dict[str, Any]) -> None:
-    """Keep ``os.environ`` truthful for code that reads RANK after a swap."""
-    for key, name in (("rank", E.RANK), ("world_size", E.WORLD_SIZE), ("group_rank", E.GROUP_RANK),
-                      ("role_rank", E.ROLE_RANK), ("role_world_size", E.ROLE_WORLD_SIZE),
-                      ("local_world_size", E.LOCAL_WORLD_SIZE), ("group_world_size", E.GROUP_WORLD_SIZE)):
-        if key in msg and msg[key] is not None:
-            os.environ[name] = str(msg[key])
-    if msg.get("generation") is not None:
-        os.environ[E.TPASSRUN_GENERATION] = str(msg["generation"])
+def set_rank_env(world: "WorldSpec") -> None:
+    """Keep ``os.environ`` truthful for code that reads RANK after a swap (fields ``world`` leaves None stay)."""
+    for value, name in ((world.rank, E.RANK), (world.world_size, E.WORLD_SIZE), (world.group_rank, E.GROUP_RANK),
+                        (world.role_rank, E.ROLE_RANK), (world.role_world_size, E.ROLE_WORLD_SIZE),
+                        (world.local_world_size, E.LOCAL_WORLD_SIZE),
+                        (world.group_world_size, E.GROUP_WORLD_SIZE)):
+        if value is not None:
+            os.environ[name] = str(value)
+    if world.generation is not None:
+        os.environ[E.TPASSRUN_GENERATION] = str(world.generation)
