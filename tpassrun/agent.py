@@ -231,7 +231,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
 
         return AgentPort(node_id=self.node_id, addr=self.addr, events=self.events, rdzv=self.rdzv, slots=self.slots,
                          settings=SwapSettings(nproc_per_node=cfg.nproc_per_node, spares_per_node=cfg.spares_per_node,
-                                               migrate_back=bool(getattr(cfg, "migrate_back", False))),
+                                               migrate_back=cfg.migrate_back),
                          generation=lambda: self.generation, spawned_generation=lambda: self.spawned_generation,
                          master=lambda: self.master, set_generation=set_generation, spawn_spare=spawn_spare,
                          publish_status=self.publish_status, post=self._queue_put,

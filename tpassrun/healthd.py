@@ -179,7 +179,7 @@ class AgentHealth:
         cfg = self.agent.cfg
         policy = Policy.load(cfg.health_config) if cfg.health_config else Policy.default()
         sensors = self._sensors if self._sensors is not None else self._default_sensors()
-        straggler_factor = float(getattr(cfg, "straggler_factor", 0.0) or 0.0)
+        straggler_factor = float(cfg.straggler_factor or 0.0)
         if straggler_factor > 0:
             self.straggler = StragglerDetector(factor=straggler_factor)
         return HealthMonitor(sensors, PolicyEngine(policy), interval=float(cfg.health_interval),

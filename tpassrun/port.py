@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union
 
 if TYPE_CHECKING:
     from .protocol import Done, Failed, Hello
+    from .settings import LaunchConfig
     from .rendezvous import EtcdRendezvous, Generation, RdzvEvent
     from .slots import LocalSlots, Slot
 
@@ -113,7 +114,7 @@ class HealthHost(Protocol):
     """One agent as its health daemon sees it."""
 
     node_id: str
-    cfg: Any                    # health_config, health_interval, health_file, straggler_factor
+    cfg: "LaunchConfig"         # health_config, health_interval, health_file, straggler_factor
     environ: dict[str, str]
     rdzv: "EtcdRendezvous"
     slots: "LocalSlots"
@@ -124,7 +125,7 @@ class StatusHost(Protocol):
     """One agent as its metrics endpoint and its run-registry entry see it."""
 
     node_id: str
-    cfg: Any                       # the launch settings (run id, metrics port, nproc, spares, rdzv conf)
+    cfg: "LaunchConfig"            # the launch settings (run id, metrics port, nproc, spares, rdzv conf)
     logs: Any                      # procs.RunLogs (the run's log dir)
     events: Any                    # events.EventLog (listeners are added to it)
     slots: "LocalSlots | None"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import enum
 import logging
 import os
 import shutil
@@ -24,7 +25,7 @@ from .records import WorkerRow
 log = logging.getLogger("tpassrun.agent")
 
 
-class SlotState:
+class SlotState(enum.StrEnum):
     IDLE = "idle"
     RUNNING = "running"          # holds a rank
     SPARE = "spare"              # warm spare, waiting in tpassrun.init()
@@ -34,12 +35,27 @@ class SlotState:
     QUARANTINED = "quarantined"  # tainted or failed; not used until untainted
 
 
+_S = SlotState
+# The one table of a slot's transitions (who takes each: agent_workers spawns, resets and stops; agent_supervise
+# reaps exits and fences; the swapper hands a spare its rank and retires a leaver). Staying put is always
+# allowed. A transition not in the table is a bug: it is logged (the agent carries on, as it did).
+SLOT_TRANSITIONS: dict[SlotState, frozenset[SlotState]] = {
+    _S.IDLE: frozenset({_S.RUNNING, _S.SPARE, _S.DEAD, _S.QUARANTINED}),   # spawn (DEAD: it failed); restart taint
+    _S.RUNNING: frozenset({_S.DONE, _S.DEAD, _S.LEAVING, _S.QUARANTINED, _S.IDLE}),   # exit; leaver; retired; stopped
+    _S.SPARE: frozenset({_S.RUNNING, _S.DEAD, _S.IDLE}),                  # a joiner takes its rank; lost; stopped
+    _S.LEAVING: frozenset({_S.QUARANTINED, _S.IDLE}),                     # the leaver exited; stopped
+    _S.DONE: frozenset({_S.IDLE, _S.QUARANTINED}),                        # next generation; restart taint
+    _S.DEAD: frozenset({_S.QUARANTINED, _S.IDLE}),                        # an unplanned swap's leaver; reset
+    _S.QUARANTINED: frozenset({_S.SPARE, _S.IDLE}),                       # untainted: a spare again; reset
+}
+
+
 @dataclasses.dataclass
 class Slot:
     index: int
     rank: int | None = None
     local_rank: int = 0
-    state: str = SlotState.IDLE
+    state: SlotState = SlotState.IDLE
     proc: Any = None                      # procs.WorkerProcess
     managed: bool = False                 # said hello through tpassrun.init()
     writer: asyncio.StreamWriter | None = None
@@ -52,6 +68,15 @@ class Slot:
     reserved: int = 0                     # a spare: receive arena size it was told to pre-fault
     replicas: tuple[int, ...] | None = None   # the worker's declared replica group (protocol.Replicas)
     alone: str = ""                       # ... and why no other rank holds its state, if it is alone
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "state":
+            value = SlotState(value)
+            old = self.__dict__.get("state")
+            if old is not None and value != old and value not in SLOT_TRANSITIONS[old]:
+                log.warning("slot %s: illegal state transition %s -> %s", self.__dict__.get("index"), old.value,
+                            value.value)
+        object.__setattr__(self, name, value)
 
     @property
     def pid(self) -> int | None:

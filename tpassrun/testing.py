@@ -1,5 +1,9 @@
 """Fault points for tests and benchmarks (no effect unless ``TPASSRUN_FAULTS`` is set).
 
+Off the production path: tpassrun's own fault points are guarded by :data:`ENABLED` (read once, when the
+module is imported, from the environment a worker was started with), so a job without ``TPASSRUN_FAULTS``
+pays one attribute read at the two places a transfer could be faulted, and nothing per step.
+
 A training script calls :func:`fault_point` at interesting places (``tpassrun``'s example does so in the
 step loop and inside backward). ``TPASSRUN_FAULTS`` holds a JSON list of faults; each fires at most once
 per job, across processes, thanks to a marker file, so a joiner that re-executes the same step does not
@@ -23,6 +27,7 @@ import time
 from typing import Any
 
 FAULTS_ENV = "TPASSRUN_FAULTS"
+ENABLED = bool(os.environ.get(FAULTS_ENV))
 
 
 @functools.lru_cache(maxsize=1)

@@ -86,7 +86,8 @@ class BoundaryCommands:
 
         link = self._link
         link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
-        testing.fault_point(self.rank, step, "send")   # tests: the sender dies mid-handoff
+        if testing.ENABLED:
+            testing.fault_point(self.rank, step, "send")   # tests: the sender dies mid-handoff
         objs = {k: v for k, v in self._tracked.items() if not (msg.replicated_only and k in self._per_rank)
                 and not (msg.without_sharded and k in self._sharded)}   # those: from the mirror
         unique = _not_replicated(objs) if msg.replicated_only else []
@@ -99,7 +100,8 @@ class BoundaryCommands:
         rng = handoff.capture_rng() if msg.rng else None
         bundle = handoff.capture(objs, step=step, rng=rng, extra={"objects": sorted(objs), "swap_id": msg.swap_id})
         try:
-            _send_state(msg, bundle, corrupt=lambda: testing.wants(self.rank, step, "send", "corrupt"))
+            _send_state(msg, bundle,
+                        corrupt=lambda: testing.ENABLED and testing.wants(self.rank, step, "send", "corrupt"))
         except (OSError, handoff.HandoffError) as exc:
             # the joiner reports the failed transfer; this rank waits for the next command (resume, exit)
             log.debug("rank %d: sending its state failed: %s", self.rank, exc)
