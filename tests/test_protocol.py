@@ -23,6 +23,11 @@ MESSAGES = [
     P.LightOk(ok=True, nbytes=10, step=17), P.Reformed(ok=True, rank=3, world_size=4, generation=7, join_s=0.25),
     P.Failed(step=4, error="RuntimeError: x", error_type="builtins.RuntimeError", failure="collective"),
     P.MirrorInfoRequest(), P.MirrorInfo(buddy={"node": "n2", "addr": "h", "port": 1}, local=None), P.MirrorInfo(),
+    P.SendState(addr="h", port=1, swap_id="s-2", key="ab" * 32, rank=0, replicated_only=True, without_sharded=True),
+    P.Assign(world=WORLD, swap_id="s-2", key="cd" * 32, listen_host="h",
+             mirror_from=P.MirrorSource(target={"node": "n2", "addr": "h", "port": 7}, owner=3, step=40)),
+    P.Received(ok=True, swap_id="s-2", nbytes=10, step=40, mirrored=True),
+    P.ShardRollback(step=40), P.ShardRolledBack(ok=False, step=40, error="no copy of step 40"),
 ]
 
 
@@ -60,6 +65,8 @@ def test_each_direction_has_its_own_table_and_both_are_complete():
     b'{"kind": "assign", "swap_id": "s", "key": "", "listen_host": "h", "world": {"rank": "1", "world_size": 2}}\n',
     b'{"kind": "received", "ok": 1}\n', b'{"kind": "reserve", "nbytes": true}\n',
     b'{"kind": "replicas", "ranks": 3}\n', b'{"kind": "replicas", "ranks": [1, "2"]}\n',
+    b'{"kind": "assign", "swap_id": "s", "key": "", "listen_host": "h", "world": {"rank": 1, "world_size": 2},'
+    b' "mirror_from": {"target": {}, "owner": 1}}\n', b'{"kind": "shard_rollback", "step": null}\n',
 ])
 def test_a_bad_line_is_one_protocol_error(line):
     for table in (P.COMMANDS, P.REPLIES):
