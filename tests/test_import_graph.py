@@ -103,3 +103,66 @@ def test_no_upward_import():
 def test_the_agent_is_not_imported_by_its_parts():
     importers = sorted(m for m, deps in graph().items() if "tpassrun.agent" in deps)
     assert importers == ["tpassrun.cli"] or set(importers) <= {"tpassrun.cli", "tpassrun.config"}, importers
+
+
+# ---------------------------------------------------------------------------------------------- DESIGN.md's map
+DESIGN = ROOT / "docs" / "DESIGN.md"
+_EXTERNAL = {"stdlib", "aetcd", "torch", "pynvml"}
+
+
+def _layout() -> list[tuple[list[str], set[str] | None]]:
+    """DESIGN.md's Layout table: (the modules a row names, the tpassrun modules it may import; None: any)."""
+    import re
+
+    text = DESIGN.read_text()
+    table = text[text.index("## Layout"):]
+    table = table[: table.index("\n\n", table.index("| --- |"))]
+    rows = []
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or not cells[0].startswith("`"):
+            continue   # the heading, the header row, its rule
+        modules = []
+        for path in re.findall(r"`((?:tpassrun|rendezvous|health)/[^`]*)`", cells[0]):
+            path = path.removesuffix(".py").removesuffix("/")
+            name = "tpassrun." + path if not path.startswith("tpassrun") else path.replace("/", ".")
+            modules.append("tpassrun" if name == "tpassrun.__init__" else name)
+        may = cells[-1]
+        if may.startswith("everything"):
+            rows.append((modules, None))
+            continue
+        allowed = set()
+        for token in re.sub(r"\([^)]*\)", "", may).split(","):
+            word = token.strip().split(" ")[0] if token.strip() else ""
+            if word and word not in ("nothing", "-") and word not in _EXTERNAL:
+                allowed.add("tpassrun." + word)
+        rows.append((modules, allowed))
+    return rows
+
+
+def _row_of(module: str, rows: list[tuple[list[str], set[str] | None]]) -> set[str] | None | bool:
+    for names, allowed in rows:
+        if any(module == n or (n != "tpassrun" and module.startswith(n + ".")) for n in names):
+            return allowed
+    return False
+
+
+def _within(dep: str, allowed: set[str]) -> bool:
+    return any(dep == a or dep.startswith(a + ".") for a in allowed)
+
+
+def test_design_layout_names_every_module_and_what_it_may_import():
+    rows = _layout()
+    missing, extra = [], []
+    for module, deps in graph().items():
+        allowed = _row_of(module, rows)
+        if allowed is False:
+            missing.append(module)
+            continue
+        if allowed is None or module.startswith(("tpassrun.rendezvous", "tpassrun.health", "tpassrun.adapters.")):
+            continue   # the CLI may import anything; the subpackages are checked by test_no_upward_import
+        bad = sorted(d for d in deps if d != "tpassrun" and not _within(d, allowed))
+        if bad:
+            extra.append(f"{module} imports {bad}")
+    assert missing == [], f"no row in docs/DESIGN.md's Layout table for {missing}"
+    assert extra == [], "imports docs/DESIGN.md's Layout table does not allow: " + "; ".join(extra)
