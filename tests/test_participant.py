@@ -1,0 +1,231 @@
+"""The participant half of a swap (tpassrun/swapper.py) against fakes: what each phase tells the local workers
+(typed protocol commands) and what it reports, with no etcd, no process and no socket.
+
+The fake slot table plays the workers: a paused rank told to ``Resume`` runs to the boundary and pauses there,
+every command is recorded, and the replies a phase waits for are scripted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+from tpassrun import protocol as P
+from tpassrun.channel import INT64_MAX, Field, WorkerPhase
+from tpassrun.port import AgentPort, SwapSettings
+from tpassrun.records import Phase, SlotRef, SwapKind, SwapPlan
+from tpassrun.slots import Slot, SlotState
+from tpassrun.swapper import Swapper, _transfer_key
+
+NODE = "a"
+
+
+class FakeSlots:
+    """The swapper's view of its node's slot table; workers answer the way tpassrun.worker does."""
+
+    def __init__(self, rows: list[tuple[int | None, str, WorkerPhase, int]]) -> None:
+        self.slots = []
+        self.cells: dict[tuple[int, Field], int] = {}
+        for i, (rank, state, phase, step) in enumerate(rows):
+            slot = Slot(index=i, rank=rank, state=SlotState(state), managed=True)
+            slot.proc = types.SimpleNamespace(returncode=None, pid=100 + i)
+            self.slots.append(slot)
+            self.cells[(i, Field.PHASE)], self.cells[(i, Field.STEP)] = int(phase), step
+        self.sent: list[tuple[int, P.Message]] = []
+        self.replies: dict[int, list[P.Message]] = {}
+        self.channel = None
+
+    # the part of LocalSlots the swapper uses
+    def active(self) -> list[Slot]:
+        return [s for s in self.slots if s.state == SlotState.RUNNING]
+
+    def set_run_until(self, slot: Slot, step: int) -> None:
+        self.cells[(slot.index, Field.RUN_UNTIL)] = step
+
+    def phase(self, slot: Slot) -> WorkerPhase:
+        return WorkerPhase(self.cells[(slot.index, Field.PHASE)])
+
+    def field(self, slot: Slot, f: Field) -> int:
+        return self.cells.get((slot.index, f), 0)
+
+    def send(self, slot: Slot, msg: P.Message) -> bool:
+        assert isinstance(msg, tuple(P.COMMANDS.values())), msg     # only declared commands go to a worker
+        P.decode_command(P.encode(msg))                             # and they survive the wire
+        self.sent.append((slot.index, msg))
+        if isinstance(msg, P.Resume):   # the worker runs on to run_until and pauses there
+            self.cells[(slot.index, Field.STEP)] = self.cells[(slot.index, Field.RUN_UNTIL)]
+            self.cells[(slot.index, Field.PHASE)] = int(WorkerPhase.PAUSED)
+        return True
+
+    async def expect(self, slot: Slot, kinds: tuple[type, ...], timeout: float):
+        queue = self.replies.get(slot.index, [])
+        while queue:
+            msg = queue.pop(0)
+            if isinstance(msg, kinds):
+                return msg
+        return None
+
+    async def wait_ready(self, slot: Slot, timeout: float) -> bool:
+        return True
+
+    def drain(self, slot: Slot) -> None:
+        pass
+
+    def commands(self, index: int) -> list[P.Message]:
+        return [m for i, m in self.sent if i == index]
+
+
+def generation(number: int = 2, world_size: int = 2):
+    member = types.SimpleNamespace(node_id=NODE, group_rank=0, addr="127.0.0.1")
+    return types.SimpleNamespace(number=number, world_size=world_size, members=(member,), spare_nodes=(),
+                                 member=lambda node: member if node == NODE else None)
+
+
+def port(slots: FakeSlots, events: list) -> AgentPort:
+    async def nothing(*_a):
+        return None
+
+    gen = generation()
+    return AgentPort(node_id=NODE, addr="10.0.0.1", settings=SwapSettings(2, 1),
+                     events=types.SimpleNamespace(write=lambda name, **f: events.append((name, f))),
+                     rdzv=types.SimpleNamespace(key=lambda *p: "/p/" + "/".join(p), store=None, is_leader=False),
+                     slots=slots, generation=lambda: gen, spawned_generation=lambda: 2,
+                     master=lambda: ("10.0.0.1", 29500), set_generation=lambda g: None, spawn_spare=nothing,
+                     publish_status=nothing, post=lambda ev: None)
+
+
+def plan(**kw) -> SwapPlan:
+    """Rank 1 on slot 1 moves to the spare in slot 2, all on this node."""
+    base = dict(id="s-1", kind=SwapKind.PLANNED, generation=2, leaver=SlotRef(NODE, 1, 1),
+                joiner=SlotRef(NODE, 2, 1), donor=None, phase=Phase.BOUNDARY, reason="ecc", nodes=(NODE,),
+                boundary=6, history=(("pause", 1.0), ("boundary", 2.0)), secret="ab" * 32)
+    return SwapPlan(**{**base, **kw})
+
+
+def two_ranks_and_a_spare(step: int = 5, phase: WorkerPhase = WorkerPhase.PAUSED) -> FakeSlots:
+    return FakeSlots([(0, "running", phase, step), (1, "running", phase, step), (None, "spare", WorkerPhase.SPARE, 0)])
+
+
+def test_boundary_runs_every_rank_to_the_boundary_and_assigns_the_joiner_early():
+    slots = two_ranks_and_a_spare()
+    slots.replies[2] = [P.Listening(port=4000, swap_id="s-1")]
+    events: list = []
+    swapper = Swapper(port(slots, events))
+
+    async def boundary():
+        report = await swapper._boundary(plan())
+        early = await swapper._early[1]          # the joiner, assigned while the ranks ran to the boundary
+        return report, early
+
+    report, early = asyncio.run(boundary())
+    assert (report.ok, report.candidate) == (True, 6)
+    assert slots.commands(0) == [P.Resume()] and slots.commands(1) == [P.Resume()]
+    assert slots.field(slots.slots[0], Field.RUN_UNTIL) == 6
+    (assign,) = slots.commands(2)
+    assert isinstance(assign, P.Assign)
+    assert assign.world == P.WorldSpec(rank=1, world_size=2, role_rank=1, role_world_size=2, group_rank=0,
+                                       local_world_size=2, group_world_size=1)
+    assert (assign.swap_id, assign.listen_host, assign.key) == ("s-1", "10.0.0.1", _transfer_key(plan()))
+    assert early == ("10.0.0.1", 4000)
+    assert ("swap_boundary_reached", {"swap_id": "s-1", "step": 6}) in events
+
+
+def test_a_plan_without_a_usable_secret_assigns_no_joiner():
+    slots = two_ranks_and_a_spare()
+    swapper = Swapper(port(slots, []))
+    why = asyncio.run(swapper._assign_joiner(plan(secret="not hex")))
+    assert "no transfer secret" in why and slots.sent == []
+
+
+def test_reform_sends_each_rank_its_world_the_joiner_the_leavers_and_the_leaver_away():
+    slots = two_ranks_and_a_spare(step=6)
+    slots.replies = {0: [P.Reformed(rank=0, world_size=2, generation=3, join_s=0.5)],
+                     2: [P.Reformed(ok=True, rank=1, world_size=2, generation=3)]}
+    events: list = []
+    report = asyncio.run(Swapper(port(slots, events))._reform(plan(phase=Phase.REFORM)))
+    assert report.ok
+    store = ("10.0.0.1", 29500, "/tpassrun/s-1/0/", 3)          # the generation after the plan's
+    assert slots.commands(0) == [P.Reform(world=P.WorldSpec(rank=0, world_size=2).with_store(*store))]
+    assert slots.commands(2) == [P.Reform(world=P.WorldSpec(
+        rank=1, world_size=2, role_rank=1, role_world_size=2, group_rank=0, local_world_size=2,
+        group_world_size=1).with_store(*store))]
+    assert slots.commands(1) == [P.Exit(code=0)]               # the leaver goes (planned)
+    assert [s.state for s in slots.slots] == [SlotState.RUNNING, SlotState.LEAVING, SlotState.RUNNING]
+    assert (slots.slots[2].rank, slots.slots[1].rank) == (1, None)
+    assert all(slots.field(s, Field.RUN_UNTIL) == INT64_MAX for s in (slots.slots[0], slots.slots[2]))
+    assert ("swap_reform_timings", {"swap_id": "s-1", "ranks": {"0": {"join_s": 0.5}, "1": {}}}) in events
+
+
+def test_an_unplanned_reform_rolls_the_survivors_back_and_retires_the_dead_slot():
+    slots = two_ranks_and_a_spare(step=6, phase=WorkerPhase.FAILED)
+    slots.slots[1].state = SlotState.DEAD
+    slots.replies = {0: [P.Reformed(rank=0, world_size=2, generation=3)], 2: [P.Reformed(rank=1, world_size=2)]}
+    unplanned = plan(kind=SwapKind.UNPLANNED, donor=SlotRef(NODE, 0, 0), phase=Phase.REFORM)
+    report = asyncio.run(Swapper(port(slots, []))._reform(unplanned))
+    assert report.ok
+    (reform,) = slots.commands(0)
+    assert isinstance(reform, P.Reform) and reform.rollback
+    assert slots.commands(1) == [] and slots.slots[1].state is SlotState.QUARANTINED
+
+
+def test_a_rank_that_does_not_rejoin_fails_the_phase_and_says_why():
+    slots = two_ranks_and_a_spare(step=6)
+    slots.replies = {0: [P.Reformed(ok=False, error="store unreachable")]}
+    report = asyncio.run(Swapper(port(slots, []))._reform(plan(phase=Phase.REFORM)))
+    assert not report.ok and report.error == "rank 0 did not join the new world: store unreachable"
+
+
+def test_send_tells_the_leaver_to_stream_and_checks_what_the_joiner_received():
+    slots = two_ranks_and_a_spare(step=6)
+    swapper = Swapper(port(slots, []))
+    swapper._transfers_seen.add(("s-1", 0))
+    sending = plan(phase=Phase.SEND, joiner_addr=("10.0.0.1", 4000))
+    swapper._refuse_destination = _no_refusal                 # the registered-address check needs etcd
+    slots.replies[2] = [P.Received(ok=True, swap_id="s-1", nbytes=10, seconds=0.1, checksum="c", step=6)]
+    report = asyncio.run(swapper._send(sending))
+    assert report.ok and report.extra == {"nbytes": 10, "seconds": 0.1}
+    (send,) = slots.commands(1)
+    assert send == P.SendState(addr="10.0.0.1", port=4000, swap_id="s-1", key=_transfer_key(sending), rank=1,
+                               replicated_only=False, without_sharded=False, rng=True, timeout=120.0)
+
+    slots.replies[2] = [P.Received(ok=True, swap_id="s-1", step=5)]      # a state of the wrong step
+    report = asyncio.run(swapper._send(sending))
+    assert not report.ok and "received the state of step 5" in report.error
+
+
+def test_an_unplanned_joiner_gets_the_dead_ranks_light_snapshot_and_a_rejected_one_is_final():
+    slots = two_ranks_and_a_spare(step=6)
+    swapper = Swapper(port(slots, []))
+    swapper._transfers_seen.add(("s-1", 0))
+    swapper._refuse_destination = _no_refusal
+    unplanned = plan(kind=SwapKind.UNPLANNED, donor=SlotRef(NODE, 0, 0), phase=Phase.SEND,
+                     joiner_addr=("10.0.0.1", 4000), light_b64="AAAA")
+    slots.replies[2] = [P.Received(ok=True, swap_id="s-1", step=6), P.LightOk(ok=False, step=4)]
+    report = asyncio.run(swapper._send(unplanned))
+    assert slots.commands(2) == [P.Light(data="AAAA", step=6)]
+    send = slots.commands(0)[0]
+    assert isinstance(send, P.SendState) and send.replicated_only and not send.rng   # a donor: replicated state
+    assert (report.ok, report.final) == (False, True) and "step 4" in report.error
+
+
+def test_an_aborted_swap_resumes_paused_ranks_and_releases_the_spare():
+    slots = two_ranks_and_a_spare(step=6)
+    asyncio.run(Swapper(port(slots, []))._abort(plan(phase=Phase.ABORTED)))
+    assert slots.commands(0) == [P.Resume()] and slots.commands(1) == [P.Resume()]
+    assert slots.commands(2) == [P.Abort()]
+    assert all(slots.field(s, Field.RUN_UNTIL) == INT64_MAX for s in slots.slots)
+
+
+def test_spares_are_told_how_much_to_reserve_once():
+    slots = two_ranks_and_a_spare()
+    slots.cells[(0, Field.STATE_BYTES)] = 1 << 20
+    swapper = Swapper(port(slots, []))
+    swapper.hint_spares()
+    swapper.hint_spares()
+    (reserve,) = slots.commands(2)
+    assert isinstance(reserve, P.Reserve) and reserve.nbytes > 1 << 20
+
+
+async def _no_refusal(_plan):
+    return None
+
