@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from tpassrun.records import (Failure, Fallback, HealthRecord, Keys, NodeStatus, Phase, RecordError, Report,
-                              RunClosed, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, WorkerRow, leader_of, load)
+                              MirrorKey, RunClosed, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, WorkerRow, leader_of, load)
 
 PLAN = SwapPlan(id="s-1", kind=SwapKind.UNPLANNED, generation=3, leaver=SlotRef("n0", 1, 5),
                 joiner=SlotRef("n1", 2, 5), donor=SlotRef("n0", 0, 4), phase=Phase.SEND, reason="died",
@@ -30,7 +30,7 @@ SAMPLES = [
     HealthRecord(node_id="n0", time=1.0, taints=("h-1",), polls=3, unavailable={"nvml": "no GPU"},
                  verdicts=({"device": "gpu0", "status": "healthy"},)),
     Fallback(reason="no spare", generation=2, slot=1),
-    RunClosed(reason="succeeded", node_id="n0", time=2.0),
+    RunClosed(reason="succeeded", node_id="n0", time=2.0), MirrorKey(key="ab" * 32),
 ]
 
 

@@ -94,11 +94,13 @@ def new_mirror_key() -> bytes:
 async def ensure_mirror_key(store: Any, key_path: str) -> bytes:
     """The run's mirror key: the first agent draws it and creates ``key_path`` in the run's (authenticated)
     etcd; every agent reads the one that won. ``store`` is the rendezvous's ``EtcdStore``."""
-    await store.create_json(key_path, {"v": 1, "key": new_mirror_key().hex()})
+    from .records import MirrorKey, RecordError   # the agent's side only: workers never import records
+
+    await store.create_json(key_path, MirrorKey(new_mirror_key().hex()).to_json())
     doc, _rev = await store.get_json(key_path)
     try:
-        key = bytes.fromhex(str((doc or {})["key"]))
-    except (KeyError, ValueError, TypeError) as exc:
+        key = bytes.fromhex(MirrorKey.from_json(doc).key)
+    except (RecordError, ValueError) as exc:
         raise MirrorError(f"the run's mirror key in etcd ({key_path}) is unreadable: {exc}") from exc
     if len(key) < 16:
         raise MirrorError(f"the run's mirror key in etcd ({key_path}) is too short")

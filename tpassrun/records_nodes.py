@@ -128,6 +128,25 @@ class RunClosed:
         return cls(reason=_str(d, "reason", what, ""), node_id=_opt_str(d, "node_id", what), time=_num(d, "time", what))
 
 
+@dataclass(frozen=True)
+class MirrorKey:
+    """``mirror_key`` (created once by the first agent): the run's key for the in-memory mirrors, hex."""
+
+    key: str
+
+    def __repr__(self) -> str:   # never print the key
+        return "MirrorKey(...)"
+
+    def to_json(self) -> dict[str, Any]:
+        return {"v": SCHEMA_VERSION, "key": self.key}
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "MirrorKey":
+        what = "mirror key"
+        d = _check(doc, what)
+        return cls(key=_str(d, "key", what))
+
+
 def node_info(doc: Any) -> NodeInfo:
     """``nodes/<node_id>`` (the rendezvous's registration record), with :class:`RecordError` for a bad one."""
     try:
