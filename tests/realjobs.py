@@ -70,9 +70,11 @@ def assert_same_run(job: Job, ref: Job, world: int, *, redone: bool = False) -> 
 
 
 def swap_pause_s(job: Job) -> float:
-    """From the event log: the time from the swap's decision (planned) or the rank's death (unplanned) to
-    training resumed; -1 if the log has no swap."""
+    """From the event log, how long training stood still: from every rank paused at the boundary (planned: until
+    then the ranks train on towards it) or from the rank's death (unplanned) to training resumed; -1 if the log
+    has no swap."""
     ev = job.events()
-    start = next((e["time"] for e in ev if e["event"] in ("swap_decided", "worker_died")), None)
+    start = next((e["time"] for e in ev if e["event"] == "worker_died"
+                  or (e["event"] == "swap_phase" and e.get("phase") == "transfer")), None)
     end = next((e["time"] for e in ev if e["event"] == "swap_resumed"), None)
     return -1.0 if start is None or end is None else end - start

@@ -40,11 +40,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
-from ._common import declare_replicas, portable, rebind_references, register, restore_portable
+from ._common import adopt_group_sockets, declare_replicas, portable, rebind_references, register, restore_portable
 
 log = logging.getLogger("tpassrun.adapters.megatron")
 
 STATE_VERSION = 1
+TESTED_VERSIONS = ("0.16.1",)
 DEFAULT_ORDER = "tp-cp-ep-dp-pp"   # megatron-core's default rank order (the first token varies fastest)
 
 
@@ -233,6 +234,14 @@ class MegatronOptimizerState:
     @property
     def sharded(self) -> bool:
         return any(_is_distributed_optimizer(o) for o in _leaf_optimizers(self.optimizer))
+
+    def commit_optimizers(self) -> list[Any]:
+        """The torch optimizers inside (``FP32Optimizer.optimizer``, ...): their ``step()`` runs after the
+        gradient-norm collectives of a Megatron optimizer step, so it commits a training step."""
+        import torch
+
+        inner = [getattr(o, "optimizer", None) for o in _leaf_optimizers(self.optimizer)]
+        return [o for o in inner if isinstance(o, torch.optim.Optimizer)]
 
     def state_dict(self) -> dict[str, Any]:
         shards = {i: portable(o.get_parameter_state_dp_reshardable())
@@ -433,6 +442,44 @@ def reinitialize_parallel_state(layout: ParallelLayout, roots: Sequence[Any]) ->
     return replaced
 
 
+def _megatron_version() -> str:
+    import importlib.metadata as md
+
+    try:
+        return md.version("megatron-core")
+    except md.PackageNotFoundError:
+        return "not installed"
+
+
+def mirror_optimizer_setup(chunks: Sequence[Any], optimizer: Any, config_overrides: Any = None) -> int:
+    """Make, on a survivor, the world-wide collectives a joiner makes while ``get_megatron_optimizer`` builds its
+    optimizer: megatron-core 0.16 all-gathers every rank's parameter-group keys once per group of dense model
+    chunks and once for the expert parameters (``_get_param_groups``). The survivor's own keys go in, the result
+    is dropped, nothing is built. Returns the number of collectives made.
+
+    The calls follow ``get_megatron_optimizer``'s own order for the version tested; pass
+    ``MegatronAdapter(optimizer_factory=...)`` to repeat your own optimizer construction instead."""
+    try:
+        from megatron.core.optimizer import _get_param_groups
+    except ImportError:
+        raise RuntimeError(f"tpassrun's Megatron adapter mirrors megatron.core.optimizer._get_param_groups, which "
+                           f"megatron-core {_megatron_version()} does not have (tested with megatron-core "
+                           f"{', '.join(TESTED_VERSIONS)}): pass MegatronAdapter(optimizer_factory=...)") from None
+    config = _leaf_optimizers(optimizer)[0].config
+    chunks = list(chunks)
+    fsdp = bool(getattr(getattr(chunks[0], "ddp_config", None), "use_megatron_fsdp", False))
+    dense = ([[chunks[0]], chunks[1:]] if getattr(config, "overlap_param_gather_with_optimizer_step", False)
+             else [chunks])
+    calls = 0
+    for group in dense:
+        _get_param_groups(group, config, config_overrides)
+        calls += 1
+    if not fsdp:
+        _get_param_groups(chunks, config, config_overrides)   # the expert-parallel parameters' groups
+        calls += 1
+    return calls
+
+
 # ---------------------------------------------------------------------------------------------
 # the adapter
 
@@ -450,14 +497,20 @@ class MegatronAdapter:
         layout: the parallel layout to re-create; read from the live ``parallel_state`` when None.
         rebuild_data_iterator: ``fn(consumed_train_samples) -> iterator`` for iterators without state.
         progress: counters to carry (a fresh MegatronProgress when None).
+        optimizer_factory: the call that built ``optimizer`` (``lambda: get_megatron_optimizer(cfg, model)``).
+            Building a Megatron optimizer is collective, so after a swap the survivors make the same collectives
+            as the joiner: by default those of megatron-core 0.16's ``get_megatron_optimizer``
+            (:func:`mirror_optimizer_setup`), with a factory by calling it and dropping the result.
     """
 
     def __init__(self, sess: Any, model: Any, optimizer: Any, opt_param_scheduler: Any, *,
                  data_iterator: Any = None, rerun_state_machine: Any = None, layout: ParallelLayout | None = None,
                  rebuild_data_iterator: Callable[[int], Any] | None = None,
                  progress: MegatronProgress | None = None,
-                 rng_tracker_getter: Callable[[], Any] | None = None) -> None:
+                 rng_tracker_getter: Callable[[], Any] | None = None,
+                 optimizer_factory: Callable[[], Any] | None = None) -> None:
         self.sess = sess
+        self.optimizer_factory = optimizer_factory
         self.model = model
         self.optimizer = optimizer
         self.scheduler = opt_param_scheduler
@@ -480,6 +533,8 @@ class MegatronAdapter:
         if opt_param_scheduler is not None:
             register(sess, "megatron.scheduler", opt_param_scheduler, heavy=True)
         self._declare_replicas()
+        if _distributed_ready():
+            adopt_group_sockets()   # a peer blocked in a tensor/data-parallel collective fails at once on a death
         sess.on_reconfigure(self.reconfigure)
 
     def _declare_replicas(self) -> None:
@@ -487,7 +542,7 @@ class MegatronAdapter:
         coordinates), or itself alone under a DistributedOptimizer with one instance."""
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()):
+        if not _distributed_ready():
             return
         rank, world = dist.get_rank(), dist.get_world_size()
         if self.optimizer_state.sharded and self.layout.distopt_instances < 2:
@@ -514,11 +569,25 @@ class MegatronAdapter:
         return donor_rank(rank, lay.tp, lay.pp, lay.cp, world, ep=lay.ep, etp=lay.etp, order=lay.order, avoid=avoid)
 
     def reconfigure(self) -> int:
-        """Re-create parallel_state's groups in the new world and re-point the model's and optimizer's cached
-        references at them. Registered with ``sess.on_reconfigure``."""
-        return reinitialize_parallel_state(self.layout, [*_unwrap_chunks(self.model), self.optimizer])
+        """Do on a survivor what a joiner does collectively while it builds its objects, in the same order:
+        re-create parallel_state's groups (re-pointing the model's and optimizer's cached references at them),
+        then the optimizer construction's collectives. Registered with ``sess.on_reconfigure``."""
+        chunks = _unwrap_chunks(self.model)
+        replaced = reinitialize_parallel_state(self.layout, [*chunks, self.optimizer])
+        if self.optimizer_factory is not None:
+            self.optimizer_factory()            # its collectives pair with the joiner's; the optimizer is dropped
+        elif self.optimizer is not None and hasattr(_leaf_optimizers(self.optimizer)[0], "config"):
+            mirror_optimizer_setup(chunks, self.optimizer)
+        adopt_group_sockets()
+        return replaced
+
+
+def _distributed_ready() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
 
 
 __all__ = ["DEFAULT_ORDER", "DataIteratorState", "MegatronAdapter", "MegatronOptimizerState", "MegatronProgress",
            "ModelChunksState", "ParallelLayout", "RerunStateMachineState", "RngTrackerState", "donor_rank",
-           "reinitialize_parallel_state"]
+           "mirror_optimizer_setup", "reinitialize_parallel_state"]
