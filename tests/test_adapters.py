@@ -459,6 +459,28 @@ def test_torchtitan_fsdp2_state_roundtrip_and_mesh_rebuild(one_rank_world: None)
     _train_step(model, opt)
 
 
+@pytest.mark.timeout(60)
+def test_torchtitan_optimizer_view_of_a_fresh_optimizer_counts_no_step(one_rank_world: None) -> None:
+    """DCP (and torchtitan's OptimizersContainer) materialize a never-stepped optimizer's state with a zero-lr
+    step: Adam's step count would start at 1 and every later update would differ from torchrun's. Reading the
+    view (the shard mirror does at every step start, step 0 included) leaves the optimizer as it was, and a
+    joiner loading a never-stepped optimizer ends with none either."""
+    from tpassrun.adapters.torchtitan import OptimizerState
+
+    ref, ref_opt = _fsdp_model(0)
+    model, opt = _fsdp_model(0)
+    joiner, joiner_opt = _fsdp_model(0)
+    roundtrip({"o": OptimizerState(opt, [model])}, {"o": OptimizerState(joiner_opt, [joiner])})
+    assert not opt.state and not joiner_opt.state
+    for m, o in ((ref, ref_opt), (model, opt), (joiner, joiner_opt)):
+        torch.manual_seed(7)
+        _train_step(m, o)
+        _train_step(m, o)
+    for (name, a), (_, b), (_, c) in zip(ref.state_dict().items(), model.state_dict().items(),
+                                         joiner.state_dict().items()):
+        assert torch.equal(a.to_local(), b.to_local()) and torch.equal(a.to_local(), c.to_local()), name
+
+
 class _Boom(Exception):
     pass
 

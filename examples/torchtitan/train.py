@@ -165,6 +165,7 @@ def main() -> None:
 
     def step(i: int) -> None:                                         # tpassrun (the loop body as a function)
         current[0] = i
+        fault_point(sess.rank, i, "step")
         train_state.step += 1                     # as torchtitan's Trainer: the counters move as the step starts
         tokens = data.next()
         train_state.ntokens_seen += tokens.numel()

@@ -164,11 +164,23 @@ class OptimizerState(_Sharded):
         return isinstance(self.optimizers, torch.optim.Optimizer) and not hasattr(self.optimizers, "model_parts")
 
     def _current(self) -> dict[str, Any]:
+        """The flat, FQN-keyed state dict. An optimizer that never stepped has no state yet, and both torchtitan's
+        ``OptimizersContainer.state_dict()`` and DCP's ``get_optimizer_state_dict`` materialize it by running a
+        zero-gradient, zero-lr step, which counts as a step (Adam's ``step`` becomes 1, so the first real update
+        would differ from torchrun's): forget the state such a call created, as if it had never run."""
+        fresh = [o for o in self.commit_optimizers() if not o.state]
         if self._is_plain():
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            return get_optimizer_state_dict(self.model_parts[0], self.optimizers, options=_options())
-        return self.optimizers.state_dict()
+            current = get_optimizer_state_dict(self.model_parts[0], self.optimizers, options=_options())
+        else:
+            current = self.optimizers.state_dict()
+        for opt in fresh:
+            opt.state.clear()
+        return current
+
+    def _fresh(self) -> list[int]:
+        return [i for i, o in enumerate(self.commit_optimizers()) if not o.state]
 
     def commit_optimizers(self) -> list[Any]:
         """The torch optimizers whose ``step()`` commits a training step (tpassrun's step transaction)."""
@@ -180,7 +192,8 @@ class OptimizerState(_Sharded):
         self.optimizers.zero_grad(set_to_none=True)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"v": STATE_VERSION, "state": portable(self._current())}
+        fresh = self._fresh()     # optimizers that never stepped: their param groups travel, no state
+        return {"v": STATE_VERSION, "state": portable(self._current()), "fresh": fresh}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check(state, "optimizer")
@@ -193,6 +206,9 @@ class OptimizerState(_Sharded):
             set_optimizer_state_dict(self.model_parts[0], self.optimizers, restored, options=_options())
         else:
             self.optimizers.load_state_dict(restored)
+        inner = self.commit_optimizers()
+        for i in state.get("fresh", ()):
+            inner[int(i)].state.clear()     # the sender's had never stepped (loading materialized its state)
 
 
 def _param_likes(model_parts: Sequence[Any], received: dict[str, Any], current: dict[str, Any]) -> dict[str, Any]:
