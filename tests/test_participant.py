@@ -15,7 +15,8 @@ from tpassrun.channel import INT64_MAX, Field, WorkerPhase
 from tpassrun.port import AgentPort, SwapSettings
 from tpassrun.records import Phase, SlotRef, SwapKind, SwapPlan
 from tpassrun.slots import Slot, SlotState
-from tpassrun.swapper import Swapper, _transfer_key
+from tpassrun.swap import transfer_key as _transfer_key
+from tpassrun.swapper import Swapper
 
 NODE = "a"
 
