@@ -149,6 +149,7 @@ def reset_failed_step(module: Any) -> int:
         for state in _fsdp2_states(root):
             for group in _torch_attr(state, "_fsdp_param_groups", "FSDPState"):
                 for param in _torch_attr(group, "fsdp_params", "FSDPParamGroup"):
+                    _torch_attr(type(param), "unsharded_param", "FSDPParam")   # the accessor of _unsharded_param
                     unsharded = getattr(param, "_unsharded_param", None)   # absent before the first all-gather
                     if unsharded is not None:
                         unsharded.grad = None

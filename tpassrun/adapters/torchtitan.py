@@ -18,13 +18,18 @@ What travels:
   RNG capture moves the global generators.
 
 Replicas: FSDP shards model and optimizer over ``dp_shard``; only ranks on another ``dp_replicate`` (HSDP) hold
-the same shards. Without a replicate dimension an unplanned failure has no live replica (:attr:`replicated`).
+the same shards. The adapter declares them (``sess.declare_replicas``, from the mesh's rank grid) so an unplanned
+recovery takes the dead rank's shards from one of them. Without a replicate dimension no live rank holds them: the
+views are tracked as sharded state (``sess.track_sharded``) and recovered from the shard mirror when there is one.
 
-After a re-formed world, :meth:`TorchTitanAdapter.reconfigure` rebuilds the root device mesh with
-``init_device_mesh`` (same shape, dim names and device type), takes the same named sub-meshes from it, and re-points
-every cached reference (FSDP2's mesh info and process groups, every DTensor's spec) at the new meshes and groups.
-Exercised on CPU with a one-process FSDP2 model; multi-dimensional meshes with flattened dims (``dp_shard_cp``)
-and torchtitan itself (a heavy install) are not exercised here.
+A step that failed half-way (a peer died in one of its collectives) is re-executed by the survivors: their model
+view's ``drop_grads`` resets FSDP2's per-iteration state first (:func:`tpassrun.adapters._common.reset_failed_step`).
+
+After a re-formed world, :meth:`TorchTitanAdapter.reconfigure` rebuilds the device meshes with
+``ParallelDims.build_mesh()`` (or ``init_device_mesh``: same shape, dim names and device type), takes the same named
+sub-meshes from them, and re-points every cached reference (FSDP2's mesh info and process groups, every DTensor's
+spec) at the new meshes and groups. Exercised with torchtitan 0.3.0 on 4 CPU ranks (``tests/test_torchtitan_real.py``:
+FSDP2 planned swap, HSDP and pure-FSDP SIGKILLs); meshes with TP/PP/CP or flattened dims (``dp_shard_cp``) are not.
 """
 
 from __future__ import annotations
