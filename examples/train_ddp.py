@@ -8,6 +8,9 @@ shuffled data through a stateful sampler. Run it under torchrun or tpassrun unch
 With tpassrun, ``tpassctl taint --rank 1 ...`` (or a failing GPU) moves rank 1 to the spare between two
 steps; the other ranks keep their processes and memory, and the run ends bit-identical to one without the
 swap. ``--out DIR`` writes the per-step losses and the final state of every rank there.
+
+``--zero``: the optimizer state is sharded by hand, ZeRO-1 style (:class:`ZeroAdamW`): no other rank holds a
+rank's slice, so the script tracks it with ``sess.track_sharded`` and tpassrun mirrors it to a buddy's memory.
 """
 
 from __future__ import annotations
@@ -54,6 +57,58 @@ class ShuffledSampler:
         self.seed, self.rank, self.world = d["seed"], d["rank"], d["world"]
 
 
+class ZeroAdamW:
+    """ZeRO-1 by hand (what DeepSpeed's stage 1 does): every rank keeps the whole model, and the fp32 master copy
+    and AdamW state of one 1/world slice of the flattened parameters only. :meth:`step` updates this rank's slice
+    from the (all-reduced) gradients, then all-gathers every slice into the model."""
+
+    def __init__(self, params, rank: int, world: int, **adamw) -> None:
+        self.params = [p for p in params if p.requires_grad]
+        self.rank, self.world = rank, world
+        self.size = -(-sum(p.numel() for p in self.params) // world)
+        self.shard = torch.nn.Parameter(self._flat([p.detach() for p in self.params])[self._mine()].clone())
+        self.inner = torch.optim.AdamW([self.shard], **adamw)
+
+    def _mine(self) -> slice:
+        return slice(self.rank * self.size, (self.rank + 1) * self.size)
+
+    def _flat(self, tensors) -> torch.Tensor:
+        flat = torch.cat([t.reshape(-1) for t in tensors])
+        return F.pad(flat, (0, self.size * self.world - flat.numel()))
+
+    def step(self) -> None:
+        self.shard.grad = self._flat([p.grad for p in self.params])[self._mine()].clone()
+        self.inner.step()
+        parts = [torch.empty(self.size) for _ in range(self.world)]
+        dist.all_gather(parts, self.shard.detach())
+        full = torch.cat(parts)
+        with torch.no_grad():
+            offset = 0
+            for p in self.params:
+                p.copy_(full[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            p.grad = None
+        self.shard.grad = None
+
+    drop_grads = zero_grad          # tpassrun: a failed step's gradients are forgotten
+
+    def commit_optimizers(self) -> list:
+        return [self.inner]         # tpassrun: its step() is where this rank's slice starts changing
+
+    def state_dict(self) -> dict:
+        return {"rank": self.rank, "world": self.world, "shard": self.shard.detach(), "inner": self.inner.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        if (state["rank"], state["world"]) != (self.rank, self.world):
+            raise ValueError(f"slice {state['rank']}/{state['world']} handed to {self.rank}/{self.world}")
+        with torch.no_grad():
+            self.shard.copy_(state["shard"])
+        self.inner.load_state_dict(state["inner"])
+
+
 class Net(torch.nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -78,6 +133,7 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step")
     p.add_argument("--out", default=None, help="directory for per-rank loss logs and final state")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--zero", action="store_true", help="shard the optimizer state by hand (ZeRO-1, ZeroAdamW)")
     p.add_argument("--ddp", choices=("session", "torch"), default="session",
                    help="session: sess.ddp(model); torch: DistributedDataParallel(model), re-created on reconfigure")
     args = p.parse_args()
@@ -97,10 +153,16 @@ def main() -> None:
         def _rebuild_ddp() -> None:
             nonlocal ddp
             ddp = DistributedDataParallel(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
     sampler = ShuffledSampler(args.samples, rank, world, args.seed)
-    sess.track(optimizer=opt, scheduler=sched, sampler=sampler)
+    if args.zero:                                      # this rank's optimizer slice is its alone: mirrored
+        opt = ZeroAdamW(model.parameters(), rank, world, lr=args.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt.inner, lambda s: 1.0 / (1.0 + 0.01 * s))
+        sess.track_sharded(optimizer=opt)
+        sess.track(scheduler=sched, sampler=sampler)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
+        sess.track(optimizer=opt, scheduler=sched, sampler=sampler)
 
     g = torch.Generator().manual_seed(args.seed + 7)   # the dataset, the same everywhere
     xs = torch.randn(args.samples, args.dim, generator=g)
@@ -120,7 +182,7 @@ def main() -> None:
     model.fc1.weight.register_hook(bwd_hook)
     # named fault points at each phase of a step (no effect unless TPASSRUN_FAULTS names them)
     model.register_forward_pre_hook(lambda *_: fault_point(sess.rank, current[0], "forward"))
-    opt.register_step_post_hook(lambda *_: fault_point(sess.rank, current[0], "opt_step"))
+    (opt.inner if args.zero else opt).register_step_post_hook(lambda *_: fault_point(sess.rank, current[0], "opt_step"))
 
     def step(i: int) -> None:
         current[0] = i

@@ -55,12 +55,11 @@ def test_ring_restores_a_version_bit_for_bit_and_never_aliases_its_buffers():
     got = _flat(model, opt)
     assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     # the ring's buffers are reused by the next versions: the restored objects must own their tensors
-    ring.begin(4, {"opt": opt}, {"model": model}, owner=0, light=None)
-    ring.fence()
-    _train(model, opt, 1)
-    ring.begin(5, {"opt": opt}, {"model": model}, owner=0, light=None)
-    ring.fence()
-    assert ring.versions() == (4, 5)
+    for step in (4, 5, 6):
+        ring.begin(step, {"opt": opt}, {"model": model}, owner=0, light=None)
+        ring.fence()
+        _train(model, opt, 1)
+    assert ring.versions() == (4, 5, 6)
     with pytest.raises(KeyError):
         ring.restore(2, {"opt": opt}, {"model": model})
 
@@ -69,19 +68,25 @@ def test_a_version_being_pushed_is_never_overwritten_the_snapshot_is_skipped():
     model, opt = _job()
     _train(model, opt, 1)
     ring = ShardRing()
-    for step in (1, 2):
+    for step in (1, 2, 3):
         ring.begin(step, {"opt": opt}, {"model": model}, owner=0, light=None)
         ring.fence()
-    pinned = ring.pin_newest(after=0)          # the pusher reads step 2
-    assert pinned is not None and pinned.step == 2
-    assert ring.begin(3, {"opt": opt}, {"model": model}, owner=0, light=None) is not None   # into step 1's slot
+    pinned = ring.pin_newest(after=0)          # the pusher reads step 3
+    assert pinned is not None and pinned.step == 3
+    old = ring.pin_newest(after=0)
+    assert old is pinned
+    ring.unpin(old)
+    one = ring.get(1)
+    one.pins += 1                              # and (say) an older push of step 1 still runs
+    assert ring.begin(4, {"opt": opt}, {"model": model}, owner=0, light=None) is not None   # into step 2's slot
     ring.fence()
-    assert ring.begin(4, {"opt": opt}, {"model": model}, owner=0, light=None) is None       # 2 pinned, 3 newest
-    assert ring.skipped == 1 and ring.versions() == (2, 3)
+    assert ring.begin(5, {"opt": opt}, {"model": model}, owner=0, light=None) is None       # 1, 3 pinned, 4 newest
+    assert ring.skipped == 1 and ring.versions() == (1, 3, 4)
     ring.unpin(pinned)
-    assert ring.begin(4, {"opt": opt}, {"model": model}, owner=0, light=None) is not None
+    one.pins -= 1
+    assert ring.begin(5, {"opt": opt}, {"model": model}, owner=0, light=None) is not None
     ring.fence()
-    assert ring.versions() == (3, 4)
+    assert ring.versions() == (3, 4, 5)
 
 
 class FakeMirror:
@@ -131,7 +136,7 @@ def test_the_pusher_sends_the_newest_complete_version_with_the_light_snapshot():
     bundle, light, step = decode_mirrored(data)
     assert light == b"light-1" and step == 1 and sorted(bundle.meta["objects"]) == ["opt"]   # the model stays local
     _wait(lambda: published.get(Field.SHARD_PUSHED) == 2)
-    assert published[Field.SHARD_V1] == 2 and published[Field.SHARD_HELD] > 0 and published[Field.SHARD_SENT] > 0
+    assert published[Field.SHARD_V2] == 2 and published[Field.SHARD_HELD] > 0 and published[Field.SHARD_SENT] > 0
     # a failing buddy: retried, then the newest version goes
     mirror.fail = 2
     _train(model, opt, 1)
@@ -147,17 +152,17 @@ def test_a_slow_buddy_makes_the_pusher_skip_to_the_newest_version():
     mirror = FakeMirror()
     state = ShardState(0, 1, lambda f, v: None)
     state.retarget(mirror, 0)
-    mirror.gate.clear()                      # the push of step 0 hangs
-    state.begin(0, ({"opt": opt}, {"model": model}), light=None)
+    mirror.gate.clear()                      # the push of step 1 hangs
+    state.begin(1, ({"opt": opt}, {"model": model}), light=None)
     state.fence()
-    _wait(lambda: state.ring.get(0).pins == 1)
-    for step in (1, 2, 3):
+    _wait(lambda: state.ring.get(1).pins == 1)
+    for step in (2, 3, 4, 5):
         _train(model, opt, 1)
         state.begin(step, ({"opt": opt}, {"model": model}), light=None)
         state.fence()
-    assert state.ring.skipped == 2           # 0 pinned and 1 the newest: 2 and 3 were not taken
+    assert state.ring.versions() == (1, 4, 5)   # 1 stays while it is pushed; 2 and 3 were overwritten
     mirror.gate.set()
-    _wait(lambda: [p[2] for p in mirror.puts] == [0, 1])
+    _wait(lambda: [p[2] for p in mirror.puts] == [1, 5])   # then straight to the newest
     state.close()
 
 
@@ -165,6 +170,8 @@ def test_interval_k_snapshots_every_kth_step_and_the_first_one():
     model, opt = _job()
     state = ShardState(0, 3, lambda f, v: None)
     taken = []
+    state.begin(0, ({"opt": opt}, {"model": model}), light=None)
+    assert state.ring.versions() == ()       # never step 0 (a framework's state_dict may initialise state then)
     for step in range(5, 12):
         state.begin(step, ({"opt": opt}, {"model": model}), light=None)
         state.fence()

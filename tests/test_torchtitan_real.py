@@ -9,7 +9,8 @@ tpassrun, against the same script under plain torchrun (one reference run per me
   FSDP2's per-iteration state (tpassrun.adapters._common.reset_failed_step) before re-executing a step that failed
   half-way;
 * an unplanned SIGKILL under pure FSDP2, where no live rank holds the dead rank's shards: recovered from the
-  in-memory mirror of them (sess.track_sharded, tpassrun/shards.py), mid-backward and inside the forward."""
+  in-memory mirror of them (sess.track_sharded, tpassrun/shards.py), mid-backward and after the optimizer step
+  (the survivors finish that step without it: every rank rolls back to its own copy of the step's start)."""
 
 from __future__ import annotations
 
@@ -95,7 +96,7 @@ def test_hsdp_unplanned_kill_is_recovered_from_the_replica_group(tmp_path, etcd_
     print(f"torchtitan HSDP unplanned recovery ({where}) pause: {swap_pause_s(job):.2f} s")
 
 
-@pytest.mark.parametrize("rank,where", [(1, "backward"), (2, "forward")])
+@pytest.mark.parametrize("rank,where", [(1, "backward"), (2, "after_opt")])
 def test_pure_fsdp_unplanned_kill_is_recovered_from_the_mirror(tmp_path, etcd_server, run_id, reference, rank,
                                                                where):
     job = _kill(tmp_path, etcd_server, run_id, 1, rank, where)

@@ -37,11 +37,33 @@ class GenerationTasks:
     async def publish_status(self) -> None:
         if self.rdzv is None or self.slots is None:
             return
+        workers = self.slots.table()
+        mirror = getattr(self, "mirror", None)
         status = NodeStatus(node_id=self.node_id, addr=self.addr, pid=os.getpid(),
                             generation=self.generation.number if self.generation else None,
-                            restart_count=self.restart_count, workers=self.slots.table(), time=time.time())
+                            restart_count=self.restart_count, workers=workers, time=time.time(),
+                            mirror_held=mirror.store.nbytes if mirror is not None else 0)
+        self._say_shard_mirrors(workers)
         with contextlib.suppress(Exception):
             await self.rdzv.store.put_json(Keys(self.rdzv.key("")).status(self.node_id), status.to_json(), lease=True)
+
+    def _say_shard_mirrors(self, workers: Any) -> None:
+        """The event log (and console) says what mirroring a rank's sharded state costs: once when it starts,
+        again when a refresh's size or its local copies' memory changes by more than a tenth (shards.py)."""
+        said = self.__dict__.setdefault("_shard_said", {})
+        for w in workers:
+            if not w.shard_held or w.rank is None:
+                continue
+            before = said.get(w.rank)
+            if before is not None and all(abs(now - was) <= was // 10
+                                          for now, was in zip((w.shard_bytes, w.shard_held), before)):
+                continue
+            said[w.rank] = (w.shard_bytes, w.shard_held)
+            mirror = getattr(self, "mirror", None)
+            buddy = mirror.buddy.node if mirror is not None and mirror.buddy is not None else None
+            self.events.write("shard_mirror", rank=w.rank, slot=w.slot, bytes_per_refresh=w.shard_bytes,
+                              local_held=w.shard_held, interval=self.cfg.shard_mirror_interval,
+                              buddy=buddy, mirrored_step=w.shard_mirrored)
 
     async def _status_panel(self) -> None:
         """``--tui``: the live view under the workers' output, from one etcd read a second (tui_panel.py)."""

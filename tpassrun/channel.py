@@ -23,7 +23,7 @@ import struct
 
 INT64_MAX = (1 << 63) - 1
 
-SLOT_FIELDS = 24                  # 19 used; room to grow without moving the light buffers again
+SLOT_FIELDS = 24                  # 20 used; room to grow without moving the light buffers again
 SLOT_BYTES = SLOT_FIELDS * 8
 LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
 _LIGHT_HEADER = struct.Struct("<q")  # payload length
@@ -44,12 +44,13 @@ class Field(enum.IntEnum):
     LIGHT_STEP_0 = 11  # worker: the step light buffer 0 resumes at (-1 while being written)
     LIGHT_STEP_1 = 12  # worker: the same for light buffer 1
     # sharded state (``sess.track_sharded``, tpassrun/shards.py); versions are 1 + the step, 0 = none
-    SHARD_V0 = 13      # worker: a step whose local pre-step copy is complete (the older of the two)
-    SHARD_V1 = 14      # worker: the newer one
+    SHARD_V0 = 13      # worker: a step whose local pre-step copy is complete (oldest first; three at most)
+    SHARD_V1 = 14      # worker: the next one
     SHARD_HELD = 15    # worker: host bytes its local copies hold
     SHARD_BYTES = 16   # worker: bytes of one mirrored version (what a refresh sends)
     SHARD_PUSHED = 17  # worker: 1 + the newest step its buddy's mirror holds complete
     SHARD_SENT = 18    # worker: total bytes pushed to the mirror
+    SHARD_V2 = 19      # worker: the newest local copy (SHARD_V0/V1/V2)
 
 
 class WorkerPhase(enum.IntEnum):

@@ -172,6 +172,10 @@ class Describer:
         if name == "worker_died":
             self._last_death[ev.get("rank")] = int(ev.get("step") or 0)
             return f"{_rank(ev)}died at step {ev.get('step')}: {ev.get('why') or 'exit code ' + str(ev.get('code'))}"
+        if name == "shard_mirror":
+            where = f"node {_short(ev['buddy'])}'s memory" if ev.get("buddy") else "this agent's memory (no other node)"
+            return (f"{_rank(ev)}sharded state mirrored to {where}: {_bytes(ev.get('bytes_per_refresh'))} every "
+                    f"{ev.get('interval')} step(s); its local copies hold {_bytes(ev.get('local_held'))}")
         if name == "recovery_decided":
             return f"recovery decided ({ev.get('action')}): {ev.get('reason')}"
         if name == "swap_decided":

@@ -178,6 +178,10 @@ _FAMILIES: dict[str, Any] = {"nodes": node_info, "status": NodeStatus.from_json,
                              "taints": Taint.from_json, "swaps": SwapPlan.from_json}
 
 
+def _size(n: int) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
 def _render_status(snap: RunSnapshot) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -219,6 +223,17 @@ def _render_status(snap: RunSnapshot) -> None:
         row(workers, w["node_id"], *(w.get(k, "-") for k in ("slot", "rank", "local_rank", "pid", "state", "step")),
             "yes" if w.get("spare") else "")
     console.print(workers)
+    mirrored = [w for w in snap.workers() if w.get("shard_held")]
+    if mirrored:
+        mirror = Table("node", "rank", "local copies", "per refresh", "mirrored step", "sent", title="sharded state "
+                       "mirror (host memory)", title_justify="left")
+        for w in mirrored:
+            row(mirror, w["node_id"], w.get("rank", "-"), _size(w["shard_held"]), _size(w.get("shard_bytes") or 0),
+                w.get("shard_mirrored") if w.get("shard_mirrored") is not None else "-", _size(w.get("shard_sent") or 0))
+        for node_id, status in sorted(snap.status.items()):
+            if status.mirror_held:
+                row(mirror, node_id, "(buddy copies)", _size(status.mirror_held), "", "", "")
+        console.print(mirror)
 
     if snap.taints:
         taints = Table("id", "node", "slot", "rank", "effect", "reason", "state", title="taints",

@@ -29,12 +29,22 @@ class WorkerRow:
     quarantine_reason: str | None = None
     replicas: tuple[int, ...] | None = None   # the ranks holding this rank's state, as its adapter declared them
                                               # (None: every rank, plain data parallelism)
+    # sharded state (tpassrun/shards.py): host bytes of its local copies, bytes of one refresh of its mirror,
+    # the newest step its buddy's mirror holds (None: none yet), bytes pushed in all
+    shard_held: int = 0
+    shard_bytes: int = 0
+    shard_mirrored: int | None = None
+    shard_sent: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        return {"slot": self.slot, "rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
-                "state": self.state, "step": self.step, "managed": self.managed, "spare": self.spare,
-                "last_step_ms": self.last_step_ms, "quarantine_reason": self.quarantine_reason,
-                "replicas": None if self.replicas is None else list(self.replicas)}
+        doc = {"slot": self.slot, "rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
+               "state": self.state, "step": self.step, "managed": self.managed, "spare": self.spare,
+               "last_step_ms": self.last_step_ms, "quarantine_reason": self.quarantine_reason,
+               "replicas": None if self.replicas is None else list(self.replicas)}
+        if self.shard_held:
+            doc.update(shard_held=self.shard_held, shard_bytes=self.shard_bytes, shard_mirrored=self.shard_mirrored,
+                       shard_sent=self.shard_sent)
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any) -> "WorkerRow":
@@ -47,7 +57,11 @@ class WorkerRow:
                    managed=_bool(doc, "managed", what), spare=_bool(doc, "spare", what),
                    last_step_ms=_num(doc, "last_step_ms", what),
                    quarantine_reason=_opt_str(doc, "quarantine_reason", what),
-                   replicas=_opt_ranks(doc, "replicas", what))
+                   replicas=_opt_ranks(doc, "replicas", what),
+                   shard_held=_int(doc, "shard_held", what, 0, minimum=0),
+                   shard_bytes=_int(doc, "shard_bytes", what, 0, minimum=0),
+                   shard_mirrored=_opt_int(doc, "shard_mirrored", what),
+                   shard_sent=_int(doc, "shard_sent", what, 0, minimum=0))
 
 
 @dataclass(frozen=True)
@@ -61,11 +75,15 @@ class NodeStatus:
     generation: int | None = None
     restart_count: int = 0
     time: float = 0.0
+    mirror_held: int = 0        # host bytes this agent's mirror store holds for other nodes' ranks (mirror.py)
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "node_id": self.node_id, "addr": self.addr, "pid": self.pid,
-                "generation": self.generation, "restart_count": self.restart_count,
-                "workers": [w.to_json() for w in self.workers], "time": self.time}
+        doc = {"v": SCHEMA_VERSION, "node_id": self.node_id, "addr": self.addr, "pid": self.pid,
+               "generation": self.generation, "restart_count": self.restart_count,
+               "workers": [w.to_json() for w in self.workers], "time": self.time}
+        if self.mirror_held:
+            doc["mirror_held"] = self.mirror_held
+        return doc
 
     @classmethod
     def from_json(cls, doc: Any) -> "NodeStatus":
@@ -74,7 +92,7 @@ class NodeStatus:
         return cls(node_id=_str(d, "node_id", what), addr=_str(d, "addr", what, ""), pid=_int(d, "pid", what, 0),
                    generation=_opt_int(d, "generation", what), restart_count=_int(d, "restart_count", what, 0),
                    workers=tuple(WorkerRow.from_json(w) for w in _list(d, "workers", what)),
-                   time=_num(d, "time", what))
+                   time=_num(d, "time", what), mirror_held=_int(d, "mirror_held", what, 0, minimum=0))
 
 
 # ---------------------------------------------------------------------------------------------- health

@@ -33,16 +33,32 @@ MIRROR_KIND = "shard/state"        # == tpassrun.shards.MIRROR_KIND (that module
 ROLLBACK_TIMEOUT_S = 120.0
 
 
+_VERSIONS = (Field.SHARD_V0, Field.SHARD_V1, Field.SHARD_V2)
+
+
 def ring_of(ch: Any, slot: int) -> tuple[int, ...] | None:
     """The steps whose local copy a worker holds complete (None: it tracks no sharded state)."""
     if ch is None or not ch.get(slot, Field.SHARD_HELD):
         return None
-    return tuple(sorted(v - 1 for v in (ch.get(slot, Field.SHARD_V0), ch.get(slot, Field.SHARD_V1)) if v > 0))
+    return tuple(sorted(v - 1 for v in (ch.get(slot, f) for f in _VERSIONS) if v > 0))
+
+
+def live_step(ch: Any, slot: int) -> int | None:
+    """The step whose start a stopped survivor's live state is (paused before it, or failed in it before its
+    commit point): it can resume there with no copy at all."""
+    phase, step = WorkerPhase(ch.get(slot, Field.PHASE)), ch.get(slot, Field.STEP)
+    if phase == WorkerPhase.PAUSED or (phase == WorkerPhase.FAILED and ch.get(slot, Field.COMMITTED) != step + 1):
+        return step
+    return None
 
 
 def survivors_rings(ch: Any, slots: Iterable["Slot"]) -> tuple[int, ...] | None:
-    """The steps *every* one of these survivors holds a copy of; None when none tracks sharded state."""
-    rings = [ring_of(ch, s.index) for s in slots]
+    """The steps *every* one of these survivors can be put back to (a local copy, or its live state); None when
+    none tracks sharded state."""
+    rings = []
+    for s in slots:
+        ring, live = ring_of(ch, s.index), live_step(ch, s.index)
+        rings.append(None if ring is None else tuple(sorted(set(ring) | ({live} if live is not None else set()))))
     held = [set(r) for r in rings if r is not None]
     if not held:
         return None

@@ -34,7 +34,10 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 log = logging.getLogger("tpassrun.shards")
 
 MIRROR_KIND = "shard/state"      # the mirror entry of one rank: its sharded objects + light snapshot
-RING_SLOTS = 2
+# Three local versions: the dead rank's mirror may lag its own ring by one version (its last refresh had not
+# landed), and the survivors may be one step ahead of it (they started the next step, and copied it), so a
+# survivor must still hold the version two before its newest.
+RING_SLOTS = 3
 
 
 # --------------------------------------------------------------------------------------------- copying
@@ -222,7 +225,8 @@ class ShardRing:
             if not free:
                 self.skipped += 1
                 return None
-            index = free[0]
+            # an empty slot, else the oldest version
+            index = min(free, key=lambda i: -1 if self._slots[i] is None else self._slots[i].step)
             old = self._slots[index]
             self._slots[index] = None    # never read half-overwritten
         if self._copier is None:
@@ -486,8 +490,11 @@ class ShardState:
 
     def begin(self, step: int, objects: tuple[Mapping[str, Any], Mapping[str, Any]], *, light: bytes | None) -> None:
         """At a step start: snapshot it if it is a refresh step (every ``interval``-th, and the first one this
-        process runs, so a joiner is covered at once)."""
-        if not self.enabled or (self._began and step % self.interval):
+        process runs, so a joiner is covered at once). Never step 0: before the first optimizer step a
+        framework's ``state_dict()`` may initialise the optimizer's state to describe it (torch's
+        ``get_optimizer_state_dict`` runs a zero-gradient step, which moves Adam's step count), and a death in
+        step 0 loses nothing to a whole-group restart anyway."""
+        if not self.enabled or step == 0 or (self._began and step % self.interval):
             return
         if self.ring.get(step) is not None:
             return      # re-executing a step after a rollback: that copy is this very state
@@ -505,10 +512,9 @@ class ShardState:
 
         self.ring.fence()
         held = self.ring.versions()[-RING_SLOTS:]
-        pad = [0] * (RING_SLOTS - len(held))
-        v0, v1 = pad + [1 + v for v in held]
-        self._publish(Field.SHARD_V0, v0)
-        self._publish(Field.SHARD_V1, v1)
+        published = [0] * (RING_SLOTS - len(held)) + [1 + v for v in held]
+        for f, v in zip((Field.SHARD_V0, Field.SHARD_V1, Field.SHARD_V2), published):
+            self._publish(f, v)
         self._publish(Field.SHARD_HELD, self.ring.held_bytes)
         newest = self.ring.get(held[-1]) if held else None
         if newest is not None:

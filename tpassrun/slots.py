@@ -255,10 +255,16 @@ class LocalSlots:
         for s in self.slots:
             step = self.field(s, Field.STEP) if self.channel is not None else 0
             last = self.field(s, Field.LAST_STEP_NS) if self.channel is not None else 0
+            shard = {}
+            if self.channel is not None and self.field(s, Field.SHARD_HELD) and s.state != SlotState.SPARE:
+                pushed = self.field(s, Field.SHARD_PUSHED)
+                shard = {"shard_held": self.field(s, Field.SHARD_HELD), "shard_bytes": self.field(s, Field.SHARD_BYTES),
+                         "shard_mirrored": pushed - 1 if pushed > 0 else None,
+                         "shard_sent": self.field(s, Field.SHARD_SENT)}
             out.append(WorkerRow(slot=s.index, rank=s.rank, local_rank=s.local_rank, pid=s.pid,
                                  state=str(getattr(s.state, "value", s.state)), step=step, managed=s.managed,
                                  spare=s.state == SlotState.SPARE, last_step_ms=round(last / 1e6, 3),
-                                 quarantine_reason=s.quarantine_reason, replicas=s.replicas))
+                                 quarantine_reason=s.quarantine_reason, replicas=s.replicas, **shard))
         return tuple(out)
 
 

@@ -127,6 +127,28 @@ def _workers(doc: Mapping[str, Any]) -> list[dict]:
     return rows
 
 
+def _mib(n: float) -> str:
+    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
+
+
+def mirror_usage(doc: Mapping[str, Any], workers: list[dict] | None = None) -> str | None:
+    """What mirroring sharded state costs (tpassrun/shards.py), or None when nothing is mirrored: host memory of
+    the local copies per rank (the largest), bytes one refresh sends (all ranks), and what the agents' mirror
+    stores hold for other nodes."""
+    rows = [w for w in (workers if workers is not None else _workers(doc))
+            if isinstance(w.get("shard_held"), int) and w["shard_held"] > 0]
+    held = sum(int(_dict(s).get("mirror_held") or 0) for s in _dict(doc.get("status")).values())
+    if not rows and not held:
+        return None
+    parts = []
+    if rows:
+        parts.append(f"{_mib(max(w['shard_held'] for w in rows))}/rank local")
+        parts.append(f"{_mib(sum(int(w.get('shard_bytes') or 0) for w in rows))}/refresh")
+    if held:
+        parts.append(f"{_mib(held)} held for buddies")
+    return "mirror " + ", ".join(parts)
+
+
 def _is_spare(worker: Mapping[str, Any]) -> bool:
     return bool(worker.get("spare")) or worker.get("state") == "spare"
 
@@ -177,6 +199,9 @@ def summary_line(doc: Mapping[str, Any]) -> str:
     unhealthy = _unhealthy(doc)
     if unhealthy:
         parts.append(f"unhealthy {len(unhealthy)}")
+    mirror = mirror_usage(doc, workers)
+    if mirror is not None:
+        parts.append(mirror)
     active = _active_swaps(doc)
     parts += [f"swap {sid} {s.get('phase')}" for sid, s in active] or ["no swap"]
     closed = doc.get("closed")
@@ -296,6 +321,9 @@ def _summary(doc: Mapping[str, Any], now: float | None, workers: list[dict]) -> 
     if gen.get("waiting"):
         second.append(f"  waiting for: {', '.join(map(str, gen['waiting']))}", style="yellow")
     second.append(f"  leader {_text(doc.get('leader'))}  nodes {len(nodes)}")
+    mirror = mirror_usage(doc, workers)
+    if mirror is not None:
+        second.append(f"  {mirror}")
     times = [_dict(s).get("time") for s in _dict(doc.get("status")).values()]
     times = [t for t in times if isinstance(t, (int, float))]
     if now is not None and times:

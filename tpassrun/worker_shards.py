@@ -91,6 +91,14 @@ class ShardedState:
         loaded once the world is re-formed (:meth:`_shard_after_reform`): a framework's loader may ask its
         process groups (DeepSpeed's ZeRO asks its rank), and the old ones are gone; the joiner loads its shard
         there too."""
+        version = self._shards.ring.get(step)
+        if (version is None or not version.complete()) and step == self.step and self._committed != step:
+            # this survivor's live state already is that step's start (paused there, or failed in it before
+            # its commit point): only what the step consumed goes back, as under DDP
+            if self._last_light is not None:
+                self._restore_light(self._last_light)  # type: ignore[attr-defined]
+            self._drop_grads()                          # type: ignore[attr-defined]
+            return
         sharded, others = self._shard_objects()
         light = self._shards.restore(step, None, others)
         if light is not None:

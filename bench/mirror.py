@@ -1,0 +1,174 @@
+"""Sharded state mirrored in memory (``sess.track_sharded``): what it costs a healthy step, what it moves, and what
+it buys when a rank dies. One run, side by side.
+
+    python bench/mirror.py [--trials 3] [--steps 80] [--hidden 512] [--batch 1024] [--kill-step 40] [--quick]
+
+The job is ``examples/train_ddp.py --zero`` (ZeRO-1 by hand: each of 2 ranks holds the AdamW state of half of
+the parameters only, tracked with ``sess.track_sharded``), compute-bound (no sleep; ``--hidden``/``--batch`` set
+the step time, >= 50 ms by default on this VM), ``--standalone`` (one node: the mirror lives in the agent's
+memory; across nodes it is the buddy agent's, the same code and traffic over the network).
+
+1. **overhead** (healthy, no fault): steady ms/step (median gap between steps done on both ranks, from step 20)
+   of tpassrun with the mirror at the default interval (``mirror``) vs the same tpassrun job with
+   ``--shard-mirror-interval 0`` (``no-mirror``): the ratio is what mirroring costs (target <= 1.03); torchrun
+   for reference. Trials alternate mirror, no-mirror, torchrun. From the event log and the agent's exit record:
+   bytes one refresh sends (per rank and in all), host memory of the local copies per rank and of the copies
+   the agent holds.
+2. **recovery**: SIGKILL rank 1 in the backward of step ``--kill-step``; tpassrun (1 spare, mirror) recovers it
+   live from the mirror, torchrun (``--max-restarts 1``, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``) restarts the
+   group: kill -> next step on both ranks (seconds), the ratio torchrun / tpassrun, steps lost (never logged)
+   and steps recomputed (logged twice: torchrun without a checkpoint recomputes everything).
+
+Figures only, no assertions. The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import uuid
+from typing import Any
+
+from common import (TORCHRUN_RESTART_ENV, Job, Series, Workdir, add_common_args, alternate, events, faults_env,
+                    kill_at, marker_time, next_step_after, print_json, ratio_line, run_to_end, steady_ms_per_step,
+                    steps_lost, tail)
+
+WORLD = 2
+VICTIM = 1
+MIB = 1 << 20
+
+
+def script_args(args: argparse.Namespace) -> list[str]:
+    return ["--zero", "--hidden", str(args.hidden), "--batch", str(args.batch), "--samples", str(4 * args.batch)]
+
+
+def make_job(kind: str, out: str, args: argparse.Namespace, *, fault: bool) -> Job:
+    env = faults_env(kill_at(VICTIM, args.kill_step, out + "-marker", where="backward")) if fault else {}
+    if kind == "torchrun":
+        return Job.torchrun(out, nproc=WORLD, steps=args.steps, step_sleep=0.0, script_args=script_args(args),
+                            extra=["--max-restarts", "1"] if fault else [], env={**env, **TORCHRUN_RESTART_ENV})
+    extra = ["--shard-mirror-interval", "0"] if kind == "no-mirror" else []
+    return Job.tpassrun(out, endpoint=None, run_id=uuid.uuid4().hex[:8], nproc=WORLD, spares=1 if fault else 0,
+                        steps=args.steps, step_sleep=0.0, script_args=script_args(args), extra=extra, env=env)
+
+
+def mirror_figures(out: str) -> dict[str, Any]:
+    """From the event log: per rank, bytes per refresh and local copies' memory; the agent's mirror store."""
+    evs = events(out)
+    per_rank: dict[int, dict[str, Any]] = {}
+    for e in evs:
+        if e["event"] == "shard_mirror":
+            per_rank[int(e["rank"])] = {"bytes_per_refresh": e["bytes_per_refresh"], "local_held": e["local_held"],
+                                        "interval": e["interval"]}
+    store = next((e.get("mirror") for e in reversed(evs) if e["event"] == "agent_exit" and e.get("mirror")), None)
+    return {"ranks": per_rank, "agent_mirror": store}
+
+
+def overhead(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, Any]:
+    kinds = ("mirror", "no-mirror", "torchrun")
+    step = Series("steady ms/step (steps 20..)", "ms")
+    figures: list[dict[str, Any]] = []
+    failures = []
+    for trial, kind in alternate(kinds, trials):
+        out = work.sub(f"overhead-{kind}-{trial}")
+        job = make_job(kind, out, args, fault=False)
+        code, _ = run_to_end(job, timeout=600)
+        ms = steady_ms_per_step(out, WORLD)
+        if code != 0 or ms is None:
+            failures.append(f"{kind} trial {trial}: exit {code}\n{tail(job)}")
+            print(f"  trial {trial} {kind:9s} FAILED (exit {code})")
+            continue
+        step.add(kind, ms)
+        line = f"  trial {trial} {kind:9s} {ms:7.2f} ms/step"
+        if kind == "mirror":
+            fig = mirror_figures(out)
+            figures.append(fig)
+            ranks = fig["ranks"]
+            if ranks:
+                line += (f"   refresh {sum(r['bytes_per_refresh'] for r in ranks.values()) / MIB:.2f} MiB/step "
+                         f"(all ranks), local copies {max(r['local_held'] for r in ranks.values()) / MIB:.2f} MiB/rank")
+            if fig["agent_mirror"]:
+                line += f", agent holds {fig['agent_mirror'].get('held_bytes', 0) / MIB:.2f} MiB"
+        print(line)
+    for kind in kinds:
+        print(step.line(kind, digits=2))
+    ratio = step.ratio("mirror", "no-mirror")
+    print(ratio_line("step time, mirror / no mirror (same job)", ratio, 1.03, at_most=True))
+    print(ratio_line("step time, mirror / torchrun", step.ratio("mirror", "torchrun"), 1.03, at_most=True))
+    refresh = [sum(r["bytes_per_refresh"] for r in f["ranks"].values()) for f in figures if f["ranks"]]
+    local = [max(r["local_held"] for r in f["ranks"].values()) for f in figures if f["ranks"]]
+    held = [f["agent_mirror"].get("held_bytes", 0) for f in figures if f["agent_mirror"]]
+    sizes = {"bytes_per_step_all_ranks": statistics.median(refresh) if refresh else None,
+             "local_copies_bytes_per_rank": statistics.median(local) if local else None,
+             "agent_mirror_bytes": statistics.median(held) if held else None}
+    for k, v in sizes.items():
+        print(f"{k:48s} {v / MIB if v is not None else float('nan'):8.2f} MiB")
+    return {"ms_per_step": step.values, "ratio_mirror_vs_none": ratio, "sizes": sizes, "failures": failures}
+
+
+def recovery(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, Any]:
+    kinds = ("tpassrun", "torchrun")
+    took = Series("kill -> next step on all ranks", "s")
+    lost = Series("steps lost (never logged)", "steps")
+    redone = Series("steps recomputed", "steps")
+    failures = []
+    for trial, kind in alternate(kinds, trials):
+        out = work.sub(f"recovery-{kind}-{trial}")
+        job = make_job("mirror" if kind == "tpassrun" else "torchrun", out, args, fault=True)
+        code, _ = run_to_end(job, timeout=600)
+        kill = marker_time(out + "-marker")
+        seconds = next_step_after(out, WORLD, kill) if kill is not None else None
+        loss = steps_lost(out, WORLD, args.steps)
+        if code != 0 or seconds is None:
+            failures.append(f"{kind} trial {trial}: exit {code}, fault fired: {kill is not None}\n{tail(job)}")
+            print(f"  trial {trial} {kind:9s} FAILED (exit {code})")
+            continue
+        took.add(kind, seconds)
+        lost.add(kind, loss["missing"])
+        redone.add(kind, loss["redone"])
+        how = ""
+        if kind == "tpassrun":
+            phase = [e.get("reason", "") for e in events(out) if e["event"] == "swap_phase" and e.get("phase") ==
+                     "transfer"]
+            how = f"   ({phase[0]})" if phase else ""
+        print(f"  trial {trial} {kind:9s} kill -> next step {seconds:6.2f} s   lost {loss['missing']}, "
+              f"recomputed {loss['redone']}{how}")
+    for series in (took, lost, redone):
+        for kind in kinds:
+            print(series.line(kind, digits=3 if series is took else 0))
+    speedup = took.ratio("torchrun", "tpassrun")
+    print(ratio_line("recovery, torchrun restart / tpassrun (ratio)", speedup, 3.0, at_most=False))
+    print(ratio_line("tpassrun steps lost (median)", lost.median("tpassrun"), 0, at_most=True))
+    return {"recovery_s": took.values, "steps_lost": lost.values, "steps_recomputed": redone.values,
+            "speedup": speedup, "failures": failures}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_common_args(parser, trials=3)
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--kill-step", type=int, default=40)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1024)
+    parser.add_argument("--skip-recovery", action="store_true")
+    args = parser.parse_args()
+    trials = 1 if args.quick else args.trials
+    print(f"{WORLD} ranks of examples/train_ddp.py --zero --hidden {args.hidden} --batch {args.batch}, "
+          f"{args.steps} steps, {trials} trial(s) each; load average {os.getloadavg()[0]:.1f}")
+    with Workdir(keep=args.keep) as work:
+        print("overhead (no fault):")
+        over = overhead(args, work, trials)
+        rec = None if args.skip_recovery else (print("recovery (SIGKILL rank 1 in backward):"),
+                                               recovery(args, work, trials))[1]
+    for failure in over["failures"] + (rec["failures"] if rec else []):
+        print(failure)
+    print_json({"bench": "mirror", "trials": trials, "steps": args.steps, "hidden": args.hidden,
+                "batch": args.batch, "overhead": {k: v for k, v in over.items() if k != "failures"},
+                "recovery": None if rec is None else {k: v for k, v in rec.items() if k != "failures"},
+                "failures": len(over["failures"]) + (len(rec["failures"]) if rec else 0),
+                "load_average": os.getloadavg()[0]})
+
+
+if __name__ == "__main__":
+    main()

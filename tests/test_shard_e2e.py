@@ -1,0 +1,105 @@
+"""Sharded state of a user's own (``sess.track_sharded``) recovered live from an in-memory mirror, for real:
+examples/train_ddp.py --zero (ZeroAdamW: ZeRO-1 by hand, each rank holds the AdamW state of one slice of the
+parameters only), against the same script under plain torchrun.
+
+* two agents on one etcd (two "nodes", 1 rank + 1 spare each: 4 processes): rank 1's slice is mirrored in node
+  A's memory; SIGKILLed inside its optimizer step (after its own slice changed), its replacement on node B takes
+  the slice from A's mirror and the model from rank 0; rank 0 keeps its process, 0 steps lost;
+* one agent (2 ranks + 1 spare), rank 1 killed at a random instant from outside.
+DeepSpeed ZeRO-1/2 and FSDP2 are in tests/test_deepspeed_real.py and tests/test_torchtitan_real.py."""
+
+from __future__ import annotations
+
+import os
+import random
+import sys
+import time
+
+import pytest
+
+from faults import EXAMPLE, Job, faults_env, kill_at, pids_by_rank, sigkill_rank
+from realjobs import assert_trees_equal
+
+
+def assert_same_run(job: Job, ref: Job, world: int) -> None:
+    """Final model, optimizer slice, scheduler, sampler and step torch.equal to the reference on every rank (the
+    process identity aside), and every step's logged loss the reference's (a rollback re-logs some steps)."""
+    for r in range(world):
+        mine, want = job.final(r), ref.final(r)
+        for d in (mine, want):
+            d.pop("pid"), d.pop("joined")
+        assert_trees_equal(mine, want, f"rank {r}")
+        ref_losses = {x["step"]: x["loss"] for x in ref.losses(r)}
+        got = [(x["step"], x["loss"]) for x in job.losses(r)]
+        assert {s for s, _ in got} == set(ref_losses), f"rank {r}: steps lost"
+        assert all(loss == ref_losses[s] for s, loss in got), f"rank {r}: a loss differs from the reference's"
+
+pytestmark = pytest.mark.timeout(300)
+
+STEPS = 24
+ARGS = ["--steps", str(STEPS), "--step-sleep", "0.05", "--zero", "--quiet"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Job:
+    out = str(tmp_path_factory.mktemp("ref"))
+    job = Job(argv=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                    EXAMPLE, *ARGS, "--out", out], out=out).start()
+    assert job.wait(240) == 0, job.log()[-3000:]
+    return job
+
+
+def _agent(out: str, train: str, endpoint: str, run_id: str, env: dict[str, str]) -> Job:
+    argv = [sys.executable, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "1", "--spares-per-node", "1",
+            "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--log-dir", os.path.join(out, "logs"), EXAMPLE, *ARGS, "--out", train]
+    return Job(argv=argv, out=out, env=env)
+
+
+def test_a_ranks_slice_comes_back_from_the_other_nodes_mirror(tmp_path, etcd_server, run_id, reference):
+    train = str(tmp_path / "train")
+    marker = str(tmp_path / "fault")
+    env = faults_env(kill_at(1, random.Random().randint(3, 8), marker, where="opt_step"))
+    a = _agent(str(tmp_path / "a"), train, etcd_server.endpoint, run_id, env)
+    b = _agent(str(tmp_path / "b"), train, etcd_server.endpoint, run_id, env)
+    try:
+        a.start()
+        b.start()
+        assert a.wait(240) == 0, a.log()[-4000:] + b.log()[-4000:]
+        assert b.wait(60) == 0, b.log()[-4000:]
+    finally:
+        a.kill()
+        b.kill()
+    assert os.path.exists(marker), "the fault never fired"
+    job = Job(argv=[], out=train)
+    assert_same_run(job, reference, 2)
+    pids = pids_by_rank(job, 2)
+    assert len(pids[0]) == 1 and len(pids[1]) == 2, pids
+    evs = a.events() + b.events()
+    assert [e for e in evs if e["event"] == "swap_resumed"], a.log()[-3000:]
+    # the slice came from the other node's memory, and both nodes said what mirroring costs
+    holder = {e["node"] for e in evs if e["event"] == "swap_phase" and "from the mirror on" in (e.get("reason") or "")
+              or "rolls back to its copy" in (e.get("reason") or "")}
+    assert holder, [e.get("reason") for e in evs if e["event"] == "swap_phase"]
+    said = [e for e in evs if e["event"] == "shard_mirror"]
+    assert {e["rank"] for e in said} == {0, 1} and all(e["buddy"] for e in said), said
+
+
+def test_a_kill_at_a_random_instant_is_recovered_from_the_mirror(tmp_path, etcd_server, run_id, reference):
+    out = str(tmp_path / "job")
+    argv = [sys.executable, "-m", "tpassrun", "--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+            etcd_server.endpoint, "--rdzv-id", run_id, "--nproc-per-node", "2", "--spares-per-node", "1",
+            "--log-dir", os.path.join(out, "logs"), EXAMPLE, *ARGS, "--out", out]
+    job = Job(argv=argv, out=out).start()
+    rnd = random.Random()
+    try:
+        job.wait_step(rnd.randint(3, 12), 240, rank=1)
+        time.sleep(rnd.uniform(0.0, 0.08))
+        assert sigkill_rank(out, 1) is not None
+        assert job.wait(240) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-3000:]
+    assert_same_run(job, reference, 2)
+    pids = pids_by_rank(job, 2)
+    assert len(pids[0]) == 1 and len(pids[1]) == 2, pids
