@@ -8,6 +8,11 @@ the parameters only, tracked with ``sess.track_sharded``), compute-bound (no sle
 the step time, >= 50 ms by default on this VM), ``--standalone`` (one node: the mirror lives in the agent's
 memory; across nodes it is the buddy agent's, the same code and traffic over the network).
 
+0. **critical path** (in one process, the real classes, no load from other ranks): what a healthy step of a rank
+   of this job pays on its own thread (the ``state_dict()`` calls and buffer bookkeeping at the step start, and
+   any wait for the background copy at the commit point), and the background CPU one refresh costs (the copy,
+   the frame, the HMAC, the socket, and the mirror server's side, here in the same process): on a host whose
+   cores are all busy with compute that is the most a refresh can take from the step;
 1. **overhead** (healthy, no fault): steady ms/step (median gap between steps done on both ranks, from step 20)
    of tpassrun with the mirror at the default interval (``mirror``) vs the same tpassrun job with
    ``--shard-mirror-interval 0`` (``no-mirror``): the ratio is what mirroring costs (target <= 1.03); torchrun
@@ -144,6 +149,71 @@ def recovery(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, 
             "speedup": speedup, "failures": failures}
 
 
+def critical_path(args: argparse.Namespace, steps: int = 40) -> dict[str, Any]:
+    """Part 0 (see the module docstring), with a rank's state of this job: the model (replicated) and half of the
+    parameters' AdamW state (the ZeroAdamW slice)."""
+    import asyncio
+    import resource
+    import threading
+    import time
+
+    import torch
+
+    from tpassrun.mirror import MirrorServer, MirrorStore, MirrorTarget
+    from tpassrun.shards import ShardState
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.Linear(args.hidden, args.hidden),
+                                torch.nn.Linear(args.hidden, 1))
+    half = sum(p.numel() for p in model.parameters()) // WORLD
+    shard = torch.nn.Parameter(torch.zeros(half))
+    opt = torch.optim.AdamW([shard], lr=1e-3)
+    shard.grad = torch.ones(half)
+    opt.step()
+
+    loop = asyncio.new_event_loop()
+    server = MirrorServer(MirrorStore(), b"k" * 32, host="127.0.0.1", run_id="bench")
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
+    state = ShardState(0, 1, lambda _f, _v: None)
+    state.retarget(MirrorTarget("bench", "127.0.0.1", server.port, b"k" * 32, "bench", 0), 0)
+    compute_s = args.step_ms / 1e3
+    begin, fence, cpu = [], [], []
+    for step in range(1, steps + 1):
+        cpu0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        state.begin(step, ({"optimizer": opt}, {"model": model}), light=bytes(10_000))
+        t1 = time.perf_counter()
+        time.sleep(compute_s)                  # forward and backward (idle here: the background threads run)
+        t2 = time.perf_counter()
+        state.fence()                          # the commit point
+        t3 = time.perf_counter()
+        opt.step()
+        time.sleep(0.02)                       # let the push of this refresh land before the next one
+        cpu1 = resource.getrusage(resource.RUSAGE_SELF)
+        if step > 3:
+            begin.append((t1 - t0) * 1e6)
+            fence.append((t3 - t2) * 1e6)
+            cpu.append((cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) * 1e3)
+    stats = state.pusher.stats
+    state.close()
+    asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
+    loop.call_soon_threadsafe(loop.stop)
+    out = {"begin_us": statistics.median(begin), "fence_wait_us": statistics.median(fence),
+           "refresh_bytes": stats.last_bytes, "push_ms": stats.last_seconds * 1e3,
+           "process_cpu_ms_per_step": statistics.median(cpu), "local_copies_bytes": state.ring.held_bytes,
+           "step_ms": args.step_ms}
+    crit = (out["begin_us"] + out["fence_wait_us"]) / 1e3
+    print(f"  critical path per step: state_dict + bookkeeping {out['begin_us']:.0f} us, wait at the commit point "
+          f"{out['fence_wait_us']:.0f} us = {crit / args.step_ms * 100:.2f}% of a {args.step_ms:.0f} ms step")
+    print(f"  one refresh: {out['refresh_bytes'] / MIB:.2f} MiB pushed in {out['push_ms']:.1f} ms; process CPU per "
+          f"step (copy, frame, HMAC, socket, server) {out['process_cpu_ms_per_step']:.1f} ms = "
+          f"{out['process_cpu_ms_per_step'] / args.step_ms * 100:.1f}% of a {args.step_ms:.0f} ms step when every "
+          f"core computes; local copies {out['local_copies_bytes'] / MIB:.2f} MiB")
+    out["critical_fraction"] = crit / args.step_ms
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_common_args(parser, trials=3)
@@ -152,10 +222,13 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--batch", type=int, default=1024)
     parser.add_argument("--skip-recovery", action="store_true")
+    parser.add_argument("--step-ms", type=float, default=50.0, help="the step time part 0 relates its costs to")
     args = parser.parse_args()
     trials = 1 if args.quick else args.trials
     print(f"{WORLD} ranks of examples/train_ddp.py --zero --hidden {args.hidden} --batch {args.batch}, "
           f"{args.steps} steps, {trials} trial(s) each; load average {os.getloadavg()[0]:.1f}")
+    print("critical path (one process, real ShardState and MirrorServer):")
+    crit = critical_path(args)
     with Workdir(keep=args.keep) as work:
         print("overhead (no fault):")
         over = overhead(args, work, trials)
@@ -164,7 +237,8 @@ def main() -> None:
     for failure in over["failures"] + (rec["failures"] if rec else []):
         print(failure)
     print_json({"bench": "mirror", "trials": trials, "steps": args.steps, "hidden": args.hidden,
-                "batch": args.batch, "overhead": {k: v for k, v in over.items() if k != "failures"},
+                "batch": args.batch, "critical_path": crit,
+                "overhead": {k: v for k, v in over.items() if k != "failures"},
                 "recovery": None if rec is None else {k: v for k, v in rec.items() if k != "failures"},
                 "failures": len(over["failures"]) + (len(rec["failures"]) if rec else 0),
                 "load_average": os.getloadavg()[0]})
