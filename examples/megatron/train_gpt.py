@@ -179,10 +179,12 @@ def train(args: argparse.Namespace) -> None:
             if log is not None:
                 log.write(json.dumps({"step": iteration, "loss": [x["lm loss"].item() for x in losses],
                                       "pid": os.getpid(), "generation": sess.generation}) + "\n")
+            # the global batch is consumed: count it before the optimizer step, so that the step's whole
+            # per-rank state is known when it commits (a death right after it is then recovered live)
+            progress.advance(global_batch)
             ok, _grad_norm, _zeros = optimizer.step()
         if ok:
             scheduler.step(increment=global_batch)
-        progress.advance(global_batch)
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if sess.rank == 0 and iteration % 10 == 0 and losses:
