@@ -79,7 +79,7 @@ def wait_dead(pids: list[int], since: float, timeout: float) -> dict[int, float]
         for p in pids:
             if p not in dead_at and not alive(p):
                 dead_at[p] = time.monotonic()
-        time.sleep(0.02)
+        time.sleep(0.005)
     return dead_at
 
 

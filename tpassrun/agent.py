@@ -186,8 +186,8 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             self.rdzv.store.connection.listeners.append(self._on_etcd_link)
             self.rdzv.store.lease_listeners.append(
                 lambda: self.events.write("lease_regranted", reason="the lease expired during the outage"))
-            self.slots = await LocalSlots(cfg.nproc_per_node, cfg.spares_per_node,
-                                          on_message=self._on_worker_message).open()
+            self.slots = await LocalSlots(cfg.nproc_per_node, cfg.spares_per_node, on_message=self._on_worker_message,
+                                          on_nudge=lambda: self.mirror.nudge() if self.mirror else None).open()
             stack.push_async_callback(self.slots.close)
             stack.push_async_callback(self._stop_store)
             self.swapper = Swapper(self._port())

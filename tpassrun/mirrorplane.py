@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("tpassrun.mirror")
 
 LIGHT = "light"
-PUSH_EVERY_S = 0.005          # how often the agent looks for new snapshots (coalescing window)
+PUSH_EVERY_S = 0.005          # how often the agent looks for new snapshots when no worker nudged it
 RETRY_AFTER_S = 0.5           # a buddy that did not answer is tried again after this
 _END = b"TPLE"                # a light frame ends with "TPLE" | u32 crc32 of everything before (tpassrun.light)
 
@@ -81,6 +81,7 @@ class MirrorPlane:
         self._said_down: str | None = None
         self.pushes = 0
         self.bytes_pushed = 0
+        self._wake = asyncio.Event()
 
     @property
     def mirror_port(self) -> int:
@@ -156,7 +157,14 @@ class MirrorPlane:
                                 self.buddy.node if self.buddy else None, exc)
                     self.port.events.write("mirror_push_failed", buddy=self.buddy.node if self.buddy else None,
                                            error=str(exc)[:200])
-            await asyncio.sleep(PUSH_EVERY_S)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), PUSH_EVERY_S)
+            self._wake.clear()
+
+    def nudge(self) -> None:
+        """A worker just wrote a light snapshot (its seal, or a step's start): copy it now. What a death right
+        after a step's collectives needs is that step's seal, and the node may go down a millisecond later."""
+        self._wake.set()
 
     def _changed_frames(self) -> list[tuple[int, int, bytes, int]]:
         """(rank, step, frame, crc) for every snapshot not yet at the buddy, oldest first per rank."""

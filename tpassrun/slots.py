@@ -91,11 +91,12 @@ class LocalSlots:
     """Slot table + channel. ``open()`` does the I/O; the constructor does none."""
 
     def __init__(self, n_active: int, n_spares: int, *,
-                 on_message: Callable[[Slot, Reply], None]) -> None:
+                 on_message: Callable[[Slot, Reply], None], on_nudge: Callable[[], None] | None = None) -> None:
         self.n_active = n_active
         self.n_spares = n_spares
         self.slots = [Slot(index=i, local_rank=i) for i in range(n_active + n_spares)]
         self._on_message = on_message
+        self.on_nudge = on_nudge     # a worker wrote a light snapshot (a bare newline on its socket)
         self._dir: str | None = None
         self.channel: ChannelFile | None = None
         self.sock_path = ""
@@ -140,6 +141,10 @@ class LocalSlots:
                 line = await reader.readline()
                 if not line:
                     break
+                if line == b"\n":
+                    if self.on_nudge is not None:
+                        self.on_nudge()
+                    continue
                 try:
                     msg, idx = decode_reply(line)
                 except ProtocolError as exc:

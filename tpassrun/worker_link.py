@@ -29,6 +29,15 @@ class AgentLink:
     def send(self, msg: Message) -> None:
         self.sock.sendall(encode(msg, slot=self.slot))
 
+    def nudge(self) -> None:
+        """Tell the agent, without waiting for anything, that a light snapshot was just written: one byte on the
+        local socket, so the agent copies it to its buddy's mirror now rather than at its next look. Dropped
+        when the socket is full (the agent looks every few milliseconds anyway)."""
+        try:
+            self.sock.send(b"\n", socket.MSG_DONTWAIT)
+        except OSError:
+            pass
+
     def request(self, msg: Message, answer: type[Message], timeout: float = 10.0) -> Message | None:
         """Ask the agent something and wait for its ``answer``; a command that arrives meanwhile is kept for
         :meth:`recv`. None if no answer came within ``timeout``."""

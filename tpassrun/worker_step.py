@@ -82,6 +82,7 @@ class StepTransaction:
         if not fits:
             self._light_enabled = False
             return
+        self._link.nudge()     # the seal is what a death from here on needs: have it mirrored at once
         self._sealed, self._commit_light = step, data
 
     def _commit_point(self) -> None:
@@ -145,6 +146,8 @@ class StepTransaction:
             log.warning("light state of %d bytes does not fit the channel; unplanned recovery will not be exact",
                         len(data))
             self._light_enabled = False
+            return
+        self._link.nudge()
 
     def _restore_light(self, data: bytes) -> int:
         from . import handoff, light
