@@ -11,7 +11,10 @@ drains (standing in for the agent), tracking a model (replicated: not in the lig
   * the per-step channel bookkeeping of ``Session.run`` (step, heartbeat, phase, last step time, the check);
   * the per-step light snapshot (``Session._snapshot_light``: :class:`tpassrun.light.LightSnapshotter` and the
     double-buffered write), with its parts, and the general handoff codec it replaced, for comparison;
-  * ``Session.run`` with a no-op step, managed vs. not launched by tpassrun: the whole per-step overhead.
+  * ``Session.run`` with a no-op step, managed vs. not launched by tpassrun: the whole per-step overhead;
+  * ``Session.run`` with a tiny training step (forward, backward, SGD step on a tracked 16x16 linear model,
+    one sampler advance), managed vs. not: what a real step pays, the seal in the backward pass, the commit
+    point and the window bookkeeping included.
 
 Best and median of ``--repeats`` rounds (each round measures every item once, in turn). Figures only, no assertions. The last line is JSON.
 """
@@ -35,6 +38,7 @@ from tpassrun.channel import ChannelFile, Field
 from tpassrun.light import LightSnapshotter
 from tpassrun.worker import Session, _AgentLink
 
+CLOCK = [time.perf_counter]   # --clock cpu: this process's CPU time (steadier than wall time on a loaded host)
 SLOT = 1  # not slot 0, so that an offset bug would show up as a wrong field rather than pass unnoticed
 
 
@@ -77,18 +81,45 @@ class DrainingAgent:
 
 def batch_us(fn: Callable[[], Any], calls: int) -> float:
     """Microseconds per call over one batch of ``calls``."""
-    started = time.perf_counter()
+    started = CLOCK[0]()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - started) / calls * 1e6
+    return (CLOCK[0]() - started) / calls * 1e6
 
 
 def loop_batch_us(sess: Session, steps: int) -> float:
     """Per-step microseconds of ``Session.run`` with a step that does nothing."""
     sess.step = 0
-    started = time.perf_counter()
+    started = CLOCK[0]()
     sess.run(lambda _step: None, steps)
-    return (time.perf_counter() - started) / steps * 1e6
+    return (CLOCK[0]() - started) / steps * 1e6
+
+
+def train_job(sess: Session) -> tuple[Callable[[int], None], Session]:
+    """A tiny tracked training step: forward, backward, SGD step, a sampler advance."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    sampler = Sampler()
+    sess.track(model=model, optimizer=opt, sampler=sampler)
+    x = torch.randn(4, 16)
+
+    def step(_i: int) -> None:
+        sampler.pos += 1
+        opt.zero_grad(set_to_none=True)
+        model(x).sum().backward()
+        opt.step()
+
+    return step, sess
+
+
+def train_batch_us(job: tuple[Callable[[int], None], Session], steps: int) -> float:
+    """Per-step microseconds of ``Session.run`` with the training step, going on from where the last batch
+    stopped (restarting at step 0 would look like user code changing per-rank state between steps)."""
+    step, sess = job
+    started = CLOCK[0]()
+    sess.run(step, sess.step + steps)
+    return (CLOCK[0]() - started) / steps * 1e6
 
 
 def interleaved(items: dict[str, Callable[[], float]], repeats: int) -> dict[str, tuple[float, float]]:
@@ -126,7 +157,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20000, help="calls per batch")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="fewer calls")
+    parser.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                        help="cpu: time.process_time (what the process spent, steadier on a shared host)")
     args = parser.parse_args()
+    if args.clock == "cpu":
+        CLOCK[0] = time.process_time
     calls = 2000 if args.quick else args.steps
     snapshot_calls = max(200, calls // 10)  # each snapshot is ~100x a channel access
 
@@ -138,6 +173,10 @@ def main() -> None:
                            joined=False, timeout=None)
             plain = Session(backend=None, link=None, rank=0, world_size=1, local_rank=0, generation=0,
                             joined=False, timeout=None)
+            trained = train_job(Session(backend=None, link=link, rank=0, world_size=1, local_rank=0, generation=0,
+                                        joined=False, timeout=None))
+            trained_plain = train_job(Session(backend=None, link=None, rank=0, world_size=1, local_rank=0,
+                                              generation=0, joined=False, timeout=None))
             sampler = Sampler()
             sess.track(model=torch.nn.Linear(256, 256), sampler=sampler)
             rng = handoff.capture_rng()
@@ -147,6 +186,7 @@ def main() -> None:
 
             def snapshot() -> None:
                 step[0] += 1
+                sess._window = step[0]        # a step outside an accumulation window, as run() sets it
                 sess._snapshot_light(step[0])
 
             figures = interleaved({
@@ -165,19 +205,27 @@ def main() -> None:
                 "  ChannelFile.write_light": lambda: batch_us(lambda: channel.write_light(SLOT, light), calls),
                 "Session.run no-op step, managed": lambda: loop_batch_us(sess, snapshot_calls),
                 "Session.run no-op step, unmanaged": lambda: loop_batch_us(plain, calls),
+                "Session.run tiny training step, managed": lambda: train_batch_us(trained, snapshot_calls),
+                "Session.run tiny training step, unmanaged": lambda: train_batch_us(trained_plain, snapshot_calls),
             }, args.repeats)
-            assert channel.read_light(SLOT) is not None and channel.get(SLOT, Field.STEP) == snapshot_calls
+            assert channel.read_light(SLOT) is not None
             link.sock.close()
         channel.close()
 
-    print(f"light snapshot: {len(light)} bytes (sampler + RNG); {calls} calls per batch, {args.repeats} interleaved rounds")
+    print(f"light snapshot: {len(light)} bytes (sampler + RNG); {calls} calls per batch, {args.repeats} interleaved "
+          f"rounds; {args.clock} clock; load average {os.getloadavg()[0]:.1f}")
     for name, (best, median) in figures.items():
         print(f"  {name:56s} best {best:8.2f} us   median {median:8.2f} us")
     managed = figures["Session.run no-op step, managed"]
     unmanaged = figures["Session.run no-op step, unmanaged"]
     print(f"  {'=> per-step overhead of tpassrun':56s} best {managed[0] - unmanaged[0]:8.2f} us   "
           f"median {managed[1] - unmanaged[1]:8.2f} us")
-    print_json({"bench": "step_overhead", "light_bytes": len(light),
+    managed = figures["Session.run tiny training step, managed"]
+    unmanaged = figures["Session.run tiny training step, unmanaged"]
+    print(f"  {'=> per training step (seal, commit point, window)':56s} best {managed[0] - unmanaged[0]:8.2f} us   "
+          f"median {managed[1] - unmanaged[1]:8.2f} us")
+    print_json({"bench": "step_overhead", "light_bytes": len(light), "clock": args.clock,
+                "load": os.getloadavg()[0],
                 "us": {name.strip(): {"best": b, "median": m} for name, (b, m) in figures.items()}})
 
 

@@ -1,9 +1,10 @@
 """You Only Crash Once: SIGKILL a random rank at a uniformly random instant; is it recovered live, exactly?
 
-    python bench/yoco.py [--runs 20] [--double 4] [--steps 40] [--seed S]
+    python bench/yoco.py [--runs 20] [--double 4] [--steps 40] [--seed S] [--loader-workers 2]
 
 Each run is ``examples/train_ddp.py`` (a realistic step: the next batch from a stateful sampler, forward with
-dropout, backward through DDP, AdamW + LR schedule, ~20 ms of user code after the optimizer step) under
+dropout, backward through DDP, AdamW + LR schedule, ~20 ms of user code after the optimizer step; with
+``--loader-workers N`` the batches come from a ``DataLoader`` with N worker processes and a ``DistributedSampler``) under
 tpassrun with 4 ranks + 1 spare and ``--max-restarts 0``. While it trains, one rank chosen at random is killed
 with SIGKILL from outside (``tests/faults.py:sigkill_rank``) at an instant drawn uniformly over the training
 window, so it lands wherever that rank happens to be: forward, backward, inside the optimizer step, the user
@@ -39,7 +40,8 @@ from faults import Job, assert_bit_exact, sigkill_rank  # noqa: E402
 def reference(work: Workdir, world: int, args: argparse.Namespace) -> tuple[Job, float]:
     """The same script under plain torchrun, no fault; and its steady seconds per step."""
     out = work.sub(f"torchrun-{world}")
-    job = Job.torchrun(out, nproc=world, steps=args.steps, step_sleep=args.step_sleep).start()
+    job = Job.torchrun(out, nproc=world, steps=args.steps, step_sleep=args.step_sleep,
+                       script_args=script_args(args)).start()
     try:
         code = job.wait(300)
     finally:
@@ -49,6 +51,10 @@ def reference(work: Workdir, world: int, args: argparse.Namespace) -> tuple[Job,
     rows = job.losses(0)
     per_step = (rows[-1]["t"] - rows[len(rows) // 4]["t"]) / max(1, len(rows) - 1 - len(rows) // 4)
     return job, per_step
+
+
+def script_args(args: argparse.Namespace) -> list[str]:
+    return ["--loader-workers", str(args.loader_workers)] if args.loader_workers is not None else []
 
 
 def wait_first_step(job: Job, timeout: float = 120) -> bool:
@@ -85,7 +91,8 @@ def one_run(work: Workdir, index: int, world: int, spares: int, mode: str, ref: 
             rng: random.Random, args: argparse.Namespace) -> dict[str, Any]:
     out = work.sub(f"run-{index}")
     job = Job.tpassrun(out, endpoint=None, run_id=uuid.uuid4().hex[:8], nproc=world, spares=spares,
-                       steps=args.steps, step_sleep=args.step_sleep, extra=["--max-restarts", "0"]).start()
+                       steps=args.steps, step_sleep=args.step_sleep, extra=["--max-restarts", "0"],
+                       script_args=script_args(args)).start()
     kills: list[tuple[int, float]] = []
     try:
         if wait_first_step(job):
@@ -148,12 +155,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-sleep", type=float, default=0.02, help="user code after the optimizer step (s)")
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--loader-workers", type=int, default=None,
+                        help="batches from a DataLoader with this many workers and a DistributedSampler")
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
     print(f"yoco: {args.runs} single-fault runs (4 ranks + 1 spare) and {args.double} double-fault runs "
-          f"(3 ranks + 2 spares), {args.steps} steps, --max-restarts 0, seed {seed}", flush=True)
+          f"(3 ranks + 2 spares), {args.steps} steps, --max-restarts 0, seed {seed}"
+          + (f", DataLoader with {args.loader_workers} workers" if args.loader_workers is not None else ""),
+          flush=True)
     results: list[dict[str, Any]] = []
     with Workdir(keep=args.keep) as work:
         refs = {w: reference(work, w, args) for w in ((4, 3) if args.double else (4,))}

@@ -16,6 +16,7 @@ rank's slice, so the script tracks it with ``sess.track_sharded`` and tpassrun m
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -109,6 +110,19 @@ class ZeroAdamW:
         self.inner.load_state_dict(state["inner"])
 
 
+class Pending:
+    """Per-step records kept until the optimizer step."""
+
+    def __init__(self) -> None:
+        self.rows: list[dict] = []
+
+    def state_dict(self) -> dict:
+        return {"rows": [dict(r) for r in self.rows]}
+
+    def load_state_dict(self, d: dict) -> None:
+        self.rows = [dict(r) for r in d["rows"]]
+
+
 class Net(torch.nn.Module):
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
@@ -136,6 +150,18 @@ def main() -> None:
     p.add_argument("--zero", action="store_true", help="shard the optimizer state by hand (ZeRO-1, ZeroAdamW)")
     p.add_argument("--ddp", choices=("session", "torch"), default="session",
                    help="session: sess.ddp(model); torch: DistributedDataParallel(model), re-created on reconfigure")
+    # the usual shapes of a training script, each off by default
+    p.add_argument("--compile", action="store_true", help="torch.compile the model, then wrap it in DDP")
+    p.add_argument("--amp", choices=("off", "bf16", "fp16"), default="off",
+                   help="CPU autocast in this dtype, with a torch.amp.GradScaler")
+    p.add_argument("--micro", type=int, default=1,
+                   help="micro-batches per step (gradient accumulation inside a step, no_sync on all but the last)")
+    p.add_argument("--accum-steps", type=int, default=1,
+                   help="an optimizer step every k-th step (no_sync on the others)")
+    p.add_argument("--loader-workers", type=int, default=None,
+                   help="draw batches from a DataLoader with a DistributedSampler and this many worker processes")
+    p.add_argument("--metric-allreduce", choices=("off", "after_opt", "end"), default="off",
+                   help="all-reduce the loss for logging right after the optimizer step, or at the end of the step")
     args = p.parse_args()
 
     sess = tpassrun.init(backend="gloo")
@@ -144,29 +170,52 @@ def main() -> None:
     torch.manual_seed(args.seed)                       # identical initial weights on every rank
     model = Net(args.dim, args.hidden)
     sess.track(model=model)                            # before DDP: a joiner loads its weights first
+    net = torch.compile(model) if args.compile else model
     if args.ddp == "session":
-        ddp = sess.ddp(model)                          # rebuilt automatically after a swap
+        ddp = sess.ddp(net)                            # rebuilt automatically after a swap
     else:                                              # what a torchrun script does, rebuilt by hand
-        ddp = DistributedDataParallel(model)
+        ddp = DistributedDataParallel(net)
 
         @sess.on_reconfigure
         def _rebuild_ddp() -> None:
             nonlocal ddp
-            ddp = DistributedDataParallel(model)
-    sampler = ShuffledSampler(args.samples, rank, world, args.seed)
+            ddp = DistributedDataParallel(net)
     if args.zero:                                      # this rank's optimizer slice is its alone: mirrored
         opt = ZeroAdamW(model.parameters(), rank, world, lr=args.lr, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt.inner, lambda s: 1.0 / (1.0 + 0.01 * s))
         sess.track_sharded(optimizer=opt)
-        sess.track(scheduler=sched, sampler=sampler)
+        sess.track(scheduler=sched)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1.0 + 0.01 * s))
-        sess.track(optimizer=opt, scheduler=sched, sampler=sampler)
+        sess.track(optimizer=opt, scheduler=sched)
+    scaler = None
+    if args.amp != "off":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**20, growth_interval=3)   # skips some steps (inf)
+        sess.track(scaler=scaler)
+    autocast = ((lambda: torch.autocast("cpu", dtype=getattr(torch, {"bf16": "bfloat16", "fp16": "float16"}[args.amp])))
+                if args.amp != "off" else contextlib.nullcontext)
 
     g = torch.Generator().manual_seed(args.seed + 7)   # the dataset, the same everywhere
     xs = torch.randn(args.samples, args.dim, generator=g)
     ys = (xs.sum(dim=1, keepdim=True) * 0.1).sin()
+    if args.loader_workers is None:
+        sampler = ShuffledSampler(args.samples, rank, world, args.seed)
+
+        def next_batch() -> tuple[torch.Tensor, torch.Tensor]:
+            idx = sampler.next(args.batch)
+            return xs[idx], ys[idx]
+    else:                                              # the most common data path
+        from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+        from tpassrun.adapters.data import ResumableLoader
+
+        dataset = TensorDataset(xs, ys)
+        loader = DataLoader(dataset, batch_size=args.batch, num_workers=args.loader_workers, drop_last=True,
+                            sampler=DistributedSampler(dataset, num_replicas=world, rank=rank, seed=args.seed))
+        sampler = ResumableLoader(loader)              # the batches taken so far travel, not the workers' prefetch
+        next_batch = sampler.next
+    sess.track(sampler=sampler)
     torch.manual_seed(args.seed + 1 + rank)            # per-rank dropout streams
 
     loss_log = None
@@ -181,38 +230,67 @@ def main() -> None:
     current = [0]
     model.fc1.weight.register_hook(bwd_hook)
     # named fault points at each phase of a step (no effect unless TPASSRUN_FAULTS names them)
-    model.register_forward_pre_hook(lambda *_: fault_point(sess.rank, current[0], "forward"))
+    # (torch.compile must call, not trace, it: a fault point has side effects)
+    model.register_forward_pre_hook(torch.compiler.disable(lambda *_: fault_point(sess.rank, current[0], "forward")))
     (opt.inner if args.zero else opt).register_step_post_hook(lambda *_: fault_point(sess.rank, current[0], "opt_step"))
+
+    # The records of the steps since the last optimizer step (gradient accumulation across steps): per-rank
+    # state, written out at the optimizer step, so a window re-executed after a failure is logged once.
+    pending = Pending()
+    if args.accum_steps > 1:
+        sess.track_per_rank(pending=pending)
 
     def step(i: int) -> None:
         current[0] = i
         fault_point(sess.rank, i, "step")
-        idx = sampler.next(args.batch)
-        fault_point(sess.rank, i, "load")
-        opt.zero_grad(set_to_none=True)
-        loss = F.mse_loss(ddp(xs[idx]), ys[idx])
-        loss.backward()
-        if loss_log is not None:
-            # the step's record, written once its collectives are done and before it commits: a step that is
-            # re-executed after a failure logged nothing the first time, one that committed logged already
-            loss_log.write(json.dumps({"step": i, "loss": loss.item(), "pid": os.getpid(), "t": time.time(),
-                                       "generation": sess.generation}) + "\n")
-        opt.step()
-        fault_point(sess.rank, i, "after_opt")
-        sched.step()
+        commit = (i + 1) % args.accum_steps == 0 or i == args.steps - 1
+        if i % args.accum_steps == 0:
+            opt.zero_grad(set_to_none=True)
+        total, rows = 0.0, []
+        for m in range(args.micro):
+            x, y = next_batch()
+            fault_point(sess.rank, i, "load")
+            last = m == args.micro - 1
+            with (ddp.no_sync() if not (commit and last) else contextlib.nullcontext()):
+                with autocast():
+                    loss = F.mse_loss(ddp(x).float(), y) / (args.micro * args.accum_steps)
+                total += loss.item()
+                if last:   # the records are per-rank state: settled before the last backward ends
+                    pending.rows.append({"step": i, "loss": total})
+                    if commit:
+                        rows, pending.rows = pending.rows, []
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+        if commit:
+            if loss_log is not None:
+                # the step's record, written once its collectives are done and before it commits: a step that
+                # is re-executed after a failure logged nothing the first time, one that committed logged already
+                for row in rows:
+                    loss_log.write(json.dumps({**row, "pid": os.getpid(), "t": time.time(),
+                                               "generation": sess.generation}) + "\n")
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            fault_point(sess.rank, i, "after_opt")
+            if args.metric_allreduce == "after_opt":
+                dist.all_reduce(torch.tensor([total]))
+            sched.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)   # the user's own work after the step (logging, evaluation, saving)
         fault_point(sess.rank, i, "user")
+        if args.metric_allreduce == "end":
+            dist.all_reduce(torch.tensor([total]))     # a logging collective after the optimizer step
         if not args.quiet and sess.rank == 0 and i % 50 == 0:
-            print(f"step {i} loss {loss.item():.6f} world {sess.world_size} swaps {sess.swaps}", flush=True)
+            print(f"step {i} loss {total:.6f} world {sess.world_size} swaps {sess.swaps}", flush=True)
         fault_point(sess.rank, i, "end")
 
     fault_point(sess.rank, 0, "init")    # before the first step
     sess.run(step, args.steps)
     if args.out:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
-                    "sampler": sampler.state_dict(), "pid": os.getpid(), "joined": sess.joined,
-                    "steps": sess.step}, os.path.join(args.out, f"final_rank{sess.rank}.pt"))
+                    "sampler": sampler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
+                    "pid": os.getpid(), "joined": sess.joined, "steps": sess.step}, os.path.join(args.out, f"final_rank{sess.rank}.pt"))
     if not args.quiet and sess.rank == 0:
         print(f"done: {sess.step} steps, world {sess.world_size}", flush=True)
     dist.destroy_process_group()

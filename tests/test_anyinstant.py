@@ -30,18 +30,21 @@ def torchrun3(tmp_path_factory):
     return job
 
 
-@pytest.mark.parametrize("first,second", [
-    ("forward", "after_opt"),     # inside the forward pass / right after the optimizer step
-    ("backward", "user"),         # inside backward / in user code after the step (logging, sleep)
-    ("opt_step", "load"),         # inside opt.step (after the update) / while the next batch loads
-    ("init", "end"),              # before the first step / between two steps
-], ids=lambda x: x)
+@pytest.mark.parametrize("first,second,script", [
+    ("forward", "after_opt", []),     # inside the forward pass / right after the optimizer step
+    ("backward", "user", []),         # inside backward / in user code after the step (logging, sleep)
+    ("opt_step", "load", []),         # inside opt.step (after the update) / while the next batch loads
+    ("init", "end", []),              # before the first step / between two steps
+    # a logging all-reduce at the end of every step: the survivors fail in it after their commit point, with
+    # the step's changes complete, and resume at the next step from their seals
+    ("user", "after_opt", ["--metric-allreduce", "end"]),
+], ids=lambda x: " ".join(x) if isinstance(x, list) else x)
 def test_a_kill_at_any_phase_is_recovered_live_and_bit_identical(tmp_path, etcd_server, run_id, torchrun3,
-                                                                 first, second):
+                                                                 first, second, script):
     s1 = 0 if first == "init" else 5
     faults = [kill_at(1, s1, str(tmp_path / "f1"), where=first), kill_at(2, 13, str(tmp_path / "f2"), where=second)]
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
-                       steps=STEPS, step_sleep=SLEEP, extra=["--max-restarts", "0"],
+                       steps=STEPS, step_sleep=SLEEP, extra=["--max-restarts", "0"], script_args=script,
                        env=faults_env(*faults)).start()
     try:
         assert job.wait(300) == 0, job.log()[-4000:]

@@ -39,6 +39,12 @@ def _unplanned(phase=Phase.PAUSE, **kw):
     # died before its first snapshot: the joiner's own script builds the per-rank state of step 0
     ("before the first step", [Report("a", Phase.PAUSE, failed_steps=(0,), dead_steps=()),
                                Report("b", Phase.PAUSE, failed_steps=(0,))], 0),
+    # a gradient-accumulation window 6..8 open: every survivor offers its start, the dead rank kept it
+    ("inside a window", [Report("a", Phase.PAUSE, steps=(6,), dead_steps=(9, 6)),
+                         Report("b", Phase.PAUSE, failed_steps=(6,))], 6),
+    # survivors failed in a logging all-reduce after a complete step 7: they offer 8, like one paused at 8
+    ("after a complete commit", [Report("a", Phase.PAUSE, failed_steps=(8,), dead_steps=(8, 7)),
+                                 Report("b", Phase.PAUSE, steps=(8,), failed_steps=(8,))], 8),
 ])
 def test_survivors_and_the_dead_ranks_snapshot_agree_on_the_resume_step(where, reports, step):
     assert resume_step(reports, 1)[0] == step, where

@@ -112,3 +112,122 @@ def test_user_code_changing_per_rank_state_after_the_step_turns_sealing_off(sess
     assert seen[0] == (1, 0)                 # sealed before anyone knew
     assert seen[2] == (2, 1)                 # no seal any more: the newest is the step start
     assert not sess._commit_snapshots
+
+
+def test_an_accumulation_window_keeps_its_start_snapshot_until_it_commits(session):
+    """An optimizer step every 3rd step: the steps since the last commit are rolled back as one, so the window's
+    start stays in one buffer while the steps inside it seal into the other."""
+    sess, channel = session
+    model, opt, sampler = _job(sess)
+    seen = {}
+
+    def step(i: int) -> None:
+        sampler.pos += 1
+        seen[(i, "start")] = _steps(channel)
+        model(torch.randn(2, 4)).sum().backward()
+        seen[(i, "backward")] = _steps(channel)
+        if i % 3 == 2:
+            opt.step()
+            opt.zero_grad()
+
+    sess.run(step, 9)
+    for w in (0, 3, 6):
+        assert seen[(w, "start")][0] == w
+        assert seen[(w, "backward")] == (w + 1, w)
+        for i in (w + 1, w + 2):                     # inside the window: its start is always one of the two
+            assert w in seen[(i, "start")] and w in seen[(i, "backward")], (i, seen[(i, "backward")])
+            assert seen[(i, "backward")][0] == i + 1
+    assert sess._window == 9
+
+
+def test_a_paused_rank_inside_a_window_offers_the_windows_start_and_rolls_back_to_it(session):
+    sess, channel = session
+    model, opt, sampler = _job(sess)
+    sess._window = 0
+
+    def step(i: int) -> None:
+        sampler.pos += 1
+        model(torch.randn(2, 4)).sum().backward()
+        if i % 3 == 2:
+            opt.step()
+            opt.zero_grad()
+
+    sess.run(step, 5)                  # window 3..4 open: step 5 would continue it
+    assert sess._window == 3 and model[0].weight.grad is not None
+    channel.set(1, Field.RUN_UNTIL, 0)
+    sess._roll_back(5, 3, failed=False)
+    assert sess.step == 3 and sampler.pos == 3 and model[0].weight.grad is None
+
+
+def test_every_backward_seals_before_its_gradient_reaches_ddp(session):
+    """Sealed when the tracked model's first parameter gets its gradient, before DDP sees it: no all-reduce of
+    this backward can complete on another rank before this rank's seal holds what its forward consumed, however
+    many micro-batches the step has; the step's start stays in the other buffer."""
+    sess, channel = session
+    model, opt, sampler = _job(sess)
+    seen = []
+
+    def check(grad):            # registered after tpassrun's hook on the same parameter: runs right after it
+        seen.append((_steps(channel), decode(channel.read_light(1)).meta["objects"]["sampler"]["pos"],
+                     sampler.pos))
+        return grad
+
+    model[0].weight.register_hook(check)
+
+    def step(i: int) -> None:
+        for _ in range(3):
+            sampler.pos += 1
+            model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    sess.run(step, 2)
+    assert [s for s, _, _ in seen] == [(1, 0)] * 3 + [(2, 1)] * 3
+    assert all(sealed == pos for _, sealed, pos in seen)
+    assert _steps(channel) == (2, 1)
+
+
+def test_a_grad_scaler_update_commits_a_step_whose_optimizer_step_was_skipped(session):
+    sess, channel = session
+    model, opt, sampler = _job(sess)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 127)    # overflows: every step skips opt.step
+    sess.track(scaler=scaler)
+
+    def step(i: int) -> None:
+        scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    sess.run(step, 3)
+    assert channel.get(1, Field.COMMITTED) == 3 and sess._window == 3
+    assert "update" not in scaler.state_dict() and opt.state == {}     # never stepped, every step committed
+    scaler.scale(model(torch.randn(2, 4)).sum()).backward()
+    scaler.unscale_(opt)         # a step re-executed after a failure past unscale_ may unscale again
+    sess._drop_grads()
+    scaler.unscale_(opt)
+
+
+def test_a_step_failing_after_its_commit_point_resumes_next_only_if_its_state_changes_are_complete(session):
+    """After opt.step() a collective fails (a logging all-reduce, a barrier): the step can be finished only if the
+    scheduler stepped as in every other step (then its seal is the next step's start)."""
+    sess, channel = session
+    model, opt, sampler = _job(sess)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    sess.track(scheduler=sched)
+    seen = {}
+
+    def step(i: int) -> None:
+        sampler.pos += 1
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        seen[(i, "before sched")] = sess._complete_after_commit()
+        sched.step()
+        seen[(i, "after sched")] = sess._complete_after_commit()
+        opt.zero_grad()
+
+    sess.run(step, 3)
+    assert seen[(0, "after sched")] is False                      # nothing to compare with yet
+    assert seen[(1, "before sched")] is False and seen[(1, "after sched")] is True
+    assert seen[(2, "before sched")] is False and seen[(2, "after sched")] is True

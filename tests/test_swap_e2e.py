@@ -206,14 +206,22 @@ def test_no_spare_falls_back_to_a_whole_group_restart(tmp_path, etcd_server, run
 def test_transfer_faults_are_retried(tmp_path, etcd_server, run_id, fault, spares):
     """A corrupted transfer is rejected by its checksum and retried; a joiner that dies mid-transfer is
     replaced by the next spare. Nothing is lost: every rank still runs every step exactly once."""
+    # rank 0 waits at step 6 until the swap is decided: on a busy host tpassctl can take longer to start than
+    # the whole job takes to run
+    release = str(tmp_path / "release")
+    hold = {"rank": 0, "step": 6, "where": "step", "action": "hold", "release": release,
+            "marker": str(tmp_path / "held")}
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3,
                        spares=spares, steps=30, step_sleep=SLEEP,
-                       env=faults_env({**fault, "marker": str(tmp_path / "fault")})).start()
+                       env=faults_env({**fault, "marker": str(tmp_path / "fault")}, hold)).start()
     try:
         job.wait_step(5, 180)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason="faulty transfer") == 0
+        _wait_event(job, "swap_decided")
+        open(release, "w").close()
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
+        open(release, "w").close()
         job.kill()
     assert os.path.exists(tmp_path / "fault"), "the fault never fired"
     failed = _events(job, "swap_transfer_failed")

@@ -107,6 +107,7 @@ class Supervision:
                 return Outcome.SUCCEEDED, "all workers succeeded"
             return None
         slot.state = SlotState.DEAD
+        proc.kill_leftovers()      # its forked children hold its sockets: the survivors must see them close now
         if await self.swapper.on_worker_death(slot, code):
             return None
         self._record_failures(slot)

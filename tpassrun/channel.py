@@ -51,6 +51,13 @@ class Field(enum.IntEnum):
     SHARD_PUSHED = 17  # worker: 1 + the newest step its buddy's mirror holds complete
     SHARD_SENT = 18    # worker: total bytes pushed to the mirror
     SHARD_V2 = 19      # worker: the newest local copy (SHARD_V0/V1/V2)
+    OFFER = 19         # worker, set before it parks (PAUSED/FAILED): 1 + the step it can resume at exactly, 0: none
+
+
+# RUN_UNTIL: pause before any step >= this one, at the end of an open gradient-accumulation window (a boundary
+# inside one would drop the leaver's accumulated gradients); STOP_NOW pauses at the next step start whatever the
+# window (an unplanned recovery rolls the window back anyway).
+STOP_NOW = -1
 
 
 class WorkerPhase(enum.IntEnum):

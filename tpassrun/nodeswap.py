@@ -209,7 +209,7 @@ class NodePlans:
         for s in self.sw._survivors(plan):
             slots.set_run_until(s, INT64_MAX)
             slots.send(s, Reform(world=WorldSpec(rank=s.rank, world_size=gen.world_size).with_store(*store),
-                                 rollback=True))
+                                 rollback=True, resume=plan.boundary))
             waiting.append(s)
         for move in self._mine(plan):
             joiner = slots.slots[move.joiner.slot]

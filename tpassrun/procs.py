@@ -303,6 +303,18 @@ class WorkerProcess:
         except ProcessLookupError:
             return False
 
+    def kill_leftovers(self) -> bool:
+        """SIGKILL what is left of a dead worker's process group (its own session): children it forked, e.g.
+        DataLoader workers, inherit its sockets (gloo's among them), so its peers would not see its connections
+        close until those children noticed and exited on their own (seconds). False if nothing was left."""
+        if self._proc.returncode is None:
+            return False
+        try:
+            os.killpg(self._proc.pid, signal.SIGKILL)
+            return True
+        except (ProcessLookupError, PermissionError):
+            return False
+
     async def aclose(self, timeout: float = 2.0) -> None:
         """Drain the tee pipes (bounded: a grandchild may hold them open) and close log files."""
         if self._pumps:

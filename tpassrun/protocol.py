@@ -109,6 +109,7 @@ class Reform(Message):
     KIND: ClassVar[str] = "reform"
     world: WorldSpec
     rollback: bool = False            # unplanned: the failed step is re-run; restore what it consumed
+    resume: int | None = None         # unplanned: the step everyone resumes at (the plan's boundary)
 
 
 @dataclass(frozen=True)

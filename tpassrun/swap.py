@@ -348,18 +348,22 @@ def resume_step(reports: Sequence[Report], dead_rank: int | None) -> tuple[int |
     """The step an unplanned recovery resumes at, or None and why no step is exact (pure).
 
     A step is a transaction that commits when the tracked optimizers start stepping (after every collective
-    of the step). A survivor paused before step s, or failed inside step s before its commit point, holds the
-    model of step s and rolls its per-rank state back to s's start snapshot: it resumes at s. All survivors
-    must agree (a collective that completed on some ranks only leaves them one step apart: a mixed commit),
-    and the dead rank must have left a snapshot for that step (taken at step s's start, or at step s-1's
-    commit point when it died after committing). A survivor that failed after its commit point (a collective
-    in user code after the optimizer step) holds a step that can be neither finished nor undone.
+    of the step). Each survivor offers the one step it can resume at exactly (``steps``: paused ones,
+    ``failed_steps``: failed ones): paused before step s, or failed inside step s before its commit point, it
+    holds the model of step s and rolls its per-rank state back to s's start snapshot (to the start of its open
+    gradient-accumulation window, if any: the window is re-executed); failed after its commit point (a
+    collective in user code after the optimizer step), it offers s + 1 when the step had made all its changes to
+    the replicated state and its per-rank state was sealed, else nothing (``post_commit``). All survivors must
+    agree (a collective that completed on some survivors only leaves them one step apart: a mixed commit), and
+    the dead rank must have left a snapshot for that step (taken at its start, or sealed in the backward pass of
+    the step before).
     """
     who = f"rank {dead_rank}" if dead_rank is not None else "the dead rank"
     post = sorted({s for r in reports for s in r.post_commit})
     if post:
         return None, (f"survivors failed in a collective after their optimizer step of step {post[0]} (user code "
-                      "after the commit point): that step can be neither finished nor undone")
+                      "after the commit point) before the step's other changes (LR scheduler, GradScaler) were "
+                      "made, or with their per-rank state not sealed: that step can be neither finished nor undone")
     stopped = sorted({s for r in reports for s in r.steps} | {s for r in reports for s in r.failed_steps})
     if len(stopped) > 1:
         return None, (f"mixed commit: survivors stopped at different steps {stopped} (a collective completed on "
@@ -370,8 +374,9 @@ def resume_step(reports: Sequence[Report], dead_rank: int | None) -> tuple[int |
         have = set(saved[0])
         if step not in have and not (step == 0 and not have):
             if have and max(have) < step:
-                why = (f"{who} died inside step {max(have)} after the survivors had completed it (its part of "
-                       "a collective was delivered before it died, its own state after the step was not saved)")
+                why = (f"{who} died inside step {max(have)} after the survivors had completed it, and its state "
+                       "after the step was never saved (no tracked model to seal it in the backward pass, or "
+                       "sealing turned off)")
             else:
                 why = f"{who} saved state for steps {sorted(have)}, the survivors stopped at step {step}"
             return None, why

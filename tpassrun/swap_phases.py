@@ -15,7 +15,7 @@ import logging
 import time
 
 from . import shardplane
-from .channel import INT64_MAX, Field, WorkerPhase
+from .channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
 from .port import FallbackRequested
 from .protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Received, Reform, Reformed, Resume,
                        SendState, Stranger, WorldSpec)
@@ -38,8 +38,9 @@ class PhaseSteps:
 
     async def _pause(self, plan: SwapPlan) -> Report:
         survivors = self._survivors(plan)
+        # planned: at the earliest step start outside a gradient-accumulation window; unplanned: at once
         for s in survivors:
-            self._slots.set_run_until(s, 0)
+            self._slots.set_run_until(s, 0 if plan.kind == SwapKind.PLANNED else STOP_NOW)
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         last: dict[int, tuple[int, int, float]] = {}
         dead_steps = self._dead_light_steps(plan)
@@ -48,13 +49,14 @@ class PhaseSteps:
             stationary, cand, paused, failed, post = True, 0, [], [], []
             for s in survivors:
                 ph, step = self._slots.phase(s), self._slots.field(s, Field.STEP)
-                if ph == WorkerPhase.PAUSED:
-                    paused.append(step)
-                    cand = max(cand, step)
-                    continue
-                if ph == WorkerPhase.FAILED:
-                    # failed after its commit point: its model already holds the step's update
-                    (post if self._slots.field(s, Field.COMMITTED) == step + 1 else failed).append(step)
+                if ph in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
+                    # what the worker says it can resume at exactly (its accumulation window's start, the next
+                    # step after a failure past its commit point), or nothing
+                    offer = self._slots.field(s, Field.OFFER) - 1
+                    if ph == WorkerPhase.PAUSED:
+                        paused.append(offer if offer >= 0 else step)
+                    else:
+                        (failed if offer >= 0 else post).append(offer if offer >= 0 else step)
                     cand = max(cand, step)
                     continue
                 if not s.alive:
@@ -332,7 +334,8 @@ class PhaseSteps:
             self._slots.set_run_until(s, INT64_MAX)
             assert s.rank is not None
             self._slots.send(s, Reform(world=WorldSpec(rank=s.rank, world_size=gen.world_size).with_store(*store),
-                                       rollback=plan.kind == SwapKind.UNPLANNED))
+                                       rollback=plan.kind == SwapKind.UNPLANNED,
+                                       resume=plan.boundary if plan.kind == SwapKind.UNPLANNED else None))
             waiting.append(s)
         if plan.joiner.node == me:
             joiner = self._slots.slots[plan.joiner.slot]

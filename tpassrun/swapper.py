@@ -25,7 +25,7 @@ import time
 from typing import TYPE_CHECKING
 
 from . import shardplane
-from .channel import Field, WorkerPhase
+from .channel import STOP_NOW, Field, WorkerPhase
 from .coordinator import Coordinator
 from .failkind import classify_death, recoverable
 from .nodeswap import NodePlans
@@ -141,7 +141,7 @@ class Swapper(PhaseSteps):
         # Stop the other local ranks at their next step start (the ones blocked in a collective will fail).
         for s in self._slots.active():
             if s is not slot:
-                self._slots.set_run_until(s, 0)
+                self._slots.set_run_until(s, STOP_NOW)
         await self._store.put_json(self._keys.failure(self.port.node_id, slot.index), failure.to_json())
         await self.port.publish_status()
         return True

@@ -34,13 +34,23 @@ class BoundaryCommands:
     def _at_boundary(self, step: int) -> None:
         link = self._link
         assert link is not None
+        link.set(Field.OFFER, self._window + 1)     # the open window's start (this step outside a window)
         link.set(Field.PHASE, WorkerPhase.PAUSED)
         self._serve(step)
 
     def _after_failure(self, step: int, exc: BaseException, kind: StepFailure) -> None:
         link = self._link
         assert link is not None
-        self._commit_light = None   # the step is either re-executed from its start or not resumed at all
+        committed = self._committed == step
+        # The step is re-executed from its window's start, or (failed after its commit point) the next one starts
+        # from its seal, if the step had made all its changes to the replicated state (else: no exact step).
+        self._failed_seal = self._commit_light if committed and self._sealed == step else None
+        self._commit_light = None
+        if not committed:
+            link.set(Field.OFFER, self._window + 1)
+        else:
+            complete = self._failed_seal is not None and self._complete_after_commit()
+            link.set(Field.OFFER, step + 2 if complete else 0)
         self._shard_fence()         # its local copies' steps are published before the agent reads them
         # Tear our end of every collective down now: a peer blocked on *us* (not on the dead rank) only
         # learns of the failure when our sockets close, so aborting here cascades the error to every
@@ -122,12 +132,8 @@ class BoundaryCommands:
         return False
 
     def _on_reform(self, msg: Reform, step: int, failed: BaseException | None) -> bool:
-        if msg.rollback and failed is not None:
-            # The failed step is re-executed by everyone: put back what it consumed (RNG, data position) from
-            # the snapshot taken when it started. Model and optimizer were not touched.
-            if self._last_light is not None:
-                self._restore_light(self._last_light)
-            self._drop_grads()
+        if msg.rollback:
+            self._roll_back(step, msg.resume, failed is not None)
         self._reform(msg)
         self._link.send(Reformed(rank=self.rank, world_size=self.world_size, generation=self.generation,
                                  **self._reform_times))
@@ -146,14 +152,39 @@ class BoundaryCommands:
             raise failed
         raise RuntimeError(msg.reason or "tpassrun agent asked this worker to fail")
 
+    def _roll_back(self, step: int, resume: int | None, failed: bool) -> None:
+        """An unplanned recovery resumes everyone at ``resume``: put this rank's per-rank state (RNG, data
+        position) where it was then. Model and optimizer are already there: nothing changes them before the
+        commit point, and a step that failed after it resumes at the next one."""
+        if resume is None:                      # an agent that does not say: the failed step, as before
+            resume = self._window if failed or self._window < step else step
+        if resume == step + 1 and failed and self._failed_seal is not None:
+            self._restore_light(self._failed_seal)     # failed after its commit point: the seal is step + 1's start
+            self._drop_grads()
+            self._window_closed()
+        elif resume == self._window and (failed or self._window < step):
+            # the failed step, or the open accumulation window, is re-executed from its start: put back what it
+            # consumed (the gradients it accumulated go too)
+            if self._rollback_light is not None:
+                self._restore_light(self._rollback_light)
+            self._drop_grads()
+        elif resume != step:
+            raise RuntimeError(f"tpassrun: cannot resume at step {resume}: this rank stopped at step {step} "
+                               f"(window from {self._window}, {'failed' if failed else 'paused'})")
+        self._failed_seal = self._commit_light = None
+        self.step = self._window = resume
+
     def _drop_grads(self) -> None:
         import torch
 
+        scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
         for obj in self._tracked.values():
             if isinstance(obj, torch.optim.Optimizer):
                 obj.zero_grad(set_to_none=True)
             elif isinstance(obj, torch.nn.Module):
                 obj.zero_grad(set_to_none=True)
+            elif scaler is not None and isinstance(obj, scaler):
+                _reset_scaler_step(obj)
             elif callable(getattr(obj, "drop_grads", None)):
                 obj.drop_grads()   # a framework adapter's view (e.g. a DeepSpeed engine's gradient buffers)
 
@@ -177,6 +208,19 @@ class BoundaryCommands:
         self._shard_after_reform()   # a rolled-back survivor loads its sharded copy in the new world
         self._reform_times = {"leave_s": round(t1 - t0, 4), "join_s": round(t2 - t1, 4),
                               "callbacks_s": round(time.perf_counter() - t2, 4)}
+
+
+def _reset_scaler_step(scaler: Any) -> None:
+    """Forget a re-executed step's ``unscale_``/``step`` on a GradScaler (as its ``update`` does, without
+    touching the scale): the step runs again from its start."""
+    try:
+        from collections import defaultdict
+
+        from torch.amp.grad_scaler import _refresh_per_optimizer_state
+
+        scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+    except (ImportError, AttributeError) as exc:  # another torch: nothing of the kind to forget
+        log.debug("GradScaler per-step state not reset: %s", exc)
 
 
 def _not_replicated(objs: dict[str, Any]) -> list[str]:

@@ -56,7 +56,7 @@ class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
         self._callbacks: list[Callable[[], Any]] = []
         self._pending_bundle: Any = None      # joiner: state received before the script built its objects
         self._pending_light_bundle: Any = None   # joiner (unplanned): the dead rank's light snapshot
-        self._last_light: bytes | None = None
+        self._rollback_light: bytes | None = None   # what a rollback restores: the open window's start snapshot
         self._light: Any = None                   # light.LightSnapshotter, made at the first snapshot
         self._size_published = False
         self._reform_times: dict[str, float] = {}
@@ -67,7 +67,6 @@ class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
         # committed when a tracked optimizer starts changing the model.
         self._in_step = -1                        # the step step_fn is executing, -1 outside it
         self._sealed = -1                         # the last step whose per-rank state was sealed
-        self._seal_queued = False
         self._committed = -1                      # the last step that reached its commit point
         self._commit_light: bytes | None = None   # the sealed snapshot, labelled with the next step
         self._commit_snapshots = True             # off once user code after the seal changed per-rank state
@@ -80,6 +79,15 @@ class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
         self._pending_shard_bundle: Any = None    # joiner: the dead rank's shard, from its mirror
         self._spare: SpareWait | None = None      # set while this session is a spare (no rank yet)
         self._pending: list[Message] = []         # commands that came while a spare waited for its sender
+        # Gradient accumulation across steps: a step that ends without reaching its commit point leaves its
+        # gradients to the next one, so the steps since the last commit form one window, rolled back as one.
+        self._commit_hooks = 0                    # tracked optimizers and scalers: commits are observable
+        self._window = 0                          # the first step of the open window (== the step outside one)
+        self._failed_seal: bytes | None = None    # a step that failed after its commit point: its seal
+        self._scaler_updates: dict[int, int] = {}  # GradScaler.update() calls, per tracked scaler
+        self._mark_sources: Any = None             # (cache key, what _replicated_marks reads)
+        self._window_marks: dict[str, int] | None = None   # schedulers'/scalers' steps at the window's start
+        self._window_delta: dict[str, int] | None = None   # ... and how many the last complete window made
 
     # --- the hook protocol ---
     def track(self, **objects: Any) -> "Session":
@@ -179,19 +187,26 @@ class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
                 self.step += 1
             return self.step
         link.set(Field.PHASE, WorkerPhase.RUNNING)
+        self._window = self.step
+        self._window_marks = self._replicated_marks()
         while self.step < total_steps:
             step = self.step
-            link.set(Field.STEP, step)
             start = time.monotonic_ns()
             link.set(Field.HEARTBEAT_NS, start)
-            if link.get(Field.RUN_UNTIL) <= step:
+            run_until = link.get(Field.RUN_UNTIL)
+            if run_until <= step and (run_until < 0 or self._window == step):
+                link.set(Field.STEP, step)
                 self._at_boundary(step)
                 if self.step != step:     # a recovery moved us (never forward past work not done)
                     continue
                 start = time.monotonic_ns()
+            # (published after the boundary check: an agent never sees "running step B" from a rank about to
+            # pause at B)
+            link.set(Field.STEP, step)
             if self._light_enabled:
                 self._snapshot_light(step)
-            self._shard_begin(step, self._last_light)
+            if self._window == step:    # (inside an accumulation window no step start is a resume point)
+                self._shard_begin(step, self._rollback_light)
             link.set(Field.PHASE, WorkerPhase.RUNNING)
             self._first_grad_ns = 0
             self._in_step = step
@@ -210,6 +225,10 @@ class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
             self._in_step = -1
             self.step = step + 1
             self._shard_fence()    # a step without a commit point (no tracked optimizer): its copy ends here
+            if not (self._commit_hooks and self._committed != step):
+                self._window = step + 1   # else no commit: its gradients carry over (accumulation), the window stays open
+                if self._committed == step:
+                    self._window_closed()
             end = time.monotonic_ns()
             link.set(Field.LAST_STEP_NS, end - start)
             link.set(Field.LAST_COMPUTE_NS, (self._first_grad_ns or end) - start)

@@ -103,7 +103,8 @@ class ShardedState:
         light = self._shards.restore(step, None, others)
         if light is not None:
             self._restore_light(light)              # type: ignore[attr-defined]
-        self._last_light, self._commit_light = light, None
+        self._rollback_light, self._commit_light = light, None
+        self._window = step
         self._drop_grads()                          # type: ignore[attr-defined]
         self._committed = self._sealed = -1
         self._shard_restore_due = step

@@ -27,9 +27,24 @@ class StepTransaction:
 
         if self._link is None or id(obj) in self._hooked:
             return
+        scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
         if isinstance(obj, torch.optim.Optimizer):
             self._hooked.add(id(obj))
+            self._commit_hooks += 1
             obj.register_step_pre_hook(lambda _opt, _args, _kwargs: self._commit_point())
+        elif scaler is not None and isinstance(obj, scaler):
+            # A step whose gradients overflowed skips the optimizer step but still changes the scale: update()
+            # is a commit point too. (An instance attribute: GradScaler's state_dict lists its keys by name.)
+            self._hooked.add(id(obj))
+            self._commit_hooks += 1
+            update = obj.update
+
+            def committing_update(*args: Any, **kwargs: Any) -> Any:
+                self._commit_point()
+                self._scaler_updates[id(obj)] = self._scaler_updates.get(id(obj), 0) + 1
+                return update(*args, **kwargs)
+
+            obj.update = committing_update
         elif callable(getattr(obj, "commit_optimizers", None)):
             # a framework adapter's view: the optimizers whose step commits a step (e.g. the torch optimizers
             # inside torchtitan's OptimizersContainer or a DeepSpeed engine)
@@ -40,31 +55,24 @@ class StepTransaction:
             param = next((p for p in obj.parameters() if p.requires_grad), None)
             if param is not None:
                 self._hooked.add(id(obj))
-                param.register_hook(self._queue_seal)
+                param.register_hook(self._seal_in_backward)
 
-    # A step is a transaction. Its per-rank state (RNG, data position) is *sealed* at the end of each backward
-    # pass (after DDP's all-reduce, which autograd runs in a callback queued before ours) and, as a backstop,
-    # when a tracked optimizer starts stepping: from then on the survivors of this rank's death finish the step
-    # and stop at the next one, and what this rank's state would be there is what it is now, unless user code
-    # after the step changes it (the next step's start checks, and stops sealing if so). The seal goes to
-    # shared memory labelled with the next step; the step's start snapshot stays in the other buffer, for the
-    # survivors that do not finish the step. The step *commits* when a tracked optimizer starts changing the
-    # model: a survivor that fails after that can no longer re-execute the step. Nothing is copied but the
-    # light state: the model and optimizer are held by every survivor.
+    # A step is a transaction. Its per-rank state (RNG, data position) is *sealed* in each backward pass, when
+    # the gradient of the tracked model's first parameter is computed, and, as a backstop, when a tracked
+    # optimizer starts stepping: from then on the survivors of this rank's death may finish the step and stop at
+    # the next one, and what this rank's state would be there is what it is now, unless user code after the step
+    # changes it (the next step's start checks, and stops sealing if so). The seal goes to shared memory labelled
+    # with the next step; the step's start snapshot stays in the other buffer, for the survivors that do not
+    # finish the step. The step *commits* when a tracked optimizer starts changing the model.
+    #
+    # Why in the backward pass and not after it: the seal is written before that gradient reaches DDP, so before
+    # this rank has contributed the last bucket of the step's all-reduce; no survivor can complete the step
+    # without this rank having sealed it, however late in the all-reduce this rank dies. (Sealed after the
+    # all-reduce, a rank dying in its last instants, its part delivered, left no state for the step the
+    # survivors had completed.) Nothing is copied but the light state: every survivor holds model and optimizer.
 
-    def _queue_seal(self, grad: Any) -> None:
-        if self._in_step < 0 or self._seal_queued or not self._commit_snapshots or not self._light_enabled:
-            return
-        from torch.autograd import Variable
-
-        self._seal_queued = True
-        # twice: our callback then runs after every callback queued during this backward (DDP's finalize)
-        Variable._execution_engine.queue_callback(
-            lambda: Variable._execution_engine.queue_callback(self._seal_now))
-
-    def _seal_now(self) -> None:
-        self._seal_queued = False
-        if self._in_step >= 0:
+    def _seal_in_backward(self, grad: Any) -> None:
+        if self._in_step >= 0 and self._commit_snapshots and self._light_enabled:
             self._seal(self._in_step)
 
     def _seal(self, step: int) -> None:
@@ -75,10 +83,14 @@ class StepTransaction:
 
             self._light = LightSnapshotter()
         data = self._light.take(self._light_objects(), step + 1)
-        assert self._link is not None
-        # a second backward in the same step (gradient accumulation) re-seals in place: keep the start snapshot
-        fits = (self._link.ch.rewrite_light(self._link.slot, data, step + 1) if self._sealed == step
-                else self._link.ch.write_light(self._link.slot, data, step + 1))
+        link = self._link
+        assert link is not None
+        # A second backward in the same step (micro-batches) re-seals in place: the other buffer keeps the step's
+        # start. Inside an open window the start to keep is the window's: never overwrite that buffer.
+        if self._sealed == step or (self._window < step and link.ch.light_step(link.slot) != self._window):
+            fits = link.ch.rewrite_light(link.slot, data, step + 1)
+        else:
+            fits = link.ch.write_light(link.slot, data, step + 1)
         if not fits:
             self._light_enabled = False
             return
@@ -97,6 +109,49 @@ class StepTransaction:
         assert self._link is not None
         self._link.set(Field.COMMITTED, step + 1)
 
+    # --- after the commit point ---
+    # A survivor that fails in a collective after its commit point (a logging all-reduce, a barrier after
+    # opt.step()) holds the step's model update; it can resume at the next step from its seal if nothing else
+    # the step changes in the replicated state is missing. What it checks: every tracked LR scheduler and
+    # GradScaler has stepped as often since the window's start as in the last complete window (other replicated
+    # objects are taken to change only before the commit point).
+
+    def _replicated_marks(self) -> dict[str, int]:
+        key = (len(self._tracked), len(self._per_rank))
+        if self._mark_sources is None or self._mark_sources[0] != key:
+            self._mark_sources = (key, self._find_mark_sources())
+        return {name: (self._scaler_updates.get(id(obj), 0) if scaler else
+                       int(getattr(obj, "_step_count", getattr(obj, "last_epoch", 0)) or 0))
+                for name, obj, scaler in self._mark_sources[1]}
+
+    def _find_mark_sources(self) -> list[tuple[str, Any, bool]]:
+        """(name, object, is a GradScaler) of the tracked replicated schedulers and scalers."""
+        import torch
+
+        scaler = getattr(getattr(torch, "amp", None), "GradScaler", None)
+        out = []
+        for name, obj in sorted(self._tracked.items()):
+            if name in self._per_rank:
+                continue
+            if scaler is not None and isinstance(obj, scaler):
+                out.append((name, obj, True))
+            elif isinstance(obj, torch.optim.lr_scheduler.LRScheduler) or hasattr(obj, "last_epoch"):
+                out.append((name, obj, False))
+        return out
+
+    def _window_closed(self) -> None:
+        """At the end of a step that committed: how the replicated state moved in this window."""
+        marks = self._replicated_marks()
+        if self._window_marks is not None:
+            self._window_delta = _delta(marks, self._window_marks)
+        self._window_marks = marks
+
+    def _complete_after_commit(self) -> bool:
+        """Whether this (committed, failed) step changed the replicated state as much as the last window did."""
+        if self._window_delta is None or self._window_marks is None:
+            return False
+        return _delta(self._replicated_marks(), self._window_marks) == self._window_delta
+
     # --- light state ---
     def _light_objects(self) -> dict[str, Any]:
         return {k: self._tracked[k] for k in self._per_rank}
@@ -108,28 +163,42 @@ class StepTransaction:
 
             self._light = LightSnapshotter()
         commit, self._commit_light = self._commit_light, None
-        if commit is not None and self._sealed == step - 1 and self._seals_verified >= _SEALS_VERIFIED_FIRST \
-                and step % _VERIFY_SEAL_EVERY:
+        verify = commit is not None and self._sealed == step - 1 and not (
+            self._seals_verified >= _SEALS_VERIFIED_FIRST and step % _VERIFY_SEAL_EVERY)
+        if self._window < step:
+            # Inside an open accumulation window a rollback goes back to the window's start (its snapshot stays
+            # where it is); this step's start is never resumed at. Only check the seal now and then.
+            if verify:
+                self._check_seal(self._light.take(self._light_objects(), step), commit, step)
+            return
+        if commit is not None and self._sealed == step - 1 and not verify:
             # The seal already is this step's start snapshot (published, labelled with this step): taking it
             # again would double the per-step cost. Checked on the first seals and on every few steps after.
-            self._last_light = commit
+            self._rollback_light = commit
             return
         if commit is not None:
             data = self._light.take(self._light_objects(), step)
-            self._last_light = data
-            if data == commit:
-                self._seals_verified += 1
+            self._rollback_light = data
+            if self._check_seal(data, commit, step):
                 # Already published at the commit point; not writing it again keeps the previous step's start
                 # snapshot in the other buffer, for a death inside a collective that only this rank completed.
                 return
-            if self._commit_snapshots:
-                self._commit_snapshots = False
-                log.warning("rank %d: the per-rank state (RNG, data position) changed after the backward pass of "
-                            "step %d (user code after it draws random numbers or reads data); a death between "
-                            "the optimizer step and the next step cannot be recovered live", self.rank, step - 1)
             self._write_light(data, step)
             return
-        self._last_light = self._publish_light(step)
+        self._rollback_light = self._publish_light(step)
+
+    def _check_seal(self, data: bytes, seal: bytes | None, step: int) -> bool:
+        """Whether the seal taken after step - 1's backward pass is this step's start ``data``; turns sealing off
+        (and says so) when user code after the backward pass changed per-rank state."""
+        if data == seal:
+            self._seals_verified += 1
+            return True
+        if self._commit_snapshots:
+            self._commit_snapshots = False
+            log.warning("rank %d: the per-rank state (RNG, data position) changed after the backward pass of "
+                        "step %d (user code after it draws random numbers or reads data); a death between "
+                        "the optimizer step and the next step cannot be recovered live", self.rank, step - 1)
+        return False
 
     def _publish_light(self, step: int) -> bytes | None:
         if self._light is None:
@@ -153,3 +222,7 @@ class StepTransaction:
         from . import handoff, light
 
         return handoff.apply(light.decode(data), self._light_objects(), restore_rng_state=True)
+
+
+def _delta(now: dict[str, int], then: dict[str, int]) -> dict[str, int]:
+    return {k: now.get(k, 0) - then.get(k, 0) for k in sorted(set(now) | set(then))}
