@@ -101,6 +101,15 @@ class GenerationTasks:
             if culprit is None:
                 continue
             beat, s = culprit
+            if not is_stopped(_proc_state(s.pid)):
+                # Nothing of ours is stopped: the hang may be another node's (a rank SIGSTOPped there blocks ours
+                # in the collective). That node's watchdog kills its stopped rank at once; ours then pause for
+                # the recovery (busy) or fail out of the collective (no longer RUNNING). Killing ours too made
+                # a second death inside the first recovery (found by bench/chaos.py).
+                await asyncio.sleep(REMOTE_HANG_GRACE_S)
+                if self.swapper.busy or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING \
+                        or self.slots.field(s, Field.HEARTBEAT_NS) != beat:
+                    continue
             self.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
                               seconds=round((now - beat) / 1e9, 3), step=self.slots.field(s, Field.STEP),
                               stale_ranks=sorted(x.rank for _b, x in stale))
@@ -117,6 +126,14 @@ def _proc_state(pid: int | None) -> str:
         return "?"
 
 
+REMOTE_HANG_GRACE_S = 2.0   # how long a stale rank that is not stopped waits for another node's watchdog
+
+
+def is_stopped(state: str) -> bool:
+    """A process the kernel will not run (stopped, traced, or in uninterruptible sleep): unambiguously hung."""
+    return state in ("T", "t", "D")
+
+
 def pick_hung(stale: list[tuple[int, Any]], state_of: Any) -> tuple[int, Any] | None:
     """Which of the ranks whose step heartbeat is stale is the cause (pure but for ``state_of``).
 
@@ -127,6 +144,6 @@ def pick_hung(stale: list[tuple[int, Any]], state_of: Any) -> tuple[int, Any] | 
     if not stale:
         return None
     for item in stale:
-        if state_of(item[1].pid) in ("T", "t", "D"):
+        if is_stopped(state_of(item[1].pid)):
             return item
     return min(stale, key=lambda x: x[0])

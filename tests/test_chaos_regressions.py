@@ -1,0 +1,53 @@
+"""What bench/chaos.py found, one real multi-process test each (every one ends in a recovery or in torchrun's
+failure report). Two agents of one rank and one warm spare each against the session's etcd, so a fault on one
+node is seen by the other over the network, as in the harness."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from faults import EXAMPLE, Job, faults_env, stop_at
+
+pytestmark = pytest.mark.timeout(300)
+STEPS = 40
+
+
+def _agents(tmp_path, endpoint: str, run_id: str, *, env: dict[str, str], extra: list[str]) -> list[Job]:
+    train = str(tmp_path / "train")
+    jobs = []
+    for name in ("a", "b"):
+        out = str(tmp_path / name)
+        argv = [sys.executable, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "1", "--spares-per-node", "1",
+                "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+                "--rdzv-conf", "last_call_timeout=1", "--log-dir", os.path.join(out, "logs"), *extra,
+                EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.05", "--out", train, "--quiet"]
+        jobs.append(Job(argv=argv, out=out, env=env))
+    return jobs
+
+
+def test_a_rank_stopped_on_one_node_is_the_only_one_killed(tmp_path, etcd_server, run_id):
+    """SIGSTOP of rank 0: its peer on the other node blocks in the allreduce and goes stale too. Only the
+    stopped rank may be killed: the other node's watchdog killed its healthy rank as well, a second death inside
+    the recovery that stalled it for the 120 s phase timeout and ended in a whole-group restart."""
+    env = faults_env(stop_at(0, 8, str(tmp_path / "stop")))
+    jobs = _agents(tmp_path, etcd_server.endpoint, run_id, env=env, extra=["--hang-timeout", "3"])
+    try:
+        for j in jobs:
+            j.start()
+        codes = [j.wait(240) for j in jobs]
+    finally:
+        for j in jobs:
+            j.kill()
+    assert codes == [0, 0], "\n".join(j.log()[-3000:] for j in jobs)
+    events = [e for j in jobs for e in j.events()]
+    hangs = [e for e in events if e["event"] == "hang_detected"]
+    assert [(e["rank"], e["proc_state"]) for e in hangs] == [(0, "T")], hangs
+    names = {e["event"] for e in events}
+    assert "swap_resumed" in names and not names & {"fallback", "restart"}, sorted(names)
+    train = Job(argv=[], out=str(tmp_path / "train"))
+    assert len({x["pid"] for x in train.losses(1)}) == 1, "rank 1 was not stopped and must keep its process"
+    for r in range(2):
+        assert [x["step"] for x in train.losses(r)] == list(range(STEPS)), f"rank {r}: a step lost or repeated"
