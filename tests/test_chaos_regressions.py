@@ -51,3 +51,25 @@ def test_a_rank_stopped_on_one_node_is_the_only_one_killed(tmp_path, etcd_server
     assert len({x["pid"] for x in train.losses(1)}) == 1, "rank 1 was not stopped and must keep its process"
     for r in range(2):
         assert [x["step"] for x in train.losses(r)] == list(range(STEPS)), f"rank {r}: a step lost or repeated"
+
+
+def test_a_slot_whose_worker_died_serves_again_as_a_spare(tmp_path):
+    """One node, two ranks, one spare: rank 1 is SIGKILLed, then rank 0. The first death used the only spare and
+    its slot stayed quarantined for the rest of the run, so the second fell back to a whole-group restart (a
+    long job ran out of spares after as many deaths as it had spares). Now the dead slot comes back as a spare
+    once the recovery is over, and both deaths are recovered live."""
+    from faults import kill_at
+
+    job = Job.tpassrun(str(tmp_path), endpoint=None, run_id="", nproc=2, spares=1, steps=STEPS, step_sleep=0.05,
+                       env=faults_env(kill_at(1, 6, str(tmp_path / "k1"), where="step"),
+                                      kill_at(0, 24, str(tmp_path / "k0"), where="step"))).start()
+    try:
+        assert job.wait(240) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    names = [e["event"] for e in job.events()]
+    assert names.count("swap_resumed") == 2 and "fallback" not in names and "restart" not in names, names
+    returned = [e for e in job.events() if e["event"] == "spare_returned"]
+    assert returned and "died" in returned[0]["reason"], returned
+    for r in range(2):
+        assert [x["step"] for x in job.losses(r)] == list(range(STEPS)), f"rank {r}: a step lost or repeated"

@@ -354,6 +354,7 @@ class PhaseSteps:
                 self._slots.send(leaver, Exit(code=0))
             else:
                 leaver.state = SlotState.QUARANTINED
+                self.died(leaver)
             leaver.rank = None
         timings = {}
         for s in waiting:

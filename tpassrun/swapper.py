@@ -42,6 +42,13 @@ if TYPE_CHECKING:
 log = logging.getLogger("tpassrun.swap")
 
 FAILED_STEP_GRACE_S = 30.0    # a worker that failed in a collective with no recovery planned by then re-raises
+# A slot whose worker was killed by a signal (SIGKILL, the OOM killer, a hang kill; a rank recovered live or a
+# spare) comes back as a spare once the swap is over, unless a taint holds it or it keeps dying:
+# DEATHS_TO_QUARANTINE deaths within DEATH_WINDOW_S keep it out for good (a crash loop, a bad device). Without
+# this every such death cost a spare for the rest of the run. A worker that exited with a code of its own (it may
+# have seen its device fail) leaves its slot quarantined, as before.
+DEATHS_TO_QUARANTINE = 3
+DEATH_WINDOW_S = 600.0
 
 
 class Swapper(PhaseSteps):
@@ -57,6 +64,7 @@ class Swapper(PhaseSteps):
         self._transfers_seen: set[tuple[str, int]] = set()   # (swap id, attempt) this node followed into TRANSFER
         self._rolled_back: set[str] = set()                  # swaps whose survivors here loaded their shard copies
         self.node_plans = NodePlans(self)
+        self._deaths: dict[int, list[float]] = {}    # slot -> when its workers died (to re-admit it as a spare)
 
     # ------------------------------------------------------------------ agent hooks
     @property
@@ -76,8 +84,41 @@ class Swapper(PhaseSteps):
         return self.port.rdzv.store
 
     def on_spare_lost(self, slot: Slot) -> None:
+        self.died(slot)
         self.coordinator.kick()
         asyncio.ensure_future(self.port.publish_status())
+        if not self.busy:
+            asyncio.ensure_future(self.readmit_dead_slots())
+
+    def died(self, slot: Slot) -> None:
+        """Note that ``slot``'s worker died (a signal: see DEATHS_TO_QUARANTINE)."""
+        if slot.exit_code is not None and slot.exit_code < 0:
+            self._deaths.setdefault(slot.index, []).append(time.monotonic())
+
+    async def readmit_dead_slots(self) -> None:
+        """Start a spare in each slot of this node whose worker was killed by a signal, once no swap is in
+        flight (see DEATHS_TO_QUARANTINE)."""
+        if self.busy or not self.port.master()[1]:
+            return
+        held = None
+        now = time.monotonic()
+        for index, deaths in sorted(self._deaths.items()):
+            s = self._slots.slots[index]
+            if s.state not in (SlotState.DEAD, SlotState.QUARANTINED) or s.alive or s.exit_code is None \
+                    or s.exit_code >= 0:
+                continue
+            recent = [t for t in deaths if now - t < DEATH_WINDOW_S]
+            if len(recent) >= DEATHS_TO_QUARANTINE:
+                continue
+            if held is None:
+                held = {(t.node_id, t.slot) for t in await self.coordinator.taints()}
+            if (self.port.node_id, index) in held or self.busy or s.state not in (SlotState.DEAD,
+                                                                                 SlotState.QUARANTINED):
+                continue
+            s.quarantine_reason, s.home_rank = None, None
+            await self.port.spawn_spare(s)
+            self.port.events.write("spare_returned", slot=index,
+                                   reason=f"its worker died ({len(recent)} time(s) in {DEATH_WINDOW_S:g} s): re-admitted")
 
     def hint_spares(self) -> None:
         """Tell this node's ready spares how much state a rank here holds (what the ranks publish after their
@@ -216,6 +257,7 @@ class Swapper(PhaseSteps):
             self.port.events.write("swap_resumed", swap_id=plan.id, rank=plan.leaver.rank,
                                     seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
             self._active = None
+            await self.readmit_dead_slots()
             return None
         if phase == Phase.ABORTED:
             self._cancel_early()
