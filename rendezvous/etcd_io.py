@@ -183,6 +183,10 @@ class EtcdConnection:
         return self._closed
 
     @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    @property
     def failure(self) -> RendezvousConnectionError | None:
         """The error a request gets now: set while an outage has lasted ``reconnect_timeout`` or longer."""
         since = self._outage_since
@@ -338,6 +342,14 @@ async def _close_quietly(client: aetcd.Client) -> None:
         await client.close()
 
 
+def _cancelled_by_reconnect(epoch: int, connection: "EtcdConnection") -> bool:
+    """A CancelledError out of an etcd call: the call's client was closed under it by a reconnect (its epoch is
+    over), not a cancel of the calling task (which Task.cancelling() counts)."""
+    task = asyncio.current_task()
+    return (task is None or not task.cancelling()) and (epoch != connection.epoch or not connection.up) \
+        and not connection.closed
+
+
 def one_line(exc: BaseException | None) -> str:
     if exc is None:
         return "connection closed"
@@ -427,6 +439,12 @@ class EtcdStore:
                 await self.connection.recover(epoch, exc, forever=forever)
             except aetcd_errors.ClientError as exc:
                 raise RendezvousError(f"etcd request failed: {one_line(exc)}") from exc
+            except asyncio.CancelledError:
+                if not _cancelled_by_reconnect(epoch, self.connection):
+                    raise
+                # grpc.aio cancels the calls of a channel that is closed: a reconnect (another task's) closed
+                # this one's client. Retry on the new client; this request was not what was cancelled. (It
+                # used to kill the caller: after a 5 s partition the status and health loops were gone.)
 
     async def _grant(self) -> None:
         sent = self._clock()
@@ -637,6 +655,10 @@ class EtcdStore:
                 # The iterator ended without us cancelling it: a reconnect closed this client. Resume.
                 raise_if_cancelling()
                 await self.connection.recover(epoch, None, forever=True)
+            except asyncio.CancelledError:
+                if not _cancelled_by_reconnect(epoch, self.connection):
+                    raise
+                await self.connection.recover(epoch, None, forever=True)   # see _call
             except aetcd_errors.RevisionCompactedError as exc:
                 next_rev = exc.compacted_revision
                 yield WatchEvent("reset", key, None, exc.compacted_revision)

@@ -450,3 +450,36 @@ def test_embedded_etcd_leaves_nothing_behind(run_id):
     assert not os.path.exists(data_dir)
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+@pytest.mark.timeout(60)
+def test_a_request_in_flight_when_a_reconnect_closes_its_client_is_retried_not_cancelled(etcd_server, run_id):
+    """grpc.aio cancels the calls of a channel that is closed. A reconnect (the keepalive noticed the outage)
+    closed the old client under a put that another task had in flight: the put raised CancelledError and
+    killed its task (after a 5 s partition an agent's status and health loops were gone for good, found by
+    bench/chaos.py). It must be retried on the new client instead."""
+    from faults import EtcdProxy
+    from tpassrun.rendezvous import EtcdStore, Link
+
+    async def main():
+        proxy = EtcdProxy(etcd_server.endpoint)
+        links: list[Link] = []
+        try:
+            store = EtcdStore(cfg(proxy.endpoint, read_timeout="20", reconnect_timeout="30"), lease_ttl=3)
+            async with store:
+                store.connection.listeners.append(lambda link, _detail: links.append(link))
+                proxy.cut()
+                put = asyncio.create_task(store.put_json(f"/{run_id}/k", {"v": 1, "x": 1}, lease=True))
+                deadline = time.monotonic() + 10
+                while Link.LOST not in links:          # the keepalive's bounded refresh notices the cut
+                    assert time.monotonic() < deadline, "the outage was not noticed"
+                    await asyncio.sleep(0.05)
+                assert not put.done()
+                proxy.heal()
+                await asyncio.wait_for(asyncio.shield(put), 20)
+                assert not put.cancelled() and Link.RESTORED in links
+                value, _ = await store.get_json(f"/{run_id}/k")
+                assert value == {"v": 1, "x": 1}
+        finally:
+            proxy.close()
+    run(main())
