@@ -15,6 +15,9 @@ drains (standing in for the agent), tracking a model (replicated: not in the lig
   * ``Session.run`` with a tiny training step (forward, backward, SGD step on a tracked 16x16 linear model,
     one sampler advance), managed vs. not: what a real step pays, the seal in the backward pass, the commit
     point and the window bookkeeping included.
+  * the no-op and the training step again with every light snapshot also pushed by the worker into a buddy's mirror (a real
+    :class:`tpassrun.mirror.MirrorServer` in another process, over loopback TCP: ``tpassrun/light_mirror.py``),
+    and the push alone (``PushStream.push``: frame, HMAC, one non-blocking ``sendmsg``).
 
 Best and median of ``--repeats`` rounds (each round measures every item once, in turn). Figures only, no assertions. The last line is JSON.
 """
@@ -25,6 +28,8 @@ import argparse
 import os
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -134,6 +139,43 @@ def interleaved(items: dict[str, Callable[[], float]], repeats: int) -> dict[str
     return {name: (min(v), statistics.median(v)) for name, v in samples.items()}
 
 
+BUDDY = """
+import asyncio, sys
+from tpassrun.mirror import MirrorServer, MirrorStore
+
+async def main():
+    server = MirrorServer(MirrorStore(1 << 28), bytes.fromhex(sys.argv[1]), host="127.0.0.1", run_id="bench")
+    await server.start()
+    print(server.port, flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)   # until the bench closes stdin
+    await server.close()
+
+asyncio.run(main())
+"""
+
+
+class Buddy:
+    """A buddy node's mirror server in a process of its own (as on another host: its reads and MAC checks do
+    not share this process's GIL)."""
+
+    def __init__(self) -> None:
+        self.key = os.urandom(32)
+        self.proc = subprocess.Popen([sys.executable, "-c", BUDDY, self.key.hex()], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    def target(self) -> Any:
+        from tpassrun.mirror import MirrorTarget
+
+        return MirrorTarget("buddy", "127.0.0.1", self.port, self.key, "bench", 0)
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(10)
+
+
 def channel_bookkeeping(link: _AgentLink) -> Callable[[], None]:
     """What ``Session.run`` does with the channel around one step, minus the snapshot and the step itself."""
     step = [0]
@@ -179,6 +221,25 @@ def main() -> None:
                                               generation=0, joined=False, timeout=None))
             sampler = Sampler()
             sess.track(model=torch.nn.Linear(256, 256), sampler=sampler)
+            sess._light_retarget_due = 0            # this stand-in agent knows no buddy: nothing to ask
+            # the same session pushing every snapshot into a buddy's mirror itself (light_mirror.py)
+            pushing = Session(backend=None, link=link, rank=0, world_size=1, local_rank=0, generation=0,
+                              joined=False, timeout=None)
+            pushing.track(model=torch.nn.Linear(256, 256), sampler=Sampler())
+            pushing._light_retarget_due = 0
+            buddy = Buddy()
+            from tpassrun.light_mirror import LightMirror
+            from tpassrun.mirror_net import PushStream
+
+            trained_pushing = train_job(Session(backend=None, link=link, rank=0, world_size=1, local_rank=0,
+                                                generation=0, joined=False, timeout=None))
+            for s in (pushing, trained_pushing[1]):
+                s._light_retarget_due = 0
+                s._light_mirror = LightMirror(0, link)
+                s._light_mirror.retarget(buddy.target(), 0)
+                assert s._light_mirror.wait_up(10), "the buddy's mirror did not answer"
+            trained[1]._light_retarget_due = 0
+            raw = PushStream("127.0.0.1", buddy.port, buddy.key, run_id="bench").connect()
             rng = handoff.capture_rng()
             snapper = LightSnapshotter()
             light = snapper.take({"sampler": sampler}, step=7)
@@ -189,6 +250,15 @@ def main() -> None:
                 sess._window = step[0]        # a step outside an accumulation window, as run() sets it
                 sess._snapshot_light(step[0])
 
+            def snapshot_pushed() -> None:
+                step[0] += 1
+                pushing._snapshot_light(step[0])
+
+            def push_alone() -> None:
+                step[0] += 1
+                if raw.push(0, "light", step[0], 0, light) is not None:
+                    raise AssertionError("the push did not fit the send buffer")
+
             figures = interleaved({
                 "boundary check (run_until read)": lambda: batch_us(
                     lambda: link.get(Field.RUN_UNTIL) <= 12345, calls),
@@ -196,6 +266,10 @@ def main() -> None:
                     lambda: channel.get(SLOT, Field.RUN_UNTIL), calls),
                 "channel bookkeeping per step": lambda: batch_us(channel_bookkeeping(link), calls),
                 "light snapshot per step": lambda: batch_us(snapshot, snapshot_calls),
+                "light snapshot per step, pushed to the buddy by the worker": lambda: batch_us(
+                    snapshot_pushed, snapshot_calls),
+                "  PushStream.push of one snapshot (frame, HMAC, sendmsg)": lambda: batch_us(push_alone,
+                                                                                         snapshot_calls),
                 "  LightSnapshotter.take": lambda: batch_us(lambda: snapper.take({"sampler": sampler}, 7),
                                                              snapshot_calls),
                 "  (general codec: capture_rng + capture + encode_small)": lambda: batch_us(
@@ -207,7 +281,18 @@ def main() -> None:
                 "Session.run no-op step, unmanaged": lambda: loop_batch_us(plain, calls),
                 "Session.run tiny training step, managed": lambda: train_batch_us(trained, snapshot_calls),
                 "Session.run tiny training step, unmanaged": lambda: train_batch_us(trained_plain, snapshot_calls),
+                "Session.run no-op step, managed, pushing to the buddy": lambda: loop_batch_us(pushing,
+                                                                                             snapshot_calls),
+                "Session.run tiny training step, managed, pushing to the buddy": lambda: train_batch_us(
+                    trained_pushing, snapshot_calls),
             }, args.repeats)
+            pushed = pushing._light_mirror.pushed + trained_pushing[1]._light_mirror.pushed
+            assert pushing._light_mirror.up and trained_pushing[1]._light_mirror.up, \
+                "the worker stopped pushing to the buddy"
+            for s in (pushing, trained_pushing[1]):
+                s._light_mirror.close()
+            raw.close()
+            buddy.close()
             assert channel.read_light(SLOT) is not None
             link.sock.close()
         channel.close()
@@ -215,7 +300,7 @@ def main() -> None:
     print(f"light snapshot: {len(light)} bytes (sampler + RNG); {calls} calls per batch, {args.repeats} interleaved "
           f"rounds; {args.clock} clock; load average {os.getloadavg()[0]:.1f}")
     for name, (best, median) in figures.items():
-        print(f"  {name:56s} best {best:8.2f} us   median {median:8.2f} us")
+        print(f"  {name:62s} best {best:8.2f} us   median {median:8.2f} us")
     managed = figures["Session.run no-op step, managed"]
     unmanaged = figures["Session.run no-op step, unmanaged"]
     print(f"  {'=> per-step overhead of tpassrun':56s} best {managed[0] - unmanaged[0]:8.2f} us   "
@@ -224,8 +309,14 @@ def main() -> None:
     unmanaged = figures["Session.run tiny training step, unmanaged"]
     print(f"  {'=> per training step (seal, commit point, window)':56s} best {managed[0] - unmanaged[0]:8.2f} us   "
           f"median {managed[1] - unmanaged[1]:8.2f} us")
+    for kind, plain_kind in (("no-op step", "no-op step"), ("tiny training step", "tiny training step")):
+        with_push = figures[f"Session.run {kind}, managed, pushing to the buddy"]
+        without = figures[f"Session.run {plain_kind}, unmanaged"]
+        print(f"  {'=> ' + kind + ', the worker pushing its snapshots':56s} best {with_push[0] - without[0]:8.2f} us"
+              f"   median {with_push[1] - without[1]:8.2f} us")
+    print(f"  ({pushed} snapshots pushed to the buddy's mirror in all)")
     print_json({"bench": "step_overhead", "light_bytes": len(light), "clock": args.clock,
-                "load": os.getloadavg()[0],
+                "load": os.getloadavg()[0], "pushed": pushed,
                 "us": {name.strip(): {"best": b, "median": m} for name, (b, m) in figures.items()}})
 
 

@@ -72,6 +72,19 @@ def sigkill_agent(job: "Job") -> float:
     return when
 
 
+def sigkill_node(job: "Job") -> float:
+    """A whole node dies at this very instant: SIGKILL every worker its agent started (ranks and spares) and
+    the agent, back to back, from outside (wherever each process is). Returns ``time.monotonic()`` of the kill."""
+    assert job.proc is not None
+    pids = [s["pid"] for e in job.events() if e["event"] == "workers_started" for s in e["slots"]]
+    when = time.monotonic()
+    for pid in [*pids, job.proc.pid]:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    job.proc.wait(10)
+    return when
+
+
 def wait_dead(pids: list[int], since: float, timeout: float) -> dict[int, float]:
     """pid -> the first moment (monotonic) it was seen dead (an upper bound on its death)."""
     dead_at: dict[int, float] = {}

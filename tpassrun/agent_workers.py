@@ -163,7 +163,7 @@ class WorkerSpawning:
         if isinstance(msg, Hello) and msg.spare:
             self.events.write("spare_ready", slot=slot.index, pid=msg.pid)
         if isinstance(msg, MirrorInfoRequest) and self.mirror is not None:
-            self.mirror.answer(slot)
+            asyncio.ensure_future(self.mirror.answer_current(slot))
         if isinstance(msg, (Hello, Done, Failed)):
             self._queue.put_nowait(WorkerSaid(slot, msg))
 

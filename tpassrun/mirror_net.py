@@ -11,7 +11,12 @@ Wire, after the handshake, both directions (little endian)::
 
 ops: PUT {owner, kind, version, epoch} + payload -> {kept}; GET {owner, kind, version|null, epoch|null} ->
 {version, epoch} + payload | NOT_FOUND; LIST {owner|null, kind|null} -> {entries, bytes, max_bytes};
-DROP {owner|null, kind|null, below_epoch|null} -> {freed}.
+DROP {owner|null, kind|null, below_epoch|null} -> {freed}; PUSH: a PUT with no answer (:class:`PushStream`).
+
+A :class:`PushStream` is a one-way connection: after the handshake the server never writes to it again, so a
+writer that is SIGKILLed right after handing a frame to its kernel still has it delivered (a socket closed with
+unread data in its receive queue would be reset instead, and its unsent bytes dropped). A push the store refuses
+(an older version, full) is dropped and counted; a malformed one ends the connection.
 """
 
 from __future__ import annotations
@@ -20,9 +25,11 @@ import asyncio
 import contextlib
 import json
 import logging
+import select
 import socket
 import struct
 import threading
+import time
 from typing import Any, Sequence
 
 from .mirror_store import MirrorEntry, MirrorError, MirrorFull, MirrorItem, MirrorStore
@@ -40,7 +47,7 @@ _THREAD_MAC = 1 << 20
 
 _HEAD = struct.Struct("<4sBBHQQ")
 _MAGIC = b"TPMR"
-OP_PUT, OP_GET, OP_LIST, OP_DROP, OP_REPLY = 1, 2, 3, 4, 5
+OP_PUT, OP_GET, OP_LIST, OP_DROP, OP_REPLY, OP_PUSH = 1, 2, 3, 4, 5, 6
 OK, NOT_FOUND, REFUSED, BAD_REQUEST = 0, 1, 2, 3
 _TO_SERVER, _TO_CLIENT = b"C", b"S"
 
@@ -109,6 +116,7 @@ class MirrorServer:
         self.strangers = 0                # connections dropped for not proving the key
         self.puts = 0
         self.bytes_in = 0
+        self.pushes_refused = 0           # one-way pushes the store did not keep (no one to tell)
 
     async def __aenter__(self) -> "MirrorServer":
         await self.start()
@@ -202,6 +210,14 @@ class MirrorServer:
             meta_raw = await reader.readexactly(meta_len)
             mac = _mac_of(base, _TO_SERVER, head, meta_raw)
             status, reply, out = OK, {}, ()
+            if op == OP_PUSH:
+                status, reply = await self._put(reader, mac, meta_raw, payload_len)
+                if status == BAD_REQUEST:
+                    raise MirrorError(f"bad mirror push: {reply.get('error')}")
+                if status != OK or not reply.get("kept"):
+                    self.pushes_refused += 1
+                    log.debug("mirror push not kept: %s", reply.get("error", "older than the versions held"))
+                continue                # one-way: never an answer (see PushStream)
             if op == OP_PUT:
                 status, reply = await self._put(reader, mac, meta_raw, payload_len)
             else:
@@ -447,6 +463,111 @@ class MirrorClient:
         return status, _decode_meta(meta_in), bytes(data) if payload_len else b""
 
 
+class PushStream:
+    """A one-way pushing connection to one :class:`MirrorServer` (a worker's light snapshots): :meth:`connect`
+    (blocking: the handshake, from a helper thread), then :meth:`push` from the training thread, which hands one
+    MAC'd frame to the kernel without waiting for anything and returns at once.
+
+    After the handshake nothing is ever read from the socket (the server sends nothing), so a process killed
+    right after :meth:`push` returned still has its frame delivered: the kernel sends what it accepted and then
+    closes the connection in order. What is *not* covered: a host losing power before the frame left its network
+    card (microseconds on an idle link)."""
+
+    SNDBUF = 1 << 20             # room for ~100 frames: a push never blocks, and never half-fits unless the
+                                 # buddy stopped reading for that long
+
+    def __init__(self, host: str, port: int, key: bytes, *, run_id: str = "", timeout: float = 5.0) -> None:
+        self.host, self.port = host, int(port)
+        self.timeout = timeout
+        self._auth = _auth(key, run_id)
+        self._sock: socket.socket | None = None
+        self._base: FrameMac | None = None
+        self._seq = 0
+        self.pushed = 0
+        self.bytes = 0
+
+    def __repr__(self) -> str:
+        return f"PushStream({self.host}:{self.port})"
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self) -> "PushStream":
+        try:
+            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        except OSError as exc:
+            raise MirrorError(f"cannot reach the mirror at {self.host}:{self.port}: {exc}") from exc
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.SNDBUF)
+            shake = ConnectorHandshake(self._auth)
+            sock.sendall(shake.prove(_recv_exact(sock, HELLO.size)))
+            try:
+                answer = _recv_exact(sock, ACCEPT.size)
+            except MirrorError as exc:
+                raise AuthError(f"the mirror at {self.host}:{self.port} refused our proof of the key or left: "
+                                f"{exc}") from exc
+            base = shake.verify(answer)
+            sock.setblocking(False)
+        except (OSError, MirrorError, AuthError) as exc:
+            sock.close()
+            if isinstance(exc, AuthError):
+                raise
+            raise MirrorError(f"mirror handshake with {self.host}:{self.port} failed: {exc}") from exc
+        self._sock, self._base, self._seq = sock, base, 0
+        return self
+
+    def frame(self, owner: int, kind: str, version: int, epoch: int, payload: bytes) -> list[bytes]:
+        """The pieces of one PUSH frame (head and meta, payload, tag); advances the sequence number."""
+        assert self._base is not None
+        meta = _encode_meta({"owner": owner, "kind": kind, "version": version, "epoch": epoch})
+        head = _HEAD.pack(_MAGIC, OP_PUSH, 0, len(meta), len(payload), self._seq)
+        self._seq += 1
+        mac = _mac_of(self._base, _TO_SERVER, head, meta)
+        mac.feed(payload)
+        return [head + meta, payload, mac.tag()]
+
+    def push(self, owner: int, kind: str, version: int, epoch: int, payload: bytes) -> bytes | None:
+        """Hand one frame to the kernel, never blocking. Returns None when all of it was accepted, else the
+        bytes still to send (the send buffer was full: the caller finishes them off the training thread, or
+        drops the stream). Raises :class:`OSError` when the connection is broken."""
+        sock = self._sock
+        if sock is None:
+            raise OSError("push stream not connected")
+        pieces = self.frame(owner, kind, version, epoch, payload)
+        total = sum(len(p) for p in pieces)
+        try:
+            sent = sock.sendmsg(pieces)
+        except BlockingIOError:
+            sent = 0
+        self.pushed += 1
+        self.bytes += len(payload)
+        return None if sent == total else b"".join(pieces)[sent:]
+
+    def finish(self, rest: bytes, timeout: float = 5.0) -> None:
+        """Send what :meth:`push` could not (blocking, bounded: from a helper thread)."""
+        sock = self._sock
+        if sock is None:
+            raise OSError("push stream not connected")
+        deadline, view = time.monotonic() + timeout, memoryview(rest)
+        while view:
+            try:
+                n = sock.send(view)
+                view = view[n:]
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the mirror at {self.host}:{self.port} took no data for {timeout} s")
+                select.select([], [sock], [], left)
+
+    def close(self) -> None:
+        sock, self._sock, self._base = self._sock, None, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
 def _check_ok(status: int, meta: dict[str, Any]) -> None:
     if status != OK:
         raise MirrorError(f"mirror request failed (status {status}): {meta.get('error', '')}")
@@ -470,4 +591,4 @@ def _recv_into(sock: socket.socket, view: memoryview) -> None:
         got += n
 
 
-__all__ = ["BAD_REQUEST", "MirrorClient", "MirrorServer", "NOT_FOUND", "OK", "REFUSED"]
+__all__ = ["BAD_REQUEST", "MirrorClient", "MirrorServer", "NOT_FOUND", "OK", "PushStream", "REFUSED"]

@@ -7,7 +7,9 @@ generation (:meth:`MirrorPlane.run`):
 * follows the buddy ring (:func:`tpassrun.mirror.buddy_ring` over the generation's nodes that hold ranks): the
   buddy is where this node's copies go; it is re-planned whenever a swap or a restart changes the generation;
 * mirrors the light snapshots its workers leave in shared memory (RNG, data position, step: the two buffers
-  per slot of :mod:`tpassrun.channel`) to the buddy, in the background. Every few milliseconds it looks at
+  per slot of :mod:`tpassrun.channel`) to the buddy, in the background, for the workers that do not push them
+  there themselves (:mod:`tpassrun.light_mirror`: a worker does, once its own connection to the buddy is up,
+  and says so in its slot; this copy is the backstop while it is not). Every few milliseconds it looks at
   the channel's sequence numbers (a memory read per slot, no syscall), and pushes only what changed since
   (normally two ~10 KB frames per rank per step: the commit-point seal and, if user code changed the state
   after it, the step-start snapshot), in one batch through one connection, from a thread. A healthy worker
@@ -177,8 +179,13 @@ class MirrorPlane:
             if rank is None or rank < 0 or slot.state != "running" or not slot.managed:
                 continue
             sig = (rank, ch.get(slot.index, Field.LIGHT_SEQ), ch.get(slot.index, Field.LIGHT_STEP_0),
-                   ch.get(slot.index, Field.LIGHT_STEP_1))
+                   ch.get(slot.index, Field.LIGHT_STEP_1), ch.get(slot.index, Field.LIGHT_MIRRORED))
             if self._seen.get(slot.index) == sig:
+                continue
+            if sig[-1]:
+                # the worker pushes its snapshots to the buddy itself, as it writes them (light_mirror.py): a
+                # copy from here would only cross the network again (and could land after a newer one)
+                self._seen[slot.index] = sig
                 continue
             frames = read_light_frames(ch, slot.index)
             if frames is None:
@@ -219,6 +226,15 @@ class MirrorPlane:
             self.bytes_pushed += len(data)
 
     # ------------------------------------------------------------------ workers
+    async def answer_current(self, slot: "Slot") -> None:
+        """:meth:`answer`, once the buddy follows the current generation's ring (a worker asks right after a
+        re-formed world: its node's buddy may have changed with it)."""
+        try:
+            await self._follow_ring()
+        except (MirrorError, OSError) as exc:
+            log.debug("mirror: following the ring before answering slot %d: %s", slot.index, exc)
+        self.answer(slot)
+
     def answer(self, slot: "Slot") -> None:
         """A worker's ``mirror_info``: where its copies go (this node's buddy, None without one) and this
         node's own mirror, with the key; over its private socket only."""

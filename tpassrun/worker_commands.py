@@ -206,6 +206,7 @@ class BoundaryCommands:
         for fn in self._callbacks:
             fn()
         self._shard_after_reform()   # a rolled-back survivor loads its sharded copy in the new world
+        self._light_retarget_due = 2  # the buddy ring may have changed with the world: ask at the next step start
         self._reform_times = {"leave_s": round(t1 - t0, 4), "join_s": round(t2 - t1, 4),
                               "callbacks_s": round(time.perf_counter() - t2, 4)}
 

@@ -52,6 +52,20 @@ class AgentLink:
                 return got
             self._held.append(got)
 
+    def poll(self, answer: type[Message], timeout: float = 0.0) -> Message | None:
+        """An ``answer`` already sent (or arriving within ``timeout``), without blocking past that: for a
+        question asked with :meth:`send` whose answer is picked up at a later step start. Commands read meanwhile
+        are kept for :meth:`recv`."""
+        deadline = time.monotonic() + timeout
+        while self._readable(max(0.0, deadline - time.monotonic())):
+            got = self._read_one()
+            if isinstance(got, answer):
+                return got
+            self._held.append(got)
+            if time.monotonic() >= deadline:
+                break
+        return None
+
     def _readable(self, timeout: float) -> bool:
         if b"\n" in self._buf:
             return True

@@ -61,6 +61,9 @@ class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
         self._size_published = False
         self._reform_times: dict[str, float] = {}
         self._light_enabled = link is not None
+        self._light_mirror: Any = None            # light_mirror.LightMirror: this rank pushes its snapshots itself
+        self._light_retarget_due = 2              # ask where they go (worker_step._RETARGET_*), 0: settled
+        self._light_polls = 0
         self._first_grad_ns = 0
         self._ddps = 0                  # sess.ddp() calls so far: names their bucket layouts
         # The step as a transaction (see _seal and _commit_point): sealed when its collectives are done,
@@ -203,6 +206,8 @@ class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
             # (published after the boundary check: an agent never sees "running step B" from a rank about to
             # pause at B)
             link.set(Field.STEP, step)
+            if self._light_retarget_due:
+                self._light_retarget()
             if self._light_enabled:
                 self._snapshot_light(step)
             if self._window == step:    # (inside an accumulation window no step start is a resume point)

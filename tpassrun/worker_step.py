@@ -16,6 +16,11 @@ log = logging.getLogger("tpassrun.worker")
 # on every this-many-th step after: user code that changes per-rank state after the optimizer step does so in
 # every step (a prefetch, random draws in its logging) and is caught at once, at no per-step cost otherwise.
 _SEALS_VERIFIED_FIRST = 2
+# Asking where light snapshots go (light_mirror.py): _light_retarget_due is one of these, 0 when settled.
+_RETARGET_FRESH, _RETARGET_RETRY, _RETARGET_ASKED = 2, 1, 3
+_ANSWER_WAIT_S = 0.2       # a (re)started rank waits this long at most for the agent's answer ...
+_CONNECT_WAIT_S = 0.25     # ... and this long for its push stream to the buddy
+_MAX_POLLS = 1000          # step starts to look for an answer before giving up (the agent then copies them)
 _VERIFY_SEAL_EVERY = 8
 
 
@@ -94,7 +99,7 @@ class StepTransaction:
         if not fits:
             self._light_enabled = False
             return
-        self._link.nudge()     # the seal is what a death from here on needs: have it mirrored at once
+        self._mirror_light(step + 1, data)    # the seal is what a death from here on needs: at the buddy now
         self._sealed, self._commit_light = step, data
 
     def _commit_point(self) -> None:
@@ -216,7 +221,54 @@ class StepTransaction:
                         len(data))
             self._light_enabled = False
             return
-        self._link.nudge()
+        self._mirror_light(step, data)
+
+    def _mirror_light(self, step: int, data: bytes) -> None:
+        """Hand a snapshot just written to the buddy's mirror: the worker pushes it itself when its connection is
+        up (one non-blocking send, no answer awaited; delivered even if this process dies next), else it nudges
+        its agent to copy it now."""
+        mirror = self._light_mirror
+        if mirror is None or not mirror.push(step, data):
+            self._link.nudge()
+
+    def _light_retarget(self) -> None:
+        """Where this rank's light snapshots go (its node's buddy, :mod:`tpassrun.light_mirror`): asked at the
+        run's start, after each re-formed world (the ring may have changed) and after a failed connection; one
+        question over the private socket, never per step. A fresh start waits briefly for the answer and the
+        connection, so that its first seal goes out this way too; otherwise the answer is picked up at a later
+        step start (one ``select`` per step until it is in)."""
+        from .protocol import MirrorInfo, MirrorInfoRequest
+
+        due, link = self._light_retarget_due, self._link
+        assert link is not None
+        if not self._light_enabled:
+            self._light_retarget_due = 0
+            return
+        if due in (_RETARGET_FRESH, _RETARGET_RETRY):
+            link.send(MirrorInfoRequest())
+            self._light_retarget_due, self._light_polls = _RETARGET_ASKED, 0
+        answer = link.poll(MirrorInfo, _ANSWER_WAIT_S if due == _RETARGET_FRESH else 0.0)
+        if answer is None:
+            self._light_polls += 1
+            if self._light_polls > _MAX_POLLS:        # an agent that never answers: the agent copies them
+                self._light_retarget_due = 0
+            return
+        self._light_retarget_due = 0
+        if self._light_mirror is None:
+            from .light_mirror import LightMirror
+
+            self._light_mirror = LightMirror(self.rank, link, on_retry=self._want_light_retarget)
+        from .mirror import MirrorTarget
+
+        assert isinstance(answer, MirrorInfo)
+        target = MirrorTarget.from_json(answer.buddy) if answer.buddy else None
+        self._light_mirror.retarget(target, self.rank)
+        if due == _RETARGET_FRESH and target is not None:
+            self._light_mirror.wait_up(_CONNECT_WAIT_S)
+
+    def _want_light_retarget(self) -> None:
+        if not self._light_retarget_due:
+            self._light_retarget_due = _RETARGET_RETRY
 
     def _restore_light(self, data: bytes) -> int:
         from . import handoff, light
