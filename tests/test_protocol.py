@@ -28,6 +28,7 @@ MESSAGES = [
              mirror_from=P.MirrorSource(target={"node": "n2", "addr": "h", "port": 7}, owner=3, step=40)),
     P.Received(ok=True, swap_id="s-2", nbytes=10, step=40, mirrored=True),
     P.ShardRollback(step=40), P.ShardRolledBack(ok=False, step=40, error="no copy of step 40"),
+    P.Watch(pid=7), P.Break(reason="node n3 was declared lost"), P.Break(),
 ]
 
 

@@ -23,7 +23,7 @@ import dataclasses
 import logging
 from typing import Any
 
-from .channel import INT64_MAX
+from .channel import INT64_MAX, WorkerPhase
 from .protocol import Abort, Light, LightOk, Received, Reform, Reformed, SendState, WorldSpec
 from .records import Move, Phase, Report, SwapPlan
 from .slots import SlotState
@@ -109,10 +109,24 @@ class NodePlans:
 
     # ------------------------------------------------------------------ phases
     async def _pause(self, plan: SwapPlan) -> Report:
+        self._break_collectives(plan)
         report = await self.sw._pause(plan)
         mirror = self.port.mirror()
         held = mirror.held(plan.ranks) if mirror is not None else {}
         return dataclasses.replace(report, held=held)
+
+    def _break_collectives(self, plan: SwapPlan) -> None:
+        """Every local survivor inside a step is told to shut its process-group sockets down now: a collective
+        it is blocked in with the lost node's ranks may never fail by itself (a partition, a host that lost
+        power: no connection reset reaches it) and would hold the recovery until the group's timeout. Its step
+        then fails like any step a peer died in (worker_watch.py); one paused or failed already is left alone."""
+        slots, broken = self.sw._slots, []
+        for s in self.sw._survivors(plan):
+            if slots.phase(s) == WorkerPhase.RUNNING and slots.break_collectives(
+                    s, f"node {plan.lost_node} was declared lost"):
+                broken.append(s.rank)
+        if broken:
+            self.port.events.write("collectives_broken", swap_id=plan.id, lost_node=plan.lost_node, ranks=broken)
 
     async def _transfer(self, plan: SwapPlan) -> Report | None:
         self.sw._transfers_seen.add((plan.id, plan.attempt))

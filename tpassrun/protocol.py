@@ -184,7 +184,26 @@ class MirrorInfo(Message):
     local: dict[str, Any] | None = None
 
 
+@dataclass(frozen=True)
+class Break(Message):
+    """Sent on a worker's *watch* connection (never the command one): a node this rank shares collectives with
+    was declared lost, and a collective blocked on it may never fail by itself (a partition resets nothing):
+    shut this process's process-group sockets now, so the step fails and the recovery can go on."""
+
+    KIND: ClassVar[str] = "break"
+    reason: str = ""
+
+
 # worker -> agent: replies and news
+@dataclass(frozen=True)
+class Watch(Message):
+    """The first line of a worker's second connection, its *watch* connection: a thread of the worker blocks
+    on it (costing nothing per step) for a :class:`Break`."""
+
+    KIND: ClassVar[str] = "watch"
+    pid: int
+
+
 @dataclass(frozen=True)
 class Hello(Message):
     KIND: ClassVar[str] = "hello"
@@ -293,14 +312,15 @@ class Reformed(Message):
                                   ("callbacks_s", self.callbacks_s)) if v is not None}
 
 
-Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort, ShardRollback, MirrorInfo]
+Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort, ShardRollback, MirrorInfo,
+                Break]
 Reply = Union[Hello, Done, Failed, Replicas, Listening, Received, Stranger, LightOk, Reformed, ShardRolledBack,
-              MirrorInfoRequest]
+              MirrorInfoRequest, Watch]
 COMMANDS: dict[str, type[Message]] = {c.KIND: c for c in (Resume, SendState, Reform, Exit, Raise, Assign, Light,
-                                                             Reserve, Abort, ShardRollback, MirrorInfo)}
+                                                             Reserve, Abort, ShardRollback, MirrorInfo, Break)}
 REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Replicas, Listening, Received,
                                                             Stranger, LightOk, Reformed, ShardRolledBack,
-                                                            MirrorInfoRequest)}
+                                                            MirrorInfoRequest, Watch)}
 
 # --------------------------------------------------------------------------------------------- encoding
 
@@ -373,7 +393,7 @@ def _build(cls: type, doc: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-__all__ = ["Abort", "Assign", "COMMANDS", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
+__all__ = ["Abort", "Assign", "Break", "COMMANDS", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
            "Listening", "Message", "MirrorInfo", "MirrorInfoRequest", "ProtocolError", "REPLIES", "Raise", "MirrorSource", "Received",
-           "Reform", "Reformed", "Replicas", "Reply", "ShardRollback", "ShardRolledBack", "Reserve", "Resume", "SendState", "Stranger", "WorldSpec", "decode",
+           "Reform", "Reformed", "Replicas", "Reply", "ShardRollback", "ShardRolledBack", "Reserve", "Resume", "SendState", "Stranger", "Watch", "WorldSpec", "decode",
            "decode_command", "decode_reply", "encode"]

@@ -19,7 +19,7 @@ import time
 from typing import Any, Callable
 
 from .channel import INT64_MAX, ChannelFile, Field, WorkerPhase
-from .protocol import Command, Hello, Message, ProtocolError, Replicas, Reply, decode_reply, encode
+from .protocol import Break, Command, Hello, Message, ProtocolError, Replicas, Reply, Watch, decode_reply, encode
 from .records import WorkerRow
 
 log = logging.getLogger("tpassrun.agent")
@@ -67,6 +67,7 @@ class Slot:
     started_at: float = 0.0
     reserved: int = 0                     # a spare: receive arena size it was told to pre-fault
     replicas: tuple[int, ...] | None = None   # the worker's declared replica group (protocol.Replicas)
+    watch: asyncio.StreamWriter | None = None  # the worker's watch connection (protocol.Watch): Break goes there
     alone: str = ""                       # ... and why no other rank holds its state, if it is alone
 
     def __setattr__(self, name: str, value: Any) -> None:
@@ -122,9 +123,10 @@ class LocalSlots:
                 await asyncio.wait_for(self._server.wait_closed(), 1)
             self._server = None
         for s in self.slots:
-            if s.writer is not None:
-                s.writer.close()
-                s.writer = None
+            for writer in (s.writer, s.watch):
+                if writer is not None:
+                    writer.close()
+            s.writer = s.watch = None
         if self.channel is not None:
             self.channel.close()
             self.channel = None
@@ -150,6 +152,12 @@ class LocalSlots:
                 except ProtocolError as exc:
                     log.warning("bad channel message: %s", exc)
                     continue
+                if isinstance(msg, Watch):
+                    # a worker's second connection: its watcher thread waits there for a Break
+                    if slot is None and idx is not None and 0 <= idx < len(self.slots):
+                        watched = self.slots[idx]
+                        watched.watch = writer
+                    continue
                 if slot is None and idx is not None and 0 <= idx < len(self.slots):
                     slot = self.slots[idx]
                     slot.writer = writer
@@ -167,6 +175,9 @@ class LocalSlots:
         finally:
             if slot is not None and slot.writer is writer:
                 slot.writer = None
+            for s in self.slots:
+                if s.watch is writer:
+                    s.watch = None
             writer.close()
 
     def send(self, slot: Slot, msg: Command) -> bool:
@@ -179,6 +190,17 @@ class LocalSlots:
             return False
         assert self.channel is not None
         self.channel.set(slot.index, Field.CTL_SEQ, self.channel.get(slot.index, Field.CTL_SEQ) + 1)
+        return True
+
+    def break_collectives(self, slot: Slot, reason: str) -> bool:
+        """Have ``slot``'s worker shut its process-group sockets down now (its watch connection; False if it has
+        none): a collective it is blocked in with a lost node fails at once instead of at its timeout."""
+        if slot.watch is None:
+            return False
+        try:
+            slot.watch.write(encode(Break(reason=reason[:300])))
+        except (ConnectionError, RuntimeError):
+            return False
         return True
 
     async def expect(self, slot: Slot, kinds: tuple[type[Message], ...], timeout: float) -> Any:

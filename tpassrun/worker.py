@@ -37,6 +37,7 @@ from .worker_failure import StepFailure, classify_failure, is_distributed_failur
 from .worker_link import AgentLink
 from .worker_session import Session
 from .worker_spare import _prewarm, _wait_for_sender
+from .worker_watch import Watcher
 
 log = logging.getLogger("tpassrun.worker")
 
@@ -69,6 +70,7 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
     link = AgentLink(channel, int(env[E.TPASSRUN_SLOT]), sock)
     link.set(Field.PID, os.getpid())
     link.send(Hello(pid=os.getpid(), spare=spare))
+    Watcher(sock, link.slot, link.ch).start()    # breaks this rank out of collectives with a lost node
     generation = int(env.get(E.TPASSRUN_GENERATION, "0"))
     if not spare:
         if not dist.is_initialized():
