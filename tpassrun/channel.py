@@ -23,7 +23,7 @@ import struct
 
 INT64_MAX = (1 << 63) - 1
 
-SLOT_FIELDS = 24                  # 21 used; room to grow without moving the light buffers again
+SLOT_FIELDS = 24                  # 0-19, 21, 22 used; room to grow without moving the light buffers again
 SLOT_BYTES = SLOT_FIELDS * 8
 LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
 _LIGHT_HEADER = struct.Struct("<q")  # payload length
@@ -51,7 +51,7 @@ class Field(enum.IntEnum):
     SHARD_PUSHED = 17  # worker: 1 + the newest step its buddy's mirror holds complete
     SHARD_SENT = 18    # worker: total bytes pushed to the mirror
     SHARD_V2 = 19      # worker: the newest local copy (SHARD_V0/V1/V2)
-    OFFER = 20         # worker, set before it parks (PAUSED/FAILED): 1 + the step it can resume at exactly, 0: none
+    OFFER = 22         # worker, set before it parks (PAUSED/FAILED): 1 + the step it can resume at exactly, 0: none
     LIGHT_MIRRORED = 21  # worker: 1 while it pushes its light snapshots to the buddy's mirror itself (light_mirror.py)
 
 
