@@ -162,6 +162,9 @@ class WorkerSpawning:
     def _on_worker_message(self, slot: Slot, msg: Reply) -> None:
         if isinstance(msg, Hello) and msg.spare:
             self.events.write("spare_ready", slot=slot.index, pid=msg.pid)
+            # the planners see a spare once this node's status says it is warm: say so now, not at the next
+            # periodic publication (up to a second later: a node lost meanwhile found no spare to take its ranks)
+            asyncio.ensure_future(self.publish_status())
         if isinstance(msg, MirrorInfoRequest) and self.mirror is not None:
             asyncio.ensure_future(self.mirror.answer_current(slot))
         if isinstance(msg, (Hello, Done, Failed)):
