@@ -513,3 +513,16 @@ def test_role_ranks_count_per_role_in_group_rank_order():
     got = [role_ranks(members, r, 8) for r in range(8)]
     assert got == [(0, 1), (0, 4), (1, 4), (0, 3), (1, 3), (2, 3), (2, 4), (3, 4)]
     assert role_ranks(members, -1, 8) == (-1, 8)  # a spare
+
+
+def test_shard_mirror_flags():
+    cfg = parse("t.py")
+    assert (cfg.shard_mirror_interval, cfg.mirror_max_bytes) == (1, 1 << 30)
+    cfg = parse("--shard-mirror-interval", "4", "--mirror-max-bytes", "24G", "t.py")
+    assert (cfg.shard_mirror_interval, cfg.mirror_max_bytes) == (4, 24 << 30)
+    assert parse("--mirror_max_bytes=512M", "--shard_mirror_interval=0", "t.py").mirror_max_bytes == 512 << 20
+    with pytest.raises(ConfigError, match="shard-mirror-interval"):
+        parse("--shard-mirror-interval", "-1", "t.py")
+    for bad in ("lots", "1K"):
+        with pytest.raises((ConfigError, SystemExit)):
+            parse("--mirror-max-bytes", bad, "t.py")

@@ -192,7 +192,8 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             stack.push_async_callback(self._stop_store)
             self.swapper = Swapper(self._port())
             # the mirror store serves before this node registers: its port is part of the registration
-            self.mirror = await stack.enter_async_context(MirrorPlane(self._port(), cfg.rdzv_id))
+            self.mirror = await stack.enter_async_context(MirrorPlane(self._port(), cfg.rdzv_id,
+                                                                               max_bytes=cfg.mirror_max_bytes))
             self.rdzv.node = dataclasses.replace(self.rdzv.node, mirror_port=self.mirror.mirror_port)
             from .healthd import AgentHealth
 

@@ -92,6 +92,20 @@ def _comma_separated_list(value: str) -> list[str]:
     return [item.replace(placeholder, ",") for item in value.replace(",,", placeholder).split(",")]
 
 
+
+def _byte_size(text: str) -> int:
+    """``1073741824``, ``512M``, ``8G``, ``1.5T`` -> bytes (binary units); at least 1 MiB."""
+    units = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    raw = text.strip().upper().removesuffix("IB").removesuffix("B")
+    unit = raw[-1:] if raw[-1:] in units else ""
+    try:
+        value = int(float(raw[:len(raw) - len(unit)]) * units[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (bytes, or with a K/M/G/T suffix)") from None
+    if value < 1 << 20:
+        raise argparse.ArgumentTypeError(f"{text!r} is less than 1M")
+    return value
+
 def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     """The argument parser: torchrun's flags in torchrun's order, then tpassrun's own."""
     env = _env_value_action(environ, E.PET_PREFIX)
@@ -182,6 +196,9 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                       help="Swap a rank whose step time exceeds F x the median (0 = off).")
     ours.add_argument("--migrate-back", "--migrate_back", action="store_true",
                       help="Move work back to a repaired node when it returns.")
+    ours.add_argument("--mirror-max-bytes", "--mirror_max_bytes", type=_byte_size, default=1 << 30,
+                      help="Host memory this agent's mirror store may hold for other nodes' ranks (bytes, or with a "
+                           "K/M/G/T suffix; default 1G): 2 x each mirrored rank's shard, see the README.")
     ours.add_argument("--shard-mirror-interval", "--shard_mirror_interval", type=int, default=1,
                       help="Refresh the in-memory copies of sharded state (sess.track_sharded: ZeRO, FSDP) every K "
                            "steps (default 1; an unplanned failure then recomputes up to K-1 steps; 0 = off).")
@@ -345,6 +362,7 @@ def parse_args(
         migrate_back=ns.migrate_back,
         metrics_port=ns.metrics_port,
         shard_mirror_interval=ns.shard_mirror_interval,
+        mirror_max_bytes=ns.mirror_max_bytes,
     )
 
 

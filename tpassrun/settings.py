@@ -141,6 +141,7 @@ class LaunchConfig:
     migrate_back: bool = False
     metrics_port: int | None = None  # Prometheus endpoint of this agent (0: any free port; None: off)
     shard_mirror_interval: int = 1   # sharded state (sess.track_sharded): local copy + buddy mirror every K steps
+    mirror_max_bytes: int = 1 << 30  # what this agent's mirror store may hold for other nodes' ranks
 
     @property
     def uses_embedded_etcd(self) -> bool:

@@ -449,8 +449,10 @@ class MirrorPusher:
                     self._drop_client()
                 self.stats.errors += 1
                 if str(exc) != self.stats.last_error:
-                    log.warning("rank %d: pushing its shard (step %d) to the mirror at %s failed: %s", owner,
-                                version.step, _where(target), exc)
+                    full = type(exc).__name__ == "MirrorFull"
+                    log.warning("rank %d: pushing its shard (step %d) to the mirror at %s failed: %s%s", owner,
+                                version.step, _where(target), exc,
+                                " (raise --mirror-max-bytes on that node)" if full else "")
                 self.stats.last_error = str(exc)
                 backoff = min(max(0.05, backoff * 2), 2.0)
                 self._wake.set()
