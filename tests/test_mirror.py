@@ -300,8 +300,11 @@ def test_the_agent_pushes_what_changed_to_its_buddy_and_nothing_else(tmp_path):
         ch.write_light(0, _frame(b"d"), 12)                    # rank 4's next step
         asyncio.run(tick())
         assert plane.pushes == 4
+        ch.rewrite_light(0, _frame(b"e"), 12)                  # a later backward of the same step re-seals
+        asyncio.run(tick())
+        assert plane.pushes == 5
         with served.client() as c:
-            assert c.versions(4, LIGHT) == (11, 12) and c.get(4, LIGHT).data == _frame(b"d")
+            assert c.versions(4, LIGHT) == (11, 12) and c.get(4, LIGHT).data == _frame(b"e")
             assert c.versions(5, LIGHT) == (10,) and c.get(5, LIGHT).epoch == 7
             assert c.list(kind=LIGHT) and {e.owner for e in c.list()} == {4, 5}
         assert plane.held([4, 5, 6]) == {}                     # this node's own store holds none of them

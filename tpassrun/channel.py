@@ -23,7 +23,7 @@ import struct
 
 INT64_MAX = (1 << 63) - 1
 
-SLOT_FIELDS = 24                  # 0-19, 21, 22 used; room to grow without moving the light buffers again
+SLOT_FIELDS = 24                  # 0-22 used; room to grow without moving the light buffers again
 SLOT_BYTES = SLOT_FIELDS * 8
 LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
 _LIGHT_HEADER = struct.Struct("<q")  # payload length
@@ -53,6 +53,7 @@ class Field(enum.IntEnum):
     SHARD_V2 = 19      # worker: the newest local copy (SHARD_V0/V1/V2)
     OFFER = 22         # worker, set before it parks (PAUSED/FAILED): 1 + the step it can resume at exactly, 0: none
     LIGHT_MIRRORED = 21  # worker: 1 while it pushes its light snapshots to the buddy's mirror itself (light_mirror.py)
+    LIGHT_WRITES = 20  # worker: light snapshots written or rewritten in place (LIGHT_SEQ counts new ones only)
 
 
 # RUN_UNTIL: pause before any step >= this one, at the end of an open gradient-accumulation window (a boundary
@@ -157,6 +158,7 @@ class ChannelFile:
         mm[off + _LIGHT_HEADER.size: off + _LIGHT_HEADER.size + len(payload)] = payload
         self.set(slot, step_field, step)
         self.set(slot, Field.LIGHT_SEQ, seq + 1)
+        self.set(slot, Field.LIGHT_WRITES, self.get(slot, Field.LIGHT_WRITES) + 1)
         return True
 
     def rewrite_light(self, slot: int, payload: bytes, step: int) -> bool:
@@ -175,6 +177,7 @@ class ChannelFile:
         _LIGHT_HEADER.pack_into(mm, off, len(payload))
         mm[off + _LIGHT_HEADER.size: off + _LIGHT_HEADER.size + len(payload)] = payload
         self.set(slot, step_field, step)
+        self.set(slot, Field.LIGHT_WRITES, self.get(slot, Field.LIGHT_WRITES) + 1)
         return True
 
     def read_light(self, slot: int, previous: bool = False) -> bytes | None:

@@ -178,8 +178,10 @@ class MirrorPlane:
             rank = slot.rank
             if rank is None or rank < 0 or slot.state != "running" or not slot.managed:
                 continue
-            sig = (rank, ch.get(slot.index, Field.LIGHT_SEQ), ch.get(slot.index, Field.LIGHT_STEP_0),
-                   ch.get(slot.index, Field.LIGHT_STEP_1), ch.get(slot.index, Field.LIGHT_MIRRORED))
+            # (LIGHT_WRITES: a seal rewritten in place, by a later backward of the same step, keeps its label)
+            sig = (rank, ch.get(slot.index, Field.LIGHT_SEQ), ch.get(slot.index, Field.LIGHT_WRITES),
+                   ch.get(slot.index, Field.LIGHT_STEP_0), ch.get(slot.index, Field.LIGHT_STEP_1),
+                   ch.get(slot.index, Field.LIGHT_MIRRORED))
             if self._seen.get(slot.index) == sig:
                 continue
             if sig[-1]:
