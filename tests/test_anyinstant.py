@@ -58,3 +58,28 @@ def test_a_kill_at_any_phase_is_recovered_live_and_bit_identical(tmp_path, etcd_
     assert len(pids_by_rank(job, 3)[0]) == 1                 # the survivor kept its process throughout
     assert job.final(1)["joined"] and job.final(2)["joined"]  # the killed ranks ended on spares
     assert_bit_exact(job, torchrun3, 3)
+
+
+def test_a_donor_dying_while_it_hands_over_is_replaced_too(tmp_path, etcd_server, run_id, torchrun3):
+    """A second fault during a recovery: rank 1 dies in backward, and the survivor streaming its state to the
+    spare (rank 0, the donor) dies mid-transfer. The recovery is superseded by one replacing both ranks from
+    the last replica, rank 2, with the second spare: still live, 0 steps lost, torch.equal to torchrun."""
+    faults = [kill_at(1, 8, str(tmp_path / "f1")),
+              {"rank": 0, "step": 8, "where": "send", "action": "kill", "marker": str(tmp_path / "f2")}]
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
+                       steps=STEPS, step_sleep=SLEEP, extra=["--max-restarts", "0"],
+                       env=faults_env(*faults)).start()
+    try:
+        assert job.wait(300) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    events = job.events()
+    assert [e["event"] for e in events if e["event"] == "recovery_superseded"], [e["event"] for e in events]
+    recovered = [e for e in events if e["event"] == "ranks_recovered"]
+    assert len(recovered) == 1 and recovered[0]["ranks"] == [0, 1], [
+        (e["event"], e.get("reason")) for e in events if e["event"] in ("swap_phase", "fallback")]
+    assert not [e for e in events if e["event"] in ("fallback", "restart")]
+    assert len(pids_by_rank(job, 3)[2]) == 1                 # the last replica kept its process
+    assert job.final(0)["joined"] and job.final(1)["joined"]
+    assert_bit_exact(job, torchrun3, 3)

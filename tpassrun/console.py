@@ -235,6 +235,13 @@ class Describer:
             if ev.get("action") != "plan":
                 return None   # the fallback line says it
             return f"node {_short(ev.get('lost_node'))}: live recovery decided: {ev.get('reason')}"
+        if name == "recovery_superseded":
+            return f"swap {sid} given up: {ev.get('reason')}"
+        if name == "ranks_recovered":
+            pause = float(ev.get("seconds") or 0.0)
+            t.swaps.append(("unplanned", str(sid), pause))
+            return (f"ranks {ev.get('ranks')} recovered live on {', '.join(_short(n) for n in ev.get('to') or [])} "
+                    f"at step {ev.get('boundary')} (swap {sid}): paused {_secs(pause)}, 0 steps lost")
         if name == "node_recovered":
             pause = float(ev.get("seconds") or 0.0)
             t.swaps.append(("node", str(sid), pause))

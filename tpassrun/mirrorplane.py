@@ -147,6 +147,7 @@ class MirrorPlane:
         while True:
             try:
                 await self._follow_ring()
+                self._want_nudges(self.buddy is not None)
                 if self.buddy is not None and time.monotonic() >= self._retry_at:
                     batch = self._changed_frames()
                     if batch:
@@ -162,6 +163,15 @@ class MirrorPlane:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), PUSH_EVERY_S)
             self._wake.clear()
+
+    def _want_nudges(self, want: bool) -> None:
+        """Workers nudge this agent after each light write only while there is a buddy to copy to (a job of one
+        node has none): otherwise the nudge, a syscall per step, would buy nothing."""
+        ch = self.port.slots.channel
+        if ch is not None:
+            for slot in self.port.slots.slots:
+                if ch.get(slot.index, Field.WANT_NUDGE) != int(want):
+                    ch.set(slot.index, Field.WANT_NUDGE, int(want))
 
     def nudge(self) -> None:
         """A worker just wrote a light snapshot (its seal, or a step's start): copy it now. What a death right
@@ -253,6 +263,15 @@ class MirrorPlane:
             if item is not None and item.epoch >= min_epoch:
                 out[rank] = self.store.versions(rank, kind)
         return out
+
+    def keep_lights(self, rank: int, frames: Iterable[tuple[int, bytes]]) -> None:
+        """Keep a dead worker of this node's light frames ((step, frame), oldest first) in this node's own store,
+        where :meth:`fetch_light` finds them for a plan replacing several dead ranks at once."""
+        for step, data in frames:
+            try:
+                self.store.put(rank, LIGHT, step, data, epoch=self.port.spawned_generation())
+            except MirrorError as exc:
+                log.warning("rank %d's light snapshot of step %d not kept in the mirror: %s", rank, step, exc)
 
     async def fetch_light(self, node_id: str, rank: int, step: int) -> bytes | None:
         """Rank ``rank``'s light frame for ``step`` from ``node_id``'s mirror (this node's own store without a

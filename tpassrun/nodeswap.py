@@ -61,7 +61,11 @@ class NodePlans:
         if phase == Phase.REFORM:
             return await self._reform(plan) if me in plan.nodes else None
         if phase == Phase.DONE:
-            if me in plan.nodes:
+            if me in plan.nodes and plan.lost_node is None:     # several dead ranks (a second fault)
+                self.port.events.write("ranks_recovered", swap_id=plan.id, ranks=list(plan.ranks),
+                                       to=sorted({m.joiner.node for m in plan.moves}), boundary=plan.boundary,
+                                       seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
+            elif me in plan.nodes:
                 self.port.events.write("node_recovered", swap_id=plan.id, lost_node=plan.lost_node,
                                        ranks=list(plan.ranks), to=sorted({m.joiner.node for m in plan.moves}),
                                        boundary=plan.boundary,
@@ -231,6 +235,13 @@ class NodePlans:
             slots.send(joiner, Reform(world=self.sw._joiner_world(plan, move).with_store(*store)))
             joiner.state, joiner.rank = SlotState.RUNNING, move.rank
             waiting.append(joiner)
+        for move in plan.moves:
+            if move.leaver.node == me and plan.lost_node is None:    # a dead rank of this live node: its slot
+                dead = slots.slots[move.leaver.slot]                # is quarantined, as a single recovery's is
+                if dead.rank == move.rank and dead.state != SlotState.RUNNING:
+                    dead.state, dead.quarantine_reason, dead.home_rank = (SlotState.QUARANTINED,
+                                                                          f"rank died: {plan.reason}", move.rank)
+                    dead.rank = None
         if plan.store is not None:
             self.port.set_master(plan.store, plan.store_host)
         answers = await asyncio.gather(*(slots.expect(s, (Reformed,), PHASE_TIMEOUT_S) for s in waiting))

@@ -133,6 +133,9 @@ class SwapPlan:
     replaces: str | None = None
     store: tuple[str, int] | None = None
     store_host: str | None = None
+    # aborted because another rank died while it ran (a second fault): a plan for every dead rank follows, so
+    # nobody falls back to a group restart on its account
+    superseded: bool = False
 
     @property
     def terminal(self) -> bool:
@@ -163,6 +166,7 @@ class SwapPlan:
             "moves": [m.to_json() for m in self.moves], "lost_node": self.lost_node,
             "light_from": {str(r): n for r, n in self.light_from.items()}, "replaces": self.replaces,
             "store": list(self.store) if self.store else None, "store_host": self.store_host,
+            "superseded": self.superseded,
         }
 
     @classmethod
@@ -190,7 +194,7 @@ class SwapPlan:
             moves=tuple(Move.from_json(m, f"{what} move") for m in _list(d, "moves", what)),
             lost_node=_opt_str(d, "lost_node", what), light_from={int(k): v for k, v in light_from.items()},
             replaces=_opt_str(d, "replaces", what), store=_addr(d.get("store"), what),
-            store_host=_opt_str(d, "store_host", what),
+            store_host=_opt_str(d, "store_host", what), superseded=_bool(d, "superseded", what),
             id=_str(d, "id", what), kind=_enum(SwapKind, d, "kind", what),
             generation=_int(d, "generation", what, minimum=0),
             leaver=SlotRef.from_json(d.get("leaver"), f"{what} leaver"),

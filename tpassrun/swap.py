@@ -39,8 +39,8 @@ from .records import TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPl
 
 __all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Move", "PHASE_TIMEOUT_S", "Phase", "Report", "ResumeChoice",
            "SlotRef", "SlotView", "SwapKind", "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "lost_ranks",
-           "new_swap_id", "next_step", "node_plan_id", "plan_for_failure", "plan_for_node_loss", "plan_for_taint",
-           "resume_plan", "resume_step", "resume_step_node", "transfer_key"]
+           "new_swap_id", "next_step", "node_plan_id", "plan_for_dead_ranks", "plan_for_failure", "plan_for_node_loss",
+           "plan_for_taint", "resume_plan", "resume_step", "resume_step_node", "transfer_key"]
 
 
 @dataclass(frozen=True)
@@ -280,6 +280,40 @@ def plan_for_node_loss(view: ClusterView, *, node: str, now_wall: float, swap_id
     donors_used = sorted({m.donor.rank for m in moves if m.donor is not None and m.donor.rank is not None})
     return Decision("plan", f"node {node} lost: ranks {ranks} to spare slots on {', '.join(where)}, state from "
                             f"ranks {donors_used} in parallel and from the buddy's mirror", plan)
+
+
+def plan_for_dead_ranks(view: ClusterView, dead: Sequence[tuple[str, int, int]], *, reason: str, now_wall: float,
+                        swap_id: str) -> Decision:
+    """Several managed ranks dead at once (a second fault during a recovery: its donor, or another rank, died
+    while it ran): plan to replace all of them in one re-formed world, as a node plan does, each from a live
+    replica and its own agent's copy of its light state; or say why the group must restart (pure)."""
+    ranks = sorted(rank for _node, _slot, rank in dead)
+    excluded: list[tuple[str, int]] = []
+    moves: list[Move] = []
+    used: dict[tuple[str, int], int] = {}
+    for node, slot, rank in sorted(dead, key=lambda d: d[2]):
+        spare = choose_spare(view, node, excluded)
+        if spare is None:
+            return Decision("fallback", f"ranks {ranks} died and only {len(moves)} spare(s) are left: "
+                                        "whole-group restart")
+        excluded.append((spare.node, spare.slot))
+        holders = [s for s in _interleaved_donors(view, "", rank) if s.managed and s.rank not in ranks]
+        if not holders:
+            return Decision("fallback", f"ranks {ranks} died and no live replica holds rank {rank}'s state")
+        donor = min(holders, key=lambda s: (used.get((s.node, s.slot), 0), s.node != spare.node, holders.index(s)))
+        used[(donor.node, donor.slot)] = used.get((donor.node, donor.slot), 0) + 1
+        moves.append(Move(SlotRef(node, slot, rank), SlotRef(spare.node, spare.slot, rank),
+                          SlotRef(donor.node, donor.slot, donor.rank)))
+    nodes = [n for n in view.members if n not in view.lost]
+    nodes += [m.joiner.node for m in moves if m.joiner.node not in nodes]
+    first = moves[0]
+    plan = SwapPlan(id=swap_id, kind=SwapKind.NODE, generation=view.generation, leaver=first.leaver,
+                    joiner=first.joiner, donor=first.donor, phase=Phase.PAUSE, reason=reason, nodes=tuple(nodes),
+                    history=((Phase.PAUSE.value, now_wall),), moves=tuple(moves))
+    donors = sorted({m.donor.rank for m in moves if m.donor is not None and m.donor.rank is not None})
+    return Decision("plan", f"replace dead ranks {ranks} by spares "
+                            f"{', '.join(f'{m.joiner.node}/{m.joiner.slot}' for m in moves)}, state from ranks "
+                            f"{donors}: {reason}", plan)
 
 
 def resume_step_node(reports: Sequence[Report], ranks: Sequence[int]) -> tuple[int | None, dict[int, str], str]:

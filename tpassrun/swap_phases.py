@@ -382,7 +382,7 @@ class PhaseSteps:
                 self._slots.send(joiner, Abort())
         reason = plan.history[-1][0] if plan.history else ""
         self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=reason)
-        if plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me:
+        if plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me and not plan.superseded:
             dead = self._slots.slots[plan.leaver.slot]
             # free of --max-restarts only when the planner found the live recovery impossible (it says why);
             # a second fault during the recovery or no spare at all spends a restart, as under torchrun

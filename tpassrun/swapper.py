@@ -183,9 +183,24 @@ class Swapper(PhaseSteps):
         for s in self._slots.active():
             if s is not slot:
                 self._slots.set_run_until(s, STOP_NOW)
+        self._keep_dead_lights(slot)
         await self._store.put_json(self._keys.failure(self.port.node_id, slot.index), failure.to_json())
         await self.port.publish_status()
         return True
+
+    def _keep_dead_lights(self, slot: Slot) -> None:
+        """Copy a dead worker's two light snapshots from shared memory into this node's mirror store, under its
+        rank: a plan replacing several dead ranks at once (a second fault during a recovery) reads every dead
+        rank's snapshot from its node's mirror, as a node plan reads a lost node's."""
+        mirror, ch = self.port.mirror(), self._slots.channel
+        if mirror is None or ch is None or slot.rank is None:
+            return
+        frames = []
+        for previous in (True, False):           # older first: the store keeps the newest two
+            step, data = ch.light_step(slot.index, previous), ch.read_light(slot.index, previous)
+            if step is not None and data is not None:
+                frames.append((step, data))
+        mirror.keep_lights(slot.rank, frames)
 
     # ------------------------------------------------------------------ main loop
     async def run(self, gen: "Generation") -> None:

@@ -8,24 +8,30 @@ Precedence, one thing per tick (each write makes the next tick see the new state
 
 1. plans from before the last whole-group restart are aborted (their workers are gone);
 2. an active plan is advanced by :func:`tpassrun.swap.next_step` (one swap at a time); one that needs a node
-   that was lost meanwhile is aborted (it would wait for that node forever);
+   that was lost meanwhile is aborted (it would wait for that node forever); one during which another rank
+   died (a second fault) is *superseded*: aborted without a fallback, its own failures handed back, so that
+   the next tick plans every dead rank at once (:func:`tpassrun.swap.plan_for_dead_ranks`) with the spares and
+   replicas left, or restarts the group saying why; a death while the world re-forms restarts the group
+   (the survivors are inside the new world's rendezvous and cannot be paused);
 3. else a lost node whose ranks nobody holds gets a node plan (:func:`tpassrun.swap.plan_for_node_loss`) or,
    when none is possible, a whole-group restart that says why (worker failures reported from that node
    before it died are its plan's business);
-4. else the first unhandled worker failure gets a recovery (an unplanned swap, or a fallback restart);
+4. else the unhandled worker failures get a recovery: one dead rank an unplanned swap, several one plan
+   replacing them all (a second fault during a recovery), or a fallback restart;
 5. else the first unhandled taint gets a migration (or waits for a spare, or restarts the group without the
    slot when its rank cannot swap live).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
 from .records import (HANDLED_RESTART, Failure, Fallback, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint,
                       TaintEffect, TaintSource)
-from .swap import (ClusterView, Decision, choose_spare, next_step, node_plan_id, plan_for_failure, plan_for_node_loss,
-                   plan_for_taint)
+from .swap import (ClusterView, Decision, choose_spare, next_step, node_plan_id, plan_for_dead_ranks, plan_for_failure,
+                   plan_for_node_loss, plan_for_taint)
 
 
 @dataclass(frozen=True)
@@ -120,11 +126,15 @@ def triage(seen: Seen) -> Triage:
             assert decision.plan is not None
             restart = (RestartGroup(f"{plan.reason}: {why}"),) if plan.kind == SwapKind.NODE else ()
             return Triage(tuple(out) + (CasPlan(plan, decision.plan, rev, decision),) + restart)
+        second = _second_faults(plan, seen)
+        if second:
+            return Triage(tuple(out) + _supersede(plan, rev, second, seen))
         return Triage(tuple(out) + _advance(plan, rev, seen))
     node_actions = _lost_nodes(seen)
     if node_actions:
         return Triage(tuple(out) + node_actions)
     stale_failures = []
+    pending: list[tuple[str, Failure]] = []
     lost = set(seen.view.lost)
     for fid, f in seen.failures:
         if f.handled:
@@ -138,7 +148,11 @@ def triage(seen: Seen) -> Triage:
             # recovery): those workers are gone, and the rank runs anew. Never plan a swap for it.
             stale_failures.append(PutFailure(fid, f.mark("stale", "before the restart")))
             continue
-        return Triage(tuple(out + stale_failures) + _recover(fid, f, seen))
+        pending.append((fid, f))
+    if len(pending) > 1:
+        return Triage(tuple(out + stale_failures) + _recover_many(pending, seen))
+    if pending:
+        return Triage(tuple(out + stale_failures) + _recover(*pending[0], seen))
     out += stale_failures
     taint_actions, said, received = _taints(seen)
     return Triage(tuple(out) + taint_actions, said, received)
@@ -194,14 +208,102 @@ def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
     out: tuple[Action, ...] = (CasPlan(plan, decision.plan, rev, decision),)
     if plan.kind == SwapKind.NODE and decision.plan.phase == Phase.ABORTED:
         # nothing is undone by hand: the group restarts, as torchrun would have at once
-        out += (RestartGroup(f"{plan.reason}, no live recovery: {decision.plan.outcome or decision.reason}"),)
+        why = f"{plan.reason}, no live recovery: {decision.plan.outcome or decision.reason}"
+        if plan.lost_node is None:      # several dead ranks (a second fault): a failure, it spends a restart
+            first = plan.all_moves[0].leaver
+            out += (PutFallback(first.node, Fallback(why, plan.generation, first.slot)),)
+        else:
+            out += (RestartGroup(why),)
     return out
+
+
+def _second_faults(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
+    """Deaths in this generation, not handled yet, of ranks the active plan does not replace (a node plan for a
+    lost node handles its own: any failure there restarts the group)."""
+    if plan.kind == SwapKind.NODE and plan.lost_node is not None:
+        return []
+    moved, lost = set(plan.ranks), set(seen.view.lost)
+    return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
+            and f.node not in lost and f.rank not in moved]
+
+
+def _supersede(plan: SwapPlan, rev: int, second: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[Action, ...]:
+    """Another rank died while ``plan`` ran (pure; see the module doc, item 2)."""
+    now = seen.now
+    dead = sorted(f.rank for _fid, f in second)
+    what = (f"the recovery of rank(s) {list(plan.ranks)}" if plan.kind != SwapKind.PLANNED
+            else f"the swap of rank {plan.leaver.rank}")
+    who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {dead}"
+    sender = plan.donor if plan.kind == SwapKind.UNPLANNED else None
+    if sender is not None and sender.rank in dead and plan.phase in (Phase.TRANSFER, Phase.SEND):
+        who += " (the donor) died while handing over the state"
+    else:
+        who += " died"
+    if plan.phase == Phase.REFORM:
+        # everyone is inside the new world's rendezvous, which waits for the dead: nothing to pause any more
+        why = f"{who} while the world re-formed for {what}: the group restarts"
+        aborted = plan.advance(Phase.ABORTED, now)      # no outcome: a second fault spends a restart
+        out: list[Action] = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted))]
+        out += [PutFailure(fid, f.mark("fallback", why)) for fid, f in second]
+        if plan.kind != SwapKind.UNPLANNED:   # (an unplanned recovery's dead rank's agent restarts the group)
+            f0 = second[0][1]
+            out.append(PutFallback(f0.node, Fallback(why, f0.generation, f0.slot)))
+        return tuple(out)
+    why = f"{who} during {what}: every dead rank is planned again at once"
+    aborted = plan.advance(Phase.ABORTED, now, outcome=why, superseded=True)
+    out = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted)), Say("recovery_superseded",
+           {"swap_id": plan.id, "ranks": list(plan.ranks), "dead": dead, "phase": plan.phase.value, "reason": why})]
+    if plan.kind == SwapKind.PLANNED:
+        taint = next((t for t in seen.taints if t.id == plan.taint_id), None)
+        if taint is not None:       # asked for again once the dead are replaced
+            out.append(PutTaint(taint.handled(None, f"waiting: {why}")))
+    else:
+        out += [PutFailure(fid, dataclasses.replace(f, handled=None, reason=why)) for fid, f in seen.failures
+                if f.handled == "plan" and f.rank in plan.ranks and f.generation >= seen.spawned_generation]
+    return tuple(out)
+
+
+def _unique_id(base: str, seen: Seen) -> str:
+    """``base``, or ``base-N`` when a plan of that id exists already (the same failures planned again after a
+    superseded plan)."""
+    known = {p.id for p, _ in seen.plans}
+    if base not in known:
+        return base
+    n = 1
+    while f"{base}-{n}" in known:
+        n += 1
+    return f"{base}-{n}"
+
+
+def _recover_many(pending: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[Action, ...]:
+    """Several ranks dead at once (a second fault during a recovery): one plan for all of them, or a restart."""
+    view, now = seen.view, seen.now
+    failures = [f for _fid, f in pending]
+    ranks = sorted(f.rank for f in failures)
+    reason = f"ranks {ranks} died (exit codes {[f.code for f in sorted(failures, key=lambda f: f.rank)]})"
+    odd = [f for f in failures if f.sharded or f.alone]
+    if odd:
+        decision = Decision("fallback", f"{reason}; rank {odd[0].rank}'s state has no replica to take it from "
+                                        f"({odd[0].alone or 'sharded'}), with another rank dead too: whole-group restart")
+    else:
+        base = f"m-{failures[0].generation}-" + "-".join(str(r) for r in ranks)
+        decision = plan_for_dead_ranks(view, [(f.node, f.slot, f.rank) for f in failures], reason=reason,
+                                       now_wall=now, swap_id=_unique_id(base, seen))
+    out: list[Action] = [PutFailure(fid, f.mark(decision.action, decision.reason)) for fid, f in pending]
+    out.append(Say("recovery_decided", {"action": decision.action, "reason": decision.reason}))
+    if decision.plan is not None:
+        out.append(CreatePlan(decision.plan, reason=decision.reason))
+    else:
+        f0 = failures[0]
+        out.append(PutFallback(f0.node, Fallback(decision.reason, f0.generation, f0.slot)))
+    return tuple(out)
 
 
 def _recover(fid: str, f: Failure, seen: Seen) -> tuple[Action, ...]:
     view, now = seen.view, seen.now
     decision = plan_for_failure(view, node=f.node, slot=f.slot, rank=f.rank, reason=f"exit code {f.code}",
-                                now_wall=now, light_available=f.light, swap_id=f"u-{fid}-{f.generation}",
+                                now_wall=now, light_available=f.light,
+                                swap_id=_unique_id(f"u-{fid}-{f.generation}", seen),
                                 replicas=f.replicas, alone=f.alone, sharded=f.sharded)
     out: list[Action] = [PutFailure(fid, f.mark(decision.action, decision.reason)),
                          Say("recovery_decided", {"action": decision.action, "reason": decision.reason})]

@@ -32,7 +32,10 @@ class AgentLink:
     def nudge(self) -> None:
         """Tell the agent, without waiting for anything, that a light snapshot was just written: one byte on the
         local socket, so the agent copies it to its buddy's mirror now rather than at its next look. Dropped
-        when the socket is full (the agent looks every few milliseconds anyway)."""
+        when the socket is full (the agent looks every few milliseconds anyway). Only while the agent has a buddy
+        to copy to (it says so in shared memory): a job of one node pays no syscall for it."""
+        if not self.ch.get(self.slot, Field.WANT_NUDGE):
+            return
         try:
             self.sock.send(b"\n", socket.MSG_DONTWAIT)
         except OSError:

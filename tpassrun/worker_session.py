@@ -90,7 +90,7 @@ class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
         self._scaler_updates: dict[int, int] = {}  # GradScaler.update() calls, per tracked scaler
         self._mark_sources: Any = None             # (cache key, what _replicated_marks reads)
         self._window_marks: dict[str, int] | None = None   # schedulers'/scalers' steps at the window's start
-        self._window_delta: dict[str, int] | None = None   # ... and how many the last complete window made
+        self._last_window_marks: dict[str, int] | None = None   # ... and at the last complete window's start
 
     # --- the hook protocol ---
     def track(self, **objects: Any) -> "Session":

@@ -146,16 +146,14 @@ class StepTransaction:
 
     def _window_closed(self) -> None:
         """At the end of a step that committed: how the replicated state moved in this window."""
-        marks = self._replicated_marks()
-        if self._window_marks is not None:
-            self._window_delta = _delta(marks, self._window_marks)
-        self._window_marks = marks
+        self._last_window_marks, self._window_marks = self._window_marks, self._replicated_marks()
 
     def _complete_after_commit(self) -> bool:
         """Whether this (committed, failed) step changed the replicated state as much as the last window did."""
-        if self._window_delta is None or self._window_marks is None:
+        if self._last_window_marks is None or self._window_marks is None:
             return False
-        return _delta(self._replicated_marks(), self._window_marks) == self._window_delta
+        return (_delta(self._replicated_marks(), self._window_marks)
+                == _delta(self._window_marks, self._last_window_marks))
 
     # --- light state ---
     def _light_objects(self) -> dict[str, Any]:
