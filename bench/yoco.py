@@ -10,7 +10,8 @@ with SIGKILL from outside (``tests/faults.py:sigkill_rank``) at an instant drawn
 window, so it lands wherever that rank happens to be: forward, backward, inside the optimizer step, the user
 code after it, the next batch, between steps. Printed per run:
 
-  * live: recovered by a spare (``swap_resumed``), no fallback restart, exit 0;
+  * live: recovered by a spare (``swap_resumed``, or ``ranks_recovered`` for several at once), no fallback
+    restart, exit 0;
   * lost: steps redone + steps never logged (0 expected);
   * exact: final parameters, optimizer state, scheduler, sampler and per-step losses ``torch.equal`` to the same
     script under plain torchrun without any fault (one reference run per world size);
@@ -121,7 +122,9 @@ def one_run(work: Workdir, index: int, world: int, spares: int, mode: str, ref: 
     finally:
         job.kill()
     evs = events(out)
-    resumed = [e for e in evs if e["event"] == "swap_resumed"]
+    # ranks recovered live: one per swap, several per plan replacing several dead ranks (a second fault)
+    resumed = [e for e in evs if e["event"] == "swap_resumed"] + [
+        r for e in evs if e["event"] == "ranks_recovered" for r in e.get("ranks") or ()]
     fallbacks = [e for e in evs if e["event"] in ("fallback", "restart")]
     died = [e for e in evs if e["event"] == "worker_died"]
     live = code == 0 and bool(kills) and len(resumed) >= len(kills) and not fallbacks
