@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan not installed (scripts/bootstrap.sh installs torchtitan==0.3.0)")
 
-from faults import faults_env, kill_at, pids_by_rank, taint  # noqa: E402
+from faults import faults_env, kill_at, pids_by_rank, slow_from, taint  # noqa: E402
 from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
 
 SCRIPT = example("torchtitan", "train.py")
@@ -72,10 +72,10 @@ def test_fsdp2_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, referenc
     print(f"torchtitan FSDP2 planned swap pause: {swap_pause_s(job):.2f} s")
 
 
-def _kill(tmp_path, etcd_server, run_id, replicate: int, rank: int, where: str):
+def _kill(tmp_path, etcd_server, run_id, replicate: int, rank: int, where: str, *also: dict):
     marker = str(tmp_path / "fault")
     job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 4, _args(replicate), endpoint=etcd_server.endpoint,
-                       run_id=run_id, env=faults_env(kill_at(rank, 4, marker, where=where))).start()
+                       run_id=run_id, env=faults_env(*also, kill_at(rank, 4, marker, where=where))).start()
     try:
         assert job.wait(300) == 0, job.log()[-4000:]
     finally:
@@ -88,7 +88,13 @@ def _kill(tmp_path, etcd_server, run_id, replicate: int, rank: int, where: str):
 @pytest.mark.parametrize("rank,where", [(3, "forward"), (1, "backward"), (0, "opt_step")])
 def test_hsdp_unplanned_kill_is_recovered_from_the_replica_group(tmp_path, etcd_server, run_id, reference, rank,
                                                                  where):
-    job = _kill(tmp_path, etcd_server, run_id, 2, rank, where)
+    # opt_step: rank 0 dies 0.5 s into its optimizer step of step 4 and rank 1 lags 1.5 s behind after it, so
+    # ranks 2 and 3 are well into step 5, rank 3 blocked in the replicate all-reduce with rank 1, when rank 1 stops
+    # at step 5's start: the paused rank must tear its collectives down for rank 3 to fail (else the pause waits
+    # for its timeout)
+    lag = [slow_from(0, 4, 0.5) | {"where": "opt_step", "until": 5},
+           slow_from(1, 4, 1.5) | {"where": "after_opt", "until": 5}] if where == "opt_step" else []
+    job = _kill(tmp_path, etcd_server, run_id, 2, rank, where, *lag)
     assert_same_run(job, reference(2), 4)
     _survived(job, rank)
     donor = (rank + 2) % 4      # the same dp_shard coordinate in the other replica group

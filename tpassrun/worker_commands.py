@@ -14,7 +14,7 @@ import sys
 import time
 from typing import Any, Callable
 
-from .channel import Field, WorkerPhase
+from .channel import STOP_NOW, Field, WorkerPhase
 from .protocol import Exit, Failed, Message, Raise, Reform, Reformed, Resume, SendState, ShardRolledBack, ShardRollback
 from .world import abort_process_groups, join_world, leave_process_group, set_rank_env
 from .worker_failure import StepFailure
@@ -34,6 +34,12 @@ class BoundaryCommands:
     def _at_boundary(self, step: int) -> None:
         link = self._link
         assert link is not None
+        if link.get(Field.RUN_UNTIL) == STOP_NOW:
+            # A rank died (STOP_NOW is an unplanned recovery's): this world is over. A peer that started this
+            # step before the stop may be blocked in a collective with *us* alone (a sub-group: HSDP's replicate
+            # all-reduce, a tensor-parallel pair), not with the dead rank, and would wait for us until the phase
+            # timeout: tear our end down, so that it fails at once and the pause completes.
+            abort_process_groups()
         link.set(Field.OFFER, self._window + 1)     # the open window's start (this step outside a window)
         link.set(Field.PHASE, WorkerPhase.PAUSED)
         self._serve(step)
