@@ -4,6 +4,11 @@ In-process faults (a SIGKILL during backward, a SIGSTOP, a straggler) go through
 :func:`tpassrun.testing.fault_point`, which ``examples/train_ddp.py`` calls. Out-of-process faults
 (taints, killing an agent) act on the running job from outside. :class:`Job` runs one launcher
 (``tpassrun`` or ``torchrun``) as a real subprocess in its own session and always cleans it up.
+
+A job of a fixed number of steps must not end before the event a test is about (a taint handled, a spare
+ready, an etcd restart noticed): on a loaded machine a spare can take 20 s to warm up while the job runs to
+its end. :class:`Hold` stops the job at a chosen step until the test has seen what it needs in the job's
+event log (:meth:`Job.wait_event`), so the outcome never depends on the machine's speed.
 """
 
 from __future__ import annotations
@@ -100,6 +105,70 @@ def faults_env(*faults: dict[str, Any]) -> dict[str, str]:
     return {"TPASSRUN_FAULTS": json.dumps(list(faults))}
 
 
+@dataclass(frozen=True)
+class Hold:
+    """A step the job cannot pass until the test lets it.
+
+    ``rank`` waits at the start of step ``step`` (``where="step"``, before any collective; its peers then wait
+    in that step's first collective) until :meth:`release`. It fires once per job, even across processes (a
+    joiner that re-executes the step does not wait again), costs nothing per step, and changes no numerics: the
+    job just stands still, so runs with holds stay ``torch.equal`` to a torchrun reference without them.
+
+    The pattern: hold the job, cause the event (a taint, a kill, an etcd restart), wait until the job is
+    committed to it (a planned swap's boundary is fixed once its ``swap_boundary`` event is logged: the ranks
+    will pause there; see :meth:`release_after`), then release. The job can no longer end first.
+    While held the job makes no progress, so a swap cannot *complete* before the release: release once the
+    boundary is fixed, not after ``swap_resumed``.
+    """
+
+    step: int
+    dir: str
+    rank: int = 0
+    name: str = "hold"
+    where: str = "step"
+
+    @property
+    def release_path(self) -> str:
+        return os.path.join(self.dir, f"{self.name}.release")
+
+    @property
+    def marker(self) -> str:
+        return os.path.join(self.dir, f"{self.name}.held")
+
+    @property
+    def fault(self) -> dict[str, Any]:
+        return {"rank": self.rank, "step": self.step, "where": self.where, "action": "hold",
+                "release": self.release_path, "marker": self.marker}
+
+    def reached(self) -> bool:
+        return os.path.exists(self.marker)
+
+    def wait_reached(self, job: "Job", timeout: float = 240) -> None:
+        """Until the job stands at the hold (a deadline that only catches a hang)."""
+        deadline = time.monotonic() + timeout
+        while not self.reached():
+            job.assert_running(f"the hold at step {self.step}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"hold at step {self.step} not reached in {timeout}s:\n{job.log()[-3000:]}")
+            time.sleep(0.05)
+
+    def release(self) -> None:
+        with open(self.release_path, "w"):
+            pass
+
+    def release_after(self, job: "Job", event: str, count: int = 1, timeout: float = 240,
+                      distinct: str | None = "swap_id") -> list[dict[str, Any]]:
+        """Release once ``count`` (distinct ``distinct`` values of) ``event`` are logged; returns them."""
+        try:
+            return job.wait_event(event, count, timeout, distinct=distinct)
+        finally:
+            self.release()
+
+
+def hold_at(dir: str, step: int, *, rank: int = 0, name: str = "hold") -> Hold:
+    return Hold(step=step, dir=str(dir), rank=rank, name=name)
+
+
 @dataclass
 class Job:
     """One launcher process running the example job (or any script)."""
@@ -189,10 +258,13 @@ class Job:
     # --- what the job left behind ---
     def losses(self, rank: int) -> list[dict[str, Any]]:
         path = os.path.join(self.out, f"loss_rank{rank}.jsonl")
-        if not os.path.exists(path):
+        try:
+            with open(path) as fh:
+                text = fh.read()
+        except FileNotFoundError:
             return []
-        with open(path) as fh:
-            return [json.loads(line) for line in fh if line.strip()]
+        # a line without its newline is being written right now (a running job): it counts once complete
+        return [json.loads(line) for line in text.split("\n")[:-1] if line.strip()]
 
     def step_reached(self, rank: int = 0) -> int:
         rows = self.losses(rank)
@@ -212,8 +284,29 @@ class Job:
         for root, _dirs, files in os.walk(os.path.join(self.out, "logs")):
             if "events.jsonl" in files:
                 with open(os.path.join(root, "events.jsonl")) as fh:
-                    out += [json.loads(line) for line in fh if line.strip()]
+                    # a line without its newline is being written right now: read it on the next poll
+                    out += [json.loads(line) for line in fh.read().split("\n")[:-1] if line.strip()]
         return sorted(out, key=lambda e: e["time"])
+
+    def assert_running(self, what: str) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise AssertionError(f"job exited ({self.proc.returncode}) before {what}:\n{self.log()[-3000:]}")
+
+    def wait_event(self, name: str, count: int = 1, timeout: float = 240, *, distinct: str | None = None,
+                   match: Any = None) -> list[dict[str, Any]]:
+        """Until ``count`` ``name`` events are logged (``distinct``: count distinct values of that field, e.g.
+        ``swap_id``, since a phase can be logged again by each node and on a retry; ``match``: a predicate).
+        Returns them. The deadline only catches a hang; the job exiting first fails at once."""
+        deadline = time.monotonic() + timeout
+        while True:
+            found = [e for e in self.events() if e["event"] == name and (match is None or match(e))]
+            n = len({e.get(distinct) for e in found}) if distinct else len(found)
+            if n >= count:
+                return found
+            self.assert_running(f"{count} {name} event(s)")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"{n} of {count} {name} event(s) in {timeout}s:\n{self.log()[-3000:]}")
+            time.sleep(0.05)
 
     def final(self, rank: int) -> dict[str, Any]:
         import torch

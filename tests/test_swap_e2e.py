@@ -12,10 +12,10 @@ import random
 
 import pytest
 
-from faults import Job, assert_bit_exact, faults_env, kill_at, pids_by_rank, stop_at, taint
+from faults import Job, assert_bit_exact, faults_env, hold_at, kill_at, pids_by_rank, stop_at, taint
 
 STEPS = 60
-LONG = 100
+LONG = 40
 SLEEP = 0.05
 pytestmark = pytest.mark.timeout(300)
 
@@ -40,26 +40,20 @@ def _events(job: Job, name: str) -> list[dict]:
     return [e for e in job.events() if e["event"] == name]
 
 
-def _wait_event(job: Job, name: str, count: int = 1, timeout: float = 120) -> None:
-    import time
-
-    deadline = time.monotonic() + timeout
-    while len(_events(job, name)) < count:
-        if job.proc is not None and job.proc.poll() is not None:
-            raise AssertionError(f"job exited before {name}:\n{job.log()[-3000:]}")
-        if time.monotonic() > deadline:
-            raise AssertionError(f"no {name} within {timeout}s:\n{job.log()[-3000:]}")
-        time.sleep(0.1)
+def _wait_event(job: Job, name: str, count: int = 1, timeout: float = 240) -> None:
+    job.wait_event(name, count, timeout)
 
 
 def test_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, baseline4):
     rng = random.Random()
     at = rng.randint(5, 30)
-    job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=4, spares=1,
-                       steps=STEPS, step_sleep=SLEEP).start()
+    hold = hold_at(tmp_path, at)     # the job stands at step `at` until the swap's boundary is fixed
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=4, spares=1,
+                       steps=STEPS, step_sleep=SLEEP, env=faults_env(hold.fault)).start()
     try:
-        job.wait_step(at, 180)
+        hold.wait_reached(job)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason=f"test at step {at}") == 0
+        hold.release_after(job, "swap_boundary")
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
         job.kill()
@@ -79,26 +73,33 @@ def test_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, baseline4):
 def test_several_swaps_waiting_for_a_spare_and_a_former_joiner(tmp_path, etcd_server, run_id, baseline3):
     """3 ranks + 1 spare: rank 1 moves to the spare; a taint on rank 2 waits (no spare, training goes on)
     until the first taint is lifted and its slot returns to the pool; then rank 1, now on a former joiner,
-    moves again. Three swaps, one run, bit-exact."""
-    job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=1,
-                       steps=LONG, step_sleep=0.1).start()
+    moves again. Three swaps, one run, bit-exact. Each swap is decided while the job stands at a hold (a
+    spare coming back to the pool can take 20 s to warm up on a busy machine)."""
+    holds = [hold_at(tmp_path, step, name=f"hold{step}") for step in (4, 14, 24)]
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=1,
+                       steps=LONG, step_sleep=SLEEP, env=faults_env(*(h.fault for h in holds))).start()
     ep = etcd_server.endpoint
     try:
-        job.wait_step(4, 180)
+        holds[0].wait_reached(job)
         assert taint(ep, run_id, rank=1, reason="first") == 0
+        holds[0].release_after(job, "swap_boundary", 1)
         _wait_event(job, "swap_resumed", 1)
         assert taint(ep, run_id, rank=2, reason="second") == 0
         _wait_event(job, "swap_waiting", 1)
         step_when_waiting = job.step_reached(0)
         _untaint_all(ep, run_id, reason="first")
+        holds[1].release_after(job, "swap_boundary", 2)
         _wait_event(job, "swap_resumed", 2)
         assert job.step_reached(0) >= step_when_waiting            # training went on while it waited
         _untaint_all(ep, run_id, reason="second")
         _wait_event(job, "spare_returned", 2)
         assert taint(ep, run_id, rank=1, reason="third: a former joiner") == 0
+        holds[2].release_after(job, "swap_boundary", 3)
         _wait_event(job, "swap_resumed", 3)
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
+        for h in holds:
+            h.release()
         job.kill()
     assert_bit_exact(job, baseline3, 3)
     pids = pids_by_rank(job, 3)
@@ -206,22 +207,17 @@ def test_no_spare_falls_back_to_a_whole_group_restart(tmp_path, etcd_server, run
 def test_transfer_faults_are_retried(tmp_path, etcd_server, run_id, fault, spares):
     """A corrupted transfer is rejected by its checksum and retried; a joiner that dies mid-transfer is
     replaced by the next spare. Nothing is lost: every rank still runs every step exactly once."""
-    # rank 0 waits at step 6 until the swap is decided: on a busy host tpassctl can take longer to start than
-    # the whole job takes to run
-    release = str(tmp_path / "release")
-    hold = {"rank": 0, "step": 6, "where": "step", "action": "hold", "release": release,
-            "marker": str(tmp_path / "held")}
+    hold = hold_at(tmp_path, 5)
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3,
                        spares=spares, steps=30, step_sleep=SLEEP,
-                       env=faults_env({**fault, "marker": str(tmp_path / "fault")}, hold)).start()
+                       env=faults_env({**fault, "marker": str(tmp_path / "fault")}, hold.fault)).start()
     try:
-        job.wait_step(5, 180)
+        hold.wait_reached(job)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason="faulty transfer") == 0
-        _wait_event(job, "swap_decided")
-        open(release, "w").close()
+        hold.release_after(job, "swap_boundary")
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
-        open(release, "w").close()
+        hold.release()
         job.kill()
     assert os.path.exists(tmp_path / "fault"), "the fault never fired"
     failed = _events(job, "swap_transfer_failed")
@@ -241,21 +237,19 @@ def test_transfer_faults_are_retried(tmp_path, etcd_server, run_id, fault, spare
 
 def test_a_spare_dying_leaves_training_alone(tmp_path, etcd_server, run_id):
     import signal
-    import time
 
-    job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
-                       steps=30, step_sleep=SLEEP).start()
+    hold = hold_at(tmp_path, 3)     # the spare dies while the job runs, however slow the machine
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
+                       steps=30, step_sleep=SLEEP, env=faults_env(hold.fault)).start()
     try:
-        job.wait_step(3, 180)
+        hold.wait_reached(job)
         started = _events(job, "workers_started")[0]
         spare_pid = next(s["pid"] for s in started["slots"] if s["state"] == "spare")
         os.kill(spare_pid, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while not _events(job, "spare_lost") and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert _events(job, "spare_lost")
+        hold.release_after(job, "spare_lost", distinct=None)
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
+        hold.release()
         job.kill()
     for r in range(2):
         assert [x["step"] for x in job.losses(r)] == list(range(30))
@@ -265,18 +259,23 @@ def test_migrate_back_returns_the_rank_home(tmp_path, etcd_server, run_id, basel
     """--migrate-back: once the tainted slot is untainted (healthy again), the rank moves back to it and the
     slot it borrowed returns to the spare pool."""
     ep = etcd_server.endpoint
-    job = Job.tpassrun(str(tmp_path), endpoint=ep, run_id=run_id, nproc=3, spares=1, steps=LONG, step_sleep=0.1,
-                       extra=["--migrate-back"]).start()
+    holds = [hold_at(tmp_path, step, name=f"hold{step}") for step in (4, 14, 24)]
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=ep, run_id=run_id, nproc=3, spares=1, steps=LONG,
+                       step_sleep=SLEEP, extra=["--migrate-back"], env=faults_env(*(h.fault for h in holds))).start()
     try:
-        job.wait_step(4, 180)
+        holds[0].wait_reached(job)
         assert taint(ep, run_id, rank=1, reason="sick") == 0
+        holds[0].release_after(job, "swap_boundary", 1)
         _wait_event(job, "swap_resumed", 1)
         _untaint_all(ep, run_id, reason="sick")
         _wait_event(job, "migrate_back_requested", 1)
+        holds[1].release_after(job, "swap_boundary", 2)     # its home slot's new spare may be slow to warm up
         _wait_event(job, "swap_resumed", 2)
-        _wait_event(job, "spare_returned", 2)
+        holds[2].release_after(job, "spare_returned", 2, distinct=None)
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
+        for h in holds:
+            h.release()
         job.kill()
     assert_bit_exact(job, baseline3, 3)
     decided = _events(job, "swap_decided")
