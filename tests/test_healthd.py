@@ -303,6 +303,8 @@ def test_exclude_on_a_spare_and_fail_on_a_rank(etcd_server, run_id, tmp_path):
                 write_readings(readings, [{"device": "gpu4", "metric": "row_remap_failure", "value": 1},
                                           {"device": "gpu3", "metric": "xid", "value": 79}])
                 found = await _two_taints(agent)
+                # the kill follows the FAIL taint's write (so the coordinator never plans a migration for it)
+                await until(lambda: any(e["event"] == "health_kill" for e in agent.recorded), "the kill")
             by_device = {d["device"]: d for d in found.values()}
             spare, failed = by_device["gpu4"], by_device["gpu3"]
             assert (spare["effect"], spare["rank"], spare["slot"]) == ("exclude", None, 4)

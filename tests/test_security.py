@@ -19,7 +19,7 @@ import time
 import pytest
 import torch
 
-from faults import Job, faults_env, run_async, taint
+from faults import Hold, Job, faults_env, hold_at, run_async, taint
 from tpassrun.handoff import (AuthError, HandoffError, StateBundle, TransferAuth, accept_and_recv, connect_and_send,
                               listen_for_bundle, recv_bundle, send_bundle)
 
@@ -209,13 +209,18 @@ def test_a_foreign_connection_to_the_spare_cannot_inject_weights(tmp_path, etcd_
     perturbed weights. The spare drops it, the real state arrives, and rank 1 ends equal to rank 0 (DDP keeps
     replicas identical; injected weights would make them differ)."""
     # the leaver waits 3 s before it connects: the attacker surely comes first
-    env = faults_env({"rank": 1, "where": "send", "action": "sleep", "seconds": 3.0, "step": 0})
-    job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
+    hold = hold_at(tmp_path, 4)     # the swap is decided while the job stands at step 4, however slow the spare
+    # Held at step 4, every rank is in step 4: the boundary is step 5. The leaver sends only once the attacks are
+    # over: the attacker surely comes first, however slow this test process is.
+    leaver = Hold(step=5, dir=str(tmp_path), rank=1, name="leaver", where="send")
+    env = faults_env(leaver.fault, hold.fault)
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
                        steps=40, step_sleep=0.05, env=env).start()
     attacks: list[object] = []
     try:
-        job.wait_step(4, 180)
+        hold.wait_reached(job)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason="attack") == 0
+        hold.release_after(job, "swap_boundary")
         ev = None
         deadline = time.monotonic() + 120
         while ev is None:
@@ -234,8 +239,12 @@ def test_a_foreign_connection_to_the_spare_cannot_inject_weights(tmp_path, etcd_
                 attacks.append("accepted")
             except (OSError, HandoffError) as exc:
                 attacks.append(exc)
+        boundary = job.wait_event("swap_boundary")[0]["boundary"]
+        assert boundary == leaver.step, f"boundary {boundary}: the leaver's hold never fires"
+        leaver.release()
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
+        leaver.release()
         job.kill()
     assert "accepted" not in attacks, attacks
     assert len(_events(job, "swap_transfer_stranger")) == 2
@@ -253,7 +262,7 @@ def test_a_forged_plan_sends_nothing_anywhere(tmp_path, etcd_server, run_id):
     from tpassrun.rendezvous import EtcdConfig, EtcdStore
 
     job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
-                       steps=400, step_sleep=0.05).start()
+                       steps=100000, step_sleep=0.05).start()     # runs until killed: it cannot end first
     listener, port = listen_for_bundle("127.0.0.1")
     try:
         job.wait_step(3, 180)
@@ -287,11 +296,13 @@ def test_an_aborted_planned_swap_resumes_the_leaver(tmp_path, etcd_server, run_i
     """Every transfer attempt corrupted: the swap is given up after SEND, and the leaver (left TRANSFERRING)
     is resumed with everyone else: the job finishes every step instead of hanging."""
     faults = [{"rank": 1, "where": "send", "action": "corrupt", "marker": str(tmp_path / f"f{i}")} for i in range(6)]
+    hold = hold_at(tmp_path, 4)
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
-                       steps=30, step_sleep=0.05, env=faults_env(*faults)).start()
+                       steps=30, step_sleep=0.05, env=faults_env(*faults, hold.fault)).start()
     try:
-        job.wait_step(4, 180)
+        hold.wait_reached(job)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason="doomed") == 0
+        hold.release_after(job, "swap_boundary")
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
         job.kill()
