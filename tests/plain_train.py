@@ -13,6 +13,8 @@ p = argparse.ArgumentParser()
 p.add_argument("--steps", type=int, default=20)
 p.add_argument("--step-sleep", type=float, default=0.05)
 p.add_argument("--out", required=True)
+p.add_argument("--hold-at", type=int, default=-1, help="rank 0 waits at the start of this step until --release exists")
+p.add_argument("--release", default="", help="the file a test writes once it has seen the event it waits for")
 args = p.parse_args()
 
 dist.init_process_group("gloo")
@@ -23,6 +25,8 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 os.makedirs(args.out, exist_ok=True)
 with open(os.path.join(args.out, f"steps_rank{rank}.jsonl"), "a") as fh:
     for step in range(args.steps):
+        while rank == 0 and step == args.hold_at and not os.path.exists(args.release):
+            time.sleep(0.02)      # a test lines its event up here; its peers wait in the step's collective
         opt.zero_grad()
         model(torch.ones(2, 4)).sum().backward()
         opt.step()

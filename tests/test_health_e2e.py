@@ -22,14 +22,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from faults import Job, faults_env, hold_at
 from tpassrun.channel import Field
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "examples" / "train_ddp.py")
 NPROC = 4
-ECC_STEPS = 60
+ECC_STEPS = 30
 STRAGGLER_STEPS = 40
 STRAGGLER_FAULT = [{"rank": 2, "step": 5, "where": "step", "action": "sleep", "seconds": 0.3}]
+STRAGGLER_HOLD = 34
 
 
 def _agent_runs_health() -> bool:
@@ -54,6 +56,11 @@ def launch(endpoint: str, run_id: str, workdir: Path, steps: int, *, spares: int
     proc = subprocess.Popen(argv, cwd=workdir, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     return proc, out, logs
+
+
+def _watch(proc: subprocess.Popen, workdir: Path) -> Job:
+    """A view of a launched job for faults' waits (its event log; the process it must not lose)."""
+    return Job(argv=[], out=str(workdir), proc=proc)
 
 
 def finish(proc: subprocess.Popen, timeout: float) -> tuple[int, str]:
@@ -152,13 +159,16 @@ def baselines(etcd_server, tmp_path_factory) -> dict[int, Path]:
 def test_rising_uncorrected_ecc_moves_the_rank_to_the_spare(etcd_server, run_id, tmp_path, baselines):
     readings = tmp_path / "health.json"
     write_readings(readings, [{"device": "gpu1", "metric": "ecc_uncorrected_volatile", "value": 0}])  # baseline
+    hold = hold_at(tmp_path, 10)    # the ECC count rises at step 10; the job waits there until the swap is set
     proc, out, logs = launch(etcd_server.endpoint, run_id, tmp_path, ECC_STEPS, spares=1,
                              extra_args=("--health-interval", "0.2"),
-                             env={"TPASSRUN_HEALTH_FILE": str(readings)})
+                             env={"TPASSRUN_HEALTH_FILE": str(readings), **faults_env(hold.fault)})
     try:
-        wait_for_step(proc, out, rank=1, step=10)
+        hold.wait_reached(_watch(proc, tmp_path))
         write_readings(readings, [{"device": "gpu1", "metric": "ecc_uncorrected_volatile", "value": 2}])
+        hold.release_after(_watch(proc, tmp_path), "swap_boundary")
     finally:
+        hold.release()
         code, output = finish(proc, 180)
     assert code == 0, output[-3000:]
     taint = assert_health_swap_in_order(events(logs), "gpu1")
@@ -171,10 +181,17 @@ def test_rising_uncorrected_ecc_moves_the_rank_to_the_spare(etcd_server, run_id,
                     reason="whole-step times are equal on every DDP rank; the worker must publish its time "
                            "before the first collective (Field.LAST_COMPUTE_NS, see healthd.py)")
 def test_injected_straggler_moves_the_rank_to_the_spare(etcd_server, run_id, tmp_path, baselines):
+    # Rank 2 is slow from step 5; by step STRAGGLER_HOLD the detector has seen far more slow steps than it needs
+    # (10 samples, 5 verdicts in a row): the job waits there until the swap is set, so it cannot end first.
+    hold = hold_at(tmp_path, STRAGGLER_HOLD)
     proc, out, logs = launch(etcd_server.endpoint, run_id, tmp_path, STRAGGLER_STEPS, spares=1,
                              extra_args=("--straggler-factor", "3", "--health-interval", "0.2"),
-                             env={"TPASSRUN_FAULTS": json.dumps(STRAGGLER_FAULT)})
-    code, output = finish(proc, 240)
+                             env=faults_env(*STRAGGLER_FAULT, hold.fault))
+    try:
+        hold.release_after(_watch(proc, tmp_path), "swap_boundary")
+    finally:
+        hold.release()
+        code, output = finish(proc, 240)
     assert code == 0, output[-3000:]
     records = events(logs)
     taint = assert_health_swap_in_order(records, "rank2")

@@ -17,12 +17,12 @@ pytestmark = pytest.mark.timeout(300)
 PLAIN = os.path.join(REPO, "tests", "plain_train.py")
 
 
-def _job(tmp_path, endpoint: str, run_id: str, steps: int) -> Job:
+def _job(tmp_path, endpoint: str, run_id: str, steps: int, hold_at: int, release: str) -> Job:
     out = str(tmp_path / "job")
     argv = [sys.executable, "-m", "tpassrun", "--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
             "--rdzv-id", run_id, "--nproc-per-node", "2", "--spares-per-node", "1",
             "--log-dir", os.path.join(out, "logs"), PLAIN, "--steps", str(steps), "--step-sleep", "0.05",
-            "--out", out]
+            "--out", out, "--hold-at", str(hold_at), "--release", release]
     return Job(argv=argv, out=out)
 
 
@@ -35,16 +35,20 @@ def _rows(job: Job, rank: int) -> list[dict]:
 
 
 def test_taint_on_an_unmanaged_job_restarts_it_on_the_spare_slot(tmp_path, etcd_server, run_id):
-    steps = 40
-    job = _job(tmp_path, etcd_server.endpoint, run_id, steps).start()
+    steps = 20
+    release = tmp_path / "release"    # rank 0 waits at step 5 until the taint's restart is decided
+    job = _job(tmp_path, etcd_server.endpoint, run_id, steps, 5, str(release)).start()
     try:
         deadline = time.monotonic() + 180
         while len(_rows(job, 1)) < 5:
             assert job.proc.poll() is None and time.monotonic() < deadline, job.log()[-3000:]
             time.sleep(0.1)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason="ecc errors (test)") == 0
+        job.wait_event("fallback")
+        release.touch()
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
+        release.touch()
         job.kill()
     log = job.log()
     assert "Traceback" not in log and "rank >= 0" not in log, log[-3000:]   # the parked spare said nothing
