@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from faults import Job, faults_env, kill_at, stop_at
+from faults import Job, faults_env, hold_at, kill_at, stop_at
 from tpassrun.channel import WorkerPhase
 from tpassrun.failkind import FailureKind, classify_death, recoverable
 
@@ -88,15 +88,21 @@ def test_a_hang_is_killed_and_recovered(tmp_path):
 
 def test_losing_etcd_for_good_ends_the_run(tmp_path, fresh_etcd, run_id):
     """etcd gone mid-run: the single node keeps training (nobody else could hold its ranks) and exits."""
-    job = _job(tmp_path, endpoint=fresh_etcd.endpoint, run_id=run_id)
+    hold = hold_at(tmp_path, 3)     # etcd goes with the job at step 3, whatever the machine's speed
+    # a short reconnect window: past the end of the job the agent waits out its remainder before it gives up on
+    # etcd (30 s by default, twice)
+    job = _job(tmp_path / "job", hold.fault, endpoint=fresh_etcd.endpoint, run_id=run_id,
+               extra=["--rdzv-conf", "read_timeout=3,reconnect_timeout=5"])
     try:
-        job.wait_step(3, 120)
+        hold.wait_reached(job)
         fresh_etcd.stop()
+        hold.release()
         code = job.wait(200)
     finally:
+        hold.release()
         job.kill()
     assert code in (0, 1), job.log()[-3000:]
-    assert os.path.exists(os.path.join(str(tmp_path), "final_rank0.pt")) or code == 1
+    assert os.path.exists(os.path.join(str(tmp_path / "job"), "final_rank0.pt")) or code == 1
 
 
 def test_a_full_disk_for_the_event_log_mid_recovery_loses_nothing_but_the_log(tmp_path):

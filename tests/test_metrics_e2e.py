@@ -28,6 +28,7 @@ def test_a_swap_is_counted_while_the_job_runs(tmp_path, etcd_server, run_id):
                        steps=100000, step_sleep=0.05, extra=["--metrics-port", "0"]).start()
     try:
         job.wait_step(2, 180)
+        job.wait_event("spare_ready")     # "free" spares are ready ones: a spare can warm up for 20 s on a busy host
         port = next(e["port"] for e in job.events() if e["event"] == "metrics_serving")
         before = _scrape(port)
         assert _value(before, 'tpassrun_swaps_total{kind="planned"}') == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import shlex
 import shutil
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from faults import faults_env, hold_at
 from tpassrun.ctl import main as ctl_main
 from tpassrun.rendezvous import EtcdConfig, EtcdStore, RendezvousSettings
 from tpassrun.tui import ViewState
@@ -50,7 +52,7 @@ def _capture(session: str) -> str:
     return "\n".join(line.rstrip() for line in out.splitlines()).strip("\n") + "\n"
 
 
-def _wait_for_screen(session: str, expected: str, timeout: float = 15.0) -> None:
+def _wait_for_screen(session: str, expected: str, timeout: float = 60.0) -> None:
     """The pane shows exactly ``expected`` (a capture can land in the middle of a redraw: poll)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -61,7 +63,7 @@ def _wait_for_screen(session: str, expected: str, timeout: float = 15.0) -> None
         time.sleep(0.1)
 
 
-def _wait_for(session: str, text: str, timeout: float = 15.0) -> str:
+def _wait_for(session: str, text: str, timeout: float = 60.0) -> str:
     deadline = time.monotonic() + timeout
     while True:
         screen = _capture(session)
@@ -143,8 +145,12 @@ def test_tpassrun_tui_draws_the_panel_under_the_workers_output(tmp_path):
     root = Path(__file__).parent.parent
     session = f"tpr-{uuid.uuid4().hex[:8]}"
     rc_file = tmp_path / "rc"
-    cmd = (f"cd {root} && {sys.executable} -m tpassrun --tui --standalone --nproc-per-node 1 "
-           f"--log-dir {tmp_path}/logs examples/train_ddp.py --steps 150; echo $? > {rc_file}; sleep 60")
+    # the job waits at step 100 until the panel was seen (150 quick steps can end before its first frame)
+    hold = hold_at(tmp_path, 100)
+    faults = shlex.quote(faults_env(hold.fault)["TPASSRUN_FAULTS"])
+    cmd = (f"cd {root} && TPASSRUN_FAULTS={faults} {sys.executable} -m tpassrun --tui --standalone "
+           f"--nproc-per-node 1 --log-dir {tmp_path}/logs examples/train_ddp.py --steps 150; echo $? > {rc_file}; "
+           "sleep 60")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd], check=True)
     try:
         deadline = time.monotonic() + 100
@@ -160,6 +166,7 @@ def test_tpassrun_tui_draws_the_panel_under_the_workers_output(tmp_path):
             time.sleep(0.2)
         assert panel[1].startswith("run ") and any(line.startswith("NODE") for line in panel)
         assert any(line.split()[:3][1:] == ["member", "0"] for line in panel if line.strip()), panel
+        hold.release()
         deadline = time.monotonic() + 120
         while not rc_file.exists() and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -168,4 +175,5 @@ def test_tpassrun_tui_draws_the_panel_under_the_workers_output(tmp_path):
                                text=True).stdout
         assert "done: 150 steps" in final and "NODE" not in final   # the panel is gone with the run
     finally:
+        hold.release()
         subprocess.run(["tmux", "kill-session", "-t", session], check=False)
