@@ -104,6 +104,89 @@ def test_a_node_plan_runs_through_its_phases_and_never_retries():
     assert transfer_key(plan) == transfer_key(send) is not None
 
 
+def test_a_mixed_commit_rolls_forward_the_survivors_that_failed_inside_the_step_the_others_completed():
+    """Rank 0 completed step 12 (its optimizer stepped: it stopped at 13), rank 1 failed inside 12 with its seal
+    of 13: rank 1 catches up from rank 0 and everyone, the lost ranks' joiners too, resumes at 13."""
+    plan = _plan()
+    a = Report(node="a", phase=Phase.PAUSE, failed_steps=(13, 12), held={2: (12, 13), 3: (12, 13)},
+               stops={0: (0, 13, False), 1: (1, 12, True)})
+    d = next_step(plan, [a, Report(node="c", phase=Phase.PAUSE)], NOW)
+    assert d.plan is not None and d.plan.phase == Phase.TRANSFER and d.plan.boundary == 13, d.reason
+    assert "mixed commit" in d.reason and d.plan.light_from == {2: "a", 3: "a"}
+    assert d.plan.catch_up == (Move(SlotRef("a", 1, 1), SlotRef("a", 1, 1), SlotRef("a", 0, 0)),)
+    assert [m.donor.rank for m in d.plan.moves] == [0, 0]      # the laggard (rank 1) donates to no joiner
+    assert SwapPlan.from_json(d.plan.to_json()) == d.plan
+    # TRANSFER waits for the laggard's address too, then SEND carries it
+    joiners = Report(node="c", phase=Phase.TRANSFER, joiner_addrs={2: ("10.0.0.3", 1), 3: ("10.0.0.3", 2)})
+    assert next_step(d.plan, [joiners], NOW).action == "wait"                     # a has not reported yet
+    silent = Report(node="a", phase=Phase.TRANSFER)
+    assert next_step(d.plan, [joiners, silent], NOW).plan.phase == Phase.ABORTED  # rank 1 never listened
+    behind = Report(node="a", phase=Phase.TRANSFER, joiner_addrs={1: ("10.0.0.1", 3)})
+    send = next_step(d.plan, [joiners, behind], NOW).plan
+    assert send is not None and send.phase == Phase.SEND and send.catch_up[0].joiner_addr == ("10.0.0.1", 3)
+    assert next_step(send, [Report(node="c", phase=Phase.SEND)], NOW).action == "wait"   # a has not said yet
+    # the mirror must hold the lost ranks' seals of the step the survivors catch up to
+    old = dataclasses.replace(a, held={2: (11, 12), 3: (12, 13)})
+    d = next_step(plan, [old, Report(node="c", phase=Phase.PAUSE)], NOW)
+    assert d.plan is not None and d.plan.phase == Phase.ABORTED and "rank 2" in d.plan.outcome
+
+
+def test_a_mixed_commit_is_not_rolled_forward_without_the_laggards_seal_or_more_than_a_step_apart():
+    from tpassrun.catchup import roll_forward
+
+    no_seal = Report(node="a", phase=Phase.PAUSE, failed_steps=(13, 12), stops={0: (0, 13, False), 1: (1, 12, False)})
+    r = roll_forward([no_seal])
+    assert r.step is None and "rank" in r.why and "[1]" in r.why
+    apart = Report(node="a", phase=Phase.PAUSE, stops={0: (0, 14, False), 1: (1, 12, True)})
+    assert roll_forward([apart]).step is None
+    same = Report(node="a", phase=Phase.PAUSE, stops={0: (0, 12, True), 1: (1, 12, True)})
+    assert roll_forward([same]).step is None
+    # laggards on two nodes catch up from a leader on their own node first
+    a = Report(node="a", phase=Phase.PAUSE, stops={0: (0, 13, False), 1: (1, 12, True)})
+    d_ = Report(node="d", phase=Phase.PAUSE, stops={4: (0, 12, True), 5: (1, 13, False)})
+    r = roll_forward([a, d_])
+    assert r.step == 13 and {(m.rank, m.donor.rank) for m in r.moves} == {(1, 0), (4, 5)}
+    assert Report.from_json(a.to_json()) == a
+
+
+def test_a_sharded_jobs_lost_ranks_take_their_shards_from_the_mirror_or_everyone_rolls_back():
+    """ZeRO-style: no survivor holds a lost rank's shard; B's buddy (a) holds them (with their light state)."""
+    plan = _plan()
+    c = Report(node="c", phase=Phase.PAUSE)
+    a = Report(node="a", phase=Phase.PAUSE, failed_steps=(12, 12), rings=(10, 11, 12), shard_held={2: (11, 12),
+                                                                                                   3: (11, 12)})
+    d = next_step(plan, [a, c], NOW)
+    assert d.plan is not None and d.plan.phase == Phase.TRANSFER, d.reason
+    assert (d.plan.boundary, d.plan.restore, d.plan.shards_from) == (12, False, {2: "a", 3: "a"})
+    assert SwapPlan.from_json(d.plan.to_json()) == d.plan
+    # rank 3's refresh of step 12 had not landed: everyone rolls back to step 11 (held by all) and recomputes
+    late = dataclasses.replace(a, shard_held={2: (11, 12), 3: (10, 11)})
+    d = next_step(plan, [late, c], NOW)
+    assert d.plan is not None and (d.plan.boundary, d.plan.restore) == (11, True), d.reason
+    # the restore needs every surviving node in TRANSFER, joiners or not
+    assert next_step(d.plan, [Report(node="c", phase=Phase.TRANSFER, joiner_addrs={2: ("h", 1), 3: ("h", 2)})],
+                     NOW).action == "wait"
+    # a mixed commit of a sharded job rolls back too, when the copies allow it
+    mixed = dataclasses.replace(a, failed_steps=(12, 13), rings=(11, 12))
+    d = next_step(plan, [mixed, c], NOW)
+    assert d.plan is not None and (d.plan.boundary, d.plan.restore) == (12, True), d.reason
+    # nothing mirrored (lost before their first refresh, or the buddy is gone too): the group restarts, saying why
+    bare = dataclasses.replace(a, shard_held={2: (11, 12)})
+    d = next_step(plan, [bare, c], NOW)
+    assert d.plan is not None and d.plan.phase == Phase.ABORTED and "[3]" in d.plan.outcome
+    # plain data parallelism: no shards, no rings: the light-state path
+    assert next_step(plan, [dataclasses.replace(a, rings=None, shard_held={}, held={2: (12,), 3: (12,)}), c],
+                     NOW).plan.shards_from == {}
+
+
+def test_sharded_survivors_alone_in_their_replica_group_donate_the_replicated_rest():
+    zero = tuple(dataclasses.replace(s, replicas=(s.rank,), sharded=True) for s in A)
+    d = plan_for_node_loss(view(*zero, *C), node="b", now_wall=NOW)
+    assert d.action == "plan" and [m.donor.rank for m in d.plan.moves] == [0, 1], d.reason
+    alone = tuple(dataclasses.replace(s, replicas=(s.rank,)) for s in A)       # alone, nothing mirrored
+    assert plan_for_node_loss(view(*alone, *C), node="b", now_wall=NOW).action == "fallback"
+
+
 # --------------------------------------------------------------------------------------------- triage
 def seen(**kw) -> Seen:
     base = dict(now=NOW, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=view(*A, *C))

@@ -29,6 +29,7 @@ MESSAGES = [
     P.Received(ok=True, swap_id="s-2", nbytes=10, step=40, mirrored=True),
     P.ShardRollback(step=40), P.ShardRolledBack(ok=False, step=40, error="no copy of step 40"),
     P.Watch(pid=7), P.Break(reason="node n3 was declared lost"), P.Break(),
+    P.CatchUp(swap_id="n-x", key="ef" * 32, rank=1, listen_host="10.0.0.3", step=41),
 ]
 
 

@@ -109,7 +109,8 @@ class Coordinator:
                 if state == "spare" and (status.node_id, w.slot) in barred:
                     state = "tainted"
                 slots.append(SlotView(node=status.node_id, slot=w.slot, rank=w.rank, state=state,
-                                      managed=w.managed, step=w.step, replicas=w.replicas))
+                                      managed=w.managed, step=w.step, replicas=w.replicas,
+                                      sharded=bool(w.shard_held)))
         latest = getattr(self.port.rdzv, "generation", None)   # annotations (lost nodes) rewrite it in place
         lost = tuple(latest.lost) if latest is not None and latest.number == gen.number else tuple(gen.lost)
         slots = [s for s in slots if s.node not in lost]   # a lost node's last status may outlive it briefly

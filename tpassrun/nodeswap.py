@@ -23,8 +23,10 @@ import dataclasses
 import logging
 from typing import Any
 
-from .channel import INT64_MAX, WorkerPhase
-from .protocol import Abort, Light, LightOk, Received, Reform, Reformed, SendState, WorldSpec
+from . import shardplane
+from .channel import INT64_MAX, Field, WorkerPhase
+from .protocol import (Abort, CatchUp, Light, LightOk, Listening, MirrorSource, Received, Reform, Reformed, SendState,
+                       WorldSpec)
 from .records import Move, Phase, Report, SwapPlan
 from .slots import SlotState
 from .swap import PHASE_TIMEOUT_S, transfer_key
@@ -115,9 +117,32 @@ class NodePlans:
     async def _pause(self, plan: SwapPlan) -> Report:
         self._break_collectives(plan)
         report = await self.sw._pause(plan)
-        mirror = self.port.mirror()
+        if not report.ok:
+            return report
+        mirror, gen = self.port.mirror(), self.port.spawned_generation()
         held = mirror.held(plan.ranks) if mirror is not None else {}
-        return dataclasses.replace(report, held=held)
+        # sharded state (node_shards.py): the steps every local survivor can be put back to, and what this node's
+        # mirror holds of the lost ranks' shards
+        shards = mirror.held(plan.ranks, shardplane.MIRROR_KIND, gen) if mirror is not None else {}
+        survivors = [s for s in self.sw._survivors(plan) if s.alive]
+        rings = shardplane.survivors_rings(self.sw._slots.channel, survivors) if survivors else None
+        return dataclasses.replace(report, held=held, stops=self._stops(plan), shard_held=shards, rings=rings)
+
+    def _stops(self, plan: SwapPlan) -> dict[int, tuple[int, int, bool]]:
+        """rank -> (slot, the step it can resume at exactly or -1, whether it can catch up to the next one) for
+        every stopped local survivor (a mixed commit, tpassrun/catchup.py): one that failed inside a step before
+        its commit point, outside an accumulation window, with a seal of the next step in its slot."""
+        slots, ch, out = self.sw._slots, self.sw._slots.channel, {}
+        for s in self.sw._survivors(plan):
+            ph, step = slots.phase(s), slots.field(s, Field.STEP)
+            if s.rank is None or ph not in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
+                continue
+            offer = slots.field(s, Field.OFFER) - 1
+            sealed = ch is not None and step + 1 in (ch.light_step(s.index), ch.light_step(s.index, previous=True))
+            can = (ph == WorkerPhase.FAILED and offer == step and sealed
+                   and slots.field(s, Field.COMMITTED) != step + 1)
+            out[s.rank] = (s.index, offer if offer >= 0 or ph == WorkerPhase.FAILED else step, can)
+        return out
 
     def _break_collectives(self, plan: SwapPlan) -> None:
         """Every local survivor inside a step is told to shut its process-group sockets down now: a collective
@@ -134,14 +159,24 @@ class NodePlans:
 
     async def _transfer(self, plan: SwapPlan) -> Report | None:
         self.sw._transfers_seen.add((plan.id, plan.attempt))
-        mine = self._mine(plan)
-        if not mine:
-            return None
+        mine, behind = self._mine(plan), self._catching_up(plan)
+        survivors = [s for s in self.sw._survivors(plan) if s.alive]
+        if plan.restore and self.me in plan.nodes and survivors and plan.id not in self.sw._rolled_back:
+            # every survivor back to its own copy of the resume step before any donor sends (shardplane.py)
+            why = await shardplane.roll_back(self.sw._slots, survivors, int(plan.boundary or 0))
+            if why is not None:
+                return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=why)
+            self.sw._rolled_back.add(plan.id)
+            self.port.events.write("swap_shards_rolled_back", swap_id=plan.id, step=plan.boundary)
+        if not mine and not behind:
+            return Report(node=self.me, phase=plan.phase) if plan.restore and self.me in plan.nodes else None
+        sources = await asyncio.gather(*(self._shard_source(plan, m) for m in mine))
         assigned, fetched = await asyncio.gather(
-            asyncio.gather(*(self.sw._assign_joiner(plan, m) for m in mine)),
+            asyncio.gather(*(self.sw._assign_joiner(plan, m, mirror_from=src) for m, src in zip(mine, sources)),
+                           *(self._listen_catch_up(plan, m) for m in behind)),
             asyncio.gather(*(self._fetch_light(plan, m) for m in mine)))
         addrs: dict[int, tuple[str, int]] = {}
-        for move, result in zip(mine, assigned):
+        for move, result in zip([*mine, *behind], assigned):
             if isinstance(result, str):
                 self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=result, rank=move.rank)
                 return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=result)
@@ -152,9 +187,45 @@ class NodePlans:
         self.port.events.write("swap_transfer_start", swap_id=plan.id, ranks=sorted(addrs))
         return Report(node=self.me, phase=plan.phase, joiner_addrs=addrs)
 
+    def _catching_up(self, plan: SwapPlan) -> list[Move]:
+        return [m for m in plan.catch_up if m.joiner.node == self.me]
+
+    async def _listen_catch_up(self, plan: SwapPlan, move: Move) -> tuple[str, int] | str:
+        """A survivor of this node that catches up (a mixed commit): it listens for a leader's replicated state;
+        its address, or why not."""
+        slot = self.sw._slots.slots[move.joiner.slot]
+        key = transfer_key(plan)
+        if key is None:
+            return f"swap {plan.id} carries no transfer secret: refusing an unauthenticated transfer"
+        if slot.rank != move.rank or not slot.alive:
+            return f"rank {move.rank} is no longer running on {self.me}/{move.joiner.slot}"
+        self.sw._slots.send(slot, CatchUp(swap_id=plan.id, key=key, rank=move.rank, listen_host=self.port.addr,
+                                          step=int(plan.boundary or 0), timeout=PHASE_TIMEOUT_S,
+                                          accept_timeout=PHASE_TIMEOUT_S))
+        msg = await self.sw._slots.expect(slot, (Listening, Received), PHASE_TIMEOUT_S)
+        if isinstance(msg, Listening):
+            return (self.port.addr, msg.port)
+        return f"rank {move.rank} cannot catch up: {msg.error if isinstance(msg, Received) else 'no answer'}"
+
+    async def _shard_source(self, plan: SwapPlan, move: Move) -> MirrorSource | None:
+        """Where the joiner of a lost rank with sharded state fetches its shard of the resume step (with the
+        rank's light snapshot): the mirror the planner named, with the run's key."""
+        node = plan.shards_from.get(move.rank)
+        mirror = self.port.mirror()
+        if node is None or mirror is None:
+            return None
+        target = await mirror.target_of(node)
+        if target is None:
+            return None     # the joiner then receives no shard: its Received says so, the plan aborts
+        return MirrorSource(target=target.to_json(), owner=move.rank, step=int(plan.boundary or 0))
+
     async def _fetch_light(self, plan: SwapPlan, move: Move) -> str | None:
         """Keep the lost rank's light frame for the resume step (from the mirror the planner named); the error
-        if it is gone. A rank with no copy at all resumes at step 0 from what its script builds."""
+        if it is gone. A rank with no copy at all resumes at step 0 from what its script builds; one with sharded
+        state gets it with its shard (the shard mirror keeps the two together)."""
+        if move.rank in plan.shards_from and move.rank not in plan.light_from:
+            self._lights[(plan.id, move.rank)] = None
+            return None
         source = plan.light_from.get(move.rank)
         if source is None:
             self._lights[(plan.id, move.rank)] = None
@@ -168,10 +239,11 @@ class NodePlans:
 
     async def _send(self, plan: SwapPlan) -> Report | None:
         me = self.me
-        for move in plan.moves:
+        catching_up = {id(m) for m in plan.catch_up}
+        for move in (*plan.catch_up, *plan.moves):
             if move.donor is None or move.donor.node != me:
                 continue
-            refused = await self.sw._refuse_destination(plan, move)
+            refused = await self.sw._refuse_destination(plan, move, catch_up=id(move) in catching_up)
             if refused is not None:
                 log.error("swap %s: refusing to send rank %s's state: %s", plan.id, move.rank, refused)
                 self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
@@ -183,11 +255,13 @@ class NodePlans:
             assert key is not None   # _refuse_destination checked it
             self.sw._slots.send(donor, SendState(addr=move.joiner_addr[0], port=move.joiner_addr[1], swap_id=plan.id,
                                                  key=key, rank=move.rank, replicated_only=True, rng=False,
+                                                 without_sharded=move.rank in plan.shards_from,
                                                  timeout=PHASE_TIMEOUT_S))
-        mine = self._mine(plan)
-        if not mine:
+        mine, behind = self._mine(plan), self._catching_up(plan)
+        if not mine and not behind:
             return None
-        results = await asyncio.gather(*(self._receive(plan, m) for m in mine))
+        results = await asyncio.gather(*(self._receive(plan, m) for m in mine),
+                                       *(self._caught_up(plan, m) for m in behind))
         errors = [r for r in results if isinstance(r, str)]
         if errors:
             return Report(node=me, phase=plan.phase, ok=False, final=True, error=errors[0])
@@ -215,6 +289,17 @@ class NodePlans:
             if ok is None or ok.ok is False:
                 return (f"the joiner of rank {move.rank} rejected its mirrored snapshot (step "
                         f"{ok.step if ok else None}, resume step {plan.boundary})")
+        return int(msg.nbytes or 0)
+
+    async def _caught_up(self, plan: SwapPlan, move: Move) -> int | str:
+        """A survivor of this node catching up: the bytes it received and loaded, or why not."""
+        slot = self.sw._slots.slots[move.joiner.slot]
+        msg = await self.sw._await_received(plan, slot)
+        if not isinstance(msg, Received) or not msg.ok:
+            err = msg.error if isinstance(msg, Received) else msg
+            return f"rank {move.rank} did not catch up: {err or 'no answer'}"
+        self.port.events.write("rank_caught_up", swap_id=plan.id, rank=move.rank, step=plan.boundary,
+                               donor=move.donor.rank if move.donor else None, nbytes=msg.nbytes)
         return int(msg.nbytes or 0)
 
     async def _reform(self, plan: SwapPlan) -> Report:

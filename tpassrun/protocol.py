@@ -185,6 +185,23 @@ class MirrorInfo(Message):
 
 
 @dataclass(frozen=True)
+class CatchUp(Message):
+    """A mixed commit (a survivor failed inside step ``step - 1`` that others completed): listen (reply
+    ``Listening``) for a survivor that completed it, receive its replicated state (model, optimizer, schedulers:
+    reply ``Received``), load it; at ``Reform`` resume at ``step`` from this rank's own seal of ``step`` (its
+    per-rank state, sealed before it contributed to the step's all-reduce)."""
+
+    KIND: ClassVar[str] = "catch_up"
+    swap_id: str
+    key: str                          # hex: this attempt's transfer key; a sender that cannot prove it is dropped
+    rank: int                         # this rank (the sender proves the key for it)
+    listen_host: str
+    step: int                         # the step everyone resumes at
+    timeout: float = 120.0
+    accept_timeout: float = 120.0
+
+
+@dataclass(frozen=True)
 class Break(Message):
     """Sent on a worker's *watch* connection (never the command one): a node this rank shares collectives with
     was declared lost, and a collective blocked on it may never fail by itself (a partition resets nothing):
@@ -313,11 +330,12 @@ class Reformed(Message):
 
 
 Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort, ShardRollback, MirrorInfo,
-                Break]
+                Break, CatchUp]
 Reply = Union[Hello, Done, Failed, Replicas, Listening, Received, Stranger, LightOk, Reformed, ShardRolledBack,
               MirrorInfoRequest, Watch]
 COMMANDS: dict[str, type[Message]] = {c.KIND: c for c in (Resume, SendState, Reform, Exit, Raise, Assign, Light,
-                                                             Reserve, Abort, ShardRollback, MirrorInfo, Break)}
+                                                             Reserve, Abort, ShardRollback, MirrorInfo, Break,
+                                                             CatchUp)}
 REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Replicas, Listening, Received,
                                                             Stranger, LightOk, Reformed, ShardRolledBack,
                                                             MirrorInfoRequest, Watch)}
@@ -393,7 +411,7 @@ def _build(cls: type, doc: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-__all__ = ["Abort", "Assign", "Break", "COMMANDS", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
+__all__ = ["Abort", "Assign", "Break", "COMMANDS", "CatchUp", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
            "Listening", "Message", "MirrorInfo", "MirrorInfoRequest", "ProtocolError", "REPLIES", "Raise", "MirrorSource", "Received",
            "Reform", "Reformed", "Replicas", "Reply", "ShardRollback", "ShardRolledBack", "Reserve", "Resume", "SendState", "Stranger", "Watch", "WorldSpec", "decode",
            "decode_command", "decode_reply", "encode"]

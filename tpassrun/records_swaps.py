@@ -136,6 +136,12 @@ class SwapPlan:
     # aborted because another rank died while it ran (a second fault): a plan for every dead rank follows, so
     # nobody falls back to a group restart on its account
     superseded: bool = False
+    # node plans, a mixed commit (tpassrun/catchup.py): survivors that catch up (leaver = joiner = their slot)
+    # from a survivor that completed the step (donor), with their listening address once known
+    catch_up: tuple[Move, ...] = ()
+    # node plans of sharded jobs: the node whose mirror holds each lost rank's shard (with its light snapshot) of
+    # ``boundary`` (its joiner fetches it from there); ``restore`` as above
+    shards_from: Mapping[int, str] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
@@ -167,6 +173,8 @@ class SwapPlan:
             "light_from": {str(r): n for r, n in self.light_from.items()}, "replaces": self.replaces,
             "store": list(self.store) if self.store else None, "store_host": self.store_host,
             "superseded": self.superseded,
+            "catch_up": [m.to_json() for m in self.catch_up],
+            "shards_from": {str(r): n for r, n in self.shards_from.items()},
         }
 
     @classmethod
@@ -186,15 +194,18 @@ class SwapPlan:
                    and isinstance(h[1], (int, float)) for h in history):
             raise RecordError(f"{what}: history must be [phase, time] pairs")
         donor = d.get("donor")
-        light_from = d.get("light_from") or {}
-        if not isinstance(light_from, Mapping) or not all(
-                isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in light_from.items()):
-            raise RecordError(f"{what}: light_from must map ranks to node ids")
+        light_from, shards_from = d.get("light_from") or {}, d.get("shards_from") or {}
+        for name, m in (("light_from", light_from), ("shards_from", shards_from)):
+            if not isinstance(m, Mapping) or not all(isinstance(k, str) and k.isdigit() and isinstance(v, str)
+                                                     for k, v in m.items()):
+                raise RecordError(f"{what}: {name} must map ranks to node ids")
         return cls(
             moves=tuple(Move.from_json(m, f"{what} move") for m in _list(d, "moves", what)),
             lost_node=_opt_str(d, "lost_node", what), light_from={int(k): v for k, v in light_from.items()},
             replaces=_opt_str(d, "replaces", what), store=_addr(d.get("store"), what),
             store_host=_opt_str(d, "store_host", what), superseded=_bool(d, "superseded", what),
+            catch_up=tuple(Move.from_json(m, f"{what} catch-up") for m in _list(d, "catch_up", what)),
+            shards_from={int(k): v for k, v in shards_from.items()},
             id=_str(d, "id", what), kind=_enum(SwapKind, d, "kind", what),
             generation=_int(d, "generation", what, minimum=0),
             leaver=SlotRef.from_json(d.get("leaver"), f"{what} leaver"),
@@ -242,11 +253,18 @@ class Report:
     held: Mapping[int, tuple[int, ...]] = field(default_factory=dict)   # pause (node plan): rank -> steps of the
                                                                       # light copies this node's mirror holds
     joiner_addrs: Mapping[int, tuple[str, int]] = field(default_factory=dict)   # transfer (node plan): rank -> addr
+    # pause (node plan): rank -> (slot, the step this survivor can resume at exactly or -1, whether it can catch up
+    # to the next one: it failed inside that step before its commit point and sealed it; tpassrun/catchup.py)
+    stops: Mapping[int, tuple[int, int, bool]] = field(default_factory=dict)
+    shard_held: Mapping[int, tuple[int, ...]] = field(default_factory=dict)   # pause (node plan): rank -> steps
+                                                          # of its sharded state this node's mirror holds
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node": self.node, "phase": self.phase.value, "ok": self.ok,
                 "held": {str(r): list(v) for r, v in self.held.items()},
                 "joiner_addrs": {str(r): list(a) for r, a in self.joiner_addrs.items()},
+                "stops": {str(r): list(v) for r, v in self.stops.items()},
+                "shard_held": {str(r): list(v) for r, v in self.shard_held.items()},
                 "candidate": self.candidate, "steps": list(self.steps), "failed_steps": list(self.failed_steps),
                 "post_commit": list(self.post_commit),
                 "dead_steps": None if self.dead_steps is None else list(self.dead_steps), "final": self.final,
@@ -273,14 +291,22 @@ class Report:
         extra = d.get("extra") or {}
         if not isinstance(extra, Mapping):
             raise RecordError(f"{what}: extra must be a JSON object")
-        held, addrs = d.get("held") or {}, d.get("joiner_addrs") or {}
-        if not isinstance(held, Mapping) or not isinstance(addrs, Mapping) or not all(
-                isinstance(k, str) and k.isdigit() for k in [*held, *addrs]):
-            raise RecordError(f"{what}: held and joiner_addrs must be keyed by rank")
+        held, addrs, shard_held = d.get("held") or {}, d.get("joiner_addrs") or {}, d.get("shard_held") or {}
+        if not isinstance(held, Mapping) or not isinstance(addrs, Mapping) or not isinstance(shard_held, Mapping) \
+                or not all(isinstance(k, str) and k.isdigit() for k in [*held, *addrs, *shard_held]):
+            raise RecordError(f"{what}: held, shard_held and joiner_addrs must be keyed by rank")
         if not all(isinstance(v, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in v)
-                   for v in held.values()):
-            raise RecordError(f"{what}: held must list steps")
+                   for v in [*held.values(), *shard_held.values()]):
+            raise RecordError(f"{what}: held and shard_held must list steps")
+        stops = d.get("stops") or {}
+        if not isinstance(stops, Mapping) or not all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, list) and len(v) == 3
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in v[:2]) and isinstance(v[2], bool)
+                for k, v in stops.items()):
+            raise RecordError(f"{what}: stops must map ranks to [slot, step, can catch up]")
         return cls(
+                   stops={int(k): (v[0], v[1], v[2]) for k, v in stops.items()},
+                   shard_held={int(k): tuple(v) for k, v in shard_held.items()},
                    held={int(k): tuple(v) for k, v in held.items()},
                    joiner_addrs={int(k): a for k, v in addrs.items() if (a := _addr(v, what)) is not None},node=_str(d, "node", what), phase=_enum(Phase, d, "phase", what), ok=_bool(d, "ok", what, True),
                    candidate=_opt_int(d, "candidate", what), steps=tuple(steps), failed_steps=tuple(failed),

@@ -36,6 +36,8 @@ from typing import Iterable, Sequence
 
 # The records a plan is made of live with every other etcd record; re-exported: they are the planner's words.
 from .records import TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
+from .catchup import leaders_donate, roll_forward
+from .node_shards import sharded_resume
 
 __all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Move", "PHASE_TIMEOUT_S", "Phase", "Report", "ResumeChoice",
            "SlotRef", "SlotView", "SwapKind", "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "lost_ranks",
@@ -54,6 +56,7 @@ class SlotView:
     managed: bool
     step: int = 0
     replicas: tuple[int, ...] | None = None   # its declared replica group (None: every rank holds its state)
+    sharded: bool = False      # it tracks sharded state (sess.track_sharded): local copies, a mirror at its buddy
 
 
 @dataclass(frozen=True)
@@ -221,8 +224,11 @@ def _interleaved_donors(view: ClusterView, lost: str, rank: int | None = None) -
     """Live managed ranks ordered to spread the transfers: one per node in turn (several donors in parallel,
     each streaming to one joiner, the bulk leaving from as many nodes as there are). With ``rank``: only those
     holding that rank's state (a declared replica group that names it, or none declared: data parallel)."""
+    # (a rank alone in its replica group with sharded state, ZeRO's or pure FSDP's: its shard comes from its
+    # mirror, the rest of its state, replicated on every rank, from any other such rank)
     live = [s for s in view.slots if s.rank is not None and s.state == "running" and s.node != lost
-            and s.node not in view.lost and (rank is None or s.replicas is None or rank in s.replicas)]
+            and s.node not in view.lost and (rank is None or s.replicas is None or rank in s.replicas
+                                             or (s.sharded and s.replicas == (s.rank,)))]
     by_node: dict[str, list[SlotView]] = {}
     for s in sorted(live, key=lambda s: s.rank or 0):
         by_node.setdefault(s.node, []).append(s)
@@ -316,10 +322,12 @@ def plan_for_dead_ranks(view: ClusterView, dead: Sequence[tuple[str, int, int]],
                             f"{donors}: {reason}", plan)
 
 
-def resume_step_node(reports: Sequence[Report], ranks: Sequence[int]) -> tuple[int | None, dict[int, str], str]:
+def resume_step_node(reports: Sequence[Report], ranks: Sequence[int],
+                     at: int | None = None) -> tuple[int | None, dict[int, str], str]:
     """The step a node plan resumes at and, for each lost rank, the node whose mirror holds its light state for
-    that step; or None and why not (pure). The survivors' rule is :func:`resume_step`'s."""
-    step, why = resume_step(reports, None)
+    that step; or None and why not (pure). The survivors' rule is :func:`resume_step`'s (``at``: the step a
+    mixed commit rolls forward to, :func:`tpassrun.catchup.roll_forward`)."""
+    step, why = (at, f"the survivors catch up to step {at}") if at is not None else resume_step(reports, None)
     if step is None:
         return None, {}, why
     light_from: dict[int, str] = {}
@@ -350,23 +358,41 @@ def _next_node_step(plan: SwapPlan, mine: Sequence[Report], now_wall: float, sen
     bad = [r for r in mine if not r.ok]
     if bad:
         return abort(f"{plan.phase.value}: {bad[0].node}: {bad[0].error}")
-    joiner_nodes = {m.joiner.node for m in plan.moves}
+    joiner_nodes = {m.joiner.node for m in (*plan.moves, *plan.catch_up)}
     needed = joiner_nodes if plan.phase in (Phase.TRANSFER, Phase.SEND) else set(plan.nodes)
+    if plan.phase == Phase.TRANSFER and plan.restore:
+        needed = needed | set(plan.nodes)      # every survivor rolled back to its copy before a donor sends
     have = {r.node for r in mine}
     if not needed <= have:
         return Decision("wait", f"{plan.phase.value}: waiting for {sorted(needed - have)}")
     if plan.phase == Phase.PAUSE:
+        sharded = sharded_resume(mine, plan.ranks, *resume_step(mine, None))
+        if sharded is not None:     # the lost ranks' shards come from their mirrors (tpassrun/node_shards.py)
+            if sharded.step is None:
+                return abort(sharded.why)
+            return Decision("plan", sharded.why, plan.advance(Phase.TRANSFER, now_wall, boundary=sharded.step,
+                                                              restore=sharded.restore, shards_from=sharded.shards_from))
         step, light_from, why = resume_step_node(mine, plan.ranks)
         if step is None:
-            return abort(why)
+            forward = roll_forward(mine)        # a mixed commit: the laggards catch up from the leaders
+            if forward.step is None:
+                return abort(why if "mixed commit" not in forward.why else forward.why)
+            step, light_from, why2 = resume_step_node(mine, plan.ranks, at=forward.step)
+            if step is None:
+                return abort(f"{forward.why}; but {why2}")
+            return Decision("plan", forward.why, plan.advance(
+                Phase.TRANSFER, now_wall, boundary=step, light_from=light_from, catch_up=forward.moves,
+                moves=leaders_donate(plan.moves, forward.moves)))
         return Decision("plan", why, plan.advance(Phase.TRANSFER, now_wall, boundary=step, light_from=light_from))
     if plan.phase == Phase.TRANSFER:
         addrs = {rank: addr for r in mine for rank, addr in r.joiner_addrs.items()}
-        missing = [m.rank for m in plan.moves if m.rank not in addrs]
+        missing = [m.rank for m in (*plan.moves, *plan.catch_up) if m.rank not in addrs]
         if missing:
             return abort(f"no joiner listened for ranks {missing}")
         moves = tuple(dataclasses.replace(m, joiner_addr=addrs[m.rank]) for m in plan.moves)
-        return Decision("plan", f"{len(moves)} joiners listening", plan.advance(Phase.SEND, now_wall, moves=moves))
+        catch_up = tuple(dataclasses.replace(m, joiner_addr=addrs[m.rank]) for m in plan.catch_up)
+        return Decision("plan", f"{len(moves)} joiners, {len(catch_up)} survivors catching up listening",
+                        plan.advance(Phase.SEND, now_wall, moves=moves, catch_up=catch_up))
     if plan.phase == Phase.SEND:
         return Decision("plan", "every joiner received and verified its state", plan.advance(Phase.REFORM, now_wall))
     if plan.phase == Phase.REFORM:

@@ -17,8 +17,8 @@ import time
 from . import shardplane
 from .channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
 from .port import FallbackRequested
-from .protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Received, Reform, Reformed, Resume,
-                       SendState, Stranger, WorldSpec)
+from .protocol import (Abort, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform, Reformed,
+                       Resume, SendState, Stranger, WorldSpec)
 from .records import Move, Report, SwapPlan, load, node_info
 from .slots import Slot, SlotState
 from .swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, transfer_key as _transfer_key
@@ -187,7 +187,8 @@ class PhaseSteps:
             return None
         return Report(node=me, phase=plan.phase, joiner_addr=addr, light_b64=light_b64)
 
-    async def _assign_joiner(self, plan: SwapPlan, move: Move | None = None) -> tuple[str, int] | str:
+    async def _assign_joiner(self, plan: SwapPlan, move: Move | None = None,
+                             mirror_from: MirrorSource | None = None) -> tuple[str, int] | str:
         """Hand the spare its rank and wait until it listens: its address, or why not (a string)."""
         me = self.port.node_id
         joiner = self._slots.slots[(move.joiner if move is not None else plan.joiner).slot]
@@ -200,7 +201,7 @@ class PhaseSteps:
             return f"swap {plan.id} carries no transfer secret: refusing an unauthenticated transfer"
         self._slots.drain(joiner)
         # the dead rank's shard, when a mirror holds it: the joiner fetches it from there
-        mirrored = await shardplane.mirror_source(self.port.mirror(), plan)
+        mirrored = mirror_from or await shardplane.mirror_source(self.port.mirror(), plan)
         # Assigned during BOUNDARY, the spare may wait for the survivors' step and then the TRANSFER phase.
         # It listens on this node's advertised address only, and accepts only a sender that proves the key
         # (which reaches it over its private agent socket, never the network).
@@ -284,7 +285,8 @@ class PhaseSteps:
                 return "aborted"
         return None
 
-    async def _refuse_destination(self, plan: SwapPlan, move: Move | None = None) -> str | None:
+    async def _refuse_destination(self, plan: SwapPlan, move: Move | None = None,
+                                  catch_up: bool = False) -> str | None:
         """Why this node must not stream a rank's state to the joiner's address (None: it may). The state goes
         only to a spare slot of a node of the current generation, at that node's registered address, in a
         swap this node followed into its TRANSFER phase: a plan written straight into SEND, or naming any
@@ -315,6 +317,10 @@ class PhaseSteps:
             return f"{host}:{addr[1]} is not the address of node {move.joiner.node!r} ({registered})"
         view = await self.coordinator.view()
         held = view.slot_at(move.joiner.node, move.joiner.slot)
+        if catch_up:      # a survivor catching up (a mixed commit): the slot runs that rank
+            if held is None or held.state != "running" or held.rank != move.rank:
+                return f"{move.joiner.node}/{move.joiner.slot} does not run rank {move.rank}"
+            return None
         if held is None or held.state not in ("spare", "transferring"):
             return f"{move.joiner.node}/{move.joiner.slot} is not a spare ({held.state if held else 'unknown'})"
         return None

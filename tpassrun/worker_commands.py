@@ -15,7 +15,8 @@ import time
 from typing import Any, Callable
 
 from .channel import STOP_NOW, Field, WorkerPhase
-from .protocol import Exit, Failed, Message, Raise, Reform, Reformed, Resume, SendState, ShardRolledBack, ShardRollback
+from .protocol import (CatchUp, Exit, Failed, Message, Raise, Reform, Reformed, Resume, SendState, ShardRolledBack,
+                       ShardRollback)
 from .world import abort_process_groups, join_world, leave_process_group, set_rank_env
 from .worker_failure import StepFailure
 
@@ -29,7 +30,8 @@ class BoundaryCommands:
     # on, or leaves). A spare's table is SpareCommands._SPARE_COMMANDS.
     _RANK_COMMANDS: dict[type[Message], str] = {Resume: "_on_resume", SendState: "_on_send_state",
                                                 ShardRollback: "_on_shard_rollback", Reform: "_on_reform",
-                                                Exit: "_on_exit", Raise: "_on_raise"}
+                                                Exit: "_on_exit", Raise: "_on_raise",
+                                                CatchUp: "_on_catch_up"}   # (worker_catchup.py)
 
     def _at_boundary(self, step: int) -> None:
         link = self._link
@@ -164,8 +166,15 @@ class BoundaryCommands:
         commit point, and a step that failed after it resumes at the next one."""
         if resume is None:                      # an agent that does not say: the failed step, as before
             resume = self._window if failed or self._window < step else step
+        caught_up, self._caught_up = self._caught_up, None
         if resume == step + 1 and failed and self._failed_seal is not None:
             self._restore_light(self._failed_seal)     # failed after its commit point: the seal is step + 1's start
+            self._drop_grads()
+            self._window_closed()
+        elif resume == step + 1 and failed and caught_up is not None and caught_up[0] == resume:
+            # a mixed commit: the replicated state of step + 1 came from a survivor that completed this step
+            # (CatchUp); the per-rank state is this rank's own seal of it
+            self._restore_light(caught_up[1])
             self._drop_grads()
             self._window_closed()
         elif resume == self._window and (failed or self._window < step):

@@ -14,6 +14,7 @@ from typing import Any, Callable, Iterable
 from .channel import Field, WorkerPhase
 from .protocol import Done, Message, MirrorInfo, MirrorInfoRequest, Replicas
 from .world import BucketLayout, ReconfigurableDDP
+from .worker_catchup import CatchUpCommand
 from .worker_commands import BoundaryCommands
 from .worker_failure import classify_failure
 from .worker_link import AgentLink
@@ -36,7 +37,7 @@ def _is_replicated(obj: Any) -> bool:
     return isinstance(obj, replicated)
 
 
-class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
+class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, ShardedState):
     """What :func:`init` returns. Create through :func:`init`, not directly."""
 
     def __init__(self, *, backend: str | None, link: AgentLink | None, rank: int, world_size: int,
@@ -64,6 +65,7 @@ class Session(StepTransaction, BoundaryCommands, SpareCommands, ShardedState):
         self._light_mirror: Any = None            # light_mirror.LightMirror: this rank pushes its snapshots itself
         self._light_retarget_due = 2              # ask where they go (worker_step._RETARGET_*), 0: settled
         self._light_polls = 0
+        self._caught_up: tuple[int, bytes] | None = None   # a mixed commit: (resume step, own seal), CatchUp
         self._first_grad_ns = 0
         self._ddps = 0                  # sess.ddp() calls so far: names their bucket layouts
         # The step as a transaction (see _seal and _commit_point): sealed when its collectives are done,

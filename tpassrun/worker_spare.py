@@ -171,19 +171,21 @@ def _wait_for_sender(listener: socket.socket, link: AgentLink, timeout: float, p
             return True
 
 
-def _receive_state(listener: socket.socket, link: AgentLink, msg: Assign, auth: Any,
-                   pending: list[Message]) -> tuple[Any, tuple[Any, bytes | None] | None] | None:
+def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any, pending: list[Message],
+                   reply: bool = True) -> tuple[Any, Any] | None:
     """Wait for the sender the agent announced and receive its state, and the dead rank's mirrored shard when
     the assignment names one: (bundle, (shard bundle, light) or None); None if none came, or it failed.
     Connections that do not prove the swap key are dropped and the wait goes on: a stranger that connects
-    first neither delays the swap past its timeout nor gets anything applied."""
+    first neither delays the swap past its timeout nor gets anything applied. ``msg``: an ``Assign`` (or a
+    survivor's ``CatchUp``, with ``reply=False``: then (bundle, transfer stats), and the caller says Received
+    once it checked and loaded the state)."""
     from . import handoff
     from .handoff_wire import accept_one
 
     swap_id = msg.swap_id
     wait_s = float(msg.timeout)
     accept_s = float(msg.accept_timeout)
-    max_bytes = msg.max_bytes or None
+    max_bytes = getattr(msg, "max_bytes", None) or None
     deadline = time.monotonic() + accept_s
     strangers = 0
     while True:
@@ -216,6 +218,8 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Assign, auth: 
             link.send(Received(ok=False, swap_id=swap_id,
                                error=f"HandoffError: the state is for swap {sent_for!r}, not {swap_id!r}"))
             return None
+        if not reply:
+            return bundle, stats
         mirrored, nbytes = None, stats.nbytes
         if msg.mirror_from is not None:
             # the dead rank's sharded state is in its buddy's mirror, not on any live rank (tpassrun/shards.py)

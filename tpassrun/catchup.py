@@ -1,0 +1,75 @@
+"""A mixed commit resolved forward (pure): survivors that failed inside a step others completed catch up.
+
+When ranks die inside a step's all-reduce, the collective can complete on some survivors and not on others:
+the ones that completed it (the *leaders*) committed the step (their optimizer stepped) and stopped at the next
+one; the others (the *laggards*) failed inside it, before their commit point. Neither side can be moved to the
+other's step by itself: a leader cannot undo its optimizer step (no copy of its model before it, under plain
+data parallelism), a laggard does not have the all-reduced gradients. But a laggard needs nothing a leader does
+not hold: every survivor's replicated state (model, optimizer, schedulers) of the next step's start is the
+leaders' (they all applied the same all-reduced gradients), and a laggard's own per-rank state (RNG, data
+position) of the next step is its *seal*: it is written in the step's backward pass, before the rank contributes
+to the step's all-reduce, so every rank that a leader's completion needed has sealed the step. So each laggard
+takes the replicated state from a leader (a transfer, like a joiner's), keeps its own seal, and everyone, the
+lost ranks' replacements too (from the seals their ranks pushed to the buddy), resumes at the next step.
+
+:func:`roll_forward` decides it from the PAUSE reports (``Report.stops``: per local survivor, the step it can
+resume at and whether it can catch up to the next one); the node-plan participant (``nodeswap.py``) carries it
+out; the worker's side is ``CatchUp`` (``worker_commands.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Sequence
+
+from .records import Move, Report, SlotRef
+
+
+@dataclass(frozen=True)
+class RollForward:
+    """Where a mixed commit resumes (``step``; None: not forward, ``why``) and who catches up from whom
+    (``moves``: ``leaver`` = ``joiner`` = the laggard's slot, ``donor`` = a leader's)."""
+
+    step: int | None
+    why: str
+    moves: tuple[Move, ...] = ()
+
+
+def roll_forward(reports: Sequence[Report]) -> RollForward:
+    """The PAUSE reports of a plan whose survivors stopped one step apart: catch the laggards up (pure)."""
+    stops = [(r.node, rank, slot, offer, can) for r in reports for rank, (slot, offer, can) in sorted(r.stops.items())]
+    if not stops:
+        return RollForward(None, "no survivor said where it stopped")
+    offers = sorted({offer for *_x, offer, _can in stops})
+    if len(offers) != 2 or offers[0] < 0 or offers[1] != offers[0] + 1:
+        return RollForward(None, f"survivors can resume at steps {offers}: not one step apart")
+    step = offers[1]
+    laggards = [(node, rank, slot) for node, rank, slot, offer, _can in stops if offer == step - 1]
+    stuck = [rank for _node, rank, _slot, offer, can in stops if offer == step - 1 and not can]
+    if stuck:
+        return RollForward(None, f"mixed commit: ranks {stuck} stopped inside step {step - 1}, which other survivors "
+                                 f"completed, and hold no seal of step {step} to catch up with")
+    leaders = [(node, rank, slot) for node, rank, slot, offer, _can in stops if offer == step]
+    used: dict[int, int] = {}
+    moves = []
+    for node, rank, slot in laggards:
+        # a leader on the laggard's node first (the transfer stays local), then the least used one
+        donor = min(leaders, key=lambda d: (d[0] != node, used.get(d[1], 0), d[1]))
+        used[donor[1]] = used.get(donor[1], 0) + 1
+        me = SlotRef(node, slot, rank)
+        moves.append(Move(me, me, SlotRef(donor[0], donor[2], donor[1])))
+    return RollForward(step, f"mixed commit: ranks {sorted(r for _n, r, _s in laggards)} failed inside step "
+                             f"{step - 1}, which ranks {sorted(r for _n, r, _s in leaders)} completed: they catch up "
+                             f"from them and everyone resumes at step {step}", tuple(moves))
+
+
+def leaders_donate(moves: Sequence[Move], catch_up: Sequence[Move]) -> tuple[Move, ...]:
+    """The joiners' donors, none of them a laggard (its state is a step behind until it caught up): such a donor
+    is replaced by the leader it catches up from."""
+    behind = {(m.leaver.node, m.leaver.slot): m.donor for m in catch_up}
+    return tuple(dataclasses.replace(m, donor=behind[(m.donor.node, m.donor.slot)])
+                 if m.donor is not None and (m.donor.node, m.donor.slot) in behind else m for m in moves)
+
+
+__all__ = ["RollForward", "leaders_donate", "roll_forward"]
