@@ -6,7 +6,7 @@ at a random instant (its agent SIGKILLed, its workers die with it; or its agent 
 its own workers before its lease expires). The leader moves the lost node's ranks to C at once: the survivors
 keep their processes and roll back to the failed step's start, C's joiners get model/optimizer from the
 survivors (two donors in parallel) and their per-rank light state (RNG, data position) from the copy the lost
-node's agent kept in its buddy's memory; everyone re-executes the failed step. The run ends ``torch.equal`` to
+node's workers pushed into its buddy's memory; everyone re-executes the failed step. The run ends ``torch.equal`` to
 an uninterrupted torchrun run, with every step's loss logged exactly once.
 
 When no live recovery is possible (the lost node's buddy, which held its copies, is lost too) the group
@@ -21,7 +21,8 @@ import time
 
 import pytest
 
-from faults import EtcdProxy, Job, assert_bit_exact, faults_env, pid_of_rank, sigkill_agent, wait_dead
+from faults import (EtcdProxy, Job, assert_bit_exact, faults_env, pid_of_rank, sigkill_agent, sigkill_node,
+                    wait_dead)
 
 pytestmark = pytest.mark.timeout(360)
 
@@ -83,35 +84,44 @@ def _assert_recovered_live(train: str, reference: Job, survivors: list[int], mov
     assert "recovered live" in joiner_node.log() and FALLBACK not in joiner_node.log()
 
 
-# Where a step can be when its node dies, outside a collective. Two instants are left out, both a few
-# milliseconds wide: inside a collective that then completes on some survivors only (a "mixed commit", issue 9:
-# no live recovery is exact from there yet), and right after the step's collectives, before the dying node's
-# agent has copied that step's seal to its buddy (the optimizer step of this small model takes less than that:
-# the example's opt_step and after_opt points fall there; the agent copies a seal as soon as its worker writes
-# it, but the node is gone a millisecond later). Both fall back to a restart and say why.
-POINTS = ("step", "load", "forward", "user", "end")
+def _per_step(train: str, rank: int) -> float:
+    rows = Job(argv=[], out=train).losses(rank)
+    return (rows[-1]["t"] - rows[0]["t"]) / max(1, len(rows) - 1) if len(rows) > 1 else 0.02
 
 
-def test_a_sigkilled_node_is_replaced_live_by_the_spare_node(tmp_path, etcd_server, run_id, reference):
+def test_a_node_killed_at_a_random_instant_is_replaced_live_by_the_spare_node(tmp_path, etcd_server, run_id,
+                                                                                reference):
+    """Node B (its agent and both its workers, SIGKILLed from outside back to back, as a host dies) is killed at
+    an instant drawn uniformly over a step: in its forward, backward, inside the all-reduce, right after it (the
+    instant its seal of the step must already be in its buddy's memory: the worker pushes it there itself,
+    before its gradients reach the all-reduce), in the optimizer step, in user code, between steps. Short
+    steps, so that those parts are most of the step."""
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
-    step, where = rng.randint(3, STEPS // 2), rng.choice(POINTS)
-    print(f"seed {seed}: node B dies at step {step}, {where}")
+    step = rng.randint(3, STEPS // 2)
     train = str(tmp_path / "train")
-    # the first of B's ranks to reach that point SIGKILLs B's agent (and so every worker of B, as a host dies)
-    die = faults_env(*({"rank": r, "step": step, "where": where, "action": "kill_node",
-                        "marker": str(tmp_path / "died")} for r in range(4)))
+    release = str(tmp_path / "release")
+    hold = faults_env({"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release})
     a, b, c = (Job.agent(str(tmp_path / n), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS,
-                         extra=["--spare-node"] if n == "c" else [], env=die if n == "b" else {}) for n in "abc")
+                         step_sleep=0.002, extra=["--spare-node"] if n == "c" else [], env=hold)
+               for n in "abc")
     try:
-        _start(a, b, c)
+        _start(a, b, c)                   # the job waits at step 1 until C's spares are warm
         b_pids = b.worker_pids()
-        assert b.proc is not None
-        b.proc.wait(240)
-        killed = time.monotonic()
+        open(release, "w").close()
+        logs = Job(argv=[], out=train)
+        for r in range(4):
+            logs.wait_step(0, 120, rank=r)
+        b_rank = next(r for r in range(4) if pid_of_rank(train, r) in b_pids)
+        logs.wait_step(step, 120, rank=b_rank)
+        delay = rng.uniform(0, _per_step(train, b_rank))
+        time.sleep(delay)
+        killed = sigkill_node(b)
         dead = wait_dead(b_pids, killed, 10)
-        assert len(dead) == len(b_pids), "B's workers outlived their SIGKILLed agent"
+        print(f"seed {seed}: node B killed {delay * 1e3:.1f} ms after rank {b_rank} logged step {step} "
+              f"(it had logged step {logs.step_reached(b_rank)})")
+        assert len(dead) == len(b_pids)
         assert a.wait(240) == 0, a.log()[-3000:]
         assert c.wait(60) == 0, c.log()[-3000:]
     finally:
@@ -120,11 +130,11 @@ def test_a_sigkilled_node_is_replaced_live_by_the_spare_node(tmp_path, etcd_serv
     b_ranks = sorted(r for r, pids in _pids_by_rank(train, 4).items() if pids[0] in b_pids)
     survivors = [r for r in range(4) if r not in b_ranks]
     _assert_recovered_live(train, reference, survivors, b_ranks, c, b_pids)
-    # no rank was ever held by two live processes: B's were dead before C's joiners joined the re-formed world
-    # (its agent is declared gone once its port refuses connections, right after it exited: its workers got
-    # their PDEATHSIG then; ``dead`` is an upper bound, polled)
     reformed = [e["mono"] for e in c.events() if e["event"] == "swap_world_reformed"]
     assert reformed and max(dead.values()) < min(reformed)
+    # the workers pushed their own snapshots to the buddy (the agents copied the first step's only)
+    pushes = [e["mirror"]["pushes"] for j in (a, c) for e in j.events() if e["event"] == "agent_exit"]
+    assert pushes and max(pushes) <= 2 * STEPS // 4, pushes
 
 
 def test_a_node_cut_off_from_etcd_fences_its_workers_and_the_spare_node_takes_its_ranks_live(
@@ -132,7 +142,7 @@ def test_a_node_cut_off_from_etcd_fences_its_workers_and_the_spare_node_takes_it
     """A partition from etcd, not a crash: A (group rank 0: it runs the workers' store, and it likely leads)
     stays alive but cannot reach etcd. It must kill its own workers before its lease can expire (nobody else
     can); then the others move its ranks to C, with a new workers' store. A's ranks are held in their user code
-    after a step when the cut comes (its fence then never lands inside a collective: see POINTS)."""
+    after a step when the cut comes (the fence lands in user code, between two of its collectives)."""
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
