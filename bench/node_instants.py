@@ -16,7 +16,10 @@ step. Printed per run:
   * the workers' own pushes: how many light snapshots the agents still copied (the workers push theirs);
   * relogged: B's two ranks can die on either side of a step (one finished its part of the all-reduce and logged
     the step, the other did not, so the survivors could not complete it): everyone re-executes the step and the
-    first one's replacement logs it again, identically. Counted, not a difference (exact compares without it).
+    first one's replacement logs it again, identically. Counted, not a difference (exact compares without it);
+  * unlogged: a rank of B whose part of a step reached the survivors but which died before it logged the step
+    (the example logs after the backward pass): its successor starts at the next step, so nobody logs that step
+    for it. Counted, not a difference (the state after it is compared).
 
 Figures only, no assertions. The last line is JSON. (A node that goes silent instead of crashing is declared lost
 at its lease expiry; this bench kills processes, so the agent's closed port declares it at once.)
@@ -35,7 +38,7 @@ from typing import Any
 from common import REPO, EtcdServer, Workdir, next_step_after, print_json, steps_lost, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import Job, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node  # noqa: E402
+from faults import Job, _unlogged, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node  # noqa: E402
 
 WORLD = 4
 
@@ -113,12 +116,14 @@ def one_run(work: Workdir, index: int, etcd: EtcdServer, ref: Job, rng: random.R
         exact, why = False, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
     logs = Job(argv=[], out=train)
     relogged = sum(len(logs.losses(r)) - len(_without_relogged(logs.losses(r), set(b_pids))) for r in range(WORLD))
+    unlogged = sum(len(_unlogged(_without_relogged(logs.losses(r), set(b_pids)), set(b_pids))) for r in range(WORLD))
     redone = max(len(rows) - len({x["step"] for x in rows})
                  for rows in (_without_relogged(logs.losses(r), set(b_pids)) for r in range(WORLD)))
-    lost = {"redone": redone, "missing": steps_lost(train, WORLD, args.steps)["missing"]}
+    lost = {"redone": redone, "missing": steps_lost(train, WORLD, args.steps)["missing"] - unlogged}
     pushes = [e["mirror"]["pushes"] for j in (a, c) for e in j.events()
               if e["event"] == "agent_exit" and e.get("mirror")]
     return {"run": index, "step": logged, "exit": code, "live": live, "exact": exact, "relogged": relogged,
+            "unlogged": unlogged,
             "lost": lost["redone"] + lost["missing"],
             "recovery_s": next_step_after(train, WORLD, killed_wall) if live and killed_wall else None,
             "agent_copies": max(pushes) if pushes else None,
@@ -149,7 +154,9 @@ def main() -> None:
                 print(f"  run {i:2d}: died after step {r['step']}: live {'yes' if r['live'] else 'NO '}  exact "
                       f"{'yes' if r['exact'] else 'NO '}  lost {r['lost']}  recovery {rec}  agent copies "
                       f"{r['agent_copies']}" + (f"  (a lost rank's last step logged again by its successor: "
-                                                  f"{r['relogged']})" if r["relogged"] else "") + ("" if r["live"] and r["exact"] else f"  [{r['why']}]"), flush=True)
+                                                  f"{r['relogged']})" if r["relogged"] else "")
+                  + (f"  (a lost rank's last step, completed by the survivors, never logged: {r['unlogged']})"
+                     if r["unlogged"] else "") + ("" if r["live"] and r["exact"] else f"  [{r['why']}]"), flush=True)
     finally:
         etcd.cleanup()
     good = [r for r in results if r["live"] and r["exact"] and r["lost"] == 0]
