@@ -44,7 +44,7 @@ def test_a_lost_nodes_shards_come_back_from_its_buddys_mirror(tmp_path, etcd_ser
     die = faults_env(hold, *({"rank": r, "step": step, "where": where, "action": "kill_node",
                               "marker": str(tmp_path / "died")} for r in range(4)))
     jobs = {n: Job.agent(str(tmp_path / n), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS,
-                         step_sleep=0.02, extra=["--spare-node"] if n == "c" else [],
+                         step_sleep=0.05, extra=["--spare-node"] if n == "c" else [],
                          env=die if n == "b" else faults_env(hold)) for n in "abc"}
     for j in jobs.values():
         j.argv += ARGS
