@@ -160,10 +160,13 @@ class WorkerSpawning:
         self._queue.put_nowait(WorkerExited(slot, proc, code))
 
     def _on_worker_message(self, slot: Slot, msg: Reply) -> None:
-        if isinstance(msg, Hello) and msg.spare:
-            self.events.write("spare_ready", slot=slot.index, pid=msg.pid)
-            # the planners see a spare once this node's status says it is warm: say so now, not at the next
-            # periodic publication (up to a second later: a node lost meanwhile found no spare to take its ranks)
+        if isinstance(msg, Hello):
+            if msg.spare:
+                self.events.write("spare_ready", slot=slot.index, pid=msg.pid)
+            # The planners see a spare once this node's status says it is warm, and a rank as managed (it can be
+            # swapped) once the status says it said hello: say so now, not at the next periodic publication (up
+            # to a second later: a node lost meanwhile found no spare to take its ranks; a taint meanwhile took
+            # the rank for a script without tpassrun.init() and restarted the whole group, losing its steps).
             asyncio.ensure_future(self.publish_status())
         if isinstance(msg, MirrorInfoRequest) and self.mirror is not None:
             asyncio.ensure_future(self.mirror.answer_current(slot))
