@@ -58,14 +58,19 @@ def test_a_slot_whose_worker_died_serves_again_as_a_spare(tmp_path):
     its slot stayed quarantined for the rest of the run, so the second fell back to a whole-group restart (a
     long job ran out of spares after as many deaths as it had spares). Now the dead slot comes back as a spare
     once the recovery is over, and both deaths are recovered live."""
-    from faults import kill_at
+    from faults import hold_at, kill_at
 
-    job = Job.tpassrun(str(tmp_path), endpoint=None, run_id="", nproc=2, spares=1, steps=STEPS, step_sleep=0.05,
-                       env=faults_env(kill_at(1, 6, str(tmp_path / "k1"), where="step"),
-                                      kill_at(0, 24, str(tmp_path / "k0"), where="step"))).start()
+    # the second death waits until the first one's slot is back in the pool (however slow the machine)
+    back = hold_at(tmp_path, 20)
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=None, run_id="", nproc=2, spares=1, steps=STEPS,
+                       step_sleep=0.05, env=faults_env(kill_at(1, 6, str(tmp_path / "k1"), where="step"),
+                                                       kill_at(0, 24, str(tmp_path / "k0"), where="step"),
+                                                       back.fault)).start()
     try:
+        back.release_after(job, "spare_returned", distinct=None)
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
+        back.release()
         job.kill()
     names = [e["event"] for e in job.events()]
     assert names.count("swap_resumed") == 2 and "fallback" not in names and "restart" not in names, names

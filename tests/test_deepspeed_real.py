@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed not installed (scripts/bootstrap.sh installs deepspeed==0.19.8)")
 
-from faults import faults_env, kill_at, pids_by_rank, sigkill_rank, taint  # noqa: E402
+from faults import faults_env, hold_at, kill_at, pids_by_rank, sigkill_rank, taint  # noqa: E402
 from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
 
 SCRIPT = example("deepspeed", "train.py")
@@ -41,12 +41,16 @@ def reference(tmp_path_factory):
 def test_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, reference, stage):
     ref = reference(stage)
     at = random.Random().randint(1, 5)
-    job = tpassrun_job(str(tmp_path), SCRIPT, 2, _args(stage), endpoint=etcd_server.endpoint, run_id=run_id).start()
+    hold = hold_at(tmp_path, at)     # the swap is set while the job stands at step `at`, however slow the machine
+    job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 2, _args(stage), endpoint=etcd_server.endpoint, run_id=run_id,
+                       env=faults_env(hold.fault)).start()
     try:
-        job.wait_step(at, 240)
+        hold.wait_reached(job)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason=f"test at step {at}") == 0
+        hold.release_after(job, "swap_boundary")
         assert job.wait(300) == 0, job.log()[-4000:]
     finally:
+        hold.release()
         job.kill()
     assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-3000:]
     assert_same_run(job, ref, 2)
@@ -81,7 +85,10 @@ def test_zero_unplanned_kill_is_recovered_from_the_mirror(tmp_path, etcd_server,
     rnd = random.Random()
     at = rnd.randint(2, 8)
     marker = str(tmp_path / "fault")
-    faults = {} if where == "random" else faults_env(kill_at(1, at, marker, where=where))
+    # "random": rank 0 waits at a late step until the kill is done, so the job cannot end first (if it gets there,
+    # the kill finds rank 1 waiting in that step's collective: an instant like any other)
+    late = hold_at(tmp_path, STEPS - 5)
+    faults = faults_env(late.fault) if where == "random" else faults_env(kill_at(1, at, marker, where=where))
     job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 2, _args(stage, 0.05), endpoint=etcd_server.endpoint,
                        run_id=run_id, env=faults).start()
     try:
@@ -89,8 +96,10 @@ def test_zero_unplanned_kill_is_recovered_from_the_mirror(tmp_path, etcd_server,
             job.wait_step(at, 240, rank=1)
             time.sleep(rnd.uniform(0.0, 0.1))
             assert sigkill_rank(job.out, 1) is not None
+            late.release()
         assert job.wait(300) == 0, job.log()[-4000:]
     finally:
+        late.release()
         job.kill()
     assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-4000:]
     assert_same_run(job, ref, 2, redone=True)

@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from faults import (EtcdProxy, Job, assert_bit_exact, faults_env, pid_of_rank, sigkill_agent, sigkill_node,
+from faults import (EtcdProxy, Job, assert_bit_exact, faults_env, hold_at, pid_of_rank, sigkill_agent, sigkill_node,
                     wait_dead)
 
 pytestmark = pytest.mark.timeout(360)
@@ -216,8 +216,9 @@ def test_when_the_lost_nodes_buddy_dies_too_the_group_restarts_and_says_why(tmp_
     still succeeds, as under torchrun."""
     train = str(tmp_path / "train")
     conf = ",last_call_timeout=20"
+    hold = hold_at(tmp_path, 8)     # the two nodes die with the job at step 8 (the restarted attempt runs through)
     jobs = {n: Job.agent(str(tmp_path / n), train, endpoint=etcd_server.endpoint, run_id=run_id, nnodes="2:3",
-                         nproc=1 if n != "c" else 2, steps=STEPS, conf=conf,
+                         nproc=1 if n != "c" else 2, steps=STEPS, conf=conf, env=faults_env(hold.fault),
                          extra=["--spare-node"] if n == "c" else []) for n in "abdc"}
     try:
         _start(*jobs.values())
@@ -227,12 +228,14 @@ def test_when_the_lost_nodes_buddy_dies_too_the_group_restarts_and_says_why(tmp_
         ring = [next(n for n in "abd" if ids[n] == m) for m in members]
         lost, buddy = ring[1], ring[2]          # the second member and the node that holds its copies
         keep = ring[0]
-        Job(argv=[], out=train).wait_step(8, 120, rank=0)
+        hold.wait_reached(jobs[keep])
         for n in (lost, buddy):
             sigkill_agent(jobs[n])
+        hold.release()
         assert jobs[keep].wait(300) == 0, jobs[keep].log()[-3000:]
         assert jobs["c"].wait(120) == 0, jobs["c"].log()[-3000:]
     finally:
+        hold.release()
         for j in jobs.values():
             j.kill()
     said = [line for j in (jobs[keep], jobs["c"]) for line in j.log().splitlines() if FALLBACK in line]

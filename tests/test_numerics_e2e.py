@@ -10,16 +10,12 @@ is not a dependency). At most 5 worker processes run at once (4 ranks + 1 spare)
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import subprocess
-import sys
-import time
 
 import pytest
 
-from faults import Job, assert_bit_exact, faults_env, pids_by_rank, taint
+from faults import Job, assert_bit_exact, faults_env, hold_at, pids_by_rank, taint
 
 STEPS = 60
 SLEEP = 0.05
@@ -57,46 +53,23 @@ def test_no_fault_run_equals_torchrun(tmp_path, torchrun_ref, ddp):
     assert_bit_exact(job, torchrun_ref, 4)
 
 
-def _wait_spare_ready(job: Job, endpoint: str, run_id: str, timeout: float) -> None:
-    """Until the agent reports a warm spare (on a busy host its imports can take longer than the job)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        out = subprocess.run([sys.executable, "-m", "tpassrun.ctl", "status", "--json", "--rdzv-endpoint",
-                              endpoint, "--rdzv-id", run_id], capture_output=True, text=True, timeout=60)
-        if out.returncode == 0:
-            status = json.loads(out.stdout).get("status") or {}
-            if any(w.get("spare") for doc in status.values() for w in doc.get("workers", ())):
-                return
-        if job.proc is not None and job.proc.poll() is not None:
-            raise AssertionError(f"job exited before its spare was ready:\n{job.log()[-3000:]}")
-        time.sleep(0.5)
-    raise AssertionError(f"no warm spare within {timeout}s:\n{job.log()[-3000:]}")
-
-
 def _swap_once(tmp_path, etcd_server, run_id, ddp: str, env: dict[str, str] | None = None,
                at: int | None = None) -> Job:
     """A planned swap of rank 2 decided while rank 0 is held at the start of a random step (so that a spare
-    slow to warm up on a busy host cannot let the job end first); the boundary is the agent's choice."""
+    slow to warm up on a busy host cannot let the job end first); the boundary is the agent's choice, and the
+    hold is released once it is fixed."""
     at = random.Random().randint(3, 25) if at is None else at
-    release = str(tmp_path / "release")
-    hold = {"rank": 0, "step": at, "where": "step", "action": "hold", "release": release,
-            "marker": str(tmp_path / "held")}
+    hold = hold_at(tmp_path, at)
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=4, spares=1,
                        steps=STEPS, step_sleep=SLEEP, script_args=["--ddp", ddp],
-                       env={**(env or {}), **faults_env(hold)}).start()
+                       env={**(env or {}), **faults_env(hold.fault)}).start()
     try:
-        if at > 0:
-            job.wait_step(at - 1, 180)
-        _wait_spare_ready(job, etcd_server.endpoint, run_id, 180)
+        hold.wait_reached(job)
         assert taint(etcd_server.endpoint, run_id, rank=2, reason=f"test at step {at}") == 0
-        deadline = time.monotonic() + 120
-        while not any(e["event"] == "swap_decided" for e in job.events()):
-            assert time.monotonic() < deadline, f"no swap decided:\n{job.log()[-3000:]}"
-            time.sleep(0.1)
-        open(release, "w").close()
+        hold.release_after(job, "swap_boundary")
         assert job.wait(240) == 0, job.log()[-3000:]
     finally:
-        open(release, "w").close()
+        hold.release()
         job.kill()
     pids = pids_by_rank(job, 4)
     assert len(pids[2]) == 2 and all(len(pids[r]) == 1 for r in (0, 1, 3)), (at, pids)   # one live swap

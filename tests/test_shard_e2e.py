@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from faults import EXAMPLE, Job, faults_env, kill_at, pids_by_rank, sigkill_rank
+from faults import EXAMPLE, Job, faults_env, hold_at, kill_at, pids_by_rank, sigkill_rank
 from realjobs import assert_trees_equal
 
 
@@ -90,14 +90,19 @@ def test_a_kill_at_a_random_instant_is_recovered_from_the_mirror(tmp_path, etcd_
     argv = [sys.executable, "-m", "tpassrun", "--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint",
             etcd_server.endpoint, "--rdzv-id", run_id, "--nproc-per-node", "2", "--spares-per-node", "1",
             "--log-dir", os.path.join(out, "logs"), EXAMPLE, *ARGS, "--out", out]
-    job = Job(argv=argv, out=out).start()
+    # rank 0 waits at a late step until the kill is done, so the job cannot end first (if it gets there, the kill
+    # finds rank 1 waiting in that step's collective: an instant like any other)
+    late = hold_at(tmp_path, STEPS - 4)
+    job = Job(argv=argv, out=out, env=faults_env(late.fault)).start()
     rnd = random.Random()
     try:
         job.wait_step(rnd.randint(3, 12), 240, rank=1)
         time.sleep(rnd.uniform(0.0, 0.08))
         assert sigkill_rank(out, 1) is not None
+        late.release()
         assert job.wait(240) == 0, job.log()[-4000:]
     finally:
+        late.release()
         job.kill()
     assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-3000:]
     assert_same_run(job, reference, 2)

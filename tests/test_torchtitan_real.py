@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan not installed (scripts/bootstrap.sh installs torchtitan==0.3.0)")
 
-from faults import faults_env, kill_at, pids_by_rank, slow_from, taint  # noqa: E402
+from faults import faults_env, hold_at, kill_at, pids_by_rank, slow_from, taint  # noqa: E402
 from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
 
 SCRIPT = example("torchtitan", "train.py")
@@ -54,17 +54,16 @@ def _survived(job, rank: int) -> None:
 def test_fsdp2_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, reference):
     ref = reference(1)
     at = random.Random().randint(1, 8)
-    release = tmp_path / "release"
-    hold = {"rank": 0, "step": at, "where": "step", "action": "hold", "release": str(release),
-            "marker": str(tmp_path / "held")}   # the taint lands at step `at` however slow the machine is
+    hold = hold_at(tmp_path, at)     # the swap is set while the job stands at step `at`, however slow the machine
     job = tpassrun_job(str(tmp_path / "job"), SCRIPT, 4, _args(1), endpoint=etcd_server.endpoint, run_id=run_id,
-                       env=faults_env(hold)).start()
+                       env=faults_env(hold.fault)).start()
     try:
-        job.wait_step(at - 1, 240)
+        hold.wait_reached(job)
         assert taint(etcd_server.endpoint, run_id, rank=1, reason=f"test at step {at}") == 0
-        release.touch()
+        hold.release_after(job, "swap_boundary")
         assert job.wait(300) == 0, job.log()[-4000:]
     finally:
+        hold.release()
         job.kill()
     assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-3000:]
     assert_same_run(job, ref, 4)

@@ -89,6 +89,7 @@ def main() -> None:
 
     def step(i: int) -> None:                                     # tpassrun (the loop body, as a function)
         current[0] = i
+        fault_point(sess.rank, i, "step")                         # tests: a fault or a hold at the step's start
         x, y = batches.next()
         loss = F.mse_loss(engine(x), y)
         engine.backward(loss)
