@@ -102,7 +102,10 @@ def test_a_node_killed_at_a_random_instant_is_replaced_live_by_the_spare_node(tm
     step = rng.randint(3, STEPS // 2)
     train = str(tmp_path / "train")
     release = str(tmp_path / "release")
-    hold = faults_env({"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release})
+    # and at a late step until B is dead: the short steps cannot end the job before the kill however slow this
+    # test process is (if the job gets there, B dies with its ranks waiting in that step: an instant like others)
+    late = hold_at(tmp_path, STEPS - 3, name="late")
+    hold = faults_env({"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release}, late.fault)
     a, b, c = (Job.agent(str(tmp_path / n), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS,
                          step_sleep=0.002, extra=["--spare-node"] if n == "c" else [], env=hold)
                for n in "abc")
@@ -118,6 +121,7 @@ def test_a_node_killed_at_a_random_instant_is_replaced_live_by_the_spare_node(tm
         delay = rng.uniform(0, _per_step(train, b_rank))
         time.sleep(delay)
         killed = sigkill_node(b)
+        late.release()
         dead = wait_dead(b_pids, killed, 10)
         print(f"seed {seed}: node B killed {delay * 1e3:.1f} ms after rank {b_rank} logged step {step} "
               f"(it had logged step {logs.step_reached(b_rank)})")
@@ -125,6 +129,7 @@ def test_a_node_killed_at_a_random_instant_is_replaced_live_by_the_spare_node(tm
         assert a.wait(240) == 0, a.log()[-3000:]
         assert c.wait(60) == 0, c.log()[-3000:]
     finally:
+        late.release()
         for j in (a, b, c):
             j.kill()
     b_ranks = sorted(r for r, pids in _pids_by_rank(train, 4).items() if pids[0] in b_pids)
