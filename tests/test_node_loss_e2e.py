@@ -269,3 +269,47 @@ def test_a_spare_node_that_was_never_needed_exits_0_when_the_job_succeeds(tmp_pa
     started = [e for e in c.events() if e["event"] == "workers_started"]
     assert all(e.get("spare_node") and all(s["rank"] is None for s in e["slots"]) for e in started)
     assert os.path.exists(os.path.join(train, "final_rank0.pt"))
+
+
+def test_a_donor_dying_in_a_node_plans_transfer_is_replaced_too_in_one_more_plan(tmp_path, etcd_server, run_id):
+    """A (ranks 0, 1), B (rank 2), C a --spare-node with two slots: B dies, then the donor of its rank dies as it
+    starts sending. The node plan is tried once more, now for B's rank and the dead donor's at once (C's two slots,
+    the other rank of A donating both), and the job goes on live, torch.equal to torchrun."""
+    steps = 30
+    ref = Job.torchrun(str(tmp_path / "ref"), nproc=3, steps=steps, step_sleep=0.0).start()
+    train = str(tmp_path / "train")
+    step = random.randint(3, 12)
+    release = str(tmp_path / "release")
+    hold = {"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release}
+    die = faults_env(hold, *({"rank": r, "step": step, "where": "forward", "action": "kill_node",
+                              "marker": str(tmp_path / "node")} for r in range(3)))
+    donor_dies = faults_env(hold, *({"rank": r, "step": step, "where": "send", "action": "kill",
+                                     "marker": str(tmp_path / "donor")} for r in range(3)))
+    a = Job.agent(str(tmp_path / "a"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
+                  env=donor_dies, step_sleep=0.02)
+    b = Job.agent(str(tmp_path / "b"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=1,
+                  env=die, step_sleep=0.02)
+    c = Job.agent(str(tmp_path / "c"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
+                  extra=["--spare-node"], env=faults_env(hold), step_sleep=0.02)
+    try:
+        assert ref.wait(240) == 0, ref.log()[-3000:]
+        a.start()
+        time.sleep(1.0)                   # A is group rank 0 (ranks 0, 1), B rank 2
+        b.start()
+        c.start()
+        _start(a, b, c)
+        open(release, "w").close()
+        assert a.wait(240) == 0, a.log()[-3000:]
+        assert c.wait(60) == 0, c.log()[-3000:]
+    finally:
+        for j in (a, b, c, ref):
+            j.kill()
+    assert os.path.exists(str(tmp_path / "donor")), "the donor's fault never fired"
+    evs = [e for j in (a, c) for e in j.events()]
+    assert [e for e in evs if e["event"] == "recovery_superseded"], "the first node plan was not tried again"
+    recovered = [e for e in evs if e["event"] == "node_recovered"]
+    assert recovered and len(recovered[-1]["ranks"]) == 2, recovered
+    assert FALLBACK not in a.log() + c.log()
+    b_pids = [s["pid"] for e in b.events() if e["event"] == "workers_started" for s in e["slots"]]
+    a_pids = [s["pid"] for e in a.events() if e["event"] == "workers_started" for s in e["slots"]]
+    assert_bit_exact(Job(argv=[], out=train), ref, 3, relogged_by=b_pids + a_pids)

@@ -95,8 +95,8 @@ def test_a_node_plan_runs_through_its_phases_and_never_retries():
     send = d.plan
     failed = next_step(send, [Report(node="c", phase=Phase.SEND, ok=False, error="rank 3: checksum")], NOW)
     assert failed.plan is not None and failed.plan.phase == Phase.ABORTED and "checksum" in failed.plan.outcome
-    dead_donor = next_step(send, [], NOW, sender_dead=True)
-    assert dead_donor.plan is not None and dead_donor.plan.phase == Phase.ABORTED
+    dead_donor = next_step(send, [], NOW, sender_dead=True)      # its failure supersedes the plan (triage)
+    assert dead_donor.action == "wait" and dead_donor.plan is None
     d = next_step(send, [Report(node="c", phase=Phase.SEND)], NOW)
     assert d.plan is not None and d.plan.phase == Phase.REFORM
     d = next_step(d.plan, [Report(node="a", phase=Phase.REFORM), Report(node="c", phase=Phase.REFORM)], NOW)
@@ -187,6 +187,63 @@ def test_sharded_survivors_alone_in_their_replica_group_donate_the_replicated_re
     assert plan_for_node_loss(view(*alone, *C), node="b", now_wall=NOW).action == "fallback"
 
 
+def test_two_nodes_lost_at_once_go_to_two_spare_nodes_in_one_plan():
+    """a, b, d, e members (one rank each, ring a -> b -> d -> e -> a); b and e lost (not each other's buddy);
+    spare nodes c and f take one lost node each, donors spread."""
+    from tpassrun.multiloss import plan_for_losses
+
+    homes = ((0, "a", 0), (1, "b", 0), (2, "d", 0), (3, "e", 0))
+    slots = (SlotView("a", 0, 0, "running", True, 7), SlotView("d", 0, 2, "running", True, 7),
+             SlotView("c", 0, None, "spare", True), SlotView("f", 0, None, "spare", True))
+    v = ClusterView(generation=3, members=("a", "b", "d", "e"), spare_nodes=("c", "f"), slots=slots,
+                    lost=("b", "e"), homes=homes)
+    d = plan_for_losses(v, ["b", "e"], [], now_wall=NOW, swap_id="n-b")
+    assert d.action == "plan" and d.plan is not None, d.reason
+    plan = d.plan
+    assert [(m.rank, m.joiner.node) for m in plan.moves] == [(1, "c"), (3, "f")]
+    assert sorted(m.donor.rank for m in plan.moves) == [0, 2]
+    assert (plan.lost_node, plan.lost_also, dict(plan.replacing)) == ("b", ("e",), {"b": "c", "e": "f"})
+    assert SwapPlan.from_json(plan.to_json()) == plan
+    # the triage plans both at once, and marks both covered
+    result = triage(Seen(now=NOW, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=v))
+    assert [type(a) for a in result.actions] == [Say, CreatePlan]
+    both = result.actions[1].plan
+    assert sorted(m.rank for m in both.moves) == [1, 3]
+    again = triage(Seen(now=NOW, spawned_generation=3, plans=((dataclasses.replace(both, phase=Phase.DONE), 4),),
+                        reports=(), failures=(), taints=(), view=v))
+    assert not [a for a in again.actions if isinstance(a, CreatePlan)]
+    # the generation it commits: c and f take b's and e's places
+    gen = Generation(number=3, state=GenState.ACTIVE, world_size=4, members=tuple(
+        Member(n, i, f"10.0.0.{i}", 1, i) for i, n in enumerate("abde")), spare_nodes=("c", "f"), lost=("b", "e"))
+    new = committed_generation(gen, both, {"c": NodeInfo("c", "10.0.0.9", 1, 0), "f": NodeInfo("f", "10.0.0.8", 1, 0)})
+    assert [m.node_id for m in new.members] == ["a", "c", "d", "f"] and new.lost == () and new.spare_nodes == ()
+    assert [m.addr for m in new.members][1] == "10.0.0.9"
+    # one spare for two lost nodes: the group restarts, saying why
+    short = dataclasses.replace(v, slots=slots[:3])
+    assert plan_for_losses(short, ["b", "e"], [], now_wall=NOW, swap_id="n-b").action == "fallback"
+
+
+def test_a_lost_nodes_plan_whose_transfer_failed_is_tried_once_more_with_the_ranks_that_died_meanwhile():
+    plan = dataclasses.replace(_plan(), phase=Phase.SEND)
+    bad = Report(node="c", phase=Phase.SEND, ok=False, error="rank 2: the joiner died or timed out")
+    result = triage(seen(plans=((plan, 9),), reports=(bad,)))
+    assert [type(a) for a in result.actions] == [CasPlan, Say]
+    first = result.actions[0].new
+    assert first.superseded and "tried once more" in first.outcome
+    # meanwhile donor rank 0 died: the next plan replaces it too, from rank 1
+    dead0 = Failure(node="a", slot=0, rank=0, code=-9, step=12, light=True, generation=3)
+    v = view(dataclasses.replace(A[0], state="dead"), A[1], *C, SlotView("a", 2, None, "spare", True))
+    result = triage(seen(plans=((first, 10),), failures=(("a-0", dead0),), view=v))
+    created = [a for a in result.actions if isinstance(a, CreatePlan)]
+    assert created and sorted(m.rank for m in created[0].plan.moves) == [0, 2, 3], result.actions
+    assert {m.donor.rank for m in created[0].plan.moves} == {1}
+    assert [a.failure.handled for a in result.actions if isinstance(a, PutFailure)] == ["plan"]
+    # a second failed transfer restarts the group
+    second = dataclasses.replace(created[0].plan, phase=Phase.SEND, secret="ab" * 32)
+    result = triage(seen(plans=((first, 10), (second, 11)), reports=(dataclasses.replace(bad, node="c"),), view=v))
+    assert [type(a) for a in result.actions] == [CasPlan, RestartGroup]
+
+
 # --------------------------------------------------------------------------------------------- triage
 def seen(**kw) -> Seen:
     base = dict(now=NOW, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=view(*A, *C))
@@ -220,8 +277,20 @@ def test_a_plan_that_needs_a_node_lost_meanwhile_is_aborted_at_once():
     result = triage(seen(plans=((taint_plan, 9),)))
     assert [type(a) for a in result.actions] == [CasPlan]
     assert result.actions[0].new.phase == Phase.ABORTED and "node b was lost" in result.actions[0].new.outcome
+    # a node plan that loses another node (here its joiners') before its world re-forms is superseded: the next
+    # look plans everything gone at once (here: nothing can take b's ranks any more, so the group restarts)
     node_plan = dataclasses.replace(_plan(), phase=Phase.SEND)
-    result = triage(seen(plans=((node_plan, 9),), view=view(*A, *C, lost=("b", "c"))))
+    lost_both = view(*A, lost=("b", "c"))
+    result = triage(seen(plans=((node_plan, 9),), view=lost_both))
+    assert [type(a) for a in result.actions] == [CasPlan, Say]
+    superseded = result.actions[0].new
+    assert superseded.phase == Phase.ABORTED and superseded.superseded and "node c was lost" in superseded.outcome
+    result = triage(seen(plans=((superseded, 10),), view=lost_both))
+    assert [type(a) for a in result.actions] == [Say, CreatePlan, RestartGroup]
+    assert result.actions[1].plan.id == "n-b-1" and "spare" in result.actions[2].reason
+    # in REFORM everyone is inside the new world's rendezvous: the group restarts
+    reforming = dataclasses.replace(_plan(), phase=Phase.REFORM)
+    result = triage(seen(plans=((reforming, 9),), view=lost_both))
     assert [type(a) for a in result.actions] == [CasPlan, RestartGroup]
 
 

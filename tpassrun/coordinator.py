@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from .port import AgentPort, HealthRestartRequested
 from .records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect, load,
@@ -228,12 +228,14 @@ class Coordinator:
         old = await self.port.rdzv.current()
         if old is None:
             return
-        info = None
-        if plan.replaces is not None:
-            key = self._keys.node(plan.replaces)
+        infos = {}
+        for taker in {*plan.replacing.values(), *([plan.replaces] if plan.replaces else [])}:
+            key = self._keys.node(taker)
             doc, rev = await self._store.get_json(key)
             info = load(node_info, key, doc, rev) if doc is not None else None
-        new = committed_generation(old, plan, info)
+            if info is not None:
+                infos[taker] = info
+        new = committed_generation(old, plan, infos)
         if await self.port.rdzv.commit(old, new):
             self.port.set_generation(new)
             self.port.events.write("generation_committed", generation=new.number, swap_id=plan.id)
@@ -252,21 +254,29 @@ def homes_of(gen: "Generation") -> tuple[tuple[int, str, int], ...]:
     return tuple((r, n, s) for r, (n, s) in sorted(homes.items()))
 
 
-def committed_generation(old: "Generation", plan: SwapPlan, replacing: NodeInfo | None = None) -> "Generation":
+def committed_generation(old: "Generation", plan: SwapPlan,
+                         replacing: "NodeInfo | Mapping[str, NodeInfo] | None" = None) -> "Generation":
     """The generation a swap's REFORM commits (pure): the moved ranks' new places, the swap's store; for a node
-    plan whose ranks all went to one node (``plan.replaces``), that node takes the lost member's place (its
-    group rank and rank range), so a later restart keeps every rank where it is now."""
+    plan whose ranks all went to one node (``plan.replaces``; with several lost nodes, ``plan.replacing``), that
+    node takes the lost member's place (its group rank and rank range), so a later restart keeps every rank where
+    it is now. ``replacing``: the registration of the node taking the place (by node id for several)."""
     assignments = dict(old.assignments or {})
     for move in plan.all_moves:
         assignments[str(move.rank)] = {"node": move.joiner.node, "slot": move.joiner.slot}
     members, spare_nodes, lost = old.members, old.spare_nodes, old.lost
-    gone = old.member(plan.lost_node) if plan.kind == SwapKind.NODE and plan.lost_node else None
-    if gone is not None and plan.replaces is not None:
-        new_member = dataclasses.replace(gone, node_id=plan.replaces,
-                                         addr=replacing.addr if replacing is not None else gone.addr,
-                                         spares=replacing.spares if replacing is not None else gone.spares)
+    places = dict(plan.replacing) if plan.replacing else (
+        {plan.lost_node: plan.replaces} if plan.lost_node and plan.replaces else {})
+    infos = replacing if isinstance(replacing, Mapping) else (
+        {plan.replaces: replacing} if plan.replaces and replacing is not None else {})
+    for lost_node, taker in places.items() if plan.kind == SwapKind.NODE else ():
+        gone = old.member(lost_node)
+        if gone is None:
+            continue
+        info = infos.get(taker)
+        new_member = dataclasses.replace(gone, node_id=taker, addr=info.addr if info is not None else gone.addr,
+                                         spares=info.spares if info is not None else gone.spares)
         members = tuple(new_member if m.node_id == gone.node_id else m for m in members)
-        spare_nodes = tuple(n for n in spare_nodes if n != plan.replaces)
+        spare_nodes = tuple(n for n in spare_nodes if n != taker)
         lost = tuple(n for n in lost if n != gone.node_id)
     return dataclasses.replace(old, number=old.number + 1, swap_id=plan.id, reason=plan.reason,
                                assignments=assignments, members=members, spare_nodes=spare_nodes, lost=lost,

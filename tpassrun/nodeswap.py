@@ -69,7 +69,7 @@ class NodePlans:
                                        seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
             elif me in plan.nodes:
                 self.port.events.write("node_recovered", swap_id=plan.id, lost_node=plan.lost_node,
-                                       ranks=list(plan.ranks), to=sorted({m.joiner.node for m in plan.moves}),
+                                       also=list(plan.lost_also), ranks=list(plan.ranks), to=sorted({m.joiner.node for m in plan.moves}),
                                        boundary=plan.boundary,
                                        seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
             self._forget(plan)
@@ -321,7 +321,7 @@ class NodePlans:
             joiner.state, joiner.rank = SlotState.RUNNING, move.rank
             waiting.append(joiner)
         for move in plan.moves:
-            if move.leaver.node == me and plan.lost_node is None:    # a dead rank of this live node: its slot
+            if move.leaver.node == me:                              # a dead rank of this live node: its slot
                 dead = slots.slots[move.leaver.slot]                # is quarantined, as a single recovery's is
                 if dead.rank == move.rank and dead.state != SlotState.RUNNING:
                     dead.state, dead.quarantine_reason, dead.home_rank = (SlotState.QUARANTINED,

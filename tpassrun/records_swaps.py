@@ -142,6 +142,10 @@ class SwapPlan:
     # node plans of sharded jobs: the node whose mirror holds each lost rank's shard (with its light snapshot) of
     # ``boundary`` (its joiner fetches it from there); ``restore`` as above
     shards_from: Mapping[int, str] = field(default_factory=dict)
+    # several losses in one plan (tpassrun/multiloss.py): the other lost nodes, and for each lost node the node
+    # that takes its place among the members (all its ranks went there; ``replaces`` is the first lost node's)
+    lost_also: tuple[str, ...] = ()
+    replacing: Mapping[str, str] = field(default_factory=dict)
 
     @property
     def terminal(self) -> bool:
@@ -175,6 +179,7 @@ class SwapPlan:
             "superseded": self.superseded,
             "catch_up": [m.to_json() for m in self.catch_up],
             "shards_from": {str(r): n for r, n in self.shards_from.items()},
+            "lost_also": list(self.lost_also), "replacing": dict(self.replacing),
         }
 
     @classmethod
@@ -206,6 +211,7 @@ class SwapPlan:
             store_host=_opt_str(d, "store_host", what), superseded=_bool(d, "superseded", what),
             catch_up=tuple(Move.from_json(m, f"{what} catch-up") for m in _list(d, "catch_up", what)),
             shards_from={int(k): v for k, v in shards_from.items()},
+            lost_also=tuple(_strs(d, "lost_also", what)), replacing=_str_map(d, "replacing", what),
             id=_str(d, "id", what), kind=_enum(SwapKind, d, "kind", what),
             generation=_int(d, "generation", what, minimum=0),
             leaver=SlotRef.from_json(d.get("leaver"), f"{what} leaver"),
@@ -225,6 +231,20 @@ class SwapPlan:
         if phase not in TRANSITIONS[self.phase]:
             raise ValueError(f"swap {self.id}: {self.phase.value} -> {phase.value} is not allowed")
         return dataclasses.replace(self, phase=phase, history=self.history + ((phase.value, now_wall),), **changes)
+
+
+def _strs(d: Mapping[str, Any], key: str, what: str) -> list[str]:
+    items = _list(d, key, what)
+    if not all(isinstance(x, str) for x in items):
+        raise RecordError(f"{what}: {key} must be strings")
+    return items
+
+
+def _str_map(d: Mapping[str, Any], key: str, what: str) -> dict[str, str]:
+    m = d.get(key) or {}
+    if not isinstance(m, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in m.items()):
+        raise RecordError(f"{what}: {key} must map node ids to node ids")
+    return dict(m)
 
 
 @dataclass(frozen=True)

@@ -353,8 +353,8 @@ def _next_node_step(plan: SwapPlan, mine: Sequence[Report], now_wall: float, sen
     def abort(why: str) -> Decision:
         return Decision("plan", f"aborted: {why}", plan.advance(Phase.ABORTED, now_wall, outcome=why))
 
-    if sender_dead and plan.phase in (Phase.TRANSFER, Phase.SEND):
-        return abort("a donor died while handing over the state")
+    if sender_dead and plan.phase in (Phase.TRANSFER, Phase.SEND):   # its failure supersedes the plan (triage)
+        return Decision("wait", "a donor died while handing over the state: every loss is planned again")
     bad = [r for r in mine if not r.ok]
     if bad:
         return abort(f"{plan.phase.value}: {bad[0].node}: {bad[0].error}")

@@ -13,9 +13,11 @@ Precedence, one thing per tick (each write makes the next tick see the new state
    the next tick plans every dead rank at once (:func:`tpassrun.swap.plan_for_dead_ranks`) with the spares and
    replicas left, or restarts the group saying why; a death while the world re-forms restarts the group
    (the survivors are inside the new world's rendezvous and cannot be paused);
-3. else a lost node whose ranks nobody holds gets a node plan (:func:`tpassrun.swap.plan_for_node_loss`) or,
-   when none is possible, a whole-group restart that says why (worker failures reported from that node
-   before it died are its plan's business);
+3. else the lost nodes whose ranks nobody holds get one node plan (:func:`tpassrun.swap.plan_for_node_loss`;
+   several lost nodes, or a lost node and ranks dead on live nodes, :func:`tpassrun.multiloss.plan_for_losses`)
+   or, when none is possible, a whole-group restart that says why (worker failures reported from a lost node
+   before it died are its plan's business); a node plan that loses another node, or a donor, before its world
+   re-forms is superseded too, and this plans everything gone at once;
 4. else the unhandled worker failures get a recovery: one dead rank an unplanned swap, several one plan
    replacing them all (a second fault during a recovery), or a fallback restart;
 5. else the first unhandled taint gets a migration (or waits for a spare, or restarts the group without the
@@ -30,8 +32,9 @@ from typing import Any, Mapping, Sequence, Union
 
 from .records import (HANDLED_RESTART, Failure, Fallback, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint,
                       TaintEffect, TaintSource)
-from .swap import (ClusterView, Decision, choose_spare, next_step, node_plan_id, plan_for_dead_ranks, plan_for_failure,
-                   plan_for_node_loss, plan_for_taint)
+from .multiloss import plan_for_losses
+from .swap import (ClusterView, Decision, choose_spare, lost_ranks, next_step, node_plan_id, plan_for_dead_ranks,
+                   plan_for_failure, plan_for_node_loss, plan_for_taint)
 
 
 @dataclass(frozen=True)
@@ -120,6 +123,15 @@ def triage(seen: Seen) -> Triage:
     if active:
         plan, rev = active[0]
         gone = sorted(_needs(plan) & set(seen.view.lost))
+        if gone and plan.kind == SwapKind.NODE and plan.phase in (Phase.PAUSE, Phase.TRANSFER, Phase.SEND):
+            # another node lost before the world re-formed: everything that is gone is planned again at once
+            why = f"node {gone[0]} was lost during {plan.reason or 'the plan'}: every loss is planned again at once"
+            aborted = plan.advance(Phase.ABORTED, now, outcome=why, superseded=True)
+            return Triage(tuple(out) + (CasPlan(plan, aborted, rev, Decision("plan", why, aborted)),
+                                        Say("recovery_superseded", {"swap_id": plan.id, "ranks": list(plan.ranks),
+                                                                    "lost_node": gone[0], "phase": plan.phase.value,
+                                                                    "reason": why}))
+                          + _hand_back(plan, why, seen))
         if gone:
             why = f"node {gone[0]} was lost during the swap"
             decision = Decision("plan", f"aborted: {why}", plan.advance(Phase.ABORTED, now, outcome=why))
@@ -168,26 +180,35 @@ def _needs(plan: SwapPlan) -> set[str]:
 
 
 def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
-    """The first lost node whose ranks nobody holds: its node plan, or the group restart (said once: a plan
-    born aborted marks it handled)."""
+    """The lost nodes whose ranks no plan holds: one node plan for all of them (with the ranks that died on live
+    nodes meanwhile, :mod:`tpassrun.multiloss`), or the group restart (said once: a plan born aborted marks the
+    first node handled)."""
     view, now = seen.view, seen.now
-    known = {p.id for p, _ in seen.plans}
-    for node in view.lost:
-        plan_id = node_plan_id(node)
-        if plan_id in known:
-            continue
+    covered = {n for p, _ in seen.plans if p.kind == SwapKind.NODE and not p.superseded
+               for n in (p.lost_node, *p.lost_also) if n}
+    pending = [n for n in view.lost if n not in covered and lost_ranks(view, n)]
+    if not pending:
+        return ()
+    node = pending[0]
+    dead = [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
+            and f.node not in view.lost]
+    plan_id = _unique_id(node_plan_id(node), seen)
+    if len(pending) == 1 and not dead:
         decision = plan_for_node_loss(view, node=node, now_wall=now, swap_id=plan_id)
-        if decision.action == "none":
-            continue
-        out: list[Action] = [Say("node_lost_decided", {"lost_node": node, "action": decision.action,
-                                                       "reason": decision.reason})]
-        if decision.plan is not None:
-            return tuple(out) + (CreatePlan(decision.plan, reason=decision.reason),)
-        marker = SwapPlan(id=plan_id, kind=SwapKind.NODE, generation=view.generation, leaver=SlotRef(node, 0),
-                          joiner=SlotRef(node, 0), donor=None, phase=Phase.ABORTED, reason=f"node {node} lost",
-                          nodes=(), history=((Phase.ABORTED.value, now),), lost_node=node, outcome=decision.reason)
-        return tuple(out) + (CreatePlan(marker), RestartGroup(decision.reason))
-    return ()
+    else:
+        decision = plan_for_losses(view, pending, [(f.node, f.slot, f.rank) for _fid, f in dead], now_wall=now,
+                                   swap_id=plan_id)
+    out: list[Action] = [Say("node_lost_decided", {"lost_node": node, "also": pending[1:], "action": decision.action,
+                                                   "reason": decision.reason})]
+    out += [PutFailure(fid, f.mark("plan" if decision.plan is not None else "fallback", decision.reason))
+            for fid, f in dead]
+    if decision.plan is not None:
+        return tuple(out) + (CreatePlan(decision.plan, reason=decision.reason),)
+    marker = SwapPlan(id=plan_id, kind=SwapKind.NODE, generation=view.generation, leaver=SlotRef(node, 0),
+                      joiner=SlotRef(node, 0), donor=None, phase=Phase.ABORTED, reason=f"node {node} lost",
+                      nodes=(), history=((Phase.ABORTED.value, now),), lost_node=node, lost_also=tuple(pending[1:]),
+                      outcome=decision.reason)
+    return tuple(out) + (CreatePlan(marker), RestartGroup(decision.reason))
 
 
 def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
@@ -206,6 +227,16 @@ def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
     if decision.plan is None:
         return ()
     out: tuple[Action, ...] = (CasPlan(plan, decision.plan, rev, decision),)
+    if (plan.kind == SwapKind.NODE and plan.lost_node is not None and decision.plan.phase == Phase.ABORTED
+            and plan.phase in (Phase.TRANSFER, Phase.SEND)
+            and not any(p.superseded and p.lost_node == plan.lost_node for p, _ in seen.plans)):
+        # a transfer of a lost node's plan failed (a donor died mid-transfer, a joiner went away): tried once
+        # more, with the donors and spares there are then (the next look plans everything gone again)
+        why = f"{decision.plan.outcome or decision.reason}: tried once more"
+        aborted = plan.advance(Phase.ABORTED, seen.now, outcome=why, superseded=True)
+        return (CasPlan(plan, aborted, rev, Decision("plan", why, aborted)),
+                Say("recovery_superseded", {"swap_id": plan.id, "ranks": list(plan.ranks), "phase": plan.phase.value,
+                                            "reason": why})) + _hand_back(plan, why, seen)
     if plan.kind == SwapKind.NODE and decision.plan.phase == Phase.ABORTED:
         # nothing is undone by hand: the group restarts, as torchrun would have at once
         why = f"{plan.reason}, no live recovery: {decision.plan.outcome or decision.reason}"
@@ -218,10 +249,8 @@ def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
 
 
 def _second_faults(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
-    """Deaths in this generation, not handled yet, of ranks the active plan does not replace (a node plan for a
-    lost node handles its own: any failure there restarts the group)."""
-    if plan.kind == SwapKind.NODE and plan.lost_node is not None:
-        return []
+    """Deaths in this generation, not handled yet, of ranks the active plan does not replace (on a lost node: its
+    plan's business)."""
     moved, lost = set(plan.ranks), set(seen.view.lost)
     return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
             and f.node not in lost and f.rank not in moved]
@@ -258,9 +287,14 @@ def _supersede(plan: SwapPlan, rev: int, second: Sequence[tuple[str, Failure]], 
         if taint is not None:       # asked for again once the dead are replaced
             out.append(PutTaint(taint.handled(None, f"waiting: {why}")))
     else:
-        out += [PutFailure(fid, dataclasses.replace(f, handled=None, reason=why)) for fid, f in seen.failures
-                if f.handled == "plan" and f.rank in plan.ranks and f.generation >= seen.spawned_generation]
+        out += _hand_back(plan, why, seen)
     return tuple(out)
+
+
+def _hand_back(plan: SwapPlan, why: str, seen: Seen) -> tuple[Action, ...]:
+    """The failures a superseded plan had taken on, unhandled again: the next plan takes them."""
+    return tuple(PutFailure(fid, dataclasses.replace(f, handled=None, reason=why)) for fid, f in seen.failures
+                 if f.handled == "plan" and f.rank in plan.ranks and f.generation >= seen.spawned_generation)
 
 
 def _unique_id(base: str, seen: Seen) -> str:
