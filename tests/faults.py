@@ -78,12 +78,13 @@ def sigkill_agent(job: "Job") -> float:
 
 
 def sigkill_node(job: "Job") -> float:
-    """A whole node dies at this very instant: SIGKILL every worker its agent started (ranks and spares) and
-    the agent, back to back, from outside (wherever each process is). Returns ``time.monotonic()`` of the kill."""
+    """A whole node dies at this very instant: SIGKILL its agent and every worker it started (ranks and spares),
+    back to back, from outside (wherever each process is; the agent first, so that it never sees its workers die
+    and reports nothing, as a crashed host cannot). Returns ``time.monotonic()`` of the kill."""
     assert job.proc is not None
     pids = [s["pid"] for e in job.events() if e["event"] == "workers_started" for s in e["slots"]]
     when = time.monotonic()
-    for pid in [*pids, job.proc.pid]:
+    for pid in [job.proc.pid, *pids]:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     job.proc.wait(10)
