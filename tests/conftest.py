@@ -98,3 +98,28 @@ def fresh_etcd():
 @pytest.fixture
 def run_id() -> str:
     return "t-" + uuid.uuid4().hex[:10]
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory):
+    """``reference_run(nproc, steps)``: the uninterrupted reference of ``examples/train_ddp.py`` that bit-exactness
+    is judged against, as a torchrun user runs it (plain ``torchrun``, a hand-built ``DistributedDataParallel``, no
+    fault), made once per (nproc, steps) for the whole session and shared by every module that compares with it
+    (a reference run is a whole job's start-up, most of what a run costs here). The step sleep is left out: it
+    changes no numerics."""
+    from faults import Job
+
+    made: dict[tuple[int, int], Job] = {}
+
+    def get(nproc: int, steps: int) -> Job:
+        if (nproc, steps) not in made:
+            job = Job.torchrun(str(tmp_path_factory.mktemp(f"ref{nproc}x{steps}")), nproc=nproc, steps=steps,
+                               step_sleep=0.0, script_args=["--ddp", "torch"]).start()
+            try:
+                assert job.wait(300) == 0, job.log()[-3000:]
+            finally:
+                job.kill()
+            made[(nproc, steps)] = job
+        return made[(nproc, steps)]
+
+    return get

@@ -21,13 +21,8 @@ pytestmark = pytest.mark.timeout(400)
 
 
 @pytest.fixture(scope="module")
-def torchrun3(tmp_path_factory):
-    job = Job.torchrun(str(tmp_path_factory.mktemp("torchrun3")), nproc=3, steps=STEPS, step_sleep=SLEEP).start()
-    try:
-        assert job.wait(240) == 0, job.log()[-3000:]
-    finally:
-        job.kill()
-    return job
+def torchrun3(reference_run):
+    return reference_run(3, STEPS)
 
 
 @pytest.mark.parametrize("first,second,script", [

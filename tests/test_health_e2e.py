@@ -2,7 +2,7 @@
 
 Real processes only: a real etcd, ``python -m tpassrun`` with 4 ranks + 1 spare running
 ``examples/train_ddp.py`` over gloo, and the site-tool file (``TPASSRUN_HEALTH_FILE``) or an injected
-straggler as the signal. Each run is compared with an uninterrupted run of the same job without spares:
+straggler as the signal. Each run is compared with an uninterrupted run of the same job under torchrun:
 same per-step losses, same final model and optimizer state on every rank, and the agent's event log
 shows ``health_verdict -> health_taint -> swap_decided -> swap_resumed`` in time order.
 """
@@ -28,7 +28,7 @@ from tpassrun.channel import Field
 REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "examples" / "train_ddp.py")
 NPROC = 4
-ECC_STEPS = 30
+ECC_STEPS = 40
 STRAGGLER_STEPS = 40
 STRAGGLER_FAULT = [{"rank": 2, "step": 5, "where": "step", "action": "sleep", "seconds": 0.3}]
 STRAGGLER_HOLD = 34
@@ -143,16 +143,9 @@ def assert_health_swap_in_order(records: list[dict], device: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def baselines(etcd_server, tmp_path_factory) -> dict[int, Path]:
-    """Uninterrupted runs of the job without spares, one per step count the tests use."""
-    done: dict[int, Path] = {}
-    for steps in (ECC_STEPS, STRAGGLER_STEPS):
-        workdir = tmp_path_factory.mktemp(f"baseline{steps}")
-        proc, out, _ = launch(etcd_server.endpoint, f"base-{steps}-{os.getpid()}", workdir, steps, spares=0)
-        code, output = finish(proc, 180)
-        assert code == 0, output[-3000:]
-        done[steps] = out
-    return done
+def baselines(reference_run) -> dict[int, Path]:
+    """Uninterrupted runs of the job, one per step count the tests use (the session's torchrun references)."""
+    return {steps: Path(reference_run(NPROC, steps).out) for steps in {ECC_STEPS, STRAGGLER_STEPS}}
 
 
 @pytest.mark.timeout(400)

@@ -32,10 +32,8 @@ FALLBACK = "fallback to torchrun's whole-group restart"
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    job = Job.torchrun(str(tmp_path_factory.mktemp("ref")), nproc=4, steps=STEPS, step_sleep=0.0).start()
-    assert job.wait(240) == 0, job.log()[-3000:]
-    return job
+def reference(reference_run):
+    return reference_run(4, STEPS)
 
 
 def _start(*jobs: Job, timeout: float = 150) -> None:

@@ -17,7 +17,7 @@ import pytest
 
 from faults import Job, assert_bit_exact, faults_env, hold_at, pids_by_rank, taint
 
-STEPS = 60
+STEPS = 40
 SLEEP = 0.05
 pytestmark = pytest.mark.timeout(300)
 
@@ -32,14 +32,8 @@ with open(os.environ["TEST_NO_NUMPY_PIDS"], "a") as fh:
 
 
 @pytest.fixture(scope="module")
-def torchrun_ref(tmp_path_factory):
-    job = Job.torchrun(str(tmp_path_factory.mktemp("torchrun")), nproc=4, steps=STEPS, step_sleep=0.0,
-                       script_args=["--ddp", "torch"]).start()
-    try:
-        assert job.wait(240) == 0, job.log()[-3000:]
-    finally:
-        job.kill()
-    return job
+def torchrun_ref(reference_run):
+    return reference_run(4, STEPS)      # torchrun, a hand-built DistributedDataParallel, no fault
 
 
 @pytest.mark.parametrize("ddp", ["session", "torch"])

@@ -180,7 +180,9 @@ def test_a_partitioned_node_is_replaced_live_and_survivors_blocked_on_it_are_bro
     try:
         assert ref.wait(240) == 0, ref.log()[-3000:]
         a.start()
-        time.sleep(1.0)          # A is group rank 0: it keeps the workers' store, B's ranks are 2 and 3
+        # A is group rank 0 (it keeps the workers' store, B's ranks are 2 and 3): B starts once A is joining (its
+        # next etcd request), not after a fixed second that a loaded host's start-up can outlast
+        a.wait_event("agent_started")
         b.start()
         c.start()
         _warm(jobs)

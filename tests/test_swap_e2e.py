@@ -14,26 +14,20 @@ import pytest
 
 from faults import Job, assert_bit_exact, faults_env, hold_at, kill_at, pids_by_rank, stop_at, taint
 
-STEPS = 60
-LONG = 40
+STEPS = 40           # the session's 4-rank reference (conftest.reference_run)
+LONG = 24            # and its 3-rank one
 SLEEP = 0.05
 pytestmark = pytest.mark.timeout(300)
 
 
 @pytest.fixture(scope="module")
-def baseline4(tmp_path_factory):
-    job = Job.tpassrun(str(tmp_path_factory.mktemp("base4")), endpoint=None, run_id="", nproc=4,
-                       steps=STEPS, step_sleep=SLEEP).start()
-    assert job.wait(240) == 0, job.log()[-3000:]
-    return job
+def baseline4(reference_run):
+    return reference_run(4, STEPS)
 
 
 @pytest.fixture(scope="module")
-def baseline3(tmp_path_factory):
-    job = Job.tpassrun(str(tmp_path_factory.mktemp("base3")), endpoint=None, run_id="", nproc=3,
-                       steps=LONG, step_sleep=SLEEP).start()
-    assert job.wait(240) == 0, job.log()[-3000:]
-    return job
+def baseline3(reference_run):
+    return reference_run(3, LONG)
 
 
 def _events(job: Job, name: str) -> list[dict]:
@@ -75,7 +69,7 @@ def test_several_swaps_waiting_for_a_spare_and_a_former_joiner(tmp_path, etcd_se
     until the first taint is lifted and its slot returns to the pool; then rank 1, now on a former joiner,
     moves again. Three swaps, one run, bit-exact. Each swap is decided while the job stands at a hold (a
     spare coming back to the pool can take 20 s to warm up on a busy machine)."""
-    holds = [hold_at(tmp_path, step, name=f"hold{step}") for step in (4, 14, 24)]
+    holds = [hold_at(tmp_path, step, name=f"hold{step}") for step in (4, 10, 16)]
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=1,
                        steps=LONG, step_sleep=SLEEP, env=faults_env(*(h.fault for h in holds))).start()
     ep = etcd_server.endpoint
@@ -259,7 +253,7 @@ def test_migrate_back_returns_the_rank_home(tmp_path, etcd_server, run_id, basel
     """--migrate-back: once the tainted slot is untainted (healthy again), the rank moves back to it and the
     slot it borrowed returns to the spare pool."""
     ep = etcd_server.endpoint
-    holds = [hold_at(tmp_path, step, name=f"hold{step}") for step in (4, 14, 24)]
+    holds = [hold_at(tmp_path, step, name=f"hold{step}") for step in (4, 10, 16)]
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=ep, run_id=run_id, nproc=3, spares=1, steps=LONG,
                        step_sleep=SLEEP, extra=["--migrate-back"], env=faults_env(*(h.fault for h in holds))).start()
     try:
