@@ -260,6 +260,7 @@ def main() -> None:
                     if commit:
                         rows, pending.rows = pending.rows, []
                 (scaler.scale(loss) if scaler is not None else loss).backward()
+        fault_point(sess.rank, i, "synced")     # the step's collectives done, before its records and its commit
         if commit:
             if loss_log is not None:
                 # the step's record, written once its collectives are done and before it commits: a step that

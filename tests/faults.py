@@ -330,12 +330,13 @@ def taint(endpoint: str, run_id: str, *, rank: int | None = None, node: str | No
 
 
 def _without_relogged(rows: list[dict[str, Any]], pids: Any) -> list[dict[str, Any]]:
-    """``rows`` without the ones a process of ``pids`` (a lost node's) logged for a step that its successor then
-    logged again, identically: the step was re-executed after the node died (see :func:`assert_bit_exact`)."""
+    """``rows`` without the ones a process of ``pids`` (a lost node's, or a survivor rolled back by a mixed commit)
+    logged for a step that it or its successor then logged again, identically: the step was re-executed after the
+    failure (see :func:`assert_bit_exact`)."""
     out = []
     for i, row in enumerate(rows):
         nxt = rows[i + 1] if i + 1 < len(rows) else None
-        if (row["pid"] in pids and nxt is not None and nxt["pid"] != row["pid"] and nxt["step"] == row["step"]
+        if (row["pid"] in pids and nxt is not None and nxt["step"] == row["step"]
                 and nxt["loss"] == row["loss"]):
             continue
         out.append(row)
@@ -356,7 +357,8 @@ def assert_bit_exact(a: Job, b: Job, world: int, *, relogged_by: Any = ()) -> No
     ``relogged_by``: the pids of a lost node's ranks. Two ranks that die together may disagree: one finished its
     part of a step's all-reduce and logged the step, the other died before the survivors could complete it; every
     rank then re-executes that step, and the first one's replacement logs it again. That row (same step, same loss,
-    another process) is a side effect of the re-execution, not a difference: it is dropped before comparing. And a
+    another process) is a side effect of the re-execution, not a difference: it is dropped before comparing (so is
+    the row of a survivor that had completed a step a mixed commit rolls back: it logs the step again itself). And a
     lost rank whose part of a step reached the survivors, but which died before it logged the step, leaves that
     step unlogged (its successor starts at the next one): the reference's row for it is not asked for (the state
     after it still is, on every rank)."""

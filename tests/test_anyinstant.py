@@ -78,3 +78,33 @@ def test_a_donor_dying_while_it_hands_over_is_replaced_too(tmp_path, etcd_server
     assert len(pids_by_rank(job, 3)[2]) == 1                 # the last replica kept its process
     assert job.final(0)["joined"] and job.final(1)["joined"]
     assert_bit_exact(job, torchrun3, 3)
+
+
+def test_a_mixed_commit_is_rolled_back_live(tmp_path, etcd_server, run_id, torchrun3):
+    """A collective that completed on some survivors and not on others (a mixed commit): rank 2 dies right after
+    step 8's all-reduce, rank 1 fails as if its all-reduce had not completed (``fail`` after rank 2's death),
+    rank 0 completed it, committed step 8 and fails in step 9. No step is every survivor's own: rank 0 goes back to
+    step 8 with rank 1's replicated state and its own per-rank state of step 8 (kept from its previous
+    transaction), rather than rank 1 catching up to step 9 (which would skip the rest of step 8 on it: its logging);
+    the joiner takes rank 1's state too. Live, 0 steps lost, torch.equal to torchrun (rank 0 logs
+    step 8 twice, identically: it re-executed it)."""
+    kill = str(tmp_path / "f1")
+    faults = [kill_at(2, 8, kill, where="synced"),
+              {"rank": 1, "step": 8, "where": "synced", "action": "fail", "after": kill, "marker": str(tmp_path / "f2")}]
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=1,
+                       steps=STEPS, step_sleep=SLEEP, extra=["--max-restarts", "0"], env=faults_env(*faults)).start()
+    try:
+        assert job.wait(300) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    events = job.events()
+    phases = [(e["event"], e.get("reason")) for e in events if e["event"] in ("swap_phase", "fallback")]
+    assert [e for e in events if e["event"] == "swap_resumed"], phases
+    assert not [e for e in events if e["event"] in ("fallback", "restart")], phases
+    moved = [(e["rank"], e["step"], e["donor"]) for e in events if e["event"] == "rank_caught_up"]
+    assert moved == [(0, 8, 1)], phases                       # rank 0 went back to step 8 with rank 1's state
+    pids = pids_by_rank(job, 3)
+    assert len(pids[0]) == 1 and len(pids[1]) == 1            # the survivors kept their processes
+    assert job.final(2)["joined"]
+    assert_bit_exact(job, torchrun3, 3, relogged_by=pids[0])

@@ -231,3 +231,66 @@ def test_a_step_failing_after_its_commit_point_resumes_next_only_if_its_state_ch
     assert seen[(0, "after sched")] is False                      # nothing to compare with yet
     assert seen[(1, "before sched")] is False and seen[(1, "after sched")] is True
     assert seen[(2, "before sched")] is False and seen[(2, "after sched")] is True
+
+
+def test_a_rank_that_committed_a_step_the_others_did_not_goes_back_to_its_start(tmp_path):
+    """A mixed commit, the other way (worker_catchup.py): this rank committed step 2 and stopped at step 3; the
+    others failed inside step 2. It keeps the start snapshot of its previous transaction (step 2's), takes the
+    replicated state of step 2's start from one of them (CatchUp), goes back at Reform, and re-executes step 2 on:
+    exactly where an uninterrupted rank ends."""
+    from test_catchup_worker import KEY, Agent, _job as _adamw_job, _step as _adamw_step
+
+    from tpassrun import handoff
+    from tpassrun.protocol import CatchUp, SendState
+    from tpassrun.worker_commands import _send_state
+
+    torch.manual_seed(7)
+    ref = _adamw_job(None)
+    torch.manual_seed(7)
+    for i in range(5):
+        _adamw_step(*ref, i)
+    ref_rng = torch.get_rng_state()
+    torch.manual_seed(7)
+    behind = _adamw_job(None)               # a survivor that did not commit step 2: at step 2's start
+    torch.manual_seed(7)
+    for i in range(2):
+        _adamw_step(*behind, i)
+    state = handoff.capture({"model": behind[0], "optimizer": behind[1]}, step=2,
+                            extra={"objects": ["model", "optimizer"], "swap_id": "u-b"})
+
+    channel = ChannelFile.create(str(tmp_path / "channel"), n_slots=2)
+    agent = Agent(str(tmp_path / "agent.sock"))
+    link = _AgentLink(channel.path, 1, str(tmp_path / "agent.sock"))
+    sess = Session(backend=None, link=link, rank=1, world_size=2, local_rank=1, generation=0, joined=False,
+                   timeout=None)
+    sess._light_retarget_due = 0
+    model, opt, sampler = _adamw_job(sess)
+    torch.manual_seed(7)
+    sess.run(lambda i: _adamw_step(model, opt, sampler, i), 3)     # committed step 2: a step ahead of the others
+    random.random(), torch.rand(5)                                 # whatever the failure path consumed
+    sess._publish_back(3)                                          # as a rank paused at step 3 does
+    assert channel.get(1, Field.ALT_BACK) == 3
+
+    def donor() -> None:
+        port = agent.wait("listening")["port"]
+        _send_state(SendState(addr="127.0.0.1", port=port, swap_id="u-b", key=KEY, rank=1), state,
+                    corrupt=lambda: False)
+
+    thread = threading.Thread(target=donor, daemon=True)
+    thread.start()
+    sess._on_catch_up(CatchUp(swap_id="u-b", key=KEY, rank=1, listen_host="127.0.0.1", step=2), 3, None)
+    thread.join(20)
+    received = agent.wait("received")
+    assert received["ok"] and received["step"] == 2, received
+    assert channel.get(1, Field.OFFER) == 3 and channel.get(1, Field.ALT_BACK) == 0   # it offers step 2 now
+    sess._roll_back(3, 2, False)            # the re-formed world: resume at 2 (the world itself is not joined)
+    assert sess.step == 2 and sampler.pos == 2 and sess._committed == 1
+    sess.run(lambda i: _adamw_step(model, opt, sampler, i), 5)
+    for a, b in zip(model.parameters(), ref[0].parameters()):
+        assert torch.equal(a, b)
+    for k, v in opt.state_dict()["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, ref[1].state_dict()["state"][k][name]), (k, name)
+    assert sampler.pos == ref[2].pos == 5 and torch.equal(torch.get_rng_state(), ref_rng)
+    link.sock.close()
+    channel.close()

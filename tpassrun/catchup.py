@@ -1,4 +1,5 @@
-"""A mixed commit resolved forward (pure): survivors that failed inside a step others completed catch up.
+"""A mixed commit resolved (pure): survivors that failed inside a step others completed catch up (forward), or the
+others go back to its start (:func:`mixed_commit`, a single rank's recovery).
 
 When ranks die inside a step's all-reduce, the collective can complete on some survivors and not on others:
 the ones that completed it (the *leaders*) committed the step (their optimizer stepped) and stopped at the next
@@ -12,6 +13,13 @@ to the step's all-reduce, so every rank that a leader's completion needed has se
 takes the replicated state from a leader (a transfer, like a joiner's), keeps its own seal, and everyone, the
 lost ranks' replacements too (from the seals their ranks pushed to the buddy), resumes at the next step.
 
+The other way works too, at no per-step cost: a leader keeps the start snapshot of its previous transaction (a
+reference to bytes it took anyway, ``Report.backs``), and the replicated state of that start is the laggards'
+(they did not commit the step). So a leader can go *back* to the step's start with a laggard's replicated state,
+and everyone re-executes the step: nothing the script does after the step's collectives (logging, a checkpoint
+save) is skipped on any rank; the leaders do it twice, identically. :func:`mixed_commit` (a single rank's
+recovery) prefers it, and goes forward when the dead rank kept no state of the step's start.
+
 :func:`roll_forward` decides it from the PAUSE reports (``Report.stops``: per local survivor, the step it can
 resume at and whether it can catch up to the next one); the node-plan participant (``nodeswap.py``) carries it
 out; the worker's side is ``CatchUp`` (``worker_commands.py``).
@@ -21,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from .records import Move, Report, SlotRef
 
@@ -64,6 +72,52 @@ def roll_forward(reports: Sequence[Report]) -> RollForward:
                              f"from them and everyone resumes at step {step}", tuple(moves))
 
 
+def mixed_commit(reports: Sequence[Report], dead_has: Callable[[int], bool]) -> RollForward:
+    """A mixed commit resolved either way (pure), for a plan whose dead ranks kept their own per-rank state (a
+    single rank's recovery: its agent's copies; ``dead_has(step)`` says which steps they hold).
+
+    Besides going forward (:func:`roll_forward`), the survivors that committed the step (the leaders) can go
+    *back* to its start: they keep the start snapshot of their previous transaction (``Report.backs``), and the
+    replicated state of that step is the laggards' (they did not commit it). Going back is preferred: everyone
+    re-executes the step, so nothing the script does after its collectives is skipped on any rank (its logging,
+    a checkpoint save); the leaders do it twice, identically. Forward skips the rest of the failed step on the
+    laggards (and the dead rank). Forward is taken when the dead rank kept no state of the step's start, or a
+    leader no snapshot of it. Either way each survivor not at the chosen step takes its replicated state from one
+    that is (``moves``: ``leaver`` = ``joiner`` = the survivor, ``donor`` = one standing there, on its node first)."""
+    stops = [(r.node, rank, slot, offer, can, r.backs.get(rank))
+             for r in reports for rank, (slot, offer, can) in sorted(r.stops.items())]
+    if not stops:
+        return RollForward(None, "no survivor said where it stopped")
+
+    def reaches(v: int, offer: int, can: bool, back: int | None) -> bool:
+        return v in (offer, back) or (can and v == offer + 1)
+
+    candidates = sorted({v for *_x, offer, can, back in stops for v in (offer, offer + 1 if can else None, back)
+                         if v is not None and v >= 0})
+    for v in candidates:
+        leaders = [(node, rank, slot) for node, rank, slot, offer, _can, _back in stops if offer == v]
+        behind = [(node, rank, slot, offer) for node, rank, slot, offer, can, back in stops if offer != v]
+        if not leaders or not behind or not dead_has(v) or not all(
+                reaches(v, offer, can, back) for *_x, offer, can, back in stops):
+            continue
+        used: dict[int, int] = {}
+        moves = []
+        for node, rank, slot, _offer in behind:
+            donor = min(leaders, key=lambda d: (d[0] != node, used.get(d[1], 0), d[1]))
+            used[donor[1]] = used.get(donor[1], 0) + 1
+            me = SlotRef(node, slot, rank)
+            moves.append(Move(me, me, SlotRef(donor[0], donor[2], donor[1])))
+        way = "go back" if all(offer > v for *_x, offer in behind) else (
+            "catch up" if all(offer < v for *_x, offer in behind) else "move")
+        return RollForward(v, f"mixed commit: ranks {sorted(r for _n, r, _s, _o in behind)} stopped one transaction "
+                              f"away from ranks {sorted(r for _n, r, _s in leaders)}: they {way} to step {v} with "
+                              "the model and optimizer of a rank standing there, and everyone resumes there",
+                           tuple(moves))
+    offers = sorted({offer for *_x, offer, _can, _back in stops})
+    return RollForward(None, f"mixed commit: survivors stopped at steps {offers} and no step is held by all of them "
+                             "and by the dead rank's saved state")
+
+
 def leaders_donate(moves: Sequence[Move], catch_up: Sequence[Move]) -> tuple[Move, ...]:
     """The joiners' donors, none of them a laggard (its state is a step behind until it caught up): such a donor
     is replaced by the leader it catches up from."""
@@ -72,4 +126,4 @@ def leaders_donate(moves: Sequence[Move], catch_up: Sequence[Move]) -> tuple[Mov
                  if m.donor is not None and (m.donor.node, m.donor.slot) in behind else m for m in moves)
 
 
-__all__ = ["RollForward", "leaders_donate", "roll_forward"]
+__all__ = ["RollForward", "leaders_donate", "mixed_commit", "roll_forward"]

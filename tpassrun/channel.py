@@ -23,7 +23,7 @@ import struct
 
 INT64_MAX = (1 << 63) - 1
 
-SLOT_FIELDS = 24                  # 0-23 used; room to grow without moving the light buffers again
+SLOT_FIELDS = 32                  # 0-24 used; room to grow
 SLOT_BYTES = SLOT_FIELDS * 8
 LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
 _LIGHT_HEADER = struct.Struct("<q")  # payload length
@@ -55,6 +55,10 @@ class Field(enum.IntEnum):
     LIGHT_MIRRORED = 21  # worker: 1 while it pushes its light snapshots to the buddy's mirror itself (light_mirror.py)
     LIGHT_WRITES = 20  # worker: light snapshots written or rewritten in place (LIGHT_SEQ counts new ones only)
     WANT_NUDGE = 23    # agent: 1 while it copies light snapshots to a buddy (the worker then nudges it per write)
+    # worker, set with OFFER (a mixed commit, tpassrun/catchup.py): 1 + the start of the transaction before the one it
+    # offers, which it can go back to given a peer's replicated state of that step (it kept its own per-rank state
+    # of it), 0: none
+    ALT_BACK = 24
 
 
 # RUN_UNTIL: pause before any step >= this one, at the end of an open gradient-accumulation window (a boundary

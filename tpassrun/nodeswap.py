@@ -126,9 +126,10 @@ class NodePlans:
         shards = mirror.held(plan.ranks, shardplane.MIRROR_KIND, gen) if mirror is not None else {}
         survivors = [s for s in self.sw._survivors(plan) if s.alive]
         rings = shardplane.survivors_rings(self.sw._slots.channel, survivors) if survivors else None
-        return dataclasses.replace(report, held=held, stops=self._stops(plan), shard_held=shards, rings=rings)
+        return dataclasses.replace(report, held=held, stops=self.stops(plan), backs=self.backs(plan),
+                                   shard_held=shards, rings=rings)
 
-    def _stops(self, plan: SwapPlan) -> dict[int, tuple[int, int, bool]]:
+    def stops(self, plan: SwapPlan) -> dict[int, tuple[int, int, bool]]:
         """rank -> (slot, the step it can resume at exactly or -1, whether it can catch up to the next one) for
         every stopped local survivor (a mixed commit, tpassrun/catchup.py): one that failed inside a step before
         its commit point, outside an accumulation window, with a seal of the next step in its slot."""
@@ -142,6 +143,16 @@ class NodePlans:
             can = (ph == WorkerPhase.FAILED and offer == step and sealed
                    and slots.field(s, Field.COMMITTED) != step + 1)
             out[s.rank] = (s.index, offer if offer >= 0 or ph == WorkerPhase.FAILED else step, can)
+        return out
+
+    def backs(self, plan: SwapPlan) -> dict[int, int]:
+        """rank -> the start of the transaction before the one each stopped local survivor offers: it can go back
+        there given a survivor's replicated state of that step (a mixed commit the other way, catchup.mixed_commit)."""
+        slots, out = self.sw._slots, {}
+        for s in self.sw._survivors(plan):
+            back = slots.field(s, Field.ALT_BACK) - 1
+            if s.rank is not None and back >= 0 and slots.phase(s) in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
+                out[s.rank] = back
         return out
 
     def _break_collectives(self, plan: SwapPlan) -> None:
@@ -159,7 +170,7 @@ class NodePlans:
 
     async def _transfer(self, plan: SwapPlan) -> Report | None:
         self.sw._transfers_seen.add((plan.id, plan.attempt))
-        mine, behind = self._mine(plan), self._catching_up(plan)
+        mine, behind = self._mine(plan), self.catching_up(plan)
         survivors = [s for s in self.sw._survivors(plan) if s.alive]
         if plan.restore and self.me in plan.nodes and survivors and plan.id not in self.sw._rolled_back:
             # every survivor back to its own copy of the resume step before any donor sends (shardplane.py)
@@ -173,7 +184,7 @@ class NodePlans:
         sources = await asyncio.gather(*(self._shard_source(plan, m) for m in mine))
         assigned, fetched = await asyncio.gather(
             asyncio.gather(*(self.sw._assign_joiner(plan, m, mirror_from=src) for m, src in zip(mine, sources)),
-                           *(self._listen_catch_up(plan, m) for m in behind)),
+                           *(self.listen_catch_up(plan, m) for m in behind)),
             asyncio.gather(*(self._fetch_light(plan, m) for m in mine)))
         addrs: dict[int, tuple[str, int]] = {}
         for move, result in zip([*mine, *behind], assigned):
@@ -187,10 +198,10 @@ class NodePlans:
         self.port.events.write("swap_transfer_start", swap_id=plan.id, ranks=sorted(addrs))
         return Report(node=self.me, phase=plan.phase, joiner_addrs=addrs)
 
-    def _catching_up(self, plan: SwapPlan) -> list[Move]:
+    def catching_up(self, plan: SwapPlan) -> list[Move]:
         return [m for m in plan.catch_up if m.joiner.node == self.me]
 
-    async def _listen_catch_up(self, plan: SwapPlan, move: Move) -> tuple[str, int] | str:
+    async def listen_catch_up(self, plan: SwapPlan, move: Move) -> tuple[str, int] | str:
         """A survivor of this node that catches up (a mixed commit): it listens for a leader's replicated state;
         its address, or why not."""
         slot = self.sw._slots.slots[move.joiner.slot]
@@ -257,11 +268,11 @@ class NodePlans:
                                                  key=key, rank=move.rank, replicated_only=True, rng=False,
                                                  without_sharded=move.rank in plan.shards_from,
                                                  timeout=PHASE_TIMEOUT_S))
-        mine, behind = self._mine(plan), self._catching_up(plan)
+        mine, behind = self._mine(plan), self.catching_up(plan)
         if not mine and not behind:
             return None
         results = await asyncio.gather(*(self._receive(plan, m) for m in mine),
-                                       *(self._caught_up(plan, m) for m in behind))
+                                       *(self.caught_up(plan, m) for m in behind))
         errors = [r for r in results if isinstance(r, str)]
         if errors:
             return Report(node=me, phase=plan.phase, ok=False, final=True, error=errors[0])
@@ -291,7 +302,7 @@ class NodePlans:
                         f"{ok.step if ok else None}, resume step {plan.boundary})")
         return int(msg.nbytes or 0)
 
-    async def _caught_up(self, plan: SwapPlan, move: Move) -> int | str:
+    async def caught_up(self, plan: SwapPlan, move: Move) -> int | str:
         """A survivor of this node catching up: the bytes it received and loaded, or why not."""
         slot = self.sw._slots.slots[move.joiner.slot]
         msg = await self.sw._await_received(plan, slot)

@@ -278,6 +278,10 @@ class Report:
     stops: Mapping[int, tuple[int, int, bool]] = field(default_factory=dict)
     shard_held: Mapping[int, tuple[int, ...]] = field(default_factory=dict)   # pause (node plan): rank -> steps
                                                           # of its sharded state this node's mirror holds
+    # pause (unplanned): rank -> the start of the transaction before its own offer, which this survivor can go back
+    # to given the replicated state of a survivor standing there (a mixed commit the other way: it committed a step
+    # another survivor did not; tpassrun/catchup.py)
+    backs: Mapping[int, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node": self.node, "phase": self.phase.value, "ok": self.ok,
@@ -285,6 +289,7 @@ class Report:
                 "joiner_addrs": {str(r): list(a) for r, a in self.joiner_addrs.items()},
                 "stops": {str(r): list(v) for r, v in self.stops.items()},
                 "shard_held": {str(r): list(v) for r, v in self.shard_held.items()},
+                "backs": {str(r): v for r, v in self.backs.items()},
                 "candidate": self.candidate, "steps": list(self.steps), "failed_steps": list(self.failed_steps),
                 "post_commit": list(self.post_commit),
                 "dead_steps": None if self.dead_steps is None else list(self.dead_steps), "final": self.final,
@@ -318,6 +323,10 @@ class Report:
         if not all(isinstance(v, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in v)
                    for v in [*held.values(), *shard_held.values()]):
             raise RecordError(f"{what}: held and shard_held must list steps")
+        backs = d.get("backs") or {}
+        if not isinstance(backs, Mapping) or not all(isinstance(k, str) and k.isdigit() and isinstance(v, int)
+                                                     and not isinstance(v, bool) for k, v in backs.items()):
+            raise RecordError(f"{what}: backs must map ranks to steps")
         stops = d.get("stops") or {}
         if not isinstance(stops, Mapping) or not all(
                 isinstance(k, str) and k.isdigit() and isinstance(v, list) and len(v) == 3
@@ -326,6 +335,7 @@ class Report:
             raise RecordError(f"{what}: stops must map ranks to [slot, step, can catch up]")
         return cls(
                    stops={int(k): (v[0], v[1], v[2]) for k, v in stops.items()},
+                   backs={int(k): v for k, v in backs.items()},
                    shard_held={int(k): tuple(v) for k, v in shard_held.items()},
                    held={int(k): tuple(v) for k, v in held.items()},
                    joiner_addrs={int(k): a for k, v in addrs.items() if (a := _addr(v, what)) is not None},node=_str(d, "node", what), phase=_enum(Phase, d, "phase", what), ok=_bool(d, "ok", what, True),

@@ -38,6 +38,7 @@ from typing import Iterable, Sequence
 from .records import TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
 from .catchup import leaders_donate, roll_forward
 from .node_shards import sharded_resume
+from .resume import ResumeChoice, resume_plan, resume_step
 
 __all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Move", "PHASE_TIMEOUT_S", "Phase", "Report", "ResumeChoice",
            "SlotRef", "SlotView", "SwapKind", "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "lost_ranks",
@@ -404,103 +405,6 @@ MAX_SEND_ATTEMPTS = 4
 PHASE_TIMEOUT_S = 120.0        # how long a participant waits for its workers in one phase
 
 
-def resume_step(reports: Sequence[Report], dead_rank: int | None) -> tuple[int | None, str]:
-    """The step an unplanned recovery resumes at, or None and why no step is exact (pure).
-
-    A step is a transaction that commits when the tracked optimizers start stepping (after every collective
-    of the step). Each survivor offers the one step it can resume at exactly (``steps``: paused ones,
-    ``failed_steps``: failed ones): paused before step s, or failed inside step s before its commit point, it
-    holds the model of step s and rolls its per-rank state back to s's start snapshot (to the start of its open
-    gradient-accumulation window, if any: the window is re-executed); failed after its commit point (a
-    collective in user code after the optimizer step), it offers s + 1 when the step had made all its changes to
-    the replicated state and its per-rank state was sealed, else nothing (``post_commit``). All survivors must
-    agree (a collective that completed on some survivors only leaves them one step apart: a mixed commit), and
-    the dead rank must have left a snapshot for that step (taken at its start, or sealed in the backward pass of
-    the step before).
-    """
-    who = f"rank {dead_rank}" if dead_rank is not None else "the dead rank"
-    post = sorted({s for r in reports for s in r.post_commit})
-    if post:
-        return None, (f"survivors failed in a collective after their optimizer step of step {post[0]} (user code "
-                      "after the commit point) before the step's other changes (LR scheduler, GradScaler) were "
-                      "made, or with their per-rank state not sealed: that step can be neither finished nor undone")
-    stopped = sorted({s for r in reports for s in r.steps} | {s for r in reports for s in r.failed_steps})
-    if len(stopped) > 1:
-        return None, (f"mixed commit: survivors stopped at different steps {stopped} (a collective completed on "
-                      "some ranks only)")
-    step = stopped[0] if stopped else 0
-    saved = [r.dead_steps for r in reports if r.dead_steps is not None]
-    if saved:
-        have = set(saved[0])
-        if step not in have and not (step == 0 and not have):
-            if have and max(have) < step:
-                why = (f"{who} died inside step {max(have)} after the survivors had completed it, and its state "
-                       "after the step was never saved (no tracked model to seal it in the backward pass, or "
-                       "sealing turned off)")
-            else:
-                why = f"{who} saved state for steps {sorted(have)}, the survivors stopped at step {step}"
-            return None, why
-    return step, f"all survivors stopped at step {step}; {who} resumes there too"
-
-
-@dataclass(frozen=True)
-class ResumeChoice:
-    """Where an unplanned recovery resumes (:func:`resume_plan`): ``step`` (None: nowhere exact, ``why``)."""
-
-    step: int | None
-    why: str
-    restore: bool = False                       # every survivor first rolls back to its local copy of ``step``
-    shard_from: tuple[str, int] | None = None   # the dead rank's shard comes from this mirror server ...
-    shard_node: str | None = None               # ... of this node
-
-
-def resume_plan(reports: Sequence[Report], dead_rank: int | None) -> ResumeChoice:
-    """:func:`resume_step`, and for a job with sharded state (``sess.track_sharded``) where the dead rank's shard
-    comes from (pure).
-
-    No live peer holds a dead rank's shard: its buddy's mirror does, at the steps it was refreshed at
-    (``mirror_steps``), and every rank keeps a local copy of its whole state at the same steps (``rings``).
-    The recovery resumes at the step :func:`resume_step` finds when the mirror holds the dead rank's shard of
-    that step (the survivors roll back their light state only, as under DDP). Otherwise (the rank died after
-    the survivors committed the step's optimizer update, or before the refresh of its step had landed, or the
-    mirror is refreshed every K > 1 steps) every rank rolls back to the newest step that every survivor holds a
-    local copy of and the mirror holds the dead rank's shard of, and re-executes from there; none: the group
-    restarts, and the reason says which copy was missing.
-    """
-    who = f"rank {dead_rank}" if dead_rank is not None else "the dead rank"
-    step, why = resume_step(reports, dead_rank)
-    if not any(r.dead_ring is not None or r.rings is not None for r in reports):
-        return ResumeChoice(step, why)
-    holders = [(r.node, r.mirror_addr, set(r.mirror_steps)) for r in reports if r.mirror_steps and r.mirror_addr]
-
-    def source(v: int) -> tuple[str, tuple[str, int]] | None:
-        return next(((node, addr) for node, addr, steps in holders if v in steps), None)
-
-    if step is not None and (src := source(step)) is not None:
-        return ResumeChoice(step, f"{why}; its shard of step {step} from the mirror on {src[0]}",
-                            shard_from=src[1], shard_node=src[0])
-    mirrored = sorted(set().union(*(steps for _, _, steps in holders))) if holders else []
-    if not mirrored:
-        return ResumeChoice(None, f"{who} held sharded state and no mirror holds a copy of it "
-                                  "(it died before its first refresh, or its buddy is gone too)")
-    rings = [set(r.rings or ()) for r in reports if r.rings is not None or (r.steps or r.failed_steps or r.post_commit)]
-    common = set.intersection(*rings) if rings else set()
-    usable = sorted((v for v in common if source(v) is not None), reverse=True)
-    if not usable:
-        have = sorted(common)
-        return ResumeChoice(None, f"no step is held both by the mirror of {who}'s shard (steps {mirrored}) and by "
-                                  f"every survivor's local copy (steps {have}): "
-                                  + (why if step is None else f"the survivors stopped at step {step}"))
-    v = usable[0]
-    src = source(v)
-    assert src is not None
-    stopped = sorted({s for r in reports for s in (*r.steps, *r.failed_steps, *r.post_commit)})
-    at = f"step {stopped[0]}" if len(stopped) == 1 else f"steps {stopped}" if stopped else "their step"
-    return ResumeChoice(v, f"every rank rolls back to its copy of step {v} (the survivors stopped at {at}; "
-                           f"{who}'s newest mirrored shard that every rank can match is step {v}, on {src[0]})",
-                        restore=True, shard_from=src[1], shard_node=src[0])
-
-
 def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
               spare_after_failure: SlotView | None = None, sender_dead: bool = False) -> Decision:
     """The leader's move once reports for the plan's current phase are in (pure).
@@ -551,6 +455,8 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
             needed |= set(plan.nodes)     # every survivor rolled back before the donor sends
     if plan.phase == Phase.SEND:
         needed = {plan.joiner.node}
+    if plan.phase in (Phase.TRANSFER, Phase.SEND):
+        needed |= {m.joiner.node for m in plan.catch_up}     # a mixed commit: survivors moved to the boundary
     have = {r.node for r in mine}
     if not needed <= have:
         return Decision("wait", f"{plan.phase.value}: waiting for {sorted(needed - have)}")
@@ -562,7 +468,8 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
                 return Decision("plan", choice.why, plan.advance(Phase.ABORTED, now_wall, outcome=choice.why))
             return Decision("plan", choice.why, plan.advance(Phase.TRANSFER, now_wall, boundary=choice.step,
                                                              restore=choice.restore, shard_from=choice.shard_from,
-                                                             shard_node=choice.shard_node))
+                                                             shard_node=choice.shard_node, catch_up=choice.catch_up,
+                                                             donor=choice.donor or plan.donor))
         boundary = max((r.candidate or 0) for r in mine)
         return Decision("plan", f"boundary step {boundary}", plan.advance(Phase.BOUNDARY, now_wall, boundary=boundary))
     if plan.phase == Phase.BOUNDARY:
@@ -579,8 +486,14 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
         if plan.kind == SwapKind.UNPLANNED and light is None and plan.boundary and plan.shard_from is None:
             why = f"the dead rank's snapshot for step {plan.boundary} is missing"
             return Decision("plan", why, plan.advance(Phase.ABORTED, now_wall, outcome=why))
+        listening = {rank: a for r in mine for rank, a in r.joiner_addrs.items()}
+        missing = [m.rank for m in plan.catch_up if m.rank not in listening]
+        if missing:
+            why = f"ranks {missing} did not listen for the replicated state of step {plan.boundary}"
+            return Decision("plan", why, plan.advance(Phase.ABORTED, now_wall, outcome=why))
+        catch_up = tuple(dataclasses.replace(m, joiner_addr=listening[m.rank]) for m in plan.catch_up)
         return Decision("plan", f"joiner listening at {addr[0]}:{addr[1]}",
-                        plan.advance(Phase.SEND, now_wall, joiner_addr=addr, light_b64=light))
+                        plan.advance(Phase.SEND, now_wall, joiner_addr=addr, light_b64=light, catch_up=catch_up))
     if plan.phase == Phase.SEND:
         return Decision("plan", "state received and verified", plan.advance(Phase.REFORM, now_wall))
     if plan.phase == Phase.REFORM:

@@ -13,6 +13,7 @@ import asyncio
 import base64
 import logging
 import time
+from typing import Any
 
 from . import shardplane
 from .channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
@@ -71,11 +72,20 @@ class PhaseSteps:
             if stationary:
                 return Report(node=self.port.node_id, phase=plan.phase, candidate=cand, steps=tuple(paused),
                               failed_steps=tuple(failed), post_commit=tuple(post), dead_steps=dead_steps,
+                              **self._mixed_commit_fields(plan, survivors),
                               **shardplane.pause_fields(self.port, plan, survivors))
             if now > deadline:
                 return Report(node=self.port.node_id, phase=plan.phase, ok=False,
                               error="workers did not stop within the phase timeout")
             await asyncio.sleep(0.002)
+
+    def _mixed_commit_fields(self, plan: SwapPlan, survivors: list[Slot]) -> dict[str, Any]:
+        """An unplanned recovery's PAUSE: where each local survivor stopped and where else it could stand
+        (catchup.mixed_commit), unless a survivor declared its replica group (its replicated state is not every
+        rank's: a survivor of another group could not hand it over)."""
+        if plan.kind != SwapKind.UNPLANNED or any(s.replicas is not None for s in survivors):
+            return {}
+        return {"stops": self.node_plans.stops(plan), "backs": self.node_plans.backs(plan)}
 
     def _dead_lights(self, plan: SwapPlan) -> list[tuple[int, bytes]]:
         """The dead rank's saved light snapshots as (step, bytes), newest first (unplanned, its node only).
@@ -183,9 +193,19 @@ class PhaseSteps:
                 return Report(node=me, phase=plan.phase, ok=False, error=result)
             addr = result
             self.port.events.write("swap_transfer_start", swap_id=plan.id, joiner=plan.joiner.to_json())
-        if addr is None and light_b64 is None and not dead_here and not restored:
+        behind = self.node_plans.catching_up(plan)
+        listening: dict[int, tuple[str, int]] = {}
+        if behind:
+            # a mixed commit: the local survivors the plan moves to the resume step listen for a survivor standing
+            # there (catchup.mixed_commit)
+            for move, result in zip(behind, await asyncio.gather(*(self.node_plans.listen_catch_up(plan, m)
+                                                                   for m in behind))):
+                if isinstance(result, str):
+                    return Report(node=me, phase=plan.phase, ok=False, final=True, error=result)
+                listening[move.rank] = result
+        elif addr is None and light_b64 is None and not dead_here and not restored:
             return None
-        return Report(node=me, phase=plan.phase, joiner_addr=addr, light_b64=light_b64)
+        return Report(node=me, phase=plan.phase, joiner_addr=addr, light_b64=light_b64, joiner_addrs=listening)
 
     async def _assign_joiner(self, plan: SwapPlan, move: Move | None = None,
                              mirror_from: MirrorSource | None = None) -> tuple[str, int] | str:
@@ -237,8 +257,11 @@ class PhaseSteps:
                                              replicated_only=plan.kind == SwapKind.UNPLANNED,
                                              without_sharded=plan.shard_from is not None,
                                              rng=plan.kind == SwapKind.PLANNED, timeout=PHASE_TIMEOUT_S))
+        refused = await self._send_catch_up(plan)
+        if refused is not None:
+            return refused
         if plan.joiner.node != me:
-            return None
+            return await self._caught_up_here(plan, None)
         joiner = self._slots.slots[plan.joiner.slot]
         light = plan.kind == SwapKind.UNPLANNED and plan.light_b64 is not None
         if light:
@@ -265,7 +288,37 @@ class PhaseSteps:
                 return Report(node=me, phase=plan.phase, ok=False, final=ok is not None,
                               error=f"the joiner rejected the dead rank's snapshot (step {ok.step if ok else None}, "
                                     f"resume step {plan.boundary})")
-        return Report(node=me, phase=plan.phase, extra={"nbytes": msg.nbytes, "seconds": msg.seconds})
+        return await self._caught_up_here(plan, Report(node=me, phase=plan.phase,
+                                                       extra={"nbytes": msg.nbytes, "seconds": msg.seconds}))
+
+    async def _send_catch_up(self, plan: SwapPlan) -> Report | None:
+        """SEND, a mixed commit: this node's survivors standing at the resume step stream their replicated state to
+        the survivors the plan moves there (after the joiner's, if they serve it too); a refusal, or None."""
+        me = self.port.node_id
+        for move in plan.catch_up:
+            if move.donor is None or move.donor.node != me:
+                continue
+            refused = await self._refuse_destination(plan, move, catch_up=True)
+            if refused is not None:
+                self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
+                return Report(node=me, phase=plan.phase, ok=False, final=True, error=f"send refused: {refused}")
+            key = _transfer_key(plan)
+            assert key is not None and move.joiner_addr is not None   # _refuse_destination checked both
+            self._slots.send(self._slots.slots[move.donor.slot],
+                             SendState(addr=move.joiner_addr[0], port=move.joiner_addr[1], swap_id=plan.id, key=key,
+                                       rank=move.rank, replicated_only=True, rng=False, timeout=PHASE_TIMEOUT_S))
+        return None
+
+    async def _caught_up_here(self, plan: SwapPlan, report: Report | None) -> Report | None:
+        """SEND: ``report`` once every local survivor the plan moves loaded what it received, else why not."""
+        behind = self.node_plans.catching_up(plan)
+        if not behind:
+            return report
+        results = await asyncio.gather(*(self.node_plans.caught_up(plan, m) for m in behind))
+        errors = [r for r in results if isinstance(r, str)]
+        if errors:
+            return Report(node=self.port.node_id, phase=plan.phase, ok=False, final=True, error=errors[0])
+        return report or Report(node=self.port.node_id, phase=plan.phase)
 
     async def _await_received(self, plan: SwapPlan, joiner: Slot) -> Received | str | None:
         """The joiner's "received", or "aborted" once the leader gave the plan up (a sender that died before

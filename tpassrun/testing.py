@@ -14,7 +14,10 @@ trip over the fault that killed its predecessor::
 Actions: ``kill`` (SIGKILL self), ``kill_node`` (SIGKILL the agent that started this worker, then self: the
 whole node dies at that point, its other workers with it), ``stop`` (SIGSTOP self: a hang), ``exit`` (``os._exit(code)``),
 ``sleep`` (``seconds``: a straggler, every step from ``step`` on, no marker needed), ``raise``, ``hold``
-(wait until the file ``release`` exists: lets a test line up a spare or a taint at an exact step).
+(wait until the file ``release`` exists: lets a test line up a spare or a taint at an exact step), ``fail`` (a
+collective failing here: wait until the process that claimed the marker ``after`` is dead, then raise
+``torch.distributed.DistError``, as a collective with that dead rank would; with ``synced`` after a step's
+all-reduce it stages a mixed commit: this rank did not complete the collective, the others did).
 """
 
 from __future__ import annotations
@@ -87,3 +90,27 @@ def fault_point(rank: int, step: int, where: str = "step") -> None:
                 time.sleep(0.02)
         elif action == "raise":
             raise RuntimeError(f"injected fault at rank {rank} step {step}")
+        elif action == "fail":
+            _wait_dead(f.get("after"), float(f.get("timeout", 60)))
+            import torch.distributed as dist
+
+            raise dist.DistError(f"injected: a collective failed at rank {rank} step {step} (a peer died)")
+
+
+def _wait_dead(marker: str | None, timeout: float) -> None:
+    """Until the process that claimed ``marker`` (its pid is the file's first word) is gone or a zombie."""
+    deadline = time.monotonic() + timeout
+    while marker and time.monotonic() < deadline:
+        try:
+            with open(marker) as fh:
+                pid = int(fh.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            time.sleep(0.005)
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                    return
+        except (OSError, IndexError):
+            return
+        time.sleep(0.005)

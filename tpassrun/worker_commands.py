@@ -43,6 +43,7 @@ class BoundaryCommands:
             # timeout: tear our end down, so that it fails at once and the pause completes.
             abort_process_groups()
         link.set(Field.OFFER, self._window + 1)     # the open window's start (this step outside a window)
+        self._publish_back(self._window)             # and the one before it (a mixed commit, worker_catchup.py)
         link.set(Field.PHASE, WorkerPhase.PAUSED)
         self._serve(step)
 
@@ -56,9 +57,11 @@ class BoundaryCommands:
         self._commit_light = None
         if not committed:
             link.set(Field.OFFER, self._window + 1)
+            self._publish_back(self._window)
         else:
             complete = self._failed_seal is not None and self._complete_after_commit()
             link.set(Field.OFFER, step + 2 if complete else 0)
+            self._publish_back(step + 1)     # the start of this step's window: before its optimizer step
         self._shard_fence()         # its local copies' steps are published before the agent reads them
         # Tear our end of every collective down now: a peer blocked on *us* (not on the dead rank) only
         # learns of the failure when our sockets close, so aborting here cascades the error to every
@@ -116,7 +119,11 @@ class BoundaryCommands:
             _refuse_send(msg)
             return False
         rng = handoff.capture_rng() if msg.rng else None
-        bundle = handoff.capture(objs, step=step, rng=rng, extra={"objects": sorted(objs), "swap_id": msg.swap_id})
+        # a donor's replicated state is that of the step it offers to resume at (its window's start, or the next
+        # step after a complete step that failed past its commit point), which a survivor catching up checks
+        offer = link.get(Field.OFFER) - 1
+        at = offer if msg.replicated_only and offer >= 0 else step
+        bundle = handoff.capture(objs, step=at, rng=rng, extra={"objects": sorted(objs), "swap_id": msg.swap_id})
         try:
             _send_state(msg, bundle,
                         corrupt=lambda: testing.ENABLED and testing.wants(self.rank, step, "send", "corrupt"))
@@ -167,7 +174,12 @@ class BoundaryCommands:
         if resume is None:                      # an agent that does not say: the failed step, as before
             resume = self._window if failed or self._window < step else step
         caught_up, self._caught_up = self._caught_up, None
-        if resume == step + 1 and failed and self._failed_seal is not None:
+        back, self._back_txn = self._back_txn, None
+        if caught_up is not None and back is not None and caught_up[0] == resume <= step:
+            # a mixed commit, the other way: this rank committed a step other survivors did not; it took the
+            # replicated state of its start from one of them (CatchUp), and its own snapshot of it is kept
+            self._go_back(resume, caught_up[1], back)
+        elif resume == step + 1 and failed and self._failed_seal is not None:
             self._restore_light(self._failed_seal)     # failed after its commit point: the seal is step + 1's start
             self._drop_grads()
             self._window_closed()

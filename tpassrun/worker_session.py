@@ -65,7 +65,10 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
         self._light_mirror: Any = None            # light_mirror.LightMirror: this rank pushes its snapshots itself
         self._light_retarget_due = 2              # ask where they go (worker_step._RETARGET_*), 0: settled
         self._light_polls = 0
-        self._caught_up: tuple[int, bytes] | None = None   # a mixed commit: (resume step, own seal), CatchUp
+        self._caught_up: tuple[int, bytes] | None = None   # a mixed commit: (resume step, own light), CatchUp
+        self._back_txn: Any = None                # ... and the transaction it goes back to (worker_catchup.py)
+        self._txn: Any = None                     # this transaction and the one before (worker_catchup.Txn)
+        self._prev_txn: Any = None
         self._first_grad_ns = 0
         self._ddps = 0                  # sess.ddp() calls so far: names their bucket layouts
         # The step as a transaction (see _seal and _commit_point): sealed when its collectives are done,
@@ -213,6 +216,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
             if self._light_enabled:
                 self._snapshot_light(step)
             if self._window == step:    # (inside an accumulation window no step start is a resume point)
+                self._begin_txn(step)
                 self._shard_begin(step, self._rollback_light)
             link.set(Field.PHASE, WorkerPhase.RUNNING)
             self._first_grad_ns = 0
