@@ -6,7 +6,9 @@ Prints, in one run:
   * raw TCP throughput: sendall / recv_into of one buffer between two processes;
   * handoff throughput: ``connect_and_send`` / ``accept_and_recv`` of a model + AdamW state of
     about the same size between two processes (checksummed, acknowledged, fresh receive tensors);
-  * their ratio (target >= 0.70);
+  * the same, authenticated as every transfer between processes is (handshake, HMAC-SHA256 on every frame),
+    into a spare's pre-faulted arena: what a swap actually pays;
+  * their ratios to raw TCP (target >= 0.70), and authenticated / checksummed;
   * ``capture_rng()`` + ``capture`` + ``encode_small`` per call (target < 100 us), with a breakdown.
 
 Raw and handoff rounds alternate so that background load hits both alike. The last line is JSON.
@@ -28,6 +30,7 @@ import torch
 
 from tpassrun.handoff_wire import reserve_receive_arena
 from tpassrun.handoff import (
+    TransferAuth,
     accept_and_recv,
     capture,
     capture_rng,
@@ -71,7 +74,10 @@ def raw_receiver(nbytes: int, rounds: int, ports: Any) -> None:
             ports.put(cpu_seconds() - cpu_before)
 
 
-def bundle_receiver(rounds: int, arena_bytes: int, ports: Any) -> None:
+AUTH = TransferAuth(b"bench-transfer-key-0123456789abcdef", "s-bench", 1)
+
+
+def bundle_receiver(rounds: int, arena_bytes: int, ports: Any, auth: bool = False) -> None:
     """``arena_bytes`` > 0: like a warm spare, fault in a receive arena before each transfer (not timed)."""
     listener, port = listen_for_bundle("127.0.0.1")
     ports.put(port)
@@ -80,15 +86,15 @@ def bundle_receiver(rounds: int, arena_bytes: int, ports: Any) -> None:
             if arena_bytes:
                 reserve_receive_arena(arena_bytes)
             cpu_before = cpu_seconds()
-            bundle, _stats = accept_and_recv(listener, timeout=120)
+            bundle, _stats = accept_and_recv(listener, timeout=120, auth=AUTH if auth else None)
             del bundle
             ports.put(cpu_seconds() - cpu_before)
 
 
-def start_receiver(target: Callable, *args: Any) -> tuple[Any, int]:
+def start_receiver(target: Callable, *args: Any, **kwargs: Any) -> tuple[Any, int]:
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, ports), daemon=True)
+    proc = ctx.Process(target=target, args=(*args, ports), kwargs=kwargs, daemon=True)
     proc.start()
     return proc, ports, ports.get(timeout=120)
 
@@ -164,7 +170,10 @@ def main() -> None:
     bundle_proc, bundle_reports, bundle_port = start_receiver(bundle_receiver, args.rounds, 0)
     arena_proc, arena_reports, arena_port = start_receiver(bundle_receiver, args.rounds,
                                                            bundle.nbytes + (16 << 20))
+    auth_proc, auth_reports, auth_port = start_receiver(bundle_receiver, args.rounds, bundle.nbytes + (16 << 20),
+                                                        auth=True)
     raw_gbps, bundle_gbps, raw_cpu, bundle_cpu, arena_gbps, arena_cpu = [], [], [], [], [], []
+    auth_gbps, auth_cpu = [], []
     try:
         for round_no in range(args.rounds):
             cpu_before = cpu_seconds()
@@ -178,13 +187,19 @@ def main() -> None:
             astats = connect_and_send("127.0.0.1", arena_port, bundle, timeout=120)
             arena_cpu.append((cpu_seconds() - cpu_before, arena_reports.get(timeout=120)))
             arena_gbps.append(astats.gbps)
+            cpu_before = cpu_seconds()
+            sstats = connect_and_send("127.0.0.1", auth_port, bundle, timeout=120, auth=AUTH)
+            auth_cpu.append((cpu_seconds() - cpu_before, auth_reports.get(timeout=120)))
+            auth_gbps.append(sstats.gbps)
             print(f"  round {round_no}: handoff into a spare's pre-faulted arena {astats.gbps:.2f} GB/s "
-                  f"(cpu s: send {arena_cpu[-1][0]:.3f}, recv {arena_cpu[-1][1]:.3f})")
+                  f"(cpu s: send {arena_cpu[-1][0]:.3f}, recv {arena_cpu[-1][1]:.3f}); authenticated "
+                  f"{sstats.gbps:.2f} GB/s (cpu s: send {auth_cpu[-1][0]:.3f}, recv {auth_cpu[-1][1]:.3f}; "
+                  f"{sstats.chunks} frames, {sstats.checksum})")
             print(f"  round {round_no}: raw {raw_gbps[-1]:.2f} GB/s (cpu s: send {raw_cpu[-1][0]:.3f}, "
                   f"recv {raw_cpu[-1][1]:.3f}), handoff {stats.gbps:.2f} GB/s (cpu s: send {bundle_cpu[-1][0]:.3f}, "
                   f"recv {bundle_cpu[-1][1]:.3f}; {stats.nbytes / 1e6:.0f} MB, {stats.chunks} chunks, {stats.checksum})")
     finally:
-        for proc in (raw_proc, bundle_proc, arena_proc):
+        for proc in (raw_proc, bundle_proc, arena_proc, auth_proc):
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
@@ -199,10 +214,15 @@ def main() -> None:
     arena_ratio = statistics.median(arena_gbps) / statistics.median(raw_gbps)
     print(f"arena      best {max(arena_gbps):.2f} GB/s, median {statistics.median(arena_gbps):.2f} GB/s; "
           f"ratio best/best {max(arena_gbps) / raw_best:.2f}, median/median {arena_ratio:.2f} (target >= 0.70)")
+    auth_ratio = statistics.median(auth_gbps) / statistics.median(raw_gbps)
+    auth_vs_arena = statistics.median(auth_gbps) / statistics.median(arena_gbps)
+    print(f"authed     best {max(auth_gbps):.2f} GB/s, median {statistics.median(auth_gbps):.2f} GB/s; ratio to raw "
+          f"median/median {auth_ratio:.2f}; authenticated / checksummed (both into an arena) {auth_vs_arena:.2f}")
     raw_cost = min(send + recv for send, recv in raw_cpu) / nbytes * 1e9
     bundle_cost = min(send + recv for send, recv in bundle_cpu) / bundle.nbytes * 1e9
-    print(f"cpu cost   raw {raw_cost:.3f} s/GB, handoff {bundle_cost:.3f} s/GB (both ends; a load-independent "
-          f"view on a shared host): raw/handoff {raw_cost / bundle_cost:.2f}")
+    auth_cost = min(send + recv for send, recv in auth_cpu) / bundle.nbytes * 1e9
+    print(f"cpu cost   raw {raw_cost:.3f} s/GB, handoff {bundle_cost:.3f} s/GB, authenticated {auth_cost:.3f} s/GB "
+          f"(both ends; a load-independent view on a shared host): raw/handoff {raw_cost / bundle_cost:.2f}")
 
     sampler = Sampler()
     rng = capture_rng()
@@ -221,6 +241,8 @@ def main() -> None:
     print(json.dumps({
         "raw_gbps": raw_gbps, "handoff_gbps": bundle_gbps, "arena_gbps": arena_gbps,
         "arena_ratio_median": round(arena_ratio, 3), "ratio_best": round(ratio_best, 3),
+        "auth_gbps": auth_gbps, "auth_ratio_median": round(auth_ratio, 3),
+        "auth_vs_checksum_median": round(auth_vs_arena, 3), "cpu_s_per_gb_auth": round(auth_cost, 3),
         "ratio_median": round(ratio_median, 3), "cpu_s_per_gb": {"raw": round(raw_cost, 3), "handoff": round(bundle_cost, 3)},
         "state_mb": round(bundle.nbytes / 1e6, 1),
         "light_bytes": len(light), "light_us": {k: round(v[0], 1) for k, v in timings.items()},

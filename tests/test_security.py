@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from faults import Hold, Job, faults_env, hold_at, run_async, taint
-from tpassrun.handoff import (AuthError, HandoffError, StateBundle, TransferAuth, accept_and_recv, connect_and_send,
-                              listen_for_bundle, recv_bundle, send_bundle)
+from tpassrun.handoff import (AuthError, ChecksumError, HandoffError, StateBundle, TransferAuth, accept_and_recv,
+                              connect_and_send, listen_for_bundle, recv_bundle, send_bundle)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -141,7 +141,7 @@ def _authenticated_pair():
 
 def test_sizes_are_bounded_by_what_the_transfer_allows_before_anything_is_allocated():
     """A header announcing 1 GiB is refused before allocating; so is an overflowing shape (no crash)."""
-    from tpassrun import handoff_wire as hw
+    from tpassrun import handoff_frame as hw
 
     def header_only(specs: list[hw.TensorSpec]) -> bytes:
         return hw._encode_head({"step": 0}, specs, chunk_bytes=1 << 20, checksum="crc32")
@@ -171,17 +171,52 @@ def test_sizes_are_bounded_by_what_the_transfer_allows_before_anything_is_alloca
         t.join(30)
 
 
-def test_a_tampered_authenticated_stream_is_rejected():
+@pytest.mark.parametrize("where", ["head", "first frame", "middle frame", "last frame", "a frame tag", "trailer",
+                                   "end tag"])
+def test_every_part_of_an_authenticated_stream_is_checked(where):
+    """One byte flipped anywhere (the signed head, any data frame, a frame's tag, the trailer, the end tag) is
+    refused with a ChecksumError on both ends: nothing of it is returned, let alone applied."""
+    from tpassrun.handoff_wire import _AUTH_TRAILER, _PREFIX_LEN, _encode_head, _outgoing
+
+    bundle = StateBundle({"step": 3}, [torch.arange(5000, dtype=torch.float32), torch.ones(3000)])
+    chunk = 4096                                          # 8 data frames of 4 KiB (32000 bytes of tensors)
+    head = len(_encode_head(bundle.meta, [_outgoing(t)[0] for t in bundle.tensors], chunk, "hmac-sha256"))
+    data0 = head + 32                                     # the head's tag follows the head
+    frame = lambda i: data0 + i * (chunk + 32)            # noqa: E731 - each frame is followed by its tag
+    at = {"head": _PREFIX_LEN + 5, "first frame": data0 + 7, "middle frame": frame(4) + 100,
+          "last frame": frame(7) + 5, "a frame tag": frame(2) + chunk + 3,
+          "trailer": frame(7) + (32000 - 7 * chunk) + 32 + 9, "end tag": frame(7) + (32000 - 7 * chunk) + 32
+          + _AUTH_TRAILER.size + 1}[where]
     sender, receiver = _authenticated_pair()
     with sender, receiver:
         receiver.settimeout(10)
         out: dict[str, object] = {}
         t = threading.Thread(target=lambda: out.setdefault("err", pytest.raises(
-            HandoffError, send_bundle, sender, _bundle(), auth=_auth(), _corrupt_byte_at=2000)))
+            HandoffError, send_bundle, sender, bundle, auth=_auth(), chunk_bytes=chunk, _corrupt_byte_at=at)))
         t.start()
-        with pytest.raises(HandoffError, match="mismatch"):
+        with pytest.raises(ChecksumError, match="mismatch"):
             recv_bundle(receiver, auth=_auth())
         t.join(30)
+    assert "checksum mismatch" in str(out["err"].value)   # the sender heard the verdict too
+
+
+def test_an_authenticated_stream_round_trips_with_frames_across_tensors():
+    from tpassrun.handoff_wire import _MAC_THREADS
+
+    tensors = [torch.randn(n) for n in (1, 1000, 7, 70000, 3)] + [torch.arange(11, dtype=torch.int16)]
+    bundle = StateBundle({"step": 9}, tensors)
+    sender, receiver = _authenticated_pair()
+    with sender, receiver:
+        receiver.settimeout(10)
+        sent: dict[str, object] = {}
+        t = threading.Thread(target=lambda: sent.setdefault("stats", send_bundle(sender, bundle, auth=_auth(),
+                                                                                   chunk_bytes=3000)))
+        t.start()
+        got, stats = recv_bundle(receiver, auth=_auth())
+        t.join(30)
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors, tensors)) and got.meta == bundle.meta
+    assert stats.checksum == sent["stats"].checksum and stats.checksum.startswith("hmac-sha256:")
+    assert stats.chunks == -(-sum(t.numel() * t.element_size() for t in tensors) // 3000) and _MAC_THREADS >= 1
 
 
 # --- real jobs under attack --------------------------------------------------------------------------

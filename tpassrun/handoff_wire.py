@@ -1,95 +1,75 @@
-"""Handoff wire format and the point-to-point TCP transfer of a :class:`StateBundle`.
+"""The point-to-point TCP transfer of a :class:`StateBundle`: the frame of :mod:`tpassrun.handoff_frame` on a
+socket, the receiver's verdict, and (between processes) authentication.
 
-One transfer, all integers little endian::
+An unauthenticated stream is the frame as it is, followed by the receiver's verdict::
 
-    prefix   24 B  b"TPHO" | u16 version | u16 flags | u64 head_len | u32 crc32(head) | u32 crc32(first 20 B)
-    head     head_len B of UTF-8 JSON: {"v": 1, "meta": <bundle meta>, "tensors": [spec, ...],
-                                        "checksum": "blocksum64" | "crc32", "chunk_bytes": int}
-    data     the raw bytes of every tensor, in table order, in chunks of ``chunk_bytes``
-    trailer  16 B  b"TPEN" | u64 data_len | u32 checksum of prefix + head + data
+    frame     prefix | head | data (chunks of chunk_bytes) | trailer      (see handoff_frame)
     ack       8 B  receiver -> sender: b"TPAK" | u32 status (0 ok, 1 checksum mismatch)
 
-The head carries its own checksum so a corrupted tensor table is caught before we allocate
-from it; the trailer's checksum covers everything. The ack matters: a leaving rank may only
-exit once the joiner has *verified* its state, otherwise the swap must be abandoned.
-
-Tensors go out straight from their memory (``memoryview`` of a uint8 view, no ``torch.save``,
-no pickle) and come in with ``recv_into`` preallocated tensors. The checksum runs in a helper
-thread on chunk i while chunk i+1 is on the wire (it and the socket calls release the GIL, so
-the two overlap instead of adding up); see ``_BlockSum64`` for why streams do not use crc32.
-
-``encode_small``/``decode_small`` use the very same frame in memory (no ack, no thread) for the
-per-step "light" snapshot a worker leaves in shared memory.
+The ack matters: a leaving rank may only exit once the joiner has *verified* its state, otherwise the swap
+must be abandoned.
 
 A transfer between processes is authenticated (:class:`TransferAuth`): a per-swap key reaches both ends only
 through the control plane, never the network. Before any state byte is read or sent, the two ends prove the
-key to each other over fresh nonces (either end may be a stranger: a process that found the port, or a forged
-plan's address)::
+key to each other over fresh nonces (:mod:`tpassrun.wireauth`'s handshake, shared with the agent's mirror
+store; either end may be a stranger: a process that found the port, or a forged plan's address). Then every
+part of the frame carries an HMAC-SHA256 tag keyed for this connection (both nonces, the swap and the rank)::
 
-    receiver -> sender    40 B  b"TPNC" | u16 version | u16 0 | nonce_r (32 B)
-    sender -> receiver    68 B  b"TPAU" | nonce_s (32 B) | HMAC(key, "sender" | nonce_r | nonce_s | context)
-    receiver -> sender    36 B  b"TPOK" | HMAC(key, "receiver" | nonce_r | nonce_s | context)
+    prefix | head | head tag                  MAC("head" | prefix | head): checked before the head is parsed,
+                                              so nothing is allocated from a table the sender did not sign
+    data frame i | tag i                      the tensor bytes as one stream cut into frames of chunk_bytes,
+                                              MAC("data" | u64 i | u64 length | frame), checked before anything
+                                              is applied
+    trailer | end tag                         MAC("end" | trailer | every frame tag): no frame dropped or moved
+    ack
 
-``context`` names the swap and the rank, so a key-holder of another swap or rank is refused too (the handshake
-itself is :mod:`tpassrun.wireauth`'s, torch-free, shared with the agent's mirror store). The frame
-then runs as above with HMAC-SHA256 over both nonces, the context and every byte of the frame as its checksum
-("hmac-sha256"), the full 32-byte tag following the trailer; the receiver applies nothing before the tag
-verified (constant-time compare), and allocates nothing beyond ``max_bytes``.
+Why frames and not one MAC over the stream: SHA-256 is the only expensive thing left on the wire (the copies
+are cheap), and one running MAC is one core. Independent frame MACs are computed by a small pool of threads
+(hashlib releases the GIL): the sender has them ready before the frame is on the wire, the receiver verifies
+frame i while frame i+1 arrives, and the pool uses whatever cores the host has (``bench/transfer.py``).
 """
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
+import collections
 import hmac
-import json
-import math
-import mmap
+import logging
 import os
 import socket
 import struct
 import time
-import zlib
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Protocol
-import logging
+from typing import Any
 
-import torch
-
-from .handoff_codec import ChecksumError, HandoffError, StateBundle, dtype_from_name
-from .wireauth import (ACCEPT, HELLO, PROOF, TAG_LEN, AuthError, ConnectorHandshake, FrameMac,  # noqa: F401
-                       ListenerHandshake, TransferAuth)
-
-try:
-    import numpy as np
-except ImportError:  # pragma: no cover - then streams fall back to crc32
-    np = None  # type: ignore[assignment]
+from .handoff_codec import ChecksumError, HandoffError, StateBundle
+from .handoff_frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES, _PREFIX_LEN, _STREAM_CHECKSUM, _TRAILER,
+                            _allocate_all, _encode_head, _Frame, _frames, _new_checksum, _outgoing, _parse_head,
+                            _Pipelined, _read_frame, _read_prefix, _SocketReader, decode_small, encode_parts, encode_small,
+                            reserve_receive_arena, reserved_receive_bytes)
+from .wireauth import (ACCEPT, HELLO, PROOF, TAG_LEN, AuthError, ConnectorHandshake, FrameMac, ListenerHandshake,
+                       TransferAuth)
 
 log = logging.getLogger("tpassrun.handoff")
 
-WIRE_VERSION = 1
-_MAGIC = b"TPHO"
-_END_MAGIC = b"TPEN"
+__all__ = ["AuthError", "TransferAuth", "TransferStats", "accept_and_recv", "accept_one", "connect_and_send",
+           "decode_small", "encode_parts", "encode_small", "listen_for_bundle", "recv_bundle", "reserve_receive_arena",
+           "reserved_receive_bytes", "send_bundle"]
+
 _ACK_MAGIC = b"TPAK"
-_PREFIX_BODY = struct.Struct("<4sHHQI")  # magic, version, flags, head_len, head_crc
-_PREFIX_CRC = struct.Struct("<I")
-_PREFIX_LEN = _PREFIX_BODY.size + _PREFIX_CRC.size
-_TRAILER = struct.Struct("<4sQI")  # end magic, data_len, crc of everything before the trailer
 _ACK = struct.Struct("<4sI")
 _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
-_MAX_HEAD_BYTES = 1 << 30  # a corrupt length must not make us allocate the moon
-_TAG_LEN = TAG_LEN
 _HMAC_CHECKSUM = "hmac-sha256"
+_FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
+_AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count
 _HANDSHAKE_TIMEOUT_S = 10.0            # a stranger that connects and says nothing is dropped after this
-_DEFAULT_CHUNK = 8 << 20
-_HUGE_PAGE_MIN_BYTES = 4 << 20
-_JSON = json.JSONEncoder(separators=(",", ":"), allow_nan=False)  # built once: this runs every step
+_MAX_AUTH_HEAD_BYTES = 64 << 20        # what a signed head may claim before its tag was checked
+_MAC_THREADS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
 class TransferStats:
-    """What one transfer cost. ``nbytes`` counts every byte of the frame (header, data, trailer)."""
+    """What one transfer cost. ``nbytes`` counts every byte of the frame (header, data, trailer, tags)."""
 
     nbytes: int
     seconds: float
@@ -102,34 +82,8 @@ class TransferStats:
         return self.nbytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """One row of the tensor table: enough to preallocate the receiving tensor."""
-
-    dtype: str
-    shape: tuple[int, ...]
-    nbytes: int
-    device: str  # device *type* on the sender; anything but "cpu" comes back on the receiver's ``device``
-    requires_grad: bool
-
-    def to_json(self) -> dict:
-        return {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
-                "device": self.device, "requires_grad": self.requires_grad}
-
-    @classmethod
-    def from_json(cls, row: Any) -> "TensorSpec":
-        try:
-            spec = cls(str(row["dtype"]), tuple(int(n) for n in row["shape"]), int(row["nbytes"]),
-                       str(row["device"]), bool(row["requires_grad"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise HandoffError(f"malformed tensor table row {row!r}") from exc
-        dtype = dtype_from_name(spec.dtype)
-        if any(n < 0 or n >= 1 << 62 for n in spec.shape) or len(spec.shape) > 64:
-            raise HandoffError(f"tensor table row {row!r} has an impossible shape")
-        expected = math.prod(spec.shape) * torch.empty((), dtype=dtype).element_size()
-        if spec.nbytes != expected:
-            raise HandoffError(f"tensor table row {row!r} is inconsistent (expected {expected} bytes)")
-        return spec
+# ---------------------------------------------------------------------------------------------
+# the handshake (wireauth's, over a blocking socket)
 
 
 def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
@@ -168,375 +122,20 @@ def _sender_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
     return shake.verify(raw)
 
 
-# ---------------------------------------------------------------------------------------------
-# building blocks
-
-
-def _outgoing(tensor: torch.Tensor) -> tuple[TensorSpec, torch.Tensor, memoryview]:
-    """The tensor's bytes as a memoryview, copying only when the memory is not CPU-contiguous."""
-    source = tensor.detach()
-    if source.device.type != "cpu":
-        source = source.cpu()  # CUDA and friends: one staging copy, the only way onto a socket
-    if source.is_conj() or source.is_neg() or not source.is_contiguous():
-        source = source.resolve_conj().resolve_neg().contiguous()
-    dtype_name = _DTYPE_NAMES.get(source.dtype) or str(source.dtype).removeprefix("torch.")
-    raw = source.reshape(-1).view(torch.uint8)
-    spec = TensorSpec(dtype_name, tuple(tensor.shape), raw.numel(), tensor.device.type, tensor.requires_grad)
-    return spec, source, _writable_view(raw)
-
-
-def _writable_view(raw: torch.Tensor) -> memoryview:
-    """The memory of a contiguous CPU uint8 tensor as a writable memoryview (the caller keeps the tensor alive).
-    ``Tensor.numpy()`` raises when numpy is not installed, and numpy is not a dependency: then ctypes."""
-    if np is not None:
-        return memoryview(raw.numpy())
-    return memoryview((ctypes.c_ubyte * raw.numel()).from_address(raw.data_ptr())).cast("B")
-
-
-_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
-    torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.bool,
-    torch.float16, torch.bfloat16, torch.float32, torch.float64)}
-
-
-class _Arena:
-    """Memory a warm spare faults in while it idles, so receiving a rank's state is a copy out of the socket
-    and not also the kernel zeroing fresh pages (on this kind of host that costs the receiver several times
-    the copy: 300 MB of first touches took 0.3-0.7 s). Tensors are carved from it in order; it serves one
-    transfer, then the module forgets it and it is unmapped with the last tensor that uses it."""
-
-    def __init__(self, nbytes: int) -> None:
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-        self.region = mmap.mmap(-1, nbytes, flags=flags)
-        if hasattr(mmap, "MADV_HUGEPAGE"):
-            self.region.madvise(mmap.MADV_HUGEPAGE)
-        view = memoryview(self.region)
-        for offset in range(0, nbytes, mmap.PAGESIZE):   # MAP_POPULATE is a hint: make sure
-            view[offset] = 0
-        view.release()
-        self.size, self.used = nbytes, 0
-
-    def take(self, nbytes: int) -> memoryview | None:
-        start = (self.used + 63) & ~63
-        if nbytes == 0 or start + nbytes > self.size:
-            return None
-        self.used = start + nbytes
-        return memoryview(self.region)[start:start + nbytes]
-
-
-_arena: _Arena | None = None
-
-
-def reserve_receive_arena(nbytes: int) -> int:
-    """Fault in ``nbytes`` for the next :func:`recv_bundle` (a spare does this while it waits, once it knows
-    the size of a rank's state); replaces any earlier reservation. Returns the bytes reserved (0: none)."""
-    global _arena
-    _arena = None
-    if nbytes <= 0:
-        return 0
-    try:
-        _arena = _Arena(nbytes)
-    except (OSError, ValueError):  # no memory for it: receive into fresh memory as before
-        return 0
-    return nbytes
-
-
-def reserved_receive_bytes() -> int:
-    return _arena.size if _arena is not None else 0
-
-
-def _allocate(spec: TensorSpec, arena: _Arena | None = None) -> tuple[torch.Tensor, memoryview]:
-    dtype = dtype_from_name(spec.dtype)
-    piece = arena.take(spec.nbytes) if arena is not None else None
-    if piece is not None:
-        tensor = torch.frombuffer(piece, dtype=torch.uint8).view(dtype).reshape(spec.shape)
-        return tensor, _writable_view(tensor.reshape(-1).view(torch.uint8))
-    if spec.nbytes >= _HUGE_PAGE_MIN_BYTES and hasattr(mmap, "MADV_HUGEPAGE"):
-        # Faulting in fresh 4 KiB pages costs the receiver as much CPU as the copy out of the
-        # socket; transparent huge pages (granted on madvise by default) cut that in half.
-        # Each large tensor gets its own mapping so it is freed with the tensor.
-        region = mmap.mmap(-1, spec.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        region.madvise(mmap.MADV_HUGEPAGE)
-        tensor = torch.frombuffer(region, dtype=torch.uint8).view(dtype).reshape(spec.shape)
-    else:
-        tensor = torch.empty(spec.shape, dtype=dtype)
-    return tensor, _writable_view(tensor.reshape(-1).view(torch.uint8))
-
-
-def _encode_head(meta: dict, specs: list[TensorSpec], chunk_bytes: int, checksum: str) -> bytes:
-    doc = {"v": WIRE_VERSION, "meta": meta, "tensors": [s.to_json() for s in specs],
-           "checksum": checksum, "chunk_bytes": chunk_bytes}
-    try:
-        body = _JSON.encode(doc).encode()
-    except (TypeError, ValueError) as exc:
-        raise HandoffError(f"bundle meta is not plain JSON (build bundles with capture()): {exc}") from exc
-    prefix = _PREFIX_BODY.pack(_MAGIC, WIRE_VERSION, 0, len(body), zlib.crc32(body))
-    return prefix + _PREFIX_CRC.pack(zlib.crc32(prefix)) + body
-
-
-class _Checksum(Protocol):
-    """A running checksum over the frame, fed the same pieces in the same order on both ends."""
-
-    def feed(self, data: Any) -> None: ...
-    def result(self) -> int: ...
-
-
-class _Crc32:
-    """zlib's crc32: the strongest check, ~2 GB/s per core. Used for the small in-memory frames."""
-
-    def __init__(self) -> None:
-        self._crc = 0
-
-    def feed(self, data: Any) -> None:
-        self._crc = zlib.crc32(data, self._crc)
-
-    def result(self) -> int:
-        return self._crc
-
-
-class _BlockSum64:
-    """Wrapping sums of the little-endian 64-bit words of every 64 KiB block, the block sums (and
-    each piece's length) chained through crc32.
-
-    Why not plain crc32 for streams: it runs at ~2 GB/s per core, so on a small host it takes
-    the cores the socket copies need (measured: the handoff fell to ~0.4 of raw TCP) and on a
-    fast NIC it would be the bottleneck. The word sums run at memory bandwidth (~13 GB/s).
-    Detected: any corruption within one word (every flipped bit or byte), truncation, and
-    blocks that are reordered, duplicated or misplaced. Not detected: words permuted inside one
-    block, or several errors that cancel out exactly - neither is how sockets or memory fail.
-    """
-
-    _BLOCK_WORDS = (64 << 10) // 8
-
-    def __init__(self) -> None:
-        self._crc = 0
-
-    def feed(self, data: Any) -> None:
-        view = memoryview(data).cast("B")
-        whole = len(view) - len(view) % 8
-        words = np.frombuffer(view[:whole], dtype="<u8")
-        blocks = words.size // self._BLOCK_WORDS
-        block_sums = words[:blocks * self._BLOCK_WORDS].reshape(blocks, self._BLOCK_WORDS).sum(axis=1, dtype=np.uint64)
-        tail = int(words[blocks * self._BLOCK_WORDS:].sum(dtype=np.uint64))
-        self._crc = zlib.crc32(block_sums.astype("<u8", copy=False).tobytes(), self._crc)
-        self._crc = zlib.crc32(struct.pack("<QQ", tail, len(view)) + bytes(view[whole:]), self._crc)
-
-    def result(self) -> int:
-        return self._crc
-
-
-_CHECKSUMS: dict[str, type] = {"crc32": _Crc32}
-if np is not None:
-    _CHECKSUMS["blocksum64"] = _BlockSum64
-_STREAM_CHECKSUM = "blocksum64" if np is not None else "crc32"
-
-
-def _new_checksum(name: str) -> _Checksum:
-    if name not in _CHECKSUMS:
-        raise HandoffError(f"checksum {name!r} is not available here (have {sorted(_CHECKSUMS)})")
-    return _CHECKSUMS[name]()
-
-
-class _Pipelined:
-    """Runs a checksum on one helper thread, in feed order, overlapping the socket I/O.
-
-    A fed buffer must stay unchanged until :meth:`result` returns (true here: each chunk is
-    sent or received before the next one is touched, and nothing writes a chunk twice).
-    zlib and numpy both release the GIL on large buffers, so the overlap is real.
-    """
-
-    def __init__(self, checksum: _Checksum) -> None:
-        self._checksum = checksum
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpassrun-handoff-checksum")
-
-    def __enter__(self) -> "_Pipelined":
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-
-    def feed(self, data: Any) -> None:
-        self._pool.submit(self._checksum.feed, data)
-
-    def result(self) -> int:
-        self._pool.shutdown(wait=True)
-        return self._checksum.result()
-
-
-class _Reader(Protocol):
-    def read_exact(self, n: int, what: str) -> bytes: ...
-    def read_into(self, view: memoryview, what: str) -> None: ...
-
-
-class _SocketReader:
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock = sock
-
-    def read_exact(self, n: int, what: str) -> bytes:
-        buf = bytearray(n)
-        self.read_into(memoryview(buf), what)
-        return bytes(buf)
-
-    def read_into(self, view: memoryview, what: str) -> None:
-        got, total = 0, len(view)
-        while got < total:
-            try:
-                n = self._sock.recv_into(view[got:])
-            except TimeoutError as exc:
-                raise HandoffError(f"receiving {what}: no data for {self._sock.gettimeout()} s "
-                                   f"({got} of {total} bytes)") from exc
-            except OSError as exc:
-                raise HandoffError(f"receiving {what}: connection lost ({exc})") from exc
-            if n == 0:
-                raise HandoffError(f"receiving {what}: the sender closed the connection after "
-                                   f"{got} of {total} bytes")
-            got += n
-
-
-class _BufferReader:
-    def __init__(self, data: bytes | bytearray | memoryview) -> None:
-        self._view = memoryview(data).cast("B")
-        self._pos = 0
-
-    def read_exact(self, n: int, what: str) -> bytes:
-        return bytes(self._take(n, what))
-
-    def read_into(self, view: memoryview, what: str) -> None:
-        view[:] = self._take(len(view), what)
-
-    def _take(self, n: int, what: str) -> memoryview:
-        if self._pos + n > len(self._view):
-            raise HandoffError(f"snapshot truncated while reading {what}: need {n} bytes at offset "
-                               f"{self._pos}, have {len(self._view) - self._pos}")
-        piece = self._view[self._pos:self._pos + n]
-        self._pos += n
-        return piece
-
-
-@dataclass
-class _Frame:
-    bundle: StateBundle
-    specs: list[TensorSpec]
-    nbytes: int
-    chunks: int
-    checksum: str
-
-
-def _read_frame(reader: _Reader, pipelined: bool, mac: FrameMac | None = None,
-                max_bytes: int | None = None) -> _Frame:
-    """Read and verify one frame. Raises ChecksumError on any mismatch, HandoffError otherwise.
-
-    With ``mac`` (an authenticated stream) the frame's checksum must be that HMAC and its full tag, read after
-    the trailer, must match; ``max_bytes`` bounds the header and the tensor table before anything is allocated."""
-    limit = _MAX_HEAD_BYTES if max_bytes is None else max_bytes
-    prefix = reader.read_exact(_PREFIX_LEN, "header")
-    (prefix_crc,) = _PREFIX_CRC.unpack_from(prefix, _PREFIX_BODY.size)
-    if zlib.crc32(prefix[:_PREFIX_BODY.size]) != prefix_crc:
-        if not prefix.startswith(_MAGIC):
-            raise HandoffError(f"not a tpassrun handoff stream (starts with {prefix[:8]!r})")
-        raise ChecksumError("handoff header corrupted (prefix checksum mismatch)")
-    _magic, version, _flags, head_len, head_crc = _PREFIX_BODY.unpack_from(prefix)
-    if version != WIRE_VERSION:
-        raise HandoffError(f"handoff wire version {version} is not supported (this side speaks {WIRE_VERSION})")
-    if head_len > min(limit, _MAX_HEAD_BYTES):
-        raise HandoffError(f"handoff header claims {head_len} bytes of meta, refusing (limit {limit})")
-    body = reader.read_exact(head_len, "header meta")
-    if zlib.crc32(body) != head_crc:
-        raise ChecksumError("handoff meta corrupted (meta checksum mismatch)")
-    try:
-        doc = json.loads(body)
-        meta, rows, chunk_bytes = doc["meta"], doc["tensors"], int(doc["chunk_bytes"])
-        checksum_name = str(doc["checksum"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise HandoffError(f"malformed handoff meta: {exc}") from exc
-    if doc.get("v") != WIRE_VERSION:
-        raise HandoffError(f"unsupported handoff meta version {doc.get('v')!r}")
-    if not isinstance(rows, list):
-        raise HandoffError("malformed handoff meta: the tensor table is not a list")
-    specs = [TensorSpec.from_json(row) for row in rows]
-    announced = head_len + sum(spec.nbytes for spec in specs)
-    if max_bytes is not None and announced > max_bytes:
-        raise HandoffError(f"the sender announces {announced} bytes of state, more than the {max_bytes} "
-                           f"this transfer allows: refusing before allocating")
-    if mac is not None:
-        if checksum_name != _HMAC_CHECKSUM:
-            raise HandoffError(f"an authenticated stream must use {_HMAC_CHECKSUM}, not {checksum_name!r}")
-        checksum: _Checksum = mac
-    else:
-        checksum = _new_checksum(checksum_name)
-    with _Pipelined(checksum) if pipelined else contextlib.nullcontext(checksum) as crc:
-        crc.feed(prefix)
-        crc.feed(body)
-        tensors, chunks, data_len = _read_tensors(reader, specs, chunk_bytes, crc)
-        expected = crc.result()
-    trailer = reader.read_exact(_TRAILER.size, "trailer")
-    end_magic, sent_len, sent_crc = _TRAILER.unpack(trailer)
-    if mac is not None:
-        mac.feed(trailer)
-        if not hmac.compare_digest(reader.read_exact(_TAG_LEN, "the frame's tag"), mac.tag()):
-            raise ChecksumError(f"handoff data corrupted or forged: {_HMAC_CHECKSUM} tag mismatch "
-                                f"({data_len} bytes received, sender says {sent_len})")
-    if end_magic != _END_MAGIC or sent_len != data_len or sent_crc != expected:
-        raise ChecksumError(f"handoff data corrupted: {checksum_name} {expected:08x} received, sender says "
-                            f"{sent_crc:08x} ({data_len} bytes received, sender says {sent_len})")
-    nbytes = _PREFIX_LEN + head_len + data_len + _TRAILER.size + (_TAG_LEN if mac is not None else 0)
-    return _Frame(StateBundle(meta, tensors), specs, nbytes, chunks, f"{checksum_name}:{expected:08x}")
-
-
-def _read_tensors(reader: _Reader, specs: list[TensorSpec], chunk_bytes: int,
-                  crc: _Checksum) -> tuple[list[torch.Tensor], int, int]:
-    global _arena
-    chunk_bytes = chunk_bytes if chunk_bytes > 0 else _DEFAULT_CHUNK
-    tensors, chunks, data_len = [], 0, 0
-    arena = None
-    if isinstance(reader, _SocketReader):   # a reservation serves one transfer; in-memory frames never use it
-        arena, _arena = _arena, None
-    for index, spec in enumerate(specs):
-        tensor, view = _allocate(spec, arena)
-        for offset in range(0, len(view), chunk_bytes):
-            piece = view[offset:offset + chunk_bytes]
-            reader.read_into(piece, f"tensor #{index} ({spec.dtype}{list(spec.shape)})")
-            crc.feed(piece)
-            chunks += 1
-        data_len += len(view)
-        tensors.append(tensor.requires_grad_(spec.requires_grad))
-    return tensors, chunks, data_len
+def _tag(mac: FrameMac, label: bytes, pieces: list[Any]) -> bytes:
+    """The connection's MAC over ``label`` and ``pieces`` (``mac`` is a fresh copy: the pool runs these)."""
+    mac.feed(label)
+    for piece in pieces:
+        mac.feed(piece)
+    return mac.tag()
+
+
+def _data_tag(mac: FrameMac, index: int, pieces: list[memoryview]) -> bytes:
+    return _tag(mac, b"data" + _FRAME_INDEX.pack(index, sum(len(p) for p in pieces)), pieces)
 
 
 # ---------------------------------------------------------------------------------------------
-# in-memory frames: the per-step light snapshot
-
-
-def encode_small(bundle: StateBundle) -> bytes:
-    """The bundle as one self-checking frame in memory (meant for RNG + small objects)."""
-    return b"".join(encode_parts(bundle))
-
-
-def encode_parts(bundle: StateBundle) -> list[Any]:
-    """:func:`encode_small`'s frame as its pieces (head, each tensor's memory as is, trailer), nothing joined:
-    a sender that streams it (the shard mirror's pusher thread) never copies the tensors once more. The caller
-    keeps the bundle's tensors alive and unchanged until the pieces are sent. ``decode_small`` reads the
-    pieces joined."""
-    outgoing = [_outgoing(t) for t in bundle.tensors]
-    head = _encode_head(bundle.meta, [spec for spec, _, _ in outgoing], chunk_bytes=0, checksum="crc32")
-    views = [view for _, _, view in outgoing]
-    crc = zlib.crc32(head)  # == crc32 fed the prefix, then the body, as the reader does
-    for view in views:
-        crc = zlib.crc32(view, crc)
-    trailer = _TRAILER.pack(_END_MAGIC, sum(len(v) for v in views), crc)
-    return [head, *views, trailer]
-
-
-def decode_small(data: bytes | bytearray | memoryview) -> StateBundle:
-    """Inverse of :func:`encode_small`. Raises ChecksumError if the frame is torn or corrupted.
-
-    Bytes after the trailer are ignored: the frame delimits itself, so a fixed-size
-    shared-memory slot can be decoded as it is.
-    """
-    return _read_frame(_BufferReader(data), pipelined=False).bundle
-
-
-# ---------------------------------------------------------------------------------------------
-# streaming over a connected socket
+# sending
 
 
 class _Sender:
@@ -573,37 +172,23 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     than the socket's timeout. ``checksum`` is "blocksum64" (default, memory-bandwidth fast)
     or "crc32" (stronger, ~2 GB/s per core); the receiver follows the header. ``_corrupt_byte_at`` (tests only) flips the byte at that
     offset of the frame on the wire while checksumming the original. With ``auth`` the receiver must prove
-    the swap's key before a byte of state goes out (:class:`AuthError` otherwise) and the frame is
-    authenticated with HMAC-SHA256.
+    the swap's key before a byte of state goes out (:class:`AuthError` otherwise) and every part of the frame
+    is authenticated with HMAC-SHA256.
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     started = time.perf_counter()
     mac = _sender_handshake(sock, auth) if auth is not None else None
-    if mac is not None:
-        checksum = _HMAC_CHECKSUM
     outgoing = [_outgoing(t) for t in bundle.tensors]
-    head = _encode_head(bundle.meta, [spec for spec, _, _ in outgoing], chunk_bytes, checksum)
+    specs, views = [spec for spec, _, _ in outgoing], [view for _, _, view in outgoing]
     sender = _Sender(sock, _corrupt_byte_at)
-    chunks = 0
-    with _Pipelined(mac if mac is not None else _new_checksum(checksum)) as crc:
-        crc.feed(head[:_PREFIX_LEN])  # the same pieces the receiver will feed
-        crc.feed(head[_PREFIX_LEN:])
-        sender.send(head, "header")
-        data_len = 0
-        for index, (spec, _keepalive, view) in enumerate(outgoing):
-            for offset in range(0, len(view), chunk_bytes):
-                piece = view[offset:offset + chunk_bytes]
-                crc.feed(piece)  # checksum this chunk while the kernel copies it
-                sender.send(piece, f"tensor #{index} ({spec.dtype}{list(spec.shape)})")
-                chunks += 1
-            data_len += len(view)
-        result = crc.result()
-    trailer = _TRAILER.pack(_END_MAGIC, data_len, result)
     if mac is not None:
-        mac.feed(trailer)
-        trailer += mac.tag()
-    sender.send(trailer, "trailer")
+        head = _encode_head(bundle.meta, specs, chunk_bytes, _HMAC_CHECKSUM)
+        chunks, result = _send_signed(sender, mac, head, views, chunk_bytes)
+        checksum = _HMAC_CHECKSUM
+    else:
+        head = _encode_head(bundle.meta, specs, chunk_bytes, checksum)
+        chunks, result = _send_plain(sender, head, views, chunk_bytes, checksum)
     reply = _SocketReader(sock).read_exact(_ACK.size, "the receiver's acknowledgement")
     magic, status = _ACK.unpack(reply)
     if magic != _ACK_MAGIC:
@@ -615,24 +200,75 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     return TransferStats(sender.offset, time.perf_counter() - started, chunks, f"{checksum}:{result:08x}")
 
 
+def _send_plain(sender: _Sender, head: bytes, views: list[memoryview], chunk_bytes: int,
+                checksum: str) -> tuple[int, int]:
+    chunks = data_len = 0
+    with _Pipelined(_new_checksum(checksum)) as crc:
+        crc.feed(head[:_PREFIX_LEN])  # the same pieces the receiver will feed
+        crc.feed(head[_PREFIX_LEN:])
+        sender.send(head, "header")
+        for index, view in enumerate(views):
+            for offset in range(0, len(view), chunk_bytes):
+                piece = view[offset:offset + chunk_bytes]
+                crc.feed(piece)  # checksum this chunk while the kernel copies it
+                sender.send(piece, f"tensor #{index}")
+                chunks += 1
+            data_len += len(view)
+        result = crc.result()
+    sender.send(_TRAILER.pack(_END_MAGIC, data_len, result), "trailer")
+    return chunks, result
+
+
+def _send_signed(sender: _Sender, mac: FrameMac, head: bytes, views: list[memoryview],
+                 frame_bytes: int) -> tuple[int, int]:
+    """The authenticated layout: frame tags computed by the pool ahead of the socket (the data is all in
+    memory), so the wire never waits for SHA-256 unless the cores cannot keep up."""
+    sender.send(head + _tag(mac.copy(), b"head", [head[:_PREFIX_LEN], head[_PREFIX_LEN:]]), "header")
+    frames = _frames(views, frame_bytes)
+    tags: list[bytes] = []
+    with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-mac") as pool:
+        ahead: collections.deque[Future[bytes]] = collections.deque()
+        queued = 0
+        for index, pieces in enumerate(frames):
+            while queued < len(frames) and queued <= index + 2 * _MAC_THREADS:
+                ahead.append(pool.submit(_data_tag, mac.copy(), queued, frames[queued]))
+                queued += 1
+            for piece in pieces:
+                sender.send(piece, f"frame #{index}")
+            tags.append(ahead.popleft().result())
+            sender.send(tags[-1], f"frame #{index}'s tag")
+    data_len = sum(len(v) for v in views)
+    trailer = _AUTH_TRAILER.pack(_END_MAGIC, data_len, len(frames))
+    end = _tag(mac.copy(), b"end", [trailer, *tags])
+    sender.send(trailer + end, "trailer")
+    return len(frames), int.from_bytes(end[:4], "little")
+
+
+# ---------------------------------------------------------------------------------------------
+# receiving
+
+
 def recv_bundle(sock: socket.socket, *, device: str = "cpu", auth: TransferAuth | None = None,
                 max_bytes: int | None = None) -> tuple[StateBundle, TransferStats]:
     """Receive one bundle from a connected socket, verify it, acknowledge it.
 
     Tensors that lived on an accelerator on the sender are moved to ``device``; CPU tensors
     (RNG states, optimizer ``step`` counters) stay on the CPU, as they were.
-    Raises ChecksumError on corruption, HandoffError on a lost or stalled connection, AuthError when the
-    peer does not prove ``auth``'s key (checked before anything else is read).
+    Raises ChecksumError on corruption (or a tag that does not verify), HandoffError on a lost or stalled
+    connection, AuthError when the peer does not prove ``auth``'s key (checked before anything else is read).
+    ``max_bytes`` bounds what the sender may announce, checked before anything is allocated.
     """
     started = time.perf_counter()
-    mac = None
-    if auth is not None:
-        stream_timeout = sock.gettimeout()
-        sock.settimeout(_HANDSHAKE_TIMEOUT_S if stream_timeout is None else min(stream_timeout, _HANDSHAKE_TIMEOUT_S))
-        mac = _receiver_handshake(sock, auth)
-        sock.settimeout(stream_timeout)
     try:
-        frame = _read_frame(_SocketReader(sock), pipelined=True, mac=mac, max_bytes=max_bytes)
+        if auth is not None:
+            stream_timeout = sock.gettimeout()
+            sock.settimeout(_HANDSHAKE_TIMEOUT_S if stream_timeout is None
+                            else min(stream_timeout, _HANDSHAKE_TIMEOUT_S))
+            mac = _receiver_handshake(sock, auth)
+            sock.settimeout(stream_timeout)
+            frame = _read_signed(_SocketReader(sock), mac, max_bytes)
+        else:
+            frame = _read_frame(_SocketReader(sock), pipelined=True, max_bytes=max_bytes)
     except ChecksumError:
         _send_ack_quietly(sock, _ACK_CHECKSUM_MISMATCH)
         raise
@@ -643,6 +279,49 @@ def recv_bundle(sock: socket.socket, *, device: str = "cpu", auth: TransferAuth 
             tensors[index] = tensors[index].to(device).requires_grad_(spec.requires_grad)
     stats = TransferStats(frame.nbytes, time.perf_counter() - started, frame.chunks, frame.checksum)
     return frame.bundle, stats
+
+
+def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None) -> _Frame:
+    """The authenticated layout (see the module doc): the head's tag before the head is parsed, every frame's
+    tag verified by the pool while the next one arrives, the end tag over all of them; any mismatch is a
+    ChecksumError and nothing received is returned."""
+    limit = min(_MAX_AUTH_HEAD_BYTES, _MAX_HEAD_BYTES if max_bytes is None else max_bytes)
+    prefix, head_len, head_crc = _read_prefix(reader, limit)
+    body = reader.read_exact(head_len, "header meta")
+    if not hmac.compare_digest(reader.read_exact(TAG_LEN, "the header's tag"), _tag(mac.copy(), b"head", [prefix, body])):
+        raise ChecksumError("handoff header corrupted or forged: tag mismatch")
+    head = _parse_head(prefix, body, head_crc, max_bytes)
+    if head.checksum != _HMAC_CHECKSUM:
+        raise HandoffError(f"an authenticated stream must use {_HMAC_CHECKSUM}, not {head.checksum!r}")
+    if not 0 < head.chunk_bytes <= 1 << 30:
+        raise HandoffError(f"an authenticated stream with {head.chunk_bytes}-byte frames, refusing")
+    tensors, views = _allocate_all(head.specs, use_arena=True)
+    frames = _frames(views, head.chunk_bytes)
+    tags: list[bytes] = []
+    with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-mac") as pool:
+        checks: list[Future[bytes]] = []
+        for index, pieces in enumerate(frames):
+            for piece in pieces:
+                reader.read_into(piece, f"frame #{index} of {len(frames)}")
+            tags.append(reader.read_exact(TAG_LEN, f"frame #{index}'s tag"))
+            checks.append(pool.submit(_data_tag, mac.copy(), index, pieces))   # verified while the next arrives
+        trailer = reader.read_exact(_AUTH_TRAILER.size, "trailer")
+        end = reader.read_exact(TAG_LEN, "the end tag")
+        for index, check in enumerate(checks):   # the whole stream is read first: the sender hears the verdict
+            _expect(check, tags[index], index)
+    end_magic, data_len, count = _AUTH_TRAILER.unpack(trailer)
+    if not hmac.compare_digest(end, _tag(mac.copy(), b"end", [trailer, *tags])) or end_magic != _END_MAGIC \
+            or count != len(frames) or data_len != sum(len(v) for v in views):
+        raise ChecksumError(f"handoff stream corrupted or forged: end tag mismatch ({len(frames)} frames "
+                            f"received, the sender says {count})")
+    nbytes = _PREFIX_LEN + head_len + TAG_LEN + data_len + TAG_LEN * len(frames) + _AUTH_TRAILER.size + TAG_LEN
+    return _Frame(StateBundle(head.meta, tensors), head.specs, nbytes, len(frames),
+                  f"{_HMAC_CHECKSUM}:{int.from_bytes(end[:4], 'little'):08x}")
+
+
+def _expect(check: Future[bytes], tag: bytes, index: int) -> None:
+    if not hmac.compare_digest(check.result(), tag):
+        raise ChecksumError(f"handoff data corrupted or forged: frame #{index}'s tag mismatch")
 
 
 def _send_ack_quietly(sock: socket.socket, status: int) -> None:
