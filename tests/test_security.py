@@ -75,7 +75,7 @@ def test_a_stranger_connecting_first_is_dropped_and_the_sender_still_gets_throug
         sender.join(30)
         attacker.join(30)
     assert torch.equal(got.tensors[0], _bundle().tensors[0])          # the real state, never the perturbed one
-    assert stats.checksum.startswith("hmac-sha256:")
+    assert stats.checksum.split(":")[0] in ("poly1305", "hmac-sha256")   # an authenticated stream
     assert len(strangers) == 1, strangers
     if stranger in ("unauthenticated-bundle", "wrong-key", "other-swap", "other-rank"):
         assert isinstance(results.get("attacker"), HandoffError), results
@@ -171,28 +171,33 @@ def test_sizes_are_bounded_by_what_the_transfer_allows_before_anything_is_alloca
         t.join(30)
 
 
+FRAME_MACS = ["poly1305", "hmac-sha256"]
+
+
+@pytest.mark.parametrize("mac", FRAME_MACS)
 @pytest.mark.parametrize("where", ["head", "first frame", "middle frame", "last frame", "a frame tag", "trailer",
                                    "end tag"])
-def test_every_part_of_an_authenticated_stream_is_checked(where):
+def test_every_part_of_an_authenticated_stream_is_checked(where, mac):
     """One byte flipped anywhere (the signed head, any data frame, a frame's tag, the trailer, the end tag) is
     refused with a ChecksumError on both ends: nothing of it is returned, let alone applied."""
-    from tpassrun.handoff_wire import _AUTH_TRAILER, _PREFIX_LEN, _encode_head, _outgoing
+    from tpassrun.handoff_wire import _AUTH_TRAILER, _PREFIX_LEN, _encode_head, _frame_tag_len, _outgoing
 
     bundle = StateBundle({"step": 3}, [torch.arange(5000, dtype=torch.float32), torch.ones(3000)])
     chunk = 4096                                          # 8 data frames of 4 KiB (32000 bytes of tensors)
-    head = len(_encode_head(bundle.meta, [_outgoing(t)[0] for t in bundle.tensors], chunk, "hmac-sha256"))
-    data0 = head + 32                                     # the head's tag follows the head
-    frame = lambda i: data0 + i * (chunk + 32)            # noqa: E731 - each frame is followed by its tag
+    head = len(_encode_head(bundle.meta, [_outgoing(t)[0] for t in bundle.tensors], chunk, mac))
+    data0, tag = head + 32, _frame_tag_len(mac)           # the head's tag (HMAC, 32 B) follows the head
+    frame = lambda i: data0 + i * (chunk + tag)           # noqa: E731 - each frame is followed by its tag
     at = {"head": _PREFIX_LEN + 5, "first frame": data0 + 7, "middle frame": frame(4) + 100,
           "last frame": frame(7) + 5, "a frame tag": frame(2) + chunk + 3,
-          "trailer": frame(7) + (32000 - 7 * chunk) + 32 + 9, "end tag": frame(7) + (32000 - 7 * chunk) + 32
+          "trailer": frame(7) + (32000 - 7 * chunk) + tag + 9, "end tag": frame(7) + (32000 - 7 * chunk) + tag
           + _AUTH_TRAILER.size + 1}[where]
     sender, receiver = _authenticated_pair()
     with sender, receiver:
         receiver.settimeout(10)
         out: dict[str, object] = {}
         t = threading.Thread(target=lambda: out.setdefault("err", pytest.raises(
-            HandoffError, send_bundle, sender, bundle, auth=_auth(), chunk_bytes=chunk, _corrupt_byte_at=at)))
+            HandoffError, send_bundle, sender, bundle, auth=_auth(), chunk_bytes=chunk, frame_mac=mac,
+            _corrupt_byte_at=at)))
         t.start()
         with pytest.raises(ChecksumError, match="mismatch"):
             recv_bundle(receiver, auth=_auth())
@@ -200,7 +205,8 @@ def test_every_part_of_an_authenticated_stream_is_checked(where):
     assert "checksum mismatch" in str(out["err"].value)   # the sender heard the verdict too
 
 
-def test_an_authenticated_stream_round_trips_with_frames_across_tensors():
+@pytest.mark.parametrize("mac", FRAME_MACS)
+def test_an_authenticated_stream_round_trips_with_frames_across_tensors(mac):
     from tpassrun.handoff_wire import _MAC_THREADS
 
     tensors = [torch.randn(n) for n in (1, 1000, 7, 70000, 3)] + [torch.arange(11, dtype=torch.int16)]
@@ -210,12 +216,12 @@ def test_an_authenticated_stream_round_trips_with_frames_across_tensors():
         receiver.settimeout(10)
         sent: dict[str, object] = {}
         t = threading.Thread(target=lambda: sent.setdefault("stats", send_bundle(sender, bundle, auth=_auth(),
-                                                                                   chunk_bytes=3000)))
+                                                                                   chunk_bytes=3000, frame_mac=mac)))
         t.start()
         got, stats = recv_bundle(receiver, auth=_auth())
         t.join(30)
     assert all(torch.equal(a, b) for a, b in zip(got.tensors, tensors)) and got.meta == bundle.meta
-    assert stats.checksum == sent["stats"].checksum and stats.checksum.startswith("hmac-sha256:")
+    assert stats.checksum == sent["stats"].checksum and stats.checksum.startswith(mac + ":")
     assert stats.chunks == -(-sum(t.numel() * t.element_size() for t in tensors) // 3000) and _MAC_THREADS >= 1
 
 

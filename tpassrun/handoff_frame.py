@@ -3,15 +3,15 @@
 One frame, all integers little endian::
 
     prefix   24 B  b"TPHO" | u16 version | u16 flags | u64 head_len | u32 crc32(head) | u32 crc32(first 20 B)
-    head     head_len B of UTF-8 JSON: {"v": 1, "meta": <bundle meta>, "tensors": [spec, ...],
-                                        "checksum": "blocksum64" | "crc32" | "hmac-sha256", "chunk_bytes": int}
+    head     head_len B of UTF-8 JSON: {"v": 1, "meta": <bundle meta>, "tensors": [spec, ...], "chunk_bytes": int,
+                                        "checksum": "blocksum64" | "crc32" | "poly1305" | "hmac-sha256"}
     data     the raw bytes of every tensor, in table order, in chunks of ``chunk_bytes``
     trailer  16 B  b"TPEN" | u64 data_len | u32 checksum of prefix + head + data
 
 The head carries its own checksum so a corrupted tensor table is caught before we allocate from it; the
-trailer's checksum covers everything. An authenticated stream (``hmac-sha256``) adds tags between these parts
-and cuts the data into frames of its own: :mod:`tpassrun.handoff_wire` reads and writes that layout with the
-building blocks here.
+trailer's checksum covers everything. An authenticated stream (``poly1305`` or ``hmac-sha256``) adds tags
+between these parts and cuts the data into frames of its own: :mod:`tpassrun.handoff_wire` reads and writes that
+layout with the building blocks here.
 
 Tensors go out straight from their memory (``memoryview`` of a uint8 view, no ``torch.save``, no pickle) and
 come in through ``recv_into`` preallocated tensors (carved from a spare's pre-faulted arena when it has one).

@@ -13,20 +13,24 @@ A transfer between processes is authenticated (:class:`TransferAuth`): a per-swa
 through the control plane, never the network. Before any state byte is read or sent, the two ends prove the
 key to each other over fresh nonces (:mod:`tpassrun.wireauth`'s handshake, shared with the agent's mirror
 store; either end may be a stranger: a process that found the port, or a forged plan's address). Then every
-part of the frame carries an HMAC-SHA256 tag keyed for this connection (both nonces, the swap and the rank)::
+part of the frame carries a tag keyed for this connection (both nonces, the swap and the rank)::
 
     prefix | head | head tag                  MAC("head" | prefix | head): checked before the head is parsed,
                                               so nothing is allocated from a table the sender did not sign
     data frame i | tag i                      the tensor bytes as one stream cut into frames of chunk_bytes,
-                                              MAC("data" | u64 i | u64 length | frame), checked before anything
-                                              is applied
+                                              FMAC_i("data" | u64 i | u64 length | frame), checked before
+                                              anything is applied
     trailer | end tag                         MAC("end" | trailer | every frame tag): no frame dropped or moved
     ack
 
-Why frames and not one MAC over the stream: SHA-256 is the only expensive thing left on the wire (the copies
-are cheap), and one running MAC is one core. Independent frame MACs are computed by a small pool of threads
-(hashlib releases the GIL): the sender has them ready before the frame is on the wire, the receiver verifies
-frame i while frame i+1 arrives, and the pool uses whatever cores the host has (``bench/transfer.py``).
+MAC is the connection's HMAC-SHA256 (32 B). The head names the frame MAC (its ``checksum``, under the head's
+tag): ``poly1305`` (16 B; FMAC_i is Poly1305 under the one-time key MAC("one-time-key" | "data" | u64 i), as
+ChaCha20-Poly1305 derives its key per message) wherever the host's OpenSSL has it (:mod:`tpassrun.poly1305`),
+else ``hmac-sha256`` (FMAC_i = MAC). Why: SHA-256 is ~2 GB/s per core even with SHA instructions, so an
+HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305 runs at 10-15 GB/s per
+core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream: independent frame
+tags are computed by a small pool of threads (the MACs release the GIL): the sender has them ready before the
+frame is on the wire, the receiver verifies frame i while frame i+1 arrives (``bench/transfer.py``).
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from . import poly1305
 from .handoff_codec import ChecksumError, HandoffError, StateBundle
 from .handoff_frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES, _PREFIX_LEN, _STREAM_CHECKSUM, _TRAILER,
                             _allocate_all, _encode_head, _Frame, _frames, _new_checksum, _outgoing, _parse_head,
@@ -60,6 +65,8 @@ _ACK_MAGIC = b"TPAK"
 _ACK = struct.Struct("<4sI")
 _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
 _HMAC_CHECKSUM = "hmac-sha256"
+_POLY_CHECKSUM = "poly1305"
+_FRAME_MACS = (_POLY_CHECKSUM, _HMAC_CHECKSUM)
 _FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
 _AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count
 _HANDSHAKE_TIMEOUT_S = 10.0            # a stranger that connects and says nothing is dropped after this
@@ -130,8 +137,27 @@ def _tag(mac: FrameMac, label: bytes, pieces: list[Any]) -> bytes:
     return mac.tag()
 
 
-def _data_tag(mac: FrameMac, index: int, pieces: list[memoryview]) -> bytes:
-    return _tag(mac, b"data" + _FRAME_INDEX.pack(index, sum(len(p) for p in pieces)), pieces)
+def _frame_mac_name(requested: str | None) -> str:
+    """The frame MAC a sender uses: ``requested`` (tests, the bench), else Poly1305 where OpenSSL has it."""
+    if requested is None:
+        return _POLY_CHECKSUM if poly1305.available() else _HMAC_CHECKSUM
+    if requested not in _FRAME_MACS:
+        raise ValueError(f"unknown frame MAC {requested!r} (have {', '.join(_FRAME_MACS)})")
+    if requested == _POLY_CHECKSUM and not poly1305.available():
+        raise HandoffError(f"poly1305 frame MACs are not available here: {poly1305.unavailable_reason()}")
+    return requested
+
+
+def _frame_tag_len(name: str) -> int:
+    return poly1305.TAG_LEN if name == _POLY_CHECKSUM else TAG_LEN
+
+
+def _data_tag(mac: FrameMac, name: str, index: int, pieces: list[memoryview]) -> bytes:
+    """Frame ``index``'s tag (``mac`` is a fresh copy of the connection's: the pool runs these)."""
+    label = b"data" + _FRAME_INDEX.pack(index, sum(len(p) for p in pieces))
+    if name == _POLY_CHECKSUM:
+        return poly1305.tag(mac.one_time_key(b"data" + index.to_bytes(8, "little")), [label, *pieces])
+    return _tag(mac, label, pieces)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,7 +189,7 @@ class _Sender:
 
 
 def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = _DEFAULT_CHUNK,
-                checksum: str = _STREAM_CHECKSUM, auth: TransferAuth | None = None,
+                checksum: str = _STREAM_CHECKSUM, auth: TransferAuth | None = None, frame_mac: str | None = None,
                 _corrupt_byte_at: int | None = None) -> TransferStats:
     """Stream ``bundle`` over a connected socket and wait for the receiver's verdict.
 
@@ -173,19 +199,21 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     or "crc32" (stronger, ~2 GB/s per core); the receiver follows the header. ``_corrupt_byte_at`` (tests only) flips the byte at that
     offset of the frame on the wire while checksumming the original. With ``auth`` the receiver must prove
     the swap's key before a byte of state goes out (:class:`AuthError` otherwise) and every part of the frame
-    is authenticated with HMAC-SHA256.
+    is authenticated (``frame_mac``: "poly1305" or "hmac-sha256" for the data frames; None: the fastest this
+    host has, see the module doc).
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     started = time.perf_counter()
+    mac_name = _frame_mac_name(frame_mac) if auth is not None else ""   # a bad request fails before the handshake
     mac = _sender_handshake(sock, auth) if auth is not None else None
     outgoing = [_outgoing(t) for t in bundle.tensors]
     specs, views = [spec for spec, _, _ in outgoing], [view for _, _, view in outgoing]
     sender = _Sender(sock, _corrupt_byte_at)
     if mac is not None:
-        head = _encode_head(bundle.meta, specs, chunk_bytes, _HMAC_CHECKSUM)
-        chunks, result = _send_signed(sender, mac, head, views, chunk_bytes)
-        checksum = _HMAC_CHECKSUM
+        checksum = mac_name
+        head = _encode_head(bundle.meta, specs, chunk_bytes, checksum)
+        chunks, result = _send_signed(sender, mac, checksum, head, views, chunk_bytes)
     else:
         head = _encode_head(bundle.meta, specs, chunk_bytes, checksum)
         chunks, result = _send_plain(sender, head, views, chunk_bytes, checksum)
@@ -219,7 +247,7 @@ def _send_plain(sender: _Sender, head: bytes, views: list[memoryview], chunk_byt
     return chunks, result
 
 
-def _send_signed(sender: _Sender, mac: FrameMac, head: bytes, views: list[memoryview],
+def _send_signed(sender: _Sender, mac: FrameMac, name: str, head: bytes, views: list[memoryview],
                  frame_bytes: int) -> tuple[int, int]:
     """The authenticated layout: frame tags computed by the pool ahead of the socket (the data is all in
     memory), so the wire never waits for SHA-256 unless the cores cannot keep up."""
@@ -231,7 +259,7 @@ def _send_signed(sender: _Sender, mac: FrameMac, head: bytes, views: list[memory
         queued = 0
         for index, pieces in enumerate(frames):
             while queued < len(frames) and queued <= index + 2 * _MAC_THREADS:
-                ahead.append(pool.submit(_data_tag, mac.copy(), queued, frames[queued]))
+                ahead.append(pool.submit(_data_tag, mac.copy(), name, queued, frames[queued]))
                 queued += 1
             for piece in pieces:
                 sender.send(piece, f"frame #{index}")
@@ -291,8 +319,12 @@ def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None) ->
     if not hmac.compare_digest(reader.read_exact(TAG_LEN, "the header's tag"), _tag(mac.copy(), b"head", [prefix, body])):
         raise ChecksumError("handoff header corrupted or forged: tag mismatch")
     head = _parse_head(prefix, body, head_crc, max_bytes)
-    if head.checksum != _HMAC_CHECKSUM:
-        raise HandoffError(f"an authenticated stream must use {_HMAC_CHECKSUM}, not {head.checksum!r}")
+    if head.checksum not in _FRAME_MACS:
+        raise HandoffError(f"an authenticated stream must use {' or '.join(_FRAME_MACS)}, not {head.checksum!r}")
+    if head.checksum == _POLY_CHECKSUM and not poly1305.available():
+        raise HandoffError("the sender authenticates its frames with poly1305, which this host's OpenSSL lacks "
+                           f"({poly1305.unavailable_reason()})")
+    tag_len = _frame_tag_len(head.checksum)
     if not 0 < head.chunk_bytes <= 1 << 30:
         raise HandoffError(f"an authenticated stream with {head.chunk_bytes}-byte frames, refusing")
     tensors, views = _allocate_all(head.specs, use_arena=True)
@@ -303,8 +335,8 @@ def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None) ->
         for index, pieces in enumerate(frames):
             for piece in pieces:
                 reader.read_into(piece, f"frame #{index} of {len(frames)}")
-            tags.append(reader.read_exact(TAG_LEN, f"frame #{index}'s tag"))
-            checks.append(pool.submit(_data_tag, mac.copy(), index, pieces))   # verified while the next arrives
+            tags.append(reader.read_exact(tag_len, f"frame #{index}'s tag"))
+            checks.append(pool.submit(_data_tag, mac.copy(), head.checksum, index, pieces))   # verified meanwhile
         trailer = reader.read_exact(_AUTH_TRAILER.size, "trailer")
         end = reader.read_exact(TAG_LEN, "the end tag")
         for index, check in enumerate(checks):   # the whole stream is read first: the sender hears the verdict
@@ -314,9 +346,9 @@ def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None) ->
             or count != len(frames) or data_len != sum(len(v) for v in views):
         raise ChecksumError(f"handoff stream corrupted or forged: end tag mismatch ({len(frames)} frames "
                             f"received, the sender says {count})")
-    nbytes = _PREFIX_LEN + head_len + TAG_LEN + data_len + TAG_LEN * len(frames) + _AUTH_TRAILER.size + TAG_LEN
+    nbytes = _PREFIX_LEN + head_len + TAG_LEN + data_len + tag_len * len(frames) + _AUTH_TRAILER.size + TAG_LEN
     return _Frame(StateBundle(head.meta, tensors), head.specs, nbytes, len(frames),
-                  f"{_HMAC_CHECKSUM}:{int.from_bytes(end[:4], 'little'):08x}")
+                  f"{head.checksum}:{int.from_bytes(end[:4], 'little'):08x}")
 
 
 def _expect(check: Future[bytes], tag: bytes, index: int) -> None:
@@ -365,7 +397,7 @@ def _listen(host: str) -> tuple[socket.socket, int]:
 
 def connect_and_send(addr: str, port: int, bundle: StateBundle, *, timeout: float,
                      chunk_bytes: int = _DEFAULT_CHUNK, auth: TransferAuth | None = None,
-                     _corrupt_byte_at: int | None = None) -> TransferStats:
+                     frame_mac: str | None = None, _corrupt_byte_at: int | None = None) -> TransferStats:
     """Connect to a joiner and stream ``bundle``. ``timeout`` bounds the connect and every stall."""
     try:
         sock = socket.create_connection((addr, port), timeout=timeout)
@@ -373,7 +405,8 @@ def connect_and_send(addr: str, port: int, bundle: StateBundle, *, timeout: floa
         raise HandoffError(f"cannot connect to the joiner at {addr}:{port}: {exc}") from exc
     with sock:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return send_bundle(sock, bundle, chunk_bytes=chunk_bytes, auth=auth, _corrupt_byte_at=_corrupt_byte_at)
+        return send_bundle(sock, bundle, chunk_bytes=chunk_bytes, auth=auth, frame_mac=frame_mac,
+                           _corrupt_byte_at=_corrupt_byte_at)
 
 
 def accept_and_recv(listener: socket.socket, *, timeout: float, device: str = "cpu",

@@ -101,6 +101,13 @@ class FrameMac:
     def verify(self, tag: bytes) -> bool:
         return hmac.compare_digest(tag, self.tag())
 
+    def one_time_key(self, label: bytes) -> bytes:
+        """A 32-byte key for one message (a Poly1305 frame tag, :mod:`tpassrun.poly1305`): this connection's
+        HMAC over what was fed so far and ``label``, which must never repeat within the connection."""
+        mac = self._mac.copy()
+        mac.update(b"one-time-key\0" + label)
+        return mac.digest()
+
 
 class ListenerHandshake:
     """The listening end: :meth:`hello` out, the connector's proof (:data:`PROOF` ``.size`` bytes) into
