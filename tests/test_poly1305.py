@@ -1,9 +1,10 @@
 """Poly1305 from the host's OpenSSL (tpassrun/poly1305.py): the RFC 8439 vectors, pieces read in place, one-time
-keys per frame, and the handoff's choice of frame MAC (the fastest this host has; a receiver without Poly1305
-says so in one line)."""
+keys per frame, and the handoff's choice of frame MAC (Poly1305 where both ends have it, else HMAC-SHA256 frames
+and one line; a receiver without Poly1305 refuses a Poly1305 stream in one line)."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 
@@ -13,10 +14,11 @@ import torch
 from tpassrun import handoff_wire, poly1305
 from tpassrun.handoff import HandoffError, StateBundle, TransferAuth, recv_bundle, send_bundle
 
-pytestmark = [pytest.mark.timeout(60),
-              pytest.mark.skipif(not poly1305.available(), reason=f"no Poly1305: {poly1305.unavailable_reason()}")]
+pytestmark = pytest.mark.timeout(60)
+needs_poly1305 = pytest.mark.skipif(not poly1305.available(), reason=f"no Poly1305: {poly1305.unavailable_reason()}")
 
 
+@needs_poly1305
 def test_rfc8439_vectors():
     # 2.5.2 (also checked when the binding loads) and A.3 #2 (a 375-byte text under s-only key)
     assert poly1305.tag(bytes.fromhex("85d6be7857556d337f4452fe42d506a80103808afb0db2fd4abff6af4149f51b"),
@@ -29,6 +31,7 @@ def test_rfc8439_vectors():
     assert poly1305.tag(key, [text]).hex() == "36e5f6b5c5e06070f0efca96227a863e"
 
 
+@needs_poly1305
 def test_pieces_are_read_in_place_and_equal_the_joined_message():
     tensor = torch.arange(10_000, dtype=torch.float32)
     view = memoryview(tensor.numpy()).cast("B")
@@ -42,6 +45,7 @@ def test_pieces_are_read_in_place_and_equal_the_joined_message():
         poly1305.tag(key[:16], [joined])
 
 
+@needs_poly1305
 def test_frame_keys_are_one_time():
     auth = TransferAuth(b"k" * 32, "swap-1", 3)
     mac = auth.frame_mac(b"r" * 32, b"s" * 32)
@@ -52,6 +56,7 @@ def test_frame_keys_are_one_time():
     assert handoff_wire._frame_mac_name(None) == "poly1305"
 
 
+@needs_poly1305
 def test_a_receiver_without_poly1305_refuses_in_one_line(monkeypatch):
     sender_sock, receiver_sock = socket.socketpair()
     main = threading.main_thread()
@@ -69,3 +74,52 @@ def test_a_receiver_without_poly1305_refuses_in_one_line(monkeypatch):
         receiver_sock.close()
         t.join(30)
     assert not t.is_alive()
+
+
+def _transfer(auth: TransferAuth, bundle: StateBundle):
+    sender_sock, receiver_sock = socket.socketpair()
+    with sender_sock, receiver_sock:
+        receiver_sock.settimeout(10)
+        sender_sock.settimeout(10)
+        sent: dict = {}
+        t = threading.Thread(target=lambda: sent.setdefault("stats", send_bundle(sender_sock, bundle, auth=auth)))
+        t.start()
+        got, stats = recv_bundle(receiver_sock, auth=auth)
+        t.join(30)
+    assert not t.is_alive() and sent["stats"].checksum == stats.checksum
+    assert all(torch.equal(a, b) for a, b in zip(got.tensors, bundle.tensors))
+    return stats
+
+
+def test_without_poly1305_frames_are_hmac_and_one_line_says_why(monkeypatch, caplog):
+    """A host whose libcrypto is missing (or has no EVP_MAC Poly1305): the binding fails at load, not at import,
+    transfers go on with HMAC-SHA256 frames, and one warning line per process names the reason."""
+    def no_libcrypto():
+        raise OSError("no OpenSSL 3 libcrypto (libcrypto.so.3: cannot open shared object file)")
+
+    monkeypatch.setattr(poly1305, "_open_libcrypto", no_libcrypto)
+    monkeypatch.setattr(poly1305, "_loaded", None)
+    monkeypatch.setattr(poly1305, "_failed", None)
+    monkeypatch.setattr(handoff_wire, "_poly1305_said", False)
+    assert not poly1305.available() and "libcrypto.so.3" in poly1305.unavailable_reason()
+    with pytest.raises(RuntimeError, match="not available"):
+        poly1305.tag(bytes(32), [b"x"])
+    auth = TransferAuth(b"k" * 32, "swap-1", 0)
+    bundle = StateBundle({"step": 1}, [torch.arange(5000, dtype=torch.float32)])
+    with caplog.at_level(logging.WARNING, logger="tpassrun.handoff"):
+        for _ in range(2):
+            assert _transfer(auth, bundle).checksum.startswith("hmac-sha256:")
+    lines = [r.getMessage() for r in caplog.records if "Poly1305" in r.getMessage()]
+    assert len(lines) == 1 and "HMAC-SHA256" in lines[0] and "libcrypto.so.3" in lines[0] and "\n" not in lines[0]
+
+
+@needs_poly1305
+def test_a_sender_picks_hmac_frames_for_a_receiver_without_poly1305(monkeypatch):
+    """The receiver's hello says what it can verify: a sender with Poly1305 sends HMAC frames to one without."""
+    main = threading.main_thread()
+    monkeypatch.setattr(poly1305, "available", lambda: threading.current_thread() is not main)   # receiver: none
+    monkeypatch.setattr(handoff_wire, "_poly1305_said", True)
+    auth = TransferAuth(b"k" * 32, "swap-1", 0)
+    assert _transfer(auth, StateBundle({"step": 1}, [torch.ones(100)])).checksum.startswith("hmac-sha256:")
+    monkeypatch.setattr(poly1305, "available", lambda: True)
+    assert _transfer(auth, StateBundle({"step": 1}, [torch.ones(100)])).checksum.startswith("poly1305:")

@@ -25,8 +25,9 @@ part of the frame carries a tag keyed for this connection (both nonces, the swap
 
 MAC is the connection's HMAC-SHA256 (32 B). The head names the frame MAC (its ``checksum``, under the head's
 tag): ``poly1305`` (16 B; FMAC_i is Poly1305 under the one-time key MAC("one-time-key" | "data" | u64 i), as
-ChaCha20-Poly1305 derives its key per message) wherever the host's OpenSSL has it (:mod:`tpassrun.poly1305`),
-else ``hmac-sha256`` (FMAC_i = MAC). Why: SHA-256 is ~2 GB/s per core even with SHA instructions, so an
+ChaCha20-Poly1305 derives its key per message) where both ends' OpenSSL have it (:mod:`tpassrun.poly1305`; the
+receiver's hello says whether it has), else ``hmac-sha256`` (FMAC_i = MAC; one line says so once per process on a
+host without it). Why: SHA-256 is ~2 GB/s per core even with SHA instructions, so an
 HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305 runs at 10-15 GB/s per
 core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream: independent frame
 tags are computed by a small pool of threads (the MACs release the GIL): the sender has them ready before the
@@ -52,7 +53,8 @@ from .handoff_frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES, _PREFIX
                             _allocate_all, _encode_head, _Frame, _frames, _new_checksum, _outgoing, _parse_head,
                             _Pipelined, _read_frame, _read_prefix, _SocketReader, decode_small, encode_parts, encode_small,
                             reserve_receive_arena, reserved_receive_bytes)
-from .wireauth import (ACCEPT, HELLO, PROOF, TAG_LEN, AuthError, ConnectorHandshake, FrameMac, ListenerHandshake,
+from .wireauth import (ACCEPT, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError, ConnectorHandshake, FrameMac,
+                       ListenerHandshake,
                        TransferAuth)
 
 log = logging.getLogger("tpassrun.handoff")
@@ -95,7 +97,7 @@ class TransferStats:
 
 def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
     """Listener side: a fresh nonce out, the sender's proof in (constant-time), our proof out."""
-    shake = ListenerHandshake(auth)
+    shake = ListenerHandshake(auth, FLAG_POLY1305 if _poly1305_here() else 0)
     try:
         sock.sendall(shake.hello())
     except OSError as exc:
@@ -112,9 +114,10 @@ def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
     return shake.frame_mac()
 
 
-def _sender_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
+def _sender_handshake(sock: socket.socket, auth: TransferAuth) -> tuple[FrameMac, int]:
     """Connecting side: prove the key over the receiver's nonce, and send nothing more unless the receiver
-    proves it too (a forged address must not receive a single byte of state)."""
+    proves it too (a forged address must not receive a single byte of state). Returns the connection's MAC and
+    the receiver's flags (what it can verify)."""
     reader = _SocketReader(sock)
     shake = ConnectorHandshake(auth)
     proof = shake.prove(reader.read_exact(HELLO.size, "the receiver's nonce"))
@@ -126,7 +129,7 @@ def _sender_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
         raw = reader.read_exact(ACCEPT.size, "the receiver's proof")
     except HandoffError as exc:
         raise AuthError(f"the receiver refused our proof or left: {exc}") from exc
-    return shake.verify(raw)
+    return shake.verify(raw), shake.peer_flags
 
 
 def _tag(mac: FrameMac, label: bytes, pieces: list[Any]) -> bytes:
@@ -137,10 +140,26 @@ def _tag(mac: FrameMac, label: bytes, pieces: list[Any]) -> bytes:
     return mac.tag()
 
 
-def _frame_mac_name(requested: str | None) -> str:
-    """The frame MAC a sender uses: ``requested`` (tests, the bench), else Poly1305 where OpenSSL has it."""
+_poly1305_said = False
+
+
+def _poly1305_here() -> bool:
+    """Whether this process can tag and verify Poly1305 frames; where it cannot, one line says why (once)."""
+    global _poly1305_said
+    if poly1305.available():
+        return True
+    if not _poly1305_said:
+        _poly1305_said = True
+        log.warning("tpassrun: no Poly1305 in this host's OpenSSL (%s): state transfers authenticate their "
+                    "frames with HMAC-SHA256 (slower)", poly1305.unavailable_reason())
+    return False
+
+
+def _frame_mac_name(requested: str | None, peer_flags: int = FLAG_POLY1305) -> str:
+    """The frame MAC a sender uses: ``requested`` (tests, the bench), else Poly1305 where both ends have it
+    (``peer_flags``: the receiver's hello), else HMAC-SHA256."""
     if requested is None:
-        return _POLY_CHECKSUM if poly1305.available() else _HMAC_CHECKSUM
+        return _POLY_CHECKSUM if _poly1305_here() and peer_flags & FLAG_POLY1305 else _HMAC_CHECKSUM
     if requested not in _FRAME_MACS:
         raise ValueError(f"unknown frame MAC {requested!r} (have {', '.join(_FRAME_MACS)})")
     if requested == _POLY_CHECKSUM and not poly1305.available():
@@ -205,8 +224,12 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     started = time.perf_counter()
-    mac_name = _frame_mac_name(frame_mac) if auth is not None else ""   # a bad request fails before the handshake
-    mac = _sender_handshake(sock, auth) if auth is not None else None
+    if auth is not None:
+        _frame_mac_name(frame_mac)   # a bad request fails before the handshake
+        mac, peer_flags = _sender_handshake(sock, auth)
+        mac_name = _frame_mac_name(frame_mac, peer_flags)
+    else:
+        mac, mac_name = None, ""
     outgoing = [_outgoing(t) for t in bundle.tensors]
     specs, views = [spec for spec, _, _ in outgoing], [view for _, _, view in outgoing]
     sender = _Sender(sock, _corrupt_byte_at)

@@ -11,14 +11,16 @@ per message from a connection's HMAC key (:meth:`tpassrun.wireauth.FrameMac.one_
 connection's nonces, the purpose and the message's index), as ChaCha20-Poly1305 derives it from the stream
 cipher.
 
-Where libcrypto or its Poly1305 is missing (OpenSSL < 3, a FIPS provider without it), :func:`available` is
-False and callers keep HMAC-SHA256.
+Where libcrypto or its Poly1305 is missing (no shared libcrypto, OpenSSL < 3, a FIPS provider without it, not
+Linux), :func:`available` is False, :func:`unavailable_reason` says why, and callers keep HMAC-SHA256.
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+import sys
 import threading
 from typing import Any
 
@@ -60,22 +62,41 @@ def _load() -> tuple[Any, int] | None:
             if _tag_with(loaded, _RFC_KEY, [_RFC_MSG]) != _RFC_TAG:    # refuse a binding that computes garbage
                 raise OSError("libcrypto's POLY1305 failed the RFC 8439 test vector")
             _loaded = loaded
-        except (OSError, AttributeError) as exc:
-            _failed = str(exc)
+        except Exception as exc:   # noqa: BLE001 - whatever the binding hits, the transfer keeps HMAC frames
+            _failed = str(exc) or type(exc).__name__
     return _loaded
 
 
 def _open_libcrypto() -> Any:
-    names = ["libcrypto.so.3", ctypes.util.find_library("crypto"), "libcrypto.dylib"]
+    """The libcrypto this process already has (the one ``hashlib`` links, when it links one dynamically), else
+    the system's OpenSSL 3 by its soname. No fixed path: a host without it (a slim image, a Python linked
+    statically with its own OpenSSL) just has no Poly1305. Linux only: elsewhere an unversioned libcrypto may
+    abort the process on load (macOS), so HMAC frames are used."""
+    if not sys.platform.startswith("linux"):
+        raise OSError(f"the Poly1305 binding is Linux-only (this is {sys.platform})")
     errors = []
-    for name in names:
+    for name in [*_mapped_libcrypto(), "libcrypto.so.3", ctypes.util.find_library("crypto")]:
         if not name:
             continue
         try:
-            return ctypes.CDLL(name)
+            lib = ctypes.CDLL(name)
         except OSError as exc:
             errors.append(str(exc))
-    raise OSError(f"no libcrypto ({'; '.join(errors) or 'not found'})")
+            continue
+        if hasattr(lib, "EVP_MAC_fetch"):
+            return lib
+        errors.append(f"{name} has no EVP_MAC (OpenSSL < 3)")
+    raise OSError(f"no OpenSSL 3 libcrypto ({'; '.join(errors) or 'not found'})")
+
+
+def _mapped_libcrypto() -> list[str]:
+    try:
+        import _hashlib  # noqa: F401  (maps the libcrypto hashlib uses, if it is a shared library)
+        with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+            paths = {line.split()[-1] for line in maps if "/libcrypto" in line}
+    except (ImportError, OSError):
+        return []
+    return sorted(p for p in paths if p.startswith("/") and os.path.exists(p))
 
 
 def available() -> bool:

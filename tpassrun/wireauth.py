@@ -6,7 +6,7 @@ key that reached them through the control plane (etcd, the agent's private socke
 anything else is read or allocated, the two ends prove the key to each other over fresh nonces (either end may
 be a stranger: a process that found the port, or a forged plan's address)::
 
-    listener -> connector   40 B  b"TPNC" | u16 version | u16 0 | nonce_r (32 B)
+    listener -> connector   40 B  b"TPNC" | u16 version | u16 flags | nonce_r (32 B)
     connector -> listener   68 B  b"TPAU" | nonce_s (32 B) | HMAC(key, "sender" | nonce_r | nonce_s | context)
     listener -> connector   36 B  b"TPOK" | HMAC(key, "receiver" | nonce_r | nonce_s | context)
 
@@ -14,6 +14,11 @@ be a stranger: a process that found the port, or a forged plan's address)::
 swap, rank or purpose is refused too. The handshake is sans-I/O (:class:`ListenerHandshake`,
 :class:`ConnectorHandshake` say what to send and check what came back), so blocking sockets and asyncio
 streams drive the very same code; :meth:`TransferAuth.frame_mac` then keys the MAC of everything that follows.
+
+``flags`` says what the listener can verify (:data:`FLAG_POLY1305`: Poly1305 frame tags), so a sender picks a
+frame MAC both ends have; a listener of an older build sends 0 (HMAC-SHA256 frames). The flags are not under a
+tag: a peer in the middle that flips them can only choose between two sound MACs (the stream's head, under the
+connection's HMAC, names the one in use) or make the transfer fail, which it can do anyway.
 """
 
 from __future__ import annotations
@@ -27,10 +32,11 @@ from dataclasses import dataclass
 from typing import Any
 
 WIRE_VERSION = 1
-HELLO = struct.Struct("<4sHH32s")     # b"TPNC", version, 0, listener nonce
+HELLO = struct.Struct("<4sHH32s")     # b"TPNC", version, flags, listener nonce
 PROOF = struct.Struct("<4s32s32s")    # b"TPAU", connector nonce, connector proof
 ACCEPT = struct.Struct("<4s32s")      # b"TPOK", listener proof
 TAG_LEN = 32
+FLAG_POLY1305 = 1                     # the listener verifies Poly1305 frame tags (tpassrun.poly1305)
 
 
 class HandoffError(Exception):
@@ -113,13 +119,14 @@ class ListenerHandshake:
     """The listening end: :meth:`hello` out, the connector's proof (:data:`PROOF` ``.size`` bytes) into
     :meth:`accept`, which checks it in constant time and returns the answer to send; then :meth:`frame_mac`."""
 
-    def __init__(self, auth: TransferAuth) -> None:
+    def __init__(self, auth: TransferAuth, flags: int = 0) -> None:
         self.auth = auth
+        self.flags = flags
         self.nonce_r = secrets.token_bytes(32)
         self.nonce_s = b""
 
     def hello(self) -> bytes:
-        return HELLO.pack(b"TPNC", WIRE_VERSION, 0, self.nonce_r)
+        return HELLO.pack(b"TPNC", WIRE_VERSION, self.flags, self.nonce_r)
 
     def accept(self, raw: bytes) -> bytes:
         if len(raw) != PROOF.size:
@@ -139,20 +146,21 @@ class ConnectorHandshake:
     """The connecting end: the listener's hello (:data:`HELLO` ``.size`` bytes) into :meth:`prove`, which returns
     the proof to send; the listener's answer (:data:`ACCEPT` ``.size`` bytes) into :meth:`verify`, which returns
     the connection's :class:`FrameMac` only if the listener proved the key too (a forged address must not
-    receive a single byte)."""
+    receive a single byte). :attr:`peer_flags` is what the listener said it can verify."""
 
     def __init__(self, auth: TransferAuth) -> None:
         self.auth = auth
         self.nonce_r = b""
         self.nonce_s = secrets.token_bytes(32)
+        self.peer_flags = 0
 
     def prove(self, raw: bytes) -> bytes:
         if len(raw) != HELLO.size:
             raise AuthError("the peer sent no complete hello")
-        magic, version, _zero, nonce_r = HELLO.unpack(raw)
+        magic, version, flags, nonce_r = HELLO.unpack(raw)
         if magic != b"TPNC" or version != WIRE_VERSION:
             raise AuthError(f"the peer is not a tpassrun {self.auth.purpose} endpoint (hello {magic!r} v{version})")
-        self.nonce_r = nonce_r
+        self.nonce_r, self.peer_flags = nonce_r, flags
         return PROOF.pack(b"TPAU", self.nonce_s, self.auth.proof(b"sender", nonce_r, self.nonce_s))
 
     def verify(self, raw: bytes) -> FrameMac:
@@ -165,5 +173,5 @@ class ConnectorHandshake:
         return self.auth.frame_mac(self.nonce_r, self.nonce_s)
 
 
-__all__ = ["ACCEPT", "AuthError", "ChecksumError", "ConnectorHandshake", "FrameMac", "HELLO", "HandoffError",
+__all__ = ["ACCEPT", "AuthError", "ChecksumError", "ConnectorHandshake", "FLAG_POLY1305", "FrameMac", "HELLO", "HandoffError",
            "ListenerHandshake", "PROOF", "TAG_LEN", "TransferAuth", "WIRE_VERSION"]
