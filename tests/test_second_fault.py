@@ -1,14 +1,20 @@
 """A second fault during a recovery, decided purely (tpassrun/triage.py, tpassrun/swap.py): another rank dying
 while a plan runs supersedes it (no fallback), and the dead ranks are replaced together by one plan when spares
-and replicas remain, else the group restarts saying why; a death while the world re-forms restarts the group."""
+and replicas remain, else the group restarts saying why; a death while the world re-forms restarts the group.
+A recovery that was resuming a mixed commit (survivors one transaction apart) is planned again from scratch: the
+new plan asks where everyone stands, and the dead ranks' kept snapshots put them at one step again."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from tpassrun.records import Failure, Phase, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
-from tpassrun.swap import ClusterView, SlotView, plan_for_dead_ranks, plan_for_failure
-from tpassrun.triage import CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, Seen, triage
+import pytest
+
+from tpassrun.records import Failure, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
+from tpassrun.swap import ClusterView, SlotView, next_step, plan_for_dead_ranks, plan_for_failure
+from tpassrun.triage import CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen, triage
+
+pytestmark = pytest.mark.timeout(60)
 
 NOW = 1000.0
 
@@ -108,3 +114,101 @@ def test_a_plan_superseded_and_planned_again_gets_a_new_id():
 def test_the_superseded_flag_survives_the_record():
     plan = dataclasses.replace(unplanned(Phase.ABORTED), superseded=True)
     assert SwapPlan.from_json(plan.to_json()).superseded
+
+
+def _superseded(result, dead: list[int]) -> SwapPlan:
+    """The one plan a triage aborted as superseded, after checking that nobody restarts and the event says who."""
+    cas = [a for a in result.actions if isinstance(a, CasPlan)]
+    assert len(cas) == 1 and cas[0].new.phase == Phase.ABORTED and cas[0].new.superseded, result.actions
+    said = [a for a in result.actions if isinstance(a, Say) and a.event == "recovery_superseded"]
+    assert len(said) == 1 and said[0].fields["dead"] == dead
+    assert not any(isinstance(a, (PutFallback, RestartGroup)) for a in result.actions)
+    return cas[0].new
+
+
+@pytest.mark.parametrize("phase", [Phase.PAUSE, Phase.TRANSFER, Phase.SEND])
+def test_a_survivor_dying_before_the_world_re_forms_supersedes_the_recovery_in_any_phase(phase):
+    plan = unplanned(phase)
+    other = next(r for r in (0, 2) if r != plan.donor.rank)         # not the donor: a plain survivor
+    result = triage(seen(view(("a", 1), ("a", other)), [failure(1, "plan"), failure(other)], ((plan, 5),)))
+    aborted = _superseded(result, [other])
+    assert f"rank {other} died during the recovery of rank(s) [1]" in aborted.outcome
+    assert "handing over" not in aborted.outcome
+    marked = [(a.failure_id, a.failure.handled) for a in result.actions if isinstance(a, PutFailure)]
+    assert marked == [("a-1", None)]            # rank 1's failure handed back; the new death left for the next tick
+    # the next tick replaces both at once, from the one live replica
+    result = triage(seen(view(("a", 1), ("a", other)), [failure(1), failure(other)], ((aborted, 6),)))
+    plan2 = next(a.plan for a in result.actions if isinstance(a, CreatePlan))
+    assert plan2.ranks == tuple(sorted((1, other))) and {m.donor.rank for m in plan2.moves} == {plan.donor.rank}
+
+
+def test_a_failure_from_before_the_last_restart_is_no_second_fault():
+    plan = unplanned(Phase.TRANSFER)
+    old = ("a-2", dataclasses.replace(failure(2)[1], generation=1))
+    result = triage(seen(view(("a", 1)), [failure(1, "plan"), old], ((plan, 5),)))
+    assert not any(isinstance(a, CasPlan) and a.new.superseded for a in result.actions)
+    assert not any(isinstance(a, Say) and a.event == "recovery_superseded" for a in result.actions)
+
+
+def _mixed_commit_plan() -> SwapPlan:
+    """Rank 1 died; rank 0 committed step 8 and failed in step 9 (it kept step 8's start), rank 2 failed inside
+    step 8's all-reduce (sealed): rank 0 goes back to step 8 with rank 2's model, the joiner's donor is rank 2."""
+    pause = [Report("a", Phase.PAUSE, failed_steps=(9, 8), dead_steps=(9, 8), stops={0: (0, 9, False),
+                                                                                     2: (2, 8, True)},
+                    backs={0: 8, 2: 7}),
+             Report("b", Phase.PAUSE)]
+    d = next_step(unplanned(Phase.PAUSE), pause, NOW)
+    assert d.plan is not None and d.plan.phase == Phase.TRANSFER and d.plan.boundary == 8, d.reason
+    assert [m.rank for m in d.plan.catch_up] == [0] and d.plan.donor == SlotRef("a", 2, 2)
+    return d.plan
+
+
+def test_a_survivor_going_back_in_a_mixed_commit_dying_is_planned_again_from_where_everyone_stands():
+    plan = _mixed_commit_plan()
+    result = triage(seen(view(("a", 1), ("a", 0)), [failure(1, "plan"), failure(0)], ((plan, 5),)))
+    aborted = _superseded(result, [0])
+    # the next plan replaces ranks 0 and 1 from rank 2; it carries nothing of the mixed commit's resolution
+    result = triage(seen(view(("a", 1), ("a", 0)), [failure(1), failure(0)], ((aborted, 6),)))
+    plan2 = next(a.plan for a in result.actions if isinstance(a, CreatePlan))
+    assert plan2.kind == SwapKind.NODE and plan2.lost_node is None and plan2.ranks == (0, 1)
+    assert plan2.phase == Phase.PAUSE and plan2.boundary is None and plan2.catch_up == ()
+    assert {m.donor for m in plan2.moves} == {SlotRef("a", 2, 2)} and plan2.id != plan.id
+    # its pause: rank 2 stands at step 8; node a's mirror keeps both dead ranks' two newest snapshots (rank 0's
+    # step 8 start among them): everyone resumes at 8, rank 0's joiner with rank 2's model, nobody catches up
+    pause = [Report("a", Phase.PAUSE, failed_steps=(8,), stops={2: (2, 8, True)}, held={0: (8, 9), 1: (8, 9)}),
+             Report("b", Phase.PAUSE)]
+    d = next_step(plan2, pause, NOW)
+    assert d.plan is not None and d.plan.phase == Phase.TRANSFER and d.plan.boundary == 8, d.reason
+    assert d.plan.light_from == {0: "a", 1: "a"} and d.plan.catch_up == ()
+
+
+def test_the_donor_of_a_mixed_commit_dying_while_it_hands_over_supersedes_the_recovery():
+    plan = dataclasses.replace(_mixed_commit_plan(), phase=Phase.SEND)
+    result = triage(seen(view(("a", 1), ("a", 2)), [failure(1, "plan"), failure(2)], ((plan, 5),)))
+    aborted = _superseded(result, [2])
+    assert "rank 2 (the donor) died while handing over" in aborted.outcome
+    result = triage(seen(view(("a", 1), ("a", 2)), [failure(1), failure(2)], ((aborted, 6),)))
+    plan2 = next(a.plan for a in result.actions if isinstance(a, CreatePlan))
+    assert plan2.ranks == (1, 2) and {m.donor for m in plan2.moves} == {SlotRef("a", 0, 0)}
+    # rank 0 stands at step 9 (it had not gone back yet); the dead ranks' kept snapshots hold step 9: resume there
+    pause = [Report("a", Phase.PAUSE, failed_steps=(9,), stops={0: (0, 9, False)}, backs={0: 8},
+                    held={1: (8, 9), 2: (8, 9)}),
+             Report("b", Phase.PAUSE)]
+    d = next_step(plan2, pause, NOW)
+    assert d.plan is not None and d.plan.boundary == 9 and d.plan.catch_up == (), d.reason
+
+
+def test_a_death_during_the_plan_for_two_dead_ranks_supersedes_it_too():
+    first = dataclasses.replace(unplanned(Phase.ABORTED), superseded=True)
+    result = triage(seen(view(("a", 1), ("a", 0)), [failure(0), failure(1)], ((first, 6),)))
+    plan2 = dataclasses.replace(next(a.plan for a in result.actions if isinstance(a, CreatePlan)),
+                                phase=Phase.TRANSFER, secret="00")
+    v = view(("a", 0), ("a", 1), ("a", 2), spares=3)
+    result = triage(seen(v, [failure(0, "plan"), failure(1, "plan"), failure(2)], ((first, 6), (plan2, 7))))
+    aborted = _superseded(result, [2])
+    assert sorted(a.failure.rank for a in result.actions if isinstance(a, PutFailure)) == [0, 1]
+    # no live replica of the replicated state is left: the group restarts, saying so, once
+    result = triage(seen(v, [failure(0), failure(1), failure(2)], ((first, 6), (aborted, 8))))
+    fallback = [a for a in result.actions if isinstance(a, PutFallback)]
+    assert len(fallback) == 1 and "no live replica" in fallback[0].fallback.reason
+    assert not any(isinstance(a, CreatePlan) for a in result.actions)
