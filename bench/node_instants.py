@@ -1,6 +1,6 @@
 """A whole node killed at a uniformly random instant of a step: recovered live and exact, every time?
 
-    python bench/node_instants.py [--runs 10] [--steps 40] [--step-sleep 0.002] [--seed S]
+    python bench/node_instants.py [--runs 10] [--steps 40] [--step-sleep 0.002] [--hidden 256] [--seed S]
 
 Each run is ``examples/train_ddp.py`` on 2 nodes of 2 ranks plus a ``--spare-node`` (3 agents on one etcd,
 ``--max-restarts 1``). Once C's spares are warm, node B (its agent and both its workers, SIGKILLed from outside
@@ -44,7 +44,8 @@ WORLD = 4
 
 
 def reference(work: Workdir, args: argparse.Namespace) -> Job:
-    job = Job.torchrun(work.sub("torchrun"), nproc=WORLD, steps=args.steps, step_sleep=0.0).start()
+    job = Job.torchrun(work.sub("torchrun"), nproc=WORLD, steps=args.steps, step_sleep=0.0,
+                       script_args=["--hidden", str(args.hidden)]).start()
     try:
         code = job.wait(300)
     finally:
@@ -78,6 +79,8 @@ def one_run(work: Workdir, index: int, etcd: EtcdServer, ref: Job, rng: random.R
     a, b, c = jobs = tuple(Job.agent(os.path.join(out, n), train, endpoint=etcd.endpoint, run_id=run_id,
                                      steps=args.steps, step_sleep=args.step_sleep, env=hold,
                                      extra=["--spare-node"] if n == "c" else []) for n in "abc")
+    for j in jobs:
+        j.argv += ["--hidden", str(args.hidden)]       # a bigger model: a longer all-reduce in each step
     step, killed_wall, logged, code, b_pids = rng.randint(3, args.steps // 2), None, None, -1, []
     try:
         for j in jobs:
@@ -120,10 +123,11 @@ def one_run(work: Workdir, index: int, etcd: EtcdServer, ref: Job, rng: random.R
     redone = max(len(rows) - len({x["step"] for x in rows})
                  for rows in (_without_relogged(logs.losses(r), set(b_pids)) for r in range(WORLD)))
     lost = {"redone": redone, "missing": steps_lost(train, WORLD, args.steps)["missing"] - unlogged}
+    caught_up = sorted({e["rank"] for e in evs if e["event"] == "rank_caught_up"})
     pushes = [e["mirror"]["pushes"] for j in (a, c) for e in j.events()
               if e["event"] == "agent_exit" and e.get("mirror")]
     return {"run": index, "step": logged, "exit": code, "live": live, "exact": exact, "relogged": relogged,
-            "unlogged": unlogged,
+            "unlogged": unlogged, "caught_up": caught_up,
             "lost": lost["redone"] + lost["missing"],
             "recovery_s": next_step_after(train, WORLD, killed_wall) if live and killed_wall else None,
             "agent_copies": max(pushes) if pushes else None,
@@ -135,6 +139,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=10)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--step-sleep", type=float, default=0.002, help="user code after the optimizer step (s)")
+    parser.add_argument("--hidden", type=int, default=256, help="the example's hidden width (its all-reduce size)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true")
     args = parser.parse_args()
@@ -156,7 +161,8 @@ def main() -> None:
                       f"{r['agent_copies']}" + (f"  (a lost rank's last step logged again by its successor: "
                                                   f"{r['relogged']})" if r["relogged"] else "")
                   + (f"  (a lost rank's last step, completed by the survivors, never logged: {r['unlogged']})"
-                     if r["unlogged"] else "") + ("" if r["live"] and r["exact"] else f"  [{r['why']}]"), flush=True)
+                     if r["unlogged"] else "")
+                  + (f"  (a mixed commit: ranks {r['caught_up']} caught up)" if r["caught_up"] else "") + ("" if r["live"] and r["exact"] else f"  [{r['why']}]"), flush=True)
     finally:
         etcd.cleanup()
     good = [r for r in results if r["live"] and r["exact"] and r["lost"] == 0]

@@ -79,3 +79,14 @@ def test_the_console_line_has_torchruns_prefix_and_the_node_and_rank():
     line = out.getvalue()
     assert line.startswith("W") and " 42 tpassrun/agent] [node host1] [rank 3] hang: no step for 4.20 s" in line
     assert RunTally().goodput == 100.0
+
+
+def test_node_loss_lines_say_who_was_broken_out_caught_up_and_recovered():
+    d = Describer()
+    assert d.describe(_ev("collectives_broken", 1.0, swap_id="n-b", lost_node="host2-1-ab", ranks=[0, 1])) == \
+        "node host2 lost: ranks [0, 1] broken out of their collectives (swap n-b)"
+    assert d.describe(_ev("rank_caught_up", 1.1, swap_id="n-b", rank=1, step=13, donor=0, nbytes=2048)) == \
+        "[rank 1] mixed commit: caught up to step 13 from rank 0 (swap n-b, 2.0 KiB)"
+    line = d.describe(_ev("node_recovered", 1.5, swap_id="n-b", lost_node="host2-1-ab", also=["host4-2-cd"],
+                          ranks=[1, 3], to=["host3-5-ef"], boundary=13, seconds=0.5))
+    assert line.startswith("node host2, host4 lost: ranks [1, 3] recovered live on host3 at step 13")

@@ -242,10 +242,17 @@ class Describer:
             t.swaps.append(("unplanned", str(sid), pause))
             return (f"ranks {ev.get('ranks')} recovered live on {', '.join(_short(n) for n in ev.get('to') or [])} "
                     f"at step {ev.get('boundary')} (swap {sid}): paused {_secs(pause)}, 0 steps lost")
+        if name == "collectives_broken":
+            return (f"node {_short(ev.get('lost_node'))} lost: ranks {ev.get('ranks')} broken out of their "
+                    f"collectives (swap {sid})")
+        if name == "rank_caught_up":
+            return (f"[rank {ev.get('rank')}] mixed commit: caught up to step {ev.get('step')} from rank "
+                    f"{ev.get('donor')} (swap {sid}, {_bytes(int(ev.get('nbytes') or 0))})")
         if name == "node_recovered":
             pause = float(ev.get("seconds") or 0.0)
             t.swaps.append(("node", str(sid), pause))
-            return (f"node {_short(ev.get('lost_node'))} lost: ranks {ev.get('ranks')} recovered live on "
+            also = "".join(f", {_short(n)}" for n in ev.get("also") or [])
+            return (f"node {_short(ev.get('lost_node'))}{also} lost: ranks {ev.get('ranks')} recovered live on "
                     f"{', '.join(_short(n) for n in ev.get('to') or [])} at step {ev.get('boundary')} (swap {sid}): "
                     f"paused {_secs(pause)}, 0 steps lost")
         if name == "store_moved":
