@@ -35,7 +35,7 @@ import time
 import uuid
 from typing import Any
 
-from common import REPO, EtcdServer, Workdir, next_step_after, print_json, steps_lost, tail
+from common import REPO, EtcdServer, Workdir, next_step_after, print_json, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from faults import Job, _unlogged, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node  # noqa: E402
@@ -122,7 +122,9 @@ def one_run(work: Workdir, index: int, etcd: EtcdServer, ref: Job, rng: random.R
     unlogged = sum(len(_unlogged(_without_relogged(logs.losses(r), set(b_pids)), set(b_pids))) for r in range(WORLD))
     redone = max(len(rows) - len({x["step"] for x in rows})
                  for rows in (_without_relogged(logs.losses(r), set(b_pids)) for r in range(WORLD)))
-    lost = {"redone": redone, "missing": steps_lost(train, WORLD, args.steps)["missing"] - unlogged}
+    missing = max(len(set(range(args.steps)) - {x["step"] for x in logs.losses(r)}
+                      - _unlogged(_without_relogged(logs.losses(r), set(b_pids)), set(b_pids))) for r in range(WORLD))
+    lost = {"redone": redone, "missing": missing}
     caught_up = sorted({e["rank"] for e in evs if e["event"] == "rank_caught_up"})
     pushes = [e["mirror"]["pushes"] for j in (a, c) for e in j.events()
               if e["event"] == "agent_exit" and e.get("mirror")]

@@ -268,6 +268,7 @@ def main() -> None:
                 for row in rows:
                     loss_log.write(json.dumps({**row, "pid": os.getpid(), "t": time.time(),
                                                "generation": sess.generation}) + "\n")
+            fault_point(sess.rank, i, "logged")      # as "synced", its records written
             if scaler is not None:
                 scaler.step(opt)
                 scaler.update()

@@ -307,3 +307,36 @@ def test_a_donor_dying_in_a_node_plans_transfer_is_replaced_too_in_one_more_plan
     b_pids = [s["pid"] for e in b.events() if e["event"] == "workers_started" for s in e["slots"]]
     a_pids = [s["pid"] for e in a.events() if e["event"] == "workers_started" for s in e["slots"]]
     assert_bit_exact(Job(argv=[], out=train), ref, 3, relogged_by=b_pids + a_pids)
+
+
+def test_a_mixed_commit_at_node_loss_is_rolled_forward(tmp_path, etcd_server, run_id, reference):
+    """A staged mixed commit: one of A's ranks fails inside step s after its part of the all-reduce (so every other
+    rank completes s and commits it) and B dies at the start of s + 1. The other A rank stopped at s + 1, this one
+    at s: it catches up (model and optimizer from the other, its own seal of s + 1) and everyone, C's joiners too,
+    resumes at s + 1, torch.equal to torchrun."""
+    step = random.randint(3, 12)
+    train = str(tmp_path / "train")
+    release = str(tmp_path / "release")
+    hold = {"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release}
+    lag = faults_env(hold, *({"rank": r, "step": step, "where": "logged", "action": "fail",
+                              "marker": str(tmp_path / "lag")} for r in range(4)))
+    die = faults_env(hold, *({"rank": r, "step": step + 1, "where": "forward", "action": "kill_node",
+                              "marker": str(tmp_path / "node")} for r in range(4)))
+    a, b, c = (Job.agent(str(tmp_path / n), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS,
+                         step_sleep=0.02, extra=["--spare-node"] if n == "c" else [],
+                         env={"a": lag, "b": die, "c": faults_env(hold)}[n]) for n in "abc")
+    try:
+        _start(a, b, c)
+        b_pids = b.worker_pids()
+        open(release, "w").close()
+        assert a.wait(240) == 0, a.log()[-3000:]
+        assert c.wait(60) == 0, c.log()[-3000:]
+    finally:
+        for j in (a, b, c):
+            j.kill()
+    assert os.path.exists(str(tmp_path / "lag")) and os.path.exists(str(tmp_path / "node"))
+    caught = [e for e in a.events() if e["event"] == "rank_caught_up"]
+    assert len(caught) == 1 and caught[0]["step"] == step + 1, caught
+    b_ranks = sorted(r for r, pids in _pids_by_rank(train, 4).items() if pids[0] in b_pids)
+    survivors = [r for r in range(4) if r not in b_ranks]
+    _assert_recovered_live(train, reference, survivors, b_ranks, c, b_pids)
