@@ -95,3 +95,58 @@ def test_the_plan_round_trips_through_etcd_json():
     assert SwapPlan.from_json(plan.to_json()) == plan
     r = Report("b", Phase.PAUSE, steps=(7,), rings=(6, 7), dead_ring=(5,), **_mirror(6, 7))
     assert Report.from_json(r.to_json()) == r
+
+
+# --- HSDP: a live declared replica holds the dead rank's shards (tracked as sharded: local copies, no mirror) ---
+# ranks 0, 1 are one replica group's shards 0, 1 and ranks 2, 3 the other's: rank 1's replica is rank 3
+HSDP = ClusterView(generation=0, members=("a",), spare_nodes=(),
+                   slots=(SlotView("a", 0, 0, "running", True, replicas=(0, 2), sharded=True),
+                          SlotView("a", 1, 1, "dead", True, replicas=(1, 3), sharded=True),
+                          SlotView("a", 2, 2, "running", True, replicas=(0, 2), sharded=True),
+                          SlotView("a", 3, 3, "running", True, replicas=(1, 3), sharded=True),
+                          SlotView("a", 4, None, "spare", True)))
+
+
+def _hsdp(**kw) -> SwapPlan:
+    d = plan_for_failure(HSDP, node="a", slot=1, rank=1, reason="exit -9", now_wall=NOW, light_available=True,
+                         replicas=(1, 3), sharded=True)
+    assert d.plan is not None and d.plan.donor.rank == 3 and d.plan.replica_held == (1,), d.reason
+    return dataclasses.replace(d.plan, **kw)
+
+
+def test_hsdp_shards_come_from_the_replica_and_the_local_copies_are_not_used_when_the_survivors_agree():
+    reports = [Report("a", Phase.PAUSE, steps=(7, 7), failed_steps=(7,), dead_steps=(7, 6), rings=(6, 7),
+                      dead_ring=(6, 7))]
+    plan = next_step(_hsdp(), reports, NOW).plan
+    assert plan.phase == Phase.TRANSFER and plan.boundary == 7 and not plan.restore and plan.shard_from is None
+    # the same reports without replica_held: a sharded rank with no mirror of it cannot be recovered
+    assert resume_plan(reports, 1).step is None
+
+
+def test_hsdp_mixed_commit_rolls_every_rank_back_to_the_step_start_and_the_replica_donates():
+    # rank 1 died in the replicate all-reduce of step 7 after its shard group's last reduce-scatter: rank 0 (its
+    # shard peer) and rank 2 completed step 7, rank 3 (its replica) failed in it
+    reports = [Report("a", Phase.PAUSE, steps=(8, 8), failed_steps=(7,), dead_steps=(7, 6), rings=(7,),
+                      dead_ring=(6, 7))]
+    choice = resume_plan(reports, 1, replica_held=True)
+    assert (choice.step, choice.restore, choice.shard_from) == (7, True, None), choice.why
+    assert "mixed commit" in choice.why and "from its replica" in choice.why
+    plan = next_step(_hsdp(), reports, NOW).plan
+    assert plan.phase == Phase.TRANSFER and plan.boundary == 7 and plan.restore and plan.shard_from is None
+    # no copy every survivor shares with the dead rank's light snapshots: abort, saying so
+    bare = [dataclasses.replace(reports[0], rings=(8,))]
+    choice = resume_plan(bare, 1, replica_held=True)
+    assert choice.step is None and "no step is held by every survivor's local copy" in choice.why
+
+
+def test_replica_held_names_the_ranks_a_live_sharded_replica_holds():
+    from tpassrun.node_shards import replica_held
+
+    assert replica_held(HSDP.slots, (), [1, 0]) == (0, 1)
+    # pure FSDP (each rank alone in its group), or the replica gone too: none
+    alone = tuple(dataclasses.replace(s, replicas=(s.rank,)) if s.rank is not None else s for s in HSDP.slots)
+    assert replica_held(alone, (), [1]) == ()
+    gone = tuple(dataclasses.replace(s, state="dead") if s.rank == 3 else s for s in HSDP.slots)
+    assert replica_held(gone, (), [1]) == ()
+    plan = _hsdp()
+    assert SwapPlan.from_json(plan.to_json()) == plan

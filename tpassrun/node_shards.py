@@ -7,12 +7,16 @@ copies of its own whole state at the same steps. A node plan resumes at the step
 every lost rank's mirror holds its shard of it; otherwise every survivor rolls back to its own copy of the newest
 step that all of them hold and every lost rank's mirror holds too (``restore``), and the steps after it are
 recomputed. The single-rank rule is :func:`tpassrun.swap.resume_plan`'s; this is the same for several ranks.
+
+Under HSDP a rank's shards are sharded state too (the torchtitan adapter tracks them so), but a live declared
+replica holds them (:func:`replica_held`): they come from that replica, no mirror is kept, and the local copies
+serve one case only, survivors that stopped at different steps (:func:`tpassrun.resume.replica_rollback`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from .records import Report
 
@@ -65,4 +69,13 @@ def sharded_resume(reports: Sequence[Report], ranks: Sequence[int], stopped: int
                             f"; ranks {list(ranks)} resume there from their mirror", v != stopped, at)
 
 
-__all__ = ["ShardedResume", "sharded_resume"]
+def replica_held(slots: Iterable[Any], lost: Iterable[str], ranks: Iterable[int]) -> tuple[int, ...]:
+    """The ranks among ``ranks`` whose sharded state a live declared replica holds too (HSDP: a running rank that
+    names it in its replica group and tracks sharded state itself). ``slots``: :class:`tpassrun.swap.SlotView`."""
+    slots, lost = tuple(slots), set(lost)
+    return tuple(sorted(rank for rank in set(ranks) if any(
+        s.rank is not None and s.rank != rank and s.state == "running" and s.node not in lost and s.sharded
+        and s.replicas is not None and rank in s.replicas for s in slots)))
+
+
+__all__ = ["ShardedResume", "replica_held", "sharded_resume"]

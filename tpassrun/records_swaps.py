@@ -93,6 +93,13 @@ class Move:
                    _addr(d.get("joiner_addr"), what))
 
 
+def _ranks(doc: Mapping[str, Any], key: str, what: str) -> tuple[int, ...]:
+    ranks = _list(doc, key, what)
+    if not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in ranks):
+        raise RecordError(f"{what}: {key} must list ranks (non-negative integers)")
+    return tuple(ranks)
+
+
 @dataclass(frozen=True)
 class SwapPlan:
     """``swaps/<id>``: one swap, advanced phase by phase by the leader (compare-and-swap).
@@ -139,6 +146,9 @@ class SwapPlan:
     # node plans, a mixed commit (tpassrun/catchup.py): survivors that catch up (leaver = joiner = their slot)
     # from a survivor that completed the step (donor), with their listening address once known
     catch_up: tuple[Move, ...] = ()
+    # dead ranks with sharded state (sess.track_sharded) that a live declared replica holds too (HSDP): their
+    # shards come from that replica, never from a mirror; survivors' local copies only serve a rollback
+    replica_held: tuple[int, ...] = ()
     # node plans of sharded jobs: the node whose mirror holds each lost rank's shard (with its light snapshot) of
     # ``boundary`` (its joiner fetches it from there); ``restore`` as above
     shards_from: Mapping[int, str] = field(default_factory=dict)
@@ -178,6 +188,7 @@ class SwapPlan:
             "store": list(self.store) if self.store else None, "store_host": self.store_host,
             "superseded": self.superseded,
             "catch_up": [m.to_json() for m in self.catch_up],
+            "replica_held": list(self.replica_held),
             "shards_from": {str(r): n for r, n in self.shards_from.items()},
             "lost_also": list(self.lost_also), "replacing": dict(self.replacing),
         }
@@ -210,6 +221,7 @@ class SwapPlan:
             replaces=_opt_str(d, "replaces", what), store=_addr(d.get("store"), what),
             store_host=_opt_str(d, "store_host", what), superseded=_bool(d, "superseded", what),
             catch_up=tuple(Move.from_json(m, f"{what} catch-up") for m in _list(d, "catch_up", what)),
+            replica_held=_ranks(d, "replica_held", what),
             shards_from={int(k): v for k, v in shards_from.items()},
             lost_also=tuple(_strs(d, "lost_also", what)), replacing=_str_map(d, "replacing", what),
             id=_str(d, "id", what), kind=_enum(SwapKind, d, "kind", what),

@@ -4,7 +4,8 @@ A step is a transaction (``tpassrun/worker_step.py``): sealed in its backward pa
 optimizer starts stepping. :func:`resume_step` finds the one step every survivor and the dead rank's saved
 per-rank state agree on; :func:`resume_plan` adds sharded state (where the dead rank's shard comes from, or a
 rollback of every rank to a common local copy) and a mixed commit (survivors one transaction apart: some move to
-the others' step, :func:`tpassrun.catchup.mixed_commit`). Re-exported by :mod:`tpassrun.swap`.
+the others' step, :func:`tpassrun.catchup.mixed_commit`; under HSDP a rollback of every rank to a common
+local copy, the shards from the dead rank's replica: :func:`replica_rollback`). Re-exported by :mod:`tpassrun.swap`.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Callable, Sequence
 from .catchup import mixed_commit
 from .records import Move, Report, SlotRef
 
-__all__ = ["ResumeChoice", "dead_has", "resume_plan", "resume_step"]
+__all__ = ["ResumeChoice", "dead_has", "replica_rollback", "resume_plan", "resume_step"]
 
 def resume_step(reports: Sequence[Report], dead_rank: int | None) -> tuple[int | None, str]:
     """The step an unplanned recovery resumes at, or None and why no step is exact (pure).
@@ -71,7 +72,7 @@ class ResumeChoice:
     donor: SlotRef | None = None
 
 
-def resume_plan(reports: Sequence[Report], dead_rank: int | None) -> ResumeChoice:
+def resume_plan(reports: Sequence[Report], dead_rank: int | None, *, replica_held: bool = False) -> ResumeChoice:
     """:func:`resume_step`, and for a job with sharded state (``sess.track_sharded``) where the dead rank's shard
     comes from (pure).
 
@@ -86,11 +87,16 @@ def resume_plan(reports: Sequence[Report], dead_rank: int | None) -> ResumeChoic
 
     Without sharded state, survivors that stopped one transaction apart (a mixed commit) are put at one step:
     those not there take its replicated state from one that is (``catch_up``; the joiner's ``donor`` stands there).
+
+    ``replica_held``: the dead rank's sharded state is held by a live declared replica too (HSDP): no mirror, it
+    comes from that replica (:func:`replica_rollback`).
     """
     who = f"rank {dead_rank}" if dead_rank is not None else "the dead rank"
     step, why = resume_step(reports, dead_rank)
     if not any(r.dead_ring is not None or r.rings is not None for r in reports):
         return ResumeChoice(step, why) if step is not None else _mixed(reports, why)
+    if replica_held:
+        return replica_rollback(reports, who, step, why)
     return _sharded(reports, who, step, why)
 
 
@@ -117,6 +123,31 @@ def _mixed(reports: Sequence[Report], why: str) -> ResumeChoice:
     near = next((r.node for r in reports if r.dead_steps is not None), None)
     donor = min(stands, key=lambda d: (d.node != near, d.rank or 0))
     return ResumeChoice(mixed.step, mixed.why, catch_up=mixed.moves, donor=donor)
+
+
+def replica_rollback(reports: Sequence[Report], who: str, stopped: int | None,
+                     stopped_why: str) -> ResumeChoice:
+    """Where a single-rank recovery resumes when a live replica holds the dead rank's shards (HSDP) and the ranks
+    keep local copies (``restore``: every survivor first rolls back to its copy of the step).
+
+    Where the survivors stopped, if they agree: the replica's live state is the dead rank's there. Otherwise (a
+    *mixed commit*: the dead rank finished its last reduce-scatter with its shard group, whose ranks committed
+    the step, and died inside the replicate all-reduce, whose survivors did not; a window as long as the replica
+    groups are apart, not a few microseconds) every rank rolls back to its copy of the newest step all survivors
+    hold and the dead rank left a light snapshot of, and the replica donates its copy of it."""
+    if stopped is not None:
+        return ResumeChoice(stopped, f"{stopped_why}; its shards from its replica")
+    rings = [set(r.rings or ()) for r in reports if r.rings is not None or (r.steps or r.failed_steps or r.post_commit)]
+    common = set.intersection(*rings) if rings else set()
+    saved = [set(r.dead_steps) for r in reports if r.dead_steps is not None]
+    usable = common & saved[0] if saved else common
+    if not usable:
+        light = f" and {who}'s light snapshots (steps {sorted(saved[0])})" if saved else ""
+        return ResumeChoice(None, f"{stopped_why}; no step is held by every survivor's local copy (steps "
+                                  f"{sorted(common)}){light}")
+    v = max(usable)
+    return ResumeChoice(v, f"{stopped_why}: every rank rolls back to its copy of step {v}, {who}'s shards from its "
+                           "replica", restore=True)
 
 
 def _sharded(reports: Sequence[Report], who: str, step: int | None, why: str) -> ResumeChoice:

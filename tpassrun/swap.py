@@ -37,7 +37,7 @@ from typing import Iterable, Sequence
 # The records a plan is made of live with every other etcd record; re-exported: they are the planner's words.
 from .records import TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
 from .catchup import leaders_donate, roll_forward
-from .node_shards import sharded_resume
+from .node_shards import replica_held, sharded_resume
 from .resume import ResumeChoice, resume_plan, resume_step
 
 __all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Move", "PHASE_TIMEOUT_S", "Phase", "Report", "ResumeChoice",
@@ -182,6 +182,7 @@ def plan_for_failure(view: ClusterView, *, node: str, slot: int, rank: int, reas
         leaver=SlotRef(node, slot, rank), joiner=SlotRef(spare.node, spare.slot, rank),
         donor=SlotRef(donor.node, donor.slot, donor.rank), phase=Phase.PAUSE, reason=reason,
         nodes=_involved(view, spare.node), history=((Phase.PAUSE.value, now_wall),),
+        replica_held=(rank,) if sharded and set(replicas or ()) - {rank} else (),
     )
     return Decision("plan", f"replace dead rank {rank} by spare {spare.node}/{spare.slot}, state from rank "
                             f"{donor.rank} on {donor.node}: {reason}", plan)
@@ -283,7 +284,7 @@ def plan_for_node_loss(view: ClusterView, *, node: str, now_wall: float, swap_id
     plan = SwapPlan(id=swap_id or node_plan_id(node), kind=SwapKind.NODE, generation=view.generation,
                     leaver=first.leaver, joiner=first.joiner, donor=first.donor, phase=Phase.PAUSE,
                     reason=f"node {node} lost", nodes=tuple(nodes), history=((Phase.PAUSE.value, now_wall),),
-                    moves=moves, lost_node=node, replaces=replaces)
+                    moves=moves, lost_node=node, replaces=replaces, replica_held=replica_held(view.slots, view.lost, ranks))
     donors_used = sorted({m.donor.rank for m in moves if m.donor is not None and m.donor.rank is not None})
     return Decision("plan", f"node {node} lost: ranks {ranks} to spare slots on {', '.join(where)}, state from "
                             f"ranks {donors_used} in parallel and from the buddy's mirror", plan)
@@ -316,7 +317,8 @@ def plan_for_dead_ranks(view: ClusterView, dead: Sequence[tuple[str, int, int]],
     first = moves[0]
     plan = SwapPlan(id=swap_id, kind=SwapKind.NODE, generation=view.generation, leaver=first.leaver,
                     joiner=first.joiner, donor=first.donor, phase=Phase.PAUSE, reason=reason, nodes=tuple(nodes),
-                    history=((Phase.PAUSE.value, now_wall),), moves=tuple(moves))
+                    history=((Phase.PAUSE.value, now_wall),), moves=tuple(moves),
+                    replica_held=replica_held(view.slots, view.lost, ranks))
     donors = sorted({m.donor.rank for m in moves if m.donor is not None and m.donor.rank is not None})
     return Decision("plan", f"replace dead ranks {ranks} by spares "
                             f"{', '.join(f'{m.joiner.node}/{m.joiner.slot}' for m in moves)}, state from ranks "
@@ -367,7 +369,8 @@ def _next_node_step(plan: SwapPlan, mine: Sequence[Report], now_wall: float, sen
     if not needed <= have:
         return Decision("wait", f"{plan.phase.value}: waiting for {sorted(needed - have)}")
     if plan.phase == Phase.PAUSE:
-        sharded = sharded_resume(mine, plan.ranks, *resume_step(mine, None))
+        sharded = (None if set(plan.ranks) <= set(plan.replica_held)    # HSDP: from live replicas, as below
+                   else sharded_resume(mine, plan.ranks, *resume_step(mine, None)))
         if sharded is not None:     # the lost ranks' shards come from their mirrors (tpassrun/node_shards.py)
             if sharded.step is None:
                 return abort(sharded.why)
@@ -463,7 +466,7 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
 
     if plan.phase == Phase.PAUSE:
         if plan.kind == SwapKind.UNPLANNED:
-            choice = resume_plan(mine, plan.leaver.rank)
+            choice = resume_plan(mine, plan.leaver.rank, replica_held=plan.leaver.rank in plan.replica_held)
             if choice.step is None:
                 return Decision("plan", choice.why, plan.advance(Phase.ABORTED, now_wall, outcome=choice.why))
             return Decision("plan", choice.why, plan.advance(Phase.TRANSFER, now_wall, boundary=choice.step,

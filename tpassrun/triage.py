@@ -315,7 +315,8 @@ def _recover_many(pending: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[A
     failures = [f for _fid, f in pending]
     ranks = sorted(f.rank for f in failures)
     reason = f"ranks {ranks} died (exit codes {[f.code for f in sorted(failures, key=lambda f: f.rank)]})"
-    odd = [f for f in failures if f.sharded or f.alone]
+    # state no live rank holds (sharded without a replica: ZeRO, FSDP); HSDP's shards have their replicas
+    odd = [f for f in failures if f.alone or (f.sharded and not set(f.replicas or ()) - {f.rank})]
     if odd:
         decision = Decision("fallback", f"{reason}; rank {odd[0].rank}'s state has no replica to take it from "
                                         f"({odd[0].alone or 'sharded'}), with another rank dead too: whole-group restart")
