@@ -384,7 +384,7 @@ class MirrorPusher:
         self.offer()
 
     def offer(self) -> None:
-        if self._thread is None and not self._stop:
+        if self._thread is None and not self._stop and self._target is not None:
             self._thread = threading.Thread(target=self._run, name="tpassrun-shard-push", daemon=True)
             self._thread.start()
         self._wake.set()

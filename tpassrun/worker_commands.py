@@ -112,6 +112,10 @@ class BoundaryCommands:
         objs = {k: v for k, v in self._tracked.items() if not (msg.replicated_only and k in self._per_rank)
                 and not (msg.without_sharded and k in self._sharded)}   # those: from the mirror
         unique = _not_replicated(objs) if msg.replicated_only else []
+        if self._shard_restore_due is not None and set(objs) & self._sharded:
+            # rolled back to an earlier step's copy, whose sharded part is loaded only in the re-formed world:
+            # the live shards are a later step's, never the resume step's (worker_shards._shard_rollback)
+            unique.append(f"its sharded state is past step {self._shard_restore_due}, the recovery's resume step")
         if unique:
             # e.g. a ZeRO optimizer partition: this rank's copy is not the dead rank's. Refuse (the joiner sees
             # the connection close at once) rather than hand over the wrong state.

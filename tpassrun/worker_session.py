@@ -84,6 +84,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
         self._sharded: set[str] = set()
         self._shards: Any = None
         self._shard_restore_due: int | None = None
+        self._replica_group: tuple[int, ...] = ()  # declare_replicas(): other ranks holding this one's state
         self._pending_shard_bundle: Any = None    # joiner: the dead rank's shard, from its mirror
         self._spare: SpareWait | None = None      # set while this session is a spare (no rank yet)
         self._pending: list[Message] = []         # commands that came while a spare waited for its sender
@@ -134,6 +135,8 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
             raise ValueError(f"tpassrun: rank {self.rank}'s replica group {list(group)} does not contain it")
         if self._link is not None:
             self._link.send(Replicas(ranks=group, alone=alone[:300]))
+        self._replica_group = group
+        self._shard_retarget()              # sharded state with replicas needs no mirror (worker_shards.py)
         return group
 
     def ddp(self, module: Any, **kwargs: Any) -> "ReconfigurableDDP":

@@ -27,6 +27,7 @@ class ShardedState:
     _sharded: set[str]
     _shards: Any                      # shards.ShardState, made by the first track_sharded()
     _shard_restore_due: int | None    # a survivor loads its sharded copy of this step once re-formed
+    _replica_group: tuple[int, ...]   # declare_replicas()
     rank: int
     step: int
 
@@ -79,6 +80,11 @@ class ShardedState:
         (the ring may have changed): one round trip over the private socket, never per step."""
         if self._shards is None or self._link is None or not self._shards.enabled:
             return
+        if set(self._replica_group) - {self.rank}:
+            # HSDP: live replicas hold this rank's shards (they donate them): no mirror; the local copies serve
+            # a rollback when the survivors of a failure stopped at different steps (node_shards.py)
+            self._shards.retarget(None, self.rank)
+            return
         from .protocol import MirrorInfo, MirrorInfoRequest
 
         answer = self._link.request(MirrorInfoRequest(), MirrorInfo)
@@ -92,7 +98,8 @@ class ShardedState:
         process groups (DeepSpeed's ZeRO asks its rank), and the old ones are gone; the joiner loads its shard
         there too."""
         version = self._shards.ring.get(step)
-        if (version is None or not version.complete()) and step == self.step and self._committed != step:
+        live = step == self.step and self._committed != step
+        if (version is None or not version.complete()) and live:
             # this survivor's live state already is that step's start (paused there, or failed in it before
             # its commit point): only what the step consumed goes back, as under DDP
             if self._last_light is not None:
@@ -107,7 +114,8 @@ class ShardedState:
         self._window = step
         self._drop_grads()                          # type: ignore[attr-defined]
         self._committed = self._sealed = -1
-        self._shard_restore_due = step
+        # the sharded objects already are that step's (live): nothing to load; else once re-formed
+        self._shard_restore_due = None if live else step
         self.step = step
 
     def _shard_after_reform(self) -> None:

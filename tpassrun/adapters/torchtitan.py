@@ -19,8 +19,11 @@ What travels:
 
 Replicas: FSDP shards model and optimizer over ``dp_shard``; only ranks on another ``dp_replicate`` (HSDP) hold
 the same shards. The adapter declares them (``sess.declare_replicas``, from the mesh's rank grid) so an unplanned
-recovery takes the dead rank's shards from one of them. Without a replicate dimension no live rank holds them: the
-views are tracked as sharded state (``sess.track_sharded``) and recovered from the shard mirror when there is one.
+recovery takes the dead rank's shards from one of them. Without a replicate dimension no live rank holds them and
+they are recovered from the shard mirror when there is one. Both ways the views are tracked as sharded state
+(``sess.track_sharded``): every rank keeps a local copy of each step's start, which under HSDP (no mirror) serves
+the survivors that stopped a step apart (a rank died inside the replicate all-reduce after its shard group's last
+reduce-scatter): everyone rolls back to it (:func:`tpassrun.node_shards.replica_rollback`).
 
 A step that failed half-way (a peer died in one of its collectives) is re-executed by the survivors: their model
 view's ``drop_grads`` resets FSDP2's per-iteration state first (:func:`tpassrun.adapters._common.reset_failed_step`).
@@ -360,11 +363,14 @@ class TorchTitanAdapter:
         if dataloader is not None:
             register(sess, "titan.dataloader", dataloader, heavy=False)
         self._views = [ModelPartsState(self.model_parts), OptimizerState(optimizers, self.model_parts)]
-        # Pure FSDP: no other rank holds this rank's shards, so they are sharded state (mirrored to a buddy node,
-        # sess.track_sharded); under HSDP the replica group holds them and nothing is mirrored.
+        # Sharded state (sess.track_sharded): pure FSDP, no other rank holds this rank's shards, so they are
+        # mirrored to a buddy node; HSDP, the replica group holds them (declared above) and nothing is mirrored, but
+        # every rank keeps a local copy of the step's start: a rank dying inside the replicate all-reduce after
+        # its shard group's last reduce-scatter leaves that group committed and its replicas not, and only a
+        # rollback of everyone to the step's start is exact then.
         track_sharded = getattr(sess, "track_sharded", None)
         for name, view in (("titan.model", self._views[0]), ("titan.optimizer", self._views[1])):
-            if callable(track_sharded) and not view.replicated:
+            if callable(track_sharded):
                 track_sharded(**{name: view})
             else:
                 register(sess, name, view, heavy=True)
