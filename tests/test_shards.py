@@ -10,6 +10,7 @@ import time
 import pytest
 import torch
 
+from tpassrun import shards
 from tpassrun.channel import Field
 from tpassrun.shards import MIRROR_KIND, ShardRing, ShardState, decode_mirrored
 
@@ -147,7 +148,32 @@ def test_the_pusher_sends_the_newest_complete_version_with_the_light_snapshot():
     state.close()
 
 
-def test_a_slow_buddy_makes_the_pusher_skip_to_the_newest_version():
+def test_a_refresh_waits_until_the_buddy_holds_the_previous_version():
+    """The mirror lags one version at most: else a loaded host's pusher fell behind the survivors' local copies
+    and a live recovery found no common step."""
+    model, opt = _job()
+    mirror = FakeMirror()
+    state = ShardState(0, 1, lambda f, v: None)
+    state.retarget(mirror, 0)
+    mirror.gate.clear()                      # the push of step 1 hangs
+    state.begin(1, ({"opt": opt}, {"model": model}), light=None)
+    state.fence()
+    _wait(lambda: state.ring.get(1).pins == 1)
+    _train(model, opt, 1)
+    t = threading.Thread(target=state.begin, args=(2, ({"opt": opt}, {"model": model})), kwargs={"light": None})
+    t.start()
+    t.join(0.5)
+    assert t.is_alive() and state.ring.versions() == (1,)     # step 2 waits for step 1's push
+    mirror.gate.set()
+    t.join(30)
+    assert not t.is_alive()
+    state.fence()
+    assert mirror.puts[0][2] == 1 and state.ring.versions() == (1, 2)
+    state.close()
+
+
+def test_a_stalled_buddy_makes_the_pusher_skip_to_the_newest_version(monkeypatch):
+    monkeypatch.setattr(shards, "PUSH_WAIT_S", 0.2)   # the wait gives up: best effort from there
     model, opt = _job()
     mirror = FakeMirror()
     state = ShardState(0, 1, lambda f, v: None)

@@ -20,6 +20,13 @@ The ring is double buffered (a version being pushed is never overwritten: the ne
 instead, and said), and the mirror keeps its newest two complete versions, so a rank that dies in the middle
 of a refresh still leaves a complete older version; the recovery plan picks the newest version that every
 rank involved has (:func:`tpassrun.swap.resume_plan`).
+
+The push may lag by one version, never more: a refresh step waits, before it snapshots, until the buddy holds
+the previous version (:meth:`MirrorPusher.wait_pushed`; normally long done). Without that bound a loaded host's
+pusher fell several versions behind (it skips to the newest), the dead rank's mirror held nothing the
+survivors' three local versions still had, and a live recovery became a whole-group restart. A pusher that is
+failing (the buddy is unreachable or full) or stalls for PUSH_WAIT_S is not waited for: the mirror is then
+best effort, and the lag is said once.
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ MIRROR_KIND = "shard/state"      # the mirror entry of one rank: its sharded obj
 # landed), and the survivors may be one step ahead of it (they started the next step, and copied it), so a
 # survivor must still hold the version two before its newest.
 RING_SLOTS = 3
+PUSH_WAIT_S = 30.0    # a refresh waits at most this long for the previous version's push (then: best effort)
 
 
 # --------------------------------------------------------------------------------------------- copying
@@ -370,7 +378,32 @@ class MirrorPusher:
         self._wake = threading.Event()
         self._stop = False
         self._lock = threading.Lock()
+        self._done = threading.Condition()   # notified after each push attempt (success or error)
+        self._stalled = False                # a wait timed out: best effort until the next push lands
         self._thread: threading.Thread | None = None
+
+    def wait_pushed(self, step: int, timeout: float | None = None) -> bool:
+        """Block until the buddy holds version ``step`` (or a newer one): the bound on the mirror's lag (see the
+        module docstring). Returns at once, False, when there is no buddy, the pusher is failing or stalled."""
+        timeout = PUSH_WAIT_S if timeout is None else timeout
+        deadline = time.monotonic() + timeout
+        with self._done:
+            while self.stats.pushed_step < step:
+                if self._target is None or self._stop or self._stalled or self.stats.last_error:
+                    return False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._stalled = True
+                    log.warning("rank %d: the push of its shard (step %d) to the mirror at %s has taken over %g s: "
+                                "the mirror is best effort until it lands", self.owner, step, _where(self._target),
+                                timeout)
+                    return False
+                self._done.wait(left)
+        return True
+
+    def _notify(self) -> None:
+        with self._done:
+            self._done.notify_all()
 
     def retarget(self, target: Any, owner: int | None = None) -> None:
         """A new buddy (membership changed) or a new rank: the next push goes there, complete."""
@@ -392,6 +425,7 @@ class MirrorPusher:
     def close(self) -> None:
         self._stop = True
         self._wake.set()
+        self._notify()
         with self._lock:
             self._drop_client()
 
@@ -442,6 +476,7 @@ class MirrorPusher:
                 s = self.stats
                 s.pushed_step, s.pushes, s.sent_bytes = version.step, s.pushes + 1, s.sent_bytes + nbytes
                 s.last_bytes, s.last_seconds = nbytes, seconds
+                s.last_error, self._stalled = "", False
                 if self._on_pushed is not None:
                     self._on_pushed(s)
             except Exception as exc:  # noqa: BLE001 - the mirror is best effort: retried, counted, said once
@@ -458,6 +493,7 @@ class MirrorPusher:
                 self._wake.set()
             finally:
                 self.ring.unpin(version)
+                self._notify()
 
 
 class ShardState:
@@ -501,6 +537,9 @@ class ShardState:
         if self.ring.get(step) is not None:
             return      # re-executing a step after a rollback: that copy is this very state
         self._began = True
+        held = self.ring.versions()
+        if held:
+            self.pusher.wait_pushed(held[-1])    # the mirror lags one version at most (module docstring)
         sharded, others = objects
         version = self.ring.begin(step, sharded, others, owner=self.pusher.owner, light=light)
         if version is None:
