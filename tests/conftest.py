@@ -123,3 +123,47 @@ def reference_run(tmp_path_factory):
         return made[(nproc, steps)]
 
     return get
+
+
+# --- nothing left behind -------------------------------------------------------------------------------------
+# Every process a test starts inherits this marker (and pytest's PYTEST_CURRENT_TEST, naming the test and its
+# phase). After each test, a process still alive that was started by that test's body is a leak: an orphaned
+# worker, spare or agent would otherwise outlive the test, hold ports and CPU, and disturb the tests after it.
+SESSION_MARK = "TPASSRUN_TEST_SESSION"
+os.environ[SESSION_MARK] = str(os.getpid())
+
+
+def _started_by(nodeid: str) -> list[tuple[int, str]]:
+    mine = f"{SESSION_MARK}={os.getpid()}".encode()
+    call = f"PYTEST_CURRENT_TEST={nodeid} (call)".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[0]
+            if mine in env and call in env and state != b"Z":
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    found.append((int(entry), f.read().replace(b"\0", b" ").decode(errors="replace")[:160]))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind(request):
+    yield
+    deadline = time.monotonic() + 15.0           # a killed job's processes may take a moment to be reaped
+    left = _started_by(request.node.nodeid)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.2)
+        left = _started_by(request.node.nodeid)
+    for pid, _ in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+    assert not left, "processes left behind by the test:\n" + "\n".join(f"{p}: {c}" for p, c in left)
