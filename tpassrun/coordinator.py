@@ -156,10 +156,15 @@ class Coordinator:
             seq = len(active[0].history)
             reports = [r for k, d, rv in await self._store.get_prefix_json(keys.reports(active[0].id, seq))
                        if (r := load(Report.from_json, k, d, rv)) is not None]
+        # the status before the failures: an agent writes a dead worker's failure record before the status that
+        # shows the slot dead, so every death this view shows has its failure read too (read the other way
+        # round, a donor dying mid-read looked like a sender gone without a failure: the recovery was aborted
+        # and the group restarted, instead of both dead ranks being planned again at once)
+        view = await self._view()
         failures = [(keys.last(k), f) for k, d, rv in await self._store.get_prefix_json(keys.family("failures"))
                     if (f := load(Failure.from_json, k, d, rv)) is not None]
         return Seen(now=now, spawned_generation=self.port.spawned_generation(), plans=plans, reports=reports,
-                    failures=failures, taints=await self._taints(), view=await self._view(),
+                    failures=failures, taints=await self._taints(), view=view,
                     waiting_said=frozenset(self._waiting_said), received_said=frozenset(self._taints_said))
 
     async def _carry_out(self, action: Action) -> None:
