@@ -13,7 +13,11 @@ code after it, the next batch, between steps. Printed per run:
   * live: recovered by a spare (``swap_resumed``, or ``ranks_recovered`` for several at once), no fallback
     restart, exit 0;
   * lost: steps never logged (0 expected); redone: steps some rank logged twice, identically (a mixed commit
-    rolled back: the survivors that had completed the step re-execute it; not lost, shown apart);
+    rolled back: the survivors that had completed the step re-execute it; not lost, shown apart); unlogged: a
+    step the killed rank had done its part of (its all-reduce reached the survivors, who completed the step) but
+    died before logging, in user code after its optimizer step: its successor starts at the next step, so that
+    rank's log skips it (the step's update is in every rank's state, which ``exact`` checks; as
+    ``bench/node_instants.py`` counts it; not lost, shown apart);
   * exact: final parameters, optimizer state, scheduler, sampler and per-step losses ``torch.equal`` to the same
     script under plain torchrun without any fault (one reference run per world size; a step logged again with the
     same loss by a rank that re-executed it counts once);
@@ -37,7 +41,7 @@ from typing import Any
 from common import REPO, Workdir, events, next_step_after, print_json, steps_lost, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import Job, assert_bit_exact, pids_by_rank, sigkill_rank  # noqa: E402
+from faults import Job, _unlogged, _without_relogged, assert_bit_exact, pids_by_rank, sigkill_rank  # noqa: E402
 
 
 def reference(work: Workdir, world: int, args: argparse.Namespace) -> tuple[Job, float]:
@@ -130,9 +134,10 @@ def one_run(work: Workdir, index: int, world: int, spares: int, mode: str, ref: 
     fallbacks = [e for e in evs if e["event"] in ("fallback", "restart")]
     died = [e for e in evs if e["event"] == "worker_died"]
     live = code == 0 and bool(kills) and len(resumed) >= len(kills) and not fallbacks
+    every = {pid for pids in pids_by_rank(job, world).values() for pid in pids}
     lost = steps_lost(out, world, args.steps)
+    lost["missing"], unlogged = _not_logged(job, world, args.steps, every)
     try:
-        every = {pid for pids in pids_by_rank(job, world).values() for pid in pids}
         assert_bit_exact(job, ref, world, relogged_by=every)
         exact, why = True, ""
     except (AssertionError, OSError, KeyError, EOFError, RuntimeError) as exc:
@@ -142,10 +147,23 @@ def one_run(work: Workdir, index: int, world: int, spares: int, mode: str, ref: 
         e.get("reason", "") for e in evs if e["event"] == "swap_phase" and e.get("phase") == "aborted"]
     return {"run": index, "mode": mode, "world": world, "killed": [r for r, _ in kills],
             "died_in_step": [e.get("step") for e in died], "exit": code, "live": live,
-            "lost": lost["missing"], "redone": lost["redone"], "exact": exact, "recovery_s": recovery,
+            "lost": lost["missing"], "redone": lost["redone"], "unlogged": unlogged, "exact": exact,
+            "recovery_s": recovery,
             "mixed": any(e["event"] == "rank_caught_up" for e in evs),
             "yoco": live and exact and lost["missing"] == 0 and len(kills) > 0,
             "why": why or "; ".join(r for r in reasons if r)[:300], "log": "" if code == 0 else tail(job, 600)}
+
+
+def _not_logged(job: Job, world: int, steps: int, pids: set[int]) -> tuple[int, int]:
+    """(steps some rank never logged, the most on one rank; of those, the ones a killed rank completed its part
+    of but died before logging, :func:`faults._unlogged`, on all ranks): lost and unlogged."""
+    lost = unlogged = 0
+    for r in range(world):
+        rows = job.losses(r)
+        missing = set(range(steps)) - {row["step"] for row in rows}
+        done = _unlogged(_without_relogged(rows, pids), pids)
+        lost, unlogged = max(lost, len(missing - done)), unlogged + len(missing & done)
+    return lost, unlogged
 
 
 def pct(values: list[float], q: float) -> float | None:
@@ -185,6 +203,7 @@ def main() -> None:
             print(f"  run {i:2d} {mode:15s} killed {r['killed']} (in step {r['died_in_step']}): "
                   f"live {'yes' if r['live'] else 'NO '}  lost {r['lost']}  exact {'yes' if r['exact'] else 'NO '}"
                   f"  recovery {rec}" + (f"  redone {r['redone']}" if r["redone"] else "")
+                  + (f"  unlogged {r['unlogged']}" if r["unlogged"] else "")
                   + ("  (mixed commit)" if r["mixed"] else "")
                   + (f"  [{r['why']}]" if not r["yoco"] and r["why"] else ""), flush=True)
             if r["log"] and not r["live"]:
@@ -200,7 +219,9 @@ def main() -> None:
               f"torchrun); recovery median {med if med is None else round(med, 2)} s, "
               f"p95 {p95 if p95 is None else round(p95, 2)} s"
               + (f"; {mixed} mixed commit(s) resumed, {sum(r['redone'] for r in rows)} step(s) re-executed"
-                 if mixed else ""))
+                 if mixed else "")
+              + (f"; {sum(r['unlogged'] for r in rows)} step(s) completed but unlogged by a killed rank"
+                 if any(r["unlogged"] for r in rows) else ""))
     single = [r for r in results if r["mode"] == "single"]
     print_json({"bench": "yoco", "seed": seed, "steps": args.steps,
                 "yoco_single": f"{sum(r['yoco'] for r in single)}/{len(single)}",
