@@ -44,3 +44,10 @@ def test_the_console_says_where_a_ranks_shard_goes_and_what_it_costs():
     line = Describer().describe({"event": "shard_mirror", "rank": 1, "bytes_per_refresh": 2 * MIB, "local_held": 6 * MIB,
                    "interval": 1, "buddy": "b-123-x", "mirrored_step": None, "mono": 0.0})
     assert line is not None and "[rank 1]" in line and "2.0 MiB every 1 step(s)" in line and "6.0 MiB" in line
+
+
+def test_the_console_says_when_a_ranks_shard_is_not_mirrored():
+    # HSDP: a rank with declared replicas keeps local copies only (worker_shards._shard_retarget)
+    line = Describer().describe({"event": "shard_mirror", "rank": 2, "bytes_per_refresh": 0, "local_held": 6 * MIB,
+                                 "interval": 1, "buddy": None, "mirrored_step": None, "mono": 0.0})
+    assert line is not None and "[rank 2]" in line and "not mirrored" in line and "6.0 MiB" in line

@@ -173,6 +173,9 @@ class Describer:
             self._last_death[ev.get("rank")] = int(ev.get("step") or 0)
             return f"{_rank(ev)}died at step {ev.get('step')}: {ev.get('why') or 'exit code ' + str(ev.get('code'))}"
         if name == "shard_mirror":
+            if not ev.get("bytes_per_refresh"):     # HSDP: its replicas hold its shards (worker_shards.py)
+                return (f"{_rank(ev)}sharded state kept in local copies only, not mirrored (under HSDP its "
+                        f"declared replicas hold it): {_bytes(ev.get('local_held'))}")
             where = f"node {_short(ev['buddy'])}'s memory" if ev.get("buddy") else "this agent's memory (no other node)"
             return (f"{_rank(ev)}sharded state mirrored to {where}: {_bytes(ev.get('bytes_per_refresh'))} every "
                     f"{ev.get('interval')} step(s); its local copies hold {_bytes(ev.get('local_held'))}")

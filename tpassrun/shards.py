@@ -416,6 +416,11 @@ class MirrorPusher:
                 self.owner = owner
         self.offer()
 
+    @property
+    def pushing(self) -> bool:
+        """Whether a mirror is targeted (not under HSDP: the replicas hold the shards, copies stay local)."""
+        return self._target is not None
+
     def offer(self) -> None:
         if self._thread is None and not self._stop and self._target is not None:
             self._thread = threading.Thread(target=self._run, name="tpassrun-shard-push", daemon=True)
@@ -558,8 +563,8 @@ class ShardState:
             self._publish(f, v)
         self._publish(Field.SHARD_HELD, self.ring.held_bytes)
         newest = self.ring.get(held[-1]) if held else None
-        if newest is not None:
-            self._publish(Field.SHARD_BYTES, newest.shard_nbytes)
+        if newest is not None:     # what a refresh pushes: nothing without a mirror (the console says so)
+            self._publish(Field.SHARD_BYTES, newest.shard_nbytes if self.pusher.pushing else 0)
 
     def _pushed(self, stats: PushStats) -> None:
         from .channel import Field
