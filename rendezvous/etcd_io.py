@@ -498,6 +498,10 @@ class EtcdStore:
                 await asyncio.wait_for(self._lease_changed.wait(), remaining)
             raise_if_cancelling()
 
+    def lease_sure(self) -> bool:
+        """Whether, by our clock, the lease is surely alive now (the margin :meth:`lease_lost` keeps)."""
+        return self.lease_ttl <= 0 or self.lease_deadline - min(1.0, self.lease_ttl / 6) > self._clock()
+
     async def lease_held(self) -> None:
         """Return once the lease is surely alive again by our clock (a refresh or a re-grant was acknowledged
         since it looked lost): what :meth:`lease_lost` waits for next."""

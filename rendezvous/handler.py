@@ -395,8 +395,10 @@ class EtcdRendezvous:
                 new = None
             if new is None:
                 self._leader_vacant.set()
-                if self._is_leader:
-                    self._leadership_lost.set()
+            if self._is_leader and new != self.node.node_id:
+                # gone, or someone else's: ours died with our lease while we could not see it (a partition
+                # longer than the lease); that node leads now, and this one must stop deciding at once
+                self._leadership_lost.set()
             if new != self._leader:
                 self._leader = new
                 if new is not None:
@@ -431,10 +433,20 @@ class EtcdRendezvous:
         wake = asyncio.Event()
         watcher = asyncio.create_task(self._follow_nodes(prefix, header + 1, nodes, wake))
         quorum_since: float | None = None
+        epoch = self._store.lease_epoch
         try:
             while not self._leadership_lost.is_set():
                 if watcher.done():
                     watcher.result()  # re-raise a fatal watch error
+                if self._store.lease_epoch != epoch or not self._store.lease_sure():
+                    # Our leader key lives under our lease. Past the lease's sure life (an etcd outage) another
+                    # node may lead already, while our watches still show what we saw before the cut: decide
+                    # nothing until the lease is confirmed (still ours: we still lead) or found re-granted (the
+                    # key died with the old one).
+                    await self._store.lease_held()
+                    if self._store.lease_epoch != epoch:
+                        return
+                    continue
                 wake.clear()
                 seen = self._changed
                 view = RdzvView(self._gen, dict(nodes), quorum_since=quorum_since)

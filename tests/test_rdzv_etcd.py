@@ -404,6 +404,54 @@ def test_a_partition_longer_than_the_lease_re_registers_and_resumes_watches(etcd
     run(main())
 
 
+@pytest.mark.timeout(60)
+def test_a_leader_partitioned_longer_than_its_lease_stops_leading_once_it_is_back(etcd_server, run_id):
+    """a leads and is cut off from etcd for longer than its lease: its leader key expires and b takes over. When
+    the link heals a learns that b leads and stops deciding: two leaders would each annotate the generation
+    from their own view (a's still the one from before the cut: it marked a node that had just come back, itself,
+    lost again, and that node waited for ever)."""
+    from faults import EtcdProxy
+
+    async def until(pred, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not pred():
+            assert time.monotonic() < deadline, what
+            await asyncio.sleep(0.05)
+
+    async def main():
+        s = settings(run_id, 2, 2, lease_ttl=2)
+        proxy = EtcdProxy(etcd_server.endpoint)
+        try:
+            async with agents(proxy.endpoint, s, ["a"], reconnect_timeout="30") as (a,):
+                await until(lambda: a.is_leader, 10, "a did not lead")
+                async with agents(etcd_server.endpoint, s, ["b"]) as (b,):
+                    await asyncio.gather(a.join(), b.join())
+                    a_events = a.events()
+                    writes: list[str] = []
+                    real = a.store.cas_json_rev
+
+                    async def spy(key, value, expected):    # a's generation writes from here on
+                        writes.append(key)
+                        return await real(key, value, expected)
+
+                    a.store.cas_json_rev = spy
+                    proxy.cut()
+                    await until(lambda: b.is_leader, 15, "b did not take over")
+                    proxy.heal()
+                    await next_event(a_events, EventKind.CONNECTION_RESTORED, timeout=20)
+                    await until(lambda: not a.is_leader, 10, "a still leads next to b")
+                    await asyncio.wait_for(a.lease_held(), 10)
+                    await asyncio.sleep(1.0)
+                    assert b.is_leader and not a.is_leader
+                    assert writes == [], "a wrote the generation record after it was deposed"
+                    leader, _ = await b.store.get_json(b.key("leader"))
+                    assert leader["node_id"] == "b"
+                    await a_events.aclose()
+        finally:
+            proxy.close()
+    run(main())
+
+
 @pytest.mark.timeout(30)
 def test_two_run_ids_are_isolated(etcd_server, run_id):
     async def main():
