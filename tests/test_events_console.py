@@ -90,3 +90,24 @@ def test_node_loss_lines_say_who_was_broken_out_caught_up_and_recovered():
     line = d.describe(_ev("node_recovered", 1.5, swap_id="n-b", lost_node="host2-1-ab", also=["host4-2-cd"],
                           ranks=[1, 3], to=["host3-5-ef"], boundary=13, seconds=0.5))
     assert line.startswith("node host2, host4 lost: ranks [1, 3] recovered live on host3 at step 13")
+
+
+def test_a_spare_node_joining_is_said_and_a_lost_node_coming_back_as_one_too():
+    d = Describer()
+    assert d.describe(_ev("spare_node_joined", 1.0, joined="host5-7-ab")) == \
+        "spare node host5 joined (its slots serve the next failure)"
+    assert d.describe(_ev("node_lost", 2.0, lost_node="host2-1-ab")) == "node host2 lost"
+    assert d.describe(_ev("spare_node_joined", 9.0, joined="host2-1-ab")).startswith(
+        "node host2, lost earlier, is back as a spare node")
+
+
+def test_a_fenced_node_back_as_a_spare_node_counts_no_whole_group_restart():
+    d = Describer()
+    d.describe(_ev("agent_started", 0.0, node="host1-1-ab", endpoint="e:1", run_id="r", nproc=2, spares=0))
+    d.describe(_ev("generation_joined", 1.0, node="host1-1-ab", generation=0, world_size=4,
+                   members=["host1-1-ab", "host2-2-cd"]))
+    d.describe(_ev("generation_ended", 9.0, node="host1-1-ab", generation=0, outcome="membership",
+                   reason="fenced: no etcd lease refresh acknowledged in time"))
+    d.describe(_ev("generation_joined", 20.0, node="host1-1-ab", generation=1, world_size=4,
+                   members=["host3-3-ef", "host2-2-cd"]))
+    assert d.tally.restarts == []

@@ -145,7 +145,10 @@ def test_a_node_cut_off_from_etcd_fences_its_workers_and_the_spare_node_takes_it
     """A partition from etcd, not a crash: A (group rank 0: it runs the workers' store, and it likely leads)
     stays alive but cannot reach etcd. It must kill its own workers before its lease can expire (nobody else
     can); then the others move its ranks to C, with a new workers' store. A's ranks are held in their user code
-    after a step when the cut comes (the fence lands in user code, between two of its collectives)."""
+    after a step when the cut comes (the fence lands in user code, between two of its collectives). Then the
+    link heals while the job still runs (held late): A re-registers and comes back as a spare node, with warm
+    spares, and nobody restarts (its ranks stay on C); the leader says so in one line. A rank that dies after
+    that (none of B or C has a spare slot left) is recovered live on A's spare, and A exits 0 with the job."""
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
@@ -153,14 +156,19 @@ def test_a_node_cut_off_from_etcd_fences_its_workers_and_the_spare_node_takes_it
     print(f"seed {seed}: A cut off from etcd at step {step}")
     train = str(tmp_path / "train")
     proxy = EtcdProxy(etcd_server.endpoint)
-    conf = ",read_timeout=5,reconnect_timeout=5"
+    conf = ",read_timeout=5,reconnect_timeout=120"    # A outlives the cut (it comes back once the link heals)
     hold = faults_env(*({"rank": r, "step": step, "where": "user", "action": "hold",
                          "release": str(tmp_path / "never")} for r in range(4)))
+    late, died = str(tmp_path / "late"), str(tmp_path / "died")   # the job waits near its end until A is back
+    held = faults_env(*({"rank": r, "step": STEPS - 3, "where": "step", "action": "hold", "release": late}
+                        for r in range(4)),
+                      *({"rank": r, "step": STEPS - 2, "where": "backward", "action": "kill", "marker": died}
+                        for r in range(4)))
     a = Job.agent(str(tmp_path / "a"), train, endpoint=proxy.endpoint, run_id=run_id, steps=STEPS, conf=conf,
                   env=hold)
-    b = Job.agent(str(tmp_path / "b"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS)
+    b = Job.agent(str(tmp_path / "b"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS, env=held)
     c = Job.agent(str(tmp_path / "c"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS,
-                  extra=["--spare-node"])
+                  extra=["--spare-node"], env=held)
     try:
         _start(a, b, c)
         a_pids = a.worker_pids()
@@ -176,16 +184,40 @@ def test_a_node_cut_off_from_etcd_fences_its_workers_and_the_spare_node_takes_it
         dead = wait_dead(a_pids, cut, TTL + 5)
         assert len(dead) == len(a_pids), "a partitioned agent kept its workers running"
         assert max(dead.values()) - cut <= TTL + 1.5, "fenced later than its lease could expire"
+        c.wait_event("node_recovered")
+        proxy.heal()
+        a.wait_event("spare_ready", 2)      # back, as a spare node whose two slots are warm
+        open(late, "w").close()
         assert b.wait(240) == 0, b.log()[-3000:]
         assert c.wait(60) == 0, c.log()[-3000:]
+        assert a.wait(60) == 0, a.log()[-3000:]
     finally:
+        open(late, "w").close()
         for j in (a, b, c):
             j.kill()
         proxy.close()
     fenced = [e for e in a.events() if e["event"] == "fenced"]
     assert fenced and sorted(fenced[0]["pids"]) == sorted(a_pids)
-    survivors = [r for r in range(4) if r not in a_ranks]
-    _assert_recovered_live(train, reference, survivors, a_ranks, c, a_pids)
+    assert_bit_exact(Job(argv=[], out=train), reference, 4, relogged_by=a_pids)
+    pids = _pids_by_rank(train, 4)
+    dead_rank = next(r for r in range(4) if int(open(died).read().split()[0]) in pids[r])
+    c_pids = {s["pid"] for e in c.events() if e["event"] == "workers_started" for s in e["slots"]}
+    a_spares = {s["pid"] for e in a.events() if e["event"] == "workers_started" for s in e["slots"]} - set(a_pids)
+    for r in range(4):
+        moved = [pids[r].pop(0), pids[r].pop(0)] if r in a_ranks else []
+        assert not moved or (moved[0] in a_pids and moved[1] in c_pids), f"rank {r} did not move to C: {moved}"
+        assert len(pids[r]) == (r not in a_ranks) + (r == dead_rank), (r, moved, pids[r])
+        assert r != dead_rank or pids[r][-1] in a_spares, f"rank {r} was not recovered on A's spare: {pids[r]}"
+    recovered = [e for e in c.events() if e["event"] == "node_recovered"]
+    assert recovered and sorted(recovered[0]["ranks"]) == a_ranks, recovered
+    assert FALLBACK not in a.log() + b.log() + c.log()
+    a_id = a.node_id()
+    rejoined = [e for e in a.events() if e["event"] == "generation_joined"][1:]
+    assert len(rejoined) == 1 and a_id not in rejoined[0]["members"], rejoined
+    for j in (b, c):       # nobody re-formed the group for A's return
+        assert len([e for e in j.events() if e["event"] == "generation_joined"]) == 1
+    back = [line for j in (b, c) for line in j.log().splitlines() if "lost earlier, is back as a spare node" in line]
+    assert len(back) == 1, back
 
 
 def test_a_spare_nodes_slot_takes_a_single_dead_rank_from_another_node(tmp_path, etcd_server, run_id, reference):

@@ -171,6 +171,11 @@ class Supervision:
             # Our lease expired during an etcd outage, and we are alive: we fenced ourselves if anyone else
             # could hold our ranks; otherwise nobody can, and the lost mark goes with the next generation.
             return None
+        if kind == "spare_node_joined" and self.rdzv.is_leader:
+            # a spare node added to the running job: one started later, or a node lost earlier whose link came
+            # back (it fenced its workers, its ranks live elsewhere now): the pool has its slots again
+            self.events.write("spare_node_joined", joined=ev.node_id)
+            return None
         if kind in ("node_lost", "node_waiting") and self.rdzv.is_leader:
             reason = f"{kind.replace('_', ' ')}: {ev.node_id}"
             if kind == "node_lost" and await self.swapper.on_node_lost(ev.node_id):

@@ -104,6 +104,7 @@ class Describer:
         self.health: dict[Any, str] = {}
         self.tally = RunTally()
         self._last_death: dict[Any, int] = {}
+        self._lost: set[str] = set()       # nodes declared lost (one may come back as a spare node)
 
     def _swap(self, sid: Any) -> _Swap:
         return self.swaps.setdefault(str(sid), _Swap())
@@ -121,9 +122,11 @@ class Describer:
         if name == "generation_joined":
             members = [_short(m) for m in ev.get("members") or []]
             shown = ", ".join(members[:8]) + (f" (+{len(members) - 8} more)" if len(members) > 8 else "")
-            if t._restart_at is not None:
+            # not a restart: this node fenced its workers and came back as a spare node (its ranks moved live)
+            back_as_spare = t._restart_why.startswith("fenced:") and ev.get("node") not in (ev.get("members") or [])
+            if t._restart_at is not None and not back_as_spare:
                 t.restarts.append((t._restart_why, max(0.0, now - t._restart_at)))
-                t._restart_at = None
+            t._restart_at = None
             return (f"generation {ev.get('generation')} formed: world size {ev.get('world_size')}, "
                     f"{len(members)} node(s): {shown}")
         if name == "waiting_for_nodes":
@@ -231,7 +234,14 @@ class Describer:
                 s.started = 0.0
             return f"swap {sid} aborted after {_secs(t.aborted[-1][1]) if t.aborted else '?'}: {s.reason or ev.get('reason')}"
         if name == "node_lost":
+            self._lost.add(str(ev.get("lost_node")))
             return f"node {_short(ev.get('lost_node'))} lost"
+        if name == "spare_node_joined":
+            joined = str(ev.get("joined"))
+            if joined in self._lost:
+                return (f"node {_short(joined)}, lost earlier, is back as a spare node (its ranks stay where they "
+                        "moved; its slots serve the next failure)")
+            return f"spare node {_short(joined)} joined (its slots serve the next failure)"
         if name == "agent_gone":
             return f"node {_short(ev.get('lost_node'))}: {ev.get('reason')}"
         if name == "node_lost_decided":
