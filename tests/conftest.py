@@ -29,12 +29,14 @@ def _etcd_binary() -> str:
 
 
 class EtcdServer:
-    """A throw-away etcd on free loopback ports. ``endpoint`` is ``127.0.0.1:<port>``."""
+    """A throw-away etcd on free ports. ``endpoint`` is ``<host>:<port>`` (``host``: loopback unless given, e.g. a
+    bridge address that network namespaces reach)."""
 
-    def __init__(self) -> None:
+    def __init__(self, host: str = "127.0.0.1") -> None:
         self.dir = tempfile.mkdtemp(prefix="tpassrun-test-etcd-")
         self.proc: subprocess.Popen | None = None
         self.port = 0
+        self.host = host
 
     def start(self) -> "EtcdServer":
         for _ in range(5):
@@ -43,8 +45,8 @@ class EtcdServer:
             shutil.rmtree(data, ignore_errors=True)
             self.proc = subprocess.Popen(
                 [_etcd_binary(), "--name", "t", "--data-dir", data,
-                 "--listen-client-urls", f"http://127.0.0.1:{self.port}",
-                 "--advertise-client-urls", f"http://127.0.0.1:{self.port}",
+                 "--listen-client-urls", f"http://{self.host}:{self.port}",
+                 "--advertise-client-urls", f"http://{self.host}:{self.port}",
                  "--listen-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
                  "--initial-cluster", f"t=http://127.0.0.1:{peer}",
@@ -54,7 +56,7 @@ class EtcdServer:
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:
-                    with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/health", timeout=1) as r:
+                    with urllib.request.urlopen(f"http://{self.host}:{self.port}/health", timeout=1) as r:
                         if b"true" in r.read():
                             return self
                 except OSError:
@@ -64,7 +66,7 @@ class EtcdServer:
 
     @property
     def endpoint(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:

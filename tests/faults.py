@@ -474,3 +474,191 @@ class EtcdProxy:
             self._closed = True
         self._drop_all(cut=True)
         self._lsock.close()
+
+
+def kill_etcd(server: Any) -> None:
+    """SIGKILL a test etcd (``conftest.EtcdServer``)."""
+    server.proc.kill()
+    server.proc.wait()
+
+
+def start_etcd_again(server: Any, timeout: float = 60.0) -> None:
+    """Start a SIGKILLed test etcd again with the same argv (same ports and data: revisions and leases survive,
+    as after a real etcd restart); returns once it answers /health."""
+    import urllib.request
+
+    server.proc = subprocess.Popen(server.proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                   start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"http://{server.endpoint}/health", timeout=1) as resp:
+                if b"true" in resp.read():
+                    return
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("etcd did not come back")
+
+
+def restart_etcd(server: Any, down_s: float) -> None:
+    """SIGKILL a test etcd, keep it down ``down_s``, start it again on the same data."""
+    kill_etcd(server)
+    time.sleep(down_s)
+    start_etcd_again(server)
+
+
+class FaultSwitches:
+    """In-process faults (``TPASSRUN_FAULTS``) that a harness arms at a moment of its choosing.
+
+    Every fault is listed at launch with a marker file that already exists, so none fires (a fault fires once,
+    by creating its marker). ``arm`` deletes a marker: the next time a process reaches that fault point, it
+    fires. ``disarm`` re-creates what did not fire. Points: ``receive`` (a joiner that starts listening for its
+    state: kill), ``send`` (a leaver or donor about to stream its state: kill, or corrupt a byte on the wire)."""
+
+    POINTS = (("receive", "kill"), ("send", "kill"), ("send", "corrupt"))
+
+    def __init__(self, directory: str, ranks: int) -> None:
+        self.dir = directory
+        os.makedirs(directory, exist_ok=True)
+        self.faults: list[dict[str, Any]] = []
+        for rank in range(ranks):
+            for where, action in self.POINTS:
+                marker = os.path.join(directory, f"{where}-{action}-r{rank}")
+                self.faults.append({"rank": rank, "where": where, "action": action, "marker": marker,
+                                    "any_step": True, "step": 0})
+        self.disarm()
+
+    def env(self) -> dict[str, str]:
+        return faults_env(*self.faults)
+
+    def _marker(self, where: str, action: str, rank: int) -> str:
+        return os.path.join(self.dir, f"{where}-{action}-r{rank}")
+
+    def arm(self, where: str, action: str, ranks: list[int]) -> None:
+        for rank in ranks:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self._marker(where, action, rank))
+
+    def fired(self, where: str, action: str) -> list[int]:
+        """Ranks whose armed fault fired (its marker now holds the pid that claimed it)."""
+        out = []
+        for f in self.faults:
+            if f["where"] == where and f["action"] == action:
+                with contextlib.suppress(OSError):
+                    if os.path.getsize(f["marker"]) > 0:
+                        out.append(f["rank"])
+        return out
+
+    def disarm(self) -> None:
+        """Every fault disarmed again; the markers of those that fired are emptied (so ``fired`` starts over)."""
+        for f in self.faults:
+            with open(f["marker"], "w"):
+                pass
+
+
+class NetLab:
+    """Hosts with their own addresses on one machine (root only): a bridge in the root namespace holding
+    ``10.77.0.1/24`` and one network namespace per host with a veth on the bridge (``10.77.0.<10+i>``), as in
+    /work/shared/reference/testing.md. ``partition`` takes a host's link down (packets vanish, nothing is
+    refused), ``heal`` brings it back. Names carry a per-run prefix; ``close`` removes everything."""
+
+    GATEWAY = "10.77.0.1"
+
+    def __init__(self, tag: str) -> None:
+        self.tag = tag[:6]
+        self.bridge = f"tp{self.tag}br"
+        self.hosts: dict[int, tuple[str, str, str, str]] = {}   # i -> (netns, host-side veth, ns-side veth, addr)
+        self._ip("link", "add", self.bridge, "type", "bridge")
+        self._ip("addr", "add", f"{self.GATEWAY}/24", "dev", self.bridge)
+        self._ip("link", "set", self.bridge, "up")
+
+    @staticmethod
+    def available() -> bool:
+        return os.geteuid() == 0 and subprocess.run(["ip", "netns", "list"], capture_output=True).returncode == 0
+
+    @staticmethod
+    def _ip(*args: str, ns: str | None = None) -> None:
+        argv = ["ip", *(["netns", "exec", ns, "ip"] if ns else []), *args]
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv)}: {r.stderr.strip()}")
+
+    def add_host(self, i: int) -> str:
+        """Create host ``i``; returns its address."""
+        ns, outer, inner, addr = f"tp{self.tag}-h{i}", f"tp{self.tag}o{i}", f"tp{self.tag}i{i}", f"10.77.0.{10 + i}"
+        self._ip("netns", "add", ns)
+        self.hosts[i] = (ns, outer, inner, addr)
+        self._ip("link", "add", outer, "type", "veth", "peer", "name", inner)
+        self._ip("link", "set", inner, "netns", ns)
+        self._ip("link", "set", outer, "master", self.bridge)
+        self._ip("link", "set", outer, "up")
+        self._ip("addr", "add", f"{addr}/24", "dev", inner, ns=ns)
+        self._ip("link", "set", inner, "up", ns=ns)
+        self._ip("link", "set", "lo", "up", ns=ns)
+        return addr
+
+    def argv(self, i: int) -> list[str]:
+        """The command prefix that runs a program on host ``i``."""
+        return ["ip", "netns", "exec", self.hosts[i][0]]
+
+    def env(self, i: int) -> dict[str, str]:
+        """What a torch.distributed process on host ``i`` needs to pick its interface (gloo)."""
+        return {"GLOO_SOCKET_IFNAME": self.hosts[i][2]}
+
+    def addr(self, i: int) -> str:
+        return self.hosts[i][3]
+
+    def partition(self, i: int) -> None:
+        self._ip("link", "set", self.hosts[i][1], "down")
+
+    def heal(self, i: int) -> None:
+        self._ip("link", "set", self.hosts[i][1], "up")
+
+    def close(self) -> None:
+        for ns, outer, _inner, _addr in self.hosts.values():
+            subprocess.run(["ip", "link", "del", outer], capture_output=True)
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+        self.hosts.clear()
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+
+class SmallDisk:
+    """A small tmpfs (root only) for logs, which ``fill`` fills up to the last byte and ``free`` empties again:
+    a disk full for logs, at a moment of the harness's choosing. ``close`` unmounts it."""
+
+    def __init__(self, path: str, size_mb: int = 64) -> None:
+        self.path = path
+        os.makedirs(path, exist_ok=True)
+        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_mb}m,mode=0700", "tpassrun-chaos", path],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            raise RuntimeError(f"mount tmpfs on {path}: {r.stderr.strip()}")
+        self._filler = os.path.join(path, ".filler")
+
+    @staticmethod
+    def available() -> bool:
+        return os.geteuid() == 0
+
+    def fill(self) -> None:
+        chunk = b"\0" * (1 << 20)
+        with open(self._filler, "ab") as fh:
+            try:
+                while True:
+                    fh.write(chunk)
+                    fh.flush()
+            except OSError:
+                pass
+            try:    # the last partial megabyte too
+                while True:
+                    fh.write(b"\0" * 4096)
+                    fh.flush()
+            except OSError:
+                pass
+
+    def free(self) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self._filler)
+
+    def close(self) -> None:
+        self.free()
+        subprocess.run(["umount", "-l", self.path], capture_output=True)

@@ -9,14 +9,12 @@ console says the outage and the recovery once each.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
-import urllib.request
 
 import pytest
 
-from faults import EXAMPLE, Job, faults_env, hold_at
+from faults import EXAMPLE, Job, faults_env, hold_at, kill_etcd, start_etcd_again
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -31,27 +29,6 @@ def _agent(out: str, train: str, endpoint: str, run_id: str, env: dict[str, str]
             "--log-dir", os.path.join(out, "logs"), EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.1",
             "--out", train, "--quiet"]
     return Job(argv=argv, out=out, env=env)
-
-
-def kill_etcd(server) -> None:
-    server.proc.kill()
-    server.proc.wait()
-
-
-def start_etcd_again(server) -> None:
-    """Start the fixture's SIGKILLed etcd again with the same argv (same ports and data: revisions and leases
-    survive, as after a real etcd restart)."""
-    server.proc = subprocess.Popen(server.proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://{server.endpoint}/health", timeout=1) as resp:
-                if b"true" in resp.read():
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("etcd did not come back")
 
 
 def test_an_etcd_restart_mid_run_is_survived_without_a_restart(tmp_path, fresh_etcd, run_id):

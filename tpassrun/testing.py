@@ -13,11 +13,14 @@ trip over the fault that killed its predecessor::
 
 Actions: ``kill`` (SIGKILL self), ``kill_node`` (SIGKILL the agent that started this worker, then self: the
 whole node dies at that point, its other workers with it), ``stop`` (SIGSTOP self: a hang), ``exit`` (``os._exit(code)``),
-``sleep`` (``seconds``: a straggler, every step from ``step`` on, no marker needed), ``raise``, ``hold``
+``sleep`` (``seconds``: a straggler, every step from ``step`` on, no marker needed; with ``unless``, only while
+that file does not exist: a harness slows a job's last steps down until it is done with it), ``raise``, ``hold``
 (wait until the file ``release`` exists: lets a test line up a spare or a taint at an exact step), ``fail`` (a
 collective failing here: wait until the process that claimed the marker ``after`` is dead, then raise
 ``torch.distributed.DistError``, as a collective with that dead rank would; with ``synced`` after a step's
 all-reduce it stages a mixed commit: this rank did not complete the collective, the others did).
+``"any_step": true`` fires at the first step that reaches the point (with a marker a harness deletes to arm
+it: ``tests/faults.py``'s ``FaultSwitches``).
 """
 
 from __future__ import annotations
@@ -71,10 +74,11 @@ def fault_point(rank: int, step: int, where: str = "step") -> None:
             continue
         action = f.get("action", "kill")
         if action == "sleep":
-            if step >= int(f.get("step", 0)) and step < int(f.get("until", 1 << 62)):
+            if step >= int(f.get("step", 0)) and step < int(f.get("until", 1 << 62)) \
+                    and not (f.get("unless") and os.path.exists(f["unless"])):
                 time.sleep(float(f.get("seconds", 0.1)))
             continue
-        if step != int(f.get("step", -1)) or not _claim(f.get("marker")):
+        if (not f.get("any_step") and step != int(f.get("step", -1))) or not _claim(f.get("marker")):
             continue
         if action == "kill":
             os.kill(os.getpid(), signal.SIGKILL)
