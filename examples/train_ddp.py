@@ -289,6 +289,7 @@ def main() -> None:
 
     fault_point(sess.rank, 0, "init")    # before the first step
     sess.run(step, args.steps)
+    fault_point(sess.rank, args.steps, "done")    # after the training loop, before the script's own final save
     if args.out:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "sampler": sampler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,

@@ -51,6 +51,19 @@ def test_a_user_exception_takes_torchruns_path_at_once_even_with_a_spare(tmp_pat
     assert "user_error" in names and "swap_pause" not in names and "recovery_decided" not in names, names
 
 
+def test_a_death_after_the_training_loop_is_a_failure_as_under_torchrun(tmp_path):
+    """A rank killed after its ``sess.run()`` returned (in the script's final save) leaves no step for a spare:
+    the job fails with torchrun's report, never "all workers succeeded" with that rank's save missing."""
+    job = _job(tmp_path, {"rank": 1, "step": STEPS, "where": "done", "action": "kill", "marker": str(tmp_path / "k")})
+    try:
+        assert job.wait(180) == 1, job.log()[-3000:]
+    finally:
+        job.kill()
+    log = job.log()
+    assert "rank 1 died after its training loop" in log and "rank      : 1 (local_rank: 1)" in log, log[-3000:]
+    assert "recovery_decided" not in _names(job)
+
+
 def test_an_exit_code_is_recovered_and_a_second_one_without_a_spare_ends_in_the_report(tmp_path):
     """The first os._exit(3) goes to the spare; the joiner's own os._exit(3) finds no spare left: torchrun's
     whole-group path (here, no restarts left: the report and exit 1). This path used to hang forever."""

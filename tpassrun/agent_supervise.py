@@ -15,7 +15,7 @@ from typing import Any
 from .port import (FallbackRequested, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
                    SpawnFailed, WorkerExited, WorkerSaid)
 from .procs import stop_workers
-from .protocol import Failed
+from .protocol import Done, Failed
 from .rendezvous import Generation, Link, RendezvousError, one_line
 from .report import ProcessFailure
 from .slots import Slot, SlotState
@@ -50,6 +50,8 @@ class Supervision:
             if isinstance(ev, WorkerExited):
                 result = await self._on_exit(gen, ev.slot, ev.proc, ev.code)
             elif isinstance(ev, WorkerSaid):
+                if isinstance(ev.message, Done):
+                    ev.slot.finished_pid = ev.slot.pid
                 if isinstance(ev.message, Failed):
                     self.swapper.on_worker_failed_step(ev.slot, ev.message)
                     await self._standby_store()
@@ -108,6 +110,14 @@ class Supervision:
             return None
         slot.state = SlotState.DEAD
         proc.kill_leftovers()      # its forked children hold its sockets: the survivors must see them close now
+        if slot.finished_pid == proc.pid:
+            # Its sess.run() had returned (it died in the script's own code after the training loop: a final
+            # save, an evaluation): a spare has no step left to take over, and the code it was running is the
+            # script's, not ours to replay. torchrun's path: the failure is reported (a restart, if any left).
+            log.warning("tpassrun: rank %s died after its training loop (exit code %s): no live recovery",
+                        slot.rank, code)
+            self._record_failures(slot)
+            return Outcome.FAILED, f"rank {slot.rank} (local {slot.local_rank}) exited with {code} after its training loop"
         if await self.swapper.on_worker_death(slot, code):
             return None
         self._record_failures(slot)

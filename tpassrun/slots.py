@@ -69,6 +69,7 @@ class Slot:
     replicas: tuple[int, ...] | None = None   # the worker's declared replica group (protocol.Replicas)
     watch: asyncio.StreamWriter | None = None  # the worker's watch connection (protocol.Watch): Break goes there
     alone: str = ""                       # ... and why no other rank holds its state, if it is alone
+    finished_pid: int | None = None       # the worker that said Done: its sess.run() returned
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name == "state":
