@@ -4,7 +4,9 @@ down: a black hole, nothing is reset) while its ranks are inside a step and A's 
 all-reduce waiting for them. B's agent loses etcd and fences its workers; A and C see B's lease expire; A's
 survivors, which no connection reset will ever reach, are broken out of gloo at once by their agent (a Break on
 the watch connection: tpassrun/worker_watch.py) instead of waiting for the process group's timeout; C takes B's
-ranks live, with their per-rank state from B's buddy's mirror (A). The run ends ``torch.equal`` to torchrun.
+ranks live, with their per-rank state from B's buddy's mirror (A). Then B's cable is plugged back in while the
+job runs: B's agent re-registers and rejoins as a spare node (nobody re-forms) and exits 0 with the job. The run
+ends ``torch.equal`` to torchrun.
 
 Needs root and iproute2 (``ip netns``); the namespaces are deleted even when the test fails.
 """
@@ -74,6 +76,9 @@ class Hosts:
 
     def cut(self, name: str) -> None:
         _ip("netns", "exec", self.sw, "ip", "link", "set", f"{self.prefix}{name}p", "down")
+
+    def heal(self, name: str) -> None:
+        _ip("netns", "exec", self.sw, "ip", "link", "set", f"{self.prefix}{name}p", "up")
 
     def down(self) -> None:
         for ns in reversed(self.made):
@@ -172,9 +177,13 @@ def test_a_partitioned_node_is_replaced_live_and_survivors_blocked_on_it_are_bro
     release = os.path.join(tmp, "release")
     # the job waits at step 1 until C's spares are warm; B's ranks then stop in their user code of `step` (they
     # will be fenced there), and A's go on into the next step, where they block in its all-reduce on B's
+    # near its end the job waits again, until B is back from the partition
+    late = os.path.join(tmp, "late")
     faults = faults_env({"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release},
                         *({"rank": r, "step": step, "where": "user", "action": "hold",
-                           "release": os.path.join(tmp, "never")} for r in (2, 3)))
+                           "release": os.path.join(tmp, "never")} for r in (2, 3)),
+                        *({"rank": r, "step": STEPS - 3, "where": "step", "action": "hold", "release": late}
+                          for r in range(4)))
     jobs = [_agent(hosts, n, tmp, train, etcd.endpoint, run_id, faults, spare=n == "c") for n in "abc"]
     a, b, c = jobs
     try:
@@ -197,9 +206,15 @@ def test_a_partitioned_node_is_replaced_live_and_survivors_blocked_on_it_are_bro
         hosts.cut("b")
         dead = wait_dead(b_pids, cut, TTL + 10)
         assert len(dead) == len(b_pids), "the partitioned agent kept its workers running"
+        c.wait_event("node_recovered")
+        hosts.heal("b")               # the cable is back: B re-registers and rejoins as a spare node
+        b.wait_event("spare_ready", 2)
+        open(late, "w").close()
         assert a.wait(240) == 0, a.log()[-3000:]
         assert c.wait(60) == 0, c.log()[-3000:]
+        assert b.wait(60) == 0, b.log()[-3000:]
     finally:
+        open(late, "w").close()
         for j in jobs:
             j.kill()
         ref.kill()
@@ -214,3 +229,6 @@ def test_a_partitioned_node_is_replaced_live_and_survivors_blocked_on_it_are_bro
     assert_bit_exact(Job(argv=[], out=train), ref, 4, relogged_by=b_pids)
     for r in (0, 1):
         assert len({row["pid"] for row in logs.losses(r)}) == 1, f"survivor rank {r} changed process"
+    for j in (a, c):       # nobody re-formed the group for B's return
+        assert len([e for e in j.events() if e["event"] == "generation_joined"]) == 1
+    assert len([line for j in (a, c) for line in j.log().splitlines() if "is back as a spare node" in line]) == 1
