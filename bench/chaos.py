@@ -199,6 +199,31 @@ def leftovers(c: Cluster) -> list[str]:
     return sorted(found)
 
 
+def inject_all(c: Cluster, args: argparse.Namespace, rng: random.Random, faults: list[Fault]) -> None:
+    """The faults, one at a time, each followed by its settling wait; a fault kind that fails in the harness
+    itself is noted and the run goes on."""
+    for n, kind in enumerate(schedule(rng, args.kinds, args.faults), 1):
+        if not c.any_running():
+            break
+        time.sleep(rng.uniform(0.2, 2.0))      # a random instant of whatever step it is in
+        f = Fault(n, kind, time.time(), step=c.step(0))
+        print(f"[{time.strftime('%H:%M:%S')}] fault #{n}: {kind} at step {f.step}", flush=True)
+        try:
+            f.note = KINDS[kind](c, rng)
+        except Exception as exc:  # noqa: BLE001 - the harness's own failure, not the job's
+            f.note = f"harness error: {type(exc).__name__}: {exc}"
+        settled, why = settle(c, f, args.settle)
+        f.t1 = time.time()
+        classify(c, f, settled)
+        after(c, kind)
+        rec = f"{f.recovery_s:.1f} s" if f.recovery_s is not None else "-"
+        print(f"    {f.note}\n    -> {f.outcome}{': ' + f.why if f.why else ''} (full strength after {rec})"
+              f"{'' if settled else f' (last check: {why})'}", flush=True)
+        faults.append(f)
+        if kind in NOTHING_TO_RECOVER or f.outcome != "survived live":
+            settle(c, f, args.settle)   # whatever it was, start the next fault from full strength
+
+
 def run(args: argparse.Namespace, work: str) -> dict:
     rng = random.Random(args.seed)
     # the reference: the same script under plain torchrun, no fault (as tests/conftest.reference_run makes it)
@@ -220,23 +245,10 @@ def run(args: argparse.Namespace, work: str) -> dict:
             if time.monotonic() > deadline or not c.running():
                 raise SystemExit("the chaos job did not start:\n" + "\n".join(a.job.log()[-1500:] for a in c.agents))
             time.sleep(0.3)
-        for n, kind in enumerate(schedule(rng, args.kinds, args.faults), 1):
-            if not c.any_running():
-                break
-            time.sleep(rng.uniform(0.2, 2.0))      # a random instant of whatever step it is in
-            f = Fault(n, kind, time.time(), step=c.step(0))
-            print(f"[{time.strftime('%H:%M:%S')}] fault #{n}: {kind} at step {f.step}", flush=True)
-            f.note = KINDS[kind](c, rng)
-            settled, why = settle(c, f, args.settle)
-            f.t1 = time.time()
-            classify(c, f, settled)
-            after(c, kind)
-            rec = f"{f.recovery_s:.1f} s" if f.recovery_s is not None else "-"
-            print(f"    {f.note}\n    -> {f.outcome}{': ' + f.why if f.why else ''} (full strength after {rec})"
-                  f"{'' if settled else f' (last check: {why})'}", flush=True)
-            faults.append(f)
-            if kind in NOTHING_TO_RECOVER or f.outcome != "survived live":
-                settle(c, f, args.settle)   # whatever it was, start the next fault from full strength
+        try:
+            inject_all(c, args, rng, faults)
+        except KeyboardInterrupt:      # Ctrl-C: no more faults; the job runs to its end and is judged as usual
+            print(f"interrupted after {len(faults)} faults: letting the job finish", flush=True)
         open(done, "w").close()
         codes = {a.name: a.job.wait(args.timeout) for a in c.agents if not a.killed}
         ref_code = ref.wait(args.timeout)

@@ -641,7 +641,11 @@ class SmallDisk:
 
     def fill(self) -> None:
         chunk = b"\0" * (1 << 20)
-        with open(self._filler, "ab") as fh:
+        try:
+            fh = open(self._filler, "ab")
+        except OSError:     # full already (the logs did it)
+            return
+        with fh:
             try:
                 while True:
                     fh.write(chunk)
