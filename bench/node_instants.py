@@ -112,8 +112,9 @@ def one_run(work: Workdir, index: int, etcd: EtcdServer, ref: Job, rng: random.R
     aborted = [e.get("reason", "") for e in evs if e["event"] == "swap_phase" and e.get("phase") == "aborted"]
     live = code == 0 and killed_wall is not None and bool(recovered) and not aborted and not any(
         e["event"] == "restart" for e in evs)
+    caught = [(e["rank"], e["step"]) for e in evs if e["event"] == "rank_caught_up"]
     try:
-        assert_bit_exact(Job(argv=[], out=train), ref, WORLD, relogged_by=b_pids)
+        assert_bit_exact(Job(argv=[], out=train), ref, WORLD, relogged_by=b_pids, caught_up=caught)
         exact, why = True, ""
     except (AssertionError, OSError, KeyError, EOFError, RuntimeError) as exc:
         exact, why = False, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
@@ -123,7 +124,8 @@ def one_run(work: Workdir, index: int, etcd: EtcdServer, ref: Job, rng: random.R
     redone = max(len(rows) - len({x["step"] for x in rows})
                  for rows in (_without_relogged(logs.losses(r), set(b_pids)) for r in range(WORLD)))
     missing = max(len(set(range(args.steps)) - {x["step"] for x in logs.losses(r)}
-                      - _unlogged(_without_relogged(logs.losses(r), set(b_pids)), set(b_pids))) for r in range(WORLD))
+                      - _unlogged(_without_relogged(logs.losses(r), set(b_pids)), set(b_pids))
+                      - {step - 1 for rank, step in caught if rank == r}) for r in range(WORLD))   # skipped, not lost
     lost = {"redone": redone, "missing": missing}
     caught_up = sorted({e["rank"] for e in evs if e["event"] == "rank_caught_up"})
     pushes = [e["mirror"]["pushes"] for j in (a, c) for e in j.events()

@@ -351,7 +351,7 @@ def _unlogged(rows: list[dict[str, Any]], pids: Any) -> set[int]:
             if row["pid"] in pids and nxt["pid"] != row["pid"] and nxt["step"] == row["step"] + 2}
 
 
-def assert_bit_exact(a: Job, b: Job, world: int, *, relogged_by: Any = ()) -> None:
+def assert_bit_exact(a: Job, b: Job, world: int, *, relogged_by: Any = (), caught_up: Any = ()) -> None:
     """Parameters and optimizer state ``torch.equal`` on every rank, and identical per-step loss logs.
 
     ``relogged_by``: the pids of a lost node's ranks. Two ranks that die together may disagree: one finished its
@@ -361,7 +361,9 @@ def assert_bit_exact(a: Job, b: Job, world: int, *, relogged_by: Any = ()) -> No
     the row of a survivor that had completed a step a mixed commit rolls back: it logs the step again itself). And a
     lost rank whose part of a step reached the survivors, but which died before it logged the step, leaves that
     step unlogged (its successor starts at the next one): the reference's row for it is not asked for (the state
-    after it still is, on every rank)."""
+    after it still is, on every rank). ``caught_up``: (rank, step) pairs of survivors that caught up to ``step``
+    after a mixed commit rolled forward (``rank_caught_up`` events): such a rank failed inside ``step - 1`` after
+    its collectives and skipped the rest of it, so it may not have logged that step (the state is compared)."""
     import torch
 
     for r in range(world):
@@ -376,6 +378,8 @@ def assert_bit_exact(a: Job, b: Job, world: int, *, relogged_by: Any = ()) -> No
         assert fa["scheduler"] == fb["scheduler"] and fa["sampler"] == fb["sampler"]
         rows = _without_relogged(a.losses(r), set(relogged_by))
         skipped = _unlogged(rows, set(relogged_by))
+        logged = {x["step"] for x in rows}
+        skipped |= {step - 1 for rank, step in caught_up if rank == r and step - 1 not in logged}
         la = [(x["step"], x["loss"]) for x in rows]
         lb = [(x["step"], x["loss"]) for x in b.losses(r) if x["step"] not in skipped]
         assert la == lb, f"rank {r}: per-step losses differ (or a step was lost or repeated)"
