@@ -125,9 +125,10 @@ def settle(c: Cluster, f: Fault, timeout: float) -> tuple[bool, str]:
 
 
 def redone_by_fault(c: Cluster, faults: list[Fault]) -> None:
-    """Rank 0's rows that repeat an earlier step, attributed to the last fault before them."""
+    """Rank 0's rows that repeat an earlier step, attributed to the last fault before them that was not survived
+    live (a group restart redoes its steps while later faults are injected)."""
     seen: set[int] = set()
-    starts = [f.t0 for f in faults]
+    starts = [f.t0 if f.outcome != "survived live" else float("inf") for f in faults]
     for row in c.losses(0):
         if row["step"] in seen:
             i = max((k for k, t in enumerate(starts) if t <= row["t"]), default=None)
