@@ -243,14 +243,16 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self._queue.put_nowait(event)   # the queue of the current generation (replaced by each one)
 
     async def _wait_for_other_agents(self, timeout: float) -> None:
-        """The hosting agent keeps its etcd up until the other agents are gone (their status keys live
-        under their leases), so a node that finishes first does not pull the rendezvous from under the rest."""
+        """The hosting agent keeps its etcd up until the other agents are gone (their registrations and status
+        keys live under their leases), so a node that finishes first does not pull the rendezvous from under the
+        rest. The registration counts, not only the status: an agent whose workers were quick had not published
+        a status yet, and the other agent, its etcd gone, waited for it for ever."""
         assert self.rdzv is not None
         deadline = time.monotonic() + timeout
-        prefix = Keys(self.rdzv.key("")).family("status")
+        prefixes = (Keys(self.rdzv.key("")).family("status"), self.rdzv.key("nodes/"))
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                others = [k for k, _d, _r in await self.rdzv.store.get_prefix_json(prefix)
+                others = [k for prefix in prefixes for k, _d, _r in await self.rdzv.store.get_prefix_json(prefix)
                           if not k.endswith("/" + self.node_id)]
                 if not others:
                     return

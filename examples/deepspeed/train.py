@@ -103,6 +103,7 @@ def main() -> None:
     sess.run(step, args.steps)                                    # tpassrun (was: for i in range(steps): ...)
     if args.out:
         torch.save(final_state(engine), os.path.join(args.out, f"final_rank{engine.global_rank}.pt"))
+    torch.distributed.destroy_process_group()   # else gloo's threads may outlive the interpreter: SIGABRT at exit
 
 
 def final_state(engine) -> dict:

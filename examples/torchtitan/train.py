@@ -191,6 +191,7 @@ def main() -> None:
                               for k, v in optimizers.state_dict().items()},
                     "lr": lr_schedulers.state_dict(), "train_state": train_state.state_dict(),
                     "data": data.state_dict()}, os.path.join(args.out, f"final_rank{sess.rank}.pt"))
+    torch.distributed.destroy_process_group()   # else gloo's threads may outlive the interpreter: SIGABRT at exit
 
 
 if __name__ == "__main__":
