@@ -318,6 +318,31 @@ async def _discard(reader: asyncio.StreamReader, n: int) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- client
+def _dial(host: str, port: int, timeout: float, auth: Any, *, sndbuf: int = 0) -> tuple[socket.socket, FrameMac]:
+    """Connect to a mirror server and prove the job's key (both clients): -> (socket, the connection's frame MAC
+    base). A refused proof is an :class:`AuthError`; anything else a :class:`MirrorError`."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise MirrorError(f"cannot reach the mirror at {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sndbuf:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        shake = ConnectorHandshake(auth)
+        sock.sendall(shake.prove(_recv_exact(sock, HELLO.size)))
+        try:
+            answer = _recv_exact(sock, ACCEPT.size)
+        except MirrorError as exc:
+            raise AuthError(f"the mirror at {host}:{port} refused our proof of the key or left: {exc}") from exc
+        return sock, shake.verify(answer)
+    except (OSError, MirrorError, AuthError) as exc:
+        sock.close()
+        if isinstance(exc, AuthError):
+            raise
+        raise MirrorError(f"mirror handshake with {host}:{port} failed: {exc}") from exc
+
+
 class MirrorClient:
     """Blocking client for one :class:`MirrorServer` (a worker's background thread, or the agent through
     ``asyncio.to_thread``). One connection, reused; calls are serialized by a lock; ``timeout`` bounds the
@@ -349,25 +374,7 @@ class MirrorClient:
     def _connect(self) -> None:
         if self._sock is not None:
             return
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        except OSError as exc:
-            raise MirrorError(f"cannot reach the mirror at {self.host}:{self.port}: {exc}") from exc
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            shake = ConnectorHandshake(self._auth)
-            sock.sendall(shake.prove(_recv_exact(sock, HELLO.size)))
-            try:
-                answer = _recv_exact(sock, ACCEPT.size)
-            except MirrorError as exc:
-                raise AuthError(f"the mirror at {self.host}:{self.port} refused our proof of the key or left: "
-                                f"{exc}") from exc
-            self._base = shake.verify(answer)
-        except (OSError, MirrorError, AuthError) as exc:
-            sock.close()
-            if isinstance(exc, AuthError):
-                raise
-            raise MirrorError(f"mirror handshake with {self.host}:{self.port} failed: {exc}") from exc
+        sock, self._base = _dial(self.host, self.port, self.timeout, self._auth)
         self._sock, self._seq_out, self._seq_in = sock, 0, 0
 
     def close(self) -> None:
@@ -494,27 +501,8 @@ class PushStream:
         return self._sock is not None
 
     def connect(self) -> "PushStream":
-        try:
-            sock = socket.create_connection((self.host, self.port), timeout=self.timeout)
-        except OSError as exc:
-            raise MirrorError(f"cannot reach the mirror at {self.host}:{self.port}: {exc}") from exc
-        try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.SNDBUF)
-            shake = ConnectorHandshake(self._auth)
-            sock.sendall(shake.prove(_recv_exact(sock, HELLO.size)))
-            try:
-                answer = _recv_exact(sock, ACCEPT.size)
-            except MirrorError as exc:
-                raise AuthError(f"the mirror at {self.host}:{self.port} refused our proof of the key or left: "
-                                f"{exc}") from exc
-            base = shake.verify(answer)
-            sock.setblocking(False)
-        except (OSError, MirrorError, AuthError) as exc:
-            sock.close()
-            if isinstance(exc, AuthError):
-                raise
-            raise MirrorError(f"mirror handshake with {self.host}:{self.port} failed: {exc}") from exc
+        sock, base = _dial(self.host, self.port, self.timeout, self._auth, sndbuf=self.SNDBUF)
+        sock.setblocking(False)
         self._sock, self._base, self._seq = sock, base, 0
         return self
 
