@@ -557,6 +557,9 @@ class ShardState:
         from .channel import Field
 
         self.ring.fence()
+        # the snapshot just completed: push it now (the pusher sleeps until offered; the next refresh waits for
+        # this push, which without this wake-up started only at that refresh or a second later)
+        self.pusher.offer()
         held = self.ring.versions()[-RING_SLOTS:]
         published = [0] * (RING_SLOTS - len(held)) + [1 + v for v in held]
         for f, v in zip((Field.SHARD_V0, Field.SHARD_V1, Field.SHARD_V2), published):
