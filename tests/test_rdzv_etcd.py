@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 from dataclasses import replace
 from typing import AsyncIterator
 
@@ -293,18 +292,9 @@ def test_unreachable_etcd_fails_quickly(run_id):
 
 def _restart_same(server) -> None:
     """Start the fixture's etcd again with the same argv: same ports, same data (revisions survive)."""
-    args = server.proc.args
-    server.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://{server.endpoint}/health", timeout=1) as resp:
-                if b"true" in resp.read():
-                    return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("etcd did not come back")
+    from faults import start_etcd_again
+
+    start_etcd_again(server, timeout=10)
 
 
 @pytest.mark.timeout(60)
