@@ -148,17 +148,23 @@ def test_the_pusher_sends_the_newest_complete_version_with_the_light_snapshot():
     state.close()
 
 
-def test_a_refresh_waits_until_the_buddy_holds_the_previous_version():
-    """The mirror lags one version at most: else a loaded host's pusher fell behind the survivors' local copies
-    and a live recovery found no common step."""
+def _push_of_step_1_hangs():
+    """A job whose buddy takes the push of step 1 and does not answer until ``mirror.gate`` is set."""
     model, opt = _job()
     mirror = FakeMirror()
     state = ShardState(0, 1, lambda f, v: None)
     state.retarget(mirror, 0)
-    mirror.gate.clear()                      # the push of step 1 hangs
+    mirror.gate.clear()
     state.begin(1, ({"opt": opt}, {"model": model}), light=None)
     state.fence()
     _wait(lambda: state.ring.get(1).pins == 1)
+    return model, opt, mirror, state
+
+
+def test_a_refresh_waits_until_the_buddy_holds_the_previous_version():
+    """The mirror lags one version at most: else a loaded host's pusher fell behind the survivors' local copies
+    and a live recovery found no common step."""
+    model, opt, mirror, state = _push_of_step_1_hangs()
     _train(model, opt, 1)
     t = threading.Thread(target=state.begin, args=(2, ({"opt": opt}, {"model": model})), kwargs={"light": None})
     t.start()
@@ -174,14 +180,7 @@ def test_a_refresh_waits_until_the_buddy_holds_the_previous_version():
 
 def test_a_stalled_buddy_makes_the_pusher_skip_to_the_newest_version(monkeypatch):
     monkeypatch.setattr(shards, "PUSH_WAIT_S", 0.2)   # the wait gives up: best effort from there
-    model, opt = _job()
-    mirror = FakeMirror()
-    state = ShardState(0, 1, lambda f, v: None)
-    state.retarget(mirror, 0)
-    mirror.gate.clear()                      # the push of step 1 hangs
-    state.begin(1, ({"opt": opt}, {"model": model}), light=None)
-    state.fence()
-    _wait(lambda: state.ring.get(1).pins == 1)
+    model, opt, mirror, state = _push_of_step_1_hangs()
     for step in (2, 3, 4, 5):
         _train(model, opt, 1)
         state.begin(step, ({"opt": opt}, {"model": model}), light=None)
