@@ -1,7 +1,8 @@
 """etcd v3 rendezvous for tpassrun.
 
 Layout: ``config`` (EtcdConfig, RendezvousSettings), ``state`` (the data and its versioned JSON),
-``machine`` (pure decisions), ``etcd_io`` (the only module that talks to etcd), ``handler``
+``machine`` (pure decisions), ``etcd_link`` (the etcd
+connection and its reconnects), ``etcd_io`` (the only module that sends etcd requests), ``handler``
 (EtcdRendezvous: effects around the machine), ``embedded`` (a throw-away etcd server).
 """
 
@@ -9,7 +10,8 @@ from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, refuse_in
 from .embedded import EmbeddedEtcd, ServerTls, find_etcd_binary, host_etcd_if_absent, pid_alive
 from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
                      RendezvousTimeoutError)
-from .etcd_io import EtcdConnection, EtcdStore, Link, WatchEvent, one_line
+from .etcd_io import EtcdStore, WatchEvent
+from .etcd_link import EtcdConnection, Link, one_line
 from .handler import EtcdRendezvous
 from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
 

@@ -23,8 +23,8 @@ from typing import Any, Callable
 
 from .config import EtcdConfig, RendezvousSettings
 from .errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
-from .etcd_io import (EtcdConnection, EtcdStore, Link, WatchEvent, decode, one_line, patient_context,
-                      raise_if_cancelling)
+from .etcd_io import EtcdStore, WatchEvent, decode
+from .etcd_link import EtcdConnection, Link, one_line, patient_context, raise_if_cancelling
 from .machine import Action, NodeEntry, RdzvView, closed_generation, decide, events_between, restart_generation
 from .state import EventKind, GenState, Generation, NodeInfo, RdzvEvent
 

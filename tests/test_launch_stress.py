@@ -3,7 +3,7 @@
 A plain ``--nproc-per-node=N`` job once hung in ~1 launch out of 10 after its workers had all exited: a
 generation task whose cancel Python 3.11's ``asyncio.wait_for`` had swallowed (inside aetcd's ``watch()``)
 kept re-opening its etcd watch, and the agent waited for it forever. See
-``rendezvous.etcd_io.raise_if_cancelling``.
+``rendezvous.etcd_link.raise_if_cancelling``.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from tpassrun.rendezvous.etcd_io import raise_if_cancelling
+from tpassrun.rendezvous.etcd_link import raise_if_cancelling
 
 LAUNCHES = 100
 PER_LAUNCH_TIMEOUT = 90.0  # a hang detector, not a speed target (a launch takes ~1 s on an idle machine)

@@ -386,7 +386,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             log.debug("generation %d: supervision over; stopping the generation's tasks", gen.number)
             for t in tasks:
                 t.cancel()
-            # Bounded: a task that swallows its cancel (see rendezvous.etcd_io.raise_if_cancelling) must not
+            # Bounded: a task that swallows its cancel (see rendezvous.etcd_link.raise_if_cancelling) must not
             # hang the agent; it is named so the bug can be found.
             _done, stuck = await asyncio.wait(tasks, timeout=10)
             for t in stuck:
