@@ -16,6 +16,7 @@ from typing import Any
 from .port import RendezvousChanged
 from .records import Keys, NodeStatus
 from .rendezvous import Generation
+from .slots import SlotState
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -79,17 +80,31 @@ class GenerationTasks:
         await run_panel(fetch)
 
     async def _hang_watchdog(self) -> None:
-        """A worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in a
-        collective with it get an error at once instead of waiting for gloo's 30-minute timeout."""
+        """Two checks, every quarter of --hang-timeout (at most 0.5 s):
+
+        * any process of this node's slots (a worker, a warm spare, a joiner or a leaver in a swap, whatever its
+          phase, during a swap or another node's recovery too) the kernel has kept stopped (SIGSTOP, state T)
+          for --hang-timeout is killed: a stopped joiner or donor otherwise held a swap until its 120 s phase
+          timeout, a stopped spare was handed out as if it were ready, a rank stopped while paused was never
+          found (chaos: the job waited until the harness sent SIGCONT). Its death then takes the ordinary path
+          (a recovery, a swap aborted or superseded, a spare re-admitted);
+        * a running worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in
+          a collective with it get an error at once instead of waiting for gloo's 30-minute timeout (not while a
+          swap runs here: paused workers do not beat)."""
         from .channel import Field, WorkerPhase
 
         assert self.slots is not None
         timeout_ns = int(self.cfg.hang_timeout * 1e9)
+        stopped_since: dict[int, int] = {}
+        quiet_until = 0
         while True:
             await asyncio.sleep(min(0.5, self.cfg.hang_timeout / 4))
-            if self.swapper.busy:
-                continue
             now = time.monotonic_ns()
+            if self._kill_stopped(stopped_since, now, timeout_ns):
+                quiet_until = now + timeout_ns     # let the death cascade and the recovery start
+                continue
+            if self.swapper.busy or now < quiet_until:
+                continue
             stale = []
             for s in self.slots.active():
                 if not s.managed or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING:
@@ -112,9 +127,29 @@ class GenerationTasks:
                     continue
             self.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
                               seconds=round((now - beat) / 1e9, 3), step=self.slots.field(s, Field.STEP),
-                              stale_ranks=sorted(x.rank for _b, x in stale))
+                              stale_ranks=sorted(x.rank for _b, x in stale), what="no step")
             s.proc.signal_group(signal.SIGKILL)
-            await asyncio.sleep(self.cfg.hang_timeout)  # let the death cascade and the recovery start
+            stopped_since.pop(s.pid, None)
+            quiet_until = time.monotonic_ns() + timeout_ns
+
+    def _kill_stopped(self, stopped_since: dict[int, int], now: int, timeout_ns: int) -> bool:
+        """Kill every process of this node's slots that has stayed stopped for ``timeout_ns`` (``stopped_since``:
+        pid -> when it was first seen stopped, kept by the caller across polls). True when one was killed."""
+        from .channel import Field
+
+        assert self.slots is not None
+        procs = {s.pid: s for s in self.slots.slots if s.alive and s.pid is not None}
+        due = stopped_too_long(stopped_since, {pid: _proc_state(pid) for pid in procs}, now, timeout_ns)
+        for pid in due:
+            s = procs[pid]
+            rank = s.rank if s.state in (SlotState.RUNNING, SlotState.LEAVING) else None
+            self.events.write("hang_detected", slot=s.index, rank=rank, pid=pid, proc_state=_proc_state(pid),
+                              seconds=round((now - stopped_since.pop(pid)) / 1e9, 3),
+                              step=self.slots.field(s, Field.STEP) if rank is not None else None,
+                              role=str(s.state.value), phase=self.slots.phase(s).name.lower(),
+                              swap=self.swapper.busy, what="stopped")
+            s.proc.signal_group(signal.SIGKILL)
+        return bool(due)
 
 
 def _proc_state(pid: int | None) -> str:
@@ -132,6 +167,18 @@ REMOTE_HANG_GRACE_S = 2.0   # how long a stale rank that is not stopped waits fo
 def is_stopped(state: str) -> bool:
     """A process the kernel will not run (stopped, traced, or in uninterruptible sleep): unambiguously hung."""
     return state in ("T", "t", "D")
+
+
+def stopped_too_long(since: dict[int, int], states: dict[int, str], now: int, timeout_ns: int) -> list[int]:
+    """The pids stopped (T/t) at every look for ``timeout_ns`` (pure). ``since`` (pid -> first seen stopped) is
+    updated in place: a pid seen running again, or gone, is forgotten; SIGCONT before the timeout is no hang."""
+    for pid in list(since):
+        if pid not in states or states[pid] not in ("T", "t"):
+            del since[pid]
+    for pid, state in states.items():
+        if state in ("T", "t"):
+            since.setdefault(pid, now)
+    return sorted(pid for pid, t in since.items() if now - t >= timeout_ns)
 
 
 def pick_hung(stale: list[tuple[int, Any]], state_of: Any) -> tuple[int, Any] | None:

@@ -277,6 +277,9 @@ class Describer:
             return f"fallback to torchrun's whole-group restart: {ev.get('reason')}"
         if name == "hang_detected":
             t.hang_kills += 1
+            if ev.get("what") == "stopped":
+                return (f"{_rank(ev)}hang: slot {ev.get('slot')} ({ev.get('role')}, {ev.get('phase')}) stopped for "
+                        f"{_secs(ev.get('seconds'))} (pid {ev.get('pid')}, state {ev.get('proc_state')}); killing it")
             return (f"{_rank(ev)}hang: no step for {_secs(ev.get('seconds'))} at step {ev.get('step')} "
                     f"(pid {ev.get('pid')}, state {ev.get('proc_state')}); killing it")
         if name == "generation_ended":

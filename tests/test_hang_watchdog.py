@@ -1,0 +1,139 @@
+"""The hang watchdog (tpassrun/agent_tasks.py): a process the kernel keeps stopped is found in any phase.
+
+bench/chaos.py found a SIGSTOPped worker that the watchdog never flagged: it looked only at running workers'
+heartbeats, and not at all while a swap ran, so a rank stopped while paused, a stopped joiner or spare, or a rank
+stopped during another node's recovery waited until someone sent SIGCONT. Real processes, really stopped; the
+slot table and its shared-memory channel are the agent's own."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import types
+
+import pytest
+
+from tpassrun.agent_tasks import GenerationTasks, _proc_state, stopped_too_long
+from tpassrun.channel import Field, WorkerPhase
+from tpassrun.slots import LocalSlots, SlotState
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_a_pid_stopped_at_every_look_for_the_timeout_is_due_and_sigcont_forgives():
+    since: dict[int, int] = {}
+    assert stopped_too_long(since, {1: "T", 2: "S", 3: "t"}, 0, 10) == []
+    assert since == {1: 0, 3: 0}
+    assert stopped_too_long(since, {1: "T", 2: "T", 3: "R"}, 5, 10) == []       # 3 was continued: forgotten
+    assert stopped_too_long(since, {1: "T", 2: "T", 3: "T"}, 10, 10) == [1]      # 2 and 3 restart their count
+    assert stopped_too_long(since, {2: "T", 3: "T"}, 15, 10) == [2]              # 1 is gone: forgotten
+    assert 1 not in since and since[3] == 10
+
+
+class _Proc:
+    """What the watchdog uses of procs.WorkerProcess, around a real process in its own session."""
+
+    def __init__(self) -> None:
+        self.p = subprocess.Popen(["sleep", "600"], start_new_session=True)
+        self.pid = self.p.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.p.poll()
+
+    def signal_group(self, sig: int) -> bool:
+        try:
+            os.killpg(self.pid, sig)
+            return True
+        except ProcessLookupError:
+            return False
+
+
+class _Agent(GenerationTasks):
+    def __init__(self, slots: LocalSlots, hang_timeout: float) -> None:
+        self.slots = slots
+        self.cfg = types.SimpleNamespace(hang_timeout=hang_timeout)
+        self.swapper = types.SimpleNamespace(busy=True)      # a swap (or another node's recovery) runs
+        self.said: list[dict] = []
+        self.events = types.SimpleNamespace(write=lambda name, **kw: self.said.append({"event": name, **kw}))
+
+
+async def _stopped(proc: _Proc) -> None:
+    os.kill(proc.pid, signal.SIGSTOP)
+    while _proc_state(proc.pid) != "T":
+        await asyncio.sleep(0.01)
+
+
+def test_stopped_processes_are_killed_whatever_their_phase_and_during_a_swap():
+    """A rank stopped while paused in a swap, a stopped warm spare and a stopped joiner (a spare being handed a
+    rank) are each killed once stopped for --hang-timeout, while ``swapper.busy``; a worker stopped for less
+    than that and continued is left alone."""
+
+    async def go() -> None:
+        slots = await LocalSlots(2, 2, on_message=lambda s, m: None).open()
+        procs = [_Proc() for _ in slots.slots]
+        try:
+            paused, spare, joiner, blip = slots.slots
+            for s, p in zip(slots.slots, procs):
+                s.proc, s.managed = p, True
+            paused.state, paused.rank = SlotState.RUNNING, 0
+            slots.channel.set(paused.index, Field.PHASE, int(WorkerPhase.PAUSED))
+            blip.state, blip.rank = SlotState.RUNNING, 1
+            slots.channel.set(blip.index, Field.PHASE, int(WorkerPhase.RUNNING))
+            spare.state = joiner.state = SlotState.SPARE
+            slots.channel.set(spare.index, Field.PHASE, int(WorkerPhase.SPARE))
+            slots.channel.set(joiner.index, Field.PHASE, int(WorkerPhase.TRANSFERRING))
+            for p in procs[:3]:
+                await _stopped(p)
+            agent = _Agent(slots, hang_timeout=10.0)
+            since: dict[int, int] = {}
+            now = 1_000_000_000
+            assert not agent._kill_stopped(since, now, 10**10)     # seen stopped: the count starts
+            await _stopped(procs[3])
+            os.kill(procs[3].pid, signal.SIGCONT)
+            assert agent._kill_stopped(since, now + 10**10, 10**10)
+            for p in procs[:3]:
+                assert p.p.wait() == -signal.SIGKILL
+            assert procs[3].returncode is None
+            got = {(e["slot"], e["rank"], e["role"], e["phase"], e["what"], e["proc_state"]) for e in agent.said}
+            assert got == {(0, 0, "running", "paused", "stopped", "T"), (1, None, "spare", "spare", "stopped", "T"),
+                           (2, None, "spare", "transferring", "stopped", "T")}, agent.said
+            assert all(e["swap"] is True and e["seconds"] == 10.0 for e in agent.said)
+        finally:
+            for p in procs:
+                p.signal_group(signal.SIGKILL)
+                p.p.wait()
+            await slots.close()
+
+    asyncio.run(go())
+
+
+def test_the_watchdog_loop_kills_a_stopped_spare_while_a_swap_runs():
+    """The loop itself (not only its scan): before, it skipped every poll while ``swapper.busy`` and looked at
+    running workers only, so this spare stayed stopped for ever."""
+
+    async def go() -> None:
+        slots = await LocalSlots(0, 1, on_message=lambda s, m: None).open()
+        proc = _Proc()
+        spare = slots.slots[0]
+        spare.proc, spare.managed, spare.state = proc, True, SlotState.SPARE
+        slots.channel.set(spare.index, Field.PHASE, int(WorkerPhase.SPARE))
+        agent = _Agent(slots, hang_timeout=0.2)
+        task = asyncio.ensure_future(agent._hang_watchdog())
+        try:
+            await _stopped(proc)
+            while proc.returncode is None:      # bounded by the test's timeout
+                await asyncio.sleep(0.05)
+            assert proc.returncode == -signal.SIGKILL
+            assert [(e["event"], e["slot"], e["role"], e["what"]) for e in agent.said] == [
+                ("hang_detected", 0, "spare", "stopped")]
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            proc.signal_group(signal.SIGKILL)
+            proc.p.wait()
+            await slots.close()
+
+    asyncio.run(go())
