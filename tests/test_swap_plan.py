@@ -151,3 +151,28 @@ def test_plans_round_trip_through_json_and_refuse_bad_transitions():
     assert SwapPlan.from_json(p.to_json()) == p
     with pytest.raises(ValueError):
         p.advance(Phase.PAUSE, NOW)
+
+
+def test_a_spare_node_that_runs_a_rank_is_paused_and_re_formed_by_every_later_plan():
+    """A taint storm moved rank 3 to the spare node c; the next swap (rank 1, to a spare on a) named only the
+    members and the joiner's node, so rank 3 kept stepping into a collective nobody else joined and the world
+    never re-formed (bench/chaos.py taint_storm: stuck in REFORM). Every plan kind now names c."""
+    from tpassrun.multiloss import plan_for_losses
+    from tpassrun.swap import plan_for_dead_ranks, plan_for_node_loss
+
+    v = ClusterView(generation=3, members=("a", "b"), spare_nodes=("c",), lost=(),
+                    slots=(run("a", 0, 0), run("a", 1, 1), spare("a", 2), run("b", 0, 2), spare("b", 1),
+                           spare("b", 2), run("c", 0, 3), spare("c", 1)))
+    taint = plan_for_taint(v, node="a", rank=1, reason="x", taint_id="t", now_wall=NOW).plan
+    assert taint.joiner.node == "a" and set(taint.nodes) == {"a", "b", "c"}
+    dead = plan_for_failure(v, node="a", slot=1, rank=1, reason="x", now_wall=NOW, light_available=True).plan
+    assert set(dead.nodes) == {"a", "b", "c"}
+    many = plan_for_dead_ranks(v, [("a", 1, 1), ("b", 0, 2)], reason="x", now_wall=NOW, swap_id="m").plan
+    assert set(many.nodes) == {"a", "b", "c"}
+    gone = ClusterView(generation=3, members=("a", "b"), spare_nodes=("c",), lost=("b",),
+                       slots=(run("a", 0, 0), run("a", 1, 1), spare("a", 2), run("c", 0, 3), spare("c", 1),
+                              spare("c", 2)), homes=((0, "a", 0), (1, "a", 1), (2, "b", 0), (3, "b", 1)))
+    node = plan_for_node_loss(gone, node="b", now_wall=NOW).plan
+    assert set(node.nodes) == {"a", "c"}
+    losses = plan_for_losses(gone, ["b"], [("a", 1, 1)], now_wall=NOW, swap_id="l").plan
+    assert losses is not None and set(losses.nodes) == {"a", "c"}

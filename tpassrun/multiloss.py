@@ -16,7 +16,8 @@ import dataclasses
 from typing import Sequence
 
 from .records import Move, Phase, SlotRef, SwapKind, SwapPlan
-from .swap import ClusterView, Decision, SlotView, _interleaved_donors, _node_joiners, choose_spare, lost_ranks
+from .swap import (ClusterView, Decision, SlotView, _interleaved_donors, _node_joiners, choose_spare, involved,
+                   lost_ranks)
 
 
 def plan_for_losses(view: ClusterView, nodes: Sequence[str], dead: Sequence[tuple[str, int, int]], *,
@@ -64,8 +65,7 @@ def plan_for_losses(view: ClusterView, nodes: Sequence[str], dead: Sequence[tupl
         donor = min(holders, key=lambda s: (used.get((s.node, s.slot), 0), s.node != j.node, holders.index(s)))
         used[(donor.node, donor.slot)] = used.get((donor.node, donor.slot), 0) + 1
         moves.append(Move(x, SlotRef(j.node, j.slot, x.rank), SlotRef(donor.node, donor.slot, donor.rank)))
-    alive = [n for n in view.members if n not in view.lost]
-    alive += sorted({m.joiner.node for m in moves} - set(alive))
+    alive = involved(view, sorted({m.joiner.node for m in moves}))
     first = moves[0]
     plan = SwapPlan(id=swap_id, kind=SwapKind.NODE, generation=view.generation, leaver=first.leaver,
                     joiner=first.joiner, donor=first.donor, phase=Phase.PAUSE, reason=what, nodes=tuple(alive),

@@ -189,9 +189,20 @@ def plan_for_failure(view: ClusterView, *, node: str, slot: int, rank: int, reas
 
 
 def _involved(view: ClusterView, joiner_node: str) -> tuple[str, ...]:
-    nodes = [n for n in view.members if n not in view.lost]
-    if joiner_node not in nodes:
-        nodes.append(joiner_node)
+    return involved(view, (joiner_node,))
+
+
+def involved(view: ClusterView, joiner_nodes: Iterable[str] = (), without: Iterable[str] = ()) -> tuple[str, ...]:
+    """The nodes a plan pauses and re-forms (pure): the live members, every other live node that runs a rank now
+    (a spare node that took one in an earlier swap), then the joiners' nodes. A spare node holding a rank was left
+    out before: its rank went on stepping into a collective nobody else joined, and the world never re-formed
+    (chaos: the second swap of a taint storm stayed in REFORM)."""
+    skip = set(view.lost) | set(without)
+    nodes = [n for n in view.members if n not in skip]
+    hosting = sorted({s.node for s in view.slots if s.rank is not None and s.state == "running"})
+    for n in (*hosting, *joiner_nodes):
+        if n not in nodes and n not in skip:
+            nodes.append(n)
     return tuple(nodes)
 
 
@@ -278,8 +289,7 @@ def plan_for_node_loss(view: ClusterView, *, node: str, now_wall: float, swap_id
                   for (rank, slot), j, d in zip(lost, joiners, chosen))
     where = sorted({j.node for j in joiners})
     replaces = where[0] if len(where) == 1 and where[0] not in view.members else None
-    nodes = [n for n in view.members if n not in view.lost and n != node]
-    nodes += [n for n in where if n not in nodes]
+    nodes = list(involved(view, where, without=(node,)))
     first = moves[0]
     plan = SwapPlan(id=swap_id or node_plan_id(node), kind=SwapKind.NODE, generation=view.generation,
                     leaver=first.leaver, joiner=first.joiner, donor=first.donor, phase=Phase.PAUSE,
@@ -312,8 +322,7 @@ def plan_for_dead_ranks(view: ClusterView, dead: Sequence[tuple[str, int, int]],
         used[(donor.node, donor.slot)] = used.get((donor.node, donor.slot), 0) + 1
         moves.append(Move(SlotRef(node, slot, rank), SlotRef(spare.node, spare.slot, rank),
                           SlotRef(donor.node, donor.slot, donor.rank)))
-    nodes = [n for n in view.members if n not in view.lost]
-    nodes += [m.joiner.node for m in moves if m.joiner.node not in nodes]
+    nodes = list(involved(view, [m.joiner.node for m in moves]))
     first = moves[0]
     plan = SwapPlan(id=swap_id, kind=SwapKind.NODE, generation=view.generation, leaver=first.leaver,
                     joiner=first.joiner, donor=first.donor, phase=Phase.PAUSE, reason=reason, nodes=tuple(nodes),
