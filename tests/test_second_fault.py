@@ -212,3 +212,92 @@ def test_a_death_during_the_plan_for_two_dead_ranks_supersedes_it_too():
     fallback = [a for a in result.actions if isinstance(a, PutFallback)]
     assert len(fallback) == 1 and "no live replica" in fallback[0].fallback.reason
     assert not any(isinstance(a, CreatePlan) for a in result.actions)
+
+
+# --------------------------------------------------------------------------- a fault inside the transfer itself
+def _joiner_dead(v: ClusterView, node: str = "b", slot: int = 0) -> ClusterView:
+    return dataclasses.replace(v, slots=tuple(dataclasses.replace(s, state="dead") if (s.node, s.slot) == (node, slot)
+                                              else s for s in v.slots))
+
+
+def _planned(phase: Phase) -> SwapPlan:
+    return SwapPlan(id="s-1", kind=SwapKind.PLANNED, generation=2, leaver=SlotRef("a", 1, 1),
+                    joiner=SlotRef("b", 0, 1), donor=None, phase=phase, reason="ecc", nodes=("a", "b"),
+                    taint_id="t1", secret="00", history=((Phase.PAUSE.value, NOW),))
+
+
+def test_a_donor_seen_dead_before_its_failure_is_read_waits_for_it_then_is_replaced_from_another_replica():
+    """The status saying the donor is dead can be read before its failure record: the recovery is neither aborted
+    into a group restart nor retried with the dead donor; once the failure is read, every dead rank is planned
+    again at once, the state from the replica left."""
+    plan = unplanned(Phase.SEND)
+    v = view(("a", 1), ("a", plan.donor.slot))
+    bad = Report("b", Phase.SEND, ok=False, error="the stream broke")
+    early = triage(dataclasses.replace(seen(v, [failure(1, "plan")], ((plan, 5),)), reports=(bad,)))
+    assert early.actions == (), early.actions
+    result = triage(dataclasses.replace(seen(v, [failure(1, "plan"), failure(plan.donor.slot)], ((plan, 5),)),
+                                        reports=(bad,)))
+    aborted = _superseded(result, [plan.donor.rank])
+    assert "(the donor) died while handing over" in aborted.outcome
+    result = triage(seen(v, [failure(1), failure(plan.donor.slot)], ((aborted, 6),)))
+    plan2 = next(a.plan for a in result.actions if isinstance(a, CreatePlan))
+    assert {m.donor.rank for m in plan2.moves} == {2} and plan2.ranks == tuple(sorted((1, plan.donor.rank)))
+
+
+@pytest.mark.parametrize("phase", [Phase.TRANSFER, Phase.SEND])
+def test_a_planned_swaps_leaver_dying_as_it_sends_becomes_a_recovery_from_a_replica(phase):
+    """Its failure record can come before the status: either way the swap is given up at once (not retried with
+    a dead sender), and the next tick recovers the rank from a replica (an unplanned swap)."""
+    plan = _planned(phase)
+    for v, failures in ((view(), [failure(1)]), (view(("a", 1)), [])):
+        result = triage(seen(v, failures, ((plan, 3),)))
+        cas = [a for a in result.actions if isinstance(a, CasPlan)]
+        assert len(cas) == 1 and cas[0].new.phase == Phase.ABORTED and not cas[0].new.superseded, result.actions
+        assert "died while handing over" in cas[0].decision.reason
+        assert not any(isinstance(a, (PutFallback, RestartGroup)) for a in result.actions)
+    aborted = plan.advance(Phase.ABORTED, NOW)
+    result = triage(seen(view(("a", 1)), [failure(1)], ((aborted, 4),)))
+    create = [a.plan for a in result.actions if isinstance(a, CreatePlan)]
+    assert len(create) == 1 and create[0].kind == SwapKind.UNPLANNED and create[0].leaver == SlotRef("a", 1, 1)
+    assert create[0].donor is not None and create[0].donor.rank != 1
+
+
+@pytest.mark.parametrize("kind", [SwapKind.PLANNED, SwapKind.UNPLANNED])
+def test_a_joiner_dying_as_it_receives_is_replaced_by_the_next_spare(kind):
+    plan = _planned(Phase.SEND) if kind == SwapKind.PLANNED else unplanned(Phase.SEND)
+    v = _joiner_dead(view(("a", 1)) if kind == SwapKind.UNPLANNED else view())
+    bad = Report("b", Phase.SEND, ok=False, error="the joiner died or timed out during the transfer")
+    failures = [failure(1, "plan")] if kind == SwapKind.UNPLANNED else []
+    result = triage(dataclasses.replace(seen(v, failures, ((plan, 5),)), reports=(bad,)))
+    cas = [a for a in result.actions if isinstance(a, CasPlan)]
+    assert len(cas) == 1 and cas[0].new.phase == Phase.TRANSFER and cas[0].new.attempt == 1
+    assert cas[0].new.joiner == SlotRef("b", 1, 1) and ("b", 0) in cas[0].new.excluded_spares
+    assert not any(isinstance(a, PutFallback) for a in result.actions)
+
+
+def test_a_joiner_dying_with_no_spare_left_restarts_the_group_saying_why_in_one_line():
+    plan = unplanned(Phase.SEND)
+    v = _joiner_dead(view(("a", 1), spares=1))
+    bad = Report("b", Phase.SEND, ok=False, error="the joiner died or timed out during the transfer")
+    result = triage(dataclasses.replace(seen(v, [failure(1, "plan")], ((plan, 5),)), reports=(bad,)))
+    cas = [a for a in result.actions if isinstance(a, CasPlan)]
+    # not "its recovery was aborted" from the aborted plan: the fallback record says why (it spends a restart)
+    assert len(cas) == 1 and cas[0].new.phase == Phase.ABORTED and cas[0].new.superseded and not cas[0].new.outcome
+    fallback = [a for a in result.actions if isinstance(a, PutFallback)]
+    assert len(fallback) == 1 and (fallback[0].node, fallback[0].fallback.slot) == ("a", 1)
+    why = fallback[0].fallback.reason
+    assert "rank 1" in why and "joiner b/0 died" in why and "no other spare" in why and "\n" not in why
+
+
+def test_a_planned_swaps_joiner_dying_with_no_spare_left_waits_for_a_spare_again():
+    plan = _planned(Phase.TRANSFER)
+    taint = Taint(id="t1", effect=TaintEffect.MIGRATE, reason="ecc", source="tpassctl", node_id="a", slot=1, rank=1,
+                  handled_by="s-1", state="migrating")
+    v = _joiner_dead(view(spares=1))
+    bad = Report("b", Phase.TRANSFER, ok=False, error="spare b/0 is gone")
+    result = triage(dataclasses.replace(seen(v, [], ((plan, 5),), (taint,)), reports=(bad,)))
+    cas = [a for a in result.actions if isinstance(a, CasPlan)]
+    assert len(cas) == 1 and cas[0].new.phase == Phase.ABORTED
+    reopened = [a.taint for a in result.actions if isinstance(a, PutTaint)]
+    assert reopened and reopened[0].handled_by is None and "no other spare" in reopened[0].state
+    assert not any(isinstance(a, (PutFallback, RestartGroup)) for a in result.actions)

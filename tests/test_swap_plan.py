@@ -127,12 +127,26 @@ def test_a_failed_transfer_is_retried_then_given_up():
     assert last.plan.phase == Phase.ABORTED and "giving up" in last.reason
 
 
-@pytest.mark.parametrize("kind", [SwapKind.PLANNED, SwapKind.UNPLANNED])
 @pytest.mark.parametrize("phase", [Phase.TRANSFER, Phase.SEND])
-def test_a_sender_that_died_aborts_at_once_whatever_was_reported(kind, phase):
-    p = _plan(kind, phase=phase)
+def test_a_leaver_that_died_aborts_at_once_whatever_was_reported(phase):
+    p = _plan(SwapKind.PLANNED, phase=phase)
     d = next_step(p, [], NOW, sender_dead=True)
     assert d.plan.phase == Phase.ABORTED and "died while handing over" in d.reason
+
+
+@pytest.mark.parametrize("phase", [Phase.TRANSFER, Phase.SEND])
+def test_a_donor_that_died_waits_for_its_failure_to_supersede_the_recovery(phase):
+    p = _plan(SwapKind.UNPLANNED, phase=phase)
+    bad = [Report("a", phase, ok=False, error="the stream broke")]
+    d = next_step(p, bad, NOW, sender_dead=True)
+    assert d.plan is None and "planned again" in d.reason    # neither aborted into a restart nor retried with it
+
+
+def test_a_joiner_that_died_with_no_spare_left_is_given_up_not_retried():
+    p = _plan(phase=Phase.SEND)
+    bad = [Report("a", Phase.SEND, ok=False, error="the joiner died or timed out during the transfer")]
+    d = next_step(p, bad, NOW, joiner_gone=True)
+    assert d.plan.phase == Phase.ABORTED and "no other spare" in d.reason
 
 
 def test_the_happy_path_ends_done():

@@ -418,13 +418,18 @@ PHASE_TIMEOUT_S = 120.0        # how long a participant waits for its workers in
 
 
 def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
-              spare_after_failure: SlotView | None = None, sender_dead: bool = False) -> Decision:
+              spare_after_failure: SlotView | None = None, sender_dead: bool = False,
+              joiner_gone: bool = False) -> Decision:
     """The leader's move once reports for the plan's current phase are in (pure).
 
     ``sender_dead``: the rank that streams the state (the leaver of a planned swap, the donor of an
-    unplanned one) died during TRANSFER/SEND. Retrying cannot help: abort at once, whatever was reported,
-    so the failure is handled afresh (a planned swap's leaver becomes an unplanned recovery; an unplanned
-    recovery that lost its donor too falls back to a whole-group restart) instead of waiting out timeouts.
+    unplanned one) died during TRANSFER/SEND. Retrying cannot help. A planned swap is aborted at once,
+    whatever was reported, and its leaver's failure is then recovered from a replica (an unplanned recovery)
+    instead of waiting out timeouts. An unplanned recovery waits for the donor's failure record: the triage
+    then supersedes it and plans every dead rank again at once, from the replicas left (it retries from
+    another replica; the joiner drops the partial bundle when it is told to abort or given a new assignment).
+    ``joiner_gone``: the joiner died, and ``spare_after_failure`` is the next spare (None: none is left, the
+    attempt is given up instead of being retried with a dead joiner).
     """
     mine = [r for r in reports if r.phase == plan.phase]
     if plan.phase in (Phase.DONE, Phase.ABORTED):
@@ -434,6 +439,9 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
     if sender_dead and plan.phase in (Phase.TRANSFER, Phase.SEND):
         sender = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
         who = f"rank {sender.rank}" if sender is not None else "the sender"
+        if plan.kind != SwapKind.PLANNED:     # its failure supersedes the plan (triage)
+            return Decision("wait", f"{who} (the donor) died while handing over the state: every dead rank is "
+                                    "planned again once its failure is read")
         return Decision("plan", f"{who} died while handing over the state: aborted",
                         plan.advance(Phase.ABORTED, now_wall))
     bad = [r for r in mine if not r.ok]
@@ -443,6 +451,9 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
                         plan.advance(Phase.ABORTED, now_wall, outcome=err))
     if plan.phase in (Phase.TRANSFER, Phase.SEND) and bad:
         # The joiner died or the bytes were corrupt: try again (another spare if the joiner is gone).
+        if joiner_gone and spare_after_failure is None:
+            return Decision("plan", f"the joiner died and no other spare is left: {bad[0].error}",
+                            plan.advance(Phase.ABORTED, now_wall))
         if plan.attempt + 1 >= MAX_SEND_ATTEMPTS:
             return Decision("plan", f"giving up after {plan.attempt + 1} attempts: {bad[0].error}",
                             plan.advance(Phase.ABORTED, now_wall))

@@ -213,19 +213,27 @@ def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
 
 def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
     spare = None
-    sender_dead = False
+    sender_dead = joiner_gone = False
     if plan.phase in (Phase.TRANSFER, Phase.SEND):
         view = seen.view
         senders = [plan.leaver] if plan.kind == SwapKind.PLANNED else [m.donor for m in plan.all_moves if m.donor]
+        # a sender's failure record may be read before the status that shows it dead (and the other way round)
+        failed = {(f.node, f.slot) for _fid, f in seen.failures
+                  if not f.handled and f.generation >= seen.spawned_generation}
         for sender in senders:
             held = view.slot_at(sender.node, sender.slot)
-            sender_dead = sender_dead or (held is not None and held.state in ("dead", "idle"))
+            sender_dead = sender_dead or (held is not None and held.state in ("dead", "idle")) \
+                or (sender.node, sender.slot) in failed
         joiner = view.slot_at(plan.joiner.node, plan.joiner.slot)
         if any(not r.ok for r in seen.reports) and (joiner is None or joiner.state != "spare"):
             spare = choose_spare(view, plan.joiner.node, plan.excluded_spares + ((plan.joiner.node, plan.joiner.slot),))
-    decision = next_step(plan, seen.reports, seen.now, spare_after_failure=spare, sender_dead=sender_dead)
+            joiner_gone = joiner is None or joiner.state in ("dead", "idle", "quarantined")
+    decision = next_step(plan, seen.reports, seen.now, spare_after_failure=spare, sender_dead=sender_dead,
+                         joiner_gone=joiner_gone)
     if decision.plan is None:
         return ()
+    if joiner_gone and spare is None and decision.plan.phase == Phase.ABORTED and plan.kind != SwapKind.NODE:
+        return _joiner_lost(plan, rev, decision, seen)
     out: tuple[Action, ...] = (CasPlan(plan, decision.plan, rev, decision),)
     if (plan.kind == SwapKind.NODE and plan.lost_node is not None and decision.plan.phase == Phase.ABORTED
             and plan.phase in (Phase.TRANSFER, Phase.SEND)
@@ -246,6 +254,28 @@ def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
         else:
             out += (RestartGroup(why),)
     return out
+
+
+def _joiner_lost(plan: SwapPlan, rev: int, decision: Decision, seen: Seen) -> tuple[Action, ...]:
+    """The joiner died during the transfer and no other spare is left (pure). A planned swap is given up and its
+    taint waits for a spare again (the leaver still runs its rank); an unplanned recovery falls back to the group
+    restart, its one console line saying why. That restart spends --max-restarts, as any second fault does."""
+    aborted = decision.plan
+    assert aborted is not None
+    why = (f"the joiner {plan.joiner.node}/{plan.joiner.slot} died while receiving rank {plan.leaver.rank}'s state "
+           "and no other spare is left")
+    if plan.kind == SwapKind.PLANNED:
+        out: list[Action] = [CasPlan(plan, aborted, rev, Decision("plan", f"aborted: {why}", aborted))]
+        taint = next((t for t in seen.taints if t.id == plan.taint_id), None)
+        if taint is not None:
+            out.append(PutTaint(taint.handled(None, f"waiting: {why}")))
+        return tuple(out)
+    # superseded: the dead rank's agent restarts the group from the fallback record below (the line says why),
+    # not from the aborted plan (which could only say "its recovery was aborted")
+    aborted = dataclasses.replace(aborted, superseded=True)
+    why = f"rank {plan.leaver.rank} cannot be recovered live: {why}"
+    return (CasPlan(plan, aborted, rev, Decision("plan", f"aborted: {why}", aborted)),
+            PutFallback(plan.leaver.node, Fallback(why, plan.generation, plan.leaver.slot)))
 
 
 def _second_faults(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
