@@ -6,7 +6,7 @@ connection and its reconnects), ``etcd_io`` (the only module that sends etcd req
 (EtcdRendezvous: effects around the machine), ``embedded`` (a throw-away etcd server).
 """
 
-from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, refuse_inline_secrets
+from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, read_private_file, refuse_inline_secrets
 from .embedded import EmbeddedEtcd, ServerTls, find_etcd_binary, host_etcd_if_absent, pid_alive
 from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
                      RendezvousTimeoutError)
@@ -41,4 +41,5 @@ __all__ = [
     "find_etcd_binary",
     "ETCD_PASSWORD_ENV",
     "refuse_inline_secrets",
+    "read_private_file",
 ]

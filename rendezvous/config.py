@@ -19,16 +19,17 @@ DEFAULT_ETCD_PORT = 2379
 DEFAULT_PREFIX = "/tpassrun/v1"
 # Where a password may come from instead of the command line (spelled here: rendezvous must not import tpassrun).
 ETCD_PASSWORD_ENV = "TPASSRUN_ETCD_PASSWORD"
-_SECRET_KEYS = ("password",)
+# secret -> how to give it instead (the run key seals swap records: tpassrun/provenance.py)
+_SECRET_KEYS = {"password": f"password_file=PATH (a file only you can read) or ${ETCD_PASSWORD_ENV}",
+                "run_key": "run_key_file=PATH (a file only you can read) or $TPASSRUN_RUN_KEY"}
 
 
 def refuse_inline_secrets(conf: Mapping[str, str]) -> None:
     """A password typed into ``--rdzv-conf`` is visible to every user in ``ps``: refuse it, naming the ways
     that are not (a 0600 file, or the environment)."""
-    for key in _SECRET_KEYS:
+    for key, instead in _SECRET_KEYS.items():
         if conf.get(key):
-            raise RendezvousError(f"--rdzv-conf {key}=... would be visible to every user in `ps`: use "
-                                  f"password_file=PATH (a file only you can read) or ${ETCD_PASSWORD_ENV}")
+            raise RendezvousError(f"--rdzv-conf {key}=... would be visible to every user in `ps`: use {instead}")
 
 
 def read_private_file(path: str, what: str) -> str:

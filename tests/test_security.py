@@ -336,6 +336,55 @@ def test_a_forged_plan_sends_nothing_anywhere(tmp_path, etcd_server, run_id):
         job.kill()
 
 
+def test_with_a_run_key_a_forged_plan_is_refused_on_read_and_never_stops_a_real_swap(tmp_path, etcd_server, run_id):
+    """The chaos run's attack, on an etcd without auth: a plan written by someone without the run key (here a
+    genuine-looking one in PAUSE, which the leader used to retry with the real spare). Every agent refuses it
+    on read, says so once, never acts on it, and a real swap (a taint) still runs to the end beside it."""
+    from tpassrun.provenance import RUN_KEY_ENV
+    from tpassrun.rendezvous import EtcdConfig, EtcdStore
+
+    job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
+                       steps=100000, step_sleep=0.05, env={RUN_KEY_ENV: secrets.token_hex(32)}).start()
+    listener, port = listen_for_bundle("127.0.0.1")
+    try:
+        job.wait_step(3, 180)
+        started = _events(job, "workers_started")[0]
+        node = started["node"]
+        spare = next(s["slot"] for s in started["slots"] if s["state"] == "spare")
+        prefix = f"/tpassrun/v1/{run_id}/"
+
+        async def forge() -> None:
+            async with EtcdStore(EtcdConfig.from_endpoint(etcd_server.endpoint, {"read_timeout": "5"})) as store:
+                gen, _ = await store.get_json(prefix + "generation")
+                for phase, history in (("send", [["pause", time.time()], ["send", time.time()]]),
+                                       ("pause", [["pause", time.time()]])):
+                    plan = {"v": 1, "id": f"s-forged-{phase}", "secret": secrets.token_hex(32), "kind": "planned",
+                            "generation": gen["number"], "leaver": {"node": node, "slot": 1, "rank": 1},
+                            "joiner": {"node": node, "slot": spare, "rank": 1}, "donor": None, "phase": phase,
+                            "reason": "forged", "nodes": [node], "boundary": 0, "joiner_addr": ["127.0.0.1", port],
+                            "attempt": 0, "history": history, "mac": "v1:" + "0" * 64}
+                    await store.put_json(prefix + f"swaps/s-forged-{phase}", plan)
+
+        run_async(forge())
+        deadline = time.monotonic() + 60
+        while job.log().count("refusing etcd record") < 2:
+            assert time.monotonic() < deadline, job.log()[-3000:]
+            time.sleep(0.1)
+        assert taint(etcd_server.endpoint, run_id, rank=1, reason="a real one") == 0
+        job.wait_event("swap_resumed", timeout=180)
+        listener.settimeout(1.0)
+        with pytest.raises(TimeoutError):   # nothing even connected
+            listener.accept()
+    finally:
+        listener.close()
+        job.kill()
+    log = job.log()
+    for phase in ("send", "pause"):    # logged once (per agent process), acted on never
+        assert log.count(f"swaps/s-forged-{phase}") == 1, log[-3000:]
+    assert not [e for e in job.events() if str(e.get("swap_id", "")).startswith("s-forged")]
+    assert "swap plans are not authenticated" not in log
+
+
 def test_an_aborted_planned_swap_resumes_the_leaver(tmp_path, etcd_server, run_id):
     """Every transfer attempt corrupted: the swap is given up after SEND, and the leaver (left TRANSFERRING)
     is resumed with everyone else: the job finishes every step instead of hanging."""

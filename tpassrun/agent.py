@@ -48,8 +48,10 @@ from .records import Keys  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
 from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
                          RendezvousError, RendezvousSettings, ServerTls, find_etcd_binary, host_etcd_if_absent,
-                         refuse_inline_secrets)
+                         read_private_file, refuse_inline_secrets)
 from .port import AgentEvent, AgentPort, SignalReceived, SwapSettings  # noqa: E402
+from .provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, env_without_key,  # noqa: E402
+                         register as register_run_key, run_key_from)
 from .mirrorplane import MirrorPlane  # noqa: E402
 from .slots import LocalSlots, Slot  # noqa: E402
 from .swapper import Swapper  # noqa: E402
@@ -153,6 +155,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             endpoint = cfg.etcd_endpoint
             rdzv_conf = dict(cfg.rdzv_conf or {})
             refuse_inline_secrets(rdzv_conf)
+            run_key = self._run_key(rdzv_conf, embedded=endpoint is None)
             if endpoint is None:
                 log.debug("waiting for the embedded etcd to start")
                 # only this job may read or write it: a fresh root password, in a 0600 file
@@ -177,12 +180,19 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             stack.callback(self.events.close)
             if self.hosting_etcd:
                 self.events.write("etcd_hosted", endpoint=endpoint)
+            etcd_cfg = EtcdConfig.from_endpoint(endpoint, rdzv_conf)
+            if run_key is None and etcd_cfg.user is None and etcd_cfg.cert is None:
+                self.events.write("plans_unauthenticated", reason=(
+                    f"swap plans are not authenticated: anyone who can write to the etcd at {etcd_cfg.display} "
+                    f"(no user/password, no client certificate) can steer swaps; give every agent the same run "
+                    f"key (${RUN_KEY_ENV} or --rdzv-conf {RUN_KEY_FILE_CONF}=PATH, a 0600 file)"))
             settings = RendezvousSettings.from_conf(cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf)
             node = NodeInfo(node_id=self.node_id, addr=self.addr, nproc=cfg.nproc_per_node,
                             spares=cfg.spares_per_node, spare_node=cfg.spare_node, role=cfg.role)
             log.debug("connecting to etcd at %s", endpoint)
-            self.rdzv = await stack.enter_async_context(
-                EtcdRendezvous(EtcdConfig.from_endpoint(endpoint, rdzv_conf), settings, node))
+            if run_key is not None:   # before anything reads or writes a record: plans and reports are sealed
+                stack.callback(register_run_key(settings.run_prefix, run_key))
+            self.rdzv = await stack.enter_async_context(EtcdRendezvous(etcd_cfg, settings, node))
             self.rdzv.store.connection.listeners.append(self._on_etcd_link)
             self.rdzv.store.lease_listeners.append(
                 lambda: self.events.write("lease_regranted", reason="the lease expired during the outage"))
@@ -214,6 +224,17 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             code = await self._generations()
             self.events.write("agent_exit", code=code, mirror=self.mirror.usage() if self.mirror else None)
             return code
+
+    def _run_key(self, rdzv_conf: dict[str, str], *, embedded: bool) -> RunKey | None:
+        """The key that seals this run's swap plans and reports (tpassrun/provenance.py): the one given to every
+        agent (a 0600 file named in --rdzv-conf, or the environment), else, for the embedded etcd (this agent is
+        the run's only one), a fresh one kept in memory. Workers never see it."""
+        try:
+            key = run_key_from(rdzv_conf, self.environ, read_private_file)
+        except RunKeyError as exc:
+            raise RendezvousError(str(exc)) from None
+        self.environ = env_without_key(self.environ)
+        return key if key is not None or not embedded else RunKey.generate()
 
     def _port(self) -> AgentPort:
         """What the swapper sees of this agent (see :mod:`tpassrun.port`)."""

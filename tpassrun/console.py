@@ -301,6 +301,8 @@ class Describer:
                     "migrate_back_requested", "signal", "etcd_hosted"):
             detail = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("event", "time", "mono", "node"))
             return f"{name.replace('_', ' ')}: {detail}"
+        if name == "plans_unauthenticated":
+            return f"warning: {ev.get('reason')}"
         if name == "agent_exit":
             t.ended = now
             return None

@@ -17,6 +17,7 @@ import time
 from typing import TYPE_CHECKING, Mapping
 
 from .port import AgentPort, HealthRestartRequested
+from .provenance import seal
 from .records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect, load,
                       node_info)
 from .rendezvous import NodeInfo
@@ -171,12 +172,12 @@ class Coordinator:
         keys, store, events = self._keys, self._store, self.port.events
         if isinstance(action, CasPlan):
             if action.decision is None:     # a stale plan, aborted quietly
-                await store.cas_json(keys.swap(action.old.id), action.new.to_json(), action.revision)
+                await store.cas_json(keys.swap(action.old.id), _sealed(keys.swap(action.old.id), action.new), action.revision)
             else:
                 await self._apply(action.decision, action.old, action.revision)
         elif isinstance(action, CreatePlan):
             plan = action.plan if action.plan.terminal else await self._with_store(_with_secret(action.plan))
-            created = await store.create_json(keys.swap(plan.id), plan.to_json())
+            created = await store.create_json(keys.swap(plan.id), _sealed(keys.swap(plan.id), plan))
             if created and action.taint is not None:
                 await store.put_json(keys.taint(action.taint.id), action.taint.handled(plan.id, "migrating").to_json())
                 events.write("swap_decided", swap_id=plan.id, reason=action.reason, taint=action.taint.id)
@@ -197,7 +198,7 @@ class Coordinator:
         new = decision.plan
         if new.phase == Phase.REFORM:
             await self._commit_generation(new)
-        ok = await self._store.cas_json(self._keys.swap(plan.id), new.to_json(), rev)
+        ok = await self._store.cas_json(self._keys.swap(plan.id), _sealed(self._keys.swap(plan.id), new), rev)
         if ok:
             self.port.events.write("swap_phase", swap_id=new.id, phase=new.phase.value, reason=decision.reason)
             if new.phase == Phase.DONE and new.taint_id and new.release:
@@ -286,6 +287,11 @@ def committed_generation(old: "Generation", plan: SwapPlan,
     return dataclasses.replace(old, number=old.number + 1, swap_id=plan.id, reason=plan.reason,
                                assignments=assignments, members=members, spare_nodes=spare_nodes, lost=lost,
                                bootstrap=plan.store or old.bootstrap)
+
+
+def _sealed(key: str, plan: SwapPlan) -> dict:
+    """The plan as stored: with the MAC of the run key (tpassrun/provenance.py) when the run has one."""
+    return seal(key, plan.to_json())
 
 
 def _with_secret(plan: SwapPlan) -> SwapPlan:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 import time
 import uuid
@@ -29,8 +30,9 @@ from typing import Any, Sequence
 from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RecordError, RunClosed, SwapPlan,
                       Taint, TaintEffect, TaintSource, leader_of, load, node_info)
 from .registry import CtlError
+from .provenance import RunKeyError, register as register_run_key, run_key_from
 from .rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, RendezvousError, RendezvousSettings,
-                         refuse_inline_secrets)
+                         read_private_file, refuse_inline_secrets)
 
 # "fail" (kill the worker now, recover it unplanned) is a health-policy effect only: the node's own health
 # daemon does the kill. From tpassctl, kill the worker yourself (the recovery is the same).
@@ -278,6 +280,18 @@ async def _run(args: argparse.Namespace) -> int:
     etcd = EtcdConfig(**{**etcd.__dict__, "reconnect_timeout": etcd.read_timeout})
     prefix = RendezvousSettings.from_conf(args.rdzv_id, 1, 1, conf).run_prefix
     keys = Keys(prefix)
+    try:   # the job's run key, when given as to its agents: swap plans without its MAC are then not shown as the job's
+        run_key = run_key_from(conf, os.environ, read_private_file)
+    except RunKeyError as exc:
+        raise CtlError(str(exc)) from None
+    unregister = register_run_key(prefix, run_key) if run_key is not None else (lambda: None)
+    try:
+        return await _on_store(args, etcd, prefix, keys)
+    finally:
+        unregister()
+
+
+async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, keys: Keys) -> int:
     async with EtcdStore(etcd) as store:
         snap = await read_snapshot(store, prefix, args.rdzv_id)
         if snap.empty:

@@ -93,8 +93,14 @@ def new_mirror_key() -> bytes:
 
 async def ensure_mirror_key(store: Any, key_path: str) -> bytes:
     """The run's mirror key: the first agent draws it and creates ``key_path`` in the run's (authenticated)
-    etcd; every agent reads the one that won. ``store`` is the rendezvous's ``EtcdStore``."""
+    etcd; every agent reads the one that won. ``store`` is the rendezvous's ``EtcdStore``. A run with a run key
+    (tpassrun/provenance.py) derives it from that instead, and never writes it: reading etcd does not give it."""
+    from .provenance import key_for
     from .records import MirrorKey, RecordError   # the agent's side only: workers never import records
+
+    run_key = key_for(key_path)
+    if run_key is not None:
+        return run_key.derive("mirror")
 
     await store.create_json(key_path, MirrorKey(new_mirror_key().hex()).to_json())
     doc, _rev = await store.get_json(key_path)

@@ -12,6 +12,8 @@ import enum
 import logging
 from typing import Any, Callable, Mapping, TypeVar
 
+from . import provenance
+
 log = logging.getLogger("tpassrun.records")
 
 SCHEMA_VERSION = 1
@@ -19,6 +21,10 @@ SCHEMA_VERSION = 1
 
 class RecordError(ValueError):
     """A value in etcd that is not a valid record of the expected type (wrong shape, type or version)."""
+
+
+class UnauthenticatedRecord(RecordError):
+    """A record of a sealed type (see :mod:`tpassrun.provenance`) without a good MAC of this run's key."""
 
 
 
@@ -114,17 +120,35 @@ _REPORTED_MAX = 1024
 
 
 def load(decode: Callable[[Any], R], key: str, doc: Any, revision: int = 0) -> R | None:
-    """``decode(doc)``, or None for a malformed value (logged once per key and revision).
+    """``decode(doc)``, or None for a malformed value, or for a sealed record type (``SEALED``: swap plans and
+    reports) without a good MAC of the run key registered for ``key`` (:mod:`tpassrun.provenance`); either is
+    logged once per key and revision.
 
     One bad value must neither stop a reader nor flood the log: the coordinator re-reads every family on
     every change, a dashboard every half second.
     """
     try:
-        return decode(doc)
+        run_key = _run_key_of(decode, key)
+        if run_key is not None and (why := provenance.problem(key, doc, run_key)) is not None:
+            raise UnauthenticatedRecord(why)
+        record = decode(doc)
+        if run_key is not None and hasattr(record, "with_run_key"):
+            record = record.with_run_key(run_key)   # keys it derives from its own fields and the run key
+        return record
     except RecordError as exc:
         if _REPORTED.get(key) != revision:
             if len(_REPORTED) >= _REPORTED_MAX:
                 _REPORTED.pop(next(iter(_REPORTED)))
             _REPORTED[key] = revision
-            log.warning("ignoring malformed etcd value %s (revision %d): %s", key, revision, exc)
+            if isinstance(exc, UnauthenticatedRecord):
+                log.warning("refusing etcd record %s (revision %d): %s; ignored", key, revision, exc)
+            else:
+                log.warning("ignoring malformed etcd value %s (revision %d): %s", key, revision, exc)
         return None
+
+
+def _run_key_of(decode: Callable[[Any], Any], key: str) -> "provenance.RunKey | None":
+    """The run key to check ``key``'s record with: only for sealed record types (``SEALED``), and only when this
+    process registered a key for that run."""
+    owner = getattr(decode, "__self__", None)
+    return provenance.key_for(key) if getattr(owner, "SEALED", False) else None

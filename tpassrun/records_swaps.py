@@ -7,8 +7,9 @@ from __future__ import annotations
 import dataclasses
 import enum
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
+from .provenance import RunKey
 from .records_fields import (SCHEMA_VERSION, RecordError, _addr, _bool, _check, _enum, _int, _list, _opt_int,
                              _opt_str, _str)
 
@@ -156,6 +157,18 @@ class SwapPlan:
     # that takes its place among the members (all its ranks went there; ``replaces`` is the first lost node's)
     lost_also: tuple[str, ...] = ()
     replacing: Mapping[str, str] = field(default_factory=dict)
+    # hex, never in etcd: what each attempt's transfer key derives from, set when the plan is read with the run
+    # key (``with_run_key``; without one, the transfer key derives from ``secret`` alone)
+    transfer_seed: str | None = field(default=None, repr=False, compare=False)
+
+    SEALED: ClassVar[bool] = True      # carries a MAC of the run key (tpassrun/provenance.py)
+
+    def with_run_key(self, run_key: "RunKey") -> "SwapPlan":
+        """The plan as read by the job: its transfer seed derived from the run key and the plan's own secret, so
+        that reading etcd does not give the transfer key."""
+        if not self.secret:
+            return self
+        return dataclasses.replace(self, transfer_seed=run_key.derive(f"transfer/{self.id}/{self.secret}").hex())
 
     @property
     def terminal(self) -> bool:
@@ -294,6 +307,8 @@ class Report:
     # to given the replicated state of a survivor standing there (a mixed commit the other way: it committed a step
     # another survivor did not; tpassrun/catchup.py)
     backs: Mapping[int, int] = field(default_factory=dict)
+
+    SEALED: ClassVar[bool] = True      # carries a MAC of the run key (tpassrun/provenance.py)
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node": self.node, "phase": self.phase.value, "ok": self.ok,

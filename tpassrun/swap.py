@@ -525,11 +525,12 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
 
 
 def transfer_key(plan: SwapPlan) -> str | None:
-    """This attempt's transfer key (hex): a fresh key per attempt, derived from the plan's secret."""
+    """This attempt's transfer key (hex): a fresh key per attempt, derived from the plan's transfer seed (the run
+    key and the plan's secret: tpassrun/provenance.py), or from its secret alone in a run without a run key."""
     if not plan.secret:
         return None
     try:
-        secret = bytes.fromhex(plan.secret)
+        secret = bytes.fromhex(plan.transfer_seed or plan.secret)
     except ValueError:
         return None
     return hmac.new(secret, f"tpassrun-transfer/{plan.id}/{plan.attempt}".encode(), hashlib.sha256).hexdigest()

@@ -31,6 +31,7 @@ from .failkind import classify_death, recoverable
 from .nodeswap import NodePlans
 from .port import AgentPort, FallbackRequested
 from .protocol import Failed, Raise, Reserve
+from .provenance import seal
 from .records import Failure, Fallback, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load
 from .slots import Slot, SlotState
 from .swap import Phase, SwapKind
@@ -248,7 +249,8 @@ class Swapper(PhaseSteps):
             log.exception("swap %s phase %s failed", plan.id, plan.phase.value)
             report = Report(node=self.port.node_id, phase=plan.phase, ok=False, error=f"{type(exc).__name__}: {exc}")
         if report is not None:
-            await self._store.put_json(self._keys.report(plan.id, seq, self.port.node_id), report.to_json())
+            key = self._keys.report(plan.id, seq, self.port.node_id)
+            await self._store.put_json(key, seal(key, report.to_json()))   # with the run key's MAC (provenance.py)
         await self.port.publish_status()
         self.coordinator.kick()
 
