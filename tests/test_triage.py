@@ -86,7 +86,7 @@ def test_an_unmanaged_rank_restarts_the_group_without_its_slot():
 def test_a_worker_failure_becomes_an_unplanned_swap_from_a_replica():
     dead = Failure(node="a", slot=1, rank=1, code=-9, step=9, light=True, generation=2)
     dead_view = view(RUNNING[0], SlotView("a", 1, 1, "dead", True, 9), RUNNING[2], SPARE)
-    result = triage(seen(view=dead_view, failures=(("a-1", dead),), taints=(taint(),)))
+    result = triage(seen(view=dead_view, failures=(("a-1", dead),), taints=(taint(),), received_said=frozenset({"t1"})))
     assert kinds(result) == ["PutFailure", "Say", "CreatePlan"]     # one thing per tick: the taint waits
     plan = result.actions[2].plan
     assert plan.kind is SwapKind.UNPLANNED and plan.id == "u-a-1-2" and plan.donor is not None
@@ -129,8 +129,8 @@ def plan(**kw) -> SwapPlan:
 def test_an_active_plan_advances_when_every_report_is_in_and_blocks_new_work():
     reports = (Report(node="a", phase=Phase.PAUSE, candidate=9), Report(node="b", phase=Phase.PAUSE, candidate=10))
     result = triage(seen(plans=((plan(), 7),), reports=reports, taints=(taint("t2"),)))
-    assert kinds(result) == ["CasPlan"]
-    cas = result.actions[0]
+    assert kinds(result) == ["Say", "CasPlan"]      # the new taint is announced, and queues behind the plan
+    cas = result.actions[1]
     assert isinstance(cas, CasPlan) and cas.revision == 7 and cas.new.phase is Phase.BOUNDARY and cas.new.boundary == 10
     assert triage(seen(plans=((plan(), 7),), reports=reports[:1])).actions == ()     # still waiting for b
 
@@ -195,3 +195,49 @@ def test_an_aborted_unplanned_recovery_asks_the_agent_for_a_fallback():
     asyncio.run(swapper._abort(aborted))
     assert posted == [FallbackRequested("rank 1 cannot be recovered live: its recovery was aborted", slots.slots[1],
                                         free=False)]
+
+
+def test_a_second_taint_of_a_rank_that_already_left_its_slot_is_coalesced_not_migrated_again():
+    """A taint storm (or tpassctl twice, or health and an operator) tainted rank 1 on a/1 twice. The first taint's
+    swap moved it to b/1; the second was then planned as a new migration of rank 1, off its new, healthy slot.
+    It is now marked handled by the swap that moved the rank (said once), and the tainted slot stays out."""
+    done = plan(phase=Phase.DONE, history=(("pause", NOW - 2), ("done", NOW)))
+    moved = view(SlotView("a", 0, 0, "running", True, 9), SlotView("b", 1, 1, "running", True, 9),
+                 SlotView("b", 0, 2, "running", True, 9), SlotView("a", 2, None, "spare", True))
+    second = taint("t2", time=NOW - 5)
+    result = triage(seen(view=moved, plans=((done, 3),), taints=(taint("t1", handled_by=done.id), second),
+                         received_said=frozenset({"t1", "t2"})))
+    assert kinds(result) == ["Say", "PutTaint"], result.actions
+    assert result.actions[0].event == "taint_coalesced"
+    assert result.actions[1].taint.handled_by == done.id and result.actions[1].taint.state.startswith("coalesced")
+    # the status not yet showing the move: the done swap alone says the rank left that slot
+    stale = triage(seen(plans=((done, 3),), taints=(second,), received_said=frozenset({"t2"})))
+    assert kinds(stale) == ["Say", "PutTaint"] and stale.actions[1].taint.handled_by == done.id
+    # no swap known (another agent's recovery, a restart): the rank runs elsewhere now
+    elsewhere = triage(seen(view=moved, taints=(second,), received_said=frozenset({"t2"})))
+    assert kinds(elsewhere) == ["Say", "PutTaint"] and elsewhere.actions[1].taint.handled_by == "coalesced"
+    # a taint made after that swap, of the rank where it runs now, is a new one
+    fresh = taint("t3", node_id="b", slot=1, time=NOW + 5)
+    assert kinds(triage(seen(view=moved, plans=((done, 3),), taints=(fresh,),
+                             received_said=frozenset({"t3"})))) == ["CreatePlan"]
+
+
+def test_a_storm_of_taints_is_one_plan_at_a_time_and_a_rank_without_a_spare_waits_saying_so_once():
+    """Three ranks tainted at once with one spare: one plan; while it runs nothing else is planned; once done, the
+    next rank has no spare left and waits, said once, and stays quiet at every later look (no livelock)."""
+    taints = (taint("t1"), taint("t2", node_id="a", slot=0, rank=0), taint("t3", node_id="b", slot=0, rank=2))
+    first = triage(seen(taints=taints))
+    assert kinds(first) == ["Say", "Say", "Say", "CreatePlan"] and first.actions[3].taint.id == "t1"
+    assert first.received == {"t1", "t2", "t3"}      # every arrival said at once, the queued ones too
+    assert triage(seen(plans=((plan(), 3),), taints=taints, received_said=first.received)).actions == ()
+    done = plan(phase=Phase.DONE, history=(("pause", NOW), ("done", NOW + 1)))
+    after = view(SlotView("a", 0, 0, "running", True, 9), SlotView("b", 1, 1, "running", True, 9),
+                 SlotView("b", 0, 2, "running", True, 9))
+    rest = (taint("t1", handled_by=done.id), *taints[1:])
+    waiting = triage(seen(view=after, plans=((done, 3),), taints=rest, received_said=first.received))
+    assert [a.event for a in waiting.actions if isinstance(a, Say)] == ["swap_waiting", "swap_waiting"]
+    assert waiting.said == {"t2", "t3"}
+    marked = [a.taint for a in waiting.actions if isinstance(a, PutTaint)]
+    quiet = triage(seen(view=after, plans=((done, 3),), taints=(rest[0], *marked), received_said=first.received,
+                        waiting_said=waiting.said))
+    assert quiet.actions == ()

@@ -188,6 +188,8 @@ class Describer:
             return f"swap {sid} decided: {ev.get('reason')}"
         if name == "swap_waiting":
             return f"taint {ev.get('taint')} queued ({ev.get('action')}): {ev.get('reason')}"
+        if name == "taint_coalesced":
+            return f"taint {ev.get('taint')} needs no swap: {ev.get('reason')}"
         if name == "swap_phase":
             s = self._swap(sid)
             s.led_here = True

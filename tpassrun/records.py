@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .health import TaintEffect
-from .records_faults import HANDLED_KILLED, HANDLED_RESTART, Failure, Fallback, Taint, TaintSource
+from .records_faults import HANDLED_COALESCED, HANDLED_KILLED, HANDLED_RESTART, Failure, Fallback, Taint, TaintSource
 from .records_fields import SCHEMA_VERSION, RecordError, load
 from .records_nodes import HealthRecord, MirrorKey, NodeStatus, RunClosed, WorkerRow, leader_of, node_info
 from .records_swaps import TERMINAL, TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
@@ -113,6 +113,6 @@ class Keys:
         return self.prefix + "mirror_key"
 
 
-__all__ = ["Move", "Failure", "Fallback", "HANDLED_KILLED", "HANDLED_RESTART", "HealthRecord", "Keys", "MirrorKey", "NodeStatus",
+__all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED", "HANDLED_RESTART", "HealthRecord", "Keys", "MirrorKey", "NodeStatus",
            "Phase", "RecordError", "Report", "RunClosed", "leader_of", "node_info", "SCHEMA_VERSION", "SlotRef", "SwapKind", "SwapPlan", "TERMINAL",
            "TRANSITIONS", "Taint", "TaintEffect", "TaintSource", "WorkerRow", "load"]

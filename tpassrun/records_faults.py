@@ -24,6 +24,7 @@ class TaintSource(str, enum.Enum):
 
 HANDLED_RESTART = "restart"        # ``handled_by``: no live swap possible, the group restarted without the slot
 HANDLED_KILLED = "health-kill"     # ``handled_by``: a FAIL verdict killed the worker; the unplanned path recovers
+HANDLED_COALESCED = "coalesced"    # ``handled_by``: its rank had already left the slot (another taint, a recovery)
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Taint:
     status: str | None = None
     home_node: str | None = None     # migrate-back: the rank goes to this slot only
     home_slot: int | None = None
-    handled_by: str | None = None    # a swap id, HANDLED_RESTART or HANDLED_KILLED
+    handled_by: str | None = None    # a swap id, HANDLED_RESTART, HANDLED_KILLED or HANDLED_COALESCED
     state: str = ""                  # the coordinator's word on it (migrating, quarantined, "wait: ...")
 
     def __post_init__(self) -> None:

@@ -20,8 +20,11 @@ Precedence, one thing per tick (each write makes the next tick see the new state
    re-forms is superseded too, and this plans everything gone at once;
 4. else the unhandled worker failures get a recovery: one dead rank an unplanned swap, several one plan
    replacing them all (a second fault during a recovery), or a fallback restart;
-5. else the first unhandled taint gets a migration (or waits for a spare, or restarts the group without the
-   slot when its rank cannot swap live).
+5. else the first unhandled taint gets a migration (or waits for a spare, said once, or restarts the group
+   without the slot when its rank cannot swap live); a taint whose rank already left the slot it names (a second
+   taint of one rank: a storm, tpassctl twice) is coalesced into the swap that moved it, never migrated again.
+
+Every new taint is announced once as it arrives, also while a plan runs (a storm's taints queue behind it).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
-from .records import (HANDLED_RESTART, Failure, Fallback, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint,
-                      TaintEffect, TaintSource)
+from .records import (HANDLED_COALESCED, HANDLED_RESTART, Failure, Fallback, Phase, Report, SlotRef, SwapKind,
+                      SwapPlan, Taint, TaintEffect, TaintSource)
 from .multiloss import plan_for_losses
 from .swap import (ClusterView, Decision, choose_spare, lost_ranks, next_step, node_plan_id, plan_for_dead_ranks,
                    plan_for_failure, plan_for_node_loss, plan_for_taint)
@@ -116,6 +119,26 @@ class Triage:
 
 
 def triage(seen: Seen) -> Triage:
+    # every new taint is announced at once, even while a swap runs or a recovery goes first: a storm's taints
+    # queue behind the plan in flight, and the operator sees each arrive (said once)
+    heard, received = _announce_taints(seen)
+    decided = _decide(seen)
+    return Triage(heard + decided.actions, decided.said, received)
+
+
+def _announce_taints(seen: Seen) -> tuple[tuple[Action, ...], frozenset[str]]:
+    out: list[Action] = []
+    received: set[str] = set()
+    for taint in seen.taints:
+        if taint.id not in seen.received_said and taint.source != TaintSource.HEALTH.value:   # health: health_taint
+            received.add(taint.id)
+            out.append(Say("taint_received", {"id": taint.id, "rank": taint.rank, "slot": taint.slot,
+                                              "target_node": taint.node_id, "effect": taint.effect.value,
+                                              "source": taint.source or "tpassctl", "reason": taint.reason}))
+    return tuple(out), frozenset(received)
+
+
+def _decide(seen: Seen) -> Triage:
     now = seen.now
     stale = [(p, rev) for p, rev in seen.plans if not p.terminal and p.generation < seen.spawned_generation]
     out: list[Action] = [CasPlan(p, p.advance(Phase.ABORTED, now), rev) for p, rev in stale]
@@ -166,8 +189,8 @@ def triage(seen: Seen) -> Triage:
     if pending:
         return Triage(tuple(out + stale_failures) + _recover(*pending[0], seen))
     out += stale_failures
-    taint_actions, said, received = _taints(seen)
-    return Triage(tuple(out) + taint_actions, said, received)
+    taint_actions, said = _taints(seen)
+    return Triage(tuple(out) + taint_actions, said)
 
 
 def _needs(plan: SwapPlan) -> set[str]:
@@ -386,22 +409,24 @@ def _recover(fid: str, f: Failure, seen: Seen) -> tuple[Action, ...]:
     return tuple(out)
 
 
-def _taints(seen: Seen) -> tuple[tuple[Action, ...], frozenset[str], frozenset[str]]:
+def _taints(seen: Seen) -> tuple[tuple[Action, ...], frozenset[str]]:
     """Every unhandled taint in turn: the first one that can move gets its plan (one plan per tick); the ones
     that must wait say so once; one whose rank cannot swap live restarts the group without its slot."""
     view, now = seen.view, seen.now
     done = {p.taint_id for p, _ in seen.plans if p.taint_id and p.phase == Phase.DONE}
     out: list[Action] = []
     said: set[str] = set()
-    received: set[str] = set()
     for taint in seen.taints:
-        if taint.id not in seen.received_said and taint.source != TaintSource.HEALTH.value:   # health: health_taint
-            received.add(taint.id)
-            out.append(Say("taint_received", {"id": taint.id, "rank": taint.rank, "slot": taint.slot,
-                                              "target_node": taint.node_id, "effect": taint.effect.value,
-                                              "source": taint.source or "tpassctl", "reason": taint.reason}))
         if taint.id in done or taint.handled_by or taint.effect is TaintEffect.EXCLUDE:
             continue  # exclude: keep the rank where it is, only never hand the slot out as a spare
+        moot = _already_moved(taint, seen)
+        if moot is not None:
+            # a second taint of a rank (tpassctl twice, health and an operator, a storm): the rank already left
+            # the tainted slot, which stays out of the pool; migrating it again would move it off a healthy one
+            by, why = moot
+            out += [Say("taint_coalesced", {"taint": taint.id, "rank": taint.rank, "swap_id": by, "reason": why}),
+                    PutTaint(taint.handled(by, f"coalesced: {why}"))]
+            continue
         rank = taint.rank
         if rank is None:
             target = [s for s in view.slots if s.node == taint.node_id and s.rank is not None
@@ -427,7 +452,25 @@ def _taints(seen: Seen) -> tuple[tuple[Action, ...], frozenset[str], frozenset[s
             out += [PutTaint(taint.handled(HANDLED_RESTART, decision.reason, **where)),
                     RestartGroup(f"health-aware restart: {decision.reason}")]
             break
-    return tuple(out), frozenset(said), frozenset(received)
+    return tuple(out), frozenset(said)
+
+
+def _already_moved(taint: Taint, seen: Seen) -> tuple[str, str] | None:
+    """(what moved it, why) when ``taint``'s rank has left the slot it names (pure): a swap done since the taint
+    was made moved that rank off that slot, or the rank runs elsewhere now. None for a migrate-back (its rank is
+    meant to move again) or a taint that names no slot."""
+    if taint.rank is None or taint.home is not None or taint.node_id is None or taint.slot is None:
+        return None
+    where = (taint.node_id, taint.slot, taint.rank)
+    for p, _rev in seen.plans:
+        if p.phase == Phase.DONE and p.history and p.history[-1][1] >= taint.time \
+                and any((m.leaver.node, m.leaver.slot, m.leaver.rank) == where for m in p.all_moves):
+            return p.id, f"rank {taint.rank} already left {taint.node_id}/{taint.slot} (swap {p.id})"
+    held = seen.view.slot_of_rank(taint.rank)
+    if held is not None and (held.node, held.slot) != (taint.node_id, taint.slot):
+        return HANDLED_COALESCED, (f"rank {taint.rank} already left {taint.node_id}/{taint.slot} "
+                                   f"(it runs on {held.node}/{held.slot})")
+    return None
 
 
 __all__ = ["Action", "CasPlan", "CreatePlan", "PutFailure", "PutFallback", "PutTaint", "RestartGroup", "Say", "Seen",
