@@ -1,7 +1,7 @@
 """etcd v3 rendezvous for tpassrun.
 
 Layout: ``config`` (EtcdConfig, RendezvousSettings), ``state`` (the data and its versioned JSON),
-``machine`` (pure decisions), ``etcd_link`` (the etcd
+``machine`` (pure decisions), ``lease`` (pure: when the lease is surely alive), ``etcd_link`` (the etcd
 connection and its reconnects), ``etcd_io`` (the only module that sends etcd requests), ``handler``
 (EtcdRendezvous: effects around the machine), ``embedded`` (a throw-away etcd server).
 """

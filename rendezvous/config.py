@@ -180,7 +180,7 @@ class RendezvousSettings:
     join_timeout: float = 600.0
     last_call_timeout: float = 30.0
     close_timeout: float = 30.0
-    lease_ttl: float = 10.0  # node liveness; the keepalive runs every ttl/3
+    lease_ttl: float = 10.0  # node liveness; the keepalive runs every ttl/10 (rendezvous.lease: when to fence)
     prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:

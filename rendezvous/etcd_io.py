@@ -21,8 +21,9 @@ import aetcd.exceptions as aetcd_errors
 
 from .config import EtcdConfig
 from .errors import RendezvousError
-from .etcd_link import (RECONNECT_ERRORS, EtcdConnection, cancelled_by_reconnect, one_line, patient_now,
+from .etcd_link import (RECONNECT_ERRORS, EtcdConnection, Link, cancelled_by_reconnect, one_line, patient_now,
                         raise_if_cancelling)
+from .lease import LeaseClock
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -86,17 +87,28 @@ class EtcdStore:
         self._owns_connection = connection is None
         self.connection = connection or EtcdConnection(config, clock=clock)
         self._clock = clock
-        self.requests = 0  # every etcd round-trip this store made (watch creations included)
+        self.requests = 0  # every etcd round-trip this store made (watch creations included, keepalives not)
+        self.keepalives = 0  # lease refreshes sent
         self._lease: Any = None
         self._leased_keys: dict[str, bytes] = {}  # re-written under a new lease after an expiry
         self._keepalive: asyncio.Task[None] | None = None
         self.lease_listeners: list[Callable[[], None]] = []  # called after the lease was re-granted
-        # Fencing: by our own clock the lease is surely alive until ``lease_deadline`` (send time of the last
-        # acknowledged grant/refresh + ttl; etcd counts from when it received it, which is later). Past it,
-        # the leader may already have declared us lost and handed our ranks to someone else.
-        self.lease_deadline = float("inf")
-        self.lease_epoch = 0  # bumped when the lease was found expired and re-granted
-        self._lease_changed = asyncio.Event()
+        # Fencing (the rule is rendezvous.lease): by our own clock the lease is surely alive until its deadline,
+        # the send time of the last acknowledged grant/refresh + its TTL (etcd counts from when it received it,
+        # which is later). Past it, the leader may already have declared us lost and handed our ranks away.
+        self.lease_clock = LeaseClock(float(lease_ttl))
+        self._lease_changed = asyncio.Event()   # set (and replaced) when a refresh found the lease expired
+        self._lease_acked = asyncio.Event()     # set (and replaced) at every acknowledged grant/refresh
+        self._refresh_now = asyncio.Event()     # etcd is back: refresh without waiting for the period
+
+    @property
+    def lease_epoch(self) -> int:
+        """Bumped when the lease was found expired (and then re-granted)."""
+        return self.lease_clock.epoch
+
+    @property
+    def lease_deadline(self) -> float:
+        return self.lease_clock.deadline
 
     @property
     def lease_id(self) -> int | None:
@@ -118,9 +130,12 @@ class EtcdStore:
             await self.connection.open()
         if self.lease_ttl > 0:
             await self._grant()
+            self.connection.listeners.append(self._on_link)
             self._keepalive = asyncio.create_task(self._keep_alive(), name="etcd-keepalive")
 
     async def close(self) -> None:
+        with contextlib.suppress(ValueError):
+            self.connection.listeners.remove(self._on_link)
         if self._keepalive is not None:
             self._keepalive.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -137,7 +152,8 @@ class EtcdStore:
 
     # --- low level -------------------------------------------------------------------------------------
 
-    async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]], *, forever: bool | None = None) -> T:
+    async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]], *, forever: bool | None = None,
+                    count: bool = True) -> T:
         """Run ``op`` on the current client, through reconnects. ``forever`` (default: in a task of :func:`patient_context`):
         wait out an outage of any length; otherwise raise RendezvousConnectionError once it has lasted
         reconnect_timeout."""
@@ -145,7 +161,7 @@ class EtcdStore:
             forever = patient_now()
         while True:
             client, epoch = await self.connection.acquire(forever=forever)
-            self.requests += 1
+            self.requests += count
             try:
                 return await op(client)
             except RECONNECT_ERRORS as exc:
@@ -161,68 +177,102 @@ class EtcdStore:
 
     async def _grant(self) -> None:
         sent = self._clock()
-        self._lease = await self._call(lambda c: c.lease(self.lease_ttl), forever=True)
-        self.lease_deadline = sent + self.lease_ttl
+
+        async def grant(c: aetcd.Client) -> Any:
+            nonlocal sent
+            sent = self._clock()   # of the attempt etcd answered (a reconnect may retry it)
+            return await c.lease(self.lease_ttl)
+
+        self._lease = await self._call(grant, forever=True)
+        self.lease_clock.granted(sent, self.lease_ttl)
+        self._acked()
+
+    async def _refresh(self) -> tuple[float, float]:
+        """One refresh, through reconnects: ``(send time of the attempt etcd answered, the TTL it replied)``. A
+        TTL of 0 is etcd saying the lease expired. An attempt unanswered for ``request_timeout`` counts as a
+        connection error: the connection is replaced (a partition drops packets, nothing ever fails)."""
+        sent = self._clock()
+        lease_id, timeout = self._lease.id, self.lease_clock.request_timeout
+
+        async def refresh(c: aetcd.Client) -> Any:
+            nonlocal sent
+            sent = self._clock()
+            self.keepalives += 1
+            return await asyncio.wait_for(c.refresh_lease(lease_id), timeout)
+
+        reply = await self._call(refresh, forever=True, count=False)
+        return sent, float(reply.TTL) if reply is not None else 0.0
+
+    def _on_link(self, link: Link, _detail: Any) -> None:
+        if link is Link.RESTORED:
+            self._refresh_now.set()   # read the lease back from etcd at once: the outage ate into its budget
+
+    def _acked(self) -> None:
+        self._lease_acked.set()
+        self._lease_acked = asyncio.Event()
 
     async def _keep_alive(self) -> None:
-        """Refresh the lease every ttl/3 for as long as the store is open, through outages of any length: when
-        etcd comes back after the lease expired, re-grant it and re-write our lease-bound keys."""
-        interval = max(0.2, self.lease_ttl / 3)
-        said = ""
+        """Refresh the lease every ``refresh_every`` for as long as the store is open, through outages of any
+        length (the connection retries twice a second meanwhile), and at once when etcd is back. When a refresh
+        finds the lease expired: re-grant it and re-write our lease-bound keys."""
+        lease = self.lease_clock
+        last, failed, said = self._clock(), False, ""
         while True:
-            await asyncio.sleep(interval)
+            delay = lease.next_refresh(self._clock(), last, failed)
+            if delay > 0 and not self._refresh_now.is_set():
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._refresh_now.wait(), delay)
+                raise_if_cancelling()
+            self._refresh_now.clear()
+            last = self._clock()
             try:
-                sent = self._clock()
-                # Bounded by the refresh interval: over a partition nothing answers, and the sooner a request
-                # fails the sooner the connection starts reconnecting.
-                reply = await self._call(
-                    lambda c: asyncio.wait_for(c.refresh_lease(self._lease.id), max(1.0, interval)), forever=True)
-                if reply is None or reply.TTL <= 0:
-                    self.lease_epoch += 1
-                    self._lease_changed.set()
-                    self._lease_changed = asyncio.Event()
-                    await self._regrant()
-                else:
-                    self.lease_deadline = max(self.lease_deadline, sent + reply.TTL)
-                said = ""
+                sent, ttl_left = await self._refresh()
+                failed, said = False, ""
+                if lease.acknowledged(sent, ttl_left):
+                    self._acked()
+                    continue
+                lease.expired()
+                self._lease_changed.set()
+                self._lease_changed = asyncio.Event()
+                await self._regrant()
             except RendezvousError as exc:   # etcd refused something (not an outage): say it once, keep trying
                 if self.connection.closed:
                     return
+                failed = True
                 if str(exc) != said:
                     said = str(exc)
-                    log.warning("etcd lease refresh failed (retrying every %.1f s): %s", interval, exc)
+                    log.warning("etcd lease refresh failed (retrying): %s", exc)
 
     async def lease_lost(self) -> str:
-        """Return, with a reason, once our lease may expire (or has expired) since this call: its local deadline
-        is less than min(1 s, ttl/6) away without a refresh, or a refresh found it expired (and it was
-        re-granted). Never returns without a lease."""
+        """Return, with a reason, once our lease may expire (or has expired) since this call: no refresh was
+        acknowledged until ``margin`` before its deadline (``rendezvous.lease``), or a refresh found it expired
+        (and it is re-granted). Never returns without a lease."""
         if self.lease_ttl <= 0:
             await asyncio.Event().wait()
-        epoch = self.lease_epoch
+        lease = self.lease_clock
+        epoch = lease.epoch
         while True:
-            if self.lease_epoch != epoch:
+            if lease.epoch != epoch:
                 return "etcd lease expired (found on refresh)"
-            # A margin before the deadline: killing the workers, and this event loop itself, take time, while
-            # the others need only a watch event to learn that our lease is gone.
-            remaining = self.lease_deadline - min(1.0, self.lease_ttl / 6) - self._clock()
+            remaining = lease.fence_at() - self._clock()
             if remaining <= 0:
-                return f"no etcd lease refresh acknowledged in time (lease ttl {self.lease_ttl} s)"
+                return (f"no etcd lease refresh acknowledged in time (lease ttl {self.lease_ttl} s: etcd may expire "
+                        f"it within {max(0.0, lease.deadline - self._clock()):.1f} s)")
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._lease_changed.wait(), remaining)
             raise_if_cancelling()
 
     def lease_sure(self) -> bool:
         """Whether, by our clock, the lease is surely alive now (the margin :meth:`lease_lost` keeps)."""
-        return self.lease_ttl <= 0 or self.lease_deadline - min(1.0, self.lease_ttl / 6) > self._clock()
+        return self.lease_ttl <= 0 or self.lease_clock.sure(self._clock())
 
     async def lease_held(self) -> None:
         """Return once the lease is surely alive again by our clock (a refresh or a re-grant was acknowledged
         since it looked lost): what :meth:`lease_lost` waits for next."""
-        if self.lease_ttl <= 0:
-            return
-        margin = min(1.0, self.lease_ttl / 6)
-        while self.lease_deadline - margin <= self._clock():
-            await asyncio.sleep(min(0.5, self.lease_ttl / 6))
+        while not self.lease_sure():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._lease_acked.wait(), 0.5)
+            raise_if_cancelling()
 
     async def _regrant(self) -> None:
         log.info("etcd lease expired (outage longer than %s s): re-registering", self.lease_ttl)

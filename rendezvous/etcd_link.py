@@ -39,8 +39,13 @@ CONNECTION_ERRORS = (
 )
 # etcd forgets its auth tokens when it restarts: the old client's token is refused, a new client logs in again.
 RECONNECT_ERRORS = (*CONNECTION_ERRORS, aetcd_errors.UnauthenticatedError)
-_PROBE_TIMEOUT_S = 5.0        # one reconnect attempt (a partition drops packets: nothing ever answers)
-_BACKOFF_MAX_S = 1.0
+_PROBE_TIMEOUT_S = 5.0   # one reconnect probe's patience (a loaded etcd, TLS and a login take a while)
+# While probes go unanswered (a partition drops packets: nothing fails, each TCP SYN is retried after 1, 3, 7 s)
+# a new one starts this often, so a healed link is found within about this long, not at the next retry of the
+# one probe in flight: the lease's budget (rendezvous.lease) is what an outage may cost, not a bit more.
+_PROBE_EVERY_S = 0.5
+_PROBES_IN_FLIGHT = 8
+_BACKOFF_MAX_S = 0.5     # between probes that failed at once (etcd down: connection refused)
 
 
 class Link(str, Enum):
@@ -243,34 +248,55 @@ class EtcdConnection:
                 raise failure
 
     async def _reconnect(self, old: aetcd.Client) -> None:
-        """Replace the client, with backoff, until one answers or the connection is closed."""
+        """Replace the client until one answers or the connection is closed: a probe on a fresh client, and
+        another every ``_PROBE_EVERY_S`` while none has answered (the first to answer wins); probes that fail at
+        once (etcd down) are retried with a short backoff."""
         await close_quietly(old)  # also ends its watches, which then resume on the new client
         delay, overdue = 0.05, False
-        while not self._closed:
-            self._endpoint_index += 1
-            client = self._new_client()
-            try:
-                await self._probe(client, min(self.config.read_timeout, _PROBE_TIMEOUT_S))
-            except (*CONNECTION_ERRORS, aetcd_errors.ClientError) as exc:
-                await close_quietly(client)
-                self._last_error = exc
+        timeout = min(self.config.read_timeout, _PROBE_TIMEOUT_S)
+        probes: dict[asyncio.Task[None], aetcd.Client] = {}
+        try:
+            while not self._closed:
+                if len(probes) < _PROBES_IN_FLIGHT:
+                    self._endpoint_index += 1
+                    client = self._new_client()
+                    probes[asyncio.create_task(self._probe(client, timeout), name="etcd-probe")] = client
+                done, _ = await asyncio.wait(probes, timeout=_PROBE_EVERY_S, return_when=asyncio.FIRST_COMPLETED)
+                winner: aetcd.Client | None = None
+                for task in done:
+                    client = probes.pop(task)
+                    exc = task.exception()
+                    if exc is None and winner is None and not self._closed:
+                        winner = client
+                        continue
+                    await close_quietly(client)
+                    if exc is not None:
+                        self._last_error = exc
+                if winner is not None:
+                    self._install(winner)
+                    return
                 if not overdue and self.failure is not None:
                     overdue = True
                     log.info("etcd at %s still unreachable after %g s; still trying", self.config.display,
                              self.config.reconnect_timeout)
-                    self._notify(Link.OVERDUE, exc)
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, _BACKOFF_MAX_S)
-                continue
-            if self._closed:
+                    self._notify(Link.OVERDUE, self._last_error)
+                if done:   # refused at once: etcd is down, not cut off; don't spin
+                    await asyncio.sleep(delay)
+                    delay = min(delay * 2, _BACKOFF_MAX_S)
+        finally:
+            for task in probes:
+                task.cancel()
+            for task, client in probes.items():
+                with contextlib.suppress(BaseException):
+                    await task
                 await close_quietly(client)
-                return
-            lasted = self._clock() - (self._outage_since or self._clock())
-            self._client, self._epoch, self._outage_since = client, self._epoch + 1, None
-            self._restored.set()
-            log.info("etcd at %s is back after %.1f s", self.config.display, lasted)
-            self._notify(Link.RESTORED, lasted)
-            return
+
+    def _install(self, client: aetcd.Client) -> None:
+        lasted = self._clock() - (self._outage_since or self._clock())
+        self._client, self._epoch, self._outage_since = client, self._epoch + 1, None
+        self._restored.set()
+        log.info("etcd at %s is back after %.1f s", self.config.display, lasted)
+        self._notify(Link.RESTORED, lasted)
 
     def _notify(self, link: Link, detail: Any) -> None:
         for listener in list(self.listeners):

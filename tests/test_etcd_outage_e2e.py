@@ -22,10 +22,10 @@ STEPS = 30
 DOWN_AT, BACK_BY = 8, 14    # etcd dies with the job held at DOWN_AT; the job waits at BACK_BY until it is back
 
 
-def _agent(out: str, train: str, endpoint: str, run_id: str, env: dict[str, str], ttl: int = 10) -> Job:
+def _agent(out: str, train: str, endpoint: str, run_id: str, env: dict[str, str]) -> Job:
     argv = [sys.executable, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "2",
             "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--rdzv-conf", f"lease_ttl={ttl},last_call_timeout=1,read_timeout=5,reconnect_timeout=30",
+            "--rdzv-conf", "lease_ttl=10,last_call_timeout=1,read_timeout=5,reconnect_timeout=30",
             "--log-dir", os.path.join(out, "logs"), EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.1",
             "--out", train, "--quiet"]
     return Job(argv=argv, out=out, env=env)
@@ -37,9 +37,9 @@ def test_an_etcd_restart_mid_run_is_survived_without_a_restart(tmp_path, fresh_e
     train = str(tmp_path / "train")
     down, back = hold_at(tmp_path, DOWN_AT, name="down"), hold_at(tmp_path, BACK_BY, name="back")
     env = faults_env(down.fault, back.fault)
-    # a lease well above the outage: the 3 s sleep plus etcd's own restart, 5.6 s on a loaded CI host, crossed
-    # the fencing threshold of a 10 s lease (a node fences itself when its refreshes stop being acknowledged)
-    jobs = [_agent(str(tmp_path / n), train, fresh_etcd.endpoint, run_id, env, ttl=30).start() for n in ("a", "b")]
+    # the default 10 s lease: the 3 s sleep plus etcd's own restart took 5.6 s on a loaded CI host, which fenced a
+    # node with a ttl/3 keepalive; the lease's budget is now ~8 s (rendezvous.lease)
+    jobs = [_agent(str(tmp_path / n), train, fresh_etcd.endpoint, run_id, env).start() for n in ("a", "b")]
     try:
         down.wait_reached(jobs[0])
         kill_etcd(fresh_etcd)

@@ -284,7 +284,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         while True:
             log.debug("waiting in rendezvous (run %s)", self.cfg.rdzv_id)
             joining_since = time.monotonic()
-            self._join_task = asyncio.ensure_future(self.rdzv.join())
+            self._join_task = asyncio.ensure_future(self._join())   # a signal cancels it
             try:
                 waited = 0.0
                 while not (await asyncio.wait({self._join_task}, timeout=WAITING_EVERY_S))[0]:

@@ -5,6 +5,7 @@ and what each one ends in (:class:`Outcome`). A mixin of :class:`tpassrun.agent.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
@@ -215,6 +216,19 @@ class Supervision:
             self.events.write("etcd_connection_restored", seconds=round(float(detail), 2))
 
     # ------------------------------------------------------------------ fencing
+    async def _join(self) -> Generation:
+        """Join the next generation once etcd has acknowledged our lease again, if it looks lost. A node
+        that just fenced joined at once, spawned its workers and fenced them again as soon as its new
+        generation's lease watch started, at every generation until a refresh got through (8 generations in
+        3 s, each restarting the job). Bounded by ``reconnect_timeout``: past it the join says etcd is gone."""
+        assert self.rdzv is not None
+        store = self.rdzv.store
+        if not store.lease_sure():
+            log.info("waiting for etcd to acknowledge this node's lease before joining again")
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.rdzv.lease_held(), store.config.reconnect_timeout)
+        return await self.rdzv.join()
+
     async def _watch_lease(self) -> None:
         assert self.rdzv is not None
         while True:
