@@ -24,7 +24,7 @@ faults go through ``tests/faults.py`` (kills, stalls, taints, partitions, etcd o
   partition         a member node cut off from everyone for less or more than the lease TTL (netns)
   disk_full         the log disk full, and a worker SIGKILLed meanwhile (tmpfs)
   malformed_value   garbage written to a swap, taint, failure, status, report, fallback key or the generation
-  taint_storm       three ranks tainted at once
+  taint_storm       three ranks tainted at once (racing tpassctl runs), one of them twice
   taint             one planned swap
 
 The first table has one row per fault: the step it hit, survived live (recovered with no whole-group restart)

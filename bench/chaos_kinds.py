@@ -219,10 +219,19 @@ def malformed_value(c: Cluster, rng: random.Random) -> str:
 
 
 def taint_storm(c: Cluster, rng: random.Random) -> str:
+    """Three ranks tainted at once (three ``tpassctl taint`` racing), one of them twice: the swaps must drain one
+    after another, the duplicate be coalesced, a rank left without a spare wait (said once)."""
+    import threading
+
     ranks = rng.sample(range(RANKS), 3)
-    for r in ranks:
-        taint(c.endpoint, c.run_id, rank=r, reason="chaos storm")
-    return f"ranks {ranks} tainted at once"
+    twice = rng.choice(ranks)
+    runs = [threading.Thread(target=taint, args=(c.endpoint, c.run_id), kwargs={"rank": r, "reason": "chaos storm"})
+            for r in (*ranks, twice)]
+    for t in runs:
+        t.start()
+    for t in runs:
+        t.join()
+    return f"ranks {ranks} tainted at once, rank {twice} twice"
 
 
 def planned_taint(c: Cluster, rng: random.Random) -> str:

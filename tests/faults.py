@@ -644,24 +644,20 @@ class SmallDisk:
         return os.geteuid() == 0
 
     def fill(self) -> None:
-        chunk = b"\0" * (1 << 20)
         try:
-            fh = open(self._filler, "ab")
+            fd = os.open(self._filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
         except OSError:     # full already (the logs did it)
             return
-        with fh:
-            try:
-                while True:
-                    fh.write(chunk)
-                    fh.flush()
-            except OSError:
-                pass
-            try:    # the last partial megabyte too
-                while True:
-                    fh.write(b"\0" * 4096)
-                    fh.flush()
-            except OSError:
-                pass
+        try:    # unbuffered: nothing is left to flush (and fail) at close
+            for size in (1 << 20, 4096, 1):     # the last partial megabyte and page too
+                chunk = b"\0" * size
+                try:
+                    while os.write(fd, chunk) > 0:
+                        pass
+                except OSError:
+                    pass
+        finally:
+            os.close(fd)
 
     def free(self) -> None:
         with contextlib.suppress(FileNotFoundError):
