@@ -63,7 +63,7 @@ class Cluster:
         self.run_id = "chaos-" + uuid.uuid4().hex[:8]
         self.train = os.path.join(work, "train")
         self.lab = NetLab(uuid.uuid4().hex[:4]) if netns else None
-        self.etcd = EtcdServer(NetLab.GATEWAY if self.lab else "127.0.0.1").start()
+        self.etcd = EtcdServer(self.lab.gateway if self.lab else "127.0.0.1").start()
         self.disk = SmallDisk(os.path.join(work, "logs"), size_mb=256) if small_disk else None
         self.logs = self.disk.path if self.disk else os.path.join(work, "logs")
         self.switches = FaultSwitches(os.path.join(work, "markers"), RANKS)

@@ -171,7 +171,7 @@ def forged_plan(c: Cluster, rng: random.Random) -> str:
 
 
 def _trap_host(c: Cluster) -> str:
-    return c.lab.GATEWAY if c.lab is not None else "127.0.0.1"
+    return c.lab.gateway if c.lab is not None else "127.0.0.1"
 
 
 def etcd_restart(c: Cluster, rng: random.Random) -> str:

@@ -562,19 +562,31 @@ class FaultSwitches:
 
 class NetLab:
     """Hosts with their own addresses on one machine (root only): a bridge in the root namespace holding
-    ``10.77.0.1/24`` and one network namespace per host with a veth on the bridge (``10.77.0.<10+i>``), as in
-    /work/shared/reference/testing.md. ``partition`` takes a host's link down (packets vanish, nothing is
-    refused), ``heal`` brings it back. Names carry a per-run prefix; ``close`` removes everything."""
-
-    GATEWAY = "10.77.0.1"
+    ``10.77.<k>.1/24`` and one network namespace per host with a veth on the bridge (``10.77.<k>.<10+i>``), as in
+    /work/shared/reference/testing.md. ``k`` is the first subnet no interface uses yet (from 1: the partition
+    test uses 10.77.0), so two labs (two benches at once) do not route each other's packets. ``partition`` takes
+    a host's link down (packets vanish, nothing is refused), ``heal`` brings it back. Names carry a per-run
+    prefix; ``close`` removes everything."""
 
     def __init__(self, tag: str) -> None:
         self.tag = tag[:6]
         self.bridge = f"tp{self.tag}br"
         self.hosts: dict[int, tuple[str, str, str, str]] = {}   # i -> (netns, host-side veth, ns-side veth, addr)
         self._ip("link", "add", self.bridge, "type", "bridge")
-        self._ip("addr", "add", f"{self.GATEWAY}/24", "dev", self.bridge)
+        for k in range(1, 250):
+            self.subnet = f"10.77.{k}"
+            if f" {self.subnet}." in subprocess.run(["ip", "-4", "-o", "addr"], capture_output=True, text=True).stdout:
+                continue
+            try:
+                self._ip("addr", "add", f"{self.gateway}/24", "dev", self.bridge)
+                break
+            except RuntimeError:   # taken by a lab starting at the same time
+                continue
         self._ip("link", "set", self.bridge, "up")
+
+    @property
+    def gateway(self) -> str:
+        return f"{self.subnet}.1"
 
     @staticmethod
     def available() -> bool:
@@ -589,7 +601,7 @@ class NetLab:
 
     def add_host(self, i: int) -> str:
         """Create host ``i``; returns its address."""
-        ns, outer, inner, addr = f"tp{self.tag}-h{i}", f"tp{self.tag}o{i}", f"tp{self.tag}i{i}", f"10.77.0.{10 + i}"
+        ns, outer, inner, addr = f"tp{self.tag}-h{i}", f"tp{self.tag}o{i}", f"tp{self.tag}i{i}", f"{self.subnet}.{10 + i}"
         self._ip("netns", "add", ns)
         self.hosts[i] = (ns, outer, inner, addr)
         self._ip("link", "add", outer, "type", "veth", "peer", "name", inner)
