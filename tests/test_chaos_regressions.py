@@ -78,3 +78,33 @@ def test_a_slot_whose_worker_died_serves_again_as_a_spare(tmp_path):
     assert returned and "died" in returned[0]["reason"], returned
     for r in range(2):
         assert [x["step"] for x in job.losses(r)] == list(range(STEPS)), f"rank {r}: a step lost or repeated"
+
+
+def test_a_joiner_stopped_as_it_receives_is_killed_and_the_next_spare_takes_the_rank(tmp_path, etcd_server, run_id):
+    """The spare taking rank 1 in a planned swap SIGSTOPs itself as it starts to receive. The hang watchdog
+    skipped every poll while a swap ran and looked only at running ranks, so the swap waited for the stopped
+    joiner until its 120 s phase timeout. Now the stopped joiner is killed after --hang-timeout, whatever its
+    phase, and the swap goes on with the next spare: live, every step once."""
+    from faults import hold_at, taint
+
+    hold = hold_at(tmp_path, 5)
+    stop = {"rank": 1, "where": "receive", "action": "stop", "step": 0, "marker": str(tmp_path / "stop")}
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=2,
+                       steps=30, step_sleep=0.05, extra=["--hang-timeout", "2"],
+                       env=faults_env(stop, hold.fault)).start()
+    try:
+        hold.wait_reached(job)
+        assert taint(etcd_server.endpoint, run_id, rank=1, reason="a joiner that hangs") == 0
+        hold.release_after(job, "swap_boundary")
+        assert job.wait(240) == 0, job.log()[-3000:]
+    finally:
+        hold.release()
+        job.kill()
+    assert os.path.exists(tmp_path / "stop"), "the fault never fired"
+    hangs = [e for e in job.events() if e["event"] == "hang_detected"]
+    assert [(e["what"], e["proc_state"], e["swap"]) for e in hangs] == [("stopped", "T", True)], hangs
+    names = [e["event"] for e in job.events()]
+    assert names.count("swap_resumed") == 1 and "fallback" not in names and "restart" not in names, names
+    assert [e["attempt"] for e in job.events() if e["event"] == "swap_done"][0] >= 1   # the next spare took it
+    for r in range(2):
+        assert [x["step"] for x in job.losses(r)] == list(range(30)), f"rank {r}: a step lost or repeated"
