@@ -12,6 +12,7 @@ import pytest
 
 from tpassrun import mirror as M
 from tpassrun import mirror_net as N
+from tpassrun import poly1305
 from tpassrun.wireauth import ACCEPT, HELLO, AuthError, ConnectorHandshake, TransferAuth
 
 pytestmark = pytest.mark.timeout(60)
@@ -206,6 +207,22 @@ def test_a_tampered_frame_is_not_kept(served):
     mac = N._mac_of(base, b"C", head, meta)
     mac.feed(b"hello")
     s.sendall(head + meta + b"jello" + mac.tag())          # one byte changed on the way
+    assert s.recv(100) == b""
+    s.close()
+    with served.client() as c:
+        assert c.get(4, "light") is None
+
+
+@pytest.mark.skipif(not poly1305.available(), reason="no Poly1305 in this host's libcrypto")
+def test_puts_carry_a_poly1305_payload_tag_and_a_tampered_one_is_not_kept(served):
+    with served.client() as c:                            # the server offered it: the client's PUTs use it
+        assert c.put(3, "shard/state", 5, [b"fast ", memoryview(bytearray(b"tag"))])
+        assert c._poly and c.get(3, "shard/state").data == b"fast tag"
+    s, base = _raw_authenticated(served)
+    meta = b'{"owner":4,"kind":"light","version":11,"epoch":0}'
+    head = struct.pack("<4sBBHQQ", b"TPMR", N.OP_PUT, N.PAYLOAD_POLY1305, len(meta), 5, 0)
+    tag = N._payload_tag(N._mac_of(base, b"C", head, meta), [b"hello"])
+    s.sendall(head + meta + b"jello" + tag)               # one byte changed on the way
     assert s.recv(100) == b""
     s.close()
     with served.client() as c:
