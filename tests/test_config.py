@@ -517,12 +517,15 @@ def test_role_ranks_count_per_role_in_group_rank_order():
 
 def test_shard_mirror_flags():
     cfg = parse("t.py")
-    assert (cfg.shard_mirror_interval, cfg.mirror_max_bytes) == (1, 1 << 30)
+    assert (cfg.shard_mirror_interval, cfg.mirror_max_bytes) == (None, 1 << 30)     # None: auto
+    assert parse("--shard-mirror-interval", "auto", "t.py").shard_mirror_interval is None
     cfg = parse("--shard-mirror-interval", "4", "--mirror-max-bytes", "24G", "t.py")
     assert (cfg.shard_mirror_interval, cfg.mirror_max_bytes) == (4, 24 << 30)
     assert parse("--mirror_max_bytes=512M", "--shard_mirror_interval=0", "t.py").mirror_max_bytes == 512 << 20
     with pytest.raises(ConfigError, match="shard-mirror-interval"):
         parse("--shard-mirror-interval", "-1", "t.py")
+    with pytest.raises(ConfigError, match="shard-mirror-interval"):
+        parse("--shard-mirror-interval", "sometimes", "t.py")
     for bad in ("lots", "1K"):
         with pytest.raises((ConfigError, SystemExit)):
             parse("--mirror-max-bytes", bad, "t.py")

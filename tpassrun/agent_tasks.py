@@ -57,13 +57,14 @@ class GenerationTasks:
                 continue
             before = said.get(w.rank)
             if before is not None and all(abs(now - was) <= was // 10
-                                          for now, was in zip((w.shard_bytes, w.shard_held), before)):
+                                          for now, was in zip((w.shard_bytes, w.shard_held), before[:2])) \
+                    and w.shard_interval == before[2]:
                 continue
-            said[w.rank] = (w.shard_bytes, w.shard_held)
+            said[w.rank] = (w.shard_bytes, w.shard_held, w.shard_interval)
             mirror = getattr(self, "mirror", None)
             buddy = mirror.buddy.node if mirror is not None and mirror.buddy is not None else None
             self.events.write("shard_mirror", rank=w.rank, slot=w.slot, bytes_per_refresh=w.shard_bytes,
-                              local_held=w.shard_held, interval=self.cfg.shard_mirror_interval,
+                              local_held=w.shard_held, interval=w.shard_interval or None,
                               buddy=buddy, mirrored_step=w.shard_mirrored)
 
     async def _status_panel(self) -> None:

@@ -42,7 +42,8 @@ class WorkerSpawning:
             E.TPASSRUN_CHANNEL: self.slots.channel_path, E.TPASSRUN_SLOT: str(slot.index),
             E.TPASSRUN_AGENT_SOCK: self.slots.sock_path, E.TPASSRUN_GENERATION: str(gen.number),
             E.TPASSRUN_NODE_ID: self.node_id,
-            E.TPASSRUN_SHARD_MIRROR_INTERVAL: str(self.cfg.shard_mirror_interval),
+            E.TPASSRUN_SHARD_MIRROR_INTERVAL: "auto" if self.cfg.shard_mirror_interval is None
+            else str(self.cfg.shard_mirror_interval),
         }
         if spare:
             extra[E.TPASSRUN_SPARE] = "1"

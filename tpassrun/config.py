@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from . import envnames as E
+from .shard_interval import parse as parse_interval
 from .config_rules import (_accelerator_count, _is_number, check_endpoint, cpu_count, derived_omp,
                            determine_local_world_size, parse_local_ranks_filter, parse_min_max_nnodes, parse_rdzv_conf,
                            resolve_etcd_endpoint, static_etcd_endpoint, with_default_port)
@@ -199,9 +200,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     ours.add_argument("--mirror-max-bytes", "--mirror_max_bytes", type=_byte_size, default=1 << 30,
                       help="Host memory this agent's mirror store may hold for other nodes' ranks (bytes, or with a "
                            "K/M/G/T suffix; default 1G): 2 x each mirrored rank's shard, see the README.")
-    ours.add_argument("--shard-mirror-interval", "--shard_mirror_interval", type=int, default=1,
+    ours.add_argument("--shard-mirror-interval", "--shard_mirror_interval", type=str, default="auto",
                       help="Refresh the in-memory copies of sharded state (sess.track_sharded: ZeRO, FSDP) every K "
-                           "steps (default 1; an unplanned failure then recomputes up to K-1 steps; 0 = off).")
+                           "steps (an unplanned failure then recomputes up to K-1 steps; 0 = off). Default 'auto': "
+                           "the ranks measure a refresh's background CPU against the step time and agree on the "
+                           "smallest K (<= 16) that keeps it within 1%% of a step."),
 
     add("training_script", type=str, help="The training script (or module, or binary) and its arguments.")
     add("training_script_args", nargs=argparse.REMAINDER)
@@ -274,8 +277,11 @@ def parse_args(
         raise ConfigError(f"--log-dir={ns.log_dir} is a file")
     if ns.spares_per_node < 0:
         raise ConfigError(f"--spares-per-node must be >= 0 (got {ns.spares_per_node})")
-    if ns.shard_mirror_interval < 0:
-        raise ConfigError(f"--shard-mirror-interval must be >= 0 (got {ns.shard_mirror_interval})")
+    try:
+        parse_interval(ns.shard_mirror_interval)
+    except ValueError:
+        raise ConfigError(f"--shard-mirror-interval must be an integer >= 0 or 'auto' (got "
+                          f"{ns.shard_mirror_interval!r})") from None
     if ns.metrics_port is not None and not 0 <= ns.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be a port number (0-65535), not {ns.metrics_port}")
     if ns.metrics_port is not None:
@@ -361,7 +367,7 @@ def parse_args(
         straggler_factor=ns.straggler_factor,
         migrate_back=ns.migrate_back,
         metrics_port=ns.metrics_port,
-        shard_mirror_interval=ns.shard_mirror_interval,
+        shard_mirror_interval=parse_interval(ns.shard_mirror_interval),
         mirror_max_bytes=ns.mirror_max_bytes,
     )
 

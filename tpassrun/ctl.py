@@ -227,14 +227,16 @@ def _render_status(snap: RunSnapshot) -> None:
     console.print(workers)
     mirrored = [w for w in snap.workers() if w.get("shard_held")]
     if mirrored:
-        mirror = Table("node", "rank", "local copies", "per refresh", "mirrored step", "sent", title="sharded state "
+        mirror = Table("node", "rank", "local copies", "per refresh", "every", "mirrored step", "sent",
+                       title="sharded state "
                        "mirror (host memory)", title_justify="left")
         for w in mirrored:
             row(mirror, w["node_id"], w.get("rank", "-"), _size(w["shard_held"]), _size(w.get("shard_bytes") or 0),
+                f"{w['shard_interval']} step(s)" if w.get("shard_interval") else "(measuring)",
                 w.get("shard_mirrored") if w.get("shard_mirrored") is not None else "-", _size(w.get("shard_sent") or 0))
         for node_id, status in sorted(snap.status.items()):
             if status.mirror_held:
-                row(mirror, node_id, "(buddy copies)", _size(status.mirror_held), "", "", "")
+                row(mirror, node_id, "(buddy copies)", _size(status.mirror_held), "", "", "", "")
         console.print(mirror)
 
     if snap.taints:

@@ -35,6 +35,7 @@ class WorkerRow:
     shard_bytes: int = 0
     shard_mirrored: int | None = None
     shard_sent: int = 0
+    shard_interval: int = 0     # refreshes every K steps (0: not fixed yet: --shard-mirror-interval auto measures)
 
     def to_json(self) -> dict[str, Any]:
         doc = {"slot": self.slot, "rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
@@ -43,7 +44,7 @@ class WorkerRow:
                "replicas": None if self.replicas is None else list(self.replicas)}
         if self.shard_held:
             doc.update(shard_held=self.shard_held, shard_bytes=self.shard_bytes, shard_mirrored=self.shard_mirrored,
-                       shard_sent=self.shard_sent)
+                       shard_sent=self.shard_sent, shard_interval=self.shard_interval)
         return doc
 
     @classmethod
@@ -61,7 +62,8 @@ class WorkerRow:
                    shard_held=_int(doc, "shard_held", what, 0, minimum=0),
                    shard_bytes=_int(doc, "shard_bytes", what, 0, minimum=0),
                    shard_mirrored=_opt_int(doc, "shard_mirrored", what),
-                   shard_sent=_int(doc, "shard_sent", what, 0, minimum=0))
+                   shard_sent=_int(doc, "shard_sent", what, 0, minimum=0),
+                   shard_interval=_int(doc, "shard_interval", what, 0, minimum=0))
 
 
 @dataclass(frozen=True)

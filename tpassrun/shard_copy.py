@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Any, Protocol, Sequence
 
 
@@ -34,6 +35,7 @@ class _ThreadJob:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.error: BaseException | None = None
+        self.cpu_s = 0.0                # the copy thread's CPU time for this job (shard_interval.py measures it)
 
     def fence(self) -> None:
         self._event.wait()
@@ -71,6 +73,7 @@ class CpuCopier:
 
         while True:
             pairs, job = self._jobs.get()
+            t0 = time.thread_time()
             try:
                 with torch.no_grad():
                     for dst, src in pairs:
@@ -78,6 +81,7 @@ class CpuCopier:
             except BaseException as exc:  # noqa: BLE001 - reported by the ring, never kills the thread
                 job.error = exc
             finally:
+                job.cpu_s = time.thread_time() - t0
                 job._event.set()
 
 

@@ -230,6 +230,7 @@ class PushStats:
     sent_bytes: int = 0            # total
     last_bytes: int = 0            # one version
     last_seconds: float = 0.0
+    last_cpu_s: float = 0.0        # the pusher thread's CPU time for one version (frame, MAC, socket)
     errors: int = 0
     last_error: str = ""
 
@@ -334,6 +335,7 @@ class MirrorPusher:
             try:
                 if version.job is not None:
                     version.job.wait()
+                cpu0 = time.thread_time()
                 parts = encode_parts(version.shard)
                 nbytes = sum(len(p) for p in parts)
                 t0 = time.perf_counter()
@@ -351,7 +353,7 @@ class MirrorPusher:
                 backoff = 0.0
                 s = self.stats
                 s.pushed_step, s.pushes, s.sent_bytes = version.step, s.pushes + 1, s.sent_bytes + nbytes
-                s.last_bytes, s.last_seconds = nbytes, seconds
+                s.last_bytes, s.last_seconds, s.last_cpu_s = nbytes, seconds, time.thread_time() - cpu0
                 s.last_error, self._stalled = "", False
                 if self._on_pushed is not None:
                     self._on_pushed(s)
@@ -376,12 +378,15 @@ class ShardState:
     """A worker's sharded-state machinery: the ring, the pusher, the refresh interval, and what it publishes
     in its channel slot (versions held, bytes held and sent) for its agent. Made by ``sess.track_sharded``."""
 
-    def __init__(self, owner: int, interval: int, publish: Callable[[Any, int], None],
-                 copier: Copier | None = None) -> None:
+    def __init__(self, owner: int, interval: int | str | None, publish: Callable[[Any, int], None],
+                 copier: Copier | None = None, store: Any = None) -> None:
+        from .shard_interval import IntervalPolicy
+
         self.ring = ShardRing(copier)
-        self.interval = interval
+        self.policy = IntervalPolicy(interval, store)     # None or "auto": measured, agreed (shard_interval.py)
         self._publish = publish
         self._began = False
+        self._costed: tuple[Version, float] | None = None  # the newest refresh, its main-thread CPU
         self.retarget_due = False       # the worker asks the agent for its buddy again (after a re-formed world)
         self.pusher = MirrorPusher(self.ring, owner, on_pushed=self._pushed)
 
@@ -391,16 +396,24 @@ class ShardState:
 
         from . import envnames as E
 
-        raw = os.environ.get(E.TPASSRUN_SHARD_MIRROR_INTERVAL, "1")
+        from .shard_interval import AUTO, parse
+
+        raw = os.environ.get(E.TPASSRUN_SHARD_MIRROR_INTERVAL, AUTO)
         try:
-            interval = max(0, int(raw))
+            parse(raw)
         except ValueError:
-            interval = 1
-        return cls(owner, interval, publish)
+            log.warning("%s=%r is not an interval: using %s", E.TPASSRUN_SHARD_MIRROR_INTERVAL, raw, AUTO)
+            raw = AUTO
+        return cls(owner, raw, publish)
+
+    @property
+    def interval(self) -> int:
+        """Refresh every ``interval`` steps (0: never); under ``auto`` 1 until decided."""
+        return self.policy.interval
 
     @property
     def enabled(self) -> bool:
-        return self.interval > 0
+        return self.policy.enabled
 
     def begin(self, step: int, objects: tuple[Mapping[str, Any], Mapping[str, Any]], *, light: bytes | None) -> None:
         """At a step start: snapshot it if it is a refresh step (every ``interval``-th, and the first one this
@@ -408,11 +421,15 @@ class ShardState:
         framework's ``state_dict()`` may initialise the optimizer's state to describe it (torch's
         ``get_optimizer_state_dict`` runs a zero-gradient step, which moves Adam's step count), and a death in
         step 0 loses nothing to a whole-group restart anyway."""
-        if not self.enabled or step == 0 or (self._began and step % self.interval):
+        if not self.enabled or step == 0:
             return
-        if self.ring.get(step) is not None:
-            return      # re-executing a step after a rollback: that copy is this very state
+        self.policy.step_started(step, time.perf_counter())
+        due = self.policy.due(step)
+        if (self._began and not due) or self.ring.get(step) is not None:
+            return      # not a refresh step; or re-executing a step after a rollback: that copy is this very state
         self._began = True
+        self._account()
+        cpu0 = time.thread_time()
         held = self.ring.versions()
         if held:
             self.pusher.wait_pushed(held[-1])    # the mirror lags one version at most (module docstring)
@@ -421,7 +438,28 @@ class ShardState:
         if version is None:
             log.debug("step %d: shard snapshot skipped, the previous one is still being pushed", step)
             return
+        self._costed = (version, time.thread_time() - cpu0)
         self.pusher.offer()
+
+    def _account(self) -> None:
+        """The background CPU the previous refresh took, for ``auto`` (shard_interval.py): its part on this thread,
+        the copy thread's, the pusher's and as much again for the receiving agent. Called once its push is done
+        (the next refresh waited for it)."""
+        from .shard_interval import RECEIVER_FACTOR
+
+        costed, self._costed = self._costed, None
+        if costed is None or self.policy.decided:
+            return
+        version, main_s = costed
+        copy_s = getattr(version.job, "cpu_s", 0.0) if version.job is not None else 0.0
+        stats = self.pusher.stats
+        push_s = stats.last_cpu_s * (1 + RECEIVER_FACTOR) if stats.pushed_step == version.step else 0.0
+        if self.pusher.pushing and not push_s:
+            return      # its push did not land (yet): not a representative sample
+        self.policy.refresh_cost(main_s + copy_s + push_s)
+
+    def after_reform(self) -> None:
+        self.policy.after_reform()
 
     def fence(self) -> None:
         """The live state changes from here on (the commit point, or the step's end)."""
@@ -439,6 +477,7 @@ class ShardState:
         newest = self.ring.get(held[-1]) if held else None
         if newest is not None:     # what a refresh pushes: nothing without a mirror (the console says so)
             self._publish(Field.SHARD_BYTES, newest.shard_nbytes if self.pusher.pushing else 0)
+        self._publish(Field.SHARD_INTERVAL, self.interval if self.policy.decided else 0)
 
     def _pushed(self, stats: PushStats) -> None:
         from .channel import Field

@@ -288,7 +288,8 @@ class LocalSlots:
                 pushed = self.field(s, Field.SHARD_PUSHED)
                 shard = {"shard_held": self.field(s, Field.SHARD_HELD), "shard_bytes": self.field(s, Field.SHARD_BYTES),
                          "shard_mirrored": pushed - 1 if pushed > 0 else None,
-                         "shard_sent": self.field(s, Field.SHARD_SENT)}
+                         "shard_sent": self.field(s, Field.SHARD_SENT),
+                         "shard_interval": self.field(s, Field.SHARD_INTERVAL)}
             out.append(WorkerRow(slot=s.index, rank=s.rank, local_rank=s.local_rank, pid=s.pid,
                                  state=str(getattr(s.state, "value", s.state)), step=step, managed=s.managed,
                                  spare=s.state == SlotState.SPARE, last_step_ms=round(last / 1e6, 3),

@@ -123,6 +123,7 @@ class ShardedState:
         if self._shards is None:
             return
         self._shards.retarget_due = True            # asked at the next step start, once "reformed" is said
+        self._shards.after_reform()                 # a joiner reads the refresh interval there (shard_interval.py)
         due, self._shard_restore_due = self._shard_restore_due, None
         if due is not None:
             self._shards.restore(due, self._shard_objects()[0], None)

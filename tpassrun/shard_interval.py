@@ -1,0 +1,154 @@
+"""How often sharded state is refreshed (``--shard-mirror-interval``): a fixed K, or ``auto`` (the default).
+
+A refresh (:mod:`tpassrun.shards`) costs a healthy step little on its own thread (the ``state_dict()`` calls), but
+it costs CPU in the background: the copy, the frame and its MAC, the socket, and the receiving agent's side. On a
+host whose cores all compute (a CPU job; a GPU host whose data loaders use every core) that CPU is taken from the
+step. ``auto`` bounds it: the first :data:`DECIDE_STEP` - 1 steps refresh every step and measure what a refresh
+costs (CPU of the training thread's part, the copy thread, the pusher thread, and as much again for the receiver)
+and how long a step takes; at step :data:`DECIDE_STEP` the rank picks the smallest K that keeps the amortized cost
+within :data:`BUDGET` of a step (at most :data:`MAX_INTERVAL`): :func:`choose`.
+
+Every rank must refresh at the same steps (a recovery needs a step that the survivors' local copies and the lost
+rank's mirror both hold), so the ranks agree on one K: at step :data:`DECIDE_STEP` each one proposes its K to the
+world's store with a compare-and-set, and the first proposal wins for all (one store round trip, once). A rank
+that joins a re-formed world after that step reads the K the survivors wrote there (each re-formed world has a
+store prefix of its own). A rank that cannot reach the store keeps K = 1 and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+from datetime import timedelta
+from typing import Any, Sequence
+
+log = logging.getLogger("tpassrun.shards")
+
+AUTO = "auto"
+DECIDE_STEP = 8         # steps 1..7 refresh every step and measure; K is fixed at this step's start
+MAX_INTERVAL = 16       # the most steps an unplanned recovery recomputes is MAX_INTERVAL - 1
+BUDGET = 0.01           # the background CPU of refreshes, amortized, as a fraction of the step time
+RECEIVER_FACTOR = 1.0   # the receiving agent's CPU per refresh, relative to the pusher's (recv, tag, store)
+STORE_KEY = "tpassrun/shard_mirror_interval"
+FETCH_TIMEOUT_S = 60.0
+
+
+def parse(raw: str | int | None) -> int | None:
+    """``--shard-mirror-interval``'s value -> K (0: off), or None for ``auto``. Raises ValueError."""
+    if raw is None or (isinstance(raw, str) and raw.strip().lower() == AUTO):
+        return None
+    value = int(raw)
+    if value < 0:
+        raise ValueError(f"must be >= 0 or {AUTO!r} (got {raw})")
+    return value
+
+
+def choose(refresh_cpu_s: Sequence[float], step_s: Sequence[float]) -> tuple[int, str]:
+    """Pure: K from the measured background CPU of a refresh and the step time (medians), and why."""
+    if not refresh_cpu_s or not step_s:
+        return 1, "nothing measured"
+    cost, step = statistics.median(refresh_cpu_s), statistics.median(step_s)
+    if step <= 0:
+        return 1, "no step time"
+    k = min(MAX_INTERVAL, max(1, math.ceil(cost / (BUDGET * step) - 1e-9)))
+    return k, (f"a refresh costs {cost * 1e3:.2f} ms of background CPU, a step takes {step * 1e3:.1f} ms: every {k} "
+               f"step(s) keeps it at {cost / k / step * 100:.2f}% of a step")
+
+
+def _default_store() -> Any:
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d as c10d
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return c10d._get_default_store()
+
+
+class IntervalPolicy:
+    """One rank's refresh interval: fixed, or ``auto`` (measured, then agreed; see the module docstring).
+    ``store``: a ``torch.distributed.Store`` (tests); None: the default group's, looked up when needed."""
+
+    def __init__(self, raw: str | int | None, store: Any = None) -> None:
+        fixed = parse(raw)
+        self.auto = fixed is None
+        self.interval = 1 if fixed is None else fixed
+        self.decided = not self.auto
+        self.why = "" if self.auto else "fixed by --shard-mirror-interval"
+        self._store = store
+        self._costs: list[float] = []
+        self._steps: list[float] = []
+        self._last: tuple[int, float] | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.interval > 0
+
+    def store(self) -> Any:
+        return self._store if self._store is not None else _default_store()
+
+    # --- measuring ---
+    def step_started(self, step: int, now: float) -> None:
+        if self.auto and self._last is not None and step == self._last[0] + 1:
+            self._steps.append(now - self._last[1])
+        self._last = (step, now)
+
+    def refresh_cost(self, cpu_s: float) -> None:
+        if self.auto and not self.decided:
+            self._costs.append(cpu_s)
+
+    # --- deciding ---
+    def due(self, step: int) -> bool:
+        """Whether ``step`` is a refresh step (deciding K first at :data:`DECIDE_STEP`)."""
+        if self.auto:
+            if step == DECIDE_STEP:
+                self._agree()
+            elif step > DECIDE_STEP and not self.decided:
+                self._fetch()
+        return self.enabled and step % self.interval == 0
+
+    def _agree(self) -> None:
+        if self.decided:
+            proposal, why = self.interval, self.why        # re-executing this step in a re-formed world
+        else:
+            # the first refreshes are a process's warm-up: measure the later ones
+            proposal, why = choose(self._costs[2:] or self._costs, self._steps[2:] or self._steps)
+        try:
+            store = self.store()
+            agreed = proposal if store is None else int(store.compare_set(STORE_KEY, "", str(proposal)))
+        except Exception as exc:  # noqa: BLE001 - no store: refresh every step, as a fixed K = 1 would
+            log.warning("cannot agree on a shard mirror interval with the other ranks (%s): refreshing every step",
+                        exc)
+            agreed, why = 1, f"no agreement ({exc})"
+        self._set(agreed, why if agreed == proposal else f"agreed with the other ranks (this one proposed {proposal})")
+
+    def _fetch(self) -> None:
+        try:
+            store = self.store()
+            if store is None:
+                raise RuntimeError("no process group")
+            store.wait([STORE_KEY], timedelta(seconds=FETCH_TIMEOUT_S))
+            agreed = int(store.get(STORE_KEY))
+            why = "the interval the other ranks agreed on"
+        except Exception as exc:  # noqa: BLE001 - as above
+            log.warning("cannot read the shard mirror interval the other ranks use (%s): refreshing every step", exc)
+            agreed, why = 1, f"no agreement ({exc})"
+        self._set(agreed, why)
+
+    def _set(self, k: int, why: str) -> None:
+        self.interval, self.why, self.decided = max(1, min(MAX_INTERVAL, k)), why, True
+        log.info("shard mirror interval: every %d step(s): %s", self.interval, why)
+
+    def after_reform(self) -> None:
+        """In a re-formed world: a rank that knows K writes it under the new world's store prefix, for a joiner."""
+        if not (self.auto and self.decided):
+            return
+        try:
+            store = self.store()
+            if store is not None:
+                store.set(STORE_KEY, str(self.interval))
+        except Exception as exc:  # noqa: BLE001 - a joiner then falls back to K = 1 and says so
+            log.warning("cannot publish the shard mirror interval to the re-formed world: %s", exc)
+
+
+__all__ = ["AUTO", "BUDGET", "DECIDE_STEP", "IntervalPolicy", "MAX_INTERVAL", "choose", "parse"]
