@@ -11,9 +11,11 @@ Pure functions of the job's files (``first_step_done``, ``steady_ms_per_step``, 
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
+import signal
 import statistics
 import sys
 import tempfile
@@ -27,6 +29,47 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from conftest import EtcdServer  # noqa: E402  (tests/ is not a package)
 from faults import Job, faults_env, kill_at, taint  # noqa: E402,F401  (re-exported for the benches)
+
+# ---------------------------------------------------------------------------------------------
+# no orphans: a bench stopped by a signal kills what it started
+
+# Jobs and etcd servers run in sessions of their own (so a fault can kill a job's whole group), so a signal to the
+# bench reaches none of them, and a SIGTERMed bench used to leave its tpassrun/torchrun jobs training on. Everything
+# a bench starts is remembered here; at exit (normal, an exception, Ctrl-C's KeyboardInterrupt) it is killed, and
+# SIGTERM/SIGHUP become an exit (SystemExit: every ``finally`` and ``with`` runs first, then this).
+_STARTED: list[Any] = []
+
+
+def _remembered(cls: Any) -> None:
+    start = cls.start
+
+    def start_remembered(self: Any, *args: Any, **kwargs: Any) -> Any:
+        _STARTED.append(self)
+        return start(self, *args, **kwargs)
+
+    cls.start = start_remembered
+
+
+def stop_everything_started() -> None:
+    """Kill every job and stop every etcd server this bench started that is still running (newest first)."""
+    while _STARTED:
+        thing = _STARTED.pop()
+        try:
+            thing.kill() if isinstance(thing, Job) else thing.cleanup()     # etcd: stopped, its data dir removed
+        except Exception as exc:  # noqa: BLE001 - keep stopping the others
+            print(f"bench: could not stop {type(thing).__name__}: {exc}", file=sys.stderr)
+
+
+def _exit_on_signal(signum: int, _frame: Any) -> None:
+    signal.signal(signum, signal.SIG_DFL)      # a second signal is not caught again
+    raise SystemExit(128 + signum)
+
+
+_remembered(Job)
+_remembered(EtcdServer)
+atexit.register(stop_everything_started)
+for _sig in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(_sig, _exit_on_signal)
 
 # torchrun 2.13 shares the rendezvous TCPStore with the workers by default, and every restart then fails in
 # gloo init (torchrun.md 3.7 item 1); with sharing disabled a restart works, so that is the fair baseline.
