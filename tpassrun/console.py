@@ -180,8 +180,10 @@ class Describer:
                 return (f"{_rank(ev)}sharded state kept in local copies only, not mirrored (under HSDP its "
                         f"declared replicas hold it): {_bytes(ev.get('local_held'))}")
             where = f"node {_short(ev['buddy'])}'s memory" if ev.get("buddy") else "this agent's memory (no other node)"
-            return (f"{_rank(ev)}sharded state mirrored to {where}: {_bytes(ev.get('bytes_per_refresh'))} every "
-                    f"{ev.get('interval')} step(s); its local copies hold {_bytes(ev.get('local_held'))}")
+            every = (f"every {ev['interval']} step(s)" if ev.get("interval")
+                     else "every step while it measures the cost (--shard-mirror-interval auto)")
+            return (f"{_rank(ev)}sharded state mirrored to {where}: {_bytes(ev.get('bytes_per_refresh'))} {every}; "
+                    f"its local copies hold {_bytes(ev.get('local_held'))}")
         if name == "recovery_decided":
             return f"recovery decided ({ev.get('action')}): {ev.get('reason')}"
         if name == "swap_decided":
