@@ -5,7 +5,8 @@ parameters only), against the same script under plain torchrun.
 * two agents on one etcd (two "nodes", 1 rank + 1 spare each: 4 processes): rank 1's slice is mirrored in node
   A's memory; SIGKILLed inside its optimizer step (after its own slice changed), its replacement on node B takes
   the slice from A's mirror and the model from rank 0; rank 0 keeps its process, 0 steps lost;
-* one agent (2 ranks + 1 spare), rank 1 killed at a random instant from outside.
+* one agent (2 ranks + 1 spare), rank 1 killed at a random instant from outside (refreshes at the default
+  interval, and every 3 steps: then up to 2 steps are recomputed from older copies).
 DeepSpeed ZeRO-1/2 and FSDP2 are in tests/test_deepspeed_real.py and tests/test_torchtitan_real.py."""
 
 from __future__ import annotations
@@ -85,18 +86,21 @@ def test_a_ranks_slice_comes_back_from_the_other_nodes_mirror(tmp_path, etcd_ser
     assert {e["rank"] for e in said} == {0, 1} and all(e["buddy"] for e in said), said
 
 
-def test_a_kill_at_a_random_instant_is_recovered_from_the_mirror(tmp_path, etcd_server, run_id, reference):
+@pytest.mark.parametrize("interval,kill_from", [("auto", 3), ("3", 9)], ids=["auto", "every-3"])
+def test_a_kill_at_a_random_instant_is_recovered_from_the_mirror(tmp_path, etcd_server, run_id, reference, interval,
+                                                                  kill_from):
+    """With every 3 steps (killed after step 8), the recovery recomputes up to 2 steps from older copies."""
     out = str(tmp_path / "job")
     argv = [sys.executable, "-m", "tpassrun", "--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint",
             etcd_server.endpoint, "--rdzv-id", run_id, "--nproc-per-node", "2", "--spares-per-node", "1",
-            "--log-dir", os.path.join(out, "logs"), EXAMPLE, *ARGS, "--out", out]
+            "--shard-mirror-interval", interval, "--log-dir", os.path.join(out, "logs"), EXAMPLE, *ARGS, "--out", out]
     # rank 0 waits at a late step until the kill is done, so the job cannot end first (if it gets there, the kill
     # finds rank 1 waiting in that step's collective: an instant like any other)
     late = hold_at(tmp_path, STEPS - 4)
     job = Job(argv=argv, out=out, env=faults_env(late.fault)).start()
     rnd = random.Random()
     try:
-        job.wait_step(rnd.randint(3, 12), 240, rank=1)
+        job.wait_step(rnd.randint(kill_from, kill_from + 9), 240, rank=1)
         time.sleep(rnd.uniform(0.0, 0.08))
         assert sigkill_rank(out, 1) is not None
         late.release()
