@@ -16,7 +16,7 @@ import pytest
 
 from test_mirror import KEY, _frame, _Served
 from tpassrun import mirror as M
-from tpassrun import mirror_net as N
+from tpassrun import mirror_client as N
 from tpassrun.channel import ChannelFile, Field
 from tpassrun.wireauth import AuthError
 
@@ -85,7 +85,7 @@ def test_a_frame_pushed_right_before_a_sigkill_is_delivered(served):
     code = textwrap.dedent(f"""
         import os, signal, sys, zlib
         sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
-        from tpassrun.mirror_net import PushStream
+        from tpassrun.mirror_client import PushStream
         s = PushStream("127.0.0.1", {served.server.port}, {KEY!r}, run_id="run-1").connect()
         body = b"TPL1" + os.urandom(12000)
         frame = body + b"TPLE" + zlib.crc32(body).to_bytes(4, "little")

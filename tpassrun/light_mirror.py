@@ -5,7 +5,7 @@ which leaves a race: a node that dies in the instants after a step's seal was wr
 round to copying it, takes the only copy along, and the survivors that completed the step cannot resume. So the
 worker hands each snapshot to the kernel itself, at the moment it writes it (the seal in the backward pass, before
 this rank's gradients reach the step's all-reduce; a step-start snapshot before the step's first collective):
-one MAC'd frame of ~10 KB through an already-open one-way connection (:class:`tpassrun.mirror_net.PushStream`),
+one MAC'd frame of ~10 KB through an already-open one-way connection (:class:`tpassrun.mirror_client.PushStream`),
 sent without waiting for any answer. A process killed right after that (the node's agent SIGKILLed, the worker
 with it, or the worker alone) still has the frame delivered: the kernel sends what it accepted before it closes
 the connection in order. No survivor can complete the step before this rank contributed to its all-reduce, so
@@ -113,7 +113,7 @@ class LightMirror:
             target = self._target if gen == self._gen else None
         if target is None:
             return
-        from .mirror_net import PushStream
+        from .mirror_client import PushStream
         from .mirror_store import MirrorError
 
         stream = PushStream(target.addr, target.port, target.key, run_id=target.run_id)

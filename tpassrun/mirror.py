@@ -43,7 +43,7 @@ over its direction, sequence number, header, meta and payload; sizes are checked
 is drawn once per run and kept in the run's authenticated etcd (:func:`ensure_mirror_key`), never on a command
 line or in a file; workers get it over their private agent socket.
 
-The wire protocol is :mod:`tpassrun.mirror_net`'s.
+The wire protocol and the server are :mod:`tpassrun.mirror_net`'s, the clients :mod:`tpassrun.mirror_client`'s.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
-from .mirror_net import BAD_REQUEST, NOT_FOUND, OK, REFUSED, MirrorClient, MirrorServer
+from .mirror_client import MirrorClient
+from .mirror_net import BAD_REQUEST, NOT_FOUND, OK, REFUSED, MirrorServer
 from .mirror_store import DEFAULT_MAX_BYTES, MirrorEntry, MirrorError, MirrorFull, MirrorItem, MirrorStore
 
 

@@ -34,7 +34,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
 from .shard_copy import Copier, CopyJob, CpuCopier, CudaCopier, make_copier
