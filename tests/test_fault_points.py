@@ -48,3 +48,28 @@ def test_a_sleep_unless_a_file_exists(tmp_path, faults, monkeypatch):
     done.write_text("")
     testing.fault_point(0, 7)
     assert slept == [1.5, 1.5]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_the_small_disk_fills_to_the_last_byte_without_failing_and_frees_again(tmp_path):
+    """bench/chaos.py's disk_full kind. SmallDisk.fill wrote through a buffered file whose close flushed into the
+    full disk and raised ENOSPC, on an empty disk too: a 50-fault run crashed at its disk_full fault (fault 13),
+    the next noted 'harness error: No space left on device' there, and both were read as the logs having filled
+    the tmpfs. Filling twice (a disk already full) and freeing must not raise."""
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    from faults import SmallDisk
+
+    disk = SmallDisk(str(tmp_path / "logs"), size_mb=2)
+    try:
+        (tmp_path / "logs" / "worker.log").write_bytes(b"x" * 1000)
+        disk.fill()
+        disk.fill()
+        st = os.statvfs(disk.path)
+        assert st.f_bavail == 0
+        disk.free()
+        st = os.statvfs(disk.path)
+        assert st.f_bavail * st.f_frsize >= (2 << 20) - (64 << 10)     # only the log (and the fs's own) left
+    finally:
+        disk.close()
