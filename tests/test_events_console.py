@@ -111,3 +111,60 @@ def test_a_fenced_node_back_as_a_spare_node_counts_no_whole_group_restart():
     d.describe(_ev("generation_joined", 20.0, node="host1-1-ab", generation=1, world_size=4,
                    members=["host3-3-ef", "host2-2-cd"]))
     assert d.tally.restarts == []
+
+
+def test_a_full_disk_that_frees_gets_the_event_log_back_said_once_with_the_gap(tmp_path, capsys):
+    """The chaos harness's disk_full fault frees the disk again; the event log (and the workers' tee copies,
+    below) gave up for good at the first ENOSPC and stayed empty for the rest of the run. Now the file is tried
+    again every RETRY_S, a gap record says how many events it missed, and stderr says each change once."""
+    from tpassrun import events
+
+    now = [0.0]
+    path = tmp_path / "e.jsonl"
+    ev = EventLog(str(path), node_id="n", clock=lambda: now[0]).open()
+    ev.write("a")
+    ev._fh.close()
+    ev._fh = open("/dev/full", "w", buffering=1)           # the disk fills up
+    for i in range(3):
+        ev.write("lost", i=i)
+        now[0] += 1.0
+    assert ev.write_error and "No space left" in ev.write_error
+    now[0] += events.RETRY_S
+    ev.write("b")
+    ev.write("c")
+    ev.close()
+    got = [(e["event"], e.get("dropped")) for e in read_events(str(path))]
+    assert got == [("a", None), ("event_log_gap", 3), ("b", None), ("c", None)], got
+    err = capsys.readouterr().err
+    assert err.count("cannot write the event log") == 1 and err.count("is written again (3 event(s) dropped") == 1
+    assert ev.write_error is None
+
+
+def test_a_tee_copy_that_failed_writes_again_once_the_disk_frees(caplog):
+    import io
+
+    from tpassrun import procs
+
+    class Disk(io.BytesIO):
+        full = False
+        name = "stdout.log"
+
+        def write(self, data):
+            if self.full:
+                raise OSError(28, "No space left on device")
+            return super().write(data)
+
+    now = [0.0]
+    disk = Disk()
+    copier = procs._StreamCopier(disk, None, b"", None, (), clock=lambda: now[0])
+    copier.feed(b"one\n")
+    disk.full = True
+    for _ in range(50):                                   # a chatty worker while the disk is full: said once
+        copier.feed(b"lost\n")
+        now[0] += 0.5
+    disk.full = False
+    now[0] += procs.RETRY_BROKEN_COPY_S
+    copier.feed(b"two\n")
+    assert disk.getvalue() == b"one\ntwo\n"
+    said = [r.getMessage() for r in caplog.records if "worker's output" in r.getMessage()]
+    assert len(said) == 2 and "cannot write" in said[0] and "again (" in said[1] and "bytes dropped" in said[1], said

@@ -25,7 +25,8 @@ import shutil
 import signal
 import sys
 import tempfile
-from collections.abc import Iterable, Mapping
+import time
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from string import Template
 from typing import IO, BinaryIO
@@ -36,6 +37,7 @@ log = logging.getLogger(__name__)
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _PUMP_CHUNK = 65536
+RETRY_BROKEN_COPY_S = 5.0   # a worker output copy that failed (a full disk) is tried again this often
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,25 +215,39 @@ class _StreamCopier:
     """Copies a worker pipe to its log file, and complete lines (prefixed) to the console."""
 
     def __init__(self, file: IO[bytes], console: BinaryIO | None, prefix: bytes,
-                 filtered: IO[bytes] | None, filters: tuple[bytes, ...]) -> None:
+                 filtered: IO[bytes] | None, filters: tuple[bytes, ...],
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.file, self.console, self.prefix = file, console, prefix
         self.filtered, self.filters = filtered, filters
         self._partial = b""
-        self._broken: set[str] = set()     # copies whose writes failed (reported once, then skipped)
+        self._clock = clock
+        self._broken: dict[str, list[float]] = {}   # copy -> [since, last try, bytes dropped] while it fails
 
     def _write(self, name: str, stream: IO[bytes] | BinaryIO, data: bytes) -> None:
-        """A write that fails (disk full, a closed console) is reported once and that copy stops; the pipe is
-        still drained, so the worker never blocks on its own output and the job goes on."""
-        if name in self._broken:
+        """A write that fails (disk full, a closed console) is reported once; that copy then drops what comes
+        and tries again every RETRY_BROKEN_COPY_S, and says once when it writes again (a full disk freed). The
+        pipe is always drained, so the worker never blocks on its own output and the job goes on."""
+        down = self._broken.get(name)
+        now = self._clock()
+        if down is not None and now - down[1] < RETRY_BROKEN_COPY_S:
+            down[2] += len(data)
             return
         try:
             stream.write(data)
             stream.flush()
         except (OSError, ValueError) as exc:
-            self._broken.add(name)
-            log.warning(
-                "cannot write the worker's output to %s (%s): dropping that copy, the job goes on",
-                getattr(stream, "name", name), getattr(exc, "strerror", None) or exc)
+            if down is None:
+                self._broken[name] = [now, now, len(data)]
+                log.warning("cannot write the worker's output to %s (%s): dropping it (trying again every %g s), "
+                            "the job goes on", getattr(stream, "name", name),
+                            getattr(exc, "strerror", None) or exc, RETRY_BROKEN_COPY_S)
+            else:
+                down[1], down[2] = now, down[2] + len(data)
+            return
+        if down is not None:
+            del self._broken[name]
+            log.warning("writing the worker's output to %s again (%d bytes dropped over %.0f s)",
+                        getattr(stream, "name", name), down[2], now - down[0])
 
     def feed(self, chunk: bytes) -> None:
         self._write("log file", self.file, chunk)
