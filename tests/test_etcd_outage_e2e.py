@@ -22,10 +22,10 @@ STEPS = 30
 DOWN_AT, BACK_BY = 8, 14    # etcd dies with the job held at DOWN_AT; the job waits at BACK_BY until it is back
 
 
-def _agent(out: str, train: str, endpoint: str, run_id: str, env: dict[str, str]) -> Job:
+def _agent(out: str, train: str, endpoint: str, run_id: str, env: dict[str, str], ttl: int = 10) -> Job:
     argv = [sys.executable, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "2",
             "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
-            "--rdzv-conf", "lease_ttl=10,last_call_timeout=1,read_timeout=5,reconnect_timeout=30",
+            "--rdzv-conf", f"lease_ttl={ttl},last_call_timeout=1,read_timeout=5,reconnect_timeout=30",
             "--log-dir", os.path.join(out, "logs"), EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.1",
             "--out", train, "--quiet"]
     return Job(argv=argv, out=out, env=env)
@@ -67,3 +67,36 @@ def test_an_etcd_restart_mid_run_is_survived_without_a_restart(tmp_path, fresh_e
         assert "fenced" not in names and "restart" not in names and "fallback" not in names, names
         log = j.log()
         assert log.count("etcd unreachable") == 1 and log.count("etcd reachable again after") == 1, log[-3000:]
+
+
+def test_an_outage_past_the_leases_budget_fences_each_node_once_and_the_job_goes_on(tmp_path, fresh_etcd, run_id):
+    """A 4 s lease and a 4.5 s etcd outage: every node must fence (it cannot know that etcd is down for everyone
+    rather than cut off from it alone). Each fences once and joins one new generation: a fenced node used to
+    join at once, with its lease still unconfirmed, and fence again at every generation (8 in 3 s)."""
+    train = str(tmp_path / "train")
+    down, back = hold_at(tmp_path, DOWN_AT, name="down"), hold_at(tmp_path, BACK_BY, name="back")
+    env = faults_env(down.fault, back.fault)
+    jobs = [_agent(str(tmp_path / n), train, fresh_etcd.endpoint, run_id, env, ttl=4).start() for n in ("a", "b")]
+    try:
+        down.wait_reached(jobs[0])
+        kill_etcd(fresh_etcd)
+        down.release()
+        time.sleep(4.5)                    # longer than the lease's budget (~3.3 s without a refresh)
+        start_etcd_again(fresh_etcd)
+        for j in jobs:
+            j.wait_event("etcd_connection_restored")
+        back.release()
+        codes = [j.wait(240) for j in jobs]
+    finally:
+        down.release()
+        back.release()
+        for j in jobs:
+            j.kill()
+    assert codes == [0, 0], "\n".join(j.log()[-3000:] for j in jobs)
+    logs = Job(argv=[], out=train)
+    for r in range(4):
+        assert {x["step"] for x in logs.losses(r)} == set(range(STEPS)), f"rank {r}: steps never completed"
+    for j in jobs:
+        names = [e["event"] for e in j.events()]
+        assert names.count("fenced") == 1, names
+        assert names.count("generation_joined") == 2, names

@@ -199,7 +199,7 @@ def test_a_node_cut_off_from_etcd_fences_its_workers_and_the_spare_node_takes_it
             j.kill()
         proxy.close()
     fenced = [e for e in a.events() if e["event"] == "fenced"]
-    assert fenced and sorted(fenced[0]["pids"]) == sorted(a_pids)
+    assert len(fenced) == 1 and sorted(fenced[0]["pids"]) == sorted(a_pids), fenced
     assert_bit_exact(Job(argv=[], out=train), reference, 4, relogged_by=a_pids)
     pids = _pids_by_rank(train, 4)
     dead_rank = next(r for r in range(4) if int(open(died).read().split()[0]) in pids[r])

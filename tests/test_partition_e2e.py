@@ -220,7 +220,8 @@ def test_a_partitioned_node_is_replaced_live_and_survivors_blocked_on_it_are_bro
         ref.kill()
         etcd.stop()
     fenced = [e for e in b.events() if e["event"] == "fenced"]
-    assert fenced and sorted(fenced[0]["pids"]) == sorted(b_pids)
+    assert len(fenced) == 1 and sorted(fenced[0]["pids"]) == sorted(b_pids), fenced
+    assert len([e for e in b.events() if e["event"] == "generation_joined"]) == 2   # rejoined once, as a spare
     broken = [e for e in a.events() if e["event"] == "collectives_broken"]
     assert broken and sorted(broken[0]["ranks"]) == [0, 1], broken
     recovered = [e for e in c.events() if e["event"] == "node_recovered"]
