@@ -1,6 +1,7 @@
 """A second fault during a recovery, decided purely (tpassrun/triage.py, tpassrun/swap.py): another rank dying
 while a plan runs supersedes it (no fallback), and the dead ranks are replaced together by one plan when spares
-and replicas remain, else the group restarts saying why; a death while the world re-forms restarts the group.
+and replicas remain, else the group restarts saying why; a death while the world re-forms is recovered by the next
+plan (the others wait where they stopped, the joiners keep what they received), or restarts the group naming it.
 A recovery that was resuming a mixed commit (survivors one transaction apart) is planned again from scratch: the
 new plan asks where everyone stands, and the dead ranks' kept snapshots put them at one step again."""
 
@@ -81,14 +82,83 @@ def test_no_live_replica_left_restarts_the_group():
     assert decision.action == "fallback" and "no live replica" in decision.reason
 
 
-def test_a_death_while_the_world_re_forms_restarts_the_group_at_once():
+def _reforming_view(*dead: tuple[str, int], spares: int = 2) -> ClusterView:
+    """As :func:`view` while ``unplanned`` re-forms the world: its joiner b/0 runs rank 1 already."""
+    v = view(*dead, spares=spares)
+    return dataclasses.replace(v, slots=tuple(dataclasses.replace(s, rank=1, state="running", step=9)
+                                              if (s.node, s.slot) == ("b", 0) else s for s in v.slots))
+
+
+def _in_reform() -> SwapPlan:
     plan = unplanned(Phase.REFORM)
-    result = triage(seen(view(("a", 1), ("a", 2)), [failure(1, "plan"), failure(2)], ((plan, 5),)))
+    return dataclasses.replace(plan, history=plan.history + ((Phase.REFORM.value, NOW),))
+
+
+def test_a_death_while_the_world_re_forms_is_recovered_live_by_the_next_plan():
+    """Rank 2 is killed while the world re-forms for rank 1's recovery: the recovery is given up without a restart
+    (every rank waits where it stopped, the joiner keeps rank 1's state), and the next tick replaces rank 2 from a
+    replica that is not the joiner (its state is not loaded yet)."""
+    plan = _in_reform()
+    v = _reforming_view(("a", 1), ("a", 2))
+    result = triage(seen(v, [failure(1, "plan"), failure(2)], ((plan, 5),)))
+    aborted = _superseded(result, [2])
+    assert "rank 2 died while the world re-formed for the recovery of rank(s) [1]" in aborted.outcome
+    assert not any(isinstance(a, PutFailure) for a in result.actions)      # rank 1 stays the joiner's
+    result = triage(seen(v, [failure(1, "plan"), failure(2)], ((aborted, 6),)))
+    create = [a.plan for a in result.actions if isinstance(a, CreatePlan)]
+    assert len(create) == 1 and create[0].kind == SwapKind.UNPLANNED and create[0].leaver == SlotRef("a", 2, 2)
+    assert create[0].donor == SlotRef("a", 0, 0) and create[0].joiner == SlotRef("b", 1, 2)
+    assert "b" in create[0].nodes                                        # the joiner's node re-forms with them
+    # once a later plan is done, the former joiner donates like any rank
+    done = dataclasses.replace(create[0], phase=Phase.DONE, history=((Phase.DONE.value, NOW + 5),))
+    v2 = _reforming_view(("a", 0), ("a", 1))
+    result = triage(seen(v2, [failure(0)], ((aborted, 6), (done, 9))))
+    plan3 = next(a.plan for a in result.actions if isinstance(a, CreatePlan))
+    assert plan3.donor.node == "b" and plan3.donor.rank == 1
+
+
+def test_a_joiner_dying_while_the_world_re_forms_restarts_the_group_naming_it():
+    plan = _in_reform()
+    v = _reforming_view(("a", 1))
+    v = dataclasses.replace(v, slots=tuple(dataclasses.replace(s, state="dead") if (s.node, s.slot) == ("b", 0)
+                                           else s for s in v.slots))
+    joiner = ("b-0", Failure(node="b", slot=0, rank=1, code=-9, step=9, light=False, generation=2))
+    result = triage(seen(v, [failure(1, "plan"), joiner], ((plan, 5),)))
     cas = [a for a in result.actions if isinstance(a, CasPlan)]
-    assert cas[0].new.phase == Phase.ABORTED and not cas[0].new.superseded and cas[0].new.outcome is None
-    assert "re-formed" in cas[0].decision.reason
+    assert cas[0].new.phase == Phase.ABORTED and cas[0].new.superseded and cas[0].new.outcome is None
+    fallback = [a for a in result.actions if isinstance(a, PutFallback)]
+    assert len(fallback) == 1 and fallback[0].node == "b"
+    why = fallback[0].fallback.reason
+    assert "rank 1 died while the world re-formed" in why and "joiner died" in why and "\n" not in why
+    assert [(a.failure.rank, a.failure.handled) for a in result.actions if isinstance(a, PutFailure)] == [(1, "fallback")]
+
+
+def test_a_death_while_the_world_re_forms_with_no_spare_left_restarts_the_group_naming_it():
+    plan = _in_reform()
+    v = _reforming_view(("a", 1), ("a", 2), spares=1)
+    result = triage(seen(v, [failure(1, "plan"), failure(2)], ((plan, 5),)))
+    cas = [a for a in result.actions if isinstance(a, CasPlan)]
+    assert cas[0].new.phase == Phase.ABORTED and cas[0].new.outcome is None      # a second fault: spends a restart
+    fallback = [a.fallback for a in result.actions if isinstance(a, PutFallback)]
+    assert len(fallback) == 1 and "rank 2 died while the world re-formed" in fallback[0].reason
+    assert "no spare" in fallback[0].reason and fallback[0].slot == 2
     marked = [a.failure for a in result.actions if isinstance(a, PutFailure)]
-    assert [(f.rank, f.handled) for f in marked] == [(2, "fallback")]   # not planned: the group restarts
+    assert [(f.rank, f.handled) for f in marked] == [(2, "fallback")]
+
+
+def test_a_death_while_a_planned_swap_re_forms_is_recovered_live_and_the_taint_stays_served():
+    taint = Taint(id="t1", effect=TaintEffect.MIGRATE, reason="ecc", source="tpassctl", node_id="a", slot=1, rank=1,
+                  handled_by="s-1", state="migrating")
+    plan = SwapPlan(id="s-1", kind=SwapKind.PLANNED, generation=2, leaver=SlotRef("a", 1, 1),
+                    joiner=SlotRef("b", 0, 1), donor=None, phase=Phase.REFORM, reason="ecc", nodes=("a", "b"),
+                    taint_id="t1", secret="00", history=((Phase.PAUSE.value, NOW), (Phase.REFORM.value, NOW)))
+    v = _reforming_view(("a", 2))
+    v = dataclasses.replace(v, slots=tuple(dataclasses.replace(s, state="idle", rank=None) if (s.node, s.slot) == ("a", 1)
+                                           else s for s in v.slots))
+    result = triage(seen(v, [failure(2)], ((plan, 3),), (taint,)))
+    aborted = _superseded(result, [2])
+    assert "the swap of rank 1" in aborted.outcome
+    assert not any(isinstance(a, PutTaint) for a in result.actions)        # rank 1 moved: not asked for again
 
 
 def test_a_planned_swap_during_which_another_rank_dies_is_asked_for_again():

@@ -113,3 +113,39 @@ def test_the_joiner_dying_with_no_other_spare_restarts_the_group_saying_why(tmp_
     assert fallback[0]["mono"] - died < 60          # no phase timeout (120 s) was waited out
     for r in range(3):
         assert [x["step"] for x in job.losses(r)][-STEPS:] == list(range(STEPS))
+
+
+def _reform_kill(rank: int, marker: str) -> dict:
+    """``rank`` dies on its way into the next re-formed world (before it has joined: the others wait for it)."""
+    return {"rank": rank, "step": 0, "any_step": True, "where": "reform", "action": "kill", "marker": marker}
+
+
+def test_a_rank_killed_while_the_world_re_forms_for_a_recovery_is_recovered_live(tmp_path, etcd_server, run_id,
+                                                                                  baseline3):
+    """Rank 1 dies; while the world re-forms for its recovery, rank 2 is killed. The others stop joining and wait
+    where they are (rank 1's joiner keeps its state), and rank 2 is replaced by the other spare from rank 0: no
+    group restart, no --max-restarts spent."""
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
+                       steps=STEPS, step_sleep=SLEEP,
+                       env=faults_env(kill_at(1, 8, str(tmp_path / "f1")), _reform_kill(2, str(tmp_path / "f2"))))
+    _run(job)
+    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    _live(job)
+    superseded = [e for e in job.events() if e["event"] == "recovery_superseded"]
+    assert superseded and superseded[0]["phase"] == "reform", superseded
+    assert_bit_exact(job, baseline3, 3)
+    pids = pids_by_rank(job, 3)
+    assert len(pids[0]) == 1, pids
+
+
+def test_a_rank_killed_while_the_world_re_forms_for_a_planned_swap_is_recovered_live(tmp_path, etcd_server, run_id,
+                                                                                      baseline3):
+    hold = hold_at(tmp_path, 6)
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
+                       steps=STEPS, step_sleep=SLEEP, env=faults_env(_reform_kill(2, str(tmp_path / "f")), hold.fault))
+    _run(job, hold=hold, endpoint=etcd_server.endpoint, run_id=run_id, taint_rank=1)
+    assert os.path.exists(tmp_path / "f"), "the fault never fired"
+    _live(job)
+    assert_bit_exact(job, baseline3, 3)
+    pids = pids_by_rank(job, 3)
+    assert len(pids[0]) == 1, pids

@@ -313,7 +313,7 @@ class NodePlans:
                                donor=move.donor.rank if move.donor else None, nbytes=msg.nbytes)
         return int(msg.nbytes or 0)
 
-    async def _reform(self, plan: SwapPlan) -> Report:
+    async def _reform(self, plan: SwapPlan) -> Report | None:
         me, slots = self.me, self.sw._slots
         gen = self.port.generation()
         assert gen is not None
@@ -340,11 +340,11 @@ class NodePlans:
                     dead.rank = None
         if plan.store is not None:
             self.port.set_master(plan.store, plan.store_host)
-        answers = await asyncio.gather(*(slots.expect(s, (Reformed,), PHASE_TIMEOUT_S) for s in waiting))
-        for s, msg in zip(waiting, answers):
-            if msg is None or msg.ok is False:
-                return Report(node=me, phase=plan.phase, ok=False,
-                              error=f"rank {s.rank} did not join the new world: {msg.error if msg else None}")
+        answers = await self.sw._await_reformed(plan, waiting)
+        if answers is None:
+            return None
+        if isinstance(answers, str):
+            return Report(node=me, phase=plan.phase, ok=False, error=answers)
         self.port.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
         return Report(node=me, phase=plan.phase)
 

@@ -166,6 +166,15 @@ class Abort(Message):
 
 
 @dataclass(frozen=True)
+class AbortJoin(Message):
+    """Give up the world being re-formed (a rank died on its way into it): a rank stays at its resume step, a
+    joiner keeps the state it received, both without a process group, for the recovery that replaces the dead
+    rank. Answered by a :class:`Reformed` with ``ok=False`` (from a worker that was still joining)."""
+
+    KIND: ClassVar[str] = "abort_join"
+
+
+@dataclass(frozen=True)
 class ShardRollback(Message):
     """A survivor loads its own local copy of ``step``'s start (sharded state; the dead rank's newest mirrored
     shard is older than where the survivors stopped). Answered by :class:`ShardRolledBack`."""
@@ -330,12 +339,12 @@ class Reformed(Message):
 
 
 Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort, ShardRollback, MirrorInfo,
-                Break, CatchUp]
+                Break, CatchUp, AbortJoin]
 Reply = Union[Hello, Done, Failed, Replicas, Listening, Received, Stranger, LightOk, Reformed, ShardRolledBack,
               MirrorInfoRequest, Watch]
 COMMANDS: dict[str, type[Message]] = {c.KIND: c for c in (Resume, SendState, Reform, Exit, Raise, Assign, Light,
                                                              Reserve, Abort, ShardRollback, MirrorInfo, Break,
-                                                             CatchUp)}
+                                                             CatchUp, AbortJoin)}
 REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Replicas, Listening, Received,
                                                             Stranger, LightOk, Reformed, ShardRolledBack,
                                                             MirrorInfoRequest, Watch)}
@@ -411,7 +420,7 @@ def _build(cls: type, doc: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-__all__ = ["Abort", "Assign", "Break", "COMMANDS", "CatchUp", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
+__all__ = ["Abort", "AbortJoin", "Assign", "Break", "COMMANDS", "CatchUp", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
            "Listening", "Message", "MirrorInfo", "MirrorInfoRequest", "ProtocolError", "REPLIES", "Raise", "MirrorSource", "Received",
            "Reform", "Reformed", "Replicas", "Reply", "ShardRollback", "ShardRolledBack", "Reserve", "Resume", "SendState", "Stranger", "Watch", "WorldSpec", "decode",
            "decode_command", "decode_reply", "encode"]

@@ -18,7 +18,7 @@ from typing import Any
 from . import shardplane
 from .channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
 from .port import FallbackRequested
-from .protocol import (Abort, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform, Reformed,
+from .protocol import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform, Reformed,
                        Resume, SendState, Stranger, WorldSpec)
 from .records import Move, Report, SwapPlan, load, node_info
 from .slots import Slot, SlotState
@@ -378,7 +378,7 @@ class PhaseSteps:
             return f"{move.joiner.node}/{move.joiner.slot} is not a spare ({held.state if held else 'unknown'})"
         return None
 
-    async def _reform(self, plan: SwapPlan) -> Report:
+    async def _reform(self, plan: SwapPlan) -> Report | None:
         me = self.port.node_id
         gen = self.port.generation()
         assert gen is not None
@@ -415,19 +415,69 @@ class PhaseSteps:
                 leaver.state = SlotState.QUARANTINED
                 self.died(leaver)
             leaver.rank = None
-        timings = {}
-        for s in waiting:
-            msg = await self._slots.expect(s, (Reformed,), PHASE_TIMEOUT_S)
-            if msg is None or msg.ok is False:
-                return Report(node=me, phase=plan.phase, ok=False,
-                              error=f"rank {s.rank} did not join the new world: {msg.error if msg else None}")
-            timings[str(s.rank)] = msg.timings()
+        answers = await self._await_reformed(plan, waiting)
+        if answers is None:
+            return None
+        if isinstance(answers, str):
+            return Report(node=me, phase=plan.phase, ok=False, error=answers)
+        timings = {str(s.rank): msg.timings() for s, msg in zip(waiting, answers)}
         self.port.events.write("swap_reform_timings", swap_id=plan.id, ranks=timings)
         self.port.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
         return Report(node=me, phase=plan.phase)
 
+    async def _await_reformed(self, plan: SwapPlan, waiting: list[Slot]) -> list[Reformed] | str | None:
+        """Every rank's "reformed"; or why not as soon as one of them died or failed to join (a rank killed while
+        the world re-forms is reported at once, not after the others' wait for it times out: the leader decides
+        what the death means, tpassrun.triage); or None once the leader gave the plan up meanwhile (plans are
+        followed one at a time, so this wait must look): the local ranks still joining are told to stop."""
+        async def one(s: Slot) -> tuple[Slot, Reformed | None]:
+            return s, await self._slots.expect(s, (Reformed,), PHASE_TIMEOUT_S)
+
+        tasks = {asyncio.ensure_future(one(s)): s for s in waiting}
+        pending, key = set(tasks), self._keys.swap(plan.id)
+        try:
+            while pending:
+                done, pending = await asyncio.wait(pending, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                for t in [t for t in tasks if t in done]:      # (in rank order when several failed at once)
+                    s, msg = t.result()
+                    if msg is None or msg.ok is False:
+                        return f"rank {s.rank} did not join the new world: {msg.error if msg else None}"
+                if pending:
+                    doc, rev = await self._store.get_json(key)
+                    now = load(SwapPlan.from_json, key, doc, rev) if doc is not None else None
+                    if now is not None and now.phase == Phase.ABORTED:
+                        for t in pending:
+                            t.cancel()
+                        await self._abort_joins([tasks[t] for t in pending])
+                        return None
+            return [t.result()[1] for t in tasks]
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _abort_joins(self, joining: list[Slot]) -> None:
+        """Tell the local ranks still waiting to enter a re-formed world that it was given up (protocol.AbortJoin),
+        and take their answers, so that none is mistaken for the next re-form's."""
+        joining = [s for s in joining if s.alive and self._slots.phase(s) == WorkerPhase.RECONFIGURING]
+        for s in joining:
+            self._slots.send(s, AbortJoin())
+        await asyncio.gather(*(self._slots.expect(s, (Reformed,), 10.0) for s in joining))
+        if joining:
+            self.port.events.write("swap_join_aborted", ranks=[s.rank for s in joining])
+
     async def _abort(self, plan: SwapPlan) -> None:
         me = self.port.node_id
+        if len(plan.history) >= 2 and plan.history[-2][0] == Phase.REFORM.value:
+            # given up while the world re-formed (a rank died on its way into it): the ranks still joining stop
+            # and wait where they are, without a process group, for the recovery that replaces the dead rank
+            # (superseded), or for the group restart; nobody resumes training
+            await self._abort_joins([s for s in self._slots.slots if s.state == SlotState.RUNNING])
+            self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=plan.outcome or "aborted")
+            if not plan.superseded and plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me:
+                self.port.post(FallbackRequested(f"rank {plan.leaver.rank} cannot be recovered live: "
+                                                 f"{plan.outcome or 'its recovery was aborted'}",
+                                                 self._slots.slots[plan.leaver.slot], free=plan.outcome is not None))
+            return
         for s in self._slots.slots:
             self._slots.set_run_until(s, INT64_MAX)
             # A leaver whose sending failed is still TRANSFERRING (waiting for its next command): resume it

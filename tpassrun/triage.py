@@ -161,6 +161,10 @@ def _decide(seen: Seen) -> Triage:
             assert decision.plan is not None
             restart = (RestartGroup(f"{plan.reason}: {why}"),) if plan.kind == SwapKind.NODE else ()
             return Triage(tuple(out) + (CasPlan(plan, decision.plan, rev, decision),) + restart)
+        if plan.phase == Phase.REFORM:
+            late = _reform_deaths(plan, seen)
+            if late:
+                return Triage(tuple(out) + _death_in_reform(plan, rev, late, seen))
         second = _second_faults(plan, seen)
         if second:
             return Triage(tuple(out) + _supersede(plan, rev, second, seen))
@@ -309,6 +313,90 @@ def _second_faults(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
             and f.node not in lost and f.rank not in moved]
 
 
+def _reform_deaths(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
+    """Deaths not handled yet while ``plan`` re-forms the world: any rank's, its joiners' included."""
+    lost = set(seen.view.lost)
+    return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
+            and f.node not in lost]
+
+
+def _reforming(p: SwapPlan) -> bool:
+    """``p`` was given up while its world re-formed and a recovery took over (its joiners hold their ranks'
+    received state, not yet loaded: they wait, without a process group, for the next re-form)."""
+    return p.superseded and p.phase == Phase.ABORTED and len(p.history) >= 2 and p.history[-2][0] == Phase.REFORM.value
+
+
+def _unjoined(seen: Seen) -> set[tuple[str, int]]:
+    """The slots of joiners that wait for a world that was given up (no plan finished since): they cannot donate."""
+    out: set[tuple[str, int]] = set()
+    for p, _rev in seen.plans:
+        if not _reforming(p) or p.generation < seen.spawned_generation:
+            continue
+        when = p.history[-1][1]
+        if not any(q.phase == Phase.DONE and q.history[-1][1] >= when for q, _ in seen.plans):
+            out |= {(m.joiner.node, m.joiner.slot) for m in p.all_moves}
+    return out
+
+
+def _donor_view(seen: Seen) -> ClusterView:
+    """The cluster as a donor is chosen from: a joiner still waiting to enter its world holds its rank's state as
+    received bytes, it cannot stream it (marked unmanaged here, which only the choice of donors reads)."""
+    unjoined = _unjoined(seen)
+    if not unjoined:
+        return seen.view
+    return dataclasses.replace(seen.view, slots=tuple(dataclasses.replace(s, managed=False)
+                                                      if (s.node, s.slot) in unjoined else s for s in seen.view.slots))
+
+
+def _death_in_reform(plan: SwapPlan, rev: int, late: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[Action, ...]:
+    """A rank died while ``plan`` re-formed the world (pure). The others stop joining and wait where they are (the
+    participants tell them, swap_phases._abort_joins), the joiners keep the state they received, and the dead ranks
+    are recovered by the next plan as any new fault, from the spares and the replicas left; when they cannot be,
+    or a joiner itself died, or several nodes' ranks move at once (a node plan), the group restarts and the fallback
+    line names the death."""
+    now = seen.now
+    failures = [f for _fid, f in late]
+    dead = sorted(f.rank for f in failures)
+    what = (f"the recovery of rank(s) {list(plan.ranks)}" if plan.kind != SwapKind.PLANNED
+            else f"the swap of rank {plan.leaver.rank}")
+    who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {dead}"
+    joiners = {(m.joiner.node, m.joiner.slot) for m in plan.all_moves}
+    why = f"{who} died while the world re-formed for {what}"
+    blocker = None
+    if plan.kind == SwapKind.NODE:
+        blocker = "a plan that moves several ranks is not re-planned inside its re-form"
+    elif any((f.node, f.slot) in joiners for f in failures):
+        blocker = "the joiner died before it had loaded the state it received"
+    else:
+        view = dataclasses.replace(_donor_view(seen), slots=tuple(
+            dataclasses.replace(s, managed=False) if (s.node, s.slot) in joiners else s for s in seen.view.slots))
+        if len(failures) == 1:
+            f = failures[0]
+            trial = plan_for_failure(view, node=f.node, slot=f.slot, rank=f.rank, reason="", now_wall=now,
+                                     light_available=f.light, replicas=f.replicas, alone=f.alone, sharded=f.sharded)
+        else:
+            trial = plan_for_dead_ranks(view, [(f.node, f.slot, f.rank) for f in failures], reason="", now_wall=now,
+                                        swap_id="trial")
+        if trial.plan is None:
+            blocker = trial.reason
+    if blocker is None:
+        # the dead are planned on the next tick (their failures stay unhandled); the ranks this plan moved are its
+        # joiners' now (their failures stay handled)
+        why += ": every rank waits where it stopped, the dead are replaced live"
+        aborted = plan.advance(Phase.ABORTED, now, outcome=why, superseded=True)
+        return (CasPlan(plan, aborted, rev, Decision("plan", why, aborted)),
+                Say("recovery_superseded", {"swap_id": plan.id, "ranks": list(plan.ranks), "dead": dead,
+                                            "phase": plan.phase.value, "reason": why}))
+    why = f"{why}, and it cannot be recovered live ({blocker}): the group restarts"
+    # superseded: no second, vaguer fallback from the aborted plan; no outcome: a second fault spends a restart
+    aborted = plan.advance(Phase.ABORTED, now, superseded=True)
+    out: list[Action] = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted))]
+    out += [PutFailure(fid, f.mark("fallback", why)) for fid, f in late]
+    f0 = failures[0]
+    out.append(PutFallback(f0.node, Fallback(why, f0.generation, f0.slot)))
+    return tuple(out)
+
+
 def _supersede(plan: SwapPlan, rev: int, second: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[Action, ...]:
     """Another rank died while ``plan`` ran (pure; see the module doc, item 2)."""
     now = seen.now
@@ -321,19 +409,9 @@ def _supersede(plan: SwapPlan, rev: int, second: Sequence[tuple[str, Failure]], 
         who += " (the donor) died while handing over the state"
     else:
         who += " died"
-    if plan.phase == Phase.REFORM:
-        # everyone is inside the new world's rendezvous, which waits for the dead: nothing to pause any more
-        why = f"{who} while the world re-formed for {what}: the group restarts"
-        aborted = plan.advance(Phase.ABORTED, now)      # no outcome: a second fault spends a restart
-        out: list[Action] = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted))]
-        out += [PutFailure(fid, f.mark("fallback", why)) for fid, f in second]
-        if plan.kind != SwapKind.UNPLANNED:   # (an unplanned recovery's dead rank's agent restarts the group)
-            f0 = second[0][1]
-            out.append(PutFallback(f0.node, Fallback(why, f0.generation, f0.slot)))
-        return tuple(out)
     why = f"{who} during {what}: every dead rank is planned again at once"
     aborted = plan.advance(Phase.ABORTED, now, outcome=why, superseded=True)
-    out = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted)), Say("recovery_superseded",
+    out: list[Action] = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted)), Say("recovery_superseded",
            {"swap_id": plan.id, "ranks": list(plan.ranks), "dead": dead, "phase": plan.phase.value, "reason": why})]
     if plan.kind == SwapKind.PLANNED:
         taint = next((t for t in seen.taints if t.id == plan.taint_id), None)
@@ -364,7 +442,7 @@ def _unique_id(base: str, seen: Seen) -> str:
 
 def _recover_many(pending: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[Action, ...]:
     """Several ranks dead at once (a second fault during a recovery): one plan for all of them, or a restart."""
-    view, now = seen.view, seen.now
+    view, now = _donor_view(seen), seen.now
     failures = [f for _fid, f in pending]
     ranks = sorted(f.rank for f in failures)
     reason = f"ranks {ranks} died (exit codes {[f.code for f in sorted(failures, key=lambda f: f.rank)]})"
@@ -388,7 +466,7 @@ def _recover_many(pending: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[A
 
 
 def _recover(fid: str, f: Failure, seen: Seen) -> tuple[Action, ...]:
-    view, now = seen.view, seen.now
+    view, now = _donor_view(seen), seen.now
     decision = plan_for_failure(view, node=f.node, slot=f.slot, rank=f.rank, reason=f"exit code {f.code}",
                                 now_wall=now, light_available=f.light,
                                 swap_id=_unique_id(f"u-{fid}-{f.generation}", seen),

@@ -15,9 +15,9 @@ import time
 from typing import Any, Callable
 
 from .channel import STOP_NOW, Field, WorkerPhase
-from .protocol import (CatchUp, Exit, Failed, Message, Raise, Reform, Reformed, Resume, SendState, ShardRolledBack,
-                       ShardRollback)
-from .world import abort_process_groups, join_world, leave_process_group, set_rank_env
+from .protocol import (AbortJoin, CatchUp, Exit, Failed, Message, Raise, Reform, Reformed, Resume, SendState,
+                       ShardRolledBack, ShardRollback)
+from .world import JoinAborted, abort_process_groups, join_world, leave_process_group, set_rank_env
 from .worker_failure import StepFailure
 
 log = logging.getLogger("tpassrun.worker")
@@ -151,13 +151,43 @@ class BoundaryCommands:
         return False
 
     def _on_reform(self, msg: Reform, step: int, failed: BaseException | None) -> bool:
-        if msg.rollback:
+        if msg.rollback and not (self._stands_at == step and msg.resume in (None, step)):
             self._roll_back(step, msg.resume, failed is not None)
-        self._reform(msg)
+        try:
+            self._reform(msg)
+        except JoinAborted as exc:
+            self._join_aborted(self.step, str(exc))
+            return False
+        self._stands_at = None
         self._link.send(Reformed(rank=self.rank, world_size=self.world_size, generation=self.generation,
                                  **self._reform_times))
         self._link.set(Field.PHASE, WorkerPhase.RUNNING)
         return True
+
+    def _join_interrupted(self) -> bool:
+        """While waiting for the other ranks to arrive in a world being re-formed: True once the agent gave it
+        up (:class:`AbortJoin`); any other command is kept for the dispatcher."""
+        link = self._link
+        while link.waiting():
+            msg = link.recv()
+            if isinstance(msg, AbortJoin):
+                return True
+            self._pending.append(msg)
+        return False
+
+    def _join_aborted(self, step: int, why: str) -> None:
+        """The world being re-formed was given up (a rank died on its way into it): stay paused at ``step``,
+        the step this worker resumes at (already rolled back to it), without a process group, until the
+        recovery that replaces the dead rank re-forms the world again (then nothing is rolled back twice)."""
+        link = self._link
+        self._stands_at = self._serve_step = step
+        link.set(Field.STEP, step)
+        link.set(Field.OFFER, step + 1)
+        link.set(Field.ALT_BACK, 0)
+        link.set(Field.PHASE, WorkerPhase.PAUSED)
+        who = f"rank {self.rank}" if self._spare is None else "joiner"
+        log.warning("%s: the world being re-formed was given up (%s); waiting at step %d", who, why, step)
+        link.send(Reformed(ok=False, rank=self.rank, error=f"join given up: {why}"[:300]))
 
     def _on_exit(self, msg: Exit, step: int, failed: BaseException | None) -> bool:
         self._link.set(Field.PHASE, WorkerPhase.DONE)
@@ -220,6 +250,8 @@ class BoundaryCommands:
                 obj.drop_grads()   # a framework adapter's view (e.g. a DeepSpeed engine's gradient buffers)
 
     def _reform(self, msg: Reform) -> None:
+        from . import testing
+
         link = self._link
         assert link is not None
         link.set(Field.PHASE, WorkerPhase.RECONFIGURING)
@@ -231,7 +263,9 @@ class BoundaryCommands:
         self.generation = world.generation if world.generation is not None else self.generation
         set_rank_env(world)
         t1 = time.perf_counter()
-        join_world(self.backend, world, self._timeout)
+        if testing.ENABLED:
+            testing.fault_point(self.rank, self.step, "reform")   # tests: a rank dies while the world re-forms
+        join_world(self.backend, world, self._timeout, self._join_interrupted)
         t2 = time.perf_counter()
         self.swaps += 1
         for fn in self._callbacks:

@@ -88,6 +88,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
         self._pending_shard_bundle: Any = None    # joiner: the dead rank's shard, from its mirror
         self._spare: SpareWait | None = None      # set while this session is a spare (no rank yet)
         self._pending: list[Message] = []         # commands that came while a spare waited for its sender
+        self._stands_at: int | None = None        # the step it waits at after a re-formed world was given up
         # Gradient accumulation across steps: a step that ends without reaching its commit point leaves its
         # gradients to the next one, so the steps since the last commit form one window, rolled back as one.
         self._commit_hooks = 0                    # tracked optimizers and scalers: commits are observable

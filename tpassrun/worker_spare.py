@@ -20,7 +20,7 @@ from . import envnames as E
 from .channel import Field, WorkerPhase
 from .protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
                        Reserve, Stranger)
-from .world import join_world, set_rank_env
+from .world import JoinAborted, join_world, set_rank_env
 from .worker_commands import _transfer_auth
 from .worker_link import AgentLink
 
@@ -110,7 +110,14 @@ class SpareCommands:
         world = msg.world
         set_rank_env(world)
         os.environ.pop(E.TPASSRUN_SPARE, None)
-        join_world(self.backend, world, self._timeout)
+        try:
+            join_world(self.backend, world, self._timeout, self._join_interrupted)
+        except JoinAborted as exc:
+            # a rank died on its way into the new world: keep what was received (this spare holds the rank for
+            # the recovery that replaces the dead one) and wait at its step for the next re-form
+            wait.listener = None
+            self._join_aborted(_bundle_step(wait.bundle), str(exc))
+            return False
         self.rank, self.world_size = world.rank, world.world_size
         self.generation = world.generation if world.generation is not None else 0
         self.joined = True

@@ -10,8 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from . import envnames as E
 
@@ -317,16 +318,46 @@ def leave_process_group() -> None:
             log.debug("destroy_process_group: %s", exc)
 
 
-def join_world(backend: str | None, world: "WorldSpec", timeout: timedelta | None) -> None:
-    """Join the world ``world`` names (its store: the generation's TCPStore under the swap's prefix)."""
+class JoinAborted(Exception):
+    """The agent gave the world being re-formed up before every rank arrived (one died on the way)."""
+
+
+ARRIVAL_POLL_S = 0.002
+
+
+def join_world(backend: str | None, world: "WorldSpec", timeout: timedelta | None,
+               interrupted: Callable[[], bool] | None = None) -> None:
+    """Join the world ``world`` names (its store: the generation's TCPStore under the swap's prefix).
+
+    With ``interrupted``, every rank first counts itself in under the world's prefix and waits until all have
+    arrived, asking ``interrupted()`` between polls: a rank killed on its way into the new world would otherwise
+    hold every other one inside the process group's rendezvous until its timeout, where the agent cannot reach
+    them. When it returns True the join is given up (:class:`JoinAborted`); the worker stays where it stopped,
+    without a process group, for the recovery that replaces the dead rank (tpassrun.triage)."""
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = timeout
-    store = dist.TCPStore(world.addr, int(world.port), is_master=False,
-                          timeout=timeout or timedelta(seconds=300))
+    limit = timeout or timedelta(seconds=300)
+    store = dist.TCPStore(world.addr, int(world.port), is_master=False, timeout=limit)
     store = dist.PrefixStore(str(world.prefix), store)
+    if interrupted is not None:
+        deadline = time.monotonic() + limit.total_seconds()
+        arrived = store.add("tpassrun_arrived", 1)
+        while arrived < int(world.world_size):
+            if interrupted():
+                raise JoinAborted(f"the world of {world.world_size} ranks under {world.prefix} was given up")
+            if time.monotonic() > deadline:
+                raise JoinAborted(f"only {arrived} of {world.world_size} ranks arrived within {limit}")
+            time.sleep(ARRIVAL_POLL_S)
+            arrived = store.add("tpassrun_arrived", 0)
+        try:
+            init_world(backend, store=store, rank=int(world.rank), world_size=int(world.world_size), **kwargs)
+        except Exception as exc:  # noqa: BLE001 - a rank that arrived and died before connecting: given up too
+            leave_process_group()
+            raise JoinAborted(f"the world could not be formed: {type(exc).__name__}: {exc}"[:300]) from exc
+        return
     init_world(backend, store=store, rank=int(world.rank), world_size=int(world.world_size), **kwargs)
 
 
