@@ -133,6 +133,8 @@ def test_a_rank_killed_while_the_world_re_forms_for_a_recovery_is_recovered_live
     _live(job)
     superseded = [e for e in job.events() if e["event"] == "recovery_superseded"]
     assert superseded and superseded[0]["phase"] == "reform", superseded
+    # rank 1's joiner entered the world rank 2's recovery re-formed: both ranks resumed live
+    assert sorted(e["rank"] for e in job.events() if e["event"] == "swap_resumed") == [1, 2]
     assert_bit_exact(job, baseline3, 3)
     pids = pids_by_rank(job, 3)
     assert len(pids[0]) == 1, pids

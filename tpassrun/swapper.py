@@ -52,6 +52,11 @@ DEATHS_TO_QUARANTINE = 3
 DEATH_WINDOW_S = 600.0
 
 
+def me_in(plan: SwapPlan, node: str) -> bool:
+    """Whether ``node`` takes part in ``plan`` (its joiners' and leavers' nodes are among its nodes)."""
+    return node in plan.nodes or any(node in (m.joiner.node, m.leaver.node) for m in plan.all_moves)
+
+
 class Swapper(PhaseSteps):
     def __init__(self, port: AgentPort) -> None:
         self.port = port
@@ -66,6 +71,9 @@ class Swapper(PhaseSteps):
         self._rolled_back: set[str] = set()                  # swaps whose survivors here loaded their shard copies
         self.node_plans = NodePlans(self)
         self._deaths: dict[int, list[float]] = {}    # slot -> when its workers died (to re-admit it as a spare)
+        # plans given up while their world re-formed (a rank died on its way in): their joiners hold their ranks
+        # and enter the world the next plan re-forms; their ranks resumed live once that plan is done
+        self._joining: list[SwapPlan] = []
 
     # ------------------------------------------------------------------ agent hooks
     @property
@@ -248,6 +256,14 @@ class Swapper(PhaseSteps):
         except Exception as exc:  # noqa: BLE001 - a failed phase is reported, never fatal for the agent
             log.exception("swap %s phase %s failed", plan.id, plan.phase.value)
             report = Report(node=self.port.node_id, phase=plan.phase, ok=False, error=f"{type(exc).__name__}: {exc}")
+        if plan.phase == Phase.ABORTED and plan.superseded and len(plan.history) >= 2 \
+                and plan.history[-2][0] == Phase.REFORM.value and me_in(plan, self.port.node_id):
+            self._joining.append(plan)
+        elif plan.phase == Phase.DONE or (plan.phase == Phase.ABORTED and not plan.superseded):
+            joined, self._joining = self._joining, []     # (not superseded: the group restarts)
+            for old in joined if plan.phase == Phase.DONE else ():
+                self.port.events.write("swap_resumed", swap_id=old.id, rank=old.leaver.rank, ranks=list(old.ranks),
+                                       seconds=round(plan.history[-1][1] - old.history[0][1], 4), with_swap=plan.id)
         if report is not None:
             key = self._keys.report(plan.id, seq, self.port.node_id)
             await self._store.put_json(key, seal(key, report.to_json()))   # with the run key's MAC (provenance.py)
