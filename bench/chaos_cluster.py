@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -70,6 +71,12 @@ class Cluster:
         self.extra_faults = list(extra_faults)     # e.g. the hold that keeps the job from ending before the faults
         self.agents: list[Agent] = []
         self._hosts = 0
+        # the etcd has no auth: every agent gets the run key that seals swap plans and reports
+        # (tpassrun/provenance.py), from a file only this user can read, as a multi-node job would
+        self.run_key_file = os.path.join(work, "run.key")
+        fd = os.open(self.run_key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(secrets.token_hex(32) + "\n")
 
     @property
     def endpoint(self) -> str:
@@ -92,7 +99,7 @@ class Cluster:
             prefix, env, local = self.lab.argv(i), self.lab.env(i), ["--local-addr", addr]
         event_log = os.path.join(out, "events.jsonl")
         conf = (f"lease_ttl={self.lease_ttl},last_call_timeout=1,read_timeout=10,reconnect_timeout=120,"
-                f"join_timeout=600")
+                f"join_timeout=600,run_key_file={self.run_key_file}")
         argv = [*prefix, sys.executable, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "2",
                 "--spares-per-node", "1", "--max-restarts", "50", "--rdzv-backend", "etcd",
                 "--rdzv-endpoint", self.endpoint, "--rdzv-id", self.run_id, "--rdzv-conf", conf,

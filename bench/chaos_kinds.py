@@ -161,6 +161,12 @@ def forged_plan(c: Cluster, rng: random.Random) -> str:
             said = "forged plan: something CONNECTED to the trap"
         except (TimeoutError, OSError):
             said = "forged plan: nothing connected to the trap in 8 s"
+            # it carries no MAC of the run key: every live agent must have refused it on read (and said so once)
+            live = [a for a in c.live_agents() if a.running]
+            refusing = [a for a in live if f"refusing etcd record {c.prefix}swaps/{plan.id}" in a.job.log()]
+            said = (f"forged plan: refused by {len(refusing)}/{len(live)} agents (no MAC of the run key), "
+                    f"nothing connected to the trap in 8 s" if refusing and len(refusing) == len(live) else
+                    said + f"; NOT REFUSED by {len(live) - len(refusing)}/{len(live)} agents")
 
     async def remove(store: Any) -> str:     # an operator's cleanup: the next fault starts from full strength
         left = [p for k, d, r in await store.get_prefix_json(c.prefix + "swaps/" + plan.id)
