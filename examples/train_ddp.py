@@ -297,15 +297,27 @@ def main() -> None:
                     "pid": os.getpid(), "joined": sess.joined, "steps": sess.step}, os.path.join(args.out, f"final_rank{sess.rank}.pt"))
     if not args.quiet and sess.rank == 0:
         print(f"done: {sess.step} steps, world {sess.world_size}", flush=True)
+    if hasattr(sampler, "close"):
+        sampler.close()    # DataLoader workers exit by themselves, not killed with us (tpassrun.adapters.data)
     dist.destroy_process_group()
+
+
+def leave_now() -> None:
+    """Leave without the interpreter's teardown (everything is written and the process group destroyed). With
+    torch 2.13 and gloo, a collective's tensors may still be released by gloo's threads while the interpreter
+    shuts down, and the process dies of SIGABRT ("terminate called without an active exception", no Python
+    frame) after a successful run: ~1 plain-torchrun run in 5 of train_ddp.py with --zero on 4 ranks here. What
+    multiprocessing does at exit still runs first, its finalizers: its temp dir ($TMPDIR/pymp-*, a resource
+    sharer's listener) is removed, which os._exit alone would leave behind. (Its children are not joined: a
+    DataLoader's workers are stopped by closing the loader, and any left notice this process is gone.)"""
+    from multiprocessing import util
+
+    util._run_finalizers()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     main()
-    # Everything is written and the process group destroyed: leave without the interpreter's teardown. With
-    # torch 2.13 and gloo, a collective's tensors may still be released by gloo's threads while the interpreter
-    # shuts down, and the process dies of SIGABRT ("terminate called without an active exception", no Python
-    # frame) after a successful run: ~1 plain-torchrun run in 5 of this script with --zero on 4 ranks here.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    leave_now()

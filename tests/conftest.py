@@ -155,17 +155,43 @@ def _started_by(nodeid: str) -> list[tuple[int, str]]:
     return found
 
 
+# Every test also runs with a $TMPDIR of its own, which every process it starts inherits (short, under /tmp: a
+# unix socket path below it must fit in 108 bytes). What is left there once the test's processes are gone is
+# looked at, then the directory is removed, so nothing a test makes in the temp dir outlives it: multiprocessing's
+# pymp-* directories (the resource sharer's listeners of DataLoader workers killed by a signal, or of a script
+# leaving with os._exit without multiprocessing's exit handler) are a leak, and fail the test; torch's and
+# torchrun's own (torchelastic_*, as torchrun leaves them; torchinductor_*) and tpassrun's run registry go with the
+# directory. A test that kills workers with DataLoader workers on purpose points its job's TMPDIR at its tmp_path.
+LEAKED_IN_TMPDIR = ("pymp-",)
+
+
 @pytest.fixture(autouse=True)
-def _nothing_left_behind(request):
-    yield
-    deadline = time.monotonic() + 15.0           # a killed job's processes may take a moment to be reaped
-    left = _started_by(request.node.nodeid)
-    while left and time.monotonic() < deadline:
-        time.sleep(0.2)
+def _nothing_left_behind(request, tmp_path_factory):
+    tmp_path_factory.getbasetemp()               # pytest's own temp root stays where it is
+    private = tempfile.mkdtemp(prefix="tpt-", dir="/tmp")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = private
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+    try:
+        deadline = time.monotonic() + 15.0           # a killed job's processes may take a moment to be reaped
         left = _started_by(request.node.nodeid)
-    for pid, _ in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    assert not left, "processes left behind by the test:\n" + "\n".join(f"{p}: {c}" for p, c in left)
+        while left and time.monotonic() < deadline:
+            time.sleep(0.2)
+            left = _started_by(request.node.nodeid)
+        for pid, _ in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        assert not left, "processes left behind by the test:\n" + "\n".join(f"{p}: {c}" for p, c in left)
+        leaked = sorted(n for n in os.listdir(private) if n.startswith(LEAKED_IN_TMPDIR))
+        assert not leaked, f"left behind in $TMPDIR by the test: {leaked}"
+    finally:
+        shutil.rmtree(private, ignore_errors=True)

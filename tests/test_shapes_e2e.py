@@ -42,9 +42,13 @@ def reference(tmp_path_factory):
 
 
 def _run(tmp_path, etcd_server, run_id, faults, *, taint_rank: int | None = None) -> Job:
+    # ranks with DataLoader workers are killed on purpose: their workers die with them and leave their pymp-*
+    # directories in $TMPDIR (conftest's _nothing_left_behind): the job's goes to the test's tmp_path
+    tmpdir = tmp_path / "t"
+    tmpdir.mkdir()
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
                        steps=STEPS, step_sleep=SLEEP, extra=["--max-restarts", "0"], script_args=SHAPES,
-                       env=faults_env(*faults)).start()
+                       env={"TMPDIR": str(tmpdir), **faults_env(*faults)}).start()
     try:
         if taint_rank is not None:
             held = str(tmp_path / "held")

@@ -83,6 +83,12 @@ class ResumableLoader:
 
     __next__ = next
 
+    def close(self) -> None:
+        """Stop the loader's worker processes now; the next batch starts fresh ones. A script that leaves with
+        ``os._exit`` calls it first: its workers then exit by themselves (removing their ``$TMPDIR/pymp-*``
+        directories) instead of being killed with the process group, which leaves those behind."""
+        self._it = None           # the only reference: the iterator's __del__ shuts its workers down
+
     def __iter__(self) -> "ResumableLoader":
         return self
 
