@@ -334,6 +334,8 @@ def test_a_forged_plan_sends_nothing_anywhere(tmp_path, etcd_server, run_id):
     finally:
         listener.close()
         job.kill()
+    # no run key on an etcd without auth: the agent said once that plans are not authenticated
+    assert job.log().count("swap plans are not authenticated") == 1, job.log()[-3000:]
 
 
 def test_with_a_run_key_a_forged_plan_is_refused_on_read_and_never_stops_a_real_swap(tmp_path, etcd_server, run_id):
