@@ -47,6 +47,10 @@ def test_spare_choice_prefers_same_node_then_members_then_spare_nodes_and_ready_
     v = view(spare("c", 0), spare("b", 5, managed=False), spare("b", 4), members=("a", "b"), spare_nodes=("c",))
     assert (choose_spare(v, "a").node, choose_spare(v, "a").slot) == ("b", 4)
     assert choose_spare(v, "a", excluded=[("b", 4), ("b", 5)]).node == "c"
+    # a spare still starting on the same node (back in the pool after a swap) loses to a ready one elsewhere
+    cold = view(spare("a", 2, managed=False), spare("c", 0), spare("b", 4), members=("a", "b"), spare_nodes=("c",))
+    assert (choose_spare(cold, "a").node, choose_spare(cold, "a").slot) == ("b", 4)
+    assert choose_spare(cold, "a", excluded=[("b", 4), ("c", 0)]).node == "a"
 
 
 def test_failure_plans_a_recovery_from_a_replica_near_the_spare():

@@ -89,10 +89,13 @@ class Decision:
 def _spares(view: ClusterView, near: str, excluded: Iterable[tuple[str, int]] = ()) -> list[SlotView]:
     banned = {tuple(x) for x in excluded}
     spares = [s for s in view.slots if s.state == "spare" and (s.node, s.slot) not in banned]
-    # Same node first (no cross-node transfer), then other member nodes, then spare nodes.
+    # A spare that already said hello (torch imported, waiting in tpassrun.init) beats one still starting, wherever
+    # it is: a spare that was just started again (a slot back in the pool after a swap) takes seconds to tens of
+    # seconds to import torch on a loaded host, which the swap then waited for (a taint storm's later swaps took a
+    # cold spare on their own node over a ready one next door); a cross-node transfer costs far less. Then the
+    # same node (no cross-node transfer), then other member nodes, then spare nodes.
     order = {n: i for i, n in enumerate(view.members)}
-    # A spare that already said hello (torch imported, waiting in tpassrun.init) beats one still starting.
-    return sorted(spares, key=lambda s: (s.node != near, s.node in view.spare_nodes, not s.managed,
+    return sorted(spares, key=lambda s: (not s.managed, s.node != near, s.node in view.spare_nodes,
                                          order.get(s.node, 1 << 30), s.node, s.slot))
 
 
