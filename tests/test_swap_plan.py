@@ -37,6 +37,7 @@ def test_taint_plans_a_migration_to_a_spare_on_the_same_node_first():
     (TWO_NODES, 9, "reject", "not running"),
     (view(run("a", 0, 0, managed=False), spare("a", 1)), 0, "fallback", "tpassrun.init"),
     (view(run("a", 0, 0), run("a", 1, 1)), 1, "wait", "no spare"),
+    (view(run("a", 0, 0), run("a", 1, 1), spare("a", 2, managed=False)), 1, "wait", "still starting"),
 ])
 def test_taint_without_a_live_swap(v, rank, action, says):
     d = plan_for_taint(v, node="a", rank=rank, reason="x", taint_id=None, now_wall=NOW)

@@ -143,6 +143,12 @@ def plan_for_taint(view: ClusterView, *, node: str, rank: int, reason: str, tain
         spare = choose_spare(view, leaver.node)
     if spare is None:
         return Decision("wait", f"no spare available for rank {rank}; the swap waits for one")
+    if not spare.managed:
+        # Only spares still starting (back in the pool after a swap: importing torch, up to tens of seconds on a
+        # loaded host). A planned swap can wait for one with the job training; planned now, every rank would sit
+        # paused at the boundary until it is ready (16 s in a chaos taint storm at load 15).
+        return Decision("wait", f"no ready spare for rank {rank} (spare {spare.node}/{spare.slot} is still "
+                                "starting); the swap waits for it")
     plan = SwapPlan(
         id=swap_id or new_swap_id(), kind=SwapKind.PLANNED, generation=view.generation,
         leaver=SlotRef(leaver.node, leaver.slot, rank), joiner=SlotRef(spare.node, spare.slot, rank), donor=None,
