@@ -385,6 +385,7 @@ def test_with_a_run_key_a_forged_plan_is_refused_on_read_and_never_stops_a_real_
         assert log.count(f"swaps/s-forged-{phase}") == 1, log[-3000:]
     assert not [e for e in job.events() if str(e.get("swap_id", "")).startswith("s-forged")]
     assert "swap plans are not authenticated" not in log
+    assert len(_events(job, "agent_started")[0]["run_key"]) == 12     # a fingerprint, never the key
 
 
 def test_an_aborted_planned_swap_resumes_the_leaver(tmp_path, etcd_server, run_id):

@@ -213,8 +213,10 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                 from .metrics import serve_metrics
 
                 metrics_at = serve_metrics(self, stack)
+            # run_key: a fingerprint (safe to show) that tells agents given different run keys apart
             self.events.write("agent_started", endpoint=endpoint, run_id=cfg.rdzv_id, nproc=cfg.nproc_per_node,
-                              spares=cfg.spares_per_node, event_log=event_path)
+                              spares=cfg.spares_per_node, event_log=event_path,
+                              run_key=run_key.fingerprint if run_key is not None else None)
             if metrics_at is not None:
                 self.events.write("metrics_serving", addr=metrics_at[0], port=metrics_at[1])
             register_run(self, stack, endpoint, event_path)   # tpassctl on this machine finds it without ids
