@@ -124,8 +124,9 @@ def list_runs(directory: str | None = None, *, prune: bool = True) -> list[RunEn
 def register_run(agent: "StatusHost", stack: contextlib.AsyncExitStack, endpoint: str, event_path: str | None) -> None:
     """List ``agent``'s run while it lives (removed by ``stack``); a registry we cannot use is only a warning."""
     cfg = agent.cfg
+    # paths, no secrets (tpassctl reads the password and the run key from those files, as the agent does)
     conf = ",".join(f"{k}={v}" for k, v in dict(cfg.rdzv_conf or {}).items()
-                    if k in ("cacert", "cert", "key", "user", "password_file", "read_timeout"))   # paths, no secrets
+                    if k in ("cacert", "cert", "key", "user", "password_file", "run_key_file", "read_timeout"))
     entry = RunEntry(run_id=cfg.rdzv_id, endpoint=endpoint, pid=os.getpid(), node_id=agent.node_id,
                      event_log=os.path.abspath(event_path) if event_path else None, log_dir=agent.logs.run_dir,
                      credentials=getattr(agent, "credentials_file", None), rdzv_conf=conf,
