@@ -131,3 +131,37 @@ def test_unknown_run_and_unreachable_etcd(etcd_server, capsys):
                  "--rdzv-conf", "read_timeout=1"]) == 1
     err = capsys.readouterr().err
     assert f"cannot reach etcd at 127.0.0.1:{port}" in err and err.count("\n") == 1
+
+
+@pytest.mark.timeout(60)
+def test_status_with_the_run_key_shows_the_jobs_plans_only(formed_run, capsys, tmp_path, monkeypatch):
+    """Given the job's run key (here its file, as --rdzv-conf run_key_file= or the registry names it), tpassctl
+    checks plans as the agents do: a plan without a MAC of that key is not shown as the job's."""
+    from tpassrun.provenance import RUN_KEY_ENV, RunKey, seal
+    from tpassrun.records import SlotRef, SwapKind, SwapPlan
+    from tpassrun.swap import Phase
+
+    endpoint, run_id, _ = formed_run
+    monkeypatch.delenv(RUN_KEY_ENV, raising=False)
+    key_file = tmp_path / "run.key"
+    key_file.write_text("0123456789abcdef0123456789abcdef\n")
+    key_file.chmod(0o600)
+    prefix = f"/tpassrun/v1/{run_id}/swaps/"
+
+    def plan(swap_id: str) -> dict:
+        return SwapPlan(id=swap_id, kind=SwapKind.PLANNED, generation=0, leaver=SlotRef("a", 1, 1),
+                        joiner=SlotRef("a", 2, 1), donor=None, phase=Phase.PAUSE, reason="r", nodes=("a", "b"),
+                        secret="ab" * 32).to_json()
+
+    async def write() -> None:
+        async with EtcdStore(EtcdConfig.from_endpoint(endpoint, {"read_timeout": "5"})) as store:
+            genuine = prefix + "s-genuine"
+            await store.put_json(genuine, seal(genuine, plan("s-genuine"), RunKey.from_text(key_file.read_text())))
+            await store.put_json(prefix + "s-forged", plan("s-forged"))
+    asyncio.run(write())
+    capsys.readouterr()
+    assert ctl(endpoint, run_id, "status", "--json", "--rdzv-conf", f"run_key_file={key_file}") == 0
+    swaps = json.loads(capsys.readouterr().out)["swaps"]
+    assert sorted(swaps) == ["s-genuine"]
+    assert ctl(endpoint, run_id, "status", "--json") == 0        # without the key: nothing to check them with
+    assert sorted(json.loads(capsys.readouterr().out)["swaps"]) == ["s-forged", "s-genuine"]
