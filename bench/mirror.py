@@ -187,31 +187,49 @@ def critical_path(args: argparse.Namespace, steps: int = 40) -> dict[str, Any]:
     server = MirrorServer(MirrorStore(), b"k" * 32, host="127.0.0.1", run_id="bench")
     threading.Thread(target=loop.run_forever, daemon=True).start()
     asyncio.run_coroutine_threadsafe(server.start(), loop).result(10)
-    state = ShardState(0, 1, lambda _f, _v: None)
-    state.retarget(MirrorTarget("bench", "127.0.0.1", server.port, b"k" * 32, "bench", 0), 0)
-    compute_s = args.step_ms / 1e3
-    begin, fence, cpu = [], [], []
-    for step in range(1, steps + 1):
-        cpu0, main0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time()
-        t0 = time.perf_counter()
-        state.begin(step, ({"optimizer": opt}, {"model": model}), light=bytes(10_000))
-        t1 = time.perf_counter()
-        time.sleep(compute_s)                  # forward and backward (idle here: the background threads run)
-        t2 = time.perf_counter()
-        state.fence()                          # the commit point
-        t3 = time.perf_counter()
-        opt.step()
-        time.sleep(0.02)                       # let the push of this refresh land before the next one
-        cpu1, main1 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time()
-        if step > 3:
-            begin.append((t1 - t0) * 1e6)
-            fence.append((t3 - t2) * 1e6)
-            # every thread but the training one: the copy, the pusher, the mirror server (the agent's, really)
-            cpu.append(((cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) - (main1 - main0)) * 1e3)
+    target = MirrorTarget("bench", "127.0.0.1", server.port, b"k" * 32, "bench", 0)
+
+    def run(owner: int, interval: Any, compute_s: float,
+            first: int) -> tuple[ShardState, list[float], list[float], list[float]]:
+        state = ShardState(owner, interval, lambda _f, _v: None)
+        state.retarget(target, owner)
+        begin, fence, cpu = [], [], []
+        for step in range(1, steps + 1):
+            cpu0, main0 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time()
+            t0 = time.perf_counter()
+            state.begin(step, ({"optimizer": opt}, {"model": model}), light=bytes(10_000))
+            t1 = time.perf_counter()
+            time.sleep(compute_s)                  # forward and backward (idle here: the background threads run)
+            t2 = time.perf_counter()
+            state.fence()                          # the commit point
+            t3 = time.perf_counter()
+            opt.step()
+            time.sleep(0.02)                       # let the push of this refresh land before the next one
+            cpu1, main1 = resource.getrusage(resource.RUSAGE_SELF), time.thread_time()
+            if step >= first:
+                begin.append((t1 - t0) * 1e6)
+                fence.append((t3 - t2) * 1e6)
+                # every thread but the training one: the copy, the pusher, the mirror server (the agent's, really)
+                cpu.append(((cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) - (main1 - main0)) * 1e3)
+        state.close()
+        return state, begin, fence, cpu
+
+    # every step: what one refresh costs
+    state, begin, fence, cpu = run(0, 1, args.step_ms / 1e3, 4)
     stats = state.pusher.stats
-    state.close()
+    # the default interval (auto, as a rank decides it alone: no process group, no store), a step of --step-ms:
+    # what refreshing costs per step, amortized, once K is chosen
+    from tpassrun.shard_interval import DECIDE_STEP
+
+    # less the same loop with --shard-mirror-interval 0 (what the harness itself costs: the sleeps' overshoot, the
+    # optimizer's OpenMP threads spinning after its step)
+    auto, a_begin, a_fence, a_cpu = run(1, "auto", max(0.0, args.step_ms / 1e3 - 0.02), DECIDE_STEP + 1)
+    _, o_begin, o_fence, o_cpu = run(2, 0, max(0.0, args.step_ms / 1e3 - 0.02), DECIDE_STEP + 1)
     asyncio.run_coroutine_threadsafe(server.close(), loop).result(10)
     loop.call_soon_threadsafe(loop.stop)
+    mean = statistics.fmean
+    amortized_ms = max(0.0, (mean(a_begin) + mean(a_fence) - mean(o_begin) - mean(o_fence)) / 1e3
+                       + mean(a_cpu) - mean(o_cpu))
     out = {"begin_us": statistics.median(begin), "fence_wait_us": statistics.median(fence),
            "refresh_bytes": stats.last_bytes, "push_ms": stats.last_seconds * 1e3,
            "process_cpu_ms_per_step": statistics.median(cpu), "local_copies_bytes": state.ring.held_bytes,
@@ -224,6 +242,11 @@ def critical_path(args: argparse.Namespace, steps: int = 40) -> dict[str, Any]:
           f"{out['process_cpu_ms_per_step'] / args.step_ms * 100:.1f}% of a {args.step_ms:.0f} ms step when every "
           f"core computes; local copies {out['local_copies_bytes'] / MIB:.2f} MiB")
     out["critical_fraction"] = crit / args.step_ms
+    out.update(auto_interval=auto.interval, auto_amortized_ms_per_step=amortized_ms,
+               auto_fraction=amortized_ms / args.step_ms)
+    print(f"  at the default interval (auto: K = {auto.interval} for a {args.step_ms:.0f} ms step; {auto.policy.why}): "
+          f"critical path + background CPU, amortized, vs interval 0: {amortized_ms:.2f} ms per step = "
+          f"{amortized_ms / args.step_ms * 100:.2f}% of the step when every core computes")
     return out
 
 

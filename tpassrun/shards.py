@@ -395,7 +395,6 @@ class ShardState:
         import os
 
         from . import envnames as E
-
         from .shard_interval import AUTO, parse
 
         raw = os.environ.get(E.TPASSRUN_SHARD_MIRROR_INTERVAL, AUTO)
