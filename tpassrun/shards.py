@@ -465,10 +465,12 @@ class ShardState:
         from .channel import Field
 
         self.ring.fence()
-        # the snapshot just completed: push it now (the pusher sleeps until offered; the next refresh waits for
-        # this push, which without this wake-up started only at that refresh or a second later)
-        self.pusher.offer()
         held = self.ring.versions()[-RING_SLOTS:]
+        # a snapshot the buddy does not hold yet: push it now (the pusher sleeps until offered; the next refresh
+        # waits for this push, which without this wake-up started only at that refresh or a second later). Not at
+        # the other steps: waking a thread for nothing costs a step tens of microseconds of GIL hand-offs.
+        if held and held[-1] > self.pusher.stats.pushed_step:
+            self.pusher.offer()
         published = [0] * (RING_SLOTS - len(held)) + [1 + v for v in held]
         for f, v in zip((Field.SHARD_V0, Field.SHARD_V1, Field.SHARD_V2), published):
             self._publish(f, v)
