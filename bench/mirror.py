@@ -114,7 +114,9 @@ def overhead(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, 
     chosen = sorted({r["interval"] for f in figures for r in f["ranks"].values() if r.get("interval")})
     per_refresh = statistics.median(refresh) if refresh else None
     sizes = {"bytes_per_refresh_all_ranks": per_refresh,
-             "bytes_per_step_all_ranks": per_refresh / max(chosen) if per_refresh and chosen else per_refresh,
+             "bytes_per_step_all_ranks": statistics.median(
+                 sum(r["bytes_per_refresh"] / (r.get("interval") or 1) for r in f["ranks"].values())
+                 for f in figures if f["ranks"]) if refresh else None,
              "local_copies_bytes_per_rank": statistics.median(local) if local else None,
              "agent_mirror_bytes": statistics.median(held) if held else None}
     for k, v in sizes.items():
