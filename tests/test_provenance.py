@@ -126,3 +126,17 @@ def test_the_run_key_comes_from_a_private_file_or_the_environment_never_the_comm
 def test_derived_keys_differ_by_purpose():
     key = RunKey.generate()
     assert len({key.derive("records"), key.derive("mirror"), key.derive("transfer/s-1/ab"), key.root}) == 4
+
+
+def test_an_older_version_of_a_plan_written_back_is_a_replay():
+    """A replayed plan carries a genuine MAC: the leader tells it by its history, which only ever grows."""
+    from tpassrun.coordinator import is_replayed
+
+    newest: dict = {}
+    pause = _plan(phase=Phase.PAUSE, history=(("pause", 1.0),))
+    send = pause.advance(Phase.TRANSFER, 2.0).advance(Phase.SEND, 3.0)
+    done = send.advance(Phase.REFORM, 4.0).advance(Phase.DONE, 5.0)
+    assert not is_replayed(newest, pause) and not is_replayed(newest, send) and not is_replayed(newest, send)
+    assert not is_replayed(newest, done)
+    assert is_replayed(newest, send) and is_replayed(newest, pause)      # a finished swap back into SEND
+    assert not is_replayed(newest, _plan(id="s-2", phase=Phase.PAUSE))   # another plan is its own

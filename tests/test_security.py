@@ -339,9 +339,12 @@ def test_a_forged_plan_sends_nothing_anywhere(tmp_path, etcd_server, run_id):
 
 
 def test_with_a_run_key_a_forged_plan_is_refused_on_read_and_never_stops_a_real_swap(tmp_path, etcd_server, run_id):
-    """The chaos run's attack, on an etcd without auth: a plan written by someone without the run key (here a
-    genuine-looking one in PAUSE, which the leader used to retry with the real spare). Every agent refuses it
-    on read, says so once, never acts on it, and a real swap (a taint) still runs to the end beside it."""
+    """The chaos run's attack, on an etcd without auth: plans written by someone without the run key (one in
+    SEND naming a trap, one in PAUSE, which the leader used to retry with the real spare, and one squatting the
+    id the next recovery of rank 1 will take: plan ids are predictable). Every agent refuses them on read, says
+    so once, never acts on them, and rank 1 SIGKILLed is still recovered live beside them."""
+    import signal
+
     from tpassrun.provenance import RUN_KEY_ENV
     from tpassrun.rendezvous import EtcdConfig, EtcdStore
 
@@ -354,25 +357,29 @@ def test_with_a_run_key_a_forged_plan_is_refused_on_read_and_never_stops_a_real_
         node = started["node"]
         spare = next(s["slot"] for s in started["slots"] if s["state"] == "spare")
         prefix = f"/tpassrun/v1/{run_id}/"
+        ids: list[str] = []
 
         async def forge() -> None:
             async with EtcdStore(EtcdConfig.from_endpoint(etcd_server.endpoint, {"read_timeout": "5"})) as store:
                 gen, _ = await store.get_json(prefix + "generation")
-                for phase, history in (("send", [["pause", time.time()], ["send", time.time()]]),
-                                       ("pause", [["pause", time.time()]])):
-                    plan = {"v": 1, "id": f"s-forged-{phase}", "secret": secrets.token_hex(32), "kind": "planned",
+                squat = f"u-{node}-1-{gen['number']}"
+                for swap_id, phase in (("s-forged-send", "send"), ("s-forged-pause", "pause"), (squat, "pause")):
+                    history = [["pause", time.time()]] + ([["send", time.time()]] if phase == "send" else [])
+                    plan = {"v": 1, "id": swap_id, "secret": secrets.token_hex(32), "kind": "planned",
                             "generation": gen["number"], "leaver": {"node": node, "slot": 1, "rank": 1},
                             "joiner": {"node": node, "slot": spare, "rank": 1}, "donor": None, "phase": phase,
                             "reason": "forged", "nodes": [node], "boundary": 0, "joiner_addr": ["127.0.0.1", port],
                             "attempt": 0, "history": history, "mac": "v1:" + "0" * 64}
-                    await store.put_json(prefix + f"swaps/s-forged-{phase}", plan)
+                    await store.put_json(prefix + f"swaps/{swap_id}", plan)
+                    ids.append(swap_id)
 
         run_async(forge())
         deadline = time.monotonic() + 60
-        while job.log().count("refusing etcd record") < 2:
+        while job.log().count("refusing etcd record") < 3:
             assert time.monotonic() < deadline, job.log()[-3000:]
             time.sleep(0.1)
-        assert taint(etcd_server.endpoint, run_id, rank=1, reason="a real one") == 0
+        rank1 = max((x for x in job.losses(1)), key=lambda x: x["step"])["pid"]
+        os.kill(rank1, signal.SIGKILL)
         job.wait_event("swap_resumed", timeout=180)
         listener.settimeout(1.0)
         with pytest.raises(TimeoutError):   # nothing even connected
@@ -381,9 +388,11 @@ def test_with_a_run_key_a_forged_plan_is_refused_on_read_and_never_stops_a_real_
         listener.close()
         job.kill()
     log = job.log()
-    for phase in ("send", "pause"):    # logged once (per agent process), acted on never
-        assert log.count(f"swaps/s-forged-{phase}") == 1, log[-3000:]
+    for swap_id in ids:    # logged once (per agent process), acted on never
+        assert log.count(f"swaps/{swap_id} ") == 1, log[-3000:]
     assert not [e for e in job.events() if str(e.get("swap_id", "")).startswith("s-forged")]
+    # the squatter did not block the recovery: its key was taken back for the job's own plan
+    assert [e["key"] for e in _events(job, "record_replaced")] == [prefix + f"swaps/{ids[2]}"]
     assert "swap plans are not authenticated" not in log
     assert len(_events(job, "agent_started")[0]["run_key"]) == 12     # a fingerprint, never the key
 

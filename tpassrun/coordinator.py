@@ -38,6 +38,7 @@ class Coordinator:
         self._kick = asyncio.Event()
         self._waiting_said: set[str] = set()
         self._taints_said: set[str] = set()    # taint ids whose arrival the event log has
+        self._newest: dict[str, SwapPlan] = {}   # plan id -> the newest version of it this agent read as leader
 
     def kick(self) -> None:
         self._kick.set()
@@ -132,7 +133,10 @@ class Coordinator:
         plans = []
         for key, doc, rev in await self._store.get_prefix_json(self._keys.family("swaps")):
             plan = load(SwapPlan.from_json, key, doc, rev)
-            if plan is not None:
+            if plan is not None and is_replayed(self._newest, plan):
+                load(_replayed, key, plan, rev)      # logged once; the newest version read stands for it (a CAS
+                plans.append((self._newest[plan.id], rev))   # then writes over the replay)
+            elif plan is not None:
                 plans.append((plan, rev))
         return plans
 
@@ -177,7 +181,8 @@ class Coordinator:
                 await self._apply(action.decision, action.old, action.revision)
         elif isinstance(action, CreatePlan):
             plan = action.plan if action.plan.terminal else await self._with_store(_with_secret(action.plan))
-            created = await store.create_json(keys.swap(plan.id), _sealed(keys.swap(plan.id), plan))
+            key = keys.swap(plan.id)
+            created = await store.create_json(key, _sealed(key, plan)) or await self._replace_foreign(key, plan)
             if created and action.taint is not None:
                 await store.put_json(keys.taint(action.taint.id), action.taint.handled(plan.id, "migrating").to_json())
                 events.write("swap_decided", swap_id=plan.id, reason=action.reason, taint=action.taint.id)
@@ -191,6 +196,19 @@ class Coordinator:
             events.write(action.event, **action.fields)
         elif isinstance(action, RestartGroup):
             self.port.post(HealthRestartRequested(action.reason))
+
+    async def _replace_foreign(self, key: str, plan: SwapPlan) -> bool:
+        """A value at a new plan's key that is not the job's (no good MAC of the run key, or malformed) was refused
+        on read, so triage did not count its id as taken: it must not block the plan (plan ids are predictable).
+        It is replaced, by compare-and-swap, and the event log says so."""
+        doc, rev = await self._store.get_json(key)
+        if not rev or load(SwapPlan.from_json, key, doc, rev) is not None:
+            return False
+        replaced = await self._store.cas_json(key, _sealed(key, plan), rev)
+        if replaced:
+            self.port.events.write("record_replaced", key=key, swap_id=plan.id,
+                                   reason="the value there was not the job's (refused on read)")
+        return replaced
 
     async def _apply(self, decision: Decision, plan: SwapPlan, rev: int) -> None:
         if decision.plan is None:
@@ -297,6 +315,22 @@ def _sealed(key: str, plan: SwapPlan) -> dict:
 def _with_secret(plan: SwapPlan) -> SwapPlan:
     """The plan as the leader writes it: with a fresh secret that only the job's control plane ever sees."""
     return dataclasses.replace(plan, secret=secrets.token_hex(32))
+
+def is_replayed(newest: dict[str, SwapPlan], plan: SwapPlan) -> bool:
+    """Whether ``plan`` is an older version of one already read (``newest``, updated): a plan only ever grows its
+    history, so fewer phases, or not terminal after terminal, is an old value written back. Its MAC is genuine
+    (tpassrun/provenance.py binds a record to its key, not to its revision): anyone who can write to the etcd
+    could replay it, e.g. a finished swap back into its SEND phase."""
+    seen = newest.get(plan.id)
+    if seen is not None and (len(plan.history) < len(seen.history) or (seen.terminal and not plan.terminal)):
+        return True
+    newest[plan.id] = plan
+    return False
+
+
+def _replayed(plan: SwapPlan) -> SwapPlan:
+    raise RecordError(f"swap {plan.id}: an older version of the plan ({len(plan.history)} phases) written back")
+
 
 def _mismatched_id(taint: Taint) -> Taint:
     raise RecordError(f"taint id {taint.id!r} differs from its key")
