@@ -400,7 +400,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             tasks.append(asyncio.ensure_future(self.mirror.run()))
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._hang_watchdog()))
-        tasks.append(asyncio.ensure_future(self._watch_lease()))
+        tasks.append(asyncio.ensure_future(self._watch_lease(gen)))
         if self.cfg.tui:
             tasks.append(asyncio.ensure_future(self._status_panel()))
         try:

@@ -229,32 +229,47 @@ class Supervision:
                 await asyncio.wait_for(self.rdzv.lease_held(), store.config.reconnect_timeout)
         return await self.rdzv.join()
 
-    async def _watch_lease(self) -> None:
+    async def _watch_lease(self, gen: Generation) -> None:
+        """Fence from this task, at once, not through the supervision queue: the supervisor may be inside a
+        handler that waits for etcd (a failure record, a swap step) for as long as the outage lasts, and a fence
+        it handled only then left a partitioned node's workers running 18 s past its lease (chaos)."""
         assert self.rdzv is not None
         while True:
-            self._queue.put_nowait(LeaseLost(await self.rdzv.lease_lost()))
+            reason = await self.rdzv.lease_lost()
+            if await self._fence_workers(self.generation or gen, reason):
+                self._queue.put_nowait(LeaseLost(reason))   # the rest (a new generation) once etcd answers
             await self.rdzv.lease_held()   # not fenced (nobody else could hold our ranks): watch the next one
 
-    async def _fence(self, gen: Generation, reason: str) -> tuple[str, str] | None:
+    async def _fence_workers(self, gen: Generation, reason: str) -> bool:
         """Our etcd lease may have expired (etcd unreachable from here, or refreshes too late): the leader may
         already have declared this node lost and started our ranks elsewhere. Kill our workers at once, so no
-        rank is ever held by two live processes, then ask for a new generation and re-join it.
+        rank is ever held by two live processes (then :meth:`_fence` asks for a new generation and re-joins).
 
         Only when another node could take our ranks: a job of one node with no spare node keeps running
         through an etcd hiccup (nobody else can hold its ranks)."""
-        assert self.slots is not None and self.rdzv is not None
+        assert self.slots is not None
         others = [m for m in gen.members if m.node_id != self.node_id] + [n for n in gen.spare_nodes
                                                                            if n != self.node_id]
         procs = [s.proc for s in self.slots.slots if s.proc is not None and s.proc.returncode is None]
         if not others or not procs:
             self.events.write("lease_lost", reason=reason, fenced=False)
-            return None
+            return False
+        self._fenced_in = gen
         for s in self.slots.slots:   # their deaths are ours to cause: not failures, not swaps
             if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
                 s.state = SlotState.IDLE
         await stop_workers(procs, signal.SIGKILL, 5.0)
         self.events.write("fenced", reason=reason, pids=[p.pid for p in procs])
         log.warning("fenced: %s; stopped %d workers", reason, len(procs))
+        return True
+
+    async def _fence(self, gen: Generation, reason: str) -> tuple[str, str]:
+        """After :meth:`_fence_workers`: ask for a new generation (a no-op if the leader already moved past the
+        one we fenced in, e.g. our ranks were recovered live elsewhere) and end this one."""
+        assert self.rdzv is not None
+        fenced_in, self._fenced_in = self._fenced_in or gen, None
         with contextlib.suppress(RendezvousError):
-            await self.rdzv.request_restart(gen, f"node {self.node_id} fenced: {reason}")
+            await self.rdzv.request_restart(fenced_in, f"node {self.node_id} fenced: {reason}")
         return Outcome.MEMBERSHIP, f"fenced: {reason}"
+
+    _fenced_in: Generation | None = None   # the generation a fence happened in
