@@ -71,14 +71,24 @@ def mirror_figures(out: str) -> dict[str, Any]:
     return {"ranks": per_rank, "agent_mirror": store}
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds of every reaped descendant (a job's launcher reaps its agent's workers, we reap the launcher)."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
 def overhead(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, Any]:
     kinds = ("mirror", "no-mirror", "torchrun")
     step = Series("steady ms/step (steps 20..)", "ms")
+    cpu = Series("CPU of the whole job / steps", "ms")
     figures: list[dict[str, Any]] = []
     failures = []
     for trial, kind in alternate(kinds, trials):
         out = work.sub(f"overhead-{kind}-{trial}")
         job = make_job(kind, out, args, fault=False)
+        before = _children_cpu_s()
         code, _ = run_to_end(job, timeout=600)
         ms = steady_ms_per_step(out, WORLD)
         if code != 0 or ms is None:
@@ -86,7 +96,8 @@ def overhead(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, 
             print(f"  trial {trial} {kind:9s} FAILED (exit {code})")
             continue
         step.add(kind, ms)
-        line = f"  trial {trial} {kind:9s} {ms:7.2f} ms/step"
+        cpu.add(kind, (_children_cpu_s() - before) * 1e3 / args.steps)
+        line = f"  trial {trial} {kind:9s} {ms:7.2f} ms/step, {cpu.values[kind][-1]:6.1f} ms CPU/step (whole job)"
         if kind == "mirror":
             fig = mirror_figures(out)
             figures.append(fig)
@@ -101,6 +112,8 @@ def overhead(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, 
         print(line)
     for kind in kinds:
         print(step.line(kind, digits=2))
+    for kind in kinds:
+        print(cpu.line(kind, digits=1))
     ratio = step.ratio("mirror", "no-mirror")
     base = step.median("no-mirror")
     if base is not None:
@@ -108,6 +121,12 @@ def overhead(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, 
               f"{'yes' if base >= 50 else 'NO: raise --batch'})")
     print(ratio_line("step time, mirror / no mirror (same job)", ratio, 1.03, at_most=True))
     print(ratio_line("step time, mirror / torchrun", step.ratio("mirror", "torchrun"), 1.03, at_most=True))
+    # less sensitive to other processes than wall time: the CPU the job's processes (launcher, agent, workers) used,
+    # run for run; the extra, spread over 2 cores, as a share of a 50 ms step (the most it can take from one)
+    extra = (cpu.median("mirror") or 0.0) - (cpu.median("no-mirror") or 0.0) if cpu.values.get("no-mirror") else None
+    if extra is not None:
+        print(f"{'extra CPU per step, mirror - no mirror (whole run)':48s} {extra:8.2f} ms   = "
+              f"{extra / WORLD / 50 * 100:.2f}% of a 50 ms step on {WORLD} busy cores")
     refresh = [sum(r["bytes_per_refresh"] for r in f["ranks"].values()) for f in figures if f["ranks"]]
     local = [max(r["local_held"] for r in f["ranks"].values()) for f in figures if f["ranks"]]
     held = [f["agent_mirror"].get("held_bytes", 0) for f in figures if f["agent_mirror"]]
@@ -122,7 +141,8 @@ def overhead(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, 
     for k, v in sizes.items():
         print(f"{k:48s} {v / MIB if v is not None else float('nan'):8.2f} MiB")
     print(f"{'interval the ranks chose (auto)':48s} {', '.join(map(str, chosen)) or 'n/a':>8s} step(s)")
-    return {"ms_per_step": step.values, "ratio_mirror_vs_none": ratio, "sizes": sizes, "interval": chosen,
+    return {"ms_per_step": step.values, "ratio_mirror_vs_none": ratio, "cpu_ms_per_step": cpu.values,
+            "extra_cpu_ms_per_step": extra, "sizes": sizes, "interval": chosen,
             "failures": failures}
 
 

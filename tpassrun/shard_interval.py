@@ -5,7 +5,7 @@ it costs CPU in the background: the copy, the frame and its MAC, the socket, and
 host whose cores all compute (a CPU job; a GPU host whose data loaders use every core) that CPU is taken from the
 step. ``auto`` bounds it: the first :data:`DECIDE_STEP` - 1 steps refresh every step and measure what a refresh
 costs (CPU of the training thread's part, the copy thread, the pusher thread, and as much again for the receiver)
-and how long a step takes; at step :data:`DECIDE_STEP` the rank picks the smallest K that keeps the amortized cost
+and how long a step takes (the shortest one); at step :data:`DECIDE_STEP` the rank picks the smallest K that keeps the amortized cost
 within :data:`BUDGET` of a step (at most :data:`MAX_INTERVAL`): :func:`choose`.
 
 Every rank must refresh at the same steps (a recovery needs a step that the survivors' local copies and the lost
@@ -45,10 +45,11 @@ def parse(raw: str | int | None) -> int | None:
 
 
 def choose(refresh_cpu_s: Sequence[float], step_s: Sequence[float]) -> tuple[int, str]:
-    """Pure: K from the measured background CPU of a refresh and the step time (medians), and why."""
+    """Pure: K from the measured background CPU of a refresh (the median) and the step time (the shortest: a step
+    slowed by a passing load on the host says nothing of what a refresh takes from an unloaded one), and why."""
     if not refresh_cpu_s or not step_s:
         return 1, "nothing measured"
-    cost, step = statistics.median(refresh_cpu_s), statistics.median(step_s)
+    cost, step = statistics.median(refresh_cpu_s), min(step_s)
     if step <= 0:
         return 1, "no step time"
     k = min(MAX_INTERVAL, max(1, math.ceil(cost / (BUDGET * step) - 1e-9)))
