@@ -8,6 +8,7 @@ every command is recorded, and the replies a phase waits for are scripted.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import types
 
 from tpassrun import protocol as P
@@ -230,3 +231,23 @@ def test_spares_are_told_how_much_to_reserve_once():
 async def _no_refusal(_plan):
     return None
 
+
+
+def test_a_plan_given_up_while_its_world_re_forms_stops_the_joining_ranks_and_resumes_nobody():
+    """A rank died on its way into the new world: every local rank still joining is told to stop (AbortJoin), none
+    is resumed (they have no process group); superseded, nothing restarts; given up for good, the group restarts."""
+    history = (("pause", 1.0), ("boundary", 2.0), ("transfer", 3.0), ("send", 4.0), ("reform", 5.0), ("aborted", 6.0))
+    for superseded in (True, False):
+        slots = FakeSlots([(0, "running", WorkerPhase.RECONFIGURING, 6), (None, "quarantined", WorkerPhase.DONE, 6),
+                           (1, "running", WorkerPhase.RECONFIGURING, 6)])
+        slots.replies = {0: [P.Reformed(ok=False, error="join given up")], 2: [P.Reformed(ok=False)]}
+        posted: list = []
+        swapper = Swapper(port(slots, []))
+        swapper.port = dataclasses.replace(swapper.port, post=posted.append)
+        asyncio.run(swapper._abort(plan(phase=Phase.ABORTED, history=history, superseded=superseded)))
+        assert slots.commands(0) == [P.AbortJoin()] and slots.commands(2) == [P.AbortJoin()]
+        assert not any(isinstance(m, P.Resume) for _i, m in slots.sent)
+        assert slots.replies == {0: [], 2: []}                     # their answers taken: none is left for later
+        assert len(posted) == (0 if superseded else 1)
+        if posted:
+            assert "could not be re-formed for the swap of rank 1" in posted[0].reason

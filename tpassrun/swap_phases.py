@@ -473,9 +473,11 @@ class PhaseSteps:
             # (superseded), or for the group restart; nobody resumes training
             await self._abort_joins([s for s in self._slots.slots if s.state == SlotState.RUNNING])
             self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=plan.outcome or "aborted")
-            if not plan.superseded and plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me:
-                self.port.post(FallbackRequested(f"rank {plan.leaver.rank} cannot be recovered live: "
-                                                 f"{plan.outcome or 'its recovery was aborted'}",
+            if not plan.superseded and plan.leaver.node == me:
+                # the old world is gone and the new one was not formed: only the group restart goes on from here
+                what = (f"rank {plan.leaver.rank} cannot be recovered live" if plan.kind == SwapKind.UNPLANNED
+                        else f"the world could not be re-formed for the swap of rank {plan.leaver.rank}")
+                self.port.post(FallbackRequested(f"{what}: {plan.outcome or 'a rank did not join the new world'}",
                                                  self._slots.slots[plan.leaver.slot], free=plan.outcome is not None))
             return
         for s in self._slots.slots:
