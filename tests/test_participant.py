@@ -245,7 +245,8 @@ def test_a_plan_given_up_while_its_world_re_forms_stops_the_joining_ranks_and_re
         swapper = Swapper(port(slots, []))
         swapper.port = dataclasses.replace(swapper.port, post=posted.append)
         asyncio.run(swapper._abort(plan(phase=Phase.ABORTED, history=history, superseded=superseded)))
-        assert slots.commands(0) == [P.AbortJoin()] and slots.commands(2) == [P.AbortJoin()]
+        abort = P.AbortJoin(prefix="/tpassrun/s-1/0/")          # this world's only: never the next one's
+        assert slots.commands(0) == [abort] and slots.commands(2) == [abort]
         assert not any(isinstance(m, P.Resume) for _i, m in slots.sent)
         assert slots.replies == {0: [], 2: []}                     # their answers taken: none is left for later
         assert len(posted) == (0 if superseded else 1)

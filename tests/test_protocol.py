@@ -13,7 +13,7 @@ MESSAGES = [
     P.Reform(world=WORLD.with_store("10.0.0.1", 29500, "/tpassrun/s-1/0/", 7), rollback=True), P.Exit(code=3),
     P.Raise(reason="no recovery"), P.Assign(world=WORLD, swap_id="s-1", key="cd" * 32, listen_host="10.0.0.2", timeout=5.0, accept_timeout=15.0,
              max_bytes=1 << 20),
-    P.Light(data="AAAA", step=None), P.Light(data="AAAA", step=17), P.Reserve(nbytes=1 << 30), P.Abort(), P.AbortJoin(),
+    P.Light(data="AAAA", step=None), P.Light(data="AAAA", step=17), P.Reserve(nbytes=1 << 30), P.Abort(), P.AbortJoin(prefix="/tpassrun/u-a-1-0/0/"),
     P.Hello(pid=12, spare=True), P.Done(step=99),
     P.Replicas(ranks=(1, 3), alone=""), P.Replicas(ranks=(2,), alone="FSDP without dp_replicate"),
     P.Failed(step=4, error="DistNetworkError: peer gone", error_type="torch.distributed.DistNetworkError"),

@@ -371,3 +371,17 @@ def test_a_planned_swaps_joiner_dying_with_no_spare_left_waits_for_a_spare_again
     reopened = [a.taint for a in result.actions if isinstance(a, PutTaint)]
     assert reopened and reopened[0].handled_by is None and "no other spare" in reopened[0].state
     assert not any(isinstance(a, (PutFallback, RestartGroup)) for a in result.actions)
+
+
+def test_a_rank_that_did_not_join_waits_for_its_failure_before_the_re_form_is_given_up():
+    """Its node may report it before its failure record is read: no group restart for that; the failure then folds
+    the death into the recovery. With nobody dead after the grace, the re-form is given up."""
+    plan = _in_reform()
+    bad = Report("a", Phase.REFORM, ok=False, error="rank 2 did not join the new world: None")
+    early = triage(dataclasses.replace(seen(_reforming_view(("a", 1)), [failure(1, "plan")], ((plan, 5),)),
+                                       reports=(bad,)))
+    assert early.actions == ()
+    late = triage(dataclasses.replace(seen(_reforming_view(("a", 1)), [failure(1, "plan")], ((plan, 5),)),
+                                      reports=(bad,), now=NOW + 60))
+    cas = [a for a in late.actions if isinstance(a, CasPlan)]
+    assert len(cas) == 1 and cas[0].new.phase == Phase.ABORTED and not cas[0].new.superseded

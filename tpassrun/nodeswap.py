@@ -29,7 +29,7 @@ from .protocol import (Abort, CatchUp, Light, LightOk, Listening, MirrorSource, 
                        WorldSpec)
 from .records import Move, Phase, Report, SwapPlan
 from .slots import SlotState
-from .swap import PHASE_TIMEOUT_S, transfer_key
+from .swap import PHASE_TIMEOUT_S, transfer_key, world_prefix
 
 log = logging.getLogger("tpassrun.swap")
 
@@ -318,7 +318,7 @@ class NodePlans:
         gen = self.port.generation()
         assert gen is not None
         addr, port = plan.store or self.port.master()
-        store = (addr, port, f"/tpassrun/{plan.id}/{plan.attempt}/", gen.number + 1)
+        store = (addr, port, world_prefix(plan), gen.number + 1)
         waiting = []
         for s in self.sw._survivors(plan):
             slots.set_run_until(s, INT64_MAX)

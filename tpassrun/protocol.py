@@ -172,6 +172,7 @@ class AbortJoin(Message):
     rank. Answered by a :class:`Reformed` with ``ok=False`` (from a worker that was still joining)."""
 
     KIND: ClassVar[str] = "abort_join"
+    prefix: str = ""                  # the given-up world's store prefix (a late one never stops the next join)
 
 
 @dataclass(frozen=True)

@@ -533,6 +533,11 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
     return Decision("wait", f"nothing to do in {plan.phase.value}")
 
 
+def world_prefix(plan: SwapPlan) -> str:
+    """The store prefix of the world ``plan`` re-forms (one per attempt: a given-up world is never joined again)."""
+    return f"/tpassrun/{plan.id}/{plan.attempt}/"
+
+
 def transfer_key(plan: SwapPlan) -> str | None:
     """This attempt's transfer key (hex): a fresh key per attempt, derived from the plan's transfer seed (the run
     key and the plan's secret: tpassrun/provenance.py), or from its secret alone in a run without a run key."""

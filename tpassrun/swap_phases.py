@@ -18,11 +18,11 @@ from typing import Any
 from . import shardplane
 from .channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
 from .port import FallbackRequested
-from .protocol import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform, Reformed,
-                       Resume, SendState, Stranger, WorldSpec)
+from .protocol import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform,
+                       Reformed, Resume, SendState, Stranger, WorldSpec)
 from .records import Move, Report, SwapPlan, load, node_info
 from .slots import Slot, SlotState
-from .swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, transfer_key as _transfer_key
+from .swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, transfer_key as _transfer_key, world_prefix
 
 log = logging.getLogger("tpassrun.swap")
 
@@ -385,7 +385,7 @@ class PhaseSteps:
         addr, port = plan.store or self.port.master()
         if plan.store is not None:
             self.port.set_master(plan.store, plan.store_host)
-        store = (addr, port, f"/tpassrun/{plan.id}/{plan.attempt}/", gen.number + 1)
+        store = (addr, port, world_prefix(plan), gen.number + 1)
         waiting: list[Slot] = []
         for s in self._survivors(plan):
             if plan.kind == SwapKind.PLANNED and plan.leaver.node == me and s.index == plan.leaver.slot:
@@ -448,19 +448,19 @@ class PhaseSteps:
                     if now is not None and now.phase == Phase.ABORTED:
                         for t in pending:
                             t.cancel()
-                        await self._abort_joins([tasks[t] for t in pending])
+                        await self._abort_joins(plan, [tasks[t] for t in pending])
                         return None
             return [t.result()[1] for t in tasks]
         finally:
             for t in tasks:
                 t.cancel()
 
-    async def _abort_joins(self, joining: list[Slot]) -> None:
-        """Tell the local ranks still waiting to enter a re-formed world that it was given up (protocol.AbortJoin),
-        and take their answers, so that none is mistaken for the next re-form's."""
+    async def _abort_joins(self, plan: SwapPlan, joining: list[Slot]) -> None:
+        """Tell the local ranks still waiting to enter ``plan``'s re-formed world that it was given up
+        (protocol.AbortJoin), and take their answers, so that none is mistaken for the next re-form's."""
         joining = [s for s in joining if s.alive and self._slots.phase(s) == WorkerPhase.RECONFIGURING]
         for s in joining:
-            self._slots.send(s, AbortJoin())
+            self._slots.send(s, AbortJoin(prefix=world_prefix(plan)))
         await asyncio.gather(*(self._slots.expect(s, (Reformed,), 10.0) for s in joining))
         if joining:
             self.port.events.write("swap_join_aborted", ranks=[s.rank for s in joining])
@@ -471,7 +471,7 @@ class PhaseSteps:
             # given up while the world re-formed (a rank died on its way into it): the ranks still joining stop
             # and wait where they are, without a process group, for the recovery that replaces the dead rank
             # (superseded), or for the group restart; nobody resumes training
-            await self._abort_joins([s for s in self._slots.slots if s.state == SlotState.RUNNING])
+            await self._abort_joins(plan, [s for s in self._slots.slots if s.state == SlotState.RUNNING])
             self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=plan.outcome or "aborted")
             if not plan.superseded and plan.leaver.node == me:
                 # the old world is gone and the new one was not formed: only the group restart goes on from here

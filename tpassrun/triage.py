@@ -238,7 +238,16 @@ def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
     return tuple(out) + (CreatePlan(marker), RestartGroup(decision.reason))
 
 
+REFORM_DEATH_GRACE_S = 30.0   # how long a re-form whose rank did not join waits for that rank's failure record
+
+
 def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
+    if plan.phase == Phase.REFORM and any(not r.ok for r in seen.reports) \
+            and seen.now - plan.history[-1][1] < REFORM_DEATH_GRACE_S:
+        # A rank that did not join the new world has almost always died: its node reports that as soon as it sees
+        # it, possibly before its failure record is read, which then folds the death into the recovery
+        # (_death_in_reform). Only a re-form that fails with nobody dead is given up (a group restart).
+        return ()
     spare = None
     sender_dead = joiner_gone = False
     if plan.phase in (Phase.TRANSFER, Phase.SEND):

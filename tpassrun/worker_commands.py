@@ -164,14 +164,17 @@ class BoundaryCommands:
         self._link.set(Field.PHASE, WorkerPhase.RUNNING)
         return True
 
-    def _join_interrupted(self) -> bool:
-        """While waiting for the other ranks to arrive in a world being re-formed: True once the agent gave it
-        up (:class:`AbortJoin`); any other command is kept for the dispatcher."""
+    def _join_interrupted(self, prefix: str) -> bool:
+        """While waiting for the other ranks to arrive in the world under ``prefix``: True once the agent gave it
+        up (:class:`AbortJoin`); a late one, for a world given up before, is dropped; any other command is kept
+        for the dispatcher."""
         link = self._link
         while link.waiting():
             msg = link.recv()
             if isinstance(msg, AbortJoin):
-                return True
+                if msg.prefix in ("", prefix):
+                    return True
+                continue
             self._pending.append(msg)
         return False
 
@@ -233,6 +236,14 @@ class BoundaryCommands:
             raise RuntimeError(f"tpassrun: cannot resume at step {resume}: this rank stopped at step {step} "
                                f"(window from {self._window}, {'failed' if failed else 'paused'})")
         self._failed_seal = self._commit_light = None
+        # A step from ``resume`` on runs again: its seal and its commit point are to be taken again. A stale seal
+        # made the re-executed step re-seal in place over the buffer that had just received its start snapshot,
+        # so a second death in that step found no snapshot of its start (yoco --double: a recovery, then a kill
+        # in the first step after it, fell back to a group restart).
+        if self._sealed >= resume:
+            self._sealed = -1
+        if self._committed >= resume:
+            self._committed = -1
         self.step = self._window = resume
 
     def _drop_grads(self) -> None:
@@ -265,11 +276,17 @@ class BoundaryCommands:
         t1 = time.perf_counter()
         if testing.ENABLED:
             testing.fault_point(self.rank, self.step, "reform")   # tests: a rank dies while the world re-forms
-        join_world(self.backend, world, self._timeout, self._join_interrupted)
+        join_world(self.backend, world, self._timeout, lambda: self._join_interrupted(str(world.prefix)))
         t2 = time.perf_counter()
+        try:
+            for fn in self._callbacks:
+                fn()        # (a DDP rebuilt on the new world: its first collectives)
+        except Exception as exc:  # noqa: BLE001 - a rank that died after it arrived fails them: given up too
+            log.warning("rank %s: the re-formed world failed before it was ready: %s", self.rank, exc)
+            abort_process_groups()     # peers blocked on this rank fail at once too
+            raise JoinAborted(f"the re-formed world failed before it was ready: {type(exc).__name__}: {exc}"[:300]) \
+                from exc
         self.swaps += 1
-        for fn in self._callbacks:
-            fn()
         self._shard_after_reform()   # a rolled-back survivor loads its sharded copy in the new world
         self._light_retarget_due = 2  # the buddy ring may have changed with the world: ask at the next step start
         self._reform_times = {"leave_s": round(t1 - t0, 4), "join_s": round(t2 - t1, 4),

@@ -111,7 +111,7 @@ class SpareCommands:
         set_rank_env(world)
         os.environ.pop(E.TPASSRUN_SPARE, None)
         try:
-            join_world(self.backend, world, self._timeout, self._join_interrupted)
+            join_world(self.backend, world, self._timeout, lambda: self._join_interrupted(str(world.prefix)))
         except JoinAborted as exc:
             # a rank died on its way into the new world: keep what was received (this spare holds the rank for
             # the recovery that replaces the dead one) and wait at its step for the next re-form
