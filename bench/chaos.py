@@ -53,7 +53,9 @@ from chaos_kinds import KINDS, NOTHING_TO_RECOVER, after
 from faults import Job, NetLab, SmallDisk, assert_bit_exact
 
 CRAWL_FROM, CRAWL_S = 200, 1.5     # from this step on, each step takes this long until the last fault settled
-RESTART_EVENTS = ("fallback", "restart", "fenced", "membership_change")
+# A fence is not one: the fenced node's workers must die (like an agent SIGKILL's); whether its ranks were then
+# recovered live or the group restarted shows in the other nodes' events ("generation N requested: node X fenced").
+RESTART_EVENTS = ("fallback", "restart", "membership_change")
 
 
 @dataclass
@@ -81,7 +83,8 @@ def classify(c: Cluster, f: Fault, settled: bool) -> None:
     window = [e for e in c.events() if f.t0 <= e.get("time", 0) <= f.t1]
     f.events = sorted({e["event"] for e in window})
     restarts = [e for e in window if e["event"] in RESTART_EVENTS
-                or (e["event"] == "generation_ended" and e.get("outcome") in ("failed", "membership"))]
+                or (e["event"] == "generation_ended" and e.get("outcome") in ("failed", "membership")
+                    and not str(e.get("reason", "")).startswith("fenced:"))]   # the fenced node's own, see above
     # recovery time: to the last recovery in the window (a resumed swap, a restarted group's workers) when there was
     # one, not to the first look at full strength (a hang is found --hang-timeout after it began)
     recovered = [e["time"] for e in window if e["event"] == "swap_resumed"
