@@ -121,12 +121,9 @@ def overhead(args: argparse.Namespace, work: Workdir, trials: int) -> dict[str, 
               f"{'yes' if base >= 50 else 'NO: raise --batch'})")
     print(ratio_line("step time, mirror / no mirror (same job)", ratio, 1.03, at_most=True))
     print(ratio_line("step time, mirror / torchrun", step.ratio("mirror", "torchrun"), 1.03, at_most=True))
-    # less sensitive to other processes than wall time: the CPU the job's processes (launcher, agent, workers) used,
-    # run for run; the extra, spread over 2 cores, as a share of a 50 ms step (the most it can take from one)
+    # the CPU the job's processes (launcher, agent, workers) used over the whole run, per step: raw figures only (on
+    # a shared host, contention inflates CPU time too, and the run's start-up is in it)
     extra = (cpu.median("mirror") or 0.0) - (cpu.median("no-mirror") or 0.0) if cpu.values.get("no-mirror") else None
-    if extra is not None:
-        print(f"{'extra CPU per step, mirror - no mirror (whole run)':48s} {extra:8.2f} ms   = "
-              f"{extra / WORLD / 50 * 100:.2f}% of a 50 ms step on {WORLD} busy cores")
     refresh = [sum(r["bytes_per_refresh"] for r in f["ranks"].values()) for f in figures if f["ranks"]]
     local = [max(r["local_held"] for r in f["ranks"].values()) for f in figures if f["ranks"]]
     held = [f["agent_mirror"].get("held_bytes", 0) for f in figures if f["agent_mirror"]]
