@@ -48,7 +48,42 @@ def test_the_ranks_agree_on_the_first_proposal_and_a_joiner_reads_it_in_the_re_f
     a._store = reformed
     a.after_reform()                                           # a survivor writes K there
     joiner = SI.IntervalPolicy("auto", reformed)
+    joiner.joined()
+    joiner.step_started(25, 0.0)
     assert not joiner.due(25) and joiner.interval == 6 and joiner.due(30)
+
+
+def test_a_joiner_before_the_decision_decides_with_the_survivors_at_their_step():
+    from torch.distributed import PrefixStore, TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    survivor = SI.IntervalPolicy("auto", PrefixStore("w0", server))
+    for s in range(1, 5):
+        survivor.step_started(s, s * 0.05)
+        survivor.due(s)
+    survivor._store = PrefixStore("w1", server)               # re-formed at step 5, before deciding (step 8)
+    survivor.after_reform()
+    joiner = SI.IntervalPolicy("auto", PrefixStore("w1", server))
+    joiner.joined()
+    joiner.step_started(5, 0.0)
+    assert joiner.due(5) and not joiner.decided and joiner.decide_at == survivor.decide_at == SI.DECIDE_STEP
+    for p in (joiner, survivor):
+        for s in range(5, SI.DECIDE_STEP):
+            p.step_started(s, s * 0.05)
+            p.refresh_cost(0.002)
+    joiner.due(SI.DECIDE_STEP), survivor.due(SI.DECIDE_STEP)
+    assert joiner.decided and survivor.decided and joiner.interval == survivor.interval
+
+
+def test_a_script_resumed_from_its_checkpoint_measures_its_first_steps_then_decides():
+    p = SI.IntervalPolicy("auto")                              # no process group: decides alone
+    for s in range(500, 500 + SI.DECIDE_STEP - 1):
+        p.step_started(s, s * 0.05)
+        assert p.due(s)
+        p.refresh_cost(0.002)
+    p.step_started(500 + SI.DECIDE_STEP - 1, (500 + SI.DECIDE_STEP - 1) * 0.05)
+    p.due(500 + SI.DECIDE_STEP - 1)
+    assert p.decided and p.interval == 4                       # 2 ms of a 50 ms step: every 4 steps
 
 
 def test_a_fixed_interval_is_kept_and_never_asks_the_store():

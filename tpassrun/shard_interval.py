@@ -9,10 +9,12 @@ and how long a step takes (the shortest one); at step :data:`DECIDE_STEP` the ra
 within :data:`BUDGET` of a step (at most :data:`MAX_INTERVAL`): :func:`choose`.
 
 Every rank must refresh at the same steps (a recovery needs a step that the survivors' local copies and the lost
-rank's mirror both hold), so the ranks agree on one K: at step :data:`DECIDE_STEP` each one proposes its K to the
-world's store with a compare-and-set, and the first proposal wins for all (one store round trip, once). A rank
-that joins a re-formed world after that step reads the K the survivors wrote there (each re-formed world has a
-store prefix of its own). A rank that cannot reach the store keeps K = 1 and says so.
+rank's mirror both hold), so the ranks agree on one K: at the :data:`DECIDE_STEP`-th step they run (step 8 of a
+fresh run; a script resumed from its checkpoint counts from its first step) each one proposes its K to the world's
+store with a compare-and-set, and the first proposal wins for all (one store round trip, once). In a re-formed
+world (each has a store prefix of its own) the survivors write K there, or, not decided yet, the step at which
+they will decide; a joiner reads it at its first step and adopts K, or decides with them at that step. A rank
+that cannot reach the store refreshes every step and says so.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ BUDGET = 0.01           # the background CPU of refreshes, amortized, as a fract
 RECEIVER_FACTOR = 1.0   # the receiving agent's CPU per refresh, relative to the pusher's (recv, tag, store)
 STORE_KEY = "tpassrun/shard_mirror_interval"
 FETCH_TIMEOUT_S = 60.0
+_PENDING = "pending:"
 
 
 def parse(raw: str | int | None) -> int | None:
@@ -80,16 +83,28 @@ class IntervalPolicy:
         self._costs: list[float] = []
         self._steps: list[float] = []
         self._last: tuple[int, float] | None = None
+        self.decide_at: int | None = None   # the step K is agreed at (the DECIDE_STEP-th this process runs)
+        self.joiner = False                 # set by a joiner's session: it reads K (or decide_at) from the survivors
+        self._pending = ""                  # the store's value before the agreement ("" in a world's first run)
+        self._was_joiner = False
 
     @property
     def enabled(self) -> bool:
         return self.interval > 0
+
+    def joined(self) -> None:
+        """This process joined a running world (a spare that took a rank): at its next step it reads K, or when
+        the survivors will decide it, from them (once)."""
+        if not self._was_joiner:
+            self._was_joiner = self.joiner = True
 
     def store(self) -> Any:
         return self._store if self._store is not None else _default_store()
 
     # --- measuring ---
     def step_started(self, step: int, now: float) -> None:
+        if self.decide_at is None:
+            self.decide_at = step + DECIDE_STEP - 1    # a script resumed from its checkpoint starts past step 1
         if self.auto and self._last is not None and step == self._last[0] + 1:
             self._steps.append(now - self._last[1])
         self._last = (step, now)
@@ -100,12 +115,13 @@ class IntervalPolicy:
 
     # --- deciding ---
     def due(self, step: int) -> bool:
-        """Whether ``step`` is a refresh step (deciding K first at :data:`DECIDE_STEP`)."""
+        """Whether ``step`` is a refresh step (deciding K first, at the :data:`DECIDE_STEP`-th step run)."""
         if self.auto:
-            if step == DECIDE_STEP:
+            if self.joiner and not self.decided:
+                self.joiner = False
+                self._fetch()                  # what the survivors decided, or when they will decide
+            if step == self.decide_at:
                 self._agree()
-            elif step > DECIDE_STEP and not self.decided:
-                self._fetch()
         return self.enabled and step % self.interval == 0
 
     def _agree(self) -> None:
@@ -116,7 +132,7 @@ class IntervalPolicy:
             proposal, why = choose(self._costs[2:] or self._costs, self._steps[2:] or self._steps)
         try:
             store = self.store()
-            agreed = proposal if store is None else int(store.compare_set(STORE_KEY, "", str(proposal)))
+            agreed = proposal if store is None else int(store.compare_set(STORE_KEY, self._pending, str(proposal)))
         except Exception as exc:  # noqa: BLE001 - no store: refresh every step, as a fixed K = 1 would
             log.warning("cannot agree on a shard mirror interval with the other ranks (%s): refreshing every step",
                         exc)
@@ -124,13 +140,17 @@ class IntervalPolicy:
         self._set(agreed, why if agreed == proposal else f"agreed with the other ranks (this one proposed {proposal})")
 
     def _fetch(self) -> None:
+        """A joiner: the survivors wrote K, or ``pending:<step>`` (they decide at that step: so does it)."""
         try:
             store = self.store()
             if store is None:
                 raise RuntimeError("no process group")
             store.wait([STORE_KEY], timedelta(seconds=FETCH_TIMEOUT_S))
-            agreed = int(store.get(STORE_KEY))
-            why = "the interval the other ranks agreed on"
+            value = store.get(STORE_KEY).decode()
+            if value.startswith(_PENDING):
+                self._pending, self.decide_at = value, int(value[len(_PENDING):])
+                return
+            agreed, why = int(value), "the interval the other ranks agreed on"
         except Exception as exc:  # noqa: BLE001 - as above
             log.warning("cannot read the shard mirror interval the other ranks use (%s): refreshing every step", exc)
             agreed, why = 1, f"no agreement ({exc})"
@@ -141,13 +161,17 @@ class IntervalPolicy:
         log.info("shard mirror interval: every %d step(s): %s", self.interval, why)
 
     def after_reform(self) -> None:
-        """In a re-formed world: a rank that knows K writes it under the new world's store prefix, for a joiner."""
-        if not (self.auto and self.decided):
+        """In a re-formed world (a survivor): write K under the new world's store prefix for the joiners, or, not
+        decided yet, the step at which every rank will decide it."""
+        if not self.auto or self.decide_at is None:
             return
+        value = str(self.interval) if self.decided else f"{_PENDING}{self.decide_at}"
+        if not self.decided:
+            self._pending = value
         try:
             store = self.store()
             if store is not None:
-                store.set(STORE_KEY, str(self.interval))
+                store.set(STORE_KEY, value)
         except Exception as exc:  # noqa: BLE001 - a joiner then falls back to K = 1 and says so
             log.warning("cannot publish the shard mirror interval to the re-formed world: %s", exc)
 

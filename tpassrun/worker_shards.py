@@ -64,6 +64,8 @@ class ShardedState:
         if shards.retarget_due:
             shards.retarget_due = False
             self._shard_retarget()
+        if getattr(self, "joined", False):
+            shards.policy.joined()                  # K comes from the survivors (shard_interval.py)
         shards.begin(step, self._shard_objects(), light=light)
 
     def _shard_fence(self) -> None:
