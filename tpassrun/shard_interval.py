@@ -148,7 +148,8 @@ class IntervalPolicy:
             store.wait([STORE_KEY], timedelta(seconds=FETCH_TIMEOUT_S))
             value = store.get(STORE_KEY).decode()
             if value.startswith(_PENDING):
-                self._pending, self.decide_at = value, int(value[len(_PENDING):])
+                at = int(value[len(_PENDING):])
+                self._pending, self.decide_at = value, (at if at >= 0 else self.decide_at)
                 return
             agreed, why = int(value), "the interval the other ranks agreed on"
         except Exception as exc:  # noqa: BLE001 - as above
@@ -163,9 +164,10 @@ class IntervalPolicy:
     def after_reform(self) -> None:
         """In a re-formed world (a survivor): write K under the new world's store prefix for the joiners, or, not
         decided yet, the step at which every rank will decide it."""
-        if not self.auto or self.decide_at is None:
+        if not self.auto:
             return
-        value = str(self.interval) if self.decided else f"{_PENDING}{self.decide_at}"
+        # not started yet (re-formed before its first step): -1, everyone decides at the 8th step it runs, the same
+        value = str(self.interval) if self.decided else f"{_PENDING}{-1 if self.decide_at is None else self.decide_at}"
         if not self.decided:
             self._pending = value
         try:
