@@ -232,7 +232,7 @@ class Supervision:
     async def _watch_lease(self, gen: Generation) -> None:
         """Fence from this task, at once, not through the supervision queue: the supervisor may be inside a
         handler that waits for etcd (a failure record, a swap step) for as long as the outage lasts, and a fence
-        it handled only then left a partitioned node's workers running 18 s past its lease (chaos)."""
+        it handled only then left a partitioned node's workers running 16 s past its lease (chaos)."""
         assert self.rdzv is not None
         while True:
             reason = await self.rdzv.lease_lost()
