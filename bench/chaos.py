@@ -262,7 +262,7 @@ def run(args: argparse.Namespace, work: str) -> dict:
         exact = same_run(Job(argv=[], out=c.train), ref) if ref_code == 0 else f"NO (torchrun reference exit {ref_code})"
         time.sleep(1.0)
         result = {"faults": [f.__dict__ for f in faults], "codes": codes, "steps_lost": lost,
-                  "bit_identical": exact, "orphans": c.our_processes(), "leftovers": leftovers(c),
+                  "bit_identical": exact, "orphans": [c.describe(pid) for pid in c.our_processes()], "leftovers": leftovers(c),
                   "double_held": double_held(c), "netns": c.lab is not None, "small_disk": c.disk is not None,
                   "steps": args.steps}
     finally:

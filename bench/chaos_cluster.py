@@ -269,3 +269,15 @@ class Cluster:
             if (self.work in text or self.run_id in text) and alive(int(name)):
                 out.append(int(name))
         return out
+
+    @staticmethod
+    def describe(pid: int) -> str:
+        """``pid``'s state, parent and command line, as the orphans line prints it (what was left, not only a pid)."""
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                argv = fh.read().decode(errors="replace").replace("\0", " ").strip()
+        except OSError:
+            return f"{pid} (gone)"
+        return f"{pid} {fields[0]} ppid={fields[1]}: {argv[:200]}"
