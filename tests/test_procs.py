@@ -395,3 +395,36 @@ def test_torn_error_file_still_uses_max_restarts(tmp_path):
     assert done.returncode == 1, done.stderr[-3000:]
     assert "attempt 0" in done.stdout and "attempt 1" in done.stdout, done.stdout
     assert "torn.py FAILED" in done.stderr and "Traceback" not in done.stderr, done.stderr[-3000:]
+
+
+# ---------------------------------------------------------------- a finished worker's own children
+
+FORKING_SCRIPT = """
+import os, sys, time
+pid = os.fork()
+if pid == 0:            # a helper the script forked (in the worker's session), never waited for
+    time.sleep(600)
+    os._exit(0)
+with open(sys.argv[1], "w") as fh:
+    fh.write(str(pid))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_helpers_of_a_finished_worker_end_with_the_job(tmp_path):
+    """The worker exits 0 leaving a child it forked: the job ends (exit 0) and takes that child with it."""
+    script, pidfile = tmp_path / "forks.py", tmp_path / "helper.pid"
+    script.write_text(FORKING_SCRIPT)
+    agent = subprocess.run([sys.executable, "-m", "tpassrun", "--standalone", "--nproc-per-node", "1",
+                            "--log-dir", str(tmp_path / "logs"), str(script), str(pidfile)],
+                           capture_output=True, text=True, timeout=100)
+    helper = int(pidfile.read_text())
+    try:
+        assert agent.returncode == 0, agent.stderr[-2000:]
+        deadline = time.monotonic() + 10     # bounded wait for the kernel to finish the kill, not a timing claim
+        while alive(helper) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(helper), "a process the finished worker forked outlived the job"
+    finally:
+        if alive(helper):
+            os.kill(helper, signal.SIGKILL)

@@ -176,9 +176,15 @@ class WorkerSpawning:
 
     async def _stop_all(self, sig: int, grace: float) -> None:
         assert self.slots is not None
-        procs = [s.proc for s in self.slots.slots if s.proc is not None and s.proc.returncode is None]
+        every = [s.proc for s in self.slots.slots if s.proc is not None]
+        procs = [p for p in every if p.returncode is None]
         if procs:
             await stop_workers(procs, sig, grace)
+        for p in every:
+            # a worker that already ended (rank done, exit 0) may have left processes it forked in its own session
+            # (no pdeathsig: they were reparented to init): they go with the job, as torchrun's close() signals
+            # every worker's process group, finished or not
+            p.kill_leftovers()
         for s in self.slots.slots:
             if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
                 s.state = SlotState.IDLE
