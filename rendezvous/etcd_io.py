@@ -175,7 +175,9 @@ class EtcdStore:
                 # this one's client. Retry on the new client; this request was not what was cancelled. (It
                 # used to kill the caller: after a 5 s partition the status and health loops were gone.)
 
-    async def _grant(self) -> None:
+    async def _grant(self, *, confirm: bool = True) -> float:
+        """Grant a lease; returns when the answered attempt was sent. ``confirm=False``: the lease is not taken as
+        sure yet (a re-grant: our keys must be re-written under it first, see :meth:`_regrant`)."""
         sent = self._clock()
 
         async def grant(c: aetcd.Client) -> Any:
@@ -184,8 +186,10 @@ class EtcdStore:
             return await c.lease(self.lease_ttl)
 
         self._lease = await self._call(grant, forever=True)
-        self.lease_clock.granted(sent, self.lease_ttl)
-        self._acked()
+        if confirm:
+            self.lease_clock.granted(sent, self.lease_ttl)
+            self._acked()
+        return sent
 
     async def _refresh(self) -> tuple[float, float]:
         """One refresh, through reconnects: ``(send time of the attempt etcd answered, the TTL it replied)``. A
@@ -276,9 +280,11 @@ class EtcdStore:
 
     async def _regrant(self) -> None:
         log.info("etcd lease expired (outage longer than %s s): re-registering", self.lease_ttl)
-        await self._grant()
+        sent = await self._grant(confirm=False)
         for key, raw in list(self._leased_keys.items()):
             await self._call(lambda c, k=key, r=raw: c.put(k.encode(), r, lease=self._lease), forever=True)
+        self.lease_clock.granted(sent, self.lease_ttl)   # held again once this node is registered again
+        self._acked()
         for listener in list(self.lease_listeners):
             try:
                 listener()
