@@ -39,6 +39,8 @@ class EtcdServer:
         self.host = host
 
     def start(self) -> "EtcdServer":
+        from faults import dies_with_this_thread
+
         for _ in range(5):
             self.port, peer = _free_port(), _free_port()
             data = os.path.join(self.dir, "data")
@@ -52,7 +54,7 @@ class EtcdServer:
                  "--initial-cluster", f"t=http://127.0.0.1:{peer}",
                  "--logger", "zap", "--log-level", "error"],
                 stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, "log"), "w"),
-                start_new_session=True)
+                start_new_session=True, preexec_fn=dies_with_this_thread())
             deadline = time.monotonic() + 10
             while time.monotonic() < deadline and self.proc.poll() is None:
                 try:

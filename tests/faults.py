@@ -492,7 +492,7 @@ def start_etcd_again(server: Any, timeout: float = 60.0) -> None:
     import urllib.request
 
     server.proc = subprocess.Popen(server.proc.args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                   start_new_session=True)
+                                   start_new_session=True, preexec_fn=dies_with_this_thread())
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -502,6 +502,17 @@ def start_etcd_again(server: Any, timeout: float = 60.0) -> None:
         except OSError:
             time.sleep(0.05)
     raise RuntimeError("etcd did not come back")
+
+
+def dies_with_this_thread():  # type: ignore[no-untyped-def]
+    """A preexec_fn making a test's server die with the test process (a pytest killed by a timeout or by hand
+    left its etcd servers running), or None off the main thread: PDEATHSIG fires when the forking *thread*
+    exits, and a thread pool's thread may go before the test ends."""
+    import threading
+
+    from tpassrun.procs import _die_with_parent
+
+    return _die_with_parent(os.getpid()) if threading.current_thread() is threading.main_thread() else None
 
 
 def restart_etcd(server: Any, down_s: float) -> None:
