@@ -63,7 +63,8 @@ def test_every_event_kind_and_the_summary_reach_the_launcher_console(tmp_path, e
         "swap decided": r"swap \S+ decided: ",
         "phase with duration": r"\[rank 1\] swap \S+: transfer \(boundary took \d+",
         "resumed": r"\[rank 1\] swapped and resumed \(swap \S+\): paused [\d.]+ m?s, [\d.]+ [KM]iB moved, 0 steps lost",
-        "hang": r"\[rank 0\] hang: no step for ",
+        # The watchdog sees the stopped process (state T) or the stale heartbeat first, whichever poll comes first.
+        "hang": r"\[rank 0\] hang: (no step for |slot \d+ \(.*\) stopped for )",
         "recovery decided": r"recovery decided \(plan\): replace dead rank 0",
         "recovered": r"\[rank 0\] recovered and resumed .* 0 steps lost, \d redone",
         "death": r"\[rank 1\] died at step \d+: killed by SIGKILL",
