@@ -167,8 +167,27 @@ def _started_by(nodeid: str) -> list[tuple[int, str]]:
 LEAKED_IN_TMPDIR = ("pymp-",)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _session_tmpdir(tmp_path_factory):
+    """Session- and module-scoped fixtures (the torchrun reference runs) start processes outside any test: they
+    get a $TMPDIR of the session's, removed at its end (torchrun leaves its torchelastic_* dirs behind)."""
+    tmp_path_factory.getbasetemp()               # pytest's own temp root stays where it is
+    private = tempfile.mkdtemp(prefix="tps-", dir="/tmp")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = private
+    try:
+        yield
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+        shutil.rmtree(private, ignore_errors=True)
+
+
 @pytest.fixture(autouse=True)
-def _nothing_left_behind(request, tmp_path_factory):
+def _nothing_left_behind(request, tmp_path_factory, _session_tmpdir):
     tmp_path_factory.getbasetemp()               # pytest's own temp root stays where it is
     private = tempfile.mkdtemp(prefix="tpt-", dir="/tmp")
     saved = os.environ.get("TMPDIR"), tempfile.tempdir
