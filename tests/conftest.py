@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -167,39 +168,40 @@ def _started_by(nodeid: str) -> list[tuple[int, str]]:
 LEAKED_IN_TMPDIR = ("pymp-",)
 
 
+@contextlib.contextmanager
+def _tmpdir_of_own(prefix: str):
+    """$TMPDIR (and ``tempfile``'s) pointed at a new private directory for the block; yields its path. The
+    directory is left for the caller to look at and remove."""
+    private = tempfile.mkdtemp(prefix=prefix, dir="/tmp")
+    saved = os.environ.get("TMPDIR"), tempfile.tempdir
+    os.environ["TMPDIR"] = tempfile.tempdir = private
+    try:
+        yield private
+    finally:
+        if saved[0] is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = saved[0]
+        tempfile.tempdir = saved[1]
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _session_tmpdir(tmp_path_factory):
     """Session- and module-scoped fixtures (the torchrun reference runs) start processes outside any test: they
     get a $TMPDIR of the session's, removed at its end (torchrun leaves its torchelastic_* dirs behind)."""
     tmp_path_factory.getbasetemp()               # pytest's own temp root stays where it is
-    private = tempfile.mkdtemp(prefix="tps-", dir="/tmp")
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"] = tempfile.tempdir = private
-    try:
-        yield
-    finally:
-        if saved[0] is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved[0]
-        tempfile.tempdir = saved[1]
-        shutil.rmtree(private, ignore_errors=True)
+    with _tmpdir_of_own("tps-") as private:
+        try:
+            yield
+        finally:
+            shutil.rmtree(private, ignore_errors=True)
 
 
 @pytest.fixture(autouse=True)
 def _nothing_left_behind(request, tmp_path_factory, _session_tmpdir):
     tmp_path_factory.getbasetemp()               # pytest's own temp root stays where it is
-    private = tempfile.mkdtemp(prefix="tpt-", dir="/tmp")
-    saved = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"] = tempfile.tempdir = private
-    try:
+    with _tmpdir_of_own("tpt-") as private:
         yield
-    finally:
-        if saved[0] is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = saved[0]
-        tempfile.tempdir = saved[1]
     try:
         deadline = time.monotonic() + 15.0           # a killed job's processes may take a moment to be reaped
         left = _started_by(request.node.nodeid)
