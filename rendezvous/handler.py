@@ -464,12 +464,26 @@ class EtcdRendezvous:
                     else:  # someone else wrote first: decide again on what they wrote
                         await self.current()
                     continue
+                if self._gen is not None and self._gen.revision == self._bad_rev:
+                    await self._restore_generation()
+                    continue
                 timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
                 await _first_of([wake.wait(), seen.wait(), self._leadership_lost.wait()], timeout)
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await watcher
+
+    async def _restore_generation(self) -> None:
+        """The key holds garbage (torn, foreign, forged) and everyone runs on the last good record: the leader puts
+        that record back, so whoever reads etcd (tpassctl, a node starting now) sees the job's generation again."""
+        assert self._gen is not None
+        rev = await self._store.cas_json_rev(self.key("generation"), self._gen.to_json(), self._gen.revision)
+        if rev is None:       # written meanwhile: read what is there now (garbage again: restored again)
+            await self.current()
+            return
+        log.warning("restored generation %d over the malformed record (revision %d)", self._gen.number, self._bad_rev)
+        self._apply_generation(self._gen.with_revision(rev))
 
     async def _follow_nodes(self, prefix: str, start_revision: int, nodes: dict[str, NodeEntry],
                             wake: asyncio.Event) -> None:

@@ -167,7 +167,10 @@ def test_a_non_json_generation_does_not_spin_the_leader(etcd_server, run_id, cap
             await asyncio.sleep(1.5)
             assert calls <= 5, f"{calls} etcd requests in 1.5 s after a malformed generation"
             assert rdzv.generation is not None and rdzv.generation.number == gen.number
-            # The next write replaces the garbage (the CAS expects the malformed value's revision).
+            # The leader put the last good record back over the garbage, once.
+            doc, _rev = await store.get_json(rdzv.key("generation"))
+            assert Generation.from_json(doc) == gen.with_revision(0)
+            # The next write goes on from there.
             await rdzv.request_restart(gen, "after garbage")
             doc, _rev = await store.get_json(rdzv.key("generation"))
             assert Generation.from_json(doc).number == gen.number + 1
