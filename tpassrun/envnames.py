@@ -45,4 +45,5 @@ TPASSRUN_NODE_ID = "TPASSRUN_NODE_ID"            # the agent's node id in the re
 TPASSRUN_EVENT_LOG = "TPASSRUN_EVENT_LOG"        # JSON-lines event log of this agent
 TPASSRUN_HANG_TIMEOUT = "TPASSRUN_HANG_TIMEOUT"  # seconds without a step heartbeat before a worker counts as hung
 TPASSRUN_SHARD_MIRROR_INTERVAL = "TPASSRUN_SHARD_MIRROR_INTERVAL"  # sharded state: local copy + mirror every K steps
+TPASSRUN_RUN_KEY = "TPASSRUN_RUN_KEY"  # the run key of a job of several agents (read by the agent; never a worker's)
 TPASSRUN_HEALTH_FILE = "TPASSRUN_HEALTH_FILE"    # JSON readings file a site tool writes (FileSensor)

@@ -40,7 +40,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-RUN_KEY_ENV = "TPASSRUN_RUN_KEY"
+from .envnames import TPASSRUN_RUN_KEY
+
+RUN_KEY_ENV = TPASSRUN_RUN_KEY
 RUN_KEY_FILE_CONF = "run_key_file"          # --rdzv-conf run_key_file=PATH
 MAC_FIELD = "mac"
 MAC_VERSION = "v1"
