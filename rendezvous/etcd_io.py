@@ -54,6 +54,14 @@ def decode(raw: bytes | None) -> dict[str, Any] | None:
 _NON_JSON_SEEN: set[bytes] = set()
 
 
+class _LeaseIs(aetcd.transactions.BaseCompare):
+    """A transaction's compare on the lease a key is bound to (etcd >= 3.3; aetcd has no such compare)."""
+
+    def build_compare(self, compare: Any) -> None:
+        compare.target = aetcd.rpc.Compare.LEASE
+        compare.lease = int(self.value)
+
+
 def _range_end(key: bytes) -> bytes:
     return aetcd.utils.prefix_range_end(key)
 
@@ -358,6 +366,23 @@ class EtcdStore:
         """Like ``cas_json`` but returns the new mod_revision, or None if the compare failed."""
         ok, rev = await self._txn_put(key, encode(value), expected_mod_revision, False)
         return rev if ok else None
+
+    async def put_json_while_leased(self, key: str, value: dict[str, Any], *, guard: str, lease_id: int | None) -> bool:
+        """Write ``key`` only while ``guard`` (a key of ours bound to our lease, e.g. our node's registration) is
+        still bound to lease ``lease_id`` (what :attr:`lease_id` was when the write was decided). A write that
+        waited out an outage in which that lease expired is dropped, not applied late: the others declared this
+        node lost meanwhile, and what it says of its ranks is stale. False: dropped. No lease: a plain put."""
+        if lease_id is None:
+            await self.put_json(key, value)
+            return True
+        k, g, raw = key.encode(), guard.encode(), encode(value)
+
+        async def op(c: aetcd.Client) -> bool:
+            ok, _ = await c.transaction(compare=[_LeaseIs(g) == lease_id], success=[c.transactions.put(k, raw)],
+                                        failure=[])
+            return bool(ok)
+
+        return await self._call(op)
 
     async def _txn_put(self, key: str, raw: bytes, expected_mod_revision: int, lease: bool) -> tuple[bool, int]:
         k = key.encode()

@@ -6,11 +6,11 @@ from __future__ import annotations
 import dataclasses
 
 from tpassrun.coordinator import committed_generation, homes_of
-from tpassrun.records import Failure, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
+from tpassrun.records import Failure, Move, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
 from tpassrun.rendezvous import GenState, Generation, Member, NodeInfo
 from tpassrun.swap import (ClusterView, SlotView, lost_ranks, next_step, node_plan_id, plan_for_node_loss,
                            resume_step_node, transfer_key)
-from tpassrun.triage import CasPlan, CreatePlan, PutFailure, RestartGroup, Say, Seen, triage
+from tpassrun.triage import CasPlan, CreatePlan, PutFailure, PutTaint, RestartGroup, Say, Seen, triage
 
 NOW = 1000.0
 # a: ranks 0,1; b: ranks 2,3 (lost); c: a --spare-node with two warm spares
@@ -270,13 +270,20 @@ def test_triage_restarts_the_group_once_when_the_lost_node_cannot_be_recovered_l
     assert triage(seen(view=view(*A, C[0]), plans=((marker, 4),))).actions == ()
 
 
-def test_a_plan_that_needs_a_node_lost_meanwhile_is_aborted_at_once():
+def test_a_plan_that_needs_a_node_lost_meanwhile_is_superseded_at_once_and_its_taint_waits_again():
+    taint = Taint(id="t-1", effect=TaintEffect.MIGRATE, node_id="a", slot=0, rank=0, reason="ecc", source="tpassctl", time=NOW - 5,
+                  handled_by="s-1", state="migrating")
     taint_plan = SwapPlan(id="s-1", kind=SwapKind.PLANNED, generation=3, leaver=SlotRef("a", 0, 0),
                           joiner=SlotRef("b", 2, 0), donor=None, phase=Phase.BOUNDARY, reason="ecc",
-                          nodes=("a", "b"), history=(("pause", NOW),))
-    result = triage(seen(plans=((taint_plan, 9),)))
-    assert [type(a) for a in result.actions] == [CasPlan]
-    assert result.actions[0].new.phase == Phase.ABORTED and "node b was lost" in result.actions[0].new.outcome
+                          nodes=("a", "b"), history=(("pause", NOW),), taint_id="t-1")
+    result = triage(seen(plans=((taint_plan, 9),), taints=(taint,)))
+    assert [type(a) for a in result.actions] == [Say, CasPlan, Say, PutTaint]     # (the first Say: taint received)
+    aborted = result.actions[1].new
+    assert aborted.phase == Phase.ABORTED and aborted.superseded and "node b was lost" in aborted.outcome
+    assert result.actions[3].taint.handled_by is None and "waiting" in result.actions[3].taint.state
+    # the next look plans the lost node's ranks (the taint's own turn comes after)
+    result = triage(seen(plans=((aborted, 10),), taints=(result.actions[3].taint,), received_said=frozenset({"t-1"})))
+    assert [type(a) for a in result.actions] == [Say, CreatePlan] and result.actions[1].plan.id == "n-b"
     # a node plan that loses another node (here its joiners') before its world re-forms is superseded: the next
     # look plans everything gone at once (here: nothing can take b's ranks any more, so the group restarts)
     node_plan = dataclasses.replace(_plan(), phase=Phase.SEND)
@@ -292,6 +299,51 @@ def test_a_plan_that_needs_a_node_lost_meanwhile_is_aborted_at_once():
     reforming = dataclasses.replace(_plan(), phase=Phase.REFORM)
     result = triage(seen(plans=((reforming, 9),), view=lost_both))
     assert [type(a) for a in result.actions] == [CasPlan, RestartGroup]
+
+
+def test_a_recovery_that_loses_a_node_before_its_world_re_forms_is_folded_into_that_nodes_plan():
+    """A partition longer than the lease: rank 1 on a (blocked in a collective with the cut-off node b) was killed
+    by the hang watchdog, and its recovery waits in PAUSE for b's report until b's lease ends. The recovery is
+    superseded, rank 1 handed back, and one plan takes b's ranks and rank 1 at once: nobody restarts."""
+    spare_a = SlotView("a", 2, None, "spare", True)
+    v = view(A[0], dataclasses.replace(A[1], state="dead"), spare_a, *C, SlotView("c", 2, None, "spare", True))
+    dead1 = Failure(node="a", slot=1, rank=1, code=-9, step=12, light=True, generation=3, handled="plan")
+    for phase in (Phase.PAUSE, Phase.TRANSFER, Phase.SEND):
+        recovery = SwapPlan(id="u-a-1-3", kind=SwapKind.UNPLANNED, generation=3, leaver=SlotRef("a", 1, 1),
+                            joiner=SlotRef("a", 2, 1), donor=SlotRef("b", 0, 2), phase=phase, reason="exit code -9",
+                            nodes=("a", "b"), history=(("pause", NOW - 3),))
+        result = triage(seen(plans=((recovery, 9),), failures=(("a-1", dead1),), view=v))
+        assert [type(a) for a in result.actions] == [CasPlan, Say, PutFailure], phase
+        aborted = result.actions[0].new
+        assert aborted.superseded and "node b was lost during the recovery of rank(s) [1]" in aborted.outcome
+        handed_back = result.actions[2].failure
+        assert handed_back.handled is None and not any(isinstance(a, RestartGroup) for a in result.actions)
+        result = triage(seen(plans=((aborted, 10),), failures=(("a-1", handed_back),), view=v))
+        created = [a.plan for a in result.actions if isinstance(a, CreatePlan)]
+        assert len(created) == 1 and created[0].kind == SwapKind.NODE and created[0].lost_node == "b"
+        assert sorted(m.rank for m in created[0].moves) == [1, 2, 3]
+        assert {m.donor.rank for m in created[0].moves} == {0}                  # the one live replica
+        assert [a.failure.handled for a in result.actions if isinstance(a, PutFailure)] == ["plan"]
+        assert not any(isinstance(a, RestartGroup) for a in result.actions)
+    # in REFORM the survivors are inside the new world's rendezvous: still the group restart (the leaver's node)
+    reforming = dataclasses.replace(recovery, phase=Phase.REFORM)
+    result = triage(seen(plans=((reforming, 9),), failures=(("a-1", dead1),), view=v))
+    assert [type(a) for a in result.actions] == [CasPlan] and not result.actions[0].new.superseded
+
+
+def test_a_death_reported_late_by_a_node_whose_ranks_moved_is_stale_not_recovered():
+    """A node cut off from etcd killed a rank blocked on the partition and wrote its failure record when the link
+    came back, after its ranks had been moved live to the spare node (c): nothing to recover, nobody paused."""
+    moved = (SlotView("c", 0, 2, "running", True, 9), SlotView("c", 1, 3, "running", True, 9))
+    v = view(*A, *moved, SlotView("b", 0, None, "spare", True), lost=(), members=("a", "c"), spare_nodes=("b",))
+    late = Failure(node="b", slot=1, rank=3, code=-9, step=7, light=True, generation=3)
+    result = triage(seen(failures=(("b-1", late),), view=v))
+    assert [type(a) for a in result.actions] == [PutFailure]
+    assert result.actions[0].failure.handled == "stale" and "runs on c/1" in result.actions[0].failure.reason
+    # nor is it a second fault of a plan in flight
+    plan = dataclasses.replace(_plan(), phase=Phase.TRANSFER, secret="ab" * 32)
+    result = triage(seen(plans=((plan, 9),), failures=(("b-1", late),), view=v))
+    assert not any(isinstance(a, CasPlan) and a.new.superseded for a in result.actions)
 
 
 def test_an_aborted_node_plan_restarts_the_group():

@@ -374,8 +374,13 @@ def test_a_partition_longer_than_the_lease_re_registers_and_resumes_watches(etcd
                 lost = await next_event(a_events, EventKind.NODE_LOST, timeout=10)
                 assert lost.node_id == "b"
                 await next_event(b_events, EventKind.CONNECTION_LOST, timeout=10)
+                # what b decided to write under the lease it had (a worker's death) waits out the cut, and is
+                # dropped when it lands after that lease ended: a knew b lost and moved on without it
+                late = asyncio.ensure_future(b.store.put_json_while_leased(
+                    b.key("failures", "b-0"), {"v": 1}, guard=b.key("nodes", "b"), lease_id=lease_before))
                 proxy.heal()
                 await next_event(b_events, EventKind.CONNECTION_RESTORED, timeout=20)
+                assert await asyncio.wait_for(late, 20) is False
                 # the update a wrote while b was cut off reaches b from where its watch stopped
                 seen = await next_event(b_events, EventKind.NODE_LOST, timeout=10)
                 assert seen.node_id == "b"
@@ -383,6 +388,10 @@ def test_a_partition_longer_than_the_lease_re_registers_and_resumes_watches(etcd
                 assert b.store.lease_id != lease_before and b.store.lease_epoch == 1
                 reg, _ = await a.store.get_json(a.key("nodes", "b"))
                 assert reg is not None and reg["node_id"] == "b"
+                assert (await a.store.get_json(a.key("failures", "b-0")))[0] is None
+                assert await b.store.put_json_while_leased(b.key("failures", "b-0"), {"v": 1},
+                                                           guard=b.key("nodes", "b"), lease_id=b.store.lease_id)
+                assert (await a.store.get_json(a.key("failures", "b-0")))[0] == {"v": 1}
                 await a.request_restart(g0, "b is back")
                 g1 = await asyncio.wait_for(asyncio.gather(a.join(), b.join()), 20)
                 assert g1[0].number == 1 and sorted(g1[0].member_ids) == ["a", "b"] and g1[0] == g1[1]

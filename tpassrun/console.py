@@ -175,6 +175,8 @@ class Describer:
         if name == "worker_died":
             self._last_death[ev.get("rank")] = int(ev.get("step") or 0)
             return f"{_rank(ev)}died at step {ev.get('step')}: {ev.get('why') or 'exit code ' + str(ev.get('code'))}"
+        if name == "failure_dropped":
+            return f"{_rank(ev)}its death is not reported: {ev.get('reason')}"
         if name == "shard_mirror":
             if not ev.get("bytes_per_refresh"):     # HSDP: its replicas hold its shards (worker_shards.py)
                 return (f"{_rank(ev)}sharded state kept in local copies only, not mirrored (under HSDP its "

@@ -27,6 +27,7 @@ from .swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, transfer_key as _tr
 log = logging.getLogger("tpassrun.swap")
 
 PAUSE_SETTLE_S = 0.03         # how long a RUNNING step must stay unchanged before we call it "stuck in a collective"
+GIVEN_UP_POLL_S = 0.25        # how often a participant waiting for its workers looks whether the plan was given up
 
 
 class PhaseSteps:
@@ -45,6 +46,7 @@ class PhaseSteps:
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         last: dict[int, tuple[int, int, float]] = {}
         dead_steps = self._dead_light_steps(plan)
+        next_look = time.monotonic() + GIVEN_UP_POLL_S
         while True:
             now = time.monotonic()
             stationary, cand, paused, failed, post = True, 0, [], [], []
@@ -77,7 +79,26 @@ class PhaseSteps:
             if now > deadline:
                 return Report(node=self.port.node_id, phase=plan.phase, ok=False,
                               error="workers did not stop within the phase timeout")
+            if now >= next_look:
+                # a survivor blocked in a collective with a node that is cut off stops only when that node is
+                # declared lost and the next plan breaks it out; the leader gives this plan up then (superseded),
+                # and plans are followed one at a time, so this wait must look or it holds that next plan back
+                next_look = now + GIVEN_UP_POLL_S
+                if await self._given_up(plan):
+                    return Report(node=self.port.node_id, phase=plan.phase, ok=False, error="the plan was given up")
             await asyncio.sleep(0.002)
+
+    async def _given_up(self, plan: SwapPlan) -> bool:
+        """The leader aborted ``plan`` since this phase began (read from etcd: a malformed or missing record is
+        not taken for an abort)."""
+        key = self._keys.swap(plan.id)
+        try:
+            doc, rev = await self._store.get_json(key)
+        except Exception as exc:  # noqa: BLE001 - etcd away: the phase goes on, the next look tries again
+            log.debug("reading %s: %s", key, exc)
+            return False
+        now = load(SwapPlan.from_json, key, doc, rev) if doc is not None else None
+        return now is not None and now.phase == Phase.ABORTED
 
     def _mixed_commit_fields(self, plan: SwapPlan, survivors: list[Slot]) -> dict[str, Any]:
         """An unplanned recovery's PAUSE: where each local survivor stopped and where else it could stand
@@ -324,7 +345,6 @@ class PhaseSteps:
         """The joiner's "received", or "aborted" once the leader gave the plan up (a sender that died before
         connecting leaves the joiner listening; plans are followed one at a time, so this wait must look)."""
         deadline = time.monotonic() + PHASE_TIMEOUT_S
-        key = self._keys.swap(plan.id)
         while time.monotonic() < deadline:
             msg = await self._slots.expect(joiner, (Received, Stranger), 0.5)
             if isinstance(msg, Stranger):
@@ -332,9 +352,7 @@ class PhaseSteps:
                 continue
             if msg is not None or not joiner.alive:
                 return msg
-            doc, rev = await self._store.get_json(key)
-            now = load(SwapPlan.from_json, key, doc, rev) if doc is not None else None
-            if now is not None and now.phase == Phase.ABORTED:
+            if await self._given_up(plan):
                 return "aborted"
         return None
 
@@ -434,7 +452,7 @@ class PhaseSteps:
             return s, await self._slots.expect(s, (Reformed,), PHASE_TIMEOUT_S)
 
         tasks = {asyncio.ensure_future(one(s)): s for s in waiting}
-        pending, key = set(tasks), self._keys.swap(plan.id)
+        pending = set(tasks)
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
@@ -442,14 +460,11 @@ class PhaseSteps:
                     s, msg = t.result()
                     if msg is None or msg.ok is False:
                         return f"rank {s.rank} did not join the new world: {msg.error if msg else None}"
-                if pending:
-                    doc, rev = await self._store.get_json(key)
-                    now = load(SwapPlan.from_json, key, doc, rev) if doc is not None else None
-                    if now is not None and now.phase == Phase.ABORTED:
-                        for t in pending:
-                            t.cancel()
-                        await self._abort_joins(plan, [tasks[t] for t in pending])
-                        return None
+                if pending and await self._given_up(plan):
+                    for t in pending:
+                        t.cancel()
+                    await self._abort_joins(plan, [tasks[t] for t in pending])
+                    return None
             return [t.result()[1] for t in tasks]
         finally:
             for t in tasks:

@@ -177,6 +177,7 @@ class Swapper(PhaseSteps):
         if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes):
             return False
         step = self._slots.field(slot, Field.STEP)
+        lease = self._store.lease_id      # the lease this death is seen under (see the failure's write below)
         kind, why = classify_death(code, self._slots.phase(slot))
         if not recoverable(kind):   # a spare would only raise again: torchrun's path, at once
             self.port.events.write("user_error", slot=slot.index, rank=slot.rank, code=code, step=step, why=why)
@@ -193,7 +194,16 @@ class Swapper(PhaseSteps):
             if s is not slot:
                 self._slots.set_run_until(s, STOP_NOW)
         self._keep_dead_lights(slot)
-        await self._store.put_json(self._keys.failure(self.port.node_id, slot.index), failure.to_json())
+        # Only under the lease the death was seen under: a node cut off from etcd (its watchdog killed a rank
+        # blocked on the partition) wrote this record when etcd came back, after the others had declared it lost
+        # and moved all of its ranks live; read then, it made the leader "recover" a rank that ran elsewhere.
+        if not await self._store.put_json_while_leased(self._keys.failure(self.port.node_id, slot.index),
+                                                       failure.to_json(), guard=self._keys.node(self.port.node_id),
+                                                       lease_id=lease):
+            self.port.events.write("failure_dropped", slot=slot.index, rank=slot.rank,
+                                   reason="this node's etcd lease ended since the death: its ranks are the lost "
+                                          "node's plan's")
+            return True      # (this node fences itself for the same reason: no restart from here)
         await self.port.publish_status()
         return True
 

@@ -7,12 +7,12 @@ I/O, no clock) says what to do, as a list of typed :data:`Action` s; the swapper
 Precedence, one thing per tick (each write makes the next tick see the new state):
 
 1. plans from before the last whole-group restart are aborted (their workers are gone);
-2. an active plan is advanced by :func:`tpassrun.swap.next_step` (one swap at a time); one that needs a node
-   that was lost meanwhile is aborted (it would wait for that node forever); one during which another rank
-   died (a second fault) is *superseded*: aborted without a fallback, its own failures handed back, so that
-   the next tick plans every dead rank at once (:func:`tpassrun.swap.plan_for_dead_ranks`) with the spares and
-   replicas left, or restarts the group saying why; a death while the world re-forms restarts the group
-   (the survivors are inside the new world's rendezvous and cannot be paused);
+2. an active plan is advanced by :func:`tpassrun.swap.next_step` (one swap at a time); one during which
+   another rank died (a second fault) or a node it needs was lost, before its world re-forms, is *superseded*:
+   aborted without a fallback, its own failures handed back, so that the next tick plans every dead rank and
+   lost node at once (:func:`tpassrun.swap.plan_for_dead_ranks`, :func:`tpassrun.multiloss.plan_for_losses`)
+   with the spares and replicas left, or restarts the group saying why; a node lost while the world re-forms
+   restarts the group (the survivors are inside the new world's rendezvous and cannot be paused);
 3. else the lost nodes whose ranks nobody holds get one node plan (:func:`tpassrun.swap.plan_for_node_loss`;
    several lost nodes, or a lost node and ranks dead on live nodes, :func:`tpassrun.multiloss.plan_for_losses`)
    or, when none is possible, a whole-group restart that says why (worker failures reported from a lost node
@@ -155,6 +155,8 @@ def _decide(seen: Seen) -> Triage:
                                                                     "lost_node": gone[0], "phase": plan.phase.value,
                                                                     "reason": why}))
                           + _hand_back(plan, why, seen))
+        if gone and plan.phase in (Phase.PAUSE, Phase.BOUNDARY, Phase.TRANSFER, Phase.SEND):
+            return Triage(tuple(out) + _fold_node_loss(plan, rev, gone[0], seen))
         if gone:
             why = f"node {gone[0]} was lost during the swap"
             decision = Decision("plan", f"aborted: {why}", plan.advance(Phase.ABORTED, now, outcome=why))
@@ -186,6 +188,10 @@ def _decide(seen: Seen) -> Triage:
             # A death from before the last whole-group restart (e.g. a second failure that ended a
             # recovery): those workers are gone, and the rank runs anew. Never plan a swap for it.
             stale_failures.append(PutFailure(fid, f.mark("stale", "before the restart")))
+            continue
+        moved = _runs_elsewhere(f, seen.view)
+        if moved:
+            stale_failures.append(PutFailure(fid, f.mark("stale", moved)))
             continue
         pending.append((fid, f))
     if len(pending) > 1:
@@ -314,19 +320,30 @@ def _joiner_lost(plan: SwapPlan, rev: int, decision: Decision, seen: Seen) -> tu
             PutFallback(plan.leaver.node, Fallback(why, plan.generation, plan.leaver.slot)))
 
 
+def _runs_elsewhere(f: Failure, view: ClusterView) -> str:
+    """Why ``f`` is moot because its rank runs in another slot now ("" if it is not): the death was reported
+    late, by a node whose ranks were all moved meanwhile (cut off from etcd, it wrote the record when the link
+    came back; its agent drops such writes now, tpassrun/swapper.py, but a record from an older agent may still
+    come)."""
+    held = view.slot_of_rank(f.rank)
+    if held is None or (held.node, held.slot) == (f.node, f.slot):
+        return ""
+    return f"rank {f.rank} runs on {held.node}/{held.slot} since"
+
+
 def _second_faults(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
     """Deaths in this generation, not handled yet, of ranks the active plan does not replace (on a lost node: its
     plan's business)."""
     moved, lost = set(plan.ranks), set(seen.view.lost)
     return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
-            and f.node not in lost and f.rank not in moved]
+            and f.node not in lost and f.rank not in moved and not _runs_elsewhere(f, seen.view)]
 
 
 def _reform_deaths(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
     """Deaths not handled yet while ``plan`` re-forms the world: any rank's, its joiners' included."""
     lost = set(seen.view.lost)
     return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
-            and f.node not in lost]
+            and f.node not in lost and not _runs_elsewhere(f, seen.view)]
 
 
 def _reforming(p: SwapPlan) -> bool:
@@ -425,6 +442,29 @@ def _supersede(plan: SwapPlan, rev: int, second: Sequence[tuple[str, Failure]], 
     if plan.kind == SwapKind.PLANNED:
         taint = next((t for t in seen.taints if t.id == plan.taint_id), None)
         if taint is not None:       # asked for again once the dead are replaced
+            out.append(PutTaint(taint.handled(None, f"waiting: {why}")))
+    else:
+        out += _hand_back(plan, why, seen)
+    return tuple(out)
+
+
+def _fold_node_loss(plan: SwapPlan, rev: int, node: str, seen: Seen) -> tuple[Action, ...]:
+    """A single-rank swap needs a node that was lost before its world re-formed (pure). Nothing of the new world
+    exists yet, so the swap is superseded, not restarted: an unplanned recovery hands its dead rank back and the
+    next look plans the lost node's ranks and that rank at once (:func:`tpassrun.multiloss.plan_for_losses`); a
+    planned swap's taint waits again (its rank runs on, or moves with its lost node's plan). A partition longer
+    than the lease is the usual way here: the ranks blocked in collectives with the cut-off node go stale, the
+    hang watchdog kills one, and its recovery waits for the cut-off node until its lease ends."""
+    what = (f"the swap of rank {plan.leaver.rank}" if plan.kind == SwapKind.PLANNED
+            else f"the recovery of rank(s) {list(plan.ranks)}")
+    why = f"node {node} was lost during {what}: every loss is planned again at once"
+    aborted = plan.advance(Phase.ABORTED, seen.now, outcome=why, superseded=True)
+    out: list[Action] = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted)),
+                         Say("recovery_superseded", {"swap_id": plan.id, "ranks": list(plan.ranks), "lost_node": node,
+                                                     "phase": plan.phase.value, "reason": why})]
+    if plan.kind == SwapKind.PLANNED:
+        taint = next((t for t in seen.taints if t.id == plan.taint_id), None)
+        if taint is not None:
             out.append(PutTaint(taint.handled(None, f"waiting: {why}")))
     else:
         out += _hand_back(plan, why, seen)
