@@ -100,6 +100,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self.signal_received: int | None = None
         self._queue: asyncio.Queue[AgentEvent] = asyncio.Queue()
         self._store_proc: asyncio.subprocess.Process | None = None
+        self._store_port = 0
         self._standby: tuple[asyncio.subprocess.Process, int] | None = None   # a store ready to take over (port)
         self.swapper: Swapper | None = None
         self.mirror: MirrorPlane | None = None   # this node's mirror store and its light mirror (mirrorplane.py)
@@ -260,6 +261,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                          master=lambda: self.master, set_generation=set_generation, spawn_spare=spawn_spare,
                          publish_status=self.publish_status, post=self._queue_put,
                          store_host=lambda: self.store_host, set_master=set_master, start_store=self._host_new_store,
+                         store_ready=self._store_ready,
                          mirror=lambda: self.mirror)
 
     def _queue_put(self, event: AgentEvent) -> None:
@@ -451,7 +453,21 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         return await self.rdzv.wait_bootstrap(gen, timeout=self.rdzv.settings.join_timeout)
 
     async def _start_store(self, port: int) -> None:
-        self._store_proc = await self._spawn_store(port)
+        self._store_proc, self._store_port = await self._spawn_store(port), port
+
+    async def _store_ready(self, timeout: float) -> bool:
+        """Whether the workers' store this agent runs accepts connections (waiting up to ``timeout``): a store
+        process just started imports torch first (seconds on a loaded host), and a worker that connects before
+        it listens backs off for longer and longer (a re-formed world waited 11 s in the chaos run)."""
+        proc, port = self._store_proc, self._store_port
+        deadline = time.monotonic() + timeout
+        while proc is not None and proc.returncode is None and time.monotonic() < deadline:
+            with contextlib.suppress(OSError, asyncio.TimeoutError):
+                _r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
+                w.close()
+                return True
+            await asyncio.sleep(0.05)
+        return False
 
     async def _spawn_store(self, port: int) -> asyncio.subprocess.Process:
         from .procs import _die_with_parent  # the same pdeathsig hook the workers get
@@ -493,6 +509,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         standby, self._standby = self._standby, None
         if standby is not None and standby[0].returncode is None:
             self._store_proc, port = standby
+            self._store_port = port
         else:
             port = _free_port()
             await self._start_store(port)

@@ -121,7 +121,10 @@ class GenerationTasks:
                 # Nothing of ours is stopped: the hang may be another node's (a rank SIGSTOPped there blocks ours
                 # in the collective). That node's watchdog kills its stopped rank at once; ours then pause for
                 # the recovery (busy) or fail out of the collective (no longer RUNNING). Killing ours too made
-                # a second death inside the first recovery (found by bench/chaos.py).
+                # a second death inside the first recovery (found by bench/chaos.py). A node cut off from the
+                # network blocks them the same way, and if it ran the workers' store the recovery needs a new one:
+                # started now (it imports torch), not when the node's lease has run out.
+                await self._standby_store()
                 await asyncio.sleep(REMOTE_HANG_GRACE_S)
                 if self.swapper.busy or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING \
                         or self.slots.field(s, Field.HEARTBEAT_NS) != beat:

@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("tpassrun.swap")
 
+STORE_READY_S = 30.0   # how long a re-form waits for a workers' store just started here to listen
+
 
 class Coordinator:
     """Construct once per agent; ``await run()`` in every generation; :meth:`kick` on any local change."""
@@ -215,6 +217,9 @@ class Coordinator:
             return
         new = decision.plan
         if new.phase == Phase.REFORM:
+            if new.store_host == self.port.node_id and self.port.store_ready is not None:
+                # the world re-forms at a store this agent started for the swap: listening before anyone connects
+                await self.port.store_ready(STORE_READY_S)
             await self._commit_generation(new)
         ok = await self._store.cas_json(self._keys.swap(plan.id), _sealed(self._keys.swap(plan.id), new), rev)
         if ok:

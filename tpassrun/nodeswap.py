@@ -345,6 +345,8 @@ class NodePlans:
             return None
         if isinstance(answers, str):
             return Report(node=me, phase=plan.phase, ok=False, error=answers)
+        self.port.events.write("swap_reform_timings", swap_id=plan.id,
+                               ranks={str(s.rank): msg.timings() for s, msg in zip(waiting, answers)})
         self.port.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
         return Report(node=me, phase=plan.phase)
 

@@ -107,6 +107,7 @@ class AgentPort:
     store_host: Callable[[], "str | None"] = lambda: None   # the node running that store
     set_master: Callable[[tuple[str, int], "str | None"], None] = lambda addr, host: None   # a swap moved it
     start_store: "Callable[[], Awaitable[tuple[str, int]]] | None" = None   # host a new one here (its address)
+    store_ready: "Callable[[float], Awaitable[bool]] | None" = None   # the store run here accepts connections
     mirror: Callable[[], Any] = lambda: None   # this node's mirrorplane.MirrorPlane (its mirror store), or None
 
 

@@ -110,6 +110,7 @@ class SpareCommands:
         world = msg.world
         set_rank_env(world)
         os.environ.pop(E.TPASSRUN_SPARE, None)
+        t0 = time.perf_counter()
         try:
             join_world(self.backend, world, self._timeout, lambda: self._join_interrupted(str(world.prefix)))
         except JoinAborted as exc:
@@ -132,7 +133,8 @@ class SpareCommands:
         self._pending_light_bundle = decode_light(light) if light is not None else None
         self.step = _bundle_step(self._pending_light_bundle or wait.bundle)
         link.set(Field.STEP, self.step)
-        link.send(Reformed(ok=True, rank=self.rank, world_size=self.world_size, generation=self.generation))
+        link.send(Reformed(ok=True, rank=self.rank, world_size=self.world_size, generation=self.generation,
+                           join_s=round(time.perf_counter() - t0, 4)))
         return True
 
     def _on_spare_exit(self, msg: Exit, step: int, failed: BaseException | None) -> bool:
