@@ -400,7 +400,8 @@ async def host_etcd_if_absent(endpoint: str, binary: str, stack: contextlib.Asyn
     port = int(port_s)
     if not _is_local_address(host) or await _accepts(host, port):
         return None
-    lock = os.fdopen(open_private_lock(f"etcd-{port}.lock"), "r+")
+    name = f"etcd-{port}.lock"
+    lock = os.fdopen(open_private_lock(name), "r+")
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
@@ -409,7 +410,14 @@ async def host_etcd_if_absent(endpoint: str, binary: str, stack: contextlib.Asyn
         while not await _accepts(host, port) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         return None
-    stack.callback(lock.close)
+
+    def release() -> None:
+        # unlinked while still held (after the etcd stopped: the stack unwinds in reverse), so no lock file
+        # outlives the run; an agent arriving after this makes a new file and hosts anew, as it would anyway
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(private_runtime_dir(), name))
+        lock.close()
+    stack.callback(release)
     if await _accepts(host, port):
         return None
     try:

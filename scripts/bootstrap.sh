@@ -35,9 +35,12 @@ fi
 # components import, not datasets/pyarrow/wandb/tensorboard) and megatron-core, every install constrained to the
 # CPU torch above (without the pin pip would fetch a multi-GB CUDA torch to satisfy their torch requirements).
 FRAMEWORKS_PIN=$(mktemp)
-trap 'rm -f "$FRAMEWORKS_PIN"' EXIT
+# importing deepspeed makes torch's inductor cache dir (<tmp>/torchinductor_<user>): the import checks below get a
+# temporary dir of their own, removed at exit, so a bootstrap leaves nothing in /tmp
+CHECK_TMP=$(mktemp -d)
+trap 'rm -rf "$FRAMEWORKS_PIN" "$CHECK_TMP"' EXIT
 echo "torch==$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$FRAMEWORKS_PIN"
-if ! "$VPY" -c "import deepspeed, megatron.core, torchtitan, tyro, spmd_types, psutil" 2>/dev/null; then
+if ! TMPDIR="$CHECK_TMP" "$VPY" -c "import deepspeed, megatron.core, torchtitan, tyro, spmd_types, psutil" 2>/dev/null; then
     echo "+ pip install deepspeed==0.19.8 megatron-core==0.16.1 torchtitan==0.3.0 (slim), torch pinned"
     "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" "deepspeed==0.19.8" "megatron-core==0.16.1" psutil
     "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" torch_checkpointing

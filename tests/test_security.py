@@ -469,6 +469,31 @@ def test_secrets_never_come_from_the_command_line(tmp_path, monkeypatch):
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr
 
 
+def test_the_c10d_hosts_lock_file_is_gone_when_its_etcd_is(tmp_path, monkeypatch):
+    """The agent hosting the c10d endpoint's etcd holds a lock file while it serves; nothing is left after."""
+    import asyncio
+    import contextlib
+    import tempfile
+
+    from conftest import _etcd_binary, _free_port
+    from tpassrun.rendezvous.embedded import host_etcd_if_absent, private_runtime_dir
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    port = _free_port()
+    lock = os.path.join(private_runtime_dir(), f"etcd-{port}.lock")
+
+    async def main() -> None:
+        async with contextlib.AsyncExitStack() as stack:
+            etcd = await host_etcd_if_absent(f"127.0.0.1:{port}", _etcd_binary(), stack)
+            assert etcd is not None and os.path.exists(lock)
+            # a second agent of this machine finds it served and hosts nothing
+            async with contextlib.AsyncExitStack() as other:
+                assert await host_etcd_if_absent(f"127.0.0.1:{port}", _etcd_binary(), other) is None
+        assert not os.path.exists(lock)
+    asyncio.run(main())
+
+
 def test_the_c10d_lock_is_private_and_never_follows_a_symlink(tmp_path, monkeypatch):
     from tpassrun.rendezvous.embedded import open_private_lock, private_runtime_dir
 
