@@ -331,6 +331,26 @@ def test_a_recovery_that_loses_a_node_before_its_world_re_forms_is_folded_into_t
     assert [type(a) for a in result.actions] == [CasPlan] and not result.actions[0].new.superseded
 
 
+def test_a_superseded_recovery_hands_back_only_its_own_death_not_an_earlier_one_of_the_same_rank():
+    """Rank 1 died in a/1 earlier and was recovered into a/2 (that failure stays handled); it dies again in a/2 and
+    that recovery is superseded by b's loss: only the a/2 death goes back, and the next plan moves rank 1 once."""
+    v = view(A[0], dataclasses.replace(A[1], rank=None, state="spare"), SlotView("a", 2, 1, "dead", True, 12),
+             *C, SlotView("c", 2, None, "spare", True))
+    earlier = Failure(node="a", slot=1, rank=1, code=-9, step=4, light=True, generation=3, handled="plan")
+    again = Failure(node="a", slot=2, rank=1, code=-9, step=12, light=True, generation=3, handled="plan")
+    recovery = SwapPlan(id="u-a-2-3", kind=SwapKind.UNPLANNED, generation=3, leaver=SlotRef("a", 2, 1),
+                        joiner=SlotRef("a", 1, 1), donor=SlotRef("a", 0, 0), phase=Phase.PAUSE,
+                        reason="exit code -9", nodes=("a", "b"), history=(("pause", NOW - 3),))
+    failures = (("a-1", earlier), ("a-2", again))
+    result = triage(seen(plans=((recovery, 9),), failures=failures, view=v))
+    handed = [a for a in result.actions if isinstance(a, PutFailure)]
+    assert [(a.failure_id, a.failure.handled) for a in handed] == [("a-2", None)]
+    aborted = result.actions[0].new
+    result = triage(seen(plans=((aborted, 10),), failures=(("a-1", earlier), ("a-2", handed[0].failure)), view=v))
+    created = [a.plan for a in result.actions if isinstance(a, CreatePlan)]
+    assert len(created) == 1 and sorted(m.rank for m in created[0].moves) == [1, 2, 3]
+
+
 def test_a_death_reported_late_by_a_node_whose_ranks_moved_is_stale_not_recovered():
     """A node cut off from etcd killed a rank blocked on the partition and wrote its failure record when the link
     came back, after its ranks had been moved live to the spare node (c): nothing to recover, nobody paused."""

@@ -472,9 +472,13 @@ def _fold_node_loss(plan: SwapPlan, rev: int, node: str, seen: Seen) -> tuple[Ac
 
 
 def _hand_back(plan: SwapPlan, why: str, seen: Seen) -> tuple[Action, ...]:
-    """The failures a superseded plan had taken on, unhandled again: the next plan takes them."""
+    """The failures a superseded plan had taken on, unhandled again: the next plan takes them. Only those of the
+    slots it moves ranks off: an earlier death of the same rank in another slot was recovered by an earlier plan
+    (chaos: handed back too, it made 'ranks [0, 0] dead' and the next plan found no state for them)."""
+    leavers = {(m.leaver.node, m.leaver.slot) for m in plan.all_moves}
     return tuple(PutFailure(fid, dataclasses.replace(f, handled=None, reason=why)) for fid, f in seen.failures
-                 if f.handled == "plan" and f.rank in plan.ranks and f.generation >= seen.spawned_generation)
+                 if f.handled == "plan" and f.rank in plan.ranks and (f.node, f.slot) in leavers
+                 and f.generation >= seen.spawned_generation)
 
 
 def _unique_id(base: str, seen: Seen) -> str:
