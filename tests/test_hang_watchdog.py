@@ -137,3 +137,56 @@ def test_the_watchdog_loop_kills_a_stopped_spare_while_a_swap_runs():
             await slots.close()
 
     asyncio.run(go())
+
+
+def test_ranks_stale_on_a_silent_node_are_held_for_its_lease_then_the_watchdog_acts_as_before():
+    """A node cut off from the network blocks this node's ranks in a collective without failing anything: their
+    heartbeats go stale with nothing stopped here. While a member node does not answer, the watchdog leaves them
+    alone (said once) for that node's lease and a --hang-timeout more: the lost node's plan breaks them out when
+    the lease ends (chaos: killing the only survivor left no replica, and the group restarted). A peer that
+    answers holds nothing back."""
+    from tpassrun.rendezvous import GenState, Generation, Member
+
+    async def go(answer: str) -> tuple[list[dict], float]:
+        slots = await LocalSlots(1, 0, on_message=lambda s, m: None).open()
+        proc = _Proc()
+        rank0 = slots.slots[0]
+        rank0.proc, rank0.managed, rank0.state, rank0.rank = proc, True, SlotState.RUNNING, 0
+        slots.channel.set(rank0.index, Field.PHASE, int(WorkerPhase.RUNNING))
+        slots.channel.set(rank0.index, Field.HEARTBEAT_NS, 1)          # stale since long ago
+        agent = _Agent(slots, hang_timeout=0.2)
+        agent.swapper = types.SimpleNamespace(busy=False)
+        agent.node_id = "a"
+        gen = Generation(number=3, state=GenState.ACTIVE, members=(Member("a", 0, "h", 1, 0), Member("b", 1, "h", 1, 1)),
+                         world_size=2)
+        agent.generation = gen
+        agent.rdzv = types.SimpleNamespace(generation=gen, settings=types.SimpleNamespace(lease_seconds=1))
+        agent.mirror = types.SimpleNamespace(reach=lambda node: _answer(answer))
+
+        async def standby() -> None:
+            agent.said.append({"event": "standby"})
+        agent._standby_store = standby
+        task = asyncio.ensure_future(agent._hang_watchdog())
+        t0 = asyncio.get_running_loop().time()
+        try:
+            while proc.returncode is None:      # bounded by the test's timeout
+                await asyncio.sleep(0.02)
+            return agent.said, asyncio.get_running_loop().time() - t0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            proc.signal_group(signal.SIGKILL)
+            proc.p.wait()
+            await slots.close()
+
+    said, _ = asyncio.run(go("silent"))
+    events = [e["event"] for e in said if e["event"] != "standby"]
+    assert events == ["hang_held", "hang_detected"], said
+    held = said[[e["event"] for e in said].index("hang_held")]
+    assert held["silent"] == ["b"] and held["ranks"] == [0] and held["lease_s"] == 1
+    said, _ = asyncio.run(go("up"))
+    assert [e["event"] for e in said if e["event"] != "standby"] == ["hang_detected"], said
+
+
+async def _answer(what: str) -> str:
+    return what

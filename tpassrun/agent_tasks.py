@@ -98,6 +98,7 @@ class GenerationTasks:
         timeout_ns = int(self.cfg.hang_timeout * 1e9)
         stopped_since: dict[int, int] = {}
         quiet_until = 0
+        held: dict[str, int] = {}      # silent peer -> when ranks stale on it were first held back (ns)
         while True:
             await asyncio.sleep(min(0.5, self.cfg.hang_timeout / 4))
             now = time.monotonic_ns()
@@ -115,6 +116,7 @@ class GenerationTasks:
                     stale.append((beat, s))
             culprit = pick_hung(stale, _proc_state)
             if culprit is None:
+                held.clear()
                 continue
             beat, s = culprit
             if not is_stopped(_proc_state(s.pid)):
@@ -122,9 +124,11 @@ class GenerationTasks:
                 # in the collective). That node's watchdog kills its stopped rank at once; ours then pause for
                 # the recovery (busy) or fail out of the collective (no longer RUNNING). Killing ours too made
                 # a second death inside the first recovery (found by bench/chaos.py). A node cut off from the
-                # network blocks them the same way, and if it ran the workers' store the recovery needs a new one:
-                # started now (it imports torch), not when the node's lease has run out.
+                # network blocks them the same way (held below while it is silent), and if it ran the workers'
+                # store the recovery needs a new one: started now (it imports torch), not when its lease ends.
                 await self._standby_store()
+                if await self._held_for_silent_peer(stale, held, now):
+                    continue
                 await asyncio.sleep(REMOTE_HANG_GRACE_S)
                 if self.swapper.busy or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING \
                         or self.slots.field(s, Field.HEARTBEAT_NS) != beat:
@@ -135,6 +139,31 @@ class GenerationTasks:
             s.proc.signal_group(signal.SIGKILL)
             stopped_since.pop(s.pid, None)
             quiet_until = time.monotonic_ns() + timeout_ns
+
+    async def _held_for_silent_peer(self, stale: list[tuple[int, Any]], held: dict[str, int], now: int) -> bool:
+        """Whether to leave ranks that went stale with nothing stopped here alone for now, because a member node
+        does not answer (cut off, or down): they are blocked in a collective on it, and killing one only adds a
+        death, the only survivor's once (chaos: a node holding 3 of 4 ranks cut off, the watchdog killed the 4th,
+        and with no replica left the group restarted). The lost node's plan breaks them out when its lease ends;
+        held for that lease and a --hang-timeout more at most, then the watchdog acts as before. A node that is
+        itself the one cut off holds too: it fences its workers when its own lease runs out."""
+        gen = getattr(self.rdzv, "generation", None) or self.generation
+        if self.mirror is None or gen is None:
+            return False
+        peers = [m.node_id for m in gen.members if m.node_id != self.node_id and m.node_id not in gen.lost]
+        answers = await asyncio.gather(*(self.mirror.reach(n) for n in peers))
+        silent = [n for n, a in zip(peers, answers) if a == "silent"]
+        for n in [n for n in held if n not in silent]:
+            del held[n]
+        new = [n for n in silent if n not in held]
+        held.update((n, now) for n in new)
+        limit_ns = int((self.rdzv.settings.lease_seconds + self.cfg.hang_timeout) * 1e9)
+        waiting = [n for n in silent if now - held[n] < limit_ns]
+        if new and waiting:
+            self.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=waiting,
+                              seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
+                              lease_s=self.rdzv.settings.lease_seconds)
+        return bool(waiting)
 
     def _kill_stopped(self, stopped_since: dict[int, int], now: int, timeout_ns: int) -> bool:
         """Kill every process of this node's slots that has stayed stopped for ``timeout_ns`` (``stopped_since``:

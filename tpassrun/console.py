@@ -288,6 +288,10 @@ class Describer:
                         f"{_secs(ev.get('seconds'))} (pid {ev.get('pid')}, state {ev.get('proc_state')}); killing it")
             return (f"{_rank(ev)}hang: no step for {_secs(ev.get('seconds'))} at step {ev.get('step')} "
                     f"(pid {ev.get('pid')}, state {ev.get('proc_state')}); killing it")
+        if name == "hang_held":
+            nodes = ", ".join(_short(n) for n in ev.get("silent") or [])
+            return (f"ranks {ev.get('ranks')}: no step for {_secs(ev.get('seconds'))}, and node(s) {nodes} do not "
+                    f"answer: not killing ranks blocked on them; their lease ({ev.get('lease_s')} s) decides")
         if name == "generation_ended":
             if ev.get("outcome") in ("failed", "membership"):
                 t._restart_at, t._restart_why = now, str(ev.get("reason"))

@@ -84,6 +84,7 @@ class MirrorPlane:
         self.pushes = 0
         self.bytes_pushed = 0
         self._wake = asyncio.Event()
+        self._known: dict[str, MirrorTarget] = {}   # node id -> its mirror, as registered (reach())
 
     @property
     def mirror_port(self) -> int:
@@ -296,20 +297,31 @@ class MirrorPlane:
         """Whether ``node_id``'s agent process is certainly gone: its mirror port, served for the agent's whole
         life, refuses connections (the host answered, nobody listens). A frozen agent, a partition or a host
         that is down do not refuse: those wait for the lease, as they must."""
-        target = await self.target_of(node_id) if node_id != self.port.node_id else None
+        return await self.reach(node_id) == "gone"
+
+    async def reach(self, node_id: str, timeout: float = 1.0) -> str:
+        """How ``node_id``'s agent answers a connection to its mirror port: "up", "gone" (refused: the host
+        answered, nobody listens), "silent" (no answer within ``timeout``: cut off, down or frozen) or
+        "unknown" (no address: this node, or its registration unreadable). Addresses are remembered, so a node
+        cut off from etcd can still tell its peers silent."""
+        target = self._known.get(node_id)
+        if target is None and node_id != self.port.node_id:
+            with contextlib.suppress(Exception):
+                target = await asyncio.wait_for(self.target_of(node_id), timeout)
         if target is None:
-            return False
+            return "unknown"
+        self._known[node_id] = target
 
-        def refused() -> bool:
+        def knock() -> str:
             try:
-                with socket.create_connection((target.addr, target.port), timeout=1.0):
-                    return False
+                with socket.create_connection((target.addr, target.port), timeout=timeout):
+                    return "up"
             except ConnectionRefusedError:
-                return True
+                return "gone"
             except OSError:
-                return False
+                return "silent"
 
-        return await asyncio.to_thread(refused)
+        return await asyncio.to_thread(knock)
 
     def usage(self) -> dict[str, Any]:
         """What the mirror costs here, for status and the event log."""
