@@ -11,15 +11,26 @@ import asyncio
 import dataclasses
 import types
 
+import pytest
+
 from tpassrun import protocol as P
 from tpassrun.channel import INT64_MAX, Field, WorkerPhase
 from tpassrun.port import AgentPort, SwapSettings
 from tpassrun.records import Phase, SlotRef, SwapKind, SwapPlan
 from tpassrun.slots import Slot, SlotState
 from tpassrun.swap import transfer_key as _transfer_key
+from tpassrun.swap_phases import PhaseSteps
 from tpassrun.swapper import Swapper
 
 NODE = "a"
+
+
+@pytest.fixture(autouse=True)
+def _stores_answer(monkeypatch):
+    """The fakes' workers' store (10.0.0.1:29500) is no socket: a re-form's look at it answers "listening"."""
+    async def answers(self, addr, port):
+        return ""
+    monkeypatch.setattr(PhaseSteps, "_store_silent", answers)
 
 
 class FakeSlots:
@@ -170,6 +181,22 @@ def test_an_unplanned_reform_rolls_the_survivors_back_and_retires_the_dead_slot(
     assert slots.commands(1) == [] and slots.slots[1].state is SlotState.QUARANTINED
 
 
+def test_a_re_form_at_a_store_that_does_not_answer_fails_before_any_rank_is_told_to_join(monkeypatch):
+    """A rank told to join at a dead store blocks inside torch's TCPStore until its timeout, where no AbortJoin
+    reaches it (a chaos re-form hung 120 s on the store of a node lost earlier): the participant looks first."""
+    import socket
+
+    monkeypatch.undo()
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        dead = closed.getsockname()
+    slots = two_ranks_and_a_spare(step=6)
+    report = asyncio.run(Swapper(port(slots, []))._reform(plan(phase=Phase.REFORM, store=dead)))
+    assert not report.ok and f"the workers' store at 127.0.0.1:{dead[1]} does not answer" in report.error
+    assert slots.sent == [] and [s.state for s in slots.slots] == [SlotState.RUNNING, SlotState.RUNNING,
+                                                                   SlotState.SPARE]
+
+
 def test_a_rank_that_does_not_rejoin_fails_the_phase_and_says_why():
     slots = two_ranks_and_a_spare(step=6)
     slots.replies = {0: [P.Reformed(ok=False, error="store unreachable")]}
@@ -252,3 +279,20 @@ def test_a_plan_given_up_while_its_world_re_forms_stops_the_joining_ranks_and_re
         assert len(posted) == (0 if superseded else 1)
         if posted:
             assert "could not be re-formed for the swap of rank 1" in posted[0].reason
+
+
+def test_every_agent_follows_the_workers_store_a_swap_moved_even_one_that_took_no_part():
+    """A node plan moved the workers' store (its node was lost) and re-formed without this node (a spare node
+    that leads): it must know the new store, or its next plan names the lost node's dead one."""
+    moved = []
+    slots = FakeSlots([(None, "spare", WorkerPhase.SPARE, 0)])
+    p = dataclasses.replace(port(slots, []), set_master=lambda addr, host: moved.append((addr, host)))
+    swapper = Swapper(p)
+    done = plan(id="n-b", kind=SwapKind.NODE, nodes=("c",), phase=Phase.DONE, store=("10.0.0.9", 4242),
+                store_host="c", moves=(), history=(("pause", 1.0), ("done", 2.0)))
+
+    async def follow():
+        swapper.coordinator.kick = lambda: None
+        await swapper._on_plan(done)
+    asyncio.run(follow())
+    assert moved == [(("10.0.0.9", 4242), "c")]

@@ -239,7 +239,7 @@ class Coordinator:
         the node that ran it was lost (the store dies with its agent)."""
         addr, port = self.port.master()
         host = self.port.store_host()
-        if not port or (host is not None and host in await self._lost()):
+        if not port or (host is not None and not self._alive(host)):
             if self.port.start_store is None:
                 return plan        # (tests' ports) the participants use the store they know
             addr, port = await self.port.start_store()
@@ -248,9 +248,11 @@ class Coordinator:
                                    reason=f"the workers' store was on lost node {plan.lost_node}")
         return dataclasses.replace(plan, store=(addr, port), store_host=host)
 
-    async def _lost(self) -> set[str]:
-        latest = getattr(self.port.rdzv, "generation", None)
-        return set(latest.lost) if latest is not None else set()
+    def _alive(self, node: str) -> bool:
+        """Whether ``node`` is a live member or spare node of the latest generation (not one lost in it, nor one
+        lost in an earlier generation and gone from the record since)."""
+        latest = getattr(self.port.rdzv, "generation", None) or self.port.generation()
+        return latest is None or latest.includes(node)
 
     async def _commit_generation(self, plan: SwapPlan) -> None:
         """One swap = one generation transition (compare-and-swap), carrying the swap id."""

@@ -318,6 +318,9 @@ class NodePlans:
         gen = self.port.generation()
         assert gen is not None
         addr, port = plan.store or self.port.master()
+        silent = await self.sw._store_silent(addr, port)
+        if silent:
+            return Report(node=me, phase=plan.phase, ok=False, error=silent)
         store = (addr, port, world_prefix(plan), gen.number + 1)
         waiting = []
         for s in self.sw._survivors(plan):

@@ -28,6 +28,7 @@ log = logging.getLogger("tpassrun.swap")
 
 PAUSE_SETTLE_S = 0.03         # how long a RUNNING step must stay unchanged before we call it "stuck in a collective"
 GIVEN_UP_POLL_S = 0.25        # how often a participant waiting for its workers looks whether the plan was given up
+STORE_PROBE_S = 5.0           # how long the workers' store may take to accept a connection before a re-form
 
 
 class PhaseSteps:
@@ -87,6 +88,17 @@ class PhaseSteps:
                 if await self._given_up(plan):
                     return Report(node=self.port.node_id, phase=plan.phase, ok=False, error="the plan was given up")
             await asyncio.sleep(0.002)
+
+    async def _store_silent(self, addr: str, port: int) -> str:
+        """Why the workers' store at ``addr:port`` cannot host a re-formed world ("" if it answers). Looked at
+        before any rank is told to join: a rank connecting to a dead store blocks inside torch (no AbortJoin
+        reaches it) until its timeout, and the whole swap with it (120 s in a chaos run)."""
+        try:
+            _r, w = await asyncio.wait_for(asyncio.open_connection(addr, port), STORE_PROBE_S)
+        except (OSError, asyncio.TimeoutError) as exc:
+            return f"the workers' store at {addr}:{port} does not answer ({type(exc).__name__})"
+        w.close()
+        return ""
 
     async def _given_up(self, plan: SwapPlan) -> bool:
         """The leader aborted ``plan`` since this phase began (read from etcd: a malformed or missing record is
@@ -403,6 +415,9 @@ class PhaseSteps:
         addr, port = plan.store or self.port.master()
         if plan.store is not None:
             self.port.set_master(plan.store, plan.store_host)
+        silent = await self._store_silent(addr, port)
+        if silent:
+            return Report(node=me, phase=plan.phase, ok=False, error=silent)
         store = (addr, port, world_prefix(plan), gen.number + 1)
         waiting: list[Slot] = []
         for s in self._survivors(plan):
