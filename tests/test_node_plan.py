@@ -366,6 +366,22 @@ def test_a_death_reported_late_by_a_node_whose_ranks_moved_is_stale_not_recovere
     assert not any(isinstance(a, CasPlan) and a.new.superseded for a in result.actions)
 
 
+def test_a_node_lost_again_is_planned_again_whatever_plans_its_earlier_losses_left():
+    """b was lost once and nothing could take its ranks (a marker plan, born aborted, and the group restarted); later,
+    back as a spare node, it took ranks and was lost again; or its earlier loss was recovered live (a DONE plan).
+    Neither plan holds the new loss: it gets its own plan."""
+    marker = SwapPlan(id="n-b", kind=SwapKind.NODE, generation=1, leaver=SlotRef("b", 0), joiner=SlotRef("b", 0),
+                      donor=None, phase=Phase.ABORTED, reason="node b lost", nodes=(),
+                      history=((Phase.ABORTED.value, NOW - 100),), lost_node="b", outcome="no spare")
+    done = dataclasses.replace(_plan(), id="n-b-1", phase=Phase.DONE, generation=2)
+    for old in (marker, done):
+        result = triage(seen(plans=((old, 4),)))
+        created = [a.plan for a in result.actions if isinstance(a, CreatePlan)]
+        assert len(created) == 1 and created[0].lost_node == "b" and created[0].id != old.id, old.id
+    # while the group restart a marker of this era asked for is pending, nothing else is planned for b
+    assert triage(seen(plans=((dataclasses.replace(marker, generation=3), 4),))).actions == ()
+
+
 def test_an_aborted_node_plan_restarts_the_group():
     plan = _plan()
     bad = Report(node="c", phase=Phase.PAUSE, ok=False, error="workers did not stop")

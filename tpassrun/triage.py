@@ -217,7 +217,14 @@ def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
     nodes meanwhile, :mod:`tpassrun.multiloss`), or the group restart (said once: a plan born aborted marks the
     first node handled)."""
     view, now = seen.view, seen.now
+    # a plan holds a lost node while it runs, once done until its commit is seen (a later generation's view places
+    # the moved ranks elsewhere), and born aborted (the group restarts) until that restart. Plans older than that
+    # are about an earlier loss of the node (chaos: a node lost, the group restarted, the node back as a spare node
+    # took ranks and was lost again; its old marker kept it "held" and nothing was planned until the survivors gave
+    # up waiting 30 s later)
     covered = {n for p, _ in seen.plans if p.kind == SwapKind.NODE and not p.superseded
+               and (not p.terminal or (p.phase == Phase.DONE and p.generation >= view.generation)
+                    or (p.phase == Phase.ABORTED and p.generation >= seen.spawned_generation))
                for n in (p.lost_node, *p.lost_also) if n}
     pending = [n for n in view.lost if n not in covered and lost_ranks(view, n)]
     if not pending:
