@@ -156,9 +156,9 @@ class Supervision:
             reason = getattr(ev, "reason", "") or ""
             if reason.startswith("succeeded"):
                 if self._holds_no_rank(gen):
-                    # A spare node never promoted has no workers whose exit would end it: without this it
-                    # waited forever after the job succeeded.
-                    return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
+                    # A spare node never promoted, or a member whose ranks all moved elsewhere, has no workers whose
+                    # exit would end it: without this it waited forever after the job succeeded.
+                    return Outcome.SUCCEEDED, self._idle_success(gen)
                 return None  # another node finished first; ours finish on their own (torchrun: same)
             if any(s.state == SlotState.RUNNING for s in self.slots.slots):  # type: ignore[union-attr]
                 return Outcome.CLOSED, f"the run was closed by another agent: {reason}"
@@ -169,8 +169,8 @@ class Supervision:
                 return None
             if getattr(new.state, "value", new.state) == "closed":
                 if (new.reason or "").startswith("succeeded"):
-                    if self._holds_no_rank(gen):   # an idle spare node: see "closed" above
-                        return Outcome.SUCCEEDED, "the run succeeded (this spare node was not needed)"
+                    if self._holds_no_rank(gen):   # an idle node: see "closed" above
+                        return Outcome.SUCCEEDED, self._idle_success(gen)
                     return None
                 return Outcome.CLOSED, new.reason
             if new.swap_id and getattr(new.state, "value", new.state) == "active":
@@ -197,13 +197,17 @@ class Supervision:
             return None
         return None
 
+    def _idle_success(self, gen: Generation) -> str:
+        if (self.generation or gen).member(self.node_id) is None:
+            return "the run succeeded (this spare node was not needed)"
+        return "the run succeeded (no rank runs here any more: swaps moved this node's ranks to other nodes)"
+
     def _holds_no_rank(self, gen: Generation) -> bool:
-        """Neither a member of the generation we run in now (a swap may have made a spare node one) nor running
-        a rank a swap handed to this node's spares."""
-        current = self.generation or gen
-        running = self.slots is not None and any(s.state == SlotState.RUNNING and s.rank is not None
-                                                 for s in self.slots.slots)
-        return current.member(self.node_id) is None and not running
+        """No rank runs here: a spare node never promoted, or a member whose ranks all moved to other nodes by
+        swaps (taints, recoveries; chaos: such a member, listed in the record still, waited for ever after the job
+        succeeded, its slots all spares). Only workers running a rank end a node on their own."""
+        return not (self.slots is not None and any(s.state == SlotState.RUNNING and s.rank is not None
+                                                   for s in self.slots.slots))
 
     def _on_etcd_link(self, link: Link, detail: Any) -> None:
         """Each etcd outage and recovery, said once (the workers keep running through it; fencing below)."""
