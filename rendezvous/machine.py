@@ -141,6 +141,13 @@ def _decide_active(gen: Generation, nodes: Mapping[str, NodeEntry], settings: Re
             notes.append(f"waiting node {node_id} left")
     known = set(gen.member_ids) | set(spares) | set(waiting)
     newcomers = sorted((e for e in nodes.values() if e.node_id not in known), key=_join_key)
+    for node_id in [n for n in lost if n in nodes and n in gen.member_ids and not gen.placed(n)]:
+        # a lost member back (its link healed) whose ranks all run elsewhere now (a recovery spread them over
+        # other nodes' spare slots): it serves as a spare node, as a node that took no lost member's place would;
+        # kept lost, it waited in the rendezvous, idle, until the next restart, and failed at the run's end
+        lost.remove(node_id)
+        spares.append(node_id)
+        notes.append(f"{node_id}, lost earlier, is back as a spare node (its ranks run elsewhere)")
     for entry in newcomers:
         if entry.node_id in lost:
             continue  # a lost node that came back keeps its "lost" mark until the next generation

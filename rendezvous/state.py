@@ -122,6 +122,23 @@ class Generation:
     def member_ids(self) -> tuple[str, ...]:
         return tuple(m.node_id for m in self.members)
 
+    def homes(self) -> dict[int, tuple[str, int]]:
+        """rank -> (node, slot) where this generation places each rank: its member's range, moved by the swaps
+        committed into it (``assignments``: ``{"<rank>": {"node": ..., "slot": ...}}``)."""
+        out: dict[int, tuple[str, int]] = {}
+        for m in self.members:
+            for i in range(m.nproc):
+                out[m.rank_offset + i] = (m.node_id, i)
+        for rank, where in (self.assignments or {}).items():
+            if isinstance(where, Mapping) and str(rank).isdigit() and isinstance(where.get("node"), str):
+                slot = where.get("slot")
+                out[int(rank)] = (where["node"], slot if isinstance(slot, int) and slot >= 0 else 0)
+        return out
+
+    def placed(self, node_id: str) -> tuple[int, ...]:
+        """The ranks this generation places on ``node_id`` (a member whose ranks swaps all moved has none)."""
+        return tuple(sorted(r for r, (n, _s) in self.homes().items() if n == node_id))
+
     def to_json(self) -> dict[str, Any]:
         return {
             "v": SCHEMA_VERSION,

@@ -222,6 +222,50 @@ def test_a_node_cut_off_from_etcd_fences_its_workers_and_the_spare_node_takes_it
     assert len(back) == 1, back
 
 
+def test_a_member_cut_off_whose_ranks_were_spread_comes_back_as_a_spare_node(tmp_path, etcd_server, run_id,
+                                                                           reference):
+    """No spare node: A (2 ranks) is cut off from etcd and fences; its ranks go live to B's two spare slots, so no
+    node takes A's place and A stays in the record as a member marked lost. When its link heals A is a spare node
+    of the running generation (its slots warm spares), not an agent idling in the rendezvous until the next
+    restart (and failing at the run's end); everyone exits 0 with the job, torch.equal to torchrun."""
+    train = str(tmp_path / "train")
+    proxy = EtcdProxy(etcd_server.endpoint)
+    late = str(tmp_path / "late")      # the job waits near its end until A is back
+    held = faults_env(*({"rank": r, "step": STEPS - 3, "where": "step", "action": "hold", "release": late}
+                        for r in range(4)))
+    # slow steps: the ranks must still be training (not waiting near the end) when A is found lost
+    a = Job.agent(str(tmp_path / "a"), train, endpoint=proxy.endpoint, run_id=run_id, steps=STEPS, step_sleep=0.3,
+                  conf=",read_timeout=5,reconnect_timeout=120", env=held)
+    b = Job.agent(str(tmp_path / "b"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS,
+                  step_sleep=0.3, extra=["--spares-per-node", "2"], env=held)
+    try:
+        a.start(), b.start()
+        a.wait_event("workers_started")
+        b.wait_event("spare_ready", 2)
+        a_pids = a.worker_pids()
+        Job(argv=[], out=train).wait_step(5, 180, rank=0)
+        proxy.cut()
+        b.wait_event("node_recovered")
+        proxy.heal()
+        a.wait_event("spare_ready", 2)
+        open(late, "w").close()
+        assert b.wait(240) == 0, b.log()[-3000:]
+        assert a.wait(60) == 0, a.log()[-3000:]
+    finally:
+        open(late, "w").close()
+        for j in (a, b):
+            j.kill()
+        proxy.close()
+    assert_bit_exact(Job(argv=[], out=train), reference, 4, relogged_by=a_pids)
+    back = [e for e in a.events() if e["event"] == "workers_started"][1:]
+    assert len(back) == 1 and back[0].get("spare_node") and all(s["rank"] is None for s in back[0]["slots"]), back
+    rejoined = [e for e in a.events() if e["event"] == "generation_joined"][1:]
+    assert len(rejoined) == 1 and a.node_id() in rejoined[0]["members"], rejoined     # a member still, rank-less
+    assert len([e for e in b.events() if e["event"] == "generation_joined"]) == 1        # nobody re-formed
+    assert any("lost earlier, is back as a spare node" in line for line in b.log().splitlines())
+    assert FALLBACK not in a.log() + b.log()
+
+
 def test_a_spare_nodes_slot_takes_a_single_dead_rank_from_another_node(tmp_path, etcd_server, run_id, reference):
     """No node has a spare slot of its own: a rank SIGKILLed in its backward pass is replaced live by the spare
     node's warm spare (the spare node serves single-rank recoveries too)."""

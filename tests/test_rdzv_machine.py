@@ -202,9 +202,25 @@ def test_waiting_node_that_left_is_dropped():
     assert d.generation.waiting == () and d.generation.lost == ()
 
 
-def test_lost_node_coming_back_stays_lost():
+def test_lost_node_coming_back_stays_lost_while_ranks_are_placed_on_it():
     g = active("a", "b", lost=("b",))
     assert decide(RdzvView(g, nodes("a", "b")), 0.0, S).action is Action.IDLE
+    # one of its two ranks moved elsewhere by a swap, the other still placed on it: lost until the next generation
+    half = replace(g, assignments={"2": {"node": "a", "slot": 2}})
+    assert half.placed("b") == (3,) and decide(RdzvView(half, nodes("a", "b")), 0.0, S).action is Action.IDLE
+
+
+def test_a_lost_member_back_with_all_its_ranks_moved_elsewhere_serves_as_a_spare_node():
+    """A recovery spread b's ranks over other nodes' spare slots (no node took b's place): when b's link heals it
+    is a spare node of this generation (it waited idle in the rendezvous until the next restart before)."""
+    g = active("a", "b", "c", lost=("b",), assignments={"2": {"node": "a", "slot": 2}, "3": {"node": "c", "slot": 2}})
+    assert g.placed("b") == () and g.placed("a") == (0, 1, 2)
+    d = decide(RdzvView(g, nodes("a", "b", "c")), 0.0, S)
+    assert d.action is Action.UPDATE and "back as a spare node" in d.reason
+    assert d.generation.lost == () and d.generation.spare_nodes == ("b",) and d.generation.includes("b")
+    assert [k for k, _n, _r in events_between(g, d.generation)] == [EventKind.SPARE_NODE_JOINED]
+    # not back yet: nothing changes
+    assert decide(RdzvView(g, nodes("a", "c")), 0.0, S).action is Action.IDLE
 
 
 def test_member_lost_and_spare_joined_in_one_update():

@@ -380,7 +380,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
     # ------------------------------------------------------------------ one generation
     async def _run_generation(self, gen: Generation) -> tuple[str, str]:
         assert self.rdzv is not None and self.slots is not None
-        me = gen.member(self.node_id)
+        me = self._member(gen)
         self.failures = []
         self._queue = asyncio.Queue()
         if self.signal_received is not None:
@@ -429,7 +429,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
     async def _bootstrap(self, gen: Generation, host: bool) -> tuple[str, int]:
         """A fresh TCPStore per generation, hosted next to group rank 0 (never a previous attempt's keys)."""
         assert self.rdzv is not None
-        if gen.member(self.node_id) is None:
+        if self._member(gen) is None:
             # a spare node: its spares join re-formed worlds at the swap's store; knowing this generation's
             # lets it lead a swap (the leader names the store). Not worth failing over.
             try:

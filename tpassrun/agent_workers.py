@@ -17,7 +17,7 @@ from .port import SpawnFailed, WorkerExited, WorkerSaid
 from .procs import spawn_worker, stop_workers
 from .protocol import Done, Failed, Hello, MirrorInfoRequest, Reply
 from .records import HANDLED_RESTART, Keys, Taint, load
-from .rendezvous import Generation, RendezvousError
+from .rendezvous import Generation, Member, RendezvousError
 from .slots import Slot, SlotState
 from .workerenv import WorkerAssignment, role_ranks, worker_argv, worker_env
 
@@ -60,9 +60,15 @@ class WorkerSpawning:
             group_world_size=len(gen.members), master_addr=master[0], master_port=master[1],
             restart_count=self.restart_count, error_file=err, use_agent_store=True, extra=extra)
 
+    def _member(self, gen: Generation) -> Member | None:
+        """This node's place among ``gen``'s members, or None when it runs no rank there: a spare node, or a
+        member lost earlier whose ranks swaps moved to other nodes, back as a spare node (rendezvous.machine)."""
+        me = gen.member(self.node_id)
+        return me if me is not None and gen.placed(self.node_id) else None
+
     async def _spawn_generation(self, gen: Generation, master: tuple[str, int]) -> None:
         assert self.slots is not None
-        me = gen.member(self.node_id)
+        me = self._member(gen)
         if self.mirror is not None:   # copies from before this (re)start must never be taken for this one's
             self.mirror.store.drop(below_epoch=gen.number)
         if me is None:

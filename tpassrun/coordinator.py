@@ -274,15 +274,7 @@ class Coordinator:
 
 def homes_of(gen: "Generation") -> tuple[tuple[int, str, int], ...]:
     """(rank, node, slot) where a generation placed each rank: its member's range, moved by swaps' assignments."""
-    homes: dict[int, tuple[str, int]] = {}
-    for m in gen.members:
-        for i in range(m.nproc):
-            homes[m.rank_offset + i] = (m.node_id, i)
-    for rank, where in (gen.assignments or {}).items():
-        if isinstance(where, dict) and str(rank).isdigit() and isinstance(where.get("node"), str):
-            slot = where.get("slot")
-            homes[int(rank)] = (where["node"], slot if isinstance(slot, int) and slot >= 0 else 0)
-    return tuple((r, n, s) for r, (n, s) in sorted(homes.items()))
+    return tuple((r, n, s) for r, (n, s) in sorted(gen.homes().items()))
 
 
 def committed_generation(old: "Generation", plan: SwapPlan,
