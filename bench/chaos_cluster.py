@@ -21,6 +21,7 @@ from typing import Any
 BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "tests"))
 
+import common  # noqa: E402,F401  (a run stopped by SIGTERM/SIGHUP kills every agent and etcd it started)
 from conftest import EtcdServer  # noqa: E402
 from faults import EXAMPLE, FaultSwitches, Job, NetLab, SmallDisk, alive, faults_env  # noqa: E402
 
