@@ -2,16 +2,18 @@
 
 Layout: ``config`` (EtcdConfig, RendezvousSettings), ``state`` (the data and its versioned JSON),
 ``machine`` (pure decisions), ``lease`` (pure: when the lease is surely alive), ``etcd_link`` (the etcd
-connection and its reconnects), ``etcd_io`` (the only module that sends etcd requests), ``handler``
-(EtcdRendezvous: effects around the machine), ``embedded`` (a throw-away etcd server).
+connection and its reconnects), ``etcd_io`` (the only module that sends etcd requests), ``guard`` (the run's seal on
+the rendezvous's records, injected: ``RecordGuard``), ``handler`` (EtcdRendezvous: effects around the machine) with
+``leading`` (its leader half), ``embedded`` (a throw-away etcd server).
 """
 
 from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, read_private_file, refuse_inline_secrets
 from .embedded import EmbeddedEtcd, ServerTls, find_etcd_binary, host_etcd_if_absent, pid_alive
-from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError,
+from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError, RendezvousKeyError,
                      RendezvousTimeoutError)
 from .etcd_io import EtcdStore, WatchEvent
 from .etcd_link import EtcdConnection, Link, one_line
+from .guard import RecordGuard
 from .handler import EtcdRendezvous
 from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
 
@@ -33,6 +35,8 @@ __all__ = [
     "RendezvousClosedError",
     "RendezvousConnectionError",
     "RendezvousError",
+    "RendezvousKeyError",
+    "RecordGuard",
     "RendezvousSettings",
     "RendezvousTimeoutError",
     "WatchEvent",

@@ -4,6 +4,7 @@
      +-- RendezvousClosedError        the run was closed (finished or failed); late joiners get this
      +-- RendezvousTimeoutError       join_timeout / wait_bootstrap timeout passed
      +-- RendezvousConnectionError    etcd unreachable at start, or an outage outlasted reconnect_timeout
+     +-- RendezvousKeyError           the job's records carry another run key's seal (agents given different keys)
 """
 
 from __future__ import annotations
@@ -23,3 +24,8 @@ class RendezvousTimeoutError(RendezvousError):
 
 class RendezvousConnectionError(RendezvousError):
     """etcd could not be reached within the configured time."""
+
+
+class RendezvousKeyError(RendezvousError):
+    """This agent has not joined, and the job's own records (generation, leader) were sealed with another run key
+    than this agent's (or with one while it has none): waiting for a join timeout would only hide that."""

@@ -357,9 +357,13 @@ class EtcdStore:
         ok, _ = await self._txn_put(key, encode(value), 0, lease)
         return ok
 
-    async def cas_json(self, key: str, value: dict[str, Any], expected_mod_revision: int) -> bool:
-        """Write only if the key's mod_revision is still ``expected_mod_revision`` (0: must not exist)."""
-        ok, _ = await self._txn_put(key, encode(value), expected_mod_revision, False)
+    async def cas_json(self, key: str, value: dict[str, Any], expected_mod_revision: int, *,
+                       lease: bool = False) -> bool:
+        """Write only if the key's mod_revision is still ``expected_mod_revision`` (0: must not exist). ``lease``:
+        bound to our lease, as :meth:`create_json` (not re-written after a lease expiry)."""
+        if lease:
+            self._require_lease()
+        ok, _ = await self._txn_put(key, encode(value), expected_mod_revision, lease)
         return ok
 
     async def cas_json_rev(self, key: str, value: dict[str, Any], expected_mod_revision: int) -> int | None:

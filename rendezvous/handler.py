@@ -8,7 +8,14 @@ Who watches what (so that a join costs a constant number of etcd requests whatev
   ``generation`` by compare-and-set on its mod_revision. A lease expiry deletes the dead node's
   registration; the leader writes it into the generation's ``lost`` list, which every agent sees as a
   ``node_lost`` event. If the leader dies, its ``leader`` key goes with its lease and another agent
-  takes over from a fresh read of ``nodes/``.
+  takes over from a fresh read of ``nodes/`` (:mod:`.leading`).
+
+Every record this handle writes (``generation``, ``bootstrap/<n>``, ``nodes/<id>``, ``leader``, ``closed``) goes
+through its :class:`~.guard.RecordGuard`'s seal, and every one it reads through its check: a generation without
+the run's seal reads like a malformed one (the last good record; the leader puts that back), a bootstrap address
+without it is waited past, a registration without it is no registration, a leader record without it is vacant,
+a ``closed`` without it is ignored. A join that has not succeeded yet ends at once with a one-line error when the
+job's own records (generation, leader) carry another key's seal: agents given different run keys fail fast.
 
 Nothing polls: every wait is on a watch (or on the last-call deadline).
 """
@@ -22,10 +29,12 @@ import time
 from typing import Any, Callable
 
 from .config import EtcdConfig, RendezvousSettings
-from .errors import RendezvousClosedError, RendezvousError, RendezvousTimeoutError
-from .etcd_io import EtcdStore, WatchEvent, decode
+from .errors import RendezvousClosedError, RendezvousError, RendezvousKeyError, RendezvousTimeoutError
+from .etcd_io import EtcdStore, decode
 from .etcd_link import EtcdConnection, Link, one_line, patient_context, raise_if_cancelling
-from .machine import Action, NodeEntry, RdzvView, closed_generation, decide, events_between, restart_generation
+from .guard import SAME_KEY_HINT, RecordGuard, RefusalLog
+from .leading import Leadership
+from .machine import closed_generation, events_between, restart_generation
 from .state import EventKind, GenState, Generation, NodeInfo, RdzvEvent
 
 log = logging.getLogger(__name__)
@@ -33,7 +42,7 @@ log = logging.getLogger(__name__)
 _CAS_ATTEMPTS = 16  # a generation record rewritten more often than this during one call is a bug, not load
 
 
-class EtcdRendezvous:
+class EtcdRendezvous(Leadership):
     """The per-node rendezvous handle. The constructor does no I/O; ``async with`` connects.
 
     Args:
@@ -42,13 +51,18 @@ class EtcdRendezvous:
         node: this agent's registration.
         clock: monotonic seconds (injected so tests can drive time).
         connection: share an ``EtcdConnection`` with other handles (the scale bench does; agents don't).
+        guard: seals what this handle writes and checks what it reads (default: neither, a run without a key).
     """
 
     def __init__(self, etcd: EtcdConfig, settings: RendezvousSettings, node: NodeInfo, *,
-                 clock: Callable[[], float] = time.monotonic, connection: EtcdConnection | None = None) -> None:
+                 clock: Callable[[], float] = time.monotonic, connection: EtcdConnection | None = None,
+                 guard: RecordGuard | None = None) -> None:
         self.settings = settings
         self.node = node
         self._clock = clock
+        self._guard = guard or RecordGuard()
+        self._refusals = RefusalLog()
+        self._foreign: str | None = None   # why this agent must leave before it joined (records of another key)
         self._store = EtcdStore(etcd, lease_ttl=settings.lease_seconds, connection=connection, clock=clock)
         self._gen: Generation | None = None
         self._stored_rev = 0       # mod revision of whatever the generation key holds (a malformed value too)
@@ -97,8 +111,9 @@ class EtcdRendezvous:
             gen_doc, gen_rev, gen_header = await self._store.read_json(self.key("generation"))
             self._gen = self._readable(gen_doc, gen_rev)
             self._stored_rev = gen_rev
-            leader_doc, _, leader_header = await self._store.read_json(self.key("leader"))
-            self._leader = leader_doc.get("node_id") if leader_doc else None
+            leader_doc, leader_rev, leader_header = await self._store.read_json(self.key("leader"))
+            self._leader = self._leader_in(leader_doc, leader_rev)
+            self._check_fatal()   # the job's records carry another key's seal: leave before campaigning
             if self._leader is None:
                 self._leader_vacant.set()
             watching = [asyncio.Event(), asyncio.Event()]
@@ -157,10 +172,13 @@ class EtcdRendezvous:
                 q.put_nowait(None)
 
     def _check_fatal(self) -> None:
-        """Raise if a rendezvous task died, or if etcd has been gone for ``reconnect_timeout`` (a join or a
-        start cannot go on without it; the event stream, the lease and the watches wait it out)."""
+        """Raise if a rendezvous task died, if etcd has been gone for ``reconnect_timeout`` (a join or a
+        start cannot go on without it; the event stream, the lease and the watches wait it out), or if this agent
+        has not joined yet and the job's records carry another key's seal than its own."""
         if self._fatal is not None:
             raise self._fatal
+        if self._foreign is not None and self._last_joined is None:
+            raise RendezvousKeyError(self._foreign)
         failure = self._store.failure
         if failure is not None:
             raise failure
@@ -183,11 +201,13 @@ class EtcdRendezvous:
         if self._gen is not None and self._gen.state is GenState.CLOSED:
             raise RendezvousClosedError(f"run {self.settings.run_id!r} is closed: {self._gen.reason}")
         if not self._registered:
-            closed, _ = await self._store.get_json(self.key("closed"))
-            if closed is not None:
+            key = self.key("closed")
+            closed, rev = await self._store.get_json(key)
+            if closed is not None and not self._refused(key, closed, rev, "closed record"):
                 raise RendezvousClosedError(
                     f"run {self.settings.run_id!r} is closed: {closed.get('reason', 'no reason given')}")
-            await self._store.put_json(self.key("nodes", self.node.node_id), self.node.to_json(), lease=True)
+            key = self.key("nodes", self.node.node_id)
+            await self._store.put_json(key, self._sealed(key, self.node.to_json()), lease=True)
             self._registered = True
         while True:
             self._check_fatal()
@@ -215,6 +235,30 @@ class EtcdRendezvous:
         self._changed.set()
         self._changed = asyncio.Event()
 
+    # --- the run's seal --------------------------------------------------------------------------------
+
+    def _sealed(self, key: str, doc: dict[str, Any]) -> dict[str, Any]:
+        return self._guard.seal(key, doc)
+
+    def _refused(self, key: str, doc: Any, revision: int, what: str, *, fatal: bool = False) -> bool:
+        """Whether the record ``what`` read at ``key`` is to be ignored: it lacks this run's seal (logged once per
+        key and revision). ``fatal``: a record of the job itself (generation, leader); one sealed with another key
+        than this agent's ends a join that has not succeeded yet (:meth:`_check_fatal`), instead of waiting for its
+        timeout. A joined agent only ignores it: the job it runs in is its own."""
+        foreign = self._guard.foreign(key, doc)
+        if foreign is not None and fatal and self._last_joined is None and self._foreign is None:
+            self._foreign = f"{what} {foreign} ({SAME_KEY_HINT})"
+            self._wake()
+        why = self._guard.problem(key, doc)
+        if why is None:
+            return False
+        if foreign is not None:
+            self._refusals.say(key, revision, f"refusing {what} (revision {revision}): it {foreign}; ignored "
+                                              f"({SAME_KEY_HINT})")
+        else:
+            self._refusals.say(key, revision, f"refusing {what} at {key} (revision {revision}): {why}; ignored")
+        return True
+
     # --- generation record -----------------------------------------------------------------------------
 
     async def _follow_generation(self, start_revision: int, ready: asyncio.Event) -> None:
@@ -224,12 +268,9 @@ class EtcdRendezvous:
                 self._stored_rev = rev
                 self._apply_generation(self._readable(doc, rev), force=True)
             elif ev.kind == "put":
-                try:
-                    gen = _decode_generation_bytes(ev.raw, ev.mod_revision)
-                except _Unreadable as exc:
-                    gen = self._malformed(ev.mod_revision, exc)
-                    if gen is None:
-                        continue    # nothing good was ever read: nothing to tell anyone
+                gen = self._generation_at(*_decode_generation_bytes(ev.raw), ev.mod_revision)
+                if gen is None:
+                    continue    # unreadable or refused, and nothing good was ever read: nothing to tell anyone
                 self._apply_generation(gen)
             else:
                 self._stored_rev = 0
@@ -248,23 +289,40 @@ class EtcdRendezvous:
         self._wake()
 
     def _readable(self, doc: dict[str, Any] | None, revision: int) -> Generation | None:
-        """The generation read at ``revision`` (0: absent), a malformed value read as :meth:`_malformed`."""
+        """The generation read at ``revision`` (0: absent); a malformed or refused value read as :meth:`_malformed`."""
         if revision == 0:
             return None
-        try:
-            return _decode_generation(doc, revision)
-        except _Unreadable as exc:
-            return self._malformed(revision, exc)
+        return self._generation_at(doc, *_decode_generation(doc), revision)
 
-    def _malformed(self, revision: int, exc: Exception) -> Generation | None:
-        """A malformed generation value (torn, foreign, forged) is logged once and read as the last good
-        record at the malformed value's revision: the next compare-and-set replaces it, nothing dies, and no
-        CAS loop spins against a revision it can never match."""
+    def _generation_at(self, doc: dict[str, Any] | None, gen: Generation | None, error: str | None,
+                       revision: int) -> Generation | None:
+        """What the value ``doc`` (decoded: ``gen``, or why not: ``error``) at ``revision`` reads as."""
+        if self._refused(self.key("generation"), doc, revision, "the generation record", fatal=True):
+            return self._malformed(revision, None)
+        if gen is None:
+            return self._malformed(revision, error or "not a generation record")
+        return gen.with_revision(revision)
+
+    def _malformed(self, revision: int, why: str | None) -> Generation | None:
+        """A malformed generation value (torn, foreign, forged, without the run's seal) is logged once (``why``;
+        None: the guard said it already) and read as the last good record at the malformed value's revision: the
+        next compare-and-set replaces it (the leader's, at once), nothing dies, and no CAS loop spins against a
+        revision it can never match."""
         if revision != self._bad_rev:
             self._bad_rev = revision
-            log.warning("ignoring malformed generation record in etcd (revision %d): %s", revision, exc)
+            if why is not None:
+                log.warning("ignoring malformed generation record in etcd (revision %d): %s", revision, why)
         self._stored_rev = max(self._stored_rev, revision)
         return self._gen.with_revision(revision) if self._gen is not None else None
+
+    async def _cas_generation(self, new: Generation, expected: int) -> bool:
+        """Write ``new`` (sealed) if the record's mod revision is still ``expected``, and take it as this handle's."""
+        key = self.key("generation")
+        rev = await self._store.cas_json_rev(key, self._sealed(key, new.to_json()), expected)
+        if rev is None:
+            return False
+        self._apply_generation(new.with_revision(rev))
+        return True
 
     def _publish(self, event: RdzvEvent) -> None:
         for q in self._subscribers:
@@ -286,11 +344,7 @@ class EtcdRendezvous:
             if cur != old:
                 return False
             expected = cur.revision if cur is not None else 0
-        rev = await self._store.cas_json_rev(self.key("generation"), new.to_json(), expected)
-        if rev is None:
-            return False
-        self._apply_generation(new.with_revision(rev))
-        return True
+        return await self._cas_generation(new, expected)
 
     async def request_restart(self, gen: Generation, reason: str) -> None:
         """Move the run to a forming generation ``gen.number + 1``; a no-op if someone already did."""
@@ -302,28 +356,23 @@ class EtcdRendezvous:
                 raise RendezvousClosedError(f"run {self.settings.run_id!r} is closed: {cur.reason}")
             if cur.number > gen.number or cur.state is GenState.FORMING:
                 return
-            new = restart_generation(cur, reason)
-            rev = await self._store.cas_json_rev(self.key("generation"), new.to_json(), cur.revision)
-            if rev is not None:
+            if await self._cas_generation(restart_generation(cur, reason), cur.revision):
                 log.info("restart requested by %s: %s", self.node.node_id, reason)
-                self._apply_generation(new.with_revision(rev))
                 return
         raise RendezvousError("could not request a restart: the generation record kept changing")
 
     async def close(self, reason: str) -> None:
         """Mark the run closed; every agent sees ``closed`` and late joiners get RendezvousClosedError."""
-        await self._store.put_json(self.key("closed"),
-                                   {"v": 1, "reason": reason, "node_id": self.node.node_id, "time": time.time()})
+        key = self.key("closed")
+        await self._store.put_json(key, self._sealed(key, {"v": 1, "reason": reason, "node_id": self.node.node_id,
+                                                           "time": time.time()}))
         deadline = self._clock() + self.settings.close_timeout
         while True:
             cur = await self.current()
             if cur is not None and cur.state is GenState.CLOSED:
                 return
             expected = cur.revision if cur is not None else self._stored_rev
-            new = closed_generation(cur, reason)
-            rev = await self._store.cas_json_rev(self.key("generation"), new.to_json(), expected)
-            if rev is not None:
-                self._apply_generation(new.with_revision(rev))
+            if await self._cas_generation(closed_generation(cur, reason), expected):
                 return
             if self._clock() > deadline:
                 raise RendezvousTimeoutError(f"could not close run {self.settings.run_id!r} within "
@@ -333,8 +382,9 @@ class EtcdRendezvous:
 
     async def publish_bootstrap(self, gen: Generation, addr: str, port: int) -> None:
         """Group rank 0's agent says where this generation's workers meet (a fresh store per generation)."""
-        await self._store.put_json(self.key("bootstrap", str(gen.number)),
-                                   {"v": 1, "number": gen.number, "addr": addr, "port": int(port)})
+        key = self.key("bootstrap", str(gen.number))
+        await self._store.put_json(key, self._sealed(key, {"v": 1, "number": gen.number, "addr": addr,
+                                                           "port": int(port)}))
 
     async def wait_bootstrap(self, gen: Generation, timeout: float) -> tuple[str, int]:
         if gen.bootstrap is not None:
@@ -348,14 +398,30 @@ class EtcdRendezvous:
                 f"within {timeout:g} s (group rank 0's agent publishes it)") from None
 
     async def _wait_bootstrap(self, key: str) -> tuple[str, int]:
-        doc, _, header = await self._store.read_json(key)
-        if doc is not None:
-            return str(doc["addr"]), int(doc["port"])
+        doc, rev, header = await self._store.read_json(key)
+        found = self._bootstrap_in(key, doc, rev)
+        if found is not None:
+            return found
         async with contextlib.aclosing(self._store.watch_key(key, header + 1)) as events:
             async for ev in events:
-                if ev.kind == "put" and ev.value is not None:
-                    return str(ev.value["addr"]), int(ev.value["port"])
+                found = self._bootstrap_in(key, ev.value, ev.mod_revision) if ev.kind == "put" else None
+                if found is not None:
+                    return found
         raise RendezvousError("bootstrap watch ended")  # pragma: no cover (watches do not end)
+
+    def _bootstrap_in(self, key: str, doc: dict[str, Any] | None, revision: int) -> tuple[str, int] | None:
+        """The workers' store address in ``bootstrap/<n>`` at ``revision``; None for none, for one without the run's
+        seal (an attacker's store would see the workers' peers and feed them its own data) or an unreadable one
+        (logged once): the waiter keeps waiting for the genuine one."""
+        if revision == 0 or doc is None:
+            return None
+        if self._refused(key, doc, revision, "bootstrap address"):
+            return None
+        addr, port = doc.get("addr"), doc.get("port")
+        if not isinstance(addr, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
+            self._refusals.say(key, revision, f"ignoring unreadable bootstrap address {key} (revision {revision})")
+            return None
+        return addr, port
 
     # --- events ----------------------------------------------------------------------------------------
 
@@ -381,121 +447,6 @@ class EtcdRendezvous:
             self._publish(RdzvEvent(EventKind.CONNECTION_LOST, self._gen,
                                     reason=f"etcd connection lost ({one_line(detail)}); reconnecting"))
         self._wake()
-
-    # --- leadership ------------------------------------------------------------------------------------
-
-    async def _follow_leader(self, start_revision: int, ready: asyncio.Event) -> None:
-        async for ev in self._store.watch_key(self.key("leader"), start_revision, ready=ready):
-            if ev.kind == "put" and ev.value is not None:
-                new = str(ev.value.get("node_id"))
-            elif ev.kind == "reset":
-                doc, _ = await self._store.get_json(self.key("leader"))
-                new = doc.get("node_id") if doc else None
-            else:
-                new = None
-            if new is None:
-                self._leader_vacant.set()
-            if self._is_leader and new != self.node.node_id:
-                # gone, or someone else's: ours died with our lease while we could not see it (a partition
-                # longer than the lease); that node leads now, and this one must stop deciding at once
-                self._leadership_lost.set()
-            if new != self._leader:
-                self._leader = new
-                if new is not None:
-                    self._publish(RdzvEvent(EventKind.LEADER_CHANGED, self._gen, new, f"{new} leads the run"))
-
-    async def _leadership(self) -> None:
-        me = {"v": 1, "node_id": self.node.node_id, "addr": self.node.addr, "pid": self.node.pid}
-        while True:
-            await self._leader_vacant.wait()
-            self._leader_vacant.clear()
-            if not await self._store.create_json(self.key("leader"), me, lease=True):
-                continue  # someone else won; wait for the key to go again
-            self._is_leader = True
-            self._leadership_lost.clear()
-            if self._leader != self.node.node_id:
-                self._leader = self.node.node_id
-                self._publish(RdzvEvent(EventKind.LEADER_CHANGED, self._gen, self.node.node_id,
-                                        f"{self.node.node_id} leads the run"))
-            log.info("%s leads run %s", self.node.node_id, self.settings.run_id)
-            try:
-                await self._lead()
-            finally:
-                self._is_leader = False
-
-    async def _lead(self) -> None:
-        """Form and annotate generations until our leader key disappears."""
-        prefix = self.key("nodes/")
-        items, header = await self._store.read_prefix_json(prefix)
-        nodes: dict[str, NodeEntry] = {}
-        for key, doc, _mod, create in items:
-            _add_node(nodes, key[len(prefix):], doc, create)
-        wake = asyncio.Event()
-        watcher = asyncio.create_task(self._follow_nodes(prefix, header + 1, nodes, wake))
-        quorum_since: float | None = None
-        epoch = self._store.lease_epoch
-        try:
-            while not self._leadership_lost.is_set():
-                if watcher.done():
-                    watcher.result()  # re-raise a fatal watch error
-                if self._store.lease_epoch != epoch or not self._store.lease_sure():
-                    # Our leader key lives under our lease. Past the lease's sure life (an etcd outage) another
-                    # node may lead already, while our watches still show what we saw before the cut: decide
-                    # nothing until the lease is confirmed (still ours: we still lead) or found re-granted (the
-                    # key died with the old one).
-                    await self._store.lease_held()
-                    if self._store.lease_epoch != epoch:
-                        return
-                    continue
-                wake.clear()
-                seen = self._changed
-                view = RdzvView(self._gen, dict(nodes), quorum_since=quorum_since)
-                decision = decide(view, self._clock(), self.settings)
-                if decision.reason != self._last_reason:
-                    log.info("leader %s: %s", self.node.node_id, decision.reason)
-                    self._last_reason = decision.reason
-                quorum_since = decision.quorum_since
-                if decision.action in (Action.FORM, Action.UPDATE) and decision.generation is not None:
-                    expected = self._gen.revision if self._gen is not None else self._stored_rev
-                    rev = await self._store.cas_json_rev(self.key("generation"),
-                                                         decision.generation.to_json(), expected)
-                    if rev is not None:
-                        self._apply_generation(decision.generation.with_revision(rev))
-                    else:  # someone else wrote first: decide again on what they wrote
-                        await self.current()
-                    continue
-                if self._gen is not None and self._gen.revision == self._bad_rev:
-                    await self._restore_generation()
-                    continue
-                timeout = None if decision.wake_at is None else max(0.0, decision.wake_at - self._clock())
-                await _first_of([wake.wait(), seen.wait(), self._leadership_lost.wait()], timeout)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await watcher
-
-    async def _restore_generation(self) -> None:
-        """The key holds garbage (torn, foreign, forged) and everyone runs on the last good record: the leader puts
-        that record back, so whoever reads etcd (tpassctl, a node starting now) sees the job's generation again."""
-        assert self._gen is not None
-        rev = await self._store.cas_json_rev(self.key("generation"), self._gen.to_json(), self._gen.revision)
-        if rev is None:       # written meanwhile: read what is there now (garbage again: restored again)
-            await self.current()
-            return
-        log.warning("restored generation %d over the malformed record (revision %d)", self._gen.number, self._bad_rev)
-        self._apply_generation(self._gen.with_revision(rev))
-
-    async def _follow_nodes(self, prefix: str, start_revision: int, nodes: dict[str, NodeEntry],
-                            wake: asyncio.Event) -> None:
-        async for ev in self._store.watch_prefix(prefix, start_revision):
-            _apply_node_event(nodes, prefix, ev)
-            if ev.kind == "reset":
-                items, _ = await self._store.read_prefix_json(prefix)
-                nodes.clear()
-                for key, doc, _mod, create in items:
-                    _add_node(nodes, key[len(prefix):], doc, create)
-            wake.set()
-
 
 class EventStream:
     """An async iterator of ``RdzvEvent`` for one subscriber. ``aclose()`` unsubscribes."""
@@ -526,59 +477,31 @@ class EventStream:
             self._rdzv._subscribers.remove(self.queue)
 
 
-def _add_node(nodes: dict[str, NodeEntry], node_id: str, doc: dict[str, Any] | None, create_rev: int) -> None:
-    try:
-        info = NodeInfo.from_json(doc or {})
-    except (KeyError, ValueError, TypeError) as exc:
-        log.warning("ignoring unreadable registration nodes/%s: %s", node_id, exc)
-        return
-    nodes[node_id] = NodeEntry(info, create_rev)
-
-
-def _apply_node_event(nodes: dict[str, NodeEntry], prefix: str, ev: WatchEvent) -> None:
-    node_id = ev.key[len(prefix):]
-    if ev.kind == "put":
-        old = nodes.get(node_id)
-        # A rewrite keeps the node's place in the join order; a new key (re-registration) gets a new one.
-        _add_node(nodes, node_id, ev.value, ev.create_revision or (old.join_order if old else ev.mod_revision))
-    elif ev.kind == "delete":
-        nodes.pop(node_id, None)
-
-
-class _Unreadable(ValueError):
-    """The generation key holds a value that is not a generation record."""
-
-
-def _decode_generation(doc: dict[str, Any] | None, revision: int) -> Generation:
+def _decode_generation(doc: dict[str, Any] | None) -> tuple[Generation | None, str | None]:
+    """``(generation, None)``, or ``(None, why it is not one)``."""
     if doc is None:
-        raise _Unreadable("not a JSON object")
+        return None, "not a JSON object"
     try:
-        return Generation.from_json(doc, revision)
+        return Generation.from_json(doc), None
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
-        raise _Unreadable(str(exc)) from exc
+        return None, str(exc) or type(exc).__name__
 
 
 # Many agents in one process (tests, the scale bench) all receive the same record; decoding a 1,024-member
 # record once instead of once per agent keeps that O(n) instead of O(n^2). Keyed by the bytes themselves, so
-# distinct etcd servers or runs can never alias. Generations are frozen, so sharing one object is safe.
-_DECODED: dict[bytes, Generation | None] = {}
+# distinct etcd servers or runs can never alias. Generations are frozen, so sharing one object is safe; the
+# decoded document is shared too (each agent's guard checks it, never changes it).
+_DECODED: dict[bytes, tuple[dict[str, Any] | None, Generation | None, str | None]] = {}
 _DECODED_MAX = 16
 
 
-def _decode_generation_bytes(raw: bytes, revision: int) -> Generation | None:
-    gen = _DECODED.get(raw)
-    if gen is None and raw not in _DECODED:
-        gen = _decode_generation(decode(raw), 0) if raw else None
+def _decode_generation_bytes(raw: bytes) -> tuple[dict[str, Any] | None, Generation | None, str | None]:
+    """``(document, generation, why it is not one)`` of a stored value."""
+    found = _DECODED.get(raw)
+    if found is None:
+        doc = decode(raw)
+        found = (doc, *_decode_generation(doc))
         if len(_DECODED) >= _DECODED_MAX:
             _DECODED.pop(next(iter(_DECODED)))
-        _DECODED[raw] = gen
-    return gen.with_revision(revision) if gen is not None else None
-
-
-async def _first_of(awaitables: list[Any], timeout: float | None) -> None:
-    tasks = [asyncio.ensure_future(a) for a in awaitables]
-    try:
-        await asyncio.wait(tasks, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in tasks:
-            t.cancel()
+        _DECODED[raw] = found
+    return found
