@@ -44,7 +44,7 @@ from .elasticevents import ElasticEvents  # noqa: E402
 from .events import EventLog  # noqa: E402
 from .registry import register_run  # noqa: E402
 from .procs import RunLogs  # noqa: E402
-from .records import Keys  # noqa: E402
+from .records import Keys, rendezvous_guard  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
 from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
                          RendezvousError, RendezvousSettings, ServerTls, find_etcd_binary, host_etcd_if_absent,
@@ -185,15 +185,17 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             if run_key is None and etcd_cfg.user is None and etcd_cfg.cert is None:
                 self.events.write("plans_unauthenticated", reason=(
                     f"swap plans are not authenticated: anyone who can write to the etcd at {etcd_cfg.display} "
-                    f"(no user/password, no client certificate) can steer swaps; give every agent the same run "
-                    f"key (${RUN_KEY_ENV} or --rdzv-conf {RUN_KEY_FILE_CONF}=PATH, a 0600 file)"))
+                    f"(no user/password, no client certificate) can steer swaps and the rendezvous; give every agent "
+                    f"the same run key (${RUN_KEY_ENV} or --rdzv-conf {RUN_KEY_FILE_CONF}=PATH, a 0600 file)"))
             settings = RendezvousSettings.from_conf(cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf)
             node = NodeInfo(node_id=self.node_id, addr=self.addr, nproc=cfg.nproc_per_node,
                             spares=cfg.spares_per_node, spare_node=cfg.spare_node, role=cfg.role)
             log.debug("connecting to etcd at %s", endpoint)
             if run_key is not None:   # before anything reads or writes a record: plans and reports are sealed
                 stack.callback(register_run_key(settings.run_prefix, run_key))
-            self.rdzv = await stack.enter_async_context(EtcdRendezvous(etcd_cfg, settings, node))
+            # the rendezvous's own records (generation, bootstrap, registrations, leader, closed) are sealed too
+            self.rdzv = await stack.enter_async_context(EtcdRendezvous(etcd_cfg, settings, node,
+                                                                       guard=rendezvous_guard(run_key)))
             self.rdzv.store.connection.listeners.append(self._on_etcd_link)
             self.rdzv.store.lease_listeners.append(
                 lambda: self.events.write("lease_regranted", reason="the lease expired during the outage"))
@@ -274,11 +276,12 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         a status yet, and the other agent, its etcd gone, waited for it for ever."""
         assert self.rdzv is not None
         deadline = time.monotonic() + timeout
-        prefixes = (Keys(self.rdzv.key("")).family("status"), self.rdzv.key("nodes/"))
+        status = Keys(self.rdzv.key("")).family("status")
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                others = [k for prefix in prefixes for k, _d, _r in await self.rdzv.store.get_prefix_json(prefix)
-                          if not k.endswith("/" + self.node_id)]
+                others = [k.rsplit("/", 1)[-1] for k, _d, _r in await self.rdzv.store.get_prefix_json(status)]
+                others += [info.node_id for info in await self.rdzv.registrations()]
+                others = [node for node in others if node != self.node_id]
                 if not others:
                     return
             await asyncio.sleep(0.5)
@@ -343,9 +346,8 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
     async def _say_waiting(self, waited: float) -> None:
         """Every 10 s without a generation: who has joined, how many are needed (never a silent wait)."""
         assert self.rdzv is not None
-        try:
-            nodes = sorted(k.rsplit("/", 1)[-1] for k, _d, _r in
-                           await self.rdzv.store.get_prefix_json(self.rdzv.key("nodes") + "/"))
+        try:   # the registrations the rendezvous accepts: one without the run's seal is nobody's
+            nodes = sorted(info.node_id for info in await self.rdzv.registrations())
         except Exception as exc:  # noqa: BLE001 - etcd unreachable is itself worth saying
             self.events.write("waiting_for_nodes", seconds=waited, joined=0, needed=self.cfg.min_nodes,
                               missing=[f"etcd unreachable: {type(exc).__name__}"])

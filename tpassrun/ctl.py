@@ -27,10 +27,11 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RecordError, RunClosed, SwapPlan,
-                      Taint, TaintEffect, TaintSource, leader_of, load, node_info)
+from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RunClosed, SwapPlan, Taint, TaintEffect,
+                      TaintSource, generation_record, leader_of, load, node_info)
 from .registry import CtlError
-from .provenance import RunKeyError, register as register_run_key, run_key_from
+from .provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKeyError, carries_mac, key_for,
+                         register as register_run_key, run_key_from)
 from .rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, RendezvousError, RendezvousSettings,
                          read_private_file, refuse_inline_secrets)
 
@@ -67,6 +68,10 @@ class RunSnapshot:
     taints: dict[str, Taint] = field(default_factory=dict)
     swaps: dict[str, SwapPlan] = field(default_factory=dict)
     empty: bool = True
+    # the sealed records shown (generation, leader, closed, nodes, swaps): "verified" (checked with the run key,
+    # those without its MAC left out), "unverified" (they carry MACs, and tpassctl was given no key to check them)
+    # or "unsealed" (no key, no MACs: a run without a run key)
+    provenance: str = "unsealed"
 
     def workers(self) -> list[dict[str, Any]]:
         """Every worker row from ``status/<node>`` with its node id (for display)."""
@@ -131,6 +136,7 @@ class RunSnapshot:
         return {
             "v": 1,
             "run_id": self.run_id,
+            "provenance": self.provenance,
             "generation": self.generation.to_json() if self.generation else None,
             "leader": self.leader,
             "closed": self.closed.to_json() if self.closed else None,
@@ -149,15 +155,18 @@ def _member_list(gen: Generation | None) -> str:
 
 async def read_snapshot(store: EtcdStore, prefix: str, run_id: str) -> RunSnapshot:
     """Every record of one run, typed; a malformed value is skipped (and logged once), never fatal."""
-    snap = RunSnapshot(run_id)
+    snap = RunSnapshot(run_id, provenance="verified" if key_for(prefix) is not None else "unsealed")
     items, _ = await store.read_prefix_json(prefix)
     keys = Keys(prefix)
     for key, doc, rev, _create in items:
         snap.empty = False
+        if snap.provenance == "unsealed" and carries_mac(doc):
+            snap.provenance = "unverified"
         rest = keys.relative(key)
         kind, _, name = rest.partition("/")
         if rest == "generation":
-            snap.generation = load(lambda d: _generation(d, rev), key, doc, rev)
+            gen = load(generation_record, key, doc, rev)
+            snap.generation = gen.with_revision(rev) if gen is not None else None
         elif rest == "leader":
             snap.leader = load(leader_of, key, doc, rev)
         elif rest == "closed":
@@ -167,13 +176,6 @@ async def read_snapshot(store: EtcdStore, prefix: str, run_id: str) -> RunSnapsh
             if record is not None:
                 getattr(snap, kind)[name] = record
     return snap
-
-
-def _generation(doc: Any, rev: int) -> Generation:
-    try:
-        return Generation.from_json(doc, rev)
-    except (KeyError, ValueError, TypeError, AttributeError) as exc:
-        raise RecordError(f"generation record: {exc}") from exc
 
 
 _FAMILIES: dict[str, Any] = {"nodes": node_info, "status": NodeStatus.from_json, "health": HealthRecord.from_json,
@@ -204,6 +206,9 @@ def _render_status(snap: RunSnapshot) -> None:
         head.append("  no generation formed yet")
     console.print(head)
     console.print(Text(f"leader: {snap.leader or '-'}" + (f"   closed: {snap.closed.reason}" if snap.closed else "")))
+    if snap.provenance == "unverified":
+        console.print(Text(f"unverified: the job seals its records with a run key and tpassctl was given none "
+                           f"(--rdzv-conf {RUN_KEY_FILE_CONF}=PATH or ${RUN_KEY_ENV})", style="yellow"))
 
     members = Table("node", "group rank", "addr", "nproc", "ranks", "role", title="nodes", title_justify="left")
     if gen is not None:

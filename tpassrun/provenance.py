@@ -14,6 +14,11 @@ Which records are sealed, and why (``SEALED`` on the record type):
   state where, and its ``secret`` seeds the transfer key.
 - ``reports/`` (:class:`~tpassrun.records_swaps.Report`): the leader copies a report's ``joiner_addr`` (where
   state is streamed) and ``light_b64`` (the step, RNG and data position a joiner applies) into the plan.
+- the rendezvous's own records: ``generation`` (members, addresses, the workers' store, assignments),
+  ``bootstrap/<n>`` (where a generation's workers meet: their gloo peers' addresses come from it),
+  ``nodes/<id>`` (who may be taken into a generation, at which address), ``leader``, ``closed``. The rendezvous
+  never imports this module: the agent hands it these functions as a
+  :class:`~tpassrun.rendezvous.guard.RecordGuard` (:func:`tpassrun.records_nodes.rendezvous_guard`).
 
 Not sealed: taints, failures, status, health, fallbacks. They are the leader's *inputs*: a forged one can make
 the job run a swap or a restart of its own making (with genuine plans, real spares, registered addresses and
@@ -127,6 +132,20 @@ def problem(etcd_key: str, doc: Any, key: RunKey) -> str | None:
     if not hmac.compare_digest(given, mac_of(etcd_key, doc, key)):
         return "its MAC does not match (forged, altered, moved from another key, or an agent with another run key)"
     return None
+
+
+def sealed_with_another_key(etcd_key: str, doc: Any, key: RunKey) -> bool:
+    """Whether ``doc`` carries a well-formed MAC that ``key`` did not make: what an agent given another run key
+    writes (a forgery can look the same; a record without a MAC is a stranger's, not this)."""
+    given = doc.get(MAC_FIELD) if isinstance(doc, Mapping) else None
+    if not isinstance(given, str) or not given.startswith(MAC_VERSION + ":") or len(given) != len(MAC_VERSION) + 65:
+        return False
+    return not hmac.compare_digest(given, mac_of(etcd_key, doc, key))
+
+
+def carries_mac(doc: Any) -> bool:
+    """Whether ``doc`` was sealed by someone (checked or not)."""
+    return isinstance(doc, Mapping) and MAC_FIELD in doc
 
 
 # ---------------------------------------------------------------------------------------------- registry

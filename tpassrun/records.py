@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from .health import TaintEffect
 from .records_faults import HANDLED_COALESCED, HANDLED_KILLED, HANDLED_RESTART, Failure, Fallback, Taint, TaintSource
 from .records_fields import SCHEMA_VERSION, RecordError, load
-from .records_nodes import HealthRecord, MirrorKey, NodeStatus, RunClosed, WorkerRow, leader_of, node_info
+from .records_nodes import (HealthRecord, MirrorKey, NodeStatus, RunClosed, WorkerRow, generation_record, leader_of,
+                            node_info, rendezvous_guard)
 from .records_swaps import TERMINAL, TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
 
 
@@ -114,5 +115,5 @@ class Keys:
 
 
 __all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED", "HANDLED_RESTART", "HealthRecord", "Keys", "MirrorKey", "NodeStatus",
-           "Phase", "RecordError", "Report", "RunClosed", "leader_of", "node_info", "SCHEMA_VERSION", "SlotRef", "SwapKind", "SwapPlan", "TERMINAL",
+           "Phase", "RecordError", "Report", "RunClosed", "generation_record", "leader_of", "node_info", "rendezvous_guard", "SCHEMA_VERSION", "SlotRef", "SwapKind", "SwapPlan", "TERMINAL",
            "TRANSITIONS", "Taint", "TaintEffect", "TaintSource", "WorkerRow", "load"]

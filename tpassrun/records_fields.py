@@ -120,8 +120,8 @@ _REPORTED_MAX = 1024
 
 
 def load(decode: Callable[[Any], R], key: str, doc: Any, revision: int = 0) -> R | None:
-    """``decode(doc)``, or None for a malformed value, or for a sealed record type (``SEALED``: swap plans and
-    reports) without a good MAC of the run key registered for ``key`` (:mod:`tpassrun.provenance`); either is
+    """``decode(doc)``, or None for a malformed value, or for a sealed record type (``SEALED``: swap plans,
+    reports, the rendezvous's records) without a good MAC of the run key registered for ``key`` (:mod:`tpassrun.provenance`); either is
     logged once per key and revision.
 
     One bad value must neither stop a reader nor flood the log: the coordinator re-reads every family on
@@ -148,7 +148,19 @@ def load(decode: Callable[[Any], R], key: str, doc: Any, revision: int = 0) -> R
 
 
 def _run_key_of(decode: Callable[[Any], Any], key: str) -> "provenance.RunKey | None":
-    """The run key to check ``key``'s record with: only for sealed record types (``SEALED``), and only when this
-    process registered a key for that run."""
+    """The run key to check ``key``'s record with: only for sealed record types (``SEALED`` on the type whose
+    ``from_json`` decodes it, or on a decoding function: :func:`sealed`), and only when this process registered a
+    key for that run."""
     owner = getattr(decode, "__self__", None)
-    return provenance.key_for(key) if getattr(owner, "SEALED", False) else None
+    is_sealed = getattr(decode, "SEALED", False) or getattr(owner, "SEALED", False)
+    return provenance.key_for(key) if is_sealed else None
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def sealed(decode: F) -> F:
+    """Marks a decoding function (not a record type's ``from_json``) as one of a sealed record: :func:`load` checks
+    the record's MAC before it decodes it, as for a type with ``SEALED``."""
+    decode.SEALED = True   # type: ignore[attr-defined]
+    return decode

@@ -1,15 +1,19 @@
 """What each node publishes about itself, and the run's end: ``status/`` (the worker table), ``health/`` (the
-monitor's snapshot), ``closed``, and the rendezvous's ``nodes/`` and ``leader`` records read strictly.
+monitor's snapshot), ``closed``, and the rendezvous's ``nodes/``, ``leader`` and ``generation`` records read
+strictly; the rendezvous's records sealed with the run key (:func:`rendezvous_guard`).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
 
+from . import provenance
 from .records_fields import (SCHEMA_VERSION, RecordError, _bool, _check, _int, _list, _num, _opt_int, _opt_ranks, _opt_str,
-                             _str)
-from .rendezvous.state import NodeInfo
+                             _str, sealed)
+from .rendezvous.guard import RecordGuard
+from .rendezvous.state import Generation, NodeInfo
 
 
 # ---------------------------------------------------------------------------------------------- status
@@ -137,6 +141,7 @@ class RunClosed:
     reason: str
     node_id: str | None = None
     time: float = 0.0
+    SEALED: ClassVar[bool] = True      # written by the rendezvous with the run key's MAC (rendezvous_guard)
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "reason": self.reason, "node_id": self.node_id, "time": self.time}
@@ -167,16 +172,56 @@ class MirrorKey:
         return cls(key=_str(d, "key", what))
 
 
+@sealed
 def node_info(doc: Any) -> NodeInfo:
-    """``nodes/<node_id>`` (the rendezvous's registration record), with :class:`RecordError` for a bad one."""
+    """``nodes/<node_id>`` (the rendezvous's registration record), with :class:`RecordError` for a bad one. Sealed:
+    the address a joiner's state is streamed to, and a mirror's, come from it."""
     try:
         return NodeInfo.from_json(doc)
     except (KeyError, ValueError, TypeError, AttributeError) as exc:
         raise RecordError(f"node record: {exc}") from exc
 
 
+@sealed
 def leader_of(doc: Any) -> str:
     """The node id in ``leader`` (written by the rendezvous under the leader's lease)."""
     if not isinstance(doc, Mapping) or not isinstance(doc.get("node_id"), str):
         raise RecordError(f"leader record: no node_id in {doc!r}")
     return doc["node_id"]
+
+
+@sealed
+def generation_record(doc: Any) -> Generation:
+    """``generation`` (the rendezvous's record of the run's membership), at revision 0 (``with_revision``)."""
+    try:
+        return Generation.from_json(doc)
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        raise RecordError(f"generation record: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------------- the seal
+def rendezvous_guard(run_key: "provenance.RunKey | None") -> RecordGuard:
+    """What the rendezvous seals its records with and checks them by (``generation``, ``bootstrap/``, ``nodes/``,
+    ``leader``, ``closed``): the run key's MAC, as plans and reports carry it. Without a key nothing is sealed or
+    refused, as before; such an agent only notices records sealed by agents that have one, so that it stops at
+    once instead of waiting for a join it can never be part of."""
+    if run_key is None:
+        return RecordGuard(foreign=_sealed_while_keyless)
+    return RecordGuard(seal=functools.partial(_seal, run_key), problem=functools.partial(_problem, run_key),
+                       foreign=functools.partial(_foreign, run_key))
+
+
+def _seal(run_key: "provenance.RunKey", etcd_key: str, doc: dict[str, Any]) -> dict[str, Any]:
+    return provenance.seal(etcd_key, doc, run_key)
+
+
+def _problem(run_key: "provenance.RunKey", etcd_key: str, doc: Any) -> str | None:
+    return provenance.problem(etcd_key, doc, run_key)
+
+
+def _foreign(run_key: "provenance.RunKey", etcd_key: str, doc: Any) -> str | None:
+    return "was sealed with another run key" if provenance.sealed_with_another_key(etcd_key, doc, run_key) else None
+
+
+def _sealed_while_keyless(_etcd_key: str, doc: Any) -> str | None:
+    return "was sealed with a run key, and this agent was given none" if provenance.carries_mac(doc) else None
