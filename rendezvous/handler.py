@@ -246,9 +246,11 @@ class EtcdRendezvous(Leadership):
         than this agent's ends a join that has not succeeded yet (:meth:`_check_fatal`), instead of waiting for its
         timeout. A joined agent only ignores it: the job it runs in is its own."""
         foreign = self._guard.foreign(key, doc)
-        if foreign is not None and fatal and self._last_joined is None and self._foreign is None:
-            self._foreign = f"{what} {foreign} ({SAME_KEY_HINT})"
-            self._wake()
+        if foreign is not None and fatal and self._last_joined is None:
+            if self._foreign is None:     # the join's one-line error says it: not a warning as well
+                self._foreign = f"{what} {foreign} ({SAME_KEY_HINT})"
+                self._wake()
+            return self._guard.problem(key, doc) is not None
         why = self._guard.problem(key, doc)
         if why is None:
             return False
