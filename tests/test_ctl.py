@@ -165,3 +165,44 @@ def test_status_with_the_run_key_shows_the_jobs_plans_only(formed_run, capsys, t
     assert sorted(swaps) == ["s-genuine"]
     assert ctl(endpoint, run_id, "status", "--json") == 0        # without the key: nothing to check them with
     assert sorted(json.loads(capsys.readouterr().out)["swaps"]) == ["s-forged", "s-genuine"]
+
+
+@pytest.mark.timeout(60)
+def test_status_checks_the_rendezvous_records_with_the_run_key_or_says_it_did_not(etcd_server, run_id, capsys, tmp_path,
+                                                                                  monkeypatch):
+    """The job seals its generation, registrations and leader record: with its key tpassctl shows only what the job
+    wrote; without it, it shows what it reads and says that nothing was verified."""
+    from tpassrun.provenance import RUN_KEY_ENV, RunKey
+    from tpassrun.records import rendezvous_guard
+
+    monkeypatch.delenv(RUN_KEY_ENV, raising=False)
+    key_file = tmp_path / "run.key"
+    key_file.write_text("0123456789abcdef0123456789abcdef\n")
+    key_file.chmod(0o600)
+    cfg = EtcdConfig.from_endpoint(etcd_server.endpoint, {"read_timeout": "5"})
+    s = RendezvousSettings(run_id=run_id, min_nodes=1, max_nodes=2, lease_ttl=30, last_call_timeout=0)
+    with_key = ("--rdzv-conf", f"run_key_file={key_file}")
+
+    async def status(*extra: str) -> dict:
+        capsys.readouterr()
+        assert await asyncio.to_thread(ctl, etcd_server.endpoint, run_id, "status", "--json", *extra) == 0
+        return json.loads(capsys.readouterr().out)
+
+    async def main() -> None:
+        guard = rendezvous_guard(RunKey.from_text(key_file.read_text()))
+        async with EtcdRendezvous(cfg, s, NodeInfo("a", "127.0.0.1", 2), guard=guard) as rdzv:
+            await rdzv.join()
+            async with EtcdStore(cfg) as store:
+                await store.put_json(rdzv.key("nodes", "evil"), NodeInfo("evil", "6.6.6.6", 2).to_json())
+                verified = await status(*with_key)
+                unverified = await status()
+                capsys.readouterr()
+                assert await asyncio.to_thread(ctl, etcd_server.endpoint, run_id, "status") == 0
+                table = capsys.readouterr().out
+                await store.delete(rdzv.key("nodes", "evil"))
+        assert verified["provenance"] == "verified" and sorted(verified["nodes"]) == ["a"]
+        assert verified["leader"] == "a" and verified["generation"]["members"][0]["node_id"] == "a"
+        assert unverified["provenance"] == "unverified" and sorted(unverified["nodes"]) == ["a", "evil"]
+        assert "unverified" in table and "run_key_file" in table
+
+    asyncio.run(main())

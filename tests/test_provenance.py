@@ -140,3 +140,82 @@ def test_an_older_version_of_a_plan_written_back_is_a_replay():
     assert not is_replayed(newest, done)
     assert is_replayed(newest, send) and is_replayed(newest, pause)      # a finished swap back into SEND
     assert not is_replayed(newest, _plan(id="s-2", phase=Phase.PAUSE))   # another plan is its own
+
+
+# --- the rendezvous's own records (rendezvous/guard.py, records.rendezvous_guard) ---------------------------
+def _gen_doc() -> dict:
+    from tpassrun.rendezvous import GenState, Generation, Member
+
+    return Generation(number=2, state=GenState.ACTIVE, members=(Member("n1", 0, "10.0.0.1", 2, 0),),
+                      world_size=2).to_json()
+
+
+RDZV_RECORDS = {
+    "generation": (KEYS.prefix + "generation", _gen_doc),
+    "bootstrap": (KEYS.prefix + "bootstrap/2", lambda: {"v": 1, "number": 2, "addr": "10.0.0.1", "port": 29500}),
+    "nodes": (KEYS.node("n1"), lambda: {"v": 1, "node_id": "n1", "addr": "10.0.0.1", "nproc": 2}),
+    "leader": (KEYS.prefix + "leader", lambda: {"v": 1, "node_id": "n1", "addr": "10.0.0.1", "pid": 7}),
+    "closed": (KEYS.closed, lambda: {"v": 1, "reason": "succeeded", "node_id": "n1", "time": 1.5}),
+}
+
+
+@pytest.mark.parametrize("record", sorted(RDZV_RECORDS))
+def test_the_rendezvous_guard_seals_each_record_to_its_key_and_refuses_others(record):
+    from tpassrun.records import rendezvous_guard
+
+    key, make = RDZV_RECORDS[record]
+    run_key = RunKey.generate()
+    guard = rendezvous_guard(run_key)
+    doc = _stored(guard.seal(key, make()))
+    assert doc[MAC_FIELD].startswith("v1:") and guard.problem(key, doc) is None and guard.foreign(key, doc) is None
+    # a stranger (no MAC): refused, but not "another key": it says nothing about the job's agents
+    assert "no MAC" in guard.problem(key, make()) and guard.foreign(key, make()) is None
+    # moved under another key of the run, or altered: refused
+    assert guard.problem(KEYS.prefix + "elsewhere", doc) is not None
+    assert guard.problem(key, {**doc, "addr": "6.6.6.6"}) is not None
+    # sealed by an agent given another run key: refused, and said to be another key's
+    other = _stored(rendezvous_guard(RunKey.generate()).seal(key, make()))
+    assert guard.problem(key, other) is not None and "another run key" in guard.foreign(key, other)
+    assert guard.foreign(key, {**make(), MAC_FIELD: "v1:xyz"}) is None        # not even a MAC's shape
+
+
+def test_without_a_key_the_rendezvous_guard_seals_and_refuses_nothing_but_notices_a_seal():
+    from tpassrun.records import rendezvous_guard
+    from tpassrun.rendezvous import RecordGuard
+
+    key, make = RDZV_RECORDS["generation"]
+    for guard in (RecordGuard(), rendezvous_guard(None)):
+        assert guard.seal(key, make()) == make() and guard.problem(key, make()) is None
+        assert guard.foreign(key, make()) is None
+    sealed = seal(key, make(), RunKey.generate())
+    assert RecordGuard().foreign(key, sealed) is None                 # the rendezvous's default: as before
+    assert "given none" in rendezvous_guard(None).foreign(key, sealed)
+    assert rendezvous_guard(None).problem(key, sealed) is None        # accepted: an agent without a key checks nothing
+
+
+@pytest.mark.parametrize("record", ["generation", "nodes", "leader", "closed"])
+def test_readers_outside_the_rendezvous_refuse_its_records_without_a_good_mac(run_key, record, caplog):
+    """tpassctl, the coordinator, the swap's joiner-address check and the mirror plane read these through load."""
+    from tpassrun.records import RunClosed, generation_record, leader_of, node_info
+
+    decode = {"generation": generation_record, "nodes": node_info, "leader": leader_of,
+              "closed": RunClosed.from_json}[record]
+    key, make = RDZV_RECORDS[record]
+    assert load(decode, key, _stored(seal(key, make())), 1) is not None
+    with caplog.at_level(logging.WARNING, logger="tpassrun.records"):
+        assert load(decode, key, _stored(make()), 2) is None
+        assert load(decode, key, _stored(seal(key, make(), RunKey.generate())), 3) is None
+    assert caplog.text.count("refusing etcd record") == 2
+    assert load(decode, "/tpassrun/v1/keyless-run/" + KEYS.relative(key), _stored(make()), 4) is not None
+
+
+def test_a_refused_record_is_said_once_per_key_and_revision(caplog):
+    from tpassrun.rendezvous.guard import RefusalLog, named
+
+    said = RefusalLog()
+    with caplog.at_level(logging.WARNING, logger="tpassrun.rendezvous.guard"):
+        for revision in (5, 5, 5, 6, 6):
+            said.say("k", revision, f"refusing k at {revision}")
+    assert caplog.text.count("refusing k at 5") == 1 and caplog.text.count("refusing k at 6") == 1
+    assert named("n1", "registration") == "node n1's registration"
+    assert named("bad\nid", "leader record") == named(None, "leader record") == "the leader record"
