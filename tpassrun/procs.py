@@ -375,7 +375,9 @@ async def spawn_worker(
         if path is not None and tee:
             return asyncio.subprocess.PIPE
         if path is not None:
-            f = open(path, "wb")  # noqa: SIM115  (owned by the WorkerProcess)
+            # appended: a slot started again in the same attempt (a spare after a swap, a membership change) keeps
+            # what the previous worker there said (a joiner that died, a re-form that hung) for the post-mortem
+            f = open(path, "ab")  # noqa: SIM115  (owned by the WorkerProcess)
             files.append(f)
             return f
         return None if shown else asyncio.subprocess.DEVNULL
@@ -405,7 +407,7 @@ async def spawn_worker(
     ):
         if reader is None or path is None:
             continue
-        logf = open(path, "wb")  # noqa: SIM115
+        logf = open(path, "ab")  # noqa: SIM115  (appended, as above)
         files.append(logf)
         filtered = open(fpath, "ab") if fpath else None  # noqa: SIM115  (shared by the attempt's workers)
         if filtered is not None:

@@ -334,6 +334,26 @@ def join_world(backend: str | None, world: "WorldSpec", timeout: timedelta | Non
     hold every other one inside the process group's rendezvous until its timeout, where the agent cannot reach
     them. When it returns True the join is given up (:class:`JoinAborted`); the worker stays where it stopped,
     without a process group, for the recovery that replaces the dead rank (tpassrun.triage)."""
+    import faulthandler
+    import sys
+
+    # a join that hangs inside torch (a store that never answers, gloo waiting for a peer) cannot be interrupted
+    # from here: past a minute every thread's stack goes to stderr, so the worker's log says where it stopped
+    try:
+        faulthandler.dump_traceback_later(JOIN_STACKS_AFTER_S, exit=False, file=sys.stderr)
+    except (AttributeError, ValueError, OSError):    # a stderr the script replaced by something without a fd
+        pass
+    try:
+        _join_world(backend, world, timeout, interrupted)
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+JOIN_STACKS_AFTER_S = 60.0
+
+
+def _join_world(backend: str | None, world: "WorldSpec", timeout: timedelta | None,
+                interrupted: Callable[[], bool] | None) -> None:
     import torch.distributed as dist
 
     kwargs: dict[str, Any] = {}
