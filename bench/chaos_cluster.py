@@ -200,8 +200,11 @@ class Cluster:
         busy = [p.id for p in snap["plans"] if not p.terminal]
         if busy:
             return False, f"swap {busy[0]} in flight"
+        lost = set(gen.get("lost") or ())
         for member in gen.get("members", []):
-            if member.get("node_id") not in snap["status"]:
+            # a member lost that held no rank any more (swaps had moved them all) keeps its place, marked lost,
+            # until the next restart: nothing of the job waits for it
+            if member.get("node_id") not in snap["status"] and member.get("node_id") not in lost:
                 return False, f"no status from {member.get('node_id')}"
         # a swap may move a rank to another node's spare (the spare node's too): count them job-wide
         ranks = {w.rank for st in snap["status"].values() for w in st.workers
