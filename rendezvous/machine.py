@@ -222,7 +222,7 @@ def form_generation(
     extra = [e.node_id for e in candidates[settings.max_nodes:]]
     spares = tuple(extra + [e.node_id for e in spare_agents])
     return Generation(number=number, state=GenState.ACTIVE, members=tuple(members), spare_nodes=spares,
-                      world_size=offset, reason=reason)
+                      world_size=offset, reason=reason, formed=number)
 
 
 def restart_generation(gen: Generation, reason: str) -> Generation:

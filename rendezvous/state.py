@@ -104,6 +104,10 @@ class Generation:
     bootstrap: tuple[str, int] | None = None
     waiting: tuple[str, ...] = ()  # registered nodes that would fit as members (torchrun: num_nodes_waiting)
     lost: tuple[str, ...] = ()  # members/spare nodes whose lease expired during this generation
+    # the number of the generation the run's workers were last started in (formed by the rendezvous: a restart);
+    # swaps' commits and the leader's annotations keep it, so every agent, a spare node that joined later too,
+    # knows the same "since the last whole-group restart"
+    formed: int = 0
     revision: int = field(default=0, compare=False)
 
     def member(self, node_id: str) -> Member | None:
@@ -153,6 +157,7 @@ class Generation:
             "bootstrap": list(self.bootstrap) if self.bootstrap else None,
             "waiting": list(self.waiting),
             "lost": list(self.lost),
+            "formed": self.formed,
         }
 
     @classmethod
@@ -171,6 +176,7 @@ class Generation:
             bootstrap=(str(boot[0]), int(boot[1])) if boot else None,
             waiting=tuple(str(n) for n in doc.get("waiting", ())),
             lost=tuple(str(n) for n in doc.get("lost", ())),
+            formed=int(doc.get("formed", doc["number"])),
             revision=revision,
         )
 

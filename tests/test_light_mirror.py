@@ -151,7 +151,7 @@ def test_the_agent_leaves_a_slot_alone_while_its_worker_pushes_itself(tmp_path):
     served = _Served()
     ch = ChannelFile.create(str(tmp_path / "chan"), 2)
     slots = [SimpleNamespace(index=i, rank=i, state="running", managed=True) for i in range(2)]
-    port = SimpleNamespace(node_id="a", addr="127.0.0.1", spawned_generation=lambda: 1,
+    port = SimpleNamespace(node_id="a", addr="127.0.0.1", spawned_generation=lambda: 1, epoch=lambda: 1,
                            slots=SimpleNamespace(channel=ch, slots=slots),
                            events=SimpleNamespace(write=lambda e, **f: None))
     plane = MirrorPlane(port, "run-1")       # type: ignore[arg-type]

@@ -294,7 +294,7 @@ def test_the_agent_pushes_what_changed_to_its_buddy_and_nothing_else(tmp_path):
     slots = [SimpleNamespace(index=i, rank=r, state=st, managed=True)
              for i, (r, st) in enumerate([(4, "running"), (None, "spare"), (5, "running")])]
     events: list[tuple[str, dict]] = []
-    port = SimpleNamespace(node_id="a", addr="127.0.0.1", spawned_generation=lambda: 7,
+    port = SimpleNamespace(node_id="a", addr="127.0.0.1", spawned_generation=lambda: 7, epoch=lambda: 7,
                            slots=SimpleNamespace(channel=ch, slots=slots),
                            events=SimpleNamespace(write=lambda e, **f: events.append((e, f))))
     plane = MirrorPlane(port, "run-1")       # type: ignore[arg-type]

@@ -404,6 +404,7 @@ def test_the_committed_generation_puts_the_spare_node_in_the_lost_members_place(
     assert new.spare_nodes == () and new.lost == () and new.world_size == 4
     assert new.assignments == {"2": {"node": "c", "slot": 0}, "3": {"node": "c", "slot": 1}}
     assert homes_of(new) == ((0, "a", 0), (1, "a", 1), (2, "c", 0), (3, "c", 1))
+    assert committed_generation(dataclasses.replace(_gen(), formed=2), plan, info).formed == 2   # a swap is no restart
 
 
 def test_spread_ranks_leave_the_lost_member_in_place_and_marked_lost():

@@ -296,3 +296,13 @@ def test_every_agent_follows_the_workers_store_a_swap_moved_even_one_that_took_n
         await swapper._on_plan(done)
     asyncio.run(follow())
     assert moved == [(("10.0.0.9", 4242), "c")]
+
+
+def test_the_epoch_is_the_last_restarts_generation_the_same_on_a_spare_node_that_joined_later():
+    """A spare node that joined in generation 37 (its spawn generation) leads after the others died: the era's
+    plans and deaths (generation >= 3, the last restart) are not stale to it, and its mirror copies carry the
+    epoch every other agent's carry (a buddy refused a joiner's light copies as older than those it held)."""
+    slots = FakeSlots([(None, "spare", WorkerPhase.SPARE, 0)])
+    late = dataclasses.replace(port(slots, []), spawned_generation=lambda: 37, formed_generation=lambda: 3)
+    assert late.epoch() == 3
+    assert dataclasses.replace(late, formed_generation=None).epoch() == 37      # tests' ports: as before

@@ -336,3 +336,19 @@ def test_first_round_ranks_by_address_then_pid_like_torchrun_later_rounds_keep_r
     ns = {"late": NodeEntry(NodeInfo("late", "h", 1, pid=200), 1), "early": NodeEntry(NodeInfo("early", "h", 1, pid=100), 2)}
     d = decide(RdzvView(None, ns, quorum_since=0.0), 100.0, S)
     assert [m.node_id for m in d.generation.members] == ["early", "late"]
+
+
+def test_formed_is_the_last_restarts_number_kept_by_annotations_and_read_back():
+    """Generation.formed: since when plans, deaths and mirror copies count (tpassrun/port.py AgentPort.epoch), the
+    same on every agent, a spare node that joined later too (its own spawn generation is the one it joined in)."""
+    d = decide(RdzvView(None, nodes("a", "b", "c")), 0.0, S)
+    assert d.generation.formed == 0
+    g = replace(d.generation, number=5, formed=3)             # two swaps committed since the restart of 3
+    annotated = decide(RdzvView(g, nodes("a", "b", "c", "d")), 0.0, S).generation      # d: a new spare node
+    assert annotated.spare_nodes == ("d",) and annotated.formed == 3
+    assert Generation.from_json(annotated.to_json()) == annotated
+    old = annotated.to_json()
+    del old["formed"]                                          # a record written without it: its own number
+    assert Generation.from_json(old).formed == 5
+    again = decide(RdzvView(restart_generation(g, "x"), nodes("a", "b")), 0.0, S).generation
+    assert again.number == 6 and again.formed == 6

@@ -110,6 +110,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self._static_port_used = False   # static: the user's --master-port served the first generation's store
         self.hosting_etcd = False        # c10d/static: this agent serves the run's etcd
         self.spawned_generation = 0      # the generation whose start spawned the current workers (swaps keep them)
+        self.formed_generation = 0       # the run's last whole-group restart's (Generation.formed): port.epoch()
         self.devices: list[str] | None = None  # the node's GPUs in slot order (devices.py); None: no GPU
 
     # ------------------------------------------------------------------ lifecycle
@@ -260,6 +261,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                          settings=SwapSettings(nproc_per_node=cfg.nproc_per_node, spares_per_node=cfg.spares_per_node,
                                                migrate_back=cfg.migrate_back),
                          generation=lambda: self.generation, spawned_generation=lambda: self.spawned_generation,
+                         formed_generation=lambda: self.formed_generation,
                          master=lambda: self.master, set_generation=set_generation, spawn_spare=spawn_spare,
                          publish_status=self.publish_status, post=self._queue_put,
                          store_host=lambda: self.store_host, set_master=set_master, start_store=self._host_new_store,

@@ -70,7 +70,7 @@ class WorkerSpawning:
         assert self.slots is not None
         me = self._member(gen)
         if self.mirror is not None:   # copies from before this (re)start must never be taken for this one's
-            self.mirror.store.drop(below_epoch=gen.number)
+            self.mirror.store.drop(below_epoch=gen.formed)
         if me is None:
             await self._spawn_spare_node(gen, master)
             return
@@ -91,7 +91,7 @@ class WorkerSpawning:
         for slot in spares:
             await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
         self.workers_started = True
-        self.spawned_generation = gen.number
+        self.spawned_generation, self.formed_generation = gen.number, gen.formed
         self.events.write("workers_started", generation=gen.number,
                           slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
                                  for s in actives + spares])
@@ -112,7 +112,7 @@ class WorkerSpawning:
         for slot in spares:
             await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
         self.workers_started = True
-        self.spawned_generation = gen.number
+        self.spawned_generation, self.formed_generation = gen.number, gen.formed
         self.events.write("workers_started", generation=gen.number, spare_node=True,
                           slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state} for s in spares])
 

@@ -157,7 +157,7 @@ class Coordinator:
     async def _read(self, now: float) -> Seen:
         keys = self._keys
         plans = await self._plans()
-        active = [p for p, _ in plans if not p.terminal and p.generation >= self.port.spawned_generation()]
+        active = [p for p, _ in plans if not p.terminal and p.generation >= self.port.epoch()]
         reports: list[Report] = []
         if active:
             seq = len(active[0].history)
@@ -170,7 +170,7 @@ class Coordinator:
         view = await self._view()
         failures = [(keys.last(k), f) for k, d, rv in await self._store.get_prefix_json(keys.family("failures"))
                     if (f := load(Failure.from_json, k, d, rv)) is not None]
-        return Seen(now=now, spawned_generation=self.port.spawned_generation(), plans=plans, reports=reports,
+        return Seen(now=now, spawned_generation=self.port.epoch(), plans=plans, reports=reports,
                     failures=failures, taints=await self._taints(), view=view,
                     waiting_said=frozenset(self._waiting_said), received_said=frozenset(self._taints_said))
 

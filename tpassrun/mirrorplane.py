@@ -104,7 +104,7 @@ class MirrorPlane:
 
     def own_target(self) -> MirrorTarget:
         return MirrorTarget(self.port.node_id, self.port.addr, self.mirror_port, self.key, self.run_id,
-                            self.port.spawned_generation())
+                            self.port.epoch())
 
     # ------------------------------------------------------------------ where copies go
     async def target_of(self, node_id: str) -> MirrorTarget | None:
@@ -118,7 +118,7 @@ class MirrorPlane:
         if info is None or not info.mirror_port:
             return None
         return MirrorTarget(node_id, info.addr, info.mirror_port, self.key, self.run_id,
-                            self.port.spawned_generation())
+                            self.port.epoch())
 
     async def _follow_ring(self) -> None:
         gen = self.port.generation()
@@ -216,7 +216,7 @@ class MirrorPlane:
         assert target is not None
         if self._client is None:
             self._client = target.client(timeout=5.0)
-        client, epoch = self._client, self.port.spawned_generation()
+        client, epoch = self._client, self.port.epoch()
 
         def push() -> None:
             for rank, step, data, _crc in batch:
@@ -270,7 +270,7 @@ class MirrorPlane:
         where :meth:`fetch_light` finds them for a plan replacing several dead ranks at once."""
         for step, data in frames:
             try:
-                self.store.put(rank, LIGHT, step, data, epoch=self.port.spawned_generation())
+                self.store.put(rank, LIGHT, step, data, epoch=self.port.epoch())
             except MirrorError as exc:
                 log.warning("rank %d's light snapshot of step %d not kept in the mirror: %s", rank, step, exc)
 

@@ -119,7 +119,7 @@ class NodePlans:
         report = await self.sw._pause(plan)
         if not report.ok:
             return report
-        mirror, gen = self.port.mirror(), self.port.spawned_generation()
+        mirror, gen = self.port.mirror(), self.port.epoch()
         held = mirror.held(plan.ranks) if mirror is not None else {}
         # sharded state (node_shards.py): the steps every local survivor can be put back to, and what this node's
         # mirror holds of the lost ranks' shards

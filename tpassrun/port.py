@@ -98,7 +98,7 @@ class AgentPort:
     rdzv: "EtcdRendezvous"
     slots: "LocalSlots"
     generation: Callable[[], "Generation | None"]          # the generation the agent runs in now
-    spawned_generation: Callable[[], int]                  # the generation whose start spawned the workers
+    spawned_generation: Callable[[], int]                  # the generation whose start spawned the workers here
     master: Callable[[], tuple[str, int]]                  # the workers' store of the current generation
     set_generation: Callable[["Generation"], None]         # a swap committed the next generation
     spawn_spare: Callable[["Slot"], Awaitable[None]]       # start a warm spare in a slot
@@ -109,6 +109,16 @@ class AgentPort:
     start_store: "Callable[[], Awaitable[tuple[str, int]]] | None" = None   # host a new one here (its address)
     store_ready: "Callable[[float], Awaitable[bool]] | None" = None   # the store run here accepts connections
     mirror: Callable[[], Any] = lambda: None   # this node's mirrorplane.MirrorPlane (its mirror store), or None
+    # the generation of the run's last whole-group restart (``Generation.formed``): the same on every agent, where
+    # spawned_generation is the one a spare node joined in. None: spawned_generation (tests' ports)
+    formed_generation: "Callable[[], int] | None" = None
+
+    def epoch(self) -> int:
+        """Since when records and copies count: the last whole-group restart's generation. Plans and failures of
+        an older one are stale; mirror copies carry it as their epoch. The same number on every agent: a spare
+        node's own spawn generation (the one it joined in) made a leader that joined late take the era's plans and
+        deaths for stale, and a joiner's buddy refuse its light copies as older than those already held."""
+        return self.formed_generation() if self.formed_generation is not None else self.spawned_generation()
 
 
 class HealthHost(Protocol):

@@ -88,7 +88,7 @@ def pause_fields(port: Any, plan: "SwapPlan", survivors: Iterable["Slot"]) -> di
     fields: dict[str, Any] = {"rings": survivors_rings(ch, [s for s in survivors if s.alive])}
     if plan.leaver.node == port.node_id:
         fields["dead_ring"] = ring_of(ch, plan.leaver.slot)
-    fields.update(mirror_report(port.mirror(), plan.leaver.rank, port.spawned_generation()))
+    fields.update(mirror_report(port.mirror(), plan.leaver.rank, port.epoch()))
     return fields
 
 
