@@ -345,6 +345,26 @@ def test_a_joiner_dying_as_it_receives_is_replaced_by_the_next_spare(kind):
     assert not any(isinstance(a, PutFallback) for a in result.actions)
 
 
+@pytest.mark.parametrize("kind", [SwapKind.PLANNED, SwapKind.UNPLANNED])
+def test_the_next_spare_on_a_node_outside_the_plan_brings_its_node_into_the_re_form(kind):
+    """The only spare left is on a spare node that runs no rank (not among the plan's nodes): the retried plan
+    names that node too, so it takes part in REFORM and its spare is told to join (it never was: the world waited
+    for it until the 120 s phase timeout, twice in chaos runs)."""
+    plan = _planned(Phase.SEND) if kind == SwapKind.PLANNED else unplanned(Phase.SEND)
+    assert plan.nodes == ("a", "b")
+    v = _joiner_dead(view(("a", 1)) if kind == SwapKind.UNPLANNED else view())
+    v = dataclasses.replace(v, spare_nodes=("c",), slots=tuple(s for s in v.slots if s.node != "b" or s.slot == 0)
+                            + (SlotView("c", 0, None, "spare", True),))
+    bad = Report("b", Phase.SEND, ok=False, error="the joiner died or timed out during the transfer")
+    failures = [failure(1, "plan")] if kind == SwapKind.UNPLANNED else []
+    result = triage(dataclasses.replace(seen(v, failures, ((plan, 5),)), reports=(bad,)))
+    retried = [a.new for a in result.actions if isinstance(a, CasPlan)]
+    assert len(retried) == 1 and retried[0].joiner == SlotRef("c", 0, 1) and retried[0].nodes == ("a", "b", "c")
+    reform = dataclasses.replace(retried[0], phase=Phase.REFORM)
+    waiting = next_step(reform, [Report("a", Phase.REFORM), Report("b", Phase.REFORM)], NOW)
+    assert waiting.action == "wait" and "'c'" in waiting.reason        # c's report is needed too
+
+
 def test_a_joiner_dying_with_no_spare_left_restarts_the_group_saying_why_in_one_line():
     plan = unplanned(Phase.SEND)
     v = _joiner_dead(view(("a", 1), spares=1))

@@ -468,9 +468,13 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
                             plan.advance(Phase.ABORTED, now_wall))
         if spare_after_failure is not None:
             joiner = SlotRef(spare_after_failure.node, spare_after_failure.slot, plan.joiner.rank)
+            # the new joiner's node re-forms with the others: a spare node that ran no rank was not among the
+            # plan's nodes, its spare never got its Reform, and the world waited for it until the phase timeout
+            # (chaos: a joiner died, the retry went to a spare node, the group restarted 120 s later)
+            nodes = plan.nodes if joiner.node in plan.nodes else (*plan.nodes, joiner.node)
             return Decision("plan", f"retry with spare {joiner.node}/{joiner.slot}: {bad[0].error}",
                             plan.advance(Phase.TRANSFER, now_wall, joiner=joiner, joiner_addr=None,
-                                         attempt=plan.attempt + 1,
+                                         attempt=plan.attempt + 1, nodes=tuple(nodes),
                                          excluded_spares=plan.excluded_spares + ((plan.joiner.node,
                                                                                   plan.joiner.slot),)))
         return Decision("plan", f"retry the transfer: {bad[0].error}",
