@@ -59,6 +59,10 @@ def test_tpassctl_finds_a_standalone_job_without_ids(tmp_path):
         st = _ctl("status", "--json", env=env)
         assert st.returncode == 0, st.stderr
         snap = json.loads(st.stdout)
+        # named on the command line (as the demo does), its etcd's per-run credentials still come from the registry
+        run = registry.list_runs(os.path.join(env["XDG_RUNTIME_DIR"], "tpassrun"))[0]
+        named = _ctl("status", "--json", "--rdzv-endpoint", run.endpoint, "--rdzv-id", run.run_id, env=env)
+        assert named.returncode == 0 and json.loads(named.stdout)["run_id"] == run.run_id, named.stderr
         node = next(iter(snap["status"]))
         host = node.rsplit("-", 2)[0]
         tainted = _ctl("taint", "--node", host, "--local-rank", "1", "--reason", "by hostname", env=env)

@@ -492,9 +492,15 @@ def _pick_run(args: argparse.Namespace) -> int | None:
     pick (several runs listed for ``status``), else None."""
     from .registry import list_runs
 
-    if args.rdzv_endpoint and args.rdzv_id and args.command != "events":
-        return None
-    runs = list_runs()
+    # looked up even when both are given: a standalone run's etcd takes its per-run credentials, which only the
+    # registry entry points at (the demo's `tpassctl taint --rdzv-endpoint E --rdzv-id I` was refused: "user name
+    # is empty"); a run not listed here is reached with what the command line says
+    try:
+        runs = list_runs()
+    except Exception:  # noqa: BLE001 - an unusable registry: a run named on the command line is reached without it
+        if not (args.rdzv_endpoint and args.rdzv_id):
+            raise
+        runs = []
     if args.rdzv_id:
         runs = [r for r in runs if r.run_id == args.rdzv_id]
     if args.rdzv_endpoint:
