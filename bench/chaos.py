@@ -241,14 +241,7 @@ def run(args: argparse.Namespace, work: str) -> dict:
                 netns=args.netns, small_disk=args.small_disk, lease_ttl=args.lease_ttl, extra_faults=(crawl,))
     faults: list[Fault] = []
     try:
-        for _ in range(2):
-            c.start_agent()
-        c.start_agent(spare_node=True)
-        deadline = time.monotonic() + 300
-        while not c.steady()[0] or c.step(0) < 3:
-            if time.monotonic() > deadline or not c.running():
-                raise SystemExit("the chaos job did not start:\n" + "\n".join(a.job.log()[-1500:] for a in c.agents))
-            time.sleep(0.3)
+        c.start_job()
         try:
             inject_all(c, args, rng, faults)
         except KeyboardInterrupt:      # Ctrl-C: no more faults; the job runs to its end and is judged as usual

@@ -113,6 +113,17 @@ class Cluster:
         self.agents.append(agent)
         return agent
 
+    def start_job(self, timeout: float = 300) -> None:
+        """Two members and a ``--spare-node``, until the job is at full strength and rank 0 is past step 3."""
+        for _ in range(2):
+            self.start_agent()
+        self.start_agent(spare_node=True)
+        deadline = time.monotonic() + timeout
+        while not self.steady()[0] or self.step(0) < 3:
+            if time.monotonic() > deadline or not self.running():
+                raise SystemExit("the chaos job did not start:\n" + "\n".join(a.job.log()[-1500:] for a in self.agents))
+            time.sleep(0.3)
+
     def live_agents(self) -> list[Agent]:
         return [a for a in self.agents if not a.killed]
 

@@ -28,14 +28,7 @@ def trial(seconds: float) -> float | None:
     work = tempfile.mkdtemp(prefix="tpassrun-heal-")
     c = Cluster(work, steps=100000, step_sleep=0.05, hang_timeout=5, netns=True, small_disk=False)
     try:
-        for _ in range(2):
-            c.start_agent()
-        c.start_agent(spare_node=True)
-        deadline = time.monotonic() + 300
-        while not c.steady()[0] or c.step(0) < 3:
-            if time.monotonic() > deadline:
-                raise SystemExit("the job did not start")
-            time.sleep(0.3)
+        c.start_job()
         victim = c.agents[1]
         cut = time.time()
         c.lab.partition(victim.host)
