@@ -418,3 +418,48 @@ def test_a_mixed_commit_at_node_loss_is_rolled_forward(tmp_path, etcd_server, ru
     b_ranks = sorted(r for r, pids in _pids_by_rank(train, 4).items() if pids[0] in b_pids)
     survivors = [r for r in range(4) if r not in b_ranks]
     _assert_recovered_live(train, reference, survivors, b_ranks, c, b_pids, a)
+
+
+def test_a_node_lost_while_the_world_re_forms_for_a_recovery_is_recovered_live(tmp_path, etcd_server, run_id):
+    """A (two ranks), B (one rank), C a --spare-node with two slots. One of A's ranks dies; while the world
+    re-forms for its recovery (its joiner on C), B dies whole (its rank on its way into the new world SIGKILLs its
+    agent and itself). The recovery is superseded: A's survivor stops joining and waits, C's joiner keeps the state
+    it received; then B's rank goes to C's other slot, and all of them enter one world: no group restart, the run
+    torch.equal to torchrun. (Before, the group restarted.)"""
+    steps = 30
+    ref = Job.torchrun(str(tmp_path / "ref"), nproc=3, steps=steps, step_sleep=0.0).start()
+    train = str(tmp_path / "train")
+    step = random.randint(3, 12)
+    release = str(tmp_path / "release")
+    hold = {"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release}
+    rank_dies = faults_env(hold, *({"rank": r, "step": step, "where": "forward", "action": "kill",
+                                    "marker": str(tmp_path / "rank")} for r in range(3)))
+    node_dies = faults_env(hold, *({"rank": r, "step": 0, "any_step": True, "where": "reform", "action": "kill_node",
+                                    "marker": str(tmp_path / "node")} for r in range(3)))
+    a = Job.agent(str(tmp_path / "a"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
+                  env=rank_dies, step_sleep=0.02)
+    b = Job.agent(str(tmp_path / "b"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=1,
+                  env=node_dies, step_sleep=0.02)
+    c = Job.agent(str(tmp_path / "c"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
+                  extra=["--spare-node"], env=faults_env(hold), step_sleep=0.02)
+    try:
+        assert ref.wait(240) == 0, ref.log()[-3000:]
+        _start(a, b, c)
+        open(release, "w").close()
+        assert a.wait(240) == 0, a.log()[-3000:]
+        assert c.wait(60) == 0, c.log()[-3000:]
+    finally:
+        for j in (a, b, c, ref):
+            j.kill()
+    assert os.path.exists(str(tmp_path / "rank")) and os.path.exists(str(tmp_path / "node")), "a fault never fired"
+    evs = [e for j in (a, c) for e in j.events()]
+    superseded = [e for e in evs if e["event"] == "recovery_superseded"]
+    assert superseded and superseded[0]["phase"] == "reform" and superseded[0].get("lost_node"), superseded
+    recovered = [e for e in evs if e["event"] == "node_recovered"]
+    assert recovered and len(recovered[-1]["ranks"]) == 1, recovered
+    assert FALLBACK not in a.log() + c.log()
+    b_pids = [s["pid"] for e in b.events() if e["event"] == "workers_started" for s in e["slots"]]
+    a_pids = [s["pid"] for e in a.events() if e["event"] == "workers_started" for s in e["slots"]]
+    assert_bit_exact(Job(argv=[], out=train), ref, 3, relogged_by=b_pids + a_pids)
+    pids = _pids_by_rank(train, 3)
+    assert sum(1 for r in range(3) if len(pids[r]) == 1) == 1, pids      # A's survivor kept its process

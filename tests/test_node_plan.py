@@ -325,10 +325,75 @@ def test_a_recovery_that_loses_a_node_before_its_world_re_forms_is_folded_into_t
         assert {m.donor.rank for m in created[0].moves} == {0}                  # the one live replica
         assert [a.failure.handled for a in result.actions if isinstance(a, PutFailure)] == ["plan"]
         assert not any(isinstance(a, RestartGroup) for a in result.actions)
-    # in REFORM the survivors are inside the new world's rendezvous: still the group restart (the leaver's node)
-    reforming = dataclasses.replace(recovery, phase=Phase.REFORM)
+
+
+def test_a_node_lost_while_a_recovery_re_forms_the_world_is_recovered_live_by_the_next_plan():
+    """As a rank dying there: the recovery is superseded (every rank stops joining and waits, its joiner a/2 keeps
+    rank 1's state and is no donor), and the next look plans b's ranks alone, the joiner re-forming with them."""
+    spare_a = SlotView("a", 2, None, "spare", True)
+    v = view(A[0], dataclasses.replace(A[1], state="dead"), spare_a, *C, SlotView("c", 2, None, "spare", True))
+    dead1 = Failure(node="a", slot=1, rank=1, code=-9, step=12, light=True, generation=3, handled="plan")
+    reforming = SwapPlan(id="u-a-1-3", kind=SwapKind.UNPLANNED, generation=3, leaver=SlotRef("a", 1, 1),
+                         joiner=SlotRef("a", 2, 1), donor=SlotRef("b", 0, 2), phase=Phase.REFORM,
+                         reason="exit code -9", nodes=("a", "b"),
+                         history=(("pause", NOW - 3), ("reform", NOW - 1)))
     result = triage(seen(plans=((reforming, 9),), failures=(("a-1", dead1),), view=v))
-    assert [type(a) for a in result.actions] == [CasPlan] and not result.actions[0].new.superseded
+    assert [type(a) for a in result.actions] == [CasPlan, Say], result.actions
+    aborted = result.actions[0].new
+    assert aborted.superseded and aborted.phase == Phase.ABORTED
+    assert "node b was lost while the world re-formed for the recovery of rank(s) [1]" in aborted.outcome
+    assert result.actions[1].fields["lost_node"] == "b" and result.actions[1].fields["phase"] == "reform"
+    # the status still shows a/2 as the spare it was: the next plan must neither move rank 1 again nor use a/2
+    result = triage(seen(plans=((aborted, 10),), failures=(("a-1", dead1),), view=v))
+    created = [a.plan for a in result.actions if isinstance(a, CreatePlan)]
+    assert len(created) == 1 and created[0].kind == SwapKind.NODE and created[0].lost_node == "b", result.actions
+    assert sorted(m.rank for m in created[0].moves) == [2, 3]
+    assert {m.donor.rank for m in created[0].moves} == {0}
+    assert all(m.joiner.node == "c" for m in created[0].moves) and "a" in created[0].nodes
+    assert not any(isinstance(a, (RestartGroup, PutFailure)) for a in result.actions)
+
+
+def test_a_node_lost_while_a_planned_swap_re_forms_is_recovered_live_even_when_it_held_the_leaver():
+    """b/0 (rank 2) migrated to a's spare; b is lost while the world re-forms: nobody was left to ask for the
+    restart before (the leaver's agent did). Now b's other rank is planned and rank 2 stays with its joiner."""
+    taint = Taint(id="t-2", effect=TaintEffect.MIGRATE, node_id="b", slot=0, rank=2, reason="ecc", source="tpassctl",
+                  time=NOW - 5, handled_by="s-2", state="migrating")
+    spare_a = SlotView("a", 2, None, "spare", True)
+    v = view(*A, spare_a, *C)
+    plan = SwapPlan(id="s-2", kind=SwapKind.PLANNED, generation=3, leaver=SlotRef("b", 0, 2),
+                    joiner=SlotRef("a", 2, 2), donor=None, phase=Phase.REFORM, reason="ecc", nodes=("a", "b"),
+                    taint_id="t-2", history=(("pause", NOW - 3), ("reform", NOW - 1)))
+    result = triage(seen(plans=((plan, 9),), taints=(taint,), view=v, received_said=frozenset({"t-2"})))
+    assert [type(a) for a in result.actions] == [CasPlan, Say], result.actions
+    aborted = result.actions[0].new
+    assert aborted.superseded and "the swap of rank 2" in aborted.outcome
+    result = triage(seen(plans=((aborted, 10),), taints=(taint,), view=v, received_said=frozenset({"t-2"})))
+    created = [a.plan for a in result.actions if isinstance(a, CreatePlan)]
+    assert len(created) == 1 and [m.rank for m in created[0].moves] == [3], result.actions
+    assert created[0].moves[0].donor.node == "a" and created[0].moves[0].donor.slot in (0, 1)
+
+
+def test_a_node_lost_with_the_joiner_while_the_world_re_forms_restarts_the_group_saying_why():
+    """The joiner had not loaded what it received: rank 1's state is gone with its node. The same when nothing can
+    take the lost node's ranks (no spare left)."""
+    v = view(A[0], dataclasses.replace(A[1], state="dead"), SlotView("b", 2, None, "spare", True), *C)
+    dead1 = Failure(node="a", slot=1, rank=1, code=-9, step=12, light=True, generation=3, handled="plan")
+    plan = SwapPlan(id="u-a-1-3", kind=SwapKind.UNPLANNED, generation=3, leaver=SlotRef("a", 1, 1),
+                    joiner=SlotRef("b", 2, 1), donor=SlotRef("a", 0, 0), phase=Phase.REFORM, reason="exit code -9",
+                    nodes=("a", "b"), history=(("pause", NOW - 3), ("reform", NOW - 1)))
+    result = triage(seen(plans=((plan, 9),), failures=(("a-1", dead1),), view=v))
+    assert [type(a) for a in result.actions] == [CasPlan, RestartGroup], result.actions
+    assert result.actions[0].new.superseded and result.actions[0].new.outcome is None   # a second fault: a restart
+    why = result.actions[1].reason
+    assert "node b was lost while the world re-formed" in why and "the joiner was lost with it" in why
+    assert "\n" not in why
+    no_spare = view(*A, SlotView("a", 2, None, "spare", True))
+    planned = SwapPlan(id="s-0", kind=SwapKind.PLANNED, generation=3, leaver=SlotRef("a", 0, 0),
+                       joiner=SlotRef("a", 2, 0), donor=None, phase=Phase.REFORM, reason="ecc", nodes=("a", "b"),
+                       history=(("pause", NOW - 3), ("reform", NOW - 1)))
+    result = triage(seen(plans=((planned, 9),), view=no_spare))
+    assert [type(a) for a in result.actions] == [CasPlan, RestartGroup], result.actions
+    assert "cannot be recovered live" in result.actions[1].reason and "spare" in result.actions[1].reason
 
 
 def test_a_superseded_recovery_hands_back_only_its_own_death_not_an_earlier_one_of_the_same_rank():

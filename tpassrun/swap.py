@@ -53,7 +53,7 @@ class SlotView:
     node: str
     slot: int
     rank: int | None
-    state: str               # running | spare | quarantined | dead | done | leaving
+    state: str               # running | spare | quarantined | dead | done | leaving (| joining: triage's own mark)
     managed: bool
     step: int = 0
     replicas: tuple[int, ...] | None = None   # its declared replica group (None: every rank holds its state)
@@ -74,7 +74,7 @@ class ClusterView:
 
     def slot_of_rank(self, rank: int) -> SlotView | None:
         for s in self.slots:
-            if s.rank == rank and s.state in ("running", "done"):
+            if s.rank == rank and s.state in ("running", "done", "joining"):
                 return s
         return None
 
@@ -208,7 +208,7 @@ def involved(view: ClusterView, joiner_nodes: Iterable[str] = (), without: Itera
     (chaos: the second swap of a taint storm stayed in REFORM)."""
     skip = set(view.lost) | set(without)
     nodes = [n for n in view.members if n not in skip]
-    hosting = sorted({s.node for s in view.slots if s.rank is not None and s.state == "running"})
+    hosting = sorted({s.node for s in view.slots if s.rank is not None and s.state in ("running", "joining")})
     for n in (*hosting, *joiner_nodes):
         if n not in nodes and n not in skip:
             nodes.append(n)

@@ -11,8 +11,10 @@ Precedence, one thing per tick (each write makes the next tick see the new state
    another rank died (a second fault) or a node it needs was lost, before its world re-forms, is *superseded*:
    aborted without a fallback, its own failures handed back, so that the next tick plans every dead rank and
    lost node at once (:func:`tpassrun.swap.plan_for_dead_ranks`, :func:`tpassrun.multiloss.plan_for_losses`)
-   with the spares and replicas left, or restarts the group saying why; a node lost while the world re-forms
-   restarts the group (the survivors are inside the new world's rendezvous and cannot be paused);
+   with the spares and replicas left, or restarts the group saying why; a node lost while a single rank's swap
+   re-forms the world supersedes it too when the lost node's ranks can be recovered live (every rank stops joining
+   and waits, the joiner keeps what it received, as for a death there), else restarts the group; a node lost
+   while a node plan re-forms restarts the group;
 3. else the lost nodes whose ranks nobody holds get one node plan (:func:`tpassrun.swap.plan_for_node_loss`;
    several lost nodes, or a lost node and ranks dead on live nodes, :func:`tpassrun.multiloss.plan_for_losses`)
    or, when none is possible, a whole-group restart that says why (worker failures reported from a lost node
@@ -80,6 +82,8 @@ def _decide(seen: Seen) -> Triage:
                           + _hand_back(plan, why, seen))
         if gone and plan.phase in (Phase.PAUSE, Phase.BOUNDARY, Phase.TRANSFER, Phase.SEND):
             return Triage(tuple(out) + _fold_node_loss(plan, rev, gone[0], seen))
+        if gone and plan.phase == Phase.REFORM and plan.kind != SwapKind.NODE:
+            return Triage(tuple(out) + _node_lost_in_reform(plan, rev, gone, seen))
         if gone:
             why = f"node {gone[0]} was lost during the swap"
             decision = Decision("plan", f"aborted: {why}", plan.advance(Phase.ABORTED, now, outcome=why))
@@ -139,7 +143,7 @@ def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
     """The lost nodes whose ranks no plan holds: one node plan for all of them (with the ranks that died on live
     nodes meanwhile, :mod:`tpassrun.multiloss`), or the group restart (said once: a plan born aborted marks the
     first node handled)."""
-    view, now = seen.view, seen.now
+    view, now = _donor_view(seen), seen.now
     # a plan holds a lost node while it runs, once done until its commit is seen (a later generation's view places
     # the moved ranks elsewhere), and born aborted (the group restarts) until that restart. Plans older than that
     # are about an earlier loss of the node (chaos: a node lost, the group restarted, the node back as a spare node
@@ -282,26 +286,33 @@ def _reforming(p: SwapPlan) -> bool:
     return p.superseded and p.phase == Phase.ABORTED and len(p.history) >= 2 and p.history[-2][0] == Phase.REFORM.value
 
 
-def _unjoined(seen: Seen) -> set[tuple[str, int]]:
-    """The slots of joiners that wait for a world that was given up (no plan finished since): they cannot donate."""
-    out: set[tuple[str, int]] = set()
+def _unjoined(seen: Seen) -> dict[tuple[str, int], int]:
+    """The slots of joiners that wait for a world that was given up (no plan finished since), with the rank each
+    holds: they cannot donate."""
+    out: dict[tuple[str, int], int] = {}
     for p, _rev in seen.plans:
         if not _reforming(p) or p.generation < seen.spawned_generation:
             continue
         when = p.history[-1][1]
         if not any(q.phase == Phase.DONE and q.history[-1][1] >= when for q, _ in seen.plans):
-            out |= {(m.joiner.node, m.joiner.slot) for m in p.all_moves}
+            out.update({(m.joiner.node, m.joiner.slot): m.rank for m in p.all_moves})
     return out
 
 
 def _donor_view(seen: Seen) -> ClusterView:
     """The cluster as a donor is chosen from: a joiner still waiting to enter its world holds its rank's state as
-    received bytes, it cannot stream it (marked unmanaged here, which only the choice of donors reads)."""
-    unjoined = _unjoined(seen)
-    if not unjoined:
-        return seen.view
-    return dataclasses.replace(seen.view, slots=tuple(dataclasses.replace(s, managed=False)
-                                                      if (s.node, s.slot) in unjoined else s for s in seen.view.slots))
+    received bytes, it cannot stream it. It holds the rank, though, even before its agent's status says so: a
+    lost node's plan must not move that rank again (its leaver was on the lost node). Both: state "joining"."""
+    return _joining(seen.view, _unjoined(seen))
+
+
+def _joining(view: ClusterView, joiners: dict[tuple[str, int], int]) -> ClusterView:
+    """``view`` with each of ``joiners``' slots holding its rank, waiting to enter a world (no donor, no spare)."""
+    if not joiners:
+        return view
+    return dataclasses.replace(view, slots=tuple(
+        dataclasses.replace(s, state="joining", rank=joiners[(s.node, s.slot)]) if (s.node, s.slot) in joiners else s
+        for s in view.slots))
 
 
 def _death_in_reform(plan: SwapPlan, rev: int, late: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[Action, ...]:
@@ -324,8 +335,7 @@ def _death_in_reform(plan: SwapPlan, rev: int, late: Sequence[tuple[str, Failure
     elif any((f.node, f.slot) in joiners for f in failures):
         blocker = "the joiner died before it had loaded the state it received"
     else:
-        view = dataclasses.replace(_donor_view(seen), slots=tuple(
-            dataclasses.replace(s, managed=False) if (s.node, s.slot) in joiners else s for s in seen.view.slots))
+        view = _joining(_donor_view(seen), {(m.joiner.node, m.joiner.slot): m.rank for m in plan.all_moves})
         if len(failures) == 1:
             f = failures[0]
             trial = plan_for_failure(view, node=f.node, slot=f.slot, rank=f.rank, reason="", now_wall=now,
@@ -351,6 +361,41 @@ def _death_in_reform(plan: SwapPlan, rev: int, late: Sequence[tuple[str, Failure
     f0 = failures[0]
     out.append(PutFallback(f0.node, Fallback(why, f0.generation, f0.slot)))
     return tuple(out)
+
+
+def _node_lost_in_reform(plan: SwapPlan, rev: int, gone: Sequence[str], seen: Seen) -> tuple[Action, ...]:
+    """A node was lost while a single rank's swap re-formed the world (pure). As for a rank dying there
+    (:func:`_death_in_reform`): when the lost node's ranks (and any rank dead meanwhile) can be recovered live, the
+    swap is superseded: every rank stops joining and waits where it stopped, its joiner keeps the state it
+    received, and the next look plans the lost node (:func:`_lost_nodes`), whose re-form the waiting joiner
+    enters too. When the joiner was on the lost node, or nothing can take the lost ranks, the group restarts
+    saying why. Before, every such loss restarted the group, and a planned swap whose leaver's node was lost had
+    nobody left to ask for that restart."""
+    now, lost = seen.now, set(seen.view.lost)
+    what = (f"the recovery of rank(s) {list(plan.ranks)}" if plan.kind != SwapKind.PLANNED
+            else f"the swap of rank {plan.leaver.rank}")
+    why = f"node {gone[0]} was lost while the world re-formed for {what}"
+    blocker = None
+    if any(m.joiner.node in lost for m in plan.all_moves):
+        blocker = "the joiner was lost with it before it had loaded the state it received"
+    else:
+        view = _joining(_donor_view(seen), {(m.joiner.node, m.joiner.slot): m.rank for m in plan.all_moves})
+        pending = [n for n in view.lost if lost_ranks(view, n)]
+        dead = [(f.node, f.slot, f.rank) for _fid, f in _reform_deaths(plan, seen)]
+        if not pending:     # nothing to plan: nobody would resume the ranks waiting
+            blocker = "it held no rank to recover, and the world cannot form without it"
+        else:
+            trial = plan_for_losses(view, pending, dead, now_wall=now, swap_id="trial")
+            blocker = trial.reason if trial.plan is None else None
+    if blocker is None:
+        why += ": every rank waits where it stopped, the lost node's ranks are replaced live"
+        aborted = plan.advance(Phase.ABORTED, now, outcome=why, superseded=True)
+        return (CasPlan(plan, aborted, rev, Decision("plan", why, aborted)),
+                Say("recovery_superseded", {"swap_id": plan.id, "ranks": list(plan.ranks), "lost_node": gone[0],
+                                            "phase": plan.phase.value, "reason": why}))
+    why = f"{why}, and it cannot be recovered live ({blocker}): the group restarts"
+    aborted = plan.advance(Phase.ABORTED, now, superseded=True)
+    return (CasPlan(plan, aborted, rev, Decision("plan", why, aborted)), RestartGroup(why))
 
 
 def _supersede(plan: SwapPlan, rev: int, second: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[Action, ...]:
