@@ -21,7 +21,7 @@ import time
 
 import pytest
 
-from faults import (EtcdProxy, Job, assert_bit_exact, faults_env, hold_at, pid_of_rank, sigkill_agent, sigkill_node,
+from faults import (EtcdProxy, Job, assert_bit_exact, faults_env, hold_at, pid_of_rank, sigkill_agent, sigkill_node, taint,
                     wait_dead)
 
 pytestmark = pytest.mark.timeout(360)
@@ -463,3 +463,57 @@ def test_a_node_lost_while_the_world_re_forms_for_a_recovery_is_recovered_live(t
     assert_bit_exact(Job(argv=[], out=train), ref, 3, relogged_by=b_pids + a_pids)
     pids = _pids_by_rank(train, 3)
     assert sum(1 for r in range(3) if len(pids[r]) == 1) == 1, pids      # A's survivor kept its process
+
+
+def test_a_node_lost_while_the_world_re_forms_after_its_only_rank_left_is_left_out_of_it(tmp_path, etcd_server,
+                                                                                         run_id):
+    """B's one rank is tainted and migrates to C; while the world re-forms (an A rank held on its way in), B dies
+    whole. B holds no rank of the new world: the swap goes on without it. Before, the swap was aborted with
+    nobody left to ask for the group restart (B's agent was the leaver's)."""
+    steps = 30
+    ref = Job.torchrun(str(tmp_path / "ref"), nproc=3, steps=steps, step_sleep=0.0).start()
+    train = str(tmp_path / "train")
+    release, in_reform, reform_go = (str(tmp_path / n) for n in ("release", "in_reform", "reform_go"))
+    hold = {"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release}
+    late = hold_at(tmp_path, steps - 3, name="late")
+    reform = [{"rank": r, "step": 0, "any_step": True, "where": "reform", "action": "hold", "release": reform_go,
+               "marker": in_reform} for r in range(3)]
+    a = Job.agent(str(tmp_path / "a"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
+                  env=faults_env(hold, late.fault, *reform), step_sleep=0.02)
+    b = Job.agent(str(tmp_path / "b"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=1,
+                  env=faults_env(hold, late.fault), step_sleep=0.02)
+    c = Job.agent(str(tmp_path / "c"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
+                  extra=["--spare-node"], env=faults_env(hold, late.fault), step_sleep=0.02)
+    try:
+        assert ref.wait(240) == 0, ref.log()[-3000:]
+        _start(a, b, c)
+        b_pids = b.worker_pids()
+        open(release, "w").close()
+        logs = Job(argv=[], out=train)
+        for r in range(3):
+            logs.wait_step(2, 120, rank=r)
+        b_rank = next(r for r in range(3) if pid_of_rank(train, r) in b_pids)
+        assert taint(etcd_server.endpoint, run_id, rank=b_rank, reason="ecc") == 0
+        deadline = time.monotonic() + 120
+        while not os.path.exists(in_reform) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert os.path.exists(in_reform), "the world never re-formed"
+        sigkill_node(b)
+        while time.monotonic() < deadline and not any(e["event"] == "swap_node_dropped"
+                                                      for j in (a, c) for e in j.events()):
+            time.sleep(0.05)     # the world stands still until the leader has seen B lost
+        open(reform_go, "w").close()
+        late.release()
+        assert a.wait(240) == 0, a.log()[-3000:]
+        assert c.wait(60) == 0, c.log()[-3000:]
+    finally:
+        open(reform_go, "w").close()
+        late.release()
+        for j in (a, b, c, ref):
+            j.kill()
+    evs = [e for j in (a, c) for e in j.events()]
+    dropped = [e for e in evs if e["event"] == "swap_node_dropped"]
+    assert dropped and "re-forms without it" in dropped[0]["reason"], [e["event"] for e in evs]
+    assert [e for e in evs if e["event"] == "swap_resumed" and e.get("rank") == b_rank], "the swap did not finish"
+    assert FALLBACK not in a.log() + c.log()
+    assert_bit_exact(Job(argv=[], out=train), ref, 3, relogged_by=b_pids)

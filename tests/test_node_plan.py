@@ -500,3 +500,23 @@ def test_a_spare_nodes_slots_also_serve_a_single_rank_from_any_node():
     assert "c" in died.plan.nodes
     moved = plan_for_taint(live, node="b", rank=3, reason="ecc", taint_id="t1", now_wall=NOW)
     assert moved.plan is not None and moved.plan.joiner.node == "c"
+
+
+def test_a_node_holding_only_the_leaver_lost_while_the_world_re_forms_is_left_out_of_it():
+    """b ran one rank, tainted and migrated to c: b is lost once its leaver left, while the world re-forms. It holds
+    no rank of the new world: the plan goes on without it (before, nobody was left to ask for the restart)."""
+    homes = ((0, "a", 0), (1, "a", 1), (2, "b", 0))
+    v = ClusterView(generation=3, members=("a", "b"), spare_nodes=("c",), slots=(*A, C[0], C[1]), lost=("b",),
+                    homes=homes)
+    plan = SwapPlan(id="s-2", kind=SwapKind.PLANNED, generation=3, leaver=SlotRef("b", 0, 2),
+                    joiner=SlotRef("c", 0, 2), donor=None, phase=Phase.REFORM, reason="ecc", nodes=("a", "b", "c"),
+                    history=(("pause", NOW - 3), ("reform", NOW - 1)))
+    result = triage(seen(plans=((plan, 9),), view=v))
+    assert [type(a) for a in result.actions] == [CasPlan, Say], result.actions
+    new = result.actions[0].new
+    assert new.phase == Phase.REFORM and new.nodes == ("a", "c") and not new.superseded
+    assert result.actions[1].event == "swap_node_dropped" and "re-forms without it" in result.actions[1].fields["reason"]
+    # then the re-form completes with a's and c's reports alone
+    reports = tuple(Report(node=n, phase=Phase.REFORM) for n in ("a", "c"))
+    result = triage(seen(plans=((new, 10),), view=v, reports=reports))
+    assert [type(a) for a in result.actions] == [CasPlan] and result.actions[0].new.phase == Phase.DONE

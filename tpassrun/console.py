@@ -256,6 +256,8 @@ class Describer:
             return f"node {_short(ev.get('lost_node'))}: live recovery decided: {ev.get('reason')}"
         if name == "recovery_superseded":
             return f"swap {sid} given up: {ev.get('reason')}"
+        if name == "swap_node_dropped":
+            return f"swap {sid}: {ev.get('reason')}"
         if name == "ranks_recovered":
             pause = float(ev.get("seconds") or 0.0)
             t.swaps.append(("unplanned", str(sid), pause))

@@ -134,7 +134,7 @@ def _needs(plan: SwapPlan) -> set[str]:
     """The nodes a plan cannot finish without."""
     nodes = set(plan.nodes) | {m.joiner.node for m in plan.all_moves}
     nodes |= {m.donor.node for m in plan.all_moves if m.donor is not None}
-    if plan.kind == SwapKind.PLANNED:
+    if plan.kind == SwapKind.PLANNED and plan.phase != Phase.REFORM:   # (in REFORM its leaver is gone already)
         nodes.add(plan.leaver.node)
     return nodes
 
@@ -368,8 +368,9 @@ def _node_lost_in_reform(plan: SwapPlan, rev: int, gone: Sequence[str], seen: Se
     (:func:`_death_in_reform`): when the lost node's ranks (and any rank dead meanwhile) can be recovered live, the
     swap is superseded: every rank stops joining and waits where it stopped, its joiner keeps the state it
     received, and the next look plans the lost node (:func:`_lost_nodes`), whose re-form the waiting joiner
-    enters too. When the joiner was on the lost node, or nothing can take the lost ranks, the group restarts
-    saying why. Before, every such loss restarted the group, and a planned swap whose leaver's node was lost had
+    enters too. A lost node that holds no rank of the new world (its one rank was the leaver) is left out of the
+    re-form. When the joiner was on the lost node, or nothing can take the lost ranks, the group restarts saying
+    why. Before, every such loss restarted the group, and a planned swap whose leaver's node was lost had
     nobody left to ask for that restart."""
     now, lost = seen.now, set(seen.view.lost)
     what = (f"the recovery of rank(s) {list(plan.ranks)}" if plan.kind != SwapKind.PLANNED
@@ -381,12 +382,16 @@ def _node_lost_in_reform(plan: SwapPlan, rev: int, gone: Sequence[str], seen: Se
     else:
         view = _joining(_donor_view(seen), {(m.joiner.node, m.joiner.slot): m.rank for m in plan.all_moves})
         pending = [n for n in view.lost if lost_ranks(view, n)]
+        if not pending:
+            # it holds no rank of the new world (its one rank was this swap's leaver): the world re-forms without
+            # it (a death there meanwhile is the next look's, _death_in_reform)
+            why += ": it holds no rank of the new world, which re-forms without it"
+            new = dataclasses.replace(plan, nodes=tuple(n for n in plan.nodes if n not in lost))
+            return (CasPlan(plan, new, rev, Decision("plan", why, new)),
+                    Say("swap_node_dropped", {"swap_id": plan.id, "lost_node": gone[0], "reason": why}))
         dead = [(f.node, f.slot, f.rank) for _fid, f in _reform_deaths(plan, seen)]
-        if not pending:     # nothing to plan: nobody would resume the ranks waiting
-            blocker = "it held no rank to recover, and the world cannot form without it"
-        else:
-            trial = plan_for_losses(view, pending, dead, now_wall=now, swap_id="trial")
-            blocker = trial.reason if trial.plan is None else None
+        trial = plan_for_losses(view, pending, dead, now_wall=now, swap_id="trial")
+        blocker = trial.reason if trial.plan is None else None
     if blocker is None:
         why += ": every rank waits where it stopped, the lost node's ranks are replaced live"
         aborted = plan.advance(Phase.ABORTED, now, outcome=why, superseded=True)
