@@ -382,16 +382,19 @@ def _node_lost_in_reform(plan: SwapPlan, rev: int, gone: Sequence[str], seen: Se
     else:
         view = _joining(_donor_view(seen), {(m.joiner.node, m.joiner.slot): m.rank for m in plan.all_moves})
         pending = [n for n in view.lost if lost_ranks(view, n)]
-        if not pending:
+        new = dataclasses.replace(plan, nodes=tuple(n for n in plan.nodes if n not in lost))
+        if not pending and not _needs(new) & lost:
             # it holds no rank of the new world (its one rank was this swap's leaver): the world re-forms without
             # it (a death there meanwhile is the next look's, _death_in_reform)
             why += ": it holds no rank of the new world, which re-forms without it"
-            new = dataclasses.replace(plan, nodes=tuple(n for n in plan.nodes if n not in lost))
             return (CasPlan(plan, new, rev, Decision("plan", why, new)),
                     Say("swap_node_dropped", {"swap_id": plan.id, "lost_node": gone[0], "reason": why}))
-        dead = [(f.node, f.slot, f.rank) for _fid, f in _reform_deaths(plan, seen)]
-        trial = plan_for_losses(view, pending, dead, now_wall=now, swap_id="trial")
-        blocker = trial.reason if trial.plan is None else None
+        if not pending:
+            blocker = "the re-form cannot finish without it"
+        else:
+            dead = [(f.node, f.slot, f.rank) for _fid, f in _reform_deaths(plan, seen)]
+            trial = plan_for_losses(view, pending, dead, now_wall=now, swap_id="trial")
+            blocker = trial.reason if trial.plan is None else None
     if blocker is None:
         why += ": every rank waits where it stopped, the lost node's ranks are replaced live"
         aborted = plan.advance(Phase.ABORTED, now, outcome=why, superseded=True)
