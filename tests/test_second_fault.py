@@ -117,13 +117,36 @@ def test_a_death_while_the_world_re_forms_is_recovered_live_by_the_next_plan():
     assert plan3.donor.node == "b" and plan3.donor.rank == 1
 
 
-def test_a_joiner_dying_while_the_world_re_forms_restarts_the_group_naming_it():
+def test_a_recoverys_joiner_dying_while_the_world_re_forms_is_recovered_again_from_the_first_death():
+    """Rank 1's joiner b/0 dies on its way into the re-formed world, before it loaded rank 1's state: the recovery
+    is superseded, the joiner's death is moot, and the next tick plans rank 1 again from its first death (a/1,
+    whose node holds its snapshots) to the other spare, even while b/0's status still says it runs rank 1."""
     plan = _in_reform()
     v = _reforming_view(("a", 1))
-    v = dataclasses.replace(v, slots=tuple(dataclasses.replace(s, state="dead") if (s.node, s.slot) == ("b", 0)
-                                           else s for s in v.slots))
     joiner = ("b-0", Failure(node="b", slot=0, rank=1, code=-9, step=9, light=False, generation=2))
     result = triage(seen(v, [failure(1, "plan"), joiner], ((plan, 5),)))
+    aborted = _superseded(result, [1])
+    assert ("b", 0) in aborted.excluded_spares
+    marked = {a.failure_id: a.failure for a in result.actions if isinstance(a, PutFailure)}
+    assert marked["b-0"].handled == "stale" and "joiner of rank 1 died" in marked["b-0"].reason
+    assert marked["a-1"].handled is None                                  # rank 1's first death, handed back
+    result = triage(seen(v, [("a-1", marked["a-1"]), ("b-0", marked["b-0"])], ((aborted, 6),)))
+    create = [a.plan for a in result.actions if isinstance(a, CreatePlan)]
+    assert len(create) == 1 and create[0].kind == SwapKind.UNPLANNED, result.actions
+    assert create[0].leaver == SlotRef("a", 1, 1) and create[0].joiner == SlotRef("b", 1, 1)
+    assert create[0].donor.node == "a" and create[0].donor.rank in (0, 2)
+
+
+def test_a_planned_swaps_joiner_dying_while_the_world_re_forms_restarts_the_group_naming_it():
+    """Its leaver has left: nothing holds the rank's per-rank state to send again."""
+    plan = SwapPlan(id="s-1", kind=SwapKind.PLANNED, generation=2, leaver=SlotRef("a", 1, 1),
+                    joiner=SlotRef("b", 0, 1), donor=None, phase=Phase.REFORM, reason="ecc", nodes=("a", "b"),
+                    secret="00", history=((Phase.PAUSE.value, NOW), (Phase.REFORM.value, NOW)))
+    v = _reforming_view()
+    v = dataclasses.replace(v, slots=tuple(dataclasses.replace(s, state="idle", rank=None) if (s.node, s.slot) == ("a", 1)
+                                           else s for s in v.slots))
+    joiner = ("b-0", Failure(node="b", slot=0, rank=1, code=-9, step=9, light=False, generation=2))
+    result = triage(seen(v, [joiner], ((plan, 5),)))
     cas = [a for a in result.actions if isinstance(a, CasPlan)]
     assert cas[0].new.phase == Phase.ABORTED and cas[0].new.superseded and cas[0].new.outcome is None
     fallback = [a for a in result.actions if isinstance(a, PutFallback)]

@@ -151,3 +151,23 @@ def test_a_rank_killed_while_the_world_re_forms_for_a_planned_swap_is_recovered_
     assert_bit_exact(job, baseline3, 3)
     pids = pids_by_rank(job, 3)
     assert len(pids[0]) == 1, pids
+
+
+def test_a_recoverys_joiner_killed_on_its_way_into_the_world_is_replaced_by_the_other_spare(tmp_path, etcd_server,
+                                                                                          run_id, baseline3):
+    """Rank 1 dies; its joiner is killed as it enters the re-formed world, before it loaded rank 1's state. The
+    others stop joining and wait; rank 1 is recovered again from its first death (its snapshots on its node, a
+    replica donating) by the other spare: no group restart, ranks 0 and 2 keep their processes."""
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
+                       steps=STEPS, step_sleep=SLEEP,
+                       env=faults_env(kill_at(1, 8, str(tmp_path / "f1")),
+                                      {"rank": 1, "step": 0, "any_step": True, "where": "join", "action": "kill",
+                                       "marker": str(tmp_path / "f2")}))
+    _run(job)
+    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    _live(job)
+    superseded = [e for e in job.events() if e["event"] == "recovery_superseded"]
+    assert superseded and superseded[0]["phase"] == "reform" and superseded[0]["dead"] == [1], superseded
+    assert_bit_exact(job, baseline3, 3)
+    pids = pids_by_rank(job, 3)
+    assert len(pids[0]) == 1 and len(pids[2]) == 1, pids

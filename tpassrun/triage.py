@@ -118,7 +118,7 @@ def _decide(seen: Seen) -> Triage:
             # recovery): those workers are gone, and the rank runs anew. Never plan a swap for it.
             stale_failures.append(PutFailure(fid, f.mark("stale", "before the restart")))
             continue
-        moved = runs_elsewhere(f, seen.view)
+        moved = runs_elsewhere(f, seen.view, seen.failures)
         if moved:
             stale_failures.append(PutFailure(fid, f.mark("stale", moved)))
             continue
@@ -252,7 +252,7 @@ def _second_faults(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
     plan's business)."""
     moved, lost = set(plan.ranks), set(seen.view.lost)
     return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
-            and f.node not in lost and f.rank not in moved and not runs_elsewhere(f, seen.view)]
+            and f.node not in lost and f.rank not in moved and not runs_elsewhere(f, seen.view, seen.failures)]
 
 
 def _supersede(plan: SwapPlan, rev: int, second: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[Action, ...]:

@@ -27,13 +27,17 @@ def needs(plan: SwapPlan) -> set[str]:
     return nodes
 
 
-def runs_elsewhere(f: Failure, view: ClusterView) -> str:
+def runs_elsewhere(f: Failure, view: ClusterView, failures: Sequence[tuple[str, Failure]] = ()) -> str:
     """Why ``f`` is moot because its rank runs in another slot now ("" if it is not): the death was reported
     late, by a node whose ranks were all moved meanwhile (cut off from etcd, it wrote the record when the link
     came back; its agent drops such writes now, tpassrun/swapper.py, but a record from an older agent may still
-    come)."""
+    come). A slot that has died with that rank since (among ``failures``: a joiner that died on its way into the
+    world, whose status may still say it runs the rank) holds nothing."""
     held = view.slot_of_rank(f.rank)
     if held is None or (held.node, held.slot) == (f.node, f.slot):
+        return ""
+    if any((g.node, g.slot) == (held.node, held.slot) and g.rank == f.rank and g.generation >= f.generation
+           and g.time >= f.time for _fid, g in failures):
         return ""
     return f"rank {f.rank} runs on {held.node}/{held.slot} since"
 
@@ -42,7 +46,7 @@ def reform_deaths(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
     """Deaths not handled yet while ``plan`` re-forms the world: any rank's, its joiners' included."""
     lost = set(seen.view.lost)
     return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
-            and f.node not in lost and not runs_elsewhere(f, seen.view)]
+            and f.node not in lost and not runs_elsewhere(f, seen.view, seen.failures)]
 
 
 def reforming(p: SwapPlan) -> bool:
@@ -60,7 +64,9 @@ def unjoined(seen: Seen) -> dict[tuple[str, int], int]:
             continue
         when = p.history[-1][1]
         if not any(q.phase == Phase.DONE and q.history[-1][1] >= when for q, _ in seen.plans):
-            out.update({(m.joiner.node, m.joiner.slot): m.rank for m in p.all_moves})
+            # (a joiner that died there is in the plan's excluded spares: it holds nothing)
+            out.update({(m.joiner.node, m.joiner.slot): m.rank for m in p.all_moves
+                        if (m.joiner.node, m.joiner.slot) not in p.excluded_spares})
     return out
 
 
@@ -83,9 +89,11 @@ def joining(view: ClusterView, joiners: dict[tuple[str, int], int]) -> ClusterVi
 def death_in_reform(plan: SwapPlan, rev: int, late: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[Action, ...]:
     """A rank died while ``plan`` re-formed the world (pure). The others stop joining and wait where they are (the
     participants tell them, swap_phases._abort_joins), the joiners keep the state they received, and the dead ranks
-    are recovered by the next plan as any new fault, from the spares and the replicas left; when they cannot be,
-    or a joiner itself died, or several nodes' ranks move at once (a node plan), the group restarts and the fallback
-    line names the death."""
+    are recovered by the next plan as any new fault, from the spares and the replicas left. An unplanned
+    recovery's joiner that died there had not loaded its rank yet: that rank is recovered again from its first
+    death (its node still holds the dead rank's snapshots, any replica donates again) and the joiner's death is
+    moot. When they cannot be, or a planned swap's joiner died (its leaver has left), or several nodes' ranks move
+    at once (a node plan), the group restarts and the fallback line names the death."""
     now = seen.now
     failures = [f for _fid, f in late]
     dead = sorted(f.rank for f in failures)
@@ -93,35 +101,49 @@ def death_in_reform(plan: SwapPlan, rev: int, late: Sequence[tuple[str, Failure]
             else f"the swap of rank {plan.leaver.rank}")
     who = f"rank {dead[0]}" if len(dead) == 1 else f"ranks {dead}"
     joiners = {(m.joiner.node, m.joiner.slot) for m in plan.all_moves}
+    gone_joiners = [(fid, f) for fid, f in late if (f.node, f.slot) in joiners]
     why = f"{who} died while the world re-formed for {what}"
-    blocker = None
+    blocker, first = None, None
     if plan.kind == SwapKind.NODE:
         blocker = "a plan that moves several ranks is not re-planned inside its re-form"
-    elif any((f.node, f.slot) in joiners for f in failures):
-        blocker = "the joiner died before it had loaded the state it received"
-    else:
-        view = joining(donor_view(seen), {(m.joiner.node, m.joiner.slot): m.rank for m in plan.all_moves})
-        if len(failures) == 1:
-            f = failures[0]
+    elif gone_joiners:
+        first = next(((fid, f) for fid, f in seen.failures if f.handled == "plan" and f.rank == plan.leaver.rank
+                      and (f.node, f.slot) == (plan.leaver.node, plan.leaver.slot)
+                      and f.generation >= seen.spawned_generation), None) if plan.kind == SwapKind.UNPLANNED else None
+        if first is None:
+            blocker = "the joiner died before it had loaded the state it received"
+    if blocker is None:
+        todo = [f for f in failures if (f.node, f.slot) not in joiners] + ([first[1]] if first else [])
+        waiting = {(m.joiner.node, m.joiner.slot): m.rank for m in plan.all_moves
+                   if (m.joiner.node, m.joiner.slot) not in {(f.node, f.slot) for _fid, f in gone_joiners}}
+        view = joining(donor_view(seen), waiting)
+        if len(todo) == 1:
+            f = todo[0]
             trial = plan_for_failure(view, node=f.node, slot=f.slot, rank=f.rank, reason="", now_wall=now,
                                      light_available=f.light, replicas=f.replicas, alone=f.alone, sharded=f.sharded)
         else:
-            trial = plan_for_dead_ranks(view, [(f.node, f.slot, f.rank) for f in failures], reason="", now_wall=now,
+            trial = plan_for_dead_ranks(view, [(f.node, f.slot, f.rank) for f in todo], reason="", now_wall=now,
                                         swap_id="trial")
         if trial.plan is None:
             blocker = trial.reason
     if blocker is None:
         # the dead are planned on the next tick (their failures stay unhandled); the ranks this plan moved are its
-        # joiners' now (their failures stay handled)
+        # joiners' now (their failures stay handled), but a dead joiner's: its rank's first death is handed back
         why += ": every rank waits where it stopped, the dead are replaced live"
-        aborted = plan.advance(Phase.ABORTED, now, outcome=why, superseded=True)
-        return (CasPlan(plan, aborted, rev, Decision("plan", why, aborted)),
-                Say("recovery_superseded", {"swap_id": plan.id, "ranks": list(plan.ranks), "dead": dead,
-                                            "phase": plan.phase.value, "reason": why}))
+        aborted = plan.advance(Phase.ABORTED, now, outcome=why, superseded=True, excluded_spares=plan.excluded_spares
+                               + tuple((f.node, f.slot) for _fid, f in gone_joiners))
+        out: list[Action] = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted)),
+                             Say("recovery_superseded", {"swap_id": plan.id, "ranks": list(plan.ranks), "dead": dead,
+                                                         "phase": plan.phase.value, "reason": why})]
+        if first is not None:
+            moot = f"the joiner of rank {plan.leaver.rank} died before it loaded its state: recovered again"
+            out += [PutFailure(fid, f.mark("stale", moot)) for fid, f in gone_joiners]
+            out += hand_back(plan, why, seen)
+        return tuple(out)
     why = f"{why}, and it cannot be recovered live ({blocker}): the group restarts"
     # superseded: no second, vaguer fallback from the aborted plan; no outcome: a second fault spends a restart
     aborted = plan.advance(Phase.ABORTED, now, superseded=True)
-    out: list[Action] = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted))]
+    out = [CasPlan(plan, aborted, rev, Decision("plan", why, aborted))]
     out += [PutFailure(fid, f.mark("fallback", why)) for fid, f in late]
     f0 = failures[0]
     out.append(PutFallback(f0.node, Fallback(why, f0.generation, f0.slot)))

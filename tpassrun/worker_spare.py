@@ -17,6 +17,7 @@ import time
 from typing import Any
 
 from . import envnames as E
+from . import testing
 from .channel import Field, WorkerPhase
 from .protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
                        Reserve, Stranger)
@@ -51,7 +52,7 @@ class SpareCommands:
         self._serve(0)
 
     def _on_assign(self, msg: Assign, step: int, failed: BaseException | None) -> bool:
-        from . import handoff, testing
+        from . import handoff
 
         link, wait = self._link, self._spare
         wait.assign = msg
@@ -111,6 +112,8 @@ class SpareCommands:
         set_rank_env(world)
         os.environ.pop(E.TPASSRUN_SPARE, None)
         t0 = time.perf_counter()
+        if testing.ENABLED:
+            testing.fault_point(world.rank, step, "join")   # tests: a joiner dies on its way into the world
         try:
             join_world(self.backend, world, self._timeout, lambda: self._join_interrupted(str(world.prefix)))
         except JoinAborted as exc:
