@@ -347,26 +347,16 @@ def test_a_spare_node_that_was_never_needed_exits_0_when_the_job_succeeds(tmp_pa
     assert os.path.exists(os.path.join(train, "final_rank0.pt"))
 
 
-def test_a_donor_dying_in_a_node_plans_transfer_is_replaced_too_in_one_more_plan(tmp_path, etcd_server, run_id):
-    """A (two ranks), B (one rank), C a --spare-node with two slots: B dies, then the donor of its rank dies as it
-    starts sending. The node plan is tried once more, now for B's rank and the dead donor's at once (C's two slots,
-    the other rank of A donating both), and the job goes on live, torch.equal to torchrun."""
-    steps = 30
+def _run_three_agents(tmp_path, etcd_server, run_id, steps: int, *, a_faults: list, b_faults: list):
+    """A (two ranks), B (one rank) and C (a --spare-node with two slots), held at step 1 until C's spares are warm,
+    next to a torchrun reference of the same 3 ranks; run to the end. Returns (a, b, c, ref, train)."""
     ref = Job.torchrun(str(tmp_path / "ref"), nproc=3, steps=steps, step_sleep=0.0).start()
     train = str(tmp_path / "train")
-    step = random.randint(3, 12)
     release = str(tmp_path / "release")
     hold = {"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release}
-    die = faults_env(hold, *({"rank": r, "step": step, "where": "forward", "action": "kill_node",
-                              "marker": str(tmp_path / "node")} for r in range(3)))
-    donor_dies = faults_env(hold, *({"rank": r, "step": step, "where": "send", "action": "kill",
-                                     "marker": str(tmp_path / "donor")} for r in range(3)))
-    a = Job.agent(str(tmp_path / "a"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
-                  env=donor_dies, step_sleep=0.02)
-    b = Job.agent(str(tmp_path / "b"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=1,
-                  env=die, step_sleep=0.02)
-    c = Job.agent(str(tmp_path / "c"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
-                  extra=["--spare-node"], env=faults_env(hold), step_sleep=0.02)
+    a, b, c = (Job.agent(str(tmp_path / n), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps,
+                         nproc=1 if n == "b" else 2, extra=["--spare-node"] if n == "c" else [], step_sleep=0.02,
+                         env=faults_env(hold, *{"a": a_faults, "b": b_faults, "c": []}[n])) for n in "abc")
     try:
         assert ref.wait(240) == 0, ref.log()[-3000:]
         _start(a, b, c)
@@ -376,15 +366,35 @@ def test_a_donor_dying_in_a_node_plans_transfer_is_replaced_too_in_one_more_plan
     finally:
         for j in (a, b, c, ref):
             j.kill()
+    return a, b, c, ref, train
+
+
+def _assert_live_and_exact(a: Job, b: Job, c: Job, ref: Job, train: str) -> None:
+    """No group restart, and the run torch.equal to torchrun (a step re-executed by a dead rank's successor once)."""
+    assert FALLBACK not in a.log() + c.log()
+    b_pids = [s["pid"] for e in b.events() if e["event"] == "workers_started" for s in e["slots"]]
+    a_pids = [s["pid"] for e in a.events() if e["event"] == "workers_started" for s in e["slots"]]
+    assert_bit_exact(Job(argv=[], out=train), ref, 3, relogged_by=b_pids + a_pids)
+
+
+def test_a_donor_dying_in_a_node_plans_transfer_is_replaced_too_in_one_more_plan(tmp_path, etcd_server, run_id):
+    """A (two ranks), B (one rank), C a --spare-node with two slots: B dies, then the donor of its rank dies as it
+    starts sending. The node plan is tried once more, now for B's rank and the dead donor's at once (C's two slots,
+    the other rank of A donating both), and the job goes on live, torch.equal to torchrun."""
+    steps = 30
+    step = random.randint(3, 12)
+    a, b, c, ref, train = _run_three_agents(
+        tmp_path, etcd_server, run_id, steps,
+        a_faults=[{"rank": r, "step": step, "where": "send", "action": "kill", "marker": str(tmp_path / "donor")}
+                  for r in range(3)],
+        b_faults=[{"rank": r, "step": step, "where": "forward", "action": "kill_node", "marker": str(tmp_path / "node")}
+                  for r in range(3)])
     assert os.path.exists(str(tmp_path / "donor")), "the donor's fault never fired"
     evs = [e for j in (a, c) for e in j.events()]
     assert [e for e in evs if e["event"] == "recovery_superseded"], "the first node plan was not tried again"
     recovered = [e for e in evs if e["event"] == "node_recovered"]
     assert recovered and len(recovered[-1]["ranks"]) == 2, recovered
-    assert FALLBACK not in a.log() + c.log()
-    b_pids = [s["pid"] for e in b.events() if e["event"] == "workers_started" for s in e["slots"]]
-    a_pids = [s["pid"] for e in a.events() if e["event"] == "workers_started" for s in e["slots"]]
-    assert_bit_exact(Job(argv=[], out=train), ref, 3, relogged_by=b_pids + a_pids)
+    _assert_live_and_exact(a, b, c, ref, train)
 
 
 def test_a_mixed_commit_at_node_loss_is_rolled_forward(tmp_path, etcd_server, run_id, reference):
@@ -426,41 +436,20 @@ def test_a_node_lost_while_the_world_re_forms_for_a_recovery_is_recovered_live(t
     agent and itself). The recovery is superseded: A's survivor stops joining and waits, C's joiner keeps the state
     it received; then B's rank goes to C's other slot, and all of them enter one world: no group restart, the run
     torch.equal to torchrun. (Before, the group restarted.)"""
-    steps = 30
-    ref = Job.torchrun(str(tmp_path / "ref"), nproc=3, steps=steps, step_sleep=0.0).start()
-    train = str(tmp_path / "train")
     step = random.randint(3, 12)
-    release = str(tmp_path / "release")
-    hold = {"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release}
-    rank_dies = faults_env(hold, *({"rank": r, "step": step, "where": "forward", "action": "kill",
-                                    "marker": str(tmp_path / "rank")} for r in range(3)))
-    node_dies = faults_env(hold, *({"rank": r, "step": 0, "any_step": True, "where": "reform", "action": "kill_node",
-                                    "marker": str(tmp_path / "node")} for r in range(3)))
-    a = Job.agent(str(tmp_path / "a"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
-                  env=rank_dies, step_sleep=0.02)
-    b = Job.agent(str(tmp_path / "b"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=1,
-                  env=node_dies, step_sleep=0.02)
-    c = Job.agent(str(tmp_path / "c"), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=steps, nproc=2,
-                  extra=["--spare-node"], env=faults_env(hold), step_sleep=0.02)
-    try:
-        assert ref.wait(240) == 0, ref.log()[-3000:]
-        _start(a, b, c)
-        open(release, "w").close()
-        assert a.wait(240) == 0, a.log()[-3000:]
-        assert c.wait(60) == 0, c.log()[-3000:]
-    finally:
-        for j in (a, b, c, ref):
-            j.kill()
+    a, b, c, ref, train = _run_three_agents(
+        tmp_path, etcd_server, run_id, 30,
+        a_faults=[{"rank": r, "step": step, "where": "forward", "action": "kill", "marker": str(tmp_path / "rank")}
+                  for r in range(3)],
+        b_faults=[{"rank": r, "step": 0, "any_step": True, "where": "reform", "action": "kill_node",
+                   "marker": str(tmp_path / "node")} for r in range(3)])
     assert os.path.exists(str(tmp_path / "rank")) and os.path.exists(str(tmp_path / "node")), "a fault never fired"
     evs = [e for j in (a, c) for e in j.events()]
     superseded = [e for e in evs if e["event"] == "recovery_superseded"]
     assert superseded and superseded[0]["phase"] == "reform" and superseded[0].get("lost_node"), superseded
     recovered = [e for e in evs if e["event"] == "node_recovered"]
     assert recovered and len(recovered[-1]["ranks"]) == 1, recovered
-    assert FALLBACK not in a.log() + c.log()
-    b_pids = [s["pid"] for e in b.events() if e["event"] == "workers_started" for s in e["slots"]]
-    a_pids = [s["pid"] for e in a.events() if e["event"] == "workers_started" for s in e["slots"]]
-    assert_bit_exact(Job(argv=[], out=train), ref, 3, relogged_by=b_pids + a_pids)
+    _assert_live_and_exact(a, b, c, ref, train)
     pids = _pids_by_rank(train, 3)
     assert sum(1 for r in range(3) if len(pids[r]) == 1) == 1, pids      # A's survivor kept its process
 
