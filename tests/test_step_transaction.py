@@ -10,14 +10,16 @@ from __future__ import annotations
 import os
 import random
 import socket
+import subprocess
+import sys
 import threading
 
 import pytest
 import torch
 
-from tpassrun.channel import ChannelFile, Field
+from tpassrun.channel import ChannelFile, Field, WorkerPhase
 from tpassrun.light import decode
-from tpassrun.worker import Session, _AgentLink
+from tpassrun.worker import INT64_MAX, Session, _AgentLink
 
 
 class Sampler:
@@ -294,3 +296,81 @@ def test_a_rank_that_committed_a_step_the_others_did_not_goes_back_to_its_start(
     assert sampler.pos == ref[2].pos == 5 and torch.equal(torch.get_rng_state(), ref_rng)
     link.sock.close()
     channel.close()
+
+
+def test_a_rank_parking_before_a_step_never_shows_that_step_as_running(session, monkeypatch):
+    """What the agent reads (phase and step, ChannelFile.position) after every single write of the worker, through
+    an accumulation window (optimizer step every 2nd step) and a pause at the window's end: "running step B" from
+    a rank about to park before B once made an agent waiting at a boundary move it a whole window further."""
+    sess, channel = session
+    model, opt, sampler = _job(sess)
+    link = sess._link
+    channel.set(1, Field.RUN_UNTIL, 3)   # inside window 2..3: the rank parks before step 4
+    seen: list[tuple[object, int]] = []
+    write = link.set
+
+    def write_and_read(field: Field, value: int) -> None:
+        write(field, value)
+        seen.append(channel.position(1))
+
+    def resumed_at_once(step: int, failed: BaseException | None = None) -> None:
+        seen.append(("parked", step))
+        channel.set(1, Field.RUN_UNTIL, INT64_MAX)
+        link.set(Field.PHASE, WorkerPhase.RUNNING)
+
+    monkeypatch.setattr(link, "set", write_and_read)
+    monkeypatch.setattr(sess, "_serve", resumed_at_once)
+
+    def step(i: int) -> None:
+        sampler.pos += 1
+        model(torch.randn(2, 4)).sum().backward()
+        if i % 2 == 1:
+            opt.step()
+            opt.zero_grad()
+
+    sess.run(step, 6)
+    parked = seen.index(("parked", 4))
+    before = seen[:parked]
+    assert (WorkerPhase.RUNNING, 3) in before                  # the window's last step ran
+    assert (WorkerPhase.RUNNING, 4) not in before, before       # step 4 never showed as running before the park
+    assert before[-1] == (WorkerPhase.PAUSED, 4)
+    assert (WorkerPhase.RUNNING, 4) in seen[parked:]            # and ran once resumed
+
+
+_FLIPPER = """
+import sys
+from tpassrun.channel import ChannelFile, Field, WorkerPhase
+ch = ChannelFile.open(sys.argv[1])
+for k in range(1, int(sys.argv[2])):
+    ch.set(0, Field.PHASE, WorkerPhase.PAUSING)   # parks before every even step,
+    ch.set(0, Field.STEP, 2 * k)
+    ch.set(0, Field.PHASE, WorkerPhase.PAUSED)
+    ch.set(0, Field.STEP, 2 * k + 1)              # runs every odd one
+    ch.set(0, Field.PHASE, WorkerPhase.RUNNING)
+ch.set(0, Field.PHASE, WorkerPhase.DONE)
+"""
+
+
+def test_the_agent_reads_phase_and_step_as_one(tmp_path):
+    """Another process moves a slot through a step boundary after another; what ChannelFile.position reads is
+    always a pair the slot held (never "running" an even step, which it never is), however the reads interleave
+    with its writes."""
+    channel = ChannelFile.create(str(tmp_path / "channel"), n_slots=1)
+    channel.set(0, Field.STEP, 1)
+    channel.set(0, Field.PHASE, WorkerPhase.RUNNING)
+    proc = subprocess.Popen([sys.executable, "-c", _FLIPPER, channel.path, "100000"])
+    try:
+        reads, torn = 0, []
+        while True:
+            phase, step = channel.position(0)
+            reads += 1
+            if phase == WorkerPhase.DONE:
+                break
+            if phase == WorkerPhase.RUNNING and step % 2 == 0:
+                torn.append(step)
+        assert proc.wait(60) == 0
+    finally:
+        proc.kill()
+        proc.wait()
+        channel.close()
+    assert not torn, (len(torn), reads)

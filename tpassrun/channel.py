@@ -78,6 +78,9 @@ class WorkerPhase(enum.IntEnum):
     FAILED = 6         # step STEP raised (e.g. a peer died in a collective); waiting for a command
     TRANSFERRING = 7
     RAISED = 8         # step STEP raised an ordinary exception (a user error): the worker is exiting
+    PAUSING = 9        # between two steps, parking before step STEP: neither running it nor paused yet (a
+    #                    transient: without it the step number of the next step would show as "running" for a
+    #                    moment, and an agent waiting at a boundary would move the boundary past it)
 
 
 class ChannelFile:
@@ -137,6 +140,16 @@ class ChannelFile:
 
     def set(self, slot: int, field: Field, value: int) -> None:
         self._ints[slot * SLOT_FIELDS + field] = value  # type: ignore[index]
+
+    def position(self, slot: int) -> tuple[int, int]:
+        """(PHASE, STEP) as one reading. The worker writes them one after the other; STEP read on both sides of
+        PHASE, and equal, means the step did not move in between (else a reading could pair the phase of one step
+        with the number of the next)."""
+        while True:
+            step = self.get(slot, Field.STEP)
+            phase = self.get(slot, Field.PHASE)
+            if self.get(slot, Field.STEP) == step:
+                return phase, step
 
     def snapshot(self, slot: int) -> dict[str, int]:
         return {f.name.lower(): self.get(slot, f) for f in Field}

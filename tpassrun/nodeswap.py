@@ -135,7 +135,7 @@ class NodePlans:
         its commit point, outside an accumulation window, with a seal of the next step in its slot."""
         slots, ch, out = self.sw._slots, self.sw._slots.channel, {}
         for s in self.sw._survivors(plan):
-            ph, step = slots.phase(s), slots.field(s, Field.STEP)
+            ph, step = slots.position(s)
             if s.rank is None or ph not in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
                 continue
             offer = slots.field(s, Field.OFFER) - 1

@@ -46,7 +46,7 @@ def ring_of(ch: Any, slot: int) -> tuple[int, ...] | None:
 def live_step(ch: Any, slot: int) -> int | None:
     """The step whose start a stopped survivor's live state is (paused before it, or failed in it before its
     commit point): it can resume there with no copy at all."""
-    phase, step = WorkerPhase(ch.get(slot, Field.PHASE)), ch.get(slot, Field.STEP)
+    phase, step = ch.position(slot)
     if phase == WorkerPhase.PAUSED or (phase == WorkerPhase.FAILED and ch.get(slot, Field.COMMITTED) != step + 1):
         return step
     return None

@@ -249,6 +249,15 @@ class LocalSlots:
         except ValueError:
             return WorkerPhase.STARTING
 
+    def position(self, slot: Slot) -> tuple[WorkerPhase, int]:
+        """A worker's phase and step, read together (ChannelFile.position)."""
+        assert self.channel is not None
+        phase, step = self.channel.position(slot.index)
+        try:
+            return WorkerPhase(phase), step
+        except ValueError:
+            return WorkerPhase.STARTING, step
+
     def reset(self, slot: Slot) -> None:
         assert self.channel is not None
         self.channel.reset_slot(slot.index)

@@ -52,7 +52,7 @@ class PhaseSteps:
             now = time.monotonic()
             stationary, cand, paused, failed, post = True, 0, [], [], []
             for s in survivors:
-                ph, step = self._slots.phase(s), self._slots.field(s, Field.STEP)
+                ph, step = self._slots.position(s)
                 if ph in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
                     # what the worker says it can resume at exactly (its accumulation window's start, the next
                     # step after a failure past its commit point), or nothing
@@ -160,7 +160,7 @@ class PhaseSteps:
             over = 0
             ready = True
             for s in survivors:
-                ph, step = self._slots.phase(s), self._slots.field(s, Field.STEP)
+                ph, step = self._slots.position(s)
                 if step > boundary or (step == boundary and ph == WorkerPhase.RUNNING):
                     over = max(over, step + (1 if ph == WorkerPhase.RUNNING else 0))
                 if not (ph == WorkerPhase.PAUSED and step == boundary):

@@ -207,6 +207,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
             link.set(Field.HEARTBEAT_NS, start)
             run_until = link.get(Field.RUN_UNTIL)
             if run_until <= step and (run_until < 0 or self._window == step):
+                link.set(Field.PHASE, WorkerPhase.PAUSING)   # never "running step B" while it parks before B
                 link.set(Field.STEP, step)
                 self._at_boundary(step)
                 if self.step != step:     # a recovery moved us (never forward past work not done)
