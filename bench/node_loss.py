@@ -25,7 +25,7 @@ import time
 import uuid
 
 from common import (TORCHRUN_RESTART_ENV, EtcdServer, Job, Series, Workdir, add_common_args, alternate, faults_env,
-                    marker_time, next_step_after, print_json, ratio_line, steps_lost, tail)
+                    marker_time, next_step_after, print_json, ratio_line, steps_lost)
 
 LAUNCHERS = ("tpassrun", "torchrun")
 WORLD = 4

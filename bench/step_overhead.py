@@ -255,7 +255,6 @@ def main() -> None:
                 assert s._light_mirror.wait_up(10), "the buddy's mirror did not answer"
             trained[1]._light_retarget_due = 0
             raw = PushStream("127.0.0.1", buddy.port, buddy.key, run_id="bench").connect()
-            rng = handoff.capture_rng()
             snapper = LightSnapshotter()
             light = snapper.take({"sampler": sampler}, step=7)
             step = [0]

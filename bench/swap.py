@@ -27,7 +27,6 @@ Trials alternate tpassrun, torchrun. Figures only; the last line is JSON.
 from __future__ import annotations
 
 import argparse
-import os
 import uuid
 from typing import Any
 

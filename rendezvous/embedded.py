@@ -16,7 +16,6 @@ that CA signed (etcd's ``--client-cert-auth``).
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import ctypes
 import json

@@ -14,7 +14,7 @@ import sys
 import textwrap
 import threading
 from collections import OrderedDict
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import pytest

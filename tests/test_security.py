@@ -421,7 +421,6 @@ def test_an_aborted_planned_swap_resumes_the_leaver(tmp_path, etcd_server, run_i
 
 
 def test_the_embedded_etcd_answers_only_with_the_runs_credentials(tmp_path):
-    import urllib.request
 
     from tpassrun.rendezvous import EmbeddedEtcd, EtcdConfig, EtcdStore
 

@@ -7,7 +7,6 @@ the commit. User code after the step that changes per-rank state turns sealing o
 
 from __future__ import annotations
 
-import os
 import random
 import socket
 import subprocess

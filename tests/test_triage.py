@@ -12,7 +12,7 @@ from tpassrun.records import (HANDLED_RESTART, Failure, Phase, Report, SlotRef, 
                               TaintEffect)
 from tpassrun.swap import ClusterView, SlotView
 from tpassrun.swapper import Swapper
-from tpassrun.triage import (CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen,
+from tpassrun.triage import (CasPlan, CreatePlan, PutFallback, PutTaint, Say, Seen,
                              triage)
 
 NOW = 1000.0

@@ -28,7 +28,7 @@ import logging
 import re
 import signal
 import time
-from typing import Any, Callable, Mapping, Sequence
+from typing import Callable, Mapping, Sequence
 
 from . import envnames as E
 from .channel import Field

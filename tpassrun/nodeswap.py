@@ -25,7 +25,7 @@ from typing import Any
 
 from . import shardplane
 from .channel import INT64_MAX, Field, WorkerPhase
-from .protocol import (Abort, CatchUp, Light, LightOk, Listening, MirrorSource, Received, Reform, Reformed, SendState,
+from .protocol import (Abort, CatchUp, Light, LightOk, Listening, MirrorSource, Received, Reform, SendState,
                        WorldSpec)
 from .records import Move, Phase, Report, SwapPlan
 from .slots import SlotState
