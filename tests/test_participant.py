@@ -58,6 +58,9 @@ class FakeSlots:
     def phase(self, slot: Slot) -> WorkerPhase:
         return WorkerPhase(self.cells[(slot.index, Field.PHASE)])
 
+    def position(self, slot: Slot) -> tuple[WorkerPhase, int]:
+        return self.phase(slot), self.field(slot, Field.STEP)
+
     def field(self, slot: Slot, f: Field) -> int:
         return self.cells.get((slot.index, f), 0)
 

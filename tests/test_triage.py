@@ -162,6 +162,9 @@ class FakeSlots:
     def phase(self, slot):
         return WorkerPhase(self.cells[(slot.index, Field.PHASE)])
 
+    def position(self, slot):
+        return self.phase(slot), self.field(slot, Field.STEP)
+
     def field(self, slot, f):
         return self.cells.get((slot.index, f), 0)
 
