@@ -45,16 +45,27 @@ def _live(job: Job) -> None:
     assert "swap_done" in names and "restart" not in names and "fallback" not in names, names
 
 
+def _kill(rank: int, where: str, marker, *, any_step: bool = True) -> dict:
+    """``rank`` (a spare's future rank for a joiner) SIGKILLed at fault point ``where``, once."""
+    return {"rank": rank, "step": 0, "any_step": any_step, "where": where, "action": "kill", "marker": str(marker)}
+
+
+def _after_rank_1_dies(tmp_path, etcd_server, run_id, second: dict, *, spares: int = 2,
+                       extra: list[str] | None = None) -> Job:
+    """Rank 1 SIGKILLed at step 8, and ``second`` armed for an instant of its recovery; the run ended 0 and both
+    faults fired."""
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=spares,
+                       steps=STEPS, step_sleep=SLEEP, extra=extra,
+                       env=faults_env(kill_at(1, 8, str(tmp_path / "f1")), second))
+    _run(job)
+    assert os.path.exists(tmp_path / "f1") and os.path.exists(second["marker"]), "a fault never fired"
+    return job
+
+
 def test_the_donor_dying_as_it_sends_is_recovered_from_another_replica(tmp_path, etcd_server, run_id, baseline3):
     """Rank 1 dies; rank 0, its replica picked to donate, dies as it starts streaming. Both ranks are replaced
     live by the two spares from rank 2, the last replica (its joiner's partial bundle is thrown away)."""
-    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
-                       steps=STEPS, step_sleep=SLEEP,
-                       env=faults_env(kill_at(1, 8, str(tmp_path / "f1")),
-                                      {"rank": 0, "step": 0, "any_step": True, "where": "send", "action": "kill",
-                                       "marker": str(tmp_path / "f2")}))
-    _run(job)
-    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    job = _after_rank_1_dies(tmp_path, etcd_server, run_id, _kill(0, "send", tmp_path / "f2"))
     _live(job)
     assert sorted(e["rank"] for e in job.events() if e["event"] == "worker_died") == [0, 1]
     assert_bit_exact(job, baseline3, 3)
@@ -68,8 +79,7 @@ def test_a_planned_swaps_leaver_dying_as_it_sends_becomes_a_recovery(tmp_path, e
     hold = hold_at(tmp_path, 6)
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
                        steps=STEPS, step_sleep=SLEEP,
-                       env=faults_env({"rank": 1, "step": 0, "any_step": True, "where": "send", "action": "kill",
-                                       "marker": str(tmp_path / "f")}, hold.fault))
+                       env=faults_env(_kill(1, "send", tmp_path / "f"), hold.fault))
     _run(job, hold=hold, endpoint=etcd_server.endpoint, run_id=run_id, taint_rank=1)
     assert os.path.exists(tmp_path / "f"), "the fault never fired"
     _live(job)
@@ -81,13 +91,7 @@ def test_a_planned_swaps_leaver_dying_as_it_sends_becomes_a_recovery(tmp_path, e
 def test_the_joiner_dying_as_it_receives_is_replaced_by_the_next_spare(tmp_path, etcd_server, run_id, baseline3):
     """Rank 1 dies; the spare assigned its rank dies as it starts to receive. The recovery retries with the other
     spare instead of waiting in PAUSE."""
-    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
-                       steps=STEPS, step_sleep=SLEEP,
-                       env=faults_env(kill_at(1, 8, str(tmp_path / "f1")),
-                                      {"rank": 1, "step": 0, "where": "receive", "action": "kill",
-                                       "marker": str(tmp_path / "f2")}))
-    _run(job)
-    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    job = _after_rank_1_dies(tmp_path, etcd_server, run_id, _kill(1, "receive", tmp_path / "f2", any_step=False))
     _live(job)
     assert_bit_exact(job, baseline3, 3)
     pids = pids_by_rank(job, 3)
@@ -97,13 +101,8 @@ def test_the_joiner_dying_as_it_receives_is_replaced_by_the_next_spare(tmp_path,
 def test_the_joiner_dying_with_no_other_spare_restarts_the_group_saying_why(tmp_path, etcd_server, run_id):
     """As above with one spare: the recovery cannot retry. It falls back to the group restart at once (not after
     phase timeouts, never stuck in a phase), and the console's fallback line says why in one line."""
-    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=1,
-                       steps=STEPS, step_sleep=SLEEP, extra=["--max-restarts", "1"],
-                       env=faults_env(kill_at(1, 8, str(tmp_path / "f1")),
-                                      {"rank": 1, "step": 0, "where": "receive", "action": "kill",
-                                       "marker": str(tmp_path / "f2")}))
-    _run(job)
-    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    job = _after_rank_1_dies(tmp_path, etcd_server, run_id, _kill(1, "receive", tmp_path / "f2", any_step=False),
+                             spares=1, extra=["--max-restarts", "1"])
     fallback = [e for e in job.events() if e["event"] == "fallback"]
     assert len(fallback) == 1 and fallback[0]["spends_restart"], fallback
     why = fallback[0]["reason"]
@@ -115,21 +114,13 @@ def test_the_joiner_dying_with_no_other_spare_restarts_the_group_saying_why(tmp_
         assert [x["step"] for x in job.losses(r)][-STEPS:] == list(range(STEPS))
 
 
-def _reform_kill(rank: int, marker: str) -> dict:
-    """``rank`` dies on its way into the next re-formed world (before it has joined: the others wait for it)."""
-    return {"rank": rank, "step": 0, "any_step": True, "where": "reform", "action": "kill", "marker": marker}
-
-
 def test_a_rank_killed_while_the_world_re_forms_for_a_recovery_is_recovered_live(tmp_path, etcd_server, run_id,
                                                                                   baseline3):
     """Rank 1 dies; while the world re-forms for its recovery, rank 2 is killed. The others stop joining and wait
     where they are (rank 1's joiner keeps its state), and rank 2 is replaced by the other spare from rank 0: no
     group restart, no --max-restarts spent."""
-    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
-                       steps=STEPS, step_sleep=SLEEP,
-                       env=faults_env(kill_at(1, 8, str(tmp_path / "f1")), _reform_kill(2, str(tmp_path / "f2"))))
-    _run(job)
-    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    # ("reform": on its way into the next re-formed world, before it has joined: the others wait for it)
+    job = _after_rank_1_dies(tmp_path, etcd_server, run_id, _kill(2, "reform", tmp_path / "f2"))
     _live(job)
     superseded = [e for e in job.events() if e["event"] == "recovery_superseded"]
     assert superseded and superseded[0]["phase"] == "reform", superseded
@@ -144,7 +135,7 @@ def test_a_rank_killed_while_the_world_re_forms_for_a_planned_swap_is_recovered_
                                                                                       baseline3):
     hold = hold_at(tmp_path, 6)
     job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
-                       steps=STEPS, step_sleep=SLEEP, env=faults_env(_reform_kill(2, str(tmp_path / "f")), hold.fault))
+                       steps=STEPS, step_sleep=SLEEP, env=faults_env(_kill(2, "reform", tmp_path / "f"), hold.fault))
     _run(job, hold=hold, endpoint=etcd_server.endpoint, run_id=run_id, taint_rank=1)
     assert os.path.exists(tmp_path / "f"), "the fault never fired"
     _live(job)
@@ -158,13 +149,7 @@ def test_a_recoverys_joiner_killed_on_its_way_into_the_world_is_replaced_by_the_
     """Rank 1 dies; its joiner is killed as it enters the re-formed world, before it loaded rank 1's state. The
     others stop joining and wait; rank 1 is recovered again from its first death (its snapshots on its node, a
     replica donating) by the other spare: no group restart, ranks 0 and 2 keep their processes."""
-    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=3, spares=2,
-                       steps=STEPS, step_sleep=SLEEP,
-                       env=faults_env(kill_at(1, 8, str(tmp_path / "f1")),
-                                      {"rank": 1, "step": 0, "any_step": True, "where": "join", "action": "kill",
-                                       "marker": str(tmp_path / "f2")}))
-    _run(job)
-    assert os.path.exists(tmp_path / "f1") and os.path.exists(tmp_path / "f2"), "a fault never fired"
+    job = _after_rank_1_dies(tmp_path, etcd_server, run_id, _kill(1, "join", tmp_path / "f2"))
     _live(job)
     superseded = [e for e in job.events() if e["event"] == "recovery_superseded"]
     assert superseded and superseded[0]["phase"] == "reform" and superseded[0]["dead"] == [1], superseded
