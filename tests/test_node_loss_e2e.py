@@ -15,8 +15,11 @@ restarts, as torchrun would, and the leader says why in one console line.
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import subprocess
+import sys
 import time
 
 import pytest
@@ -328,6 +331,59 @@ def test_when_the_lost_nodes_buddy_dies_too_the_group_restarts_and_says_why(tmp_
     logs = Job(argv=[], out=train)
     for r in range(3):
         assert logs.losses(r)[-1]["step"] == STEPS - 1
+
+
+def _status_workers(endpoint: str, run_id: str, node: str | None) -> list[dict]:
+    """The workers ``node``'s agent last published (``tpassctl status --json``, as an operator reads them)."""
+    out = subprocess.run([sys.executable, "-m", "tpassrun.ctl", "status", "--rdzv-endpoint", endpoint, "--rdzv-id",
+                          run_id, "--json"], capture_output=True, text=True, timeout=60)
+    doc = json.loads(out.stdout) if out.returncode == 0 else {}
+    return list((doc.get("status") or {}).get(node or "", {}).get("workers", []))
+
+
+def test_a_node_lost_while_the_spare_nodes_spares_are_still_starting_waits_for_them(tmp_path, etcd_server, run_id,
+                                                                                   reference):
+    """A and B the members (two ranks each); C a --spare-node whose two spares are still starting when B dies
+    whole (held before they say hello, as on a spare node started a moment ago, or a slot back in the pool, a
+    spare imports torch for seconds). B's ranks go to C's slots once they are up, live, torch.equal to torchrun.
+    Before, the group restarted at once: "only 0 ready spare slot(s)"."""
+    step = random.randint(4, 10)
+    train = str(tmp_path / "train")
+    release, up = str(tmp_path / "release"), str(tmp_path / "spares_up")
+    hold = {"rank": 0, "step": 1, "where": "step", "action": "hold", "release": release}
+    slow = {"rank": -1, "step": 0, "where": "spare_start", "action": "hold", "release": up}
+    die = [{"rank": r, "step": step, "where": "forward", "action": "kill_node", "marker": str(tmp_path / "node")}
+           for r in range(4)]
+    a, b, c = (Job.agent(str(tmp_path / n), train, endpoint=etcd_server.endpoint, run_id=run_id, steps=STEPS,
+                         step_sleep=0.02, extra=["--spare-node"] if n == "c" else [],
+                         env=faults_env(hold, *{"a": [], "b": die, "c": [slow]}[n])) for n in "abc")
+    try:
+        for j in (a, b, c):
+            j.start()
+        for j in (a, b, c):
+            j.wait_event("workers_started")
+        b_pids = b.worker_pids()
+        deadline = time.monotonic() + 120
+        while len([w for w in _status_workers(etcd_server.endpoint, run_id, c.node_id())
+                   if w.get("spare") and not w.get("managed")]) < 2:
+            assert time.monotonic() < deadline, "C's starting spares never showed in its status"
+            time.sleep(0.2)
+        open(release, "w").close()
+        assert wait_dead(b_pids, time.monotonic(), 120) and b.proc.wait(60) is not None
+        deadline = time.monotonic() + 120
+        while not [e for j in (a, c) for e in j.events() if e["event"] in ("swap_phase", "fallback", "restart")]:
+            assert time.monotonic() < deadline, "nothing was decided about the lost node"
+            time.sleep(0.05)
+        open(up, "w").close()        # C's spares say hello only now: the plan was made with them starting
+        assert a.wait(240) == 0, a.log()[-3000:]
+        assert c.wait(60) == 0, c.log()[-3000:]
+    finally:
+        open(up, "w").close()
+        for j in (a, b, c):
+            j.kill()
+    assert os.path.exists(str(tmp_path / "node")), "B never died"
+    b_ranks = sorted(r for r, pids in _pids_by_rank(train, 4).items() if pids[0] in b_pids)
+    _assert_recovered_live(train, reference, [r for r in range(4) if r not in b_ranks], b_ranks, c, b_pids, a)
 
 
 def test_a_spare_node_that_was_never_needed_exits_0_when_the_job_succeeds(tmp_path, etcd_server, run_id):

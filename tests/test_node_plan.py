@@ -56,6 +56,21 @@ def test_when_no_live_recovery_is_possible_the_planner_says_why():
     assert lost_ranks(view(*A, *C), "b") == [(2, 0), (3, 1)]
 
 
+def test_spares_still_starting_make_up_what_the_ready_ones_lack_rather_than_a_restart():
+    """A node holding two ranks lost while the only spare node's second slot is still starting (a spare node just
+    started, a slot back in the pool): the ready slot and the starting one take them (the re-form waits for the
+    latter); with a ready spare node elsewhere that has enough, that one is taken instead."""
+    starting = (C[0], dataclasses.replace(C[1], managed=False))
+    d = plan_for_node_loss(view(*A, *starting), node="b", now_wall=NOW)
+    assert d.action == "plan" and d.plan is not None, d.reason
+    assert [(m.rank, m.joiner) for m in d.plan.moves] == [(2, SlotRef("c", 0, 2)), (3, SlotRef("c", 1, 3))]
+    ready_elsewhere = (SlotView("e", 0, None, "spare", True), SlotView("e", 1, None, "spare", True))
+    d = plan_for_node_loss(view(*A, *starting, *ready_elsewhere, spare_nodes=("c", "e")), node="b", now_wall=NOW)
+    assert d.plan is not None and {m.joiner.node for m in d.plan.moves} == {"e"}
+    none_left = plan_for_node_loss(view(*A, starting[1]), node="b", now_wall=NOW)
+    assert none_left.action == "fallback" and "only 1 spare slot(s)" in none_left.reason
+
+
 def _plan() -> SwapPlan:
     d = plan_for_node_loss(view(*A, *C), node="b", now_wall=NOW)
     assert d.plan is not None
@@ -266,7 +281,7 @@ def test_triage_restarts_the_group_once_when_the_lost_node_cannot_be_recovered_l
     assert [type(a) for a in result.actions] == [Say, CreatePlan, RestartGroup]
     marker = result.actions[1].plan
     assert marker.phase == Phase.ABORTED and marker.id == "n-b" and "spare" in marker.outcome
-    assert "only 1 ready spare" in result.actions[2].reason
+    assert "only 1 spare slot(s)" in result.actions[2].reason
     assert triage(seen(view=view(*A, C[0]), plans=((marker, 4),))).actions == ()
 
 

@@ -37,7 +37,7 @@ def plan_for_losses(view: ClusterView, nodes: Sequence[str], dead: Sequence[tupl
         mine = [x for x in leavers if x.node == n]
         found = _node_joiners(left, n, len(mine)) if mine else []
         if found is None:
-            return Decision("fallback", f"{what}: only {_ready(view)} ready spare slot(s) for {len(leavers)} ranks "
+            return Decision("fallback", f"{what}: only {_spare_count(view)} spare slot(s) for {len(leavers)} ranks "
                                         f"{ranks}: whole-group restart")
         for x, j in zip(mine, found):
             joiners[x.rank] = j         # type: ignore[index]
@@ -51,7 +51,7 @@ def plan_for_losses(view: ClusterView, nodes: Sequence[str], dead: Sequence[tupl
             continue
         spare = choose_spare(left, x.node)
         if spare is None:
-            return Decision("fallback", f"{what}: only {_ready(view)} ready spare slot(s) for {len(leavers)} ranks "
+            return Decision("fallback", f"{what}: only {_spare_count(view)} spare slot(s) for {len(leavers)} ranks "
                                         f"{ranks}: whole-group restart")
         joiners[x.rank] = spare         # type: ignore[index]
         left = _without(left, [spare])
@@ -78,8 +78,9 @@ def plan_for_losses(view: ClusterView, nodes: Sequence[str], dead: Sequence[tupl
                             "from the mirrors", plan)
 
 
-def _ready(view: ClusterView) -> int:
-    return len([s for s in view.slots if s.state == "spare" and s.managed and s.node not in view.lost])
+def _spare_count(view: ClusterView) -> int:
+    """Spare slots on live nodes, ready or still starting (a plan takes either: swap._node_joiners)."""
+    return len([s for s in view.slots if s.state == "spare" and s.node not in view.lost])
 
 
 def _without(view: ClusterView, taken: Sequence[SlotView]) -> ClusterView:

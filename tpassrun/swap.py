@@ -228,18 +228,21 @@ def lost_ranks(view: ClusterView, node: str) -> list[tuple[int, int]]:
 
 
 def _node_joiners(view: ClusterView, lost: str, n: int) -> list[SlotView] | None:
-    """``n`` ready spare slots off the lost node: all on one spare node when one has enough (it then takes the
-    lost node's place, as one more node of the same shape would), else wherever spares are."""
-    ready = [s for s in view.slots if s.state == "spare" and s.managed and s.node != lost
-             and s.node not in view.lost]
+    """``n`` spare slots off the lost node: all on one spare node when one has enough ready ones (it then takes
+    the lost node's place, as one more node of the same shape would), else ready ones wherever they are. Short of
+    ready ones, spares still starting make up the rest (a spare node started a moment ago, a slot back in the pool
+    after a swap): the plan's joiners are waited for as a single rank's recovery waits for its joiner, seconds,
+    where a whole-group restart would redo every step since the last checkpoint."""
+    usable = [s for s in view.slots if s.state == "spare" and s.node != lost and s.node not in view.lost]
+    ready = [s for s in usable if s.managed]
     by_node: dict[str, list[SlotView]] = {}
     for s in ready:
         by_node.setdefault(s.node, []).append(s)
     for node in sorted(by_node, key=lambda x: (x not in view.spare_nodes, x in view.members, x)):
         if node not in view.members and len(by_node[node]) >= n:
             return sorted(by_node[node], key=lambda s: s.slot)[:n]
-    spread = _spares(view, near="", excluded=[(s.node, s.slot) for s in view.slots if s not in ready])
-    return spread[:n] if len(spread) >= n else None
+    spread = _spares(view, near="", excluded=[(s.node, s.slot) for s in view.slots if s not in usable])
+    return spread[:n] if len(spread) >= n else None     # (ready ones first: _spares orders them so)
 
 
 def _interleaved_donors(view: ClusterView, lost: str, rank: int | None = None) -> list[SlotView]:
@@ -279,8 +282,8 @@ def plan_for_node_loss(view: ClusterView, *, node: str, now_wall: float, swap_id
                                     "recovery")
     joiners = _node_joiners(view, node, len(lost))
     if joiners is None:
-        have = len([s for s in view.slots if s.state == "spare" and s.managed and s.node not in view.lost])
-        return Decision("fallback", f"node {node} lost with {len(lost)} ranks {ranks}; only {have} ready spare "
+        have = len([s for s in view.slots if s.state == "spare" and s.node != node and s.node not in view.lost])
+        return Decision("fallback", f"node {node} lost with {len(lost)} ranks {ranks}; only {have} spare "
                                     f"slot(s) elsewhere")
     chosen: list[SlotView] = []
     used: dict[tuple[str, int], int] = {}

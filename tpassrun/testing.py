@@ -20,7 +20,8 @@ collective failing here: wait until the process that claimed the marker ``after`
 ``torch.distributed.DistError``, as a collective with that dead rank would; with ``synced`` after a step's
 all-reduce it stages a mixed commit: this rank did not complete the collective, the others did).
 ``"any_step": true`` fires at the first step that reaches the point (with a marker a harness deletes to arm
-it: ``tests/faults.py``'s ``FaultSwitches``).
+it: ``tests/faults.py``'s ``FaultSwitches``). tpassrun's own points: ``send``, ``receive``, ``reform``, ``join``
+(in a swap) and ``spare_start`` (a warm spare before it says hello, as rank -1: a spare slow to start).
 """
 
 from __future__ import annotations

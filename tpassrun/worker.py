@@ -30,6 +30,7 @@ import os
 from datetime import timedelta
 
 from . import envnames as E
+from . import testing
 from .channel import INT64_MAX, Field, WorkerPhase
 from .protocol import Hello
 from .world import init_world
@@ -67,6 +68,8 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
     spare = env.get(E.TPASSRUN_SPARE) == "1"
     if spare:
         _prewarm()
+        if testing.ENABLED:
+            testing.fault_point(-1, 0, "spare_start")   # tests: a spare slow to start (a host importing torch)
     link = AgentLink(channel, int(env[E.TPASSRUN_SLOT]), sock)
     link.set(Field.PID, os.getpid())
     link.send(Hello(pid=os.getpid(), spare=spare))
