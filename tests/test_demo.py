@@ -21,5 +21,7 @@ def test_the_demo_shows_a_live_swap_and_exits_0():
     out = r.stdout + r.stderr
     assert r.returncode == 0, out[-4000:]
     assert "rank 1: 200 steps, none lost or repeated: True" in out and "<- moved to the spare" in out, out[-4000:]
+    # the run's own key is found through the run registry (it sits 0600 beside the embedded etcd's password)
+    assert "unverified" not in out, out[-4000:]
     for rank in (0, 2, 3):
         assert f"rank {rank}: 200 steps, none lost or repeated: True" in out and "(same process throughout)" in out

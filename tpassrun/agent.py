@@ -20,6 +20,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -165,6 +166,8 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                 endpoint = etcd.endpoint
                 self.credentials_file = etcd.credentials_file
                 rdzv_conf["credentials_file"] = etcd.credentials_file
+                if run_key is None:
+                    run_key, self.run_key_file = await asyncio.to_thread(_private_run_key, etcd.data_dir)
             elif cfg.host_etcd:
                 # torchrun's c10d/static: the agent on the endpoint's machine hosts the rendezvous there, with
                 # authentication when the nodes were given a user and password (password_file / environment)
@@ -234,13 +237,16 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
     def _run_key(self, rdzv_conf: dict[str, str], *, embedded: bool) -> RunKey | None:
         """The key that seals this run's swap plans and reports (tpassrun/provenance.py): the one given to every
         agent (a 0600 file named in --rdzv-conf, or the environment), else, for the embedded etcd (this agent is
-        the run's only one), a fresh one kept in memory. Workers never see it."""
+        the run's only one), None here: a fresh one is made beside the embedded etcd's password (``_private_run_key``).
+        Workers never see it."""
         try:
             key = run_key_from(rdzv_conf, self.environ, read_private_file)
         except RunKeyError as exc:
             raise RendezvousError(str(exc)) from None
         self.environ = env_without_key(self.environ)
-        return key if key is not None or not embedded else RunKey.generate()
+        return key
+
+    run_key_file: str | None = None   # an embedded etcd's run key (0600, in its private dir): tpassctl verifies with it
 
     def _port(self) -> AgentPort:
         """What the swapper sees of this agent (see :mod:`tpassrun.port`)."""
@@ -544,3 +550,17 @@ def run_launcher(cfg: LaunchConfig) -> int:
         return asyncio.run(agent.run())
     except KeyboardInterrupt:
         return 130
+
+
+def _private_run_key(private_dir: str | None) -> tuple[RunKey, str | None]:
+    """A fresh run key for a run on its own embedded etcd, written 0600 beside that etcd's password (the same
+    0700 directory, removed with it), so that a local ``tpassctl`` finds it through the run registry and shows
+    the run's records as verified; whoever could read it could already read the etcd's password."""
+    text = secrets.token_hex(32)
+    if private_dir is None:
+        return RunKey.from_text(text), None
+    path = os.path.join(private_dir, "run_key")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    return RunKey.from_text(text), path

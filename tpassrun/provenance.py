@@ -60,7 +60,8 @@ class RunKeyError(ValueError):
 
 @dataclass(frozen=True)
 class RunKey:
-    """The run's root secret (never written anywhere by tpassrun, never on a command line)."""
+    """The run's root secret (never on a command line; written by tpassrun only for a run on its own embedded etcd,
+    0600 beside that etcd's password)."""
 
     root: bytes = field(repr=False)
 

@@ -127,6 +127,9 @@ def register_run(agent: "StatusHost", stack: contextlib.AsyncExitStack, endpoint
     # paths, no secrets (tpassctl reads the password and the run key from those files, as the agent does)
     conf = ",".join(f"{k}={v}" for k, v in dict(cfg.rdzv_conf or {}).items()
                     if k in ("cacert", "cert", "key", "user", "password_file", "run_key_file", "read_timeout"))
+    own_key = getattr(agent, "run_key_file", None)   # an embedded etcd's run key file (a path, never the key)
+    if own_key and "run_key_file=" not in conf:
+        conf = ",".join(x for x in (conf, f"run_key_file={own_key}") if x)
     entry = RunEntry(run_id=cfg.rdzv_id, endpoint=endpoint, pid=os.getpid(), node_id=agent.node_id,
                      event_log=os.path.abspath(event_path) if event_path else None, log_dir=agent.logs.run_dir,
                      credentials=getattr(agent, "credentials_file", None), rdzv_conf=conf,
