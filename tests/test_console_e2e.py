@@ -71,10 +71,34 @@ def test_every_event_kind_and_the_summary_reach_the_launcher_console(tmp_path, e
         "fallback": r"fallback to torchrun's whole-group restart: ",
         "summary": r"summary: exit code 1, wall time ",
         "summary counts": r"summary: 1 swap\(s\) \(pause .*\), 1 recover\(ies\) \(pause .*\), 0 whole-group restart\(s\), 1 hang kill",
-        "goodput": r"summary: time lost to failures [\d.]+ m?s, steps lost 0, steps redone \d+, goodput \d+\.\d%",
+        # the run failed: no goodput is claimed for it
+        "goodput": r"summary: time lost to failures [\d.]+ m?s, steps lost 0, steps redone \d+, goodput not counted: "
+                   r"the run failed",
     }
     missing = [k for k, pat in expect.items() if not _lines(log, pat)]
     assert not missing, (missing, "\n".join(ln for ln in log.splitlines() if PREFIX.match(ln)))
+
+
+def test_a_whole_group_restart_counts_the_steps_it_runs_again_in_the_summary(tmp_path, etcd_server, run_id):
+    """No spare, --max-restarts 1: a SIGKILLed rank restarts the group, and the script (no checkpoint) starts
+    again at step 0. The summary used to say 'steps lost 0, goodput 100.0%'; it now counts the steps run again,
+    the restart's start-up, and the goodput they leave, as the event log implies."""
+    job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=0,
+                       steps=30, step_sleep=0.05, extra=["--max-restarts", "1"]).start()
+    try:
+        job.wait_step(12, 120, rank=1)
+        os.kill(job.losses(1)[-1]["pid"], signal.SIGKILL)
+        assert job.wait(240) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    resumed = [e for e in job.events() if e["event"] == "training_resumed"]
+    assert len(resumed) == 1 and resumed[0]["step"] == 0 and resumed[0]["redone"] >= 12, resumed
+    log = job.log()
+    assert _lines(log, r"training resumed at step 0 after the whole-group restart"), log[-3000:]
+    summary = _lines(log, rf"summary: time lost to failures [\d.]+ m?s, steps lost {resumed[0]['redone']}, "
+                          r"steps redone 0, goodput \d+\.\d%")
+    assert summary, log[-3000:]
+    assert "goodput 100.0%" not in summary[0]
 
 
 def test_waiting_for_nodes_is_said_every_ten_seconds(tmp_path, etcd_server, run_id):

@@ -168,3 +168,39 @@ def test_a_tee_copy_that_failed_writes_again_once_the_disk_frees(caplog):
     assert disk.getvalue() == b"one\ntwo\n"
     said = [r.getMessage() for r in caplog.records if "worker's output" in r.getMessage()]
     assert len(said) == 2 and "cannot write" in said[0] and "again (" in said[1] and "bytes dropped" in said[1], said
+
+
+def test_a_restart_counts_its_start_up_and_the_steps_it_runs_again_and_a_failed_run_no_goodput():
+    """A whole-group restart used to be summed as 'steps lost 0, goodput 100.0%' although the new workers ran
+    again every step since the script's last checkpoint (22 steps and ~30 s of start-up in the issue's run)."""
+    d = Describer()
+    d.describe(_ev("agent_started", 0.0, endpoint="e:1", run_id="r", nproc=2, spares=0))
+    d.describe(_ev("generation_ended", 40.0, generation=0, outcome="failed", reason="x", step=22))
+    d.describe(_ev("generation_joined", 42.0, generation=1, world_size=2, members=["host1-123-abcd"]))
+    line = d.describe(_ev("training_resumed", 50.0, step=0, reached=22, redone=22, redone_s=11.0))
+    assert line == ("training resumed at step 0 after the whole-group restart (start-up 8.00 s): 22 step(s) run "
+                    "again (reached step 22 before; ~11.00 s)")
+    d.describe(_ev("agent_exit", 100.0, code=0))
+    t = d.tally
+    assert t.restarts == [("x", 10.0)] and round(t.lost, 3) == 21.0 and t.restart_redone == 22
+    assert summary_lines(t, 0)[2] == "summary: time lost to failures 21.00 s, steps lost 22, steps redone 0, goodput 79.0%"
+    failed = summary_lines(t, 1)[2]
+    assert "goodput not counted: the run failed" in failed and "%" not in failed
+
+
+def test_progress_says_once_where_a_restarted_group_resumed_and_what_it_runs_again():
+    from tpassrun.progress import Progress, RankPosition
+
+    p = Progress()
+    p.started(after_restart=False)
+    assert p.note([RankPosition(step=s, running=True, last_step_ms=500.0) for s in (20, 21)]) is None
+    assert p.note([RankPosition(step=22, running=False)]) is None and p.high == 21
+    p.started(after_restart=True)
+    assert p.note([RankPosition(step=0, running=False)]) is None          # starting: nothing yet
+    resumed = p.note([RankPosition(step=5, running=True), RankPosition(step=6, running=True)])
+    assert (resumed.step, resumed.reached, resumed.redone, resumed.redone_s) == (5, 21, 16, 8.0)
+    assert p.note([RankPosition(step=7, running=True)]) is None           # said once
+    p.started(after_restart=True)
+    assert p.note([RankPosition(step=30, running=True)]).redone == 0      # resumed past it (a checkpoint): none
+    p.started(after_restart=True)    # seen late (the status loop runs once a second): where run() started counts
+    assert p.note([RankPosition(step=9, running=True, run_from=0)]).step == 0

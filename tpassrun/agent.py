@@ -45,6 +45,7 @@ from .elasticevents import ElasticEvents  # noqa: E402
 from .events import EventLog  # noqa: E402
 from .registry import register_run  # noqa: E402
 from .procs import RunLogs  # noqa: E402
+from .progress import Progress  # noqa: E402
 from .records import Keys, rendezvous_guard  # noqa: E402
 from .report import ProcessFailure, copy_root_cause_error_file, format_failure_report  # noqa: E402
 from .rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
@@ -97,6 +98,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self.slots: LocalSlots | None = None
         self.generation: Generation | None = None
         self.failures: list[ProcessFailure] = []
+        self.progress = Progress()      # the steps its ranks run; what a whole-group restart redoes
         self.workers_started = False
         self.signal_received: int | None = None
         self._queue: asyncio.Queue[AgentEvent] = asyncio.Queue()
@@ -296,6 +298,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
 
     async def _generations(self) -> int:
         assert self.rdzv is not None
+        outcome_before: str | None = None
         while True:
             log.debug("waiting in rendezvous (run %s)", self.cfg.rdzv_id)
             joining_since = time.monotonic()
@@ -316,8 +319,14 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             self.generation = gen
             self.events.write("generation_joined", generation=gen.number, world_size=gen.world_size,
                               members=[m.node_id for m in gen.members])
+            # a group of workers after a failed one (or a membership change) is a whole-group restart: its
+            # first step says how much progress the restart threw away (tpassrun/progress.py)
+            self.progress.started(after_restart=outcome_before in (Outcome.FAILED, Outcome.MEMBERSHIP))
             outcome, reason = await self._run_generation(gen)
-            self.events.write("generation_ended", generation=gen.number, outcome=outcome, reason=reason)
+            self.progress.ended(self._rank_positions(ended=True))
+            outcome_before = outcome
+            self.events.write("generation_ended", generation=gen.number, outcome=outcome, reason=reason,
+                              step=self.progress.high if self.progress.high >= 0 else None)
             log.debug("generation %d ended: %s (%s)", gen.number, outcome, reason)
             if outcome == Outcome.SUCCEEDED:
                 with contextlib.suppress(RendezvousError):

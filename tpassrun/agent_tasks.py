@@ -13,7 +13,9 @@ import signal
 import time
 from typing import Any
 
+from .channel import Field, WorkerPhase
 from .port import RendezvousChanged
+from .progress import Progress, RankPosition
 from .records import Keys, NodeStatus
 from .rendezvous import Generation
 from .slots import SlotState
@@ -39,6 +41,7 @@ class GenerationTasks:
         if self.rdzv is None or self.slots is None:
             return
         workers = self.slots.table()
+        self._note_progress()
         mirror = getattr(self, "mirror", None)
         status = NodeStatus(node_id=self.node_id, addr=self.addr, pid=os.getpid(),
                             generation=self.generation.number if self.generation else None,
@@ -47,6 +50,26 @@ class GenerationTasks:
         self._say_shard_mirrors(workers)
         with contextlib.suppress(Exception):
             await self.rdzv.store.put_json(Keys(self.rdzv.key("")).status(self.node_id), status.to_json(), lease=True)
+
+    progress: Progress
+
+    def _rank_positions(self, *, ended: bool = False) -> list[RankPosition]:
+        slots = self.slots
+        if slots is None or slots.channel is None:
+            return []
+        return [RankPosition(step=slots.field(s, Field.STEP),
+                             running=slots.field(s, Field.PHASE) == WorkerPhase.RUNNING,
+                             last_step_ms=slots.field(s, Field.LAST_STEP_NS) / 1e6,
+                             run_from=slots.field(s, Field.RUN_FROM) - 1)
+                for s in slots.slots if s.rank is not None and s.managed and (ended or s.state == SlotState.RUNNING)]
+
+    def _note_progress(self) -> None:
+        """Follow the step this node's managed ranks run; after a whole-group restart, say once (event
+        ``training_resumed``) at which step the script resumed and how many steps it runs again."""
+        resumed = self.progress.note(self._rank_positions())
+        if resumed is not None:
+            self.events.write("training_resumed", step=resumed.step, reached=resumed.reached,
+                              redone=resumed.redone, redone_s=round(resumed.redone_s, 3))
 
     def _say_shard_mirrors(self, workers: Any) -> None:
         """The event log (and console) says what mirroring a rank's sharded state costs: once when it starts,
@@ -92,7 +115,6 @@ class GenerationTasks:
         * a running worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in
           a collective with it get an error at once instead of waiting for gloo's 30-minute timeout (not while a
           swap runs here: paused workers do not beat)."""
-        from .channel import Field, WorkerPhase
 
         assert self.slots is not None
         timeout_ns = int(self.cfg.hang_timeout * 1e9)

@@ -73,10 +73,13 @@ class RunTally:
     restarts: list[tuple[str, float]] = dataclasses.field(default_factory=list)      # (why, downtime s)
     aborted: list[tuple[str, float]] = dataclasses.field(default_factory=list)       # (id, held s)
     steps_redone: int = 0
+    restart_redone: int = 0          # "steps lost": run again after whole-group restarts (progress thrown away)
+    redone_s: float = 0.0            # what the restarts' redone steps cost, at the step time before them
     fallbacks: int = 0
     hang_kills: int = 0
     _restart_at: float | None = None
     _restart_why: str = ""
+    _joined_at: float | None = None  # a restart's group formed: its start-up counts until training resumes
 
     @property
     def wall(self) -> float:
@@ -87,11 +90,13 @@ class RunTally:
     @property
     def lost(self) -> float:
         return (sum(p for _k, _i, p in self.swaps) + sum(d for _w, d in self.restarts)
-                + sum(d for _i, d in self.aborted))
+                + sum(d for _i, d in self.aborted) + self.redone_s)
 
     @property
     def goodput(self) -> float:
-        """Share of wall time not spent in swap pauses or whole-group restarts (start-up counts as good)."""
+        """Share of wall time that was useful training: not swap pauses, not whole-group restarts (from the
+        failure until the new workers run a step) and not the steps those restarts ran again (the first
+        start-up counts as good, as under an uninterrupted torchrun)."""
         wall = self.wall
         return 100.0 if wall <= 0 else max(0.0, 100.0 * (wall - self.lost) / wall)
 
@@ -126,6 +131,7 @@ class Describer:
             back_as_spare = t._restart_why.startswith("fenced:") and ev.get("node") not in (ev.get("members") or [])
             if t._restart_at is not None and not back_as_spare:
                 t.restarts.append((t._restart_why, max(0.0, now - t._restart_at)))
+                t._joined_at = now
             t._restart_at = None
             return (f"generation {ev.get('generation')} formed: world size {ev.get('world_size')}, "
                     f"{len(members)} node(s): {shown}")
@@ -298,6 +304,19 @@ class Describer:
             if ev.get("outcome") in ("failed", "membership"):
                 t._restart_at, t._restart_why = now, str(ev.get("reason"))
             return f"generation {ev.get('generation')} ended ({ev.get('outcome')}): {ev.get('reason')}"
+        if name == "training_resumed":
+            redone = int(ev.get("redone") or 0)
+            t.restart_redone += redone
+            t.redone_s += float(ev.get("redone_s") or 0.0)
+            startup = 0.0
+            if t._joined_at is not None and t.restarts:
+                startup = max(0.0, now - t._joined_at)
+                why, down = t.restarts[-1]
+                t.restarts[-1] = (why, down + startup)
+            t._joined_at = None
+            return (f"training resumed at step {ev.get('step')} after the whole-group restart (start-up "
+                    f"{_secs(startup)}): {redone} step(s) run again (reached step {ev.get('reached')} before; "
+                    f"~{_secs(ev.get('redone_s'))})")
         if name == "restart":
             return f"whole-group restart ({ev.get('remaining')} left): {ev.get('reason')}"
         if name == "etcd_connection_lost":
@@ -345,8 +364,10 @@ def summary_lines(t: RunTally, code: Any) -> list[str]:
              f"summary: {len(planned)} swap(s){pauses(planned)}, {len(unplanned)} recover(ies){pauses(unplanned)}, "
              f"{len(t.restarts)} whole-group restart(s), {t.hang_kills} hang kill(s)"
              + (f", {len(t.aborted)} aborted swap(s)" if t.aborted else ""),
-             f"summary: time lost to failures {_secs(t.lost)}, steps lost 0, steps redone {t.steps_redone}, "
-             f"goodput {t.goodput:.1f}%"]
+             f"summary: time lost to failures {_secs(t.lost)}, steps lost {t.restart_redone}, steps redone "
+             f"{t.steps_redone}"
+             + (f", goodput {t.goodput:.1f}%" if code in (0, "0") else
+                ", goodput not counted: the run failed (its progress since the script's last checkpoint is lost)")]
     return lines
 
 

@@ -99,10 +99,18 @@ class AgentMetrics:
             health.add_metric([str(device), str(status)], 1.0)
         yield health
         tally = self.describer.tally
-        yield GaugeMetricFamily("tpassrun_goodput_ratio", "Share of wall time not lost to swaps and restarts",
-                                value=tally.goodput / 100.0)
-        yield GaugeMetricFamily("tpassrun_time_lost_seconds", "Wall time lost to swap pauses and restarts",
-                                value=tally.lost)
+        yield GaugeMetricFamily("tpassrun_goodput_ratio", "Share of wall time that was useful training (not "
+                                "swap pauses, restarts, or steps a restart ran again)", value=tally.goodput / 100.0)
+        yield GaugeMetricFamily("tpassrun_time_lost_seconds", "Wall time lost to swap pauses, restarts and the "
+                                "steps restarts ran again", value=tally.lost)
+        yield GaugeMetricFamily("tpassrun_steps_lost", "Steps whole-group restarts ran again (progress since the "
+                                "script's last checkpoint)", value=float(tally.restart_redone))
+        yield GaugeMetricFamily("tpassrun_steps_redone", "In-flight steps live recoveries re-executed",
+                                value=float(tally.steps_redone))
+        yield GaugeMetricFamily("tpassrun_whole_group_restarts", "Whole-group restarts (torchrun's path)",
+                                value=float(len(tally.restarts)))
+        yield GaugeMetricFamily("tpassrun_fallbacks", "Failures no spare could take (fell back to a restart)",
+                                value=float(tally.fallbacks))
 
     # --- lifecycle ---
     def serve(self, addr: str, port: int) -> int:

@@ -198,6 +198,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
                 step_fn(self.step)
                 self.step += 1
             return self.step
+        link.set(Field.RUN_FROM, self.step + 1)
         link.set(Field.PHASE, WorkerPhase.RUNNING)
         self._window = self.step
         self._window_marks = self._replicated_marks()
