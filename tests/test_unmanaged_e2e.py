@@ -17,10 +17,10 @@ pytestmark = pytest.mark.timeout(300)
 PLAIN = os.path.join(REPO, "tests", "plain_train.py")
 
 
-def _job(tmp_path, endpoint: str, run_id: str, steps: int, hold_at: int, release: str) -> Job:
+def _job(tmp_path, endpoint: str, run_id: str, steps: int, hold_at: int, release: str, extra=()) -> Job:
     out = str(tmp_path / "job")
     argv = [sys.executable, "-m", "tpassrun", "--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
-            "--rdzv-id", run_id, "--nproc-per-node", "2", "--spares-per-node", "1",
+            "--rdzv-id", run_id, "--nproc-per-node", "2", "--spares-per-node", "1", *extra,
             "--log-dir", os.path.join(out, "logs"), PLAIN, "--steps", str(steps), "--step-sleep", "0.05",
             "--out", out, "--hold-at", str(hold_at), "--release", release]
     return Job(argv=argv, out=out)
@@ -68,3 +68,38 @@ def test_taint_on_an_unmanaged_job_restarts_it_on_the_spare_slot(tmp_path, etcd_
         last = [x for x in rows if x["pid"] == rows[-1]["pid"]]
         assert [x["step"] for x in last] == list(range(steps))   # the restarted attempt ran to the end
         assert {x["restart"] for x in rows} == {0}
+
+
+@pytest.mark.parametrize("restarts", [1, 0])
+def test_a_dead_rank_of_an_unmanaged_job_restarts_onto_the_spare_or_says_why_not(tmp_path, etcd_server, run_id,
+                                                                              restarts):
+    """An unmodified torchrun script with --spares-per-node 1: a SIGKILLed rank failed the whole job (torchrun's
+    default of 0 restarts) and nothing said why the warm spare was not used. With --max-restarts 1 the restart now
+    puts the rank on the spare slot (the dead slot sits out, as a tainted one); with 0, one line says that live
+    swaps need the worker API and that --max-restarts N would restart onto the spare."""
+    import signal
+
+    release = tmp_path / "release"
+    job = _job(tmp_path, etcd_server.endpoint, run_id, 12, -1, str(release),
+               extra=["--max-restarts", str(restarts)]).start()
+    try:
+        deadline = time.monotonic() + 180
+        while len(_rows(job, 1)) < 3:
+            assert job.proc.poll() is None and time.monotonic() < deadline, job.log()[-3000:]
+            time.sleep(0.05)
+        os.kill(_rows(job, 1)[-1]["pid"], signal.SIGKILL)
+        code = job.wait(240)
+    finally:
+        job.kill()
+    log, events = job.log(), job.events()
+    said = [e for e in events if e["event"] == "unmanaged_death"]
+    assert len(said) == 1 and "worker API" in said[0]["reason"], said
+    assert "died (exit code -9): the script does not use tpassrun's worker API" in log, log[-3000:]
+    if restarts:
+        assert code == 0, log[-3000:]
+        assert said[0]["restart_onto_spare"] is True
+        starts = [e for e in events if e["event"] == "workers_started"]
+        assert {s["slot"]: s["rank"] for s in starts[-1]["slots"]} == {0: 0, 2: 1}   # rank 1 on the spare slot
+    else:
+        assert code == 1, log[-3000:]
+        assert "--max-restarts N would restart the group onto the spare" in log

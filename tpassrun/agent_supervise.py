@@ -121,8 +121,32 @@ class Supervision:
             return Outcome.FAILED, f"rank {slot.rank} (local {slot.local_rank}) exited with {code} after its training loop"
         if await self.swapper.on_worker_death(slot, code):
             return None
+        if not slot.managed:
+            self._unmanaged_death(slot, code)
         self._record_failures(slot)
         return Outcome.FAILED, f"rank {slot.rank} (local {slot.local_rank}) exited with {code}"
+
+    def _unmanaged_death(self, slot: Slot, code: int) -> None:
+        """A rank of a script that does not use the worker API died: no spare can take it live (nothing told
+        tpassrun the step it was in, nor what state to move). With a spare slot free and a restart left, the
+        restart moves the rank onto the spare (the dead slot sits out, as a tainted one does); either way, one
+        line says why the spare did not take it live and what would."""
+        assert self.slots is not None
+        spare_free = len(self.slots.usable_for_start()) > self.cfg.nproc_per_node
+        if not self.cfg.spares_per_node:
+            return
+        api = "the script does not use tpassrun's worker API (README: 'The worker API'), so no spare can take it live"
+        if self.remaining_restarts > 0 and spare_free:
+            slot.state = SlotState.QUARANTINED
+            slot.quarantine_reason = f"rank {slot.rank} died here (exit code {code})"
+            self.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=True,
+                              reason=f"{api}; the whole-group restart puts rank {slot.rank} on a spare slot")
+        elif self.remaining_restarts > 0:
+            self.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=False,
+                              reason=f"{api}; no spare slot is free, the restart reuses slot {slot.index}")
+        else:
+            self.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=False,
+                              reason=f"{api}; --max-restarts N would restart the group onto the spare")
 
     def _record_failures(self, first: Slot | None) -> None:
         """torchrun's report lists the failed worker and the ones it then had to stop."""

@@ -304,6 +304,8 @@ class Describer:
             if ev.get("outcome") in ("failed", "membership"):
                 t._restart_at, t._restart_why = now, str(ev.get("reason"))
             return f"generation {ev.get('generation')} ended ({ev.get('outcome')}): {ev.get('reason')}"
+        if name == "unmanaged_death":
+            return f"[rank {ev.get('rank')}] died (exit code {ev.get('code')}): {ev.get('reason')}"
         if name == "training_resumed":
             redone = int(ev.get("redone") or 0)
             t.restart_redone += redone
@@ -371,6 +373,17 @@ def summary_lines(t: RunTally, code: Any) -> list[str]:
     return lines
 
 
+#: events the console (and ``tpassctl events``) shows as warnings; every other line is informational
+WARNING_EVENTS = frozenset({"fallback", "user_error", "hang_detected", "worker_died", "unmanaged_death",
+                            "swap_aborted_here", "swap_transfer_failed", "fenced", "etcd_connection_lost",
+                            "etcd_connection_overdue"})
+
+
+def level_of(ev: dict[str, Any]) -> str:
+    """The glog level letter of an event's console line: ``W`` for the warnings, else ``I``."""
+    return "W" if ev.get("event") in WARNING_EVENTS else "I"
+
+
 def log_prefix(pid: int, now: float | None = None, level: str = "I", where: str = "tpassrun/agent") -> str:
     """torchrun's (glog-style) logger prefix: ``I1123 10:37:45.123456 4242 <where>] ``."""
     now = time.time() if now is None else now
@@ -405,10 +418,7 @@ class ConsoleReporter:
     def _emit(self, ev: dict[str, Any], line: str, *, node: bool) -> None:
         if not self.enabled:
             return
-        level = "W" if ev.get("event") in ("fallback", "user_error", "hang_detected", "worker_died",
-                                          "swap_aborted_here", "swap_transfer_failed", "fenced",
-                                          "etcd_connection_lost", "etcd_connection_overdue") else "I"
-        prefix = log_prefix(self.pid, float(ev.get("time") or self._wall()), level)
+        prefix = log_prefix(self.pid, float(ev.get("time") or self._wall()), level_of(ev))
         text = f"{prefix}[node {_short(ev.get('node'))}] {line}\n"
         stream = self.stream or sys.stderr
         try:

@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any
 
-from .console import Describer, log_prefix, summary_lines, _short
+from .console import Describer, level_of, log_prefix, summary_lines, _short
 from .registry import CtlError, RunEntry
 from .rendezvous import pid_alive
 
@@ -18,7 +18,7 @@ POLL_S = 0.2
 def _line(d: Describer, ev: dict[str, Any], pid: int) -> list[str]:
     text = d.describe(ev)
     lines = summary_lines(d.tally, ev.get("code")) if ev.get("event") == "agent_exit" else ([text] if text else [])
-    prefix = log_prefix(pid, float(ev.get("time") or time.time()))
+    prefix = log_prefix(pid, float(ev.get("time") or time.time()), level_of(ev))
     return [f"{prefix}[node {_short(ev.get('node'))}] {x}" for x in lines]
 
 
