@@ -45,5 +45,8 @@ def test_a_swap_is_counted_while_the_job_runs(tmp_path, etcd_server, run_id):
         assert _value(after, 'tpassrun_taints_total{source="tpassctl"}') == 1
         assert _value(after, "tpassrun_spares_free") == 0
         assert 0 < _value(after, "tpassrun_goodput_ratio") <= 1
+        # progress: the total its sess.run() was given, and an ETA from the slowest rank's step time
+        assert _value(after, "tpassrun_total_steps") > 0 and _value(after, "tpassrun_eta_seconds") > 0
+        assert _value(after, "tpassrun_steps_lost") == 0 and _value(after, "tpassrun_whole_group_restarts") == 0
     finally:
         job.kill()

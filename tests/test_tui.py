@@ -95,12 +95,12 @@ def row(out: str, *cells: str) -> str:
 def test_no_swap_shows_summary_and_one_row_per_node():
     doc = run_doc()
     out = text(doc, now=T0 + 1.5)
-    assert out.splitlines()[0] == "gen 3 active  world 4  step 17 · 12.5ms  spares 1  swaps 0"
+    assert out.splitlines()[0] == "gen 3 active  world 4  step 17  spares 1  swaps 0"
     assert "run job-7  leader n0  nodes 2  status 1.5s old" in out
     assert "no alerts" in out
     assert row(out, "n0 ") == "n0 member 0 0-1 RR 17 12.5 1.5s - -"
     assert row(out, "n1 ") == "n1 member 1 2-3 RRs 17 12.5 1.5s - -"
-    assert summary_line(doc) == "gen 3 | world 4 | ranks 4 running | spares 1 | no swap"
+    assert summary_line(doc) == "gen 3 | world 4 | ranks 4 running | step 17 (12.5ms/step 80.0/s) | spares 1 | no swap"
 
 
 @pytest.mark.parametrize("phase", ["pause", "boundary", "transfer", "send", "reform"])
@@ -110,7 +110,7 @@ def test_active_swap_in_each_phase_is_the_first_alert_with_its_timeline(phase):
     assert lines[2] == "▶ swap s-1 planned n1/1 r3 → n1/2 r3 at step 120 2.0s (maintenance)"
     assert f"▶{phase} +{PHASE_TIMES[phase]:.2f}" in lines[3] and "·done" in lines[3]
     assert "swaps 1 (1 live)" in lines[0]
-    assert summary_line(doc) == f"gen 3 | world 4 | ranks 4 running | spares 1 | swap s-1 {phase}"
+    assert summary_line(doc) == f"gen 3 | world 4 | ranks 4 running | step 17 (12.5ms/step 80.0/s) | spares 1 | swap s-1 {phase}"
     marks = {s.phase: s.mark for s in swap_timeline(swap_plan(phase))}
     order = list(PHASE_TIMES)
     assert [marks[p] for p in order] == (["done"] * order.index(phase) + ["current"]
@@ -162,7 +162,7 @@ def test_taint_waiting_for_a_spare():
     out = frame(doc)
     assert "spares 0  " in out
     assert out.splitlines()[2] == "! taint t9 n1/1 r3 waiting (migrate, tpassctl): bad fan"
-    assert summary_line(doc) == "gen 3 | world 4 | ranks 4 running | spares 0 | taints 1 waiting | no swap"
+    assert summary_line(doc) == "gen 3 | world 4 | ranks 4 running | step 17 (12.5ms/step 80.0/s) | spares 0 | taints 1 waiting | no swap"
 
 
 def test_quarantined_slot_and_its_settled_taint():
@@ -176,7 +176,7 @@ def test_quarantined_slot_and_its_settled_taint():
     assert row(out, "n0 ").startswith("n0 member 0 0-1 RQR ")
     assert row(out, "slot 1") == "slot 1 quarantined rank - pid 4001 0 -"
     assert "· taint t1 n0/1 r1 quarantined (migrate, health): gpu1: ECC" in out
-    assert summary_line(doc) == "gen 3 | world 4 | ranks 4 running | spares 1 | quarantined 1 | no swap"
+    assert summary_line(doc) == "gen 3 | world 4 | ranks 4 running | step 17 (12.5ms/step 80.0/s) | spares 1 | quarantined 1 | no swap"
 
 
 def test_unhealthy_verdicts_are_alerts_and_healthy_ones_a_node_column():
@@ -232,7 +232,7 @@ def test_empty_and_missing_fields_render(doc):
 def test_empty_doc_facts():
     out = frame({})
     assert out.startswith("gen - ") and "spares 0  " in out and "no alerts" in out
-    assert summary_line({}) == "gen - | world - | ranks 0 running | spares 0 | no swap"
+    assert summary_line({}) == "gen - | world - | ranks 0 running | step - | spares 0 | no swap"
     assert row(frame({"run_id": "r", "status": {"n5": {}}}), "n5") == "n5 other - no status - - -"
 
 
@@ -279,7 +279,8 @@ def big_run(nodes: int, *, spares: int = 1) -> dict:
                                      "nproc": 8, "rank_offset": 8 * i} for i, n in enumerate(names)]
     doc["generation"]["world_size"] = 8 * nodes
     doc["status"] = {n: {"time": T0 + 1.5, "addr": f"10.1.{i // 250}.{i % 250 + 1}",
-                         "workers": [worker(s, 8 * i + s, "running", step=1234, last_step_ms=142.25 + (i % 7))
+                         "workers": [worker(s, 8 * i + s, "running", step=1234, total=5000,
+                                            last_step_ms=142.25 + (i % 7))
                                      for s in range(8)] + [worker(8 + k, None, "spare") for k in range(spares)]}
                      for i, n in enumerate(names)}
     doc["health"] = {n: {"verdicts": [{"device": f"gpu{g}", "status": "healthy", "effect": "none", "reason": "ok"}
@@ -449,12 +450,15 @@ def test_watch_off_a_terminal_prints_one_line_per_change_and_exits_with_the_outc
     console = Console(file=buf, width=60)
     assert not console.is_terminal
     assert asyncio.run(watch(FakeFetch(script), interval=0, console=console)) == 1
-    assert buf.getvalue().splitlines() == [
-        "gen 3 | world 4 | ranks 4 running | spares 1 | no swap",
-        "gen 3 | world 4 | ranks 4 running | spares 1 | swap s-1 send",
+    lines = buf.getvalue().splitlines()
+    stamps = [ln[:20] for ln in lines[:-1]]            # off a terminal every status line says when
+    assert all(re.fullmatch(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", t) for t in stamps), lines
+    assert [ln[20:] for ln in lines[:-1]] + lines[-1:] == [
+        "gen 3 | world 4 | ranks 4 running | step 17 (12.5ms/step 80.0/s) | spares 1 | no swap",
+        "gen 3 | world 4 | ranks 4 running | step 17 (12.5ms/step 80.0/s) | spares 1 | swap s-1 send",
         "fetch failed: ConnectionError: etcd down",
-        "gen 3 | world 4 | ranks 4 running | spares 1 | no swap",
-        "gen 3 | world 4 | ranks 4 running | spares 1 | no swap | closed: workers failed: rank 1",
+        "gen 3 | world 4 | ranks 4 running | step 17 (12.5ms/step 80.0/s) | spares 1 | no swap",
+        "gen 3 | world 4 | ranks 4 running | step 17 (12.5ms/step 80.0/s) | spares 1 | no swap | closed: workers failed: rank 1",
         "run job-7 ended: workers failed: rank 1",
     ]
 

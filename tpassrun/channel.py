@@ -23,7 +23,7 @@ import struct
 
 INT64_MAX = (1 << 63) - 1
 
-SLOT_FIELDS = 32                  # 0-26 used; room to grow
+SLOT_FIELDS = 32                  # 0-27 used; room to grow
 SLOT_BYTES = SLOT_FIELDS * 8
 LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
 _LIGHT_HEADER = struct.Struct("<q")  # payload length
@@ -61,6 +61,7 @@ class Field(enum.IntEnum):
     ALT_BACK = 24
     SHARD_INTERVAL = 25  # worker: the refresh interval K of its sharded state once fixed (shard_interval.py), 0: not yet
     RUN_FROM = 26      # worker: 1 + the step its run() started at (a restarted script's resume point), 0: not yet
+    TOTAL = 27         # worker: the total_steps its run() was given (progress and ETA), 0: not known
 
 
 # RUN_UNTIL: pause before any step >= this one, at the end of an open gradient-accumulation window (a boundary

@@ -30,6 +30,7 @@ from typing import Any, Sequence
 from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RunClosed, SwapPlan, Taint, TaintEffect,
                       TaintSource, generation_record, leader_of, load, node_info)
 from .registry import CtlError
+from .tui import step_info
 from .provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKeyError, carries_mac, key_for,
                          register as register_run_key, run_key_from)
 from .rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, RendezvousError, RendezvousSettings,
@@ -205,6 +206,8 @@ def _render_status(snap: RunSnapshot) -> None:
     else:
         head.append("  no generation formed yet")
     console.print(head)
+    where, pace = step_info(list(snap.workers()))
+    console.print(Text(f"{where}" + (f"  ({pace})" if pace else "")))
     console.print(Text(f"leader: {snap.leader or '-'}" + (f"   closed: {snap.closed.reason}" if snap.closed else "")))
     if snap.provenance == "unverified":
         console.print(Text(f"unverified: the job seals its records with a run key and tpassctl was given none "

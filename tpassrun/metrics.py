@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 
 from .console import Describer
+from .tui import RunProgress
 
 if TYPE_CHECKING:
     from .port import StatusHost
@@ -88,6 +89,12 @@ class AgentMetrics:
                 took.add_metric([str(w.rank)], w.last_step_ms / 1000.0)
         yield step
         yield took
+        progress = RunProgress.of([w.to_json() for w in rows])    # this node's ranks (the job's: tpassctl status)
+        yield GaugeMetricFamily("tpassrun_total_steps", "The total steps sess.run() was given (0: not known)",
+                                value=float(progress.total))
+        eta = progress.eta_s
+        yield GaugeMetricFamily("tpassrun_eta_seconds", "Time left at the slowest rank's step time (-1: not known)",
+                                value=eta if eta is not None else -1.0)
         yield GaugeMetricFamily("tpassrun_spares_free", "Ready spare slots on this node",
                                 value=float(sum(1 for w in rows if w.spare)))
         gen = self.agent.generation

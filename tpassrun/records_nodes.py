@@ -30,6 +30,7 @@ class WorkerRow:
     managed: bool = False       # the worker said hello (it runs tpassrun.init())
     spare: bool = False
     last_step_ms: float = 0.0
+    total: int = 0              # the total_steps its sess.run() was given (0: not known)
     quarantine_reason: str | None = None
     replicas: tuple[int, ...] | None = None   # the ranks holding this rank's state, as its adapter declared them
                                               # (None: every rank, plain data parallelism)
@@ -46,6 +47,8 @@ class WorkerRow:
                "state": self.state, "step": self.step, "managed": self.managed, "spare": self.spare,
                "last_step_ms": self.last_step_ms, "quarantine_reason": self.quarantine_reason,
                "replicas": None if self.replicas is None else list(self.replicas)}
+        if self.total:
+            doc["total"] = self.total
         if self.shard_held:
             doc.update(shard_held=self.shard_held, shard_bytes=self.shard_bytes, shard_mirrored=self.shard_mirrored,
                        shard_sent=self.shard_sent, shard_interval=self.shard_interval)
@@ -60,7 +63,7 @@ class WorkerRow:
                    rank=_opt_int(doc, "rank", what, minimum=0), local_rank=_opt_int(doc, "local_rank", what),
                    pid=_opt_int(doc, "pid", what), step=_int(doc, "step", what, 0),
                    managed=_bool(doc, "managed", what), spare=_bool(doc, "spare", what),
-                   last_step_ms=_num(doc, "last_step_ms", what),
+                   last_step_ms=_num(doc, "last_step_ms", what), total=_int(doc, "total", what, 0, minimum=0),
                    quarantine_reason=_opt_str(doc, "quarantine_reason", what),
                    replicas=_opt_ranks(doc, "replicas", what),
                    shard_held=_int(doc, "shard_held", what, 0, minimum=0),

@@ -302,6 +302,7 @@ class LocalSlots:
             out.append(WorkerRow(slot=s.index, rank=s.rank, local_rank=s.local_rank, pid=s.pid,
                                  state=str(getattr(s.state, "value", s.state)), step=step, managed=s.managed,
                                  spare=s.state == SlotState.SPARE, last_step_ms=round(last / 1e6, 3),
+                                 total=self.field(s, Field.TOTAL) if self.channel is not None else 0,
                                  quarantine_reason=s.quarantine_reason, replicas=s.replicas, **shard))
         return tuple(out)
 

@@ -29,7 +29,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-__all__ = ["TaintState", "TimelineStep", "ViewState", "apply_key", "render_status", "summary_line", "swap_timeline",
+__all__ = ["RunProgress", "TaintState", "TimelineStep", "step_info", "ViewState", "apply_key", "render_status", "summary_line", "swap_timeline",
            "taint_state"]
 
 # The planner's phase order (tpassrun/swap.py); repeated here so the view never imports the agent side.
@@ -190,7 +190,7 @@ def summary_line(doc: Mapping[str, Any]) -> str:
         gen_part += f" {gen['state']}"
     parts = [gen_part, f"world {world if world is not None else '-'}",
              f"ranks {running} running" if world in (None, running) else f"ranks {running}/{world} running",
-             f"spares {spares}"]
+             _plain_progress(workers), f"spares {spares}"]
     if quarantined:
         parts.append(f"quarantined {quarantined}")
     waiting = sum(1 for t in _dict(doc.get("taints")).values() if taint_state(_dict(t)) == TaintState.WAITING)
@@ -289,24 +289,71 @@ def _history_times(plan: Mapping[str, Any]) -> list[float]:
             and isinstance(h[1], (int, float))]
 
 
-def _step_info(workers: list[dict]) -> tuple[str, str]:
-    """(step, step time) of the run: the slowest running rank's step and the slowest last step time."""
-    running = [w for w in workers if w.get("state") == "running" and w.get("rank") is not None]
-    steps = [w["step"] for w in running if isinstance(w.get("step"), int)]
-    lasts = [w["last_step_ms"] for w in running if isinstance(w.get("last_step_ms"), (int, float))
-             and w["last_step_ms"] > 0]
-    return (str(min(steps)) if steps else "-"), (f"{max(lasts):.1f}ms" if lasts else "-")
+@dataclass(frozen=True)
+class RunProgress:
+    """Where the run is: the slowest running rank's step, the total its ``sess.run`` was given, the slowest
+    last step time (what an ETA is made of). Derived from the ``status/`` worker rows, nothing else."""
+
+    step: int | None = None
+    total: int = 0
+    step_ms: float = 0.0
+
+    @classmethod
+    def of(cls, workers: list[dict]) -> "RunProgress":
+        running = [w for w in workers if w.get("state") == "running" and w.get("rank") is not None]
+        steps = [w["step"] for w in running if isinstance(w.get("step"), int)]
+        totals = [w["total"] for w in running if isinstance(w.get("total"), int) and w["total"] > 0]
+        lasts = [w["last_step_ms"] for w in running if isinstance(w.get("last_step_ms"), (int, float))
+                 and w["last_step_ms"] > 0]
+        return cls(step=min(steps) if steps else None, total=max(totals) if totals else 0,
+                   step_ms=float(max(lasts)) if lasts else 0.0)
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.step is None or not self.total or self.step_ms <= 0:
+            return None
+        return max(0, self.total - self.step) * self.step_ms / 1000.0
+
+    @property
+    def steps_per_s(self) -> float | None:
+        return 1000.0 / self.step_ms if self.step_ms > 0 else None
+
+
+def _duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def _plain_progress(workers: list[dict]) -> str:
+    where, pace = step_info(workers)
+    return f"{where} ({pace})" if pace else where
+
+
+def step_info(workers: list[dict]) -> tuple[str, str]:
+    """(where, pace) of the run: the slowest running rank's step (of its total, with an ETA when known), and the
+    slowest last step time with the steps per second it makes."""
+    p = RunProgress.of(workers)
+    where = "step -" if p.step is None else (f"step {p.step}/{p.total}" if p.total else f"step {p.step}")
+    eta = p.eta_s
+    if eta is not None:
+        where += f"  ETA {_duration(eta)}"
+    pace = f"{p.step_ms:.1f}ms/step {p.steps_per_s:.1f}/s" if p.step_ms > 0 else ""
+    return where, pace
 
 
 def _summary(doc: Mapping[str, Any], now: float | None, workers: list[dict]) -> list[Text]:
     gen = _dict(doc.get("generation"))
-    step, step_ms = _step_info(workers)
+    where, pace = step_info(workers)
     spares = sum(1 for w in workers if _is_spare(w))
     swaps = _dict(doc.get("swaps"))
     active = len(_active_swaps(doc))
     gen_state = _text(gen.get("state"), "")
     first = _line((f"gen {_text(gen.get('number'))} ", "bold"), (gen_state, GENERATION_STYLES.get(gen_state, "bold")),
-                  f"  world {_text(gen.get('world_size'))}  step {step} · {step_ms}  ",
+                  f"  world {_text(gen.get('world_size'))}  {where}  ",
                   (f"spares {spares}", "cyan" if spares else "yellow"),
                   f"  swaps {len(swaps)}" + (f" ({active} live)" if active else ""))
     nodes = _node_order(doc)
@@ -328,6 +375,8 @@ def _summary(doc: Mapping[str, Any], now: float | None, workers: list[dict]) -> 
     times = [t for t in times if isinstance(t, (int, float))]
     if now is not None and times:
         second.append(f"  status {max(0.0, now - min(times)):.1f}s old")
+    if pace:
+        second.append(f"  {pace}")
     return [first, second]
 
 

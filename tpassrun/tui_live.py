@@ -184,8 +184,9 @@ async def watch(fetch: Callable[[], Awaitable[dict]], *, interval: float = 0.5, 
             doc, error = await _poll(fetch)
             end = tracker.update(doc, error, clock())
             line = error or summary_line(doc or {})
-            if line != last:
-                console.print(line, markup=False, highlight=False, soft_wrap=True)
+            if line != last:   # off a terminal (a log file): every line says when
+                console.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", markup=False, highlight=False,
+                              soft_wrap=True)
                 last = line
             if end is not None:
                 console.print(end.message, markup=False, highlight=False, soft_wrap=True)

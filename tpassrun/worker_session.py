@@ -199,6 +199,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
                 self.step += 1
             return self.step
         link.set(Field.RUN_FROM, self.step + 1)
+        link.set(Field.TOTAL, max(0, int(total_steps)))
         link.set(Field.PHASE, WorkerPhase.RUNNING)
         self._window = self.step
         self._window_marks = self._replicated_marks()
