@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import re
 
 from tpassrun.console import ConsoleReporter, Describer, RunTally, summary_lines
 from tpassrun.events import EventLog, read_events
@@ -204,3 +205,16 @@ def test_progress_says_once_where_a_restarted_group_resumed_and_what_it_runs_aga
     assert p.note([RankPosition(step=30, running=True)]).redone == 0      # resumed past it (a checkpoint): none
     p.started(after_restart=True)    # seen late (the status loop runs once a second): where run() started counts
     assert p.note([RankPosition(step=9, running=True, run_from=0)]).step == 0
+
+
+def test_the_launchers_python_log_lines_share_the_consoles_format():
+    """The launcher's own warnings ('[2026-11-28 19:06:23,439] tpassrun.workerenv WARNING: ...') used a second
+    format beside the event lines; both are torchrun's glog-style lines now."""
+    import logging
+
+    from tpassrun.console import GlogFormatter
+
+    rec = logging.LogRecord("tpassrun.mirror", logging.WARNING, __file__, 1, "buddy %s unreachable", ("n2",), None)
+    line = GlogFormatter().format(rec)
+    assert line.startswith("W") and line.endswith(" tpassrun/mirror] buddy n2 unreachable"), line
+    assert re.match(r"^W\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ tpassrun/mirror\] ", line), line

@@ -40,7 +40,7 @@ from .agent_supervise import Outcome, Supervision  # noqa: E402
 from .agent_tasks import GenerationTasks  # noqa: E402
 from .agent_workers import WorkerSpawning  # noqa: E402
 from .settings import LaunchConfig  # noqa: E402
-from .console import WAITING_EVERY_S, ConsoleReporter  # noqa: E402
+from .console import WAITING_EVERY_S, ConsoleReporter, GlogFormatter  # noqa: E402
 from .elasticevents import ElasticEvents  # noqa: E402
 from .events import EventLog  # noqa: E402
 from .registry import register_run  # noqa: E402
@@ -548,8 +548,9 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
 def run_launcher(cfg: LaunchConfig) -> int:
     """Run the agent for this node to completion and return torchrun's exit code."""
     level = os.environ.get(E.LOGLEVEL, "WARNING").upper()
-    logging.basicConfig(level=getattr(logging, level, logging.WARNING),
-                        format="[%(asctime)s] %(name)s %(levelname)s: %(message)s")
+    handler = logging.StreamHandler()
+    handler.setFormatter(GlogFormatter())      # one format for every line the launcher prints
+    logging.basicConfig(level=getattr(logging, level, logging.WARNING), handlers=[handler])
     agent = Agent(cfg)
     try:
         import uvloop

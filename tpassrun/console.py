@@ -9,6 +9,7 @@ pure function of (tracker state, event); :class:`RunTally` accumulates what the 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import sys
 import time
@@ -389,6 +390,21 @@ def log_prefix(pid: int, now: float | None = None, level: str = "I", where: str 
     now = time.time() if now is None else now
     lt = time.localtime(now)
     return f"{level}{lt.tm_mon:02d}{lt.tm_mday:02d} {time.strftime('%H:%M:%S', lt)}.{int(now % 1 * 1e6):06d} {pid} {where}] "
+
+
+class GlogFormatter(logging.Formatter):
+    """Python log records in the console's one format (torchrun's glog-style prefix): ``W1123 10:37:45.123456
+    4242 tpassrun/mirror] message``, so the launcher's own warnings read like its event lines."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        text = record.getMessage()
+        if record.exc_info and not record.exc_text:
+            record.exc_text = self.formatException(record.exc_info)
+        if record.exc_text:
+            text = f"{text}\n{record.exc_text}"
+        level = record.levelname[:1] if record.levelname[:1] in "DIWEC" else "I"
+        return log_prefix(record.process or os.getpid(), record.created, "E" if level == "C" else level,
+                          where=record.name.replace(".", "/")) + text
 
 
 class ConsoleReporter:
