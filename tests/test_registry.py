@@ -101,3 +101,28 @@ def test_tpassctl_events_prints_console_lines_and_follow_stops_with_the_launcher
     entry = RunEntry(run_id="r", endpoint="e", pid=done.pid, event_log=str(log))
     assert print_events(entry, follow=True, raw=False, out=out) == 0          # the launcher is gone: returns
     assert out.getvalue().count("\n") == 1 and "[node h] generation 0 formed: world size 2" in out.getvalue()
+
+
+def test_several_runs_are_listed_with_their_script_and_start_time(tmp_path):
+    """With several runs on a machine, `tpassctl status` listed bare UUIDs: it now says what each runs and when
+    it started."""
+    env = {"XDG_RUNTIME_DIR": str(tmp_path)}
+    d = registry_dir(env)
+    for i in range(2):
+        register(RunEntry(run_id=f"run-{i}", endpoint=f"127.0.0.1:{i + 1}", pid=os.getpid(), nproc=2, spares=1,
+                          script=f"train.py --steps {100 * (i + 1)}", started=time.time() - 90), d)
+    out = _ctl("status", env=env)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0] == "2 runs on this machine (pick one with --rdzv-id):"
+    assert "run-0  train.py --steps 100  started " in lines[1] and "(up 1m3" in lines[1] and "2+1 slots" in lines[1]
+    assert "run-1  train.py --steps 200" in lines[2]
+
+
+def test_the_script_shown_is_the_entry_points_name_and_arguments_cut_to_fit():
+    from tpassrun.settings import LaunchConfig
+
+    cfg = LaunchConfig(training_script="/home/me/proj/train.py", training_script_args=("--steps", "200"))
+    assert registry._script_of(cfg) == "train.py --steps 200"
+    long = LaunchConfig(training_script="t.py", training_script_args=tuple(["--flag"] * 20))
+    assert len(registry._script_of(long)) == 48 and registry._script_of(long).endswith("...")

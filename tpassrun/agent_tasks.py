@@ -13,6 +13,7 @@ import signal
 import time
 from typing import Any
 
+from . import envnames as E
 from .channel import Field, WorkerPhase
 from .port import RendezvousChanged
 from .progress import Progress, RankPosition
@@ -101,7 +102,7 @@ class GenerationTasks:
         async def fetch() -> dict:
             return (await read_snapshot(rdzv.store, rdzv.settings.run_prefix, self.cfg.rdzv_id)).to_json()
 
-        await run_panel(fetch)
+        await run_panel(fetch, color=not self.environ.get(E.NO_COLOR))
 
     async def _hang_watchdog(self) -> None:
         """Two checks, every quarter of --hang-timeout (at most 0.5 s):

@@ -29,6 +29,7 @@ from typing import Any, Sequence
 
 from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RunClosed, SwapPlan, Taint, TaintEffect,
                       TaintSource, generation_record, leader_of, load, node_info)
+from .envnames import NO_COLOR
 from .registry import CtlError
 from .tui import step_info
 from .provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKeyError, carries_mac, key_for,
@@ -194,7 +195,7 @@ def _render_status(snap: RunSnapshot) -> None:
 
     def row(table: Table, *cells: Any) -> None:
         # User text (node ids, taint reasons, health reasons) is never parsed as rich markup: "[/]" stays literal.
-        table.add_row(*(Text(str(c)) for c in cells))
+        table.add_row(*(Text("-" if c is None else str(c)) for c in cells))
 
     console = Console()
     gen = snap.generation
@@ -448,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="etcd host[:port][,...] (default: the run's, from this machine's run registry)")
     common.add_argument("--rdzv-id", "--rdzv_id", help="the job's run id (default: the only run on this machine)")
     common.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="k=v,... (cacert, user, read_timeout, ...)")
+    common.add_argument("--no-color", action="store_true", help="no colour or style (as NO_COLOR=1 does)")
     parser = argparse.ArgumentParser(prog="tpassctl", description="Inspect and steer a running tpassrun job.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -523,10 +525,16 @@ def _pick_run(args: argparse.Namespace) -> int | None:
     if args.command == "status" and not args.watch and not args.json:
         print(f"{len(runs)} runs on this machine (pick one with --rdzv-id):")
         for r in runs:
-            age = time.time() - r.started
-            print(f"  {r.run_id}  etcd {r.endpoint}  pid {r.pid}  {r.nproc}+{r.spares} slots  up {age:.0f} s")
+            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started))
+            print(f"  {r.run_id}  {r.script or '?'}  started {started} (up {_uptime(time.time() - r.started)})  "
+                  f"{r.nproc}+{r.spares} slots  etcd {r.endpoint}  pid {r.pid}")
         return 0
     raise CtlError(f"{len(runs)} runs on this machine: pick one with --rdzv-id ({', '.join(r.run_id for r in runs)})")
+
+
+def _uptime(seconds: float) -> str:
+    s = int(seconds)
+    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _event_log_of(args: argparse.Namespace) -> str | None:
@@ -559,6 +567,8 @@ def _resolve_node(snap: RunSnapshot, node: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if getattr(args, "no_color", False):
+        os.environ[NO_COLOR] = "1"     # what every rich Console of this process reads (no-color.org)
     if getattr(args, "local_rank", None) is not None and getattr(args, "node", None) is None:
         parser.error("--local-rank needs --node")
     try:

@@ -33,6 +33,7 @@ LOGLEVEL = "LOGLEVEL"
 PYTHON_EXEC = "PYTHON_EXEC"
 TORCH_ELASTIC_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
+NO_COLOR = "NO_COLOR"        # https://no-color.org: set (to anything non-empty): no colour in any output
 
 # --- tpassrun's own ---
 TPASSRUN_ETCD_BIN = "TPASSRUN_ETCD_BIN"          # etcd binary for the embedded default

@@ -24,6 +24,7 @@ from .rendezvous import pid_alive
 
 if TYPE_CHECKING:
     from .port import StatusHost
+    from .settings import LaunchConfig
 
 VERSION = 1
 log = logging.getLogger("tpassrun.registry")
@@ -65,6 +66,7 @@ class RunEntry:
     rdzv_conf: str = ""                # the non-secret --rdzv-conf items tpassctl needs (e.g. a cacert path)
     nproc: int = 0
     spares: int = 0
+    script: str = ""                   # what it runs: the entry point and its first arguments (for the run list)
 
     def to_json(self) -> dict[str, Any]:
         return {"v": VERSION, **dataclasses.asdict(self)}
@@ -133,7 +135,7 @@ def register_run(agent: "StatusHost", stack: contextlib.AsyncExitStack, endpoint
     entry = RunEntry(run_id=cfg.rdzv_id, endpoint=endpoint, pid=os.getpid(), node_id=agent.node_id,
                      event_log=os.path.abspath(event_path) if event_path else None, log_dir=agent.logs.run_dir,
                      credentials=getattr(agent, "credentials_file", None), rdzv_conf=conf,
-                     nproc=cfg.nproc_per_node, spares=cfg.spares_per_node)
+                     nproc=cfg.nproc_per_node, spares=cfg.spares_per_node, script=_script_of(cfg))
     try:
         list_runs()             # prunes the entries of launchers that died without removing theirs
         path = register(entry)
@@ -141,3 +143,11 @@ def register_run(agent: "StatusHost", stack: contextlib.AsyncExitStack, endpoint
         log.warning("run registry unavailable (tpassctl needs --rdzv-endpoint/--rdzv-id): %s", exc)
         return
     stack.callback(unregister, path)
+
+
+def _script_of(cfg: "LaunchConfig", width: int = 48) -> str:
+    """``train.py --steps 200 ...``: the entry point's file name and its arguments, cut to ``width``; the
+    arguments are the user's own (the entry point's directory is left out: the run list is one line a run)."""
+    name = ("-m " if cfg.module else "") + os.path.basename(cfg.training_script)
+    text = " ".join([name, *cfg.training_script_args]).strip()
+    return text if len(text) <= width else text[: width - 3] + "..."

@@ -36,13 +36,15 @@ def panel_height(rows: int) -> int:
     return max(0, min(max(6, rows // 3), rows - 5))
 
 
-def panel_bytes(doc: dict[str, Any], columns: int, rows: int, now: float) -> bytes:
-    """The escape sequence that (re)draws the panel in the bottom ``panel_height(rows)`` lines (pure)."""
+def panel_bytes(doc: dict[str, Any], columns: int, rows: int, now: float, *, color: bool = True) -> bytes:
+    """The escape sequence that (re)draws the panel in the bottom ``panel_height(rows)`` lines (pure); without
+    ``color`` (``NO_COLOR``) only cursor movements, no colour or style."""
     height = panel_height(rows)
     if height == 0:
         return b""
     console = Console(file=io.StringIO(), width=columns, height=height, force_terminal=True,
-                      color_system="standard", legacy_windows=False, _environ={})
+                      color_system="standard" if color else None, no_color=not color, legacy_windows=False,
+                      _environ={})
     with console.capture() as capture:
         console.print(render_status(doc, now=now, width=columns, height=height, keys=False))
     lines = capture.get().split("\n")[:height]
@@ -57,7 +59,7 @@ def panel_bytes(doc: dict[str, Any], columns: int, rows: int, now: float) -> byt
 
 
 async def run_panel(fetch: Callable[[], Awaitable[dict[str, Any]]], *, fd: int = 1, interval: float = 1.0,
-                    clock: Callable[[], float] = time.time) -> None:
+                    clock: Callable[[], float] = time.time, color: bool = True) -> None:
     """Redraw the panel every ``interval`` seconds until cancelled; then give the terminal back."""
     if not os.isatty(fd):
         log.warning("--tui needs a terminal on stdout; running without the status panel")
@@ -70,7 +72,7 @@ async def run_panel(fetch: Callable[[], Awaitable[dict[str, Any]]], *, fd: int =
                 doc = await fetch()
                 if rows != drawn_rows and drawn_rows:
                     os.write(fd, b"\x1b7\x1b[r\x1b8")   # resized: forget the old region first
-                os.write(fd, panel_bytes(doc, columns, rows, clock()))
+                os.write(fd, panel_bytes(doc, columns, rows, clock(), color=color))
                 drawn_rows = rows
             except (OSError, ValueError) as exc:
                 log.debug("status panel: %s", exc)
