@@ -1,8 +1,8 @@
 """CPU stand-ins for megatron-core 0.16.1's GPU-only calls: the one place they live. ``train_gpt.py`` uses them
 only when the machine has no CUDA; on GPUs nothing here is imported.
 
-megatron-core's training path assumes CUDA in a handful of places (``/work/shared/reference/deps.md`` §4 lists
-them). Each stand-in below replaces exactly one of those calls, nothing else:
+megatron-core's training path assumes CUDA in a handful of places, found by running ``train_gpt.py`` on a machine
+without CUDA until it trained. Each stand-in below replaces exactly one of those calls, nothing else:
 
 =====================================================  ================================================  ==========
 GPU-only call                                          used by                                           stand-in

@@ -2,7 +2,8 @@
 
 torchtitan 0.3.0's ``ParallelDims`` builds the device mesh (FSDP2, or HSDP with ``--dp-replicate 2``), the model
 (a small llama-style decoder: RMSNorm, rotary-free causal attention, SwiGLU) is sharded with FSDP2's
-``fully_shard`` per block the way torchtitan's ``apply_fsdp_to_decoder`` does, the optimizer is torchtitan's
+``fully_shard`` per block and at the root (by hand: torchtitan's ``apply_fsdp_to_decoder`` wants its ``Decoder``
+model and did not run on CPU here), the optimizer is torchtitan's
 ``OptimizersContainer`` (``default_adamw``), the LR schedule its ``LRSchedulersContainer`` (warmup + linear decay),
 and the step/token counters a ``TrainState`` with torchtitan's Stateful contract. Lines marked ``# tpassrun`` are the
 whole integration. Under plain torchrun (the reference) the same file runs unchanged:
@@ -134,7 +135,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     model = TinyLlama(args.vocab, args.dim, args.layers, heads=4)
-    for block in model.layers:                                        # as torchtitan's apply_fsdp_to_decoder
+    for block in model.layers:                                        # one FSDP unit per block, then the root
         fully_shard(block, mesh=dp_mesh)
     fully_shard(model, mesh=dp_mesh)
     optimizers = default_adamw(lr=3e-3).build(model_parts=[model])

@@ -1,10 +1,40 @@
 """DeepSpeed: a Stateful view of a ``DeepSpeedEngine``, and the engine's groups re-created after a re-formed world.
 
-    sess = tpassrun.init()                               # instead of deepspeed.init_distributed()
-    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, model_parameters=..., config=cfg)
-    batches = ResumableLoader(DataLoader(dataset, sampler=DistributedSampler(dataset), ...))
+A DeepSpeed script as its users write it, with the lines tpassrun adds (``tests/test_docs_run.py`` runs this very
+block on CPU, under torchrun and under tpassrun with a rank SIGKILLed, and compares the two with ``torch.equal``)::
+
+    import argparse
+
+    import deepspeed
+    import torch
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+    import tpassrun
+    from tpassrun.adapters.data import ResumableLoader
+    from tpassrun.adapters.deepspeed import DeepSpeedAdapter
+
+    # --deepspeed_config ds_config.json, e.g. {"train_micro_batch_size_per_gpu": 8,
+    #   "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}
+    args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args()
+    sess = tpassrun.init(backend="gloo")             # instead of deepspeed.init_distributed(); "nccl" on GPUs
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=args.deepspeed_config)
+    xs = torch.randn(1024, 16, generator=torch.Generator().manual_seed(1))
+    dataset = TensorDataset(xs, xs.sum(dim=1, keepdim=True).sin())
+    loader = DataLoader(dataset, batch_size=engine.train_micro_batch_size_per_gpu(),
+                        sampler=DistributedSampler(dataset, seed=0))
+    batches = ResumableLoader(loader)                # endless batches whose position travels with the rank
     DeepSpeedAdapter(sess, engine, data_loader=batches)
-    sess.run(step_fn, total_steps)
+
+    def micro_step(i):                               # was: for x, y in loader: ...
+        x, y = batches.next()
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()                                # the optimizer steps every gradient_accumulation_steps
+
+    sess.run(micro_step, 60)
 
 What travels (heavy = only at a handoff; light = also snapshotted at every step start):
 
@@ -32,8 +62,12 @@ rank: unplanned recovery takes it from a survivor.
 ZeRO-3 parameter partitions are refused. DeepSpeed does not save RNG; tpassrun's generic RNG capture moves the
 global generators (``deepspeed.checkpointing``'s model-parallel CUDA tracker is not covered).
 
-Tested against DeepSpeed 0.19.8 on CPU (``DS_ACCELERATOR=cpu``, gloo): ZeRO 0/1/2 planned swaps and a ZeRO-0
-unplanned SIGKILL end ``torch.equal`` to the same script under torchrun (``tests/test_deepspeed_real.py``).
+Tested against DeepSpeed 0.19.8 on CPU (``DS_ACCELERATOR=cpu``, gloo), each run ending ``torch.equal`` to the same
+script under torchrun: ZeRO 0/1/2 planned swaps, a ZeRO-0 SIGKILL recovered from a replica, ZeRO-1/2 SIGKILLs
+(mid-backward, and from outside at a random instant) recovered from the shard mirror, and a ZeRO-1 SIGKILL
+without a mirror falling back to a whole-group restart that says why (``tests/test_deepspeed_real.py``); the
+example above (ZeRO-2, gradient accumulation) through a SIGKILL at a random instant and then a planned swap
+(``tests/test_docs_run.py``; ``bench/frameworks.py --framework deepspeed`` repeats the SIGKILL at many instants).
 """
 
 from __future__ import annotations

@@ -1,12 +1,72 @@
 """Megatron-LM / megatron-core: what a rank must hand over, and what to rebuild after a re-formed world.
 
-Use it right after the model, optimizer and scheduler exist (a joiner loads the received state at that moment)::
+A megatron-core training loop with the lines tpassrun adds; the adapter comes right after the model, optimizer and
+scheduler exist (a joiner loads the received state at that moment). ``tests/test_docs_run.py`` runs this very
+block on CPU (megatron-core's GPU-only calls pointed at the CPU by ``examples/megatron/cpu_shims.py``), under
+torchrun and under tpassrun with a rank SIGKILLed, and compares the two with ``torch.equal``::
 
-    sess = tpassrun.init(backend="nccl")
-    parallel_state.initialize_model_parallel(tp, pp, ...)
-    model, optimizer, scheduler = setup_model_and_optimizer(...)
-    adapter = MegatronAdapter(sess, model, optimizer, scheduler, data_iterator=train_iter)
-    sess.run(lambda i: train_step(...) and adapter.progress.advance(samples_per_step), total_iters)
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    import tpassrun
+    from tpassrun.adapters.megatron import MegatronAdapter
+
+    sess = tpassrun.init(backend="gloo")             # instead of init_process_group; "nccl" on GPUs
+    ps.initialize_model_parallel(tensor_model_parallel_size=1)
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    torch.manual_seed(1234)
+    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
+                   max_sequence_length=16)           # on GPUs: .cuda()
+    model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=gpt)
+    config.finalize_model_grads_func = finalize_model_grads
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=0.0)   # clip_grad=1.0 on GPUs
+    optimizer = get_megatron_optimizer(opt_config, [model])
+    scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=8,
+                                        lr_decay_steps=120, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
+                                        wd_incr_steps=120, wd_incr_style="constant")
+    MICRO, DP = 2, ps.get_data_parallel_world_size()
+
+    def batches(consumed):                           # as Megatron's sampler: a function of consumed_train_samples
+        while True:
+            start = consumed + ps.get_data_parallel_rank() * MICRO
+            yield torch.randint(0, 128, (MICRO, 17), generator=torch.Generator().manual_seed(start))
+            consumed += MICRO * DP
+
+    adapter = MegatronAdapter(sess, [model], optimizer, scheduler, data_iterator=batches(0),
+                              rebuild_data_iterator=batches)   # a joiner's iterator restarts at its position
+
+    def forward_step(data_iterator, gpt):
+        tokens = next(data_iterator)
+        mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).triu(1)      # True: masked
+        per_token = gpt(tokens[:, :-1], torch.arange(16).expand(MICRO, -1), mask, labels=tokens[:, 1:])
+        return per_token, lambda out: (out.float().mean(), {})
+
+    forward_backward = get_forward_backward_func()
+
+    def train_step(iteration):                       # was: for iteration in range(...): train_step(...)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        forward_backward(forward_step_func=forward_step, data_iterator=adapter.data_iterator, model=[model],
+                         num_microbatches=1, seq_length=16, micro_batch_size=MICRO, forward_only=False)
+        adapter.progress.advance(MICRO * DP)         # the global batch is consumed: counted before the update
+        ok, _grad_norm, _zeros = optimizer.step()
+        if ok:
+            scheduler.step(increment=MICRO * DP)
+
+    sess.run(train_step, 30)
+
+The data iterator must be read through ``adapter.data_iterator`` (a joiner's is rebuilt by
+``rebuild_data_iterator(consumed_train_samples)``), and ``adapter.progress`` advanced every iteration whatever the
+step returns. ``examples/megatron/train_gpt.py`` is the same loop with TP, dropout and logging.
 
 What travels (heavy = only at a handoff; light = also snapshotted at every step start for unplanned rollback):
 

@@ -1,8 +1,43 @@
 """TorchTitan (FSDP2 / DTensor): Stateful views of a trainer's parts, and a rebuilt device mesh after a re-formed
 world.
 
-    adapter = TorchTitanAdapter(sess, trainer.model_parts, trainer.optimizers, trainer.lr_schedulers,
-                                trainer.dataloader, trainer, world_mesh=parallel_dims.world_mesh)
+A job built from torchtitan's components, with the lines tpassrun adds (``tests/test_docs_run.py`` runs this very
+block on CPU, under torchrun and under tpassrun with a rank SIGKILLed, and compares the two with ``torch.equal``)::
+
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torchtitan.components.optimizer import default_adamw
+    from torchtitan.distributed import ParallelDims
+
+    import tpassrun
+    from tpassrun.adapters.torchtitan import TorchTitanAdapter
+
+    sess = tpassrun.init(backend="gloo")             # instead of init_process_group; "nccl" on GPUs
+    dims = ParallelDims(dp_replicate=1, dp_shard=-1, cp=1, tp=1, pp=1, ep=1, world_size=sess.world_size)
+    dims.build_mesh()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    fully_shard(model[0], mesh=dims.get_mesh("dp_shard"))
+    fully_shard(model, mesh=dims.get_mesh("dp_shard"))
+    optimizers = default_adamw(lr=1e-3).build(model_parts=[model])
+    TorchTitanAdapter(sess, [model], optimizers, None, None, None, parallel_dims=dims)
+
+    def step(i):                                     # the batch: a pure function of the step and the rank
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1000 * i + sess.rank))
+        loss = torch.nn.functional.mse_loss(model(x), x.sum(dim=1, keepdim=True).sin())
+        loss.backward()
+        optimizers.step()
+        optimizers.zero_grad()
+
+    sess.run(step, 40)
+
+Pass ``parallel_dims=``, not ``world_mesh=``: after a re-formed world the survivors must create the mesh's groups
+exactly as a joiner does while it runs ``ParallelDims.build_mesh()`` (same groups, same order), and only the
+``ParallelDims`` lets them (``world_mesh=`` is for a mesh made with ``init_device_mesh`` itself). In torchtitan's
+``Trainer`` the objects are ``TorchTitanAdapter(sess, trainer.model_parts, trainer.optimizers,
+trainer.lr_schedulers, trainer.dataloader, trainer, parallel_dims=trainer.parallel_dims)`` (``trainer`` is its
+TrainState). On CPU, torchtitan 0.3.0 needs ``torchtitan.distributed.parallel_dims.device_type = "cpu"`` before
+``build_mesh()`` (it falls back to ``"cuda"``).
 
 What travels:
 
@@ -339,7 +374,11 @@ class TorchTitanAdapter:
         lr_schedulers: ``LRSchedulersContainer`` (or a torch scheduler), or None.
         dataloader: ``ParallelAwareDataloader`` (or anything Stateful), or None.
         train_state: TrainState (``step``, ``ntokens_seen``), or None.
-        world_mesh: the root mesh (``parallel_dims.world_mesh``); found from the parameters when None.
+        parallel_dims: torchtitan's ``ParallelDims`` (its ``build_mesh()`` already called): after a re-formed
+            world the survivors call ``build_mesh()`` again, as a joiner does. Pass it whenever the mesh came
+            from it.
+        world_mesh: only for a mesh made with ``init_device_mesh`` (rebuilt with it); found from the parameters
+            when None.
     """
 
     def __init__(self, sess: Any, model_parts: Sequence[Any], optimizers: Any, lr_schedulers: Any,
