@@ -69,6 +69,15 @@ def assert_same_run(job: Job, ref: Job, world: int, *, redone: bool = False) -> 
         assert la == lb, f"rank {r}: per-step losses differ (or a step was lost or repeated)"
 
 
+def assert_same_training(job: Job, ref: Job, world: int, steps: int) -> None:
+    """Every rank's final state (every object of the script with a state_dict) torch.equal to torchrun's, and
+    every step done on every rank (a rank rolled back by a recovery logs some steps twice)."""
+    for r in range(world):
+        assert_trees_equal(job.final(r), ref.final(r), f"rank {r}")
+        done = {row["step"] for row in job.losses(r)}
+        assert done == set(range(steps)), f"rank {r}: steps {sorted(set(range(steps)) - done)} never done"
+
+
 def swap_pause_s(job: Job) -> float:
     """From the event log, how long training stood still: from every rank paused at the boundary (planned: until
     then the ranks train on towards it) or from the rank's death (unplanned) to training resumed; -1 if the log
