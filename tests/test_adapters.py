@@ -365,6 +365,25 @@ def test_deepspeed_engine_roundtrip() -> None:
     assert (dst.global_steps, dst.global_samples, dst.micro_steps) == (5, 40, 10)
 
 
+def test_deepspeed_micro_steps_go_back_to_the_accumulation_window_start() -> None:
+    """Regression: the DeepSpeed docstring's script (ZeRO-1, gradient_accumulation_steps 2, one micro-batch per
+    step) SIGKILLed inside an accumulation window recovered live but not torch.equal to torchrun (2 of 2 in
+    bench/frameworks.py): the survivor rolled back to the window's start kept the engine's micro-step count of the
+    window's second micro-step (heavy state, not rolled back), and so did the joiner it donated to; every rank then
+    stepped the optimizer one micro-batch early, consistently, and nothing noticed. The count now goes back to the
+    window's start on a rollback and travels as the window's start."""
+    engine = StandInEngine(0)
+    engine.gradient_accumulation_steps = lambda: 2
+    engine.micro_steps = 21                  # inside the window that started at micro-step 20
+    state = DeepSpeedEngineState(engine)
+    assert state.state_dict()["counters"]["micro_steps"] == 20
+    engine.optimizer = None
+    state.drop_grads()
+    assert engine.micro_steps == 20
+    state.drop_grads()                       # at a window's start already: stays
+    assert engine.micro_steps == 20
+
+
 def test_deepspeed_adapter_replication_and_refusals() -> None:
     sess = StandInSession()
     adapter = DeepSpeedAdapter(sess, StandInEngine(0), data_loader=Sampler(0))

@@ -8,7 +8,8 @@ the script, every line it removes is not.
 
 The DeepSpeed example is the script shaped as DeepSpeed users write it (a torch optimizer handed to
 ``deepspeed.initialize``, ``engine.backward``, ``engine.step`` per micro-batch, ZeRO and gradient accumulation
-from the JSON config); ``bench/frameworks.py --framework deepspeed`` runs it for many random instants.
+from the JSON config; ZeRO-1 or ZeRO-2, drawn per run); ``bench/frameworks.py --framework deepspeed`` runs it for
+many random instants.
 """
 
 from __future__ import annotations
@@ -22,15 +23,21 @@ import pytest
 
 from docrun import docrun_job, ds_config, write_example
 from faults import Job, faults_env, hold_at, pids_by_rank, sigkill_rank, taint
-from realjobs import assert_same_training, example
+from realjobs import assert_same_training, example, swap_pause_s
 
 pytestmark = pytest.mark.timeout(600)
 
 
+def _ds_args(work: str) -> list[str]:
+    """ZeRO-1 or ZeRO-2, drawn per session (both are covered over runs at the cost of one; the config file's name
+    says which in every failure message): gradient accumulation 2, as the docstring's comment shows."""
+    stage = random.choice((1, 2))
+    return ["--deepspeed_config", ds_config(os.path.join(work, f"ds_zero{stage}.json"), stage)]
+
+
 # framework -> (module whose docstring holds the example, its steps, world size, args given a work dir)
 EXAMPLES = {
-    "deepspeed": ("tpassrun.adapters.deepspeed", 60, 2,
-                  lambda d: ["--deepspeed_config", ds_config(os.path.join(d, "ds_config.json"), 2)]),
+    "deepspeed": ("tpassrun.adapters.deepspeed", 60, 2, _ds_args),
     "torchtitan": ("tpassrun.adapters.torchtitan", 40, 2, lambda d: []),
     "megatron": ("tpassrun.adapters.megatron", 30, 2, lambda d: []),
 }
@@ -82,6 +89,7 @@ def test_the_docstring_example_survives_a_random_sigkill_and_a_planned_swap(tmp_
     finally:
         late.release()
         job.kill()
+    print(f"{framework} docstring example {' '.join(args)}: SIGKILL at step {at}, pause {swap_pause_s(job):.2f} s")
     events = job.events()
     assert len([e for e in events if e["event"] == "swap_resumed"]) == 2, job.log()[-4000:]
     assert not [e for e in events if e["event"] in ("fallback", "restart")], job.log()[-4000:]

@@ -188,7 +188,10 @@ class DeepSpeedEngineState:
                 "no live replica exists (a planned swap is exact, an unplanned failure restarts the group)")
 
     def drop_grads(self) -> None:
-        """Forget the gradients of a step that failed half-way (it is re-executed after an unplanned recovery)."""
+        """Forget the gradients of a step that failed half-way (it is re-executed after an unplanned recovery), or
+        of an accumulation window rolled back to its start (its micro-steps are re-executed: the engine's micro-step
+        count goes back to the window's start with them)."""
+        self.engine.micro_steps = micro_steps_at_window_start(self.engine)
         self.engine.module.zero_grad(set_to_none=True)
         optimizer = getattr(self.engine, "optimizer", None)
         if optimizer is not None:
@@ -211,7 +214,8 @@ class DeepSpeedEngineState:
             "optimizer": None if optimizer is None or not self.with_optimizer
             else _to_portable_optimizer(optimizer.state_dict()),
             "lr_scheduler": None if scheduler is None else portable(scheduler.state_dict()),
-            "counters": {name: getattr(engine, name) for name in COUNTERS if hasattr(engine, name)},
+            "counters": {name: (micro_steps_at_window_start(engine) if name == "micro_steps" else getattr(engine, name))
+                         for name in COUNTERS if hasattr(engine, name)},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -241,6 +245,24 @@ class DeepSpeedEngineState:
         # The engine's loader picks entry [dp_rank] of a per-partition list; this rank's is the only one we have.
         optimizer.load_state_dict([optim_state] * dp_size, load_optimizer_states=True, load_from_fp32_weights=True,
                                   checkpoint_folder=None)
+
+
+def micro_steps_at_window_start(engine: Any) -> int:
+    """The engine's micro-step count at the start of the current gradient-accumulation window.
+
+    Invariant: tpassrun's accumulation window (the steps since the last optimizer step) starts where DeepSpeed's
+    does, at a multiple of ``gradient_accumulation_steps`` micro-steps (the engine steps the optimizer when
+    ``(micro_steps + 1) % gas == 0``, then counts that micro-step). ``micro_steps`` is the only counter that moves
+    inside a window; it is heavy state (identical on every rank), so a rollback to the window's start must take
+    it back too: a survivor or a joiner starting the window's first micro-step with the count of its second one
+    would step the optimizer one micro-batch early on every rank, consistently, and silently diverge from
+    torchrun. (A caller-owned boundary, ``managed_gradient_accumulation() == False``, keeps the count as is.)"""
+    count = int(getattr(engine, "micro_steps", 0))
+    managed = getattr(engine, "managed_gradient_accumulation", None)
+    if callable(managed) and not managed():
+        return count
+    gas = engine.gradient_accumulation_steps() if callable(getattr(engine, "gradient_accumulation_steps", None)) else 1
+    return count - count % max(1, int(gas))
 
 
 def reset_zero_reduction(optimizer: Any) -> None:
