@@ -131,7 +131,8 @@ def one_run(work: Workdir, etcd: EtcdServer, shape: Shape, index: int, mode: str
         why = why or (str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
     reasons = [e.get("reason", "") for e in fallbacks]
     pids = pids_by_rank(job, shape.nproc)
-    return {"shape": shape.name, "mode": mode, "run": index, "rank": victim, "step": at if mode == "planned" else died_in,
+    return {"shape": shape.name, "mode": mode, "run": index, "rank": victim,
+            "step": at if mode == "planned" else died_in,
             "exit": code, "live": live, "exact": exact, "pause_s": round(swap_pause_s(job), 3),
             "kept_pids": all(len(pids[r]) == 1 for r in range(shape.nproc) if r != victim),
             "why": why or "; ".join(r for r in reasons if r)[:300], "log": "" if live else tail(job, 600)}

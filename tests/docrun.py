@@ -72,7 +72,8 @@ def docrun_job(kind: str, out: str, script: str, nproc: int, args: list[str], *,
         launcher = ["-m", "tpassrun", "--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint,
                     "--rdzv-id", run_id, "--spares-per-node", str(spares), "--max-restarts", "0",
                     "--log-dir", os.path.join(out, "logs")]
-    argv = [sys.executable, *launcher, "--nproc-per-node", str(nproc), os.path.abspath(__file__), script, *args, "--out", out]
+    argv = [sys.executable, *launcher, "--nproc-per-node", str(nproc), os.path.abspath(__file__), script, *args,
+            "--out", out]
     return Job(argv=argv, out=out, env={**CPU_ENV, **(env or {})})
 
 
