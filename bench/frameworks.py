@@ -129,7 +129,9 @@ def one_run(work: Workdir, etcd: EtcdServer, shape: Shape, index: int, mode: str
     except (AssertionError, OSError, KeyError, EOFError, RuntimeError) as exc:
         exact = False
         why = why or (str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__)
-    reasons = [e.get("reason", "") for e in fallbacks]
+    reasons = [e.get("reason", "") for e in fallbacks] + [
+        line.split("recovery decided (fallback): ", 1)[1] for line in job.log().splitlines()
+        if "recovery decided (fallback): " in line]
     pids = pids_by_rank(job, shape.nproc)
     return {"shape": shape.name, "mode": mode, "run": index, "rank": victim,
             "step": at if mode == "planned" else died_in,
