@@ -297,6 +297,30 @@ def test_a_rank_that_committed_a_step_the_others_did_not_goes_back_to_its_start(
     channel.close()
 
 
+def test_a_rollback_loads_per_rank_objects_in_the_order_they_were_tracked(session):
+    """Per-rank objects are restored in the order the script tracked them, as a joiner loads them, whatever the
+    process's hash seed (a set's order: a Megatron survivor rebuilt its data iterator from counters not restored
+    yet on some seeds and resumed a batch ahead)."""
+    sess, _channel = session
+    loaded: list[str] = []
+
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def state_dict(self) -> dict:
+            return {"name": self.name}
+
+        def load_state_dict(self, state: dict) -> None:
+            loaded.append(state["name"])
+
+    names = [f"obj{i:02d}" for i in range(16)]
+    for name in names:
+        sess.track_per_rank(**{name: Named(name)})
+    sess._restore_light(sess._publish_light(0))
+    assert loaded == names
+
+
 def test_a_rank_parking_before_a_step_never_shows_that_step_as_running(session, monkeypatch):
     """What the agent reads (phase and step, ChannelFile.position) after every single write of the worker, through
     an accumulation window (optimizer step every 2nd step) and a pause at the window's end: "running step B" from

@@ -157,7 +157,10 @@ class StepTransaction:
 
     # --- light state ---
     def _light_objects(self) -> dict[str, Any]:
-        return {k: self._tracked[k] for k in self._per_rank}
+        # In the order tracked, never the set's (hash-seeded, so it differs between processes): a survivor rolled
+        # back loads its per-rank objects in the order a joiner loads them as the script tracks them, and an
+        # object rebuilt from another (a data iterator from the progress counters) finds it loaded first.
+        return {k: v for k, v in self._tracked.items() if k in self._per_rank}
 
     def _snapshot_light(self, step: int) -> None:
         """The step-start snapshot: what a failed step rolls back to, and what a joiner starts from."""

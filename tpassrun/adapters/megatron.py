@@ -336,22 +336,40 @@ class MegatronProgress:
 
 class DataIteratorState:
     """The data iterator's position, when it can tell it (``state_dict`` / Energon's ``save_state``); otherwise
-    ``rebuild(consumed_train_samples)`` re-creates it on the joiner (Megatron's samplers are pure functions of
-    that counter and the DP rank)."""
+    ``rebuild(consumed_train_samples)`` re-creates it (Megatron's samplers are pure functions of that counter and
+    the DP rank). The rebuild runs when the script next asks for the iterator (:attr:`iterator`), not when the
+    position is loaded: a survivor rolled back loads it before the world is re-formed, when ``parallel_state``
+    answers for no world (megatron-core: a data-parallel size of 0, a sampler that yields nothing)."""
 
     def __init__(self, iterator: Any, progress: MegatronProgress,
                  rebuild: Callable[[int], Any] | None = None) -> None:
-        self.iterator = iterator
+        self._iterator = iterator
+        self._rebuild_at: int | None = None     # a loaded position not rebuilt yet
         self.progress = progress
         self.rebuild = rebuild
 
+    @property
+    def iterator(self) -> Any:
+        if self._rebuild_at is not None:
+            assert self.rebuild is not None
+            consumed, self._rebuild_at = self._rebuild_at, None
+            self._iterator = _without_drawing(self.rebuild, consumed)
+        return self._iterator
+
+    @iterator.setter
+    def iterator(self, value: Any) -> None:
+        self._iterator, self._rebuild_at = value, None
+
     def state_dict(self) -> dict[str, Any]:
-        it = self.iterator
-        if hasattr(it, "state_dict"):
-            return {"v": STATE_VERSION, "kind": "state_dict", "state": portable(it.state_dict())}
-        if hasattr(it, "save_state"):
-            return {"v": STATE_VERSION, "kind": "save_state", "state": portable(it.save_state())}
-        return {"v": STATE_VERSION, "kind": "consumed_samples", "state": None}
+        if self._rebuild_at is None:
+            it = self._iterator
+            if hasattr(it, "state_dict"):
+                return {"v": STATE_VERSION, "kind": "state_dict", "state": portable(it.state_dict())}
+            if hasattr(it, "save_state"):
+                return {"v": STATE_VERSION, "kind": "save_state", "state": portable(it.save_state())}
+        # the position itself, not a reference to the counter: loading it needs no other object loaded first
+        consumed = self._rebuild_at if self._rebuild_at is not None else self.progress.consumed_train_samples
+        return {"v": STATE_VERSION, "kind": "consumed_samples", "state": None, "consumed": int(consumed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_version(state, "data")
@@ -361,8 +379,34 @@ class DataIteratorState:
         elif kind == "save_state":
             self.iterator.restore_state(state["state"])
         elif self.rebuild is not None:
-            # progress is tracked (and so loaded) before the data state: the counter is already the leaver's
-            self.iterator = self.rebuild(self.progress.consumed_train_samples)
+            consumed = state.get("consumed")     # (absent from a sender of an earlier tpassrun: its counter)
+            self._rebuild_at = int(consumed) if consumed is not None else int(self.progress.consumed_train_samples)
+
+
+def _without_drawing(fn: Callable[[int], Any], arg: int) -> Any:
+    """``fn(arg)`` with every global RNG put back after it: building a ``DataLoader`` iterator draws its base seed
+    from torch's generator, and a rebuild inside a step would shift every random draw after it (dropout) away from
+    the uninterrupted run's, where the iterator was built once, before training."""
+    import random
+
+    import torch
+
+    py, cpu = random.getstate(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    npy = np.random.get_state() if np is not None else None
+    try:
+        return fn(arg)
+    finally:
+        random.setstate(py)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if np is not None:
+            np.random.set_state(npy)
 
 
 class RerunStateMachineState:
