@@ -188,6 +188,36 @@ def test_every_backward_seals_before_its_gradient_reaches_ddp(session):
     assert _steps(channel) == (2, 1)
 
 
+def test_a_framework_adapters_model_chunks_seal_in_their_backward_pass(session):
+    """Megatron's adapter tracks a view of its model chunks (not an nn.Module): the chunks under it seal the step
+    in their backward pass, as a tracked model does (sealed only at the optimizer step, a rank that died after its
+    part of the data-parallel all-reduce, before its commit point, left no state for the step the survivors
+    completed: a restart)."""
+    from tpassrun.adapters._common import register
+    from tpassrun.adapters.megatron import ModelChunksState, MegatronProgress
+
+    sess, channel = session
+    torch.manual_seed(0)
+    chunk = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(chunk.parameters(), lr=0.1)
+    progress = MegatronProgress()
+    register(sess, "megatron.progress", progress, heavy=False)
+    register(sess, "megatron.model", ModelChunksState([chunk]), heavy=True)
+    sess.track(optimizer=opt)
+    seen = []
+
+    def step(i: int) -> None:
+        progress.advance(8)
+        chunk(torch.randn(2, 4)).sum().backward()
+        seen.append((_steps(channel), sess._sealed))       # after the backward pass, before the optimizer step
+        opt.step()
+        opt.zero_grad()
+
+    sess.run(step, 3)
+    assert seen == [((1, 0), 0), ((2, 1), 1), ((3, 2), 2)]
+    assert sess._commit_snapshots                              # every seal was the next step's start
+
+
 def test_a_grad_scaler_update_commits_a_step_whose_optimizer_step_was_skipped(session):
     sess, channel = session
     model, opt, sampler = _job(sess)

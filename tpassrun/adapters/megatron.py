@@ -200,6 +200,13 @@ class ModelChunksState:
     def __init__(self, model: Any) -> None:
         self.chunks = _unwrap_chunks(model)
 
+    def seal_modules(self) -> list[Any]:
+        """The chunks themselves (``nn.Module``s, Megatron's DDP wrapper included): the session seals a step in
+        their backward pass, before this rank's gradients reach the data-parallel all-reduce."""
+        import torch
+
+        return [c for c in self.chunks if isinstance(c, torch.nn.Module)]
+
     def state_dict(self) -> dict[str, Any]:
         out = []
         for chunk in self.chunks:
