@@ -30,7 +30,7 @@ from tpassrun.adapters._common import _collect, register
 from tpassrun.adapters.deepspeed import DeepSpeedAdapter, DeepSpeedEngineState
 from tpassrun.adapters.megatron import (DataIteratorState, MegatronAdapter, MegatronOptimizerState, MegatronProgress,
                                         ModelChunksState, ParallelLayout, RerunStateMachineState, RngTrackerState,
-                                        donor_rank)
+                                        SchedulerState, donor_rank)
 from tpassrun.worker import Session
 
 
@@ -321,6 +321,28 @@ def test_megatron_data_position_is_rebuilt_from_itself_when_the_script_next_asks
     assert next(data.iterator) == 40 and rebuilt == [40]
     assert torch.equal(torch.get_rng_state(), rng)   # rebuilt inside a step: no draw after it moves
     assert data.state_dict()["consumed"] == 48  # from here on the counter is the position again
+
+
+def test_megatron_scheduler_state_loads_into_a_live_scheduler_as_into_a_fresh_one() -> None:
+    """megatron-core's OptimizerParamScheduler.load_state_dict adds the loaded step count to its own. A survivor
+    that caught up with a peer after a mixed commit (TP x DP) loaded the peer's scheduler into its live one: twice
+    the steps, another learning rate, replica 0 diverged from step 7 on (up to 4.6e-4)."""
+    sched_mod = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+
+    def scheduler(steps: int) -> Any:
+        opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.0)
+        s = sched_mod.OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=16,
+                                              lr_decay_steps=160, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                              wd_incr_steps=160, wd_incr_style="constant")
+        for _ in range(steps):
+            s.step(increment=8)
+        return s
+
+    src, live, fresh = scheduler(6), scheduler(5), scheduler(0)
+    for dst in (live, fresh):
+        SchedulerState(dst).load_state_dict(SchedulerState(src).state_dict())
+        assert dst.num_steps == src.num_steps == SchedulerState(dst).last_epoch == 48
+        assert dst.optimizer.param_groups[0]["lr"] == src.optimizer.param_groups[0]["lr"]
 
 
 def test_megatron_adapter_registers_and_reports_replication() -> None:

@@ -276,6 +276,29 @@ def _bucket_states(shard: dict) -> list[list[dict]]:
     return out
 
 
+class SchedulerState:
+    """Megatron's ``OptimizerParamScheduler``. Its ``load_state_dict`` *adds* the loaded step count to its own
+    (``step(increment=num_steps)``): right on a joiner's fresh scheduler, twice the steps (a wrong learning rate
+    from there on) on a survivor that takes a peer's state after a mixed commit. Loaded here from zero.
+    ``last_epoch`` (its step count) lets the session tell whether a step that failed after its optimizer step had
+    stepped the scheduler too."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    @property
+    def last_epoch(self) -> int:
+        return int(getattr(self.scheduler, "num_steps", 0))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if hasattr(self.scheduler, "num_steps"):
+            self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(state)
+
+
 class RngTrackerState:
     """Megatron's named CUDA RNG streams (``model-parallel-rng``, ``expert-parallel-rng``, ``data-parallel-rng``).
 
@@ -582,7 +605,7 @@ class MegatronAdapter:
         register(sess, "megatron.model", self.model_state, heavy=True)
         register(sess, "megatron.optimizer", self.optimizer_state, heavy=True)
         if opt_param_scheduler is not None:
-            register(sess, "megatron.scheduler", opt_param_scheduler, heavy=True)
+            register(sess, "megatron.scheduler", SchedulerState(opt_param_scheduler), heavy=True)
         self._declare_replicas()
         if _distributed_ready():
             adopt_group_sockets()   # a peer blocked in a tensor/data-parallel collective fails at once on a death
@@ -640,5 +663,5 @@ def _distributed_ready() -> bool:
 
 
 __all__ = ["DEFAULT_ORDER", "DataIteratorState", "MegatronAdapter", "MegatronOptimizerState", "MegatronProgress",
-           "ModelChunksState", "ParallelLayout", "RerunStateMachineState", "RngTrackerState", "donor_rank",
-           "mirror_optimizer_setup", "reinitialize_parallel_state"]
+           "ModelChunksState", "ParallelLayout", "RerunStateMachineState", "RngTrackerState", "SchedulerState",
+           "donor_rank", "mirror_optimizer_setup", "reinitialize_parallel_state"]
