@@ -166,6 +166,7 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
 def main() -> None:
     args = parse_args()
     import cpu_shims
+    from train_gpt import save_final
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
@@ -252,12 +253,7 @@ def main() -> None:
             time.sleep(args.step_sleep)
 
     sess.run(step, args.train_iters)                                                   # tpassrun
-    torch.save({"model": {k: v.detach().clone() for k, v in model[0].state_dict().items()
-                          if isinstance(v, torch.Tensor)},
-                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                "rng_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-                "progress": progress.state_dict(), "rng": torch.get_rng_state()},
-               os.path.join(args.out, f"final_rank{sess.rank}.pt"))
+    save_final(os.path.join(args.out, f"final_rank{sess.rank}.pt"), model[0], optimizer, scheduler, progress)
     mpu.destroy_model_parallel()
     torch.distributed.destroy_process_group()
 

@@ -192,14 +192,20 @@ def train(args: argparse.Namespace) -> None:
 
     sess.run(step, args.steps)                                              # tpassrun (was: for iteration in ...)
     if args.out:
-        torch.save({"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
-                              if isinstance(v, torch.Tensor)},
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-                    "progress": progress.state_dict(), "rng": torch.get_rng_state()},
-                   os.path.join(args.out, f"final_rank{sess.rank}.pt"))
+        save_final(os.path.join(args.out, f"final_rank{sess.rank}.pt"), model, optimizer, scheduler, progress)
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+def save_final(path: str, model: Any, optimizer: Any, scheduler: Any, progress: Any) -> None:
+    """What the tests compare with torchrun's run: model, optimizer, scheduler, RNG tracker, counters, CPU RNG."""
+    from megatron.core import tensor_parallel
+
+    torch.save({"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
+                          if isinstance(v, torch.Tensor)},
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+                "progress": progress.state_dict(), "rng": torch.get_rng_state()}, path)
 
 
 def main() -> None:
