@@ -30,7 +30,7 @@ from tpassrun.adapters._common import _collect, register
 from tpassrun.adapters.deepspeed import DeepSpeedAdapter, DeepSpeedEngineState
 from tpassrun.adapters.megatron import (DataIteratorState, MegatronAdapter, MegatronOptimizerState, MegatronProgress,
                                         ModelChunksState, ParallelLayout, RerunStateMachineState, RngTrackerState,
-                                        donor_rank)
+                                        SchedulerState, donor_rank)
 from tpassrun.worker import Session
 
 
@@ -287,10 +287,62 @@ def test_megatron_views_roundtrip() -> None:
     assert all(torch.equal(src_tracker.states_[k], dst_tracker.states_[k]) for k in src_tracker.states_)
     assert dst_progress == src_progress
     assert dst_sampler.pos == 640
-    assert rebuilt == [41 * 64]   # rebuilt from the received counter
+    assert rebuilt == []          # not before the script asks for the iterator (in the world it trains in)
+    receive["data_rebuilt"].iterator
+    assert rebuilt == [41 * 64]   # rebuilt from the received position
     assert dst_rerun.loaded["mode"] is Mode.VALIDATE_RESULTS
     assert dst_rerun.loaded["state"] is RState.WILL_RERUN_FROM_CHECKPOINT
     assert float(dst_rerun.loaded["sharded"]["initial_result"]) == 1.5
+
+
+def test_megatron_data_position_is_rebuilt_from_itself_when_the_script_next_asks() -> None:
+    """A survivor rolled back (a step re-executed after a peer's death) loads its per-rank objects in any order,
+    before the world is re-formed. The TP x DP incident: ranks that had counted the step's samples before a
+    collective failed rebuilt their iterators from the counter not yet rolled back (one global batch ahead: every
+    rank's loss differed from the re-run step on, silently), and a rebuild that asks ``parallel_state`` for its
+    data-parallel rank then got megatron-core's answer for no world (size 0: a sampler that yields nothing). Rebuilt
+    lazily, inside the next step, a DataLoader iterator must not draw from the global RNG (dropout would move)."""
+    progress = MegatronProgress(iteration=5, consumed_train_samples=40)
+    rebuilt: list[int] = []
+
+    def rebuild(consumed: int) -> Iterator[int]:
+        rebuilt.append(consumed)
+        torch.rand(1)                           # a DataLoader iterator draws its base seed
+        return iter([consumed])
+
+    data = DataIteratorState(None, progress, rebuild=rebuild)
+    start = data.state_dict()                   # the step's start snapshot
+    progress.advance(8)                         # the step counts its samples, then fails in a collective
+    data.load_state_dict(start)                 # rolled back: the data position first, the counters after
+    progress.load_state_dict(MegatronProgress(iteration=5, consumed_train_samples=40).state_dict())
+    progress.advance(8)                         # ... and the re-executed step may count again before it reads
+    assert rebuilt == [] and data.state_dict() == start
+    rng = torch.get_rng_state()
+    assert next(data.iterator) == 40 and rebuilt == [40]
+    assert torch.equal(torch.get_rng_state(), rng)   # rebuilt inside a step: no draw after it moves
+    assert data.state_dict()["consumed"] == 48  # from here on the counter is the position again
+
+
+def test_megatron_scheduler_state_loads_into_a_live_scheduler_as_into_a_fresh_one() -> None:
+    """megatron-core's OptimizerParamScheduler.load_state_dict adds the loaded step count to its own. A survivor
+    that caught up with a peer after a mixed commit (TP x DP) loaded the peer's scheduler into its live one: twice
+    the steps, another learning rate, replica 0 diverged from step 7 on (up to 4.6e-4)."""
+    sched_mod = pytest.importorskip("megatron.core.optimizer_param_scheduler")
+
+    def scheduler(steps: int) -> Any:
+        opt = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.0)
+        s = sched_mod.OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=16,
+                                              lr_decay_steps=160, lr_decay_style="cosine", start_wd=0.1, end_wd=0.1,
+                                              wd_incr_steps=160, wd_incr_style="constant")
+        for _ in range(steps):
+            s.step(increment=8)
+        return s
+
+    src, live, fresh = scheduler(6), scheduler(5), scheduler(0)
+    for dst in (live, fresh):
+        SchedulerState(dst).load_state_dict(SchedulerState(src).state_dict())
+        assert dst.num_steps == src.num_steps == SchedulerState(dst).last_epoch == 48
+        assert dst.optimizer.param_groups[0]["lr"] == src.optimizer.param_groups[0]["lr"]
 
 
 def test_megatron_adapter_registers_and_reports_replication() -> None:

@@ -104,3 +104,49 @@ def test_mixed_commit_takes_any_rule_for_the_dead_ranks_state():
     assert mixed_commit(mixed(), lambda v: v == 9).step == 9
     assert mixed_commit(mixed(), lambda v: False).step is None
     assert Report.from_json(mixed()[0].to_json()) == mixed()[0]
+
+
+# TP=2 x DP=2 (megatron-core's order): ranks 0, 1 are the tensor-parallel pair of replica 0, ranks 2, 3 of replica 1;
+# each rank's replicas are the ranks with its TP coordinate in the other replica: {0, 2} and {1, 3}
+TP_DP = {0: (0, 2), 1: (1, 3), 2: (0, 2), 3: (1, 3)}
+
+
+def tp_dp(stops_a, stops_b, dead=(9, 8), backs_a=None, backs_b=None):
+    """Node a runs ranks 0 and 1 (rank 1 died), node b ranks 2 and 3."""
+    def report(node, stops, backs, **kw):
+        failed = tuple(offer for _slot, offer, _can in stops.values())
+        return Report(node, Phase.PAUSE, failed_steps=failed, stops=stops, backs=backs or {},
+                      replicas={r: TP_DP[r] for r in stops}, **kw)
+    return [report("a", stops_a, backs_a, dead_steps=dead), report("b", stops_b, backs_b)]
+
+
+def test_tp_dp_the_replica_of_a_dead_tensor_parallel_rank_cannot_go_back_so_everyone_goes_forward():
+    """Rank 1 died after its part of the data-parallel all-reduce (its seal of step 9 written in the backward pass):
+    rank 3 completed that all-reduce and, with rank 2, step 8; rank 0 failed in the grad-norm all-reduce with rank
+    1, before its commit point ("survivors stopped at different steps [8, 9]": a restart until now). Rank 3's only
+    replica is rank 1: it cannot go back to step 8. Forward: rank 0 catches up from rank 2 (its replica), the
+    joiner takes rank 1's state from rank 3 (its replica) and its seal of step 9."""
+    reports = tp_dp({0: (0, 8, True)}, {2: (0, 9, False), 3: (1, 9, False)}, backs_b={2: 8, 3: 8})
+    choice = resume_plan(reports, 1)
+    assert choice.step == 9 and "catch up" in choice.why, choice.why
+    assert choice.catch_up == (Move(SlotRef("a", 0, 0), SlotRef("a", 0, 0), SlotRef("b", 0, 2)),)
+    assert choice.donor == SlotRef("b", 1, 3)
+    assert Report.from_json(reports[0].to_json()) == reports[0]
+
+
+def test_tp_dp_going_back_takes_each_survivors_state_from_its_own_replica():
+    """Rank 0 committed step 8 (its peers did not); the others stand at 8: it goes back with rank 2's state (its
+    replica, not rank 3's: another tensor-parallel shard), and the joiner for rank 1 takes rank 3's."""
+    reports = tp_dp({0: (0, 9, False)}, {2: (0, 8, True), 3: (1, 8, True)}, backs_a={0: 8})
+    choice = resume_plan(reports, 1)
+    assert choice.step == 8 and "go back" in choice.why, choice.why
+    assert choice.catch_up == (Move(SlotRef("a", 0, 0), SlotRef("a", 0, 0), SlotRef("b", 0, 2)),)
+    assert choice.donor == SlotRef("b", 1, 3)
+
+
+def test_tp_dp_no_step_where_every_survivor_and_the_dead_rank_have_a_replica_still_aborts():
+    """Rank 0 failed inside step 8 without a seal of 9 (it cannot catch up) and rank 3's only replica is dead (it
+    cannot go back): nowhere exact, the recovery aborts saying so."""
+    reports = tp_dp({0: (0, 8, False)}, {2: (0, 9, False), 3: (1, 9, False)}, backs_b={2: 8, 3: 8})
+    choice = resume_plan(reports, 1)
+    assert choice.step is None and "mixed commit" in choice.why

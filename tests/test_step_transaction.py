@@ -188,6 +188,36 @@ def test_every_backward_seals_before_its_gradient_reaches_ddp(session):
     assert _steps(channel) == (2, 1)
 
 
+def test_a_framework_adapters_model_chunks_seal_in_their_backward_pass(session):
+    """Megatron's adapter tracks a view of its model chunks (not an nn.Module): the chunks under it seal the step
+    in their backward pass, as a tracked model does (sealed only at the optimizer step, a rank that died after its
+    part of the data-parallel all-reduce, before its commit point, left no state for the step the survivors
+    completed: a restart)."""
+    from tpassrun.adapters._common import register
+    from tpassrun.adapters.megatron import ModelChunksState, MegatronProgress
+
+    sess, channel = session
+    torch.manual_seed(0)
+    chunk = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(chunk.parameters(), lr=0.1)
+    progress = MegatronProgress()
+    register(sess, "megatron.progress", progress, heavy=False)
+    register(sess, "megatron.model", ModelChunksState([chunk]), heavy=True)
+    sess.track(optimizer=opt)
+    seen = []
+
+    def step(i: int) -> None:
+        progress.advance(8)
+        chunk(torch.randn(2, 4)).sum().backward()
+        seen.append((_steps(channel), sess._sealed))       # after the backward pass, before the optimizer step
+        opt.step()
+        opt.zero_grad()
+
+    sess.run(step, 3)
+    assert seen == [((1, 0), 0), ((2, 1), 1), ((3, 2), 2)]
+    assert sess._commit_snapshots                              # every seal was the next step's start
+
+
 def test_a_grad_scaler_update_commits_a_step_whose_optimizer_step_was_skipped(session):
     sess, channel = session
     model, opt, sampler = _job(sess)
@@ -295,6 +325,30 @@ def test_a_rank_that_committed_a_step_the_others_did_not_goes_back_to_its_start(
     assert sampler.pos == ref[2].pos == 5 and torch.equal(torch.get_rng_state(), ref_rng)
     link.sock.close()
     channel.close()
+
+
+def test_a_rollback_loads_per_rank_objects_in_the_order_they_were_tracked(session):
+    """Per-rank objects are restored in the order the script tracked them, as a joiner loads them, whatever the
+    process's hash seed (a set's order: a Megatron survivor rebuilt its data iterator from counters not restored
+    yet on some seeds and resumed a batch ahead)."""
+    sess, _channel = session
+    loaded: list[str] = []
+
+    class Named:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def state_dict(self) -> dict:
+            return {"name": self.name}
+
+        def load_state_dict(self, state: dict) -> None:
+            loaded.append(state["name"])
+
+    names = [f"obj{i:02d}" for i in range(16)]
+    for name in names:
+        sess.track_per_rank(**{name: Named(name)})
+    sess._restore_light(sess._publish_light(0))
+    assert loaded == names
 
 
 def test_a_rank_parking_before_a_step_never_shows_that_step_as_running(session, monkeypatch):

@@ -72,7 +72,8 @@ def roll_forward(reports: Sequence[Report]) -> RollForward:
                              f"from them and everyone resumes at step {step}", tuple(moves))
 
 
-def mixed_commit(reports: Sequence[Report], dead_has: Callable[[int], bool]) -> RollForward:
+def mixed_commit(reports: Sequence[Report], dead_has: Callable[[int], bool],
+                 dead_rank: int | None = None) -> RollForward:
     """A mixed commit resolved either way (pure), for a plan whose dead ranks kept their own per-rank state (a
     single rank's recovery: its agent's copies; ``dead_has(step)`` says which steps they hold).
 
@@ -83,11 +84,21 @@ def mixed_commit(reports: Sequence[Report], dead_has: Callable[[int], bool]) -> 
     a checkpoint save); the leaders do it twice, identically. Forward skips the rest of the failed step on the
     laggards (and the dead rank). Forward is taken when the dead rank kept no state of the step's start, or a
     leader no snapshot of it. Either way each survivor not at the chosen step takes its replicated state from one
-    that is (``moves``: ``leaver`` = ``joiner`` = the survivor, ``donor`` = one standing there, on its node first)."""
+    that is (``moves``: ``leaver`` = ``joiner`` = the survivor, ``donor`` = one standing there, on its node first).
+
+    Under declared replica groups (``Report.replicas``; TP x DP: the ranks with the same tensor/pipeline
+    coordinates in the other data-parallel replicas) a survivor's donor is one of its own group, and the dead rank
+    (``dead_rank``) needs one of its group standing at the chosen step: a step where some survivor, or the dead
+    rank, has no replica standing there is not taken (a leader whose only replica died cannot go back)."""
     stops = [(r.node, rank, slot, offer, can, r.backs.get(rank))
              for r in reports for rank, (slot, offer, can) in sorted(r.stops.items())]
     if not stops:
         return RollForward(None, "no survivor said where it stopped")
+    groups = {rank: set(group) for r in reports for rank, group in r.replicas.items()}
+
+    def replicas(a: int, b: int) -> bool:
+        """Whether ranks ``a`` and ``b`` hold the same replicated state (undeclared: plain data parallelism)."""
+        return (a not in groups or b in groups[a]) and (b not in groups or a in groups[b])
 
     def reaches(v: int, offer: int, can: bool, back: int | None) -> bool:
         return v in (offer, back) or (can and v == offer + 1)
@@ -100,10 +111,14 @@ def mixed_commit(reports: Sequence[Report], dead_has: Callable[[int], bool]) -> 
         if not leaders or not behind or not dead_has(v) or not all(
                 reaches(v, offer, can, back) for *_x, offer, can, back in stops):
             continue
+        if any(not any(replicas(rank, d[1]) for d in leaders) for _n, rank, _s, _o in behind) or (
+                dead_rank is not None and not any(replicas(dead_rank, d[1]) for d in leaders)):
+            continue
         used: dict[int, int] = {}
         moves = []
         for node, rank, slot, _offer in behind:
-            donor = min(leaders, key=lambda d: (d[0] != node, used.get(d[1], 0), d[1]))
+            mine = [d for d in leaders if replicas(rank, d[1])]
+            donor = min(mine, key=lambda d: (d[0] != node, used.get(d[1], 0), d[1]))
             used[donor[1]] = used.get(donor[1], 0) + 1
             me = SlotRef(node, slot, rank)
             moves.append(Move(me, me, SlotRef(donor[0], donor[2], donor[1])))

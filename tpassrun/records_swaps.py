@@ -307,6 +307,10 @@ class Report:
     # to given the replicated state of a survivor standing there (a mixed commit the other way: it committed a step
     # another survivor did not; tpassrun/catchup.py)
     backs: Mapping[int, int] = field(default_factory=dict)
+    # pause (unplanned): rank -> the replica group a local survivor declared (``Session.declare_replicas``: the ranks
+    # holding exactly its model and optimizer state, tensor-parallel peers' replicas under TP x DP); a survivor
+    # that declared none is anyone's replica
+    replicas: Mapping[int, tuple[int, ...]] = field(default_factory=dict)
 
     SEALED: ClassVar[bool] = True      # carries a MAC of the run key (tpassrun/provenance.py)
 
@@ -317,6 +321,7 @@ class Report:
                 "stops": {str(r): list(v) for r, v in self.stops.items()},
                 "shard_held": {str(r): list(v) for r, v in self.shard_held.items()},
                 "backs": {str(r): v for r, v in self.backs.items()},
+                "replicas": {str(r): list(v) for r, v in self.replicas.items()},
                 "candidate": self.candidate, "steps": list(self.steps), "failed_steps": list(self.failed_steps),
                 "post_commit": list(self.post_commit),
                 "dead_steps": None if self.dead_steps is None else list(self.dead_steps), "final": self.final,
@@ -354,6 +359,11 @@ class Report:
         if not isinstance(backs, Mapping) or not all(isinstance(k, str) and k.isdigit() and isinstance(v, int)
                                                      and not isinstance(v, bool) for k, v in backs.items()):
             raise RecordError(f"{what}: backs must map ranks to steps")
+        replicas = d.get("replicas") or {}
+        if not isinstance(replicas, Mapping) or not all(
+                isinstance(k, str) and k.isdigit() and isinstance(v, list)
+                and all(isinstance(x, int) and not isinstance(x, bool) for x in v) for k, v in replicas.items()):
+            raise RecordError(f"{what}: replicas must map ranks to lists of ranks")
         stops = d.get("stops") or {}
         if not isinstance(stops, Mapping) or not all(
                 isinstance(k, str) and k.isdigit() and isinstance(v, list) and len(v) == 3
@@ -363,6 +373,7 @@ class Report:
         return cls(
                    stops={int(k): (v[0], v[1], v[2]) for k, v in stops.items()},
                    backs={int(k): v for k, v in backs.items()},
+                   replicas={int(k): tuple(v) for k, v in replicas.items()},
                    shard_held={int(k): tuple(v) for k, v in shard_held.items()},
                    held={int(k): tuple(v) for k, v in held.items()},
                    joiner_addrs={int(k): a for k, v in addrs.items() if (a := _addr(v, what)) is not None},node=_str(d, "node", what), phase=_enum(Phase, d, "phase", what), ok=_bool(d, "ok", what, True),

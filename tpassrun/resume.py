@@ -94,7 +94,7 @@ def resume_plan(reports: Sequence[Report], dead_rank: int | None, *, replica_hel
     who = f"rank {dead_rank}" if dead_rank is not None else "the dead rank"
     step, why = resume_step(reports, dead_rank)
     if not any(r.dead_ring is not None or r.rings is not None for r in reports):
-        return ResumeChoice(step, why) if step is not None else _mixed(reports, why)
+        return ResumeChoice(step, why) if step is not None else _mixed(reports, why, dead_rank)
     if replica_held:
         return replica_rollback(reports, who, step, why)
     return _sharded(reports, who, step, why)
@@ -108,18 +108,19 @@ def dead_has(reports: Sequence[Report]) -> Callable[[int], bool]:
     return lambda v: have is None or v in have or (v == 0 and not have)
 
 
-def _mixed(reports: Sequence[Report], why: str) -> ResumeChoice:
+def _mixed(reports: Sequence[Report], why: str, dead_rank: int | None) -> ResumeChoice:
     """No step is every survivor's own: a mixed commit, when the survivors stopped one transaction apart and every
     one said where else it could stand (each its own per-rank state of that step, the replicated state from a
     survivor standing there); else ``why``."""
     stopped = sum(len(r.steps) + len(r.failed_steps) + len(r.post_commit) for r in reports)
     if sum(len(r.stops) for r in reports) != stopped:
         return ResumeChoice(None, why)       # a survivor said nothing more (a declared replica group)
-    mixed = mixed_commit(reports, dead_has(reports))
+    mixed = mixed_commit(reports, dead_has(reports), dead_rank)
     if mixed.step is None:
         return ResumeChoice(None, why if "mixed commit" in why else f"{why}; {mixed.why}")
+    groups = {rank: set(group) for r in reports for rank, group in r.replicas.items()}
     stands = [SlotRef(r.node, slot, rank) for r in reports for rank, (slot, offer, _can) in sorted(r.stops.items())
-              if offer == mixed.step]
+              if offer == mixed.step and (dead_rank is None or rank not in groups or dead_rank in groups[rank])]
     near = next((r.node for r in reports if r.dead_steps is not None), None)
     donor = min(stands, key=lambda d: (d.node != near, d.rank or 0))
     return ResumeChoice(mixed.step, mixed.why, catch_up=mixed.moves, donor=donor)

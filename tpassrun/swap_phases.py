@@ -114,11 +114,12 @@ class PhaseSteps:
 
     def _mixed_commit_fields(self, plan: SwapPlan, survivors: list[Slot]) -> dict[str, Any]:
         """An unplanned recovery's PAUSE: where each local survivor stopped and where else it could stand
-        (catchup.mixed_commit), unless a survivor declared its replica group (its replicated state is not every
-        rank's: a survivor of another group could not hand it over)."""
-        if plan.kind != SwapKind.UNPLANNED or any(s.replicas is not None for s in survivors):
+        (catchup.mixed_commit), and the replica groups survivors declared (a survivor's replicated state comes
+        only from its own group: TP x DP, HSDP)."""
+        if plan.kind != SwapKind.UNPLANNED:
             return {}
-        return {"stops": self.node_plans.stops(plan), "backs": self.node_plans.backs(plan)}
+        replicas = {s.rank: tuple(s.replicas) for s in survivors if s.rank is not None and s.replicas is not None}
+        return {"stops": self.node_plans.stops(plan), "backs": self.node_plans.backs(plan), "replicas": replicas}
 
     def _dead_lights(self, plan: SwapPlan) -> list[tuple[int, bytes]]:
         """The dead rank's saved light snapshots as (step, bytes), newest first (unplanned, its node only).

@@ -50,12 +50,15 @@ class StepTransaction:
                 return update(*args, **kwargs)
 
             obj.update = committing_update
-        elif callable(getattr(obj, "commit_optimizers", None)):
+        elif callable(getattr(obj, "commit_optimizers", None)) or callable(getattr(obj, "seal_modules", None)):
             # a framework adapter's view: the optimizers whose step commits a step (e.g. the torch optimizers
-            # inside torchtitan's OptimizersContainer or a DeepSpeed engine)
+            # inside torchtitan's OptimizersContainer or a DeepSpeed engine), the modules whose backward pass
+            # seals it (the real nn.Modules under a framework's wrapper: Megatron's model chunks)
             self._hooked.add(id(obj))
-            for opt in obj.commit_optimizers():
+            for opt in getattr(obj, "commit_optimizers", list)():
                 self._hook_commit_point(opt)
+            for module in getattr(obj, "seal_modules", list)():
+                self._hook_commit_point(module)
         elif isinstance(obj, torch.nn.Module):
             param = next((p for p in obj.parameters() if p.requires_grad), None)
             if param is not None:
@@ -157,7 +160,10 @@ class StepTransaction:
 
     # --- light state ---
     def _light_objects(self) -> dict[str, Any]:
-        return {k: self._tracked[k] for k in self._per_rank}
+        # In the order tracked, never the set's (hash-seeded, so it differs between processes): a survivor rolled
+        # back loads its per-rank objects in the order a joiner loads them as the script tracks them, and an
+        # object rebuilt from another (a data iterator from the progress counters) finds it loaded first.
+        return {k: v for k, v in self._tracked.items() if k in self._per_rank}
 
     def _snapshot_light(self, step: int) -> None:
         """The step-start snapshot: what a failed step rolls back to, and what a joiner starts from."""

@@ -173,15 +173,15 @@ def train(args: argparse.Namespace) -> None:
         with on_device():
             model.zero_grad_buffer()
             optimizer.zero_grad()
+            # the step consumes a global batch: count it before the step's first collective, so that the step's
+            # whole per-rank state is known when its backward pass seals it (a death after that is recovered live)
+            progress.advance(global_batch)                                  # tpassrun
             losses = forward_backward(forward_step_func=forward_step, data_iterator=adapter.data_iterator,  # tpassrun
                                       model=[model], num_microbatches=args.num_microbatches, seq_length=args.seq,
                                       micro_batch_size=args.micro_batch, forward_only=False)
             if log is not None:
                 log.write(json.dumps({"step": iteration, "loss": [x["lm loss"].item() for x in losses],
                                       "pid": os.getpid(), "generation": sess.generation}) + "\n")
-            # the global batch is consumed: count it before the optimizer step, so that the step's whole
-            # per-rank state is known when it commits (a death right after it is then recovered live)
-            progress.advance(global_batch)
             ok, _grad_norm, _zeros = optimizer.step()
         if ok:
             scheduler.step(increment=global_batch)
@@ -192,14 +192,20 @@ def train(args: argparse.Namespace) -> None:
 
     sess.run(step, args.steps)                                              # tpassrun (was: for iteration in ...)
     if args.out:
-        torch.save({"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
-                              if isinstance(v, torch.Tensor)},
-                    "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
-                    "rng_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
-                    "progress": progress.state_dict(), "rng": torch.get_rng_state()},
-                   os.path.join(args.out, f"final_rank{sess.rank}.pt"))
+        save_final(os.path.join(args.out, f"final_rank{sess.rank}.pt"), model, optimizer, scheduler, progress)
     ps.destroy_model_parallel()
     torch.distributed.destroy_process_group()
+
+
+def save_final(path: str, model: Any, optimizer: Any, scheduler: Any, progress: Any) -> None:
+    """What the tests compare with torchrun's run: model, optimizer, scheduler, RNG tracker, counters, CPU RNG."""
+    from megatron.core import tensor_parallel
+
+    torch.save({"model": {k: v.detach().cpu().clone() for k, v in model.state_dict().items()
+                          if isinstance(v, torch.Tensor)},
+                "optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "rng_tracker": tensor_parallel.get_cuda_rng_tracker().get_states(),
+                "progress": progress.state_dict(), "rng": torch.get_rng_state()}, path)
 
 
 def main() -> None:

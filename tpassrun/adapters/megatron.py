@@ -260,6 +260,13 @@ class ModelChunksState:
     def __init__(self, model: Any) -> None:
         self.chunks = _unwrap_chunks(model)
 
+    def seal_modules(self) -> list[Any]:
+        """The chunks themselves (``nn.Module``s, Megatron's DDP wrapper included): the session seals a step in
+        their backward pass, before this rank's gradients reach the data-parallel all-reduce."""
+        import torch
+
+        return [c for c in self.chunks if isinstance(c, torch.nn.Module)]
+
     def state_dict(self) -> dict[str, Any]:
         out = []
         for chunk in self.chunks:
@@ -329,6 +336,29 @@ def _bucket_states(shard: dict) -> list[list[dict]]:
     return out
 
 
+class SchedulerState:
+    """Megatron's ``OptimizerParamScheduler``. Its ``load_state_dict`` *adds* the loaded step count to its own
+    (``step(increment=num_steps)``): right on a joiner's fresh scheduler, twice the steps (a wrong learning rate
+    from there on) on a survivor that takes a peer's state after a mixed commit. Loaded here from zero.
+    ``last_epoch`` (its step count) lets the session tell whether a step that failed after its optimizer step had
+    stepped the scheduler too."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    @property
+    def last_epoch(self) -> int:
+        return int(getattr(self.scheduler, "num_steps", 0))
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if hasattr(self.scheduler, "num_steps"):
+            self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(state)
+
+
 class RngTrackerState:
     """Megatron's named CUDA RNG streams (``model-parallel-rng``, ``expert-parallel-rng``, ``data-parallel-rng``).
 
@@ -396,22 +426,40 @@ class MegatronProgress:
 
 class DataIteratorState:
     """The data iterator's position, when it can tell it (``state_dict`` / Energon's ``save_state``); otherwise
-    ``rebuild(consumed_train_samples)`` re-creates it on the joiner (Megatron's samplers are pure functions of
-    that counter and the DP rank)."""
+    ``rebuild(consumed_train_samples)`` re-creates it (Megatron's samplers are pure functions of that counter and
+    the DP rank). The rebuild runs when the script next asks for the iterator (:attr:`iterator`), not when the
+    position is loaded: a survivor rolled back loads it before the world is re-formed, when ``parallel_state``
+    answers for no world (megatron-core: a data-parallel size of 0, a sampler that yields nothing)."""
 
     def __init__(self, iterator: Any, progress: MegatronProgress,
                  rebuild: Callable[[int], Any] | None = None) -> None:
-        self.iterator = iterator
+        self._iterator = iterator
+        self._rebuild_at: int | None = None     # a loaded position not rebuilt yet
         self.progress = progress
         self.rebuild = rebuild
 
+    @property
+    def iterator(self) -> Any:
+        if self._rebuild_at is not None:
+            assert self.rebuild is not None
+            consumed, self._rebuild_at = self._rebuild_at, None
+            self._iterator = _without_drawing(self.rebuild, consumed)
+        return self._iterator
+
+    @iterator.setter
+    def iterator(self, value: Any) -> None:
+        self._iterator, self._rebuild_at = value, None
+
     def state_dict(self) -> dict[str, Any]:
-        it = self.iterator
-        if hasattr(it, "state_dict"):
-            return {"v": STATE_VERSION, "kind": "state_dict", "state": portable(it.state_dict())}
-        if hasattr(it, "save_state"):
-            return {"v": STATE_VERSION, "kind": "save_state", "state": portable(it.save_state())}
-        return {"v": STATE_VERSION, "kind": "consumed_samples", "state": None}
+        if self._rebuild_at is None:
+            it = self._iterator
+            if hasattr(it, "state_dict"):
+                return {"v": STATE_VERSION, "kind": "state_dict", "state": portable(it.state_dict())}
+            if hasattr(it, "save_state"):
+                return {"v": STATE_VERSION, "kind": "save_state", "state": portable(it.save_state())}
+        # the position itself, not a reference to the counter: loading it needs no other object loaded first
+        consumed = self._rebuild_at if self._rebuild_at is not None else self.progress.consumed_train_samples
+        return {"v": STATE_VERSION, "kind": "consumed_samples", "state": None, "consumed": int(consumed)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         _check_version(state, "data")
@@ -421,8 +469,34 @@ class DataIteratorState:
         elif kind == "save_state":
             self.iterator.restore_state(state["state"])
         elif self.rebuild is not None:
-            # progress is tracked (and so loaded) before the data state: the counter is already the leaver's
-            self.iterator = self.rebuild(self.progress.consumed_train_samples)
+            consumed = state.get("consumed")     # (absent from a sender of an earlier tpassrun: its counter)
+            self._rebuild_at = int(consumed) if consumed is not None else int(self.progress.consumed_train_samples)
+
+
+def _without_drawing(fn: Callable[[int], Any], arg: int) -> Any:
+    """``fn(arg)`` with every global RNG put back after it: building a ``DataLoader`` iterator draws its base seed
+    from torch's generator, and a rebuild inside a step would shift every random draw after it (dropout) away from
+    the uninterrupted run's, where the iterator was built once, before training."""
+    import random
+
+    import torch
+
+    py, cpu = random.getstate(), torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    npy = np.random.get_state() if np is not None else None
+    try:
+        return fn(arg)
+    finally:
+        random.setstate(py)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state_all(cuda)
+        if np is not None:
+            np.random.set_state(npy)
 
 
 class RerunStateMachineState:
@@ -591,7 +665,7 @@ class MegatronAdapter:
         register(sess, "megatron.model", self.model_state, heavy=True)
         register(sess, "megatron.optimizer", self.optimizer_state, heavy=True)
         if opt_param_scheduler is not None:
-            register(sess, "megatron.scheduler", opt_param_scheduler, heavy=True)
+            register(sess, "megatron.scheduler", SchedulerState(opt_param_scheduler), heavy=True)
         self._declare_replicas()
         if _distributed_ready():
             adopt_group_sockets()   # a peer blocked in a tensor/data-parallel collective fails at once on a death
@@ -649,5 +723,5 @@ def _distributed_ready() -> bool:
 
 
 __all__ = ["DEFAULT_ORDER", "DataIteratorState", "MegatronAdapter", "MegatronOptimizerState", "MegatronProgress",
-           "ModelChunksState", "ParallelLayout", "RerunStateMachineState", "RngTrackerState", "donor_rank",
-           "mirror_optimizer_setup", "reinitialize_parallel_state"]
+           "ModelChunksState", "ParallelLayout", "RerunStateMachineState", "RngTrackerState", "SchedulerState",
+           "donor_rank", "mirror_optimizer_setup", "reinitialize_parallel_state"]
