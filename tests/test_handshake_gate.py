@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from faults import Hold, Job, faults_env, hold_at, taint
+from faults import Hold, Job, Strangers, faults_env, hold_at, listening_ports, storeserver_pids, taint
 
 from tpassrun.handoff import (AuthError, HandoffError, StateBundle, TransferAuth, accept_and_recv, connect_and_send,
                               listen_for_bundle)
@@ -347,104 +347,6 @@ def test_the_mirror_serves_its_clients_while_strangers_hold_connections_open():
 # --- a real job ------------------------------------------------------------------------------------------
 
 
-class Strangers:
-    """From outside, against one port: ``silent`` connections held open without a word, and ``drippers`` that
-    send a would-be proof one byte every ``every`` seconds and connect again whenever they are dropped (a
-    patient attacker). :meth:`stop` ends them all; ``dropped`` counts how often the drippers were cut off."""
-
-    def __init__(self, port: int, *, silent: int, drippers: int, every: float = 1.0) -> None:
-        self.port, self.every = port, every
-        self.dropped = self.dripped = 0
-        self._stop = threading.Event()
-        self._silent = []
-        for _ in range(silent):
-            try:
-                self._silent.append(socket.create_connection(("127.0.0.1", port), timeout=5))
-            except OSError:
-                pass
-        self._threads = [threading.Thread(target=self._drip, daemon=True) for _ in range(drippers)]
-        for t in self._threads:
-            t.start()
-
-    def _drip(self) -> None:
-        proof = b"TPAU" + bytes(64)
-        while not self._stop.is_set():
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
-                    for i in range(len(proof)):
-                        sock.sendall(proof[i:i + 1])
-                        self.dripped += 1
-                        if self._stop.wait(self.every):
-                            return
-                        readable, _, _ = select.select([sock], [], [], 0)
-                        if readable and sock.recv(4096) == b"":
-                            break
-            except OSError:
-                pass
-            self.dropped += 1
-            self._stop.wait(0.1)
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(10)
-        for s in self._silent:
-            s.close()
-
-
-def listening_ports(pid: int) -> list[int]:
-    """The TCP ports process ``pid`` listens on (its sockets' inodes in /proc/net/tcp{,6}, state LISTEN)."""
-    import os
-
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
-    ports = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as fh:
-                rows = fh.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if cols[3] == "0A" and cols[9] in inodes:
-                ports.append(int(cols[1].rsplit(":", 1)[1], 16))
-    return sorted(set(ports))
-
-
-def _children(pid: int) -> list[int]:
-    import os
-
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
-                        out.append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    return out
-
-
-def _storeserver_pids(agent_pid: int) -> list[int]:
-    out = []
-    for child in _children(agent_pid):
-        try:
-            with open(f"/proc/{child}/cmdline", "rb") as fh:
-                if b"storeserver" in fh.read():
-                    out.append(child)
-        except OSError:
-            pass
-    return out
-
-
 @pytest.mark.timeout(300)
 def test_a_planned_swap_goes_through_strangers_on_every_listener_and_a_cut_handshake(tmp_path, etcd_server, run_id):
     """The acceptance scenario of both issues in one real job (2 gloo ranks and a spare, real etcd): while the
@@ -463,7 +365,7 @@ def test_a_planned_swap_goes_through_strangers_on_every_listener_and_a_cut_hands
         hold.wait_reached(job)
         assert job.proc is not None
         agent_ports = listening_ports(job.proc.pid)                           # the mirror server
-        store_ports = [p for pid in _storeserver_pids(job.proc.pid) for p in listening_ports(pid)]
+        store_ports = [p for pid in storeserver_pids(job.proc.pid) for p in listening_ports(pid)]
         assert agent_ports and store_ports, (agent_ports, store_ports)
         for port in agent_ports + store_ports:
             attacks.append(Strangers(port, silent=70, drippers=2))
