@@ -32,6 +32,11 @@ HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; P
 core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream: independent frame
 tags are computed by a small pool of threads (the MACs release the GIL): the sender has them ready before the
 frame is on the wire, the receiver verifies frame i while frame i+1 arrives (``bench/transfer.py``).
+
+A listener serves every connection's handshake at once (:class:`~tpassrun.wiregate.HandshakeGate`), each within
+one overall deadline (:data:`~tpassrun.wiregate.HANDSHAKE_DEADLINE_S`), the first to prove the key being the
+sender; the sender's handshake has the same deadline, and a connection lost before the receiver proved the key
+is tried again at once (:func:`connect_and_send`): a stranger can neither hold the listener nor the sender.
 """
 
 from __future__ import annotations
