@@ -60,6 +60,7 @@ from .handoff_frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES, _PREFIX
                             reserve_receive_arena, reserved_receive_bytes)
 from .wireauth import (ACCEPT, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError, ConnectorHandshake, FrameMac,
                        ListenerHandshake, TransferAuth)
+from .quiet import Throttle, held_note
 from .wiregate import HANDSHAKE_DEADLINE_S, HandshakeGate
 
 log = logging.getLogger("tpassrun.handoff")
@@ -78,6 +79,7 @@ _FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
 _AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count
 _MAX_AUTH_HEAD_BYTES = 64 << 20        # what a signed head may claim before its tag was checked
 _MAC_THREADS = max(1, min(4, os.cpu_count() or 1))
+_STRANGER_LINES = Throttle()           # one warning line per source a minute, however many strangers it sends
 
 
 @dataclass(frozen=True)
@@ -557,9 +559,12 @@ def accept_and_recv(listener: socket.socket, *, timeout: float, device: str = "c
                 raise HandoffError(f"no authenticated sender connected within {timeout} s"
                                    + (f" ({len(dropped)} strangers dropped)" if dropped else ""))
             proved = gate.poll(left)
-            for why in gate.take_dropped():
-                log.warning("handoff: dropped a connection that did not prove the swap key: %s", why)
-                dropped.append(why)
+            for source, why in gate.take_dropped():
+                held = _STRANGER_LINES.check(source)
+                if held is not None:
+                    log.warning("handoff: dropped a connection from %s that did not prove the swap key: %s%s", source,
+                                why, held_note(held, _STRANGER_LINES.window))
+                dropped.append(f"{source}: {why}")
             if proved is not None:
                 break
     if strangers is not None:

@@ -39,6 +39,7 @@ from typing import Any, Sequence
 from . import poly1305
 from .mirror_store import MirrorError, MirrorFull, MirrorStore
 from .wireauth import FLAG_POLY1305, PROOF, TAG_LEN, AuthError, FrameMac, ListenerHandshake, TransferAuth
+from .quiet import Throttle, held_note
 from .wiregate import HANDSHAKE_DEADLINE_S, PendingTable, source_of
 
 log = logging.getLogger("tpassrun.mirror")
@@ -129,6 +130,7 @@ class MirrorServer:
         self._handshaking: PendingTable[asyncio.Task[Any]] = PendingTable()
         self._conns: set[asyncio.Task[Any]] = set()
         self.strangers = 0                # connections dropped for not proving the key
+        self._lines = Throttle()          # one warning line per source a minute, however many it sends
         self.puts = 0
         self.bytes_in = 0
         self.pushes_refused = 0           # one-way pushes the store did not keep (no one to tell)
@@ -188,8 +190,8 @@ class MirrorServer:
         evicts the oldest of its source, never a newcomer, so a legitimate client always gets its turn."""
         task = asyncio.current_task()
         assert task is not None
-        for victim in self._handshaking.admit(task, source_of(writer.get_extra_info("peername")),
-                                              asyncio.get_running_loop().time()):
+        source = source_of(writer.get_extra_info("peername"))
+        for victim in self._handshaking.admit(task, source, asyncio.get_running_loop().time()):
             self.strangers += 1
             victim.cancel()
         try:
@@ -202,17 +204,22 @@ class MirrorServer:
             except asyncio.IncompleteReadError as exc:
                 if not exc.partial:      # connected and left without a word (a liveness probe): not a stranger
                     return None
-                self.strangers += 1
-                log.warning("mirror: dropped a connection that did not prove the mirror key: it left mid-proof")
+                self._stranger(source, "it left mid-proof")
                 return None
             except (AuthError, asyncio.TimeoutError) as exc:
-                self.strangers += 1
-                log.warning("mirror: dropped a connection that did not prove the mirror key: %s",
-                            exc if isinstance(exc, AuthError) else f"no proof within {HANDSHAKE_DEADLINE_S:g} s")
+                self._stranger(source, str(exc) if isinstance(exc, AuthError)
+                               else f"no proof within {HANDSHAKE_DEADLINE_S:g} s")
                 return None
             return shake.frame_mac()
         finally:
             self._handshaking.remove(task)
+
+    def _stranger(self, source: str, why: str) -> None:
+        self.strangers += 1
+        held = self._lines.check(source)
+        if held is not None:
+            log.warning("mirror: dropped a connection from %s that did not prove the mirror key: %s%s", source, why,
+                        held_note(held, self._lines.window))
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, base: FrameMac) -> None:
         seq_in = seq_out = 0

@@ -119,7 +119,7 @@ class _Shake:
 class HandshakeGate:
     """The handshakes of one listening socket, served together in the calling thread: :meth:`poll` until it
     returns the first connection that proved ``auth`` (then the gate is spent: close it, which drops the rest).
-    Strangers are dropped as they fail, time out or are evicted; :meth:`take_dropped` says why, one line each
+    Strangers are dropped as they fail, time out or are evicted; :meth:`take_dropped` says whose and why
     (a connection that left without a byte is not counted: a port probe). ``watch``: sockets whose readiness
     ends a :meth:`poll` early (the worker's agent connection: a command must not wait for a stranger)."""
 
@@ -130,7 +130,7 @@ class HandshakeGate:
         self._auth, self._flags = auth, flags
         self._table: PendingTable[socket.socket] = PendingTable(deadline_s, per_source, total)
         self._shakes: dict[socket.socket, _Shake] = {}
-        self._dropped: list[str] = []
+        self._dropped: list[tuple[str, str]] = []
         self._sel = selectors.DefaultSelector()
         self._listener_timeout = listener.gettimeout()
         listener.setblocking(False)
@@ -148,7 +148,8 @@ class HandshakeGate:
     def pending(self) -> int:
         return len(self._table)
 
-    def take_dropped(self) -> list[str]:
+    def take_dropped(self) -> list[tuple[str, str]]:
+        """(source address, why) of each stranger dropped since the last call."""
         out, self._dropped = self._dropped, []
         return out
 
@@ -236,7 +237,7 @@ class HandshakeGate:
     def _drop(self, sock: socket.socket, why: str | None, in_table: bool = True) -> None:
         st = self._shakes.get(sock)
         if why is not None:
-            self._dropped.append(f"{st.peer if st else '?'}: {why}")
+            self._dropped.append((st.peer if st else "?", why))
         self._forget(sock, in_table)
         sock.close()
 

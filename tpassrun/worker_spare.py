@@ -20,11 +20,13 @@ from . import testing
 from .channel import Field, WorkerPhase
 from .protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
                        Reserve, Stranger)
+from .quiet import Throttle, held_note
 from .world import JoinAborted, join_world, set_rank_env
 from .worker_commands import _transfer_auth
 from .worker_link import AgentLink
 
 log = logging.getLogger("tpassrun.worker")
+_STRANGER_LINES = Throttle()     # a flood of strangers: one warning line per source a minute, with the count
 
 
 @dataclasses.dataclass
@@ -202,10 +204,13 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
                                                                         "dropped)" if strangers else "")))
                 return None
             proved = gate.poll(left)
-            for why in gate.take_dropped():
+            for source, why in gate.take_dropped():
                 strangers += 1
-                log.warning("spare: dropped a connection that did not prove the swap key: %s", why)
-                link.send(Stranger(swap_id=swap_id, attempt=attempt, error=why[:200]))
+                held = _STRANGER_LINES.check(source)
+                if held is not None:
+                    log.warning("spare: dropped a connection from %s that did not prove the swap key: %s%s", source,
+                                why, held_note(held, _STRANGER_LINES.window))
+                link.send(Stranger(swap_id=swap_id, attempt=attempt, error=f"{source}: {why}"[:200]))
             if proved is not None:
                 break
     with proved.sock as conn:
