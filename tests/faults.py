@@ -17,6 +17,7 @@ import asyncio
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -689,3 +690,101 @@ class SmallDisk:
     def close(self) -> None:
         self.free()
         subprocess.run(["umount", "-l", self.path], capture_output=True)
+
+
+# --- strangers on a port (issue 27: no stranger stalls a swap) ------------------------------------------
+
+
+class Strangers:
+    """From outside, against one port: ``silent`` connections held open without a word, and ``drippers`` that
+    send a would-be proof one byte every ``every`` seconds and connect again whenever they are dropped (a
+    patient attacker). :meth:`stop` ends them all; ``dropped`` counts how often the drippers were cut off."""
+
+    def __init__(self, port: int, *, silent: int, drippers: int, every: float = 1.0) -> None:
+        self.port, self.every = port, every
+        self.dropped = self.dripped = 0
+        self._stop = threading.Event()
+        self._silent = []
+        for _ in range(silent):
+            try:
+                self._silent.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            except OSError:
+                pass
+        self._threads = [threading.Thread(target=self._drip, daemon=True) for _ in range(drippers)]
+        for t in self._threads:
+            t.start()
+
+    def _drip(self) -> None:
+        proof = b"TPAU" + bytes(64)
+        while not self._stop.is_set():
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=5) as sock:
+                    for i in range(len(proof)):
+                        sock.sendall(proof[i:i + 1])
+                        self.dripped += 1
+                        if self._stop.wait(self.every):
+                            return
+                        readable, _, _ = select.select([sock], [], [], 0)
+                        if readable and sock.recv(4096) == b"":
+                            break
+            except OSError:
+                pass
+            self.dropped += 1
+            self._stop.wait(0.1)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(10)
+        for s in self._silent:
+            s.close()
+
+
+def listening_ports(pid: int) -> list[int]:
+    """The TCP ports process ``pid`` listens on (its sockets' inodes in /proc/net/tcp{,6}, state LISTEN)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    ports = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as fh:
+                rows = fh.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in inodes:
+                ports.append(int(cols[1].rsplit(":", 1)[1], 16))
+    return sorted(set(ports))
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    if int(fh.read().rsplit(")", 1)[1].split()[1]) == pid:
+                        out.append(int(entry))
+            except (OSError, ValueError, IndexError):
+                pass
+    return out
+
+
+def storeserver_pids(agent_pid: int) -> list[int]:
+    """The agent's workers' store (``tpassrun/storeserver.py``), a child process of the agent."""
+    out = []
+    for child in _children(agent_pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as fh:
+                if b"storeserver" in fh.read():
+                    out.append(child)
+        except OSError:
+            pass
+    return out

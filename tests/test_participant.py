@@ -73,11 +73,11 @@ class FakeSlots:
             self.cells[(slot.index, Field.PHASE)] = int(WorkerPhase.PAUSED)
         return True
 
-    async def expect(self, slot: Slot, kinds: tuple[type, ...], timeout: float):
+    async def expect(self, slot: Slot, kinds: tuple[type, ...], timeout: float, match=None):
         queue = self.replies.get(slot.index, [])
         while queue:
             msg = queue.pop(0)
-            if isinstance(msg, kinds):
+            if isinstance(msg, kinds) and (match is None or match(msg)):
                 return msg
         return None
 
@@ -144,6 +144,24 @@ def test_boundary_runs_every_rank_to_the_boundary_and_assigns_the_joiner_early()
     assert (assign.swap_id, assign.listen_host, assign.key) == ("s-1", "10.0.0.1", _transfer_key(plan()))
     assert early == ("10.0.0.1", 4000)
     assert ("swap_boundary_reached", {"swap_id": "s-1", "step": 6}) in events
+
+
+def test_a_late_reply_to_an_earlier_attempt_is_never_paired_with_the_next():
+    """Issue 27: a ``Listening`` carried the swap id but no attempt, so a reply the spare sent for attempt 0 (its
+    listener long closed) could be taken for attempt 1's, and the sender sent to a dead port. Every reply now
+    names its attempt; the agent takes only this attempt's."""
+    slots = two_ranks_and_a_spare()
+    slots.replies[2] = [P.Listening(port=4000, swap_id="s-1", attempt=0), P.Listening(port=4001, swap_id="s-0"),
+                        P.Listening(port=4002, swap_id="s-1", attempt=1)]
+    swapper = Swapper(port(slots, []))
+    assert asyncio.run(swapper._assign_joiner(plan(attempt=1))) == ("10.0.0.1", 4002)
+    (assign,) = slots.commands(2)
+    assert assign.attempt == 1
+
+    slots.replies[2] = [P.Received(ok=False, swap_id="s-1", attempt=0, error="late"),
+                        P.Received(ok=True, swap_id="s-1", attempt=1, nbytes=8)]
+    got = asyncio.run(swapper._await_received(plan(attempt=1), slots.slots[2]))
+    assert (got.ok, got.attempt) == (True, 1)
 
 
 def test_a_plan_without_a_usable_secret_assigns_no_joiner():

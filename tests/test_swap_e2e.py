@@ -282,15 +282,17 @@ def test_migrate_back_returns_the_rank_home(tmp_path, etcd_server, run_id, basel
 
 
 class _FakeLink:
-    """The worker's end of the agent channel over a socketpair (what _wait_for_sender uses of it)."""
+    """The worker's end of the agent channel over a socketpair (what _receive_state uses of it); what the worker
+    says goes to ``sent``."""
 
     def __init__(self, sock):
         from tpassrun.worker import _AgentLink
 
-        self.sock, self._buf, self._held = sock, bytearray(), []
+        self.sock, self._buf, self._held, self.sent = sock, bytearray(), [], []
         self.recv = _AgentLink.recv.__get__(self)
         self._read_one = _AgentLink._read_one.__get__(self)
         self.waiting = _AgentLink.waiting.__get__(self)
+        self.send = self.sent.append
 
 
 @pytest.mark.parametrize("first", ["abort", "assign"])
@@ -299,14 +301,19 @@ def test_an_assigned_spare_waiting_for_its_sender_still_obeys_the_agent(first):
     the swap is aborted or re-assigned; an unplanned swap's light snapshot, sent while the donor streams,
     is kept for after the state."""
     import socket
+    import threading
     import time
 
+    import torch
+
     from tpassrun import protocol as P
-    from tpassrun.handoff import listen_for_bundle
-    from tpassrun.worker import _wait_for_sender
+    from tpassrun.handoff import StateBundle, TransferAuth, connect_and_send, listen_for_bundle
+    from tpassrun.worker import _receive_state
 
     world = P.WorldSpec(rank=1, world_size=2)
     commands = {"abort": P.Abort(), "assign": P.Assign(world=world, swap_id="s", key="ab" * 32, listen_host="h")}
+    assign = P.Assign(world=world, swap_id="s", key="cd" * 32, listen_host="h", attempt=2, accept_timeout=30.0)
+    auth = TransferAuth(bytes.fromhex(assign.key), "s", 1)
 
     agent, worker = socket.socketpair()
     listener, port = listen_for_bundle("127.0.0.1")
@@ -315,16 +322,26 @@ def test_an_assigned_spare_waiting_for_its_sender_still_obeys_the_agent(first):
         pending: list = []
         agent.sendall(P.encode(P.Light(data="x")) + P.encode(commands[first]))
         started = time.monotonic()
-        assert _wait_for_sender(listener, link, 30.0, pending) is False
+        assert _receive_state(listener, link, assign, auth, pending) is None
         assert time.monotonic() - started < 10
-        assert [m.KIND for m in pending] == ["light", first]
+        assert [m.KIND for m in pending] == ["light", first] and link.sent == []   # the dispatcher answers
 
         pending.clear()
         agent.sendall(P.encode(P.Light(data="y")))
-        with socket.create_connection(("127.0.0.1", port)):
-            assert _wait_for_sender(listener, link, 30.0, pending) is True
-            listener.accept()[0].close()
+        bundle = StateBundle({"step": 3, "extra": {"swap_id": "s"}}, [torch.ones(8)])
+        sender = threading.Thread(target=connect_and_send, args=("127.0.0.1", port, bundle),
+                                  kwargs={"timeout": 30, "auth": auth})
+        sender.start()
+        got, mirrored = _receive_state(listener, link, assign, auth, pending)
+        sender.join(30)
+        assert torch.equal(got.tensors[0], torch.ones(8)) and mirrored is None
         assert [m.KIND for m in pending] == ["light"]
+        (done,) = link.sent
+        assert (done.ok, done.swap_id, done.attempt, done.step) == (True, "s", 2, 3)   # bound to the attempt
 
         pending.clear()
-        assert _wait_for_sender(listener, link, 0.2, pending) is False and pending == []  # timed out
+        link.sent.clear()
+        quick = P.Assign(world=world, swap_id="s", key="cd" * 32, listen_host="h", attempt=2, accept_timeout=0.2)
+        assert _receive_state(listener, link, quick, auth, pending) is None and pending == []   # timed out
+        (late,) = link.sent
+        assert (late.ok, late.attempt) == (False, 2) and "no sender connected" in late.error

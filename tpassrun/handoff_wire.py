@@ -32,6 +32,11 @@ HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; P
 core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream: independent frame
 tags are computed by a small pool of threads (the MACs release the GIL): the sender has them ready before the
 frame is on the wire, the receiver verifies frame i while frame i+1 arrives (``bench/transfer.py``).
+
+A listener serves every connection's handshake at once (:class:`~tpassrun.wiregate.HandshakeGate`), each within
+one overall deadline (:data:`~tpassrun.wiregate.HANDSHAKE_DEADLINE_S`), the first to prove the key being the
+sender; the sender's handshake has the same deadline, and a connection lost before the receiver proved the key
+is tried again at once (:func:`connect_and_send`): a stranger can neither hold the listener nor the sender.
 """
 
 from __future__ import annotations
@@ -45,7 +50,7 @@ import struct
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from . import poly1305
 from .handoff_codec import ChecksumError, HandoffError, StateBundle
@@ -54,8 +59,9 @@ from .handoff_frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES, _PREFIX
                             _Pipelined, _read_frame, _read_prefix, _SocketReader, decode_small, encode_parts, encode_small,
                             reserve_receive_arena, reserved_receive_bytes)
 from .wireauth import (ACCEPT, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError, ConnectorHandshake, FrameMac,
-                       ListenerHandshake,
-                       TransferAuth)
+                       ListenerHandshake, TransferAuth)
+from .quiet import Throttle, held_note
+from .wiregate import HANDSHAKE_DEADLINE_S, HandshakeGate
 
 log = logging.getLogger("tpassrun.handoff")
 
@@ -71,9 +77,9 @@ _POLY_CHECKSUM = "poly1305"
 _FRAME_MACS = (_POLY_CHECKSUM, _HMAC_CHECKSUM)
 _FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
 _AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count
-_HANDSHAKE_TIMEOUT_S = 10.0            # a stranger that connects and says nothing is dropped after this
 _MAX_AUTH_HEAD_BYTES = 64 << 20        # what a signed head may claim before its tag was checked
 _MAC_THREADS = max(1, min(4, os.cpu_count() or 1))
+_STRANGER_LINES = Throttle()           # one warning line per source a minute, however many strangers it sends
 
 
 @dataclass(frozen=True)
@@ -95,41 +101,59 @@ class TransferStats:
 # the handshake (wireauth's, over a blocking socket)
 
 
-def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
-    """Listener side: a fresh nonce out, the sender's proof in (constant-time), our proof out."""
-    shake = ListenerHandshake(auth, FLAG_POLY1305 if _poly1305_here() else 0)
-    try:
-        sock.sendall(shake.hello())
-    except OSError as exc:
-        raise AuthError(f"the peer left before the handshake ({exc})") from exc
-    try:
-        raw = _SocketReader(sock).read_exact(PROOF.size, "the sender's proof")
-    except HandoffError as exc:
-        raise AuthError(f"no proof of the swap key from the peer: {exc}") from exc
-    answer = shake.accept(raw)
-    try:
-        sock.sendall(answer)
-    except OSError as exc:
-        raise HandoffError(f"the sender left during the handshake ({exc})") from exc
-    return shake.frame_mac()
-
-
-def _sender_handshake(sock: socket.socket, auth: TransferAuth) -> tuple[FrameMac, int]:
+def _sender_handshake(sock: socket.socket, auth: TransferAuth,
+                      deadline_s: float = HANDSHAKE_DEADLINE_S) -> tuple[FrameMac, int]:
     """Connecting side: prove the key over the receiver's nonce, and send nothing more unless the receiver
     proves it too (a forged address must not receive a single byte of state). Returns the connection's MAC and
-    the receiver's flags (what it can verify)."""
-    reader = _SocketReader(sock)
+    the receiver's flags (what it can verify). The whole exchange has ``deadline_s`` (not each read); the socket's
+    own timeout is left as it was."""
+    stream_timeout = sock.gettimeout()
+    reader = _DeadlineReader(sock, time.monotonic() + deadline_s)
     shake = ConnectorHandshake(auth)
-    proof = shake.prove(reader.read_exact(HELLO.size, "the receiver's nonce"))
     try:
-        sock.sendall(proof)
-    except OSError as exc:
-        raise HandoffError(f"sending the proof: connection lost ({exc})") from exc
-    try:
-        raw = reader.read_exact(ACCEPT.size, "the receiver's proof")
-    except HandoffError as exc:
-        raise AuthError(f"the receiver refused our proof or left: {exc}") from exc
-    return shake.verify(raw), shake.peer_flags
+        proof = shake.prove(reader.read_exact(HELLO.size, "the receiver's nonce"))
+        try:
+            sock.sendall(proof)
+        except OSError as exc:
+            raise HandoffError(f"sending the proof: connection lost ({exc})") from exc
+        try:
+            raw = reader.read_exact(ACCEPT.size, "the receiver's proof")
+        except HandoffError as exc:
+            raise _Unproved(f"the receiver refused our proof or left: {exc}") from exc
+        return shake.verify(raw), shake.peer_flags
+    finally:
+        sock.settimeout(stream_timeout)
+
+
+class _Unproved(AuthError):
+    """The receiver neither proved the key nor refused it: it left, or said nothing, after our proof (a retry may
+    meet the joiner; a wrong proof never will)."""
+
+
+class _DeadlineReader:
+    """Reads that share one deadline: each ``recv`` waits only for what is left of it."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self._sock, self._deadline = sock, deadline
+
+    def read_exact(self, n: int, what: str) -> bytes:
+        buf = bytearray(n)
+        got = 0
+        while got < n:
+            left = self._deadline - time.monotonic()
+            try:
+                if left <= 0:
+                    raise TimeoutError
+                self._sock.settimeout(left)
+                k = self._sock.recv_into(memoryview(buf)[got:])
+            except TimeoutError as exc:
+                raise HandoffError(f"receiving {what}: the handshake's deadline passed ({got} of {n} bytes)") from exc
+            except OSError as exc:
+                raise HandoffError(f"receiving {what}: connection lost ({exc})") from exc
+            if k == 0:
+                raise HandoffError(f"receiving {what}: the peer closed the connection after {got} of {n} bytes")
+            got += k
+        return bytes(buf)
 
 
 def _tag(mac: FrameMac, label: bytes, pieces: list[Any]) -> bytes:
@@ -209,7 +233,7 @@ class _Sender:
 
 def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = _DEFAULT_CHUNK,
                 checksum: str = _STREAM_CHECKSUM, auth: TransferAuth | None = None, frame_mac: str | None = None,
-                _corrupt_byte_at: int | None = None) -> TransferStats:
+                proved: tuple[FrameMac, int] | None = None, _corrupt_byte_at: int | None = None) -> TransferStats:
     """Stream ``bundle`` over a connected socket and wait for the receiver's verdict.
 
     Returns only once the receiver has verified the checksum. Raises ChecksumError if the
@@ -224,9 +248,9 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     started = time.perf_counter()
-    if auth is not None:
+    if auth is not None or proved is not None:
         _frame_mac_name(frame_mac)   # a bad request fails before the handshake
-        mac, peer_flags = _sender_handshake(sock, auth)
+        mac, peer_flags = proved if proved is not None else _sender_handshake(sock, auth)   # type: ignore[arg-type]
         mac_name = _frame_mac_name(frame_mac, peer_flags)
     else:
         mac, mac_name = None, ""
@@ -300,23 +324,21 @@ def _send_signed(sender: _Sender, mac: FrameMac, name: str, head: bytes, views: 
 
 
 def recv_bundle(sock: socket.socket, *, device: str = "cpu", auth: TransferAuth | None = None,
-                max_bytes: int | None = None) -> tuple[StateBundle, TransferStats]:
+                max_bytes: int | None = None, mac: FrameMac | None = None) -> tuple[StateBundle, TransferStats]:
     """Receive one bundle from a connected socket, verify it, acknowledge it.
 
     Tensors that lived on an accelerator on the sender are moved to ``device``; CPU tensors
     (RNG states, optimizer ``step`` counters) stay on the CPU, as they were.
     Raises ChecksumError on corruption (or a tag that does not verify), HandoffError on a lost or stalled
-    connection, AuthError when the peer does not prove ``auth``'s key (checked before anything else is read).
-    ``max_bytes`` bounds what the sender may announce, checked before anything is allocated.
+    connection, AuthError when the peer does not prove ``auth``'s key within the handshake's deadline (checked
+    before anything else is read). ``mac``: the connection already proved the key (a :class:`HandshakeGate`'s
+    winner); its MAC. ``max_bytes`` bounds what the sender may announce, checked before anything is allocated.
     """
     started = time.perf_counter()
     try:
-        if auth is not None:
-            stream_timeout = sock.gettimeout()
-            sock.settimeout(_HANDSHAKE_TIMEOUT_S if stream_timeout is None
-                            else min(stream_timeout, _HANDSHAKE_TIMEOUT_S))
+        if auth is not None and mac is None:
             mac = _receiver_handshake(sock, auth)
-            sock.settimeout(stream_timeout)
+        if mac is not None:
             frame = _read_signed(_SocketReader(sock), mac, max_bytes)
         else:
             frame = _read_frame(_SocketReader(sock), pipelined=True, max_bytes=max_bytes)
@@ -330,6 +352,32 @@ def recv_bundle(sock: socket.socket, *, device: str = "cpu", auth: TransferAuth 
             tensors[index] = tensors[index].to(device).requires_grad_(spec.requires_grad)
     stats = TransferStats(frame.nbytes, time.perf_counter() - started, frame.chunks, frame.checksum)
     return frame.bundle, stats
+
+
+def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
+    """One accepted connection's handshake (a listener serving many uses :class:`HandshakeGate`): a fresh nonce
+    out, the sender's proof in within the handshake's deadline (constant-time check), our proof out."""
+    stream_timeout = sock.gettimeout()
+    shake = ListenerHandshake(auth, FLAG_POLY1305 if _poly1305_here() else 0)
+    try:
+        try:
+            sock.settimeout(HANDSHAKE_DEADLINE_S)
+            sock.sendall(shake.hello())
+        except OSError as exc:
+            raise AuthError(f"the peer left before the handshake ({exc})") from exc
+        try:
+            raw = _DeadlineReader(sock, time.monotonic() + HANDSHAKE_DEADLINE_S).read_exact(PROOF.size,
+                                                                                            "the sender's proof")
+        except HandoffError as exc:
+            raise AuthError(f"no proof of the swap key from the peer: {exc}") from exc
+        answer = shake.accept(raw)
+        try:
+            sock.sendall(answer)
+        except OSError as exc:
+            raise HandoffError(f"the sender left during the handshake ({exc})") from exc
+        return shake.frame_mac()
+    finally:
+        sock.settimeout(stream_timeout)
 
 
 def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None) -> _Frame:
@@ -411,7 +459,7 @@ def _listen(host: str) -> tuple[socket.socket, int]:
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind((host, 0))
-        listener.listen(8)     # strangers may queue ahead of the sender: it must still get in
+        listener.listen(128)   # strangers may queue ahead of the sender: it must still get in
     except OSError:
         listener.close()
         raise
@@ -420,36 +468,111 @@ def _listen(host: str) -> tuple[socket.socket, int]:
 
 def connect_and_send(addr: str, port: int, bundle: StateBundle, *, timeout: float,
                      chunk_bytes: int = _DEFAULT_CHUNK, auth: TransferAuth | None = None,
-                     frame_mac: str | None = None, _corrupt_byte_at: int | None = None) -> TransferStats:
-    """Connect to a joiner and stream ``bundle``. ``timeout`` bounds the connect and every stall."""
-    try:
-        sock = socket.create_connection((addr, port), timeout=timeout)
-    except OSError as exc:
-        raise HandoffError(f"cannot connect to the joiner at {addr}:{port}: {exc}") from exc
-    with sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return send_bundle(sock, bundle, chunk_bytes=chunk_bytes, auth=auth, frame_mac=frame_mac,
-                           _corrupt_byte_at=_corrupt_byte_at)
+                     frame_mac: str | None = None, give_up: Callable[[], bool] | None = None,
+                     _corrupt_byte_at: int | Callable[[], int | None] | None = None,
+                     _cut_first_handshake_at: int | None = None) -> TransferStats:
+    """Connect to a joiner and stream ``bundle``. ``timeout`` bounds the connect, getting a connection through
+    the handshake, and every stall of the stream.
+
+    With ``auth``, a connection lost before the receiver proved the key (closed, reset, or silent past the
+    handshake's own deadline: the network, or a listener shedding a flood of strangers) is retried at once, and
+    again (backing off to 1 s) until ``timeout`` or ``give_up()`` says to stop; nobody listening, a receiver
+    that answers with a wrong proof, or a failure once state is flowing end it. ``_corrupt_byte_at`` (tests; a
+    callable is asked once the receiver proved the key) flips a byte of the frame on the wire;
+    ``_cut_first_handshake_at`` (tests) cuts the first connection after that many bytes of the proof."""
+    deadline = time.monotonic() + timeout
+    cut = _cut_first_handshake_at
+    pause = 0.0
+    while True:
+        try:
+            sock = socket.create_connection((addr, port), timeout=max(0.001, deadline - time.monotonic()))
+        except ConnectionRefusedError as exc:
+            raise HandoffError(f"cannot connect to the joiner at {addr}:{port}: {exc}") from exc
+        except OSError as exc:
+            if _retry(f"connecting to {addr}:{port}: {exc}", deadline, give_up, pause):
+                pause = min(1.0, max(0.05, 2 * pause))
+                continue
+            raise HandoffError(f"cannot connect to the joiner at {addr}:{port}: {exc}") from exc
+        with sock:
+            sock.settimeout(timeout)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            proved = None
+            if auth is not None:
+                try:
+                    if cut is not None:
+                        cut, at = None, cut
+                        _cut_handshake(sock, auth, at)
+                    proved = _sender_handshake(sock, auth, min(HANDSHAKE_DEADLINE_S, deadline - time.monotonic()))
+                except AuthError as exc:
+                    if not isinstance(exc, _Unproved) or not _retry(str(exc), deadline, give_up, pause):
+                        raise
+                    pause = min(1.0, max(0.05, 2 * pause))
+                    continue
+                except HandoffError as exc:
+                    if not _retry(str(exc), deadline, give_up, pause):
+                        raise
+                    pause = min(1.0, max(0.05, 2 * pause))
+                    continue
+            corrupt = _corrupt_byte_at() if callable(_corrupt_byte_at) else _corrupt_byte_at
+            return send_bundle(sock, bundle, chunk_bytes=chunk_bytes, auth=auth, frame_mac=frame_mac,
+                               proved=proved, _corrupt_byte_at=corrupt)
+
+
+def _retry(why: str, deadline: float, give_up: Callable[[], bool] | None, pause: float) -> bool:
+    """Whether a connection that failed before the handshake completed is tried again (after ``pause``)."""
+    if time.monotonic() + pause >= deadline or (give_up is not None and give_up()):
+        return False
+    log.warning("handoff: the connection to the joiner failed before the handshake completed (%s): trying again%s",
+                why, f" in {pause:.2f} s" if pause else "")
+    time.sleep(pause)
+    return True
+
+
+def _cut_handshake(sock: socket.socket, auth: TransferAuth, at: int) -> None:
+    """Tests: this connection dies after ``at`` bytes of the proof (as a connection the network dropped)."""
+    hello = _DeadlineReader(sock, time.monotonic() + HANDSHAKE_DEADLINE_S).read_exact(HELLO.size, "the nonce")
+    sock.sendall(ConnectorHandshake(auth).prove(hello)[:at])
+    sock.shutdown(socket.SHUT_RDWR)
+    raise HandoffError(f"the connection was cut after {at} of {PROOF.size} bytes of the proof (a test's fault)")
 
 
 def accept_and_recv(listener: socket.socket, *, timeout: float, device: str = "cpu",
                     auth: TransferAuth | None = None, max_bytes: int | None = None,
-                    strangers: list[str] | None = None) -> tuple[StateBundle, TransferStats]:
-    """Accept senders on ``listener`` until one proves ``auth`` (strangers are dropped and noted in
-    ``strangers``), and receive its bundle. ``timeout`` bounds the whole wait for the sender and every stall
-    of the stream. The listener stays open (the caller owns it)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        conn = accept_one(listener, deadline - time.monotonic())
+                    strangers: list[str] | None = None,
+                    handshake_s: float = HANDSHAKE_DEADLINE_S) -> tuple[StateBundle, TransferStats]:
+    """Receive a bundle from the first sender on ``listener`` that proves ``auth``. Every connection's handshake
+    runs at once (:class:`~tpassrun.wiregate.HandshakeGate`), each within ``handshake_s``; strangers are dropped
+    and noted in ``strangers``. ``timeout`` bounds the wait for the sender and every stall of the stream. The
+    listener stays open (the caller owns it). Without ``auth``, the first connection is the sender."""
+    if auth is None:
+        conn = accept_one(listener, timeout)
         with conn:
             conn.settimeout(timeout)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                return recv_bundle(conn, device=device, auth=auth, max_bytes=max_bytes)
-            except AuthError as exc:
-                log.warning("handoff: dropped a connection that did not prove the swap key: %s", exc)
-                if strangers is not None:
-                    strangers.append(str(exc))
+            return recv_bundle(conn, device=device, max_bytes=max_bytes)
+    deadline = time.monotonic() + timeout
+    dropped: list[str] = []
+    with HandshakeGate(listener, auth, FLAG_POLY1305 if _poly1305_here() else 0, deadline_s=handshake_s) as gate:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise HandoffError(f"no authenticated sender connected within {timeout} s"
+                                   + (f" ({len(dropped)} strangers dropped)" if dropped else ""))
+            proved = gate.poll(left)
+            for source, why in gate.take_dropped():
+                held = _STRANGER_LINES.check(source)
+                if held is not None:
+                    log.warning("handoff: dropped a connection from %s that did not prove the swap key: %s%s", source,
+                                why, held_note(held, _STRANGER_LINES.window))
+                dropped.append(f"{source}: {why}")
+            if proved is not None:
+                break
+    if strangers is not None:
+        strangers.extend(dropped)
+    with proved.sock as conn:
+        conn.settimeout(timeout)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return recv_bundle(conn, device=device, max_bytes=max_bytes, mac=proved.mac)
 
 
 def accept_one(listener: socket.socket, timeout: float) -> socket.socket:

@@ -39,13 +39,13 @@ from typing import Any, Sequence
 from . import poly1305
 from .mirror_store import MirrorError, MirrorFull, MirrorStore
 from .wireauth import FLAG_POLY1305, PROOF, TAG_LEN, AuthError, FrameMac, ListenerHandshake, TransferAuth
+from .quiet import Throttle, held_note
+from .wiregate import HANDSHAKE_DEADLINE_S, PendingTable, source_of
 
 log = logging.getLogger("tpassrun.mirror")
 
 MAX_META = 1 << 16                  # a request's JSON; a LIST answer may be longer (see MAX_REPLY_META)
 MAX_REPLY_META = 16 << 20
-HANDSHAKE_TIMEOUT_S = 10.0
-MAX_UNAUTHENTICATED = 64            # connections still in their handshake; more are closed at once
 _CHUNK = 4 << 20                    # payloads stream in pieces of this size (MAC off the event loop above it)
 _THREAD_MAC = 1 << 20
 _THREAD_POLY = 8 << 20              # Poly1305 runs at ~7 GB/s: below this, a thread hand-off costs more than the tag
@@ -126,9 +126,11 @@ class MirrorServer:
         self.max_item_bytes = max_item_bytes or store.max_bytes
         self._auth = _auth(key, run_id)
         self._server: asyncio.base_events.Server | None = None
-        self._handshaking = 0
+        # handshakes in progress, bounded per source and in all: a newcomer evicts the oldest (tpassrun/wiregate.py)
+        self._handshaking: PendingTable[asyncio.Task[Any]] = PendingTable()
         self._conns: set[asyncio.Task[Any]] = set()
         self.strangers = 0                # connections dropped for not proving the key
+        self._lines = Throttle()          # one warning line per source a minute, however many it sends
         self.puts = 0
         self.bytes_in = 0
         self.pushes_refused = 0           # one-way pushes the store did not keep (no one to tell)
@@ -183,31 +185,41 @@ class MirrorServer:
             writer.close()
 
     async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> FrameMac | None:
-        if self._handshaking >= MAX_UNAUTHENTICATED:
+        """The client's proof within :data:`~tpassrun.wiregate.HANDSHAKE_DEADLINE_S` of its connect (the whole
+        proof, not each byte). Every connection's handshake is its own task; a flood of silent or dripping ones
+        evicts the oldest of its source, never a newcomer, so a legitimate client always gets its turn."""
+        task = asyncio.current_task()
+        assert task is not None
+        source = source_of(writer.get_extra_info("peername"))
+        for victim in self._handshaking.admit(task, source, asyncio.get_running_loop().time()):
             self.strangers += 1
-            return None
-        self._handshaking += 1
+            victim.cancel()
         try:
             shake = ListenerHandshake(self._auth, FLAG_POLY1305 if poly1305.available() else 0)
             writer.write(shake.hello())
             try:
-                raw = await asyncio.wait_for(reader.readexactly(PROOF.size), HANDSHAKE_TIMEOUT_S)
+                raw = await asyncio.wait_for(reader.readexactly(PROOF.size), HANDSHAKE_DEADLINE_S)
                 writer.write(shake.accept(raw))
                 await writer.drain()
             except asyncio.IncompleteReadError as exc:
                 if not exc.partial:      # connected and left without a word (a liveness probe): not a stranger
                     return None
-                self.strangers += 1
-                log.warning("mirror: dropped a connection that did not prove the mirror key: it left mid-proof")
+                self._stranger(source, "it left mid-proof")
                 return None
             except (AuthError, asyncio.TimeoutError) as exc:
-                self.strangers += 1
-                log.warning("mirror: dropped a connection that did not prove the mirror key: %s",
-                            type(exc).__name__ if not isinstance(exc, AuthError) else exc)
+                self._stranger(source, str(exc) if isinstance(exc, AuthError)
+                               else f"no proof within {HANDSHAKE_DEADLINE_S:g} s")
                 return None
             return shake.frame_mac()
         finally:
-            self._handshaking -= 1
+            self._handshaking.remove(task)
+
+    def _stranger(self, source: str, why: str) -> None:
+        self.strangers += 1
+        held = self._lines.check(source)
+        if held is not None:
+            log.warning("mirror: dropped a connection from %s that did not prove the mirror key: %s%s", source, why,
+                        held_note(held, self._lines.window))
 
     async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, base: FrameMac) -> None:
         seq_in = seq_out = 0

@@ -29,7 +29,7 @@ from .protocol import (Abort, CatchUp, Light, LightOk, Listening, MirrorSource, 
                        WorldSpec)
 from .records import Move, Phase, Report, SwapPlan
 from .slots import SlotState
-from .swap import PHASE_TIMEOUT_S, transfer_key, world_prefix
+from .swap import PHASE_TIMEOUT_S, of_attempt, transfer_key, world_prefix
 
 log = logging.getLogger("tpassrun.swap")
 
@@ -212,8 +212,8 @@ class NodePlans:
             return f"rank {move.rank} is no longer running on {self.me}/{move.joiner.slot}"
         self.sw._slots.send(slot, CatchUp(swap_id=plan.id, key=key, rank=move.rank, listen_host=self.port.addr,
                                           step=int(plan.boundary or 0), timeout=PHASE_TIMEOUT_S,
-                                          accept_timeout=PHASE_TIMEOUT_S))
-        msg = await self.sw._slots.expect(slot, (Listening, Received), PHASE_TIMEOUT_S)
+                                          accept_timeout=PHASE_TIMEOUT_S, attempt=plan.attempt))
+        msg = await self.sw._slots.expect(slot, (Listening, Received), PHASE_TIMEOUT_S, of_attempt(plan))
         if isinstance(msg, Listening):
             return (self.port.addr, msg.port)
         return f"rank {move.rank} cannot catch up: {msg.error if isinstance(msg, Received) else 'no answer'}"

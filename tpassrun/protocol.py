@@ -135,6 +135,7 @@ class Assign(Message):
     swap_id: str
     key: str                          # hex: this attempt's transfer key; a sender that cannot prove it is dropped
     listen_host: str                  # the agent's advertised address (never 0.0.0.0)
+    attempt: int = 0                  # the swap's attempt: every reply names it (a late one is never paired anew)
     timeout: float = 120.0            # receiving, once a sender connected
     accept_timeout: float = 120.0     # waiting for the sender to connect
     max_bytes: int | None = None      # the most the transfer may announce (nothing larger is allocated)
@@ -209,6 +210,7 @@ class CatchUp(Message):
     step: int                         # the step everyone resumes at
     timeout: float = 120.0
     accept_timeout: float = 120.0
+    attempt: int = 0                  # the swap's attempt: every reply names it
 
 
 @dataclass(frozen=True)
@@ -275,6 +277,7 @@ class Listening(Message):
     KIND: ClassVar[str] = "listening"
     port: int
     swap_id: str = ""
+    attempt: int = 0
 
 
 @dataclass(frozen=True)
@@ -282,6 +285,7 @@ class Received(Message):
     KIND: ClassVar[str] = "received"
     ok: bool
     swap_id: str = ""
+    attempt: int = 0
     nbytes: int = 0
     seconds: float = 0.0
     checksum: str = ""
@@ -296,6 +300,7 @@ class Stranger(Message):
 
     KIND: ClassVar[str] = "stranger"
     swap_id: str = ""
+    attempt: int = 0
     error: str = ""
 
 

@@ -204,9 +204,10 @@ class LocalSlots:
             return False
         return True
 
-    async def expect(self, slot: Slot, kinds: tuple[type[Message], ...], timeout: float) -> Any:
-        """Next message of one of the types ``kinds`` from ``slot`` (others are dropped), or None on
-        timeout/exit."""
+    async def expect(self, slot: Slot, kinds: tuple[type[Message], ...], timeout: float,
+                     match: Callable[[Message], bool] | None = None) -> Any:
+        """Next message of one of the types ``kinds`` from ``slot`` (others are dropped, and those ``match``
+        refuses: a late reply to an earlier request), or None on timeout/exit."""
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
@@ -218,7 +219,7 @@ class LocalSlots:
                 msg = await asyncio.wait_for(slot.inbox.get(), min(remaining, 0.5))
             except asyncio.TimeoutError:
                 continue
-            if isinstance(msg, kinds):
+            if isinstance(msg, kinds) and (match is None or match(msg)):
                 return msg
 
     async def wait_ready(self, slot: Slot, timeout: float) -> bool:

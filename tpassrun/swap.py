@@ -32,7 +32,7 @@ import hashlib
 import hmac
 import uuid
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 # The records a plan is made of live with every other etcd record; re-exported: they are the planner's words.
 from .records import TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
@@ -543,6 +543,12 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
 def world_prefix(plan: SwapPlan) -> str:
     """The store prefix of the world ``plan`` re-forms (one per attempt: a given-up world is never joined again)."""
     return f"/tpassrun/{plan.id}/{plan.attempt}/"
+
+
+def of_attempt(plan: SwapPlan) -> Callable[[object], bool]:
+    """Whether a joiner's reply (``Listening``, ``Received``, ``Stranger``) answers this very attempt of ``plan``:
+    a late reply to an attempt given up is never paired with the next one."""
+    return lambda msg: getattr(msg, "swap_id", None) == plan.id and getattr(msg, "attempt", None) == plan.attempt
 
 
 def transfer_key(plan: SwapPlan) -> str | None:

@@ -22,7 +22,7 @@ from .protocol import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening
                        Reformed, Resume, SendState, Stranger, WorldSpec)
 from .records import Move, Report, SwapPlan, load, node_info
 from .slots import Slot, SlotState
-from .swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, transfer_key as _transfer_key, world_prefix
+from .swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, of_attempt, transfer_key as _transfer_key, world_prefix
 
 log = logging.getLogger("tpassrun.swap")
 
@@ -262,8 +262,8 @@ class PhaseSteps:
         self._slots.send(joiner, Assign(world=self._joiner_world(plan, move), swap_id=plan.id, key=key,
                                         listen_host=self.port.addr, timeout=PHASE_TIMEOUT_S,
                                         accept_timeout=3 * PHASE_TIMEOUT_S, max_bytes=joiner.reserved or None,
-                                        mirror_from=mirrored))
-        msg = await self._slots.expect(joiner, (Listening,), PHASE_TIMEOUT_S)
+                                        mirror_from=mirrored, attempt=plan.attempt))
+        msg = await self._slots.expect(joiner, (Listening,), PHASE_TIMEOUT_S, of_attempt(plan))
         if msg is None:
             return "the spare did not start listening"
         return (self.port.addr, msg.port)
@@ -359,7 +359,7 @@ class PhaseSteps:
         connecting leaves the joiner listening; plans are followed one at a time, so this wait must look)."""
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         while time.monotonic() < deadline:
-            msg = await self._slots.expect(joiner, (Received, Stranger), 0.5)
+            msg = await self._slots.expect(joiner, (Received, Stranger), 0.5, of_attempt(plan))
             if isinstance(msg, Stranger):
                 self.port.events.write("swap_transfer_stranger", swap_id=plan.id, error=msg.error)
                 continue

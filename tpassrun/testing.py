@@ -21,7 +21,9 @@ collective failing here: wait until the process that claimed the marker ``after`
 all-reduce it stages a mixed commit: this rank did not complete the collective, the others did).
 ``"any_step": true`` fires at the first step that reaches the point (with a marker a harness deletes to arm
 it: ``tests/faults.py``'s ``FaultSwitches``). tpassrun's own points: ``send``, ``receive``, ``reform``, ``join``
-(in a swap) and ``spare_start`` (a warm spare before it says hello, as rank -1: a spare slow to start).
+(in a swap) and ``spare_start`` (a warm spare before it says hello, as rank -1: a spare slow to start). Staged by
+tpassrun itself (:func:`wants`): ``send``/``corrupt`` (a byte of the next transfer flipped) and
+``send``/``cut_handshake`` (the next transfer's first connection cut after 18 of the proof's 68 bytes).
 """
 
 from __future__ import annotations

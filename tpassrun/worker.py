@@ -37,7 +37,7 @@ from .world import init_world
 from .worker_failure import StepFailure, classify_failure, is_distributed_failure
 from .worker_link import AgentLink
 from .worker_session import Session
-from .worker_spare import _prewarm, _wait_for_sender
+from .worker_spare import _prewarm, _receive_state
 from .worker_watch import Watcher
 
 log = logging.getLogger("tpassrun.worker")
@@ -89,5 +89,5 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
     return sess
 
 
-__all__ = ["AgentLink", "INT64_MAX", "Session", "StepFailure", "_AgentLink", "_wait_for_sender", "classify_failure", "init",
+__all__ = ["AgentLink", "INT64_MAX", "Session", "StepFailure", "_AgentLink", "_receive_state", "classify_failure", "init",
            "is_distributed_failure"]

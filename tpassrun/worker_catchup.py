@@ -84,17 +84,19 @@ class CatchUpCommand:
             if back is not None and back[0] == msg.step and msg.step <= step:
                 light = back[1]
         if light is None:
-            link.send(Received(ok=False, swap_id=msg.swap_id, error=f"rank {self.rank} (stopped at step {step}) holds "
+            link.send(Received(ok=False, swap_id=msg.swap_id, attempt=msg.attempt,
+                               error=f"rank {self.rank} (stopped at step {step}) holds "
                                f"no seal of step {msg.step} and no snapshot of its start: it cannot move there"))
             return False
         try:
             listener, port = handoff.listen_for_bundle(msg.listen_host or "127.0.0.1")
         except (OSError, handoff.HandoffError) as exc:
-            link.send(Received(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=msg.swap_id))
+            link.send(Received(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=msg.swap_id,
+                               attempt=msg.attempt))
             return False
         phase = link.get(Field.PHASE)
         link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
-        link.send(Listening(port=port, swap_id=msg.swap_id))
+        link.send(Listening(port=port, swap_id=msg.swap_id, attempt=msg.attempt))
         try:
             received = _receive_state(listener, link, msg, _transfer_auth(msg.key, msg.swap_id, msg.rank),
                                       self._pending, reply=False)
@@ -107,7 +109,8 @@ class CatchUpCommand:
         names = [n for n in bundle.meta.get("objects", {})]
         missing = [n for n in names if n not in self._tracked or n in self._per_rank]
         if _bundle_step(bundle) != msg.step or missing:
-            link.send(Received(ok=False, swap_id=msg.swap_id, error=f"the state sent is of step {_bundle_step(bundle)} "
+            link.send(Received(ok=False, swap_id=msg.swap_id, attempt=msg.attempt,
+                               error=f"the state sent is of step {_bundle_step(bundle)} "
                                f"(not {msg.step}), or for objects this rank does not hold alike: {missing}"))
             return False
         for name in names:
@@ -119,7 +122,8 @@ class CatchUpCommand:
         link.set(Field.ALT_BACK, 0)
         log.warning("rank %d: a mixed commit: took the replicated state of step %d from another survivor (%s)",
                     self.rank, msg.step, "back to its start" if self._back_txn is not None else "catching up")
-        link.send(Received(ok=True, swap_id=msg.swap_id, nbytes=stats.nbytes, seconds=stats.seconds,
+        link.send(Received(ok=True, swap_id=msg.swap_id, attempt=msg.attempt, nbytes=stats.nbytes,
+                           seconds=stats.seconds,
                            checksum=stats.checksum, step=msg.step))
         return False
 

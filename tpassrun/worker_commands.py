@@ -130,7 +130,9 @@ class BoundaryCommands:
         bundle = handoff.capture(objs, step=at, rng=rng, extra={"objects": sorted(objs), "swap_id": msg.swap_id})
         try:
             _send_state(msg, bundle,
-                        corrupt=lambda: testing.ENABLED and testing.wants(self.rank, step, "send", "corrupt"))
+                        corrupt=lambda: testing.ENABLED and testing.wants(self.rank, step, "send", "corrupt"),
+                        cut=testing.ENABLED and testing.wants(self.rank, step, "send", "cut_handshake"),
+                        give_up=link.waiting)
         except (OSError, handoff.HandoffError) as exc:
             # the joiner reports the failed transfer; this rank waits for the next command (resume, exit)
             log.debug("rank %d: sending its state failed: %s", self.rank, exc)
@@ -329,19 +331,19 @@ def _refuse_send(msg: SendState) -> None:
         pass
 
 
-def _send_state(msg: SendState, bundle: Any, *, corrupt: Callable[[], bool]) -> Any:
-    """Stream ``bundle`` to the joiner named in ``msg``. ``corrupt`` is the tests' fault hook: asked only
-    once connected, so a fault meant for a transfer is not used up by a joiner that is already gone."""
+def _send_state(msg: SendState, bundle: Any, *, corrupt: Callable[[], bool], cut: bool = False,
+                give_up: Callable[[], bool] | None = None) -> Any:
+    """Stream ``bundle`` to the joiner named in ``msg``; a connection lost before the joiner proved the key is
+    tried again at once (:func:`~tpassrun.handoff_wire.connect_and_send`) until ``msg.timeout`` or ``give_up()``
+    (the agent sent a command). ``corrupt`` and ``cut`` are the tests' fault hooks: ``corrupt`` is asked only
+    once the joiner proved the key, so a fault meant for a transfer is not used up by a joiner that is already
+    gone; ``cut`` drops the first connection after 18 of the proof's 68 bytes."""
     from . import handoff
 
-    auth = _transfer_auth(msg.key, msg.swap_id, msg.rank)
-    try:
-        sock = socket.create_connection((msg.addr, msg.port), timeout=msg.timeout)
-    except OSError as exc:
-        raise handoff.HandoffError(f"cannot connect to the joiner at {msg.addr}:{msg.port}: {exc}") from exc
-    with sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return handoff.send_bundle(sock, bundle, auth=auth, _corrupt_byte_at=4096 if corrupt() else None)
+    return handoff.connect_and_send(msg.addr, msg.port, bundle, timeout=msg.timeout,
+                                    auth=_transfer_auth(msg.key, msg.swap_id, msg.rank), give_up=give_up,
+                                    _corrupt_byte_at=lambda: 4096 if corrupt() else None,
+                                    _cut_first_handshake_at=18 if cut else None)
 
 
 def _transfer_auth(key: str, swap_id: str, rank: int) -> Any:

@@ -11,7 +11,6 @@ import base64
 import dataclasses
 import logging
 import os
-import select
 import socket
 import time
 from typing import Any
@@ -21,11 +20,13 @@ from . import testing
 from .channel import Field, WorkerPhase
 from .protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
                        Reserve, Stranger)
+from .quiet import Throttle, held_note
 from .world import JoinAborted, join_world, set_rank_env
 from .worker_commands import _transfer_auth
 from .worker_link import AgentLink
 
 log = logging.getLogger("tpassrun.worker")
+_STRANGER_LINES = Throttle()     # a flood of strangers: one warning line per source a minute, with the count
 
 
 @dataclasses.dataclass
@@ -64,10 +65,11 @@ class SpareCommands:
             wait.listener, port = handoff.listen_for_bundle(msg.listen_host or "127.0.0.1")
         except (OSError, handoff.HandoffError) as exc:
             wait.bundle = None
-            link.send(Received(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=msg.swap_id))
+            link.send(Received(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=msg.swap_id,
+                               attempt=msg.attempt))
             return False
         link.set(Field.PHASE, WorkerPhase.TRANSFERRING)
-        link.send(Listening(port=port, swap_id=msg.swap_id))
+        link.send(Listening(port=port, swap_id=msg.swap_id, attempt=msg.attempt))
         if testing.ENABLED:
             testing.fault_point(msg.world.rank, 0, "receive")  # tests: the joiner dies mid-transfer
         received = _receive_state(wait.listener, link, msg, auth, self._pending)
@@ -157,77 +159,73 @@ def _prewarm() -> None:
             log.debug("prewarm %s: %s", name, exc)
 
 
-def _wait_for_sender(listener: socket.socket, link: AgentLink, timeout: float, pending: list[Message]) -> bool:
-    """Wait until a sender connects (True), or until the agent sends a command other than the unplanned
-    swap's ``Light`` snapshot (False; the command is appended to ``pending``), or the timeout (False).
-
-    An assigned spare may wait a while (it is assigned while the survivors finish their step), so it
-    must stay responsive: an abort or a new assignment must not wait for the accept timeout.
-    ``Light`` arrives while the donor streams; it is kept in ``pending`` and answered after the
-    state, in the order the agent expects."""
-    deadline = time.monotonic() + timeout
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
+def _next_command(link: AgentLink, pending: list[Message]) -> bool:
+    """While a joiner waits for its sender: take the agent's commands that are there. False once one came that
+    ends the wait (it is appended to ``pending`` for the dispatcher); the unplanned swap's ``Light`` arrives while
+    the donor streams and is kept in ``pending``, answered after the state, in the order the agent expects."""
+    while link.waiting():
+        msg = link.recv()
+        if isinstance(msg, Reserve):
+            continue   # too late to pre-fault for this transfer
+        pending.append(msg)
+        if not isinstance(msg, Light):
             return False
-        if link.waiting():
-            msg = link.recv()
-            if isinstance(msg, Reserve):
-                continue   # too late to pre-fault for this transfer
-            pending.append(msg)
-            if not isinstance(msg, Light):
-                return False
-            continue
-        readable, _, _ = select.select([listener, link.sock], [], [], remaining)
-        if listener in readable:
-            return True
+    return True
 
 
 def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any, pending: list[Message],
                    reply: bool = True) -> tuple[Any, Any] | None:
     """Wait for the sender the agent announced and receive its state, and the dead rank's mirrored shard when
     the assignment names one: (bundle, (shard bundle, light) or None); None if none came, or it failed.
-    Connections that do not prove the swap key are dropped and the wait goes on: a stranger that connects
-    first neither delays the swap past its timeout nor gets anything applied. ``msg``: an ``Assign`` (or a
-    survivor's ``CatchUp``, with ``reply=False``: then (bundle, transfer stats), and the caller says Received
-    once it checked and loaded the state)."""
+    Every connection's handshake runs at once, each within its own deadline (:class:`~tpassrun.wiregate.
+    HandshakeGate`): a stranger that connects first, says nothing or drips its proof a byte at a time neither
+    delays the sender nor gets anything applied; each one dropped is reported (``Stranger``). The wait stays
+    responsive: an abort or a new assignment is served at once, not after the accept timeout. ``msg``: an
+    ``Assign`` (or a survivor's ``CatchUp``, with ``reply=False``: then (bundle, transfer stats), and the caller
+    says Received once it checked and loaded the state). Every reply names the swap and its attempt."""
     from . import handoff
-    from .handoff_wire import accept_one
+    from .handoff_wire import _poly1305_here
+    from .wireauth import FLAG_POLY1305
+    from .wiregate import HandshakeGate
 
-    swap_id = msg.swap_id
-    wait_s = float(msg.timeout)
+    swap_id, attempt = msg.swap_id, msg.attempt
     accept_s = float(msg.accept_timeout)
     max_bytes = getattr(msg, "max_bytes", None) or None
     deadline = time.monotonic() + accept_s
     strangers = 0
-    while True:
-        if not _wait_for_sender(listener, link, deadline - time.monotonic(), pending):
-            if not pending or isinstance(pending[-1], Light):   # timed out (not interrupted)
-                link.send(Received(ok=False, swap_id=swap_id, error=f"HandoffError: no sender connected "
-                                   f"within {accept_s} s" + (f" ({strangers} unauthenticated connections dropped)"
-                                                              if strangers else "")))
-            return None   # an abort or a new assignment came first: the dispatcher handles it
-        try:
-            conn = accept_one(listener, 1.0)
-        except handoff.HandoffError:
-            continue
-        with conn:
-            conn.settimeout(wait_s)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            try:
-                bundle, stats = handoff.recv_bundle(conn, auth=auth, max_bytes=max_bytes)
-            except handoff.AuthError as exc:
-                strangers += 1
-                log.warning("spare: dropped a connection that did not prove the swap key: %s", exc)
-                link.send(Stranger(swap_id=swap_id, error=str(exc)[:200]))
-                continue
-            except (OSError, handoff.HandoffError) as exc:
-                link.send(Received(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=swap_id))
+    with HandshakeGate(listener, auth, FLAG_POLY1305 if _poly1305_here() else 0, watch=(link.sock,)) as gate:
+        while True:
+            if not _next_command(link, pending):
+                return None   # an abort or a new assignment came first: the dispatcher handles it
+            left = deadline - time.monotonic()
+            if left <= 0:
+                link.send(Received(ok=False, swap_id=swap_id, attempt=attempt, error=f"HandoffError: no sender "
+                                   f"connected within {accept_s} s" + (f" ({strangers} unauthenticated connections "
+                                                                        "dropped)" if strangers else "")))
                 return None
+            proved = gate.poll(left)
+            for source, why in gate.take_dropped():
+                strangers += 1
+                held = _STRANGER_LINES.check(source)
+                if held is not None:
+                    log.warning("spare: dropped a connection from %s that did not prove the swap key: %s%s", source,
+                                why, held_note(held, _STRANGER_LINES.window))
+                link.send(Stranger(swap_id=swap_id, attempt=attempt, error=f"{source}: {why}"[:200]))
+            if proved is not None:
+                break
+    with proved.sock as conn:
+        conn.settimeout(float(msg.timeout))
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            bundle, stats = handoff.recv_bundle(conn, mac=proved.mac, max_bytes=max_bytes)
+        except (OSError, handoff.HandoffError) as exc:
+            link.send(Received(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=swap_id,
+                               attempt=attempt))
+            return None
         extra = bundle.meta.get("extra")
         sent_for = extra.get("swap_id") if isinstance(extra, dict) else None
         if sent_for != swap_id:   # authenticated, so a bug rather than an attack: still never apply it
-            link.send(Received(ok=False, swap_id=swap_id,
+            link.send(Received(ok=False, swap_id=swap_id, attempt=attempt,
                                error=f"HandoffError: the state is for swap {sent_for!r}, not {swap_id!r}"))
             return None
         if not reply:
@@ -241,13 +239,13 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
 
                 shard, shard_light, _ = fetch_mirrored(source.target, source.owner, source.step)
             except Exception as exc:  # noqa: BLE001 - reported: the agent retries or gives the recovery up
-                link.send(Received(ok=False, swap_id=swap_id,
+                link.send(Received(ok=False, swap_id=swap_id, attempt=attempt,
                                    error=f"fetching rank {source.owner}'s shard of step {source.step} from its "
                                          f"mirror failed: {type(exc).__name__}: {exc}"[:300]))
                 return None
             mirrored, nbytes = (shard, shard_light), nbytes + shard.nbytes
         link.send(Received(ok=True, nbytes=nbytes, seconds=stats.seconds, checksum=stats.checksum,
-                           swap_id=swap_id, step=_bundle_step(bundle), mirrored=mirrored is not None))
+                           swap_id=swap_id, attempt=attempt, step=_bundle_step(bundle), mirrored=mirrored is not None))
         return bundle, mirrored
 
 
