@@ -113,3 +113,32 @@ def test_the_health_monitor_and_the_slots_agree_on_which_gpu_a_slot_owns():
     for slot, gpu in enumerate(devices):
         assert device_for_local_rank(slot, "4,5,6,7") == f"gpu{gpu}"
         assert slot_env(slot, slot, devices, spare=True, virtual_local_rank=False)["CUDA_VISIBLE_DEVICES"] == gpu
+
+
+def test_slots_share_gpus_only_when_asked_and_each_sees_its_gpu_as_cuda_0():
+    """TPASSRUN_SHARE_GPUS=1 (issue 29): 2 ranks + 1 spare on one GPU for tests and single-GPU workstations;
+    refused without it, as before. Every slot of a shared GPU sees that GPU alone, with LOCAL_RANK=0."""
+    one = node_devices({"CUDA_VISIBLE_DEVICES": "0"}, lambda: 1, slots=3)
+    assert one == ["0"] and check_layout(2, 1, one) is not None
+    assert "TPASSRUN_SHARE_GPUS=1" in check_layout(2, 1, one)
+    shared = node_devices({"CUDA_VISIBLE_DEVICES": "0", "TPASSRUN_SHARE_GPUS": "1"}, lambda: 1, slots=3)
+    assert shared == ["0", "0", "0"] and check_layout(2, 1, shared) is None
+    for slot in range(3):
+        assert slot_env(slot, slot, shared, spare=slot == 2, virtual_local_rank=False) == {
+            "LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": "0"}
+    two = node_devices({"TPASSRUN_SHARE_GPUS": "1"}, lambda: 2, slots=3)
+    assert two == ["0", "1", "0"]                                     # slot i -> GPU i mod n: the spare shares 0
+    assert slot_env(1, 1, two, spare=False, virtual_local_rank=False) == {}   # GPU 1 is rank 1's alone: torchrun's
+    assert node_devices({"TPASSRUN_SHARE_GPUS": "1"}, lambda: 8, slots=3) == EIGHT   # enough GPUs: no sharing
+    assert node_devices({"TPASSRUN_SHARE_GPUS": "1"}, lambda: None, slots=3) is None  # CPU node: nothing to share
+
+
+def test_the_launcher_takes_a_shared_layout_only_with_the_opt_in(monkeypatch, capsys):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    monkeypatch.delenv("TPASSRUN_SHARE_GPUS", raising=False)
+    assert cli.main(["--nproc-per-node", "2", "--spares-per-node", "1", "train.py"]) == cli.REJECTED_VALUE
+    assert "needs 3 GPUs, but this node has 1" in capsys.readouterr().err
+    monkeypatch.setenv("TPASSRUN_SHARE_GPUS", "1")
+    from tpassrun.config import parse_args
+    cfg = parse_args(["--nproc-per-node", "2", "--spares-per-node", "1", "train.py"], {})
+    cli._check_devices(cfg)                                           # no ConfigError: the layout is taken

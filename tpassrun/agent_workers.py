@@ -29,7 +29,7 @@ class WorkerSpawning:
 
     def _find_devices(self) -> list[str] | None:
         try:
-            return node_devices(self.environ)
+            return node_devices(self.environ, slots=self.cfg.nproc_per_node + self.cfg.spares_per_node)
         except Exception as exc:  # noqa: BLE001 - a broken NVML: fall back to CUDA_VISIBLE_DEVICES alone
             log.warning("cannot count GPUs through NVML (%s); using CUDA_VISIBLE_DEVICES only", exc)
             return visible_devices(self.environ.get(E.CUDA_VISIBLE_DEVICES), None)

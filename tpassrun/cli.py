@@ -23,7 +23,7 @@ def _check_devices(cfg) -> None:  # noqa: ANN001 - a LaunchConfig
     from .devices import check_layout, node_devices  # noqa: PLC0415
 
     try:
-        devices = node_devices(os.environ)
+        devices = node_devices(os.environ, slots=cfg.nproc_per_node + cfg.spares_per_node)
     except Exception:  # noqa: BLE001 - NVML broken: the agent says so; the layout is not refused for it
         return
     error = check_layout(cfg.nproc_per_node, cfg.spares_per_node, devices)

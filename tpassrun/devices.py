@@ -20,6 +20,12 @@ What a worker sees (:func:`slot_env`), when the node has GPUs:
 
 Without GPUs (no NVML, ``CUDA_VISIBLE_DEVICES`` unset) nothing changes: ``LOCAL_RANK`` is the local rank, or
 the slot index for a spare.
+
+Slots sharing GPUs (``TPASSRUN_SHARE_GPUS=1``, opt-in, for tests and single-GPU workstations): a layout with
+more slots than GPUs is not refused; slot ``i`` uses GPU ``i mod n`` (:func:`shared_devices`), and every slot
+of a shared GPU sees only that GPU, as ``cuda:0`` with ``LOCAL_RANK=0`` (as a spare does), since
+``CUDA_VISIBLE_DEVICES`` cannot name a GPU twice. NCCL cannot put two ranks of one communicator on one GPU:
+a shared layout runs gloo (CUDA tensors or CPU), or NCCL only when no two *ranks* share a GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Callable
 
 from . import envnames as E
 
-__all__ = ["check_layout", "node_devices", "slot_env", "visible_devices"]
+__all__ = ["check_layout", "node_devices", "shared_devices", "slot_env", "visible_devices"]
 
 
 def visible_devices(cuda_visible: str | None, nvml_count: int | None) -> list[str] | None:
@@ -50,11 +56,22 @@ def visible_devices(cuda_visible: str | None, nvml_count: int | None) -> list[st
     return None
 
 
-def node_devices(environ: Mapping[str, str], nvml_count: Callable[[], int | None] | None = None) -> list[str] | None:
-    """:func:`visible_devices` of this node (blocking: NVML is initialised once to count the GPUs)."""
+def node_devices(environ: Mapping[str, str], nvml_count: Callable[[], int | None] | None = None, *,
+                 slots: int = 0) -> list[str] | None:
+    """:func:`visible_devices` of this node (blocking: NVML is initialised once to count the GPUs); with
+    ``TPASSRUN_SHARE_GPUS=1``, stretched over ``slots`` slots (:func:`shared_devices`)."""
     if nvml_count is None:
         from .health import nvml_device_count as nvml_count
-    return visible_devices(environ.get(E.CUDA_VISIBLE_DEVICES), nvml_count())
+    devices = visible_devices(environ.get(E.CUDA_VISIBLE_DEVICES), nvml_count())
+    return shared_devices(devices, slots) if environ.get(E.TPASSRUN_SHARE_GPUS) == "1" else devices
+
+
+def shared_devices(devices: list[str] | None, slots: int) -> list[str] | None:
+    """Slot ``i``'s GPU is ``devices[i mod n]`` when there are fewer GPUs than ``slots`` (the opt-in of the
+    module doc); unchanged otherwise (enough GPUs: every slot owns one, as without the opt-in)."""
+    if not devices or slots <= len(devices):
+        return devices
+    return [devices[i % len(devices)] for i in range(slots)]
 
 
 def check_layout(nproc: int, spares: int, devices: list[str] | None) -> str | None:
@@ -67,7 +84,8 @@ def check_layout(nproc: int, spares: int, devices: list[str] | None) -> str | No
              f"--spares-per-node {max(0, n - nproc)}")
     return (f"--nproc-per-node {nproc} + --spares-per-node {spares} needs {nproc + spares} GPUs, but this node "
             f"has {n} ({','.join(devices)}): each spare owns a GPU. Use fewer ranks per node ({fewer}), or keep "
-            f"--nproc-per-node {nproc} --spares-per-node 0 and start the spares as their own node (--spare-node)")
+            f"--nproc-per-node {nproc} --spares-per-node 0 and start the spares as their own node (--spare-node); "
+            f"TPASSRUN_SHARE_GPUS=1 lets slots share GPUs (tests, one-GPU workstations)")
 
 
 def slot_env(slot: int, local_rank: int, devices: list[str] | None, *, spare: bool,
@@ -76,7 +94,7 @@ def slot_env(slot: int, local_rank: int, devices: list[str] | None, *, spare: bo
     what torchrun would set."""
     if not devices or slot >= len(devices):
         return {}
-    if spare or virtual_local_rank:
+    if spare or virtual_local_rank or devices.count(devices[slot]) > 1:   # a shared GPU: only its own
         return {E.LOCAL_RANK: "0", E.CUDA_VISIBLE_DEVICES: devices[slot]}
     if slot == local_rank:
         return {}
