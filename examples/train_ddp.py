@@ -9,6 +9,9 @@ With tpassrun, ``tpassctl taint --rank 1 ...`` (or a failing GPU) moves rank 1 t
 steps; the other ranks keep their processes and memory, and the run ends bit-identical to one without the
 swap. ``--out DIR`` writes the per-step losses and the final state of every rank there.
 
+``--device cuda``: the model, data and optimizer on this worker's GPU (``LOCAL_RANK``; a spare's is its own),
+dropout drawing from the CUDA generator; ``--backend nccl`` or gloo with CUDA tensors (``scripts/gpu_check.sh``).
+
 ``--zero``: the optimizer state is sharded by hand, ZeRO-1 style (:class:`ZeroAdamW`): no other rank holds a
 rank's slice, so the script tracks it with ``sess.track_sharded`` and tpassrun mirrors it to a buddy's memory.
 """
@@ -81,9 +84,12 @@ class ZeroAdamW:
     def step(self) -> None:
         self.shard.grad = self._flat([p.grad for p in self.params])[self._mine()].clone()
         self.inner.step()
-        parts = [torch.empty(self.size) for _ in range(self.world)]
-        dist.all_gather(parts, self.shard.detach())
-        full = torch.cat(parts)
+        mine = self.shard.detach()
+        if mine.is_cuda and dist.get_backend() == "gloo":
+            mine = mine.cpu()              # gloo's all_gather takes CPU tensors only
+        parts = [torch.empty(self.size, device=mine.device) for _ in range(self.world)]
+        dist.all_gather(parts, mine)
+        full = torch.cat(parts).to(self.shard.device)
         with torch.no_grad():
             offset = 0
             for p in self.params:
@@ -148,6 +154,9 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.0, help="seconds of extra work per step")
     p.add_argument("--out", default=None, help="directory for per-rank loss logs and final state")
     p.add_argument("--quiet", action="store_true")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: this worker's GPU (torch.cuda.set_device(LOCAL_RANK))")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
     p.add_argument("--zero", action="store_true", help="shard the optimizer state by hand (ZeRO-1, ZeroAdamW)")
     p.add_argument("--ddp", choices=("session", "torch"), default="session",
                    help="session: sess.ddp(model); torch: DistributedDataParallel(model), re-created on reconfigure")
@@ -165,11 +174,14 @@ def main() -> None:
                    help="all-reduce the loss for logging right after the optimizer step, or at the end of the step")
     args = p.parse_args()
 
-    sess = tpassrun.init(backend="gloo")
+    if args.device == "cuda":                          # before init: NCCL binds to the current device
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
+    sess = tpassrun.init(backend=args.backend)
     rank, world = sess.rank, sess.world_size
 
     torch.manual_seed(args.seed)                       # identical initial weights on every rank
-    model = Net(args.dim, args.hidden)
+    model = Net(args.dim, args.hidden).to(device)
     sess.track(model=model)                            # before DDP: a joiner loads its weights first
     net = torch.compile(model) if args.compile else model
     if args.ddp == "session":
@@ -200,6 +212,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(args.seed + 7)   # the dataset, the same everywhere
     xs = torch.randn(args.samples, args.dim, generator=g)
     ys = (xs.sum(dim=1, keepdim=True) * 0.1).sin()
+    xs, ys = xs.to(device), ys.to(device)
     if args.loader_workers is None:
         sampler = ShuffledSampler(args.samples, rank, world, args.seed)
 
@@ -277,13 +290,13 @@ def main() -> None:
                 opt.step()
             fault_point(sess.rank, i, "after_opt")
             if args.metric_allreduce == "after_opt":
-                dist.all_reduce(torch.tensor([total]))
+                dist.all_reduce(torch.tensor([total], device=device))
             sched.step()
         if args.step_sleep:
             time.sleep(args.step_sleep)   # the user's own work after the step (logging, evaluation, saving)
         fault_point(sess.rank, i, "user")
         if args.metric_allreduce == "end":
-            dist.all_reduce(torch.tensor([total]))     # a logging collective after the optimizer step
+            dist.all_reduce(torch.tensor([total], device=device))     # a logging collective after the optimizer step
         if not args.quiet and sess.rank == 0 and i % 50 == 0:
             print(f"step {i} loss {total:.6f} world {sess.world_size} swaps {sess.swaps}", flush=True)
         fault_point(sess.rank, i, "end")
