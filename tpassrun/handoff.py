@@ -49,7 +49,7 @@ except ImportError:  # pragma: no cover
 
 __all__ = [
     "AuthError", "ChecksumError", "HandoffError", "StateBundle", "Stateful", "TransferAuth", "TransferStats",
-    "accept_and_recv", "apply", "capture", "capture_rng", "connect_and_send", "decode_small",
+    "accept_and_recv", "apply", "capture", "capture_rng", "connect_and_send", "cuda_rng_targets", "decode_small",
     "encode_small", "listen_for_bundle", "recv_bundle", "restore_rng", "send_bundle",
 ]
 
@@ -74,8 +74,9 @@ def capture_rng() -> dict:
     """Every global RNG a training step may draw from, as plain values and tensors.
 
     Keys: ``python`` (``random``), ``numpy`` (its legacy global ``RandomState``, only when numpy
-    is importable), ``torch`` (CPU generator), ``cuda`` (one state per device, only when CUDA is
-    available). The tensors returned are copies: capturing never aliases live generator state.
+    is importable), ``torch`` (CPU generator), ``cuda`` (one state per visible device, only when CUDA is
+    available) with ``cuda_current``, the device this process computes on (:func:`cuda_rng_targets`). The
+    tensors returned are copies: capturing never aliases live generator state.
     """
     version, internal, gauss_next = random.getstate()
     words = array.array(_U32, internal)
@@ -87,18 +88,46 @@ def capture_rng() -> dict:
     }
     if np is not None:
         state["numpy"] = np.random.get_state(legacy=False)
-    if torch.cuda.is_available():  # kept although this machine cannot run it
+    if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
+        state["cuda_current"] = torch.cuda.current_device()
     return state
+
+
+def cuda_rng_targets(states: int, sender_current: int | None, devices: int, current: int) -> list[tuple[int, int]]:
+    """Which captured CUDA generator state goes to which local device: ``(state index, device)`` pairs.
+
+    A rank computes on one GPU, and the process replacing it may see another set of them: a spare sees only
+    its own GPU (as ``cuda:0``), while the rank it replaces may have seen all of the node's (torchrun's
+    ``LOCAL_RANK`` indexing, the state of its ``cuda:LOCAL_RANK`` is the one its dropout drew from). The same
+    view (as many devices, the same current one) restores every state as it was; any other view restores the
+    sender's current device's state into the receiver's current device, and leaves the others alone."""
+    if devices <= 0:
+        raise HandoffError(f"the RNG state holds {states} CUDA generator(s) but CUDA is not available here")
+    if states == devices and sender_current in (None, current):
+        return [(i, i) for i in range(states)]
+    if sender_current is None:
+        if states == 1:
+            return [(0, current)]
+        raise HandoffError(f"the RNG state holds {states} CUDA generators without the device they were used on, "
+                           f"and this process sees {devices}")
+    if not 0 <= sender_current < states:
+        raise HandoffError(f"the RNG state's current CUDA device {sender_current} is not among its {states} states")
+    return [(sender_current, current)]
 
 
 def restore_rng(state: dict) -> None:
     """Set every global RNG from :func:`capture_rng`'s output (after a handoff: decoded)."""
     if state.get("v") != RNG_VERSION:
         raise HandoffError(f"RNG state version {state.get('v')!r} is not supported (expected {RNG_VERSION})")
-    if "cuda" in state and not torch.cuda.is_available():
+    targets: list[tuple[int, int]] = []
+    if "cuda" in state:
         # A joiner that cannot continue the sender's CUDA streams is not a faithful replacement.
-        raise HandoffError(f"the RNG state holds {len(state['cuda'])} CUDA generator(s) but CUDA is not available here")
+        available = torch.cuda.is_available()
+        current = state.get("cuda_current")
+        targets = cuda_rng_targets(len(state["cuda"]), None if current is None else int(current),
+                                   torch.cuda.device_count() if available else 0,
+                                   torch.cuda.current_device() if available else 0)
     if "numpy" in state and np is None:
         raise HandoffError("the RNG state holds numpy's generator but numpy is not importable here")
     python = state["python"]
@@ -108,8 +137,8 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     if "numpy" in state:
         np.random.set_state(state["numpy"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
+    for index, device in targets:
+        torch.cuda.set_rng_state(state["cuda"][index], device)
 
 
 # ---------------------------------------------------------------------------------------------

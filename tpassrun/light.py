@@ -14,7 +14,7 @@ Frame (little endian)::
            | "TPLE" | u32 crc32 of everything before
 
 ``head`` = ``{"step", "py": [version, gauss_next], "np": null | [pos, has_gauss, gauss], "torch": nbytes,
-"cuda": [nbytes...], "objects": nbytes}``. :func:`decode` returns the same :class:`StateBundle` that
+"cuda": [nbytes...], "cuda_at": the current CUDA device or null, "objects": nbytes}``. :func:`decode` returns the same :class:`StateBundle` that
 ``capture(objects, step=step, rng=capture_rng())`` would have given, so whoever applies it cannot tell.
 Bytes after the trailer are ignored (a fixed-size shared-memory slot); a torn or corrupted frame is a
 :class:`ChecksumError`.
@@ -116,10 +116,11 @@ class LightSnapshotter:
         parts.append(torch_state)
         cuda = [_bytes_of(s) for s in torch.cuda.get_rng_state_all()] if torch.cuda.is_available() else []
         parts += cuda
+        cuda_at = torch.cuda.current_device() if cuda else None
         objs = encode_small(capture(objects, step=step)) if objects else b""
         parts.append(objs)
         head = json.dumps({"step": step, "py": [version, gauss_next], "np": np_head, "torch": len(torch_state),
-                           "cuda": [len(c) for c in cuda], "objects": len(objs)},
+                           "cuda": [len(c) for c in cuda], "cuda_at": cuda_at, "objects": len(objs)},
                           separators=(",", ":")).encode()
         parts[0], parts[1] = MAGIC + _LEN.pack(len(head)), head
         body = b"".join(parts)
@@ -171,6 +172,8 @@ def decode(data: bytes | bytearray | memoryview) -> StateBundle:
                         "has_gauss": has_gauss, "gauss": gauss}
     if head["cuda"]:
         rng["cuda"] = [torch.frombuffer(bytearray(c), dtype=torch.uint8) for c in cuda_states]
+        if head.get("cuda_at") is not None:
+            rng["cuda_current"] = int(head["cuda_at"])
     objects: dict[str, Any] = {}
     if objs:
         inner = decode_small(objs)
