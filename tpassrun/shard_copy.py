@@ -105,12 +105,20 @@ class _CudaJob:
         return bool(self._event.query()) and (self._cpu is None or self._cpu.done())
 
 
+def split_by_device(pairs: Sequence[tuple[Any, Any]]) -> tuple[list[tuple[Any, Any]], list[tuple[Any, Any]]]:
+    """The copier's plan: ``(dst, src)`` pairs whose source is on a GPU (side stream, pinned destination) and
+    the others (the CPU thread), each list in the snapshot's order."""
+    gpu = [(d, s) for d, s in pairs if s.is_cuda]
+    return gpu, [(d, s) for d, s in pairs if not s.is_cuda]
+
+
 class CudaCopier:
     """GPU tensors: device-to-host copies into pinned memory on a side stream, ordered after everything queued
     before the snapshot point; :meth:`_CudaJob.fence` makes the compute stream wait for them (no host sync), the
     pusher thread synchronizes on their event. CPU tensors of the same snapshot go to a :class:`CpuCopier`.
-
-    Written against ``torch.cuda``'s stream/event API; not exercised on this machine (no GPU)."""
+    Each source is recorded on the side stream: the caller drops its references at once, and a tensor freed on
+    the compute stream (a state tensor replaced, not updated in place) must not be reused before the copy read
+    it. Exercised on a GPU by ``scripts/gpu_check.sh``; its plan by ``tests/test_gpu_paths.py``."""
 
     def __init__(self) -> None:
         import torch
@@ -126,11 +134,11 @@ class CudaCopier:
     def start(self, pairs: Sequence[tuple[Any, Any]]) -> CopyJob:
         import torch
 
-        gpu = [(d, s) for d, s in pairs if s.is_cuda]
-        cpu = [(d, s) for d, s in pairs if not s.is_cuda]
+        gpu, cpu = split_by_device(pairs)
         self._stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self._stream), torch.no_grad():
             for dst, src in gpu:
+                src.record_stream(self._stream)
                 dst.copy_(src.detach(), non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
@@ -143,4 +151,4 @@ def make_copier() -> Copier:
     return CudaCopier() if torch.cuda.is_available() else CpuCopier()
 
 
-__all__ = ["CopyJob", "Copier", "CpuCopier", "CudaCopier", "make_copier"]
+__all__ = ["CopyJob", "Copier", "CpuCopier", "CudaCopier", "make_copier", "split_by_device"]
