@@ -174,8 +174,8 @@ def main() -> None:
                    help="all-reduce the loss for logging right after the optimizer step, or at the end of the step")
     args = p.parse_args()
 
-    if args.device == "cuda":                          # before init: NCCL binds to the current device
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if args.device == "cuda":    # before init: NCCL binds to the current device (fewer GPUs than ranks: shared)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
     device = torch.device(args.device, torch.cuda.current_device()) if args.device == "cuda" else torch.device("cpu")
     sess = tpassrun.init(backend=args.backend)
     rank, world = sess.rank, sess.world_size

@@ -1,0 +1,375 @@
+"""The checks of ``scripts/gpu_check.sh``, one function each: ``check(ctx) -> (result, figure)``.
+
+Each runs in a process of its own (``harness.py``); it raises :class:`support.Skip` when it cannot run here
+(``skipped: no GPU``), :class:`support.Failed` (or anything else) when it found a problem: the message is the
+table's "where it failed". Jobs are ``examples/train_ddp.py`` with ``--device cuda``, compared
+``torch.equal`` with the same command line under plain torchrun on the same GPU(s).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from support import (STEP_S, Ctx, Etcd, Failed, Skip, compare, events, faults_env, finish, kill_at, no_restart,
+                     pause_s, reference, sigkill_rank, start, taint, tpassrun_job, until, wait_event)
+from faults import hold_at  # noqa: E402  (tests/ is on the path through support)
+
+STEPS, SLEEP = 40, 0.05
+
+
+def visible(ctx: Ctx, k: int) -> str:
+    """The first ``k`` GPUs this machine shows the check, as a CUDA_VISIBLE_DEVICES value."""
+    given = os.environ.get("CUDA_VISIBLE_DEVICES")
+    entries = [e.strip() for e in given.split(",")] if given else [str(i) for i in range(ctx.gpus)]
+    return ",".join(entries[:k])
+
+
+# --------------------------------------------------------------------------------------------- environment
+
+
+def environment(ctx: Ctx) -> tuple[str, str]:
+    """What the machine offers: torch's build, CUDA, the GPUs, the driver. Writes facts.json for the harness."""
+    facts: dict = {"gpus": 0}
+    smi = _run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    facts["nvidia_smi"] = smi
+    smi_first = smi.splitlines()[0] if smi else "no nvidia-smi"
+    if ctx.dry_run:                     # what is installed, without paying for importing torch
+        from importlib.metadata import version
+
+        return "ok", f"dry run: torch {version('torch')} installed, {smi_first}"
+    import torch
+
+    facts.update(torch=torch.__version__, cuda_build=torch.version.cuda)
+    problem = None
+    if torch.version.cuda is None:
+        problem = (f"torch {torch.__version__} is the CPU wheel: install the CUDA one "
+                   f"(pip install torch==2.13.0 from PyPI, or --index-url https://download.pytorch.org/whl/cu128)")
+    elif not torch.cuda.is_available():
+        try:
+            torch.cuda.init()
+            problem = "torch.cuda.is_available() is False"
+        except Exception as exc:  # noqa: BLE001 - its message is the reason (no driver, driver too old)
+            problem = f"torch.cuda.is_available() is False: {str(exc).splitlines()[0]}"
+    else:
+        facts["gpus"] = torch.cuda.device_count()
+        facts["names"] = [torch.cuda.get_device_name(i) for i in range(facts["gpus"])]
+        facts["nccl"] = ".".join(map(str, torch.cuda.nccl.version()))
+    with open(os.path.join(os.path.dirname(ctx.dir), "facts.json"), "w") as fh:
+        json.dump(facts, fh)
+    if problem:
+        raise Failed(f"{problem} ({smi_first})")
+    return "ok", (f"torch {facts['torch']} (CUDA {facts['cuda_build']}, NCCL {facts['nccl']}), "
+                  f"{facts['gpus']} x {facts['names'][0]}; driver: {smi_first}")
+
+
+def _run(argv: list[str]) -> str:
+    try:
+        return subprocess.run(argv, capture_output=True, text=True, timeout=20).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        return ""
+
+
+# --------------------------------------------------------------------------------------------- NVML
+
+
+def nvml(ctx: Ctx) -> tuple[str, str]:
+    """Every sensor the health monitor reads, for real; a verdict per GPU; the monitor's loop for 20 s."""
+    if ctx.dry_run:
+        raise Skip("no GPU")
+    import asyncio
+
+    from tpassrun.health import HealthMonitor, NvmlSensor, Policy, PolicyEngine, SensorUnavailable
+
+    sensor = NvmlSensor()
+    try:
+        readings = sensor.read()
+    except SensorUnavailable as exc:
+        raise Failed(f"NVML unavailable: {exc}") from None
+    finally:
+        sensor.close()
+    engine = PolicyEngine(Policy.default())
+    verdicts = {v.device: v for v in engine.observe(readings, time.monotonic())}
+    per_gpu: dict[str, list[str]] = {}
+    broken, missing = [], []
+    for r in readings:
+        if r.error is None:
+            per_gpu.setdefault(r.device, []).append(f"{r.metric}={r.value:g}")
+        elif "Not Supported" in r.error or "NOT_SUPPORTED" in r.error:
+            missing.append(f"{r.device}.{r.metric}")
+        else:
+            broken.append(f"{r.device}.{r.metric}: {r.error}")
+    for device, values in sorted(per_gpu.items()):
+        verdict = verdicts.get(device)
+        ctx.say(f"{device}: {verdict.status.value if verdict else '?'}: {', '.join(values)}")
+    ctx.say(f"not supported on this GPU: {', '.join(missing) or 'none'}")
+    polls: list[int] = []
+
+    async def loop() -> None:
+        async def delivered(_v: list) -> None:
+            return None
+        monitor = HealthMonitor([NvmlSensor()], PolicyEngine(Policy.default()), interval=1.0,
+                                on_verdicts=delivered, log=ctx.say)
+        task = asyncio.create_task(monitor.run())
+        await asyncio.sleep(20)
+        task.cancel()
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        polls.append(monitor.polls)
+        if monitor.unavailable or monitor._sensor_failures:
+            raise Failed(f"monitor: {monitor.unavailable or monitor._sensor_failures}")
+
+    asyncio.run(loop())
+    if broken:
+        raise Failed(f"{len(broken)} reading(s) failed, first: {broken[0]}")
+    status = ", ".join(f"{d} {v.status.value}" for d, v in sorted(verdicts.items()) if d.startswith("gpu"))
+    return "ok", (f"{len(per_gpu)} GPU(s): {status}; {sum(len(v) for v in per_gpu.values())} readings, "
+                  f"{len(missing)} not supported; monitor 20 s: {polls[0]} polls, no error")
+
+
+# --------------------------------------------------------------------------------------------- layout
+
+
+def layout(ctx: Ctx) -> tuple[str, str]:
+    """``--nproc-per-node 2 --spares-per-node 1`` on one GPU: refused as before, taken with TPASSRUN_SHARE_GPUS=1,
+    and what each slot would see. Needs no GPU (the launcher is told CUDA_VISIBLE_DEVICES=<one GPU>)."""
+    from tpassrun.devices import check_layout, node_devices, slot_env
+
+    one = visible(ctx, 1) or "0"
+    env = {k: v for k, v in os.environ.items() if k != "TPASSRUN_SHARE_GPUS"}
+    argv = [ctx.python, "-m", "tpassrun", "--standalone", "--nproc-per-node", "2", "--spares-per-node", "1",
+            os.path.join(ctx.dir, "never_started.py")]
+    refused = subprocess.run(argv, env={**env, "CUDA_VISIBLE_DEVICES": one}, capture_output=True, text=True,
+                             timeout=STEP_S)
+    if refused.returncode != 1 or "needs 3 GPUs" not in refused.stderr or refused.stderr.count("\n") != 1:
+        raise Failed(f"without the opt-in: exit {refused.returncode}, {refused.stderr.strip()[:200]!r}")
+    devices = node_devices({"CUDA_VISIBLE_DEVICES": one, "TPASSRUN_SHARE_GPUS": "1"}, lambda: 1, slots=3)
+    if check_layout(2, 1, devices) is not None:
+        raise Failed(f"with TPASSRUN_SHARE_GPUS=1 still refused: {check_layout(2, 1, devices)}")
+    seen = [slot_env(s, s, devices, spare=s == 2, virtual_local_rank=False) for s in range(3)]
+    if any(e != {"LOCAL_RANK": "0", "CUDA_VISIBLE_DEVICES": one} for e in seen):
+        raise Failed(f"slots on a shared GPU see {seen}")
+    return "ok", (f"refused without TPASSRUN_SHARE_GPUS=1 (exit 1, one line); with it 3 slots on GPU {one}, "
+                  f"each CUDA_VISIBLE_DEVICES={one} LOCAL_RANK=0")
+
+
+# --------------------------------------------------------------------------------------------- swaps on one GPU
+
+
+def _held_job(ctx: Ctx, name: str, args: list[str], *, at: int, extra_faults: tuple = (), env: dict | None = None,
+              gpus: str | None = None, flags: list[str] | None = None):
+    """A 2-rank + 1-spare tpassrun job on the GPU(s), held by rank 0 at step ``at`` until its spare is ready."""
+    out = ctx.sub(name)
+    hold = hold_at(out, at)
+    etcd = Etcd(ctx)
+    job = tpassrun_job(ctx, os.path.join(out, "job"), etcd, steps=STEPS, sleep=SLEEP, args=args, flags=flags,
+                       env={"CUDA_VISIBLE_DEVICES": gpus or visible(ctx, 1), **(env or {}),
+                            **faults_env(hold.fault, *extra_faults)})
+    start(ctx, job)
+    until(lambda: hold.reached() or job.assert_running("the hold"), STEP_S, f"the job to reach step {at}")
+    wait_event(job, "spare_ready")
+    ctx.say(f"held at step {at}, spare ready")
+    return job, hold, etcd
+
+
+def swap_planned(ctx: Ctx) -> tuple[str, str]:
+    """A planned swap (tpassctl taint of rank 1) of a 2-rank DDP job on cuda (gloo, CUDA tensors), dropout on GPU."""
+    ctx.need_gpus(1)
+    args = ["--device", "cuda"]
+    ref = reference(ctx, "ddp-gloo", steps=STEPS, sleep=SLEEP, args=args, env={"CUDA_VISIBLE_DEVICES": visible(ctx, 1)})
+    at = random.randint(5, 15)
+    job, hold, etcd = _held_job(ctx, "planned", args, at=at)
+    try:
+        if taint(etcd.endpoint, job.run_id, rank=1, reason="gpu check") != 0:
+            raise Failed("tpassctl taint --rank 1 failed")
+        hold.release_after(job, "swap_boundary_reached", timeout=STEP_S)
+        finish(job)
+    finally:
+        hold.release()
+        job.kill()
+        etcd.stop()
+    no_restart(job)
+    compare(job, ref, 2)
+    return "ok", f"taint at step {at}: swapped live, pause {pause_s(job)}, torch.equal to torchrun (CUDA RNG carried)"
+
+
+def swap_sigkill(ctx: Ctx) -> tuple[str, str]:
+    """SIGKILL of rank 1 from outside at a random instant; the spare takes over from rank 0's replica."""
+    ctx.need_gpus(1)
+    args = ["--device", "cuda"]
+    ref = reference(ctx, "ddp-gloo", steps=STEPS, sleep=SLEEP, args=args, env={"CUDA_VISIBLE_DEVICES": visible(ctx, 1)})
+    job, hold, etcd = _held_job(ctx, "sigkill", args, at=6)
+    try:
+        hold.release()
+        time.sleep(random.uniform(0.0, 0.4))
+        killed = sigkill_rank(job.out, 1)
+        if killed is None:
+            raise Failed("rank 1's process was not found to kill")
+        ctx.say(f"SIGKILLed rank 1 (pid {killed[0]})")
+        finish(job)
+    finally:
+        hold.release()
+        job.kill()
+        etcd.stop()
+    no_restart(job)
+    compare(job, ref, 2)
+    return "ok", f"recovered live, pause {pause_s(job)}, torch.equal to torchrun (CUDA RNG from the light snapshot)"
+
+
+def swap_compile(ctx: Ctx) -> tuple[str, str]:
+    """A planned swap whose joiner runs torch.compile (inductor on the GPU) before its first step."""
+    ctx.need_gpus(1)
+    args = ["--device", "cuda", "--compile"]
+    env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(os.path.dirname(ctx.dir), "inductor")}
+    ref = reference(ctx, "compile", steps=STEPS, sleep=SLEEP, args=args,
+                    env={"CUDA_VISIBLE_DEVICES": visible(ctx, 1), **env})
+    job, hold, etcd = _held_job(ctx, "compile", args, at=8, env=env)
+    try:
+        if taint(etcd.endpoint, job.run_id, rank=1, reason="gpu check") != 0:
+            raise Failed("tpassctl taint --rank 1 failed")
+        hold.release_after(job, "swap_boundary_reached", timeout=STEP_S)
+        finish(job)
+    finally:
+        hold.release()
+        job.kill()
+        etcd.stop()
+    no_restart(job)
+    compare(job, ref, 2)
+    return "ok", f"compiled joiner: pause {pause_s(job)}, torch.equal to torchrun --compile"
+
+
+# --------------------------------------------------------------------------------------------- sharded mirror
+
+
+def shard_mirror(ctx: Ctx) -> tuple[str, str]:
+    """CudaCopier for real (its copies equal the live state; its cost per step), then a ZeRO-1 job (--zero)
+    whose rank 1 is SIGKILLed in its backward pass: recovered from the buddy's mirror, torch.equal."""
+    ctx.need_gpus(1)
+    cost = _copier_cost(ctx)
+    args = ["--device", "cuda", "--zero"]
+    ref = reference(ctx, "zero-gloo", steps=STEPS, sleep=SLEEP, args=args, env={"CUDA_VISIBLE_DEVICES": visible(ctx, 1)})
+    kill_step = random.randint(9, 14)
+    marker = os.path.join(ctx.sub("zero"), "killed")
+    job, hold, etcd = _held_job(ctx, "zero", args, at=6, extra_faults=(kill_at(1, kill_step, marker),),
+                                flags=["--shard-mirror-interval", "1"])
+    try:
+        hold.release()
+        finish(job)
+    finally:
+        hold.release()
+        job.kill()
+        etcd.stop()
+    if not os.path.exists(marker):
+        raise Failed(f"the fault at step {kill_step} did not fire")
+    no_restart(job)
+    if not events(job, "shard_mirror"):
+        raise Failed("no shard_mirror event: the sharded state was not mirrored")
+    compare(job, ref, 2)
+    return "ok", f"{cost}; kill at step {kill_step}: recovered from the mirror, pause {pause_s(job)}, torch.equal"
+
+
+def _copier_cost(ctx: Ctx) -> str:
+    """Steps of a ~60 MB model + AdamW on the GPU with and without a ShardRing snapshot at the step start
+    (CudaCopier: side stream into pinned memory, fenced before the optimizer step); some copies compared with
+    the live state captured synchronously at the same instant."""
+    import torch
+
+    from tpassrun import handoff
+    from tpassrun.shard_copy import CudaCopier
+    from tpassrun.shards import ShardRing
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(5)]).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(256, 1024, device="cuda")
+    ring = ShardRing(CudaCopier())
+    with_copy, without = [], []
+    for i in range(1, 41):
+        snapshot = i % 2 == 0
+        truth = {k: v.detach().clone() for k, v in model.state_dict().items()} if i % 10 == 0 else None
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        version = ring.begin(i, {"optimizer": opt}, {"model": model}, owner=0, light=None) if snapshot else None
+        model(x).square().mean().backward()
+        if snapshot:
+            ring.fence()
+        opt.step()                  # changes the live state: the copy must have read it before
+        opt.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        (with_copy if snapshot else without).append(time.perf_counter() - t0)
+        if truth is not None and version is not None:
+            version.job.wait()
+            copied = handoff.decode_tree(version.local.meta["objects"]["model"], version.local.tensors)
+            for k, v in truth.items():
+                if not torch.equal(copied[k], v.cpu()):
+                    raise Failed(f"CudaCopier's copy of {k} at step {i} differs from the live state it snapshot")
+            if not all(t.is_pinned() for t in version.local.tensors):
+                raise Failed("CudaCopier's host buffers of GPU tensors are not pinned")
+    mb = (sum(t.numel() * t.element_size() for t in model.state_dict().values()) * 3) / 2**20
+    a, b = statistics.median(with_copy) * 1e3, statistics.median(without) * 1e3
+    ctx.say(f"copier: {mb:.0f} MB per snapshot, step {a:.2f} ms with a snapshot, {b:.2f} ms without")
+    return f"CudaCopier {mb:.0f} MB/snapshot: step {a:.2f} ms vs {b:.2f} ms without (+{a - b:.2f} ms), copies exact"
+
+
+# --------------------------------------------------------------------------------------------- NCCL
+
+
+def nccl(ctx: Ctx) -> tuple[str, str]:
+    """The DDP job on NCCL across 2 GPUs (+ a spare), a SIGKILL recovered live: the communicator aborted, the
+    world re-created with the spare. On 2 GPUs the spare shares rank 0's GPU, so rank 0 is the one killed."""
+    ctx.need_gpus(2)
+    args = ["--device", "cuda", "--backend", "nccl"]
+    ref = reference(ctx, "ddp-nccl", steps=STEPS, sleep=SLEEP, args=args, env={"CUDA_VISIBLE_DEVICES": visible(ctx, 2)})
+    victim = 0 if ctx.gpus == 2 else 1
+    job, hold, etcd = _held_job(ctx, "nccl", args, at=6, gpus=visible(ctx, min(3, ctx.gpus)))
+    try:
+        hold.release()
+        time.sleep(random.uniform(0.0, 0.4))
+        if sigkill_rank(job.out, victim) is None:
+            raise Failed(f"rank {victim}'s process was not found to kill")
+        finish(job)
+    finally:
+        hold.release()
+        job.kill()
+        etcd.stop()
+    no_restart(job)
+    compare(job, ref, 2)
+    return "ok", f"SIGKILL of rank {victim} recovered live on NCCL, pause {pause_s(job)}, torch.equal"
+
+
+# --------------------------------------------------------------------------------------------- transfer
+
+
+def transfer(ctx: Ctx) -> tuple[str, str]:
+    """1 GiB of state on a GPU to another process's GPU through the handoff (authenticated, checksummed; D2H,
+    TCP, H2D), against torch's device copy and raw loopback TCP of the same bytes."""
+    ctx.need_gpus(1)
+    from transfer_gpu import measure
+
+    figures = measure(ctx, 1 << 30)
+    return "ok", (f"handoff {figures['handoff']:.2f} GB/s GPU->GPU, torch device copy {figures['device']:.1f} GB/s, "
+                  f"raw TCP {figures['tcp']:.2f} GB/s ({figures['where']})")
+
+
+CHECKS = {
+    # name: (function, hard timeout in seconds, runs alongside the others)
+    "environment": (environment, 60, False),
+    "nvml": (nvml, 50, True),
+    "layout": (layout, 60, False),
+    "swap: planned": (swap_planned, 150, False),
+    "swap: SIGKILL": (swap_sigkill, 100, False),
+    "swap: compile joiner": (swap_compile, 170, False),
+    "shard mirror": (shard_mirror, 150, False),
+    "nccl (2 GPUs)": (nccl, 130, False),
+    "transfer 1 GiB": (transfer, 90, False),
+}
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit("run scripts/gpu_check.sh")
