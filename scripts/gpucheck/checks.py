@@ -182,14 +182,14 @@ def _held_job(ctx: Ctx, name: str, args: list[str], *, at: int, extra_faults: tu
 def swap_planned(ctx: Ctx) -> tuple[str, str]:
     """A planned swap (tpassctl taint of rank 1) of a 2-rank DDP job on cuda (gloo, CUDA tensors), dropout on GPU."""
     ctx.need_gpus(1)
-    args = ["--device", "cuda"]
+    args = ["--device", ctx.device]
     ref = reference(ctx, "ddp-gloo", steps=STEPS, sleep=SLEEP, args=args, env={"CUDA_VISIBLE_DEVICES": visible(ctx, 1)})
     at = random.randint(5, 15)
     job, hold, etcd = _held_job(ctx, "planned", args, at=at)
     try:
         if taint(etcd.endpoint, job.run_id, rank=1, reason="gpu check") != 0:
             raise Failed("tpassctl taint --rank 1 failed")
-        hold.release_after(job, "swap_boundary_reached", timeout=STEP_S)
+        hold.release_after(job, "swap_boundary", timeout=STEP_S)
         finish(job)
     finally:
         hold.release()
@@ -203,7 +203,7 @@ def swap_planned(ctx: Ctx) -> tuple[str, str]:
 def swap_sigkill(ctx: Ctx) -> tuple[str, str]:
     """SIGKILL of rank 1 from outside at a random instant; the spare takes over from rank 0's replica."""
     ctx.need_gpus(1)
-    args = ["--device", "cuda"]
+    args = ["--device", ctx.device]
     ref = reference(ctx, "ddp-gloo", steps=STEPS, sleep=SLEEP, args=args, env={"CUDA_VISIBLE_DEVICES": visible(ctx, 1)})
     job, hold, etcd = _held_job(ctx, "sigkill", args, at=6)
     try:
@@ -225,8 +225,8 @@ def swap_sigkill(ctx: Ctx) -> tuple[str, str]:
 
 def swap_compile(ctx: Ctx) -> tuple[str, str]:
     """A planned swap whose joiner runs torch.compile (inductor on the GPU) before its first step."""
-    ctx.need_gpus(1)
-    args = ["--device", "cuda", "--compile"]
+    ctx.need_gpus(1, cuda=True)
+    args = ["--device", ctx.device, "--compile"]
     env = {"TORCHINDUCTOR_CACHE_DIR": os.path.join(os.path.dirname(ctx.dir), "inductor")}
     ref = reference(ctx, "compile", steps=STEPS, sleep=SLEEP, args=args,
                     env={"CUDA_VISIBLE_DEVICES": visible(ctx, 1), **env})
@@ -234,7 +234,7 @@ def swap_compile(ctx: Ctx) -> tuple[str, str]:
     try:
         if taint(etcd.endpoint, job.run_id, rank=1, reason="gpu check") != 0:
             raise Failed("tpassctl taint --rank 1 failed")
-        hold.release_after(job, "swap_boundary_reached", timeout=STEP_S)
+        hold.release_after(job, "swap_boundary", timeout=STEP_S)
         finish(job)
     finally:
         hold.release()
@@ -252,8 +252,8 @@ def shard_mirror(ctx: Ctx) -> tuple[str, str]:
     """CudaCopier for real (its copies equal the live state; its cost per step), then a ZeRO-1 job (--zero)
     whose rank 1 is SIGKILLed in its backward pass: recovered from the buddy's mirror, torch.equal."""
     ctx.need_gpus(1)
-    cost = _copier_cost(ctx)
-    args = ["--device", "cuda", "--zero"]
+    cost = _copier_cost(ctx) if not ctx.rehearse else "no copier on CPU"
+    args = ["--device", ctx.device, "--zero"]
     ref = reference(ctx, "zero-gloo", steps=STEPS, sleep=SLEEP, args=args, env={"CUDA_VISIBLE_DEVICES": visible(ctx, 1)})
     kill_step = random.randint(9, 14)
     marker = os.path.join(ctx.sub("zero"), "killed")
@@ -325,7 +325,7 @@ def nccl(ctx: Ctx) -> tuple[str, str]:
     """The DDP job on NCCL across 2 GPUs (+ a spare), a SIGKILL recovered live: the communicator aborted, the
     world re-created with the spare. On 2 GPUs the spare shares rank 0's GPU, so rank 0 is the one killed."""
     ctx.need_gpus(2)
-    args = ["--device", "cuda", "--backend", "nccl"]
+    args = ["--device", ctx.device, "--backend", "nccl"]
     ref = reference(ctx, "ddp-nccl", steps=STEPS, sleep=SLEEP, args=args, env={"CUDA_VISIBLE_DEVICES": visible(ctx, 2)})
     victim = 0 if ctx.gpus == 2 else 1
     job, hold, etcd = _held_job(ctx, "nccl", args, at=6, gpus=visible(ctx, min(3, ctx.gpus)))
@@ -350,7 +350,7 @@ def nccl(ctx: Ctx) -> tuple[str, str]:
 def transfer(ctx: Ctx) -> tuple[str, str]:
     """1 GiB of state on a GPU to another process's GPU through the handoff (authenticated, checksummed; D2H,
     TCP, H2D), against torch's device copy and raw loopback TCP of the same bytes."""
-    ctx.need_gpus(1)
+    ctx.need_gpus(1, cuda=True)
     from transfer_gpu import measure
 
     figures = measure(ctx, 1 << 30)

@@ -44,13 +44,13 @@ class Row:
 # --------------------------------------------------------------------------------------------- one check (child)
 
 
-def run_one(name: str, workdir: str, dry_run: bool, gpus: int) -> int:
+def run_one(name: str, workdir: str, dry_run: bool, gpus: int, rehearse: bool = False) -> int:
     """In the check's own process: run it, write its row to ``result.json``."""
     sys.path.insert(0, HERE)
     from support import Ctx, Failed, Skip
 
     directory = os.path.join(workdir, slug(name))
-    ctx = Ctx(name=name, dir=directory, dry_run=dry_run, gpus=gpus)
+    ctx = Ctx(name=name, dir=directory, dry_run=dry_run, gpus=gpus, rehearse=rehearse)
     if name == HANG:
         return _hang(ctx)
     from checks import CHECKS
@@ -111,12 +111,12 @@ def _hang(ctx) -> int:  # noqa: ANN001
 # --------------------------------------------------------------------------------------------- the harness
 
 
-def launch(name: str, workdir: str, dry_run: bool, gpus: int) -> tuple[subprocess.Popen, str]:
+def launch(name: str, workdir: str, dry_run: bool, gpus: int, rehearse: bool = False) -> tuple[subprocess.Popen, str]:
     directory = os.path.join(workdir, slug(name))
     os.makedirs(directory, exist_ok=True)
     log = open(os.path.join(directory, "log.txt"), "w")
     argv = [sys.executable, os.path.abspath(__file__), "--run-check", name, "--workdir", workdir,
-            "--gpus", str(gpus), *(["--dry-run"] if dry_run else [])]
+            "--gpus", str(gpus), *(["--dry-run"] if dry_run else []), *(["--rehearse"] if rehearse else [])]
     proc = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, directory
 
@@ -228,9 +228,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=None)
     p.add_argument("--run-check", default=None, help=argparse.SUPPRESS)
     p.add_argument("--gpus", type=int, default=0, help=argparse.SUPPRESS)
+    # the job checks with --device cpu, to rehearse the harness on a machine without a GPU (GPUCHECK_STEP_S and
+    # --timeout-scale stretch the waits on a loaded host)
+    p.add_argument("--rehearse", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--timeout-scale", type=float, default=1.0, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.run_check:
-        return run_one(args.run_check, args.workdir, args.dry_run, args.gpus)
+        return run_one(args.run_check, args.workdir, args.dry_run, args.gpus, args.rehearse)
 
     sys.path.insert(0, HERE)
     from checks import CHECKS
@@ -250,13 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"gpu_check: {len(order)} checks, budget {args.budget:.0f} s, work directory {workdir}", flush=True)
     for name in order:
         _fn, timeout, alongside = CHECKS[name]
-        timeout = min(timeout, deadline - time.monotonic())
+        timeout = min(timeout * args.timeout_scale, deadline - time.monotonic())
         if timeout <= 5:
             rows[name] = Row(name, "skipped: out of time (--budget)")
             continue
         print(f"gpu_check: {name} ...", flush=True)
         started = time.monotonic()
-        proc, directory = launch(name, workdir, args.dry_run, gpus)
+        proc, directory = launch(name, workdir, args.dry_run, gpus, args.rehearse)
         if alongside:
             background.append((name, proc, directory, timeout, started))
             continue

@@ -26,7 +26,8 @@ sys.path.insert(0, os.path.join(REPO, "tests"))
 from faults import Hold, Job, assert_bit_exact, faults_env, kill_at, sigkill_rank, taint  # noqa: E402,F401
 
 EXAMPLE = os.path.join(REPO, "examples", "train_ddp.py")
-STEP_S = 60.0           # no single wait of a check is longer than this
+# no single wait of a check is longer than this (a rehearsal on a loaded CPU host may stretch it)
+STEP_S = float(os.environ.get("GPUCHECK_STEP_S", "60"))
 
 
 class Skip(Exception):
@@ -43,13 +44,21 @@ class Ctx:
     dir: str                 # this check's own directory (logs, jobs' outputs)
     dry_run: bool
     gpus: int                # CUDA devices torch sees (0 in a dry run)
+    rehearse: bool = False   # the jobs on CPU (gloo): the harness's own rehearsal of the job checks
     python: str = sys.executable
+
+    @property
+    def device(self) -> str:
+        return "cpu" if self.rehearse else "cuda"
 
     def say(self, message: str) -> None:
         """A progress line in the check's log: on a timeout, the last one says where the check stood."""
         print(f"[{time.strftime('%H:%M:%S')}] {self.name}: {message}", flush=True)
 
-    def need_gpus(self, n: int = 1) -> None:
+    def need_gpus(self, n: int = 1, *, cuda: bool = False) -> None:
+        """Skip unless ``n`` GPUs are here; a rehearsal runs the checks of one GPU that need no CUDA API."""
+        if self.rehearse and n == 1 and not cuda and not self.dry_run:
+            return
         if self.dry_run or self.gpus == 0:
             raise Skip("no GPU")
         if self.gpus < n:
