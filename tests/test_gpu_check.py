@@ -18,8 +18,8 @@ sys.path.insert(0, str(REPO / "scripts" / "gpucheck"))
 
 import harness  # noqa: E402
 
-GPU_ROWS = ["nvml", "swap: planned", "swap: SIGKILL", "swap: compile joiner", "shard mirror", "nccl (2 GPUs)",
-            "transfer 1 GiB"]
+GPU_ROWS = ["nvml", "swap: planned", "swap: SIGKILL", "shard mirror", "nccl (2 GPUs)", "transfer 1 GiB",
+            "swap: compile joiner"]
 
 
 def _rows(output: str) -> dict[str, list[str]]:
