@@ -69,3 +69,18 @@ def test_a_jobs_most_telling_line():
     log = "step 1\nTraceback (most recent call last):\n  File x\nRuntimeError: CUDA error: out of memory\nexit\n"
     assert last_error(log) == "RuntimeError: CUDA error: out of memory"
     assert last_error("all fine\n") == "all fine" and last_error("") == "(empty log)"
+
+
+def test_state_trees_are_compared_to_the_last_bit():
+    import torch
+
+    sys.path.insert(0, str(REPO / "scripts" / "gpucheck"))
+    from support import first_difference
+
+    zero = {"rank": 1, "shard": torch.ones(3), "inner": {"state": {0: {"exp_avg": torch.zeros(2)}}}}
+    same = {"rank": 1, "shard": torch.ones(3), "inner": {"state": {0: {"exp_avg": torch.zeros(2)}}}}
+    assert first_difference(zero, same, "optimizer") is None
+    same["inner"]["state"][0]["exp_avg"] = torch.tensor([0.0, 1e-45])
+    assert first_difference(zero, same, "optimizer") == "optimizer.inner.state.0.exp_avg differs"
+    assert first_difference([1, 2], [1], "x") == "x has 2 entries against 1"
+    assert first_difference({"a": 1}, {"b": 1}, "s").startswith("s has keys")

@@ -51,7 +51,8 @@ def _auth() -> Any:
 def receive(device: str, nbytes: int, ports_file: str) -> None:
     from tpassrun.handoff import accept_and_recv, decode_tree, listen_for_bundle
 
-    torch.cuda.set_device(torch.device(device))
+    if device != "cpu":                                 # (cpu: the harness's rehearsal)
+        torch.cuda.set_device(torch.device(device))
     torch.empty(1, device=device)                       # the CUDA context exists before anything is timed
     raw = socket.create_server(("127.0.0.1", 0))
     listener, port = listen_for_bundle("127.0.0.1")
@@ -71,13 +72,13 @@ def receive(device: str, nbytes: int, ports_file: str) -> None:
         conn.sendall(b"k")
     del buffer, view
     bundle, _stats = accept_and_recv(listener, timeout=60, device=device, auth=_auth())
-    torch.cuda.synchronize()
+    _sync(device)
     done = time.time()
     state = decode_tree(bundle.meta["objects"]["blob"], bundle.tensors)
     tensors = list(state.values())
     sums = decode_tree(bundle.meta["extra"], bundle.tensors)["sums"]
     print(json.dumps({"done": done, "on": str(tensors[0].device),
-                      "exact": checksums(tensors) == sums and all(t.device.type == "cuda" for t in tensors)}),
+                      "exact": checksums(tensors) == sums and all(str(t.device) == device for t in tensors)}),
           flush=True)
 
 
@@ -86,7 +87,8 @@ def measure(ctx: Any, nbytes: int) -> dict[str, Any]:
     from support import Failed, until
     from tpassrun.handoff import capture, connect_and_send
 
-    target = "cuda:1" if ctx.gpus >= 2 else "cuda:0"
+    source = "cpu" if ctx.rehearse else "cuda:0"
+    target = "cpu" if ctx.rehearse else "cuda:1" if ctx.gpus >= 2 else "cuda:0"
     ports_file = os.path.join(ctx.dir, "ports.json")
     env = {**os.environ, KEY_ENV: os.urandom(32).hex()}
     receiver = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--receive", "--device", target,
@@ -95,12 +97,12 @@ def measure(ctx: Any, nbytes: int) -> dict[str, Any]:
     try:
         os.environ[KEY_ENV] = env[KEY_ENV]
         per = nbytes // TENSORS // 4
-        gen = torch.Generator(device="cuda:0").manual_seed(29)
-        tensors = [torch.randn(per, device="cuda:0", generator=gen) for _ in range(TENSORS)]
-        torch.cuda.synchronize()
+        gen = torch.Generator(device=source).manual_seed(29)
+        tensors = [torch.randn(per, device=source, generator=gen) for _ in range(TENSORS)]
+        _sync(source)
         t0 = time.perf_counter()
-        copies = [t.to(target) if target != "cuda:0" else t.clone() for t in tensors]
-        torch.cuda.synchronize()
+        copies = [t.to(target) if target != source else t.clone() for t in tensors]
+        _sync(target)
         device_s = time.perf_counter() - t0
         del copies
         ports = until(lambda: _read_json(ports_file) or receiver.poll() is not None, 60, "the receiver to listen")
@@ -130,9 +132,14 @@ def measure(ctx: Any, nbytes: int) -> dict[str, Any]:
             receiver.kill()
             receiver.wait(10)
     gb = nbytes / 1e9
-    where = f"cuda:0 -> {target} of another process" + ("" if target != "cuda:0" else " (one GPU)")
+    where = f"{source} -> {target} of another process" + (" (one GPU)" if target == "cuda:0" else "")
     ctx.say(f"handoff {handoff_s:.2f} s, device copy {device_s:.3f} s, raw TCP {tcp_s:.2f} s for {gb:.2f} GB")
     return {"handoff": gb / handoff_s, "device": gb / device_s, "tcp": gb / tcp_s, "where": where}
+
+
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize(device)
 
 
 def _read_json(path: str) -> dict | None:
