@@ -169,27 +169,30 @@ def layout(ctx: Ctx) -> tuple[str, str]:
 
 def _held_job(ctx: Ctx, name: str, args: list[str], *, at: int, extra_faults: tuple = (), env: dict | None = None,
               gpus: str | None = None, flags: list[str] | None = None):
-    """A 2-rank + 1-spare tpassrun job on the GPU(s), held by rank 0 at step ``at`` until its spare is ready."""
+    """A 2-rank + 1-spare tpassrun job on the GPU(s), which rank 0 holds at step ``at`` (started, not waited for)."""
     out = ctx.sub(name)
     hold = hold_at(out, at)
     etcd = Etcd(ctx)
     job = tpassrun_job(ctx, os.path.join(out, "job"), etcd, steps=STEPS, sleep=SLEEP, args=args, flags=flags,
                        env={"CUDA_VISIBLE_DEVICES": gpus or visible(ctx, 1), **(env or {}),
                             **faults_env(hold.fault, *extra_faults)})
-    start(ctx, job)
-    until(lambda: hold.reached() or job.assert_running("the hold"), STEP_S, f"the job to reach step {at}")
-    wait_event(job, "spare_ready")
-    ctx.say(f"held at step {at}, spare ready")
+    try:
+        start(ctx, job)
+    except BaseException:
+        etcd.stop()
+        raise
     return job, hold, etcd
 
 
-def _planned(ctx: Ctx, name: str, args: list[str], at: int, env: dict | None = None):
-    """A held job whose rank 1 is tainted (tpassctl taint); the hold is released once the boundary is fixed."""
-    job, hold, etcd = _held_job(ctx, name, args, at=at, env=env)
+def _held_run(ctx: Ctx, name: str, args: list[str], act, *, at: int, **kw):  # noqa: ANN001
+    """:func:`_held_job`, then ``act(job, hold, etcd)`` (the fault), then the job's end: a live recovery, not a
+    whole-group restart. The job, its hold and its etcd are gone whatever happens."""
+    job, hold, etcd = _held_job(ctx, name, args, at=at, **kw)
     try:
-        if taint(etcd.endpoint, job.run_id, rank=1, reason="gpu check") != 0:
-            raise Failed("tpassctl taint --rank 1 failed")
-        hold.release_after(job, "swap_boundary", timeout=STEP_S)
+        until(lambda: hold.reached() or job.assert_running("the hold"), STEP_S, f"the job to reach step {at}")
+        wait_event(job, "spare_ready")
+        ctx.say(f"held at step {at}, spare ready")
+        act(job, hold, etcd)
         finish(job)
     finally:
         hold.release()
@@ -197,6 +200,15 @@ def _planned(ctx: Ctx, name: str, args: list[str], at: int, env: dict | None = N
         etcd.stop()
     no_restart(job)
     return job
+
+
+def _planned(ctx: Ctx, name: str, args: list[str], at: int, env: dict | None = None):
+    """A held job whose rank 1 is tainted (tpassctl taint); the hold is released once the boundary is fixed."""
+    def act(job, hold, etcd) -> None:  # noqa: ANN001
+        if taint(etcd.endpoint, job.run_id, rank=1, reason="gpu check") != 0:
+            raise Failed("tpassctl taint --rank 1 failed")
+        hold.release_after(job, "swap_boundary", timeout=STEP_S)
+    return _held_run(ctx, name, args, act, at=at, env=env)
 
 
 def swap_planned(ctx: Ctx) -> tuple[str, str]:
@@ -222,21 +234,14 @@ def swap_sigkill(ctx: Ctx) -> tuple[str, str]:
 
 def _killed(ctx: Ctx, name: str, args: list[str], *, victim: int, gpus: str | None = None):
     """A held job released once its spare is ready; ``victim`` SIGKILLed from outside at a random instant."""
-    job, hold, etcd = _held_job(ctx, name, args, at=6, gpus=gpus)
-    try:
+    def act(job, hold, _etcd) -> None:  # noqa: ANN001
         hold.release()
         time.sleep(random.uniform(0.0, 0.4))
         killed = sigkill_rank(job.out, victim)
         if killed is None:
             raise Failed(f"rank {victim}'s process was not found to kill")
         ctx.say(f"SIGKILLed rank {victim} (pid {killed[0]})")
-        finish(job)
-    finally:
-        hold.release()
-        job.kill()
-        etcd.stop()
-    no_restart(job)
-    return job
+    return _held_run(ctx, name, args, act, at=6, gpus=gpus)
 
 
 def swap_compile(ctx: Ctx) -> tuple[str, str]:
@@ -263,18 +268,10 @@ def shard_mirror(ctx: Ctx) -> tuple[str, str]:
     ref = reference(ctx, "zero-gloo", steps=STEPS, sleep=SLEEP, args=args, env={"CUDA_VISIBLE_DEVICES": visible(ctx, 1)})
     kill_step = random.randint(9, 14)
     marker = os.path.join(ctx.sub("zero"), "killed")
-    job, hold, etcd = _held_job(ctx, "zero", args, at=6, extra_faults=(kill_at(1, kill_step, marker),),
-                                flags=["--shard-mirror-interval", "1"])
-    try:
-        hold.release()
-        finish(job)
-    finally:
-        hold.release()
-        job.kill()
-        etcd.stop()
+    job = _held_run(ctx, "zero", args, lambda _job, hold, _etcd: hold.release(), at=6,
+                    extra_faults=(kill_at(1, kill_step, marker),), flags=["--shard-mirror-interval", "1"])
     if not os.path.exists(marker):
         raise Failed(f"the fault at step {kill_step} did not fire")
-    no_restart(job)
     if not events(job, "shard_mirror"):
         raise Failed("no shard_mirror event: the sharded state was not mirrored")
     compare(job, ref, 2)
