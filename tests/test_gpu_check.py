@@ -84,3 +84,24 @@ def test_state_trees_are_compared_to_the_last_bit():
     assert first_difference(zero, same, "optimizer") == "optimizer.inner.state.0.exp_avg differs"
     assert first_difference([1, 2], [1], "x") == "x has 2 entries against 1"
     assert first_difference({"a": 1}, {"b": 1}, "s").startswith("s has keys")
+
+
+def test_a_recomputed_step_counts_once_and_must_repeat_its_loss():
+    """A ZeRO rank killed after its last mirror refresh: the survivors roll back and log a step again."""
+    sys.path.insert(0, str(REPO / "scripts" / "gpucheck"))
+    import support
+
+    class Log:
+        def __init__(self, rows):
+            self.rows = rows
+
+        def losses(self, _rank):
+            return [{"step": s, "loss": l} for s, l in self.rows]
+
+    assert support.logged(Log([(8, 0.5), (9, 0.25), (9, 0.25), (10, 0.125)]), 0) == {8: 0.5, 9: 0.25, 10: 0.125}
+    try:
+        support.logged(Log([(9, 0.25), (9, 0.3)]), 1)
+    except support.Failed as exc:
+        assert "step 9 recomputed with another loss" in str(exc)
+    else:
+        raise AssertionError("a recomputed step with another loss passed")

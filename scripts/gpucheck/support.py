@@ -232,12 +232,23 @@ def compare(job: Job, ref: Job, world: int) -> None:
             where = first_difference(mine[key], theirs[key], key)
             if where:
                 raise Failed(f"not torch.equal to torchrun: rank {rank}: {where}")
-        a = [(x["step"], x["loss"]) for x in job.losses(rank)]
-        b = [(x["step"], x["loss"]) for x in ref.losses(rank)]
+        a, b = logged(job, rank), logged(ref, rank)
         if a != b:
-            at = next((x for x, y in zip(a, b) if x != y), None)
-            raise Failed(f"rank {rank}: per-step losses differ from torchrun's ({len(a)} vs {len(b)} rows; "
-                         f"first difference {at})")
+            at = next((step for step in sorted(set(a) | set(b)) if a.get(step) != b.get(step)), None)
+            raise Failed(f"rank {rank}: per-step losses differ from torchrun's at step {at} "
+                         f"({a.get(at)} against {b.get(at)}; {len(a)} vs {len(b)} steps logged)")
+
+
+def logged(job: Job, rank: int) -> dict[int, float]:
+    """step -> loss of a rank's log. A step recomputed after a rollback to the shard mirror's copies is logged
+    again (README, Sharded state): it must be logged with the same loss, and counts once."""
+    out: dict[int, float] = {}
+    for row in job.losses(rank):
+        step, loss = row["step"], row["loss"]
+        if step in out and out[step] != loss:
+            raise Failed(f"rank {rank}: step {step} recomputed with another loss ({loss} after {out[step]})")
+        out[step] = loss
+    return out
 
 
 def first_difference(a: Any, b: Any, path: str) -> str | None:
