@@ -191,6 +191,14 @@ def alive_groups(pids: list[int]) -> list[int]:
     return left
 
 
+def gone(pgids: list[int], timeout: float = 10.0) -> list[int]:
+    """The groups still alive once ``timeout`` has passed (a SIGKILLed process takes a moment to go)."""
+    deadline = time.monotonic() + timeout
+    while (left := alive_groups(pgids)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def hang_row(workdir: str, dry_run: bool) -> Row:
     """Start the self-test check with a 2 s timeout: the harness must stop it and its grandchild."""
     started = time.monotonic()
@@ -199,7 +207,7 @@ def hang_row(workdir: str, dry_run: bool) -> Row:
     while not os.path.exists(os.path.join(directory, "grandchild")) and time.monotonic() < until:
         time.sleep(0.05)
     row = collect(HANG, proc, directory, 2.0 + (time.monotonic() - started), started, grace=1.0)
-    left = alive_groups([proc.pid, *recorded(directory)])
+    left = gone([proc.pid, *recorded(directory)])
     if not row.where.startswith("timed out") or left:
         return Row(HANG, "FAIL", where=f"expected a timeout and nothing left; got {row.where!r}, left {left}",
                    seconds=row.seconds)
@@ -273,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     ordered = [rows[n] for n in order]
     ordered.append(hang_row(workdir, args.dry_run))
     started_groups = [pid for n in [*order, HANG] for pid in recorded(os.path.join(workdir, slug(n)))]
-    left = alive_groups(started_groups)
+    left = gone(started_groups)
     ordered.append(Row("harness: nothing left running", "FAIL" if left else "ok",
                        f"{len(started_groups)} process group(s) started by the checks, none left" if not left else "",
                        f"still running: process groups {left}" if left else ""))
