@@ -209,6 +209,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                                           on_nudge=lambda: self.mirror.nudge() if self.mirror else None).open()
             stack.push_async_callback(self.slots.close)
             stack.push_async_callback(self._stop_store)
+            stack.push_async_callback(self._stop_file_timer)
             self.swapper = Swapper(self._port())
             # the mirror store serves before this node registers: its port is part of the registration
             self.mirror = await stack.enter_async_context(MirrorPlane(self._port(), cfg.rdzv_id,
@@ -410,6 +411,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self.master = master
         self.store_host = next((m.node_id for m in gen.members if m.group_rank == 0), None)
         log.debug("generation %d: store at %s:%d; spawning workers", gen.number, *master)
+        await self._start_file_timer()
         await self._spawn_generation(gen, master)
         self.elastic.workers("START", gen, self.node_id, self.slots.slots, self.remaining_restarts)
         log.debug("generation %d: workers spawned; supervising", gen.number)
@@ -439,6 +441,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             log.debug("generation %d: tasks stopped; stopping workers and store", gen.number)
         sig = self.signal_received if outcome == Outcome.SIGNALLED else signal.SIGTERM
         grace = float(self.cfg.shutdown_timeout) if outcome == Outcome.SIGNALLED else 30.0
+        await self._stop_file_timer()
         await self._stop_all(sig, grace)
         if outcome == Outcome.FAILED and self.failures:
             self._record_stopped()
