@@ -71,7 +71,7 @@ def test_pet_env_fallbacks_and_flag_wins():
     cfg = parse("mod", env=env)
     assert cfg.nproc_per_node == 2 and cfg.max_restarts == 4 and cfg.role == "trainer"
     assert cfg.standalone and cfg.module and cfg.tee == Std.ALL
-    assert cfg.rdzv_conf == {"join_timeout": "5", "timeout": "900"}
+    assert cfg.rdzv_conf == {"join_timeout": "5"}   # standalone is c10d: no "timeout" (torchrun ignores it)
     assert parse("--max-restarts", "1", "t.py", env=env).max_restarts == 1
     assert not parse("t.py", env={"PET_MODULE": "0"}).module
 
@@ -218,7 +218,7 @@ def test_rdzv_conf():
     for bad in ("a=", "a", "=1", "a=1,,b=2"):
         with pytest.raises(ConfigError):
             parse_rdzv_conf(bad)
-    assert parse("--rdzv-conf", "timeout=5", "t.py").rdzv_conf["timeout"] == "5"
+    assert parse("--rdzv-conf", "timeout=5", "--master-port", "1", "t.py").rdzv_conf["timeout"] == "5"   # static
 
 
 # ---------------------------------------------------------------- other validation
@@ -441,9 +441,9 @@ def test_run_id_with_slash_is_fine_when_standalone_ignores_it():
 def test_quoted_timeout_is_ignored_where_torchrun_ignores_it(value):
     # c10d's dynamic handler never reads "timeout": torchrun runs whatever its value
     cfg = parse("--rdzv-conf", f"timeout={value}", "t.py")
-    assert cfg.rdzv_conf["timeout"] == "900"
+    assert "timeout" not in cfg.rdzv_conf
     cfg = parse("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", f"timeout={value},x=1", "t.py")
-    assert cfg.rdzv_conf == {"timeout": "900", "x": "1"}
+    assert cfg.rdzv_conf == {"x": "1"}
     # the legacy etcd and static handlers int() it: the value is kept and the agent rejects it, like torchrun
     assert parse("--rdzv-backend", "etcd", "--rdzv-conf", f"timeout={value}", "t.py").rdzv_conf["timeout"] == value
 
@@ -529,3 +529,20 @@ def test_shard_mirror_flags():
     for bad in ("lots", "1K"):
         with pytest.raises((ConfigError, SystemExit)):
             parse("--mirror-max-bytes", bad, "t.py")
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v2"])
+def test_dynamic_backends_join_timeout_ignores_timeout(backend):
+    """torchrun's c10d/etcd-v2 handler reads join_timeout (600 s), never "timeout": `--rdzv-conf timeout=5` with a
+    second agent 8 s late succeeds there, so the rendezvous here must not time out after 5 s either."""
+    from tpassrun.rendezvous import RendezvousSettings
+
+    cfg = parse("--rdzv-backend", backend, "--rdzv-endpoint", "h:1", "--nnodes", "2", "--rdzv-conf", "timeout=5",
+                "t.py")
+    assert RendezvousSettings.from_conf("r", 2, 2, cfg.rdzv_conf).join_timeout == 600
+    cfg = parse("--rdzv-backend", backend, "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout=5,join_timeout=7", "t.py")
+    assert RendezvousSettings.from_conf("r", 1, 1, cfg.rdzv_conf).join_timeout == 7
+    # the legacy etcd and static handlers do read it
+    for other in ("etcd", "static"):
+        cfg = parse("--rdzv-backend", other, "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout=5", "t.py")
+        assert RendezvousSettings.from_conf("r", 1, 1, cfg.rdzv_conf).join_timeout == 5

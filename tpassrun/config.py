@@ -38,7 +38,7 @@ from typing import Any
 
 from . import envnames as E
 from .shard_interval import parse as parse_interval
-from .config_rules import (_accelerator_count, _is_number, check_endpoint, cpu_count, derived_omp,
+from .config_rules import (_accelerator_count, check_endpoint, cpu_count, derived_omp,
                            determine_local_world_size, parse_local_ranks_filter, parse_min_max_nnodes, parse_rdzv_conf,
                            resolve_etcd_endpoint, static_etcd_endpoint, with_default_port)
 from .settings import (_IGNORED_BY_DYNAMIC, BACKENDS, C10D_DEFAULT_PORT, DEFAULT_LOGS_SPECS, DEFAULT_RDZV_TIMEOUT,
@@ -295,9 +295,9 @@ def parse_args(
     rdzv_conf = parse_rdzv_conf(ns.rdzv_conf)
     if backend in ("c10d", "etcd-v2"):
         for key in _IGNORED_BY_DYNAMIC:
-            if key in rdzv_conf and not _is_number(rdzv_conf[key]):
-                del rdzv_conf[key]
-    rdzv_conf.setdefault("timeout", DEFAULT_RDZV_TIMEOUT)
+            rdzv_conf.pop(key, None)
+    else:
+        rdzv_conf.setdefault("timeout", DEFAULT_RDZV_TIMEOUT)
     check_endpoint(endpoint, backend)
     if backend == "static":
         rdzv_conf["rank"] = str(ns.node_rank)

@@ -89,14 +89,6 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def check_endpoint(endpoint: str, backend: str) -> None:
     """torchrun's ``parse_rendezvous_endpoint``: an empty host or a port that is not an integer in 0..65535 is
     an error at once (tpassrun used to find out by trying to connect for 60 s)."""
