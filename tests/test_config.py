@@ -179,6 +179,15 @@ def test_multi_node_static_hosts_its_etcd_next_to_the_master_port():
     # machine hosts an etcd next to it, and every agent uses it.
     cfg = parse("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "1234", "t.py")
     assert cfg.etcd_endpoint == "10.0.0.5:1235" and cfg.host_etcd and cfg.master_port == 1234
+    # ... and with an endpoint: the workers' store is the endpoint (torchrun's), the etcd next to it
+    cfg = parse("--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "10.0.0.6:7000", "t.py")
+    assert cfg.etcd_endpoint == "10.0.0.6:7001" and cfg.host_etcd and cfg.rdzv_endpoint == "10.0.0.6:7000"
+    assert parse("--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "[::1]:7000",
+                 "t.py").etcd_endpoint == "[::1]:7001"
+    # one node: the store on the endpoint, the embedded etcd
+    assert parse("--rdzv-backend", "static", "--rdzv-endpoint", "h:7000", "t.py").uses_embedded_etcd
+    with pytest.raises(ConfigError, match="needs a port"):   # torchrun: "Port is absent in endpoint"
+        parse("--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "h", "t.py")
 
 
 def test_c10d_endpoint_is_hosted_by_the_agent_on_its_machine_etcd_endpoints_never():
@@ -189,7 +198,7 @@ def test_c10d_endpoint_is_hosted_by_the_agent_on_its_machine_etcd_endpoints_neve
 
 @pytest.mark.parametrize("backend,endpoint,etcd", [
     ("etcd", "h", "h:2379"), ("etcd-v2", "h:1", "h:1"), ("etcd", "", "localhost:2379"),
-    ("c10d", "h", "h:29400"), ("c10d", "h:7", "h:7"), ("static", "h", "h:2379"), ("c10d", "", None),
+    ("c10d", "h", "h:29400"), ("c10d", "h:7", "h:7"), ("static", "h:7", None), ("c10d", "", None),
 ])
 def test_etcd_endpoint_resolution(backend, endpoint, etcd):
     cfg = parse("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--master-port", "1", "t.py")

@@ -58,6 +58,7 @@ from .mirrorplane import MirrorPlane  # noqa: E402
 from .slots import LocalSlots, Slot  # noqa: E402
 from .swapper import Swapper  # noqa: E402
 from .workerenv import elastic_entry_point, entrypoint_name  # noqa: E402
+from .config_rules import split_endpoint  # noqa: E402
 
 log = logging.getLogger("tpassrun.agent")
 # torchrun's exit barrier (LocalElasticAgent's exit_barrier_timeout): how long the agent that hosts the run's
@@ -110,7 +111,6 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
         self.store_host: str | None = None       # the node running the workers' store (group rank 0's, or a swap's)
-        self._static_port_used = False   # static: the user's --master-port served the first generation's store
         self.hosting_etcd = False        # c10d/static: this agent serves the run's etcd
         self.spawned_generation = 0      # the generation whose start spawned the current workers (swaps keep them)
         self.formed_generation = 0       # the run's last whole-group restart's (Generation.formed): port.epoch()
@@ -463,11 +463,12 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             # torchrun's RendezvousStoreInfo.build: the rank-0 node's --local-addr, else its FQDN ("localhost"
             # on a machine without a domain), even for one node: workers see the same MASTER_ADDR as under it.
             addr, port = self.cfg.local_addr or socket.getfqdn(), 0
-            if self.cfg.rdzv_backend == "static" and not self._static_port_used:
-                # torchrun's static backend hands workers --master-addr/--master-port; so do we, for the
-                # first generation. Later generations get a fresh port: a new store, never stale keys.
-                addr, port = self.cfg.master_addr, self.cfg.master_port
-                self._static_port_used = True
+            if self.cfg.rdzv_backend == "static":
+                # torchrun's static agent serves the workers' store on the endpoint (--rdzv-endpoint, else
+                # --master-addr/--master-port) and hands workers that address, which scripts may tcp:// to; ours
+                # serves each generation's new store there (a new process: never a previous attempt's keys)
+                addr, static_port = split_endpoint(self.cfg.rdzv_endpoint)
+                port = static_port or 0
             port = port or _free_port()
             await self._start_store(port)
             await self.rdzv.publish_bootstrap(gen, addr, port)
