@@ -27,6 +27,8 @@ import stat
 import time
 from collections.abc import Callable, Mapping
 
+from .rendezvous import pid_alive
+
 log = logging.getLogger("tpassrun.filetimer")
 
 MAX_INTERVAL_S = 0.1   # torchrun's agent starts its server with max_interval=0.1
@@ -147,18 +149,8 @@ class FileTimerServer:
                             request.signal)
             self._on_expired(request, sent)
         for key in list(self._timers):
-            if key[0] in reaped or not _running(key[0]):
+            if key[0] in reaped or not pid_alive(key[0]):
                 del self._timers[key]
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def signal_name(sig: int) -> str:
