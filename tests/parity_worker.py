@@ -4,7 +4,11 @@
 Script args (after any others): ``--exit-code N --exit-rank R``: global rank R exits with N, after
 every worker of its attempt has dumped (so the set of dumps is deterministic). ``--linger``: the other ranks
 then wait (up to 60 s) to be stopped by the launcher, so they are the failure report's other failures.
-No torch import.
+``--file-timer``: the dump is written inside a 60 s timer of torch's ``FileTimerClient`` on
+``$TORCHELASTIC_TIMER_FILE`` (acquired and released, as a script guarding a step does).
+``--tcp-init ADDR:PORT`` (``env`` for ``$MASTER_ADDR:$MASTER_PORT``): first ``init_process_group("gloo",
+init_method="tcp://ADDR:PORT")`` and an all-reduce of ``RANK + 1``, whose result goes in the dump.
+No torch import without these.
 """
 
 import json
@@ -27,10 +31,35 @@ def _running(pid: int) -> bool:
         return False
 
 
+def _tcp_init(where: str) -> float:
+    import torch
+    import torch.distributed as dist
+
+    if where == "env":
+        where = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    dist.init_process_group("gloo", init_method=f"tcp://{where}", rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+    t = torch.tensor([float(os.environ["RANK"]) + 1])
+    dist.all_reduce(t)
+    dist.destroy_process_group()
+    return float(t.item())
+
+
 def main() -> int:
+    if "--file-timer" in sys.argv[1:]:
+        from torch.distributed.elastic.timer import FileTimerClient, configure, expires
+
+        configure(FileTimerClient(os.environ["TORCHELASTIC_TIMER_FILE"]))
+        with expires(after=60, scope="parity"):
+            return _main()
+    return _main()
+
+
+def _main() -> int:
     out_dir = os.environ["PARITY_OUT"]
     rank = os.environ.get("RANK", "?")
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "?")
+    tcp = _opt("--tcp-init", "")
     dump = {
         "env": dict(os.environ),
         "argv": sys.argv,
@@ -38,6 +67,8 @@ def main() -> int:
         "write_through": sys.stdout.write_through,
         "cwd": os.getcwd(),
     }
+    if tcp:
+        dump["all_reduce"] = _tcp_init(tcp)
     # Print first, in one write each (under -u, print() writes the newline separately and lines of
     # two workers could interleave); a peer that sees our dump knows our lines are out.
     sys.stdout.write(f"hello-out rank {rank} attempt {attempt}\n")

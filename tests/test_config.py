@@ -71,7 +71,7 @@ def test_pet_env_fallbacks_and_flag_wins():
     cfg = parse("mod", env=env)
     assert cfg.nproc_per_node == 2 and cfg.max_restarts == 4 and cfg.role == "trainer"
     assert cfg.standalone and cfg.module and cfg.tee == Std.ALL
-    assert cfg.rdzv_conf == {"join_timeout": "5", "timeout": "900"}
+    assert cfg.rdzv_conf == {"join_timeout": "5"}   # standalone is c10d: no "timeout" (torchrun ignores it)
     assert parse("--max-restarts", "1", "t.py", env=env).max_restarts == 1
     assert not parse("t.py", env={"PET_MODULE": "0"}).module
 
@@ -179,6 +179,15 @@ def test_multi_node_static_hosts_its_etcd_next_to_the_master_port():
     # machine hosts an etcd next to it, and every agent uses it.
     cfg = parse("--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.5", "--master-port", "1234", "t.py")
     assert cfg.etcd_endpoint == "10.0.0.5:1235" and cfg.host_etcd and cfg.master_port == 1234
+    # ... and with an endpoint: the workers' store is the endpoint (torchrun's), the etcd next to it
+    cfg = parse("--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "10.0.0.6:7000", "t.py")
+    assert cfg.etcd_endpoint == "10.0.0.6:7001" and cfg.host_etcd and cfg.rdzv_endpoint == "10.0.0.6:7000"
+    assert parse("--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "[::1]:7000",
+                 "t.py").etcd_endpoint == "[::1]:7001"
+    # one node: the store on the endpoint, the embedded etcd
+    assert parse("--rdzv-backend", "static", "--rdzv-endpoint", "h:7000", "t.py").uses_embedded_etcd
+    with pytest.raises(ConfigError, match="needs a port"):   # torchrun: "Port is absent in endpoint"
+        parse("--nnodes", "2", "--rdzv-backend", "static", "--rdzv-endpoint", "h", "t.py")
 
 
 def test_c10d_endpoint_is_hosted_by_the_agent_on_its_machine_etcd_endpoints_never():
@@ -189,7 +198,7 @@ def test_c10d_endpoint_is_hosted_by_the_agent_on_its_machine_etcd_endpoints_neve
 
 @pytest.mark.parametrize("backend,endpoint,etcd", [
     ("etcd", "h", "h:2379"), ("etcd-v2", "h:1", "h:1"), ("etcd", "", "localhost:2379"),
-    ("c10d", "h", "h:29400"), ("c10d", "h:7", "h:7"), ("static", "h", "h:2379"), ("c10d", "", None),
+    ("c10d", "h", "h:29400"), ("c10d", "h:7", "h:7"), ("static", "h:7", None), ("c10d", "", None),
 ])
 def test_etcd_endpoint_resolution(backend, endpoint, etcd):
     cfg = parse("--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "--master-port", "1", "t.py")
@@ -218,7 +227,7 @@ def test_rdzv_conf():
     for bad in ("a=", "a", "=1", "a=1,,b=2"):
         with pytest.raises(ConfigError):
             parse_rdzv_conf(bad)
-    assert parse("--rdzv-conf", "timeout=5", "t.py").rdzv_conf["timeout"] == "5"
+    assert parse("--rdzv-conf", "timeout=5", "--master-port", "1", "t.py").rdzv_conf["timeout"] == "5"   # static
 
 
 # ---------------------------------------------------------------- other validation
@@ -441,9 +450,9 @@ def test_run_id_with_slash_is_fine_when_standalone_ignores_it():
 def test_quoted_timeout_is_ignored_where_torchrun_ignores_it(value):
     # c10d's dynamic handler never reads "timeout": torchrun runs whatever its value
     cfg = parse("--rdzv-conf", f"timeout={value}", "t.py")
-    assert cfg.rdzv_conf["timeout"] == "900"
+    assert "timeout" not in cfg.rdzv_conf
     cfg = parse("--rdzv-backend", "c10d", "--rdzv-endpoint", "h:1", "--rdzv-conf", f"timeout={value},x=1", "t.py")
-    assert cfg.rdzv_conf == {"timeout": "900", "x": "1"}
+    assert cfg.rdzv_conf == {"x": "1"}
     # the legacy etcd and static handlers int() it: the value is kept and the agent rejects it, like torchrun
     assert parse("--rdzv-backend", "etcd", "--rdzv-conf", f"timeout={value}", "t.py").rdzv_conf["timeout"] == value
 
@@ -529,3 +538,20 @@ def test_shard_mirror_flags():
     for bad in ("lots", "1K"):
         with pytest.raises((ConfigError, SystemExit)):
             parse("--mirror-max-bytes", bad, "t.py")
+
+
+@pytest.mark.parametrize("backend", ["c10d", "etcd-v2"])
+def test_dynamic_backends_join_timeout_ignores_timeout(backend):
+    """torchrun's c10d/etcd-v2 handler reads join_timeout (600 s), never "timeout": `--rdzv-conf timeout=5` with a
+    second agent 8 s late succeeds there, so the rendezvous here must not time out after 5 s either."""
+    from tpassrun.rendezvous import RendezvousSettings
+
+    cfg = parse("--rdzv-backend", backend, "--rdzv-endpoint", "h:1", "--nnodes", "2", "--rdzv-conf", "timeout=5",
+                "t.py")
+    assert RendezvousSettings.from_conf("r", 2, 2, cfg.rdzv_conf).join_timeout == 600
+    cfg = parse("--rdzv-backend", backend, "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout=5,join_timeout=7", "t.py")
+    assert RendezvousSettings.from_conf("r", 1, 1, cfg.rdzv_conf).join_timeout == 7
+    # the legacy etcd and static handlers do read it
+    for other in ("etcd", "static"):
+        cfg = parse("--rdzv-backend", other, "--rdzv-endpoint", "h:1", "--rdzv-conf", "timeout=5", "t.py")
+        assert RendezvousSettings.from_conf("r", 1, 1, cfg.rdzv_conf).join_timeout == 5

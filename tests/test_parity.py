@@ -68,6 +68,8 @@ class Case:
     # More agents of the same job, started in order after ``args`` (1 s apart, so join order is defined);
     # the case's rc is every agent's.
     more_agents: tuple[tuple[str, ...], ...] = ()
+    stagger: float = 1.0  # seconds between two agents' starts
+    run_timeout: float = RUN_TIMEOUT  # workers that import torch take longer on a loaded machine
 
 
 W = "parity_worker.py"
@@ -144,6 +146,27 @@ CASES = [
          more_agents=(("--nnodes", "1:2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{PORT}",
                        "--rdzv-id", "homo", "--role", "trainer", *N2, W, "second"),),
          dumps=4),
+    # issue 30: torchrun's file timer (the agent serves FileTimerClient's named pipe; TORCHELASTIC_TIMER_FILE)
+    Case("file_timer", (*N2, W, "--file-timer"), env=(("TORCHELASTIC_ENABLE_FILE_TIMER", "1"),), dumps=2,
+         run_timeout=240),
+    # ...at the path the agent was given
+    Case("file_timer_given_path", (W, "--file-timer"), env=(("TORCHELASTIC_ENABLE_FILE_TIMER", "1"),
+                                                            ("TORCHELASTIC_TIMER_FILE", "{ROOT}/tmp/my_timer")),
+         run_timeout=240),
+    # issue 30: c10d's handler never reads "timeout" (join_timeout, 600 s, is its key): a second agent 8 s late
+    # still joins
+    Case("c10d_conf_timeout_ignored",
+         ("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{PORT}", "--rdzv-id", "late",
+          "--rdzv-conf", "timeout=5", W, "first"),
+         more_agents=(("--nnodes", "2", "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:{PORT}",
+                       "--rdzv-id", "late", "--rdzv-conf", "timeout=5", W, "second"),),
+         stagger=8.0, dumps=2, run_timeout=240),
+    # issue 30: static serves the workers' store on the endpoint (MASTER_ADDR:MASTER_PORT): tcp:// to either works
+    Case("static_endpoint_tcp_init", ("--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1:{PORT}", *N2, W,
+                                      "--tcp-init", "127.0.0.1:{PORT}"), dumps=2, exact_master=True, run_timeout=240),
+    Case("static_endpoint_tcp_init_master_env", ("--rdzv-backend", "static", "--rdzv-endpoint", "127.0.0.1:{PORT}",
+                                                 "--nnodes", "1", *N2, W, "--tcp-init", "env"),
+         dumps=2, exact_master=True, run_timeout=240),
 ]
 if os.environ.get("PARITY_ONLY"):  # development: run only these cases (comma-separated names)
     CASES = [c for c in CASES if c.name in os.environ["PARITY_ONLY"].split(",")]
@@ -185,10 +208,12 @@ def _normalise_dump(dump: dict, root: str, case: Case, port: str) -> dict:
         env["MASTER_PORT"] = "<port>" if env.get("MASTER_PORT", "").isdigit() else env.get("MASTER_PORT", "")
     elif env.get("MASTER_PORT") == port:
         env["MASTER_PORT"] = "<PORT>"
-    out = {"env": env, "argv": [normalise(a, root) for a in dump["argv"]], "cwd": normalise(dump["cwd"], root),
-           "write_through": dump["write_through"]}
+    # a {PORT} in the script's arguments (the two sides run on different ports)
+    out = {"env": env, "argv": [normalise(a, root).replace(port, "<PORT>") for a in dump["argv"]],
+           "cwd": normalise(dump["cwd"], root), "write_through": dump["write_through"],
+           "all_reduce": dump.get("all_reduce")}
     if case.compare_orig_argv:
-        out["orig_argv"] = [normalise(a, root) for a in dump["orig_argv"]]
+        out["orig_argv"] = [normalise(a, root).replace(port, "<PORT>") for a in dump["orig_argv"]]
     return out
 
 
@@ -239,11 +264,12 @@ def _log_tree(root: Path) -> dict[str, str]:
     return tree
 
 
-def _launch(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+def _launch(cmd: list[str], env: dict[str, str], cwd: Path,
+            timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
     proc = subprocess.Popen(cmd, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
     try:
-        out, err = proc.communicate(timeout=RUN_TIMEOUT)
+        out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         # SIGTERM first: torchrun forwards it to its workers (they live in their own sessions).
         os.killpg(proc.pid, signal.SIGTERM)
@@ -252,21 +278,22 @@ def _launch(cmd: list[str], env: dict[str, str], cwd: Path) -> subprocess.Comple
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
-        err += f"\n<killed after {RUN_TIMEOUT}s>"
+        err += f"\n<killed after {timeout}s>"
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 _EXCLUSIVE = threading.Lock()
 
 
-def _launch_agents(cmds: list[list[str]], env: dict[str, str], cwd: Path) -> subprocess.CompletedProcess:
+def _launch_agents(cmds: list[list[str]], env: dict[str, str], cwd: Path, stagger: float = 1.0,
+                   timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess:
     """Several agents of one job; rc is 0 only if every agent's is, else the first non-zero one."""
     pool = concurrent.futures.ThreadPoolExecutor(len(cmds))
     futures = []
     for i, cmd in enumerate(cmds):
         if i:
-            threading.Event().wait(1.0)
-        futures.append(pool.submit(_launch, cmd, env, cwd))
+            threading.Event().wait(stagger)
+        futures.append(pool.submit(_launch, cmd, env, cwd, timeout))
     done = [f.result() for f in futures]
     pool.shutdown()
     rc = next((d.returncode for d in done if d.returncode != 0), 0)
@@ -283,16 +310,17 @@ def run_side(side: str, case: Case, scratch: Path) -> SideResult:
     args = [a.replace("{LOGS}", str(root / "logs")).replace("{ROOT}", str(root)).replace("{PORT}", port)
             for a in case.args]
     env = {k: v for k, v in os.environ.items() if not k.startswith(_SCRUB)}
-    env.update(dict(case.env), PARITY_OUT=str(root / "out"), TMPDIR=str(root / "tmp"))
+    env.update({k: v.replace("{ROOT}", str(root)) for k, v in case.env}, PARITY_OUT=str(root / "out"),
+               TMPDIR=str(root / "tmp"))
     if case.more_agents:
         done = _launch_agents([LAUNCHERS[side] + args] + [LAUNCHERS[side] + [
             a.replace("{LOGS}", str(root / "logs")).replace("{ROOT}", str(root)).replace("{PORT}", port)
-            for a in more] for more in case.more_agents], env, root)
+            for a in more] for more in case.more_agents], env, root, case.stagger, case.run_timeout)
     elif case.exclusive and LAUNCHERS[side] == LAUNCHERS["torchrun"]:
         with _EXCLUSIVE:
-            done = _launch(LAUNCHERS[side] + args, env, root)
+            done = _launch(LAUNCHERS[side] + args, env, root, case.run_timeout)
     else:
-        done = _launch(LAUNCHERS[side] + args, env, root)
+        done = _launch(LAUNCHERS[side] + args, env, root, case.run_timeout)
     dumps: dict[str, list[dict]] = {}
     for f in sorted((root / "out").glob("*.json")):
         raw = json.loads(f.read_text())
@@ -315,7 +343,7 @@ def results():
 
 
 def _get(results, case: Case, side: str) -> SideResult:
-    return results[(case.name, side)].result(timeout=RUN_TIMEOUT * 4)
+    return results[(case.name, side)].result(timeout=max(RUN_TIMEOUT * 4, case.run_timeout * 2))
 
 
 def _dump_diff(ours: list[dict], ref: list[dict]) -> str:

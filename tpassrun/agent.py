@@ -58,6 +58,7 @@ from .mirrorplane import MirrorPlane  # noqa: E402
 from .slots import LocalSlots, Slot  # noqa: E402
 from .swapper import Swapper  # noqa: E402
 from .workerenv import elastic_entry_point, entrypoint_name  # noqa: E402
+from .config_rules import split_endpoint  # noqa: E402
 
 log = logging.getLogger("tpassrun.agent")
 # torchrun's exit barrier (LocalElasticAgent's exit_barrier_timeout): how long the agent that hosts the run's
@@ -110,7 +111,6 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
         self.store_host: str | None = None       # the node running the workers' store (group rank 0's, or a swap's)
-        self._static_port_used = False   # static: the user's --master-port served the first generation's store
         self.hosting_etcd = False        # c10d/static: this agent serves the run's etcd
         self.spawned_generation = 0      # the generation whose start spawned the current workers (swaps keep them)
         self.formed_generation = 0       # the run's last whole-group restart's (Generation.formed): port.epoch()
@@ -209,6 +209,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                                           on_nudge=lambda: self.mirror.nudge() if self.mirror else None).open()
             stack.push_async_callback(self.slots.close)
             stack.push_async_callback(self._stop_store)
+            stack.push_async_callback(self._stop_file_timer)
             self.swapper = Swapper(self._port())
             # the mirror store serves before this node registers: its port is part of the registration
             self.mirror = await stack.enter_async_context(MirrorPlane(self._port(), cfg.rdzv_id,
@@ -410,6 +411,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self.master = master
         self.store_host = next((m.node_id for m in gen.members if m.group_rank == 0), None)
         log.debug("generation %d: store at %s:%d; spawning workers", gen.number, *master)
+        await self._start_file_timer()
         await self._spawn_generation(gen, master)
         self.elastic.workers("START", gen, self.node_id, self.slots.slots, self.remaining_restarts)
         log.debug("generation %d: workers spawned; supervising", gen.number)
@@ -439,6 +441,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             log.debug("generation %d: tasks stopped; stopping workers and store", gen.number)
         sig = self.signal_received if outcome == Outcome.SIGNALLED else signal.SIGTERM
         grace = float(self.cfg.shutdown_timeout) if outcome == Outcome.SIGNALLED else 30.0
+        await self._stop_file_timer()
         await self._stop_all(sig, grace)
         if outcome == Outcome.FAILED and self.failures:
             self._record_stopped()
@@ -460,11 +463,12 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
             # torchrun's RendezvousStoreInfo.build: the rank-0 node's --local-addr, else its FQDN ("localhost"
             # on a machine without a domain), even for one node: workers see the same MASTER_ADDR as under it.
             addr, port = self.cfg.local_addr or socket.getfqdn(), 0
-            if self.cfg.rdzv_backend == "static" and not self._static_port_used:
-                # torchrun's static backend hands workers --master-addr/--master-port; so do we, for the
-                # first generation. Later generations get a fresh port: a new store, never stale keys.
-                addr, port = self.cfg.master_addr, self.cfg.master_port
-                self._static_port_used = True
+            if self.cfg.rdzv_backend == "static":
+                # torchrun's static agent serves the workers' store on the endpoint (--rdzv-endpoint, else
+                # --master-addr/--master-port) and hands workers that address, which scripts may tcp:// to; ours
+                # serves each generation's new store there (a new process: never a previous attempt's keys)
+                addr, static_port = split_endpoint(self.cfg.rdzv_endpoint)
+                port = static_port or 0
             port = port or _free_port()
             await self._start_store(port)
             await self.rdzv.publish_bootstrap(gen, addr, port)

@@ -8,11 +8,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import tempfile
 import time
+import uuid
 from typing import Any
 
 from . import envnames as E
 from .devices import node_devices, slot_env, visible_devices
+from .filetimer import FileTimerServer, TimerRequest, signal_name
 from .port import SpawnFailed, WorkerExited, WorkerSaid
 from .procs import spawn_worker, stop_workers
 from .protocol import Done, Failed, Hello, MirrorInfoRequest, Reply
@@ -58,7 +61,44 @@ class WorkerSpawning:
             local_rank=local_rank, rank=rank, group_rank=me.group_rank if me is not None else -1, role_rank=role_rank,
             role_world_size=role_world_size, local_world_size=self.cfg.nproc_per_node, world_size=gen.world_size,
             group_world_size=len(gen.members), master_addr=master[0], master_port=master[1],
-            restart_count=self.restart_count, error_file=err, use_agent_store=True, extra=extra)
+            restart_count=self.restart_count, error_file=err, use_agent_store=True,
+            timer_file=self.timer_file, extra=extra)
+
+    timer_file: str | None = None               # TORCHELASTIC_TIMER_FILE of the current workers
+    _file_timer: FileTimerServer | None = None
+
+    async def _start_file_timer(self) -> None:
+        """torchrun's watchdog: with ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` a timer server (on the agent's
+        ``TORCHELASTIC_TIMER_FILE``, else a new ``<tmp>/watchdog_timer_<uuid4>``) for each group of workers started,
+        stopped with them; the workers get its path. Given a path but not enabled, torchrun passes the path on
+        (the workers inherit it) and serves nothing."""
+        await self._stop_file_timer()
+        given = self.environ.get(E.TORCHELASTIC_TIMER_FILE)
+        if self.environ.get(E.TORCHELASTIC_ENABLE_FILE_TIMER) != "1":
+            return
+        path = given or os.path.join(tempfile.gettempdir(), f"watchdog_timer_{uuid.uuid4()}")
+        self._file_timer = FileTimerServer(path, allowed=lambda pid: self._slot_of_session(pid) is not None,
+                                           on_expired=self._timer_expired).start()
+        self.timer_file = path
+
+    async def _stop_file_timer(self) -> None:
+        server, self._file_timer, self.timer_file = self._file_timer, None, None
+        if server is not None:
+            await server.stop()
+
+    def _slot_of_session(self, pid: int) -> Slot | None:
+        """The slot whose worker's session ``pid`` is in (workers start their own session: sid == worker pid)."""
+        assert self.slots is not None
+        try:
+            sid = os.getsid(pid)
+        except OSError:
+            return None
+        return next((s for s in self.slots.slots if s.proc is not None and s.proc.pid == sid), None)
+
+    def _timer_expired(self, request: TimerRequest, sent: bool) -> None:
+        slot = self._slot_of_session(request.pid)
+        self.events.write("timer_expired", rank=slot.rank if slot else None, slot=slot.index if slot else None,
+                          pid=request.pid, scope=request.scope_id, signal=signal_name(request.signal), sent=sent)
 
     def _member(self, gen: Generation) -> Member | None:
         """This node's place among ``gen``'s members, or None when it runs no rank there: a spare node, or a

@@ -14,8 +14,10 @@ backend                ``--rdzv-endpoint`` given                   omitted
 =====================  ==========================================  ===========================
 ``etcd``/``etcd-v2``   that etcd (default port 2379)               ``localhost:2379``
 ``c10d``               taken as an etcd (default port 29400)       embedded private etcd if
-``static``             taken as an etcd (default port 2379)        max nodes == 1, else
+                                                                   max nodes == 1, else
                                                                    :class:`ConfigError`
+``static``             the workers' store (torchrun's); etcd on    ``--master-addr:--master-port``
+                       its port + 1, embedded for one node         the same way
 =====================  ==========================================  ===========================
 
 ``--standalone`` (explicit, or implicit like torchrun: ``static`` + no endpoint + no
@@ -38,7 +40,7 @@ from typing import Any
 
 from . import envnames as E
 from .shard_interval import parse as parse_interval
-from .config_rules import (_accelerator_count, _is_number, check_endpoint, cpu_count, derived_omp,
+from .config_rules import (_accelerator_count, check_endpoint, cpu_count, derived_omp,
                            determine_local_world_size, parse_local_ranks_filter, parse_min_max_nnodes, parse_rdzv_conf,
                            resolve_etcd_endpoint, static_etcd_endpoint, with_default_port)
 from .settings import (_IGNORED_BY_DYNAMIC, BACKENDS, C10D_DEFAULT_PORT, DEFAULT_LOGS_SPECS, DEFAULT_RDZV_TIMEOUT,
@@ -249,10 +251,12 @@ def parse_args(
     if backend not in BACKENDS:
         raise ConfigError(f"--rdzv-backend={backend}: unknown backend (choose from {', '.join(BACKENDS)})")
     master_port = STATIC_DEFAULT_MASTER_PORT if ns.master_port is None else ns.master_port
-    if backend == "static" and not endpoint:
-        endpoint = f"{ns.master_addr}:{master_port}"  # torchrun's get_rdzv_endpoint
-        etcd_endpoint = (static_etcd_endpoint(ns.master_addr, master_port) if max_nodes > 1 and not standalone
-                         else resolve_etcd_endpoint(backend, "", max_nodes, standalone))
+    if backend == "static":
+        # torchrun's static agent of node rank 0 serves the workers' store on the endpoint (MASTER_ADDR/PORT);
+        # ours does too, and the etcd of a multi-node run sits next to it
+        endpoint = endpoint or f"{ns.master_addr}:{master_port}"  # torchrun's get_rdzv_endpoint
+        check_endpoint(endpoint, backend)
+        etcd_endpoint = static_etcd_endpoint(endpoint) if max_nodes > 1 else None
     else:
         etcd_endpoint = resolve_etcd_endpoint(backend, endpoint, max_nodes, standalone)
 
@@ -295,9 +299,9 @@ def parse_args(
     rdzv_conf = parse_rdzv_conf(ns.rdzv_conf)
     if backend in ("c10d", "etcd-v2"):
         for key in _IGNORED_BY_DYNAMIC:
-            if key in rdzv_conf and not _is_number(rdzv_conf[key]):
-                del rdzv_conf[key]
-    rdzv_conf.setdefault("timeout", DEFAULT_RDZV_TIMEOUT)
+            rdzv_conf.pop(key, None)
+    else:
+        rdzv_conf.setdefault("timeout", DEFAULT_RDZV_TIMEOUT)
     check_endpoint(endpoint, backend)
     if backend == "static":
         rdzv_conf["rank"] = str(ns.node_rank)

@@ -89,14 +89,6 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
 def check_endpoint(endpoint: str, backend: str) -> None:
     """torchrun's ``parse_rendezvous_endpoint``: an empty host or a port that is not an integer in 0..65535 is
     an error at once (tpassrun used to find out by trying to connect for 60 s)."""
@@ -183,8 +175,25 @@ def resolve_etcd_endpoint(backend: str, endpoint: str, max_nodes: int, standalon
     )
 
 
-def static_etcd_endpoint(master_addr: str, master_port: int) -> str:
-    """Multi-node ``static`` without an endpoint: torchrun's rank-0 agent hosts a store at
-    ``master_addr:master_port`` (which workers get as MASTER_PORT); tpassrun hosts its etcd next to it, on
-    ``master_port + 1``, on the agent whose address is ``master_addr``."""
-    return f"{master_addr}:{master_port + 1}"
+def split_endpoint(endpoint: str) -> tuple[str, int | None]:
+    """``host:port`` / ``[v6]:port`` / ``host`` -> (host, port or None); the endpoint has passed
+    :func:`check_endpoint`."""
+    text = endpoint.strip()
+    if text.startswith("["):
+        host, _, rest = text[1:].partition("]")
+        return host, int(rest[1:]) if rest.startswith(":") else None
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        return text, None
+    return host, int(port)
+
+
+def static_etcd_endpoint(endpoint: str) -> str:
+    """Multi-node ``static``: torchrun's agent of node rank 0 hosts the workers' store at the endpoint (given, or
+    ``master_addr:master_port``), which workers get as MASTER_ADDR/PORT and may ``tcp://`` to; tpassrun's agent
+    there serves that store too, and hosts its etcd next to it, on the endpoint's port + 1."""
+    host, port = split_endpoint(endpoint)
+    if port is None:   # torchrun: ValueError "Port is absent in endpoint"
+        raise ConfigError(f"--rdzv-endpoint={endpoint}: the static backend needs a port (the workers' store listens "
+                          "there)")
+    return f"[{host}]:{port + 1}" if ":" in host else f"{host}:{port + 1}"

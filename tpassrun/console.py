@@ -297,6 +297,12 @@ class Describer:
                         f"{_secs(ev.get('seconds'))} (pid {ev.get('pid')}, state {ev.get('proc_state')}); killing it")
             return (f"{_rank(ev)}hang: no step for {_secs(ev.get('seconds'))} at step {ev.get('step')} "
                     f"(pid {ev.get('pid')}, state {ev.get('proc_state')}); killing it")
+        if name == "timer_expired":
+            if not ev.get("sent"):
+                return (f"file timer {ev.get('scope')!r} of pid {ev.get('pid')} expired; not a worker of this node, "
+                        "no signal sent")
+            return (f"{_rank(ev)}file timer {ev.get('scope')!r} expired: sent {ev.get('signal')} to pid "
+                    f"{ev.get('pid')}")
         if name == "hang_held":
             nodes = ", ".join(_short(n) for n in ev.get("silent") or [])
             return (f"ranks {ev.get('ranks')}: no step for {_secs(ev.get('seconds'))}, and node(s) {nodes} do not "
@@ -375,8 +381,8 @@ def summary_lines(t: RunTally, code: Any) -> list[str]:
 
 
 #: events the console (and ``tpassctl events``) shows as warnings; every other line is informational
-WARNING_EVENTS = frozenset({"fallback", "user_error", "hang_detected", "worker_died", "unmanaged_death",
-                            "swap_aborted_here", "swap_transfer_failed", "fenced", "etcd_connection_lost",
+WARNING_EVENTS = frozenset({"fallback", "user_error", "hang_detected", "timer_expired", "worker_died",
+                            "unmanaged_death", "swap_aborted_here", "swap_transfer_failed", "fenced", "etcd_connection_lost",
                             "etcd_connection_overdue"})
 
 

@@ -68,9 +68,10 @@ DEFAULT_SHUTDOWN_TIMEOUT = 30
 BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
 EVENT_LOG_HANDLERS = ("null", "console", "dynamic_rendezvous")  # torchrun's events/handlers.py
 DEFAULT_LOGS_SPECS = "default"  # torchrun's entry point name for DefaultLogsSpecs
-# --rdzv-conf keys torchrun's c10d/etcd-v2 handler never reads (the dynamic handler reads join_timeout, ...):
-# whatever their value, torchrun runs. tpassrun reads "timeout" as the join timeout when join_timeout is
-# absent, so an unreadable one falls back to the default instead of failing the launch.
+# --rdzv-conf keys torchrun's c10d/etcd-v2 handler never reads (dynamic_rendezvous.py create_handler reads
+# join_timeout, last_call_timeout, close_timeout, heartbeat_timeout, keep_alive_*): whatever their value,
+# torchrun runs and its join timeout stays 600 s. They are dropped, so the rendezvous, which takes "timeout"
+# as the join timeout of the legacy etcd and static handlers, never sees them under c10d/etcd-v2.
 _IGNORED_BY_DYNAMIC = ("timeout",)
 NUMA_MODES = ("node", "socket", "exclusive", "core-complex")
 

@@ -56,6 +56,7 @@ class WorkerAssignment:
     restart_count: int
     error_file: str  # "" when logs go to os.devnull, like torchrun
     use_agent_store: bool
+    timer_file: str | None = None  # TORCHELASTIC_TIMER_FILE when the agent serves torchrun's file timer
     extra: Mapping[str, str] = field(default_factory=dict)  # TPASSRUN_* variables
 
 
@@ -127,6 +128,8 @@ def worker_env(cfg: LaunchConfig, a: WorkerAssignment, base_env: Mapping[str, st
         E.TORCH_NCCL_ASYNC_ERROR_HANDLING: base_env.get(E.TORCH_NCCL_ASYNC_ERROR_HANDLING, "1"),
         E.TORCHELASTIC_ERROR_FILE: a.error_file,
     })
+    if a.timer_file is not None:
+        env[E.TORCHELASTIC_TIMER_FILE] = a.timer_file
     if cfg.virtual_local_rank:
         env[E.LOCAL_RANK] = "0"
         env[E.CUDA_VISIBLE_DEVICES] = visible_device_for(a.local_rank, base_env.get(E.CUDA_VISIBLE_DEVICES))
