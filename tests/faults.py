@@ -230,8 +230,9 @@ class Job:
         self.log_path = os.path.join(self.out, "launcher.log")
         env = {**os.environ, **self.env}
         self.started = time.monotonic()
+        # cwd outside the source tree: only the installed package is importable, as for a user's job
         self.proc = subprocess.Popen(self.argv, env=env, stdout=open(self.log_path, "wb"),
-                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=self.out)
         return self
 
     def wait(self, timeout: float) -> int:

@@ -402,7 +402,7 @@ def preflight(cfg: LaunchConfig) -> None:
         except OSError as exc:
             raise ConfigError(f"--event-log={cfg.event_log}: cannot write: {exc.strerror or exc}") from None
     if cfg.health_config:
-        from health import Policy  # noqa: PLC0415  (only when asked for)
+        from tpassrun.health import Policy  # noqa: PLC0415  (only when asked for)
 
         try:
             Policy.load(cfg.health_config)
