@@ -161,6 +161,7 @@ class EtcdConnection:
 
     def _new_client(self) -> aetcd.Client:
         host, port = self.config.endpoints[self._endpoint_index % len(self.config.endpoints)]
+        host = f"[{host}]" if ":" in host else host   # aetcd's gRPC target is f"{host}:{port}"
         timeout = self.config.read_timeout
         if not self.config.tls:
             return aetcd.Client(host, port, username=self.config.user, password=self.config.password,

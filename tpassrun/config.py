@@ -249,6 +249,7 @@ def parse_args(
     if backend not in BACKENDS:
         raise ConfigError(f"--rdzv-backend={backend}: unknown backend (choose from {', '.join(BACKENDS)})")
     master_port = STATIC_DEFAULT_MASTER_PORT if ns.master_port is None else ns.master_port
+    check_endpoint(endpoint, backend)
     if backend == "static" and not endpoint:
         endpoint = f"{ns.master_addr}:{master_port}"  # torchrun's get_rdzv_endpoint
         etcd_endpoint = (static_etcd_endpoint(ns.master_addr, master_port) if max_nodes > 1 and not standalone
@@ -298,7 +299,6 @@ def parse_args(
             if key in rdzv_conf and not _is_number(rdzv_conf[key]):
                 del rdzv_conf[key]
     rdzv_conf.setdefault("timeout", DEFAULT_RDZV_TIMEOUT)
-    check_endpoint(endpoint, backend)
     if backend == "static":
         rdzv_conf["rank"] = str(ns.node_rank)
 
