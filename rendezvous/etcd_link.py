@@ -184,14 +184,18 @@ class EtcdConnection:
         await asyncio.wait_for(client.get(b"\0tpassrun-probe"), timeout)
 
     async def open(self) -> None:
-        """Connect, trying every endpoint with backoff, bounded by ``read_timeout``."""
+        """Connect, trying every endpoint with backoff, bounded by ``read_timeout``. With several members, one
+        attempt waits at most ``_PROBE_TIMEOUT_S``: a member that hangs (stopped, cut off) must not eat the
+        whole budget while the others answer."""
         deadline = self._clock() + self.config.read_timeout
         delay = 0.05
         last: BaseException | None = None
         while True:
             client = self._new_client()
+            remaining = max(0.1, deadline - self._clock())
             try:
-                await self._probe(client, max(0.1, deadline - self._clock()))
+                await self._probe(client, remaining if len(self.config.endpoints) == 1 else
+                                  min(remaining, _PROBE_TIMEOUT_S))
                 self._client = client
                 return
             except (*CONNECTION_ERRORS, aetcd_errors.ClientError) as exc:

@@ -71,6 +71,20 @@ def test_a_member_list_with_a_dead_first_member_connects(etcd_cluster, run_id):
     asyncio.run(main())
 
 
+def test_a_member_list_with_a_hung_first_member_connects(etcd_cluster, run_id):
+    """The first member stopped (SIGSTOP: it accepts connections and answers nothing): the first connection moves
+    on to another member instead of spending all of ``read_timeout`` on it."""
+    from tpassrun.rendezvous import EtcdConfig, EtcdStore
+
+    etcd_cluster.pause(0)
+
+    async def main() -> None:
+        async with EtcdStore(EtcdConfig.from_endpoint(etcd_cluster.endpoints, {"read_timeout": "20"})) as store:
+            assert (await store.get_json(f"/tpassrun-test/{run_id}/none")) == (None, 0)
+
+    asyncio.run(main())
+
+
 def test_the_leader_killed_then_quorum_lost_for_seconds_leaves_the_job_untouched(tmp_path, etcd_cluster, run_id,
                                                                                  reference_run):
     """Two agents (2 ranks each) on the three members, the leader first in their list. Mid-run the leader is
