@@ -39,6 +39,13 @@ CONNECTION_ERRORS = (
 )
 # etcd forgets its auth tokens when it restarts: the old client's token is refused, a new client logs in again.
 RECONNECT_ERRORS = (*CONNECTION_ERRORS, aetcd_errors.UnauthenticatedError)
+
+
+def transport_failed(exc: BaseException) -> bool:
+    """gRPC's own transport broke under a call (status INTERNAL, "Internal error from Core": a request sent on a
+    stream that the connection's loss had just closed, e.g. a watch created as etcd went away), as opposed to an
+    INTERNAL status etcd answered with. It is an outage: reconnect, as for :data:`RECONNECT_ERRORS`."""
+    return isinstance(exc, aetcd_errors.InternalError) and "from Core" in str(exc)
 _PROBE_TIMEOUT_S = 5.0   # one reconnect probe's patience (a loaded etcd, TLS and a login take a while)
 # While probes go unanswered (a partition drops packets: nothing fails, each TCP SYN is retried after 1, 3, 7 s)
 # a new one starts this often, so a healed link is found within about this long, not at the next retry of the
