@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_ddp.py")
@@ -169,6 +169,23 @@ class Hold:
 
 def hold_at(dir: str, step: int, *, rank: int = 0, name: str = "hold") -> Hold:
     return Hold(step=step, dir=str(dir), rank=rank, name=name)
+
+
+def run_through(jobs: list["Job"], down: Hold, back: Hold, fault: Callable[[], None], timeout: float = 240) -> None:
+    """Started agents held at ``down`` (as the first reaches it), ``fault()`` (it releases ``down`` when the job is to
+    train on through it), then ``back`` released: every agent must exit 0. Holds released and agents killed on the
+    way out, whatever happened."""
+    try:
+        down.wait_reached(jobs[0])
+        fault()
+        back.release()
+        codes = [j.wait(timeout) for j in jobs]
+    finally:
+        down.release()
+        back.release()
+        for j in jobs:
+            j.kill()
+    assert codes == [0] * len(jobs), "\n".join(j.log()[-3000:] for j in jobs)
 
 
 @dataclass

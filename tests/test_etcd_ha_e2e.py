@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from faults import Job, assert_bit_exact, faults_env, hold_at
+from faults import Job, assert_bit_exact, faults_env, hold_at, run_through
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -98,9 +98,10 @@ def test_the_leader_killed_then_quorum_lost_for_seconds_leaves_the_job_untouched
     env = faults_env(down.fault, back.fault)
     jobs = [Job.agent(str(tmp_path / n), train, endpoint=endpoints, run_id=run_id, steps=STEPS, step_sleep=0.1,
                       ttl=10, env=env).start() for n in ("a", "b")]
-    try:
-        down.wait_reached(jobs[0])
-        pids = [j.worker_pids() for j in jobs]
+    pids: list[int] = []
+
+    def leader_killed_then_quorum_lost() -> None:
+        pids.extend(p for j in jobs for p in j.worker_pids())
         etcd_cluster.kill(leader)
         down.release()
         second = _new_leader(etcd_cluster, leader)
@@ -108,20 +109,14 @@ def test_the_leader_killed_then_quorum_lost_for_seconds_leaves_the_job_untouched
         time.sleep(QUORUM_LOST_S)
         etcd_cluster.resume(second)
         assert etcd_cluster.wait_healthy(etcd_cluster.live(), 60), "the cluster did not recover its quorum"
-        back.release()
-        codes = [j.wait(240) for j in jobs]
-    finally:
-        down.release()
-        back.release()
-        for j in jobs:
-            j.kill()
-    assert codes == [0, 0], "\n".join(j.log()[-3000:] for j in jobs)
+
+    run_through(jobs, down, back, leader_killed_then_quorum_lost)
     logs = Job(argv=[], out=train)
     for r in range(4):
         rows = logs.losses(r)
         assert [x["step"] for x in rows] == list(range(STEPS)), f"rank {r}: steps lost or repeated"
         assert len({x["pid"] for x in rows}) == 1, f"rank {r} changed process: nothing should have restarted"
-    assert sorted(p for ps in pids for p in ps) == sorted({x["pid"] for r in range(4) for x in logs.losses(r)})
+    assert sorted(pids) == sorted({x["pid"] for r in range(4) for x in logs.losses(r)})
     for j in jobs:
         names = [e["event"] for e in j.events()]
         quiet = ("fenced", "restart", "fallback", "lease_lost", "lease_regranted", "etcd_connection_overdue",
