@@ -7,15 +7,47 @@ the rendezvous's records, injected: ``RecordGuard``), ``handler`` (EtcdRendezvou
 ``leading`` (its leader half), ``embedded`` (a throw-away etcd server).
 """
 
-from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, read_private_file, refuse_inline_secrets
-from .embedded import EmbeddedEtcd, ServerTls, find_etcd_binary, host_etcd_if_absent, pid_alive
-from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError, RendezvousKeyError,
-                     RendezvousTimeoutError)
-from .etcd_io import EtcdStore, WatchEvent
-from .etcd_link import EtcdConnection, Link, one_line
-from .guard import RecordGuard
-from .handler import EtcdRendezvous
-from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+# name -> the submodule that defines it, imported on first use: the launcher's command-line checks use the endpoint
+# grammar (``config.split_endpoint``) without paying for aetcd and gRPC
+_EXPORTS = {
+    **dict.fromkeys(("ETCD_PASSWORD_ENV", "EtcdConfig", "RendezvousSettings", "read_private_file",
+                     "refuse_inline_secrets"), ".config"),
+    **dict.fromkeys(("EmbeddedEtcd", "ServerTls", "find_etcd_binary", "host_etcd_if_absent", "pid_alive"),
+                    ".embedded"),
+    **dict.fromkeys(("RendezvousClosedError", "RendezvousConnectionError", "RendezvousError", "RendezvousKeyError",
+                     "RendezvousTimeoutError"), ".errors"),
+    **dict.fromkeys(("EtcdStore", "WatchEvent"), ".etcd_io"),
+    **dict.fromkeys(("EtcdConnection", "Link", "one_line"), ".etcd_link"),
+    "RecordGuard": ".guard",
+    "EtcdRendezvous": ".handler",
+    **dict.fromkeys(("EventKind", "GenState", "Generation", "Member", "NodeInfo", "RdzvEvent"), ".state"),
+}
+
+if TYPE_CHECKING:
+    from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, read_private_file, refuse_inline_secrets
+    from .embedded import EmbeddedEtcd, ServerTls, find_etcd_binary, host_etcd_if_absent, pid_alive
+    from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError, RendezvousKeyError,
+                         RendezvousTimeoutError)
+    from .etcd_io import EtcdStore, WatchEvent
+    from .etcd_link import EtcdConnection, Link, one_line
+    from .guard import RecordGuard
+    from .handler import EtcdRendezvous
+    from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "EmbeddedEtcd",

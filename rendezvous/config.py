@@ -6,9 +6,11 @@ strings). Unknown ``--rdzv-conf`` keys are ignored here because the conf is shar
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import math
 import os
+import re
 import stat
 from dataclasses import dataclass, field
 from typing import Mapping
@@ -77,26 +79,61 @@ def _float(conf: Mapping[str, str], key: str, default: float) -> float:
     return value
 
 
-def _parse_host_port(item: str) -> tuple[str, int]:
-    item = item.strip()
-    if item.startswith("["):  # [::1]:2379
-        host, _, rest = item[1:].partition("]")
-        port_text = rest.lstrip(":")
-    elif item.count(":") == 1:
-        host, _, port_text = item.partition(":")
-    else:
-        host, port_text = item, ""
-    if not host:
-        raise RendezvousError(f"bad etcd endpoint {item!r}: missing host")
-    if not port_text:
-        return host, DEFAULT_ETCD_PORT
+_HOSTNAME = re.compile(r"^[\w.-]+$")   # torchrun's rule for a host name or IPv4 address (IPv6: in brackets)
+SCHEMES = ("http", "https")
+
+
+def _ipv6(host: str) -> bool:
     try:
-        port = int(port_text)
+        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
     except ValueError:
-        raise RendezvousError(f"bad etcd endpoint {item!r}: port {port_text!r} is not a number") from None
-    if not 0 < port < 65536:
-        raise RendezvousError(f"bad etcd endpoint {item!r}: port out of range")
-    return host, port
+        return False
+
+
+def split_endpoint(item: str, *, schemes: bool = True, min_port: int = 1) -> tuple[str | None, str, int | None]:
+    """One member of an endpoint list, strictly: ``[scheme://]host[:port]`` -> ``(scheme, host, port)`` (``None``:
+    not given). ``host``: a name or IPv4 address, or an IPv6 address in brackets (``[::1]:2379``; unbracketed only
+    as torchrun reads it, ``<v6>:<port>``); ``port``: digits, ``min_port``..65535. ``ValueError`` with the reason
+    otherwise: a malformed endpoint is an error at once, never a connection attempt."""
+    text, scheme = item.strip(), None
+    if "://" in text:
+        scheme, _, text = text.partition("://")
+        scheme = scheme.lower()
+        if not schemes or scheme not in SCHEMES:
+            raise ValueError(f"scheme {scheme!r}: only http:// or https:// (etcd) may come before the host")
+        text = text.removesuffix("/")
+    if text.startswith("["):
+        host, closed, rest = text[1:].partition("]")
+        if not closed:
+            raise ValueError("no closing ']' after the IPv6 address")
+        if not _ipv6(host):
+            raise ValueError(f"{host!r} in brackets is not an IPv6 address")
+        if rest and not rest.startswith(":"):
+            raise ValueError(f"{rest!r} after the IPv6 address (expected ]:<port>)")
+        port_text: str | None = rest[1:] if rest else None
+    elif text.count(":") > 1:
+        host, _, port_text = text.rpartition(":")
+        if not _ipv6(host):
+            raise ValueError("an IPv6 address goes in brackets: [<address>]:<port>")
+    else:
+        host, colon, port_text = text.partition(":")
+        port_text = port_text if colon else None
+        if not host:
+            raise ValueError("the host is missing")
+        if not _HOSTNAME.match(host):
+            raise ValueError(f"{host!r} is not a host name or an IP address")
+    if port_text is None:
+        return scheme, host, None
+    if not port_text:
+        raise ValueError("the port after ':' is missing")
+    if not (port_text.isascii() and port_text.isdigit()) or not min_port <= int(port_text) <= 65535:
+        raise ValueError(f"the port {port_text!r} is not an integer in {min_port}..65535")
+    return scheme, host, int(port_text)
+
+
+def join_host_port(host: str, port: int) -> str:
+    """``host:port``, an IPv6 address in brackets (what gRPC and users read)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 @dataclass(frozen=True)
@@ -135,25 +172,27 @@ class EtcdConfig:
     @property
     def display(self) -> str:
         """The endpoints as a user typed them, for error messages."""
-        return ",".join(f"{h}:{p}" for h, p in self.endpoints)
+        return ",".join(join_host_port(h, p) for h, p in self.endpoints)
 
     @classmethod
     def from_endpoint(cls, endpoint: str, conf: Mapping[str, str] | None = None) -> "EtcdConfig":
-        """Parse ``host[:port][,host[:port]...]`` (optionally with ``http://``/``https://``) plus ``--rdzv-conf``."""
+        """Parse ``host[:port][,host[:port]...]`` (each optionally with ``http://``/``https://``; the members of
+        one etcd cluster: the connection fails over between them) plus ``--rdzv-conf``."""
         conf = conf or {}
         protocol = conf.get("protocol", "").strip().lower() or None
         endpoints: list[tuple[str, int]] = []
         for item in endpoint.split(","):
-            item = item.strip()
-            if not item:
+            if not item.strip():
                 continue
-            if "://" in item:
-                scheme, _, item = item.partition("://")
-                scheme = scheme.lower()
+            try:
+                scheme, host, port = split_endpoint(item)
+            except ValueError as exc:
+                raise RendezvousError(f"bad etcd endpoint {item.strip()!r}: {exc}") from None
+            if scheme is not None:
                 if protocol is not None and protocol != scheme:
                     raise RendezvousError(f"etcd endpoint scheme {scheme!r} contradicts protocol={protocol!r}")
                 protocol = scheme
-            endpoints.append(_parse_host_port(item.rstrip("/")))
+            endpoints.append((host, DEFAULT_ETCD_PORT if port is None else port))
         user, password = _credentials(conf, os.environ)
         read_timeout = _float(conf, "read_timeout", 60.0)
         return cls(

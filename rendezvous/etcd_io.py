@@ -22,7 +22,7 @@ import aetcd.exceptions as aetcd_errors
 from .config import EtcdConfig
 from .errors import RendezvousError
 from .etcd_link import (RECONNECT_ERRORS, EtcdConnection, Link, cancelled_by_reconnect, one_line, patient_now,
-                        raise_if_cancelling)
+                        raise_if_cancelling, transport_failed)
 from .lease import LeaseClock
 
 log = logging.getLogger(__name__)
@@ -123,6 +123,11 @@ class EtcdStore:
         return self._lease.id if self._lease is not None else None
 
     @property
+    def leased_keys(self) -> frozenset[str]:
+        """The keys this store wrote under its lease and keeps (re-written under a new lease after an expiry)."""
+        return frozenset(self._leased_keys)
+
+    @property
     def failure(self) -> BaseException | None:
         return self.connection.failure
 
@@ -175,7 +180,9 @@ class EtcdStore:
             except RECONNECT_ERRORS as exc:
                 await self.connection.recover(epoch, exc, forever=forever)
             except aetcd_errors.ClientError as exc:
-                raise RendezvousError(f"etcd request failed: {one_line(exc)}") from exc
+                if not transport_failed(exc):
+                    raise RendezvousError(f"etcd request failed: {one_line(exc)}") from exc
+                await self.connection.recover(epoch, exc, forever=forever)
             except asyncio.CancelledError:
                 if not cancelled_by_reconnect(epoch, self.connection):
                     raise
@@ -467,7 +474,9 @@ class EtcdStore:
             except RECONNECT_ERRORS as exc:
                 await self.connection.recover(epoch, exc, forever=True)
             except aetcd_errors.ClientError as exc:
-                raise RendezvousError(f"etcd watch on {key} failed: {one_line(exc)}") from exc
+                if not transport_failed(exc):
+                    raise RendezvousError(f"etcd watch on {key} failed: {one_line(exc)}") from exc
+                await self.connection.recover(epoch, exc, forever=True)
             finally:
                 if watch is not None:
                     # Bounded: aetcd queues the cancel request on a size-10 queue that nobody drains once

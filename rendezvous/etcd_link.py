@@ -39,6 +39,13 @@ CONNECTION_ERRORS = (
 )
 # etcd forgets its auth tokens when it restarts: the old client's token is refused, a new client logs in again.
 RECONNECT_ERRORS = (*CONNECTION_ERRORS, aetcd_errors.UnauthenticatedError)
+
+
+def transport_failed(exc: BaseException) -> bool:
+    """gRPC's own transport broke under a call (status INTERNAL, "Internal error from Core": a request sent on a
+    stream that the connection's loss had just closed, e.g. a watch created as etcd went away), as opposed to an
+    INTERNAL status etcd answered with. It is an outage: reconnect, as for :data:`RECONNECT_ERRORS`."""
+    return isinstance(exc, aetcd_errors.InternalError) and "from Core" in str(exc)
 _PROBE_TIMEOUT_S = 5.0   # one reconnect probe's patience (a loaded etcd, TLS and a login take a while)
 # While probes go unanswered (a partition drops packets: nothing fails, each TCP SYN is retried after 1, 3, 7 s)
 # a new one starts this often, so a healed link is found within about this long, not at the next retry of the
@@ -161,6 +168,7 @@ class EtcdConnection:
 
     def _new_client(self) -> aetcd.Client:
         host, port = self.config.endpoints[self._endpoint_index % len(self.config.endpoints)]
+        host = f"[{host}]" if ":" in host else host   # aetcd's gRPC target is f"{host}:{port}"
         timeout = self.config.read_timeout
         if not self.config.tls:
             return aetcd.Client(host, port, username=self.config.user, password=self.config.password,
@@ -183,14 +191,18 @@ class EtcdConnection:
         await asyncio.wait_for(client.get(b"\0tpassrun-probe"), timeout)
 
     async def open(self) -> None:
-        """Connect, trying every endpoint with backoff, bounded by ``read_timeout``."""
+        """Connect, trying every endpoint with backoff, bounded by ``read_timeout``. With several members, one
+        attempt waits at most ``_PROBE_TIMEOUT_S``: a member that hangs (stopped, cut off) must not eat the
+        whole budget while the others answer."""
         deadline = self._clock() + self.config.read_timeout
         delay = 0.05
         last: BaseException | None = None
         while True:
             client = self._new_client()
+            remaining = max(0.1, deadline - self._clock())
             try:
-                await self._probe(client, max(0.1, deadline - self._clock()))
+                await self._probe(client, remaining if len(self.config.endpoints) == 1 else
+                                  min(remaining, _PROBE_TIMEOUT_S))
                 self._client = client
                 return
             except (*CONNECTION_ERRORS, aetcd_errors.ClientError) as exc:

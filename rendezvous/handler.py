@@ -206,9 +206,8 @@ class EtcdRendezvous(Leadership):
             if closed is not None and not self._refused(key, closed, rev, "closed record"):
                 raise RendezvousClosedError(
                     f"run {self.settings.run_id!r} is closed: {closed.get('reason', 'no reason given')}")
-            key = self.key("nodes", self.node.node_id)
-            await self._store.put_json(key, self._sealed(key, self.node.to_json()), lease=True)
-            self._registered = True
+            await self._register()
+            self._spawn(self._keep_registered(), "rdzv-registration")
         while True:
             self._check_fatal()
             gen = self._gen
@@ -224,6 +223,34 @@ class EtcdRendezvous(Leadership):
                     f"node {self.node.node_id} did not join run {self.settings.run_id!r} within "
                     f"{self.settings.join_timeout:g} s ({have}; min_nodes={self.settings.min_nodes})")
             await self._wait_change(remaining)
+
+    async def _register(self) -> int:
+        """Write this node's registration under its lease; returns the revision."""
+        key = self.key("nodes", self.node.node_id)
+        rev = await self._store.put_json(key, self._sealed(key, self.node.to_json()), lease=True)
+        self._registered = True
+        return rev
+
+    async def _keep_registered(self) -> None:
+        """Write the registration again when it vanishes while the lease lives (someone deleted it: ``etcdctl
+        del``, a cleanup). The leader takes the delete as this node gone, and nothing else would ever register it
+        again: its join would wait for a generation that includes it, forever. A registration that went with an
+        expired lease is re-written by the lease's re-grant instead (:meth:`EtcdStore._regrant`)."""
+        key = self.key("nodes", self.node.node_id)
+        while True:
+            try:
+                _, rev = await self._store.get_json(key)
+                if rev == 0:
+                    rev = await self._register()
+                async for ev in self._store.watch_key(key, rev + 1):
+                    if ev.kind != "delete" or key not in self._store.leased_keys or not self._store.lease_sure():
+                        continue
+                    log.warning("the registration of node %s (%s) was deleted while its lease lives: registering "
+                                "it again", self.node.node_id, key)
+                    await self._register()
+            except RendezvousError as exc:   # not worth the run: the lease's re-grant re-writes it too
+                log.warning("keeping the registration of node %s: %s; again in 1 s", self.node.node_id, exc)
+                await asyncio.sleep(1.0)
 
     async def _wait_change(self, timeout: float) -> None:
         changed = self._changed

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import signal
@@ -83,6 +84,127 @@ class EtcdServer:
     def cleanup(self) -> None:
         self.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+class EtcdCluster:
+    """Three etcd members on loopback forming one cluster (raft between them): ``endpoints`` is the comma-separated
+    list a job is given. A member can be SIGKILLed (``kill``), stopped and resumed (``pause``/``resume``: SIGSTOP,
+    SIGCONT); ``leader()`` is the member the live ones agree leads."""
+
+    SIZE = 3
+
+    def __init__(self) -> None:
+        self.dir = tempfile.mkdtemp(prefix="tpassrun-test-etcd3-")
+        self.procs: list[subprocess.Popen | None] = [None] * self.SIZE
+        self.ports: list[int] = []
+        self.paused: set[int] = set()
+
+    def start(self) -> "EtcdCluster":
+        from faults import dies_with_this_thread
+
+        for _ in range(3):
+            self.ports, peers = [_free_port() for _ in range(self.SIZE)], [_free_port() for _ in range(self.SIZE)]
+            cluster = ",".join(f"m{i}=http://127.0.0.1:{p}" for i, p in enumerate(peers))
+            token = "t-" + uuid.uuid4().hex[:8]
+            for i in range(self.SIZE):
+                data = os.path.join(self.dir, f"m{i}")
+                shutil.rmtree(data, ignore_errors=True)
+                self.procs[i] = subprocess.Popen(
+                    [_etcd_binary(), "--name", f"m{i}", "--data-dir", data,
+                     "--listen-client-urls", f"http://127.0.0.1:{self.ports[i]}",
+                     "--advertise-client-urls", f"http://127.0.0.1:{self.ports[i]}",
+                     "--listen-peer-urls", f"http://127.0.0.1:{peers[i]}",
+                     "--initial-advertise-peer-urls", f"http://127.0.0.1:{peers[i]}",
+                     "--initial-cluster", cluster, "--initial-cluster-token", token,
+                     "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "error"],
+                    stdout=subprocess.DEVNULL, stderr=open(os.path.join(self.dir, f"m{i}.log"), "w"),
+                    start_new_session=True, preexec_fn=dies_with_this_thread())
+            if self.wait_healthy(range(self.SIZE), 30):
+                return self
+            self.stop()
+        raise RuntimeError("the etcd cluster did not start")
+
+    @property
+    def endpoints(self) -> str:
+        return ",".join(f"127.0.0.1:{p}" for p in self.ports)
+
+    def live(self) -> list[int]:
+        return [i for i, p in enumerate(self.procs) if p is not None and p.poll() is None and i not in self.paused]
+
+    def _status(self, i: int) -> dict | None:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.ports[i]}/v3/maintenance/status", data=b"{}",
+                                     method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=1) as r:
+                return json.loads(r.read())
+        except (OSError, ValueError):
+            return None
+
+    def leader(self) -> int | None:
+        """The member every live member names as leader (None while they do not agree or have none)."""
+        ids, leaders = {}, set()
+        for i in self.live():
+            st = self._status(i)
+            if st is None:
+                return None
+            ids[st["header"]["member_id"]] = i
+            leaders.add(st.get("leader"))
+        (leader,) = leaders if len(leaders) == 1 else (None,)
+        return ids.get(leader)
+
+    def wait_healthy(self, members, timeout: float) -> bool:
+        """Every member in ``members`` answers /health true (it has a leader)."""
+        deadline = time.monotonic() + timeout
+        pending = set(members)
+        while pending and time.monotonic() < deadline:
+            for i in sorted(pending):
+                try:
+                    with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[i]}/health", timeout=1) as r:
+                        if b"true" in r.read():
+                            pending.discard(i)
+                except OSError:
+                    time.sleep(0.05)
+        return not pending
+
+    def kill(self, i: int) -> None:
+        proc = self.procs[i]
+        assert proc is not None
+        proc.kill()
+        proc.wait()
+
+    def pause(self, i: int) -> None:
+        os.kill(self.procs[i].pid, signal.SIGSTOP)
+        self.paused.add(i)
+
+    def resume(self, i: int) -> None:
+        os.kill(self.procs[i].pid, signal.SIGCONT)
+        self.paused.discard(i)
+
+    def stop(self) -> None:
+        for i in list(self.paused):
+            self.resume(i)
+        for proc in self.procs:
+            if proc is not None and proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.procs:
+            if proc is not None:
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+    def cleanup(self) -> None:
+        self.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def etcd_cluster():
+    """A private 3-member etcd cluster (tests kill, stop and resume its members)."""
+    cluster = EtcdCluster().start()
+    yield cluster
+    cluster.cleanup()
 
 
 @pytest.fixture(scope="session")

@@ -25,7 +25,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLE = os.path.join(REPO, "examples", "train_ddp.py")
@@ -171,6 +171,23 @@ def hold_at(dir: str, step: int, *, rank: int = 0, name: str = "hold") -> Hold:
     return Hold(step=step, dir=str(dir), rank=rank, name=name)
 
 
+def run_through(jobs: list["Job"], down: Hold, back: Hold, fault: Callable[[], None], timeout: float = 240) -> None:
+    """Started agents held at ``down`` (as the first reaches it), ``fault()`` (it releases ``down`` when the job is to
+    train on through it), then ``back`` released: every agent must exit 0. Holds released and agents killed on the
+    way out, whatever happened."""
+    try:
+        down.wait_reached(jobs[0])
+        fault()
+        back.release()
+        codes = [j.wait(timeout) for j in jobs]
+    finally:
+        down.release()
+        back.release()
+        for j in jobs:
+            j.kill()
+    assert codes == [0] * len(jobs), "\n".join(j.log()[-3000:] for j in jobs)
+
+
 @dataclass
 class Job:
     """One launcher process running the example job (or any script)."""
@@ -230,8 +247,9 @@ class Job:
         self.log_path = os.path.join(self.out, "launcher.log")
         env = {**os.environ, **self.env}
         self.started = time.monotonic()
+        # cwd outside the source tree: only the installed package is importable, as for a user's job
         self.proc = subprocess.Popen(self.argv, env=env, stdout=open(self.log_path, "wb"),
-                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=REPO)
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=self.out)
         return self
 
     def wait(self, timeout: float) -> int:

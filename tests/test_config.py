@@ -462,6 +462,31 @@ def test_wellformed_endpoints_pass(endpoint):
     parse("--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "t.py")
 
 
+@pytest.mark.parametrize("backend,endpoint", [
+    ("c10d", ":::"), ("c10d", "[::1"), ("etcd", ":::"), ("etcd", "[::1"), ("etcd", "[::1]x"), ("etcd", "h:65536"),
+    ("etcd", "h:-1"), ("etcd", "h:"), ("etcd", "h:0"), ("etcd", "[fe80::zz]:1"), ("etcd", "fe80::1"),
+    ("etcd", "a b:1"), ("etcd", "ftp://h:1"), ("etcd", "h1:2379,:::"), ("etcd", "h1:2379,[::1"),
+    ("etcd", "h1,h2:99999"), ("c10d", "h1:1,h2:2"), ("c10d", "http://h:1"), ("static", "h:1,h:2"),
+])
+def test_malformed_endpoints_are_one_line_at_once(backend, endpoint, capsys):
+    """Issue 27: ``--rdzv-endpoint :::`` or ``[::1`` was misparsed and waited 64 s for etcd before its error; every
+    member of an etcd list is checked the same way, before anything connects."""
+    assert main(["--rdzv-backend", backend, "--rdzv-endpoint", endpoint, "t.py"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"tpassrun: error: --rdzv-endpoint={endpoint}") and err.count("\n") == 1, err
+
+
+@pytest.mark.parametrize("endpoint,etcd", [
+    ("etcd1:2379,etcd2:2379", "etcd1:2379,etcd2:2379"),           # the README's multi-node example (issue 30)
+    ("etcd1,etcd2:2380, etcd3", "etcd1:2379,etcd2:2380,etcd3:2379"),
+    ("http://10.0.0.1:2379,http://10.0.0.2", "http://10.0.0.1:2379,http://10.0.0.2:2379"),
+    ("https://[fd00::1]:2379,[fd00::2]", "https://[fd00::1]:2379,[fd00::2]:2379"),
+])
+def test_an_etcd_cluster_is_a_list_of_members(endpoint, etcd):
+    cfg = parse("--nnodes", "2", "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", "j", "t.py")
+    assert cfg.etcd_endpoint == etcd and not cfg.host_etcd
+
+
 # ---------------------------------------------------------------- preflight (issue 11: bad input is one line)
 
 

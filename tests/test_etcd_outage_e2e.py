@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from faults import EXAMPLE, Job, faults_env, hold_at, kill_etcd, start_etcd_again
+from faults import EXAMPLE, Job, faults_env, hold_at, kill_etcd, run_through, start_etcd_again
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -39,22 +39,16 @@ def _through_an_outage(tmp_path, etcd, run_id: str, down_s: float, ttl: int = 10
     down, back = hold_at(tmp_path, DOWN_AT, name="down"), hold_at(tmp_path, BACK_BY, name="back")
     env = faults_env(down.fault, back.fault)
     jobs = [_agent(str(tmp_path / n), train, etcd.endpoint, run_id, env, ttl=ttl).start() for n in ("a", "b")]
-    try:
-        down.wait_reached(jobs[0])
+
+    def outage() -> None:
         kill_etcd(etcd)
         down.release()
         time.sleep(down_s)
         start_etcd_again(etcd)
         for j in jobs:
             j.wait_event("etcd_connection_restored")
-        back.release()
-        codes = [j.wait(240) for j in jobs]
-    finally:
-        down.release()
-        back.release()
-        for j in jobs:
-            j.kill()
-    assert codes == [0, 0], "\n".join(j.log()[-3000:] for j in jobs)
+
+    run_through(jobs, down, back, outage)
     return jobs, Job(argv=[], out=train)
 
 

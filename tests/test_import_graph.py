@@ -166,3 +166,38 @@ def test_design_layout_names_every_module_and_what_it_may_import():
             extra.append(f"{module} imports {bad}")
     assert missing == [], f"no row in docs/DESIGN.md's Layout table for {missing}"
     assert extra == [], "imports docs/DESIGN.md's Layout table does not allow: " + "; ".join(extra)
+
+
+# ------------------------------------------------------------------------ only importable from the source tree
+_INSTALLED_AS = ("rendezvous", "health")   # installed as tpassrun.rendezvous / tpassrun.health, never top level
+
+
+def bare_imports(source: str) -> list[str]:
+    """Absolute imports of ``rendezvous`` or ``health`` as top-level packages in ``source`` (at any depth: inside
+    functions too): they resolve only from the repository's root, never from an installed tpassrun."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        found += [f"line {node.lineno}: {n}" for n in names if n.split(".")[0] in _INSTALLED_AS]
+    return found
+
+
+def test_bare_imports_are_found():
+    src = "import health\ndef f():\n    from rendezvous.config import X\n    from health import Policy\n" \
+          "from tpassrun.health import Policy\nfrom . import health\nimport healthy\n"
+    assert bare_imports(src) == ["line 1: health", "line 3: rendezvous.config", "line 4: health"]
+
+
+def test_no_module_imports_a_subpackage_by_its_source_tree_name():
+    """``tpassrun/config.py`` did ``from health import Policy``: fine from the repository's root, where
+    ``health/`` happens to be importable, a ``ModuleNotFoundError`` traceback for every ``--health-config``
+    from an installed tpassrun."""
+    files = [p for p in _modules().values()]
+    files += sorted((ROOT / "examples").rglob("*.py")) + sorted((ROOT / "bench").rglob("*.py"))
+    bad = {str(p.relative_to(ROOT)): hits for p in files if (hits := bare_imports(p.read_text()))}
+    assert bad == {}, bad

@@ -301,11 +301,14 @@ def test_etcd_config_from_endpoint():
     assert c.user == "u" and c.read_timeout == 5 and c.prefix == "/x"
     assert EtcdConfig.from_endpoint("[::1]:3000", {}).endpoints == (("::1", 3000),)
     assert EtcdConfig.from_endpoint("h", {"username": "u", "password": "p"}).user == "u"
+    members = EtcdConfig.from_endpoint("http://a:1/, [::1] ,b:3", {})
+    assert members.endpoints == (("a", 1), ("::1", 2379), ("b", 3)) and members.display == "a:1,[::1]:2379,b:3"
 
 
 @pytest.mark.parametrize("endpoint,conf", [("", {}), ("h:notaport", {}), ("h:70000", {}),
                                             ("h", {"user": "u"}), ("h", {"read_timeout": "-1"}),
-                                            ("ftp://h", {}), ("http://h", {"protocol": "https"})])
+                                            ("ftp://h", {}), ("http://h", {"protocol": "https"}),
+                                            (":::", {}), ("[::1", {}), ("a:1,[::1", {}), ("h:0", {})])
 def test_etcd_config_errors_are_rendezvous_errors(endpoint, conf):
     with pytest.raises(RendezvousError):
         EtcdConfig.from_endpoint(endpoint, conf)
@@ -352,3 +355,19 @@ def test_formed_is_the_last_restarts_number_kept_by_annotations_and_read_back():
     assert Generation.from_json(old).formed == 5
     again = decide(RdzvView(restart_generation(g, "x"), nodes("a", "b")), 0.0, S).generation
     assert again.number == 6 and again.formed == 6
+
+
+def test_the_package_exports_resolve_lazily_and_the_endpoint_grammar_needs_no_grpc():
+    """The launcher checks ``--rdzv-endpoint`` with ``config.split_endpoint`` before anything connects: that must
+    not import aetcd and gRPC (most of a malformed endpoint's second)."""
+    import subprocess
+    import sys
+
+    import tpassrun.rendezvous as rdzv
+
+    assert set(rdzv.__all__) == set(rdzv._EXPORTS)
+    assert all(getattr(rdzv, name) is not None for name in rdzv.__all__)
+    probe = ("import sys; from tpassrun.rendezvous.config import split_endpoint; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] in ('aetcd', 'grpc')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr

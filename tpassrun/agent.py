@@ -40,6 +40,7 @@ from .agent_supervise import Outcome, Supervision  # noqa: E402
 from .agent_tasks import GenerationTasks  # noqa: E402
 from .agent_workers import WorkerSpawning  # noqa: E402
 from .settings import LaunchConfig  # noqa: E402
+from .cleantext import clean  # noqa: E402
 from .console import WAITING_EVERY_S, ConsoleReporter, GlogFormatter  # noqa: E402
 from .elasticevents import ElasticEvents  # noqa: E402
 from .events import EventLog  # noqa: E402
@@ -132,7 +133,7 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
                 return 128 + self.signal_received
             raise
         except RendezvousError as exc:
-            print(f"tpassrun: error: {exc}", file=sys.stderr, flush=True)
+            print(clean(f"tpassrun: error: {exc}"), file=sys.stderr, flush=True)
             return 1
         finally:
             for name in handled:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import sys
 
+from .cleantext import clean
 from .config import ConfigError, parse_args, preflight
 
 USAGE_ERROR = 2     # argparse's code, as torchrun
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
         preflight(cfg)
         _check_devices(cfg)
     except ConfigError as exc:
-        print(f"tpassrun: error: {exc}", file=sys.stderr)
+        print(clean(f"tpassrun: error: {exc}"), file=sys.stderr)   # it quotes the command line: anyone's text
         return REJECTED_VALUE
     except SystemExit as exc:  # argparse: usage line already printed (or --help)
         return exc.code if isinstance(exc.code, int) else USAGE_ERROR

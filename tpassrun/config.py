@@ -251,6 +251,7 @@ def parse_args(
     if backend not in BACKENDS:
         raise ConfigError(f"--rdzv-backend={backend}: unknown backend (choose from {', '.join(BACKENDS)})")
     master_port = STATIC_DEFAULT_MASTER_PORT if ns.master_port is None else ns.master_port
+    check_endpoint(endpoint, backend)
     if backend == "static":
         # torchrun's static agent of node rank 0 serves the workers' store on the endpoint (MASTER_ADDR/PORT);
         # ours does too, and the etcd of a multi-node run sits next to it
@@ -302,7 +303,6 @@ def parse_args(
             rdzv_conf.pop(key, None)
     else:
         rdzv_conf.setdefault("timeout", DEFAULT_RDZV_TIMEOUT)
-    check_endpoint(endpoint, backend)
     if backend == "static":
         rdzv_conf["rank"] = str(ns.node_rank)
 
@@ -406,7 +406,7 @@ def preflight(cfg: LaunchConfig) -> None:
         except OSError as exc:
             raise ConfigError(f"--event-log={cfg.event_log}: cannot write: {exc.strerror or exc}") from None
     if cfg.health_config:
-        from health import Policy  # noqa: PLC0415  (only when asked for)
+        from tpassrun.health import Policy  # noqa: PLC0415  (only when asked for)
 
         try:
             Policy.load(cfg.health_config)

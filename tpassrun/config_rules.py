@@ -89,34 +89,26 @@ def parse_rdzv_conf(text: str) -> dict[str, str]:
     return conf
 
 
+ETCD_BACKENDS = ("etcd", "etcd-v2")   # an etcd cluster's members: a comma-separated list
+
+
 def check_endpoint(endpoint: str, backend: str) -> None:
-    """torchrun's ``parse_rendezvous_endpoint``: an empty host or a port that is not an integer in 0..65535 is
-    an error at once (tpassrun used to find out by trying to connect for 60 s)."""
+    """torchrun's ``parse_rendezvous_endpoint``, stricter: a host name or IPv4 address, an IPv6 address in brackets,
+    a port that is an integer in 0..65535, each member of an etcd backend's list (``host[:port],...``, with or
+    without ``http://``/``https://``). An error at once, never a connection attempt that times out."""
     if not endpoint:
         return
-    text = endpoint.strip()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        port = rest[1:] if rest.startswith(":") else ("" if not rest else None)
-    else:
-        host, sep, port = text.rpartition(":")
-        if not sep:
-            host, port = text, ""
-    if port is None or not host.strip() or (":" in host and not text.startswith("[") and not _is_ipv6(host)):
-        raise ConfigError(f"--rdzv-endpoint={endpoint}: the hostname of the rendezvous endpoint is missing or "
-                          "malformed (expected <host>[:<port>])")
-    if port and not (port.isdigit() and 0 <= int(port) <= 65535):
-        raise ConfigError(f"--rdzv-endpoint={endpoint}: the port number of the rendezvous endpoint must be an "
-                          "integer between 0 and 65535")
+    from .rendezvous.config import split_endpoint  # noqa: PLC0415  (the one endpoint grammar; not at import)
 
-
-def _is_ipv6(host: str) -> bool:
-    import ipaddress
-
-    try:
-        return isinstance(ipaddress.ip_address(host), ipaddress.IPv6Address)
-    except ValueError:
-        return False
+    members = endpoint.split(",") if backend in ETCD_BACKENDS else [endpoint]
+    for member in members:
+        try:
+            split_endpoint(member, schemes=backend in ETCD_BACKENDS, min_port=1 if backend in ETCD_BACKENDS else 0)
+        except ValueError as exc:
+            which = f" (member {member.strip()!r})" if len(members) > 1 else ""
+            shape = "<host>[:<port>][,<host>[:<port>]...]" if backend in ETCD_BACKENDS else "<host>[:<port>]"
+            raise ConfigError(f"--rdzv-endpoint={endpoint}{which}: {exc} (expected {shape}, an IPv6 address "
+                              "in brackets)") from None
 
 
 def parse_local_ranks_filter(text: str) -> frozenset[int] | None:
@@ -138,16 +130,19 @@ def derived_omp(nproc_per_node: int, environ: Mapping[str, str]) -> str | None:
 
 
 def with_default_port(endpoint: str, default_port: int) -> str:
-    """``host`` -> ``host:default``; ``host:port`` and ``[v6]:port`` kept as they are."""
+    """``host`` -> ``host:default``; ``host:port`` and ``[v6]:port`` kept as they are; each member of a
+    comma-separated list alike."""
+    if "," in endpoint:
+        return ",".join(with_default_port(m, default_port) for m in endpoint.split(",") if m.strip())
     endpoint = endpoint.strip()
     if not endpoint:
         return endpoint
     if endpoint.startswith("["):
         return endpoint if "]:" in endpoint else f"{endpoint}:{default_port}"
-    host, sep, port = endpoint.rpartition(":")
+    host, sep, port = endpoint.rstrip("/").rpartition(":")
     if sep and host and port.isdigit():
         return endpoint
-    return f"{endpoint}:{default_port}"
+    return f"{endpoint.rstrip('/')}:{default_port}"
 
 
 def resolve_etcd_endpoint(backend: str, endpoint: str, max_nodes: int, standalone: bool) -> str | None:

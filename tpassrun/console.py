@@ -15,6 +15,8 @@ import sys
 import time
 from typing import Any, Callable, TextIO
 
+from .cleantext import clean
+
 WAITING_EVERY_S = 10.0
 
 
@@ -400,17 +402,27 @@ def log_prefix(pid: int, now: float | None = None, level: str = "I", where: str 
 
 class GlogFormatter(logging.Formatter):
     """Python log records in the console's one format (torchrun's glog-style prefix): ``W1123 10:37:45.123456
-    4242 tpassrun/mirror] message``, so the launcher's own warnings read like its event lines."""
+    4242 tpassrun/mirror] message``, so the launcher's own warnings read like its event lines; the message is
+    :func:`~tpassrun.cleantext.clean` like them (a node id or a reason from etcd must not drive the terminal), a
+    traceback keeps its lines."""
 
     def format(self, record: logging.LogRecord) -> str:
-        text = record.getMessage()
+        text = clean(record.getMessage())
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:
-            text = f"{text}\n{record.exc_text}"
+            text = f"{text}\n{clean(record.exc_text, block=True)}"
         level = record.levelname[:1] if record.levelname[:1] in "DIWEC" else "I"
         return log_prefix(record.process or os.getpid(), record.created, "E" if level == "C" else level,
                           where=record.name.replace(".", "/")) + text
+
+
+def format_line(ev: dict[str, Any], line: str, pid: int, *, wall: float | None = None) -> str:
+    """One console line for ``ev`` (no newline): the logger prefix (its level: :func:`level_of`), the node, the text,
+    every control character of it shown escaped (a taint reason or a node id is anyone's text: it must not drive
+    the terminal)."""
+    prefix = log_prefix(pid, float(ev.get("time") or (time.time() if wall is None else wall)), level_of(ev))
+    return clean(f"{prefix}[node {_short(ev.get('node'))}] {line}")
 
 
 class ConsoleReporter:
@@ -440,8 +452,7 @@ class ConsoleReporter:
     def _emit(self, ev: dict[str, Any], line: str, *, node: bool) -> None:
         if not self.enabled:
             return
-        prefix = log_prefix(self.pid, float(ev.get("time") or self._wall()), level_of(ev))
-        text = f"{prefix}[node {_short(ev.get('node'))}] {line}\n"
+        text = format_line(ev, line, self.pid, wall=self._wall()) + "\n"
         stream = self.stream or sys.stderr
         try:
             stream.write(text)

@@ -27,6 +27,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from .cleantext import clean
 from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RunClosed, SwapPlan, Taint, TaintEffect,
                       TaintSource, generation_record, leader_of, load, node_info)
 from .envnames import NO_COLOR
@@ -184,6 +185,12 @@ _FAMILIES: dict[str, Any] = {"nodes": node_info, "status": NodeStatus.from_json,
                              "taints": Taint.from_json, "swaps": SwapPlan.from_json}
 
 
+def _out(text: str, *, file: Any = None, flush: bool = False) -> None:
+    """``print`` for tpassctl's lines: node ids, taint and swap reasons are anyone's text (etcd, the command line),
+    shown with their control characters escaped."""
+    print(clean(text), file=file, flush=flush)
+
+
 def _size(n: int) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
@@ -195,21 +202,22 @@ def _render_status(snap: RunSnapshot) -> None:
 
     def row(table: Table, *cells: Any) -> None:
         # User text (node ids, taint reasons, health reasons) is never parsed as rich markup: "[/]" stays literal.
-        table.add_row(*(Text("-" if c is None else str(c)) for c in cells))
+        table.add_row(*(Text("-" if c is None else clean(c)) for c in cells))
 
     console = Console()
     gen = snap.generation
-    head = Text.assemble("run ", (snap.run_id, "bold"))
+    head = Text.assemble("run ", (clean(snap.run_id), "bold"))
     if gen is not None:
         head.append(f"  generation {gen.number} ")
         head.append(gen.state.value, style="bold")
-        head.append(f"  world size {gen.world_size}" + (f"  ({gen.reason})" if gen.reason else ""))
+        head.append(clean(f"  world size {gen.world_size}" + (f"  ({gen.reason})" if gen.reason else "")))
     else:
         head.append("  no generation formed yet")
     console.print(head)
     where, pace = step_info(list(snap.workers()))
-    console.print(Text(f"{where}" + (f"  ({pace})" if pace else "")))
-    console.print(Text(f"leader: {snap.leader or '-'}" + (f"   closed: {snap.closed.reason}" if snap.closed else "")))
+    console.print(Text(clean(f"{where}" + (f"  ({pace})" if pace else ""))))
+    console.print(Text(clean(f"leader: {snap.leader or '-'}" + (f"   closed: {snap.closed.reason}" if snap.closed
+                                                                     else ""))))
     if snap.provenance == "unverified":
         console.print(Text(f"unverified: the job seals its records with a run key and tpassctl was given none "
                            f"(--rdzv-conf {RUN_KEY_FILE_CONF}=PATH or ${RUN_KEY_ENV})", style="yellow"))
@@ -339,7 +347,8 @@ async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, key
             tid = _new_taint_id()
             await store.put_json(keys.taint(tid),
                                  _taint(tid, node_id, local_rank, slot, rank, args.reason, args.effect).to_json())
-            print(f"tainted {_describe(node_id, local_rank, rank)} as {tid} ({args.effect}): {args.reason}", flush=True)
+            _out(f"tainted {_describe(node_id, local_rank, rank)} as {tid} ({args.effect}): {args.reason}",
+                 flush=True)
             if args.no_wait or args.effect == TaintEffect.EXCLUDE.value:
                 return 0
             return await _wait_for_taint(store, prefix, tid, args.wait_timeout)
@@ -353,7 +362,7 @@ async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, key
                 taint = _taint(tid, args.node, local_rank, snap.slot_of(args.node, local_rank), rank, args.reason,
                                TaintEffect.MIGRATE.value)
                 await store.put_json(keys.taint(tid), taint.to_json())
-                print(f"tainted {_describe(args.node, local_rank, rank)} as {tid} (migrate): {args.reason}")
+                _out(f"tainted {_describe(args.node, local_rank, rank)} as {tid} (migrate): {args.reason}")
             return 0
         if args.command == "untaint":
             matches = [tid for tid, t in sorted(snap.taints.items()) if _matches(t, tid, args)]
@@ -361,7 +370,7 @@ async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, key
                 raise CtlError("no matching taints")
             for tid in matches:
                 await store.delete(keys.taint(tid))
-                print(f"removed taint {tid}")
+                _out(f"removed taint {tid}")
             return 0
     raise CtlError(f"unknown command {args.command!r}")  # pragma: no cover (argparse rejects it)
 
@@ -376,7 +385,7 @@ async def _wait_for_taint(store: EtcdStore, prefix: str, tid: str, timeout: floa
     def say(key: str, text: str) -> None:
         if key not in said:
             said.add(key)
-            print(f"  {time.monotonic() - started:6.2f} s  {text}", flush=True)
+            _out(f"  {time.monotonic() - started:6.2f} s  {text}", flush=True)
 
     keys = Keys(prefix)
     while time.monotonic() < deadline:
@@ -396,28 +405,28 @@ async def _wait_for_taint(store: EtcdStore, prefix: str, tid: str, timeout: floa
                 took = f" ({history[i - 1][0]} took {at - history[i - 1][1]:.3f} s)" if i else ""
                 say(f"{plan_id}/{i}", f"swap {plan_id}: {phase_name}{took}")
             if plan is not None and plan.phase is Phase.DONE:
-                print(f"resumed: rank {plan.leaver.rank} now runs on {plan.joiner.node}/{plan.joiner.slot}")
+                _out(f"resumed: rank {plan.leaver.rank} now runs on {plan.joiner.node}/{plan.joiner.slot}")
                 return 0
             if plan is not None and plan.phase is Phase.ABORTED:
-                print(f"tpassctl: error: swap {plan_id} aborted: {plan.reason}", file=sys.stderr)
+                _out(f"tpassctl: error: swap {plan_id} aborted: {plan.reason}", file=sys.stderr)
                 return 1
         elif taint is None:
-            print("the taint was removed before anything happened")
+            _out("the taint was removed before anything happened")
             return 0
         elif taint.state:
             if taint.state.startswith("reject"):
-                print(f"tpassctl: error: the job refused taint {tid}: {taint.state}", file=sys.stderr)
+                _out(f"tpassctl: error: the job refused taint {tid}: {taint.state}", file=sys.stderr)
                 return 1
             say("state", f"queued: {taint.state}")
             if "no spare" in taint.state or taint.state.startswith("wait"):
-                print(f"taint {tid} is queued for lack of a spare; it will be handled when one is free "
+                _out(f"taint {tid} is queued for lack of a spare; it will be handled when one is free "
                       "(tpassctl events -f to follow)")
                 return 0
         if closed is not None:
-            print(f"tpassctl: error: the run ended: {closed.reason}", file=sys.stderr)
+            _out(f"tpassctl: error: the run ended: {closed.reason}", file=sys.stderr)
             return 1
         await asyncio.sleep(poll)
-    print(f"tpassctl: error: nothing happened to taint {tid} within {timeout:g} s (it stays in place)",
+    _out(f"tpassctl: error: nothing happened to taint {tid} within {timeout:g} s (it stays in place)",
           file=sys.stderr)
     return 1
 
@@ -523,11 +532,11 @@ def _pick_run(args: argparse.Namespace) -> int | None:
     if not runs:
         raise CtlError("no tpassrun runs on this machine; give --rdzv-endpoint and --rdzv-id")
     if args.command == "status" and not args.watch and not args.json:
-        print(f"{len(runs)} runs on this machine (pick one with --rdzv-id):")
+        _out(f"{len(runs)} runs on this machine (pick one with --rdzv-id):")
         for r in runs:
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started))
-            print(f"  {r.run_id}  {r.script or '?'}  started {started} (up {_uptime(time.time() - r.started)})  "
-                  f"{r.nproc}+{r.spares} slots  etcd {r.endpoint}  pid {r.pid}")
+            _out(f"  {r.run_id}  {r.script or '?'}  started {started} (up {_uptime(time.time() - r.started)})  "
+                 f"{r.nproc}+{r.spares} slots  etcd {r.endpoint}  pid {r.pid}")
         return 0
     raise CtlError(f"{len(runs)} runs on this machine: pick one with --rdzv-id ({', '.join(r.run_id for r in runs)})")
 
@@ -581,7 +590,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return print_events(args.registry_entry, follow=args.follow, raw=args.json)
         return asyncio.run(_run(args))
     except (CtlError, RendezvousError) as exc:
-        print(f"tpassctl: error: {exc}", file=sys.stderr)
+        _out(f"tpassctl: error: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -8,7 +8,8 @@ import sys
 import time
 from typing import Any
 
-from .console import Describer, level_of, log_prefix, summary_lines, _short
+from .cleantext import clean
+from .console import Describer, format_line, summary_lines
 from .registry import CtlError, RunEntry
 from .rendezvous import pid_alive
 
@@ -18,8 +19,7 @@ POLL_S = 0.2
 def _line(d: Describer, ev: dict[str, Any], pid: int) -> list[str]:
     text = d.describe(ev)
     lines = summary_lines(d.tally, ev.get("code")) if ev.get("event") == "agent_exit" else ([text] if text else [])
-    prefix = log_prefix(pid, float(ev.get("time") or time.time()), level_of(ev))
-    return [f"{prefix}[node {_short(ev.get('node'))}] {x}" for x in lines]
+    return [format_line(ev, x, pid) for x in lines]
 
 
 def print_events(entry: RunEntry, *, follow: bool, raw: bool, out: Any = None) -> int:
@@ -44,7 +44,7 @@ def print_events(entry: RunEntry, *, follow: bool, raw: bool, out: Any = None) -
                     ev = json.loads(line)
                 except ValueError:
                     continue
-                rows = [line] if raw else _line(d, ev, entry.pid)
+                rows = [clean(line)] if raw else _line(d, ev, entry.pid)
                 for r in rows:
                     out.write(r + "\n")
                 out.flush()

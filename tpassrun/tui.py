@@ -16,7 +16,8 @@ rich renderable of at most ``height`` lines, and :func:`apply_key` maps a key to
 
 The document is read defensively: every field may be missing or ``null`` (a run that is still forming, an
 agent that has not published yet, an older agent), and the view says so instead of raising. User text (taint
-reasons, node ids, script output) is always put on screen as :class:`rich.text.Text`, never parsed as markup.
+reasons, node ids, script output) is always put on screen as :class:`rich.text.Text`, never parsed as markup, and
+with its control characters escaped (:func:`tpassrun.cleantext.clean`: the whole document, once per frame).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ from typing import Any, Mapping
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
+
+from .cleantext import clean, clean_tree
 
 __all__ = ["RunProgress", "TaintState", "TimelineStep", "step_info", "ViewState", "apply_key", "render_status", "summary_line", "swap_timeline",
            "taint_state"]
@@ -207,7 +210,7 @@ def summary_line(doc: Mapping[str, Any]) -> str:
     closed = doc.get("closed")
     if closed:
         parts.append(f"closed: {_dict(closed).get('reason', '')}".rstrip(": "))
-    return " | ".join(parts)
+    return clean(" | ".join(parts))
 
 
 # ---------------------------------------------------------------------------------------------- the view's state
@@ -543,7 +546,9 @@ def render_status(doc: Mapping[str, Any], *, now: float | None = None, width: in
     keeping at least a few node rows), a node table of one row per node (``view.expanded``: plus one per slot),
     paged, and a footer with the page and (``keys``) the keys. ``height=None`` draws every row.
     """
-    doc = _dict(doc)
+    doc = clean_tree(_dict(doc))   # every string of it may be anyone's: none may drive the terminal
+    view = replace(view, node_filter=clean(view.node_filter),
+                   editing=clean(view.editing) if view.editing is not None else None)
     workers = _workers(doc)   # read once: a 512-node run has thousands of worker rows
     top = _summary(doc, now, workers)
     alerts = _alerts(doc, now, workers) or [_line("no alerts", style="dim")]

@@ -29,6 +29,7 @@ from rich.console import Console, Group
 from rich.live import Live
 from rich.text import Text
 
+from .cleantext import clean
 from .tui import ViewState, _dict, apply_key, render_status, summary_line
 
 __all__ = ["WatchEnd", "WatchTracker", "outcome_from_event_log", "run_outcome", "terminal_keys", "watch"]
@@ -102,12 +103,17 @@ class WatchTracker:
                                    f"likely ended (a --standalone run's etcd ends with it){last}")
 
 
+def _say(console: Console, text: str) -> None:
+    """A plain line after the view (or instead of it, off a terminal), its control characters escaped."""
+    console.print(clean(text), markup=False, highlight=False, soft_wrap=True)
+
+
 async def _poll(fetch: Callable[[], Awaitable[dict]]) -> tuple[dict | None, str | None]:
     """One fetch; a failure (etcd briefly unreachable) is shown, not raised, so the view outlives it."""
     try:
         return await fetch(), None
     except Exception as exc:  # noqa: BLE001 - any fetch error is reported in the view and retried
-        return None, f"fetch failed: {type(exc).__name__}: {exc}"
+        return None, clean(f"fetch failed: {type(exc).__name__}: {exc}")
 
 
 def _split_keys(data: str) -> list[str]:
@@ -185,11 +191,10 @@ async def watch(fetch: Callable[[], Awaitable[dict]], *, interval: float = 0.5, 
             end = tracker.update(doc, error, clock())
             line = error or summary_line(doc or {})
             if line != last:   # off a terminal (a log file): every line says when
-                console.print(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}", markup=False, highlight=False,
-                              soft_wrap=True)
+                _say(console, f"{time.strftime('%Y-%m-%d %H:%M:%S')} {line}")
                 last = line
             if end is not None:
-                console.print(end.message, markup=False, highlight=False, soft_wrap=True)
+                _say(console, end.message)
                 return end.code
             await asyncio.sleep(interval)
 
@@ -229,6 +234,6 @@ async def watch(fetch: Callable[[], Awaitable[dict]], *, interval: float = 0.5, 
                         return 0
     # Off the alternate screen: leave the outcome (and the last summary) in the scrollback.
     if doc is not None:
-        console.print(summary_line(doc), markup=False, highlight=False, soft_wrap=True)
-    console.print(end.message, markup=False, highlight=False, soft_wrap=True)
+        _say(console, summary_line(doc))
+    _say(console, end.message)
     return end.code
