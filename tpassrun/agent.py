@@ -430,6 +430,9 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         try:
             outcome, reason = await self._supervise(gen)
         finally:
+            if self.signal_received is not None:
+                # torchrun forwards a signal to the workers at once; the tasks' teardown below must not delay it
+                self._forward_signal(self.signal_received)
             log.debug("generation %d: supervision over; stopping the generation's tasks", gen.number)
             for t in tasks:
                 t.cancel()

@@ -220,12 +220,23 @@ class WorkerSpawning:
         if isinstance(msg, (Hello, Done, Failed)):
             self._queue.put_nowait(WorkerSaid(slot, msg))
 
+    _forwarded: int | None = None     # the signal already sent to every worker's group (see _forward_signal)
+
+    def _forward_signal(self, sig: int) -> None:
+        """Send ``sig`` to every live worker's process group now (``_stop_all`` then waits and escalates)."""
+        assert self.slots is not None
+        for s in self.slots.slots:
+            if s.proc is not None and s.proc.returncode is None:
+                s.proc.signal_group(sig)
+        self._forwarded = sig
+
     async def _stop_all(self, sig: int, grace: float) -> None:
         assert self.slots is not None
         every = [s.proc for s in self.slots.slots if s.proc is not None]
         procs = [p for p in every if p.returncode is None]
         if procs:
-            await stop_workers(procs, sig, grace)
+            await stop_workers(procs, sig, grace, signalled=self._forwarded == sig)
+        self._forwarded = None
         for p in every:
             # a worker that already ended (rank done, exit 0) may have left processes it forked in its own session
             # (no pdeathsig: they were reparented to init): they go with the job, as torchrun's close() signals

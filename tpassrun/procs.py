@@ -428,16 +428,20 @@ async def stop_workers(
     grace: float = 30.0,
     *,
     kill_wait: float = 5.0,
+    signalled: bool = False,
 ) -> list[int | None]:
     """Signal every live worker's process group with ``sig``, wait up to ``grace`` seconds, SIGKILL
     the rest, wait at most ``kill_wait`` more. Returns the exit codes in order (``None``: a worker that
     survived even SIGKILL, which means it is stuck in the kernel, e.g. D-state on a dead device).
+    ``signalled``: ``sig`` was already sent (forwarded at once): it is not sent twice (a second SIGINT would
+    interrupt the script's own cleanup of the first).
     """
     procs = list(procs)
     waits = {p: asyncio.ensure_future(p.wait()) for p in procs}
     try:
-        for p in procs:
-            p.signal_group(sig)
+        if not signalled:
+            for p in procs:
+                p.signal_group(sig)
         live = [waits[p] for p in procs if not waits[p].done()]
         if live:
             await asyncio.wait(live, timeout=grace)

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
+from typing import Any
 from datetime import timedelta
 
 from . import envnames as E
@@ -65,6 +67,7 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
         return Session(backend=backend, link=None, rank=dist.get_rank(), world_size=dist.get_world_size(),
                        local_rank=local_rank, generation=0, joined=False, timeout=timeout)
 
+    _quiet_interrupts()
     spare = env.get(E.TPASSRUN_SPARE) == "1"
     if spare:
         _prewarm()
@@ -87,6 +90,24 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
                    joined=False, timeout=timeout)
     sess._wait_for_rank()
     return sess
+
+
+def _quiet_interrupts() -> None:
+    """A Ctrl-C reaches every worker (the launcher forwards SIGINT, as torchrun does): each printed a whole
+    KeyboardInterrupt traceback, ~15 lines a rank, around the launcher's own lines. A worker of tpassrun's says
+    one line instead; the script's own ``except KeyboardInterrupt`` / ``finally`` still run (nothing is caught
+    here: only what reaches the top is said differently). Torch's per-rank prefix, installed by
+    ``init_process_group`` around this hook, still names the rank."""
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
+        if issubclass(kind, KeyboardInterrupt):
+            sys.stderr.write("interrupted (SIGINT from the launcher): stopped\n")
+            sys.stderr.flush()
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
 
 
 __all__ = ["AgentLink", "INT64_MAX", "Session", "StepFailure", "_AgentLink", "_receive_state", "classify_failure", "init",
