@@ -128,7 +128,7 @@ class GenerationTasks:
             if self._kill_stopped(stopped_since, now, timeout_ns):
                 quiet_until = now + timeout_ns     # let the death cascade and the recovery start
                 continue
-            if self.swapper.busy or now < quiet_until:
+            if self.swapper.busy or now < quiet_until or self.judging():
                 continue
             stale = []
             for s in self.slots.active():
