@@ -94,6 +94,7 @@ def main() -> None:
             handle = dist.all_reduce(check, async_op=True)
             fault_point(sess.rank, i, "wait")     # tests: a rank dies here, its peers in the wait below
             wait(handle)
+        train_state.ntokens_seen += labels.numel()    # (the Trainer counts them in forward_backward_step)
         logits = model(inputs)
         loss = F.cross_entropy(logits.reshape(-1, args.vocab).float(), labels.reshape(-1),
                                reduction="sum") / global_valid_tokens
@@ -104,7 +105,6 @@ def main() -> None:
                                   "pid": os.getpid(), "generation": sess.generation}) + "\n")
         optimizers.step()
         lr_schedulers.step()
-        train_state.ntokens_seen += labels.numel()
         loss_mesh = dims.get_optional_mesh("loss")
         accumulated = loss.detach().clone()
         local_avg = accumulated * global_valid_tokens / local_valid_tokens
@@ -120,11 +120,8 @@ def main() -> None:
 
     sess.run(step, args.steps)
     if args.out:
-        torch.save({"model": {k: v.to_local().clone() for k, v in model.state_dict().items()},
-                    "optim": {k: (v.to_local().clone() if hasattr(v, "to_local") else v)
-                              for k, v in optimizers.state_dict().items()},
-                    "lr": lr_schedulers.state_dict(), "train_state": train_state.state_dict(),
-                    "data": data.state_dict()}, os.path.join(args.out, f"final_rank{sess.rank}.pt"))
+        example.save_final(os.path.join(args.out, f"final_rank{sess.rank}.pt"), model, optimizers, lr_schedulers,
+                           train_state, data)
     dist.destroy_process_group()
 
 

@@ -183,7 +183,9 @@ class Describer:
                     "following torchrun's failure path")
         if name == "exception_cause":
             then = ("it waits for the recovery" if ev.get("cause") == "casualty" else "following torchrun's path")
-            return (f"{_rank(ev)}step {ev.get('step')} raised {ev.get('error')}: {ev.get('why')} "
+            error = str(ev.get("error") or "")
+            return (f"{_rank(ev)}step {ev.get('step')} raised {error[:150]}{'...' if len(error) > 150 else ''}: "
+                    f"{ev.get('why')} "
                     f"(judged in {ev.get('seconds')} s); {then}")
         if name == "worker_died":
             self._last_death[ev.get("rank")] = int(ev.get("step") or 0)
