@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan not installed (scripts/bootstrap.sh installs torchtitan==0.3.0)")
 
-from faults import faults_env, hold_at, kill_at, pids_by_rank  # noqa: E402
+from faults import Job, faults_env, hold_at, kill_at, pids_by_rank  # noqa: E402
 from realjobs import assert_same_run, sigkill_at_random_instant, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "titan_trainer.py")
@@ -118,3 +118,16 @@ def test_a_user_error_still_ends_the_job_as_torchrun_ends_it(tmp_path, etcd_serv
     assert "user_error" in names and "swap_pause" not in names and "recovery_decided" not in names, names
     roots = _causes(ours, "root_cause")
     assert roots and {e["rank"] for e in roots} <= set(ranks), roots
+
+
+def test_a_single_rank_world_has_no_peer_to_blame(tmp_path):
+    """One rank alone (and a spare): its exception is its own at once, no question asked (examples/train_ddp.py)."""
+    fault = {"rank": 0, "step": 3, "where": "step", "action": "raise", "marker": str(tmp_path / "r0")}
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=None, run_id="", nproc=1, spares=1, steps=10,
+                       env=faults_env(fault)).start()
+    try:
+        assert job.wait(180) == 1, job.log()[-3000:]
+    finally:
+        job.kill()
+    names = [e["event"] for e in job.events()]
+    assert "user_error" in names and "exception_cause" not in names, names
