@@ -45,11 +45,6 @@ class CauseJudge:
         self._judging.add(task)
         task.add_done_callback(self._judging.discard)
 
-    def judging(self) -> bool:
-        """A worker of this node waits for the cause of its exception (the hang watchdog stays quiet meanwhile:
-        its peers block on it, and killing one would make a casualty of a root cause)."""
-        return bool(self._judging)
-
     async def _judge(self, gen: Generation, slot: Slot, proc: Any, msg: Raised) -> None:
         assert self.slots is not None and self.swapper is not None
         t0 = time.monotonic()

@@ -128,7 +128,12 @@ class GenerationTasks:
             if self._kill_stopped(stopped_since, now, timeout_ns):
                 quiet_until = now + timeout_ns     # let the death cascade and the recovery start
                 continue
-            if self.swapper.busy or now < quiet_until or self.judging():
+            if self.swapper.busy or now < quiet_until:
+                continue
+            if any(self.slots.phase(s) == WorkerPhase.PENDING for s in self.slots.active()):
+                # a worker asks whose fault its exception is (agent_cause.py): its peers block on it meanwhile,
+                # and killing one would make a casualty of a root cause
+                continue
                 continue
             stale = []
             for s in self.slots.active():
