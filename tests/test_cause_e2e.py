@@ -101,26 +101,38 @@ def _user_error(tmp_path, launcher: str, ranks: list[int], **kw):
     return job, code
 
 
-@pytest.mark.parametrize("ranks", [[1], [0, 1, 2, 3]], ids=["one rank", "every rank"])
-def test_a_user_error_still_ends_the_job_as_torchrun_ends_it(tmp_path, etcd_server, run_id, ranks):
-    """One rank's own exception (its peers then blocked on it, failing once it exits), or the same bug on every
-    rank at once: no peer failed first, so no casualty and no spare; the job ends with torchrun's exit code and
-    report, after at most the grace (failkind.CAUSE_GRACE_S), and never hangs."""
-    ours, code = _user_error(tmp_path, "tpassrun", ranks, endpoint=etcd_server.endpoint, run_id=run_id)
-    assert code == 1, ours.log()[-3000:]
-    jobs = [ours]
-    if ranks == [1]:    # (every rank: torchrun's root cause is whichever rank's error file is oldest)
-        theirs, their_code = _user_error(tmp_path, "torchrun", ranks)
-        assert their_code == 1, theirs.log()[-3000:]
-        assert "rank      : 1 (local_rank: 1)" in ours.log() and "rank      : 1 (local_rank: 1)" in theirs.log()
-        jobs.append(theirs)
-    for job in jobs:
+def test_a_user_error_still_ends_the_job_as_torchrun_ends_it(tmp_path, etcd_server, run_id):
+    """One rank's own exception: its peers block on it while it is judged (its collectives stay open), then fail in
+    the Trainer's functional collectives once it exits. No peer failed first: no casualty, no spare; the job ends
+    with torchrun's exit code and report, after at most the grace (failkind.CAUSE_GRACE_S)."""
+    ours, code = _user_error(tmp_path, "tpassrun", [1], endpoint=etcd_server.endpoint, run_id=run_id)
+    theirs, their_code = _user_error(tmp_path, "torchrun", [1])
+    assert code == their_code == 1, ours.log()[-3000:]
+    for job in (ours, theirs):
         log = job.log()
-        assert "RuntimeError: injected fault at rank" in log and "Root Cause (first observed failure)" in log
+        assert "RuntimeError: injected fault at rank 1" in log and "Root Cause (first observed failure)" in log
+        assert "rank      : 1 (local_rank: 1)" in log
     names = [e["event"] for e in ours.events()]
     assert "user_error" in names and "swap_pause" not in names and "recovery_decided" not in names, names
     roots = _causes(ours, "root_cause")
-    assert roots and {e["rank"] for e in roots} <= set(ranks), roots
+    assert [e["rank"] for e in roots] == [1], roots
+
+
+def test_every_rank_raising_the_same_bug_ends_the_job_without_a_hang(tmp_path):
+    """The same bug on every rank at once (examples/train_ddp.py, 2 ranks + a spare): each waits beside the other,
+    neither dead nor FAILED, so each is its own root cause after the grace; exit 1 and torchrun's report."""
+    faults = [{"rank": r, "step": 3, "where": "step", "action": "raise", "marker": str(tmp_path / f"r{r}")}
+              for r in (0, 1)]
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=None, run_id="", nproc=2, spares=1, steps=10,
+                       env=faults_env(*faults)).start()
+    try:
+        assert job.wait(180) == 1, job.log()[-3000:]
+    finally:
+        job.kill()
+    assert "Root Cause (first observed failure)" in job.log()
+    names = [e["event"] for e in job.events()]
+    assert "user_error" in names and "swap_pause" not in names and "recovery_decided" not in names, names
+    assert _causes(job, "root_cause"), [e for e in job.events() if e["event"] == "exception_cause"]
 
 
 def test_a_single_rank_world_has_no_peer_to_blame(tmp_path):
