@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 from typing import Any
 
 import torch
@@ -87,3 +88,15 @@ def swap_pause_s(job: Job) -> float:
                   or (e["event"] == "swap_phase" and e.get("phase") == "transfer")), None)
     end = next((e["time"] for e in ev if e["event"] == "swap_resumed"), None)
     return -1.0 if start is None or end is None else end - start
+
+
+def sigkill_at_random_instant(job: Job, rank: int, step: int, within: float, rng: Any) -> float:
+    """SIGKILL ``rank`` from outside at a uniformly random instant of the ``within`` seconds after it logged ``step``
+    (wherever it then is: a collective, the optimizer, the script's own code). Returns how far in it struck."""
+    from faults import sigkill_rank
+
+    job.wait_step(step, 240, rank=rank)
+    delay = rng.uniform(0.0, within)
+    time.sleep(delay)
+    assert sigkill_rank(job.out, rank) is not None, f"rank {rank} had no process to kill"
+    return delay

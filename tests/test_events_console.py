@@ -218,3 +218,16 @@ def test_the_launchers_python_log_lines_share_the_consoles_format():
     line = GlogFormatter().format(rec)
     assert line.startswith("W") and line.endswith(" tpassrun/mirror] buddy n2 unreachable"), line
     assert re.match(r"^W\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ tpassrun/mirror\] ", line), line
+
+
+def test_a_survivors_exception_says_whose_fault_it_was():
+    d = Describer()
+    error = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer. " + "x" * 200
+    line = d.describe(_ev("exception_cause", 1.0, rank=2, step=4, cause="casualty", error=error, seconds=0.05,
+                          why="a casualty of rank 1's death (killed by SIGKILL)"))
+    assert line.startswith("[rank 2] step 4 raised RuntimeError: [gloo") and "..." in line
+    assert line.endswith("a casualty of rank 1's death (killed by SIGKILL) (judged in 0.05 s); it waits for the recovery")
+    line = d.describe(_ev("exception_cause", 2.0, rank=1, step=3, cause="root_cause", seconds=3.0,
+                          error="ValueError: bad batch", why="no other rank failed within 3 s of it: the script's own error"))
+    assert line == ("[rank 1] step 3 raised ValueError: bad batch: no other rank failed within 3 s of it: the script's "
+                    "own error (judged in 3.0 s); following torchrun's path")

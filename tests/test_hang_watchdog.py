@@ -190,3 +190,41 @@ def test_ranks_stale_on_a_silent_node_are_held_for_its_lease_then_the_watchdog_a
 
 async def _answer(what: str) -> str:
     return what
+
+
+def test_a_worker_asking_whose_fault_its_exception_is_holds_the_watchdog_back():
+    """A rank parked PENDING (agent_cause.py) keeps its collectives open: its peers block on it and go stale. Killing
+    one would make the waiting rank a casualty of a death the watchdog caused; the watchdog waits for the verdict."""
+    async def go() -> list[dict]:
+        slots = await LocalSlots(2, 0, on_message=lambda s, m: None).open()
+        peer, asking = _Proc(), _Proc()
+        for index, (proc, phase) in enumerate(((peer, WorkerPhase.RUNNING), (asking, WorkerPhase.PENDING))):
+            s = slots.slots[index]
+            s.proc, s.managed, s.state, s.rank = proc, True, SlotState.RUNNING, index
+            slots.channel.set(s.index, Field.PHASE, int(phase))
+            slots.channel.set(s.index, Field.HEARTBEAT_NS, 1)          # stale since long ago
+        agent = _Agent(slots, hang_timeout=0.1)
+        agent.swapper = types.SimpleNamespace(busy=False)
+        agent.rdzv = agent.generation = agent.mirror = None      # one node: no peer node to wait for
+
+        async def standby() -> None:
+            pass
+        agent._standby_store = standby
+        task = asyncio.ensure_future(agent._hang_watchdog())
+        try:
+            await asyncio.sleep(3.0)           # past REMOTE_HANG_GRACE_S: it would have killed by now
+            assert peer.returncode is None and asking.returncode is None, agent.said
+            slots.channel.set(1, Field.PHASE, int(WorkerPhase.FAILED))     # the verdict: it parks FAILED
+            while peer.returncode is None:      # bounded by the test's timeout
+                await asyncio.sleep(0.02)
+            return agent.said
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            for proc in (peer, asking):
+                proc.signal_group(signal.SIGKILL)
+                proc.p.wait()
+            await slots.close()
+
+    said = asyncio.run(go())
+    assert [e["event"] for e in said] == ["hang_detected"] and said[0]["rank"] == 0, said

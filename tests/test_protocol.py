@@ -22,6 +22,7 @@ MESSAGES = [
     P.Stranger(swap_id="s-1", error="no key"),
     P.LightOk(ok=True, nbytes=10, step=17), P.Reformed(ok=True, rank=3, world_size=4, generation=7, join_s=0.25),
     P.Failed(step=4, error="RuntimeError: x", error_type="builtins.RuntimeError", failure="collective"),
+    P.Raised(step=4, error="RuntimeError: Connection reset by peer", error_type="builtins.RuntimeError"),
     P.MirrorInfoRequest(), P.MirrorInfo(buddy={"node": "n2", "addr": "h", "port": 1}, local=None), P.MirrorInfo(),
     P.SendState(addr="h", port=1, swap_id="s-2", key="ab" * 32, rank=0, replicated_only=True, without_sharded=True),
     P.Assign(world=WORLD, swap_id="s-2", key="cd" * 32, listen_host="h",

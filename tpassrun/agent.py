@@ -36,6 +36,7 @@ for _k in _GRPC_ADDED:
     os.environ[_k] = _GRPC_QUIET[_k]
 
 from . import envnames as E  # noqa: E402
+from .agent_cause import CauseJudge  # noqa: E402
 from .agent_supervise import Outcome, Supervision  # noqa: E402
 from .agent_tasks import GenerationTasks  # noqa: E402
 from .agent_workers import WorkerSpawning  # noqa: E402
@@ -75,7 +76,7 @@ def _free_port(host: str = "") -> int:
         return s.getsockname()[1]
 
 
-class Agent(Supervision, WorkerSpawning, GenerationTasks):
+class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
     """Construct with a resolved :class:`LaunchConfig`; ``await run()`` does everything and returns the exit code."""
 
     def __init__(self, cfg: LaunchConfig, *, environ: dict[str, str] | None = None) -> None:
@@ -116,6 +117,8 @@ class Agent(Supervision, WorkerSpawning, GenerationTasks):
         self.spawned_generation = 0      # the generation whose start spawned the current workers (swaps keep them)
         self.formed_generation = 0       # the run's last whole-group restart's (Generation.formed): port.epoch()
         self.devices: list[str] | None = None  # the node's GPUs in slot order (devices.py); None: no GPU
+        self._deaths_seen: list[tuple[int, int | None, str]] = []   # (generation, rank, why): agent_cause.py
+        self._judging: set[asyncio.Future[None]] = set()            # workers waiting for their exception's cause
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self) -> int:

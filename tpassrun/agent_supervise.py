@@ -16,7 +16,7 @@ from typing import Any
 from .port import (FallbackRequested, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
                    SpawnFailed, WorkerExited, WorkerSaid)
 from .procs import stop_workers
-from .protocol import Done, Failed
+from .protocol import Done, Failed, Raised
 from .rendezvous import Generation, Link, RendezvousError, one_line
 from .report import ProcessFailure
 from .slots import Slot, SlotState
@@ -56,6 +56,8 @@ class Supervision:
                 if isinstance(ev.message, Failed):
                     self.swapper.on_worker_failed_step(ev.slot, ev.message)
                     await self._standby_store()
+                if isinstance(ev.message, Raised) and ev.slot.proc is not None:
+                    self._on_raised(gen, ev.slot, ev.message)      # a casualty, or the root cause (agent_cause.py)
             elif isinstance(ev, RendezvousChanged):
                 result = await self._on_rdzv_event(gen, ev.event)
             elif isinstance(ev, FallbackRequested):
@@ -110,6 +112,7 @@ class Supervision:
                 return Outcome.SUCCEEDED, "all workers succeeded"
             return None
         slot.state = SlotState.DEAD
+        self._note_death(gen, slot, code)   # a worker of its world waiting for its exception's cause is a casualty
         proc.kill_leftovers()      # its forked children hold its sockets: the survivors must see them close now
         if slot.finished_pid == proc.pid:
             # Its sess.run() had returned (it died in the script's own code after the training loop: a final

@@ -130,6 +130,11 @@ class GenerationTasks:
                 continue
             if self.swapper.busy or now < quiet_until:
                 continue
+            if any(self.slots.phase(s) == WorkerPhase.PENDING for s in self.slots.active()):
+                # a worker asks whose fault its exception is (agent_cause.py): its peers block on it meanwhile,
+                # and killing one would make a casualty of a root cause
+                continue
+                continue
             stale = []
             for s in self.slots.active():
                 if not s.managed or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING:

@@ -18,7 +18,7 @@ from .devices import node_devices, slot_env, visible_devices
 from .filetimer import FileTimerServer, TimerRequest, signal_name
 from .port import SpawnFailed, WorkerExited, WorkerSaid
 from .procs import spawn_worker, stop_workers
-from .protocol import Done, Failed, Hello, MirrorInfoRequest, Reply
+from .protocol import Done, Failed, Hello, MirrorInfoRequest, Raised, Reply
 from .records import HANDLED_RESTART, Keys, Taint, load
 from .rendezvous import Generation, Member, RendezvousError
 from .slots import Slot, SlotState
@@ -217,7 +217,7 @@ class WorkerSpawning:
             asyncio.ensure_future(self.publish_status())
         if isinstance(msg, MirrorInfoRequest) and self.mirror is not None:
             asyncio.ensure_future(self.mirror.answer_current(slot))
-        if isinstance(msg, (Hello, Done, Failed)):
+        if isinstance(msg, (Hello, Done, Failed, Raised)):
             self._queue.put_nowait(WorkerSaid(slot, msg))
 
     _forwarded: int | None = None     # the signal already sent to every worker's group (see _forward_signal)

@@ -23,7 +23,7 @@ import struct
 
 INT64_MAX = (1 << 63) - 1
 
-SLOT_FIELDS = 32                  # 0-27 used; room to grow
+SLOT_FIELDS = 32                  # 0-28 used; room to grow
 SLOT_BYTES = SLOT_FIELDS * 8
 LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
 _LIGHT_HEADER = struct.Struct("<q")  # payload length
@@ -62,6 +62,7 @@ class Field(enum.IntEnum):
     SHARD_INTERVAL = 25  # worker: the refresh interval K of its sharded state once fixed (shard_interval.py), 0: not yet
     RUN_FROM = 26      # worker: 1 + the step its run() started at (a restarted script's resume point), 0: not yet
     TOTAL = 27         # worker: the total_steps its run() was given (progress and ETA), 0: not known
+    VERDICT = 28       # agent: its answer to a worker parked PENDING (Verdict); the worker clears it before it parks
 
 
 # RUN_UNTIL: pause before any step >= this one, at the end of an open gradient-accumulation window (a boundary
@@ -83,6 +84,16 @@ class WorkerPhase(enum.IntEnum):
     PAUSING = 9        # between two steps, parking before step STEP: neither running it nor paused yet (a
     #                    transient: without it the step number of the next step would show as "running" for a
     #                    moment, and an agent waiting at a boundary would move the boundary past it)
+    PENDING = 10       # step STEP raised an exception the worker cannot prove distributed: its collectives still
+    #                    open, it waits for the agent's Verdict (a peer's casualty: FAILED; its own error: RAISED)
+
+
+class Verdict(enum.IntEnum):
+    """The agent's answer in VERDICT to a worker parked PENDING (:func:`tpassrun.failkind.cause_of`)."""
+
+    NONE = 0
+    CASUALTY = 1       # a peer of its world failed first: park FAILED, wait for the recovery
+    ROOT_CAUSE = 2     # nothing failed around it: re-raise (RAISED), torchrun's path
 
 
 class ChannelFile:

@@ -181,6 +181,12 @@ class Describer:
         if name == "user_error":
             return (f"{_rank(ev)}{ev.get('why')} at step {ev.get('step')}: a user error, not handed to a spare; "
                     "following torchrun's failure path")
+        if name == "exception_cause":
+            then = ("it waits for the recovery" if ev.get("cause") == "casualty" else "following torchrun's path")
+            error = str(ev.get("error") or "")
+            return (f"{_rank(ev)}step {ev.get('step')} raised {error[:150]}{'...' if len(error) > 150 else ''}: "
+                    f"{ev.get('why')} "
+                    f"(judged in {ev.get('seconds')} s); {then}")
         if name == "worker_died":
             self._last_death[ev.get("rank")] = int(ev.get("step") or 0)
             return f"{_rank(ev)}died at step {ev.get('step')}: {ev.get('why') or 'exit code ' + str(ev.get('code'))}"

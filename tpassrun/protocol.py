@@ -3,8 +3,8 @@
 Transport (``tpassrun/channel.py``): one JSON object per line over the agent's unix socket, ``{"kind": ...,
 "slot": ..., <fields>}``. The worker sends :class:`Hello` from ``tpassrun.init()``; the agent sends commands only
 to a worker that is paused at a step boundary, failed in a collective, or a spare. Replies the agent waits for:
-``Listening``, ``Received``, ``LightOk``, ``Reformed``; ``Hello``, ``Done`` and ``Failed`` reach the agent's
-supervisor as events. The step boundary itself is signalled through shared memory, not by a message.
+``Listening``, ``Received``, ``LightOk``, ``Reformed``; ``Hello``, ``Done``, ``Failed`` and ``Raised`` reach the
+agent's supervisor as events. The step boundary itself is signalled through shared memory, not by a message.
 
 This module imports nothing of tpassrun: the worker side (``import tpassrun`` in the user's script) pays for it
 only a dataclass import.
@@ -261,6 +261,18 @@ class Failed(Message):
 
 
 @dataclass(frozen=True)
+class Raised(Message):
+    """Step ``step`` raised an exception the worker cannot prove distributed (``error_type``: its qualified class
+    name). The worker is parked PENDING, its collectives still open, until the agent writes its ``Verdict`` into
+    the shared-memory field VERDICT: a casualty of a peer's failure, or its own error."""
+
+    KIND: ClassVar[str] = "raised"
+    step: int
+    error: str = ""
+    error_type: str = ""
+
+
+@dataclass(frozen=True)
 class Replicas(Message):
     """Declared once by a framework adapter (``Session.declare_replicas``): the ranks, this one included, that
     hold exactly this rank's model and optimizer state (its replica group under HSDP; itself alone under pure
@@ -346,12 +358,12 @@ class Reformed(Message):
 
 Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort, ShardRollback, MirrorInfo,
                 Break, CatchUp, AbortJoin]
-Reply = Union[Hello, Done, Failed, Replicas, Listening, Received, Stranger, LightOk, Reformed, ShardRolledBack,
+Reply = Union[Hello, Done, Failed, Raised, Replicas, Listening, Received, Stranger, LightOk, Reformed, ShardRolledBack,
               MirrorInfoRequest, Watch]
 COMMANDS: dict[str, type[Message]] = {c.KIND: c for c in (Resume, SendState, Reform, Exit, Raise, Assign, Light,
                                                              Reserve, Abort, ShardRollback, MirrorInfo, Break,
                                                              CatchUp, AbortJoin)}
-REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Replicas, Listening, Received,
+REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Raised, Replicas, Listening, Received,
                                                             Stranger, LightOk, Reformed, ShardRolledBack,
                                                             MirrorInfoRequest, Watch)}
 

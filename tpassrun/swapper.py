@@ -81,6 +81,16 @@ class Swapper(PhaseSteps):
         return self._active is not None and self._active.phase not in (Phase.DONE, Phase.ABORTED)
 
     @property
+    def recovering(self) -> bool:
+        """A recovery of a dead rank or a lost node is under way (a planned swap is not a failure)."""
+        return self.busy and self._active is not None and self._active.kind in (SwapKind.UNPLANNED, SwapKind.NODE)
+
+    def probe_agents(self) -> None:
+        """A worker here failed: declare a node whose agent is gone lost now (once at a time)."""
+        if self._probe is None or self._probe.done():
+            self._probe = asyncio.ensure_future(self.node_plans.probe_agents())
+
+    @property
     def _slots(self):  # noqa: ANN202
         return self.port.slots
 
@@ -163,8 +173,7 @@ class Swapper(PhaseSteps):
                 self._slots.send(slot, Raise(reason="no recovery was planned for this failure"))
 
         self._failed_timers[slot.index] = loop.call_later(FAILED_STEP_GRACE_S, expire)
-        if self._probe is None or self._probe.done():
-            self._probe = asyncio.ensure_future(self.node_plans.probe_agents())
+        self.probe_agents()
 
     async def on_worker_death(self, slot: Slot, code: int) -> bool:
         """Return True when an unplanned swap will take care of this death."""

@@ -14,13 +14,17 @@ import sys
 import time
 from typing import Any, Callable
 
-from .channel import STOP_NOW, Field, WorkerPhase
-from .protocol import (AbortJoin, CatchUp, Exit, Failed, Message, Raise, Reform, Reformed, Resume, SendState,
+from .channel import STOP_NOW, Field, Verdict, WorkerPhase
+from .protocol import (AbortJoin, CatchUp, Exit, Failed, Message, Raise, Raised, Reform, Reformed, Resume, SendState,
                        ShardRolledBack, ShardRollback)
 from .world import JoinAborted, abort_process_groups, join_world, leave_process_group, set_rank_env
 from .worker_failure import StepFailure
 
 log = logging.getLogger("tpassrun.worker")
+
+#: A backstop only: the agent answers a worker parked PENDING within its grace (failkind.CAUSE_GRACE_S), or the
+#: lease of a node that does not answer more. An agent that never answers leaves the exception the script's own.
+VERDICT_WAIT_S = 120.0
 
 
 class BoundaryCommands:
@@ -71,6 +75,27 @@ class BoundaryCommands:
         link.send(Failed(step=step, error=f"{type(exc).__name__}: {exc}"[:500],
                          error_type=f"{type(exc).__module__}.{type(exc).__qualname__}", failure=kind.value))
         self._serve(step, failed=exc)
+
+    def _ask_cause(self, step: int, exc: BaseException) -> StepFailure:
+        """``exc`` came from no code of torch.distributed's (the script's, a framework's, torch's ops): in a world of
+        several ranks, ask the agent whether a peer's failure came first (:mod:`tpassrun.agent_cause`). Parked
+        PENDING with every collective left open, so that nothing this rank does can make a peer fail meanwhile:
+        the agent's answer is about failures that came first. One rank alone has no peer to blame."""
+        link = self._link
+        assert link is not None
+        if self.world_size <= 1:
+            return StepFailure.USER
+        link.set(Field.VERDICT, Verdict.NONE)
+        link.set(Field.PHASE, WorkerPhase.PENDING)
+        link.send(Raised(step=step, error=f"{type(exc).__name__}: {exc}"[:500],
+                         error_type=f"{type(exc).__module__}.{type(exc).__qualname__}"))
+        deadline = time.monotonic() + VERDICT_WAIT_S
+        verdict = Verdict.NONE
+        while verdict == Verdict.NONE and time.monotonic() < deadline:
+            time.sleep(0.01)
+            verdict = link.get(Field.VERDICT)
+        link.set(Field.VERDICT, Verdict.NONE)
+        return StepFailure.CASUALTY if verdict == Verdict.CASUALTY else StepFailure.USER
 
     def _serve(self, step: int, failed: BaseException | None = None) -> None:
         """Obey the agent until it releases this worker: a rank carries on at ``step`` (or leaves), a spare

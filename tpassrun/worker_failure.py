@@ -1,7 +1,9 @@
 """Where an exception raised by a step came from (the worker's side of failure classification).
 
-Read from the exception's type and its raising frame, never its message. Only the distributed kinds park the
-worker for a recovery; the agent's side (what a worker's death is) is :mod:`tpassrun.failkind`.
+Read from the exception's type and its raising frame, never its message. The distributed kinds park the worker
+for a recovery; in a world of several ranks a managed worker asks its agent about any other exception (a peer's
+failure surfaces in the script's or a framework's own files too) and parks for a recovery when the agent saw a peer
+fail first (``CASUALTY``). The agent's side is :mod:`tpassrun.failkind` and :mod:`tpassrun.agent_cause`.
 """
 
 from __future__ import annotations
@@ -14,12 +16,13 @@ class StepFailure(str, enum.Enum):
     """Where an exception in a step came from, read from its type and its raising frame (never its message).
 
     Only the distributed kinds park the worker for a recovery; a ``USER`` error takes torchrun's failure
-    path at once (a swap cannot fix a bug in the script).
+    path (a swap cannot fix a bug in the script).
     """
 
     DIST_ERROR = "dist_error"      # torch.distributed.DistError or a subclass (typed by torch itself)
     COLLECTIVE = "collective"      # raised inside torch.distributed or DDP's own code (gloo raises RuntimeError)
     BACKWARD = "backward"          # raised by autograd's engine in a distributed job: DDP all-reduces in its hooks
+    CASUALTY = "casualty"          # anything else, but the agent saw a peer of its world fail first (agent_cause.py)
     USER = "user"                  # anything else
 
     @property

@@ -234,10 +234,12 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
                 self._in_step = -1
                 kind = classify_failure(exc)
                 if not kind.distributed:
+                    kind = self._ask_cause(step, exc)   # a casualty of a peer's failure, or its own error
+                if not kind.distributed:
                     link.set(Field.PHASE, WorkerPhase.RAISED)   # a user error: torchrun's path, not a spare
                     raise
-                log.warning("rank %d: step %d failed in a collective (%s: %s); waiting for recovery",
-                            self.rank, step, type(exc).__name__, exc)
+                log.warning("rank %d: step %d failed (%s, %s: %s); waiting for recovery",
+                            self.rank, step, kind.value, type(exc).__name__, exc)
                 self._after_failure(step, exc, kind)
                 continue
             self._in_step = -1

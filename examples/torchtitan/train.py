@@ -188,12 +188,19 @@ def main() -> None:
 
     sess.run(step, args.steps)                                        # tpassrun (was: for i in range(steps))
     if args.out:
-        torch.save({"model": {k: v.to_local().clone() for k, v in model.state_dict().items()},
-                    "optim": {k: (v.to_local().clone() if hasattr(v, "to_local") else v)
-                              for k, v in optimizers.state_dict().items()},
-                    "lr": lr_schedulers.state_dict(), "train_state": train_state.state_dict(),
-                    "data": data.state_dict()}, os.path.join(args.out, f"final_rank{sess.rank}.pt"))
+        save_final(os.path.join(args.out, f"final_rank{sess.rank}.pt"), model, optimizers, lr_schedulers,
+                   train_state, data)
     torch.distributed.destroy_process_group()   # else gloo's threads may outlive the interpreter: SIGABRT at exit
+
+
+def save_final(path: str, model: nn.Module, optimizers: object, lr_schedulers: object, train_state: TrainState,
+               data: TokenStream) -> None:
+    """This rank's final state (its local shards), for the tests to compare with torchrun's."""
+    torch.save({"model": {k: v.to_local().clone() for k, v in model.state_dict().items()},
+                "optim": {k: (v.to_local().clone() if hasattr(v, "to_local") else v)
+                          for k, v in optimizers.state_dict().items()},
+                "lr": lr_schedulers.state_dict(), "train_state": train_state.state_dict(),
+                "data": data.state_dict()}, path)
 
 
 def leave_now() -> None:
