@@ -19,6 +19,7 @@ from tpassrun.digest import RankDigest, Repair, decide, describe_repairs, repair
 from tpassrun.worker_digest import _renumber
 
 pytestmark = pytest.mark.timeout(300)
+GLOO = pytest.mark.timeout(900)     # a hang catcher: starting 4 torch processes on a loaded host takes minutes
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -261,7 +262,7 @@ def _run(tmp_path, world: int, *, loaded: list[int], corrupt: int | None = None,
         procs.append(subprocess.Popen([sys.executable, "-c", CHILD, json.dumps(cfg)], env=env, cwd=REPO,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
     try:
-        logs = [p.communicate(timeout=280)[0].decode(errors="replace") for p in procs]
+        logs = [p.communicate(timeout=850)[0].decode(errors="replace") for p in procs]
     finally:
         for p in procs:
             p.kill()
@@ -269,6 +270,7 @@ def _run(tmp_path, world: int, *, loaded: list[int], corrupt: int | None = None,
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
 
 
+@GLOO
 def test_gloo_agreeing_replicas_say_so_in_one_round(tmp_path):
     out = _run(tmp_path, 3, loaded=[2])
     assert [o["restart"] for o in out] == [False] * 3
@@ -278,6 +280,7 @@ def test_gloo_agreeing_replicas_say_so_in_one_round(tmp_path):
     assert said[0]["nbytes"] > 3 * 4 * (64 * 300 + 300 * 3)     # model + AdamW's two moments
 
 
+@GLOO
 def test_gloo_a_corrupted_joiner_is_named_and_repaired_from_a_replica(tmp_path):
     out = _run(tmp_path, 3, loaded=[2], corrupt=2, tensor="model.1.weight", lr=[2])
     assert [o["restart"] for o in out] == [False] * 3
@@ -290,6 +293,7 @@ def test_gloo_a_corrupted_joiner_is_named_and_repaired_from_a_replica(tmp_path):
     assert again["ok"] and again["recheck"]
 
 
+@GLOO
 def test_gloo_replica_groups_are_compared_apart(tmp_path):
     """TP x DP (or HSDP): ranks {0, 2} hold one model, {1, 3} another (as declared): only rank 3, corrupted
     after loading, differs, and it takes its state from rank 1, not from a rank of the other group."""
@@ -301,6 +305,7 @@ def test_gloo_replica_groups_are_compared_apart(tmp_path):
     assert first["differ"]["3"]["tensors"] == ["model.0.weight"] and again["ok"] and again["ranks"] == 4
 
 
+@GLOO
 def test_gloo_two_replicas_both_just_loaded_restart(tmp_path):
     out = _run(tmp_path, 2, loaded=[0, 1], corrupt=1)
     assert [o["restart"] for o in out] == [True, True]
