@@ -49,14 +49,22 @@ def tensor_digest(tensor: Any) -> str:
         if raw.storage_offset() % 8:
             raw = raw.clone()                          # a view into a flat buffer at an odd offset: align it
         words = raw[:rows * 8 * ROW_WORDS].view(torch.int64).view(rows, ROW_WORDS)
-        h.update(_host_bytes(words.sum(dim=1)))        # integer sums: exact, the same in any order
-        h.update(_host_bytes(words.sum(dim=0)))
-    h.update(_host_bytes(raw[rows * 8 * ROW_WORDS:]))
+        h.update(host_bytes(words.sum(dim=1)))        # integer sums: exact, the same in any order
+        h.update(host_bytes(words.sum(dim=0)))
+    h.update(host_bytes(raw[rows * 8 * ROW_WORDS:]))
     return h.hexdigest()
 
 
-def _host_bytes(t: Any) -> bytes:
-    return bytes(t.cpu().clone().untyped_storage()) if t.numel() else b""
+def host_bytes(t: Any) -> bytes:
+    """A tensor's bytes, copied to the host once (memcpy: neither numpy nor a byte-by-byte storage walk)."""
+    import ctypes
+
+    import torch
+
+    if not t.numel():
+        return b""
+    host = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return ctypes.string_at(host.data_ptr(), host.numel())
 
 
 @dataclass
@@ -252,5 +260,5 @@ def describe_repairs(repairs: Sequence[Repair]) -> str:
     return "; ".join(parts)
 
 
-__all__ = ["LocalDigest", "RankDigest", "Repair", "Verdict", "decide", "describe_repairs", "named_tensors",
+__all__ = ["LocalDigest", "RankDigest", "Repair", "Verdict", "decide", "describe_repairs", "host_bytes", "named_tensors",
            "repair_plan", "state_digest", "tensor_digest"]

@@ -206,7 +206,7 @@ def _gather_json(doc: Any) -> list[Any]:
         mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     out = [torch.empty_like(mine) for _ in range(world)]
     _collective(dist.all_gather, out, mine)
-    return [json.loads(bytes(t.cpu()[:int(n)].clone().untyped_storage()) or b"null") for t, n in zip(out, sizes)]
+    return [json.loads(digest.host_bytes(t[:int(n)]) or b"null") for t, n in zip(out, sizes)]
 
 
 # --------------------------------------------------------------------------------------------- the repair
@@ -257,7 +257,7 @@ def _receive_objects(src: int, objects: dict[str, Any]) -> None:
     _collective(dist.recv, size, src)
     data = torch.empty(int(size), dtype=torch.uint8, device=device)
     _collective(dist.recv, data, src)
-    head = json.loads(bytes(data.cpu().clone().untyped_storage()))
+    head = json.loads(digest.host_bytes(data))
     tensors = []
     for dtype, shape in head["specs"]:
         t = torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
