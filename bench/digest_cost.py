@@ -28,7 +28,7 @@ from tpassrun import digest
 
 
 def gpt2_like(layers: int, hidden: int, vocab: int) -> torch.nn.Module:
-    """GPT-2's parameter shapes, allocated without initialising them (the digest reads bytes, whatever they are)."""
+    """GPT-2's parameter shapes, without torch's initialisation (the digest reads bytes, whatever they are)."""
     skip = torch.nn.utils.skip_init
     blocks = []
     for _ in range(layers):
@@ -65,6 +65,7 @@ def main() -> None:
     model = gpt2_like(args.layers, args.hidden, args.vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     for prm in model.parameters():       # AdamW's state after a step, as its state_dict() then holds it
+        prm.detach().uniform_()          # (written: untouched pages would all read the one zero page)
         opt.state[prm] = {"step": torch.tensor(1.0), "exp_avg": torch.rand_like(prm), "exp_avg_sq": torch.rand_like(prm)}
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     objects = {"model": model, "optimizer": opt, "scheduler": sched}
