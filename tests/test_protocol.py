@@ -31,6 +31,9 @@ MESSAGES = [
     P.ShardRollback(step=40), P.ShardRolledBack(ok=False, step=40, error="no copy of step 40"),
     P.Watch(pid=7), P.Break(reason="node n3 was declared lost"), P.Break(),
     P.CatchUp(swap_id="n-x", key="ef" * 32, rank=1, listen_host="10.0.0.3", step=41),
+    P.ReplicasChecked(step=12, ok=True, ranks=4, groups=1, nbytes=1 << 20, seconds=0.01),
+    P.ReplicasChecked(step=12, ok=False, action="repair", differ={"1": {"tensors": ["model.w"], "source": 0}},
+                      detail="rank 1 differs in model.w: takes model from rank 0"),
 ]
 
 
@@ -68,6 +71,7 @@ def test_each_direction_has_its_own_table_and_both_are_complete():
     b'{"kind": "assign", "swap_id": "s", "key": "", "listen_host": "h", "world": {"rank": "1", "world_size": 2}}\n',
     b'{"kind": "received", "ok": 1}\n', b'{"kind": "reserve", "nbytes": true}\n',
     b'{"kind": "replicas", "ranks": 3}\n', b'{"kind": "replicas", "ranks": [1, "2"]}\n',
+    b'{"kind": "replicas_checked", "step": 1, "ok": true, "differ": []}\n',
     b'{"kind": "assign", "swap_id": "s", "key": "", "listen_host": "h", "world": {"rank": 1, "world_size": 2},'
     b' "mirror_from": {"target": {}, "owner": 1}}\n', b'{"kind": "shard_rollback", "step": null}\n',
 ])

@@ -16,9 +16,9 @@ from typing import Any
 from . import envnames as E
 from .devices import node_devices, slot_env, visible_devices
 from .filetimer import FileTimerServer, TimerRequest, signal_name
-from .port import SpawnFailed, WorkerExited, WorkerSaid
+from .port import FallbackRequested, SpawnFailed, WorkerExited, WorkerSaid
 from .procs import spawn_worker, stop_workers
-from .protocol import Done, Failed, Hello, MirrorInfoRequest, Raised, Reply
+from .protocol import Done, Failed, Hello, MirrorInfoRequest, Raised, ReplicasChecked, Reply
 from .records import HANDLED_RESTART, Keys, Taint, load
 from .rendezvous import Generation, Member, RendezvousError
 from .slots import Slot, SlotState
@@ -219,6 +219,19 @@ class WorkerSpawning:
             asyncio.ensure_future(self.mirror.answer_current(slot))
         if isinstance(msg, (Hello, Done, Failed, Raised)):
             self._queue.put_nowait(WorkerSaid(slot, msg))
+        if isinstance(msg, ReplicasChecked):
+            self._replicas_checked(slot, msg)
+
+    def _replicas_checked(self, slot: Slot, msg: ReplicasChecked) -> None:
+        """Rank 0's word on the replica check after a swap or recovery (tpassrun/worker_digest.py): an event (and
+        its console line); replicas that disagree with none to trust: torchrun's whole-group restart, which spends
+        a restart as the failure that led here would have under torchrun."""
+        self.events.write("replicas_checked", reported_by=slot.rank, step=msg.step, ok=msg.ok,
+                          action=msg.action, ranks=msg.ranks, groups=msg.groups, nbytes=msg.nbytes, seconds=msg.seconds,
+                          differ=msg.differ, detail=msg.detail, recheck=msg.recheck)
+        if msg.action == "restart":
+            self._queue.put_nowait(FallbackRequested(f"replicas disagree after a recovery at step {msg.step}: "
+                                                     f"{msg.detail}"[:600], slot))
 
     _forwarded: int | None = None     # the signal already sent to every worker's group (see _forward_signal)
 

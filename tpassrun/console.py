@@ -291,6 +291,8 @@ class Describer:
             return (f"node {_short(ev.get('lost_node'))}{also} lost: ranks {ev.get('ranks')} recovered live on "
                     f"{', '.join(_short(n) for n in ev.get('to') or [])} at step {ev.get('boundary')} (swap {sid}): "
                     f"paused {_secs(pause)}, 0 steps lost")
+        if name == "replicas_checked":
+            return _replicas_line(ev)
         if name == "store_moved":
             return f"the workers' store moved to {ev.get('addr')}:{ev.get('port')}: {ev.get('reason')}"
         if name == "mirror_push_failed":
@@ -370,6 +372,21 @@ class Describer:
         return f"[{who}] {label} {sid}: {phase}{took}" + (f": {reason}" if reason else "")
 
 
+def _replicas_line(ev: dict[str, Any]) -> str:
+    """The replica check after a swap or recovery (tpassrun/worker_digest.py): passed, repaired, or a restart."""
+    step = ev.get("step")
+    if ev.get("ok"):
+        if ev.get("recheck"):
+            return f"replicas agree again at step {step} after the repair ({ev.get('ranks')} rank(s) compared)"
+        if not ev.get("groups"):
+            return f"replica check at step {step}: no rank has a replica to compare with (each holds its own state)"
+        return (f"replicas agree at step {step}: {ev.get('ranks')} rank(s) in {ev.get('groups')} replica group(s) hold "
+                f"identical state ({_bytes(ev.get('nbytes'))} digested per rank in {_secs(ev.get('seconds'))})")
+    what = "still differ after the repair" if ev.get("recheck") else "MISMATCH"
+    then = "no replica to trust: whole-group restart" if ev.get("action") == "restart" else "repairing from a replica"
+    return f"replica check at step {step}: {what}: {ev.get('detail')} ({then})"
+
+
 def summary_lines(t: RunTally, code: Any) -> list[str]:
     planned = [p for k, _i, p in t.swaps if k not in ("unplanned", "node")]
     unplanned = [p for k, _i, p in t.swaps if k in ("unplanned", "node")]
@@ -395,8 +412,10 @@ WARNING_EVENTS = frozenset({"fallback", "user_error", "hang_detected", "timer_ex
 
 
 def level_of(ev: dict[str, Any]) -> str:
-    """The glog level letter of an event's console line: ``W`` for the warnings, else ``I``."""
-    return "W" if ev.get("event") in WARNING_EVENTS else "I"
+    """The glog level letter of an event's console line: ``W`` for the warnings (and a replica check that found a
+    mismatch), else ``I``."""
+    return "W" if ev.get("event") in WARNING_EVENTS or (ev.get("event") == "replicas_checked"
+                                                        and not ev.get("ok")) else "I"
 
 
 def log_prefix(pid: int, now: float | None = None, level: str = "I", where: str = "tpassrun/agent") -> str:

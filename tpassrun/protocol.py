@@ -285,6 +285,27 @@ class Replicas(Message):
 
 
 @dataclass(frozen=True)
+class ReplicasChecked(Message):
+    """Said by rank 0 of a re-formed world at its first step (``tpassrun/worker_digest.py``): whether the ranks that
+    must hold identical state do, by an exact digest of it (``tpassrun/digest.py``). ``action``: "" (they agree),
+    "repair" (``differ``: rank -> the tensors that differ and the rank it takes its state from), "restart"
+    (``detail``: why no replica can be trusted); ``recheck``: the check after a repair. No reply: the agent logs
+    it, and restarts the group on "restart"."""
+
+    KIND: ClassVar[str] = "replicas_checked"
+    step: int
+    ok: bool
+    action: str = ""
+    ranks: int = 0                  # ranks compared (in replica groups of 2 or more)
+    groups: int = 0
+    nbytes: int = 0                 # tensor bytes rank 0 digested
+    seconds: float = 0.0            # ... in this long
+    differ: dict[str, Any] = dataclasses.field(default_factory=dict)
+    detail: str = ""
+    recheck: bool = False
+
+
+@dataclass(frozen=True)
 class Listening(Message):
     KIND: ClassVar[str] = "listening"
     port: int
@@ -359,13 +380,13 @@ class Reformed(Message):
 Command = Union[Resume, SendState, Reform, Exit, Raise, Assign, Light, Reserve, Abort, ShardRollback, MirrorInfo,
                 Break, CatchUp, AbortJoin]
 Reply = Union[Hello, Done, Failed, Raised, Replicas, Listening, Received, Stranger, LightOk, Reformed, ShardRolledBack,
-              MirrorInfoRequest, Watch]
+              MirrorInfoRequest, Watch, ReplicasChecked]
 COMMANDS: dict[str, type[Message]] = {c.KIND: c for c in (Resume, SendState, Reform, Exit, Raise, Assign, Light,
                                                              Reserve, Abort, ShardRollback, MirrorInfo, Break,
                                                              CatchUp, AbortJoin)}
 REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Raised, Replicas, Listening, Received,
                                                             Stranger, LightOk, Reformed, ShardRolledBack,
-                                                            MirrorInfoRequest, Watch)}
+                                                            MirrorInfoRequest, Watch, ReplicasChecked)}
 
 # --------------------------------------------------------------------------------------------- encoding
 
@@ -440,5 +461,5 @@ def _build(cls: type, doc: Mapping[str, Any]) -> Any:
 
 __all__ = ["Abort", "AbortJoin", "Assign", "Break", "COMMANDS", "CatchUp", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
            "Listening", "Message", "MirrorInfo", "MirrorInfoRequest", "ProtocolError", "REPLIES", "Raise", "MirrorSource", "Received",
-           "Reform", "Reformed", "Replicas", "Reply", "ShardRollback", "ShardRolledBack", "Reserve", "Resume", "SendState", "Stranger", "Watch", "WorldSpec", "decode",
+           "Reform", "Reformed", "Replicas", "ReplicasChecked", "Reply", "ShardRollback", "ShardRolledBack", "Reserve", "Resume", "SendState", "Stranger", "Watch", "WorldSpec", "decode",
            "decode_command", "decode_reply", "encode"]

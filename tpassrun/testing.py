@@ -21,9 +21,12 @@ collective failing here: wait until the process that claimed the marker ``after`
 all-reduce it stages a mixed commit: this rank did not complete the collective, the others did).
 ``"any_step": true`` fires at the first step that reaches the point (with a marker a harness deletes to arm
 it: ``tests/faults.py``'s ``FaultSwitches``). tpassrun's own points: ``send``, ``receive``, ``reform``, ``join``
-(in a swap) and ``spare_start`` (a warm spare before it says hello, as rank -1: a spare slow to start). Staged by
-tpassrun itself (:func:`wants`): ``send``/``corrupt`` (a byte of the next transfer flipped) and
-``send``/``cut_handshake`` (the next transfer's first connection cut after 18 of the proof's 68 bytes).
+(in a swap), ``spare_start`` (a warm spare before it says hello, as rank -1: a spare slow to start) and
+``loaded`` (``"action": "corrupt"``: a rank that has just loaded its state in a swap or recovery flips one bit of
+one tensor of it, ``"tensor"`` names which, e.g. ``"model.fc1.weight"``, else its first; the replica check after
+the recovery must catch it, ``tpassrun/worker_digest.py``). Staged by tpassrun itself (:func:`wants`):
+``send``/``corrupt`` (a byte of the next transfer flipped) and ``send``/``cut_handshake`` (the next transfer's
+first connection cut after 18 of the proof's 68 bytes).
 """
 
 from __future__ import annotations
@@ -64,11 +67,16 @@ def wants(rank: int, step: int, where: str, action: str) -> bool:
     Used inside tpassrun for faults only it can stage, e.g. ``{"where": "send", "action": "corrupt"}`` flips a
     byte of the next state transfer of ``rank``.
     """
+    return claim(rank, step, where, action) is not None
+
+
+def claim(rank: int, step: int, where: str, action: str) -> dict[str, Any] | None:
+    """:func:`wants`, returning the fault itself (its other fields say how), or None."""
     for f in _faults():
         if (f.get("where") == where and f.get("action") == action and int(f.get("rank", -1)) == rank
                 and int(f.get("step", step)) <= step and _claim(f.get("marker"))):
-            return True
-    return False
+            return dict(f)
+    return None
 
 
 def fault_point(rank: int, step: int, where: str = "step") -> None:

@@ -178,6 +178,7 @@ class BoundaryCommands:
         return False
 
     def _on_reform(self, msg: Reform, step: int, failed: BaseException | None) -> bool:
+        loaded = self._caught_up is not None or self._shard_restore_due is not None   # its state moved: a suspect
         if msg.rollback and not (self._stands_at == step and msg.resume in (None, step)):
             self._roll_back(step, msg.resume, failed is not None)
         try:
@@ -186,6 +187,7 @@ class BoundaryCommands:
             self._join_aborted(self.step, str(exc))
             return False
         self._stands_at = None
+        self._replicas_after_recovery(loaded)    # the replicas compare digests at the next step (worker_digest.py)
         self._link.send(Reformed(rank=self.rank, world_size=self.world_size, generation=self.generation,
                                  **self._reform_times))
         self._link.set(Field.PHASE, WorkerPhase.RUNNING)

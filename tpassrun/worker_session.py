@@ -16,6 +16,7 @@ from .protocol import Done, Message, MirrorInfo, MirrorInfoRequest, Replicas
 from .world import BucketLayout, ReconfigurableDDP
 from .worker_catchup import CatchUpCommand
 from .worker_commands import BoundaryCommands
+from .worker_digest import ReplicaCheck
 from .worker_failure import classify_failure
 from .worker_link import AgentLink
 from .worker_shards import ShardedState
@@ -37,7 +38,7 @@ def _is_replicated(obj: Any) -> bool:
     return isinstance(obj, replicated)
 
 
-class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, ShardedState):
+class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, ShardedState, ReplicaCheck):
     """What :func:`init` returns. Create through :func:`init`, not directly."""
 
     def __init__(self, *, backend: str | None, link: AgentLink | None, rank: int, world_size: int,
@@ -89,6 +90,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
         self._spare: SpareWait | None = None      # set while this session is a spare (no rank yet)
         self._pending: list[Message] = []         # commands that came while a spare waited for its sender
         self._stands_at: int | None = None        # the step it waits at after a re-formed world was given up
+        self._replicas_due: bool | None = None    # a swap or recovery ended: replicas compare digests (worker_digest)
         # Gradient accumulation across steps: a step that ends without reaching its commit point leaves its
         # gradients to the next one, so the steps since the last commit form one window, rolled back as one.
         self._commit_hooks = 0                    # tracked optimizers and scalers: commits are observable
@@ -222,6 +224,8 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
                 self._light_retarget()
             if self._light_enabled:
                 self._snapshot_light(step)
+            if self._replicas_due is not None and self._check_replicas(step):
+                continue    # a peer died in the check, or no replica can be trusted: a recovery or restart moved us
             if self._window == step:    # (inside an accumulation window no step start is a resume point)
                 self._begin_txn(step)
                 self._shard_begin(step, self._rollback_light)

@@ -41,7 +41,11 @@ class BucketLayout:
 
     def refresh(self) -> None:
         if self._source is not None:
-            found = rebuilt_layout(self._source._ddp) or self._source._pending_layout()
+            # the pending layout only stands in for one not known yet: its sizes are the caps, not the buckets'
+            # bytes, and every replica must hold the same state (a DDP rebuilt after a swap has no rebuilt layout
+            # of its own before its first iteration: it keeps the one it was built with, as the joiner does)
+            found = rebuilt_layout(self._source._ddp) or (self._source._pending_layout() if self.buckets is None
+                                                          else None)
             if found is not None:
                 self.buckets, self.sizes = found
 
