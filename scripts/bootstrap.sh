@@ -71,7 +71,10 @@ if ! TMPDIR="$CHECK_TMP" "$VPY" -c "import deepspeed, megatron.core, torchtitan,
     "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3" torch_checkpointing \
         2>&1 | grep -v -E "dependency resolver|torchtitan .* requires .* which is not installed" || true
     say "(torchtitan installed slim: datasets, tensorboard, wandb and its tokenizers are left out on purpose)"
-    "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" tyro safetensors
+    "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" tyro safetensors \
+        2>&1 | grep -v -E "dependency resolver|torchtitan .* requires .* which is not installed" || true
+    TMPDIR="$CHECK_TMP" "$VPY" -c "import deepspeed, megatron.core, torchtitan, tyro, spmd_types, psutil" \
+        || { say "the frameworks did not install (see above)"; exit 1; }
 fi
 "$VPY" -c "import sys, torch; sys.exit(0 if torch.__version__.startswith('2.13.0') and not torch.version.cuda else
     'a framework install replaced the CPU torch 2.13.0 with ' + torch.__version__)"
