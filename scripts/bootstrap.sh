@@ -64,7 +64,7 @@ FRAMEWORKS_PIN=$(mktemp)
 CHECK_TMP=$(mktemp -d)
 trap 'rm -rf "$FRAMEWORKS_PIN" "$CHECK_TMP"' EXIT
 echo "torch==$("$VPY" -c 'import torch; print(torch.__version__.split("+")[0])')" > "$FRAMEWORKS_PIN"
-if ! TMPDIR="$CHECK_TMP" "$VPY" -c "import deepspeed, megatron.core, torchtitan, tyro, spmd_types, psutil" 2>/dev/null; then
+if ! TMPDIR="$CHECK_TMP" "$VPY" -c "import deepspeed, megatron.core, torchtitan, tyro, spmd_types, psutil" &>/dev/null; then
     say "pip install deepspeed==0.19.8 megatron-core==0.16.1 torchtitan==0.3.0 (slim), torch pinned"
     "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" "deepspeed==0.19.8" "megatron-core==0.16.1" psutil
     # torchtitan without its data/logging stack on purpose: pip's resolver then lists what it left out
@@ -74,7 +74,7 @@ if ! TMPDIR="$CHECK_TMP" "$VPY" -c "import deepspeed, megatron.core, torchtitan,
     "$VPY" -m pip install -q -c "$FRAMEWORKS_PIN" tyro safetensors \
         2>&1 | grep -v -E "dependency resolver|torchtitan .* requires .* which is not installed" || true
     TMPDIR="$CHECK_TMP" "$VPY" -c "import deepspeed, megatron.core, torchtitan, tyro, spmd_types, psutil" \
-        || { say "the frameworks did not install (see above)"; exit 1; }
+        >/dev/null || { say "the frameworks did not install"; exit 1; }
 fi
 "$VPY" -c "import sys, torch; sys.exit(0 if torch.__version__.startswith('2.13.0') and not torch.version.cuda else
     'a framework install replaced the CPU torch 2.13.0 with ' + torch.__version__)"
