@@ -55,9 +55,9 @@ torchrun and under tpassrun with a rank SIGKILLed, and compares the two with ``t
     def train_step(iteration):                       # was: for iteration in range(...): train_step(...)
         model.zero_grad_buffer()
         optimizer.zero_grad()
+        adapter.progress.advance(MICRO * DP)         # counted at the step's start: its backward pass can seal it
         forward_backward(forward_step_func=forward_step, data_iterator=adapter.data_iterator, model=[model],
                          num_microbatches=1, seq_length=16, micro_batch_size=MICRO, forward_only=False)
-        adapter.progress.advance(MICRO * DP)         # the global batch is consumed: counted before the update
         ok, _grad_norm, _zeros = optimizer.step()
         if ok:
             scheduler.step(increment=MICRO * DP)
@@ -66,7 +66,9 @@ torchrun and under tpassrun with a rank SIGKILLed, and compares the two with ``t
 
 The data iterator must be read through ``adapter.data_iterator`` (a joiner's is rebuilt by
 ``rebuild_data_iterator(consumed_train_samples)``), and ``adapter.progress`` advanced every iteration whatever the
-step returns. ``examples/megatron/train_gpt.py`` is the same loop with TP, dropout and logging.
+step returns, at the step's start, before its first collective: the step's per-rank state is then whole when its
+backward pass seals it, so a death after the survivors completed the step is recovered live (advanced after the
+backward pass, as Megatron-LM counts, it switches the seal off and such a death restarts the group). ``examples/megatron/train_gpt.py`` is the same loop with TP, dropout and logging.
 
 What travels (heavy = only at a handoff; light = also snapshotted at every step start for unplanned rollback):
 
