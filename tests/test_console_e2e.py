@@ -146,3 +146,48 @@ def test_a_health_verdict_that_changes_and_its_taint_reach_the_console(tmp_path)
     for pattern in (r"health: device gpu1: \w+ -> (degraded|failing) \(uncorrected ECC", r"taint received: rank 1 .*from health",
                     r"\[rank 1\] swapped and resumed", r"summary: 1 swap\(s\)"):
         assert _lines(log, pattern), (pattern, "\n".join(ln for ln in log.splitlines() if PREFIX.match(ln)))
+
+
+def _descendants(root: int) -> list[int]:
+    rows = subprocess.run(["ps", "-eo", "pid=,ppid="], capture_output=True, text=True).stdout.split("\n")
+    children: dict[int, list[int]] = {}
+    for row in rows:
+        if row.strip():
+            pid, ppid = map(int, row.split())
+            children.setdefault(ppid, []).append(pid)
+    out, todo = [], [root]
+    while todo:
+        for kid in children.get(todo.pop(), []):
+            out.append(kid)
+            todo.append(kid)
+    return out
+
+
+def test_ctrl_c_ends_every_process_with_at_most_one_line_per_rank(tmp_path):
+    """A terminal Ctrl-C (SIGINT to the launcher, which forwards it as torchrun does) took 10.5 s and printed ~80
+    lines of KeyboardInterrupt tracebacks. The launcher now forwards it before tearing down its own tasks, and a
+    worker of tpassrun's says one line; the interpreter's last collection, which took seconds, is skipped. The
+    figure (0.45 s on a quiet machine) is in the closing note: a test asserts what happens, not how fast."""
+    job = Job.tpassrun(str(tmp_path), endpoint=None, run_id="", nproc=2, spares=1, steps=100000,
+                       step_sleep=0.05).start()
+    try:
+        _wait_event(job, "spare_ready")
+        job.wait_step(2, 120, rank=1)
+        pids = _descendants(job.proc.pid)
+        assert len(pids) >= 4, pids                              # etcd, the store, 2 ranks, a spare
+        said = len(job.log())
+        os.kill(job.proc.pid, signal.SIGINT)
+        code = job.wait(60)
+    finally:
+        job.kill()
+    after = job.log()[said:]
+    assert code != 0, after
+    assert "Traceback" not in after and "KeyboardInterrupt" not in after, after
+    interrupted = [ln for ln in after.splitlines() if "interrupted (SIGINT from the launcher)" in ln]
+    assert 1 <= len(interrupted) <= 3, after                     # at most one line per rank (2 ranks + 1 spare)
+    workers = [ln for ln in after.splitlines() if ln.strip() and not PREFIX.match(ln)]
+    assert len(workers) <= 3, after                              # nothing else from the workers
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{p}") for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [p for p in pids + [job.proc.pid] if os.path.exists(f"/proc/{p}")]   # every process is gone

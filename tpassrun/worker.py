@@ -25,6 +25,7 @@ state), :mod:`tpassrun.worker_step` (the step transaction: light snapshots, seal
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -104,6 +105,7 @@ def _quiet_interrupts() -> None:
         if issubclass(kind, KeyboardInterrupt):
             sys.stderr.write("interrupted (SIGINT from the launcher): stopped\n")
             sys.stderr.flush()
+            gc.freeze()   # the interpreter's last collection then skips torch's object graph (seconds, here)
             return
         previous(kind, value, tb)
 
