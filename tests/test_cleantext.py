@@ -121,6 +121,14 @@ def test_the_agents_log_lines_are_inert_and_a_traceback_keeps_its_lines():
     assert "Traceback (most recent call last):" in text and "ValueError: bad \\x1b]0;t\\x07" in text
 
 
+def test_a_log_messages_own_lines_stay_lines():
+    """torchrun's OMP_NUM_THREADS banner is a multi-line message of ours: it read as one line of literal \\n."""
+    rec = logging.LogRecord("tpassrun.workerenv", logging.WARNING, __file__, 1, "\n*****\nSetting %s\n*****",
+                            ("OMP_NUM_THREADS\x1b[2J\nforged",), None)
+    text = GlogFormatter().format(rec)
+    assert text.splitlines()[1:] == ["*****", "Setting OMP_NUM_THREADS\\x1b[2J\\nforged", "*****"], text
+
+
 @pytest.mark.parametrize("argv", [["--rdzv-backend", "etcd", "--rdzv-endpoint", "h\x1b[2J:1", "t.py"],
                                   ["--rdzv-id", "a/\x1b]0;t\x07", "--rdzv-backend", "c10d", "--rdzv-endpoint",
                                    "h:1", "t.py"]])

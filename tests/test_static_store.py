@@ -21,14 +21,15 @@ endpoint, attempt, rank = sys.argv[1], os.environ["TORCHELASTIC_RESTART_COUNT"],
 assert f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}" == endpoint, dict(os.environ)
 host, port = endpoint.rsplit(":", 1)
 raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=60))
-print("rank", rank, "attempt", attempt, "stale key", raw.check([f"left_by_attempt_{int(attempt) - 1}"]), flush=True)
+stale = raw.check([f"left_by_attempt_{int(attempt) - 1}"])
+os.write(1, f"rank {rank} attempt {attempt} stale key {stale}\\n".encode())   # one write: the ranks share stdout
 dist.init_process_group("gloo", init_method=f"tcp://{endpoint}", rank=int(rank),
                         world_size=int(os.environ["WORLD_SIZE"]))
 t = torch.tensor([float(rank) + 1])
 dist.all_reduce(t)
 raw.set(f"left_by_attempt_{attempt}", "x")
 dist.barrier()
-print("rank", rank, "attempt", attempt, "sum", t.item(), flush=True)
+os.write(1, f"rank {rank} attempt {attempt} sum {t.item()}\\n".encode())
 dist.destroy_process_group()
 if attempt == "0" and rank == "1":
     sys.exit(3)

@@ -432,7 +432,15 @@ class GlogFormatter(logging.Formatter):
     traceback keeps its lines."""
 
     def format(self, record: logging.LogRecord) -> str:
-        text = clean(record.getMessage())
+        # the message's own format may span lines (torchrun's OMP_NUM_THREADS banner); what is put into it (a
+        # node id, a reason, an error from elsewhere) is cleaned as one line, so it can neither forge a line nor
+        # drive the terminal
+        args = record.args
+        if isinstance(args, dict):
+            args = {k: _clean_arg(v) for k, v in args.items()}
+        elif args:
+            args = tuple(_clean_arg(a) for a in args)
+        text = clean(str(record.msg) % args if args else str(record.msg), block=True)
         if record.exc_info and not record.exc_text:
             record.exc_text = self.formatException(record.exc_info)
         if record.exc_text:
@@ -440,6 +448,10 @@ class GlogFormatter(logging.Formatter):
         level = record.levelname[:1] if record.levelname[:1] in "DIWEC" else "I"
         return log_prefix(record.process or os.getpid(), record.created, "E" if level == "C" else level,
                           where=record.name.replace(".", "/")) + text
+
+
+def _clean_arg(value: Any) -> Any:
+    return clean(value) if isinstance(value, (str, BaseException)) else value
 
 
 def format_line(ev: dict[str, Any], line: str, pid: int, *, wall: float | None = None) -> str:
