@@ -32,7 +32,7 @@ from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, Ru
                       TaintSource, generation_record, leader_of, load, node_info)
 from .envnames import NO_COLOR
 from .registry import CtlError
-from .tui import step_info
+from .tui import duration_text, step_info
 from .provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKeyError, carries_mac, key_for,
                          register as register_run_key, run_key_from)
 from .rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, RendezvousError, RendezvousSettings,
@@ -535,15 +535,10 @@ def _pick_run(args: argparse.Namespace) -> int | None:
         _out(f"{len(runs)} runs on this machine (pick one with --rdzv-id):")
         for r in runs:
             started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started))
-            _out(f"  {r.run_id}  {r.script or '?'}  started {started} (up {_uptime(time.time() - r.started)})  "
+            _out(f"  {r.run_id}  {r.script or '?'}  started {started} (up {duration_text(time.time() - r.started)})  "
                  f"{r.nproc}+{r.spares} slots  etcd {r.endpoint}  pid {r.pid}")
         return 0
     raise CtlError(f"{len(runs)} runs on this machine: pick one with --rdzv-id ({', '.join(r.run_id for r in runs)})")
-
-
-def _uptime(seconds: float) -> str:
-    s = int(seconds)
-    return f"{s}s" if s < 60 else f"{s // 60}m{s % 60:02d}s" if s < 3600 else f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
 def _event_log_of(args: argparse.Namespace) -> str | None:

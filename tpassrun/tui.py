@@ -32,7 +32,7 @@ from rich.text import Text
 
 from .cleantext import clean, clean_tree
 
-__all__ = ["RunProgress", "TaintState", "TimelineStep", "step_info", "ViewState", "apply_key", "render_status", "summary_line", "swap_timeline",
+__all__ = ["RunProgress", "TaintState", "TimelineStep", "duration_text", "step_info", "ViewState", "apply_key", "render_status", "summary_line", "swap_timeline",
            "taint_state"]
 
 # The planner's phase order (tpassrun/swap.py); repeated here so the view never imports the agent side.
@@ -322,7 +322,8 @@ class RunProgress:
         return 1000.0 / self.step_ms if self.step_ms > 0 else None
 
 
-def _duration(seconds: float) -> str:
+def duration_text(seconds: float) -> str:
+    """``42s``, ``3m07s``, ``2h05m``: an ETA or an uptime."""
     s = int(round(seconds))
     if s < 60:
         return f"{s}s"
@@ -343,7 +344,7 @@ def step_info(workers: list[dict]) -> tuple[str, str]:
     where = "step -" if p.step is None else (f"step {p.step}/{p.total}" if p.total else f"step {p.step}")
     eta = p.eta_s
     if eta is not None:
-        where += f"  ETA {_duration(eta)}"
+        where += f"  ETA {duration_text(eta)}"
     pace = f"{p.step_ms:.1f}ms/step {p.steps_per_s:.1f}/s" if p.step_ms > 0 else ""
     return where, pace
 
