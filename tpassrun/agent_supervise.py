@@ -135,21 +135,20 @@ class Supervision:
         restart moves the rank onto the spare (the dead slot sits out, as a tainted one does); either way, one
         line says why the spare did not take it live and what would."""
         assert self.slots is not None
-        spare_free = len(self.slots.usable_for_start()) > self.cfg.nproc_per_node
         if not self.cfg.spares_per_node:
             return
         api = "the script does not use tpassrun's worker API (README: 'The worker API'), so no spare can take it live"
-        if self.remaining_restarts > 0 and spare_free:
+        onto_spare = self.remaining_restarts > 0 and len(self.slots.usable_for_start()) > self.cfg.nproc_per_node
+        if onto_spare:
             slot.state = SlotState.QUARANTINED
             slot.quarantine_reason = f"rank {slot.rank} died here (exit code {code})"
-            self.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=True,
-                              reason=f"{api}; the whole-group restart puts rank {slot.rank} on a spare slot")
+            then = f"the whole-group restart puts rank {slot.rank} on a spare slot"
         elif self.remaining_restarts > 0:
-            self.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=False,
-                              reason=f"{api}; no spare slot is free, the restart reuses slot {slot.index}")
+            then = f"no spare slot is free, the restart reuses slot {slot.index}"
         else:
-            self.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=False,
-                              reason=f"{api}; --max-restarts N would restart the group onto the spare")
+            then = "--max-restarts N would restart the group onto the spare"
+        self.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=onto_spare,
+                          reason=f"{api}; {then}")
 
     def _record_failures(self, first: Slot | None) -> None:
         """torchrun's report lists the failed worker and the ones it then had to stop."""
