@@ -65,6 +65,19 @@ def test_phases_have_durations_and_the_summary_adds_up():
     assert lines[2] == "summary: time lost to failures 5.50 s, steps lost 0, steps redone 1, goodput 94.5%"
 
 
+def test_the_leaders_reason_is_said_when_this_nodes_part_was_written_first():
+    """CI, stop 21: the participant's own ``swap_transfer`` reached the console before the leader's ``swap_phase``;
+    the phase was said once without the leader's reason ("mixed commit: ranks [0] ..."), so the log never said why
+    rank 0 caught up. The reason now follows on its own line; a reason is never said twice."""
+    d = Describer()
+    d.describe(_ev("swap_pause", 10.1, swap_id="u1", kind="unplanned", rank=1, boundary=None))
+    assert d.describe(_ev("swap_transfer", 10.2, swap_id="u1", kind="unplanned", rank=1, boundary=7)) == \
+        "[rank 1] recovery u1: transfer (pause took 100 ms)"
+    assert d.describe(_ev("swap_phase", 10.21, swap_id="u1", phase="transfer", reason="mixed commit: ranks [0]")) == \
+        "[rank 1] recovery u1: transfer: mixed commit: ranks [0]"
+    assert d.describe(_ev("swap_phase", 10.22, swap_id="u1", phase="transfer", reason="mixed commit: ranks [0]")) is None
+
+
 def test_health_verdicts_only_when_they_change():
     d = Describer()
     assert d.describe(_ev("health_verdict", 1, device=0, status="healthy")) is None

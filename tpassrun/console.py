@@ -64,6 +64,7 @@ class _Swap:
     boundary: int | None = None
     started: float = 0.0
     reason: str = ""
+    phase_reasoned: bool = False    # the leader's reason for the current phase was printed
 
 
 @dataclasses.dataclass
@@ -359,16 +360,21 @@ class Describer:
         return None
 
     def _phase_line(self, sid: Any, s: _Swap, phase: str, now: float, reason: Any) -> str | None:
+        label = {"unplanned": "recovery", "node": "node recovery"}.get(s.kind or "", "swap")
+        who = "ranks of a lost node" if s.kind == "node" else f"rank {s.rank}"
         if phase == s.phase:
-            return None   # the leader's decision and this node's part of it: said once
+            # the leader's decision and this node's part of it: said once, but the leader's reason (why this
+            # resume step, a mixed commit) is never lost when this node's part was written first
+            if not reason or s.phase_reasoned or phase in ("aborted", "done"):
+                return None
+            s.phase_reasoned = True
+            return f"[{who}] {label} {sid}: {phase}: {reason}"
         took = f" ({s.phase} took {_secs(now - s.phase_at)})" if s.phase and s.phase_at else ""
-        s.phase, s.phase_at = phase, now
+        s.phase, s.phase_at, s.phase_reasoned = phase, now, bool(reason)
         if phase == "aborted":
             s.reason = str(reason or "")
         if phase == "done":
             return None   # swap_resumed says it, with the pause
-        label = {"unplanned": "recovery", "node": "node recovery"}.get(s.kind or "", "swap")
-        who = "ranks of a lost node" if s.kind == "node" else f"rank {s.rank}"
         return f"[{who}] {label} {sid}: {phase}{took}" + (f": {reason}" if reason else "")
 
 
