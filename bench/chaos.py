@@ -197,7 +197,7 @@ def leftovers(c: Cluster) -> list[str]:
                     found.append(path)
         except (OSError, ValueError):
             pass
-    from tpassrun.registry import registry_dir
+    from tpassrun.ops.registry import registry_dir
 
     found += [p for p in glob.glob(os.path.join(registry_dir(), f"{c.run_id}-*.json"))]
     return sorted(found)

@@ -73,7 +73,7 @@ class Cluster:
         self.agents: list[Agent] = []
         self._hosts = 0
         # the etcd has no auth: every agent gets the run key that seals swap plans and reports
-        # (tpassrun/provenance.py), from a file only this user can read, as a multi-node job would
+        # (tpassrun/records/provenance.py), from a file only this user can read, as a multi-node job would
         self.run_key_file = os.path.join(work, "run.key")
         fd = os.open(self.run_key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "w") as fh:

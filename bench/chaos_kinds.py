@@ -107,7 +107,7 @@ def forged_transfer(c: Cluster, rng: random.Random) -> str:
 
 def _stranger(host: str, port: int) -> str:
     """Connect, answer the listener's hello with a made-up proof, then push a frame anyway."""
-    from tpassrun.handoff import StateBundle, send_bundle
+    from tpassrun.transfer.handoff import StateBundle, send_bundle
     import torch
 
     try:

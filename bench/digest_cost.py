@@ -1,11 +1,11 @@
-"""What the replica check after a swap or recovery costs a rank (tpassrun/digest.py): the digest of its
+"""What the replica check after a swap or recovery costs a rank (tpassrun/worker/digest.py): the digest of its
 replicated state, on a realistic model, once per recovery (never per step).
 
     python bench/digest_cost.py [--layers 12] [--hidden 768] [--vocab 50257] [--repeats 2] [--compare]
 
 The default is GPT-2 small's shape (124 M parameters: embeddings, 12 blocks of attention and MLP linears) with
 AdamW's state after a step (two moments and a step count per parameter): 1.5 GB of fp32 tensors, plain ``torch.nn``
-modules on the CPU. Measured: :func:`tpassrun.digest.state_digest` over model, optimizer and
+modules on the CPU. Measured: :func:`tpassrun.worker.digest.state_digest` over model, optimizer and
 scheduler, as a rank computes it after a recovery (each tensor's row and column sums, the non-tensor values as
 JSON, BLAKE2b); with ``--compare``, BLAKE2b and crc32 over the same raw bytes. Best of ``--repeats``, in CPU seconds
 (one torch thread by default: the cost on one core, however loaded the machine) and wall seconds; figures only.
@@ -24,7 +24,7 @@ import torch
 
 from common import print_json
 
-from tpassrun import digest
+from tpassrun.worker import digest
 
 
 def gpt2_like(layers: int, hidden: int, vocab: int) -> torch.nn.Module:

@@ -8,7 +8,7 @@ torch optimizer given to ``deepspeed.initialize``, ``engine.backward``/``engine.
 and gradient accumulation (2) from its JSON config) through ``tests/docrun.py``, 2 ranks + 1 spare, once per
 ``--zero`` stage. ``--script`` runs any script: one following the examples' convention (``--out DIR``: every
 rank appends ``{"step", "pid"}`` rows to ``DIR/loss_rank<R>.jsonl`` and saves ``DIR/final_rank<R>.pt`` at the end,
-calling ``tpassrun.testing.fault_point(rank, step, "step")`` at each step's start), or, with ``--docrun``, any
+calling ``tpassrun.worker.faultpoints.fault_point(rank, step, "step")`` at each step's start), or, with ``--docrun``, any
 script at all, wrapped by ``tests/docrun.py`` (which writes those files itself). Launcher flags go to both
 launchers (``--nproc``, ``--launcher-arg``; ``--tpassrun-arg`` for tpassrun only), script arguments after ``--``.
 

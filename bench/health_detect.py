@@ -1,6 +1,6 @@
 """Detection latency end to end: a site tool writes a reading -> the taint key is in etcd.
 
-Runs :class:`tpassrun.healthd.AgentHealth` (the agent's health daemon) against a throw-away etcd with a
+Runs :class:`tpassrun.agent.healthd.AgentHealth` (the agent's health daemon) against a throw-away etcd with a
 FileSensor and a stand-in agent (one rank per GPU). For each polling interval, the readings file is
 rewritten at a random phase of the polling cycle with rising uncorrected ECC on one GPU, and we time until
 a watch on ``P taints/`` sees the key. The ratio to the interval should stay <= 2 (one interval of phase,
@@ -25,11 +25,11 @@ import time
 import types
 import urllib.request
 
-from tpassrun.events import EventLog
+from tpassrun.ops.events import EventLog
 from tpassrun.health import FileSensor
-from tpassrun.healthd import AgentHealth
+from tpassrun.agent.healthd import AgentHealth
 from tpassrun.rendezvous import EtcdConfig, EtcdStore, find_etcd_binary
-from tpassrun.slots import SlotState
+from tpassrun.channel.slots import SlotState
 
 INTERVALS = (0.05, 0.1, 0.25, 0.5, 1.0)
 ECC = "ecc_uncorrected_volatile"

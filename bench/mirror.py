@@ -196,7 +196,7 @@ def critical_path(args: argparse.Namespace, steps: int = 40) -> dict[str, Any]:
     import torch
 
     from tpassrun.mirror import MirrorServer, MirrorStore, MirrorTarget
-    from tpassrun.shards import ShardState
+    from tpassrun.worker.shards import ShardState
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, args.hidden), torch.nn.Linear(args.hidden, args.hidden),
@@ -243,7 +243,7 @@ def critical_path(args: argparse.Namespace, steps: int = 40) -> dict[str, Any]:
     stats = state.pusher.stats
     # the default interval (auto, as a rank decides it alone: no process group, no store), a step of --step-ms:
     # what refreshing costs per step, amortized, once K is chosen
-    from tpassrun.shard_interval import DECIDE_STEP
+    from tpassrun.settings.shard_interval import DECIDE_STEP
 
     # less the same loop with --shard-mirror-interval 0 (what the harness itself costs: the sleeps' overshoot, the
     # optimizer's OpenMP threads spinning after its step)

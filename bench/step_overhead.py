@@ -9,14 +9,14 @@ drains (standing in for the agent), tracking a model (replicated: not in the lig
 
   * the boundary check alone (one ``run_until`` read from the mmap);
   * the per-step channel bookkeeping of ``Session.run`` (step, heartbeat, phase, last step time, the check);
-  * the per-step light snapshot (``Session._snapshot_light``: :class:`tpassrun.light.LightSnapshotter` and the
+  * the per-step light snapshot (``Session._snapshot_light``: :class:`tpassrun.transfer.light.LightSnapshotter` and the
     double-buffered write), with its parts, and the general handoff codec it replaced, for comparison;
   * ``Session.run`` with a no-op step, managed vs. not launched by tpassrun: the whole per-step overhead;
   * ``Session.run`` with a tiny training step (forward, backward, SGD step on a tracked 16x16 linear model,
     one sampler advance), managed vs. not: what a real step pays, the seal in the backward pass, the commit
     point and the window bookkeeping included.
   * the no-op and the training step again with every light snapshot also pushed by the worker into a buddy's mirror (a real
-    :class:`tpassrun.mirror.MirrorServer` in another process, over loopback TCP: ``tpassrun/light_mirror.py``),
+    :class:`tpassrun.mirror.MirrorServer` in another process, over loopback TCP: ``tpassrun/worker/light_mirror.py``),
     and the push alone (``PushStream.push``: frame, HMAC, one non-blocking ``sendmsg``).
 
 Best and median of ``--repeats`` rounds (each round measures every item once, in turn). Figures only, no assertions. The last line is JSON.
@@ -38,9 +38,9 @@ from typing import Any, Callable
 import torch
 
 from common import print_json
-from tpassrun import handoff
+from tpassrun.transfer import handoff
 from tpassrun.channel import ChannelFile, Field
-from tpassrun.light import LightSnapshotter
+from tpassrun.transfer.light import LightSnapshotter
 from tpassrun.worker import Session, _AgentLink
 
 CLOCK = [time.perf_counter]   # --clock cpu: this process's CPU time (steadier than wall time on a loaded host)
@@ -243,8 +243,8 @@ def main() -> None:
             pushing.track(model=torch.nn.Linear(256, 256), sampler=Sampler())
             pushing._light_retarget_due = 0
             buddy = Buddy()
-            from tpassrun.light_mirror import LightMirror
-            from tpassrun.mirror_net import PushStream
+            from tpassrun.worker.light_mirror import LightMirror
+            from tpassrun.mirror.net import PushStream
 
             trained_pushing = train_job(Session(backend=None, link=link, rank=0, world_size=1, local_rank=0,
                                                 generation=0, joined=False, timeout=None))

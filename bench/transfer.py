@@ -29,8 +29,8 @@ from typing import Any, Callable
 
 import torch
 
-from tpassrun.handoff_wire import reserve_receive_arena
-from tpassrun.handoff import (
+from tpassrun.transfer.wire import reserve_receive_arena
+from tpassrun.transfer.handoff import (
     TransferAuth,
     accept_and_recv,
     capture,

@@ -41,7 +41,7 @@ while step() < 60:
         sys.exit("the job did not reach step 60")
     time.sleep(0.2)
 start = next(e for e in read_events() if e["event"] == "agent_started")
-ctl = [sys.executable, "-m", "tpassrun.ctl"]
+ctl = [sys.executable, "-m", "tpassrun.ops.ctl"]
 addr = ["--rdzv-endpoint", start["endpoint"], "--rdzv-id", start["run_id"]]
 print(f"\n== step {step()}: tpassctl taint --rank 1 --reason 'demo: GPU 1 is failing'", flush=True)
 subprocess.run(ctl + ["taint", *addr, "--rank", "1", "--reason", "demo: GPU 1 is failing"], check=True)

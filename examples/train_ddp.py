@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import tpassrun
-from tpassrun.testing import fault_point
+from tpassrun.worker.faultpoints import fault_point
 
 
 class ShuffledSampler:

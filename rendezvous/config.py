@@ -21,7 +21,7 @@ DEFAULT_ETCD_PORT = 2379
 DEFAULT_PREFIX = "/tpassrun/v1"
 # Where a password may come from instead of the command line (spelled here: rendezvous must not import tpassrun).
 ETCD_PASSWORD_ENV = "TPASSRUN_ETCD_PASSWORD"
-# secret -> how to give it instead (the run key seals swap records: tpassrun/provenance.py)
+# secret -> how to give it instead (the run key seals swap records: tpassrun/records/provenance.py)
 _SECRET_KEYS = {"password": f"password_file=PATH (a file only you can read) or ${ETCD_PASSWORD_ENV}",
                 "run_key": "run_key_file=PATH (a file only you can read) or $TPASSRUN_RUN_KEY"}
 

@@ -34,7 +34,7 @@ from typing import Mapping
 from .errors import RendezvousError
 
 # The environment variable naming an etcd binary. Spelled here rather than imported because
-# tpassrun.rendezvous must not import tpassrun (tpassrun/envnames.py has the same constant).
+# tpassrun.rendezvous must not import tpassrun (tpassrun/settings/envnames.py has the same constant).
 ETCD_BIN_ENV = "TPASSRUN_ETCD_BIN"
 
 _PR_SET_PDEATHSIG = 1

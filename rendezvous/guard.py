@@ -6,7 +6,7 @@ one (``nodes/<id>``), or take ``leader`` and ``closed``. With a run key every re
 a MAC bound to its etcd key, and every read checks it.
 
 The rendezvous never imports the rest of tpassrun, so it does not know the key: the agent injects a
-:class:`RecordGuard` (``tpassrun.records_nodes.rendezvous_guard``). The default guard seals nothing and refuses
+:class:`RecordGuard` (``tpassrun.records.nodes.rendezvous_guard``). The default guard seals nothing and refuses
 nothing: a run without a key behaves as it always did.
 """
 

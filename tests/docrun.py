@@ -101,8 +101,8 @@ def prepare_cpu(script_text: str) -> Any:
 
 
 def wrap_session_run(out: str) -> None:
-    from tpassrun.testing import fault_point
-    from tpassrun.worker_session import Session
+    from tpassrun.worker.faultpoints import fault_point
+    from tpassrun.worker.session import Session
 
     original = Session.run
 

@@ -1,7 +1,7 @@
 """Fault injection for tests and benchmarks: run a job, kill rank R at step S, stall it, taint it.
 
 In-process faults (a SIGKILL during backward, a SIGSTOP, a straggler) go through ``TPASSRUN_FAULTS`` and
-:func:`tpassrun.testing.fault_point`, which ``examples/train_ddp.py`` calls. Out-of-process faults
+:func:`tpassrun.worker.faultpoints.fault_point`, which ``examples/train_ddp.py`` calls. Out-of-process faults
 (taints, killing an agent) act on the running job from outside. :class:`Job` runs one launcher
 (``tpassrun`` or ``torchrun``) as a real subprocess in its own session and always cleans it up.
 
@@ -337,7 +337,7 @@ class Job:
 def taint(endpoint: str, run_id: str, *, rank: int | None = None, node: str | None = None,
           local_rank: int | None = None, reason: str = "test", wait: bool = False) -> int:
     """``tpassctl taint`` as a user would run it; returns its exit code (``wait``: until the swap resumed)."""
-    argv = [sys.executable, "-m", "tpassrun.ctl", "taint", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+    argv = [sys.executable, "-m", "tpassrun.ops.ctl", "taint", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             "--reason", reason, *([] if wait else ["--no-wait"])]
     if rank is not None:
         argv += ["--rank", str(rank)]
@@ -529,9 +529,9 @@ def dies_with_this_thread():  # type: ignore[no-untyped-def]
     exits, and a thread pool's thread may go before the test ends."""
     import threading
 
-    from tpassrun.procs import _die_with_parent
+    from tpassrun.launch.procs import die_with_parent
 
-    return _die_with_parent(os.getpid()) if threading.current_thread() is threading.main_thread() else None
+    return die_with_parent(os.getpid()) if threading.current_thread() is threading.main_thread() else None
 
 
 def restart_etcd(server: Any, down_s: float) -> None:
@@ -796,7 +796,7 @@ def _children(pid: int) -> list[int]:
 
 
 def storeserver_pids(agent_pid: int) -> list[int]:
-    """The agent's workers' store (``tpassrun/storeserver.py``), a child process of the agent."""
+    """The agent's workers' store (``tpassrun/launch/storeserver.py``), a child process of the agent."""
     out = []
     for child in _children(agent_pid):
         try:

@@ -176,7 +176,7 @@ def main() -> None:
 
     import tpassrun                                                                  # tpassrun
     from tpassrun.adapters.megatron import MegatronAdapter, MegatronProgress          # tpassrun
-    from tpassrun.testing import fault_point
+    from tpassrun.worker.faultpoints import fault_point
 
     cpu_shims.install()
     sess = tpassrun.init(backend="gloo")                                             # tpassrun

@@ -55,7 +55,7 @@ def assert_trees_equal(a: Any, b: Any, where: str) -> None:
 def assert_same_run(job: Job, ref: Job, world: int, *, redone: bool = False) -> None:
     """Final state (whatever the script saved: module, optimizer partition, ...) torch.equal on every rank, and
     the same per-step losses (no step lost or repeated). ``redone``: a recovery may have rolled survivors back
-    over steps they had finished and logged (sharded state, tpassrun/shards.py): each step's every logged loss
+    over steps they had finished and logged (sharded state, tpassrun/worker/shards.py): each step's every logged loss
     must still be the reference's, and no step may be missing."""
     for r in range(world):
         assert_trees_equal(job.final(r), ref.final(r), f"rank {r}")

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpassrun import handoff
+from tpassrun.transfer import handoff
 from tpassrun.adapters._common import _collect, register
 from tpassrun.adapters.deepspeed import DeepSpeedAdapter, DeepSpeedEngineState
 from tpassrun.adapters.megatron import (DataIteratorState, MegatronAdapter, MegatronOptimizerState, MegatronProgress,

@@ -10,9 +10,9 @@ from __future__ import annotations
 import asyncio
 import types
 
-from tpassrun.agent_workers import WorkerSpawning
-from tpassrun.protocol import Done, Hello
-from tpassrun.slots import Slot, SlotState
+from tpassrun.agent.workers import WorkerSpawning
+from tpassrun.channel.protocol import Done, Hello
+from tpassrun.channel.slots import Slot, SlotState
 
 
 class _Agent(WorkerSpawning):

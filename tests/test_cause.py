@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from tpassrun.channel import WorkerPhase
-from tpassrun.failkind import CAUSE_GRACE_S, Around, Cause, FailureKind, cause_of, classify_death
+from tpassrun.plan.failkind import CAUSE_GRACE_S, Around, Cause, FailureKind, cause_of, classify_death
 
 
 @pytest.mark.parametrize("around,why", [

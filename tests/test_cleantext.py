@@ -12,8 +12,8 @@ import pytest
 from rich.console import Console
 
 from test_ctl import formed_run  # noqa: F401  (the fixture: a formed 2-node run in etcd)
-from tpassrun.cleantext import clean, clean_tree
-from tpassrun.console import GlogFormatter
+from tpassrun.ops.cleantext import clean, clean_tree
+from tpassrun.ops.console import GlogFormatter
 
 # clears the screen, retitles the window, rings, rewrites the line, forges a second log line, reverses the text
 EVIL = "GPU 1 \x1b[2J\x1b]0;pwned\x07\r\x9b31mE\x1b[0m\nI1123 forged line\u202egnp.exe\x00\x7f"
@@ -41,7 +41,7 @@ def test_clean_escapes_every_control_character_and_keeps_text():
 
 
 def test_the_agent_console_line_is_one_inert_line():
-    from tpassrun.console import ConsoleReporter
+    from tpassrun.ops.console import ConsoleReporter
 
     out = io.StringIO()
     report = ConsoleReporter(stream=out, pid=7)
@@ -55,8 +55,8 @@ def test_the_agent_console_line_is_one_inert_line():
 
 
 def test_tpassctl_events_lines_are_inert(tmp_path):
-    from tpassrun.ctl_events import print_events
-    from tpassrun.registry import RunEntry
+    from tpassrun.ops.ctl_events import print_events
+    from tpassrun.ops.registry import RunEntry
 
     log = tmp_path / "events.jsonl"
     log.write_text(json.dumps({"event": "fallback", "mono": 1.0, "time": 1.0, "node": "n\x1b[1m", "reason": EVIL})
@@ -70,7 +70,7 @@ def test_tpassctl_events_lines_are_inert(tmp_path):
 
 def test_the_live_view_and_its_summary_line_are_inert():
     from test_tui import run_doc, text, worker
-    from tpassrun.tui import ViewState, render_status, summary_line
+    from tpassrun.ops.tui import ViewState, render_status, summary_line
 
     doc = run_doc(taints={"t\x1b1": {"v": 1, "id": "t1", "node_id": "n1", "slot": 1, "local_rank": 1, "rank": 3,
                                        "effect": "migrate", "reason": EVIL, "source": "tpassctl", "state": ""}},
@@ -123,7 +123,7 @@ def test_the_agents_log_lines_are_inert_and_a_traceback_keeps_its_lines():
 
 def test_a_log_messages_own_lines_stay_lines():
     """torchrun's OMP_NUM_THREADS banner is a multi-line message of ours: it read as one line of literal \\n."""
-    rec = logging.LogRecord("tpassrun.workerenv", logging.WARNING, __file__, 1, "\n*****\nSetting %s\n*****",
+    rec = logging.LogRecord("tpassrun.launch.workerenv", logging.WARNING, __file__, 1, "\n*****\nSetting %s\n*****",
                             ("OMP_NUM_THREADS\x1b[2J\nforged",), None)
     text = GlogFormatter().format(rec)
     assert text.splitlines()[1:] == ["*****", "Setting OMP_NUM_THREADS\\x1b[2J\\nforged", "*****"], text

@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
-from tpassrun import workerenv
+from tpassrun.launch import workerenv
 from tpassrun.cli import main
-from tpassrun.config import (
+from tpassrun.launch.config import (
     ConfigError,
     LaunchConfig,
     Std,
@@ -22,7 +22,7 @@ from tpassrun.config import (
     std_for,
     with_default_port,
 )
-from tpassrun.workerenv import WorkerAssignment, entrypoint_name, worker_argv, worker_env
+from tpassrun.launch.workerenv import WorkerAssignment, entrypoint_name, worker_argv, worker_env
 
 
 def parse(*argv: str, env: dict[str, str] | None = None, **kw) -> LaunchConfig:
@@ -289,9 +289,9 @@ def test_worker_argv_variants():
 
 def test_spare_argv_goes_through_sparestart_unless_it_cannot():
     py = sys.executable
-    assert worker_argv(parse("t.py", "--a"), 2, spare=True) == [py, "-u", "-m", "tpassrun.sparestart", "t.py", "--a"]
-    assert worker_argv(parse("-m", "pkg.mod", "x"), 2, spare=True)[3:] == ["tpassrun.sparestart", "-m", "pkg.mod", "x"]
-    assert worker_argv(parse("--run-path", "/abs/t.py"), 2, spare=True)[3:] == ["tpassrun.sparestart", "/abs/t.py"]
+    assert worker_argv(parse("t.py", "--a"), 2, spare=True) == [py, "-u", "-m", "tpassrun.launch.sparestart", "t.py", "--a"]
+    assert worker_argv(parse("-m", "pkg.mod", "x"), 2, spare=True)[3:] == ["tpassrun.launch.sparestart", "-m", "pkg.mod", "x"]
+    assert worker_argv(parse("--run-path", "/abs/t.py"), 2, spare=True)[3:] == ["tpassrun.launch.sparestart", "/abs/t.py"]
     assert worker_argv(parse("--no-python", "/bin/echo", "x"), 2, spare=True) == ["/bin/echo", "x"]
     # a foreign interpreter may not have tpassrun: the spare runs the script as it is
     assert worker_argv(parse("t.py", env={"PYTHON_EXEC": "/opt/py"}), 2, spare=True) == ["/opt/py", "-u", "t.py"]
@@ -348,7 +348,7 @@ def test_worker_env_has_exactly_torchruns_variables():
 def test_worker_env_omp_rule_warns_once(caplog):
     workerenv._warn_omp_once.cache_clear()
     cfg = parse("--nproc-per-node", "2", "t.py")
-    with caplog.at_level(logging.WARNING, logger="tpassrun.workerenv"):
+    with caplog.at_level(logging.WARNING, logger="tpassrun.launch.workerenv"):
         envs = [worker_env(cfg, assignment(local_rank=i), {}) for i in range(2)]
     assert [e["OMP_NUM_THREADS"] for e in envs] == ["1", "1"]
     assert sum("OMP_NUM_THREADS" in r.getMessage() for r in caplog.records) == 1
@@ -396,7 +396,7 @@ COMPARED = ["nnodes", "nproc_per_node", "rdzv_backend", "rdzv_endpoint", "rdzv_i
 @pytest.mark.timeout(60)
 def test_raw_parse_matches_torchruns_parser(monkeypatch):
     """Our argparse layer and torchrun's give the same raw values (torch imported only here)."""
-    from tpassrun.config import build_parser
+    from tpassrun.launch.config import build_parser
 
     monkeypatch.setenv("PET_MAX_RESTARTS", "1")
     from torch.distributed.run import get_args_parser
@@ -512,7 +512,7 @@ def test_uncreatable_log_dir_and_event_log_are_one_line(tmp_path, capsys):
 
 
 def test_log_dir_and_event_log_are_created(tmp_path):
-    from tpassrun.config import preflight
+    from tpassrun.launch.config import preflight
 
     preflight(parse("--log-dir", str(tmp_path / "a" / "b"), "--event-log", str(tmp_path / "c" / "e.jsonl"), "t.py"))
     assert (tmp_path / "a" / "b").is_dir() and (tmp_path / "c" / "e.jsonl").is_file()
@@ -538,7 +538,7 @@ def test_cli_usage_error_exit_2(capsys):
 def test_role_ranks_count_per_role_in_group_rank_order():
     from types import SimpleNamespace as M
 
-    from tpassrun.workerenv import role_ranks
+    from tpassrun.launch.workerenv import role_ranks
 
     members = [M(group_rank=0, rank_offset=0, nproc=1, role="master"),
                M(group_rank=1, rank_offset=1, nproc=2, role="trainer"),

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tpassrun import cli
-from tpassrun.devices import check_layout, node_devices, slot_env, visible_devices
+from tpassrun.launch.devices import check_layout, node_devices, slot_env, visible_devices
 from tpassrun.health import device_for_local_rank, nvml_device_count
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -139,6 +139,6 @@ def test_the_launcher_takes_a_shared_layout_only_with_the_opt_in(monkeypatch, ca
     assert cli.main(["--nproc-per-node", "2", "--spares-per-node", "1", "train.py"]) == cli.REJECTED_VALUE
     assert "needs 3 GPUs, but this node has 1" in capsys.readouterr().err
     monkeypatch.setenv("TPASSRUN_SHARE_GPUS", "1")
-    from tpassrun.config import parse_args
+    from tpassrun.launch.config import parse_args
     cfg = parse_args(["--nproc-per-node", "2", "--spares-per-node", "1", "train.py"], {})
     cli._check_devices(cfg)                                           # no ConfigError: the layout is taken

@@ -1,6 +1,6 @@
-"""The replica check after a swap or recovery (issue 22 item 2): the exact digest (tpassrun/digest.py), the pure
+"""The replica check after a swap or recovery (issue 22 item 2): the exact digest (tpassrun/worker/digest.py), the pure
 decision (who differs, whom it may trust, what it loads from whom), the console line, and the worker's collectives
-and repair on real gloo processes (tpassrun/worker_digest.py; the whole job: tests/test_digest_e2e.py)."""
+and repair on real gloo processes (tpassrun/worker/replicas.py; the whole job: tests/test_digest_e2e.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ import sys
 import pytest
 import torch
 
-from tpassrun import digest, testing
-from tpassrun.console import ConsoleReporter, Describer
-from tpassrun.digest import RankDigest, Repair, decide, describe_repairs, repair_plan, state_digest, tensor_digest
-from tpassrun.worker_digest import _renumber
+from tpassrun.worker import digest
+from tpassrun.worker import faultpoints as testing
+from tpassrun.ops.console import ConsoleReporter, Describer
+from tpassrun.worker.digest import RankDigest, Repair, decide, describe_repairs, repair_plan, state_digest, tensor_digest
+from tpassrun.worker.replicas import _renumber
 
 pytestmark = pytest.mark.timeout(300)
 GLOO = pytest.mark.timeout(900)     # a hang catcher: starting 4 torch processes on a loaded host takes minutes
@@ -202,8 +203,8 @@ def test_the_corrupt_fault_is_claimed_once_with_its_fields(tmp_path, monkeypatch
 CHILD = r'''
 import dataclasses, json, os, sys
 import torch, torch.distributed as dist
-from tpassrun import digest
-from tpassrun.worker_session import Session
+from tpassrun.worker import digest
+from tpassrun.worker.session import Session
 
 cfg = json.loads(sys.argv[1])
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])

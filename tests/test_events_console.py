@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import re
 
-from tpassrun.console import ConsoleReporter, Describer, RunTally, summary_lines
-from tpassrun.events import EventLog, read_events
+from tpassrun.ops.console import ConsoleReporter, Describer, RunTally, summary_lines
+from tpassrun.ops.events import EventLog, read_events
 
 
 def test_a_full_disk_is_reported_once_and_the_events_go_on(capsys):
@@ -131,7 +131,7 @@ def test_a_full_disk_that_frees_gets_the_event_log_back_said_once_with_the_gap(t
     """The chaos harness's disk_full fault frees the disk again; the event log (and the workers' tee copies,
     below) gave up for good at the first ENOSPC and stayed empty for the rest of the run. Now the file is tried
     again every RETRY_S, a gap record says how many events it missed, and stderr says each change once."""
-    from tpassrun import events
+    from tpassrun.ops import events
 
     now = [0.0]
     path = tmp_path / "e.jsonl"
@@ -157,7 +157,7 @@ def test_a_full_disk_that_frees_gets_the_event_log_back_said_once_with_the_gap(t
 def test_a_tee_copy_that_failed_writes_again_once_the_disk_frees(caplog):
     import io
 
-    from tpassrun import procs
+    from tpassrun.launch import procs
 
     class Disk(io.BytesIO):
         full = False
@@ -203,7 +203,7 @@ def test_a_restart_counts_its_start_up_and_the_steps_it_runs_again_and_a_failed_
 
 
 def test_progress_says_once_where_a_restarted_group_resumed_and_what_it_runs_again():
-    from tpassrun.progress import Progress, RankPosition
+    from tpassrun.ops.progress import Progress, RankPosition
 
     p = Progress()
     p.started(after_restart=False)
@@ -221,11 +221,11 @@ def test_progress_says_once_where_a_restarted_group_resumed_and_what_it_runs_aga
 
 
 def test_the_launchers_python_log_lines_share_the_consoles_format():
-    """The launcher's own warnings ('[2026-11-28 19:06:23,439] tpassrun.workerenv WARNING: ...') used a second
+    """The launcher's own warnings ('[2026-11-28 19:06:23,439] tpassrun.launch.workerenv WARNING: ...') used a second
     format beside the event lines; both are torchrun's glog-style lines now."""
     import logging
 
-    from tpassrun.console import GlogFormatter
+    from tpassrun.ops.console import GlogFormatter
 
     rec = logging.LogRecord("tpassrun.mirror", logging.WARNING, __file__, 1, "buddy %s unreachable", ("n2",), None)
     line = GlogFormatter().format(rec)

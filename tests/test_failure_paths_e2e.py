@@ -12,7 +12,7 @@ import pytest
 
 from faults import Job, faults_env, hold_at, kill_at, stop_at
 from tpassrun.channel import WorkerPhase
-from tpassrun.failkind import FailureKind, classify_death, recoverable
+from tpassrun.plan.failkind import FailureKind, classify_death, recoverable
 
 pytestmark = pytest.mark.timeout(240)
 STEPS = 30

@@ -1,4 +1,4 @@
-"""tpassrun/testing.py's fault points as the chaos harness arms them (pure, no job): a fault with ``any_step``
+"""tpassrun/worker/faultpoints.py's fault points as the chaos harness arms them (pure, no job): a fault with ``any_step``
 fires at the first step that reaches its point once its marker is gone, once; a ``sleep`` with ``unless`` slows
 every step until that file exists."""
 
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from tpassrun import testing
+from tpassrun.worker import faultpoints as testing
 
 pytestmark = pytest.mark.timeout(30)
 

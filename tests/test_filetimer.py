@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from tpassrun.filetimer import FileTimerServer, TimerRequest, expired, register
+from tpassrun.launch.filetimer import FileTimerServer, TimerRequest, expired, register
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -14,9 +14,10 @@ import random
 import pytest
 import torch
 
-from tpassrun import handoff, light
-from tpassrun.handoff import HandoffError, capture, capture_rng, cuda_rng_targets, restore_rng
-from tpassrun.shard_copy import split_by_device
+from tpassrun.transfer import handoff
+from tpassrun.transfer import light
+from tpassrun.transfer.handoff import HandoffError, capture, capture_rng, cuda_rng_targets, restore_rng
+from tpassrun.worker.shard_copy import split_by_device
 
 
 class FakeCuda:
@@ -125,6 +126,6 @@ def test_the_shard_copier_plan_splits_by_device_and_keeps_the_snapshot_order():
 
 
 def test_the_copier_is_chosen_by_the_device():
-    from tpassrun.shard_copy import CpuCopier, make_copier
+    from tpassrun.worker.shard_copy import CpuCopier, make_copier
 
     assert isinstance(make_copier(), CpuCopier) == (not torch.cuda.is_available())

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpassrun.handoff import (
+from tpassrun.transfer.handoff import (
     ChecksumError,
     HandoffError,
     StateBundle,
@@ -399,7 +399,7 @@ def test_a_64_mb_tensor_round_trips_in_chunks():
 
 @pytest.mark.timeout(60)
 def test_a_reserved_arena_receives_one_transfer_then_is_forgotten():
-    from tpassrun import handoff_frame as handoff_wire   # the arena lives with the frame
+    from tpassrun.transfer import frame as handoff_wire   # the arena lives with the frame
 
     big, odd = torch.randn(1 << 20), torch.arange(7, dtype=torch.int16)   # 4 MiB, and a size that is not x8
     bundle = capture({"bag": Bag({"big": big, "odd": odd, "half": torch.ones(3, dtype=torch.float16)})}, step=2)
@@ -498,8 +498,8 @@ def test_a_flipped_byte_on_the_wire_is_a_checksum_error(where: str, checksum: st
 
 SENDER_THAT_DIES = textwrap.dedent("""
     import os, signal, socket, sys, torch
-    from tpassrun.handoff import capture
-    from tpassrun.handoff_frame import _encode_head, _outgoing
+    from tpassrun.transfer.handoff import capture
+    from tpassrun.transfer.frame import _encode_head, _outgoing
     bundle = capture({"bag": type("B", (), {"state_dict": lambda s: {"t": torch.ones(8 << 20)},
                                            "load_state_dict": lambda s, x: None})()}, step=0)
     spec, _, view = _outgoing(bundle.tensors[0])

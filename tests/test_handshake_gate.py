@@ -22,11 +22,11 @@ import torch
 
 from faults import Hold, Job, Strangers, faults_env, hold_at, listening_ports, storeserver_pids, taint
 
-from tpassrun.handoff import (AuthError, HandoffError, StateBundle, TransferAuth, accept_and_recv, connect_and_send,
+from tpassrun.transfer.handoff import (AuthError, HandoffError, StateBundle, TransferAuth, accept_and_recv, connect_and_send,
                               listen_for_bundle)
-from tpassrun.handoff_wire import _sender_handshake
-from tpassrun.wireauth import HELLO, PROOF
-from tpassrun.wiregate import MAX_PENDING_PER_SOURCE, PendingTable
+from tpassrun.transfer.wire import _sender_handshake
+from tpassrun.transfer.auth import HELLO, PROOF
+from tpassrun.transfer.gate import MAX_PENDING_PER_SOURCE, PendingTable
 
 pytestmark = pytest.mark.timeout(120)
 

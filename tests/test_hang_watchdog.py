@@ -1,4 +1,4 @@
-"""The hang watchdog (tpassrun/agent_tasks.py): a process the kernel keeps stopped is found in any phase.
+"""The hang watchdog (tpassrun/agent/tasks.py): a process the kernel keeps stopped is found in any phase.
 
 bench/chaos.py found a SIGSTOPped worker that the watchdog never flagged: it looked only at running workers'
 heartbeats, and not at all while a swap ran, so a rank stopped while paused, a stopped joiner or spare, or a rank
@@ -15,9 +15,9 @@ import types
 
 import pytest
 
-from tpassrun.agent_tasks import GenerationTasks, _proc_state, stopped_too_long
+from tpassrun.agent.tasks import GenerationTasks, _proc_state, stopped_too_long
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.slots import LocalSlots, SlotState
+from tpassrun.channel.slots import LocalSlots, SlotState
 
 pytestmark = pytest.mark.timeout(60)
 

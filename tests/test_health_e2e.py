@@ -41,7 +41,7 @@ def _agent_runs_health() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _agent_runs_health(),
-                                reason="tpassrun/agent.py does not start AgentHealth yet (see healthd.py)")
+                                reason="tpassrun/agent/__init__.py does not start AgentHealth yet (see healthd.py)")
 
 
 def launch(endpoint: str, run_id: str, workdir: Path, steps: int, *, spares: int, extra_args: tuple[str, ...] = (),

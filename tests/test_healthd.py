@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from tpassrun import healthd
+from tpassrun.agent import healthd
 from tpassrun.channel import Field
-from tpassrun.events import EventLog
+from tpassrun.ops.events import EventLog
 from tpassrun.health import HealthVerdict, Status, TaintEffect
-from tpassrun.healthd import AgentHealth, SlotInfo, TaintOp, WrittenTaint, decide, taint_id
+from tpassrun.agent.healthd import AgentHealth, SlotInfo, TaintOp, WrittenTaint, decide, taint_id
 from tpassrun.rendezvous import EtcdConfig, EtcdStore
-from tpassrun.slots import SlotState
+from tpassrun.channel.slots import SlotState
 
 NODE = "node-a"
 ECC = "ecc_uncorrected_volatile"

@@ -14,11 +14,13 @@ PACKAGES = {"tpassrun": ROOT / "tpassrun", "tpassrun.rendezvous": ROOT / "rendez
 
 def _modules() -> dict[str, Path]:
     out = {}
+    for f in sorted((ROOT / "tpassrun").rglob("*.py")):
+        parts = list(f.relative_to(ROOT).with_suffix("").parts)
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
     for pkg, path in PACKAGES.items():
-        for f in sorted(path.glob("*.py")):
-            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
-    for f in sorted((ROOT / "tpassrun" / "adapters").glob("*.py")):
-        out["tpassrun.adapters" if f.stem == "__init__" else f"tpassrun.adapters.{f.stem}"] = f
+        if pkg != "tpassrun":
+            for f in sorted(path.glob("*.py")):
+                out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
     return out
 
 
@@ -102,70 +104,71 @@ def test_no_upward_import():
 
 def test_the_agent_is_not_imported_by_its_parts():
     importers = sorted(m for m, deps in graph().items() if "tpassrun.agent" in deps)
-    assert importers == ["tpassrun.cli"] or set(importers) <= {"tpassrun.cli", "tpassrun.config"}, importers
+    assert importers == ["tpassrun.cli"] or set(importers) <= {"tpassrun.cli", "tpassrun.launch.config"}, importers
 
 
-# ---------------------------------------------------------------------------------------------- DESIGN.md's map
-DESIGN = ROOT / "docs" / "DESIGN.md"
-_EXTERNAL = {"stdlib", "aetcd", "torch", "pynvml"}
+# ------------------------------------------------------------------------------------ docs/layout.toml's map
+LAYOUT = ROOT / "docs" / "layout.toml"
+TOP = "top"     # tpassrun/__init__.py, cli.py, __main__.py: the console script and the lazy worker API
 
 
-def _layout() -> list[tuple[list[str], set[str] | None]]:
-    """DESIGN.md's Layout table: (the modules a row names, the tpassrun modules it may import; None: any)."""
-    import re
-
-    text = DESIGN.read_text()
-    table = text[text.index("## Layout"):]
-    table = table[: table.index("\n\n", table.index("| --- |"))]
-    rows = []
-    for line in table.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) < 3 or not cells[0].startswith("`"):
-            continue   # the heading, the header row, its rule
-        modules = []
-        for path in re.findall(r"`((?:tpassrun|rendezvous|health)/[^`]*)`", cells[0]):
-            path = path.removesuffix(".py").removesuffix("/")
-            name = "tpassrun." + path if not path.startswith("tpassrun") else path.replace("/", ".")
-            modules.append("tpassrun" if name == "tpassrun.__init__" else name)
-        may = cells[-1]
-        if may.startswith("everything"):
-            rows.append((modules, None))
-            continue
-        allowed = set()
-        for token in re.sub(r"\([^)]*\)", "", may).split(","):
-            word = token.strip().split(" ")[0] if token.strip() else ""
-            if word and word not in ("nothing", "-") and word not in _EXTERNAL:
-                allowed.add("tpassrun." + word)
-        rows.append((modules, allowed))
-    return rows
+def package_of(module: str) -> str:
+    """The package a module belongs to: ``tpassrun.<package>.<module>``, or ``top`` for the files at the root."""
+    parts = module.split(".")
+    if len(parts) >= 2 and (len(parts) > 2 or (ROOT / "tpassrun" / parts[1]).is_dir()
+                            or parts[1] in ("rendezvous", "health")):
+        return parts[1]
+    return TOP
 
 
-def _row_of(module: str, rows: list[tuple[list[str], set[str] | None]]) -> set[str] | None | bool:
-    for names, allowed in rows:
-        if any(module == n or (n != "tpassrun" and module.startswith(n + ".")) for n in names):
-            return allowed
-    return False
+def layout() -> dict[str, set[str]]:
+    import tomllib
+
+    packages = tomllib.loads(LAYOUT.read_text())["packages"]
+    return {name: set(row["may_import"]) for name, row in packages.items()}
 
 
-def _within(dep: str, allowed: set[str]) -> bool:
-    return any(dep == a or dep.startswith(a + ".") for a in allowed)
-
-
-def test_design_layout_names_every_module_and_what_it_may_import():
-    rows = _layout()
-    missing, extra = [], []
+def package_graph() -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
     for module, deps in graph().items():
-        allowed = _row_of(module, rows)
-        if allowed is False:
-            missing.append(module)
-            continue
-        if allowed is None or module.startswith(("tpassrun.rendezvous", "tpassrun.health", "tpassrun.adapters.")):
-            continue   # the CLI may import anything; the subpackages are checked by test_no_upward_import
-        bad = sorted(d for d in deps if d != "tpassrun" and not _within(d, allowed))
-        if bad:
-            extra.append(f"{module} imports {bad}")
-    assert missing == [], f"no row in docs/DESIGN.md's Layout table for {missing}"
-    assert extra == [], "imports docs/DESIGN.md's Layout table does not allow: " + "; ".join(extra)
+        mine = package_of(module)
+        out.setdefault(mine, set()).update(p for p in map(package_of, deps) if p != mine and p != TOP)
+    return out
+
+
+def test_every_package_has_a_row_and_imports_only_what_it_names():
+    rows, g = layout(), package_graph()
+    assert sorted(set(g) - set(rows)) == [], f"no row in {LAYOUT.name} for these packages"
+    bad = {p: sorted(deps - rows[p]) for p, deps in g.items() if deps - rows[p]}
+    assert bad == {}, f"imports {LAYOUT.name} does not allow: {bad}"
+
+
+def test_the_package_graph_has_no_circle():
+    assert _cycles({p: set(d) for p, d in package_graph().items()}) == []
+
+
+def test_no_module_imports_another_packages_private_names():
+    found = []
+    for module, path in _modules().items():
+        mine = package_of(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("tpassrun.")):
+                continue
+            if package_of(node.module or "") == mine:
+                continue
+            private = [a.name for a in node.names if a.name.startswith("_")]
+            if private or any(part.startswith("_") for part in (node.module or "").split(".")):
+                found.append(f"{module}: from {node.module} import {', '.join(a.name for a in node.names)}")
+    assert found == []
+
+
+def test_every_package_is_installed():
+    """A sub-package missing from pyproject's list imports from the source tree and is absent once installed."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    dirs = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "tpassrun").rglob("__init__.py")}
+    assert sorted(dirs - listed) == []
 
 
 # ------------------------------------------------------------------------ only importable from the source tree
@@ -194,7 +197,7 @@ def test_bare_imports_are_found():
 
 
 def test_no_module_imports_a_subpackage_by_its_source_tree_name():
-    """``tpassrun/config.py`` did ``from health import Policy``: fine from the repository's root, where
+    """``tpassrun/launch/config.py`` did ``from health import Policy``: fine from the repository's root, where
     ``health/`` happens to be importable, a ``ModuleNotFoundError`` traceback for every ``--health-config``
     from an installed tpassrun."""
     files = [p for p in _modules().values()]

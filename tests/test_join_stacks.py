@@ -1,4 +1,4 @@
-"""A rank whose join into a re-formed world takes too long says where it stands (tpassrun/world.py): its agent
+"""A rank whose join into a re-formed world takes too long says where it stands (tpassrun/worker/world.py): its agent
 cannot reach it inside torch (a store that never answers, gloo waiting for a peer), and the swap's 120 s phase
 timeout then gives up without knowing why. Past ``JOIN_STACKS_AFTER_S`` every thread's stack goes to the worker's
 stderr (its log), and nothing is dumped for a join that ends in time."""
@@ -17,8 +17,8 @@ SCRIPT = textwrap.dedent("""
     import sys, time
     from datetime import timedelta
     import torch.distributed as dist
-    from tpassrun import world
-    from tpassrun.protocol import WorldSpec
+    from tpassrun.worker import world
+    from tpassrun.channel.protocol import WorldSpec
 
     world.JOIN_STACKS_AFTER_S = float(sys.argv[1])
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)

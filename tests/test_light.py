@@ -1,4 +1,4 @@
-"""The per-step light snapshot (tpassrun/light.py): exact RNG round trips, including numpy's Gaussian cache
+"""The per-step light snapshot (tpassrun/transfer/light.py): exact RNG round trips, including numpy's Gaussian cache
 that the unchanged-generator shortcut must not miss, the same bundle the general codec gives, and frames that
 detect tearing and corruption."""
 
@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tpassrun import handoff, light
-from tpassrun.handoff_codec import ChecksumError, decode_tree
+from tpassrun.transfer import handoff
+from tpassrun.transfer import light
+from tpassrun.transfer.codec import ChecksumError, decode_tree
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -1,4 +1,4 @@
-"""A worker pushes its light snapshots into its buddy's mirror itself (tpassrun/light_mirror.py, PushStream):
+"""A worker pushes its light snapshots into its buddy's mirror itself (tpassrun/worker/light_mirror.py, PushStream):
 one-way, never blocking, delivered even when the pushing process is SIGKILLed right after the push returned."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ import pytest
 
 from test_mirror import KEY, _frame, _Served
 from tpassrun import mirror as M
-from tpassrun import mirror_client as N
+from tpassrun.mirror import client as N
 from tpassrun.channel import ChannelFile, Field
-from tpassrun.wireauth import AuthError
+from tpassrun.transfer.auth import AuthError
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -85,7 +85,7 @@ def test_a_frame_pushed_right_before_a_sigkill_is_delivered(served):
     code = textwrap.dedent(f"""
         import os, signal, sys, zlib
         sys.path.insert(0, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r})
-        from tpassrun.mirror_client import PushStream
+        from tpassrun.mirror.client import PushStream
         s = PushStream("127.0.0.1", {served.server.port}, {KEY!r}, run_id="run-1").connect()
         body = b"TPL1" + os.urandom(12000)
         frame = body + b"TPLE" + zlib.crc32(body).to_bytes(4, "little")
@@ -113,7 +113,7 @@ class _Link:
 
 
 def test_the_worker_side_pushes_when_up_and_says_so_in_its_slot(tmp_path, served):
-    from tpassrun.light_mirror import LightMirror
+    from tpassrun.worker.light_mirror import LightMirror
 
     ch = ChannelFile.create(str(tmp_path / "chan"), 2)
     link = _Link(ch, 1)
@@ -146,7 +146,7 @@ def test_the_worker_side_pushes_when_up_and_says_so_in_its_slot(tmp_path, served
 def test_the_agent_leaves_a_slot_alone_while_its_worker_pushes_itself(tmp_path):
     from types import SimpleNamespace
 
-    from tpassrun.mirrorplane import MirrorPlane
+    from tpassrun.swapper.mirrorplane import MirrorPlane
 
     served = _Served()
     ch = ChannelFile.create(str(tmp_path / "chan"), 2)

@@ -1,4 +1,4 @@
-"""The mirror data plane (tpassrun/mirror.py): the store's rules, the authenticated server/client, the ring."""
+"""The mirror data plane (tpassrun/mirror/__init__.py): the store's rules, the authenticated server/client, the ring."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from tpassrun import mirror as M
-from tpassrun import mirror_net as N
-from tpassrun import poly1305
-from tpassrun.wireauth import ACCEPT, HELLO, AuthError, ConnectorHandshake, TransferAuth
+from tpassrun.mirror import net as N
+from tpassrun.transfer import poly1305
+from tpassrun.transfer.auth import ACCEPT, HELLO, AuthError, ConnectorHandshake, TransferAuth
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -266,7 +266,7 @@ def _frame(tag: bytes) -> bytes:
 
 def test_light_frames_are_read_whole_or_not_at_all(tmp_path):
     from tpassrun.channel import ChannelFile, Field
-    from tpassrun.mirrorplane import light_frame_ok, read_light_frames
+    from tpassrun.swapper.mirrorplane import light_frame_ok, read_light_frames
 
     ch = ChannelFile.create(str(tmp_path / "chan"), 2)
     assert read_light_frames(ch, 0) == []
@@ -287,7 +287,7 @@ def test_the_agent_pushes_what_changed_to_its_buddy_and_nothing_else(tmp_path):
     from types import SimpleNamespace
 
     from tpassrun.channel import ChannelFile
-    from tpassrun.mirrorplane import LIGHT, MirrorPlane
+    from tpassrun.swapper.mirrorplane import LIGHT, MirrorPlane
 
     served = _Served()
     ch = ChannelFile.create(str(tmp_path / "chan"), 3)

@@ -1,5 +1,5 @@
-"""A mixed commit in a single rank's recovery, decided purely (tpassrun/catchup.py mixed_commit, tpassrun/resume.py,
-tpassrun/swap.py): survivors that stopped one transaction apart are put at one step, those not there first taking
+"""A mixed commit in a single rank's recovery, decided purely (tpassrun/plan/catchup.py mixed_commit, tpassrun/plan/resume.py,
+tpassrun/plan/swap.py): survivors that stopped one transaction apart are put at one step, those not there first taking
 its replicated state from one that is; going back is preferred (nothing the script does is skipped), going forward
 when the dead rank kept no state of the step's start; without word from every survivor, or a survivor standing at
 the step by itself, the recovery aborts as before, saying why."""
@@ -10,9 +10,9 @@ import dataclasses
 
 import pytest
 
-from tpassrun.catchup import mixed_commit
+from tpassrun.plan.catchup import mixed_commit
 from tpassrun.records import Move, SlotRef
-from tpassrun.swap import ClusterView, Phase, Report, SlotView, next_step, plan_for_failure, resume_plan
+from tpassrun.plan.swap import ClusterView, Phase, Report, SlotView, next_step, plan_for_failure, resume_plan
 
 NOW = 1000.0
 # rank 1 (a/1) died; rank 0 on a, rank 2 on b survive; the spare is b/1

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 
-from tpassrun.handoff_codec import decode_tree
-from tpassrun.light import decode
+from tpassrun.transfer.codec import decode_tree
+from tpassrun.transfer.light import decode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -27,10 +27,11 @@ import sys
 sys.modules["numpy"] = None          # import numpy raises ModuleNotFoundError, as on a minimal install
 import os, random, socket, threading
 import torch
-from tpassrun import handoff, handoff_wire
+from tpassrun.transfer import handoff
+from tpassrun.transfer import wire as handoff_wire
 from tpassrun.channel import ChannelFile, Field
-from tpassrun.light import decode
-from tpassrun.wireauth import TransferAuth
+from tpassrun.transfer.light import decode
+from tpassrun.transfer.auth import TransferAuth
 from tpassrun.worker import Session, _AgentLink
 
 try:

@@ -335,7 +335,7 @@ def test_when_the_lost_nodes_buddy_dies_too_the_group_restarts_and_says_why(tmp_
 
 def _status_workers(endpoint: str, run_id: str, node: str | None) -> list[dict]:
     """The workers ``node``'s agent last published (``tpassctl status --json``, as an operator reads them)."""
-    out = subprocess.run([sys.executable, "-m", "tpassrun.ctl", "status", "--rdzv-endpoint", endpoint, "--rdzv-id",
+    out = subprocess.run([sys.executable, "-m", "tpassrun.ops.ctl", "status", "--rdzv-endpoint", endpoint, "--rdzv-id",
                           run_id, "--json"], capture_output=True, text=True, timeout=60)
     doc = json.loads(out.stdout) if out.returncode == 0 else {}
     return list((doc.get("status") or {}).get(node or "", {}).get("workers", []))

@@ -1,16 +1,16 @@
-"""Whole-node loss as pure decisions: the node planner (tpassrun/swap.py), the triage's part (tpassrun/triage.py)
-and the generation a node plan commits (tpassrun/coordinator.py)."""
+"""Whole-node loss as pure decisions: the node planner (tpassrun/plan/swap.py), the triage's part (tpassrun/plan/triage.py)
+and the generation a node plan commits (tpassrun/swapper/coordinator.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from tpassrun.coordinator import committed_generation, homes_of
+from tpassrun.swapper.coordinator import committed_generation, homes_of
 from tpassrun.records import Failure, Move, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
 from tpassrun.rendezvous import GenState, Generation, Member, NodeInfo
-from tpassrun.swap import (ClusterView, SlotView, lost_ranks, next_step, node_plan_id, plan_for_node_loss,
+from tpassrun.plan.swap import (ClusterView, SlotView, lost_ranks, next_step, node_plan_id, plan_for_node_loss,
                            resume_step_node, transfer_key)
-from tpassrun.triage import CasPlan, CreatePlan, PutFailure, PutTaint, RestartGroup, Say, Seen, triage
+from tpassrun.plan.triage import CasPlan, CreatePlan, PutFailure, PutTaint, RestartGroup, Say, Seen, triage
 
 NOW = 1000.0
 # a: ranks 0,1; b: ranks 2,3 (lost); c: a --spare-node with two warm spares
@@ -147,7 +147,7 @@ def test_a_mixed_commit_rolls_forward_the_survivors_that_failed_inside_the_step_
 
 
 def test_a_mixed_commit_is_not_rolled_forward_without_the_laggards_seal_or_more_than_a_step_apart():
-    from tpassrun.catchup import roll_forward
+    from tpassrun.plan.catchup import roll_forward
 
     no_seal = Report(node="a", phase=Phase.PAUSE, failed_steps=(13, 12), stops={0: (0, 13, False), 1: (1, 12, False)})
     r = roll_forward([no_seal])
@@ -205,7 +205,7 @@ def test_sharded_survivors_alone_in_their_replica_group_donate_the_replicated_re
 def test_two_nodes_lost_at_once_go_to_two_spare_nodes_in_one_plan():
     """a, b, d, e members (one rank each, ring a -> b -> d -> e -> a); b and e lost (not each other's buddy);
     spare nodes c and f take one lost node each, donors spread."""
-    from tpassrun.multiloss import plan_for_losses
+    from tpassrun.plan.multiloss import plan_for_losses
 
     homes = ((0, "a", 0), (1, "b", 0), (2, "d", 0), (3, "e", 0))
     slots = (SlotView("a", 0, 0, "running", True, 7), SlotView("d", 0, 2, "running", True, 7),
@@ -507,7 +507,7 @@ def test_donors_come_from_each_lost_ranks_declared_replica_group():
 
 
 def test_a_spare_nodes_slots_also_serve_a_single_rank_from_any_node():
-    from tpassrun.swap import plan_for_failure, plan_for_taint
+    from tpassrun.plan.swap import plan_for_failure, plan_for_taint
 
     live = view(*A, SlotView("b", 0, 2, "running", True, 7), SlotView("b", 1, 3, "running", True, 7), *C, lost=())
     died = plan_for_failure(live, node="a", slot=1, rank=1, reason="exit -9", now_wall=NOW, light_available=True)

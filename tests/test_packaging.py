@@ -35,7 +35,7 @@ def test_wheel_layout(wheel):
     assert not any(n.startswith(("rendezvous/", "health/")) for n in names), "generic top-level names leaked"
     entry = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry).decode()
-    assert "tpassrun = tpassrun.cli:main" in text and "tpassctl = tpassrun.ctl:main" in text
+    assert "tpassrun = tpassrun.cli:main" in text and "tpassctl = tpassrun.ops.ctl:main" in text
 
 
 def test_installed_wheel_imports_its_own_code_not_a_foreign_package(wheel, tmp_path):

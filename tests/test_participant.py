@@ -1,4 +1,4 @@
-"""The participant half of a swap (tpassrun/swapper.py) against fakes: what each phase tells the local workers
+"""The participant half of a swap (tpassrun/swapper/__init__.py) against fakes: what each phase tells the local workers
 (typed protocol commands) and what it reports, with no etcd, no process and no socket.
 
 The fake slot table plays the workers: a paused rank told to ``Resume`` runs to the boundary and pauses there,
@@ -13,13 +13,13 @@ import types
 
 import pytest
 
-from tpassrun import protocol as P
+from tpassrun.channel import protocol as P
 from tpassrun.channel import INT64_MAX, Field, WorkerPhase
-from tpassrun.port import AgentPort, SwapSettings
+from tpassrun.swapper.agentport import AgentPort, SwapSettings
 from tpassrun.records import Phase, SlotRef, SwapKind, SwapPlan
-from tpassrun.slots import Slot, SlotState
-from tpassrun.swap import transfer_key as _transfer_key
-from tpassrun.swap_phases import PhaseSteps
+from tpassrun.channel.slots import Slot, SlotState
+from tpassrun.plan.swap import transfer_key as _transfer_key
+from tpassrun.swapper.phases import PhaseSteps
 from tpassrun.swapper import Swapper
 
 NODE = "a"

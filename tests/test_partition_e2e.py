@@ -3,7 +3,7 @@ bridge's host, a 2-node job (2 ranks each) and a ``--spare-node``. Node B's cabl
 down: a black hole, nothing is reset) while its ranks are inside a step and A's are blocked in the next step's
 all-reduce waiting for them. B's agent loses etcd and fences its workers; A and C see B's lease expire; A's
 survivors, which no connection reset will ever reach, are broken out of gloo at once by their agent (a Break on
-the watch connection: tpassrun/worker_watch.py) instead of waiting for the process group's timeout; C takes B's
+the watch connection: tpassrun/worker/watch.py) instead of waiting for the process group's timeout; C takes B's
 ranks live, with their per-rank state from B's buddy's mirror (A). Then B's cable is plugged back in while the
 job runs: B's agent re-registers and rejoins as a spare node (nobody re-forms) and exits 0 with the job. The run
 ends ``torch.equal`` to torchrun.

@@ -1,4 +1,4 @@
-"""Poly1305 from the host's OpenSSL (tpassrun/poly1305.py): the RFC 8439 vectors, pieces read in place, one-time
+"""Poly1305 from the host's OpenSSL (tpassrun/transfer/poly1305.py): the RFC 8439 vectors, pieces read in place, one-time
 keys per frame, and the handoff's choice of frame MAC (Poly1305 where both ends have it, else HMAC-SHA256 frames
 and one line; a receiver without Poly1305 refuses a Poly1305 stream in one line)."""
 
@@ -11,8 +11,9 @@ import threading
 import pytest
 import torch
 
-from tpassrun import handoff_wire, poly1305
-from tpassrun.handoff import HandoffError, StateBundle, TransferAuth, recv_bundle, send_bundle
+from tpassrun.transfer import wire as handoff_wire
+from tpassrun.transfer import poly1305
+from tpassrun.transfer.handoff import HandoffError, StateBundle, TransferAuth, recv_bundle, send_bundle
 
 pytestmark = pytest.mark.timeout(60)
 needs_poly1305 = pytest.mark.skipif(not poly1305.available(), reason=f"no Poly1305: {poly1305.unavailable_reason()}")
@@ -106,7 +107,7 @@ def test_without_poly1305_frames_are_hmac_and_one_line_says_why(monkeypatch, cap
         poly1305.tag(bytes(32), [b"x"])
     auth = TransferAuth(b"k" * 32, "swap-1", 0)
     bundle = StateBundle({"step": 1}, [torch.arange(5000, dtype=torch.float32)])
-    with caplog.at_level(logging.WARNING, logger="tpassrun.handoff"):
+    with caplog.at_level(logging.WARNING, logger="tpassrun.transfer.handoff"):
         for _ in range(2):
             assert _transfer(auth, bundle).checksum.startswith("hmac-sha256:")
     lines = [r.getMessage() for r in caplog.records if "Poly1305" in r.getMessage()]

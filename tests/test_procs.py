@@ -16,9 +16,9 @@ import time
 import pytest
 import uvloop
 
-from tpassrun.config import Std
-from tpassrun.procs import CONSOLE, RunLogs, StdioSpec, line_prefix, spawn_worker, stop_workers
-from tpassrun.report import (
+from tpassrun.launch.config import Std
+from tpassrun.launch.procs import CONSOLE, RunLogs, StdioSpec, line_prefix, spawn_worker, stop_workers
+from tpassrun.launch.report import (
     ProcessFailure,
     RunOutcome,
     copy_root_cause_error_file,
@@ -268,7 +268,7 @@ def test_stop_workers_with_nothing_running(run):
 
 FAKE_AGENT = """
     import asyncio, os, sys
-    from tpassrun.procs import CONSOLE, spawn_worker
+    from tpassrun.launch.procs import CONSOLE, spawn_worker
 
     async def main():
         w = await spawn_worker([sys.executable, "-c", "import time; time.sleep(60)"], os.environ, CONSOLE,

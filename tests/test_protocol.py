@@ -1,10 +1,10 @@
-"""The agent <-> worker protocol (tpassrun/protocol.py): every message round-trips, bad lines are one typed error."""
+"""The agent <-> worker protocol (tpassrun/channel/protocol.py): every message round-trips, bad lines are one typed error."""
 
 from __future__ import annotations
 
 import pytest
 
-from tpassrun import protocol as P
+from tpassrun.channel import protocol as P
 
 WORLD = P.WorldSpec(rank=3, world_size=4, role_rank=3, role_world_size=4, group_rank=1, local_world_size=2,
                     group_world_size=2)
@@ -84,8 +84,8 @@ def test_a_bad_line_is_one_protocol_error(line):
 def test_a_survivors_world_leaves_what_it_does_not_say_alone(monkeypatch):
     import os
 
-    from tpassrun import envnames as E
-    from tpassrun.world import set_rank_env
+    from tpassrun.settings import envnames as E
+    from tpassrun.worker.world import set_rank_env
 
     for name, value in ((E.RANK, "0"), (E.WORLD_SIZE, "3"), (E.GROUP_RANK, "5"), (E.TPASSRUN_GENERATION, "1")):
         monkeypatch.setenv(name, value)     # restored after the test

@@ -1,4 +1,4 @@
-"""Provenance of the records that steer a swap (tpassrun/provenance.py): pure tests of the MAC, the run key's
+"""Provenance of the records that steer a swap (tpassrun/records/provenance.py): pure tests of the MAC, the run key's
 sources and what every reader does with a record that lacks a good MAC (issue 11)."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import os
 
 import pytest
 
-from tpassrun import provenance
-from tpassrun.provenance import MAC_FIELD, RUN_KEY_ENV, RunKey, RunKeyError, run_key_from, seal
+from tpassrun.records import provenance
+from tpassrun.records.provenance import MAC_FIELD, RUN_KEY_ENV, RunKey, RunKeyError, run_key_from, seal
 from tpassrun.records import Keys, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, load
 from tpassrun.rendezvous import RendezvousError, read_private_file, refuse_inline_secrets
-from tpassrun.swap import transfer_key
+from tpassrun.plan.swap import transfer_key
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -130,7 +130,7 @@ def test_derived_keys_differ_by_purpose():
 
 def test_an_older_version_of_a_plan_written_back_is_a_replay():
     """A replayed plan carries a genuine MAC: the leader tells it by its history, which only ever grows."""
-    from tpassrun.coordinator import is_replayed
+    from tpassrun.swapper.coordinator import is_replayed
 
     newest: dict = {}
     pause = _plan(phase=Phase.PAUSE, history=(("pause", 1.0),))

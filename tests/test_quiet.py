@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tpassrun.quiet import Throttle, held_note
+from tpassrun.transfer.quiet import Throttle, held_note
 
 
 def test_one_line_per_source_per_window_with_the_count_held_back():

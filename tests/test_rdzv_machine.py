@@ -342,7 +342,7 @@ def test_first_round_ranks_by_address_then_pid_like_torchrun_later_rounds_keep_r
 
 
 def test_formed_is_the_last_restarts_number_kept_by_annotations_and_read_back():
-    """Generation.formed: since when plans, deaths and mirror copies count (tpassrun/port.py AgentPort.epoch), the
+    """Generation.formed: since when plans, deaths and mirror copies count (tpassrun/swapper/agentport.py AgentPort.epoch), the
     same on every agent, a spare node that joined later too (its own spawn generation is the one it joined in)."""
     d = decide(RdzvView(None, nodes("a", "b", "c")), 0.0, S)
     assert d.generation.formed == 0

@@ -10,7 +10,7 @@ from typing import AsyncIterator
 
 import pytest
 
-from tpassrun.provenance import MAC_FIELD, RunKey, seal
+from tpassrun.records.provenance import MAC_FIELD, RunKey, seal
 from tpassrun.records import rendezvous_guard
 from tpassrun.rendezvous import (EtcdConfig, EtcdRendezvous, EtcdStore, GenState, Generation, Member, NodeInfo,
                                  RecordGuard, RendezvousKeyError, RendezvousSettings)
@@ -337,8 +337,8 @@ def test_state_is_never_streamed_to_an_address_from_an_unsealed_registration(etc
     address against it before streaming a rank's state, and one without the run's MAC is no registration."""
     import types
 
-    from tpassrun import provenance
-    from tpassrun.port import AgentPort, SwapSettings
+    from tpassrun.records import provenance
+    from tpassrun.swapper.agentport import AgentPort, SwapSettings
     from tpassrun.records import Keys, Phase, SlotRef, SwapKind, SwapPlan
     from tpassrun.swapper import Swapper
 
@@ -391,7 +391,7 @@ def test_agents_given_different_run_keys_end_with_one_line(tmp_path, etcd_server
     import secrets
 
     from faults import Job
-    from tpassrun.provenance import RUN_KEY_ENV
+    from tpassrun.records.provenance import RUN_KEY_ENV
 
     def agent(name: str) -> Job:
         return Job.agent(str(tmp_path / name), str(tmp_path / "train"), endpoint=etcd_server.endpoint, run_id=run_id,

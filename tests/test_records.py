@@ -1,4 +1,4 @@
-"""The control plane's etcd records (tpassrun/records.py): round trips, strict decoding, one key layout."""
+"""The control plane's etcd records (tpassrun/records/__init__.py): round trips, strict decoding, one key layout."""
 
 from __future__ import annotations
 

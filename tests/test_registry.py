@@ -11,8 +11,8 @@ import time
 import pytest
 
 from faults import Job
-from tpassrun import registry
-from tpassrun.registry import RegistryError, RunEntry, list_runs, register, registry_dir, unregister
+from tpassrun.ops import registry
+from tpassrun.ops.registry import RegistryError, RunEntry, list_runs, register, registry_dir, unregister
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -42,7 +42,7 @@ def test_a_directory_others_can_write_is_refused(tmp_path):
 
 
 def _ctl(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpassrun.ctl", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "tpassrun.ops.ctl", *argv], capture_output=True, text=True,
                           timeout=60, env={**os.environ, **env})
 
 
@@ -89,7 +89,7 @@ def test_tpassctl_finds_a_standalone_job_without_ids(tmp_path):
 def test_tpassctl_events_prints_console_lines_and_follow_stops_with_the_launcher(tmp_path):
     import io
 
-    from tpassrun.ctl_events import print_events
+    from tpassrun.ops.ctl_events import print_events
 
     log = tmp_path / "events.jsonl"
     log.write_text(json.dumps({"event": "generation_joined", "time": 1.0, "mono": 1.0, "node": "h-1-ab",

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from tpassrun.swap import (ClusterView, Phase, Report, SlotView, next_step, plan_for_failure,
+from tpassrun.plan.swap import (ClusterView, Phase, Report, SlotView, next_step, plan_for_failure,
                            resume_step)
 
 NOW = 1000.0

@@ -1,4 +1,4 @@
-"""A second fault during a recovery, decided purely (tpassrun/triage.py, tpassrun/swap.py): another rank dying
+"""A second fault during a recovery, decided purely (tpassrun/plan/triage.py, tpassrun/plan/swap.py): another rank dying
 while a plan runs supersedes it (no fallback), and the dead ranks are replaced together by one plan when spares
 and replicas remain, else the group restarts saying why; a death while the world re-forms is recovered by the next
 plan (the others wait where they stopped, the joiners keep what they received), or restarts the group naming it.
@@ -12,8 +12,8 @@ import dataclasses
 import pytest
 
 from tpassrun.records import Failure, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
-from tpassrun.swap import ClusterView, SlotView, next_step, plan_for_dead_ranks, plan_for_failure
-from tpassrun.triage import CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen, triage
+from tpassrun.plan.swap import ClusterView, SlotView, next_step, plan_for_dead_ranks, plan_for_failure
+from tpassrun.plan.triage import CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen, triage
 
 pytestmark = pytest.mark.timeout(60)
 

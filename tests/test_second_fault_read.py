@@ -1,4 +1,4 @@
-"""A second fault landing while the leader reads the control plane (tpassrun/coordinator.py), against a real etcd.
+"""A second fault landing while the leader reads the control plane (tpassrun/swapper/coordinator.py), against a real etcd.
 
 A dying worker's agent writes its failure record, then the node's status that shows the slot dead. The leader reads
 the members' status before the failures: a death the status shows is then always in the failures it reads, and a
@@ -13,11 +13,11 @@ import types
 
 import pytest
 
-from tpassrun.coordinator import Coordinator
-from tpassrun.port import AgentPort, SwapSettings
+from tpassrun.swapper.coordinator import Coordinator
+from tpassrun.swapper.agentport import AgentPort, SwapSettings
 from tpassrun.records import Failure, Keys, NodeStatus, Phase, SlotRef, SwapKind, SwapPlan, WorkerRow
 from tpassrun.rendezvous import EtcdConfig, EtcdStore, GenState, Generation, Member
-from tpassrun.triage import CasPlan, triage
+from tpassrun.plan.triage import CasPlan, triage
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -20,8 +20,8 @@ import pytest
 import torch
 
 from faults import Hold, Job, faults_env, hold_at, run_async, taint
-from tpassrun import poly1305
-from tpassrun.handoff import (AuthError, ChecksumError, HandoffError, StateBundle, TransferAuth, accept_and_recv,
+from tpassrun.transfer import poly1305
+from tpassrun.transfer.handoff import (AuthError, ChecksumError, HandoffError, StateBundle, TransferAuth, accept_and_recv,
                               connect_and_send, listen_for_bundle, recv_bundle, send_bundle)
 
 pytestmark = pytest.mark.timeout(300)
@@ -149,7 +149,7 @@ def _authenticated_pair():
 
 def test_sizes_are_bounded_by_what_the_transfer_allows_before_anything_is_allocated():
     """A header announcing 1 GiB is refused before allocating; so is an overflowing shape (no crash)."""
-    from tpassrun import handoff_frame as hw
+    from tpassrun.transfer import frame as hw
 
     def header_only(specs: list[hw.TensorSpec]) -> bytes:
         return hw._encode_head({"step": 0}, specs, chunk_bytes=1 << 20, checksum="crc32")
@@ -190,7 +190,7 @@ FRAME_MACS = [pytest.param("poly1305", marks=pytest.mark.skipif(not poly1305.ava
 def test_every_part_of_an_authenticated_stream_is_checked(where, mac):
     """One byte flipped anywhere (the signed head, any data frame, a frame's tag, the trailer, the end tag) is
     refused with a ChecksumError on both ends: nothing of it is returned, let alone applied."""
-    from tpassrun.handoff_wire import _AUTH_TRAILER, _PREFIX_LEN, _encode_head, _frame_tag_len, _outgoing
+    from tpassrun.transfer.wire import _AUTH_TRAILER, _PREFIX_LEN, _encode_head, _frame_tag_len, _outgoing
 
     bundle = StateBundle({"step": 3}, [torch.arange(5000, dtype=torch.float32), torch.ones(3000)])
     chunk = 4096                                          # 8 data frames of 4 KiB (32000 bytes of tensors)
@@ -217,7 +217,7 @@ def test_every_part_of_an_authenticated_stream_is_checked(where, mac):
 
 @pytest.mark.parametrize("mac", FRAME_MACS)
 def test_an_authenticated_stream_round_trips_with_frames_across_tensors(mac):
-    from tpassrun.handoff_wire import _MAC_THREADS
+    from tpassrun.transfer.wire import _MAC_THREADS
 
     tensors = [torch.randn(n) for n in (1, 1000, 7, 70000, 3)] + [torch.arange(11, dtype=torch.int16)]
     bundle = StateBundle({"step": 9}, tensors)
@@ -352,7 +352,7 @@ def test_with_a_run_key_a_forged_plan_is_refused_on_read_and_never_stops_a_real_
     so once, never acts on them, and rank 1 SIGKILLed is still recovered live beside them."""
     import signal
 
-    from tpassrun.provenance import RUN_KEY_ENV
+    from tpassrun.records.provenance import RUN_KEY_ENV
     from tpassrun.rendezvous import EtcdConfig, EtcdStore
 
     job = Job.tpassrun(str(tmp_path), endpoint=etcd_server.endpoint, run_id=run_id, nproc=2, spares=1,
@@ -645,7 +645,7 @@ def test_what_a_sigkilled_agent_leaves_is_cleaned_by_the_next_run(tmp_path):
 def test_a_full_disk_for_tee_logs_is_reported_once_and_the_worker_never_blocks(caplog):
     import io
 
-    from tpassrun.procs import _pump, _StreamCopier
+    from tpassrun.launch.procs import _pump, _StreamCopier
 
     async def scenario() -> bytes:
         console = io.BytesIO()
@@ -659,7 +659,7 @@ def test_a_full_disk_for_tee_logs_is_reported_once_and_the_worker_never_blocks(c
         return console.getvalue()
 
     import asyncio
-    with caplog.at_level("WARNING", logger="tpassrun.procs"):
+    with caplog.at_level("WARNING", logger="tpassrun.launch.procs"):
         shown = run_async(scenario())
     assert shown.count(b"\n") == 2000 and shown.startswith(b"[0]:line 0\n")
     warnings = [r for r in caplog.records if "cannot write" in r.getMessage()]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpassrun import shard_interval as SI
+from tpassrun.settings import shard_interval as SI
 
 
 def test_parse_takes_auto_an_integer_or_refuses():

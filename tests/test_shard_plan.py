@@ -1,5 +1,5 @@
 """Where an unplanned recovery of a job with sharded state resumes, and where the dead rank's shard comes from
-(pure: :func:`tpassrun.swap.resume_plan` and the plan it leads to). The dead rank's buddy mirrors its shard at the
+(pure: :func:`tpassrun.plan.swap.resume_plan` and the plan it leads to). The dead rank's buddy mirrors its shard at the
 steps it refreshed; every rank keeps local copies of its whole state at the same steps."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 
 from tpassrun.records import SwapPlan
-from tpassrun.swap import ClusterView, Phase, Report, SlotView, next_step, plan_for_failure, resume_plan
+from tpassrun.plan.swap import ClusterView, Phase, Report, SlotView, next_step, plan_for_failure, resume_plan
 
 NOW = 1000.0
 VIEW = ClusterView(generation=0, members=("a", "b"), spare_nodes=(),
@@ -140,7 +140,7 @@ def test_hsdp_mixed_commit_rolls_every_rank_back_to_the_step_start_and_the_repli
 
 
 def test_replica_held_names_the_ranks_a_live_sharded_replica_holds():
-    from tpassrun.node_shards import replica_held
+    from tpassrun.plan.node_shards import replica_held
 
     assert replica_held(HSDP.slots, (), [1, 0]) == (0, 1)
     # pure FSDP (each rank alone in its group), or the replica gone too: none

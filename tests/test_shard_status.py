@@ -3,9 +3,9 @@ view's summary, the console line of the event log (pure: records, tui, console).
 
 from __future__ import annotations
 
-from tpassrun.console import Describer
+from tpassrun.ops.console import Describer
 from tpassrun.records import NodeStatus, WorkerRow
-from tpassrun.tui import mirror_usage, summary_line
+from tpassrun.ops.tui import mirror_usage, summary_line
 
 MIB = 1 << 20
 

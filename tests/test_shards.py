@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from tpassrun import shards
+from tpassrun.worker import shards
 from tpassrun.channel import Field
-from tpassrun.shards import MIRROR_KIND, ShardRing, ShardState, decode_mirrored
+from tpassrun.worker.shards import MIRROR_KIND, ShardRing, ShardState, decode_mirrored
 
 pytestmark = pytest.mark.timeout(60)
 

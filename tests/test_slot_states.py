@@ -1,11 +1,11 @@
-"""The agent's slot states (tpassrun/slots.py): one transition table, every assignment checked against it."""
+"""The agent's slot states (tpassrun/channel/slots.py): one transition table, every assignment checked against it."""
 
 from __future__ import annotations
 
 import json
 import logging
 
-from tpassrun.slots import SLOT_TRANSITIONS, Slot, SlotState
+from tpassrun.channel.slots import SLOT_TRANSITIONS, Slot, SlotState
 
 
 def test_every_state_has_a_row_and_the_table_names_only_states():

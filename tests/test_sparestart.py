@@ -35,7 +35,7 @@ def _env(tmp_path, spare: bool) -> dict[str, str]:
 def test_a_plain_script_parks_in_a_spare_until_stopped(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
-    proc = subprocess.Popen([sys.executable, "-u", "-m", "tpassrun.sparestart", str(script), "a", "--b"],
+    proc = subprocess.Popen([sys.executable, "-u", "-m", "tpassrun.launch.sparestart", str(script), "a", "--b"],
                             env=_env(tmp_path, spare=True), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, cwd=str(tmp_path.parent))
     try:
@@ -58,7 +58,7 @@ def test_without_the_spare_flag_the_guard_passes_init_through(tmp_path):
     script = tmp_path / "plain.py"
     script.write_text(PLAIN)
     env = {**_env(tmp_path, spare=False), "MASTER_PORT": str(port)}
-    out = subprocess.run([sys.executable, "-u", "-m", "tpassrun.sparestart", str(script)], env=env,
+    out = subprocess.run([sys.executable, "-u", "-m", "tpassrun.launch.sparestart", str(script)], env=env,
                          capture_output=True, text=True, timeout=90)
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-1] == "joined 0"
@@ -69,7 +69,7 @@ def test_module_targets_run_as_python_dash_m(tmp_path):
     pkg.mkdir()
     (pkg / "__init__.py").write_text("")
     (pkg / "mod.py").write_text("import sys; print(__name__, sys.argv[1:], sys.argv[0].endswith('mod.py'))")
-    out = subprocess.run([sys.executable, "-u", "-m", "tpassrun.sparestart", "-m", "pkg.mod", "x"], cwd=str(tmp_path),
+    out = subprocess.run([sys.executable, "-u", "-m", "tpassrun.launch.sparestart", "-m", "pkg.mod", "x"], cwd=str(tmp_path),
                          env=_env(tmp_path, spare=True), capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "__main__ ['x'] True"

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from tpassrun.channel import ChannelFile, Field, WorkerPhase
-from tpassrun.light import decode
+from tpassrun.transfer.light import decode
 from tpassrun.worker import INT64_MAX, Session, _AgentLink
 
 
@@ -271,9 +271,9 @@ def test_a_rank_that_committed_a_step_the_others_did_not_goes_back_to_its_start(
     exactly where an uninterrupted rank ends."""
     from test_catchup_worker import KEY, Agent, _job as _adamw_job, _step as _adamw_step
 
-    from tpassrun import handoff
-    from tpassrun.protocol import CatchUp, SendState
-    from tpassrun.worker_commands import _send_state
+    from tpassrun.transfer import handoff
+    from tpassrun.channel.protocol import CatchUp, SendState
+    from tpassrun.worker.commands import _send_state
 
     torch.manual_seed(7)
     ref = _adamw_job(None)

@@ -1,4 +1,4 @@
-"""How an agent ends when another node closes the run as succeeded (tpassrun/agent_supervise.py), against its slot
+"""How an agent ends when another node closes the run as succeeded (tpassrun/agent/supervise.py), against its slot
 table only: a node with a rank running waits for its workers to finish; a node with none (a spare node never
 promoted, or a member whose ranks swaps moved to other nodes) has nothing that would ever end it, so it ends at once.
 
@@ -12,9 +12,9 @@ import types
 
 import pytest
 
-from tpassrun.agent_supervise import Outcome, Supervision
+from tpassrun.agent.supervise import Outcome, Supervision
 from tpassrun.rendezvous import EventKind, GenState, Generation, Member, RdzvEvent
-from tpassrun.slots import Slot, SlotState
+from tpassrun.channel.slots import Slot, SlotState
 
 pytestmark = pytest.mark.timeout(30)
 

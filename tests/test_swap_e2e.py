@@ -108,14 +108,14 @@ def _untaint_all(endpoint: str, run_id: str, *, reason: str) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "tpassrun.ctl", "status", "--rdzv-endpoint", endpoint,
+    out = subprocess.run([sys.executable, "-m", "tpassrun.ops.ctl", "status", "--rdzv-endpoint", endpoint,
                           "--rdzv-id", run_id, "--json"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     doc = json.loads(out.stdout)
     ids = [tid for tid, t in doc.get("taints", {}).items() if t.get("reason") == reason]
     assert ids, doc.get("taints")
     for tid in ids:
-        r = subprocess.run([sys.executable, "-m", "tpassrun.ctl", "untaint", "--rdzv-endpoint", endpoint,
+        r = subprocess.run([sys.executable, "-m", "tpassrun.ops.ctl", "untaint", "--rdzv-endpoint", endpoint,
                             "--rdzv-id", run_id, "--id", tid], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0, r.stderr
 
@@ -306,8 +306,8 @@ def test_an_assigned_spare_waiting_for_its_sender_still_obeys_the_agent(first):
 
     import torch
 
-    from tpassrun import protocol as P
-    from tpassrun.handoff import StateBundle, TransferAuth, connect_and_send, listen_for_bundle
+    from tpassrun.channel import protocol as P
+    from tpassrun.transfer.handoff import StateBundle, TransferAuth, connect_and_send, listen_for_bundle
     from tpassrun.worker import _receive_state
 
     world = P.WorldSpec(rank=1, world_size=2)

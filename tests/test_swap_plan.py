@@ -1,10 +1,10 @@
-"""The swap planner (tpassrun/swap.py) as pure functions of (view, reports, now): no network, no processes."""
+"""The swap planner (tpassrun/plan/swap.py) as pure functions of (view, reports, now): no network, no processes."""
 
 from __future__ import annotations
 
 import pytest
 
-from tpassrun.swap import (ClusterView, Phase, Report, SlotView, SwapKind, SwapPlan, choose_donor, choose_spare,
+from tpassrun.plan.swap import (ClusterView, Phase, Report, SlotView, SwapKind, SwapPlan, choose_donor, choose_spare,
                            next_step, plan_for_failure, plan_for_taint)
 
 NOW = 1000.0
@@ -176,8 +176,8 @@ def test_a_spare_node_that_runs_a_rank_is_paused_and_re_formed_by_every_later_pl
     """A taint storm moved rank 3 to the spare node c; the next swap (rank 1, to a spare on a) named only the
     members and the joiner's node, so rank 3 kept stepping into a collective nobody else joined and the world
     never re-formed (bench/chaos.py taint_storm: stuck in REFORM). Every plan kind now names c."""
-    from tpassrun.multiloss import plan_for_losses
-    from tpassrun.swap import plan_for_dead_ranks, plan_for_node_loss
+    from tpassrun.plan.multiloss import plan_for_losses
+    from tpassrun.plan.swap import plan_for_dead_ranks, plan_for_node_loss
 
     v = ClusterView(generation=3, members=("a", "b"), spare_nodes=("c",), lost=(),
                     slots=(run("a", 0, 0), run("a", 1, 1), spare("a", 2), run("b", 0, 2), spare("b", 1),

@@ -9,7 +9,7 @@ tpassrun, against the same script under plain torchrun (one reference run per me
   FSDP2's per-iteration state (tpassrun.adapters._common.reset_failed_step) before re-executing a step that failed
   half-way;
 * an unplanned SIGKILL under pure FSDP2, where no live rank holds the dead rank's shards: recovered from the
-  in-memory mirror of them (sess.track_sharded, tpassrun/shards.py), mid-backward and after the optimizer step
+  in-memory mirror of them (sess.track_sharded, tpassrun/worker/shards.py), mid-backward and after the optimizer step
   (the survivors finish that step without it: every rank rolls back to its own copy of the step's start)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The coordinator's triage as a pure function (tpassrun/triage.py), and the participant against fakes."""
+"""The coordinator's triage as a pure function (tpassrun/plan/triage.py), and the participant against fakes."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import dataclasses
 import types
 
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.port import AgentPort, FallbackRequested, SwapSettings
+from tpassrun.swapper.agentport import AgentPort, FallbackRequested, SwapSettings
 from tpassrun.records import (HANDLED_RESTART, Failure, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint,
                               TaintEffect)
-from tpassrun.swap import ClusterView, SlotView
+from tpassrun.plan.swap import ClusterView, SlotView
 from tpassrun.swapper import Swapper
-from tpassrun.triage import (CasPlan, CreatePlan, PutFallback, PutTaint, Say, Seen,
+from tpassrun.plan.triage import (CasPlan, CreatePlan, PutFallback, PutTaint, Say, Seen,
                              triage)
 
 NOW = 1000.0

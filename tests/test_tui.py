@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 from rich.console import Console
 
-from tpassrun.tui import TaintState, ViewState, apply_key, render_status, summary_line, swap_timeline, taint_state
-from tpassrun.tui_live import WatchTracker, run_outcome, watch
+from tpassrun.ops.tui import TaintState, ViewState, apply_key, render_status, summary_line, swap_timeline, taint_state
+from tpassrun.ops.tui_live import WatchTracker, run_outcome, watch
 
 T0 = 1_700_000_000.0
 
@@ -252,7 +252,7 @@ def test_user_text_with_rich_markup_renders_literally(reason):
 
 
 def test_ctl_plain_status_escapes_user_text(capsys):
-    from tpassrun.ctl import RunSnapshot, _render_status
+    from tpassrun.ops.ctl import RunSnapshot, _render_status
     from tpassrun.records import HealthRecord, NodeStatus, SwapPlan, Taint, WorkerRow
 
     plan = SwapPlan.from_json({"v": 1, "id": "s1", "kind": "planned", "generation": 0, "phase": "done",
@@ -398,7 +398,7 @@ def test_keys_page_filter_expand_and_quit():
 
 
 def test_escape_sequences_are_one_key():
-    from tpassrun.tui_live import _split_keys
+    from tpassrun.ops.tui_live import _split_keys
 
     assert _split_keys("n\x1b[6~q\x1b[A") == ["n", "\x1b[6~", "q", "\x1b[A"]
 
@@ -511,7 +511,7 @@ def test_watch_on_a_terminal_quits_on_q_and_shows_fetch_errors():
 
 # ---------------------------------------------------------------------------------------------- tpassrun --tui
 def test_panel_draws_the_bottom_lines_under_a_scroll_region_for_the_workers():
-    from tpassrun.tui_panel import panel_bytes, panel_height
+    from tpassrun.ops.tui_panel import panel_bytes, panel_height
 
     assert [panel_height(r) for r in (10, 24, 50, 5)] == [5, 8, 16, 0]
     raw = panel_bytes(eventful_run(8), 80, 24, T0 + 2.0).decode()
@@ -526,7 +526,7 @@ def test_panel_draws_the_bottom_lines_under_a_scroll_region_for_the_workers():
 def test_panel_is_off_without_a_terminal_and_gives_the_terminal_back(tmp_path):
     import pty
 
-    from tpassrun.tui_panel import run_panel
+    from tpassrun.ops.tui_panel import run_panel
 
     async def never() -> dict:
         raise AssertionError("no terminal: nothing is fetched")
@@ -565,7 +565,7 @@ def test_panel_is_off_without_a_terminal_and_gives_the_terminal_back(tmp_path):
 
 
 def test_a_lost_run_ends_with_the_exit_code_in_its_launchers_event_log(tmp_path):
-    from tpassrun.tui_live import outcome_from_event_log
+    from tpassrun.ops.tui_live import outcome_from_event_log
 
     log = tmp_path / "events.jsonl"
     assert outcome_from_event_log(str(log)) is None and outcome_from_event_log(None) is None

@@ -17,9 +17,9 @@ from pathlib import Path
 import pytest
 
 from faults import faults_env, hold_at
-from tpassrun.ctl import main as ctl_main
+from tpassrun.ops.ctl import main as ctl_main
 from tpassrun.rendezvous import EtcdConfig, EtcdStore, RendezvousSettings
-from tpassrun.tui import ViewState
+from tpassrun.ops.tui import ViewState
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import eventful_run, frame  # noqa: E402
@@ -89,7 +89,7 @@ def test_watch_in_tmux_pages_filters_and_exits_with_the_outcome(etcd_server, run
 
     session = f"tpw-{uuid.uuid4().hex[:8]}"
     rc_file = tmp_path / "rc"
-    cmd = (f"{sys.executable} -m tpassrun.ctl status --watch --interval 0.2 --rdzv-endpoint {etcd_server.endpoint}"
+    cmd = (f"{sys.executable} -m tpassrun.ops.ctl status --watch --interval 0.2 --rdzv-endpoint {etcd_server.endpoint}"
            f" --rdzv-id {run_id}; echo $? > {rc_file}; sleep 30")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "80", "-y", "24", cmd], check=True)
     try:
@@ -122,7 +122,7 @@ def test_watch_in_tmux_quits_on_q(etcd_server, run_id, tmp_path):
     _put_run(etcd_server.endpoint, run_id, doc)
     session = f"tpw-{uuid.uuid4().hex[:8]}"
     rc_file = tmp_path / "rc"
-    cmd = (f"{sys.executable} -m tpassrun.ctl status --watch --rdzv-endpoint {etcd_server.endpoint}"
+    cmd = (f"{sys.executable} -m tpassrun.ops.ctl status --watch --rdzv-endpoint {etcd_server.endpoint}"
            f" --rdzv-id {run_id}; echo $? > {rc_file}; sleep 30")
     subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "200", "-y", "50", cmd], check=True)
     try:
@@ -140,7 +140,7 @@ def test_watch_in_tmux_quits_on_q(etcd_server, run_id, tmp_path):
 def test_tpassrun_tui_draws_the_panel_under_the_workers_output(tmp_path):
     """``tpassrun --tui`` in a real terminal: the workers' lines scroll above, the status panel stays in the
     bottom lines, and at exit the panel is wiped and the terminal given back."""
-    from tpassrun.tui_panel import panel_height
+    from tpassrun.ops.tui_panel import panel_height
 
     root = Path(__file__).parent.parent
     session = f"tpr-{uuid.uuid4().hex[:8]}"

@@ -1,5 +1,5 @@
 """A rank blocked in a collective that nothing will ever fail (its peer stopped: no reset, as across a partition)
-is broken out at once by its agent's ``Break`` on the watch connection (tpassrun/worker_watch.py)."""
+is broken out at once by its agent's ``Break`` on the watch connection (tpassrun/worker/watch.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import time
 import pytest
 
 from tpassrun.channel import ChannelFile, Field, WorkerPhase
-from tpassrun.protocol import Break, Watch, decode_reply, encode
+from tpassrun.channel.protocol import Break, Watch, decode_reply, encode
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -26,8 +26,8 @@ RANK = textwrap.dedent("""
     import torch, torch.distributed as dist
     from datetime import timedelta
     from tpassrun.channel import ChannelFile, Field, WorkerPhase
-    from tpassrun.world import init_world
-    from tpassrun.worker_watch import Watcher
+    from tpassrun.worker.world import init_world
+    from tpassrun.worker.watch import Watcher
     rank = int(sys.argv[1])
     store = dist.TCPStore("127.0.0.1", int(sys.argv[2]), 2, rank == 0, timeout=timedelta(seconds=60))
     init_world("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=600))
@@ -45,7 +45,7 @@ RANK = textwrap.dedent("""
         print("completed?!", flush=True)
     except Exception as exc:
         print(f"failed after {{time.monotonic() - t0:.2f}} s: {{type(exc).__name__}}", flush=True)
-    from tpassrun.world import abort_process_groups
+    from tpassrun.worker.world import abort_process_groups
     abort_process_groups()          # what a failed step does next (worker_commands._after_failure)
     os._exit(0)                     # (the stopped peer's sockets are never closed: skip gloo's teardown)
 """)
@@ -93,8 +93,8 @@ def test_a_break_fails_a_collective_blocked_on_a_silent_peer(tmp_path):
 
 
 def test_a_break_leaves_a_rank_alone_that_is_not_inside_a_step(tmp_path, monkeypatch):
-    from tpassrun import world
-    from tpassrun.worker_watch import Watcher
+    from tpassrun.worker import world
+    from tpassrun.worker.watch import Watcher
 
     ch = ChannelFile.create(str(tmp_path / "chan"), 2)
     calls: list[int] = []

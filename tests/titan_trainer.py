@@ -29,7 +29,7 @@ from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
 
 import tpassrun
 from tpassrun.adapters.torchtitan import TorchTitanAdapter
-from tpassrun.testing import fault_point
+from tpassrun.worker.faultpoints import fault_point
 
 _EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "torchtitan",
                         "train.py")

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .worker import Session
+    from tpassrun.worker import Session
 
 
 def init(backend: str | None = None, **kwargs: Any) -> "Session":
@@ -19,7 +19,7 @@ def init(backend: str | None = None, **kwargs: Any) -> "Session":
 
     See :func:`tpassrun.worker.init`.
     """
-    from .worker import init as _init
+    from tpassrun.worker import init as _init
 
     return _init(backend=backend, **kwargs)
 

@@ -1,7 +1,7 @@
 """``tpassrun`` console script: parse a torchrun command line, hand it to the agent.
 
 Exit codes are torchrun's: 0 success; 1 workers failed, the agent failed, or a value was rejected (torchrun
-raises from ``main`` and exits 1; tpassrun prints a :class:`~tpassrun.config.ConfigError` on one line
+raises from ``main`` and exits 1; tpassrun prints a :class:`~tpassrun.launch.config.ConfigError` on one line
 instead of a traceback); 2 an argparse usage error (unknown flag, a value argparse itself rejects).
 """
 
@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
-from .cleantext import clean
-from .config import ConfigError, parse_args, preflight
+from tpassrun.ops.cleantext import clean
+from tpassrun.launch.config import ConfigError, parse_args, preflight
 
 USAGE_ERROR = 2     # argparse's code, as torchrun
 REJECTED_VALUE = 1  # torchrun's code when run.py raises on a value (unknown backend, bad --nnodes, ...)
@@ -21,7 +21,7 @@ def _check_devices(cfg) -> None:  # noqa: ANN001 - a LaunchConfig
     """A layout whose spares need more GPUs than the node has is refused before anything starts."""
     if cfg.spares_per_node <= 0:
         return
-    from .devices import check_layout, node_devices  # noqa: PLC0415
+    from tpassrun.launch.devices import check_layout, node_devices  # noqa: PLC0415
 
     try:
         devices = node_devices(os.environ, slots=cfg.nproc_per_node + cfg.spares_per_node)
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: usage line already printed (or --help)
         return exc.code if isinstance(exc.code, int) else USAGE_ERROR
 
-    from .agent import run_launcher  # noqa: PLC0415  (keeps `tpassrun --help` fast)
+    from tpassrun.agent import run_launcher  # noqa: PLC0415  (keeps `tpassrun --help` fast)
 
     return run_launcher(cfg)
 

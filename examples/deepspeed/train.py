@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import tpassrun                                                   # tpassrun
 from tpassrun.adapters.data import ResumableLoader                # tpassrun
 from tpassrun.adapters.deepspeed import DeepSpeedAdapter          # tpassrun
-from tpassrun.testing import fault_point
+from tpassrun.worker.faultpoints import fault_point
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 

@@ -106,7 +106,7 @@ def train(args: argparse.Namespace) -> None:
 
     import tpassrun                                                         # tpassrun
     from tpassrun.adapters.megatron import MegatronAdapter, MegatronProgress    # tpassrun
-    from tpassrun.testing import fault_point
+    from tpassrun.worker.faultpoints import fault_point
 
     cpu = not torch.cuda.is_available()
     on_device: Any = contextlib.nullcontext

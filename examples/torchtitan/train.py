@@ -31,7 +31,7 @@ from torchtitan.distributed import ParallelDims
 
 import tpassrun                                                       # tpassrun
 from tpassrun.adapters.torchtitan import TorchTitanAdapter            # tpassrun
-from tpassrun.testing import fault_point
+from tpassrun.worker.faultpoints import fault_point
 
 
 class RMSNorm(nn.Module):

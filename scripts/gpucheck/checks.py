@@ -144,7 +144,7 @@ def nvml(ctx: Ctx) -> tuple[str, str]:
 def layout(ctx: Ctx) -> tuple[str, str]:
     """``--nproc-per-node 2 --spares-per-node 1`` on one GPU: refused as before, taken with TPASSRUN_SHARE_GPUS=1,
     and what each slot would see. Needs no GPU (the launcher is told CUDA_VISIBLE_DEVICES=<one GPU>)."""
-    from tpassrun.devices import check_layout, node_devices, slot_env
+    from tpassrun.launch.devices import check_layout, node_devices, slot_env
 
     one = visible(ctx, 1) or "0"
     env = {k: v for k, v in os.environ.items() if k != "TPASSRUN_SHARE_GPUS"}
@@ -284,9 +284,9 @@ def _copier_cost(ctx: Ctx) -> str:
     the live state captured synchronously at the same instant."""
     import torch
 
-    from tpassrun import handoff
-    from tpassrun.shard_copy import CudaCopier
-    from tpassrun.shards import ShardRing
+    from tpassrun.transfer import handoff
+    from tpassrun.worker.shard_copy import CudaCopier
+    from tpassrun.worker.shards import ShardRing
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(5)]).cuda()

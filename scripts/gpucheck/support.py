@@ -147,7 +147,7 @@ def kill_group(pid: int) -> None:
 
 GPU_ENV = {
     "CUBLAS_WORKSPACE_CONFIG": ":4096:8",     # cuBLAS picks the same kernels in every run (bit-identical)
-    "TPASSRUN_SHARE_GPUS": "1",               # fewer GPUs than slots: slots share them (tpassrun/devices.py)
+    "TPASSRUN_SHARE_GPUS": "1",               # fewer GPUs than slots: slots share them (tpassrun/launch/devices.py)
     "NCCL_DEBUG": "WARN",
     "PYTHONUNBUFFERED": "1",
 }

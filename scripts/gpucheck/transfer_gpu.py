@@ -43,13 +43,13 @@ def checksums(tensors: list[torch.Tensor]) -> list[int]:
 
 
 def _auth() -> Any:
-    from tpassrun.handoff import TransferAuth
+    from tpassrun.transfer.handoff import TransferAuth
 
     return TransferAuth(bytes.fromhex(os.environ[KEY_ENV]), "gpucheck-transfer", 0)
 
 
 def receive(device: str, nbytes: int, ports_file: str) -> None:
-    from tpassrun.handoff import accept_and_recv, decode_tree, listen_for_bundle
+    from tpassrun.transfer.handoff import accept_and_recv, decode_tree, listen_for_bundle
 
     if device != "cpu":                                 # (cpu: the harness's rehearsal)
         torch.cuda.set_device(torch.device(device))
@@ -85,7 +85,7 @@ def receive(device: str, nbytes: int, ports_file: str) -> None:
 def measure(ctx: Any, nbytes: int) -> dict[str, Any]:
     """Returns GB/s figures: ``handoff`` (GPU to GPU, two processes), ``device`` (torch), ``tcp`` (raw)."""
     from support import Failed, until
-    from tpassrun.handoff import capture, connect_and_send
+    from tpassrun.transfer.handoff import capture, connect_and_send
 
     source = "cpu" if ctx.rehearse else "cuda:0"
     target = "cpu" if ctx.rehearse else "cuda:1" if ctx.gpus >= 2 else "cuda:0"

@@ -58,7 +58,7 @@ recovery takes the dead rank's shards from one of them. Without a replicate dime
 they are recovered from the shard mirror when there is one. Both ways the views are tracked as sharded state
 (``sess.track_sharded``): every rank keeps a local copy of each step's start, which under HSDP (no mirror) serves
 the survivors that stopped a step apart (a rank died inside the replicate all-reduce after its shard group's last
-reduce-scatter): everyone rolls back to it (:func:`tpassrun.node_shards.replica_rollback`).
+reduce-scatter): everyone rolls back to it (:func:`tpassrun.plan.node_shards.replica_rollback`).
 
 A step that failed half-way (a peer died in one of its collectives) is re-executed by the survivors: their model
 view's ``drop_grads`` resets FSDP2's per-iteration state first (:func:`tpassrun.adapters._common.reset_failed_step`).
@@ -76,7 +76,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from ._common import (_collect, adopt_group_sockets, declare_replicas, portable, rebind_references, register,
+from tpassrun.adapters._common import (_collect, adopt_group_sockets, declare_replicas, portable, rebind_references, register,
                       reset_failed_step, restore_portable)
 
 log = logging.getLogger("tpassrun.adapters.torchtitan")

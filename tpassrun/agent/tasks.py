@@ -1,0 +1,257 @@
+"""What runs beside the agent's supervision during a generation: the rendezvous event pump, the status
+publisher (``status/<node>``), the ``--tui`` panel, and the hang watchdog (``--hang-timeout``) with its pure
+choice of the culprit (:func:`pick_hung`). A mixin of :class:`tpassrun.agent.Agent`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import time
+from typing import Any
+
+from tpassrun.settings import envnames as E
+from tpassrun.channel import Field, WorkerPhase
+from tpassrun.swapper.agentport import RendezvousChanged
+from tpassrun.ops.progress import Progress, RankPosition
+from tpassrun.records import Keys, NodeStatus
+from tpassrun.rendezvous import Generation
+from tpassrun.channel.slots import SlotState
+
+log = logging.getLogger("tpassrun.agent")
+
+
+class GenerationTasks:
+    """Agent's per-generation background tasks (started and cancelled by ``Agent._run_generation``)."""
+
+    async def _pump_rdzv_events(self, gen: Generation) -> None:
+        assert self.rdzv is not None
+        async for ev in self.rdzv.events():
+            self._queue.put_nowait(RendezvousChanged(ev))
+
+    async def _publish_status_loop(self) -> None:
+        while True:
+            self.swapper.hint_spares()
+            await self.publish_status()
+            await asyncio.sleep(1.0)
+
+    async def publish_status(self) -> None:
+        if self.rdzv is None or self.slots is None:
+            return
+        workers = self.slots.table()
+        self._note_progress()
+        mirror = getattr(self, "mirror", None)
+        status = NodeStatus(node_id=self.node_id, addr=self.addr, pid=os.getpid(),
+                            generation=self.generation.number if self.generation else None,
+                            restart_count=self.restart_count, workers=workers, time=time.time(),
+                            mirror_held=mirror.store.nbytes if mirror is not None else 0)
+        self._say_shard_mirrors(workers)
+        with contextlib.suppress(Exception):
+            await self.rdzv.store.put_json(Keys(self.rdzv.key("")).status(self.node_id), status.to_json(), lease=True)
+
+    progress: Progress
+
+    def _rank_positions(self, *, ended: bool = False) -> list[RankPosition]:
+        slots = self.slots
+        if slots is None or slots.channel is None:
+            return []
+        return [RankPosition(step=slots.field(s, Field.STEP),
+                             running=slots.field(s, Field.PHASE) == WorkerPhase.RUNNING,
+                             last_step_ms=slots.field(s, Field.LAST_STEP_NS) / 1e6,
+                             run_from=slots.field(s, Field.RUN_FROM) - 1)
+                for s in slots.slots if s.rank is not None and s.managed and (ended or s.state == SlotState.RUNNING)]
+
+    def _note_progress(self) -> None:
+        """Follow the step this node's managed ranks run; after a whole-group restart, say once (event
+        ``training_resumed``) at which step the script resumed and how many steps it runs again."""
+        resumed = self.progress.note(self._rank_positions())
+        if resumed is not None:
+            self.events.write("training_resumed", step=resumed.step, reached=resumed.reached,
+                              redone=resumed.redone, redone_s=round(resumed.redone_s, 3))
+
+    def _say_shard_mirrors(self, workers: Any) -> None:
+        """The event log (and console) says what mirroring a rank's sharded state costs: once when it starts,
+        again when a refresh's size or its local copies' memory changes by more than a tenth (shards.py)."""
+        said = self.__dict__.setdefault("_shard_said", {})
+        for w in workers:
+            if not w.shard_held or w.rank is None:
+                continue
+            before = said.get(w.rank)
+            if before is not None and all(abs(now - was) <= was // 10
+                                          for now, was in zip((w.shard_bytes, w.shard_held), before[:2])) \
+                    and w.shard_interval == before[2]:
+                continue
+            said[w.rank] = (w.shard_bytes, w.shard_held, w.shard_interval)
+            mirror = getattr(self, "mirror", None)
+            buddy = mirror.buddy.node if mirror is not None and mirror.buddy is not None else None
+            self.events.write("shard_mirror", rank=w.rank, slot=w.slot, bytes_per_refresh=w.shard_bytes,
+                              local_held=w.shard_held, interval=w.shard_interval or None,
+                              buddy=buddy, mirrored_step=w.shard_mirrored)
+
+    async def _status_panel(self) -> None:
+        """``--tui``: the live view under the workers' output, from one etcd read a second (tui_panel.py)."""
+        from tpassrun.ops.ctl import read_snapshot
+        from tpassrun.ops.tui_panel import run_panel
+
+        assert self.rdzv is not None
+        rdzv = self.rdzv
+
+        async def fetch() -> dict:
+            return (await read_snapshot(rdzv.store, rdzv.settings.run_prefix, self.cfg.rdzv_id)).to_json()
+
+        await run_panel(fetch, color=not self.environ.get(E.NO_COLOR))
+
+    async def _hang_watchdog(self) -> None:
+        """Two checks, every quarter of --hang-timeout (at most 0.5 s):
+
+        * any process of this node's slots (a worker, a warm spare, a joiner or a leaver in a swap, whatever its
+          phase, during a swap or another node's recovery too) the kernel has kept stopped (SIGSTOP, state T)
+          for --hang-timeout is killed: a stopped joiner or donor otherwise held a swap until its 120 s phase
+          timeout, a stopped spare was handed out as if it were ready, a rank stopped while paused was never
+          found (chaos: the job waited until the harness sent SIGCONT). Its death then takes the ordinary path
+          (a recovery, a swap aborted or superseded, a spare re-admitted);
+        * a running worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in
+          a collective with it get an error at once instead of waiting for gloo's 30-minute timeout (not while a
+          swap runs here: paused workers do not beat)."""
+
+        assert self.slots is not None
+        timeout_ns = int(self.cfg.hang_timeout * 1e9)
+        stopped_since: dict[int, int] = {}
+        quiet_until = 0
+        held: dict[str, int] = {}      # silent peer -> when ranks stale on it were first held back (ns)
+        while True:
+            await asyncio.sleep(min(0.5, self.cfg.hang_timeout / 4))
+            now = time.monotonic_ns()
+            if self._kill_stopped(stopped_since, now, timeout_ns):
+                quiet_until = now + timeout_ns     # let the death cascade and the recovery start
+                continue
+            if self.swapper.busy or now < quiet_until:
+                continue
+            if any(self.slots.phase(s) == WorkerPhase.PENDING for s in self.slots.active()):
+                # a worker asks whose fault its exception is (agent_cause.py): its peers block on it meanwhile,
+                # and killing one would make a casualty of a root cause
+                continue
+                continue
+            stale = []
+            for s in self.slots.active():
+                if not s.managed or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING:
+                    continue
+                beat = self.slots.field(s, Field.HEARTBEAT_NS)
+                if beat and now - beat > timeout_ns:
+                    stale.append((beat, s))
+            culprit = pick_hung(stale, _proc_state)
+            if culprit is None:
+                held.clear()
+                continue
+            beat, s = culprit
+            if not is_stopped(_proc_state(s.pid)):
+                # Nothing of ours is stopped: the hang may be another node's (a rank SIGSTOPped there blocks ours
+                # in the collective). That node's watchdog kills its stopped rank at once; ours then pause for
+                # the recovery (busy) or fail out of the collective (no longer RUNNING). Killing ours too made
+                # a second death inside the first recovery (found by bench/chaos.py). A node cut off from the
+                # network blocks them the same way (held below while it is silent), and if it ran the workers'
+                # store the recovery needs a new one: started now (it imports torch), not when its lease ends.
+                await self._standby_store()
+                if await self._held_for_silent_peer(stale, held, now):
+                    continue
+                await asyncio.sleep(REMOTE_HANG_GRACE_S)
+                if self.swapper.busy or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING \
+                        or self.slots.field(s, Field.HEARTBEAT_NS) != beat:
+                    continue
+            self.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
+                              seconds=round((now - beat) / 1e9, 3), step=self.slots.field(s, Field.STEP),
+                              stale_ranks=sorted(x.rank for _b, x in stale), what="no step")
+            s.proc.signal_group(signal.SIGKILL)
+            stopped_since.pop(s.pid, None)
+            quiet_until = time.monotonic_ns() + timeout_ns
+
+    async def _held_for_silent_peer(self, stale: list[tuple[int, Any]], held: dict[str, int], now: int) -> bool:
+        """Whether to leave ranks that went stale with nothing stopped here alone for now, because a member node
+        does not answer (cut off, or down): they are blocked in a collective on it, and killing one only adds a
+        death, the only survivor's once (chaos: a node holding 3 of 4 ranks cut off, the watchdog killed the 4th,
+        and with no replica left the group restarted). The lost node's plan breaks them out when its lease ends;
+        held for that lease and a --hang-timeout more at most, then the watchdog acts as before. A node that is
+        itself the one cut off holds too: it fences its workers when its own lease runs out."""
+        gen = getattr(self.rdzv, "generation", None) or self.generation
+        if self.mirror is None or gen is None:
+            return False
+        peers = [m.node_id for m in gen.members if m.node_id != self.node_id and m.node_id not in gen.lost]
+        answers = await asyncio.gather(*(self.mirror.reach(n) for n in peers))
+        silent = [n for n, a in zip(peers, answers) if a == "silent"]
+        for n in [n for n in held if n not in silent]:
+            del held[n]
+        new = [n for n in silent if n not in held]
+        held.update((n, now) for n in new)
+        limit_ns = int((self.rdzv.settings.lease_seconds + self.cfg.hang_timeout) * 1e9)
+        waiting = [n for n in silent if now - held[n] < limit_ns]
+        if new and waiting:
+            self.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=waiting,
+                              seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
+                              lease_s=self.rdzv.settings.lease_seconds)
+        return bool(waiting)
+
+    def _kill_stopped(self, stopped_since: dict[int, int], now: int, timeout_ns: int) -> bool:
+        """Kill every process of this node's slots that has stayed stopped for ``timeout_ns`` (``stopped_since``:
+        pid -> when it was first seen stopped, kept by the caller across polls). True when one was killed."""
+        from tpassrun.channel import Field
+
+        assert self.slots is not None
+        procs = {s.pid: s for s in self.slots.slots if s.alive and s.pid is not None}
+        due = stopped_too_long(stopped_since, {pid: _proc_state(pid) for pid in procs}, now, timeout_ns)
+        for pid in due:
+            s = procs[pid]
+            rank = s.rank if s.state in (SlotState.RUNNING, SlotState.LEAVING) else None
+            self.events.write("hang_detected", slot=s.index, rank=rank, pid=pid, proc_state=_proc_state(pid),
+                              seconds=round((now - stopped_since.pop(pid)) / 1e9, 3),
+                              step=self.slots.field(s, Field.STEP) if rank is not None else None,
+                              role=str(s.state.value), phase=self.slots.phase(s).name.lower(),
+                              swap=self.swapper.busy, what="stopped")
+            s.proc.signal_group(signal.SIGKILL)
+        return bool(due)
+
+
+def _proc_state(pid: int | None) -> str:
+    """The kernel's one-letter state of ``pid`` (R, S, D, T, Z...), or "?"."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "?"
+
+
+REMOTE_HANG_GRACE_S = 2.0   # how long a stale rank that is not stopped waits for another node's watchdog
+
+
+def is_stopped(state: str) -> bool:
+    """A process the kernel will not run (stopped, traced, or in uninterruptible sleep): unambiguously hung."""
+    return state in ("T", "t", "D")
+
+
+def stopped_too_long(since: dict[int, int], states: dict[int, str], now: int, timeout_ns: int) -> list[int]:
+    """The pids stopped (T/t) at every look for ``timeout_ns`` (pure). ``since`` (pid -> first seen stopped) is
+    updated in place: a pid seen running again, or gone, is forgotten; SIGCONT before the timeout is no hang."""
+    for pid in list(since):
+        if pid not in states or states[pid] not in ("T", "t"):
+            del since[pid]
+    for pid, state in states.items():
+        if state in ("T", "t"):
+            since.setdefault(pid, now)
+    return sorted(pid for pid, t in since.items() if now - t >= timeout_ns)
+
+
+def pick_hung(stale: list[tuple[int, Any]], state_of: Any) -> tuple[int, Any] | None:
+    """Which of the ranks whose step heartbeat is stale is the cause (pure but for ``state_of``).
+
+    When one rank hangs, its peers soon block in the next collective and go stale too: killing all of them
+    would throw away the replicas we recover from. A stopped (T/t) or uninterruptible (D) process is the
+    culprit; otherwise, with several stale ranks, the one whose heartbeat stopped first.
+    """
+    if not stale:
+        return None
+    for item in stale:
+        if is_stopped(state_of(item[1].pid)):
+            return item
+    return min(stale, key=lambda x: x[0])

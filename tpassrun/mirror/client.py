@@ -1,0 +1,306 @@
+"""The mirror's clients: the blocking :class:`MirrorClient` (a worker's pusher thread, a joiner, the agent through
+``asyncio.to_thread``) and the one-way :class:`PushStream` (a worker's light snapshots). The wire format and the
+server are :mod:`tpassrun.mirror.net`'s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import select
+import socket
+import threading
+import time
+from typing import Any, Sequence
+
+from tpassrun.transfer import poly1305
+from tpassrun.mirror.net import _CHUNK, _HEAD, _MAGIC, _TO_CLIENT, _TO_SERVER, MAX_REPLY_META, NOT_FOUND, OK, OP_DROP, OP_GET, \
+    OP_LIST, OP_PUSH, OP_PUT, OP_REPLY, PAYLOAD_POLY1305, REFUSED, _auth, _decode_meta, _encode_meta, _mac_of, \
+    _payload_tag
+from tpassrun.mirror.store import MirrorEntry, MirrorError, MirrorFull, MirrorItem
+from tpassrun.transfer.auth import ACCEPT, FLAG_POLY1305, HELLO, TAG_LEN, AuthError, ConnectorHandshake, FrameMac
+
+def _dial(host: str, port: int, timeout: float, auth: Any, *,
+          sndbuf: int = 0) -> tuple[socket.socket, FrameMac, int]:
+    """Connect to a mirror server and prove the job's key (both clients): -> (socket, the connection's frame MAC
+    base, what the server's hello offers: :data:`FLAG_POLY1305`). A refused proof is an :class:`AuthError`; anything else a :class:`MirrorError`."""
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout)
+    except OSError as exc:
+        raise MirrorError(f"cannot reach the mirror at {host}:{port}: {exc}") from exc
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if sndbuf:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, sndbuf)
+        shake = ConnectorHandshake(auth)
+        sock.sendall(shake.prove(_recv_exact(sock, HELLO.size)))
+        try:
+            answer = _recv_exact(sock, ACCEPT.size)
+        except MirrorError as exc:
+            raise AuthError(f"the mirror at {host}:{port} refused our proof of the key or left: {exc}") from exc
+        return sock, shake.verify(answer), shake.peer_flags
+    except (OSError, MirrorError, AuthError) as exc:
+        sock.close()
+        if isinstance(exc, AuthError):
+            raise
+        raise MirrorError(f"mirror handshake with {host}:{port} failed: {exc}") from exc
+
+
+class MirrorClient:
+    """Blocking client for one :class:`MirrorServer` (a worker's background thread, or the agent through
+    ``asyncio.to_thread``). One connection, reused; calls are serialized by a lock; ``timeout`` bounds the
+    connect and every stall."""
+
+    def __init__(self, host: str, port: int, key: bytes, *, run_id: str = "", timeout: float = 10.0) -> None:
+        self.host, self.port = host, int(port)
+        self.timeout = timeout
+        self._auth = _auth(key, run_id)
+        self._sock: socket.socket | None = None
+        self._base: FrameMac | None = None
+        self._seq_out = self._seq_in = 0
+        self._poly = False              # the server verifies Poly1305 payload tags (and this host computes them)
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> "MirrorClient":
+        return self.connect()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"MirrorClient({self.host}:{self.port})"
+
+    def connect(self) -> "MirrorClient":
+        with self._lock:
+            self._connect()
+        return self
+
+    def _connect(self) -> None:
+        if self._sock is not None:
+            return
+        sock, self._base, flags = _dial(self.host, self.port, self.timeout, self._auth)
+        self._poly = bool(flags & FLAG_POLY1305) and poly1305.available()
+        self._sock, self._seq_out, self._seq_in = sock, 0, 0
+
+    def close(self) -> None:
+        with self._lock:
+            self._drop()
+
+    def _drop(self) -> None:
+        sock, self._sock, self._base = self._sock, None, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+    # --- the operations --------------------------------------------------------------------------------
+    def put(self, owner: int, kind: str, version: int, payload: Any, *, epoch: int = 0) -> bool:
+        """Store a copy; True if kept. ``payload`` is one bytes-like object or a sequence of them (e.g. the
+        memoryviews of several tensors), streamed as they are: never joined, never copied. Raises
+        :class:`MirrorFull` when the store refuses it, :class:`MirrorError` when the connection fails."""
+        pieces = [memoryview(p).cast("B") for p in (payload if isinstance(payload, (list, tuple)) else [payload])]
+        status, meta, _ = self._call(OP_PUT, {"owner": owner, "kind": kind, "version": version, "epoch": epoch},
+                                     pieces)
+        if status == REFUSED:
+            raise MirrorFull(str(meta.get("error", "refused")))
+        _check_ok(status, meta)
+        return bool(meta.get("kept", False))
+
+    def get(self, owner: int, kind: str, version: int | None = None, *, epoch: int | None = None) -> MirrorItem | None:
+        status, meta, data = self._call(OP_GET, {"owner": owner, "kind": kind, "version": version, "epoch": epoch})
+        if status == NOT_FOUND:
+            return None
+        _check_ok(status, meta)
+        return MirrorItem(owner, kind, int(meta["version"]), int(meta["epoch"]), data)
+
+    def versions(self, owner: int, kind: str) -> tuple[int, ...]:
+        rows = self.list(owner, kind)
+        return rows[0].versions if rows else ()
+
+    def list(self, owner: int | None = None, kind: str | None = None) -> list[MirrorEntry]:
+        status, meta, _ = self._call(OP_LIST, {"owner": owner, "kind": kind})
+        _check_ok(status, meta)
+        return [MirrorEntry.from_json(r) for r in meta.get("entries", [])]
+
+    def drop(self, owner: int | None = None, kind: str | None = None, *, below_epoch: int | None = None) -> int:
+        status, meta, _ = self._call(OP_DROP, {"owner": owner, "kind": kind, "below_epoch": below_epoch})
+        _check_ok(status, meta)
+        return int(meta.get("freed", 0))
+
+    # --- one request, one answer -----------------------------------------------------------------------
+    def _call(self, op: int, meta: dict[str, Any], pieces: Sequence[memoryview] = ()) -> tuple[int, dict[str, Any], bytes]:
+        with self._lock:
+            self._connect()
+            try:
+                return self._exchange(op, meta, pieces)
+            except (OSError, MirrorError) as exc:
+                self._drop()       # a broken stream is never reused: the next call reconnects
+                if isinstance(exc, MirrorError):
+                    raise
+                raise MirrorError(f"mirror at {self.host}:{self.port}: connection lost ({exc})") from exc
+
+    def _exchange(self, op: int, meta: dict[str, Any], pieces: Sequence[memoryview]) -> tuple[int, dict[str, Any], bytes]:
+        sock, base = self._sock, self._base
+        assert sock is not None and base is not None
+        meta_raw = _encode_meta(meta)
+        poly = self._poly and op == OP_PUT
+        head = _HEAD.pack(_MAGIC, op, PAYLOAD_POLY1305 if poly else 0, len(meta_raw), sum(p.nbytes for p in pieces),
+                          self._seq_out)
+        self._seq_out += 1
+        mac = _mac_of(base, _TO_SERVER, head, meta_raw)
+        if poly:        # one tag over the pieces in place, then one gathered send: no per-chunk Python loop
+            tag = _payload_tag(mac, pieces)
+            _send_all(sock, [head + meta_raw, *pieces, tag])
+        else:
+            sock.sendall(head + meta_raw)
+            for piece in pieces:
+                for off in range(0, piece.nbytes, _CHUNK):
+                    part = piece[off:off + _CHUNK]
+                    mac.feed(part)
+                    sock.sendall(part)
+            sock.sendall(mac.tag())
+        head_in = _recv_exact(sock, _HEAD.size)
+        magic, rop, status, meta_len, payload_len, seq = _HEAD.unpack(head_in)
+        if magic != _MAGIC or rop != OP_REPLY or seq != self._seq_in:
+            raise MirrorError(f"bad mirror reply (magic {magic!r}, op {rop}, seq {seq}/{self._seq_in})")
+        self._seq_in += 1
+        long_meta = meta_len == 0xFFFF
+        if long_meta and payload_len > MAX_REPLY_META:
+            raise MirrorError(f"mirror reply meta of {payload_len} bytes is over the limit")
+        meta_in = b"" if long_meta else _recv_exact(sock, meta_len)
+        mac = _mac_of(base, _TO_CLIENT, head_in, meta_in)
+        data = bytearray(payload_len)
+        view = memoryview(data)
+        for off in range(0, payload_len, _CHUNK):
+            part = view[off:off + _CHUNK]
+            _recv_into(sock, part)
+            mac.feed(part)
+        if not mac.verify(_recv_exact(sock, TAG_LEN)):
+            raise MirrorError("mirror reply MAC mismatch: forged or corrupted")
+        if long_meta:
+            return status, _decode_meta(bytes(data)), b""
+        return status, _decode_meta(meta_in), bytes(data) if payload_len else b""
+
+
+class PushStream:
+    """A one-way pushing connection to one :class:`MirrorServer` (a worker's light snapshots): :meth:`connect`
+    (blocking: the handshake, from a helper thread), then :meth:`push` from the training thread, which hands one
+    MAC'd frame to the kernel without waiting for anything and returns at once.
+
+    After the handshake nothing is ever read from the socket (the server sends nothing), so a process killed
+    right after :meth:`push` returned still has its frame delivered: the kernel sends what it accepted and then
+    closes the connection in order. What is *not* covered: a host losing power before the frame left its network
+    card (microseconds on an idle link)."""
+
+    SNDBUF = 1 << 20             # room for ~100 frames: a push never blocks, and never half-fits unless the
+                                 # buddy stopped reading for that long
+
+    def __init__(self, host: str, port: int, key: bytes, *, run_id: str = "", timeout: float = 5.0) -> None:
+        self.host, self.port = host, int(port)
+        self.timeout = timeout
+        self._auth = _auth(key, run_id)
+        self._sock: socket.socket | None = None
+        self._base: FrameMac | None = None
+        self._seq = 0
+        self.pushed = 0
+        self.bytes = 0
+
+    def __repr__(self) -> str:
+        return f"PushStream({self.host}:{self.port})"
+
+    @property
+    def connected(self) -> bool:
+        return self._sock is not None
+
+    def connect(self) -> "PushStream":
+        sock, base, _flags = _dial(self.host, self.port, self.timeout, self._auth, sndbuf=self.SNDBUF)
+        sock.setblocking(False)
+        self._sock, self._base, self._seq = sock, base, 0
+        return self
+
+    def frame(self, owner: int, kind: str, version: int, epoch: int, payload: bytes) -> list[bytes]:
+        """The pieces of one PUSH frame (head and meta, payload, tag); advances the sequence number."""
+        assert self._base is not None
+        meta = _encode_meta({"owner": owner, "kind": kind, "version": version, "epoch": epoch})
+        head = _HEAD.pack(_MAGIC, OP_PUSH, 0, len(meta), len(payload), self._seq)
+        self._seq += 1
+        mac = _mac_of(self._base, _TO_SERVER, head, meta)
+        mac.feed(payload)
+        return [head + meta, payload, mac.tag()]
+
+    def push(self, owner: int, kind: str, version: int, epoch: int, payload: bytes) -> bytes | None:
+        """Hand one frame to the kernel, never blocking. Returns None when all of it was accepted, else the
+        bytes still to send (the send buffer was full: the caller finishes them off the training thread, or
+        drops the stream). Raises :class:`OSError` when the connection is broken."""
+        sock = self._sock
+        if sock is None:
+            raise OSError("push stream not connected")
+        pieces = self.frame(owner, kind, version, epoch, payload)
+        total = sum(len(p) for p in pieces)
+        try:
+            sent = sock.sendmsg(pieces)
+        except BlockingIOError:
+            sent = 0
+        self.pushed += 1
+        self.bytes += len(payload)
+        return None if sent == total else b"".join(pieces)[sent:]
+
+    def finish(self, rest: bytes, timeout: float = 5.0) -> None:
+        """Send what :meth:`push` could not (blocking, bounded: from a helper thread)."""
+        sock = self._sock
+        if sock is None:
+            raise OSError("push stream not connected")
+        deadline, view = time.monotonic() + timeout, memoryview(rest)
+        while view:
+            try:
+                n = sock.send(view)
+                view = view[n:]
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the mirror at {self.host}:{self.port} took no data for {timeout} s")
+                select.select([], [sock], [], left)
+
+    def close(self) -> None:
+        sock, self._sock, self._base = self._sock, None, None
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
+def _check_ok(status: int, meta: dict[str, Any]) -> None:
+    if status != OK:
+        raise MirrorError(f"mirror request failed (status {status}): {meta.get('error', '')}")
+
+
+def _send_all(sock: socket.socket, pieces: list[Any]) -> None:
+    """``sendall`` of the pieces in order, gathered (``sendmsg``), never joined into one buffer."""
+    views = [memoryview(p).cast("B") for p in pieces]
+    views = [v for v in views if v.nbytes]
+    while views:
+        sent = sock.sendmsg(views[:512])
+        while sent and views:
+            if sent >= views[0].nbytes:
+                sent -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0], sent = views[0][sent:], 0
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    _recv_into(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def _recv_into(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:])
+        except TimeoutError as exc:
+            raise MirrorError(f"the mirror made no progress for {sock.gettimeout()} s") from exc
+        if n == 0:
+            raise MirrorError("the mirror closed the connection")
+        got += n
+
+
+__all__ = ["MirrorClient", "PushStream"]

@@ -1,0 +1,359 @@
+"""The mirror's network end: an authenticated asyncio :class:`MirrorServer` around a store, a blocking
+:class:`MirrorClient` (see :mod:`tpassrun.mirror` for the API).
+
+Every connection proves the per-run mirror key (:mod:`tpassrun.transfer.auth`'s handshake, purpose "mirror", the
+run id as context) before the server reads a byte of request or allocates anything for it.
+
+Wire, after the handshake, both directions (little endian)::
+
+    head 24 B  b"TPMR" | u8 op | u8 status | u16 meta_len | u64 payload_len | u64 seq
+    meta       meta_len B of UTF-8 JSON      payload   payload_len B      tag   32 B
+
+ops: PUT {owner, kind, version, epoch} + payload -> {kept}; GET {owner, kind, version|null, epoch|null} ->
+{version, epoch} + payload | NOT_FOUND; LIST {owner|null, kind|null} -> {entries, bytes, max_bytes};
+DROP {owner|null, kind|null, below_epoch|null} -> {freed}; PUSH: a PUT with no answer (:class:`PushStream`).
+
+``tag`` is the connection's HMAC-SHA256 (:class:`~tpassrun.transfer.auth.FrameMac`) over the direction, head, meta and
+payload. A PUT or PUSH whose head's status byte is :data:`PAYLOAD_POLY1305` carries a cheaper one instead, when the
+server's hello offered it (:data:`~tpassrun.transfer.auth.FLAG_POLY1305`): the HMAC over the direction, head and meta,
+then over the Poly1305 tag of the payload under a one-time key derived from that HMAC (the head's sequence number
+makes it unique within the connection; :meth:`~tpassrun.transfer.auth.FrameMac.one_time_key`). One SHA-256 pass over a
+refresh's megabytes cost about 0.5 ms of CPU on each end; Poly1305 about a quarter of that, still authenticated.
+
+A :class:`PushStream` is a one-way connection: after the handshake the server never writes to it again, so a
+writer that is SIGKILLed right after handing a frame to its kernel still has it delivered (a socket closed with
+unread data in its receive queue would be reset instead, and its unsent bytes dropped). A push the store refuses
+(an older version, full) is dropped and counted; a malformed one ends the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import struct
+from typing import Any, Sequence
+
+from tpassrun.transfer import poly1305
+from tpassrun.mirror.store import MirrorError, MirrorFull, MirrorStore
+from tpassrun.transfer.auth import FLAG_POLY1305, PROOF, TAG_LEN, AuthError, FrameMac, ListenerHandshake, TransferAuth
+from tpassrun.transfer.quiet import Throttle, held_note
+from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, PendingTable, source_of
+
+log = logging.getLogger("tpassrun.mirror")
+
+MAX_META = 1 << 16                  # a request's JSON; a LIST answer may be longer (see MAX_REPLY_META)
+MAX_REPLY_META = 16 << 20
+_CHUNK = 4 << 20                    # payloads stream in pieces of this size (MAC off the event loop above it)
+_THREAD_MAC = 1 << 20
+_THREAD_POLY = 8 << 20              # Poly1305 runs at ~7 GB/s: below this, a thread hand-off costs more than the tag
+
+_HEAD = struct.Struct("<4sBBHQQ")
+_MAGIC = b"TPMR"
+OP_PUT, OP_GET, OP_LIST, OP_DROP, OP_REPLY, OP_PUSH = 1, 2, 3, 4, 5, 6
+OK, NOT_FOUND, REFUSED, BAD_REQUEST = 0, 1, 2, 3
+_TO_SERVER, _TO_CLIENT = b"C", b"S"
+PAYLOAD_POLY1305 = 1                # a request head's status byte: the payload is under a Poly1305 tag (module doc)
+_POLY_LABEL = b"mirror-payload"
+
+
+# ---------------------------------------------------------------------------------------------- framing
+def _mac_of(base: FrameMac, direction: bytes, head: bytes, meta: bytes) -> FrameMac:
+    mac = base.copy()
+    mac.feed(direction)
+    mac.feed(head)
+    mac.feed(meta)
+    return mac
+
+
+def _payload_tag(mac: FrameMac, pieces: Sequence[Any]) -> bytes:
+    """The tag of a :data:`PAYLOAD_POLY1305` frame: ``mac`` (fed the direction, head and meta) over the Poly1305
+    tag of the payload ``pieces`` under a one-time key from ``mac`` (module doc). GIL released while it runs."""
+    mac = mac.copy()
+    mac.feed(poly1305.tag(mac.one_time_key(_POLY_LABEL), list(pieces)))
+    return mac.tag()
+
+
+def _encode_meta(meta: dict[str, Any]) -> bytes:
+    return json.dumps(meta, separators=(",", ":")).encode()
+
+
+def _decode_meta(raw: bytes) -> dict[str, Any]:
+    try:
+        doc = json.loads(raw) if raw else {}
+    except ValueError as exc:
+        raise MirrorError(f"malformed mirror frame meta: {exc}") from exc
+    if not isinstance(doc, dict):
+        raise MirrorError("malformed mirror frame meta: not a JSON object")
+    return doc
+
+
+def _int_field(meta: dict[str, Any], name: str, optional: bool = False) -> int | None:
+    value = meta.get(name)
+    if value is None and optional:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise MirrorError(f"mirror request: {name} must be an integer, not {value!r}")
+    return value
+
+
+def _str_field(meta: dict[str, Any], name: str, optional: bool = False) -> str | None:
+    value = meta.get(name)
+    if value is None and optional:
+        return None
+    if not isinstance(value, str) or not value or len(value) > 256:
+        raise MirrorError(f"mirror request: {name} must be a short string, not {value!r}")
+    return value
+
+
+def _auth(key: bytes, run_id: str) -> TransferAuth:
+    return TransferAuth(key, run_id, -1, purpose="mirror")
+
+
+# ---------------------------------------------------------------------------------------------- server
+class MirrorServer:
+    """The agent's end: serves one :class:`MirrorStore` on ``host`` (the agent's advertised address only).
+
+    ``async with`` (or :meth:`start` / :meth:`close`) does the I/O; the constructor does none."""
+
+    def __init__(self, store: MirrorStore, key: bytes, *, host: str, run_id: str = "", port: int = 0,
+                 max_item_bytes: int | None = None) -> None:
+        self.store = store
+        self.host = host
+        self.port = port
+        self.max_item_bytes = max_item_bytes or store.max_bytes
+        self._auth = _auth(key, run_id)
+        self._server: asyncio.base_events.Server | None = None
+        # handshakes in progress, bounded per source and in all: a newcomer evicts the oldest (tpassrun/transfer/gate.py)
+        self._handshaking: PendingTable[asyncio.Task[Any]] = PendingTable()
+        self._conns: set[asyncio.Task[Any]] = set()
+        self.strangers = 0                # connections dropped for not proving the key
+        self._lines = Throttle()          # one warning line per source a minute, however many it sends
+        self.puts = 0
+        self.bytes_in = 0
+        self.pushes_refused = 0           # one-way pushes the store did not keep (no one to tell)
+
+    async def __aenter__(self) -> "MirrorServer":
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def start(self) -> tuple[str, int]:
+        try:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=1 << 20)
+        except OSError as exc:
+            if self.host in ("0.0.0.0", "::"):
+                raise
+            # a name that does not resolve to an address of this machine (a misconfigured FQDN): as the handoff
+            # does, listen on every interface; the key still guards every connection
+            log.warning("cannot listen for the mirror on %s (%s); listening on every interface instead",
+                        self.host, exc)
+            self._server = await asyncio.start_server(self._serve, None, self.port, limit=1 << 20)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.host, self.port
+
+    async def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.close()
+        for task in list(self._conns):
+            task.cancel()
+        if self._conns:
+            await asyncio.wait(self._conns, timeout=2)
+        if server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(server.wait_closed(), 1)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._conns.add(task)
+        try:
+            base = await self._handshake(reader, writer)
+            if base is not None:
+                await self._requests(reader, writer, base)
+        except (ConnectionError, asyncio.IncompleteReadError, MirrorError, OSError) as exc:
+            log.debug("mirror connection ended: %s", exc)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self._conns.discard(task)
+            writer.close()
+
+    async def _handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> FrameMac | None:
+        """The client's proof within :data:`~tpassrun.transfer.gate.HANDSHAKE_DEADLINE_S` of its connect (the whole
+        proof, not each byte). Every connection's handshake is its own task; a flood of silent or dripping ones
+        evicts the oldest of its source, never a newcomer, so a legitimate client always gets its turn."""
+        task = asyncio.current_task()
+        assert task is not None
+        source = source_of(writer.get_extra_info("peername"))
+        for victim in self._handshaking.admit(task, source, asyncio.get_running_loop().time()):
+            self.strangers += 1
+            victim.cancel()
+        try:
+            shake = ListenerHandshake(self._auth, FLAG_POLY1305 if poly1305.available() else 0)
+            writer.write(shake.hello())
+            try:
+                raw = await asyncio.wait_for(reader.readexactly(PROOF.size), HANDSHAKE_DEADLINE_S)
+                writer.write(shake.accept(raw))
+                await writer.drain()
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:      # connected and left without a word (a liveness probe): not a stranger
+                    return None
+                self._stranger(source, "it left mid-proof")
+                return None
+            except (AuthError, asyncio.TimeoutError) as exc:
+                self._stranger(source, str(exc) if isinstance(exc, AuthError)
+                               else f"no proof within {HANDSHAKE_DEADLINE_S:g} s")
+                return None
+            return shake.frame_mac()
+        finally:
+            self._handshaking.remove(task)
+
+    def _stranger(self, source: str, why: str) -> None:
+        self.strangers += 1
+        held = self._lines.check(source)
+        if held is not None:
+            log.warning("mirror: dropped a connection from %s that did not prove the mirror key: %s%s", source, why,
+                        held_note(held, self._lines.window))
+
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, base: FrameMac) -> None:
+        seq_in = seq_out = 0
+        while True:
+            try:
+                head = await reader.readexactly(_HEAD.size)
+            except asyncio.IncompleteReadError as exc:
+                if not exc.partial:
+                    return      # the client closed between requests
+                raise
+            magic, op, flags, meta_len, payload_len, seq = _HEAD.unpack(head)
+            if magic != _MAGIC or seq != seq_in or meta_len > MAX_META:
+                raise MirrorError(f"bad mirror frame (magic {magic!r}, seq {seq}/{seq_in}, meta {meta_len} B)")
+            seq_in += 1
+            meta_raw = await reader.readexactly(meta_len)
+            mac = _mac_of(base, _TO_SERVER, head, meta_raw)
+            status, reply, out = OK, {}, ()
+            if op == OP_PUSH:
+                status, reply = await self._put(reader, mac, meta_raw, payload_len, flags)
+                if status == BAD_REQUEST:
+                    raise MirrorError(f"bad mirror push: {reply.get('error')}")
+                if status != OK or not reply.get("kept"):
+                    self.pushes_refused += 1
+                    log.debug("mirror push not kept: %s", reply.get("error", "older than the versions held"))
+                continue                # one-way: never an answer (see PushStream)
+            if op == OP_PUT:
+                status, reply = await self._put(reader, mac, meta_raw, payload_len, flags)
+            else:
+                if payload_len:
+                    raise MirrorError(f"mirror op {op} carries no payload")
+                if not mac.verify(await reader.readexactly(TAG_LEN)):
+                    raise MirrorError("mirror request MAC mismatch")
+                try:
+                    status, reply, out = self._answer(op, _decode_meta(meta_raw))
+                except MirrorError as exc:
+                    status, reply = BAD_REQUEST, {"error": str(exc)}
+            await self._reply(writer, base, seq_out, status, reply, out)
+            seq_out += 1
+
+    async def _put(self, reader: asyncio.StreamReader, mac: FrameMac, meta_raw: bytes,
+                   payload_len: int, flags: int = 0) -> tuple[int, dict[str, Any]]:
+        poly = flags == PAYLOAD_POLY1305
+        try:
+            if flags not in (0, PAYLOAD_POLY1305) or (poly and not poly1305.available()):
+                raise MirrorError(f"a payload MAC this server does not offer (flags {flags})")
+            meta = _decode_meta(meta_raw)
+            owner, kind = _int_field(meta, "owner"), _str_field(meta, "kind")
+            version, epoch = _int_field(meta, "version"), _int_field(meta, "epoch")
+        except MirrorError as exc:
+            await _discard(reader, payload_len + TAG_LEN)
+            return BAD_REQUEST, {"error": str(exc)}
+        assert owner is not None and kind is not None and version is not None and epoch is not None
+        why = (f"a copy of {payload_len} bytes is over this store's item limit {self.max_item_bytes}"
+               if payload_len > self.max_item_bytes else self.store.admit(owner, kind, version, epoch, payload_len))
+        if why is not None:
+            await _discard(reader, payload_len + TAG_LEN)
+            return REFUSED, {"error": why}
+        self.store.reserved += payload_len
+        try:
+            chunks = []
+            left = payload_len
+            while left:
+                piece = await reader.readexactly(min(left, _CHUNK))
+                left -= len(piece)
+                if poly:        # tagged whole below
+                    pass
+                elif len(piece) >= _THREAD_MAC:
+                    await asyncio.to_thread(mac.feed, piece)   # hashlib drops the GIL: the loop keeps going
+                else:
+                    mac.feed(piece)
+                chunks.append(piece)
+            tag = await reader.readexactly(TAG_LEN)
+            if poly:
+                want = (await asyncio.to_thread(_payload_tag, mac, chunks) if payload_len >= _THREAD_POLY
+                        else _payload_tag(mac, chunks))
+                ok = hmac.compare_digest(tag, want)
+            else:
+                ok = mac.verify(tag)
+            if not ok:
+                raise MirrorError("mirror put MAC mismatch: nothing kept")
+        finally:
+            self.store.reserved -= payload_len
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        del chunks
+        try:
+            kept = self.store._commit(owner, kind, version, epoch, data)
+        except MirrorFull as exc:
+            return REFUSED, {"error": str(exc)}
+        self.puts += 1
+        self.bytes_in += payload_len
+        return OK, {"kept": kept}
+
+    def _answer(self, op: int, meta: dict[str, Any]) -> tuple[int, dict[str, Any], Sequence[bytes]]:
+        if op == OP_GET:
+            owner, kind = _int_field(meta, "owner"), _str_field(meta, "kind")
+            item = self.store.get(owner, kind, _int_field(meta, "version", True),   # type: ignore[arg-type]
+                                  _int_field(meta, "epoch", True))
+            if item is None:
+                return NOT_FOUND, {}, ()
+            return OK, {"version": item.version, "epoch": item.epoch}, (item.data,)
+        if op == OP_LIST:
+            rows = self.store.usage(_int_field(meta, "owner", True), _str_field(meta, "kind", True))
+            return OK, {"entries": [r.to_json() for r in rows], "bytes": self.store.nbytes,
+                        "max_bytes": self.store.max_bytes}, ()
+        if op == OP_DROP:
+            freed = self.store.drop(_int_field(meta, "owner", True), _str_field(meta, "kind", True),
+                                    _int_field(meta, "below_epoch", True))
+            return OK, {"freed": freed}, ()
+        raise MirrorError(f"unknown mirror op {op}")
+
+    async def _reply(self, writer: asyncio.StreamWriter, base: FrameMac, seq: int, status: int,
+                     meta: dict[str, Any], payload: Sequence[bytes]) -> None:
+        meta_raw = _encode_meta(meta)
+        head = _HEAD.pack(_MAGIC, OP_REPLY, status, min(len(meta_raw), 0xFFFF), sum(len(p) for p in payload), seq)
+        # meta_len is u16: a long LIST answer carries its meta length in the payload's place instead
+        if len(meta_raw) >= 0xFFFF:
+            head = _HEAD.pack(_MAGIC, OP_REPLY, status, 0xFFFF, len(meta_raw), seq)
+            payload, meta_raw = (meta_raw,), b""
+        mac = _mac_of(base, _TO_CLIENT, head, meta_raw)
+        writer.write(head + meta_raw)
+        for piece in payload:
+            if len(piece) >= _THREAD_MAC:
+                await asyncio.to_thread(mac.feed, piece)
+            else:
+                mac.feed(piece)
+            writer.write(piece)
+            await writer.drain()
+        writer.write(mac.tag())
+        await writer.drain()
+
+
+async def _discard(reader: asyncio.StreamReader, n: int) -> None:
+    while n > 0:
+        n -= len(await reader.readexactly(min(n, _CHUNK)))
+
+
+__all__ = ["BAD_REQUEST", "MirrorServer", "NOT_FOUND", "OK", "PAYLOAD_POLY1305", "REFUSED"]

@@ -1,0 +1,148 @@
+"""``--metrics-port``: a Prometheus endpoint per agent, fed from the event stream (and the slots at scrape time).
+
+Counters and histograms follow the events (:mod:`tpassrun.ops.events`) through the same :class:`Describer` the
+console uses, so the metrics and the console never disagree; per-rank step and step time, free spares and the
+goodput are read when Prometheus scrapes (no per-step cost). ``prometheus_client`` is an optional dependency
+(``pip install 'tpassrun[metrics]'``); nothing here is imported unless the flag is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import TYPE_CHECKING, Any, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+
+from tpassrun.ops.console import Describer
+from tpassrun.ops.tui import RunProgress
+
+if TYPE_CHECKING:
+    from tpassrun.swapper.agentport import StatusHost
+
+PAUSE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+
+
+class AgentMetrics:
+    """An event listener and a Prometheus collector. Constructing it does no I/O; :meth:`serve` listens."""
+
+    def __init__(self, agent: "StatusHost") -> None:
+        self.agent = agent
+        self.registry = CollectorRegistry()
+        self.describer = Describer()
+        r = self.registry
+        self.swaps = Counter("tpassrun_swaps", "Swaps that resumed training, by kind (planned, unplanned)",
+                             ["kind"], registry=r)
+        self.pause = Histogram("tpassrun_swap_pause_seconds", "Training pause of each swap, by kind", ["kind"],
+                               buckets=PAUSE_BUCKETS, registry=r)
+        self.aborted = Counter("tpassrun_swaps_aborted", "Swaps given up", registry=r)
+        self.bytes = Counter("tpassrun_state_bytes_moved", "Bytes of rank state received by joiners", registry=r)
+        self.restarts = Counter("tpassrun_whole_group_restarts", "Falls back to torchrun's whole-group restart",
+                                registry=r)
+        self.hangs = Counter("tpassrun_hang_kills", "Hung workers killed by the watchdog", registry=r)
+        self.deaths = Counter("tpassrun_worker_failures", "Worker failures, by kind", ["kind"], registry=r)
+        self.taints = Counter("tpassrun_taints", "Taints received, by source", ["source"], registry=r)
+        self.steps_redone = Counter("tpassrun_steps_redone", "Steps re-executed after unplanned recoveries",
+                                    registry=r)
+        r.register(self)
+        self._server: Any = None
+        self.port = 0
+
+    # --- event listener ---
+    def __call__(self, ev: dict[str, Any]) -> None:
+        name = ev.get("event")
+        before = len(self.describer.tally.swaps), self.describer.tally.steps_redone
+        self.describer.describe(ev)
+        tally = self.describer.tally
+        if len(tally.swaps) > before[0]:
+            kind, _sid, pause = tally.swaps[-1]
+            self.swaps.labels(kind).inc()
+            self.pause.labels(kind).observe(pause)
+            self.steps_redone.inc(tally.steps_redone - before[1])
+        if name == "swap_transfer_end":
+            self.bytes.inc(float(ev.get("nbytes") or 0))
+        elif name == "swap_aborted_here":
+            self.aborted.inc()
+        elif name == "fallback":
+            self.restarts.inc()
+        elif name == "hang_detected":
+            self.hangs.inc()
+        elif name == "worker_died":
+            self.deaths.labels(str(ev.get("kind") or "exit_code")).inc()
+        elif name == "user_error":
+            self.deaths.labels("user_error").inc()
+        elif name in ("taint_received", "health_taint"):
+            self.taints.labels(str(ev.get("source") or "health")).inc()
+
+    # --- scrape-time gauges ---
+    def describe(self) -> list[Any]:
+        return []   # not known before the first scrape: the registry must not call collect() at register()
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        slots = self.agent.slots
+        rows = slots.table() if slots is not None else []
+        step = GaugeMetricFamily("tpassrun_step", "Step each rank is executing", labels=["rank"])
+        took = GaugeMetricFamily("tpassrun_step_seconds", "Duration of each rank's last step", labels=["rank"])
+        for w in rows:    # records.WorkerRow
+            if w.rank is not None and not w.spare:
+                step.add_metric([str(w.rank)], float(w.step))
+                took.add_metric([str(w.rank)], w.last_step_ms / 1000.0)
+        yield step
+        yield took
+        progress = RunProgress.of([w.to_json() for w in rows])    # this node's ranks (the job's: tpassctl status)
+        yield GaugeMetricFamily("tpassrun_total_steps", "The total steps sess.run() was given (0: not known)",
+                                value=float(progress.total))
+        eta = progress.eta_s
+        yield GaugeMetricFamily("tpassrun_eta_seconds", "Time left at the slowest rank's step time (-1: not known)",
+                                value=eta if eta is not None else -1.0)
+        yield GaugeMetricFamily("tpassrun_spares_free", "Ready spare slots on this node",
+                                value=float(sum(1 for w in rows if w.spare)))
+        gen = self.agent.generation
+        yield GaugeMetricFamily("tpassrun_generation", "Current generation number",
+                                value=float(gen.number if gen is not None else -1))
+        health = GaugeMetricFamily("tpassrun_health_verdict", "Latest health verdict per device (1 = this status)",
+                                   labels=["device", "status"])
+        for device, status in sorted(self.describer.health.items(), key=lambda x: str(x[0])):
+            health.add_metric([str(device), str(status)], 1.0)
+        yield health
+        tally = self.describer.tally
+        yield GaugeMetricFamily("tpassrun_goodput_ratio", "Share of wall time that was useful training (not "
+                                "swap pauses, restarts, or steps a restart ran again)", value=tally.goodput / 100.0)
+        yield GaugeMetricFamily("tpassrun_time_lost_seconds", "Wall time lost to swap pauses, restarts and the "
+                                "steps restarts ran again", value=tally.lost)
+        yield GaugeMetricFamily("tpassrun_steps_lost", "Steps whole-group restarts ran again (progress since the "
+                                "script's last checkpoint)", value=float(tally.restart_redone))
+        yield GaugeMetricFamily("tpassrun_steps_redone", "In-flight steps live recoveries re-executed",
+                                value=float(tally.steps_redone))
+        yield GaugeMetricFamily("tpassrun_whole_group_restarts", "Whole-group restarts (torchrun's path)",
+                                value=float(len(tally.restarts)))
+        yield GaugeMetricFamily("tpassrun_fallbacks", "Failures no spare could take (fell back to a restart)",
+                                value=float(tally.fallbacks))
+
+    # --- lifecycle ---
+    def serve(self, addr: str, port: int) -> int:
+        server = start_http_server(port, addr=addr, registry=self.registry)
+        self._server = server[0] if isinstance(server, tuple) else None
+        self.port = self._server.server_port if self._server is not None else port
+        return self.port
+
+    def close(self) -> None:
+        server, self._server = self._server, None
+        if server is not None:
+            server.shutdown()
+            server.server_close()
+
+
+def serve_metrics(agent: "StatusHost", stack: contextlib.AsyncExitStack) -> tuple[str, int]:
+    """--metrics-port: listen (closed by ``stack``) and follow ``agent``'s events from now on."""
+    from tpassrun.rendezvous import RendezvousError
+
+    metrics = AgentMetrics(agent)
+    agent.events.add_listener(metrics)
+    bind = "127.0.0.1" if agent.cfg.uses_embedded_etcd else "0.0.0.0"
+    try:
+        port = metrics.serve(bind, int(agent.cfg.metrics_port or 0))
+    except OSError as exc:
+        raise RendezvousError(f"--metrics-port {agent.cfg.metrics_port}: cannot listen: {exc}") from exc
+    stack.callback(metrics.close)
+    return bind, port

@@ -1,0 +1,1 @@
+"""tpassrun.transfer."""

@@ -1,0 +1,177 @@
+"""Authenticated point-to-point connections between tpassrun processes: the HMAC handshake and frame MACs.
+
+Torch-free on purpose: the agent (which never imports torch) uses it for its mirror store
+(:mod:`tpassrun.mirror`), the workers for the state handoff (:mod:`tpassrun.transfer.wire`). Both ends share a
+key that reached them through the control plane (etcd, the agent's private socket), never the network. Before
+anything else is read or allocated, the two ends prove the key to each other over fresh nonces (either end may
+be a stranger: a process that found the port, or a forged plan's address)::
+
+    listener -> connector   40 B  b"TPNC" | u16 version | u16 flags | nonce_r (32 B)
+    connector -> listener   68 B  b"TPAU" | nonce_s (32 B) | HMAC(key, "sender" | nonce_r | nonce_s | context)
+    listener -> connector   36 B  b"TPOK" | HMAC(key, "receiver" | nonce_r | nonce_s | context)
+
+``context`` names the purpose, the transfer and the rank (:class:`TransferAuth`), so a key holder of another
+swap, rank or purpose is refused too. The handshake is sans-I/O (:class:`ListenerHandshake`,
+:class:`ConnectorHandshake` say what to send and check what came back), so blocking sockets and asyncio
+streams drive the very same code; :meth:`TransferAuth.frame_mac` then keys the MAC of everything that follows.
+
+``flags`` says what the listener can verify (:data:`FLAG_POLY1305`: Poly1305 frame tags), so a sender picks a
+frame MAC both ends have; a listener of an older build sends 0 (HMAC-SHA256 frames). The flags are not under a
+tag: a peer in the middle that flips them can only choose between two sound MACs (the stream's head, under the
+connection's HMAC, names the one in use) or make the transfer fail, which it can do anyway.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+WIRE_VERSION = 1
+HELLO = struct.Struct("<4sHH32s")     # b"TPNC", version, flags, listener nonce
+PROOF = struct.Struct("<4s32s32s")    # b"TPAU", connector nonce, connector proof
+ACCEPT = struct.Struct("<4s32s")      # b"TPOK", listener proof
+TAG_LEN = 32
+FLAG_POLY1305 = 1                     # the listener verifies Poly1305 frame tags (tpassrun.transfer.poly1305)
+
+
+class HandoffError(Exception):
+    """A state handoff (or a mirror transfer) could not be captured, transferred or applied."""
+
+
+class ChecksumError(HandoffError):
+    """The received bytes do not match the sender's checksum: the state must not be used."""
+
+
+class AuthError(HandoffError):
+    """The peer did not prove the key: a stranger, or a peer of another swap, rank or purpose."""
+
+
+@dataclass(frozen=True)
+class TransferAuth:
+    """What both ends of one connection share: the ``key`` (from the control plane, never on the network) and
+    the connection's identity: ``purpose`` ("handoff": one rank's state in one swap; "mirror": the mirror store),
+    ``swap_id`` and ``rank`` (for a mirror: the run id and -1)."""
+
+    key: bytes
+    swap_id: str
+    rank: int
+    purpose: str = "handoff"
+
+    def __post_init__(self) -> None:
+        if len(self.key) < 16:
+            raise ValueError("a transfer key needs at least 16 bytes")
+
+    def __repr__(self) -> str:   # never print the key
+        return f"TransferAuth(purpose={self.purpose!r}, swap_id={self.swap_id!r}, rank={self.rank})"
+
+    def _label(self) -> bytes:
+        return b"tpassrun-" + self.purpose.encode() + b"/"
+
+    def _context(self, nonce_r: bytes, nonce_s: bytes) -> bytes:
+        ident = json.dumps([WIRE_VERSION, self.swap_id, self.rank]).encode()
+        return nonce_r + nonce_s + struct.pack("<I", len(ident)) + ident
+
+    def proof(self, role: bytes, nonce_r: bytes, nonce_s: bytes) -> bytes:
+        return hmac.new(self.key, self._label() + role + b"\0" + self._context(nonce_r, nonce_s),
+                        hashlib.sha256).digest()
+
+    def frame_mac(self, nonce_r: bytes, nonce_s: bytes) -> "FrameMac":
+        return FrameMac(hmac.new(self.key, self._label() + b"frame\0" + self._context(nonce_r, nonce_s),
+                                 hashlib.sha256))
+
+
+class FrameMac:
+    """HMAC-SHA256 keyed for one connection: ``feed`` the bytes, ``tag`` is the 32-byte MAC, ``result`` its first
+    4 bytes (a 32-bit checksum field). ``copy`` forks it (one MAC per frame from one connection's key)."""
+
+    def __init__(self, mac: "hmac.HMAC") -> None:
+        self._mac = mac
+
+    def feed(self, data: Any) -> None:
+        self._mac.update(data)
+
+    def result(self) -> int:
+        return int.from_bytes(self.tag()[:4], "little")
+
+    def tag(self) -> bytes:
+        return self._mac.copy().digest()
+
+    def copy(self) -> "FrameMac":
+        return FrameMac(self._mac.copy())
+
+    def verify(self, tag: bytes) -> bool:
+        return hmac.compare_digest(tag, self.tag())
+
+    def one_time_key(self, label: bytes) -> bytes:
+        """A 32-byte key for one message (a Poly1305 frame tag, :mod:`tpassrun.transfer.poly1305`): this connection's
+        HMAC over what was fed so far and ``label``, which must never repeat within the connection."""
+        mac = self._mac.copy()
+        mac.update(b"one-time-key\0" + label)
+        return mac.digest()
+
+
+class ListenerHandshake:
+    """The listening end: :meth:`hello` out, the connector's proof (:data:`PROOF` ``.size`` bytes) into
+    :meth:`accept`, which checks it in constant time and returns the answer to send; then :meth:`frame_mac`."""
+
+    def __init__(self, auth: TransferAuth, flags: int = 0) -> None:
+        self.auth = auth
+        self.flags = flags
+        self.nonce_r = secrets.token_bytes(32)
+        self.nonce_s = b""
+
+    def hello(self) -> bytes:
+        return HELLO.pack(b"TPNC", WIRE_VERSION, self.flags, self.nonce_r)
+
+    def accept(self, raw: bytes) -> bytes:
+        if len(raw) != PROOF.size:
+            raise AuthError("the peer sent no complete proof of the key")
+        magic, nonce_s, proof = PROOF.unpack(raw)
+        if magic != b"TPAU" or not hmac.compare_digest(proof, self.auth.proof(b"sender", self.nonce_r, nonce_s)):
+            raise AuthError(f"the peer did not prove the {self.auth.purpose} key (a stranger, or another "
+                            "swap, rank or run)")
+        self.nonce_s = nonce_s
+        return ACCEPT.pack(b"TPOK", self.auth.proof(b"receiver", self.nonce_r, nonce_s))
+
+    def frame_mac(self) -> FrameMac:
+        return self.auth.frame_mac(self.nonce_r, self.nonce_s)
+
+
+class ConnectorHandshake:
+    """The connecting end: the listener's hello (:data:`HELLO` ``.size`` bytes) into :meth:`prove`, which returns
+    the proof to send; the listener's answer (:data:`ACCEPT` ``.size`` bytes) into :meth:`verify`, which returns
+    the connection's :class:`FrameMac` only if the listener proved the key too (a forged address must not
+    receive a single byte). :attr:`peer_flags` is what the listener said it can verify."""
+
+    def __init__(self, auth: TransferAuth) -> None:
+        self.auth = auth
+        self.nonce_r = b""
+        self.nonce_s = secrets.token_bytes(32)
+        self.peer_flags = 0
+
+    def prove(self, raw: bytes) -> bytes:
+        if len(raw) != HELLO.size:
+            raise AuthError("the peer sent no complete hello")
+        magic, version, flags, nonce_r = HELLO.unpack(raw)
+        if magic != b"TPNC" or version != WIRE_VERSION:
+            raise AuthError(f"the peer is not a tpassrun {self.auth.purpose} endpoint (hello {magic!r} v{version})")
+        self.nonce_r, self.peer_flags = nonce_r, flags
+        return PROOF.pack(b"TPAU", self.nonce_s, self.auth.proof(b"sender", nonce_r, self.nonce_s))
+
+    def verify(self, raw: bytes) -> FrameMac:
+        if len(raw) != ACCEPT.size:
+            raise AuthError("the peer refused our proof or left")
+        magic, proof = ACCEPT.unpack(raw)
+        if magic != b"TPOK" or not hmac.compare_digest(proof, self.auth.proof(b"receiver", self.nonce_r,
+                                                                               self.nonce_s)):
+            raise AuthError(f"the peer did not prove the {self.auth.purpose} key: sending nothing to it")
+        return self.auth.frame_mac(self.nonce_r, self.nonce_s)
+
+
+__all__ = ["ACCEPT", "AuthError", "ChecksumError", "ConnectorHandshake", "FLAG_POLY1305", "FrameMac", "HELLO", "HandoffError",
+           "ListenerHandshake", "PROOF", "TAG_LEN", "TransferAuth", "WIRE_VERSION"]
