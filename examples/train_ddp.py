@@ -307,7 +307,8 @@ def main() -> None:
     if args.out:
         torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict(),
                     "sampler": sampler.state_dict(), "scaler": scaler.state_dict() if scaler is not None else None,
-                    "pid": os.getpid(), "joined": sess.joined, "steps": sess.step}, os.path.join(args.out, f"final_rank{sess.rank}.pt"))
+                    "pid": os.getpid(), "joined": sess.joined, "steps": sess.step}, os.path.join(args.out,
+                    f"final_rank{sess.rank}.pt"))
     if not args.quiet and sess.rank == 0:
         print(f"done: {sess.step} steps, world {sess.world_size}", flush=True)
     if hasattr(sampler, "close"):

@@ -258,7 +258,7 @@ class Job:
             return self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.kill()
-            raise AssertionError(f"job did not finish in {timeout}s; log:\n{self.log()[-3000:]}")
+            raise AssertionError(f"job did not finish in {timeout}s; log:\n{self.log()[-3000:]}") from None
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -288,7 +288,7 @@ def test_megatron_views_roundtrip() -> None:
     assert dst_progress == src_progress
     assert dst_sampler.pos == 640
     assert rebuilt == []          # not before the script asks for the iterator (in the world it trains in)
-    receive["data_rebuilt"].iterator
+    _ = receive["data_rebuilt"].iterator
     assert rebuilt == [41 * 64]   # rebuilt from the received position
     assert dst_rerun.loaded["mode"] is Mode.VALIDATE_RESULTS
     assert dst_rerun.loaded["state"] is RState.WILL_RERUN_FROM_CHECKPOINT

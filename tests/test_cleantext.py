@@ -87,7 +87,7 @@ def test_the_live_view_and_its_summary_line_are_inert():
     assert "\x1b[2J" not in drawn and "\x1b]0;" not in drawn and "\x07" not in drawn and "\u202e" not in drawn
 
 
-def test_tpassctl_status_table_and_taint_echo_are_inert(formed_run, capsys):
+def test_tpassctl_status_table_and_taint_echo_are_inert(formed_run, capsys):  # noqa: F811  (the fixture)
     from test_ctl import ctl
 
     endpoint, run_id, _ = formed_run

@@ -96,7 +96,7 @@ def test_a_recomputed_step_counts_once_and_must_repeat_its_loss():
             self.rows = rows
 
         def losses(self, _rank):
-            return [{"step": s, "loss": l} for s, l in self.rows]
+            return [{"step": s, "loss": loss} for s, loss in self.rows]
 
     assert support.logged(Log([(8, 0.5), (9, 0.25), (9, 0.25), (10, 0.125)]), 0) == {8: 0.5, 9: 0.25, 10: 0.125}
     try:

@@ -73,8 +73,9 @@ UPDATE_GOLDEN = os.environ.get("TPASSRUN_UPDATE_GOLDEN") == "1"
 
 
 def frame(doc: dict, width: int = 80, height: int | None = 24, now: float | None = T0 + 2.0,
-          view: ViewState = ViewState()) -> str:
+          view: ViewState | None = None) -> str:
     """What a person sees: the frame as plain text (no colours), trailing spaces dropped."""
+    view = ViewState() if view is None else view
     console = Console(width=width, height=height or 1000, record=True, file=io.StringIO(), color_system=None,
                       force_terminal=False, legacy_windows=False, _environ={})
     console.print(render_status(doc, now=now, width=width, height=height, view=view))

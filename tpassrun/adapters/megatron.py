@@ -68,7 +68,8 @@ The data iterator must be read through ``adapter.data_iterator`` (a joiner's is 
 ``rebuild_data_iterator(consumed_train_samples)``), and ``adapter.progress`` advanced every iteration whatever the
 step returns, at the step's start, before its first collective: the step's per-rank state is then whole when its
 backward pass seals it, so a death after the survivors completed the step is recovered live (advanced after the
-backward pass, as Megatron-LM counts, it switches the seal off and such a death restarts the group). ``examples/megatron/train_gpt.py`` is the same loop with TP, dropout and logging.
+backward pass, as Megatron-LM counts, it switches the seal off and such a death restarts the group).
+``examples/megatron/train_gpt.py`` is the same loop with TP, dropout and logging.
 
 What travels (heavy = only at a handoff; light = also snapshotted at every step start for unplanned rollback):
 
@@ -102,7 +103,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
-from tpassrun.adapters._common import adopt_group_sockets, declare_replicas, portable, rebind_references, register, restore_portable
+from tpassrun.adapters._common import (adopt_group_sockets, declare_replicas, portable, rebind_references, register,
+                                       restore_portable)
 
 log = logging.getLogger("tpassrun.adapters.megatron")
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Mapping, Union, cast
 
 # --------------------------------------------------------------------------------------------- the world
 
@@ -399,7 +399,7 @@ def encode(msg: Message, *, slot: int | None = None) -> bytes:
         doc["slot"] = slot
     for f in dataclasses.fields(msg):
         value = getattr(msg, f.name)
-        doc[f.name] = (dataclasses.asdict(value) if isinstance(value, tuple(_NESTED.values()))
+        doc[f.name] = (dataclasses.asdict(cast(Any, value)) if isinstance(value, tuple(_NESTED.values()))
                        else list(value) if isinstance(value, tuple) else value)
     return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
 
@@ -422,9 +422,10 @@ def decode_command(line: bytes | str) -> Message:
     return decode(line, COMMANDS)[0]
 
 
-def decode_reply(line: bytes | str) -> tuple[Message, int | None]:
+def decode_reply(line: bytes | str) -> tuple[Reply, int | None]:
     """The agent's side: one line from a worker -> (a :data:`Reply`, the worker's slot if it said so)."""
-    return decode(line, REPLIES)
+    msg, slot = decode(line, REPLIES)
+    return cast("Reply", msg), slot
 
 
 def _build(cls: type, doc: Mapping[str, Any]) -> Any:
@@ -459,7 +460,10 @@ def _build(cls: type, doc: Mapping[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-__all__ = ["Abort", "AbortJoin", "Assign", "Break", "COMMANDS", "CatchUp", "Command", "Done", "Exit", "Failed", "Hello", "Light", "LightOk",
-           "Listening", "Message", "MirrorInfo", "MirrorInfoRequest", "ProtocolError", "REPLIES", "Raise", "MirrorSource", "Received",
-           "Reform", "Reformed", "Replicas", "ReplicasChecked", "Reply", "ShardRollback", "ShardRolledBack", "Reserve", "Resume", "SendState", "Stranger", "Watch", "WorldSpec", "decode",
+__all__ = ["Abort", "AbortJoin", "Assign", "Break", "COMMANDS", "CatchUp", "Command", "Done", "Exit", "Failed",
+           "Hello", "Light", "LightOk",
+           "Listening", "Message", "MirrorInfo", "MirrorInfoRequest", "ProtocolError", "REPLIES", "Raise",
+           "MirrorSource", "Received",
+           "Reform", "Reformed", "Replicas", "ReplicasChecked", "Reply", "ShardRollback", "ShardRolledBack",
+           "Reserve", "Resume", "SendState", "Stranger", "Watch", "WorldSpec", "decode",
            "decode_command", "decode_reply", "encode"]

@@ -59,7 +59,7 @@ class Slot:
     proc: Any = None                      # procs.WorkerProcess
     managed: bool = False                 # said hello through tpassrun.init()
     writer: asyncio.StreamWriter | None = None
-    inbox: asyncio.Queue = dataclasses.field(default_factory=asyncio.Queue)   # the worker's protocol Replies
+    inbox: asyncio.Queue[Message] = dataclasses.field(default_factory=asyncio.Queue)   # the worker's protocol Replies
     exit_code: int | None = None
     quarantine_reason: str | None = None
     home_rank: int | None = None          # the rank that left this slot because of a taint (migrate-back)
@@ -293,7 +293,7 @@ class LocalSlots:
         for s in self.slots:
             step = self.field(s, Field.STEP) if self.channel is not None else 0
             last = self.field(s, Field.LAST_STEP_NS) if self.channel is not None else 0
-            shard = {}
+            shard: dict[str, Any] = {}
             if self.channel is not None and self.field(s, Field.SHARD_HELD) and s.state != SlotState.SPARE:
                 pushed = self.field(s, Field.SHARD_PUSHED)
                 shard = {"shard_held": self.field(s, Field.SHARD_HELD), "shard_bytes": self.field(s, Field.SHARD_BYTES),

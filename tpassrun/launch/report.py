@@ -144,7 +144,8 @@ def _format_failure(idx: int, f: ProcessFailure, hostname: str) -> tuple[str, in
 
 def format_failure_report(script_name: str, failures: Sequence[ProcessFailure], *, hostname: str | None = None) -> str:
     """torchrun's report: every failure of the last attempt, root cause last. ``failures`` is in
-    torchrun's order (the first observed, then the workers stopped because of them, by local rank); ``hostname`` defaults to ``socket.getfqdn()``."""
+    torchrun's order (the first observed, then the workers stopped because of them, by local rank); ``hostname``
+    defaults to ``socket.getfqdn()``."""
     if not failures:
         raise ValueError("a failure report needs at least one failure")
     host = socket.getfqdn() if hostname is None else hostname

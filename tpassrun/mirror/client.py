@@ -22,7 +22,8 @@ from tpassrun.transfer.auth import ACCEPT, FLAG_POLY1305, HELLO, TAG_LEN, AuthEr
 def _dial(host: str, port: int, timeout: float, auth: Any, *,
           sndbuf: int = 0) -> tuple[socket.socket, FrameMac, int]:
     """Connect to a mirror server and prove the job's key (both clients): -> (socket, the connection's frame MAC
-    base, what the server's hello offers: :data:`FLAG_POLY1305`). A refused proof is an :class:`AuthError`; anything else a :class:`MirrorError`."""
+    base, what the server's hello offers: :data:`FLAG_POLY1305`). A refused proof is an :class:`AuthError`; anything
+    else a :class:`MirrorError`."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except OSError as exc:
@@ -256,7 +257,7 @@ class PushStream:
             except BlockingIOError:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise TimeoutError(f"the mirror at {self.host}:{self.port} took no data for {timeout} s")
+                    raise TimeoutError(f"the mirror at {self.host}:{self.port} took no data for {timeout} s") from None
                 select.select([], [sock], [], left)
 
     def close(self) -> None:

@@ -32,7 +32,8 @@ from rich.text import Text
 
 from tpassrun.ops.cleantext import clean, clean_tree
 
-__all__ = ["RunProgress", "TaintState", "TimelineStep", "duration_text", "step_info", "ViewState", "apply_key", "render_status", "summary_line", "swap_timeline",
+__all__ = ["RunProgress", "TaintState", "TimelineStep", "duration_text", "step_info", "ViewState", "apply_key",
+           "render_status", "summary_line", "swap_timeline",
            "taint_state"]
 
 # The planner's phase order (tpassrun/plan/swap.py); repeated here so the view never imports the agent side.

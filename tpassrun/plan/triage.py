@@ -103,7 +103,7 @@ def _decide(seen: Seen) -> Triage:
     node_actions = _lost_nodes(seen)
     if node_actions:
         return Triage(tuple(out) + node_actions)
-    stale_failures = []
+    stale_failures: list[Action] = []
     pending: list[tuple[str, Failure]] = []
     lost = set(seen.view.lost)
     for fid, f in seen.failures:

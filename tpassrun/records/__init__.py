@@ -114,6 +114,8 @@ class Keys:
         return self.prefix + "mirror_key"
 
 
-__all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED", "HANDLED_RESTART", "HealthRecord", "Keys", "MirrorKey", "NodeStatus",
-           "Phase", "RecordError", "Report", "RunClosed", "generation_record", "leader_of", "node_info", "rendezvous_guard", "SCHEMA_VERSION", "SlotRef", "SwapKind", "SwapPlan", "TERMINAL",
+__all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED", "HANDLED_RESTART", "HealthRecord",
+           "Keys", "MirrorKey", "NodeStatus",
+           "Phase", "RecordError", "Report", "RunClosed", "generation_record", "leader_of", "node_info",
+           "rendezvous_guard", "SCHEMA_VERSION", "SlotRef", "SwapKind", "SwapPlan", "TERMINAL",
            "TRANSITIONS", "Taint", "TaintEffect", "TaintSource", "WorkerRow", "load"]

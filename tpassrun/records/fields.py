@@ -100,7 +100,7 @@ def _enum(cls: type[E], doc: Mapping[str, Any], key: str, what: str) -> E:
         return cls(doc.get(key))
     except ValueError:
         raise RecordError(f"{what}: {key} {doc.get(key)!r} is not one of "
-                          f"{', '.join(m.value for m in cls)}") from None  # type: ignore[attr-defined]
+                          f"{', '.join(m.value for m in cls)}") from None
 
 
 def _addr(value: Any, what: str) -> tuple[str, int] | None:
@@ -121,7 +121,8 @@ _REPORTED_MAX = 1024
 
 def load(decode: Callable[[Any], R], key: str, doc: Any, revision: int = 0) -> R | None:
     """``decode(doc)``, or None for a malformed value, or for a sealed record type (``SEALED``: swap plans,
-    reports, the rendezvous's records) without a good MAC of the run key registered for ``key`` (:mod:`tpassrun.records.provenance`); either is
+    reports, the rendezvous's records) without a good MAC of the run key registered for ``key``
+    (:mod:`tpassrun.records.provenance`); either is
     logged once per key and revision.
 
     One bad value must neither stop a reader nor flood the log: the coordinator re-reads every family on

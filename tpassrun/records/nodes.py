@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Mapping
 
 from tpassrun.records import provenance
-from tpassrun.records.fields import (SCHEMA_VERSION, RecordError, _bool, _check, _int, _list, _num, _opt_int, _opt_ranks, _opt_str,
+from tpassrun.records.fields import (SCHEMA_VERSION, RecordError, _bool, _check, _int, _list, _num, _opt_int,
+                                     _opt_ranks, _opt_str,
                              _str, sealed)
 from tpassrun.rendezvous.guard import RecordGuard
 from tpassrun.rendezvous.state import Generation, NodeInfo
@@ -190,7 +191,7 @@ def leader_of(doc: Any) -> str:
     """The node id in ``leader`` (written by the rendezvous under the leader's lease)."""
     if not isinstance(doc, Mapping) or not isinstance(doc.get("node_id"), str):
         raise RecordError(f"leader record: no node_id in {doc!r}")
-    return doc["node_id"]
+    return str(doc["node_id"])
 
 
 @sealed

@@ -5,7 +5,8 @@ it costs CPU in the background: the copy, the frame and its MAC, the socket, and
 host whose cores all compute (a CPU job; a GPU host whose data loaders use every core) that CPU is taken from the
 step. ``auto`` bounds it: the first :data:`DECIDE_STEP` - 1 steps refresh every step and measure what a refresh
 costs (CPU of the training thread's part, the copy thread, the pusher thread, and as much again for the receiver)
-and how long a step takes (the shortest one); at step :data:`DECIDE_STEP` the rank picks the smallest K that keeps the amortized cost
+and how long a step takes (the shortest one); at step :data:`DECIDE_STEP` the rank picks the smallest K that keeps
+the amortized cost
 within :data:`BUDGET` of a step (at most :data:`MAX_INTERVAL`): :func:`choose`.
 
 Every rank must refresh at the same steps (a recovery needs a step that the survivors' local copies and the lost

@@ -143,5 +143,6 @@ class StatusHost(Protocol):
     generation: "Generation | None"
 
 
-__all__ = ["AgentEvent", "AgentPort", "EventSink", "HealthHost", "StatusHost", "FallbackRequested", "HealthRestartRequested", "LeaseLost",
+__all__ = ["AgentEvent", "AgentPort", "EventSink", "HealthHost", "StatusHost", "FallbackRequested",
+           "HealthRestartRequested", "LeaseLost",
            "RendezvousChanged", "SignalReceived", "SpawnFailed", "SwapSettings", "WorkerExited", "WorkerSaid"]

@@ -69,7 +69,8 @@ class NodePlans:
                                        seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
             elif me in plan.nodes:
                 self.port.events.write("node_recovered", swap_id=plan.id, lost_node=plan.lost_node,
-                                       also=list(plan.lost_also), ranks=list(plan.ranks), to=sorted({m.joiner.node for m in plan.moves}),
+                                       also=list(plan.lost_also), ranks=list(plan.ranks),
+                                       to=sorted({m.joiner.node for m in plan.moves}),
                                        boundary=plan.boundary,
                                        seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
             self._forget(plan)
@@ -192,7 +193,7 @@ class NodePlans:
                 self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=result, rank=move.rank)
                 return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=result)
             addrs[move.rank] = result
-        for move, err in zip(mine, fetched):
+        for _move, err in zip(mine, fetched):
             if err is not None:
                 return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=err)
         self.port.events.write("swap_transfer_start", swap_id=plan.id, ranks=sorted(addrs))

@@ -14,7 +14,8 @@ Frame (little endian)::
            | "TPLE" | u32 crc32 of everything before
 
 ``head`` = ``{"step", "py": [version, gauss_next], "np": null | [pos, has_gauss, gauss], "torch": nbytes,
-"cuda": [nbytes...], "cuda_at": the current CUDA device or null, "objects": nbytes}``. :func:`decode` returns the same :class:`StateBundle` that
+"cuda": [nbytes...], "cuda_at": the current CUDA device or null,
+"objects": nbytes}``. :func:`decode` returns the same :class:`StateBundle` that
 ``capture(objects, step=step, rng=capture_rng())`` would have given, so whoever applies it cannot tell.
 Bytes after the trailer are ignored (a fixed-size shared-memory slot); a torn or corrupted frame is a
 :class:`ChecksumError`.

@@ -239,7 +239,8 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     Returns only once the receiver has verified the checksum. Raises ChecksumError if the
     receiver saw corrupted data, HandoffError if the connection failed or stalled longer
     than the socket's timeout. ``checksum`` is "blocksum64" (default, memory-bandwidth fast)
-    or "crc32" (stronger, ~2 GB/s per core); the receiver follows the header. ``_corrupt_byte_at`` (tests only) flips the byte at that
+    or "crc32" (stronger, ~2 GB/s per core); the receiver follows the header. ``_corrupt_byte_at`` (tests only) flips
+    the byte at that
     offset of the frame on the wire while checksumming the original. With ``auth`` the receiver must prove
     the swap's key before a byte of state goes out (:class:`AuthError` otherwise) and every part of the frame
     is authenticated (``frame_mac``: "poly1305" or "hmac-sha256" for the data frames; None: the fastest this

@@ -19,7 +19,8 @@ Launched without tpassrun (plain ``torchrun`` or ``python``), :func:`init` just 
 Where the code is: :mod:`tpassrun.worker.session` (``Session``: hooks, the step loop, a joiner's pending
 state), :mod:`tpassrun.worker.step` (the step transaction: light snapshots, seal, commit point),
 :mod:`tpassrun.worker.commands` (the one command dispatcher, a rank's commands, sending state),
-:mod:`tpassrun.worker.spare` (a spare's commands and the joiner's receive path), :mod:`tpassrun.worker.failure` (what a step's exception is),
+:mod:`tpassrun.worker.spare` (a spare's commands and the joiner's receive path),
+:mod:`tpassrun.worker.failure` (what a step's exception is),
 :mod:`tpassrun.worker.link` (the channel's worker end).
 """
 
