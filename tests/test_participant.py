@@ -19,7 +19,7 @@ from tpassrun.swapper.agentport import AgentPort, SwapSettings
 from tpassrun.records import Phase, SlotRef, SwapKind, SwapPlan
 from tpassrun.channel.slots import Slot, SlotState
 from tpassrun.plan.swap import transfer_key as _transfer_key
-from tpassrun.swapper.phases import PhaseSteps
+from tpassrun.swapper.phases import Phases
 from tpassrun.swapper import Swapper
 
 NODE = "a"
@@ -30,7 +30,7 @@ def _stores_answer(monkeypatch):
     """The fakes' workers' store (10.0.0.1:29500) is no socket: a re-form's look at it answers "listening"."""
     async def answers(self, addr, port):
         return ""
-    monkeypatch.setattr(PhaseSteps, "_store_silent", answers)
+    monkeypatch.setattr(Phases, "store_silent", answers)
 
 
 class FakeSlots:
@@ -129,8 +129,8 @@ def test_boundary_runs_every_rank_to_the_boundary_and_assigns_the_joiner_early()
     swapper = Swapper(port(slots, events))
 
     async def boundary():
-        report = await swapper._boundary(plan())
-        early = await swapper._early[1]          # the joiner, assigned while the ranks ran to the boundary
+        report = await swapper.phases.boundary(plan())
+        early = await swapper.phases.early[1]          # the joiner, assigned while the ranks ran to the boundary
         return report, early
 
     report, early = asyncio.run(boundary())
@@ -154,20 +154,20 @@ def test_a_late_reply_to_an_earlier_attempt_is_never_paired_with_the_next():
     slots.replies[2] = [P.Listening(port=4000, swap_id="s-1", attempt=0), P.Listening(port=4001, swap_id="s-0"),
                         P.Listening(port=4002, swap_id="s-1", attempt=1)]
     swapper = Swapper(port(slots, []))
-    assert asyncio.run(swapper._assign_joiner(plan(attempt=1))) == ("10.0.0.1", 4002)
+    assert asyncio.run(swapper.phases.assign_joiner(plan(attempt=1))) == ("10.0.0.1", 4002)
     (assign,) = slots.commands(2)
     assert assign.attempt == 1
 
     slots.replies[2] = [P.Received(ok=False, swap_id="s-1", attempt=0, error="late"),
                         P.Received(ok=True, swap_id="s-1", attempt=1, nbytes=8)]
-    got = asyncio.run(swapper._await_received(plan(attempt=1), slots.slots[2]))
+    got = asyncio.run(swapper.phases.await_received(plan(attempt=1), slots.slots[2]))
     assert (got.ok, got.attempt) == (True, 1)
 
 
 def test_a_plan_without_a_usable_secret_assigns_no_joiner():
     slots = two_ranks_and_a_spare()
     swapper = Swapper(port(slots, []))
-    why = asyncio.run(swapper._assign_joiner(plan(secret="not hex")))
+    why = asyncio.run(swapper.phases.assign_joiner(plan(secret="not hex")))
     assert "no transfer secret" in why and slots.sent == []
 
 
@@ -176,7 +176,7 @@ def test_reform_sends_each_rank_its_world_the_joiner_the_leavers_and_the_leaver_
     slots.replies = {0: [P.Reformed(rank=0, world_size=2, generation=3, join_s=0.5)],
                      2: [P.Reformed(ok=True, rank=1, world_size=2, generation=3)]}
     events: list = []
-    report = asyncio.run(Swapper(port(slots, events))._reform(plan(phase=Phase.REFORM)))
+    report = asyncio.run(Swapper(port(slots, events)).phases.reform(plan(phase=Phase.REFORM)))
     assert report.ok
     store = ("10.0.0.1", 29500, "/tpassrun/s-1/0/", 3)          # the generation after the plan's
     assert slots.commands(0) == [P.Reform(world=P.WorldSpec(rank=0, world_size=2).with_store(*store))]
@@ -195,7 +195,7 @@ def test_an_unplanned_reform_rolls_the_survivors_back_and_retires_the_dead_slot(
     slots.slots[1].state = SlotState.DEAD
     slots.replies = {0: [P.Reformed(rank=0, world_size=2, generation=3)], 2: [P.Reformed(rank=1, world_size=2)]}
     unplanned = plan(kind=SwapKind.UNPLANNED, donor=SlotRef(NODE, 0, 0), phase=Phase.REFORM)
-    report = asyncio.run(Swapper(port(slots, []))._reform(unplanned))
+    report = asyncio.run(Swapper(port(slots, [])).phases.reform(unplanned))
     assert report.ok
     (reform,) = slots.commands(0)
     assert isinstance(reform, P.Reform) and reform.rollback
@@ -212,7 +212,7 @@ def test_a_re_form_at_a_store_that_does_not_answer_fails_before_any_rank_is_told
         closed.bind(("127.0.0.1", 0))
         dead = closed.getsockname()
     slots = two_ranks_and_a_spare(step=6)
-    report = asyncio.run(Swapper(port(slots, []))._reform(plan(phase=Phase.REFORM, store=dead)))
+    report = asyncio.run(Swapper(port(slots, [])).phases.reform(plan(phase=Phase.REFORM, store=dead)))
     assert not report.ok and f"the workers' store at 127.0.0.1:{dead[1]} does not answer" in report.error
     assert slots.sent == [] and [s.state for s in slots.slots] == [SlotState.RUNNING, SlotState.RUNNING,
                                                                    SlotState.SPARE]
@@ -221,37 +221,37 @@ def test_a_re_form_at_a_store_that_does_not_answer_fails_before_any_rank_is_told
 def test_a_rank_that_does_not_rejoin_fails_the_phase_and_says_why():
     slots = two_ranks_and_a_spare(step=6)
     slots.replies = {0: [P.Reformed(ok=False, error="store unreachable")]}
-    report = asyncio.run(Swapper(port(slots, []))._reform(plan(phase=Phase.REFORM)))
+    report = asyncio.run(Swapper(port(slots, [])).phases.reform(plan(phase=Phase.REFORM)))
     assert not report.ok and report.error == "rank 0 did not join the new world: store unreachable"
 
 
 def test_send_tells_the_leaver_to_stream_and_checks_what_the_joiner_received():
     slots = two_ranks_and_a_spare(step=6)
     swapper = Swapper(port(slots, []))
-    swapper._transfers_seen.add(("s-1", 0))
+    swapper.phases.transfers_seen.add(("s-1", 0))
     sending = plan(phase=Phase.SEND, joiner_addr=("10.0.0.1", 4000))
-    swapper._refuse_destination = _no_refusal                 # the registered-address check needs etcd
+    swapper.phases.refuse_destination = _no_refusal                 # the registered-address check needs etcd
     slots.replies[2] = [P.Received(ok=True, swap_id="s-1", nbytes=10, seconds=0.1, checksum="c", step=6)]
-    report = asyncio.run(swapper._send(sending))
+    report = asyncio.run(swapper.phases.send(sending))
     assert report.ok and report.extra == {"nbytes": 10, "seconds": 0.1}
     (send,) = slots.commands(1)
     assert send == P.SendState(addr="10.0.0.1", port=4000, swap_id="s-1", key=_transfer_key(sending), rank=1,
                                replicated_only=False, without_sharded=False, rng=True, timeout=120.0)
 
     slots.replies[2] = [P.Received(ok=True, swap_id="s-1", step=5)]      # a state of the wrong step
-    report = asyncio.run(swapper._send(sending))
+    report = asyncio.run(swapper.phases.send(sending))
     assert not report.ok and "received the state of step 5" in report.error
 
 
 def test_an_unplanned_joiner_gets_the_dead_ranks_light_snapshot_and_a_rejected_one_is_final():
     slots = two_ranks_and_a_spare(step=6)
     swapper = Swapper(port(slots, []))
-    swapper._transfers_seen.add(("s-1", 0))
-    swapper._refuse_destination = _no_refusal
+    swapper.phases.transfers_seen.add(("s-1", 0))
+    swapper.phases.refuse_destination = _no_refusal
     unplanned = plan(kind=SwapKind.UNPLANNED, donor=SlotRef(NODE, 0, 0), phase=Phase.SEND,
                      joiner_addr=("10.0.0.1", 4000), light_b64="AAAA")
     slots.replies[2] = [P.Received(ok=True, swap_id="s-1", step=6), P.LightOk(ok=False, step=4)]
-    report = asyncio.run(swapper._send(unplanned))
+    report = asyncio.run(swapper.phases.send(unplanned))
     assert slots.commands(2) == [P.Light(data="AAAA", step=6)]
     send = slots.commands(0)[0]
     assert isinstance(send, P.SendState) and send.replicated_only and not send.rng   # a donor: replicated state
@@ -260,7 +260,7 @@ def test_an_unplanned_joiner_gets_the_dead_ranks_light_snapshot_and_a_rejected_o
 
 def test_an_aborted_swap_resumes_paused_ranks_and_releases_the_spare():
     slots = two_ranks_and_a_spare(step=6)
-    asyncio.run(Swapper(port(slots, []))._abort(plan(phase=Phase.ABORTED)))
+    asyncio.run(Swapper(port(slots, [])).phases.abort(plan(phase=Phase.ABORTED)))
     assert slots.commands(0) == [P.Resume()] and slots.commands(1) == [P.Resume()]
     assert slots.commands(2) == [P.Abort()]
     assert all(slots.field(s, Field.RUN_UNTIL) == INT64_MAX for s in slots.slots)
@@ -292,7 +292,7 @@ def test_a_plan_given_up_while_its_world_re_forms_stops_the_joining_ranks_and_re
         posted: list = []
         swapper = Swapper(port(slots, []))
         swapper.port = dataclasses.replace(swapper.port, post=posted.append)
-        asyncio.run(swapper._abort(plan(phase=Phase.ABORTED, history=history, superseded=superseded)))
+        asyncio.run(swapper.phases.abort(plan(phase=Phase.ABORTED, history=history, superseded=superseded)))
         abort = P.AbortJoin(prefix="/tpassrun/s-1/0/")          # this world's only: never the next one's
         assert slots.commands(0) == [abort] and slots.commands(2) == [abort]
         assert not any(isinstance(m, P.Resume) for _i, m in slots.sent)

@@ -363,8 +363,8 @@ def test_state_is_never_streamed_to_an_address_from_an_unsealed_registration(etc
                          master=lambda: ("", 0), set_generation=lambda g: None, spawn_spare=nothing,
                          publish_status=nothing, post=lambda e: None)
         swapper = Swapper(port)
-        swapper._transfers_seen.add((plan.id, plan.attempt))
-        return await swapper._refuse_destination(plan)
+        swapper.phases.transfers_seen.add((plan.id, plan.attempt))
+        return await swapper.phases.refuse_destination(plan)
 
     async def main() -> tuple[str | None, str | None]:
         unregister = provenance.register(prefix, run_key)

@@ -182,7 +182,7 @@ def port(slots, posted) -> AgentPort:
 def test_the_participant_stops_its_ranks_and_reports_the_earliest_common_boundary():
     slots = FakeSlots([(0, WorkerPhase.PAUSED, 5), (1, WorkerPhase.PAUSED, 6)])
     swapper = Swapper(port(slots, []))
-    report = asyncio.run(swapper._pause(plan()))
+    report = asyncio.run(swapper.phases.pause(plan()))
     assert slots.run_until == {0: 0, 1: 0}                  # every local rank told to stop at its next step
     assert (report.ok, report.candidate, report.steps) == (True, 6, (5, 6))
 
@@ -195,7 +195,7 @@ def test_an_aborted_unplanned_recovery_asks_the_agent_for_a_fallback():
     posted: list = []
     swapper = Swapper(port(slots, posted))
     aborted = dataclasses.replace(plan(kind=SwapKind.UNPLANNED, donor=SlotRef("a", 0, 0)), phase=Phase.ABORTED)
-    asyncio.run(swapper._abort(aborted))
+    asyncio.run(swapper.phases.abort(aborted))
     assert posted == [FallbackRequested("rank 1 cannot be recovered live: its recovery was aborted", slots.slots[1],
                                         free=False)]
 

@@ -35,7 +35,7 @@ from tpassrun.records.provenance import seal
 from tpassrun.records import Failure, Fallback, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load
 from tpassrun.channel.slots import Slot, SlotState
 from tpassrun.plan.swap import Phase, SwapKind
-from tpassrun.swapper.phases import PhaseSteps
+from tpassrun.swapper.phases import Phases
 
 if TYPE_CHECKING:
     from tpassrun.rendezvous import Generation
@@ -57,7 +57,10 @@ def me_in(plan: SwapPlan, node: str) -> bool:
     return node in plan.nodes or any(node in (m.joiner.node, m.leaver.node) for m in plan.all_moves)
 
 
-class Swapper(PhaseSteps):
+class Swapper:
+    """The participant half of live swaps (every agent): follows the plans, answers the agent's hooks, and runs
+    this node's part of each phase through its :class:`Phases` (node plans through its ``NodePlans``)."""
+
     def __init__(self, port: AgentPort) -> None:
         self.port = port
         self._done: set[tuple[str, int]] = set()     # (swap id, seq) this node already handled
@@ -65,10 +68,7 @@ class Swapper(PhaseSteps):
         self.coordinator = Coordinator(port)
         self._failed_timers: dict[int, asyncio.TimerHandle] = {}
         self._probe: asyncio.Future[None] | None = None
-        # planned swaps: the joiner is assigned during BOUNDARY; (swap id, attempt, slot) -> its address or error
-        self._early: tuple[tuple[str, int, int], asyncio.Task] | None = None
-        self._transfers_seen: set[tuple[str, int]] = set()   # (swap id, attempt) this node followed into TRANSFER
-        self._rolled_back: set[str] = set()                  # swaps whose survivors here loaded their shard copies
+        self.phases = Phases(self)
         self.node_plans = NodePlans(self)
         self._deaths: dict[int, list[float]] = {}    # slot -> when its workers died (to re-admit it as a spare)
         # plans given up while their world re-formed (a rank died on its way in): their joiners hold their ranks
@@ -301,15 +301,15 @@ class Swapper(PhaseSteps):
         if plan.kind == SwapKind.NODE:
             return await self.node_plans.participate(plan)
         if phase == Phase.PAUSE:
-            return await self._pause(plan) if me in plan.nodes else None
+            return await self.phases.pause(plan) if me in plan.nodes else None
         if phase == Phase.BOUNDARY:
-            return await self._boundary(plan) if me in plan.nodes else None
+            return await self.phases.boundary(plan) if me in plan.nodes else None
         if phase == Phase.TRANSFER:
-            return await self._transfer(plan)
+            return await self.phases.transfer(plan)
         if phase == Phase.SEND:
-            return await self._send(plan)
+            return await self.phases.send(plan)
         if phase == Phase.REFORM:
-            return await self._reform(plan) if me in plan.nodes else None
+            return await self.phases.reform(plan) if me in plan.nodes else None
         if phase == Phase.DONE:
             self.port.events.write("swap_resumed", swap_id=plan.id, rank=plan.leaver.rank,
                                     seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
@@ -317,8 +317,8 @@ class Swapper(PhaseSteps):
             await self.readmit_dead_slots()
             return None
         if phase == Phase.ABORTED:
-            self._cancel_early()
-            await self._abort(plan)
+            self.phases.cancel_early()
+            await self.phases.abort(plan)
             self._active = None
             return None
         return None

@@ -117,7 +117,7 @@ class NodePlans:
     # ------------------------------------------------------------------ phases
     async def _pause(self, plan: SwapPlan) -> Report:
         self._break_collectives(plan)
-        report = await self.sw._pause(plan)
+        report = await self.sw.phases.pause(plan)
         if not report.ok:
             return report
         mirror, gen = self.port.mirror(), self.port.epoch()
@@ -125,7 +125,7 @@ class NodePlans:
         # sharded state (node_shards.py): the steps every local survivor can be put back to, and what this node's
         # mirror holds of the lost ranks' shards
         shards = mirror.held(plan.ranks, shardplane.MIRROR_KIND, gen) if mirror is not None else {}
-        survivors = [s for s in self.sw._survivors(plan) if s.alive]
+        survivors = [s for s in self.sw.phases.survivors(plan) if s.alive]
         rings = shardplane.survivors_rings(self.sw._slots.channel, survivors) if survivors else None
         return dataclasses.replace(report, held=held, stops=self.stops(plan), backs=self.backs(plan),
                                    shard_held=shards, rings=rings)
@@ -135,7 +135,7 @@ class NodePlans:
         every stopped local survivor (a mixed commit, tpassrun/plan/catchup.py): one that failed inside a step before
         its commit point, outside an accumulation window, with a seal of the next step in its slot."""
         slots, ch, out = self.sw._slots, self.sw._slots.channel, {}
-        for s in self.sw._survivors(plan):
+        for s in self.sw.phases.survivors(plan):
             ph, step = slots.position(s)
             if s.rank is None or ph not in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
                 continue
@@ -150,7 +150,7 @@ class NodePlans:
         """rank -> the start of the transaction before the one each stopped local survivor offers: it can go back
         there given a survivor's replicated state of that step (a mixed commit the other way, catchup.mixed_commit)."""
         slots, out = self.sw._slots, {}
-        for s in self.sw._survivors(plan):
+        for s in self.sw.phases.survivors(plan):
             back = slots.field(s, Field.ALT_BACK) - 1
             if s.rank is not None and back >= 0 and slots.phase(s) in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
                 out[s.rank] = back
@@ -162,7 +162,7 @@ class NodePlans:
         power: no connection reset reaches it) and would hold the recovery until the group's timeout. Its step
         then fails like any step a peer died in (worker_watch.py); one paused or failed already is left alone."""
         slots, broken = self.sw._slots, []
-        for s in self.sw._survivors(plan):
+        for s in self.sw.phases.survivors(plan):
             if slots.phase(s) == WorkerPhase.RUNNING and slots.break_collectives(
                     s, f"node {plan.lost_node} was declared lost"):
                 broken.append(s.rank)
@@ -170,21 +170,21 @@ class NodePlans:
             self.port.events.write("collectives_broken", swap_id=plan.id, lost_node=plan.lost_node, ranks=broken)
 
     async def _transfer(self, plan: SwapPlan) -> Report | None:
-        self.sw._transfers_seen.add((plan.id, plan.attempt))
+        self.sw.phases.transfers_seen.add((plan.id, plan.attempt))
         mine, behind = self._mine(plan), self.catching_up(plan)
-        survivors = [s for s in self.sw._survivors(plan) if s.alive]
-        if plan.restore and self.me in plan.nodes and survivors and plan.id not in self.sw._rolled_back:
+        survivors = [s for s in self.sw.phases.survivors(plan) if s.alive]
+        if plan.restore and self.me in plan.nodes and survivors and plan.id not in self.sw.phases.rolled_back:
             # every survivor back to its own copy of the resume step before any donor sends (shardplane.py)
             why = await shardplane.roll_back(self.sw._slots, survivors, int(plan.boundary or 0))
             if why is not None:
                 return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=why)
-            self.sw._rolled_back.add(plan.id)
+            self.sw.phases.rolled_back.add(plan.id)
             self.port.events.write("swap_shards_rolled_back", swap_id=plan.id, step=plan.boundary)
         if not mine and not behind:
             return Report(node=self.me, phase=plan.phase) if plan.restore and self.me in plan.nodes else None
         sources = await asyncio.gather(*(self._shard_source(plan, m) for m in mine))
         assigned, fetched = await asyncio.gather(
-            asyncio.gather(*(self.sw._assign_joiner(plan, m, mirror_from=src) for m, src in zip(mine, sources)),
+            asyncio.gather(*(self.sw.phases.assign_joiner(plan, m, mirror_from=src) for m, src in zip(mine, sources)),
                            *(self.listen_catch_up(plan, m) for m in behind)),
             asyncio.gather(*(self._fetch_light(plan, m) for m in mine)))
         addrs: dict[int, tuple[str, int]] = {}
@@ -255,7 +255,7 @@ class NodePlans:
         for move in (*plan.catch_up, *plan.moves):
             if move.donor is None or move.donor.node != me:
                 continue
-            refused = await self.sw._refuse_destination(plan, move, catch_up=id(move) in catching_up)
+            refused = await self.sw.phases.refuse_destination(plan, move, catch_up=id(move) in catching_up)
             if refused is not None:
                 log.error("swap %s: refusing to send rank %s's state: %s", plan.id, move.rank, refused)
                 self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
@@ -285,7 +285,7 @@ class NodePlans:
         light = self._lights.get((plan.id, move.rank))
         if light is not None:
             self.sw._slots.send(joiner, Light(data=base64.b64encode(light).decode(), step=plan.boundary))
-        msg = await self.sw._await_received(plan, joiner)
+        msg = await self.sw.phases.await_received(plan, joiner)
         if msg == "aborted":
             self.sw._slots.send(joiner, Abort())
             return "the plan was aborted"
@@ -306,7 +306,7 @@ class NodePlans:
     async def caught_up(self, plan: SwapPlan, move: Move) -> int | str:
         """A survivor of this node catching up: the bytes it received and loaded, or why not."""
         slot = self.sw._slots.slots[move.joiner.slot]
-        msg = await self.sw._await_received(plan, slot)
+        msg = await self.sw.phases.await_received(plan, slot)
         if not isinstance(msg, Received) or not msg.ok:
             err = msg.error if isinstance(msg, Received) else msg
             return f"rank {move.rank} did not catch up: {err or 'no answer'}"
@@ -319,12 +319,12 @@ class NodePlans:
         gen = self.port.generation()
         assert gen is not None
         addr, port = plan.store or self.port.master()
-        silent = await self.sw._store_silent(addr, port)
+        silent = await self.sw.phases.store_silent(addr, port)
         if silent:
             return Report(node=me, phase=plan.phase, ok=False, error=silent)
         store = (addr, port, world_prefix(plan), gen.number + 1)
         waiting = []
-        for s in self.sw._survivors(plan):
+        for s in self.sw.phases.survivors(plan):
             slots.set_run_until(s, INT64_MAX)
             slots.send(s, Reform(world=WorldSpec(rank=s.rank, world_size=gen.world_size).with_store(*store),
                                  rollback=True, resume=plan.boundary))
@@ -332,7 +332,7 @@ class NodePlans:
         for move in self._mine(plan):
             joiner = slots.slots[move.joiner.slot]
             slots.set_run_until(joiner, INT64_MAX)
-            slots.send(joiner, Reform(world=self.sw._joiner_world(plan, move).with_store(*store)))
+            slots.send(joiner, Reform(world=self.sw.phases.joiner_world(plan, move).with_store(*store)))
             joiner.state, joiner.rank = SlotState.RUNNING, move.rank
             waiting.append(joiner)
         for move in plan.moves:
@@ -344,7 +344,7 @@ class NodePlans:
                     dead.rank = None
         if plan.store is not None:
             self.port.set_master(plan.store, plan.store_host)
-        answers = await self.sw._await_reformed(plan, waiting)
+        answers = await self.sw.phases.await_reformed(plan, waiting)
         if answers is None:
             return None
         if isinstance(answers, str):

@@ -1,5 +1,5 @@
-"""The participant's part of each phase of a single-rank swap, on this node (a mixin of
-:class:`tpassrun.swapper.Swapper`, which follows the plans and dispatches here; a node plan's steps are
+"""The participant's part of each phase of a single-rank swap, on this node (composed into
+:class:`tpassrun.swapper.Swapper`, which follows the plans and calls here; a node plan's steps are
 :mod:`tpassrun.swapper.nodeswap`'s and reuse these): PAUSE (stop the local ranks, report where they stopped), BOUNDARY
 (run them to the boundary, hand a planned swap's joiner its rank early), TRANSFER (the joiner listens; an
 unplanned swap's dead rank's light snapshot), SEND (the leaver or donor streams; the joiner's receipt
@@ -13,14 +13,16 @@ import asyncio
 import base64
 import logging
 import time
-from typing import Any
+from typing import Any, Protocol
 
 from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
-from tpassrun.swapper.agentport import FallbackRequested
+from tpassrun.swapper.agentport import AgentPort, FallbackRequested
+from tpassrun.swapper.coordinator import Coordinator
+from tpassrun.swapper.nodeswap import NodePlans
 from tpassrun.channel.protocol import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform,
                        Reformed, Resume, SendState, Stranger, WorldSpec)
-from tpassrun.records import Move, Report, SwapPlan, load, node_info
+from tpassrun.records import Keys, Move, Report, SwapPlan, load, node_info
 from tpassrun.channel.slots import Slot, SlotState
 from tpassrun.plan.swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, of_attempt, transfer_key as _transfer_key, world_prefix
 
@@ -31,16 +33,52 @@ GIVEN_UP_POLL_S = 0.25        # how often a participant waiting for its workers 
 STORE_PROBE_S = 5.0           # how long the workers' store may take to accept a connection before a re-form
 
 
-class PhaseSteps:
-    """Swapper's part of each phase (see the module doc)."""
+class PhaseHost(Protocol):
+    """What the phases need of the swapper they are composed into."""
 
-    def _survivors(self, plan: SwapPlan) -> list[Slot]:
+    port: AgentPort
+    coordinator: Coordinator
+    node_plans: NodePlans
+
+    def died(self, slot: Slot) -> None: ...
+
+
+class Phases:
+    """This node's part of each phase (see the module doc), composed into its :class:`Swapper` (``sw``): the
+    swapper follows the plans and calls here; what a phase needs of the swapper (its node plans, its hooks) it
+    reaches through ``sw``, what only the phases keep (the early joiner, the transfers followed, the rollbacks
+    done) lives here."""
+
+    def __init__(self, sw: PhaseHost) -> None:
+        self.sw = sw
+        # planned swaps: the joiner is assigned during BOUNDARY; (swap id, attempt, slot) -> its address or error
+        self.early: tuple[tuple[str, int, int], asyncio.Task[Any]] | None = None
+        self.transfers_seen: set[tuple[str, int]] = set()   # (swap id, attempt) this node followed into TRANSFER
+        self.rolled_back: set[str] = set()                  # swaps whose survivors here loaded their shard copies
+
+    @property
+    def port(self) -> AgentPort:
+        return self.sw.port
+
+    @property
+    def _slots(self) -> Any:
+        return self.sw.port.slots
+
+    @property
+    def _keys(self) -> Keys:
+        return Keys(self.sw.port.rdzv.key(""))
+
+    @property
+    def _store(self) -> Any:
+        return self.sw.port.rdzv.store
+
+    def survivors(self, plan: SwapPlan) -> list[Slot]:
         me = self.port.node_id
         return [s for s in self._slots.active() if s.alive and s.managed
                 and not (plan.leaver.node == me and s.index == plan.leaver.slot and plan.kind == SwapKind.UNPLANNED)]
 
-    async def _pause(self, plan: SwapPlan) -> Report:
-        survivors = self._survivors(plan)
+    async def pause(self, plan: SwapPlan) -> Report:
+        survivors = self.survivors(plan)
         # planned: at the earliest step start outside a gradient-accumulation window; unplanned: at once
         for s in survivors:
             self._slots.set_run_until(s, 0 if plan.kind == SwapKind.PLANNED else STOP_NOW)
@@ -89,7 +127,7 @@ class PhaseSteps:
                     return Report(node=self.port.node_id, phase=plan.phase, ok=False, error="the plan was given up")
             await asyncio.sleep(0.002)
 
-    async def _store_silent(self, addr: str, port: int) -> str:
+    async def store_silent(self, addr: str, port: int) -> str:
         """Why the workers' store at ``addr:port`` cannot host a re-formed world ("" if it answers). Looked at
         before any rank is told to join: a rank connecting to a dead store blocks inside torch (no AbortJoin
         reaches it) until its timeout, and the whole swap with it (120 s in a chaos run)."""
@@ -119,7 +157,7 @@ class PhaseSteps:
         if plan.kind != SwapKind.UNPLANNED:
             return {}
         replicas = {s.rank: tuple(s.replicas) for s in survivors if s.rank is not None and s.replicas is not None}
-        return {"stops": self.node_plans.stops(plan), "backs": self.node_plans.backs(plan), "replicas": replicas}
+        return {"stops": self.sw.node_plans.stops(plan), "backs": self.sw.node_plans.backs(plan), "replicas": replicas}
 
     def _dead_lights(self, plan: SwapPlan) -> list[tuple[int, bytes]]:
         """The dead rank's saved light snapshots as (step, bytes), newest first (unplanned, its node only).
@@ -143,14 +181,14 @@ class PhaseSteps:
             return None
         return tuple(step for step, _ in self._dead_lights(plan))
 
-    async def _boundary(self, plan: SwapPlan) -> Report:
+    async def boundary(self, plan: SwapPlan) -> Report:
         boundary = int(plan.boundary or 0)
-        survivors = self._survivors(plan)
+        survivors = self.survivors(plan)
         if plan.kind == SwapKind.PLANNED and plan.joiner.node == self.port.node_id:
             key = (plan.id, plan.attempt, plan.joiner.slot)
-            if self._early is None or self._early[0] != key:
-                self._cancel_early()
-                self._early = (key, asyncio.ensure_future(self._assign_joiner(plan)))
+            if self.early is None or self.early[0] != key:
+                self.cancel_early()
+                self.early = (key, asyncio.ensure_future(self.assign_joiner(plan)))
         for s in survivors:
             self._slots.set_run_until(s, boundary)
         for s in survivors:
@@ -179,7 +217,7 @@ class PhaseSteps:
                               error=f"workers did not reach step {boundary}")
             await asyncio.sleep(0.002)
 
-    def _joiner_world(self, plan: SwapPlan, move: Move | None = None) -> WorldSpec:
+    def joiner_world(self, plan: SwapPlan, move: Move | None = None) -> WorldSpec:
         """A joiner's place: the rank it takes on this node (its store is added at REFORM)."""
         gen = self.port.generation()
         assert gen is not None
@@ -191,7 +229,7 @@ class PhaseSteps:
                          group_rank=member.group_rank if member else None,
                          local_world_size=self.port.settings.nproc_per_node, group_world_size=len(gen.members))
 
-    async def _transfer(self, plan: SwapPlan) -> Report | None:
+    async def transfer(self, plan: SwapPlan) -> Report | None:
         me = self.port.node_id
         addr = None
         light_b64 = None
@@ -201,18 +239,18 @@ class PhaseSteps:
             data = next((d for step, d in self._dead_lights(plan) if step == plan.boundary), None)
             if data is not None:
                 light_b64 = base64.b64encode(data).decode()
-        self._transfers_seen.add((plan.id, plan.attempt))
+        self.transfers_seen.add((plan.id, plan.attempt))
         restored = plan.restore and me in plan.nodes
-        if restored and plan.id not in self._rolled_back:
+        if restored and plan.id not in self.rolled_back:
             # every survivor back to its own copy of the resume step before any donor sends (shardplane.py)
-            why = await shardplane.roll_back(self._slots, self._survivors(plan), int(plan.boundary or 0))
+            why = await shardplane.roll_back(self._slots, self.survivors(plan), int(plan.boundary or 0))
             if why is not None:
                 return Report(node=me, phase=plan.phase, ok=False, final=True, error=why)
-            self._rolled_back.add(plan.id)
+            self.rolled_back.add(plan.id)
             self.port.events.write("swap_shards_rolled_back", swap_id=plan.id, step=plan.boundary)
         if plan.joiner.node == me:
             key = (plan.id, plan.attempt, plan.joiner.slot)
-            early, self._early = self._early, None
+            early, self.early = self.early, None
             if early is not None and early[0] == key:
                 result = await early[1]     # assigned during BOUNDARY: normally listening already
                 if not isinstance(result, str) and not self._slots.slots[plan.joiner.slot].alive:
@@ -220,19 +258,19 @@ class PhaseSteps:
             else:
                 if early is not None:
                     early[1].cancel()
-                result = await self._assign_joiner(plan)
+                result = await self.assign_joiner(plan)
             if isinstance(result, str):
                 # (assigned early, a joiner that dies is now seen here, before any byte was sent)
                 self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=result, attempt=plan.attempt)
                 return Report(node=me, phase=plan.phase, ok=False, error=result)
             addr = result
             self.port.events.write("swap_transfer_start", swap_id=plan.id, joiner=plan.joiner.to_json())
-        behind = self.node_plans.catching_up(plan)
+        behind = self.sw.node_plans.catching_up(plan)
         listening: dict[int, tuple[str, int]] = {}
         if behind:
             # a mixed commit: the local survivors the plan moves to the resume step listen for a survivor standing
             # there (catchup.mixed_commit)
-            for move, result in zip(behind, await asyncio.gather(*(self.node_plans.listen_catch_up(plan, m)
+            for move, result in zip(behind, await asyncio.gather(*(self.sw.node_plans.listen_catch_up(plan, m)
                                                                    for m in behind))):
                 if isinstance(result, str):
                     return Report(node=me, phase=plan.phase, ok=False, final=True, error=result)
@@ -241,7 +279,7 @@ class PhaseSteps:
             return None
         return Report(node=me, phase=plan.phase, joiner_addr=addr, light_b64=light_b64, joiner_addrs=listening)
 
-    async def _assign_joiner(self, plan: SwapPlan, move: Move | None = None,
+    async def assign_joiner(self, plan: SwapPlan, move: Move | None = None,
                              mirror_from: MirrorSource | None = None) -> tuple[str, int] | str:
         """Hand the spare its rank and wait until it listens: its address, or why not (a string)."""
         me = self.port.node_id
@@ -259,7 +297,7 @@ class PhaseSteps:
         # Assigned during BOUNDARY, the spare may wait for the survivors' step and then the TRANSFER phase.
         # It listens on this node's advertised address only, and accepts only a sender that proves the key
         # (which reaches it over its private agent socket, never the network).
-        self._slots.send(joiner, Assign(world=self._joiner_world(plan, move), swap_id=plan.id, key=key,
+        self._slots.send(joiner, Assign(world=self.joiner_world(plan, move), swap_id=plan.id, key=key,
                                         listen_host=self.port.addr, timeout=PHASE_TIMEOUT_S,
                                         accept_timeout=3 * PHASE_TIMEOUT_S, max_bytes=joiner.reserved or None,
                                         mirror_from=mirrored, attempt=plan.attempt))
@@ -268,17 +306,17 @@ class PhaseSteps:
             return "the spare did not start listening"
         return (self.port.addr, msg.port)
 
-    def _cancel_early(self) -> None:
-        early, self._early = self._early, None
+    def cancel_early(self) -> None:
+        early, self.early = self.early, None
         if early is not None:
             early[1].cancel()
 
-    async def _send(self, plan: SwapPlan) -> Report | None:
+    async def send(self, plan: SwapPlan) -> Report | None:
         me = self.port.node_id
         assert plan.joiner_addr is not None
         sender: SlotRef | None = plan.leaver if plan.kind == SwapKind.PLANNED else plan.donor
         if sender is not None and sender.node == me:
-            refused = await self._refuse_destination(plan)
+            refused = await self.refuse_destination(plan)
             if refused is not None:
                 log.error("swap %s: refusing to send rank %s's state: %s", plan.id, plan.leaver.rank, refused)
                 self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
@@ -300,7 +338,7 @@ class PhaseSteps:
         light = plan.kind == SwapKind.UNPLANNED and plan.light_b64 is not None
         if light:
             self._slots.send(joiner, Light(data=plan.light_b64, step=plan.boundary))
-        msg = await self._await_received(plan, joiner)
+        msg = await self.await_received(plan, joiner)
         if msg == "aborted":
             self._slots.send(joiner, Abort())
             return None
@@ -332,7 +370,7 @@ class PhaseSteps:
         for move in plan.catch_up:
             if move.donor is None or move.donor.node != me:
                 continue
-            refused = await self._refuse_destination(plan, move, catch_up=True)
+            refused = await self.refuse_destination(plan, move, catch_up=True)
             if refused is not None:
                 self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
                 return Report(node=me, phase=plan.phase, ok=False, final=True, error=f"send refused: {refused}")
@@ -345,16 +383,16 @@ class PhaseSteps:
 
     async def _caught_up_here(self, plan: SwapPlan, report: Report | None) -> Report | None:
         """SEND: ``report`` once every local survivor the plan moves loaded what it received, else why not."""
-        behind = self.node_plans.catching_up(plan)
+        behind = self.sw.node_plans.catching_up(plan)
         if not behind:
             return report
-        results = await asyncio.gather(*(self.node_plans.caught_up(plan, m) for m in behind))
+        results = await asyncio.gather(*(self.sw.node_plans.caught_up(plan, m) for m in behind))
         errors = [r for r in results if isinstance(r, str)]
         if errors:
             return Report(node=self.port.node_id, phase=plan.phase, ok=False, final=True, error=errors[0])
         return report or Report(node=self.port.node_id, phase=plan.phase)
 
-    async def _await_received(self, plan: SwapPlan, joiner: Slot) -> Received | str | None:
+    async def await_received(self, plan: SwapPlan, joiner: Slot) -> Received | str | None:
         """The joiner's "received", or "aborted" once the leader gave the plan up (a sender that died before
         connecting leaves the joiner listening; plans are followed one at a time, so this wait must look)."""
         deadline = time.monotonic() + PHASE_TIMEOUT_S
@@ -369,7 +407,7 @@ class PhaseSteps:
                 return "aborted"
         return None
 
-    async def _refuse_destination(self, plan: SwapPlan, move: Move | None = None,
+    async def refuse_destination(self, plan: SwapPlan, move: Move | None = None,
                                   catch_up: bool = False) -> str | None:
         """Why this node must not stream a rank's state to the joiner's address (None: it may). The state goes
         only to a spare slot of a node of the current generation, at that node's registered address, in a
@@ -382,7 +420,7 @@ class PhaseSteps:
         addr = move.joiner_addr
         assert addr is not None and gen is not None
         host = addr[0]
-        if (plan.id, plan.attempt) not in self._transfers_seen:
+        if (plan.id, plan.attempt) not in self.transfers_seen:
             return f"this node never took part in the transfer phase of attempt {plan.attempt}"
         if plan.secret is None or _transfer_key(plan) is None:
             return "the plan carries no transfer secret"
@@ -399,7 +437,7 @@ class PhaseSteps:
             registered = info.addr if info is not None else None
         if host != registered:
             return f"{host}:{addr[1]} is not the address of node {move.joiner.node!r} ({registered})"
-        view = await self.coordinator.view()
+        view = await self.sw.coordinator.view()
         held = view.slot_at(move.joiner.node, move.joiner.slot)
         if catch_up:      # a survivor catching up (a mixed commit): the slot runs that rank
             if held is None or held.state != "running" or held.rank != move.rank:
@@ -409,19 +447,19 @@ class PhaseSteps:
             return f"{move.joiner.node}/{move.joiner.slot} is not a spare ({held.state if held else 'unknown'})"
         return None
 
-    async def _reform(self, plan: SwapPlan) -> Report | None:
+    async def reform(self, plan: SwapPlan) -> Report | None:
         me = self.port.node_id
         gen = self.port.generation()
         assert gen is not None
         addr, port = plan.store or self.port.master()
         if plan.store is not None:
             self.port.set_master(plan.store, plan.store_host)
-        silent = await self._store_silent(addr, port)
+        silent = await self.store_silent(addr, port)
         if silent:
             return Report(node=me, phase=plan.phase, ok=False, error=silent)
         store = (addr, port, world_prefix(plan), gen.number + 1)
         waiting: list[Slot] = []
-        for s in self._survivors(plan):
+        for s in self.survivors(plan):
             if plan.kind == SwapKind.PLANNED and plan.leaver.node == me and s.index == plan.leaver.slot:
                 continue
             self._slots.set_run_until(s, INT64_MAX)
@@ -433,7 +471,7 @@ class PhaseSteps:
         if plan.joiner.node == me:
             joiner = self._slots.slots[plan.joiner.slot]
             self._slots.set_run_until(joiner, INT64_MAX)
-            self._slots.send(joiner, Reform(world=self._joiner_world(plan).with_store(*store)))
+            self._slots.send(joiner, Reform(world=self.joiner_world(plan).with_store(*store)))
             joiner.state, joiner.rank = SlotState.RUNNING, plan.leaver.rank
             waiting.append(joiner)
         if plan.leaver.node == me:
@@ -447,9 +485,9 @@ class PhaseSteps:
                 self._slots.send(leaver, Exit(code=0))
             else:
                 leaver.state = SlotState.QUARANTINED
-                self.died(leaver)
+                self.sw.died(leaver)
             leaver.rank = None
-        answers = await self._await_reformed(plan, waiting)
+        answers = await self.await_reformed(plan, waiting)
         if answers is None:
             return None
         if isinstance(answers, str):
@@ -459,7 +497,7 @@ class PhaseSteps:
         self.port.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
         return Report(node=me, phase=plan.phase)
 
-    async def _await_reformed(self, plan: SwapPlan, waiting: list[Slot]) -> list[Reformed] | str | None:
+    async def await_reformed(self, plan: SwapPlan, waiting: list[Slot]) -> list[Reformed] | str | None:
         """Every rank's "reformed"; or why not as soon as one of them died or failed to join (a rank killed while
         the world re-forms is reported at once, not after the others' wait for it times out: the leader decides
         what the death means, tpassrun.plan.triage); or None once the leader gave the plan up meanwhile (plans are
@@ -496,7 +534,7 @@ class PhaseSteps:
         if joining:
             self.port.events.write("swap_join_aborted", ranks=[s.rank for s in joining])
 
-    async def _abort(self, plan: SwapPlan) -> None:
+    async def abort(self, plan: SwapPlan) -> None:
         me = self.port.node_id
         if len(plan.history) >= 2 and plan.history[-2][0] == Phase.REFORM.value:
             # given up while the world re-formed (a rank died on its way into it): the ranks still joining stop
