@@ -237,7 +237,7 @@ def main() -> None:
             sampler = Sampler()
             sess.track(model=torch.nn.Linear(256, 256), sampler=sampler)
             sess._light_retarget_due = 0            # this stand-in agent knows no buddy: nothing to ask
-            # the same session pushing every snapshot into a buddy's mirror itself (light_mirror.py)
+            # the same session pushing every snapshot into a buddy's mirror itself (tpassrun/worker/light_mirror.py)
             pushing = Session(backend=None, link=link, rank=0, world_size=1, local_rank=0, generation=0,
                               joined=False, timeout=None)
             pushing.track(model=torch.nn.Linear(256, 256), sampler=Sampler())

@@ -193,7 +193,7 @@ async def _answer(what: str) -> str:
 
 
 def test_a_worker_asking_whose_fault_its_exception_is_holds_the_watchdog_back():
-    """A rank parked PENDING (agent_cause.py) keeps its collectives open: its peers block on it and go stale. Killing
+    """A rank parked PENDING (tpassrun/agent/cause.py) keeps its collectives open: its peers block on it and go stale. Killing
     one would make the waiting rank a casualty of a death the watchdog caused; the watchdog waits for the verdict."""
     async def go() -> list[dict]:
         slots = await LocalSlots(2, 0, on_message=lambda s, m: None).open()

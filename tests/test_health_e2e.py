@@ -41,7 +41,7 @@ def _agent_runs_health() -> bool:
 
 
 pytestmark = pytest.mark.skipif(not _agent_runs_health(),
-                                reason="tpassrun/agent/__init__.py does not start AgentHealth yet (see healthd.py)")
+                                reason="tpassrun/agent/__init__.py does not start AgentHealth yet (see tpassrun/agent/healthd.py)")
 
 
 def launch(endpoint: str, run_id: str, workdir: Path, steps: int, *, spares: int, extra_args: tuple[str, ...] = (),
@@ -172,7 +172,7 @@ def test_rising_uncorrected_ecc_moves_the_rank_to_the_spare(etcd_server, run_id,
 @pytest.mark.timeout(400)
 @pytest.mark.skipif(not hasattr(Field, "LAST_COMPUTE_NS"),
                     reason="whole-step times are equal on every DDP rank; the worker must publish its time "
-                           "before the first collective (Field.LAST_COMPUTE_NS, see healthd.py)")
+                           "before the first collective (Field.LAST_COMPUTE_NS, see tpassrun/agent/healthd.py)")
 def test_injected_straggler_moves_the_rank_to_the_spare(etcd_server, run_id, tmp_path, baselines):
     # Rank 2 is slow from step 5; by step STRAGGLER_HOLD the detector has seen far more slow steps than it needs
     # (10 samples, 5 verdicts in a row): the job waits there until the swap is set, so it cannot end first.

@@ -112,9 +112,9 @@ def test_keys_build_every_family_and_reject_bad_parts():
         keys.family("generation")
 
 
-def test_design_key_table_matches_the_key_layout():
-    """docs/DESIGN.md's etcd key table names exactly the families of :class:`Keys`, with the same patterns."""
-    text = (Path(__file__).resolve().parents[1] / "docs" / "DESIGN.md").read_text()
+def test_internals_key_table_matches_the_key_layout():
+    """docs/internals.md's etcd key table names exactly the families of :class:`Keys`, with the same patterns."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "internals.md").read_text()
     section = text.split("## etcd key layout", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| `P ([^`]+)` \|", section, flags=re.M)
     assert sorted(rows) == sorted(Keys.FAMILIES.values())

@@ -265,7 +265,7 @@ def test_a_step_failing_after_its_commit_point_resumes_next_only_if_its_state_ch
 
 
 def test_a_rank_that_committed_a_step_the_others_did_not_goes_back_to_its_start(tmp_path):
-    """A mixed commit, the other way (worker_catchup.py): this rank committed step 2 and stopped at step 3; the
+    """A mixed commit, the other way (tpassrun/worker/catchup.py): this rank committed step 2 and stopped at step 3; the
     others failed inside step 2. It keeps the start snapshot of its previous transaction (step 2's), takes the
     replicated state of step 2's start from one of them (CatchUp), goes back at Reform, and re-executes step 2 on:
     exactly where an uninterrupted rank ends."""

@@ -42,7 +42,7 @@ def _put_run(endpoint: str, run_id: str, doc: dict) -> None:
                     record = {**value, "v": 1} if kind == "taints" else {**value, "v": 1, "node_id": name}
                     if kind == "status":
                         record["time"] = FUTURE   # ages show as 0.0s whatever the clock: exact frames
-                    await store.put_json(prefix + f"{kind}/{name}", record)   # valid records (records.py)
+                    await store.put_json(prefix + f"{kind}/{name}", record)   # valid records (tpassrun/records/__init__.py)
     asyncio.run(put())
 
 

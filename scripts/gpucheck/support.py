@@ -241,7 +241,7 @@ def compare(job: Job, ref: Job, world: int) -> None:
 
 def logged(job: Job, rank: int) -> dict[int, float]:
     """step -> loss of a rank's log. A step recomputed after a rollback to the shard mirror's copies is logged
-    again (README, Sharded state): it must be logged with the same loss, and counts once."""
+    again (docs/concepts.md, the shard mirror): it must be logged with the same loss, and counts once."""
     out: dict[int, float] = {}
     for row in job.losses(rank):
         step, loss = row["step"], row["loss"]

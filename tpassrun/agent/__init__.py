@@ -109,15 +109,15 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         self._store_port = 0
         self._standby: tuple[asyncio.subprocess.Process, int] | None = None   # a store ready to take over (port)
         self.swapper: Swapper | None = None
-        self.mirror: MirrorPlane | None = None   # this node's mirror store and its light mirror (mirrorplane.py)
+        self.mirror: MirrorPlane | None = None   # this node's mirror store and its light mirror (tpassrun/swapper/mirrorplane.py)
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
         self.master: tuple[str, int] = ("", 0)
         self.store_host: str | None = None       # the node running the workers' store (group rank 0's, or a swap's)
         self.hosting_etcd = False        # c10d/static: this agent serves the run's etcd
         self.spawned_generation = 0      # the generation whose start spawned the current workers (swaps keep them)
         self.formed_generation = 0       # the run's last whole-group restart's (Generation.formed): port.epoch()
-        self.devices: list[str] | None = None  # the node's GPUs in slot order (devices.py); None: no GPU
-        self._deaths_seen: list[tuple[int, int | None, str]] = []   # (generation, rank, why): agent_cause.py
+        self.devices: list[str] | None = None  # the node's GPUs in slot order (tpassrun/launch/devices.py); None: no GPU
+        self._deaths_seen: list[tuple[int, int | None, str]] = []   # (generation, rank, why): tpassrun/agent/cause.py
         self._judging: set[asyncio.Future[None]] = set()            # workers waiting for their exception's cause
 
     # ------------------------------------------------------------------ lifecycle

@@ -57,7 +57,7 @@ class Supervision:
                     self.swapper.on_worker_failed_step(ev.slot, ev.message)
                     await self._standby_store()
                 if isinstance(ev.message, Raised) and ev.slot.proc is not None:
-                    self._on_raised(gen, ev.slot, ev.message)      # a casualty, or the root cause (agent_cause.py)
+                    self._on_raised(gen, ev.slot, ev.message)      # a casualty, or the root cause (tpassrun/agent/cause.py)
             elif isinstance(ev, RendezvousChanged):
                 result = await self._on_rdzv_event(gen, ev.event)
             elif isinstance(ev, FallbackRequested):

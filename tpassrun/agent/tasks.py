@@ -74,7 +74,7 @@ class GenerationTasks:
 
     def _say_shard_mirrors(self, workers: Any) -> None:
         """The event log (and console) says what mirroring a rank's sharded state costs: once when it starts,
-        again when a refresh's size or its local copies' memory changes by more than a tenth (shards.py)."""
+        again when a refresh's size or its local copies' memory changes by more than a tenth (tpassrun/worker/shards.py)."""
         said = self.__dict__.setdefault("_shard_said", {})
         for w in workers:
             if not w.shard_held or w.rank is None:
@@ -92,7 +92,7 @@ class GenerationTasks:
                               buddy=buddy, mirrored_step=w.shard_mirrored)
 
     async def _status_panel(self) -> None:
-        """``--tui``: the live view under the workers' output, from one etcd read a second (tui_panel.py)."""
+        """``--tui``: the live view under the workers' output, from one etcd read a second (tpassrun/ops/tui_panel.py)."""
         from tpassrun.ops.ctl import read_snapshot
         from tpassrun.ops.tui_panel import run_panel
 
@@ -131,7 +131,7 @@ class GenerationTasks:
             if self.swapper.busy or now < quiet_until:
                 continue
             if any(self.slots.phase(s) == WorkerPhase.PENDING for s in self.slots.active()):
-                # a worker asks whose fault its exception is (agent_cause.py): its peers block on it meanwhile,
+                # a worker asks whose fault its exception is (tpassrun/agent/cause.py): its peers block on it meanwhile,
                 # and killing one would make a casualty of a root cause
                 continue
                 continue

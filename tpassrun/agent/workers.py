@@ -51,7 +51,7 @@ class WorkerSpawning:
         if spare:
             extra[E.TPASSRUN_SPARE] = "1"
         # Each slot owns its GPU: a spare sees only its own, a rank moved off a tainted slot is steered to
-        # its new slot's GPU (devices.py); on a CPU node this adds nothing.
+        # its new slot's GPU (tpassrun/launch/devices.py); on a CPU node this adds nothing.
         extra.update(slot_env(slot.index, local_rank, self.devices, spare=spare,
                               virtual_local_rank=self.cfg.virtual_local_rank))
         attempt_dir = self.logs.attempt_dir(self.restart_count)

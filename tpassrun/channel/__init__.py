@@ -52,14 +52,16 @@ class Field(enum.IntEnum):
     SHARD_SENT = 18    # worker: total bytes pushed to the mirror
     SHARD_V2 = 19      # worker: the newest local copy (SHARD_V0/V1/V2)
     OFFER = 22         # worker, set before it parks (PAUSED/FAILED): 1 + the step it can resume at exactly, 0: none
-    LIGHT_MIRRORED = 21  # worker: 1 while it pushes its light snapshots to the buddy's mirror itself (light_mirror.py)
+    LIGHT_MIRRORED = 21  # worker: 1 while it pushes its light snapshots to the buddy's mirror itself
+                         # (tpassrun/worker/light_mirror.py)
     LIGHT_WRITES = 20  # worker: light snapshots written or rewritten in place (LIGHT_SEQ counts new ones only)
     WANT_NUDGE = 23    # agent: 1 while it copies light snapshots to a buddy (the worker then nudges it per write)
     # worker, set with OFFER (a mixed commit, tpassrun/plan/catchup.py): 1 + the start of the transaction before the one it
     # offers, which it can go back to given a peer's replicated state of that step (it kept its own per-rank state
     # of it), 0: none
     ALT_BACK = 24
-    SHARD_INTERVAL = 25  # worker: the refresh interval K of its sharded state once fixed (shard_interval.py), 0: not yet
+    SHARD_INTERVAL = 25  # worker: the refresh interval K of its sharded state once fixed
+                         # (tpassrun/settings/shard_interval.py), 0: not yet
     RUN_FROM = 26      # worker: 1 + the step its run() started at (a restarted script's resume point), 0: not yet
     TOTAL = 27         # worker: the total_steps its run() was given (progress and ETA), 0: not known
     VERDICT = 28       # agent: its answer to a worker parked PENDING (Verdict); the worker clears it before it parks

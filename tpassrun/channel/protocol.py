@@ -9,9 +9,10 @@ agent's supervisor as events. The step boundary itself is signalled through shar
 This module imports nothing of tpassrun: the worker side (``import tpassrun`` in the user's script) pays for it
 only a dataclass import.
 
-Every message crosses the socket as one of these types: the agent (``slots.py``: ``send``/``expect``,
-``swapper.py``, ``mirrorplane.py``) builds and reads them, the worker (``worker_link.py``) decodes commands and
-one dispatcher (``worker_commands.py``) obeys them, whether the worker holds a rank or is a spare. Messages
+Every message crosses the socket as one of these types: the agent (``tpassrun/channel/slots.py``: ``send``/``expect``,
+``tpassrun/swapper/__init__.py``, ``tpassrun/swapper/mirrorplane.py``) builds and reads them, the worker
+(``tpassrun/worker/link.py``) decodes commands and
+one dispatcher (``tpassrun/worker/commands.py``) obeys them, whether the worker holds a rank or is a spare. Messages
 nothing sent or awaited are gone: ``rollback``, ``rolled_back``, ``paused`` (the shared-memory phase says it),
 ``sent`` and ``reserved``.
 

@@ -194,7 +194,7 @@ class Describer:
         if name == "failure_dropped":
             return f"{_rank(ev)}its death is not reported: {ev.get('reason')}"
         if name == "shard_mirror":
-            if not ev.get("bytes_per_refresh"):     # HSDP: its replicas hold its shards (worker_shards.py)
+            if not ev.get("bytes_per_refresh"):     # HSDP: its replicas hold its shards (tpassrun/worker/sharded.py)
                 return (f"{_rank(ev)}sharded state kept in local copies only, not mirrored (under HSDP its "
                         f"declared replicas hold it): {_bytes(ev.get('local_held'))}")
             where = f"node {_short(ev['buddy'])}'s memory" if ev.get("buddy") else "this agent's memory (no other node)"

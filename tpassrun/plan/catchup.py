@@ -21,8 +21,8 @@ save) is skipped on any rank; the leaders do it twice, identically. :func:`mixed
 recovery) prefers it, and goes forward when the dead rank kept no state of the step's start.
 
 :func:`roll_forward` decides it from the PAUSE reports (``Report.stops``: per local survivor, the step it can
-resume at and whether it can catch up to the next one); the node-plan participant (``nodeswap.py``) carries it
-out; the worker's side is ``CatchUp`` (``worker_commands.py``).
+resume at and whether it can catch up to the next one); the node-plan participant (``tpassrun/swapper/nodeswap.py``) carries it
+out; the worker's side is ``CatchUp`` (``tpassrun/worker/commands.py``).
 """
 
 from __future__ import annotations

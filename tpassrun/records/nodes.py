@@ -85,7 +85,7 @@ class NodeStatus:
     generation: int | None = None
     restart_count: int = 0
     time: float = 0.0
-    mirror_held: int = 0        # host bytes this agent's mirror store holds for other nodes' ranks (mirror.py)
+    mirror_held: int = 0        # host bytes this agent's mirror store holds for other nodes' ranks (tpassrun/mirror/__init__.py)
 
     def to_json(self) -> dict[str, Any]:
         doc = {"v": SCHEMA_VERSION, "node_id": self.node_id, "addr": self.addr, "pid": self.pid,

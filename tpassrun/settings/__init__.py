@@ -142,7 +142,7 @@ class LaunchConfig:
     migrate_back: bool = False
     metrics_port: int | None = None  # Prometheus endpoint of this agent (0: any free port; None: off)
     shard_mirror_interval: int | None = None  # sharded state (sess.track_sharded): local copy + buddy mirror every
-                                              # K steps; None: auto (measured and agreed, shard_interval.py)
+                                              # K steps; None: auto (measured and agreed, tpassrun/settings/shard_interval.py)
     mirror_max_bytes: int = 1 << 30  # what this agent's mirror store may hold for other nodes' ranks
 
     @property

@@ -290,7 +290,8 @@ class Swapper:
                                        seconds=round(plan.history[-1][1] - old.history[0][1], 4), with_swap=plan.id)
         if report is not None:
             key = self._keys.report(plan.id, seq, self.port.node_id)
-            await self._store.put_json(key, seal(key, report.to_json()))   # with the run key's MAC (provenance.py)
+            await self._store.put_json(key, seal(key, report.to_json()))   # with the run key's MAC
+                                                                           # (tpassrun/records/provenance.py)
         await self.port.publish_status()
         self.coordinator.kick()
 

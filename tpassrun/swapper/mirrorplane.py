@@ -196,7 +196,7 @@ class MirrorPlane:
             if self._seen.get(slot.index) == sig:
                 continue
             if sig[-1]:
-                # the worker pushes its snapshots to the buddy itself, as it writes them (light_mirror.py): a
+                # the worker pushes its snapshots to the buddy itself, as it writes them (tpassrun/worker/light_mirror.py): a
                 # copy from here would only cross the network again (and could land after a newer one)
                 self._seen[slot.index] = sig
                 continue

@@ -122,7 +122,7 @@ class NodePlans:
             return report
         mirror, gen = self.port.mirror(), self.port.epoch()
         held = mirror.held(plan.ranks) if mirror is not None else {}
-        # sharded state (node_shards.py): the steps every local survivor can be put back to, and what this node's
+        # sharded state (tpassrun/plan/node_shards.py): the steps every local survivor can be put back to, and what this node's
         # mirror holds of the lost ranks' shards
         shards = mirror.held(plan.ranks, shardplane.MIRROR_KIND, gen) if mirror is not None else {}
         survivors = [s for s in self.sw.phases.survivors(plan) if s.alive]
@@ -160,7 +160,7 @@ class NodePlans:
         """Every local survivor inside a step is told to shut its process-group sockets down now: a collective
         it is blocked in with the lost node's ranks may never fail by itself (a partition, a host that lost
         power: no connection reset reaches it) and would hold the recovery until the group's timeout. Its step
-        then fails like any step a peer died in (worker_watch.py); one paused or failed already is left alone."""
+        then fails like any step a peer died in (tpassrun/worker/watch.py); one paused or failed already is left alone."""
         slots, broken = self.sw._slots, []
         for s in self.sw.phases.survivors(plan):
             if slots.phase(s) == WorkerPhase.RUNNING and slots.break_collectives(
@@ -174,7 +174,7 @@ class NodePlans:
         mine, behind = self._mine(plan), self.catching_up(plan)
         survivors = [s for s in self.sw.phases.survivors(plan) if s.alive]
         if plan.restore and self.me in plan.nodes and survivors and plan.id not in self.sw.phases.rolled_back:
-            # every survivor back to its own copy of the resume step before any donor sends (shardplane.py)
+            # every survivor back to its own copy of the resume step before any donor sends (tpassrun/swapper/shardplane.py)
             why = await shardplane.roll_back(self.sw._slots, survivors, int(plan.boundary or 0))
             if why is not None:
                 return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=why)

@@ -242,7 +242,7 @@ class Phases:
         self.transfers_seen.add((plan.id, plan.attempt))
         restored = plan.restore and me in plan.nodes
         if restored and plan.id not in self.rolled_back:
-            # every survivor back to its own copy of the resume step before any donor sends (shardplane.py)
+            # every survivor back to its own copy of the resume step before any donor sends (tpassrun/swapper/shardplane.py)
             why = await shardplane.roll_back(self._slots, self.survivors(plan), int(plan.boundary or 0))
             if why is not None:
                 return Report(node=me, phase=plan.phase, ok=False, final=True, error=why)

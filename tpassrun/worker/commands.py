@@ -36,7 +36,7 @@ class BoundaryCommands:
     _RANK_COMMANDS: dict[type[Message], str] = {Resume: "_on_resume", SendState: "_on_send_state",
                                                 ShardRollback: "_on_shard_rollback", Reform: "_on_reform",
                                                 Exit: "_on_exit", Raise: "_on_raise",
-                                                CatchUp: "_on_catch_up"}   # (worker_catchup.py)
+                                                CatchUp: "_on_catch_up"}   # (tpassrun/worker/catchup.py)
 
     def _at_boundary(self, step: int) -> None:
         link = self._link
@@ -48,7 +48,7 @@ class BoundaryCommands:
             # timeout: tear our end down, so that it fails at once and the pause completes.
             abort_process_groups()
         link.set(Field.OFFER, self._window + 1)     # the open window's start (this step outside a window)
-        self._publish_back(self._window)             # and the one before it (a mixed commit, worker_catchup.py)
+        self._publish_back(self._window)             # and the one before it (a mixed commit, tpassrun/worker/catchup.py)
         link.set(Field.PHASE, WorkerPhase.PAUSED)
         self._serve(step)
 
@@ -166,7 +166,7 @@ class BoundaryCommands:
         return False
 
     def _on_shard_rollback(self, msg: ShardRollback, step: int, failed: BaseException | None) -> bool:
-        # the whole state back to this rank's own copy of an earlier step's start (worker_shards.py)
+        # the whole state back to this rank's own copy of an earlier step's start (tpassrun/worker/sharded.py)
         target = msg.step
         try:
             self._shard_rollback(target)
@@ -189,7 +189,7 @@ class BoundaryCommands:
             self._join_aborted(self.step, str(exc))
             return False
         self._stands_at = None
-        self._replicas_after_recovery(loaded)    # the replicas compare digests at the next step (worker_digest.py)
+        self._replicas_after_recovery(loaded)    # the replicas compare digests at the next step (tpassrun/worker/replicas.py)
         self._link.send(Reformed(rank=self.rank, world_size=self.world_size, generation=self.generation,
                                  **self._reform_times))
         self._link.set(Field.PHASE, WorkerPhase.RUNNING)

@@ -22,7 +22,7 @@ class StepFailure(str, enum.Enum):
     DIST_ERROR = "dist_error"      # torch.distributed.DistError or a subclass (typed by torch itself)
     COLLECTIVE = "collective"      # raised inside torch.distributed or DDP's own code (gloo raises RuntimeError)
     BACKWARD = "backward"          # raised by autograd's engine in a distributed job: DDP all-reduces in its hooks
-    CASUALTY = "casualty"          # anything else, but the agent saw a peer of its world fail first (agent_cause.py)
+    CASUALTY = "casualty"          # anything else, but the agent saw a peer of its world fail first (tpassrun/agent/cause.py)
     USER = "user"                  # anything else
 
     @property

@@ -67,7 +67,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
         self._light_retarget_due = 2              # ask where they go (worker_step._RETARGET_*), 0: settled
         self._light_polls = 0
         self._caught_up: tuple[int, bytes] | None = None   # a mixed commit: (resume step, own light), CatchUp
-        self._back_txn: Any = None                # ... and the transaction it goes back to (worker_catchup.py)
+        self._back_txn: Any = None                # ... and the transaction it goes back to (tpassrun/worker/catchup.py)
         self._txn: Any = None                     # this transaction and the one before (worker_catchup.Txn)
         self._prev_txn: Any = None
         self._first_grad_ns = 0
@@ -81,7 +81,8 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
         self._commit_snapshots = True             # off once user code after the seal changed per-rank state
         self._seals_verified = 0                  # seals found equal to the next step's start snapshot
         self._hooked: set[int] = set()
-        # Sharded state (track_sharded; worker_shards.py, shards.py): local pre-step copies + a buddy's mirror.
+        # Sharded state (track_sharded; tpassrun/worker/sharded.py, tpassrun/worker/shards.py): local pre-step copies
+        # + a buddy's mirror.
         self._sharded: set[str] = set()
         self._shards: Any = None
         self._shard_restore_due: int | None = None
@@ -139,7 +140,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
         if self._link is not None:
             self._link.send(Replicas(ranks=group, alone=alone[:300]))
         self._replica_group = group
-        self._shard_retarget()              # sharded state with replicas needs no mirror (worker_shards.py)
+        self._shard_retarget()              # sharded state with replicas needs no mirror (tpassrun/worker/sharded.py)
         return group
 
     def ddp(self, module: Any, **kwargs: Any) -> "ReconfigurableDDP":

@@ -35,7 +35,8 @@ class _ThreadJob:
     def __init__(self) -> None:
         self._event = threading.Event()
         self.error: BaseException | None = None
-        self.cpu_s = 0.0                # the copy thread's CPU time for this job (shard_interval.py measures it)
+        self.cpu_s = 0.0                # the copy thread's CPU time for this job
+                                        # (tpassrun/settings/shard_interval.py measures it)
 
     def fence(self) -> None:
         self._event.wait()

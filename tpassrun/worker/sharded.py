@@ -65,7 +65,7 @@ class ShardedState:
             shards.retarget_due = False
             self._shard_retarget()
         if getattr(self, "joined", False):
-            shards.policy.joined()                  # K comes from the survivors (shard_interval.py)
+            shards.policy.joined()                  # K comes from the survivors (tpassrun/settings/shard_interval.py)
         shards.begin(step, self._shard_objects(), light=light)
 
     def _shard_fence(self) -> None:
@@ -84,7 +84,7 @@ class ShardedState:
             return
         if set(self._replica_group) - {self.rank}:
             # HSDP: live replicas hold this rank's shards (they donate them): no mirror; the local copies serve
-            # a rollback when the survivors of a failure stopped at different steps (node_shards.py)
+            # a rollback when the survivors of a failure stopped at different steps (tpassrun/plan/node_shards.py)
             self._shards.retarget(None, self.rank)
             return
         from tpassrun.channel.protocol import MirrorInfo, MirrorInfoRequest
@@ -125,7 +125,8 @@ class ShardedState:
         if self._shards is None:
             return
         self._shards.retarget_due = True            # asked at the next step start, once "reformed" is said
-        self._shards.after_reform()                 # a joiner reads the refresh interval there (shard_interval.py)
+        self._shards.after_reform()                 # a joiner reads the refresh interval there
+                                                    # (tpassrun/settings/shard_interval.py)
         due, self._shard_restore_due = self._shard_restore_due, None
         if due is not None:
             self._shards.restore(due, self._shard_objects()[0], None)

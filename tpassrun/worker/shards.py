@@ -383,7 +383,7 @@ class ShardState:
         from tpassrun.settings.shard_interval import IntervalPolicy
 
         self.ring = ShardRing(copier)
-        self.policy = IntervalPolicy(interval, store)     # None or "auto": measured, agreed (shard_interval.py)
+        self.policy = IntervalPolicy(interval, store)     # None or "auto": measured, agreed (tpassrun/settings/shard_interval.py)
         self._publish = publish
         self._began = False
         self._costed: tuple[Version, float] | None = None  # the newest refresh, its main-thread CPU
@@ -441,7 +441,8 @@ class ShardState:
         self.pusher.offer()
 
     def _account(self) -> None:
-        """The background CPU the previous refresh took, for ``auto`` (shard_interval.py): its part on this thread,
+        """The background CPU the previous refresh took,
+        for ``auto`` (tpassrun/settings/shard_interval.py): its part on this thread,
         the copy thread's, the pusher's and as much again for the receiving agent. Called once its push is done
         (the next refresh waited for it)."""
         from tpassrun.settings.shard_interval import RECEIVER_FACTOR

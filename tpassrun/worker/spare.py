@@ -137,7 +137,7 @@ class SpareCommands:
                 light = wait.mirrored[1]     # the dead rank's node is gone, or kept no snapshot of that step
         self._pending_light_bundle = decode_light(light) if light is not None else None
         self.step = _bundle_step(self._pending_light_bundle or wait.bundle)
-        self._replicas_after_recovery(True)      # checked against its replicas at its first step (worker_digest.py)
+        self._replicas_after_recovery(True)      # checked against its replicas at its first step (tpassrun/worker/replicas.py)
         link.set(Field.STEP, self.step)
         link.send(Reformed(ok=True, rank=self.rank, world_size=self.world_size, generation=self.generation,
                            join_s=round(time.perf_counter() - t0, 4)))

@@ -16,7 +16,7 @@ log = logging.getLogger("tpassrun.worker")
 # on every this-many-th step after: user code that changes per-rank state after the optimizer step does so in
 # every step (a prefetch, random draws in its logging) and is caught at once, at no per-step cost otherwise.
 _SEALS_VERIFIED_FIRST = 2
-# Asking where light snapshots go (light_mirror.py): _light_retarget_due is one of these, 0 when settled.
+# Asking where light snapshots go (tpassrun/worker/light_mirror.py): _light_retarget_due is one of these, 0 when settled.
 _RETARGET_FRESH, _RETARGET_RETRY, _RETARGET_ASKED = 2, 1, 3
 _ANSWER_WAIT_S = 0.2       # a (re)started rank waits this long at most for the agent's answer ...
 _CONNECT_WAIT_S = 0.25     # ... and this long for its push stream to the buddy
