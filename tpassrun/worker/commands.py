@@ -27,16 +27,19 @@ log = logging.getLogger("tpassrun.worker")
 #: lease of a node that does not answer more. An agent that never answers leaves the exception the script's own.
 VERDICT_WAIT_S = 120.0
 
+#: A command's handler, bound to its Session: (the message, the step the worker stands at, the exception its step
+#: failed with, if any) -> True once the worker is released (it carries on, or leaves).
+Handler = Callable[[Any, int, "BaseException | None"], bool]
+
 
 class BoundaryCommands:
     """Session's command dispatcher (both roles) and the commands of a worker that holds a rank."""
 
-    # The commands a rank obeys, by type; each handler returns True once the worker is released (it carries
-    # on, or leaves). A spare's table is SpareCommands._SPARE_COMMANDS.
-    _RANK_COMMANDS: dict[type[Message], str] = {Resume: "_on_resume", SendState: "_on_send_state",
-                                                ShardRollback: "_on_shard_rollback", Reform: "_on_reform",
-                                                Exit: "_on_exit", Raise: "_on_raise",
-                                                CatchUp: "_on_catch_up"}   # (tpassrun/worker/catchup.py)
+    # The commands a rank obeys, by type (a spare's: SpareCommands._spare_commands).
+    def _rank_commands(self) -> dict[type[Message], Handler]:
+        return {Resume: self._on_resume, SendState: self._on_send_state, ShardRollback: self._on_shard_rollback,
+                Reform: self._on_reform, Exit: self._on_exit, Raise: self._on_raise,
+                CatchUp: self._on_catch_up}   # (tpassrun/worker/catchup.py)
 
     def _at_boundary(self, step: int) -> None:
         link = self._link
@@ -105,7 +108,7 @@ class BoundaryCommands:
         link = self._link
         assert link is not None
         spare = self._spare is not None
-        table = self._SPARE_COMMANDS if spare else self._RANK_COMMANDS
+        table = self._spare_commands() if spare else self._rank_commands()
         self._serve_step = step
         while True:
             msg = self._pending.pop(0) if self._pending else link.recv()
@@ -116,7 +119,7 @@ class BoundaryCommands:
                 else:
                     log.warning("ignoring unexpected command %r at step %d", msg.KIND, self._serve_step)
                 continue
-            if getattr(self, handler)(msg, self._serve_step, failed):
+            if handler(msg, self._serve_step, failed):
                 return
 
     # --- a rank's commands ---

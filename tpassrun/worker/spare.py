@@ -22,7 +22,7 @@ from tpassrun.channel.protocol import (Abort, Assign, Exit, Light, LightOk, List
                        Reserve, Stranger)
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.worker.world import JoinAborted, join_world, set_rank_env
-from tpassrun.worker.commands import _transfer_auth
+from tpassrun.worker.commands import Handler, _transfer_auth
 from tpassrun.worker.link import AgentLink
 
 log = logging.getLogger("tpassrun.worker")
@@ -43,8 +43,9 @@ class SpareWait:
 class SpareCommands:
     """Session's commands while it is a spare (``_spare`` set; the dispatcher is ``BoundaryCommands._serve``)."""
 
-    _SPARE_COMMANDS: dict[type[Message], str] = {Assign: "_on_assign", Light: "_on_light", Reserve: "_on_reserve",
-                                                 Abort: "_on_abort", Reform: "_on_join", Exit: "_on_spare_exit"}
+    def _spare_commands(self) -> dict[type[Message], Handler]:
+        return {Assign: self._on_assign, Light: self._on_light, Reserve: self._on_reserve, Abort: self._on_abort,
+                Reform: self._on_join, Exit: self._on_spare_exit}
 
     def _wait_for_rank(self) -> None:
         """Block until the agent hands this spare a rank, receive that rank's state, join the world."""
