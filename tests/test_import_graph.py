@@ -17,8 +17,9 @@ def _modules() -> dict[str, Path]:
     for pkg, path in PACKAGES.items():
         for f in sorted(path.glob("*.py")):
             out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
-    for f in sorted((ROOT / "tpassrun" / "adapters").glob("*.py")):
-        out["tpassrun.adapters" if f.stem == "__init__" else f"tpassrun.adapters.{f.stem}"] = f
+    for sub in ("adapters", "scheduler"):
+        for f in sorted((ROOT / "tpassrun" / sub).glob("*.py")):
+            out[f"tpassrun.{sub}" if f.stem == "__init__" else f"tpassrun.{sub}.{f.stem}"] = f
     return out
 
 

@@ -84,7 +84,8 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         self.environ = dict(os.environ if environ is None else environ)
         for k in _GRPC_ADDED:  # ours, not the user's: workers get the environment tpassrun was given
             self.environ.pop(k, None)
-        self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        # a scheduler's node name when there is one (the scheduler watcher maps node ids back to it)
+        self.node_id = f"{cfg.node_name or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.addr = cfg.local_addr or ("127.0.0.1" if cfg.uses_embedded_etcd else socket.getfqdn())
         self.remaining_restarts = cfg.max_restarts
         # A death a spare should have absorbed, whose live recovery turned out impossible, restarts the group
@@ -111,6 +112,7 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         self.swapper: Swapper | None = None
         self.mirror: MirrorPlane | None = None   # this node's mirror store and its light mirror (mirrorplane.py)
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
+        self.scheduler: Any = None               # scheduler.SchedulerWatch in a Slurm step: run in every generation
         self.master: tuple[str, int] = ("", 0)
         self.store_host: str | None = None       # the node running the workers' store (group rank 0's, or a swap's)
         self.hosting_etcd = False        # c10d/static: this agent serves the run's etcd
@@ -222,6 +224,10 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
             from .healthd import AgentHealth
 
             self.health = AgentHealth(self)
+            if cfg.scheduler:
+                from .scheduler import watcher_for
+
+                self.scheduler = watcher_for(self)
             metrics_at = None
             if cfg.metrics_port is not None:   # prometheus_client is optional: imported only when asked for
                 from .metrics import serve_metrics
@@ -428,6 +434,8 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._hang_watchdog()))
         tasks.append(asyncio.ensure_future(self._watch_lease(gen)))
+        if self.scheduler is not None:
+            tasks.append(asyncio.ensure_future(self.scheduler.run()))
         if self.cfg.tui:
             tasks.append(asyncio.ensure_future(self._status_panel()))
         try:
