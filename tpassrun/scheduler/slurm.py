@@ -84,14 +84,14 @@ _FIELD = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_]*)=")
 
 
 def node_state(raw: str) -> NodeState:
-    """Slurm's ``State=`` (``ALLOCATED+DRAIN``, ``IDLE*``, ``DOWN+NOT_RESPONDING``...) -> up, drain or down."""
+    """Slurm's ``State=`` (``ALLOCATED+DRAIN``, ``IDLE*``, ``DOWN+NOT_RESPONDING``...) -> up, drain or down.
+    Not responding (``*``, ``+NOT_RESPONDING``) alone is not down: Slurm itself waits ``SlurmdTimeout`` before it
+    says DOWN, and a lease revoked on a missed ping would take a live node's ranks away."""
     flags = set(raw.upper().rstrip("*").replace("+", " ").split())
-    if flags & {"DOWN", "FAIL", "FAILING", "NOT_RESPONDING"}:
+    if flags & {"DOWN", "FAIL", "FAILING"}:
         return NodeState.DOWN
     if flags & {"DRAIN", "DRAINING", "DRAINED"}:
         return NodeState.DRAIN
-    if raw.endswith("*"):
-        return NodeState.DOWN   # '*': not responding (the flag Slurm shows without +NOT_RESPONDING)
     return NodeState.UP if raw else NodeState.UNKNOWN
 
 
