@@ -154,8 +154,11 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
             self._main_task.cancel()
         if self._join_task is not None and not self._join_task.done():
             self._join_task.cancel()
+        if self._closing is not None and not self._closing.done():
+            self._closing.cancel()
 
     _join_task: asyncio.Task[Generation] | None = None
+    _closing: asyncio.Future[None] | None = None    # the run's close after a failure (a signal cancels it)
     _main_task: asyncio.Task[Any] | None = None
     _starting = True      # until the rendezvous connection is up; a signal then cancels the start
 
@@ -347,7 +350,9 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                         await self._wait_for_other_agents(EXIT_BARRIER_TIMEOUT_S)
                 self._elastic_end("SUCCEEDED", "SUCCEEDED", gen)
                 return 0
-            if outcome == Outcome.SIGNALLED:
+            if outcome == Outcome.SIGNALLED or (outcome == Outcome.FAILED and self.signal_received is not None):
+                # FAILED with a signal: the workers saw it first (Slurm's scancel signals every process of the
+                # step at once); torchrun's launcher would have raised on it, as here
                 self._elastic_end(None, "FAILED", gen)
                 return 1
             if outcome == Outcome.CLOSED:
@@ -366,10 +371,21 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                 self._report_failures()
                 # torchrun's agent returns a FAILED result normally: the launcher records SUCCEEDED for itself
                 self._elastic_end("FAILED", "SUCCEEDED", gen)
-                with contextlib.suppress(RendezvousError):
-                    await self.rdzv.close(f"workers failed: {reason}")
+                await self._close_unless_signalled(f"workers failed: {reason}")
                 return 1
             # MEMBERSHIP: a new generation without consuming a restart (torchrun's num_nodes_waiting rule).
+
+    async def _close_unless_signalled(self, reason: str) -> None:
+        """Close the run; a signal cuts it short (a scheduler's cancel signals the hosted etcd too: a close that
+        retried a dead etcd outlived Slurm's KillWait and was SIGKILLed, leaving the etcd's data dir behind)."""
+        assert self.rdzv is not None
+        self._closing = asyncio.ensure_future(self.rdzv.close(reason))
+        if self.signal_received is not None:
+            self._closing.cancel()
+        await asyncio.wait({self._closing})
+        if not self._closing.cancelled() and isinstance(self._closing.exception(), Exception) and \
+                not isinstance(self._closing.exception(), RendezvousError):
+            raise self._closing.exception()  # type: ignore[misc]
 
     async def _say_waiting(self, waited: float) -> None:
         """Every 10 s without a generation: who has joined, how many are needed (never a silent wait)."""
