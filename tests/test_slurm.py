@@ -101,6 +101,7 @@ def test_no_rendezvous_flags_inside_a_step():
     last = _parse(["--spare-nodes", "1"], {**STEP, "SLURMD_NODENAME": "n3"})
     assert last.spare_node
     assert _parse([], {**STEP, "TPASSRUN_SPARE_NODES": "1", "SLURMD_NODENAME": "n3"}).spare_node
+    assert _parse(["--rdzv-backend", "c10d"], STEP).etcd_endpoint == "n1.cluster:29477"
 
 
 def test_explicit_flags_win_over_the_allocation():

@@ -11,8 +11,10 @@ no rendezvous flag, and the tests never start tpassrun themselves.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import subprocess
 import sys
 import time
 
@@ -43,15 +45,24 @@ def slurm(tmp_path_factory):
 
 
 def _script(out: str, train: list[str]) -> str:
-    """The batch script: one srun step, one tpassrun per node, no rendezvous flag."""
+    """The batch script: one srun step, one tpassrun per node, no rendezvous flag (each node's health readings
+    file, a site tool's, is named after the node)."""
     path = os.path.join(out, "job.sh")
     with open(path, "w") as fh:
         fh.write(f"""#!/bin/bash
-srun --ntasks-per-node 1 --output={out}/agent-%t.log {sys.executable} -m tpassrun --nproc-per-node 2 \\
-    --spare-nodes 1 --log-dir {out}/logs {' '.join(train)}
+srun --ntasks-per-node 1 --output={out}/agent-%t.log bash -c 'TPASSRUN_HEALTH_FILE={out}/health-$SLURMD_NODENAME.json \\
+    exec {sys.executable} -m tpassrun --nproc-per-node 2 --spare-nodes 1 --health-interval 0.5 --log-dir {out}/logs \\
+    {' '.join(train)}'
 echo $? > {out}/rc
 """)
     return path
+
+
+def _readings(out: str, node: str, ecc: int) -> None:
+    path = os.path.join(out, f"health-{node}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"v": 1, "readings": [{"device": "gpu1", "metric": "ecc_uncorrected_volatile", "value": ecc}]}, fh)
+    os.replace(path + ".tmp", path)
 
 
 def _console(out: str) -> str:
@@ -86,6 +97,7 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identic
     out = str(tmp_path)
     early, late = hold_at(out, 1, name="early"), hold_at(out, STEPS - 3, name="late")
     env = {**faults_env(early.fault, late.fault), "TPASSRUN_SCHEDULER_POLL": "1"}
+    _readings(out, "n2", 0)
     train = [EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.05", "--out", f"{out}/train", "--quiet"]
     job_id = slurm.sbatch(_script(out, train), "-N3", "--no-kill", f"--output={out}/batch.out", env=env)
     logs = Job(argv=[], out=out)
@@ -97,7 +109,20 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identic
 
     slurm.run("scontrol", "update", "NodeName=n1", "State=DRAIN", "Reason=maintenance")
     early.release_after(logs, "swap_boundary")
-    swaps = late.release_after(logs, "swap_resumed", 2)
+    try:
+        swaps = logs.wait_event("swap_resumed", 2, 240, distinct="swap_id")
+        # the run -> Slurm: a health taint on the member n2 (its GPU 1's uncorrected ECC count rises; no spare is
+        # left to take the rank, so the taint waits) drains n2 in Slurm with the reason; tpassctl untaint resumes it
+        _readings(out, "n2", 2)
+        _wait(lambda: slurm.node_field("n2", "Reason").startswith("tpassrun: gpu1: ") and "DRAIN" in slurm.state("n2"),
+              120, "n2 drained in Slurm for its health taint", slurm, out)
+        endpoint = next(e["endpoint"] for e in logs.events() if e["event"] == "etcd_hosted")
+        untaint = subprocess.run([sys.executable, "-m", "tpassrun.ctl", "untaint", "--rdzv-endpoint", endpoint,
+                                  "--rdzv-id", job_id, "--node", "n2"], capture_output=True, text=True, timeout=60)
+        assert untaint.returncode == 0, untaint.stderr
+        _wait(lambda: "DRAIN" not in slurm.state("n2"), 120, "n2 resumed in Slurm after the untaint", slurm, out)
+    finally:
+        late.release()
     _wait(lambda: os.path.exists(os.path.join(out, "rc")), 240, "the job's end", slurm, out)
     with open(os.path.join(out, "rc")) as fh:
         assert fh.read().strip() == "0", _console(out)[-4000:]
@@ -118,6 +143,7 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identic
             assert pids[r] == [placed[r][1]], f"survivor rank {r} changed process: {pids[r]}"
     console = _console(out)
     assert "Slurm drained n1 by root: maintenance: moving rank(s) " in console
+    assert "drained n2 in Slurm: tpassrun: gpu1: " in console and "resumed n2 in Slurm" in console
     assert console.count("swapped and resumed") >= 2
     pauses = sorted({e["swap_id"]: e["seconds"] for e in swaps}.values())
     print(f"planned swap pauses after the Slurm drain: {', '.join(f'{p * 1000:.0f} ms' for p in pauses)}")

@@ -262,7 +262,7 @@ def resolve(given: Given, alloc: Allocation | None, spare_nodes: int, *, forced:
                 nnodes=str(launch.members) if given.nnodes == "1:1" else given.nnodes,
                 backend=given.backend, endpoint=given.endpoint, spare_node=given.spare_node or launch.spare_node,
                 standalone=False, master_port=given.master_port)
-    if not given.endpoint and given.backend == "static" and given.master_port is None:
+    if not given.endpoint and given.backend in ("static", "c10d") and given.master_port is None:
         out = Given(**{**out.__dict__, "backend": "c10d",
                        "endpoint": f"{address_of(launch.first_node)}:{launch.port}"})
     return out, alloc.node_name
