@@ -30,7 +30,7 @@ STEPS = 40
 
 
 @pytest.fixture(scope="module")
-def slurm(tmp_path_factory):
+def slurm_cluster(tmp_path_factory):
     why = unavailable()
     if why:
         pytest.skip(why)
@@ -42,6 +42,14 @@ def slurm(tmp_path_factory):
         pytest.skip(f"Slurm did not start here: {exc}")
     yield cluster
     cluster.close()
+
+
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The module's cluster with every node schedulable again after the test (a drain must not hold the next)."""
+    yield slurm_cluster
+    slurm_cluster.run("scancel", "--full", "--user=root", check=False)
+    slurm_cluster.resume_all()
 
 
 def _script(out: str, train: list[str]) -> str:
@@ -153,7 +161,6 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identic
     assert slurm.node_field("n1", "Reason").startswith("maintenance")
     comment = slurm.job_field(job_id, "Comment")
     assert comment.startswith("tpassrun: 2 swap(s):") and comment.count("n1->n3") == 2, comment
-    slurm.resume_all()
 
 
 SLEEPER = """import os, sys, time
