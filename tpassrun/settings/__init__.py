@@ -131,6 +131,8 @@ class LaunchConfig:
     # --- tpassrun's own ---
     spares_per_node: int = 0
     spare_node: bool = False
+    scheduler: str = ""     # "slurm": the agent runs in a Slurm step and watches its nodes (tpassrun/scheduler/)
+    node_name: str = ""     # this node's name in the scheduler (the agent's node id starts with it)
     hang_timeout: float = 0.0
     event_log: str | None = None  # None: <run log dir>/events.jsonl
     tui: bool | None = None  # None/False: no panel (torchrun's console); True: --tui, the status panel

@@ -52,3 +52,13 @@ TPASSRUN_RUN_KEY = "TPASSRUN_RUN_KEY"  # the run key of a job of several agents 
 TPASSRUN_SHARE_GPUS = "TPASSRUN_SHARE_GPUS"      # "1": more slots than GPUs is allowed, slots share them
                                                  # (tpassrun/launch/devices.py)
 TPASSRUN_HEALTH_FILE = "TPASSRUN_HEALTH_FILE"    # JSON readings file a site tool writes (FileSensor)
+TPASSRUN_SPARE_NODES = "TPASSRUN_SPARE_NODES"    # --spare-nodes K: the last K nodes of a Slurm step are spare nodes
+TPASSRUN_SCHEDULER_POLL = "TPASSRUN_SCHEDULER_POLL"  # seconds between the scheduler watcher's polls (default 5)
+
+# --- read from Slurm (an srun step: tpassrun/scheduler/slurm.py) ---
+SLURM_JOB_ID = "SLURM_JOB_ID"
+SLURM_STEP_ID = "SLURM_STEP_ID"                  # set by srun (not in the batch script itself)
+SLURMD_NODENAME = "SLURMD_NODENAME"              # this node's name in Slurm
+SLURM_STEP_NODELIST = "SLURM_STEP_NODELIST"      # the step's nodes (compressed host list)
+SLURM_JOB_NODELIST = "SLURM_JOB_NODELIST"
+SLURM_STEP_NUM_TASKS = "SLURM_STEP_NUM_TASKS"

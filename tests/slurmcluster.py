@@ -1,0 +1,167 @@
+"""A private, real Slurm for tests: munged on its own socket and key, slurmctld and three slurmd "nodes" (n1-n3,
+``slurmd -N``, all on this host, each on its own port) from a slurm.conf under a temp dir. Needs root and Debian's
+``slurm-wlm`` and ``munge`` (scripts/bootstrap.sh installs them); :func:`unavailable` says why not, for a skip."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import time
+
+NODES = ("n1", "n2", "n3")
+BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
+
+
+def unavailable() -> str | None:
+    if os.geteuid() != 0:
+        return "the Slurm tests run slurmd, which needs root"
+    missing = [b for b in BINARIES if shutil.which(b) is None and not os.path.exists(f"/usr/sbin/{b}")]
+    if missing:
+        return f"no Slurm here ({', '.join(missing)} missing: apt-get install slurm-wlm munge)"
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _bin(name: str) -> str:
+    return shutil.which(name) or f"/usr/sbin/{name}"
+
+
+class SlurmCluster:
+    """``start()`` returns once every node is idle; ``close()`` cancels every job and stops every daemon."""
+
+    def __init__(self, root: str) -> None:
+        self.root = root
+        self.conf = os.path.join(root, "slurm.conf")
+        self.procs: list[subprocess.Popen] = []
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The environment now (a job submitted by a test inherits its $TMPDIR and PYTEST_CURRENT_TEST: the test's
+        leak check sees the job's processes), pointed at this cluster."""
+        return {**os.environ, "SLURM_CONF": self.conf}
+
+    def _write_conf(self) -> None:
+        r = self.root
+        os.makedirs(os.path.join(r, "state"), exist_ok=True)
+        for n in NODES:
+            os.makedirs(os.path.join(r, "spool", n), exist_ok=True)
+        lines = [
+            "ClusterName=tpassrun", "SlurmctldHost=localhost", f"SlurmctldPort={_free_port()}",
+            "AuthType=auth/munge", f"AuthInfo=socket={r}/munge.sock", "CredType=cred/munge",
+            "SlurmUser=root", "SlurmdUser=root", f"StateSaveLocation={r}/state", f"SlurmdSpoolDir={r}/spool/%n",
+            f"SlurmctldPidFile={r}/slurmctld.pid", f"SlurmdPidFile={r}/slurmd-%n.pid",
+            f"SlurmctldLogFile={r}/slurmctld.log", f"SlurmdLogFile={r}/slurmd-%n.log",
+            "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/linear",
+            "SchedulerType=sched/builtin", "ReturnToService=2", "MpiDefault=none", "JobCompType=jobcomp/none",
+            "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
+            "SlurmdTimeout=30", "InactiveLimit=0", "KillWait=5", "MinJobAge=300",
+        ]
+        lines += [f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()} CPUs=2 State=UNKNOWN"
+                  for n in NODES]
+        lines.append(f"PartitionName=debug Nodes={','.join(NODES)} Default=YES MaxTime=INFINITE State=UP")
+        with open(self.conf, "w") as fh:
+            fh.write("\n".join(lines) + "\n")
+
+    def _spawn(self, *argv: str) -> None:
+        log = open(os.path.join(self.root, f"{os.path.basename(argv[0])}-{len(self.procs)}.out"), "wb")
+        self.procs.append(subprocess.Popen(list(argv), env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                           start_new_session=True))
+
+    def start(self, timeout: float = 60) -> "SlurmCluster":
+        os.chmod(self.root, 0o755)
+        self._write_conf()
+        key = os.path.join(self.root, "munge.key")
+        with open(key, "wb") as fh:
+            fh.write(os.urandom(1024))
+        os.chmod(key, 0o600)
+        r = self.root
+        self._spawn(_bin("munged"), "-F", "-f", f"--socket={r}/munge.sock", f"--key-file={key}",
+                    f"--pid-file={r}/munged.pid", f"--log-file={r}/munged.log", f"--seed-file={r}/munged.seed")
+        self._wait(lambda: os.path.exists(f"{r}/munge.sock"), timeout, "munged")
+        self._spawn(_bin("slurmctld"), "-D", "-i")
+        self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, timeout, "slurmctld")
+        for n in NODES:
+            self._spawn(_bin("slurmd"), "-D", "-N", n)
+        self._wait(lambda: all(self.state(n) == "IDLE" for n in NODES), timeout, "three idle slurmd nodes")
+        return self
+
+    def _wait(self, ready, timeout: float, what: str) -> None:  # noqa: ANN001
+        deadline = time.monotonic() + timeout
+        while not ready():
+            dead = [p.args[0] for p in self.procs if p.poll() is not None]
+            if dead or time.monotonic() > deadline:
+                raise RuntimeError(f"{what} did not start ({', '.join(dead) or 'timeout'}):\n{self.logs()}")
+            time.sleep(0.2)
+
+    def logs(self) -> str:
+        out = []
+        for name in sorted(os.listdir(self.root)):
+            if name.endswith((".log", ".out")):
+                with open(os.path.join(self.root, name), errors="replace") as fh:
+                    out.append(f"--- {name}\n{fh.read()[-1500:]}")
+        return "\n".join(out)
+
+    def run(self, *argv: str, check: bool = True, timeout: float = 30) -> subprocess.CompletedProcess:
+        done = subprocess.run([_bin(argv[0]), *argv[1:]], env=self.env, capture_output=True, text=True,
+                              timeout=timeout)
+        if check and done.returncode != 0:
+            raise AssertionError(f"{' '.join(argv)}: exit {done.returncode}: {done.stderr.strip()}")
+        return done
+
+    def state(self, node: str) -> str:
+        """``State=`` of a node (``IDLE``, ``ALLOCATED+DRAIN``...), "" when scontrol cannot say."""
+        out = self.run("scontrol", "show", "node", "-o", node, check=False).stdout
+        for field in out.split():
+            if field.startswith("State="):
+                return field[len("State="):]
+        return ""
+
+    def node_field(self, node: str, name: str) -> str:
+        out = self.run("scontrol", "show", "node", "-o", node, check=False).stdout
+        head, _, reason = out.partition(" Reason=")
+        if name == "Reason":
+            return reason.strip()
+        return next((f.split("=", 1)[1] for f in head.split() if f.startswith(f"{name}=")), "")
+
+    def job_field(self, job: str, name: str) -> str:
+        out = self.run("scontrol", "show", "job", "-o", job, check=False).stdout
+        if name == "Comment":   # may hold spaces: up to the next known field
+            text = out.partition(" Comment=")[2]
+            return text.split(" StdErr=")[0].split(" StdIn=")[0].strip()
+        return next((f.split("=", 1)[1] for f in out.split() if f.startswith(f"{name}=")), "")
+
+    def sbatch(self, script: str, *args: str, env: dict[str, str] | None = None) -> str:
+        done = subprocess.run([_bin("sbatch"), "--parsable", *args, script], env={**self.env, **(env or {})},
+                              capture_output=True, text=True, timeout=30)
+        if done.returncode != 0:
+            raise AssertionError(f"sbatch: {done.stderr.strip()}")
+        return done.stdout.strip().split(";")[0]
+
+    def resume_all(self) -> None:
+        for n in NODES:
+            if "DRAIN" in self.state(n) or "DOWN" in self.state(n):
+                self.run("scontrol", "update", f"NodeName={n}", "State=RESUME", check=False)
+
+    def close(self) -> None:
+        self.run("scancel", "--full", "--user=root", check=False)
+        deadline = time.monotonic() + 30
+        while self.run("squeue", "-h", check=False).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        for p in reversed(self.procs):   # slurmd, slurmctld, then munged
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in reversed(self.procs):
+            try:
+                p.wait(15)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(5)
+        self.procs.clear()

@@ -1,0 +1,210 @@
+"""A real Slurm (slurmctld, munged, three slurmd nodes n1-n3 on this host: tests/slurmcluster.py): jobs are
+submitted with ``sbatch``, their one step is ``srun tpassrun --nproc-per-node 2 --spare-nodes 1 train_ddp.py`` with
+no rendezvous flag, and the tests never start tpassrun themselves.
+
+* A 2-node job with a spare node (n3) runs from the allocation alone; mid-run an operator drains the member n1
+  (``scontrol update NodeName=n1 State=DRAIN Reason=maintenance``): its two ranks move to n3 live (planned swaps,
+  the other ranks keep their processes), the job ends ``torch.equal`` to torchrun, the console says who asked and
+  why, Slurm shows n1 drained and the job's comment lists both swaps.
+* ``scancel`` ends every process of a job (agents, ranks, spares, the hosted etcd) within seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from faults import EXAMPLE, Job, alive, assert_bit_exact, faults_env, hold_at
+from slurmcluster import SlurmCluster, unavailable
+from tpassrun.rendezvous.embedded import _DIR_PREFIX as ETCD_DIR_PREFIX
+
+pytestmark = pytest.mark.timeout(420)
+
+STEPS = 40
+
+
+@pytest.fixture(scope="module")
+def slurm_cluster(tmp_path_factory):
+    why = unavailable()
+    if why:
+        pytest.skip(why)
+    cluster = SlurmCluster(str(tmp_path_factory.mktemp("slurm")))
+    try:
+        cluster.start()
+    except RuntimeError as exc:
+        cluster.close()
+        pytest.skip(f"Slurm did not start here: {exc}")
+    yield cluster
+    cluster.close()
+
+
+@pytest.fixture
+def slurm(slurm_cluster):
+    """The module's cluster with every node schedulable again after the test (a drain must not hold the next)."""
+    yield slurm_cluster
+    slurm_cluster.run("scancel", "--full", "--user=root", check=False)
+    slurm_cluster.resume_all()
+
+
+def _script(out: str, train: list[str]) -> str:
+    """The batch script: one srun step, one tpassrun per node, no rendezvous flag (each node's health readings
+    file, a site tool's, is named after the node)."""
+    path = os.path.join(out, "job.sh")
+    with open(path, "w") as fh:
+        fh.write(f"""#!/bin/bash
+srun --ntasks-per-node 1 --output={out}/agent-%t.log bash -c 'TPASSRUN_HEALTH_FILE={out}/health-$SLURMD_NODENAME.json \\
+    exec {sys.executable} -m tpassrun --nproc-per-node 2 --spare-nodes 1 --health-interval 0.5 --log-dir {out}/logs \\
+    {' '.join(train)}'
+echo $? > {out}/rc
+""")
+    return path
+
+
+def _readings(out: str, node: str, ecc: int) -> None:
+    path = os.path.join(out, f"health-{node}.json")
+    with open(path + ".tmp", "w") as fh:
+        json.dump({"v": 1, "readings": [{"device": "gpu1", "metric": "ecc_uncorrected_volatile", "value": ecc}]}, fh)
+    os.replace(path + ".tmp", path)
+
+
+def _console(out: str) -> str:
+    text = ""
+    for name in sorted(os.listdir(out)):
+        if name.startswith("agent-") and name.endswith(".log"):
+            with open(os.path.join(out, name), errors="replace") as fh:
+                text += fh.read()
+    return text
+
+
+def _wait(pred, timeout: float, what: str, slurm: SlurmCluster, out: str) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not in {timeout} s\n{_console(out)[-4000:]}\n{slurm.logs()[-2000:]}")
+        time.sleep(0.2)
+
+
+def _warm(job: Job) -> bool:
+    events = job.events()
+    spares = sum(len(e["slots"]) for e in events if e["event"] == "workers_started" and e.get("spare_node"))
+    return bool(spares) and sum(1 for e in events if e["event"] == "spare_ready") >= spares
+
+
+@pytest.fixture(scope="module")
+def reference(reference_run):
+    return reference_run(4, STEPS)
+
+
+def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identical(slurm, tmp_path, reference):
+    out = str(tmp_path)
+    early, late = hold_at(out, 1, name="early"), hold_at(out, STEPS - 3, name="late")
+    env = {**faults_env(early.fault, late.fault), "TPASSRUN_SCHEDULER_POLL": "1"}
+    _readings(out, "n2", 0)
+    train = [EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.05", "--out", f"{out}/train", "--quiet"]
+    job_id = slurm.sbatch(_script(out, train), "-N3", "--no-kill", f"--output={out}/batch.out", env=env)
+    logs = Job(argv=[], out=out)
+    _wait(lambda: early.reached() and _warm(logs), 240, "the job held at step 1, the spare node warm", slurm, out)
+    placed = {s["rank"]: (e["node"], s["pid"]) for e in logs.events() if e["event"] == "workers_started"
+              for s in e["slots"] if s.get("rank") is not None and s["rank"] >= 0}
+    on_n1 = sorted(r for r, (node, _pid) in placed.items() if node.startswith("n1-"))
+    assert len(placed) == 4 and len(on_n1) == 2, placed
+
+    slurm.run("scontrol", "update", "NodeName=n1", "State=DRAIN", "Reason=maintenance")
+    early.release_after(logs, "swap_boundary")
+    try:
+        swaps = logs.wait_event("swap_resumed", 2, 240, distinct="swap_id")
+        # the run -> Slurm: a health taint on the member n2 (its GPU 1's uncorrected ECC count rises; no spare is
+        # left to take the rank, so the taint waits) drains n2 in Slurm with the reason; tpassctl untaint resumes it
+        _readings(out, "n2", 2)
+        _wait(lambda: slurm.node_field("n2", "Reason").startswith("tpassrun: gpu1: ") and "DRAIN" in slurm.state("n2"),
+              120, "n2 drained in Slurm for its health taint", slurm, out)
+        endpoint = next(e["endpoint"] for e in logs.events() if e["event"] == "etcd_hosted")
+        untaint = subprocess.run([sys.executable, "-m", "tpassrun.ops.ctl", "untaint", "--rdzv-endpoint", endpoint,
+                                  "--rdzv-id", job_id, "--node", "n2"], capture_output=True, text=True, timeout=60)
+        assert untaint.returncode == 0, untaint.stderr
+        _wait(lambda: "DRAIN" not in slurm.state("n2"), 120, "n2 resumed in Slurm after the untaint", slurm, out)
+    finally:
+        late.release()
+    _wait(lambda: os.path.exists(os.path.join(out, "rc")), 240, "the job's end", slurm, out)
+    with open(os.path.join(out, "rc")) as fh:
+        assert fh.read().strip() == "0", _console(out)[-4000:]
+
+    train = Job(argv=[], out=os.path.join(out, "train"))
+    assert_bit_exact(train, reference, 4)
+    pids: dict[int, list[int]] = {}
+    for r in range(4):
+        for row in train.losses(r):
+            if not pids.setdefault(r, []) or pids[r][-1] != row["pid"]:
+                pids[r].append(row["pid"])
+    n3_spares = {s["pid"] for e in logs.events() if e["event"] == "workers_started" and e["node"].startswith("n3-")
+                 for s in e["slots"]}
+    for r in range(4):
+        if r in on_n1:
+            assert len(pids[r]) == 2 and pids[r][0] == placed[r][1] and pids[r][1] in n3_spares, (r, pids[r])
+        else:
+            assert pids[r] == [placed[r][1]], f"survivor rank {r} changed process: {pids[r]}"
+    console = _console(out)
+    assert "Slurm drained n1 by root: maintenance: moving rank(s) " in console
+    assert "drained n2 in Slurm: tpassrun: gpu1: " in console and "resumed n2 in Slurm" in console
+    assert console.count("swapped and resumed") >= 2
+    pauses = sorted({e["swap_id"]: e["seconds"] for e in swaps}.values())
+    print(f"planned swap pauses after the Slurm drain: {', '.join(f'{p * 1000:.0f} ms' for p in pauses)}")
+
+    # Slurm's side: n1 drained (the operator's reason) and idle of this job; the job's comment lists the swaps
+    assert slurm.state("n1") in ("IDLE+DRAIN", "DRAINED", "DRAIN"), slurm.state("n1")
+    assert slurm.node_field("n1", "Reason").startswith("maintenance")
+    comment = slurm.job_field(job_id, "Comment")
+    assert comment.startswith("tpassrun: 2 swap(s):") and comment.count("n1->n3") == 2, comment
+
+
+SLEEPER = """import os, sys, time
+open(os.path.join(sys.argv[1], "rank%s" % os.environ["RANK"]), "w").close()
+while True:
+    time.sleep(0.1)
+"""
+
+
+def test_scancel_ends_every_process_of_the_job(slurm, tmp_path):
+    """Workers that never end (a script without torch, so the job starts in seconds): ``scancel`` is the only way
+    out, and it takes the agents, the ranks, the spare node's spares and the etcd the first node hosts."""
+    out = str(tmp_path)
+    script = os.path.join(out, "sleeper.py")
+    with open(script, "w") as fh:
+        fh.write(SLEEPER)
+    job_id = slurm.sbatch(_script(out, [script, out]), "-N3", f"--output={out}/batch.out")
+    logs = Job(argv=[], out=out)
+
+    def running() -> bool:
+        started = {e["node"] for e in logs.events() if e["event"] == "workers_started"}
+        return len(started) == 3 and all(os.path.exists(os.path.join(out, f"rank{r}")) for r in range(4))
+
+    _wait(running, 240, "the job running", slurm, out)
+    events = logs.events()
+    agents = [int(e["node"].rsplit("-", 2)[1]) for e in events if e["event"] == "agent_started"]   # host-pid-rand
+    workers = [s["pid"] for e in events if e["event"] == "workers_started" for s in e["slots"]]
+    etcd = [e for e in events if e["event"] == "etcd_hosted"]
+    assert len(agents) == 3 and len(workers) == 6 and len(etcd) == 1, (agents, workers, etcd)
+    host, port = etcd[0]["endpoint"].rsplit(":", 1)
+    cancelled = time.monotonic()
+    slurm.run("scancel", job_id)
+    gone = None
+    while time.monotonic() - cancelled < 60:
+        if not any(alive(p) for p in agents + workers):
+            gone = time.monotonic() - cancelled
+            break
+        time.sleep(0.1)
+    assert gone is not None, [p for p in agents + workers if alive(p)]
+    print(f"scancel: every agent and worker gone {gone:.2f} s after it")
+    with socket.socket() as s:
+        assert s.connect_ex((host, int(port))) != 0, "the hosted etcd still answers"
+    # the job ran with this test's $TMPDIR (sbatch exports the environment): the hosted etcd's data dir went too
+    left = [n for n in os.listdir(os.environ["TMPDIR"]) if n.startswith(ETCD_DIR_PREFIX)]
+    assert not left, left
+    _wait(lambda: not slurm.run("squeue", "-h", "-j", job_id, check=False).stdout.strip(), 60, "the job leaving squeue",
+          slurm, out)
