@@ -178,6 +178,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                       help="Warm spare workers kept ready on this node.")
     ours.add_argument("--spare-node", "--spare_node", action="store_true",
                       help="This agent joins as a spare node.")
+    ours.add_argument("--spare-pool", "--spare_pool", type=str, default=None,
+                      help="Draw a node from this spare pool (tpassctl pool) when a node is lost and no own spare is "
+                           "ready; the pool key: --rdzv-conf pool_key_file=PATH or $TPASSRUN_POOL_KEY.")
+    ours.add_argument("--priority", type=int, default=0,
+                      help="This job's priority in its spare pool (a higher one may pre-empt a lower one's pool node).")
+    ours.add_argument("--pool-wait", "--pool_wait", type=float, default=60.0,
+                      help="Seconds a lost node's recovery waits for a pool node before torchrun's restart.")
     ours.add_argument("--hang-timeout", "--hang_timeout", type=float, default=0.0,
                       help="Seconds without a step heartbeat before a worker counts as hung (0 = off).")
     ours.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
@@ -361,6 +368,9 @@ def parse_args(
         host_etcd=etcd_endpoint is not None and backend in ("c10d", "static"),
         spares_per_node=ns.spares_per_node,
         spare_node=ns.spare_node,
+        spare_pool=ns.spare_pool,
+        priority=ns.priority,
+        pool_wait=ns.pool_wait,
         hang_timeout=ns.hang_timeout,
         event_log=ns.event_log,
         tui=ns.tui,

@@ -131,6 +131,9 @@ class LaunchConfig:
     # --- tpassrun's own ---
     spares_per_node: int = 0
     spare_node: bool = False
+    spare_pool: str | None = None   # draw from this spare pool (tpassrun.pool) when no own spare is ready
+    priority: int = 0               # in the pool: a higher priority may pre-empt a lower one's pool node
+    pool_wait: float = 60.0         # how long a lost node's recovery waits for a pool node before a restart
     hang_timeout: float = 0.0
     event_log: str | None = None  # None: <run log dir>/events.jsonl
     tui: bool | None = None  # None/False: no panel (torchrun's console); True: --tui, the status panel

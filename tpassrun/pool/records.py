@@ -145,11 +145,14 @@ class JobSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str = ""
     run_key_box: str = ""
+    nnodes: str = "1"
+    max_restarts: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "endpoint": self.endpoint, "rdzv_conf": self.rdzv_conf,
                 "nproc_per_node": self.nproc_per_node, "entrypoint": self.entrypoint, "args": list(self.args),
-                "env": dict(self.env), "cwd": self.cwd, "run_key_box": self.run_key_box}
+                "env": dict(self.env), "cwd": self.cwd, "run_key_box": self.run_key_box,
+                "nnodes": self.nnodes, "max_restarts": self.max_restarts}
 
     @classmethod
     def from_json(cls, doc: Any) -> "JobSpec":
@@ -164,7 +167,8 @@ class JobSpec:
         return cls(run_id=_str(doc, "run_id", w), endpoint=_str(doc, "endpoint", w),
                    rdzv_conf=_str(doc, "rdzv_conf", w, ""), nproc_per_node=_int(doc, "nproc_per_node", w, minimum=1),
                    entrypoint=_str(doc, "entrypoint", w), args=tuple(args), env=dict(env), cwd=_str(doc, "cwd", w, ""),
-                   run_key_box=_str(doc, "run_key_box", w, ""))
+                   run_key_box=_str(doc, "run_key_box", w, ""), nnodes=_str(doc, "nnodes", w, "1"),
+                   max_restarts=_int(doc, "max_restarts", w, 0, minimum=0))
 
 
 @dataclass(frozen=True)
@@ -179,10 +183,11 @@ class Claim:
     since: float
     reason: str
     spec: JobSpec | None = None
+    waited: float = 0.0         # seconds from the job's need to this claim (the claim-wait gauge)
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node_id": self.node_id, "job": self.job, "claimer": self.claimer,
-                "priority": self.priority, "since": self.since, "reason": self.reason,
+                "priority": self.priority, "since": self.since, "reason": self.reason, "waited": self.waited,
                 "spec": self.spec.to_json() if self.spec is not None else None}
 
     @classmethod
@@ -191,7 +196,7 @@ class Claim:
         spec = doc.get("spec")
         return cls(node_id=_str(doc, "node_id", w), job=_str(doc, "job", w), claimer=_str(doc, "claimer", w),
                    priority=_int(doc, "priority", w, 0), since=_num(doc, "since", w), reason=_str(doc, "reason", w, ""),
-                   spec=JobSpec.from_json(spec) if spec is not None else None)
+                   spec=JobSpec.from_json(spec) if spec is not None else None, waited=_num(doc, "waited", w, 0.0))
 
 
 @dataclass(frozen=True)
