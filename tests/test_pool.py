@@ -105,6 +105,8 @@ def test_node_idle_loop_claim_join_release_and_claimer_death():
     s, _ = plan_node(NodeState("p1", 2), P.ClaimSeen(claim("p1", "jobA")), 1.0)
     s, act = plan_node(s, P.ChildJoined(), 2.0)
     assert s.joined and isinstance(act, P.Keep)
+    s2, act = plan_node(s, P.ClaimGone("its claimer's lease expired"), 3.0)
+    assert isinstance(act, P.Keep) and s2 == s                        # joined: the job holds it, not the claim
     s, act = plan_node(s, P.ChildExited(0), 9.0)
     assert isinstance(act, P.BecomeIdle) and s.phase is Phase.IDLE
 
@@ -116,3 +118,30 @@ def test_node_refuses_a_job_that_does_not_fit_or_has_no_spec():
     bare = Claim(node_id="p1", job="jobA", claimer="l", priority=0, since=0.0, reason="")
     _, act = plan_node(NodeState("p1", 4), P.ClaimSeen(bare), 0.0)
     assert isinstance(act, P.Refuse)
+
+
+def test_triage_a_lost_node_without_own_spares_draws_from_the_pool_then_restarts_when_it_gave_up():
+    from tpassrun.swap import ClusterView, SlotView
+    from tpassrun.triage import ClaimFromPool, CreatePlan, RestartGroup, Seen, triage
+
+    homes = ((0, "a", 0), (1, "a", 1), (2, "b", 0), (3, "b", 1))
+    a = (SlotView("a", 0, 0, "running", True, 7), SlotView("a", 1, 1, "running", True, 7))
+
+    def seen(*slots, spare_nodes=(), **kw):
+        v = ClusterView(generation=3, members=("a", "b"), spare_nodes=spare_nodes, slots=slots, lost=("b",),
+                        homes=homes)
+        return Seen(now=1000.0, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=v, **kw)
+
+    # no pool: torchrun's restart, as before
+    assert any(isinstance(x, RestartGroup) for x in triage(seen(*a)).actions)
+    # a pool: ask it, nothing restarts
+    acts = triage(seen(*a, pool=True)).actions
+    assert [type(x) for x in acts] == [ClaimFromPool] and acts[0].lost == ("b",)
+    # the pool node's spares are up (still starting is enough): the node plan takes them
+    pooled = (SlotView("p", 0, None, "spare", False), SlotView("p", 1, None, "spare", False))
+    acts = triage(seen(*a, *pooled, spare_nodes=("p",), pool=True)).actions
+    plans = [x for x in acts if isinstance(x, CreatePlan)]
+    assert plans and plans[0].plan.replaces == "p" and {m.joiner.node for m in plans[0].plan.moves} == {"p"}
+    # the pool gave up (nothing within --pool-wait): the restart
+    acts = triage(seen(*a, pool=True, pool_gave_up=frozenset({"b"}))).actions
+    assert any(isinstance(x, RestartGroup) for x in acts)

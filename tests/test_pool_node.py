@@ -106,8 +106,11 @@ def test_pool_node_idle_claimed_released_idle_and_a_dead_claimer_frees_it(etcd_s
                     await _until(lambda: _history_has(pool, "joined"), "the spare node never joined")
                     view, _, _ = await pool.read()
                     assert view.nodes["p1"].state == "serving" and view.nodes["p1"].job == "jobB"
-                    assert await Pool(job_b, keys, KEY, run_id).release("p1", "jobB", "the job ended")
-                    await _until(lambda: _idle(pool), "a released node did not return idle")
+                    assert await Pool(job_b, keys, KEY, run_id).release("p1", "jobB", "the claimer left")
+                    await asyncio.sleep(0.5)
+                    assert await _serving(pool, "jobB")          # joined: the job holds it until it exits
+                    os.killpg(loop.child.pid, 15)                 # the job ended: its spare node exits
+                    await _until(lambda: _idle(pool), "a node whose spare node exited did not return idle")
 
                 # a claim without the pool key's seal: refused
                 await admin.put_json(keys.claim("p1"), claim.to_json())

@@ -4,7 +4,8 @@
 Effects only; every decision is :func:`tpassrun.pool.plan.plan_node`. The node's record is bound to its lease
 (a pool node that dies leaves the pool). A claim is acted on only with a good pool-key MAC (a job that did not
 prove the pool key never runs here). The claimed job's spare node is a child ``python -m tpassrun --spare-node``
-built from the claim's sealed :class:`~tpassrun.pool.records.JobSpec`; it is "joined" once its event log says
+built from the claim's sealed :class:`~tpassrun.pool.records.JobSpec`, dying with this process (a pool node that
+dies takes its spare node with it, as a host would); it is "joined" once its event log says
 its workers started (from then on the job holds it as its own node: a claimer's death no longer stops it), and
 the node is idle again when that child exits (the job ended, or released it).
 """
@@ -24,6 +25,7 @@ from dataclasses import replace
 from typing import Callable
 
 from ..envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
+from ..procs import _die_with_parent
 from .etcd import Pool
 from .plan import (BecomeIdle, ChildExited, ChildJoined, ClaimGone, ClaimSeen, Keep, NodeEvent, NodeState, Phase,
                    Refuse, StartSpare, StopSpare, plan_node)
@@ -141,7 +143,7 @@ class PoolNodeLoop:
         await self._register(SERVING, spec.run_id)
         self.child = await asyncio.create_subprocess_exec(
             *spare_node_argv(spec, event_log, self.python), env=spare_node_env(spec, self.base_env, run_key),
-            cwd=spec.cwd or None, start_new_session=True)
+            cwd=spec.cwd or None, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
     async def _follow(self, child: asyncio.subprocess.Process, event_log: str) -> None:

@@ -213,8 +213,10 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
             return NodeState(state.node_id, state.nproc, Phase.STOPPING, state.job, state.claim_since), \
                 StopSpare(f"the claim of {state.job} is gone before the node joined it ({event.why})")
         if state.phase is Phase.SERVING:
-            return NodeState(state.node_id, state.nproc, Phase.STOPPING, state.job, state.claim_since, True), \
-                StopSpare(f"{state.job} released this node ({event.why})")
+            # joined: the job holds it as one of its nodes (a member, maybe); it comes back when its spare node
+            # exits (the job ended), never by pulling it out from under the job
+            return state, Keep(f"{state.job}'s claim is gone ({event.why}); the node stays the job's until its "
+                               "spare node exits")
         return state, Keep("no claim to lose")
     if isinstance(event, ChildExited):
         job = state.job
