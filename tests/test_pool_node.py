@@ -91,6 +91,10 @@ def test_pool_node_idle_claimed_released_idle_and_a_dead_claimer_frees_it(etcd_s
                 claim = Claim("p1", "jobA", "leaderA", 1, time.time(), "node lost", spec)
                 assert await Pool(claimer, keys, KEY, run_id).claim(claim, rev)
                 await _until(lambda: _serving(pool, "jobA"), "the claim did not start the spare node")
+
+                async def child_up():
+                    return out.exists() and out.read_text().count("\n") >= 1
+                await _until(child_up, "the spare node did not start")
                 claimer._keepalive.cancel()
                 await _until(lambda: _idle(pool), "a dead claimer's node did not return idle")
                 claimer._lease = None
@@ -128,6 +132,7 @@ def test_pool_node_idle_claimed_released_idle_and_a_dead_claimer_frees_it(etcd_s
     for c, job in zip(children, ("jobA", "jobB")):
         assert c["run_key"] == "the-job-run-key-0123456789" and not c["pool_key"] and c["job_env"] == "x"
         argv = c["argv"]
+        argv = argv[argv.index("-m"):]                       # after the die-with-parent wrapper
         assert argv[:3] == ["-m", "tpassrun", "--spare-node"] and argv[argv.index("--rdzv-id") + 1] == job
         assert argv[-3:] == ["train.py", "--steps", "3"]
     assert any("refusing a claim without the pool key" in s for s in said), said

@@ -72,10 +72,23 @@ class JobPool:
         """Lost nodes no own spare covers: claim a pool node for each, or wait for one, or give them up."""
         now = self.clock()
         for node in lost:
-            if node in self.held or node in self.gave_up:
+            if node in self.gave_up:
                 continue
             since = self.since.setdefault(node, now)
             view, revs, _ = await self.pool.read()
+            if node in self.held:
+                mine = view.claims.get(self.held[node])
+                if mine is not None and mine.job == self.cfg.rdzv_id:
+                    if now - since < self.cfg.pool_wait:
+                        continue        # its spare node is starting: the node plan takes it when it is up
+                    await self.pool.release(self.held.pop(node), self.cfg.rdzv_id, "its spares never came up")
+                    self.gave_up.add(node)
+                    say("pool_gave_up", lost_node=node, pool=self.name,
+                        reason=f"the pool node's spares did not come up within {self.cfg.pool_wait:g} s")
+                    continue
+                # the claim is gone (the pool node refused it, or died): ask the pool again
+                say("pool_waiting", lost_node=node, pool=self.name,
+                    reason=f"pool node {self.held.pop(node)} dropped the claim")
             need = JobNeed(job=self.cfg.rdzv_id, priority=self.cfg.priority, nproc=self.cfg.nproc_per_node,
                            own_starting=own_starting, since=since, wait_limit=self.cfg.pool_wait, preempt=False)
             action = plan_job(need, view, now)
@@ -98,7 +111,8 @@ class JobPool:
 
     @property
     def waiting(self) -> bool:
-        return any(n not in self.held and n not in self.gave_up for n in self.since)
+        """Lost nodes the pool still works on (claimed nodes starting count: the claim is watched until planned)."""
+        return any(n not in self.gave_up for n in self.since)
 
     async def release_all(self, why: str) -> None:
         for node, pool_node in list(self.held.items()):

@@ -4,8 +4,8 @@
 Effects only; every decision is :func:`tpassrun.pool.plan.plan_node`. The node's record is bound to its lease
 (a pool node that dies leaves the pool). A claim is acted on only with a good pool-key MAC (a job that did not
 prove the pool key never runs here). The claimed job's spare node is a child ``python -m tpassrun --spare-node``
-built from the claim's sealed :class:`~tpassrun.pool.records.JobSpec`, dying with this process (a pool node that
-dies takes its spare node with it, as a host would); it is "joined" once its event log says
+built from the claim's sealed :class:`~tpassrun.pool.records.JobSpec`, dying with this process (PDEATHSIG: a pool
+node that dies takes its spare node with it, as a host would); it is "joined" once its event log says
 its workers started (from then on the job holds it as its own node: a claimer's death no longer stops it), and
 the node is idle again when that child exits (the job ended, or released it).
 """
@@ -25,7 +25,6 @@ from dataclasses import replace
 from typing import Callable
 
 from ..envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
-from ..procs import _die_with_parent
 from .etcd import Pool
 from .plan import (BecomeIdle, ChildExited, ChildJoined, ClaimGone, ClaimSeen, Keep, NodeEvent, NodeState, Phase,
                    Refuse, StartSpare, StopSpare, plan_node)
@@ -34,9 +33,17 @@ from .records import IDLE, SERVING, JobSpec, PoolNode, unbox
 STOP_GRACE_S = 10.0
 
 
-def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable) -> list[str]:
-    """The job's ``--spare-node`` launch line (pure)."""
-    argv = [python, "-m", "tpassrun", "--spare-node", "--nnodes", spec.nnodes, "--nproc-per-node",
+# PR_SET_PDEATHSIG set in the child itself before it execs tpassrun (kept across exec): no preexec_fn, which is not
+# safe in this process (gRPC's threads; a child forked with one crashed with SIGSEGV before its exec)
+_DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0); "
+                    "os.getppid() == int(sys.argv[1]) or os._exit(137); "
+                    "os.execv(sys.argv[2], sys.argv[2:])")
+
+
+def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable, parent: int | None = None) -> list[str]:
+    """The job's ``--spare-node`` launch line (pure); with ``parent``, it dies with that process."""
+    wrap = [python, "-c", _DIE_WITH_PARENT, str(parent), python] if parent is not None else [python]
+    argv = [*wrap, "-m", "tpassrun", "--spare-node", "--nnodes", spec.nnodes, "--nproc-per-node",
             str(spec.nproc_per_node), "--rdzv-backend", "etcd", "--rdzv-endpoint", spec.endpoint,
             "--rdzv-id", spec.run_id, "--max-restarts", str(spec.max_restarts), "--event-log", event_log]
     if spec.rdzv_conf:
@@ -142,8 +149,8 @@ class PoolNodeLoop:
         self.served.append(spec.run_id)
         await self._register(SERVING, spec.run_id)
         self.child = await asyncio.create_subprocess_exec(
-            *spare_node_argv(spec, event_log, self.python), env=spare_node_env(spec, self.base_env, run_key),
-            cwd=spec.cwd or None, start_new_session=True, preexec_fn=_die_with_parent(os.getpid()))
+            *spare_node_argv(spec, event_log, self.python, os.getpid()),
+            env=spare_node_env(spec, self.base_env, run_key), cwd=spec.cwd or None, start_new_session=True)
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
     async def _follow(self, child: asyncio.subprocess.Process, event_log: str) -> None:
