@@ -143,3 +143,44 @@ def test_records_without_the_pool_key_are_not_seen_and_bad_pools_say_why_in_one_
                 await pool.delete()
 
     asyncio.run(main())
+
+
+def test_a_jobs_leader_waits_claims_asks_again_when_dropped_and_gives_up_after_pool_wait(etcd_server, run_id):
+    from tpassrun.pool.job import JobPool, job_spec, shipped_env
+    from tpassrun.settings import LaunchConfig
+
+    cfg = LaunchConfig(rdzv_id="jobA", spare_pool=run_id, training_script="train.py", nproc_per_node=1,
+                       pool_wait=30.0, min_nodes=2, max_nodes=2)
+    env = {"TPASSRUN_RUN_KEY": "k" * 20, "TPASSRUN_POOL_KEY": "p" * 20, "CUDA_VISIBLE_DEVICES": "0", "MY_VAR": "1",
+           "SSH_AUTH_SOCK": "/x"}
+    assert shipped_env(env) == {"MY_VAR": "1"}
+    spec = job_spec(cfg, "e:2379", env, "k" * 20, KEY, "/work")
+    assert spec.entrypoint == "/work/train.py" and spec.nnodes == "2" and spec.env == {"MY_VAR": "1"}
+    now = [1000.0]
+    said: list[tuple[str, dict]] = []
+
+    async def main() -> None:
+        c = _cfg(etcd_server.endpoint)
+        async with EtcdStore(c) as admin, EtcdStore(c, lease_ttl=10) as leader, EtcdStore(c, lease_ttl=10) as ns:
+            pool = _pool(admin, run_id)
+            await pool.create()
+            try:
+                jp = JobPool(pool=_pool(leader, run_id), cfg=cfg, spec=spec, node_id="a", clock=lambda: now[0])
+                say = lambda event, **f: said.append((event, f))      # noqa: E731
+                await jp.need(("b",), 0, say)
+                assert said[-1][0] == "pool_waiting" and "the pool has no node" in said[-1][1]["reason"]
+                await _pool(ns, run_id).register(PoolNode("p1", "h", 1, time.time()))
+                now[0] += 5
+                await jp.need(("b",), 0, say)
+                assert said[-1][0] == "pool_claimed" and said[-1][1]["waited"] == 5.0 and jp.held == {"b": "p1"}
+                await _pool(ns, run_id).drop_claim("p1")                      # the pool node dropped it
+                await jp.need(("b",), 0, say)
+                assert [e for e, _ in said[-2:]] == ["pool_waiting", "pool_claimed"]
+                now[0] += 40                                                   # its spares never came up
+                await jp.need(("b",), 0, say)
+                assert said[-1][0] == "pool_gave_up" and jp.gave_up == {"b"} and not jp.held
+                assert not (await pool.read())[0].claims
+            finally:
+                await pool.delete()
+
+    asyncio.run(main())
