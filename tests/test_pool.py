@@ -145,3 +145,20 @@ def test_triage_a_lost_node_without_own_spares_draws_from_the_pool_then_restarts
     # the pool gave up (nothing within --pool-wait): the restart
     acts = triage(seen(*a, pool=True, pool_gave_up=frozenset({"b"}))).actions
     assert any(isinstance(x, RestartGroup) for x in acts)
+
+
+def test_the_console_says_own_spares_pool_or_restart_and_why():
+    from tpassrun.console import Describer
+
+    d = Describer()
+
+    def ev(name, **kw):
+        return {"event": name, "time": 1.0, "mono": 1.0, "node": "host1-1-ab", **kw}
+
+    line = d.describe(ev("pool_claimed", lost_node="host2-7-cd", pool="gpu", pool_node="host9-3-ef",
+                         reason="no own spare ready; pool node host9-3-ef is idle (1 idle in the pool)"))
+    assert "no own spare ready: claimed pool node" in line and "gpu" in line and "(1 idle in the pool)" in line
+    line = d.describe(ev("pool_waiting", lost_node="host2-7-cd", pool="gpu", reason="all 1 pool node(s) are claimed"))
+    assert "waiting for pool gpu" in line and "all 1 pool node(s) are claimed" in line
+    line = d.describe(ev("pool_gave_up", lost_node="host2-7-cd", pool="gpu", reason="waited 60 s"))
+    assert "torchrun's restart" in line and "waited 60 s" in line
