@@ -54,7 +54,7 @@ def decode(raw: bytes | None) -> dict[str, Any] | None:
 _NON_JSON_SEEN: set[bytes] = set()
 
 
-class _LeaseIs(aetcd.transactions.BaseCompare):
+class LeaseIs(aetcd.transactions.BaseCompare):
     """A transaction's compare on the lease a key is bound to (etcd >= 3.3; aetcd has no such compare)."""
 
     def build_compare(self, compare: Any) -> None:
@@ -164,6 +164,10 @@ class EtcdStore:
             await self.connection.close()
 
     # --- low level -------------------------------------------------------------------------------------
+
+    async def call(self, op: Callable[[aetcd.Client], Awaitable[T]], *, forever: bool | None = None) -> T:
+        """A transaction this store has no verb for (a spare pool's claim), run through reconnects as every verb is."""
+        return await self._call(op, forever=forever)
 
     async def _call(self, op: Callable[[aetcd.Client], Awaitable[T]], *, forever: bool | None = None,
                     count: bool = True) -> T:
@@ -389,7 +393,7 @@ class EtcdStore:
         k, g, raw = key.encode(), guard.encode(), encode(value)
 
         async def op(c: aetcd.Client) -> bool:
-            ok, _ = await c.transaction(compare=[_LeaseIs(g) == lease_id], success=[c.transactions.put(k, raw)],
+            ok, _ = await c.transaction(compare=[LeaseIs(g) == lease_id], success=[c.transactions.put(k, raw)],
                                         failure=[])
             return bool(ok)
 

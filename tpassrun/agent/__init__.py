@@ -169,6 +169,7 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
             endpoint = cfg.etcd_endpoint
             rdzv_conf = dict(cfg.rdzv_conf or {})
             refuse_inline_secrets(rdzv_conf)
+            pool_environ = dict(self.environ)     # --spare-pool: its key and the run key's text (read below)
             run_key = self._run_key(rdzv_conf, embedded=endpoint is None)
             if endpoint is None:
                 log.debug("waiting for the embedded etcd to start")
@@ -220,6 +221,11 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
             stack.push_async_callback(self._stop_store)
             stack.push_async_callback(self._stop_file_timer)
             self.swapper = Swapper(self._port())
+            if cfg.spare_pool:   # checked before anything runs: no pool, no pool key -> one line, exit 1
+                from tpassrun.pool.job import job_pool
+
+                self.swapper.coordinator.pool = await job_pool(cfg, self.rdzv.store, endpoint, pool_environ,
+                                                               self.node_id)
             # the mirror store serves before this node registers: its port is part of the registration
             self.mirror = await stack.enter_async_context(MirrorPlane(self._port(), cfg.rdzv_id,
                                                                                max_bytes=cfg.mirror_max_bytes))
@@ -281,7 +287,8 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
 
         return AgentPort(node_id=self.node_id, addr=self.addr, events=self.events, rdzv=self.rdzv, slots=self.slots,
                          settings=SwapSettings(nproc_per_node=cfg.nproc_per_node, spares_per_node=cfg.spares_per_node,
-                                               migrate_back=cfg.migrate_back),
+                                               migrate_back=cfg.migrate_back,
+                                               pool_wait=cfg.pool_wait if cfg.spare_pool else 0.0),
                          generation=lambda: self.generation, spawned_generation=lambda: self.spawned_generation,
                          formed_generation=lambda: self.formed_generation,
                          master=lambda: self.master, set_generation=set_generation, spawn_spare=spawn_spare,

@@ -183,6 +183,13 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     ours.add_argument("--scheduler", choices=["auto", "slurm", "none"], default="auto",
                       help="auto: read a Slurm step's allocation when there is one (run id, nodes, etcd host, "
                            "spare nodes; the flags given win) and watch its nodes; none: ignore Slurm.")
+    ours.add_argument("--spare-pool", "--spare_pool", type=str, default=None,
+                      help="Draw a node from this spare pool (tpassctl pool) when a node is lost and no own spare is "
+                           "ready; the pool key: --rdzv-conf pool_key_file=PATH or $TPASSRUN_POOL_KEY.")
+    ours.add_argument("--priority", type=int, default=0,
+                      help="This job's priority in its spare pool (a higher one may pre-empt a lower one's pool node).")
+    ours.add_argument("--pool-wait", "--pool_wait", type=float, default=60.0,
+                      help="Seconds a lost node's recovery waits for a pool node before torchrun's restart.")
     ours.add_argument("--hang-timeout", "--hang_timeout", type=float, default=0.0,
                       help="Seconds without a step heartbeat before a worker counts as hung (0 = off).")
     ours.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
@@ -371,6 +378,9 @@ def parse_args(
         spare_node=ns.spare_node,
         scheduler="slurm" if node_name else "",
         node_name=node_name,
+        spare_pool=ns.spare_pool,
+        priority=ns.priority,
+        pool_wait=ns.pool_wait,
         hang_timeout=ns.hang_timeout,
         event_log=ns.event_log,
         tui=ns.tui,

@@ -268,6 +268,11 @@ class Describer:
             return f"spare node {_short(joined)} joined (its slots serve the next failure)"
         if name == "agent_gone":
             return f"node {_short(ev.get('lost_node'))}: {ev.get('reason')}"
+        if name in ("pool_claimed", "pool_waiting", "pool_gave_up"):   # own spares first, the pool, a restart last
+            what = {"pool_claimed": f"claimed pool node {_short(ev.get('pool_node'))} from pool {ev.get('pool')}",
+                    "pool_waiting": f"waiting for pool {ev.get('pool')}",
+                    "pool_gave_up": f"pool {ev.get('pool')} gave nothing: torchrun's restart"}[name]
+            return f"node {_short(ev.get('lost_node'))} lost, no own spare ready: {what} ({ev.get('reason')})"
         if name == "node_lost_decided":
             if ev.get("action") != "plan":
                 return None   # the fallback line says it

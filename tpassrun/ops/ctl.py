@@ -10,6 +10,7 @@ them when there are several. ``--node`` takes a node id or its hostname.
                      [--effect migrate|exclude]
     tpassctl untaint --rdzv-endpoint E --rdzv-id ID (--rank R | --node N [--local-rank L] | --id ID)
     tpassctl drain   --rdzv-endpoint E --rdzv-id ID --node N --reason TEXT
+    tpassctl pool    create|join|status|delete NAME --rdzv-endpoint E   (a spare pool: docs/pool.md)
 
 Everything is read in one etcd range request over the run's prefix. Errors are one line on stderr and
 exit code 1 (unreachable etcd, unknown run id, unknown node or rank).
@@ -461,6 +462,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_argument("--no-color", action="store_true", help="no colour or style (as NO_COLOR=1 does)")
     parser = argparse.ArgumentParser(prog="tpassctl", description="Inspect and steer a running tpassrun job.")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("pool", help="a spare pool shared by many jobs: tpassctl pool create|join|status|delete NAME")
 
     status = sub.add_parser("status", parents=[common], help="generation, nodes, workers, taints, swaps, health")
     shape = status.add_mutually_exclusive_group()
@@ -569,6 +571,11 @@ def _resolve_node(snap: RunSnapshot, node: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["pool"]:    # a spare pool is not a run: its own verbs (tpassrun.pool.ctl)
+        from tpassrun.pool.ctl import main as pool_main
+
+        return pool_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "no_color", False):

@@ -23,6 +23,8 @@ class Seen:
     view: ClusterView
     waiting_said: frozenset[str] = frozenset()        # taints whose "waiting" was already announced
     received_said: frozenset[str] = frozenset()       # taints whose arrival was already announced
+    pool: bool = False                                # the job may draw a node from a spare pool (--spare-pool)
+    pool_gave_up: frozenset[str] = frozenset()        # lost nodes the pool could not cover in time: restart
 
 
 # --------------------------------------------------------------------------------------------- actions
@@ -78,7 +80,16 @@ class RestartGroup:
     reason: str
 
 
-Action = Union[CasPlan, CreatePlan, PutFailure, PutTaint, PutFallback, Say, RestartGroup]
+@dataclass(frozen=True)
+class ClaimFromPool:
+    """Lost nodes whose ranks no own spare can take: draw a node from the job's spare pool for them (the plan is
+    made when its spares are up; ``reason``: why own spares do not do)."""
+
+    lost: tuple[str, ...]
+    reason: str
+
+
+Action = Union[CasPlan, CreatePlan, PutFailure, PutTaint, PutFallback, Say, RestartGroup, ClaimFromPool]
 
 
 @dataclass(frozen=True)
@@ -88,5 +99,6 @@ class Triage:
     received: frozenset[str] = frozenset()            # taints whose arrival is announced by this triage
 
 
-__all__ = ["Action", "CasPlan", "CreatePlan", "PutFailure", "PutFallback", "PutTaint", "RestartGroup", "Say", "Seen",
+__all__ = ["Action", "CasPlan", "ClaimFromPool", "CreatePlan", "PutFailure", "PutFallback", "PutTaint",
+           "RestartGroup", "Say", "Seen",
            "Triage"]

@@ -37,11 +37,12 @@ from typing import Sequence
 from tpassrun.records import (HANDLED_COALESCED, HANDLED_RESTART, Failure, Fallback, Phase, SlotRef, SwapKind, SwapPlan,
                       Taint, TaintEffect, TaintSource)
 from tpassrun.plan.multiloss import plan_for_losses
-from tpassrun.plan.swap import (Decision, choose_spare, lost_ranks, next_step, node_plan_id, plan_for_dead_ranks,
+from tpassrun.plan.swap import (ClusterView, Decision, choose_spare, lost_ranks, next_step, node_plan_id, plan_for_dead_ranks,
                    plan_for_failure, plan_for_node_loss, plan_for_taint)
 from tpassrun.plan.reform import (death_in_reform, donor_view, hand_back, needs, node_lost_in_reform, reform_deaths,
                             runs_elsewhere)
-from tpassrun.plan.actions import (Action, CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, RestartGroup, Say,
+from tpassrun.plan.actions import (Action, CasPlan, ClaimFromPool, CreatePlan, PutFailure, PutFallback, PutTaint,
+                                   RestartGroup, Say,
                              Seen, Triage)
 
 
@@ -158,6 +159,10 @@ def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
     else:
         decision = plan_for_losses(view, pending, [(f.node, f.slot, f.rank) for _fid, f in dead], now_wall=now,
                                    swap_id=plan_id)
+    if decision.plan is None and seen.pool and not set(pending) & seen.pool_gave_up \
+            and _spare_slots(view) < sum(len(lost_ranks(view, n)) for n in pending):
+        # own spares first, the pool second, a restart last: the pool's node is planned once its spares are up
+        return (ClaimFromPool(tuple(pending), decision.reason),)
     out: list[Action] = [Say("node_lost_decided", {"lost_node": node, "also": pending[1:], "action": decision.action,
                                                    "reason": decision.reason})]
     out += [PutFailure(fid, f.mark("plan" if decision.plan is not None else "fallback", decision.reason))
@@ -169,6 +174,11 @@ def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
                       nodes=(), history=((Phase.ABORTED.value, now),), lost_node=node, lost_also=tuple(pending[1:]),
                       outcome=decision.reason)
     return tuple(out) + (CreatePlan(marker), RestartGroup(decision.reason))
+
+
+def _spare_slots(view: ClusterView) -> int:
+    """Spare slots on live nodes, ready or still starting (what a node plan may take)."""
+    return len([s for s in view.slots if s.state == "spare" and s.node not in view.lost])
 
 
 REFORM_DEATH_GRACE_S = 30.0   # how long a re-form whose rank did not join waits for that rank's failure record
@@ -426,5 +436,6 @@ def _already_moved(taint: Taint, seen: Seen) -> tuple[str, str] | None:
     return None
 
 
-__all__ = ["Action", "CasPlan", "CreatePlan", "PutFailure", "PutFallback", "PutTaint", "RestartGroup", "Say", "Seen",
+__all__ = ["Action", "CasPlan", "ClaimFromPool", "CreatePlan", "PutFailure", "PutFallback", "PutTaint",
+           "RestartGroup", "Say", "Seen",
            "Triage", "triage"]

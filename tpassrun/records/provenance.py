@@ -45,7 +45,7 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from tpassrun.settings.envnames import TPASSRUN_RUN_KEY
+from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
 
 RUN_KEY_ENV = TPASSRUN_RUN_KEY
 RUN_KEY_FILE_CONF = "run_key_file"          # --rdzv-conf run_key_file=PATH
@@ -174,5 +174,5 @@ def key_for(etcd_key: str) -> RunKey | None:
 
 
 def env_without_key(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment minus the run key (workers run user code: they never need it)."""
-    return {k: v for k, v in environ.items() if k != RUN_KEY_ENV}
+    """The environment minus the run key and a spare pool's key (workers run user code: they never need them)."""
+    return {k: v for k, v in environ.items() if k not in (RUN_KEY_ENV, TPASSRUN_POOL_KEY)}

@@ -133,6 +133,9 @@ class LaunchConfig:
     spare_node: bool = False
     scheduler: str = ""     # "slurm": the agent runs in a Slurm step and watches its nodes (tpassrun/scheduler/)
     node_name: str = ""     # this node's name in the scheduler (the agent's node id starts with it)
+    spare_pool: str | None = None   # draw from this spare pool (tpassrun.pool) when no own spare is ready
+    priority: int = 0               # in the pool: a higher priority may pre-empt a lower one's pool node
+    pool_wait: float = 60.0         # how long a lost node's recovery waits for a pool node before a restart
     hang_timeout: float = 0.0
     event_log: str | None = None  # None: <run log dir>/events.jsonl
     tui: bool | None = None  # None/False: no panel (torchrun's console); True: --tui, the status panel

@@ -49,6 +49,7 @@ TPASSRUN_EVENT_LOG = "TPASSRUN_EVENT_LOG"        # JSON-lines event log of this 
 TPASSRUN_HANG_TIMEOUT = "TPASSRUN_HANG_TIMEOUT"  # seconds without a step heartbeat before a worker counts as hung
 TPASSRUN_SHARD_MIRROR_INTERVAL = "TPASSRUN_SHARD_MIRROR_INTERVAL"  # sharded state: local copy + mirror every K steps
 TPASSRUN_RUN_KEY = "TPASSRUN_RUN_KEY"  # the run key of a job of several agents (read by the agent; never a worker's)
+TPASSRUN_POOL_KEY = "TPASSRUN_POOL_KEY"  # a spare pool's key (tpassrun.pool; never a worker's)
 TPASSRUN_SHARE_GPUS = "TPASSRUN_SHARE_GPUS"      # "1": more slots than GPUs is allowed, slots share them
                                                  # (tpassrun/launch/devices.py)
 TPASSRUN_HEALTH_FILE = "TPASSRUN_HEALTH_FILE"    # JSON readings file a site tool writes (FileSensor)

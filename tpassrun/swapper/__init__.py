@@ -172,7 +172,8 @@ class Swapper:
             if not self.busy and self._slots.phase(slot) == WorkerPhase.FAILED:
                 self._slots.send(slot, Raise(reason="no recovery was planned for this failure"))
 
-        self._failed_timers[slot.index] = loop.call_later(FAILED_STEP_GRACE_S, expire)
+        # a pool node (--spare-pool) may be claimed and start its spares meanwhile: its wait counts too
+        self._failed_timers[slot.index] = loop.call_later(FAILED_STEP_GRACE_S + self.port.settings.pool_wait, expire)
         self.probe_agents()
 
     async def on_worker_death(self, slot: Slot, code: int) -> bool:

@@ -85,6 +85,7 @@ class SwapSettings:
     nproc_per_node: int
     spares_per_node: int
     migrate_back: bool = False
+    pool_wait: float = 0.0      # --spare-pool: how long a lost node's recovery may wait for a pool node (0: no pool)
 
 
 @dataclass(frozen=True)

@@ -22,9 +22,12 @@ from tpassrun.records import (Failure, Keys, NodeStatus, RecordError, Report, Sw
                       node_info)
 from tpassrun.rendezvous import NodeInfo
 from tpassrun.plan.swap import ClusterView, Decision, Phase, SlotView
-from tpassrun.plan.triage import Action, CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen, triage
+from tpassrun.plan.triage import (Action, CasPlan, ClaimFromPool, CreatePlan, PutFailure, PutFallback, PutTaint,
+                                  RestartGroup, Say,
+                     Seen, triage)
 
 if TYPE_CHECKING:
+    from tpassrun.pool.job import JobPool
     from tpassrun.rendezvous import Generation
 
 log = logging.getLogger("tpassrun.plan.swap")
@@ -41,6 +44,7 @@ class Coordinator:
         self._waiting_said: set[str] = set()
         self._taints_said: set[str] = set()    # taint ids whose arrival the event log has
         self._newest: dict[str, SwapPlan] = {}   # plan id -> the newest version of it this agent read as leader
+        self.pool: "JobPool | None" = None        # --spare-pool (tpassrun.pool.job), set by the agent
 
     def kick(self) -> None:
         self._kick.set()
@@ -172,7 +176,9 @@ class Coordinator:
                     if (f := load(Failure.from_json, k, d, rv)) is not None]
         return Seen(now=now, spawned_generation=self.port.epoch(), plans=plans, reports=reports,
                     failures=failures, taints=await self._taints(), view=view,
-                    waiting_said=frozenset(self._waiting_said), received_said=frozenset(self._taints_said))
+                    waiting_said=frozenset(self._waiting_said), received_said=frozenset(self._taints_said),
+                    pool=self.pool is not None,
+                    pool_gave_up=frozenset(self.pool.gave_up) if self.pool is not None else frozenset())
 
     async def _carry_out(self, action: Action) -> None:
         keys, store, events = self._keys, self._store, self.port.events
@@ -198,6 +204,13 @@ class Coordinator:
             events.write(action.event, **action.fields)
         elif isinstance(action, RestartGroup):
             self.port.post(HealthRestartRequested(action.reason))
+        elif isinstance(action, ClaimFromPool) and self.pool is not None:
+            gave_up = len(self.pool.gave_up)
+            await self.pool.need(action.lost, 0, events.write)
+            if len(self.pool.gave_up) > gave_up:
+                self.kick()                     # the restart is decided at once
+            elif self.pool.waiting:             # no etcd change may come: look at the pool again in a second
+                asyncio.get_running_loop().call_later(1.0, self.kick)
 
     async def _replace_foreign(self, key: str, plan: SwapPlan) -> bool:
         """A value at a new plan's key that is not the job's (no good MAC of the run key, or malformed) was refused

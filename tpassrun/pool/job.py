@@ -1,0 +1,154 @@
+"""A job's side of a spare pool (``--spare-pool NAME --priority N``): checked at start, drawn from by the leader.
+
+The agent builds a :class:`JobPool` at start (:func:`job_pool`: no pool key, or a pool that does not exist or was
+made with another key, is one line and exit 1, before anything runs). The leader's coordinator hands it a lost
+node its own spares cannot cover (the triage's ``ClaimFromPool``); :meth:`JobPool.need` asks
+:func:`~tpassrun.pool.plan.plan_job` and claims by compare-and-set, bound to the leader's own lease (the agent's
+rendezvous lease: a leader that dies frees its claims). The claimed pool node starts the job's ``--spare-node``
+from the claim's sealed :class:`~tpassrun.records.pool.JobSpec`; once its spares are up the node plan takes them
+as it takes spares still starting. When the pool has nothing within ``--pool-wait``, the lost node is given up
+to torchrun's restart (:attr:`JobPool.gave_up`; the triage then decides the restart as without a pool).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Mapping
+
+from tpassrun.records import provenance
+from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
+from tpassrun.rendezvous import ETCD_PASSWORD_ENV, EtcdStore, RendezvousError, read_private_file
+from tpassrun.rendezvous.config import DEFAULT_PREFIX
+from tpassrun.settings import LaunchConfig
+from tpassrun.pool.ctl import pool_key_from
+from tpassrun.pool.etcd import Pool, PoolError
+from tpassrun.pool.plan import ClaimNode, JobNeed, Preempt, Restart, UseOwn, WaitForPool, plan_job
+from tpassrun.records.pool import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, box, pool_prefix
+
+# secrets and what only makes sense on the host it was set on (a pool node brings its own)
+_NOT_SHIPPED = {TPASSRUN_RUN_KEY, TPASSRUN_POOL_KEY, ETCD_PASSWORD_ENV, "CUDA_VISIBLE_DEVICES", "HOSTNAME", "PWD",
+                "OLDPWD", "SHLVL", "_", "DISPLAY", "HOME", "USER", "LOGNAME", "TMPDIR"}
+_NOT_SHIPPED_PREFIXES = ("SSH_", "XDG_", "TMUX", "TERM", "PYTEST_", "TORCHELASTIC_", "PET_")
+_SECRET_CONF = ("password", "password_file", "credentials_file", "run_key", "run_key_file", POOL_KEY_CONF)
+
+
+def shipped_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The worker environment a pool node gets: the job's, minus secrets and host-specific variables (pure)."""
+    return {k: v for k, v in environ.items() if k not in _NOT_SHIPPED and not k.startswith(_NOT_SHIPPED_PREFIXES)}
+
+
+def job_spec(cfg: LaunchConfig, endpoint: str, environ: Mapping[str, str], run_key_text: str | None,
+             key: provenance.RunKey, cwd: str) -> JobSpec:
+    conf = ",".join(f"{k}={v}" for k, v in (cfg.rdzv_conf or {}).items() if k not in _SECRET_CONF)
+    nnodes = str(cfg.min_nodes) if cfg.min_nodes == cfg.max_nodes else f"{cfg.min_nodes}:{cfg.max_nodes}"
+    script = cfg.training_script
+    if not cfg.module and not cfg.no_python and not os.path.isabs(script):
+        script = os.path.join(cwd, script)
+    return JobSpec(run_id=cfg.rdzv_id, endpoint=endpoint, rdzv_conf=conf, nproc_per_node=cfg.nproc_per_node,
+                   entrypoint=script, args=tuple(cfg.training_script_args), env=shipped_env(environ), cwd=cwd,
+                   run_key_box=box(key, run_key_text) if run_key_text else "", nnodes=nnodes,
+                   max_restarts=cfg.max_restarts)
+
+
+@dataclass
+class JobPool:
+    pool: Pool
+    cfg: LaunchConfig
+    spec: JobSpec
+    node_id: str
+    clock: Callable[[], float] = time.time
+    since: dict[str, float] = field(default_factory=dict)       # lost node -> when the pool was first asked
+    held: dict[str, str] = field(default_factory=dict)          # lost node -> the pool node claimed for it
+    gave_up: set[str] = field(default_factory=set)              # lost nodes left to torchrun's restart
+    said: set[tuple[str, str]] = field(default_factory=set)
+
+    @property
+    def name(self) -> str:
+        return self.pool.name
+
+    async def need(self, lost: tuple[str, ...], own_starting: int, say: Callable[..., None]) -> None:
+        """Lost nodes no own spare covers: claim a pool node for each, or wait for one, or give them up."""
+        now = self.clock()
+        for node in lost:
+            if node in self.gave_up:
+                continue
+            since = self.since.setdefault(node, now)
+            view, revs, _ = await self.pool.read()
+            if node in self.held:
+                mine = view.claims.get(self.held[node])
+                if mine is not None and mine.job == self.cfg.rdzv_id:
+                    if now - since < self.cfg.pool_wait:
+                        continue        # its spare node is starting: the node plan takes it when it is up
+                    await self.pool.release(self.held.pop(node), self.cfg.rdzv_id, "its spares never came up")
+                    self.gave_up.add(node)
+                    say("pool_gave_up", lost_node=node, pool=self.name,
+                        reason=f"the pool node's spares did not come up within {self.cfg.pool_wait:g} s")
+                    continue
+                # the claim is gone (the pool node refused it, or died): ask the pool again
+                say("pool_waiting", lost_node=node, pool=self.name,
+                    reason=f"pool node {self.held.pop(node)} dropped the claim")
+            need = JobNeed(job=self.cfg.rdzv_id, priority=self.cfg.priority, nproc=self.cfg.nproc_per_node,
+                           own_starting=own_starting, since=since, wait_limit=self.cfg.pool_wait, preempt=False)
+            action = plan_job(need, view, now)
+            if isinstance(action, ClaimNode):
+                claim = Claim(node_id=action.node_id, job=self.cfg.rdzv_id, claimer=self.node_id,
+                              priority=self.cfg.priority, since=now, reason=f"node {node} lost", spec=self.spec,
+                              waited=now - since)
+                if await self.pool.claim(claim, revs[action.node_id]):
+                    self.held[node] = action.node_id
+                    say("pool_claimed", lost_node=node, pool=self.name, pool_node=action.node_id,
+                        reason=action.reason, waited=round(now - since, 3))
+                # a lost race: the next tick reads the pool again
+            elif isinstance(action, (WaitForPool, UseOwn, Preempt)):
+                if (node, type(action).__name__) not in self.said:
+                    self.said.add((node, type(action).__name__))
+                    say("pool_waiting", lost_node=node, pool=self.name, reason=action.reason)
+            elif isinstance(action, Restart):
+                self.gave_up.add(node)
+                say("pool_gave_up", lost_node=node, pool=self.name, reason=action.reason)
+
+    @property
+    def waiting(self) -> bool:
+        """Lost nodes the pool still works on (claimed nodes starting count: the claim is watched until planned)."""
+        return any(n not in self.gave_up for n in self.since)
+
+    async def release_all(self, why: str) -> None:
+        for node, pool_node in list(self.held.items()):
+            await self.pool.release(pool_node, self.cfg.rdzv_id, why)
+            del self.held[node]
+
+
+async def job_pool(cfg: LaunchConfig, store: EtcdStore, endpoint: str, environ: Mapping[str, str],
+                   node_id: str, cwd: str | None = None) -> JobPool:
+    """The job's pool, checked (one-line :class:`RendezvousError` when it cannot be used)."""
+    assert cfg.spare_pool is not None
+    conf = dict(cfg.rdzv_conf or {})
+    try:
+        key = pool_key_from(conf, dict(environ))
+    except (provenance.RunKeyError, RendezvousError) as exc:
+        raise RendezvousError(f"--spare-pool {cfg.spare_pool}: {exc}") from None
+    if key is None:
+        raise RendezvousError(f"--spare-pool {cfg.spare_pool}: no pool key (give --rdzv-conf {POOL_KEY_CONF}=PATH, a "
+                              f"file only you can read, or ${TPASSRUN_POOL_KEY})")
+    try:
+        keys = PoolKeys(pool_prefix(conf.get("etcd_prefix") or DEFAULT_PREFIX, cfg.spare_pool))
+    except ValueError as exc:
+        raise RendezvousError(f"--spare-pool: {exc}") from None
+    pool = Pool(store, keys, key, cfg.spare_pool)
+    try:
+        await pool.check()
+    except PoolError as exc:
+        raise RendezvousError(str(exc)) from None
+    run_key_text = _run_key_text(conf, environ)
+    spec = job_spec(cfg, endpoint, environ, run_key_text, key, cwd or os.getcwd())
+    return JobPool(pool=pool, cfg=cfg, spec=spec, node_id=node_id)
+
+
+def _run_key_text(conf: Mapping[str, str], environ: Mapping[str, str]) -> str | None:
+    path = conf.get(provenance.RUN_KEY_FILE_CONF)
+    if path:
+        return read_private_file(path, "run key file").strip()
+    return environ.get(TPASSRUN_RUN_KEY) or None
+
