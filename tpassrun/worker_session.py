@@ -17,7 +17,7 @@ from .world import BucketLayout, ReconfigurableDDP
 from .worker_catchup import CatchUpCommand
 from .worker_commands import BoundaryCommands
 from .worker_digest import ReplicaCheck
-from .worker_failure import classify_failure
+from .worker_failure import classify_failure, note_interrupted
 from .worker_link import AgentLink
 from .worker_shards import ShardedState
 from .worker_spare import SpareCommands, SpareWait, _apply_one, _bundle_rng, _bundle_step, _has_object, _object_names
@@ -242,8 +242,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
                 if not kind.distributed:
                     link.set(Field.PHASE, WorkerPhase.RAISED)   # a user error: torchrun's path, not a spare
                     raise
-                log.warning("rank %d: step %d failed (%s, %s: %s); waiting for recovery",
-                            self.rank, step, kind.value, type(exc).__name__, exc)
+                note_interrupted(self.rank, f"step {step}", kind, exc)
                 self._after_failure(step, exc, kind)
                 continue
             self._in_step = -1
