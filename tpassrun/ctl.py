@@ -25,9 +25,10 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from .cleantext import clean
+from .ctl_wait import EtcdWait
 from .records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RunClosed, SwapPlan, Taint, TaintEffect,
                       TaintSource, generation_record, leader_of, load, node_info)
 from .envnames import NO_COLOR
@@ -305,14 +306,17 @@ async def _run(args: argparse.Namespace) -> int:
         raise CtlError(str(exc)) from None
     unregister = register_run_key(prefix, run_key) if run_key is not None else (lambda: None)
     try:
-        return await _on_store(args, etcd, prefix, keys)
+        async with EtcdWait(etcd.display) as waiting:
+            return await _on_store(args, etcd, prefix, keys, waiting.reached)
     finally:
         unregister()
 
 
-async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, keys: Keys) -> int:
+async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, keys: Keys,
+                    reached: Callable[[], None]) -> int:
     async with EtcdStore(etcd) as store:
         snap = await read_snapshot(store, prefix, args.rdzv_id)
+        reached()
         if snap.empty:
             raise CtlError(f"no run {args.rdzv_id!r} at etcd {etcd.display} (nothing under {prefix})")
         if args.command == "status":
