@@ -1,6 +1,6 @@
-"""One quiet console under a port scan and a peer's death (issue 28, items 5): one real job (3 ranks + 1 spare,
-gloo, the embedded etcd, Prometheus metrics), scanned with garbage on every port it listens on, then a rank
-SIGKILLed while its survivors wait in a collective."""
+"""One quiet console under a port scan and a peer's death, and tpassctl within 80 columns (issue 28, items 5-6): one
+real job (3 ranks + 1 spare, gloo, the embedded etcd, Prometheus metrics), looked at with tpassctl at COLUMNS=80,
+scanned with garbage on every port it listens on, then a rank SIGKILLed while its survivors wait in a collective."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 
 import pytest
 
@@ -59,6 +61,27 @@ def _scan(ports: list[int], times: int) -> int:
     return made
 
 
+def _ctl(*args: str) -> str:
+    """tpassctl's output at 80 columns (stdout and stderr: a line of either must fit)."""
+    proc = subprocess.run([sys.executable, "-m", "tpassrun.ctl", *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "COLUMNS": "80"})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    lines = (proc.stdout + proc.stderr).splitlines()
+    assert max(len(ln) for ln in lines) <= 80, "\n".join(ln for ln in lines if len(ln) > 80)
+    return proc.stdout
+
+
+def _unwrapped(text: str) -> list[str]:
+    """tpassctl events' lines joined back (a continuation starts with spaces), without their whitespace."""
+    out: list[str] = []
+    for ln in text.splitlines():
+        if ln.startswith(" ") and out:
+            out[-1] += "".join(ln.split())
+        else:
+            out.append("".join(ln.split()))
+    return out
+
+
 def test_a_port_scan_and_a_peers_death_leave_a_few_lines_and_no_gloo_text(tmp_path):
     """A port scan logged one warning line per connection (348 in a minute), and each survivor of a death printed
     gloo's 3-line "Read error ... Connection reset by peer ... GLHF!" error around tpassrun's recovery lines.
@@ -71,6 +94,13 @@ def test_a_port_scan_and_a_peers_death_leave_a_few_lines_and_no_gloo_text(tmp_pa
     try:
         _wait_event(job, "spare_ready")
         hold.wait_reached(job)
+        run = next(e["run_id"] for e in job.events() if e["event"] == "agent_started")
+        reason = "fan of the second GPU at 0 rpm since 03:12; the vendor asks for a reseat, ticket 12345 " * 2
+        _ctl("taint", "--rdzv-id", run, "--rank", "2", "--effect", "exclude", "--reason", reason)
+        _wait_event(job, "taint_received")
+        status = _ctl("status", "--rdzv-id", run)
+        taint_id = next(e["id"] for e in job.events() if e["event"] == "taint_received")
+        assert taint_id in status and "fan of the second GPU" in status, status     # the id whole, the reason wrapped
         pids = [job.proc.pid, *_descendants(job.proc.pid)]
         ports = _listening_ports(pids)
         assert len(ports) >= 4, ports         # the mirror, etcd's two, the metrics, the workers' store, gloo's
@@ -80,6 +110,11 @@ def test_a_port_scan_and_a_peers_death_leave_a_few_lines_and_no_gloo_text(tmp_pa
         os.kill(job.losses(1)[-1]["pid"], signal.SIGKILL)    # its peers wait in a collective with it
         _wait_event(job, "worker_died")
         scanned = job.log()[said:]
+        # tpassctl events says every event line of the console's, at the same level (a death: W in both)
+        console = [("".join(ln.split())) for ln in job.log().splitlines() if " tpassrun/agent] [node " in ln]
+        events = _unwrapped(_ctl("events", "--rdzv-id", run))
+        assert [ln for ln in console if ln not in events] == [], events
+        assert any(ln.startswith("W") and "diedatstep" in ln for ln in events), events
         hold.release()
         assert job.wait(240) == 0, job.log()[-4000:]
     finally:
