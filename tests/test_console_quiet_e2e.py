@@ -48,13 +48,14 @@ def _listening_ports(pids: list[int]) -> list[int]:
 
 
 def _scan(ports: list[int], times: int) -> int:
-    """Connect ``times`` times to each port, send garbage, hang up. Returns the connections made."""
+    """Connect ``times`` times to each port, send garbage or a request, hang up. Returns the connections made."""
     made = 0
     for i in range(times):
         for port in ports:
             try:
                 with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
-                    s.sendall(os.urandom(48) + b"\r\nGET / HTTP/1.0\r\n\r\n" + bytes([i % 256]) * 16)
+                    # garbage, or a request whose answer it does not wait for (the metrics server's broken pipe)
+                    s.sendall(os.urandom(64) + (b"GET / HTTP/1.0\r\n\r\n" if i % 2 else b"\r\n\r\n"))
                     made += 1
             except OSError:
                 pass
