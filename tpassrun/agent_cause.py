@@ -59,7 +59,7 @@ class CauseJudge:
 
     async def _say_interrupted(self, gen: Generation, slot: Slot, proc: Any, msg: Failed) -> None:
         assert self.slots is not None
-        t0 = time.monotonic()
+        t0, rank = time.monotonic(), slot.rank
         records: tuple[str, ...] = ()
         read_at = -1.0
         by = ""
@@ -69,10 +69,12 @@ class CauseJudge:
                 read_at = waited
                 records = await self._failure_records(gen, slot)
             by = interrupted_by(self._around(gen, slot, waited, records, ()))
-            if by or waited >= CAUSE_GRACE_S or slot.proc is not proc:
+            if by or waited >= CAUSE_GRACE_S:
                 break
+            if slot.proc is not proc or proc.returncode is not None:
+                return          # it left meanwhile (the failure path, a teardown): its exit says what happened
             await asyncio.sleep(POLL_S)
-        self.events.write("step_interrupted", slot=slot.index, rank=slot.rank, step=msg.step, by=by,
+        self.events.write("step_interrupted", slot=slot.index, rank=rank, step=msg.step, by=by,
                           error=msg.error[:300], error_type=msg.error_type, failure=msg.failure,
                           log=worker_log_file(getattr(proc, "error_file", "")))
 
