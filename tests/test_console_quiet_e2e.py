@@ -4,7 +4,6 @@ scanned with garbage on every port it listens on, then a rank SIGKILLed while it
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import signal
@@ -14,7 +13,7 @@ import sys
 
 import pytest
 
-from faults import Job, faults_env, hold_at
+from faults import Job, faults_env, hold_at, listening_ports
 from test_console_e2e import _descendants, _lines, _wait_event
 
 pytestmark = pytest.mark.timeout(300)
@@ -23,27 +22,13 @@ GLOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ tpassrun/\w+\] ")   # 
 
 
 def _listening_ports(pids: list[int]) -> list[int]:
-    """TCP ports in LISTEN held by ``pids`` (from /proc: each socket's inode among the process's descriptors)."""
-    inodes: set[str] = set()
+    """TCP ports in LISTEN held by any of ``pids``."""
+    ports: set[int] = set()
     for pid in pids:
-        for fd in glob.glob(f"/proc/{pid}/fd/*"):
-            try:
-                target = os.readlink(fd)
-            except OSError:
-                continue
-            if target.startswith("socket:["):
-                inodes.add(target[8:-1])
-    ports = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
-            with open(table) as fh:
-                rows = fh.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if cols[3] == "0A" and cols[9] in inodes:      # 0A: TCP_LISTEN
-                ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+            ports.update(listening_ports(pid))
+        except OSError:       # a process that ended meanwhile
+            pass
     return sorted(ports)
 
 
