@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import io
+import os
 import socket
 import subprocess
 import sys
@@ -46,7 +47,8 @@ def test_an_unreachable_etcd_is_waited_for_aloud_then_the_error():
         port = s.getsockname()[1]
     proc = subprocess.run([sys.executable, "-m", "tpassrun.ctl", "status", "--rdzv-endpoint", f"127.0.0.1:{port}",
                            "--rdzv-id", "nowhere", "--rdzv-conf", "read_timeout=3"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "COLUMNS"})   # off a terminal: whole lines
     lines = proc.stderr.splitlines()
     assert proc.returncode == 1, proc.stderr
     assert lines[0] == f"tpassctl: waiting for etcd at 127.0.0.1:{port} (1 s)", lines
