@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from faults import Job, faults_env, stop_at, taint
+from faults import Job, faults_env, hold_at, stop_at, taint
 
 pytestmark = pytest.mark.timeout(300)
 PREFIX = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ tpassrun/agent\] \[node [^\]]+\] ", re.M)
@@ -167,12 +167,20 @@ def test_ctrl_c_ends_every_process_with_at_most_one_line_per_rank(tmp_path):
     """A terminal Ctrl-C (SIGINT to the launcher, which forwards it as torchrun does) took 10.5 s and printed ~80
     lines of KeyboardInterrupt tracebacks. The launcher now forwards it before tearing down its own tasks, and a
     worker of tpassrun's says one line; the interpreter's last collection, which took seconds, is skipped. The
-    figure (0.45 s on a quiet machine) is in the closing note: a test asserts what happens, not how fast."""
-    job = Job.tpassrun(str(tmp_path), endpoint=None, run_id="", nproc=2, spares=1, steps=100000,
-                       step_sleep=0.05).start()
+    figure (0.45 s on a quiet machine) is in the closing note: a test asserts what happens, not how fast.
+    It holds in the middle of a swap too: the Ctrl-C comes once the swap's boundary is fixed (the ranks pausing,
+    the spare about to receive)."""
+    hold = hold_at(str(tmp_path), 4, rank=0)
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=None, run_id="", nproc=2, spares=1, steps=100000,
+                       step_sleep=0.05, env=faults_env(hold.fault)).start()
     try:
         _wait_event(job, "spare_ready")
-        job.wait_step(2, 120, rank=1)
+        hold.wait_reached(job)
+        run = next(e["run_id"] for e in job.events() if e["event"] == "agent_started")
+        subprocess.run([sys.executable, "-m", "tpassrun.ops.ctl", "taint", "--rdzv-id", run, "--rank", "1", "--reason",
+                        "swap under way", "--no-wait"], check=True, capture_output=True, timeout=120)
+        hold.release_after(job, "swap_decided")
+        _wait_event(job, "swap_boundary")
         pids = _descendants(job.proc.pid)
         assert len(pids) >= 4, pids                              # etcd, the store, 2 ranks, a spare
         said = len(job.log())

@@ -238,9 +238,36 @@ def test_a_survivors_exception_says_whose_fault_it_was():
     error = "RuntimeError: [gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer. " + "x" * 200
     line = d.describe(_ev("exception_cause", 1.0, rank=2, step=4, cause="casualty", error=error, seconds=0.05,
                           why="a casualty of rank 1's death (killed by SIGKILL)"))
-    assert line.startswith("[rank 2] step 4 raised RuntimeError: [gloo") and "..." in line
-    assert line.endswith("a casualty of rank 1's death (killed by SIGKILL) (judged in 0.05 s); it waits for the recovery")
+    assert line == ("[rank 2] step 4 raised RuntimeError: a casualty of rank 1's death (killed by SIGKILL) (judged in "
+                    "0.05 s); it waits for the recovery"), line      # gloo's text stays in the worker's log file
     line = d.describe(_ev("exception_cause", 2.0, rank=1, step=3, cause="root_cause", seconds=3.0,
                           error="ValueError: bad batch", why="no other rank failed within 3 s of it: the script's own error"))
     assert line == ("[rank 1] step 3 raised ValueError: bad batch: no other rank failed within 3 s of it: the script's "
                     "own error (judged in 3.0 s); following torchrun's path")
+
+
+def test_a_survivors_failed_collective_says_what_interrupted_it_not_gloos_text():
+    """Each survivor printed gloo's 3-line "Read error ... Connection reset by peer ... GLHF!" around tpassrun's
+    own recovery lines (issue 28). Its text goes to the worker's log file; the agent's line says why."""
+    d = Describer()
+    gloo = ("RuntimeError: [/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read error [127.0.0.1]:4937: "
+            "Connection reset by peer. This is typically caused by a remote worker hanging. GLHF! \U0001f3d6")
+    ev = _ev("step_interrupted", 1.0, rank=3, step=5, by="rank 1's death (killed by SIGKILL)", error=gloo,
+             error_type="builtins.RuntimeError", failure="collective", log="/tmp/x/attempt_0/3/tpassrun.log")
+    assert d.describe(ev) == "[rank 3] step 5 interrupted by rank 1's death (killed by SIGKILL); waiting for recovery"
+    ev = _ev("step_interrupted", 2.0, rank=3, step=5, by="", error=gloo, error_type="builtins.RuntimeError")
+    assert d.describe(ev) == "[rank 3] step 5 interrupted: its collective failed (RuntimeError); waiting for recovery"
+
+
+def test_a_survivors_gloo_text_goes_to_its_stderr_log_under_redirects_else_beside_its_error_file(tmp_path):
+    from tpassrun.plan.failkind import Around, interrupted_by
+    from tpassrun.worker.failure import DETAIL_LOG, worker_log_file
+
+    err = str(tmp_path / "error.json")
+    assert worker_log_file("") is None                                    # --log-dir /dev/null: no file at all
+    assert worker_log_file(err) == str(tmp_path / DETAIL_LOG)             # stderr is the console's
+    (tmp_path / "stderr.log").write_text("")                              # -r/-t gave stderr its log file
+    assert worker_log_file(err) == str(tmp_path / "stderr.log")
+    assert interrupted_by(Around(waited_s=0.1, dead=("rank 1's death (killed by SIGKILL)",))).startswith("rank 1's")
+    assert interrupted_by(Around(waited_s=0.1, lost_nodes=("n2",))) == "node n2 lost"
+    assert interrupted_by(Around(waited_s=0.1, failed_peers=(2,))) == ""   # a peer failing too is no cause

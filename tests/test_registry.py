@@ -115,8 +115,9 @@ def test_several_runs_are_listed_with_their_script_and_start_time(tmp_path):
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert lines[0] == "2 runs on this machine (pick one with --rdzv-id):"
-    assert "run-0  train.py --steps 100  started " in lines[1] and "(up 1m3" in lines[1] and "2+1 slots" in lines[1]
-    assert "run-1  train.py --steps 200" in lines[2]
+    assert lines[1].startswith("  run-0  started ") and "(up 1m3" in lines[1]        # two lines a run (80 columns)
+    assert "train.py --steps 100  2+1 slots" in lines[2] and lines[3].startswith("  run-1  started ")
+    assert "train.py --steps 200" in lines[4]
 
 
 def test_the_script_shown_is_the_entry_points_name_and_arguments_cut_to_fit():

@@ -253,7 +253,8 @@ def test_user_text_with_rich_markup_renders_literally(reason):
 
 
 def test_ctl_plain_status_escapes_user_text(capsys):
-    from tpassrun.ops.ctl import RunSnapshot, _render_status
+    from tpassrun.ops.ctl import RunSnapshot
+    from tpassrun.ops.ctl_render import render_status as _render_status
     from tpassrun.records import HealthRecord, NodeStatus, SwapPlan, Taint, WorkerRow
 
     plan = SwapPlan.from_json({"v": 1, "id": "s1", "kind": "planned", "generation": 0, "phase": "done",

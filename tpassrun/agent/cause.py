@@ -19,11 +19,12 @@ import time
 from typing import Any
 
 from tpassrun.channel import Field, Verdict, WorkerPhase
-from tpassrun.plan.failkind import Around, Cause, cause_of, classify_death
-from tpassrun.channel.protocol import Raised
+from tpassrun.plan.failkind import CAUSE_GRACE_S, Around, Cause, cause_of, classify_death, interrupted_by
+from tpassrun.channel.protocol import Failed, Raised
 from tpassrun.records import Failure, Keys, load
 from tpassrun.rendezvous import Generation
 from tpassrun.channel.slots import Slot
+from tpassrun.worker.failure import StepFailure, worker_log_file
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -44,6 +45,38 @@ class CauseJudge:
         task = asyncio.ensure_future(self._judge(gen, slot, slot.proc, msg))
         self._judging.add(task)
         task.add_done_callback(self._judging.discard)
+
+    def _on_failed(self, gen: Generation, slot: Slot, msg: Failed) -> None:
+        """A survivor's collective failed: its own text of it went to its log file (tpassrun/worker/failure.py); the
+        console's line (``step_interrupted``) says what interrupted it, once the death, lost node or recovery
+        behind it is known here (at most :data:`~tpassrun.plan.failkind.CAUSE_GRACE_S`). A casualty's line was said
+        by ``exception_cause``."""
+        if msg.failure == StepFailure.CASUALTY.value or slot.proc is None:
+            return
+        task = asyncio.ensure_future(self._say_interrupted(gen, slot, slot.proc, msg))
+        self._judging.add(task)
+        task.add_done_callback(self._judging.discard)
+
+    async def _say_interrupted(self, gen: Generation, slot: Slot, proc: Any, msg: Failed) -> None:
+        assert self.slots is not None
+        t0, rank = time.monotonic(), slot.rank
+        records: tuple[str, ...] = ()
+        read_at = -1.0
+        by = ""
+        while True:
+            waited = time.monotonic() - t0
+            if self._other_nodes(gen) and waited - read_at >= RECORDS_EVERY_S:
+                read_at = waited
+                records = await self._failure_records(gen, slot)
+            by = interrupted_by(self._around(gen, slot, waited, records, ()))
+            if by or waited >= CAUSE_GRACE_S:
+                break
+            if slot.proc is not proc or proc.returncode is not None:
+                return          # it left meanwhile (the failure path, a teardown): its exit says what happened
+            await asyncio.sleep(POLL_S)
+        self.events.write("step_interrupted", slot=slot.index, rank=rank, step=msg.step, by=by,
+                          error=msg.error[:300], error_type=msg.error_type, failure=msg.failure,
+                          log=worker_log_file(getattr(proc, "error_file", "")))
 
     async def _judge(self, gen: Generation, slot: Slot, proc: Any, msg: Raised) -> None:
         assert self.slots is not None and self.swapper is not None

@@ -55,6 +55,7 @@ class Supervision:
                     ev.slot.finished_pid = ev.slot.pid
                 if isinstance(ev.message, Failed):
                     self.swapper.on_worker_failed_step(ev.slot, ev.message)
+                    self._on_failed(gen, ev.slot, ev.message)         # its console line (tpassrun/agent/cause.py)
                     await self._standby_store()
                 if isinstance(ev.message, Raised) and ev.slot.proc is not None:
                     self._on_raised(gen, ev.slot, ev.message)      # a casualty, or the root cause (tpassrun/agent/cause.py)

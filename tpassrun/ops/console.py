@@ -47,6 +47,13 @@ def _bytes(n: Any) -> str:
     return f"{v:.1f} GiB"
 
 
+def _error_type(ev: dict[str, Any]) -> str:
+    """The exception's class name of an event carrying ``error_type`` (``torch.distributed.DistError`` ->
+    ``DistError``), else the head of its ``error`` text (``RuntimeError: ...`` -> ``RuntimeError``)."""
+    qual = str(ev.get("error_type") or "")
+    return qual.rsplit(".", 1)[-1] if qual else str(ev.get("error") or "an exception").split(":", 1)[0]
+
+
 def _rank(ev: dict[str, Any]) -> str:
     r = ev.get("rank")
     return f"[rank {r}] " if r is not None else ""
@@ -185,11 +192,16 @@ class Describer:
             return (f"{_rank(ev)}{ev.get('why')} at step {ev.get('step')}: a user error, not handed to a spare; "
                     "following torchrun's failure path")
         if name == "exception_cause":
-            then = ("it waits for the recovery" if ev.get("cause") == "casualty" else "following torchrun's path")
             error = str(ev.get("error") or "")
+            if ev.get("cause") == "casualty":   # a peer's failure seen from here (gloo's text): its type says enough
+                return (f"{_rank(ev)}step {ev.get('step')} raised {_error_type(ev)}: {ev.get('why')} "
+                        f"(judged in {ev.get('seconds')} s); it waits for the recovery")
             return (f"{_rank(ev)}step {ev.get('step')} raised {error[:150]}{'...' if len(error) > 150 else ''}: "
                     f"{ev.get('why')} "
-                    f"(judged in {ev.get('seconds')} s); {then}")
+                    f"(judged in {ev.get('seconds')} s); following torchrun's path")
+        if name == "step_interrupted":
+            by = f" by {ev['by']}" if ev.get("by") else f": its collective failed ({_error_type(ev)})"
+            return f"{_rank(ev)}step {ev.get('step')} interrupted{by}; waiting for recovery"
         if name == "worker_died":
             self._last_death[ev.get("rank")] = int(ev.get("step") or 0)
             return f"{_rank(ev)}died at step {ev.get('step')}: {ev.get('why') or 'exit code ' + str(ev.get('code'))}"

@@ -26,15 +26,17 @@ import sys
 import time
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 from tpassrun.ops.cleantext import clean
+from tpassrun.ops.ctl_wait import EtcdWait
+from tpassrun.ops.ctl_render import render_status, run_list_lines
+from tpassrun.ops.ctl_width import columns, wrap
 from tpassrun.records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RunClosed, SwapPlan, Taint, TaintEffect,
                       TaintSource, generation_record, leader_of, load, node_info)
 from tpassrun.settings.envnames import NO_COLOR
 from tpassrun.ops.registry import CtlError
-from tpassrun.ops.tui import duration_text, step_info
-from tpassrun.records.provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKeyError, carries_mac, key_for,
+from tpassrun.records.provenance import (RunKeyError, carries_mac, key_for,
                          register as register_run_key, run_key_from)
 from tpassrun.rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, RendezvousError, RendezvousSettings,
                          read_private_file, refuse_inline_secrets)
@@ -188,95 +190,10 @@ _FAMILIES: dict[str, Any] = {"nodes": node_info, "status": NodeStatus.from_json,
 
 def _out(text: str, *, file: Any = None, flush: bool = False) -> None:
     """``print`` for tpassctl's lines: node ids, taint and swap reasons are anyone's text (etcd, the command line),
-    shown with their control characters escaped."""
-    print(clean(text), file=file, flush=flush)
-
-
-def _size(n: int) -> str:
-    return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
-
-
-def _render_status(snap: RunSnapshot) -> None:
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
-
-    def row(table: Table, *cells: Any) -> None:
-        # User text (node ids, taint reasons, health reasons) is never parsed as rich markup: "[/]" stays literal.
-        table.add_row(*(Text("-" if c is None else clean(c)) for c in cells))
-
-    console = Console()
-    gen = snap.generation
-    head = Text.assemble("run ", (clean(snap.run_id), "bold"))
-    if gen is not None:
-        head.append(f"  generation {gen.number} ")
-        head.append(gen.state.value, style="bold")
-        head.append(clean(f"  world size {gen.world_size}" + (f"  ({gen.reason})" if gen.reason else "")))
-    else:
-        head.append("  no generation formed yet")
-    console.print(head)
-    where, pace = step_info(list(snap.workers()))
-    console.print(Text(clean(f"{where}" + (f"  ({pace})" if pace else ""))))
-    console.print(Text(clean(f"leader: {snap.leader or '-'}" + (f"   closed: {snap.closed.reason}" if snap.closed
-                                                                     else ""))))
-    if snap.provenance == "unverified":
-        console.print(Text(f"unverified: the job seals its records with a run key and tpassctl was given none "
-                           f"(--rdzv-conf {RUN_KEY_FILE_CONF}=PATH or ${RUN_KEY_ENV})", style="yellow"))
-
-    members = Table("node", "group rank", "addr", "nproc", "ranks", "role", title="nodes", title_justify="left")
-    if gen is not None:
-        for m in gen.members:
-            role = "lost" if m.node_id in gen.lost else "member"
-            row(members, m.node_id, m.group_rank, m.addr, m.nproc, f"{m.rank_offset}-{m.rank_offset + m.nproc - 1}",
-                role)
-        for node_id in gen.spare_nodes:
-            info = snap.nodes.get(node_id)
-            row(members, node_id, "-", info.addr if info else "?", info.nproc if info else "?", "-", "spare node")
-        for node_id in gen.waiting:
-            info = snap.nodes.get(node_id)
-            row(members, node_id, "-", info.addr if info else "?", "-", "-", "waiting")
-    console.print(members)
-
-    workers = Table("node", "slot", "rank", "local rank", "pid", "state", "step", "spare", title="workers",
-                    title_justify="left")
-    for w in snap.workers():
-        row(workers, w["node_id"], *(w.get(k, "-") for k in ("slot", "rank", "local_rank", "pid", "state", "step")),
-            "yes" if w.get("spare") else "")
-    console.print(workers)
-    mirrored = [w for w in snap.workers() if w.get("shard_held")]
-    if mirrored:
-        mirror = Table("node", "rank", "local copies", "per refresh", "every", "mirrored step", "sent",
-                       title="sharded state "
-                       "mirror (host memory)", title_justify="left")
-        for w in mirrored:
-            row(mirror, w["node_id"], w.get("rank", "-"), _size(w["shard_held"]), _size(w.get("shard_bytes") or 0),
-                f"{w['shard_interval']} step(s)" if w.get("shard_interval") else "(measuring)",
-                w.get("shard_mirrored") if w.get("shard_mirrored") is not None else "-", _size(w.get("shard_sent") or 0))
-        for node_id, status in sorted(snap.status.items()):
-            if status.mirror_held:
-                row(mirror, node_id, "(buddy copies)", _size(status.mirror_held), "", "", "", "")
-        console.print(mirror)
-
-    if snap.taints:
-        taints = Table("id", "node", "slot", "rank", "effect", "reason", "state", title="taints",
-                       title_justify="left")
-        for tid, t in sorted(snap.taints.items()):
-            row(taints, tid, t.node_id, t.slot, t.rank, t.effect.value, t.reason, t.state)
-        console.print(taints)
-    if snap.swaps:
-        swaps = Table("id", "phase", "reason", title="swaps", title_justify="left")
-        for sid, s in sorted(snap.swaps.items()):
-            row(swaps, sid, s.phase.value, s.reason)
-        console.print(swaps)
-    if snap.health:
-        health = Table("node", "device", "status", "effect", "reason", title="health", title_justify="left")
-        for node_id, record in sorted(snap.health.items()):
-            verdicts = record.verdicts
-            if not verdicts:
-                row(health, node_id, "-", "no verdicts", "", "")
-            for v in verdicts:
-                row(health, node_id, v.get("device"), v.get("status"), v.get("effect"), v.get("reason", ""))
-        console.print(health)
+    shown with their control characters escaped; wrapped to the terminal's width (:mod:`tpassrun.ops.ctl_width`)."""
+    stream = file if file is not None else sys.stdout
+    for line in wrap(clean(text), columns(stream)):
+        print(line, file=stream, flush=flush)
 
 
 def _taint(tid: str, node_id: str, local_rank: int | None, slot: int | None, rank: int | None, reason: str,
@@ -306,14 +223,17 @@ async def _run(args: argparse.Namespace) -> int:
         raise CtlError(str(exc)) from None
     unregister = register_run_key(prefix, run_key) if run_key is not None else (lambda: None)
     try:
-        return await _on_store(args, etcd, prefix, keys)
+        async with EtcdWait(etcd.display) as waiting:
+            return await _on_store(args, etcd, prefix, keys, waiting.reached)
     finally:
         unregister()
 
 
-async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, keys: Keys) -> int:
+async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, keys: Keys,
+                    reached: Callable[[], None]) -> int:
     async with EtcdStore(etcd) as store:
         snap = await read_snapshot(store, prefix, args.rdzv_id)
+        reached()
         if snap.empty:
             raise CtlError(f"no run {args.rdzv_id!r} at etcd {etcd.display} (nothing under {prefix})")
         if args.command == "status":
@@ -331,7 +251,7 @@ async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, key
             if args.json:
                 print(json.dumps(snap.to_json(), indent=2, sort_keys=True))
             else:
-                _render_status(snap)
+                render_status(snap)
             return 0
         if getattr(args, "node", None):
             args.node = _resolve_node(snap, args.node)
@@ -536,9 +456,8 @@ def _pick_run(args: argparse.Namespace) -> int | None:
     if args.command == "status" and not args.watch and not args.json:
         _out(f"{len(runs)} runs on this machine (pick one with --rdzv-id):")
         for r in runs:
-            started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(r.started))
-            _out(f"  {r.run_id}  {r.script or '?'}  started {started} (up {duration_text(time.time() - r.started)})  "
-                 f"{r.nproc}+{r.spares} slots  etcd {r.endpoint}  pid {r.pid}")
+            for line in run_list_lines(r, time.time()):
+                _out(line)
         return 0
     raise CtlError(f"{len(runs)} runs on this machine: pick one with --rdzv-id ({', '.join(r.run_id for r in runs)})")
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from tpassrun.ops.cleantext import clean
 from tpassrun.ops.console import Describer, format_line, summary_lines
+from tpassrun.ops.ctl_width import columns, wrap
 from tpassrun.ops.registry import CtlError, RunEntry
 from tpassrun.rendezvous import pid_alive
 
@@ -31,6 +32,7 @@ def print_events(entry: RunEntry, *, follow: bool, raw: bool, out: Any = None) -
     except OSError as exc:
         raise CtlError(f"cannot read the event log of run {entry.run_id!r}: {exc}") from exc
     d = Describer()
+    width = None if raw else columns(out)    # raw JSON lines stay whole
     partial = ""
     with fh:
         while True:
@@ -46,7 +48,7 @@ def print_events(entry: RunEntry, *, follow: bool, raw: bool, out: Any = None) -
                     continue
                 rows = [clean(line)] if raw else _line(d, ev, entry.pid)
                 for r in rows:
-                    out.write(r + "\n")
+                    out.write("\n".join(wrap(r, width)) + "\n")
                 out.flush()
                 continue
             if not follow or not pid_alive(entry.pid):

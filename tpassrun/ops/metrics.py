@@ -9,16 +9,21 @@ goodput are read when Prometheus scrapes (no per-step cost). ``prometheus_client
 from __future__ import annotations
 
 import contextlib
+import logging
+import sys
 from typing import TYPE_CHECKING, Any, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_server
 from prometheus_client.core import GaugeMetricFamily
 
 from tpassrun.ops.console import Describer
+from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.ops.tui import RunProgress
 
 if TYPE_CHECKING:
     from tpassrun.swapper.agentport import StatusHost
+
+log = logging.getLogger("tpassrun.ops.metrics")
 
 PAUSE_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
 
@@ -30,6 +35,7 @@ class AgentMetrics:
         self.agent = agent
         self.registry = CollectorRegistry()
         self.describer = Describer()
+        self._throttle = Throttle()
         r = self.registry
         self.swaps = Counter("tpassrun_swaps", "Swaps that resumed training, by kind (planned, unplanned)",
                              ["kind"], registry=r)
@@ -123,8 +129,23 @@ class AgentMetrics:
     def serve(self, addr: str, port: int) -> int:
         server = start_http_server(port, addr=addr, registry=self.registry)
         self._server = server[0] if isinstance(server, tuple) else None
+        if self._server is not None:
+            self._server.handle_error = self._connection_failed   # type: ignore[method-assign]
         self.port = self._server.server_port if self._server is not None else port
         return self.port
+
+    def _connection_failed(self, _request: Any, client_address: Any) -> None:
+        """A request that failed (socketserver printed a traceback each: 133 under a port scan): a client that
+        hung up is no news; anything else, one line per source per minute (:mod:`tpassrun.transfer.quiet`)."""
+        exc = sys.exc_info()[1]
+        source = str(client_address[0]) if isinstance(client_address, tuple) and client_address else "?"
+        if isinstance(exc, ConnectionError):
+            log.debug("metrics: %s hung up: %s", source, exc)
+            return
+        held = self._throttle.check(source)
+        if held is not None:
+            log.warning("metrics: a request from %s failed: %s: %s%s", source, type(exc).__name__, exc,
+                        held_note(held, self._throttle.window))
 
     def close(self) -> None:
         server, self._server = self._server, None

@@ -84,6 +84,18 @@ class Around:
     lease_s: float = 0.0
 
 
+def interrupted_by(around: Around) -> str:
+    """What interrupted a survivor's failed collective, as the console says it ("rank 1's death (killed by
+    SIGKILL)", "node n2 lost", "the failure being recovered"); "" while nothing is known of it (pure)."""
+    if around.dead:
+        return around.dead[0]
+    if around.lost_nodes:
+        return f"node {around.lost_nodes[0]} lost"
+    if around.recovering:
+        return "the failure being recovered"
+    return ""
+
+
 def cause_of(around: Around, grace_s: float = CAUSE_GRACE_S) -> tuple[Cause, str]:
     """Whether a worker's exception is a casualty of a peer's failure or the root cause itself, and why (pure).
 

@@ -36,6 +36,7 @@ PYTHON_EXEC = "PYTHON_EXEC"
 TORCH_ELASTIC_SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
 TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 NO_COLOR = "NO_COLOR"        # https://no-color.org: set (to anything non-empty): no colour in any output
+COLUMNS = "COLUMNS"          # the terminal's width, as the shell exports it: tpassctl's lines and tables fit it
 
 # --- tpassrun's own ---
 TPASSRUN_ETCD_BIN = "TPASSRUN_ETCD_BIN"          # etcd binary for the embedded default

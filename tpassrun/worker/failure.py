@@ -9,7 +9,15 @@ fail first (``CASUALTY``). The agent's side is :mod:`tpassrun.plan.failkind` and
 from __future__ import annotations
 
 import enum
+import logging
 import os
+
+from tpassrun.settings import envnames as E
+
+log = logging.getLogger("tpassrun.worker")
+
+#: the file beside a worker's ``error.json`` tpassrun's own lines about it go to when its stderr has no log file
+DETAIL_LOG = "tpassrun.log"
 
 
 class StepFailure(str, enum.Enum):
@@ -57,3 +65,31 @@ def classify_failure(exc: BaseException) -> StepFailure:
 def is_distributed_failure(exc: BaseException) -> bool:
     """Whether ``exc`` came out of a collective (a peer may have gone away), not out of the user's code."""
     return classify_failure(exc).distributed
+
+
+def worker_log_file(error_file: str | None) -> str | None:
+    """The log file of the worker whose ``TORCHELASTIC_ERROR_FILE`` is ``error_file``: its ``stderr.log`` when
+    ``--redirects``/``--tee`` gave its stderr one, else :data:`DETAIL_LOG` beside it; ``None`` without a log
+    directory (``--log-dir /dev/null``). The agent names the same file in its events."""
+    if not error_file:
+        return None
+    wdir = os.path.dirname(error_file)
+    stderr_log = os.path.join(wdir, "stderr.log")
+    return stderr_log if os.path.exists(stderr_log) else os.path.join(wdir, DETAIL_LOG)
+
+
+def note_interrupted(rank: int, what: str, kind: StepFailure, exc: BaseException) -> None:
+    """A survivor's own line about its failed collective (``what``: "step 5", "the replica check at step 5"): into
+    the worker's log file, never onto the console. Its text is gloo's view of a peer's death (three terminal lines
+    ending in "GLHF!"); the agent's console line says what interrupted the step (``step_interrupted``). A user's own
+    error never comes here: it is re-raised (torchrun's path, its traceback on the console)."""
+    text = f"tpassrun: rank {rank}: {what} failed ({kind.value}, {type(exc).__name__}: {exc}); waiting for recovery\n"
+    path = worker_log_file(os.environ.get(E.TORCHELASTIC_ERROR_FILE))
+    if path is not None:
+        try:
+            with open(path, "a", encoding="utf-8", errors="replace") as fh:
+                fh.write(text)
+            return
+        except OSError as err:
+            log.debug("cannot write %s: %s", path, err)
+    log.debug("%s", text.rstrip("\n"))

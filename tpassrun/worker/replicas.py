@@ -27,7 +27,7 @@ from typing import Any, Sequence
 from tpassrun.worker import digest
 from tpassrun.channel import Field, WorkerPhase
 from tpassrun.channel.protocol import ReplicasChecked
-from tpassrun.worker.failure import StepFailure
+from tpassrun.worker.failure import StepFailure, note_interrupted
 
 log = logging.getLogger("tpassrun.worker")
 
@@ -63,8 +63,7 @@ class ReplicaCheck:
             restart = self._replica_rounds(step, loaded)
         except CheckFailed as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-            log.warning("rank %d: the replica check at step %d failed in a collective (%s: %s); waiting for recovery",
-                        self.rank, step, type(cause).__name__, cause)
+            note_interrupted(self.rank, f"the replica check at step {step}", StepFailure.COLLECTIVE, cause)
             self._replicas_due = loaded          # and checked again in the world the recovery re-forms
             self._after_failure(step, cause, StepFailure.COLLECTIVE)   # type: ignore[attr-defined]
             return True

@@ -17,7 +17,7 @@ from tpassrun.worker.world import BucketLayout, ReconfigurableDDP
 from tpassrun.worker.catchup import CatchUpCommand
 from tpassrun.worker.commands import BoundaryCommands
 from tpassrun.worker.replicas import ReplicaCheck
-from tpassrun.worker.failure import classify_failure
+from tpassrun.worker.failure import classify_failure, note_interrupted
 from tpassrun.worker.link import AgentLink
 from tpassrun.worker.sharded import ShardedState
 from tpassrun.worker.spare import SpareCommands, SpareWait, _apply_one, _bundle_rng, _bundle_step, _has_object, _object_names
@@ -243,8 +243,7 @@ class Session(StepTransaction, BoundaryCommands, CatchUpCommand, SpareCommands, 
                 if not kind.distributed:
                     link.set(Field.PHASE, WorkerPhase.RAISED)   # a user error: torchrun's path, not a spare
                     raise
-                log.warning("rank %d: step %d failed (%s, %s: %s); waiting for recovery",
-                            self.rank, step, kind.value, type(exc).__name__, exc)
+                note_interrupted(self.rank, f"step {step}", kind, exc)
                 self._after_failure(step, exc, kind)
                 continue
             self._in_step = -1
