@@ -1,0 +1,214 @@
+"""The agent's link watch: samples what the kernel knows (``_probe``), publishes it with the node's health record,
+judges it against the peers' (``_plan``, pure) and carries the verdict out.
+
+Effects, and only here:
+
+* events ``link_down`` / ``link_ridden_out`` (a flap: the console says "link to node X lost for 4.2 s, ridden
+  out"), ``link_suspect``, ``link_degraded`` / ``link_healthy`` ("node X: link degraded, +38 ms per step");
+* with a degraded link, ``effect`` migrate and a spare node in the job: a taint on each of this node's slots
+  through the health daemon's own taint path (running ranks migrate as planned swaps; this node's spares are
+  not handed out, since they sit behind the same link); the taints go when the link is healthy again;
+* otherwise reported only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import statistics
+import time
+from collections import deque
+from typing import Any, Callable
+
+from . import _probe
+from ._plan import DEGRADED, HEALTHY, SUSPECT, FlapBook, LinkFigures, LinkWatch, flap_line
+
+log = logging.getLogger("tpassrun.netwatch")
+
+READINGS_DEVICE = "link"     # the device name of the link figures in a node's health record
+
+
+def figures_of(readings: Any) -> LinkFigures | None:
+    """A peer's link figures, from the readings of its health record."""
+    for r in readings or ():
+        if isinstance(r, dict) and r.get("device") == READINGS_DEVICE and r.get("metric") == "figures":
+            return LinkFigures.from_json(r.get("value"))
+    return None
+
+
+class LinkDaemon:
+    """One per agent (state survives generations). ``health`` is the agent's ``healthd.AgentHealth``."""
+
+    def __init__(self, health: Any, policy: Any, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.health = health
+        self.agent = health.agent
+        self.policy = policy
+        self.clock = clock
+        self.watch = LinkWatch.from_policy(policy)
+        self.book = FlapBook()
+        self.figures = LinkFigures()
+        self.state = HEALTHY
+        self.extra_ms = 0.0
+        self.tainted: set[str] = set()
+        self._steps: deque = deque(maxlen=5)   # medians of the last few samples: a slow step now and then is noise
+        self._last_step: dict[int, int] = {}
+        self._counters: tuple[int, int] | None = None
+        self._dev: str | None = None
+        self._downs: int | None = None
+        self.agent.events.add_listener(self._on_event)
+
+    # ------------------------------------------------------------------ flaps
+    def _on_event(self, ev: dict) -> None:
+        name, now = ev.get("event"), self.clock()
+        if name == "etcd_connection_lost":
+            self.book.etcd_lost(now)
+        elif name == "etcd_connection_restored":
+            self._said(self.book.etcd_restored(now, float(ev.get("seconds") or 0.0)))
+        elif name in ("fenced", "lease_lost") and self.book.down:
+            self.book.broken()
+
+    def _said(self, flap: Any) -> None:
+        if flap is None:
+            return
+        line = flap_line(self.agent.node_id, flap)
+        self.agent.events.write("link_ridden_out" if flap.ridden_out else "link_flap_broke", seconds=flap.seconds,
+                                seen_by=flap.seen_by, line=line)
+        log.warning("%s", line)
+
+    def _poll_iface(self) -> None:
+        if self._dev is None:
+            return
+        st = _probe.iface_state(self._dev)
+        if st is None:
+            return
+        flapped = self._downs is not None and st.downs != self._downs
+        self._downs = st.downs
+        was_down = self.book.down
+        self._said(self.book.interface(st.up, self.clock(), flapped=flapped))
+        if not st.up and not was_down:
+            self.agent.events.write("link_down", dev=self._dev)
+
+    # ------------------------------------------------------------------ figures
+    def _step_ms(self) -> float | None:
+        from ..channel import Field
+        from ..slots import SlotState
+
+        slots = self.agent.slots
+        fresh = []
+        for s in slots.slots:
+            if s.rank is None or s.state != SlotState.RUNNING:
+                continue
+            step, ns = slots.field(s, Field.STEP), slots.field(s, Field.LAST_STEP_NS)
+            if ns > 0 and self._last_step.get(s.rank) != step:
+                self._last_step[s.rank] = step
+                fresh.append(ns / 1e6)
+        if fresh:
+            self._steps.append(statistics.median(fresh))
+        held = any(s.rank is not None and s.state == SlotState.RUNNING for s in slots.slots)
+        return statistics.median(self._steps) if self._steps and held else None
+
+    async def sample(self) -> LinkFigures:
+        host, port = self.agent.rdzv.store.config.endpoints[0]
+        if self._dev is None:
+            self._dev = await asyncio.to_thread(_probe.route_dev, host)
+        counters = _probe.tcp_counters()
+        lost = _probe.retrans_pct(self._counters, counters)
+        self._counters = counters
+        rtt = await asyncio.to_thread(_probe.rtt_ms, host, port)
+        self.figures = LinkFigures(rtt, lost, self._step_ms())
+        return self.figures
+
+    def readings(self) -> list[dict]:
+        """The figures as one reading of the node's health record (what the peers compare against)."""
+        return [{"device": READINGS_DEVICE, "metric": "figures", "value": self.figures.to_json(),
+                 "time": time.time(), "state": self.state, "extra_ms": round(self.extra_ms, 1)}]
+
+    async def peers(self) -> dict[str, LinkFigures]:
+        from ..records import HealthRecord, Keys, load
+
+        rdzv = self.agent.rdzv
+        out: dict[str, LinkFigures] = {}
+        for key, doc, rev in await rdzv.store.get_prefix_json(Keys(rdzv.key("")).family("health")):
+            rec = load(HealthRecord.from_json, key, doc, rev)
+            if rec is not None and rec.node_id != self.agent.node_id:
+                fig = figures_of(rec.readings)
+                if fig is not None:
+                    out[rec.node_id] = fig
+        return out
+
+    # ------------------------------------------------------------------ the loop
+    async def run(self) -> None:
+        interval = float(self.policy.interval_s)
+        next_sample = self.clock()
+        while True:
+            self._poll_iface()
+            if self.clock() >= next_sample and not self.book.down:
+                next_sample = self.clock() + interval
+                with contextlib.suppress(Exception):   # etcd unreachable: the next sample tries again
+                    await self.sample()
+                    await self.health.publish()
+                    await self.judge(await self.peers())
+            await asyncio.sleep(0.2)
+
+    async def judge(self, peers: dict[str, LinkFigures]) -> None:
+        verdict = self.watch.observe(self.figures, peers, self.clock())
+        before, self.state, self.extra_ms = self.state, verdict.state, verdict.extra_ms
+        node = self.agent.node_id
+        if verdict.state == SUSPECT and before != SUSPECT:
+            self.agent.events.write("link_suspect", reason=verdict.reason, figures=self.figures.to_json())
+        if not verdict.changed:
+            return
+        if verdict.state == DEGRADED:
+            spare = self._spare_node()
+            acts = spare is not None and self.policy.effect.value == "migrate"
+            self.agent.events.write("link_degraded", extra_ms=round(verdict.extra_ms, 1), reason=verdict.reason,
+                                    figures=self.figures.to_json(), peers={k: v.to_json() for k, v in peers.items()},
+                                    action="migrate" if acts else "report",
+                                    line=f"node {node}: {verdict.reason}" + (
+                                        f"; its ranks move to spare node {spare}" if acts else
+                                        "; reported only (no spare node)" if spare is None else "; reported only"))
+            if acts:
+                await self._taint(verdict.reason)
+        elif verdict.state == HEALTHY:
+            self.agent.events.write("link_healthy", reason=verdict.reason, line=f"node {node}: {verdict.reason}")
+            await self._untaint(verdict.reason)
+
+    def _spare_node(self) -> str | None:
+        gen = getattr(self.agent, "generation", None)
+        others = [n for n in (gen.spare_nodes if gen is not None else ()) if n != self.agent.node_id]
+        return others[0] if others else None
+
+    def _verdict(self, device: str, reason: str, now: float) -> Any:
+        from ..health import HealthVerdict, Status, TaintEffect
+
+        return HealthVerdict(device, Status.DEGRADED, TaintEffect.MIGRATE, reason, "link", now)
+
+    async def _taint(self, reason: str) -> None:
+        from ..healthd import SlotInfo, decide
+        from ..slots import SlotState
+
+        now = self.clock()
+        for s in self.agent.slots.slots:
+            if s.state not in (SlotState.RUNNING, SlotState.SPARE):
+                continue
+            holds = s.rank is not None and s.state == SlotState.RUNNING
+            device = f"rank{s.rank}" if holds else f"slot{s.index}"
+            verdict = self._verdict(device, reason, now)
+            written = [w for w in self.health.written.values() if w.device == device]
+            action = decide(verdict, SlotInfo(s.index, s.rank, s.state), written, node_id=self.agent.node_id,
+                            now_wall=time.time())
+            if action.taint is not None:
+                self.tainted.add(action.taint.id)
+            await self.health._apply(action, verdict)
+
+    async def _untaint(self, reason: str) -> None:
+        from ..records import Keys
+
+        rdzv = self.agent.rdzv
+        for tid in sorted(self.tainted):
+            with contextlib.suppress(Exception):
+                await rdzv.store.delete(Keys(rdzv.key("")).taint(tid))
+                self.health.written.pop(tid, None)
+                self.agent.events.write("health_untaint", id=tid, device="link", reason=reason)
+        self.tainted.clear()
