@@ -85,7 +85,12 @@ class LinkDaemon:
         flapped = self._downs is not None and st.downs != self._downs
         self._downs = st.downs
         was_down = self.book.down
-        self._said(self.book.interface(st.up, self.clock(), flapped=flapped))
+        flap = self.book.interface(st.up, self.clock(), flapped=flapped)
+        if flap is not None:
+            # what the kernel sent again during the outage is the outage's, not the link's quality after it
+            self._counters = None
+            self._steps.clear()
+        self._said(flap)
         if not st.up and not was_down:
             self.agent.events.write("link_down", dev=self._dev)
 
@@ -160,24 +165,32 @@ class LinkDaemon:
         if not verdict.changed:
             return
         if verdict.state == DEGRADED:
-            spare = self._spare_node()
+            spare = await self._spare_node()
             acts = spare is not None and self.policy.effect.value == "migrate"
             self.agent.events.write("link_degraded", extra_ms=round(verdict.extra_ms, 1), reason=verdict.reason,
                                     figures=self.figures.to_json(), peers={k: v.to_json() for k, v in peers.items()},
                                     action="migrate" if acts else "report",
                                     line=f"node {node}: {verdict.reason}" + (
-                                        f"; its ranks move to spare node {spare}" if acts else
-                                        "; reported only (no spare node)" if spare is None else "; reported only"))
+                                        f"; its ranks move off it (spares ready on {spare})" if acts else
+                                        "; reported only (no spare on another node)" if spare is None else "; reported only"))
             if acts:
                 await self._taint(verdict.reason)
         elif verdict.state == HEALTHY:
             self.agent.events.write("link_healthy", reason=verdict.reason, line=f"node {node}: {verdict.reason}")
             await self._untaint(verdict.reason)
 
-    def _spare_node(self) -> str | None:
-        gen = getattr(self.agent, "generation", None)
-        others = [n for n in (gen.spare_nodes if gen is not None else ()) if n != self.agent.node_id]
-        return others[0] if others else None
+    async def _spare_node(self) -> str | None:
+        """Another node with a ready spare (its ``status/`` record): somewhere this node's ranks can go. This
+        node's own spares sit behind the same link: they do not count."""
+        from ..records import Keys, NodeStatus, load
+
+        rdzv = self.agent.rdzv
+        found = []
+        for key, doc, rev in await rdzv.store.get_prefix_json(Keys(rdzv.key("")).family("status")):
+            st = load(NodeStatus.from_json, key, doc, rev)
+            if st is not None and st.node_id != self.agent.node_id:
+                found += [st.node_id for w in st.workers if w.state == "spare" and w.managed]
+        return min(found, key=lambda n: (-found.count(n), n)) if found else None
 
     def _verdict(self, device: str, reason: str, now: float) -> Any:
         from ..health import HealthVerdict, Status, TaintEffect
