@@ -141,7 +141,8 @@ def degrade_one(kind: str, args: argparse.Namespace) -> dict:
             row["ms_per_step_during"] = ms_per_step(c, t0, time.time())
             return row
         td = found["time"]
-        row.update(detected=True, node_ok=found["node"] == victim.job.node_id(), line=found["line"],
+        victim_id = next(e["node"] for e in victim.events() if e["event"] == "agent_started")
+        row.update(detected=True, node_ok=found["node"] == victim_id, line=found["line"],
                    seconds_to_detection=round(td - t0, 1), steps_to_detection=step_at(c, td) - step_at(c, t0),
                    ms_per_step_during=ms_per_step(c, t0, td))
         # migration done: every rank of the victim resumed elsewhere (a swap_resumed per rank it held)
@@ -158,7 +159,12 @@ def degrade_one(kind: str, args: argparse.Namespace) -> dict:
             row["seconds_to_migration_done"] = round(done - td, 1)
             time.sleep(args.settle)
             row["ms_per_step_after"] = ms_per_step(c, done + 2, time.time())
-        row["swaps"] = len({e.get("swap_id") for e in c.events() if e["event"] == "swap_decided"})
+        evs = c.events()
+        row["swaps"] = len({e.get("swap_id") for e in evs if e["event"] == "swap_decided"})
+        # where the victim's ranks run now: none of them may be on the victim
+        row["swaps_onto_victim"] = sum(e["event"] == "swap_decided" and f"to spare {victim_id}/" in (e.get("reason") or "")
+                                       for e in evs)
+        row["false_alarms"] = sorted({e["node"] for e in evs if e["event"] == "link_degraded" and e["node"] != victim_id})
         row["restarts"] = count(c.events(), ("restart", "fallback", "membership_change"), t0)
         return row
     finally:

@@ -239,10 +239,11 @@ class AgentHealth:
             return
         rdzv = self.agent.rdzv
         snap = self.monitor.snapshot()
+        link = self.link      # netwatch: this node's link figures (what the peers compare with) and verdict
         record = HealthRecord(node_id=self.agent.node_id, time=self._wall_clock(), taints=tuple(sorted(self.written)),
                               polls=int(snap.get("polls", 0)), unavailable=dict(snap.get("unavailable") or {}),
-                              readings=tuple(snap.get("readings") or ()) + tuple(self.link.readings() if self.link else ()),
-                              verdicts=tuple(snap.get("verdicts") or ()))
+                              readings=tuple(snap.get("readings") or ()) + tuple(link.readings() if link else ()),
+                              verdicts=tuple(snap.get("verdicts") or ()) + tuple(link.verdicts() if link else ()))
         with contextlib.suppress(Exception):  # status is best effort; the taints are what must land
             await rdzv.store.put_json(Keys(rdzv.key("")).health(self.agent.node_id), record.to_json(), lease=True)
 

@@ -50,6 +50,7 @@ class LinkDaemon:
         self.figures = LinkFigures()
         self.state = HEALTHY
         self.extra_ms = 0.0
+        self.reason = ""
         self.tainted: set[str] = set()
         self._steps: deque = deque(maxlen=5)   # medians of the last few samples: a slow step now and then is noise
         self._last_step: dict[int, int] = {}
@@ -129,6 +130,12 @@ class LinkDaemon:
         return [{"device": READINGS_DEVICE, "metric": "figures", "value": self.figures.to_json(),
                  "time": time.time(), "state": self.state, "extra_ms": round(self.extra_ms, 1)}]
 
+    def verdicts(self) -> list[dict]:
+        """This node's link as one verdict of its health record (``tpassctl status`` shows it with the devices')."""
+        effect = self.policy.effect.value if self.state == DEGRADED else "none"
+        return [{"v": 1, "device": READINGS_DEVICE, "status": self.state, "effect": effect, "reason": self.reason,
+                 "metric": "link", "time": time.time()}]
+
     async def peers(self) -> dict[str, LinkFigures]:
         from ..records import HealthRecord, Keys, load
 
@@ -159,6 +166,7 @@ class LinkDaemon:
     async def judge(self, peers: dict[str, LinkFigures]) -> None:
         verdict = self.watch.observe(self.figures, peers, self.clock())
         before, self.state, self.extra_ms = self.state, verdict.state, verdict.extra_ms
+        self.reason = verdict.reason
         node = self.agent.node_id
         if verdict.state == SUSPECT and before != SUSPECT:
             self.agent.events.write("link_suspect", reason=verdict.reason, figures=self.figures.to_json())
@@ -192,22 +200,26 @@ class LinkDaemon:
                 found += [st.node_id for w in st.workers if w.state == "spare" and w.managed]
         return min(found, key=lambda n: (-found.count(n), n)) if found else None
 
-    def _verdict(self, device: str, reason: str, now: float) -> Any:
+    def _verdict(self, device: str, reason: str, now: float, holds_rank: bool) -> Any:
         from ..health import HealthVerdict, Status, TaintEffect
 
-        return HealthVerdict(device, Status.DEGRADED, TaintEffect.MIGRATE, reason, "link", now)
+        effect = TaintEffect.MIGRATE if holds_rank else TaintEffect.EXCLUDE
+        return HealthVerdict(device, Status.DEGRADED, effect, reason, "link", now)
 
     async def _taint(self, reason: str) -> None:
         from ..healthd import SlotInfo, decide
         from ..slots import SlotState
 
         now = self.clock()
-        for s in self.agent.slots.slots:
+        # this node's spares first: once a rank's taint is out the coordinator picks a spare for it, and one here
+        # sits behind the same link
+        order = sorted(self.agent.slots.slots, key=lambda s: s.state != SlotState.SPARE)
+        for s in order:
             if s.state not in (SlotState.RUNNING, SlotState.SPARE):
                 continue
             holds = s.rank is not None and s.state == SlotState.RUNNING
             device = f"rank{s.rank}" if holds else f"slot{s.index}"
-            verdict = self._verdict(device, reason, now)
+            verdict = self._verdict(device, reason, now, holds)
             written = [w for w in self.health.written.values() if w.device == device]
             action = decide(verdict, SlotInfo(s.index, s.rank, s.state), written, node_id=self.agent.node_id,
                             now_wall=time.time())
