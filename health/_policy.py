@@ -233,9 +233,10 @@ class LinkPolicy:
     """When a node's link counts as degraded (``tpassrun/netwatch``) and what is done about it.
 
     Suspect: its round trip to etcd is ``rtt_factor`` x its peers' median and ``rtt_extra_ms`` more, or
-    ``retrans_pct`` % of its TCP segments are sent again (and ``rtt_factor`` x its peers' share), while the job's
+    ``retrans_pct`` % of what its peers send it is sent again (and ``rtt_factor`` x that share for the other
+    nodes), while the job's
     step time is ``slowdown_factor`` x its healthy baseline and ``slowdown_ms`` more. Suspect for ``hold_s``
-    without a break: degraded, and with ``effect`` migrate and a spare node in the job, its ranks move (a planned
+    without a break: degraded, and with ``effect`` migrate and a ready spare on another node, its ranks move (a planned
     swap per rank); otherwise it is reported only. Healthy again after ``clear_s`` clear. Sampled every
     ``interval_s`` (figures the kernel keeps: nothing is sent to measure them)."""
 

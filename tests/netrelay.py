@@ -89,13 +89,17 @@ class DelayRelay:
 
 
 def lossy(lab, i: int, probability: float) -> None:  # type: ignore[no-untyped-def]
-    """Random loss of ``probability`` on everything host ``i`` sends (iptables' statistic match in its netns)."""
-    _run(*lab.argv(i), "iptables", "-A", "OUTPUT", "-m", "statistic", "--mode", "random", "--probability",
+    """Random loss of ``probability`` on everything host ``i`` receives (iptables' statistic match in its netns).
+
+    INPUT, not OUTPUT: a packet OUTPUT drops never left, and the local TCP stack is told so at once and sends it
+    again without any timeout (no retransmission counted, hardly a slowdown): not what a lossy link does. One
+    dropped on the way in is lost as on a wire: its sender finds out by the missing ACK."""
+    _run(*lab.argv(i), "iptables", "-A", "INPUT", "-m", "statistic", "--mode", "random", "--probability",
          str(probability), "-j", "DROP")
 
 
 def unlossy(lab, i: int) -> None:  # type: ignore[no-untyped-def]
-    subprocess.run([*lab.argv(i), "iptables", "-F", "OUTPUT"], capture_output=True, timeout=30)
+    subprocess.run([*lab.argv(i), "iptables", "-F", "INPUT"], capture_output=True, timeout=30)
 
 
 def rate_limit(lab, i: int, rate: str) -> None:  # type: ignore[no-untyped-def]

@@ -10,9 +10,11 @@ import pytest
 
 from tpassrun.health import LinkPolicy, Policy
 from tpassrun.netwatch import DEGRADED, HEALTHY, SUSPECT, FlapBook, LinkFigures, LinkWatch, flap_line
-from tpassrun.netwatch._probe import retrans_pct
+from tpassrun.netwatch._plan import inbound_loss_pct
+from tpassrun.netwatch._probe import parse_sent, sent_delta
 
-FINE = LinkFigures(rtt_ms=1.0, retrans_pct=0.0, step_ms=60.0)
+MB = 1024 * 1024
+FINE = LinkFigures(rtt_ms=1.0, step_ms=60.0)
 
 
 def run(watch: LinkWatch, figures: list[tuple[LinkFigures, dict[str, LinkFigures]]], start: float = 0.0,
@@ -26,34 +28,52 @@ def learned(watch: LinkWatch) -> float:
     return watch.baseline_n * 2.0
 
 
-@pytest.mark.parametrize("bad", [LinkFigures(rtt_ms=101.0, retrans_pct=0.0, step_ms=98.0),     # 50 ms each way
-                                 LinkFigures(rtt_ms=1.2, retrans_pct=5.1, step_ms=250.0),      # 5% loss
-                                 LinkFigures(rtt_ms=60.0, retrans_pct=0.2, step_ms=120.0)])    # a rate limit
+def pair(a_to_b: float, b_to_a: float, *, step_ms: float = 60.0, rtt_b: float = 1.0) -> tuple[LinkFigures, dict]:
+    """B's figures and its peers' (A, and the spare node C that sends nobody anything): ``a_to_b`` is the share
+    of what A sent B that A sent again, ``b_to_a`` the other way."""
+    a = LinkFigures(rtt_ms=1.0, step_ms=step_ms, addr="10.0.0.1", sent_to={"10.0.0.2": (MB, a_to_b * MB)})
+    b = LinkFigures(rtt_ms=rtt_b, step_ms=step_ms, addr="10.0.0.2", sent_to={"10.0.0.1": (MB, b_to_a * MB)})
+    return b, {"a": a, "c": LinkFigures(rtt_ms=1.0, addr="10.0.0.3")}
+
+
+@pytest.mark.parametrize("bad", [pair(0, 0, step_ms=98.0, rtt_b=101.0),     # 50 ms each way on B's link
+                                 pair(0.05, 0.001, step_ms=250.0),           # 5% of what B receives lost
+                                 pair(0, 0, step_ms=120.0, rtt_b=60.0)])     # B's sending rate-limited
 def test_a_slow_link_that_slows_the_job_is_degraded_after_the_hold_and_says_by_how_much(bad):
     w = LinkWatch(hold_s=10.0)
     t = learned(w)
-    peers = {"b": FINE, "c": FINE}
-    seen = [w.observe(bad, peers, t + i * 2.0) for i in range(7)]
+    mine, peers = bad
+    seen = [w.observe(mine, peers, t + i * 2.0) for i in range(7)]
     assert [v.state for v in seen[:5]] == [SUSPECT] * 5
     assert seen[5].state == DEGRADED and seen[5].changed and not seen[6].changed
-    assert f"+{bad.step_ms - 60:.0f} ms per step" in seen[5].reason and seen[5].extra_ms == bad.step_ms - 60
+    assert f"+{mine.step_ms - 60:.0f} ms per step" in seen[5].reason and seen[5].extra_ms == mine.step_ms - 60
+
+
+def test_loss_is_charged_to_the_node_it_happens_on_the_way_to():
+    b, peers = pair(0.05, 0.0, step_ms=250.0)
+    assert "5.0% of what its peers send it is sent again" in (LinkWatch().stands_out(b, peers) or "")
+    # A's view of the same: what B sends A arrives, so A does not stand out (though A resent 5% of what it sent)
+    a = peers["a"]
+    assert LinkWatch().stands_out(a, {"b": b, "c": peers["c"]}) is None
+    assert inbound_loss_pct("10.0.0.2", [a]) == 5.0 and inbound_loss_pct("10.0.0.2", []) is None
+    small = LinkFigures(addr="10.0.0.1", sent_to={"10.0.0.2": (1000.0, 500.0)})
+    assert inbound_loss_pct("10.0.0.2", [small]) is None      # too little sent to say
 
 
 def test_cpu_noise_slows_steps_but_no_link_stands_out_so_nothing_is_degraded():
     w = LinkWatch(hold_s=0.0)
     t = learned(w)
     # everyone's etcd round trip and step time doubled by a loaded host: no node stands out
-    loaded = LinkFigures(rtt_ms=9.0, retrans_pct=0.0, step_ms=180.0)
-    peers = {"b": LinkFigures(rtt_ms=8.0, retrans_pct=0.0, step_ms=170.0),
-             "c": LinkFigures(rtt_ms=12.0, retrans_pct=0.0)}
+    loaded = LinkFigures(rtt_ms=9.0, step_ms=180.0)
+    peers = {"b": LinkFigures(rtt_ms=8.0, step_ms=170.0), "c": LinkFigures(rtt_ms=12.0)}
     assert {v.state for v in run(w, [(loaded, peers)] * 50, t)} == {HEALTHY}
 
 
 def test_a_link_that_stands_out_without_slowing_the_job_is_not_acted_on():
     w = LinkWatch(hold_s=0.0)
     t = learned(w)
-    noisy = LinkFigures(rtt_ms=80.0, retrans_pct=3.0, step_ms=61.0)
-    assert {v.state for v in run(w, [(noisy, {"b": FINE})] * 20, t)} == {HEALTHY}
+    noisy, peers = pair(0.03, 0.0, step_ms=61.0, rtt_b=80.0)
+    assert {v.state for v in run(w, [(noisy, peers)] * 20, t)} == {HEALTHY}
 
 
 def test_a_break_in_the_suspicion_restarts_the_hold():
@@ -102,10 +122,24 @@ def test_policy_link_thresholds_load_from_the_health_config_with_defaults(tmp_pa
             Policy.from_json({"v": 1, "rules": [], "link": bad})
 
 
-def test_retransmitted_share_needs_enough_segments():
-    assert retrans_pct((1000, 10), (2000, 60)) == 5.0
-    assert retrans_pct((1000, 10), (1020, 11)) is None
-    assert retrans_pct(None, (1, 1)) is None
+SS = """0      0      10.77.1.12:41234     10.77.1.11:29500
+\t cubic wscale:7,7 rto:204 rtt:0.5/0.2 bytes_sent:1000 bytes_retrans:50 bytes_acked:950 segs_out:10
+0      0      10.77.1.12:41236     10.77.1.11:29501
+\t cubic rtt:0.4/0.2 bytes_sent:3000 bytes_acked:3000
+0      0      [::ffff:10.77.1.12]:5000     [::ffff:10.77.1.13]:6000
+\t cubic rtt:0.4/0.2 bytes_sent:7 bytes_acked:7
+"""
+
+
+def test_what_was_sent_and_sent_again_is_summed_per_remote_address_and_taken_as_a_difference():
+    now = parse_sent(SS)
+    assert now == {"10.77.1.11": (4000, 50), "10.77.1.13": (7, 0)}
+    assert sent_delta({"10.77.1.11": (1000, 10)}, now) == {"10.77.1.11": (3000, 40), "10.77.1.13": (7, 0)}
+    # a connection closed meanwhile: the sum went down, that address starts over
+    assert sent_delta({"10.77.1.11": (9000, 10)}, now) == {"10.77.1.13": (7, 0)}
+    assert LinkFigures.from_json(LinkFigures(1.0, 2.0, "a", {"b": (1.0, 0.0)}).to_json()) == \
+        LinkFigures(1.0, 2.0, "a", {"b": (1.0, 0.0)})
+    assert LinkFigures.from_json({"rtt_ms": "x", "sent_to": {"b": [1]}}) == LinkFigures()
 
 
 def test_a_flap_seen_by_the_interface_is_said_once_with_its_length_even_if_etcd_saw_it_too():

@@ -119,10 +119,10 @@ def test_a_delayed_link_is_found_degraded_and_its_rank_moves_to_the_spare_node(t
     its slots are tainted and its rank moves to the spare node C as a planned swap. One rank per node."""
     tmp = str(tmp_path)
     policy = write_policy(tmp, interval_s=0.5, hold_s=3)
-    hold = hold_at(tmp, 400, name="end")          # the job cannot end before the migration is seen
+    hold = hold_at(tmp, 400, name="end")          # the job cannot end before the migration is decided
     env = faults_env(hold.fault)
     run_id = uuid.uuid4().hex[:8]
-    jobs = [agent(lab, i, tmp, lab_etcd, run_id, nproc=1, steps=420, policy=policy, env=env, spare_node=i == 3)
+    jobs = [agent(lab, i, tmp, lab_etcd, run_id, nproc=1, steps=500, policy=policy, env=env, spare_node=i == 3)
             for i in (1, 2, 3)]
     a, b, c = jobs
     relay = None
@@ -135,9 +135,15 @@ def test_a_delayed_link_is_found_degraded_and_its_rank_moves_to_the_spare_node(t
         found = b.wait_event("link_degraded", timeout=240)[0]
         assert "ms per step" in found["line"] and found["action"] == "migrate", found
         assert found["line"].startswith(f"node {b.node_id()}: link degraded, +")
+        # released once the swap is decided (by whichever agent leads): a job held before its boundary never
+        # reaches it
+        deadline = time.monotonic() + 240
+        while not any(e["event"] == "swap_decided" for e in events(jobs)):
+            assert time.monotonic() < deadline, "no swap decided:\n" + "\n".join(j.log()[-2000:] for j in jobs)
+            time.sleep(0.2)
+        hold.release()
         resumed = c.wait_event("swap_resumed", timeout=240)
         assert resumed[0]["rank"] == 1
-        hold.release()
         assert [j.wait(300) for j in jobs] == [0, 0, 0], "\n".join(j.log()[-2000:] for j in jobs)
     finally:
         hold.release()

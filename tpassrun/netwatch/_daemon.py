@@ -52,10 +52,11 @@ class LinkDaemon:
         self.extra_ms = 0.0
         self.reason = ""
         self.tainted: set[str] = set()
-        self._steps: deque = deque(maxlen=5)   # medians of the last few samples: a slow step now and then is noise
-        self._last_step: dict[int, int] = {}
-        self._counters: tuple[int, int] | None = None
+        self._steps: deque = deque(maxlen=3)   # ms per step of the last few samples: one slow interval is noise
+        self._last_step: tuple[float, int] | None = None     # (clock, step) at the last sample
+        self._sent: dict[str, tuple[int, int]] | None = None    # remote address -> (bytes sent, sent again)
         self._dev: str | None = None
+        self._addr: str | None = None
         self._downs: int | None = None
         self.agent.events.add_listener(self._on_event)
 
@@ -89,40 +90,42 @@ class LinkDaemon:
         flap = self.book.interface(st.up, self.clock(), flapped=flapped)
         if flap is not None:
             # what the kernel sent again during the outage is the outage's, not the link's quality after it
-            self._counters = None
+            self._sent = None
             self._steps.clear()
+            self._last_step = None
         self._said(flap)
         if not st.up and not was_down:
             self.agent.events.write("link_down", dev=self._dev)
 
     # ------------------------------------------------------------------ figures
     def _step_ms(self) -> float | None:
+        """Wall time per step of this node's ranks since the last sample (every step's stall counted, not one step's
+        duration), smoothed over the last few samples; None when it holds no rank."""
         from ..channel import Field
         from ..slots import SlotState
 
         slots = self.agent.slots
-        fresh = []
-        for s in slots.slots:
-            if s.rank is None or s.state != SlotState.RUNNING:
-                continue
-            step, ns = slots.field(s, Field.STEP), slots.field(s, Field.LAST_STEP_NS)
-            if ns > 0 and self._last_step.get(s.rank) != step:
-                self._last_step[s.rank] = step
-                fresh.append(ns / 1e6)
-        if fresh:
-            self._steps.append(statistics.median(fresh))
-        held = any(s.rank is not None and s.state == SlotState.RUNNING for s in slots.slots)
-        return statistics.median(self._steps) if self._steps and held else None
+        steps = [slots.field(s, Field.STEP) for s in slots.slots if s.rank is not None and s.state == SlotState.RUNNING]
+        now, prev = self.clock(), self._last_step
+        if not steps:
+            self._last_step = None
+            self._steps.clear()
+            return None
+        self._last_step = (now, max(steps))
+        if prev is not None and max(steps) >= prev[1] and now > prev[0]:
+            # no step completed: a stall at least this long
+            self._steps.append(1000.0 * (now - prev[0]) / max(1, max(steps) - prev[1]))
+        return statistics.median(self._steps) if self._steps else None
 
     async def sample(self) -> LinkFigures:
         host, port = self.agent.rdzv.store.config.endpoints[0]
         if self._dev is None:
-            self._dev = await asyncio.to_thread(_probe.route_dev, host)
-        counters = _probe.tcp_counters()
-        lost = _probe.retrans_pct(self._counters, counters)
-        self._counters = counters
+            self._dev, self._addr = await asyncio.to_thread(_probe.route, host)
+        sent = await asyncio.to_thread(_probe.sent_by_peer)
+        delta = _probe.sent_delta(self._sent, sent) if self._sent is not None else {}
+        self._sent = sent
         rtt = await asyncio.to_thread(_probe.rtt_ms, host, port)
-        self.figures = LinkFigures(rtt, lost, self._step_ms())
+        self.figures = LinkFigures(rtt, self._step_ms(), self._addr, delta)
         return self.figures
 
     def readings(self) -> list[dict]:

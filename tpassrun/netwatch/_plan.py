@@ -5,9 +5,10 @@ No clock, no I/O: the daemon (``_daemon.py``) samples and acts; this module only
 Degraded link. A synchronous job's step time is the same on every rank (the gradient all-reduce waits for the
 slowest link), so step times say *that* the network slows the job, not *whose* link does. The link figures say
 whose: each node's round-trip time to etcd (a third party every node talks to anyway: the kernel's smoothed RTT
-of the agent's own etcd connection, no probe sent) and the share of its TCP segments the kernel had to send again.
-A node is *suspect* when its figures stand out against its peers' (``rtt_factor`` times their median and
-``rtt_extra_ms`` more; or ``retrans_pct`` of its segments and ``rtt_factor`` times theirs) *and* the job's step
+of the agent's own etcd connection, no probe sent) and, per remote address, what the kernel had to send again
+(loss on the way to a node shows in what its *peers* resend to it). A node is *suspect* when its figures stand out
+against the others' (RTT ``rtt_factor`` times its peers' median and ``rtt_extra_ms`` more; or ``retrans_pct`` % of
+what its peers send it resent, and ``rtt_factor`` times the share for the other nodes) *and* the job's step
 time is up on this node's own healthy baseline (``slowdown_factor`` and ``slowdown_ms``). Both are needed: CPU
 noise slows steps but leaves no node's link standing out; a noisy link that does not slow the job costs nothing.
 Suspect for ``hold_s`` without a break: *degraded*. Degraded, then clear (neither condition) for ``clear_s``:
@@ -30,24 +31,44 @@ ECHO_S = 30.0     # an etcd connection lost this soon after the interface came b
 
 @dataclass(frozen=True)
 class LinkFigures:
-    """One node's link figures over its last sampling interval (None: not measured)."""
+    """One node's link figures over its last sampling interval (None / empty: not measured)."""
 
     rtt_ms: float | None = None          # median smoothed RTT of its connections to etcd
-    retrans_pct: float | None = None     # TCP segments sent again / segments sent, in percent
     step_ms: float | None = None         # median step time of its ranks (None: it holds no rank)
+    addr: str | None = None              # its address (the source address of its route to etcd)
+    sent_to: Mapping[str, tuple[float, float]] = field(default_factory=dict)   # addr -> (bytes sent, sent again)
 
-    def to_json(self) -> dict[str, float | None]:
-        return {"rtt_ms": self.rtt_ms, "retrans_pct": self.retrans_pct, "step_ms": self.step_ms}
+    def to_json(self) -> dict:
+        return {"rtt_ms": self.rtt_ms, "step_ms": self.step_ms, "addr": self.addr,
+                "sent_to": {a: list(v) for a, v in self.sent_to.items()}}
 
     @classmethod
     def from_json(cls, doc: object) -> "LinkFigures | None":
         if not isinstance(doc, Mapping):
             return None
-        vals = {}
-        for k in ("rtt_ms", "retrans_pct", "step_ms"):
-            v = doc.get(k)
-            vals[k] = float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
-        return cls(**vals)
+
+        def num(v: object) -> float | None:
+            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
+
+        sent: dict[str, tuple[float, float]] = {}
+        raw = doc.get("sent_to")
+        for a, v in (raw.items() if isinstance(raw, Mapping) else ()):
+            if isinstance(v, (list, tuple)) and len(v) == 2 and num(v[0]) is not None and num(v[1]) is not None:
+                sent[str(a)] = (float(v[0]), float(v[1]))
+        addr = doc.get("addr")
+        return cls(num(doc.get("rtt_ms")), num(doc.get("step_ms")), addr if isinstance(addr, str) else None, sent)
+
+
+def inbound_loss_pct(addr: str | None, senders: list[LinkFigures], min_bytes: float = 64 * 1024) -> float | None:
+    """Percent of what ``senders`` sent to ``addr`` that they had to send again: loss on the way *to* that node
+    (None: too little sent to it to say)."""
+    if addr is None:
+        return None
+    sent = again = 0.0
+    for f in senders:
+        s, a = f.sent_to.get(addr, (0.0, 0.0))
+        sent, again = sent + s, again + a
+    return 100.0 * again / sent if sent >= min_bytes else None
 
 
 @dataclass(frozen=True)
@@ -95,12 +116,15 @@ class LinkWatch:
             ref = statistics.median(rtts)
             if mine.rtt_ms > ref * self.rtt_factor and mine.rtt_ms > ref + self.rtt_extra_ms:
                 return f"round trip to etcd {_fmt(mine.rtt_ms)} ms against {_fmt(ref)} ms on {len(rtts)} peer(s)"
-        lost = [p.retrans_pct for p in peers.values() if p.retrans_pct is not None]
-        if mine.retrans_pct is not None and lost:
-            ref = statistics.median(lost)
-            if mine.retrans_pct >= self.retrans_pct and mine.retrans_pct > ref * self.rtt_factor:
-                return (f"{_fmt(mine.retrans_pct)}% of its TCP segments sent again against {_fmt(ref)}% on "
-                        f"{len(lost)} peer(s)")
+        # loss: what the peers send this node and have to send again, against the same for every other node
+        everyone = {**peers, "": mine}
+        mine_in = inbound_loss_pct(mine.addr, list(peers.values()))
+        theirs = [inbound_loss_pct(p.addr, [f for k, f in everyone.items() if k != name])
+                  for name, p in peers.items()]
+        ref = statistics.median([x for x in theirs if x is not None] or [0.0])
+        if mine_in is not None and mine_in >= self.retrans_pct and mine_in > ref * self.rtt_factor:
+            return (f"{_fmt(mine_in)}% of what its peers send it is sent again against {_fmt(ref)}% to the "
+                    f"other node(s)")
         return None
 
     def observe(self, mine: LinkFigures, peers: Mapping[str, LinkFigures], now: float) -> LinkVerdict:

@@ -1,8 +1,8 @@
 """What the kernel already knows about this host's link, read without sending anything.
 
 * the interface toward etcd: its operstate and carrier-down counter (``/sys/class/net``);
-* the share of TCP segments sent again (``/proc/net/snmp``: ``RetransSegs`` / ``OutSegs``, host-wide, i.e. the
-  agent's network namespace);
+* per remote address, the bytes this host sent and sent again (``ss -tin``: ``bytes_sent``, ``bytes_retrans`` of
+  every established connection): what is lost on the way *to* a node shows in what its peers send it again;
 * the smoothed RTT of this host's established connections to etcd (``ss -tin``: sock_diag, the kernel's own
   per-socket figures; the agent's etcd client keeps such a connection open all the time).
 """
@@ -17,14 +17,18 @@ from dataclasses import dataclass
 _RTT = re.compile(r"\brtt:([0-9.]+)/")
 
 
-def route_dev(addr: str) -> str | None:
-    """The interface the kernel sends to ``addr`` through (None: no route, no iproute2)."""
+def route(addr: str) -> tuple[str | None, str | None]:
+    """(interface, source address) the kernel sends to ``addr`` with (None: no route, no iproute2)."""
     try:
         out = subprocess.run(["ip", "-o", "route", "get", addr], capture_output=True, text=True, timeout=5).stdout
     except (OSError, subprocess.SubprocessError):
-        return None
+        return None, None
     words = out.split()
-    return words[words.index("dev") + 1] if "dev" in words[:-1] else None
+
+    def after(word: str) -> str | None:
+        return words[words.index(word) + 1] if word in words[:-1] else None
+
+    return after("dev"), after("src")
 
 
 def _read(path: str) -> str | None:
@@ -50,29 +54,51 @@ def iface_state(dev: str) -> IfaceState | None:
     return IfaceState(state in ("up", "unknown"), int(downs) if downs and downs.isdigit() else 0)
 
 
-def tcp_counters() -> tuple[int, int] | None:
-    """(OutSegs, RetransSegs) of this network namespace."""
-    text = _read("/proc/net/snmp")
-    if text is None:
+_SENT = re.compile(r"\bbytes_sent:(\d+)")
+_AGAIN = re.compile(r"\bbytes_retrans:(\d+)")
+
+
+def _peer_addr(header: str) -> str | None:
+    cols = header.split()
+    if len(cols) < 4:
         return None
-    rows = [line.split()[1:] for line in text.splitlines() if line.startswith("Tcp:")]
-    if len(rows) < 2:
-        return None
-    tcp = dict(zip(rows[0], rows[1]))
+    host = cols[3].rsplit(":", 1)[0].strip("[]")
+    return host[7:] if host.startswith("::ffff:") else host
+
+
+def parse_sent(text: str) -> dict[str, tuple[int, int]]:
+    """``ss -tinH`` output -> remote address -> (bytes sent, bytes sent again), summed over its connections."""
+    out: dict[str, tuple[int, int]] = {}
+    lines = text.splitlines()
+    for header, info in zip(lines[::2], lines[1::2]):
+        addr = _peer_addr(header)
+        sent, again = _SENT.search(info), _AGAIN.search(info)
+        if addr is None or sent is None:
+            continue
+        before = out.get(addr, (0, 0))
+        out[addr] = (before[0] + int(sent.group(1)), before[1] + (int(again.group(1)) if again else 0))
+    return out
+
+
+def sent_by_peer() -> dict[str, tuple[int, int]]:
+    """Remote address -> (bytes sent, bytes sent again) of this host's established TCP connections, now."""
     try:
-        return int(tcp["OutSegs"]), int(tcp["RetransSegs"])
-    except (KeyError, ValueError):
-        return None
+        text = subprocess.run(["ss", "-tinH", "state", "established"], capture_output=True, text=True,
+                              timeout=5).stdout
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return parse_sent(text)
 
 
-def retrans_pct(before: tuple[int, int] | None, after: tuple[int, int] | None, min_segs: int = 50) -> float | None:
-    """Percent of segments sent again between two readings (None: too few segments to say)."""
-    if before is None or after is None:
-        return None
-    out, again = after[0] - before[0], after[1] - before[1]
-    if out < min_segs or again < 0:
-        return None
-    return 100.0 * again / out
+def sent_delta(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """What was sent (and sent again) to each address between two readings. A connection that closed meanwhile
+    makes a sum go down: that address's figures start over (no negative amounts)."""
+    out = {}
+    for addr, (sent, again) in after.items():
+        s0, a0 = before.get(addr, (0, 0))
+        if sent >= s0 and again >= a0 and sent > s0:
+            out[addr] = (sent - s0, again - a0)
+    return out
 
 
 def rtt_ms(addr: str, port: int) -> float | None:
