@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,10 +92,11 @@ def flaps(args: argparse.Namespace) -> dict:
 
 
 def ms_per_step(c: Cluster, t0: float, t1: float) -> float | None:
-    """Median wall time between rank 0's consecutive logged steps in [t0, t1] (wall clock)."""
-    ts = [r["t"] for r in c.losses(0) if t0 <= r["t"] <= t1]
-    gaps = [b - a for a, b in zip(ts, ts[1:])]
-    return round(1000 * statistics.median(gaps), 1) if gaps else None
+    """Wall time per step of rank 0 in [t0, t1] (wall clock): every stall counted, as the job feels it."""
+    rows = [r for r in c.losses(0) if t0 <= r["t"] <= t1]
+    if len(rows) < 2 or rows[-1]["step"] <= rows[0]["step"]:
+        return None
+    return round(1000 * (rows[-1]["t"] - rows[0]["t"]) / (rows[-1]["step"] - rows[0]["step"]), 1)
 
 
 def step_at(c: Cluster, when: float) -> int:

@@ -154,17 +154,26 @@ class LinkDaemon:
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
-        interval = float(self.policy.interval_s)
-        next_sample = self.clock()
+        """The interface polled on its own (a sample waits on etcd, for seconds when the link is down), the
+        figures sampled, published and judged every ``interval_s`` while the link is up."""
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._iface_loop())
+            tg.create_task(self._sample_loop())
+
+    async def _iface_loop(self) -> None:
         while True:
             self._poll_iface()
-            if self.clock() >= next_sample and not self.book.down:
-                next_sample = self.clock() + interval
+            await asyncio.sleep(0.2)
+
+    async def _sample_loop(self) -> None:
+        interval = float(self.policy.interval_s)
+        while True:
+            if not self.book.down:
                 with contextlib.suppress(Exception):   # etcd unreachable: the next sample tries again
                     await self.sample()
                     await self.health.publish()
                     await self.judge(await self.peers())
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(interval)
 
     async def judge(self, peers: dict[str, LinkFigures]) -> None:
         verdict = self.watch.observe(self.figures, peers, self.clock())

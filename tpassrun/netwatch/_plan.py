@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Mapping
 
 HEALTHY, SUSPECT, DEGRADED, UNKNOWN = "healthy", "suspect", "degraded", "unknown"
+MISSES = 2       # clear observations in a row that end a suspicion
 ECHO_S = 30.0     # an etcd connection lost this soon after the interface came back: the same outage, seen late
 
 
@@ -98,6 +99,7 @@ class LinkWatch:
     _baseline: deque = field(default_factory=lambda: deque(maxlen=30), init=False, repr=False)
     _suspect_since: float | None = field(default=None, init=False, repr=False)
     _clear_since: float | None = field(default=None, init=False, repr=False)
+    _misses: int = field(default=0, init=False, repr=False)
     degraded: bool = field(default=False, init=False)
     reason: str = field(default="", init=False)
 
@@ -139,7 +141,7 @@ class LinkWatch:
             self._baseline.append(mine.step_ms)   # the baseline learns only from steps on a link that looks fine
         # a node whose ranks moved away has no step time: its link standing out keeps it degraded (never clears it)
         if out is not None and (slow or (self.degraded and mine.step_ms is None)):
-            self._clear_since = None
+            self._clear_since, self._misses = None, 0
             if self._suspect_since is None:
                 self._suspect_since = now
             held = now - self._suspect_since
@@ -150,6 +152,12 @@ class LinkWatch:
             if self.degraded:
                 return LinkVerdict(DEGRADED, extra, self.reason)
             return LinkVerdict(SUSPECT, extra, f"suspect for {_fmt(held)} s: {why}")
+        # one clear observation inside a suspicion is noise (a link at its rate limit is not slow every second);
+        # ``MISSES`` in a row end it
+        self._misses += 1
+        if self._suspect_since is not None and not self.degraded and self._misses < MISSES:
+            held = now - self._suspect_since
+            return LinkVerdict(SUSPECT, extra, f"suspect for {_fmt(held)} s (not in this sample)")
         self._suspect_since = None
         if self.degraded:
             if self._clear_since is None:
@@ -187,6 +195,7 @@ class FlapBook:
     _etcd_since: float | None = None
     _broken: bool = False
     _iface_ended: float | None = None     # when the interface last came back (its etcd echo is the same outage)
+    _etcd_ended: float | None = None      # when an outage only etcd saw last ended
 
     @property
     def down(self) -> bool:
@@ -200,7 +209,8 @@ class FlapBook:
             return None
         if self._down_since is not None and self._seen_by == "interface":
             return self._end(now - self._down_since, "interface", now)
-        if flapped and self._etcd_since is None:
+        recent = self._etcd_ended is not None and now - self._etcd_ended < ECHO_S
+        if flapped and self._etcd_since is None and not recent:
             return self._end(0.0, "interface", now)
         return None
 
@@ -225,6 +235,8 @@ class FlapBook:
         flap = Flap(round(seconds, 2), seen_by, not self._broken)
         if seen_by == "interface":
             self._iface_ended = now
+        else:
+            self._etcd_ended = now
         self._down_since, self._seen_by, self._broken = None, "", False
         if self._etcd_since is not None and seen_by == "interface":
             self._etcd_since = None     # the etcd side of the same outage: said once, here
