@@ -241,7 +241,7 @@ class LinkPolicy:
     ``interval_s`` (figures the kernel keeps: nothing is sent to measure them)."""
 
     rtt_factor: float = 3.0
-    rtt_extra_ms: float = 20.0
+    rtt_extra_ms: float = 10.0
     retrans_pct: float = 1.0
     slowdown_factor: float = 1.15
     slowdown_ms: float = 10.0

@@ -1,12 +1,13 @@
 """Network faults against a real job (issue 26): hosts are network namespaces on a bridge (``faults.NetLab``), etcd
 listens on the bridge, every agent is a host of its own. Root and iproute2 only; everything is removed at the end.
 
-* a flap: a member's own link down for 3 s mid-run, under background CPU load (a loaded host, a stalled step):
-  nothing happens but the console line "link to node X lost for 3.0 s, ridden out": no swap, no fence, no restart,
-  no link marked degraded, and the result is ``torch.equal`` to torchrun's;
-* a degraded link: 50 ms each way on one member's link (the userspace relay of ``tests/netrelay.py``), a spare node
-  in the job: that member's link is found degraded ("+N ms per step") and its rank moves to the spare node as a
-  planned swap.
+A flap: a member's own link down for 3 s mid-run, under background CPU load (a loaded host, a stalled step):
+nothing happens but the console line "link to node X lost for 3.0 s, ridden out": no swap, no fence, no restart,
+no link marked degraded, and the result is ``torch.equal`` to torchrun's.
+
+A degraded link moving its node's ranks to a spare node is the benchmark's (``bench/network_faults.py degrade``:
+a job of three nodes slowed to 0.7 s per step costs minutes); the suite has its parts at a small size
+(``tests/test_netwatch_net.py``: the signal on real faults, the taints a degraded verdict writes).
 """
 
 from __future__ import annotations
@@ -22,11 +23,11 @@ import pytest
 
 from conftest import EtcdServer
 from faults import Job, NetLab, assert_bit_exact, faults_env, hold_at
-from netrelay import DelayRelay
 
 pytestmark = [pytest.mark.timeout(420),
               pytest.mark.skipif(not NetLab.available(), reason="needs root and iproute2 (network namespaces)")]
 
+STEPS = 40      # the session's 4-rank reference (conftest.reference_run)
 BAD = ("swap_decided", "restart", "fallback", "membership_change", "fenced", "lease_lost", "node_lost",
        "hang_detected", "worker_died", "unmanaged_death", "link_degraded")
 
@@ -77,9 +78,9 @@ def test_a_flap_under_cpu_load_is_ridden_out_and_said_and_nothing_else_happens(t
     background process keeping a core busy the whole run: gloo's TCP connections retransmit through it, the etcd
     lease (10 s) holds, the hang watchdog sees a stalled step only. Sampling the link every 0.5 s and marking a
     link degraded after 3 s of standing out, the load and the flap's stalled step mark nothing degraded."""
-    tmp, steps = str(tmp_path), 200
+    tmp, steps = str(tmp_path), STEPS
     policy = write_policy(tmp, interval_s=0.5, hold_s=3)
-    hold = hold_at(tmp, 60)
+    hold = hold_at(tmp, 10)
     env = faults_env(hold.fault)
     run_id = uuid.uuid4().hex[:8]
     a = agent(lab, 1, tmp, lab_etcd, run_id, nproc=2, steps=steps, policy=policy, env=env)
@@ -91,7 +92,7 @@ def test_a_flap_under_cpu_load_is_ridden_out_and_said_and_nothing_else_happens(t
         b.start()
         hold.wait_reached(a)
         hold.release()
-        Job(argv=[], out=os.path.join(tmp, "train")).wait_step(80, 240)
+        Job(argv=[], out=os.path.join(tmp, "train")).wait_step(15, 240)
         ns, _outer, inner, _addr = lab.hosts[2]
         subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", inner, "down"], check=True)
         time.sleep(3)
@@ -111,47 +112,3 @@ def test_a_flap_under_cpu_load_is_ridden_out_and_said_and_nothing_else_happens(t
     assert 2.5 <= said[0]["seconds"]
     assert said[0]["line"] in b.log()           # the console says it
     assert_bit_exact(Job(argv=[], out=os.path.join(tmp, "train")), reference_run(4, steps), 4)
-
-
-def test_a_delayed_link_is_found_degraded_and_its_rank_moves_to_the_spare_node(tmp_path, lab, lab_etcd):
-    """50 ms each way on member B's link (a userspace relay between its veth and the bridge): B's round trip to
-    etcd stands out against A's and the spare node's, and every step takes longer; held 3 s, B's link is degraded,
-    its slots are tainted and its rank moves to the spare node C as a planned swap. One rank per node."""
-    tmp = str(tmp_path)
-    policy = write_policy(tmp, interval_s=0.5, hold_s=3)
-    hold = hold_at(tmp, 400, name="end")          # the job cannot end before the migration is decided
-    env = faults_env(hold.fault)
-    run_id = uuid.uuid4().hex[:8]
-    jobs = [agent(lab, i, tmp, lab_etcd, run_id, nproc=1, steps=500, policy=policy, env=env, spare_node=i == 3)
-            for i in (1, 2, 3)]
-    a, b, c = jobs
-    relay = None
-    try:
-        for j in jobs:
-            j.start()
-        train = Job(argv=[], out=os.path.join(tmp, "train"))
-        train.wait_step(120, 300)      # the baseline learned (10 samples, 0.5 s apart)
-        relay = DelayRelay(lab, 2, 50)
-        found = b.wait_event("link_degraded", timeout=240)[0]
-        assert "ms per step" in found["line"] and found["action"] == "migrate", found
-        assert found["line"].startswith(f"node {b.node_id()}: link degraded, +")
-        # released once the swap is decided (by whichever agent leads): a job held before its boundary never
-        # reaches it
-        deadline = time.monotonic() + 240
-        while not any(e["event"] == "swap_decided" for e in events(jobs)):
-            assert time.monotonic() < deadline, "no swap decided:\n" + "\n".join(j.log()[-2000:] for j in jobs)
-            time.sleep(0.2)
-        hold.release()
-        resumed = c.wait_event("swap_resumed", timeout=240)
-        assert resumed[0]["rank"] == 1
-        assert [j.wait(300) for j in jobs] == [0, 0, 0], "\n".join(j.log()[-2000:] for j in jobs)
-    finally:
-        hold.release()
-        if relay is not None:
-            relay.close()
-        for j in jobs:
-            j.kill()
-    evs = events(jobs)
-    assert not [e for e in evs if e["event"] in ("restart", "fallback", "fenced", "node_lost")]
-    assert not [e for e in evs if e["event"] == "link_degraded" and e["node"] != b.node_id()]
-    assert found["line"] in b.log()

@@ -89,7 +89,7 @@ class LinkWatch:
     """Judges this node's link, one observation per sampling interval. Thresholds: ``health.LinkPolicy``."""
 
     rtt_factor: float = 3.0
-    rtt_extra_ms: float = 20.0
+    rtt_extra_ms: float = 10.0
     retrans_pct: float = 1.0
     slowdown_factor: float = 1.15
     slowdown_ms: float = 10.0
