@@ -59,6 +59,12 @@ def flaps(args: argparse.Namespace) -> dict:
         c.start_job()
         t_start = time.time()
         for i in range(args.flaps):
+            # each flap its own: the job trains again after the last one (TCP's backoff outlasts a flap by
+            # seconds; flaps back to back are one long outage, past the lease), then a random instant
+            resume = c.step(0) + 5
+            deadline = time.time() + 120
+            while c.step(0) < resume and time.time() < deadline:
+                time.sleep(0.1)
             time.sleep(rng.uniform(1.0, 4.0))
             victim = c.agents[rng.randrange(2)]
             down = rng.uniform(1.0, 8.0)

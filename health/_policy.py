@@ -240,7 +240,7 @@ class LinkPolicy:
     swap per rank); otherwise it is reported only. Healthy again after ``clear_s`` clear. Sampled every
     ``interval_s`` (figures the kernel keeps: nothing is sent to measure them)."""
 
-    rtt_factor: float = 3.0
+    rtt_factor: float = 2.0
     rtt_extra_ms: float = 10.0
     retrans_pct: float = 1.0
     slowdown_factor: float = 1.15

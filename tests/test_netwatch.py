@@ -122,7 +122,7 @@ def test_policy_link_thresholds_load_from_the_health_config_with_defaults(tmp_pa
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"v": 1, "extends_default": True, "link": {"hold_s": 4, "effect": "none"}}))
     p = Policy.load(str(path))
-    assert p.link.hold_s == 4 and p.link.effect.value == "none" and p.link.rtt_factor == 3.0
+    assert p.link.hold_s == 4 and p.link.effect.value == "none" and p.link.rtt_factor == 2.0
     assert Policy.from_json(json.loads(json.dumps(p.to_json()))) == p
     assert LinkWatch.from_policy(p.link).hold_s == 4
     for bad, said in (({"hold": 1}, "unknown link field 'hold'"), ({"rtt_factor": 0.5}, ">= 1"),

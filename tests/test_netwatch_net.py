@@ -17,6 +17,7 @@ import json
 import subprocess
 import sys
 import time
+import types
 import uuid
 
 import pytest
@@ -188,3 +189,57 @@ def test_a_degraded_node_without_a_spare_elsewhere_is_reported_only(etcd_server,
     ev, found = asyncio.run(scenario())
     assert ev[0]["action"] == "report" and ev[0]["line"].endswith("reported only (no spare on another node)")
     assert found == {}
+
+
+# --------------------------------------------------------------------------- the hang watchdog and a flap
+
+def test_ranks_stalled_by_a_flap_are_held_while_a_link_was_down_within_hang_timeout_then_judged_as_before():
+    """bench/network_faults.py flaps: flaps on one member's link a few seconds apart stalled a step 30 s (TCP's
+    backoff after each outage outlasts it) and the hang watchdog killed a rank of a job that was only waiting on
+    the network. While this node's link, or a peer's (from its health record), was down within --hang-timeout,
+    stale ranks with nothing stopped are held (said once); past that, the watchdog acts as before."""
+    import signal as sig
+
+    from test_hang_watchdog import _Agent, _Proc
+    from tpassrun.channel import Field, WorkerPhase
+    from tpassrun.slots import LocalSlots, SlotState
+
+    class Link:
+        def __init__(self) -> None:
+            self.until = time.monotonic() + 1.0     # "the link was down within hang-timeout" for 1 s more
+
+        def explains_stall(self, within_s: float) -> bool:
+            return time.monotonic() < self.until
+
+    async def go() -> tuple[list[dict], float]:
+        slots = await LocalSlots(1, 0, on_message=lambda s, m: None).open()
+        proc = _Proc()
+        rank0 = slots.slots[0]
+        rank0.proc, rank0.managed, rank0.state, rank0.rank = proc, True, SlotState.RUNNING, 0
+        slots.channel.set(rank0.index, Field.PHASE, int(WorkerPhase.RUNNING))
+        slots.channel.set(rank0.index, Field.HEARTBEAT_NS, 1)          # stale since long ago
+        agent = _Agent(slots, hang_timeout=0.2)
+        agent.swapper = types.SimpleNamespace(busy=False)
+        agent.mirror, agent.generation = None, None                   # no silent peer to hold for
+        agent.rdzv = types.SimpleNamespace(generation=None)
+        agent.health = types.SimpleNamespace(link=Link())
+
+        async def standby() -> None:
+            pass
+        agent._standby_store = standby
+        task = asyncio.ensure_future(agent._hang_watchdog())
+        t0 = time.monotonic()
+        try:
+            while proc.returncode is None:      # bounded by the test's timeout
+                await asyncio.sleep(0.02)
+            return agent.said, time.monotonic() - t0
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            proc.signal_group(sig.SIGKILL)
+            proc.p.wait()
+            await slots.close()
+
+    said, took = asyncio.run(go())
+    assert [e["event"] for e in said] == ["hang_held", "hang_detected"], said
+    assert "link was down" in said[0]["reason"] and took >= 1.0

@@ -51,6 +51,9 @@ class LinkDaemon:
         self.state = HEALTHY
         self.extra_ms = 0.0
         self.reason = ""
+        self.down_at: float | None = None     # clock when this node's link was last seen down (None: never)
+        self.down_wall = 0.0                   # the same in wall time (published: the peers' watchdogs read it)
+        self.peer_down_wall = 0.0              # the latest of the peers' (from their health records)
         self.tainted: set[str] = set()
         self._steps: deque = deque(maxlen=3)   # ms per step of the last few samples: one slow interval is noise
         self._last_step: tuple[float, int] | None = None     # (clock, step) at the last sample
@@ -65,10 +68,18 @@ class LinkDaemon:
         name, now = ev.get("event"), self.clock()
         if name == "etcd_connection_lost":
             self.book.etcd_lost(now)
+            self.down_at, self.down_wall = now, time.time()
         elif name == "etcd_connection_restored":
             self._said(self.book.etcd_restored(now, float(ev.get("seconds") or 0.0)))
         elif name in ("fenced", "lease_lost") and self.book.down:
             self.book.broken()
+
+    def explains_stall(self, within_s: float) -> bool:
+        """This node's link is down, or was within the last ``within_s``: ranks stalled meanwhile wait on TCP's
+        retransmissions (whose backoff outlasts the outage by seconds), not on a hung process."""
+        if self.book.down or (self.down_at is not None and self.clock() - self.down_at < within_s):
+            return True
+        return time.time() - self.peer_down_wall < within_s     # a peer's flap stalls our ranks the same way
 
     def _said(self, flap: Any) -> None:
         if flap is None:
@@ -87,6 +98,8 @@ class LinkDaemon:
         flapped = self._downs is not None and st.downs != self._downs
         self._downs = st.downs
         was_down = self.book.down
+        if not st.up or flapped or was_down:
+            self.down_at, self.down_wall = self.clock(), time.time()
         flap = self.book.interface(st.up, self.clock(), flapped=flapped)
         if flap is not None:
             # what the kernel sent again during the outage is the outage's, not the link's quality after it
@@ -131,7 +144,8 @@ class LinkDaemon:
     def readings(self) -> list[dict]:
         """The figures as one reading of the node's health record (what the peers compare against)."""
         return [{"device": READINGS_DEVICE, "metric": "figures", "value": self.figures.to_json(),
-                 "time": time.time(), "state": self.state, "extra_ms": round(self.extra_ms, 1)}]
+                 "time": time.time(), "state": self.state, "extra_ms": round(self.extra_ms, 1),
+                 "down_wall": self.down_wall}]
 
     def verdicts(self) -> list[dict]:
         """This node's link as one verdict of its health record (``tpassctl status`` shows it with the devices')."""
@@ -150,6 +164,10 @@ class LinkDaemon:
                 fig = figures_of(rec.readings)
                 if fig is not None:
                     out[rec.node_id] = fig
+                for r in rec.readings:
+                    down = r.get("down_wall") if r.get("device") == READINGS_DEVICE else None
+                    if isinstance(down, (int, float)) and not isinstance(down, bool):
+                        self.peer_down_wall = max(self.peer_down_wall, float(down))
         return out
 
     # ------------------------------------------------------------------ the loop

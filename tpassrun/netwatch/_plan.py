@@ -88,7 +88,7 @@ def _fmt(x: float) -> str:
 class LinkWatch:
     """Judges this node's link, one observation per sampling interval. Thresholds: ``health.LinkPolicy``."""
 
-    rtt_factor: float = 3.0
+    rtt_factor: float = 2.0
     rtt_extra_ms: float = 10.0
     retrans_pct: float = 1.0
     slowdown_factor: float = 1.15
