@@ -97,7 +97,7 @@ def lab():
         lab.close()
 
 
-def figures(lab: NetLab, seconds: float = 3.0) -> dict[str, LinkFigures]:
+def figures(lab: NetLab, seconds: float = 2.0) -> dict[str, LinkFigures]:
     """Every host's figures over the same ``seconds`` (1 and 2 stream to each other, 3 only talks to "etcd")."""
     peers = {1: lab.addr(2), 2: lab.addr(1), 3: "-"}
     procs = {i: subprocess.Popen([*lab.argv(i), sys.executable, "-c", HOST, lab.gateway, "7379", peers[i], str(seconds)],
