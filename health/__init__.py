@@ -13,7 +13,7 @@ from ._engine import PolicyEngine
 from ._filesensor import FileSensor
 from ._monitor import HealthMonitor, device_for_local_rank
 from ._nvml import NvmlSensor, nvml_device_count
-from ._policy import RECOVERY_ACTION_EFFECTS, XID_EFFECTS, Policy, Rule
+from ._policy import RECOVERY_ACTION_EFFECTS, XID_EFFECTS, LinkPolicy, Policy, Rule
 from ._straggler import StragglerDetector
 from ._types import HealthVerdict, Reading, Sensor, SensorUnavailable, Status, TaintEffect
 
@@ -22,6 +22,7 @@ __all__ = [
     "HealthMonitor",
     "HealthVerdict",
     "NvmlSensor",
+    "LinkPolicy",
     "Policy",
     "PolicyEngine",
     "RECOVERY_ACTION_EFFECTS",

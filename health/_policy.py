@@ -229,10 +229,66 @@ def _default_rules() -> tuple[Rule, ...]:
 
 
 @dataclass(frozen=True)
+class LinkPolicy:
+    """When a node's link counts as degraded (``tpassrun/agent/netwatch``) and what is done about it.
+
+    Suspect: its round trip to etcd is ``rtt_factor`` x its peers' median and ``rtt_extra_ms`` more, or
+    ``retrans_pct`` % of what its peers send it is sent again (and ``rtt_factor`` x that share for the other
+    nodes), while the job's
+    step time is ``slowdown_factor`` x its healthy baseline and ``slowdown_ms`` more. Suspect for ``hold_s``
+    without a break: degraded, and with ``effect`` migrate and a ready spare on another node, its ranks move (a planned
+    swap per rank); otherwise it is reported only. Healthy again after ``clear_s`` clear. Sampled every
+    ``interval_s`` (figures the kernel keeps: nothing is sent to measure them)."""
+
+    rtt_factor: float = 2.0
+    rtt_extra_ms: float = 10.0
+    retrans_pct: float = 1.0
+    slowdown_factor: float = 1.15
+    slowdown_ms: float = 10.0
+    hold_s: float = 10.0
+    clear_s: float = 30.0
+    interval_s: float = 2.0
+    effect: TaintEffect = TaintEffect.MIGRATE
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            if f.name == "effect":
+                continue
+            v = getattr(self, f.name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or math.isnan(v) or v < 0:
+                raise ValueError(f"link.{f.name} must be a number >= 0, got {v!r}")
+        if self.rtt_factor < 1 or self.slowdown_factor < 1 or self.interval_s <= 0:
+            raise ValueError("link.rtt_factor and link.slowdown_factor must be >= 1, link.interval_s > 0")
+        if self.effect not in (TaintEffect.MIGRATE, TaintEffect.NONE):
+            raise ValueError(f"link.effect must be migrate or none, got {self.effect.value}")
+
+    def to_json(self) -> dict:
+        return {f.name: (getattr(self, f.name).value if f.name == "effect" else getattr(self, f.name))
+                for f in fields(self)}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "LinkPolicy":
+        if not isinstance(data, dict):
+            raise ValueError("'link' must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown link field {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        args: dict[str, Any] = dict(data)
+        if "effect" in args:
+            try:
+                args["effect"] = TaintEffect(args["effect"])
+            except ValueError as exc:
+                raise ValueError(f"link.effect: {exc}") from None
+        return cls(**args)
+
+
+@dataclass(frozen=True)
 class Policy:
-    """An ordered set of rules. Several rules may watch the same metric."""
+    """An ordered set of rules (several rules may watch the same metric), and the link thresholds."""
 
     rules: tuple[Rule, ...]
+    link: LinkPolicy = field(default_factory=LinkPolicy)
 
     @classmethod
     def default(cls) -> "Policy":
@@ -244,10 +300,10 @@ class Policy:
         extra = overrides.rules if isinstance(overrides, Policy) else tuple(overrides)
         by_label = {r.label: r for r in extra}
         kept = tuple(by_label.pop(r.label, r) for r in self.rules)
-        return Policy(kept + tuple(r for r in extra if r.label in by_label))
+        return Policy(kept + tuple(r for r in extra if r.label in by_label), self.link)
 
     def to_json(self) -> dict:
-        return {"v": 1, "rules": [r.to_json() for r in self.rules]}
+        return {"v": 1, "rules": [r.to_json() for r in self.rules], "link": self.link.to_json()}
 
     @classmethod
     def from_json(cls, data: Any) -> "Policy":
@@ -256,7 +312,7 @@ class Policy:
             raise ValueError("policy must be an object with 'v' and 'rules'")
         if data.get("v") != 1:
             raise ValueError(f"policy version must be 1, got {data.get('v')!r}")
-        unknown = sorted(set(data) - {"v", "rules", "extends_default"})
+        unknown = sorted(set(data) - {"v", "rules", "extends_default", "link"})
         if unknown:
             raise ValueError(f"unknown policy field {unknown[0]!r}")
         raw_rules = data.get("rules", [])
@@ -271,7 +327,8 @@ class Policy:
         extends = data.get("extends_default", False)
         if not isinstance(extends, bool):
             raise ValueError("'extends_default' must be true or false")
-        return cls.default().merged(tuple(rules)) if extends else cls(tuple(rules))
+        link = LinkPolicy.from_json(data["link"]) if "link" in data else LinkPolicy()
+        return replace(cls.default().merged(tuple(rules)) if extends else cls(tuple(rules)), link=link)
 
     @classmethod
     def load(cls, path: str) -> "Policy":
@@ -298,7 +355,7 @@ class Policy:
         return self.merged((rule,))
 
     def without(self, label: str) -> "Policy":
-        return Policy(tuple(r for r in self.rules if r.label != label))
+        return Policy(tuple(r for r in self.rules if r.label != label), self.link)
 
     def replace_rule(self, label: str, **changes: Any) -> "Policy":
-        return Policy(tuple(replace(r, **changes) if r.label == label else r for r in self.rules))
+        return Policy(tuple(replace(r, **changes) if r.label == label else r for r in self.rules), self.link)

@@ -28,7 +28,7 @@ import logging
 import re
 import signal
 import time
-from typing import Callable, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from tpassrun.settings import envnames as E
 from tpassrun.channel import Field
@@ -173,12 +173,16 @@ class AgentHealth:
         self.written: dict[str, WrittenTaint] = {}
         self._rank_slot: dict[int, int] = {}        # rank -> slot its step times came from
         self._rank_step: dict[int, int] = {}        # rank -> step of the last sample taken
+        self.link: Any = None                       # netwatch.LinkDaemon: this node's link, judged against its peers
 
     # ------------------------------------------------------------------ setup (first run)
     def _build(self) -> HealthMonitor:
         cfg = self.agent.cfg
         policy = Policy.load(cfg.health_config) if cfg.health_config else Policy.default()
         sensors = self._sensors if self._sensors is not None else self._default_sensors()
+        from tpassrun.agent.netwatch import LinkDaemon
+
+        self.link = LinkDaemon(self, policy.link, clock=self._clock)
         straggler_factor = float(cfg.straggler_factor or 0.0)
         if straggler_factor > 0:
             self.straggler = StragglerDetector(factor=straggler_factor)
@@ -210,6 +214,8 @@ class AgentHealth:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self.monitor.run())
             tg.create_task(self._publish_loop())
+            if self.link is not None:
+                tg.create_task(self.link.run())
 
     async def _sync_taints(self) -> None:
         """Make ``written`` match etcd: adopt what an earlier instance on this node wrote (ours to delete
@@ -233,9 +239,11 @@ class AgentHealth:
             return
         rdzv = self.agent.rdzv
         snap = self.monitor.snapshot()
+        link = self.link      # netwatch: this node's link figures (what the peers compare with) and verdict
         record = HealthRecord(node_id=self.agent.node_id, time=self._wall_clock(), taints=tuple(sorted(self.written)),
                               polls=int(snap.get("polls", 0)), unavailable=dict(snap.get("unavailable") or {}),
-                              readings=tuple(snap.get("readings") or ()), verdicts=tuple(snap.get("verdicts") or ()))
+                              readings=tuple(snap.get("readings") or ()) + tuple(link.readings() if link else ()),
+                              verdicts=tuple(snap.get("verdicts") or ()) + tuple(link.verdicts() if link else ()))
         with contextlib.suppress(Exception):  # status is best effort; the taints are what must land
             await rdzv.store.put_json(Keys(rdzv.key("")).health(self.agent.node_id), record.to_json(), lease=True)
 
@@ -293,6 +301,15 @@ class AgentHealth:
                                     action=action.op.value, why=action.reason)
             await self._apply(action, verdict)
         await self.publish()
+
+    async def apply_verdict(self, verdict: HealthVerdict, index: int, rank: int | None, state: str) -> str | None:
+        """A verdict found outside the monitor (the link watch) for a slot's device, decided and carried out as the
+        monitor's are; -> the id of the taint written, if any."""
+        written = [w for w in self.written.values() if w.device == verdict.device]
+        action = decide(verdict, SlotInfo(index, rank, state), written, node_id=self.agent.node_id,
+                        now_wall=time.time())
+        await self._apply(action, verdict)
+        return action.taint.id if action.taint is not None else None
 
     async def _apply(self, action: TaintAction, verdict: HealthVerdict) -> None:
         rdzv = self.agent.rdzv

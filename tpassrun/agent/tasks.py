@@ -122,6 +122,7 @@ class GenerationTasks:
         stopped_since: dict[int, int] = {}
         quiet_until = 0
         held: dict[str, int] = {}      # silent peer -> when ranks stale on it were first held back (ns)
+        link_held = False              # stale ranks held back because this node's link was down (said once)
         while True:
             await asyncio.sleep(min(0.5, self.cfg.hang_timeout / 4))
             now = time.monotonic_ns()
@@ -145,6 +146,7 @@ class GenerationTasks:
             culprit = pick_hung(stale, _proc_state)
             if culprit is None:
                 held.clear()
+                link_held = False
                 continue
             beat, s = culprit
             if not is_stopped(_proc_state(s.pid)):
@@ -156,6 +158,14 @@ class GenerationTasks:
                 # store the recovery needs a new one: started now (it imports torch), not when its lease ends.
                 await self._standby_store()
                 if await self._held_for_silent_peer(stale, held, now):
+                    continue
+                link = getattr(getattr(self, "health", None), "link", None)   # netwatch: a flap stalls every rank
+                if link is not None and link.explains_stall(self.cfg.hang_timeout):
+                    if not link_held:
+                        link_held = True
+                        self.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=[],
+                                          seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
+                                          reason="this node's link was down within --hang-timeout")
                     continue
                 await asyncio.sleep(REMOTE_HANG_GRACE_S)
                 if self.swapper.busy or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING \

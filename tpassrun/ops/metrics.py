@@ -50,6 +50,8 @@ class AgentMetrics:
         self.taints = Counter("tpassrun_taints", "Taints received, by source", ["source"], registry=r)
         self.steps_redone = Counter("tpassrun_steps_redone", "Steps re-executed after unplanned recoveries",
                                     registry=r)
+        self.flaps = Counter("tpassrun_link_flaps", "Link outages of this node ridden out (netwatch)", registry=r)
+        self.link_extra_s = 0.0      # netwatch: step time added by this node's degraded link (0: not degraded)
         r.register(self)
         self._server: Any = None
         self.port = 0
@@ -79,6 +81,10 @@ class AgentMetrics:
             self.deaths.labels("user_error").inc()
         elif name in ("taint_received", "health_taint"):
             self.taints.labels(str(ev.get("source") or "health")).inc()
+        elif name == "link_ridden_out":
+            self.flaps.inc()
+        elif name in ("link_degraded", "link_healthy"):
+            self.link_extra_s = float(ev.get("extra_ms") or 0.0) / 1000.0 if name == "link_degraded" else 0.0
 
     # --- scrape-time gauges ---
     def describe(self) -> list[Any]:
@@ -111,6 +117,8 @@ class AgentMetrics:
         for device, status in sorted(self.describer.health.items(), key=lambda x: str(x[0])):
             health.add_metric([str(device), str(status)], 1.0)
         yield health
+        yield GaugeMetricFamily("tpassrun_link_degraded_extra_step_seconds", "Step time this node's degraded link "
+                                "adds to every step (0: its link is not degraded)", value=self.link_extra_s)
         tally = self.describer.tally
         yield GaugeMetricFamily("tpassrun_goodput_ratio", "Share of wall time that was useful training (not "
                                 "swap pauses, restarts, or steps a restart ran again)", value=tally.goodput / 100.0)

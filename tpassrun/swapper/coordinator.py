@@ -100,13 +100,13 @@ class Coordinator:
             if rel.startswith(interesting):
                 self._kick.set()
 
-    async def _view(self) -> ClusterView:
+    async def _view(self, taints: list[Taint] | None = None) -> ClusterView:
         gen = self.port.generation()
         assert gen is not None
         slots: list[SlotView] = []
         # A taint naming a slot but no rank (health: a bad spare), or any "exclude" taint, keeps that slot out
         # of the spare pool.
-        barred = {(t.node_id, t.slot) for t in await self._taints()
+        barred = {(t.node_id, t.slot) for t in (await self._taints() if taints is None else taints)
                   if t.rank is None or t.effect is TaintEffect.EXCLUDE}
         for key, doc, rev in await self._store.get_prefix_json(self._keys.family("status")):
             status = load(NodeStatus.from_json, key, doc, rev)
@@ -171,11 +171,15 @@ class Coordinator:
         # shows the slot dead, so every death this view shows has its failure read too (read the other way
         # round, a donor dying mid-read looked like a sender gone without a failure: the recovery was aborted
         # and the group restarted, instead of both dead ranks being planned again at once)
-        view = await self._view()
+        # one read of the taints for both the spare pool and the taints to act on: read twice, a node that bars
+        # its own spare and then taints its ranks (netwatch: a degraded link) had a rank planned onto that spare
+        # when the first read came before the bar and the second after the rank's taint
+        taints = await self._taints()
+        view = await self._view(taints)
         failures = [(keys.last(k), f) for k, d, rv in await self._store.get_prefix_json(keys.family("failures"))
                     if (f := load(Failure.from_json, k, d, rv)) is not None]
         return Seen(now=now, spawned_generation=self.port.epoch(), plans=plans, reports=reports,
-                    failures=failures, taints=await self._taints(), view=view,
+                    failures=failures, taints=taints, view=view,
                     waiting_said=frozenset(self._waiting_said), received_said=frozenset(self._taints_said),
                     pool=self.pool is not None,
                     pool_gave_up=frozenset(self.pool.gave_up) if self.pool is not None else frozenset())

@@ -1,0 +1,245 @@
+"""Network faults against a running job: link flaps, degraded links, and background noise.
+
+    .venv/bin/python bench/network_faults.py flaps --flaps 10            # (a)
+    .venv/bin/python bench/network_faults.py degrade --kinds loss,delay,rate   # (b)
+    .venv/bin/python bench/network_faults.py noise --seconds 600         # (c)
+
+Root only. One chaos cluster (``bench/chaos_cluster.py``: 2 members of 2 ranks and a ``--spare-node``, one
+external etcd, every agent a host of its own in a network namespace). The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+
+from chaos_cluster import RANKS, Cluster  # (puts tests/ on sys.path)
+from faults import Job, NetLab, assert_bit_exact
+from netrelay import DelayRelay, lossy, rate_limit, unlimit, unlossy
+
+SWAP_EVENTS = ("swap_decided",)
+RESTART_EVENTS = ("restart", "fallback", "membership_change", "fenced", "lease_lost", "node_lost", "hang_detected",
+                  "worker_died", "unmanaged_death")
+
+
+def link(c: Cluster, host: int, state: str) -> None:
+    """Take host ``host``'s own end of its link down or up, inside its namespace (what a flapping NIC does)."""
+    ns, _outer, inner, _addr = c.lab.hosts[host]
+    subprocess.run(["ip", "netns", "exec", ns, "ip", "link", "set", inner, state], check=True, timeout=30)
+
+
+def count(events: list[dict], names: tuple[str, ...], since: float = 0.0) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for e in events:
+        if e["event"] in names and e.get("time", 0) >= since:
+            out[e["event"]] = out.get(e["event"], 0) + 1
+    return out
+
+
+def reference(work: str, steps: int, step_sleep: float) -> Job:
+    ref = Job.torchrun(os.path.join(work, "ref"), nproc=RANKS, steps=steps, step_sleep=step_sleep).start()
+    assert ref.wait(900) == 0, ref.log()[-3000:]
+    return ref
+
+
+def flaps(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    work = tempfile.mkdtemp(prefix="tpassrun-netflap-")
+    steps = args.steps
+    c = Cluster(work, steps=steps, step_sleep=args.step_sleep, hang_timeout=args.hang_timeout, netns=True,
+                small_disk=False, lease_ttl=args.lease_ttl)
+    rows = []
+    try:
+        c.start_job()
+        t_start = time.time()
+        for i in range(args.flaps):
+            # each flap its own: the job trains again after the last one (TCP's backoff outlasts a flap by
+            # seconds; flaps back to back are one long outage, past the lease), then a random instant
+            resume = c.step(0) + 5
+            deadline = time.time() + 120
+            while c.step(0) < resume and time.time() < deadline:
+                time.sleep(0.1)
+            time.sleep(rng.uniform(1.0, 4.0))
+            victim = c.agents[rng.randrange(2)]
+            down = rng.uniform(1.0, 8.0)
+            step = c.step(0)
+            t0 = time.time()
+            link(c, victim.host, "down")
+            time.sleep(down)
+            link(c, victim.host, "up")
+            rows.append({"flap": i + 1, "node": victim.name, "down_s": round(down, 2), "step": step, "t0": t0})
+            print(f"flap {i + 1}: {victim.name} down {down:.1f} s at step {step}", flush=True)
+        codes = [a.job.wait(1800) for a in c.agents]
+        evs = c.events()
+        ref = reference(work, steps, args.step_sleep)
+        identical = True
+        try:
+            assert_bit_exact(Job(argv=[], out=c.train), ref, RANKS)
+        except AssertionError as exc:
+            identical = False
+            print(f"not bit-identical: {exc}")
+        rows0 = c.losses(0)
+        lost = len(rows0) - len({r["step"] for r in rows0})
+        result = {"flaps": rows, "exit_codes": codes, "swaps": len({e.get("swap_id") for e in evs
+                                                                     if e["event"] == "swap_decided"}),
+                  "bad_events": count(evs, RESTART_EVENTS, t_start), "steps_lost": lost, "bit_identical": identical,
+                  "ridden_out": [e["line"] for e in evs if e["event"] == "link_ridden_out"],
+                  "degraded": [e["line"] for e in evs if e["event"] == "link_degraded"]}
+        print(json.dumps({k: v for k, v in result.items() if k != "flaps"}, default=str))
+        return result
+    finally:
+        c.close()
+
+
+def ms_per_step(c: Cluster, t0: float, t1: float) -> float | None:
+    """Wall time per step of rank 0 in [t0, t1] (wall clock): every stall counted, as the job feels it."""
+    rows = [r for r in c.losses(0) if t0 <= r["t"] <= t1]
+    if len(rows) < 2 or rows[-1]["step"] <= rows[0]["step"]:
+        return None
+    return round(1000 * (rows[-1]["t"] - rows[0]["t"]) / (rows[-1]["step"] - rows[0]["step"]), 1)
+
+
+def step_at(c: Cluster, when: float) -> int:
+    return max((r["step"] for r in c.losses(0) if r["t"] <= when), default=-1)
+
+
+def wait_for(c: Cluster, pred, timeout: float) -> dict | None:  # type: ignore[no-untyped-def]
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        hit = next((e for e in c.events() if pred(e)), None)
+        if hit is not None:
+            return hit
+        if not c.running():
+            return None
+        time.sleep(0.5)
+    return None
+
+
+def degrade_one(kind: str, args: argparse.Namespace) -> dict:
+    work = tempfile.mkdtemp(prefix=f"tpassrun-netdeg-{kind}-")
+    c = Cluster(work, steps=100000, step_sleep=args.step_sleep, hang_timeout=60, netns=True, small_disk=False)
+    row: dict = {"kind": kind}
+    undo = None
+    try:
+        c.start_job()
+        victim = c.agents[1]
+        time.sleep(args.settle)
+        t0 = time.time()
+        if kind == "loss":
+            lossy(c.lab, victim.host, args.loss)
+            undo = lambda: unlossy(c.lab, victim.host)  # noqa: E731
+        elif kind == "delay":
+            relay = DelayRelay(c.lab, victim.host, args.delay_ms)
+            undo = relay.close
+        elif kind == "rate":
+            rate_limit(c.lab, victim.host, args.rate)
+            undo = lambda: unlimit(c.lab, victim.host)  # noqa: E731
+        row["ms_per_step_before"] = ms_per_step(c, t0 - args.settle, t0)
+        found = wait_for(c, lambda e: e["event"] == "link_degraded" and e["time"] >= t0, args.timeout)
+        if found is None:
+            row["detected"] = False
+            row["ms_per_step_during"] = ms_per_step(c, t0, time.time())
+            return row
+        td = found["time"]
+        victim_id = next(e["node"] for e in victim.events() if e["event"] == "agent_started")
+        row.update(detected=True, node_ok=found["node"] == victim_id, line=found["line"],
+                   seconds_to_detection=round(td - t0, 1), steps_to_detection=step_at(c, td) - step_at(c, t0),
+                   ms_per_step_during=ms_per_step(c, t0, td))
+        # migration done: every rank of the victim resumed elsewhere (a swap_resumed per rank it held)
+        deadline = time.time() + args.timeout
+        done = None
+        while time.time() < deadline and c.running():
+            resumed = {e.get("swap_id"): e["time"] for e in c.events() if e["event"] == "swap_resumed"
+                       and e["time"] >= td}
+            if len(resumed) >= 2:
+                done = max(resumed.values())
+                break
+            time.sleep(0.5)
+        if done is not None:
+            row["seconds_to_migration_done"] = round(done - td, 1)
+            time.sleep(args.settle)
+            row["ms_per_step_after"] = ms_per_step(c, done + 2, time.time())
+        evs = c.events()
+        row["swaps"] = len({e.get("swap_id") for e in evs if e["event"] == "swap_decided"})
+        # where the victim's ranks run now: none of them may be on the victim
+        row["swaps_onto_victim"] = sum(e["event"] == "swap_decided" and f"to spare {victim_id}/" in (e.get("reason") or "")
+                                       for e in evs)
+        row["false_alarms"] = sorted({e["node"] for e in evs if e["event"] == "link_degraded" and e["node"] != victim_id})
+        row["restarts"] = count(c.events(), ("restart", "fallback", "membership_change"), t0)
+        return row
+    finally:
+        if undo is not None:
+            undo()
+        c.close()
+
+
+def degrade(args: argparse.Namespace) -> dict:
+    rows = []
+    for kind in args.kinds.split(","):
+        row = degrade_one(kind, args)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    return {"degrade": rows}
+
+
+def noise(args: argparse.Namespace) -> dict:
+    """No fault, background CPU load from other processes and a slow step now and then: nothing degraded."""
+    work = tempfile.mkdtemp(prefix="tpassrun-netnoise-")
+    c = Cluster(work, steps=100000, step_sleep=args.step_sleep, hang_timeout=60, netns=True, small_disk=False)
+    burners = []
+    try:
+        c.start_job()
+        t0 = time.time()
+        burn = "import time\nwhile True:\n    t = time.time()\n    while time.time() - t < 0.5: pass\n    time.sleep(0.2)"
+        burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(args.burners)]
+        time.sleep(args.seconds)
+        evs = c.events()
+        return {"noise": {"seconds": args.seconds, "burners": args.burners, "steps": step_at(c, time.time()) -
+                          step_at(c, t0), "ms_per_step": ms_per_step(c, t0, time.time()),
+                          "degraded": sum(e["event"] == "link_degraded" for e in evs),
+                          "suspect": sum(e["event"] == "link_suspect" for e in evs),
+                          "swaps": len({e.get("swap_id") for e in evs if e["event"] == "swap_decided"})}}
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait()
+        c.close()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="what", required=True)
+    f = sub.add_parser("flaps")
+    f.add_argument("--flaps", type=int, default=10)
+    f.add_argument("--seed", type=int, default=1)
+    f.add_argument("--steps", type=int, default=400)
+    f.add_argument("--step-sleep", type=float, default=0.05)
+    f.add_argument("--lease-ttl", type=int, default=10)
+    f.add_argument("--hang-timeout", type=float, default=30)
+    d = sub.add_parser("degrade")
+    d.add_argument("--kinds", default="loss,delay,rate")
+    d.add_argument("--loss", type=float, default=0.05)
+    d.add_argument("--delay-ms", type=float, default=50)
+    d.add_argument("--rate", default="20mbit")
+    d.add_argument("--step-sleep", type=float, default=0.05)
+    d.add_argument("--settle", type=float, default=40, help="seconds of steps measured before and after")
+    d.add_argument("--timeout", type=float, default=240)
+    n = sub.add_parser("noise")
+    n.add_argument("--seconds", type=float, default=600)
+    n.add_argument("--burners", type=int, default=2, help="background processes, each busy 0.5 s of every 0.7 s")
+    n.add_argument("--step-sleep", type=float, default=0.05)
+    args = p.parse_args()
+    if not NetLab.available():
+        raise SystemExit("needs root and iproute2 (network namespaces)")
+    out = {"flaps": flaps, "degrade": degrade, "noise": noise}[args.what](args)
+    print(json.dumps(out, default=str))
+
+
+if __name__ == "__main__":
+    main()
