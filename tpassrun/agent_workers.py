@@ -50,6 +50,9 @@ class WorkerSpawning:
         }
         if spare:
             extra[E.TPASSRUN_SPARE] = "1"
+        store_key = self.store_key()
+        if store_key is not None:    # the workers' store's authenticated door (tpassrun.store)
+            extra[E.TPASSRUN_STORE_KEY] = store_key.hex()
         # Each slot owns its GPU: a spare sees only its own, a rank moved off a tainted slot is steered to
         # its new slot's GPU (devices.py); on a CPU node this adds nothing.
         extra.update(slot_env(slot.index, local_rank, self.devices, spare=spare,

@@ -36,7 +36,7 @@ from . import envnames as E
 from . import testing
 from .channel import INT64_MAX, Field, WorkerPhase
 from .protocol import Hello
-from .world import init_world
+from .world import init_first_world
 from .worker_failure import StepFailure, classify_failure, is_distributed_failure
 from .worker_link import AgentLink
 from .worker_session import Session
@@ -81,8 +81,7 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
     generation = int(env.get(E.TPASSRUN_GENERATION, "0"))
     if not spare:
         if not dist.is_initialized():
-            kwargs = {"timeout": timeout} if timeout is not None else {}
-            init_world(backend, **kwargs)
+            init_first_world(backend, timeout)
         link.set(Field.PHASE, WorkerPhase.STARTING)
         return Session(backend=backend, link=link, rank=dist.get_rank(), world_size=dist.get_world_size(),
                        local_rank=local_rank, generation=generation, joined=False, timeout=timeout)
