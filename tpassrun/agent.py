@@ -59,7 +59,8 @@ from .provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, en
 from .mirrorplane import MirrorPlane  # noqa: E402
 from .slots import LocalSlots, Slot  # noqa: E402
 from .swapper import Swapper  # noqa: E402
-from .workerenv import elastic_entry_point, entrypoint_name  # noqa: E402
+from .workerenv import check_encrypt_conf, elastic_entry_point, encrypt_requested, entrypoint_name  # noqa: E402
+from .wireauth import aead_unavailable_reason  # noqa: E402
 from .config_rules import split_endpoint  # noqa: E402
 from .store import bind_host, derive_store_key, is_loopback  # noqa: E402
 
@@ -165,6 +166,10 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
             endpoint = cfg.etcd_endpoint
             rdzv_conf = dict(cfg.rdzv_conf or {})
             refuse_inline_secrets(rdzv_conf)
+            bad_encrypt = check_encrypt_conf(rdzv_conf, aead_unavailable_reason() if encrypt_requested(rdzv_conf)
+                                             else None)
+            if bad_encrypt is not None:
+                raise RendezvousError(bad_encrypt)
             run_key = self._run_key(rdzv_conf, embedded=endpoint is None)
             if endpoint is None:
                 log.debug("waiting for the embedded etcd to start")

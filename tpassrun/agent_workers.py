@@ -22,7 +22,7 @@ from .protocol import Done, Failed, Hello, MirrorInfoRequest, Raised, ReplicasCh
 from .records import HANDLED_RESTART, Keys, Taint, load
 from .rendezvous import Generation, Member, RendezvousError
 from .slots import Slot, SlotState
-from .workerenv import WorkerAssignment, role_ranks, worker_argv, worker_env
+from .workerenv import WorkerAssignment, encrypt_requested, role_ranks, worker_argv, worker_env
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -50,6 +50,8 @@ class WorkerSpawning:
         }
         if spare:
             extra[E.TPASSRUN_SPARE] = "1"
+        if encrypt_requested(self.cfg.rdzv_conf):   # both ends of every transfer read it: they agree
+            extra[E.TPASSRUN_ENCRYPT] = "1"
         store_key = self.store_key()
         if store_key is not None:    # the workers' store's authenticated door (tpassrun.store)
             extra[E.TPASSRUN_STORE_KEY] = store_key.hex()
