@@ -52,18 +52,18 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from . import envnames as E
 from . import poly1305
 from .handoff_codec import ChecksumError, HandoffError, StateBundle
 from .handoff_frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES, _PREFIX_LEN, _STREAM_CHECKSUM, _TRAILER,
                             _allocate_all, _encode_head, _Frame, _frames, _new_checksum, _outgoing, _parse_head,
                             _Pipelined, _read_frame, _read_prefix, _SocketReader, decode_small, encode_parts, encode_small,
                             reserve_receive_arena, reserved_receive_bytes)
-from .wireauth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError,
-                       ConnectorHandshake, FrameCipher, FrameMac, ListenerHandshake, TransferAuth,
-                       aead_unavailable_reason)
+from .wireauth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError,
+                       ConnectorHandshake, FrameCipher, FrameMac, ListenerHandshake, TransferAuth)
 from .quiet import Throttle, held_note
 from .wiregate import HANDSHAKE_DEADLINE_S, HandshakeGate
+from .handoff_seal import (_AUTH_TRAILER, _FRAME_INDEX, _MAC_THREADS, _expect, _tag, encryption_wanted,  # noqa: F401
+                           listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
 
 log = logging.getLogger("tpassrun.handoff")
 
@@ -77,10 +77,7 @@ _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
 _HMAC_CHECKSUM = "hmac-sha256"
 _POLY_CHECKSUM = "poly1305"
 _FRAME_MACS = (_POLY_CHECKSUM, _HMAC_CHECKSUM)
-_FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
-_AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count
 _MAX_AUTH_HEAD_BYTES = 64 << 20        # what a signed head may claim before its tag was checked
-_MAC_THREADS = max(1, min(4, os.cpu_count() or 1))
 _STRANGER_LINES = Throttle()           # one warning line per source a minute, however many strangers it sends
 
 
@@ -158,14 +155,6 @@ class _DeadlineReader:
         return bytes(buf)
 
 
-def _tag(mac: FrameMac, label: bytes, pieces: list[Any]) -> bytes:
-    """The connection's MAC over ``label`` and ``pieces`` (``mac`` is a fresh copy: the pool runs these)."""
-    mac.feed(label)
-    for piece in pieces:
-        mac.feed(piece)
-    return mac.tag()
-
-
 _poly1305_said = False
 
 
@@ -191,39 +180,6 @@ def _frame_mac_name(requested: str | None, peer_flags: int = FLAG_POLY1305) -> s
     if requested == _POLY_CHECKSUM and not poly1305.available():
         raise HandoffError(f"poly1305 frame MACs are not available here: {poly1305.unavailable_reason()}")
     return requested
-
-
-def encryption_wanted(encrypt: bool | None = None) -> bool:
-    """Whether this process's transfers are encrypted: ``encrypt``, else its run's ``--rdzv-conf encrypt=true``
-    (the agent sets ``TPASSRUN_ENCRYPT=1`` for every worker of such a run, so both ends of a transfer agree)."""
-    if encrypt is not None:
-        return encrypt
-    return os.environ.get(E.TPASSRUN_ENCRYPT, "") == "1"
-
-
-def _listener_flags(encrypt: bool) -> int:
-    """What a receiver's hello says: Poly1305 where it has it; FLAG_ENCRYPT when its run encrypts."""
-    flags = FLAG_POLY1305 if _poly1305_here() else 0
-    if encrypt:
-        why = aead_unavailable_reason()
-        if why is not None:
-            raise HandoffError(f"this run encrypts its transfers (--rdzv-conf encrypt=true), but {why}")
-        flags |= FLAG_ENCRYPT
-    return flags
-
-
-def _sender_encrypts(encrypt: bool, peer_flags: int) -> bool:
-    """A sender encrypts when its run does or the receiver's does; a sender whose run encrypts sends nothing
-    to a receiver that would not decrypt."""
-    if encrypt and not peer_flags & FLAG_ENCRYPT:
-        raise HandoffError("this run encrypts its transfers (--rdzv-conf encrypt=true) and the receiver does not "
-                           "decrypt: nothing was sent")
-    if peer_flags & FLAG_ENCRYPT:
-        why = aead_unavailable_reason()
-        if why is not None:
-            raise HandoffError(f"the receiver's run encrypts its transfers, but here {why}: nothing was sent")
-        return True
-    return False
 
 
 def _frame_tag_len(name: str) -> int:
@@ -289,7 +245,7 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     if auth is not None or proved is not None:
         _frame_mac_name(frame_mac)   # a bad request fails before the handshake
         mac, peer_flags = proved if proved is not None else _sender_handshake(sock, auth)   # type: ignore[arg-type]
-        mac_name = AEAD_NAME if _sender_encrypts(encryption_wanted(encrypt), peer_flags) \
+        mac_name = AEAD_NAME if sender_encrypts(encryption_wanted(encrypt), peer_flags) \
             else _frame_mac_name(frame_mac, peer_flags)
     else:
         mac, mac_name = None, ""
@@ -299,7 +255,7 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     if mac is not None:
         checksum = mac_name
         head = _encode_head(bundle.meta, specs, chunk_bytes, checksum)
-        send = _send_sealed if checksum == AEAD_NAME else _send_signed
+        send = send_sealed if checksum == AEAD_NAME else _send_signed
         chunks, result = send(sender, mac, checksum, head, views, chunk_bytes)
     else:
         head = _encode_head(bundle.meta, specs, chunk_bytes, checksum)
@@ -359,66 +315,6 @@ def _send_signed(sender: _Sender, mac: FrameMac, name: str, head: bytes, views: 
     return len(frames), int.from_bytes(end[:4], "little")
 
 
-def _send_sealed(sender: _Sender, mac: FrameMac, name: str, head: bytes, views: list[memoryview],
-                 frame_bytes: int) -> tuple[int, int]:
-    """The encrypted layout (``--rdzv-conf encrypt=true``): the signed layout with the head's meta and every
-    frame under AES-256-GCM (:class:`~tpassrun.wireauth.FrameCipher`, keyed for this connection; the frame's
-    index is its nonce, its label the associated data); the GCM tag is the frame's tag. The pool encrypts
-    frames ahead of the socket into their own buffers (the tensors are never written)."""
-    cipher = FrameCipher(mac.one_time_key(b"aead"))
-    prefix = head[:_PREFIX_LEN]
-    sealed_head = cipher.seal(_HEAD_NONCE, b"head" + prefix, head[_PREFIX_LEN:])
-    sender.send(prefix + sealed_head + _tag(mac.copy(), b"head", [prefix, sealed_head]), "header")
-    frames = _frames(views, frame_bytes)
-    tags: list[bytes] = []
-    with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-aead") as pool:
-        ahead: collections.deque[Future[bytearray]] = collections.deque()
-        queued = 0
-        for index in range(len(frames)):
-            while queued < len(frames) and queued <= index + 2 * _MAC_THREADS:
-                ahead.append(pool.submit(_seal_frame, cipher, queued, frames[queued]))
-                queued += 1
-            out = ahead.popleft().result()
-            sender.send(out, f"frame #{index}")
-            tags.append(bytes(out[-AEAD_TAG_LEN:]))
-    data_len = sum(len(v) for v in views)
-    trailer = _AUTH_TRAILER.pack(_END_MAGIC, data_len, len(frames))
-    end = _tag(mac.copy(), b"end", [trailer, *tags])
-    sender.send(trailer + end, "trailer")
-    return len(frames), int.from_bytes(end[:4], "little")
-
-
-_HEAD_NONCE = (1 << 64) - 1     # the head's index: never a frame's
-
-
-def _frame_label(index: int, length: int) -> bytes:
-    return b"data" + _FRAME_INDEX.pack(index, length)
-
-
-def _seal_frame(cipher: FrameCipher, index: int, pieces: list[memoryview]) -> bytearray:
-    length = sum(len(p) for p in pieces)
-    data: Any = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-    out = bytearray(length + AEAD_TAG_LEN)
-    cipher.seal_into(index, _frame_label(index, length), data, out)
-    return out
-
-
-def _open_frame(cipher: FrameCipher, index: int, sealed: bytearray, pieces: list[memoryview]) -> bytes:
-    """Decrypt frame ``index`` into its tensors' bytes (straight into a single piece); its tag, for the end
-    tag's check. A forged or altered frame is a ChecksumError."""
-    length = len(sealed) - AEAD_TAG_LEN
-    if len(pieces) == 1:
-        cipher.open_into(index, _frame_label(index, length), sealed, pieces[0])
-    else:
-        plain = bytearray(length)
-        cipher.open_into(index, _frame_label(index, length), sealed, plain)
-        at = 0
-        for piece in pieces:
-            piece[:] = plain[at:at + len(piece)]
-            at += len(piece)
-    return bytes(sealed[-AEAD_TAG_LEN:])
-
-
 # ---------------------------------------------------------------------------------------------
 # receiving
 
@@ -460,7 +356,7 @@ def _receiver_handshake(sock: socket.socket, auth: TransferAuth, encrypt: bool =
     """One accepted connection's handshake (a listener serving many uses :class:`HandshakeGate`): a fresh nonce
     out, the sender's proof in within the handshake's deadline (constant-time check), our proof out."""
     stream_timeout = sock.gettimeout()
-    shake = ListenerHandshake(auth, _listener_flags(encrypt))
+    shake = ListenerHandshake(auth, listener_flags(_poly1305_here(), encrypt))
     try:
         try:
             sock.settimeout(HANDSHAKE_DEADLINE_S)
@@ -494,13 +390,13 @@ def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None, en
         raise ChecksumError("handoff header corrupted or forged: tag mismatch")
     cipher = FrameCipher(mac.one_time_key(b"aead")) if encrypted else None
     if cipher is not None:
-        body = cipher.open(_HEAD_NONCE, b"head" + prefix, body)
+        body = open_head(cipher, prefix, body)
     head = _parse_head(prefix, body, head_crc, max_bytes)
     if (head.checksum == AEAD_NAME) != encrypted:
         raise HandoffError(f"the sender's stream is {'not ' if encrypted else ''}encrypted ({head.checksum}), and "
                            f"this receiver's run {'encrypts' if encrypted else 'does not encrypt'}")
     if cipher is not None:
-        return _read_sealed(reader, mac, cipher, prefix, head_len, head, max_bytes)
+        return read_sealed(reader, mac, cipher, head_len, head)
     if head.checksum not in _FRAME_MACS:
         raise HandoffError(f"an authenticated stream must use {' or '.join(_FRAME_MACS)}, not {head.checksum!r}")
     if head.checksum == _POLY_CHECKSUM and not poly1305.available():
@@ -531,42 +427,6 @@ def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None, en
     nbytes = _PREFIX_LEN + head_len + TAG_LEN + data_len + tag_len * len(frames) + _AUTH_TRAILER.size + TAG_LEN
     return _Frame(StateBundle(head.meta, tensors), head.specs, nbytes, len(frames),
                   f"{head.checksum}:{int.from_bytes(end[:4], 'little'):08x}")
-
-
-def _read_sealed(reader: _SocketReader, mac: FrameMac, cipher: FrameCipher, prefix: bytes, head_len: int,
-                 head: Any, max_bytes: int | None) -> _Frame:
-    """The encrypted frames: each read whole into its own buffer, decrypted by the pool into the tensors while
-    the next one arrives."""
-    if not 0 < head.chunk_bytes <= 1 << 30:
-        raise HandoffError(f"an encrypted stream with {head.chunk_bytes}-byte frames, refusing")
-    tensors, views = _allocate_all(head.specs, use_arena=True)
-    frames = _frames(views, head.chunk_bytes)
-    tags: list[bytes] = []
-    with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-aead") as pool:
-        checks: list[Future[bytes]] = []
-        for index, pieces in enumerate(frames):
-            sealed = bytearray(sum(len(p) for p in pieces) + AEAD_TAG_LEN)
-            reader.read_into(memoryview(sealed), f"frame #{index} of {len(frames)}")
-            tags.append(bytes(sealed[-AEAD_TAG_LEN:]))
-            checks.append(pool.submit(_open_frame, cipher, index, sealed, pieces))
-        trailer = reader.read_exact(_AUTH_TRAILER.size, "trailer")
-        end = reader.read_exact(TAG_LEN, "the end tag")
-        for index, check in enumerate(checks):
-            _expect(check, tags[index], index)
-    end_magic, data_len, count = _AUTH_TRAILER.unpack(trailer)
-    if not hmac.compare_digest(end, _tag(mac.copy(), b"end", [trailer, *tags])) or end_magic != _END_MAGIC \
-            or count != len(frames) or data_len != sum(len(v) for v in views):
-        raise ChecksumError(f"handoff stream corrupted or forged: end tag mismatch ({len(frames)} frames "
-                            f"received, the sender says {count})")
-    nbytes = (_PREFIX_LEN + head_len + AEAD_TAG_LEN + TAG_LEN + data_len + AEAD_TAG_LEN * len(frames)
-              + _AUTH_TRAILER.size + TAG_LEN)
-    return _Frame(StateBundle(head.meta, tensors), head.specs, nbytes, len(frames),
-                  f"{AEAD_NAME}:{int.from_bytes(end[:4], 'little'):08x}")
-
-
-def _expect(check: Future[bytes], tag: bytes, index: int) -> None:
-    if not hmac.compare_digest(check.result(), tag):
-        raise ChecksumError(f"handoff data corrupted or forged: frame #{index}'s tag mismatch")
 
 
 def _send_ack_quietly(sock: socket.socket, status: int) -> None:
@@ -695,7 +555,7 @@ def accept_and_recv(listener: socket.socket, *, timeout: float, device: str = "c
     deadline = time.monotonic() + timeout
     dropped: list[str] = []
     encrypted = encryption_wanted(encrypt)
-    with HandshakeGate(listener, auth, _listener_flags(encrypted), deadline_s=handshake_s) as gate:
+    with HandshakeGate(listener, auth, listener_flags(_poly1305_here(), encrypted), deadline_s=handshake_s) as gate:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
