@@ -20,7 +20,7 @@ from tpassrun.handoff_wire import HandoffError
 from tpassrun.wireauth import AEAD_NAME, ChecksumError, FrameCipher
 from tpassrun.workerenv import check_encrypt_conf, encrypt_requested
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 AUTH = TransferAuth(b"e" * 32, "s-enc", 1)
 MARK = b"TPASSRUN-PLAINTEXT-MARK!"        # 24 bytes: a tensor made of it is easy to find in a capture
@@ -133,3 +133,27 @@ def test_the_rdzv_conf_setting():
     assert check_encrypt_conf({"encrypt": "maybe"}, None) == "--rdzv-conf encrypt='maybe': expected true or false"
     assert "not installed" in check_encrypt_conf({"encrypt": "true"}, "the 'cryptography' package is not installed")
     assert check_encrypt_conf({"encrypt": "true"}, None) is None
+
+
+def test_a_planned_swap_of_a_run_that_encrypts_is_encrypted_and_bit_exact(tmp_path, etcd_server, run_id,
+                                                                          reference_run):
+    """The whole path: ``--rdzv-conf encrypt=true`` on the agent, TPASSRUN_ENCRYPT in every worker, the leaver's
+    state sealed to the joiner; the job ends equal to torchrun's (and its workers formed every world through the
+    workers' store's authenticated door, tpassrun.store)."""
+    from faults import Job, assert_bit_exact, faults_env, hold_at, taint
+
+    baseline = reference_run(4, 40)
+    hold = hold_at(str(tmp_path), 12)
+    job = Job.tpassrun(str(tmp_path / "job"), endpoint=etcd_server.endpoint, run_id=run_id, nproc=4, spares=1,
+                       steps=40, step_sleep=0.05, extra=["--rdzv-conf", "encrypt=true"],
+                       env=faults_env(hold.fault)).start()
+    try:
+        hold.wait_reached(job)
+        assert taint(etcd_server.endpoint, run_id, rank=1, reason="encrypted swap") == 0
+        hold.release_after(job, "swap_boundary")
+        assert job.wait(240) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    assert_bit_exact(job, baseline, 4)
+    ends = [e for e in job.events() if e["event"] == "swap_transfer_end"]
+    assert ends and all(e["checksum"].startswith(AEAD_NAME + ":") for e in ends), ends
