@@ -85,6 +85,10 @@ def test_a_single_nodes_store_listens_on_loopback_and_a_jobs_on_its_address():
     assert bind_host("localhost", single_node=True) in ("127.0.0.1", "::1")
     assert bind_host("192.0.2.77", single_node=True) == "127.0.0.1"    # a node's own address: still loopback
     assert bind_host("192.0.2.77", single_node=False) == "192.0.2.77"   # never 0.0.0.0
+    assert bind_host("localhost", single_node=False) == "127.0.0.1"     # --local-addr 127.0.0.1: as named
+    # the FQDN default resolving here to loopback only (Debian's 127.0.1.1) while the peers resolve it to this
+    # node's address: every interface, as torchrun, rather than a store no peer can reach
+    assert bind_host("localhost", single_node=False, named=False) in ("::", "0.0.0.0")
 
 
 # --- the doors, against real torch clients ---------------------------------------------------------------

@@ -484,7 +484,7 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                 addr, static_port = split_endpoint(self.cfg.rdzv_endpoint)
                 port = static_port or 0
             port = port or _free_port()
-            await self._start_store(port, addr)
+            await self._start_store(port, addr if self.cfg.rdzv_backend == "static" else None)
             await self.rdzv.publish_bootstrap(gen, addr, port)
             return addr, port
         return await self.rdzv.wait_bootstrap(gen, timeout=self.rdzv.settings.join_timeout)
@@ -528,7 +528,8 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
 
         advertised = addr or self.cfg.local_addr or socket.getfqdn()
         self._store_bind = host = bind_host(advertised, single_node=self._single_node()
-                                            and self.cfg.rdzv_backend != "static")
+                                            and self.cfg.rdzv_backend != "static",
+                                            named=addr is not None or bool(self.cfg.local_addr))
         key = self.store_key() or secrets.token_bytes(32)   # no mirror (tests): a key no worker holds
         proc = await asyncio.create_subprocess_exec(
             self.cfg.python_exec, "-m", "tpassrun.storeserver", host, str(port),

@@ -55,17 +55,27 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def bind_host(advertised: str, single_node: bool) -> str:
+def bind_host(advertised: str, single_node: bool, named: bool = True) -> str:
     """Where the workers' store listens (pure, but for one name lookup): a single node's on loopback (what
     ``advertised`` resolves to when that is a loopback address, else 127.0.0.1); a job of several nodes' on the
-    address ``advertised`` resolves to (its peers connect there), never on every interface."""
-    try:
-        resolved = socket.getaddrinfo(advertised, None, type=socket.SOCK_STREAM)[0][4][0]
-    except (OSError, IndexError):
-        resolved = ""
-    if single_node:
-        return resolved if resolved and is_loopback(resolved) else "127.0.0.1"
+    address ``advertised`` resolves to (its peers connect there). One exception: a host name nobody chose
+    (``named`` False: the FQDN default, no ``--local-addr``) that resolves here to loopback only (127.0.1.1 in
+    Debian's /etc/hosts) while the other nodes resolve it to this node's real address: every interface then,
+    as torchrun (the authenticated door still keeps tpassrun's worlds to the key holders)."""
+    if single_node:   # an IPv4 loopback address the name has (127.0.1.1 on Debian), else 127.0.0.1
+        v4 = _resolve(advertised, socket.AF_INET)
+        return v4 if v4 and is_loopback(v4) else "127.0.0.1"
+    resolved = _resolve(advertised, socket.AF_UNSPEC)
+    if not named and (not resolved or is_loopback(resolved)):
+        return "::" if socket.has_ipv6 and _resolve("::", socket.AF_INET6) else "0.0.0.0"
     return resolved or advertised
+
+
+def _resolve(name: str, family: int) -> str:
+    try:
+        return str(socket.getaddrinfo(name, None, family, socket.SOCK_STREAM)[0][4][0])
+    except (OSError, IndexError):
+        return ""
 
 
 def serve(host: str, port: int, key: bytes, *, plain: bool = True) -> Any:
