@@ -21,6 +21,8 @@ from tpassrun.wireauth import AEAD_NAME, ChecksumError, FrameCipher
 from tpassrun.workerenv import check_encrypt_conf, encrypt_requested
 
 pytestmark = pytest.mark.timeout(300)
+pytest.importorskip("cryptography", reason="the 'encrypt' extra (cryptography >= 44; the test extra and "
+                    "scripts/bootstrap.sh install it)")
 
 AUTH = TransferAuth(b"e" * 32, "s-enc", 1)
 MARK = b"TPASSRUN-PLAINTEXT-MARK!"        # 24 bytes: a tensor made of it is easy to find in a capture
