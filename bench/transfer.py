@@ -10,6 +10,7 @@ Prints, in one run:
     where the host's OpenSSL has it, the default), into a spare's pre-faulted arena: what a swap actually pays;
   * the same with HMAC-SHA256 frame tags (the fallback, and what every transfer paid before Poly1305);
   * their ratios to raw TCP (target >= 0.70), authenticated / checksummed, and CPU seconds per GB (both ends);
+  * the same, encrypted (``encrypt=True``: ``--rdzv-conf encrypt=true``, AES-256-GCM frames), GB/s and CPU per GB;
   * ``capture_rng()`` + ``capture`` + ``encode_small`` per call (target < 100 us), with a breakdown.
 
 Raw and handoff rounds alternate so that background load hits both alike. The last line is JSON.
@@ -78,7 +79,7 @@ def raw_receiver(nbytes: int, rounds: int, ports: Any) -> None:
 AUTH = TransferAuth(b"bench-transfer-key-0123456789abcdef", "s-bench", 1)
 
 
-def bundle_receiver(rounds: int, arena_bytes: int, ports: Any, auth: bool = False) -> None:
+def bundle_receiver(rounds: int, arena_bytes: int, ports: Any, auth: bool = False, encrypt: bool = False) -> None:
     """``arena_bytes`` > 0: like a warm spare, fault in a receive arena before each transfer (not timed)."""
     listener, port = listen_for_bundle("127.0.0.1")
     ports.put(port)
@@ -87,7 +88,7 @@ def bundle_receiver(rounds: int, arena_bytes: int, ports: Any, auth: bool = Fals
             if arena_bytes:
                 reserve_receive_arena(arena_bytes)
             cpu_before = cpu_seconds()
-            bundle, _stats = accept_and_recv(listener, timeout=120, auth=AUTH if auth else None)
+            bundle, _stats = accept_and_recv(listener, timeout=600, auth=AUTH if auth else None, encrypt=encrypt)
             del bundle
             ports.put(cpu_seconds() - cpu_before)
 
@@ -97,7 +98,7 @@ def start_receiver(target: Callable, *args: Any, **kwargs: Any) -> tuple[Any, in
     ports = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, ports), kwargs=kwargs, daemon=True)
     proc.start()
-    return proc, ports, ports.get(timeout=120)
+    return proc, ports, ports.get(timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,29 +176,38 @@ def main() -> None:
                                                         auth=True)
     hmac_proc, hmac_reports, hmac_port = start_receiver(bundle_receiver, args.rounds, bundle.nbytes + (16 << 20),
                                                         auth=True)
+    enc_proc, enc_reports, enc_port = start_receiver(bundle_receiver, args.rounds, bundle.nbytes + (16 << 20),
+                                                     auth=True, encrypt=True)
+    enc_gbps, enc_cpu = [], []
     raw_gbps, bundle_gbps, raw_cpu, bundle_cpu, arena_gbps, arena_cpu = [], [], [], [], [], []
     auth_gbps, auth_cpu, hmac_gbps, hmac_cpu = [], [], [], []
     try:
         for round_no in range(args.rounds):
             cpu_before = cpu_seconds()
             raw_gbps.append(nbytes / send_raw(raw_port, payload) / 1e9)
-            raw_cpu.append((cpu_seconds() - cpu_before, raw_reports.get(timeout=120)))
+            raw_cpu.append((cpu_seconds() - cpu_before, raw_reports.get(timeout=600)))
             cpu_before = cpu_seconds()
-            stats = connect_and_send("127.0.0.1", bundle_port, bundle, timeout=120)
-            bundle_cpu.append((cpu_seconds() - cpu_before, bundle_reports.get(timeout=120)))
+            stats = connect_and_send("127.0.0.1", bundle_port, bundle, timeout=600)
+            bundle_cpu.append((cpu_seconds() - cpu_before, bundle_reports.get(timeout=600)))
             bundle_gbps.append(stats.gbps)
             cpu_before = cpu_seconds()
-            astats = connect_and_send("127.0.0.1", arena_port, bundle, timeout=120)
-            arena_cpu.append((cpu_seconds() - cpu_before, arena_reports.get(timeout=120)))
+            astats = connect_and_send("127.0.0.1", arena_port, bundle, timeout=600)
+            arena_cpu.append((cpu_seconds() - cpu_before, arena_reports.get(timeout=600)))
             arena_gbps.append(astats.gbps)
             cpu_before = cpu_seconds()
-            sstats = connect_and_send("127.0.0.1", auth_port, bundle, timeout=120, auth=AUTH)
-            auth_cpu.append((cpu_seconds() - cpu_before, auth_reports.get(timeout=120)))
+            sstats = connect_and_send("127.0.0.1", auth_port, bundle, timeout=600, auth=AUTH)
+            auth_cpu.append((cpu_seconds() - cpu_before, auth_reports.get(timeout=600)))
             auth_gbps.append(sstats.gbps)
             cpu_before = cpu_seconds()
-            hstats = connect_and_send("127.0.0.1", hmac_port, bundle, timeout=120, auth=AUTH, frame_mac="hmac-sha256")
-            hmac_cpu.append((cpu_seconds() - cpu_before, hmac_reports.get(timeout=120)))
+            hstats = connect_and_send("127.0.0.1", hmac_port, bundle, timeout=600, auth=AUTH, frame_mac="hmac-sha256")
+            hmac_cpu.append((cpu_seconds() - cpu_before, hmac_reports.get(timeout=600)))
             hmac_gbps.append(hstats.gbps)
+            cpu_before = cpu_seconds()
+            estats = connect_and_send("127.0.0.1", enc_port, bundle, timeout=600, auth=AUTH, encrypt=True)
+            enc_cpu.append((cpu_seconds() - cpu_before, enc_reports.get(timeout=600)))
+            enc_gbps.append(estats.gbps)
+            print(f"  round {round_no}: encrypted ({estats.checksum.split(':')[0]}) {estats.gbps:.2f} GB/s "
+                  f"(cpu s: send {enc_cpu[-1][0]:.3f}, recv {enc_cpu[-1][1]:.3f})")
             print(f"  round {round_no}: handoff into a spare's pre-faulted arena {astats.gbps:.2f} GB/s "
                   f"(cpu s: send {arena_cpu[-1][0]:.3f}, recv {arena_cpu[-1][1]:.3f}); authenticated "
                   f"{sstats.gbps:.2f} GB/s (cpu s: send {auth_cpu[-1][0]:.3f}, recv {auth_cpu[-1][1]:.3f}; "
@@ -207,7 +217,7 @@ def main() -> None:
                   f"recv {raw_cpu[-1][1]:.3f}), handoff {stats.gbps:.2f} GB/s (cpu s: send {bundle_cpu[-1][0]:.3f}, "
                   f"recv {bundle_cpu[-1][1]:.3f}; {stats.nbytes / 1e6:.0f} MB, {stats.chunks} chunks, {stats.checksum})")
     finally:
-        for proc in (raw_proc, bundle_proc, arena_proc, auth_proc, hmac_proc):
+        for proc in (raw_proc, bundle_proc, arena_proc, auth_proc, hmac_proc, enc_proc):
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
@@ -231,13 +241,18 @@ def main() -> None:
     hmac_vs_arena = statistics.median(hmac_gbps) / statistics.median(arena_gbps)
     print(f"hmac       best {max(hmac_gbps):.2f} GB/s, median {statistics.median(hmac_gbps):.2f} GB/s; ratio to raw "
           f"median/median {hmac_ratio:.2f}; HMAC-SHA256 frames / checksummed {hmac_vs_arena:.2f}")
+    enc_ratio = statistics.median(enc_gbps) / statistics.median(raw_gbps)
+    enc_vs_auth = statistics.median(enc_gbps) / statistics.median(auth_gbps)
+    print(f"encrypted  best {max(enc_gbps):.2f} GB/s, median {statistics.median(enc_gbps):.2f} GB/s; ratio to raw "
+          f"median/median {enc_ratio:.2f}; encrypted / authenticated {enc_vs_auth:.2f} (AES-256-GCM frames)")
     cost = lambda cpu, n: min(send + recv for send, recv in cpu) / n * 1e9   # noqa: E731
+    enc_cost = cost(enc_cpu, bundle.nbytes)
     raw_cost, bundle_cost, arena_cost = cost(raw_cpu, nbytes), cost(bundle_cpu, bundle.nbytes), cost(arena_cpu, bundle.nbytes)
     auth_cost, hmac_cost = cost(auth_cpu, bundle.nbytes), cost(hmac_cpu, bundle.nbytes)
     print(f"cpu cost   raw {raw_cost:.3f} s/GB, handoff {bundle_cost:.3f}, arena {arena_cost:.3f}, authenticated "
           f"{auth_cost:.3f}, HMAC-SHA256 frames {hmac_cost:.3f} s/GB (both ends; a load-independent view on a "
           f"shared host): raw/handoff {raw_cost / bundle_cost:.2f}, arena/authenticated {arena_cost / auth_cost:.2f}, "
-          f"arena/HMAC {arena_cost / hmac_cost:.2f}")
+          f"arena/HMAC {arena_cost / hmac_cost:.2f}; encrypted {enc_cost:.3f} s/GB")
 
     sampler = Sampler()
     rng = capture_rng()
@@ -259,7 +274,8 @@ def main() -> None:
         "auth_gbps": auth_gbps, "auth_ratio_median": round(auth_ratio, 3),
         "auth_vs_checksum_median": round(auth_vs_arena, 3), "cpu_s_per_gb_auth": round(auth_cost, 3),
         "hmac_gbps": hmac_gbps, "hmac_vs_checksum_median": round(hmac_vs_arena, 3),
-        "cpu_s_per_gb_hmac": round(hmac_cost, 3), "cpu_s_per_gb_arena": round(arena_cost, 3),
+        "cpu_s_per_gb_hmac": round(hmac_cost, 3), "enc_gbps": enc_gbps, "enc_ratio_median": round(enc_ratio, 3),
+        "enc_vs_auth_median": round(enc_vs_auth, 3), "cpu_s_per_gb_enc": round(enc_cost, 3), "cpu_s_per_gb_arena": round(arena_cost, 3),
         "ratio_median": round(ratio_median, 3), "cpu_s_per_gb": {"raw": round(raw_cost, 3), "handoff": round(bundle_cost, 3)},
         "state_mb": round(bundle.nbytes / 1e6, 1),
         "light_bytes": len(light), "light_us": {k: round(v[0], 1) for k, v in timings.items()},

@@ -99,6 +99,7 @@ def _set_pdeathsig() -> None:  # runs in the child between fork and exec
 _DIR_PREFIX = "tpassrun-etcd-"
 _OWNER_FILE = "owner.pid"
 CREDENTIALS_FILE = "credentials.json"
+PEER_SOCKET = "raft.sock:1"    # the peer URL's unix socket, in the private directory (etcd wants a host:port form)
 
 
 def private_runtime_dir() -> str:
@@ -307,9 +308,15 @@ class EmbeddedEtcd:
 
     async def _start(self, binary: str) -> bool:
         assert self._dir is not None
-        self.port, peer = self._fixed_port or _free_port(), _free_port()
+        self.port = self._fixed_port or _free_port()
         data = os.path.join(self._dir, "data")
         shutil.rmtree(data, ignore_errors=True)
+        # raft's peer port on a unix socket in this 0700 directory (etcd runs there: a unix URL's "host:port"
+        # is a path relative to its working directory): no other local user can reach /members or raft, and
+        # no TCP port is opened for it at all
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(self._dir, PEER_SOCKET))
+        peer_url = f"unix://{PEER_SOCKET}"
         scheme, tls_args = "http", []
         if self._tls is not None:
             scheme, tls_args = "https", ["--cert-file", self._tls.cert, "--key-file", self._tls.key]
@@ -320,15 +327,14 @@ class EmbeddedEtcd:
                 [binary, "--name", "tpassrun", "--data-dir", data, *tls_args,
                  "--listen-client-urls", f"{scheme}://{self._listen}:{self.port}",
                  "--advertise-client-urls", f"{scheme}://{self._advertise}:{self.port}",
-                 "--listen-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-                 "--initial-cluster", f"tpassrun=http://127.0.0.1:{peer}",
+                 "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                 "--initial-cluster", f"tpassrun={peer_url}",
                  "--initial-cluster-state", "new", "--logger", "zap", "--log-level", "error",
                  # One member, no peers: nothing to time out against, but a fresh member still waits one
                  # election timeout (default 1 s) before it leads and answers. 100 ms cut the start from
                  # 0.3-1.0 s to under 0.15 s here, which is most of tpassrun's launch overhead.
                  "--heartbeat-interval", "10", "--election-timeout", "100"],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logf,
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=logf, cwd=self._dir,
                 start_new_session=True, preexec_fn=_set_pdeathsig)
         deadline = time.monotonic() + self._ready_timeout
         while time.monotonic() < deadline and self._proc.poll() is None:

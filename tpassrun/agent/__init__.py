@@ -59,8 +59,10 @@ from tpassrun.records.provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey,
 from tpassrun.swapper.mirrorplane import MirrorPlane  # noqa: E402
 from tpassrun.channel.slots import LocalSlots, Slot  # noqa: E402
 from tpassrun.swapper import Swapper  # noqa: E402
-from tpassrun.launch.workerenv import elastic_entry_point, entrypoint_name  # noqa: E402
+from tpassrun.launch.workerenv import check_encrypt_conf, elastic_entry_point, encrypt_requested, entrypoint_name  # noqa: E402
+from tpassrun.transfer.auth import aead_unavailable_reason  # noqa: E402
 from tpassrun.launch.rules import split_endpoint  # noqa: E402
+from tpassrun.store import bind_host, derive_store_key, is_loopback  # noqa: E402
 
 log = logging.getLogger("tpassrun.agent")
 # torchrun's exit barrier (LocalElasticAgent's exit_barrier_timeout): how long the agent that hosts the run's
@@ -170,6 +172,10 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
             rdzv_conf = dict(cfg.rdzv_conf or {})
             refuse_inline_secrets(rdzv_conf)
             pool_environ = dict(self.environ)     # --spare-pool: its key and the run key's text (read below)
+            bad_encrypt = check_encrypt_conf(rdzv_conf, aead_unavailable_reason() if encrypt_requested(rdzv_conf)
+                                             else None)
+            if bad_encrypt is not None:
+                raise RendezvousError(bad_encrypt)
             run_key = self._run_key(rdzv_conf, embedded=endpoint is None)
             if endpoint is None:
                 log.debug("waiting for the embedded etcd to start")
@@ -499,8 +505,9 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                 return ("", 0)
         if host:
             # torchrun's RendezvousStoreInfo.build: the rank-0 node's --local-addr, else its FQDN ("localhost"
-            # on a machine without a domain), even for one node: workers see the same MASTER_ADDR as under it.
-            addr, port = self.cfg.local_addr or socket.getfqdn(), 0
+            # on a machine without a domain), even for one node: workers see the same MASTER_ADDR as under it
+            # (a single node's store listens on loopback only: 127.0.0.1 when that name is not a loopback one)
+            addr, port = self._store_addr(self.cfg.local_addr or socket.getfqdn()), 0
             if self.cfg.rdzv_backend == "static":
                 # torchrun's static agent serves the workers' store on the endpoint (--rdzv-endpoint, else
                 # --master-addr/--master-port) and hands workers that address, which scripts may tcp:// to; ours
@@ -508,13 +515,28 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                 addr, static_port = split_endpoint(self.cfg.rdzv_endpoint)
                 port = static_port or 0
             port = port or _free_port()
-            await self._start_store(port)
+            await self._start_store(port, addr if self.cfg.rdzv_backend == "static" else None)
             await self.rdzv.publish_bootstrap(gen, addr, port)
             return addr, port
         return await self.rdzv.wait_bootstrap(gen, timeout=self.rdzv.settings.join_timeout)
 
-    async def _start_store(self, port: int) -> None:
-        self._store_proc, self._store_port = await self._spawn_store(port), port
+    def _single_node(self) -> bool:
+        return self.cfg.max_nodes == 1
+
+    def _store_addr(self, advertised: str) -> str:
+        """What workers are told to reach the store at: ``advertised``, or 127.0.0.1 for a single node whose
+        name is not a loopback one (its store listens on loopback only)."""
+        if self._single_node() and not is_loopback(bind_host(advertised, single_node=False)):
+            return "127.0.0.1"
+        return advertised
+
+    def store_key(self) -> bytes | None:
+        """The workers' store key (tpassrun.store): derived from the run's mirror key, given to this node's
+        workers in their environment and to the store process on its stdin, never on a command line."""
+        return derive_store_key(self.mirror.key) if self.mirror is not None and self.mirror.key else None
+
+    async def _start_store(self, port: int, addr: str | None = None) -> None:
+        self._store_proc, self._store_port = await self._spawn_store(port, addr), port
 
     async def _store_ready(self, timeout: float) -> bool:
         """Whether the workers' store this agent runs accepts connections (waiting up to ``timeout``): a store
@@ -524,19 +546,34 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         deadline = time.monotonic() + timeout
         while proc is not None and proc.returncode is None and time.monotonic() < deadline:
             with contextlib.suppress(OSError, asyncio.TimeoutError):
-                _r, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port), 1.0)
+                _r, w = await asyncio.wait_for(asyncio.open_connection(self._store_bind, port), 1.0)
                 w.close()
                 return True
             await asyncio.sleep(0.05)
         return False
 
-    async def _spawn_store(self, port: int) -> asyncio.subprocess.Process:
+    async def _spawn_store(self, port: int, addr: str | None = None) -> asyncio.subprocess.Process:
+        """The store process, listening on ``addr`` (this node's advertised address by default) resolved, or
+        on loopback for a single node (:func:`tpassrun.store.bind_host`); its key on stdin."""
         from tpassrun.launch.procs import die_with_parent  # the same pdeathsig hook the workers get
 
-        return await asyncio.create_subprocess_exec(
-            self.cfg.python_exec, "-m", "tpassrun.launch.storeserver", "0.0.0.0", str(port),
-            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+        advertised = addr or self.cfg.local_addr or socket.getfqdn()
+        self._store_bind = host = bind_host(advertised, single_node=self._single_node()
+                                            and self.cfg.rdzv_backend != "static",
+                                            named=addr is not None or bool(self.cfg.local_addr))
+        key = self.store_key() or secrets.token_bytes(32)   # no mirror (tests): a key no worker holds
+        proc = await asyncio.create_subprocess_exec(
+            self.cfg.python_exec, "-m", "tpassrun.launch.storeserver", host, str(port),
+            stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
             start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
+        assert proc.stdin is not None
+        proc.stdin.write(key.hex().encode() + b"\n")
+        with contextlib.suppress(OSError):
+            await proc.stdin.drain()
+        proc.stdin.close()
+        return proc
+
+    _store_bind = "127.0.0.1"
 
     async def _standby_store(self) -> None:
         """A worker here failed in a collective: if the node that died ran the workers' store, the re-formed world
@@ -574,7 +611,7 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         else:
             port = _free_port()
             await self._start_store(port)
-        return (self.cfg.local_addr or socket.getfqdn(), port)
+        return (self._store_addr(self.cfg.local_addr or socket.getfqdn()), port)
 
     async def _stop_store(self) -> None:
         procs = [self._store_proc, self._standby[0] if self._standby else None]

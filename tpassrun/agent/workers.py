@@ -22,7 +22,7 @@ from tpassrun.channel.protocol import Done, Failed, Hello, MirrorInfoRequest, Ra
 from tpassrun.records import HANDLED_RESTART, Keys, Taint, load
 from tpassrun.rendezvous import Generation, Member, RendezvousError
 from tpassrun.channel.slots import Slot, SlotState
-from tpassrun.launch.workerenv import WorkerAssignment, role_ranks, worker_argv, worker_env
+from tpassrun.launch.workerenv import WorkerAssignment, encrypt_requested, role_ranks, worker_argv, worker_env
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -50,6 +50,11 @@ class WorkerSpawning:
         }
         if spare:
             extra[E.TPASSRUN_SPARE] = "1"
+        if encrypt_requested(self.cfg.rdzv_conf):   # both ends of every transfer read it: they agree
+            extra[E.TPASSRUN_ENCRYPT] = "1"
+        store_key = self.store_key()
+        if store_key is not None:    # the workers' store's authenticated door (tpassrun.store)
+            extra[E.TPASSRUN_STORE_KEY] = store_key.hex()
         # Each slot owns its GPU: a spare sees only its own, a rank moved off a tainted slot is steered to
         # its new slot's GPU (tpassrun/launch/devices.py); on a CPU node this adds nothing.
         extra.update(slot_env(slot.index, local_rank, self.devices, spare=spare,

@@ -1,26 +1,28 @@
-"""A fresh bootstrap TCPStore for one generation, in its own process.
+"""A fresh workers' store for one generation, in its own process (tpassrun.store behind it).
 
 torchrun 2.13 reuses one agent-owned TCPStore across restarts, so a restarted worker can read the previous
 attempt's gloo addresses (torchrun.md §3.7). tpassrun starts one of these per generation on the node of group
 rank 0 and kills it when the generation ends, so no key can outlive its generation. Swaps inside a
 generation use it too, each re-formed world under its own key prefix.
 
-Run as ``python -m tpassrun.launch.storeserver HOST PORT``; prints ``ready PORT`` once listening.
+Run as ``python -m tpassrun.launch.storeserver HOST PORT [--no-plain]`` with the store key (hex) as the first line of
+stdin (never on the command line); prints ``ready PORT`` once listening. HOST is the advertised address
+(loopback for a single node: :func:`tpassrun.store.bind_host`), never every interface.
 """
 
 from __future__ import annotations
 
 import signal
 import sys
-from datetime import timedelta
 
 
 def main(argv: list[str]) -> int:
-    host, port = argv[0], int(argv[1])
-    from torch.distributed import TCPStore
+    from tpassrun.store import serve
 
-    store = TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=timedelta(hours=24))
-    print(f"ready {store.port}", flush=True)
+    host, port = argv[0], int(argv[1])
+    key = bytes.fromhex(sys.stdin.readline().strip())
+    server = serve(host, port, key, plain="--no-plain" not in argv[2:])
+    print(f"ready {server.port}", flush=True)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
         signal.pause()

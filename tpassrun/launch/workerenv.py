@@ -139,6 +139,25 @@ def worker_env(cfg: LaunchConfig, a: WorkerAssignment, base_env: Mapping[str, st
     return env
 
 
+ENCRYPT_CONF = "encrypt"       # --rdzv-conf encrypt=true: state transfers encrypted (tpassrun.transfer.wire)
+
+
+def encrypt_requested(rdzv_conf: Mapping[str, str] | None) -> bool:
+    """Whether ``--rdzv-conf encrypt=...`` asks for encryption (true/1/yes; anything else but false/0/no/empty
+    is refused by :func:`check_encrypt_conf`)."""
+    return str((rdzv_conf or {}).get(ENCRYPT_CONF, "")).strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_encrypt_conf(rdzv_conf: Mapping[str, str] | None, unavailable: str | None) -> str | None:
+    """The one-line error for a bad ``encrypt=`` value, or encryption asked for where it cannot be had."""
+    raw = str((rdzv_conf or {}).get(ENCRYPT_CONF, "")).strip().lower()
+    if raw not in ("", "0", "false", "no", "off", "1", "true", "yes", "on"):
+        return f"--rdzv-conf {ENCRYPT_CONF}={raw!r}: expected true or false"
+    if encrypt_requested(rdzv_conf) and unavailable is not None:
+        return f"--rdzv-conf {ENCRYPT_CONF}=true: {unavailable}"
+    return None
+
+
 def substitute_local_rank(args: tuple[str, ...] | list[str], local_rank: int) -> list[str]:
     """torchrun's ``macros.substitute``: ``${local_rank}`` -> the rank (``string.Template`` rules)."""
     return [Template(arg).safe_substitute(local_rank=str(local_rank)) for arg in args]

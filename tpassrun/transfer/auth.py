@@ -37,6 +37,9 @@ PROOF = struct.Struct("<4s32s32s")    # b"TPAU", connector nonce, connector proo
 ACCEPT = struct.Struct("<4s32s")      # b"TPOK", listener proof
 TAG_LEN = 32
 FLAG_POLY1305 = 1                     # the listener verifies Poly1305 frame tags (tpassrun.transfer.poly1305)
+FLAG_ENCRYPT = 2                      # the listener's run encrypts (--rdzv-conf encrypt=true): AES-256-GCM frames
+AEAD_NAME = "aes-256-gcm"
+AEAD_TAG_LEN = 16
 
 
 class HandoffError(Exception):
@@ -173,5 +176,57 @@ class ConnectorHandshake:
         return self.auth.frame_mac(self.nonce_r, self.nonce_s)
 
 
-__all__ = ["ACCEPT", "AuthError", "ChecksumError", "ConnectorHandshake", "FLAG_POLY1305", "FrameMac", "HELLO", "HandoffError",
+class FrameCipher:
+    """AES-256-GCM (``cryptography``'s, OpenSSL underneath) keyed for one connection and one direction: the key is
+    :meth:`FrameMac.one_time_key` of the handshake (both nonces), the nonce a message's index (never reused within
+    the connection). ``seal_into``/``open_into`` write into the caller's buffers (no copy of a frame's bytes);
+    :class:`ChecksumError` when a frame was forged or altered."""
+
+    def __init__(self, key: bytes) -> None:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        self._aead = AESGCM(key)
+
+    @staticmethod
+    def nonce(index: int) -> bytes:
+        return b"\0\0\0\0" + index.to_bytes(8, "little")
+
+    def seal(self, index: int, aad: bytes, data: Any) -> bytes:
+        return self._aead.encrypt(self.nonce(index), bytes(data), aad)
+
+    def seal_into(self, index: int, aad: bytes, data: Any, out: Any) -> None:
+        """``out``: ``len(data) + AEAD_TAG_LEN`` bytes, the ciphertext then the tag."""
+        self._aead.encrypt_into(self.nonce(index), data, aad, out)
+
+    def open(self, index: int, aad: bytes, data: Any) -> bytes:
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return self._aead.decrypt(self.nonce(index), bytes(data), aad)
+        except InvalidTag:
+            raise ChecksumError("an encrypted frame was forged or altered (its tag does not verify)") from None
+
+    def open_into(self, index: int, aad: bytes, data: Any, out: Any) -> None:
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            self._aead.decrypt_into(self.nonce(index), data, aad, out)
+        except InvalidTag:
+            raise ChecksumError("an encrypted frame was forged or altered (its tag does not verify)") from None
+
+
+def aead_unavailable_reason() -> str | None:
+    """None when this process can encrypt (``cryptography`` with ``encrypt_into``), else why not."""
+    try:
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    except ImportError:
+        return "the 'cryptography' package is not installed (pip install 'tpassrun[encrypt]')"
+    if not hasattr(AESGCM, "encrypt_into"):
+        return "the installed 'cryptography' is too old (encrypt_into needs cryptography >= 44)"
+    return None
+
+
+__all__ = ["ACCEPT", "AEAD_NAME", "AEAD_TAG_LEN", "AuthError", "FLAG_ENCRYPT", "FrameCipher",
+           "aead_unavailable_reason", "ChecksumError", "ConnectorHandshake", "FLAG_POLY1305", "FrameMac", "HELLO",
+           "HandoffError",
            "ListenerHandshake", "PROOF", "TAG_LEN", "TransferAuth", "WIRE_VERSION"]

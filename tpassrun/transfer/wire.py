@@ -44,7 +44,6 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
-import os
 import socket
 import struct
 import time
@@ -58,10 +57,12 @@ from tpassrun.transfer.frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES
                             _allocate_all, _encode_head, _Frame, _frames, _new_checksum, _outgoing, _parse_head,
                             _Pipelined, _read_frame, _read_prefix, _SocketReader, decode_small, encode_parts, encode_small,
                             reserve_receive_arena, reserved_receive_bytes)
-from tpassrun.transfer.auth import (ACCEPT, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError, ConnectorHandshake, FrameMac,
-                       ListenerHandshake, TransferAuth)
+from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError,
+                       ConnectorHandshake, FrameCipher, FrameMac, ListenerHandshake, TransferAuth)
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, HandshakeGate
+from tpassrun.transfer.seal import (_AUTH_TRAILER, _FRAME_INDEX, _MAC_THREADS, _expect, _tag, encryption_wanted,  # noqa: F401
+                           listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
 
 log = logging.getLogger("tpassrun.transfer.handoff")
 
@@ -75,10 +76,7 @@ _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
 _HMAC_CHECKSUM = "hmac-sha256"
 _POLY_CHECKSUM = "poly1305"
 _FRAME_MACS = (_POLY_CHECKSUM, _HMAC_CHECKSUM)
-_FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
-_AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count
 _MAX_AUTH_HEAD_BYTES = 64 << 20        # what a signed head may claim before its tag was checked
-_MAC_THREADS = max(1, min(4, os.cpu_count() or 1))
 _STRANGER_LINES = Throttle()           # one warning line per source a minute, however many strangers it sends
 
 
@@ -156,14 +154,6 @@ class _DeadlineReader:
         return bytes(buf)
 
 
-def _tag(mac: FrameMac, label: bytes, pieces: list[Any]) -> bytes:
-    """The connection's MAC over ``label`` and ``pieces`` (``mac`` is a fresh copy: the pool runs these)."""
-    mac.feed(label)
-    for piece in pieces:
-        mac.feed(piece)
-    return mac.tag()
-
-
 _poly1305_said = False
 
 
@@ -192,6 +182,8 @@ def _frame_mac_name(requested: str | None, peer_flags: int = FLAG_POLY1305) -> s
 
 
 def _frame_tag_len(name: str) -> int:
+    if name == AEAD_NAME:
+        return AEAD_TAG_LEN
     return poly1305.TAG_LEN if name == _POLY_CHECKSUM else TAG_LEN
 
 
@@ -233,7 +225,8 @@ class _Sender:
 
 def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = _DEFAULT_CHUNK,
                 checksum: str = _STREAM_CHECKSUM, auth: TransferAuth | None = None, frame_mac: str | None = None,
-                proved: tuple[FrameMac, int] | None = None, _corrupt_byte_at: int | None = None) -> TransferStats:
+                proved: tuple[FrameMac, int] | None = None, encrypt: bool | None = None,
+                _corrupt_byte_at: int | None = None) -> TransferStats:
     """Stream ``bundle`` over a connected socket and wait for the receiver's verdict.
 
     Returns only once the receiver has verified the checksum. Raises ChecksumError if the
@@ -252,7 +245,8 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     if auth is not None or proved is not None:
         _frame_mac_name(frame_mac)   # a bad request fails before the handshake
         mac, peer_flags = proved if proved is not None else _sender_handshake(sock, auth)   # type: ignore[arg-type]
-        mac_name = _frame_mac_name(frame_mac, peer_flags)
+        mac_name = AEAD_NAME if sender_encrypts(encryption_wanted(encrypt), peer_flags) \
+            else _frame_mac_name(frame_mac, peer_flags)
     else:
         mac, mac_name = None, ""
     outgoing = [_outgoing(t) for t in bundle.tensors]
@@ -261,7 +255,8 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     if mac is not None:
         checksum = mac_name
         head = _encode_head(bundle.meta, specs, chunk_bytes, checksum)
-        chunks, result = _send_signed(sender, mac, checksum, head, views, chunk_bytes)
+        send = send_sealed if checksum == AEAD_NAME else _send_signed
+        chunks, result = send(sender, mac, checksum, head, views, chunk_bytes)
     else:
         head = _encode_head(bundle.meta, specs, chunk_bytes, checksum)
         chunks, result = _send_plain(sender, head, views, chunk_bytes, checksum)
@@ -325,7 +320,8 @@ def _send_signed(sender: _Sender, mac: FrameMac, name: str, head: bytes, views: 
 
 
 def recv_bundle(sock: socket.socket, *, device: str = "cpu", auth: TransferAuth | None = None,
-                max_bytes: int | None = None, mac: FrameMac | None = None) -> tuple[StateBundle, TransferStats]:
+                max_bytes: int | None = None, mac: FrameMac | None = None,
+                encrypt: bool | None = None) -> tuple[StateBundle, TransferStats]:
     """Receive one bundle from a connected socket, verify it, acknowledge it.
 
     Tensors that lived on an accelerator on the sender are moved to ``device``; CPU tensors
@@ -337,10 +333,11 @@ def recv_bundle(sock: socket.socket, *, device: str = "cpu", auth: TransferAuth 
     """
     started = time.perf_counter()
     try:
+        encrypted = encryption_wanted(encrypt)
         if auth is not None and mac is None:
-            mac = _receiver_handshake(sock, auth)
+            mac = _receiver_handshake(sock, auth, encrypted)
         if mac is not None:
-            frame = _read_signed(_SocketReader(sock), mac, max_bytes)
+            frame = _read_signed(_SocketReader(sock), mac, max_bytes, encrypted)
         else:
             frame = _read_frame(_SocketReader(sock), pipelined=True, max_bytes=max_bytes)
     except ChecksumError:
@@ -355,11 +352,11 @@ def recv_bundle(sock: socket.socket, *, device: str = "cpu", auth: TransferAuth 
     return frame.bundle, stats
 
 
-def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
+def _receiver_handshake(sock: socket.socket, auth: TransferAuth, encrypt: bool = False) -> FrameMac:
     """One accepted connection's handshake (a listener serving many uses :class:`HandshakeGate`): a fresh nonce
     out, the sender's proof in within the handshake's deadline (constant-time check), our proof out."""
     stream_timeout = sock.gettimeout()
-    shake = ListenerHandshake(auth, FLAG_POLY1305 if poly1305_here() else 0)
+    shake = ListenerHandshake(auth, listener_flags(poly1305_here(), encrypt))
     try:
         try:
             sock.settimeout(HANDSHAKE_DEADLINE_S)
@@ -381,16 +378,25 @@ def _receiver_handshake(sock: socket.socket, auth: TransferAuth) -> FrameMac:
         sock.settimeout(stream_timeout)
 
 
-def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None) -> _Frame:
+def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None, encrypted: bool = False) -> _Frame:
     """The authenticated layout (see the module doc): the head's tag before the head is parsed, every frame's
     tag verified by the pool while the next one arrives, the end tag over all of them; any mismatch is a
-    ChecksumError and nothing received is returned."""
+    ChecksumError and nothing received is returned. ``encrypted`` (this receiver's hello said FLAG_ENCRYPT):
+    the head's meta and every frame are sealed (:func:`_send_sealed`), and a stream that is not is refused."""
     limit = min(_MAX_AUTH_HEAD_BYTES, _MAX_HEAD_BYTES if max_bytes is None else max_bytes)
     prefix, head_len, head_crc = _read_prefix(reader, limit)
-    body = reader.read_exact(head_len, "header meta")
+    body = reader.read_exact(head_len + (AEAD_TAG_LEN if encrypted else 0), "header meta")
     if not hmac.compare_digest(reader.read_exact(TAG_LEN, "the header's tag"), _tag(mac.copy(), b"head", [prefix, body])):
         raise ChecksumError("handoff header corrupted or forged: tag mismatch")
+    cipher = FrameCipher(mac.one_time_key(b"aead")) if encrypted else None
+    if cipher is not None:
+        body = open_head(cipher, prefix, body)
     head = _parse_head(prefix, body, head_crc, max_bytes)
+    if (head.checksum == AEAD_NAME) != encrypted:
+        raise HandoffError(f"the sender's stream is {'not ' if encrypted else ''}encrypted ({head.checksum}), and "
+                           f"this receiver's run {'encrypts' if encrypted else 'does not encrypt'}")
+    if cipher is not None:
+        return read_sealed(reader, mac, cipher, head_len, head)
     if head.checksum not in _FRAME_MACS:
         raise HandoffError(f"an authenticated stream must use {' or '.join(_FRAME_MACS)}, not {head.checksum!r}")
     if head.checksum == _POLY_CHECKSUM and not poly1305.available():
@@ -421,11 +427,6 @@ def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None) ->
     nbytes = _PREFIX_LEN + head_len + TAG_LEN + data_len + tag_len * len(frames) + _AUTH_TRAILER.size + TAG_LEN
     return _Frame(StateBundle(head.meta, tensors), head.specs, nbytes, len(frames),
                   f"{head.checksum}:{int.from_bytes(end[:4], 'little'):08x}")
-
-
-def _expect(check: Future[bytes], tag: bytes, index: int) -> None:
-    if not hmac.compare_digest(check.result(), tag):
-        raise ChecksumError(f"handoff data corrupted or forged: frame #{index}'s tag mismatch")
 
 
 def _send_ack_quietly(sock: socket.socket, status: int) -> None:
@@ -470,7 +471,7 @@ def _listen(host: str) -> tuple[socket.socket, int]:
 def connect_and_send(addr: str, port: int, bundle: StateBundle, *, timeout: float,
                      chunk_bytes: int = _DEFAULT_CHUNK, auth: TransferAuth | None = None,
                      frame_mac: str | None = None, give_up: Callable[[], bool] | None = None,
-                     _corrupt_byte_at: int | Callable[[], int | None] | None = None,
+                     encrypt: bool | None = None, _corrupt_byte_at: int | Callable[[], int | None] | None = None,
                      _cut_first_handshake_at: int | None = None) -> TransferStats:
     """Connect to a joiner and stream ``bundle``. ``timeout`` bounds the connect, getting a connection through
     the handshake, and every stall of the stream.
@@ -516,7 +517,7 @@ def connect_and_send(addr: str, port: int, bundle: StateBundle, *, timeout: floa
                     continue
             corrupt = _corrupt_byte_at() if callable(_corrupt_byte_at) else _corrupt_byte_at
             return send_bundle(sock, bundle, chunk_bytes=chunk_bytes, auth=auth, frame_mac=frame_mac,
-                               proved=proved, _corrupt_byte_at=corrupt)
+                               proved=proved, encrypt=encrypt, _corrupt_byte_at=corrupt)
 
 
 def _retry(why: str, deadline: float, give_up: Callable[[], bool] | None, pause: float) -> bool:
@@ -539,8 +540,8 @@ def _cut_handshake(sock: socket.socket, auth: TransferAuth, at: int) -> None:
 
 def accept_and_recv(listener: socket.socket, *, timeout: float, device: str = "cpu",
                     auth: TransferAuth | None = None, max_bytes: int | None = None,
-                    strangers: list[str] | None = None,
-                    handshake_s: float = HANDSHAKE_DEADLINE_S) -> tuple[StateBundle, TransferStats]:
+                    strangers: list[str] | None = None, handshake_s: float = HANDSHAKE_DEADLINE_S,
+                    encrypt: bool | None = None) -> tuple[StateBundle, TransferStats]:
     """Receive a bundle from the first sender on ``listener`` that proves ``auth``. Every connection's handshake
     runs at once (:class:`~tpassrun.transfer.gate.HandshakeGate`), each within ``handshake_s``; strangers are dropped
     and noted in ``strangers``. ``timeout`` bounds the wait for the sender and every stall of the stream. The
@@ -553,7 +554,8 @@ def accept_and_recv(listener: socket.socket, *, timeout: float, device: str = "c
             return recv_bundle(conn, device=device, max_bytes=max_bytes)
     deadline = time.monotonic() + timeout
     dropped: list[str] = []
-    with HandshakeGate(listener, auth, FLAG_POLY1305 if poly1305_here() else 0, deadline_s=handshake_s) as gate:
+    encrypted = encryption_wanted(encrypt)
+    with HandshakeGate(listener, auth, listener_flags(poly1305_here(), encrypted), deadline_s=handshake_s) as gate:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -573,7 +575,7 @@ def accept_and_recv(listener: socket.socket, *, timeout: float, device: str = "c
     with proved.sock as conn:
         conn.settimeout(timeout)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        return recv_bundle(conn, device=device, max_bytes=max_bytes, mac=proved.mac)
+        return recv_bundle(conn, device=device, max_bytes=max_bytes, mac=proved.mac, encrypt=encrypted)
 
 
 def accept_one(listener: socket.socket, timeout: float) -> socket.socket:

@@ -37,7 +37,7 @@ from tpassrun.settings import envnames as E
 from tpassrun.worker import faultpoints as testing
 from tpassrun.channel import INT64_MAX, Field, WorkerPhase
 from tpassrun.channel.protocol import Hello
-from tpassrun.worker.world import init_world
+from tpassrun.worker.world import init_first_world
 from tpassrun.worker.failure import StepFailure, classify_failure, is_distributed_failure
 from tpassrun.worker.link import AgentLink
 from tpassrun.worker.session import Session
@@ -82,8 +82,7 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
     generation = int(env.get(E.TPASSRUN_GENERATION, "0"))
     if not spare:
         if not dist.is_initialized():
-            kwargs = {"timeout": timeout} if timeout is not None else {}
-            init_world(backend, **kwargs)
+            init_first_world(backend, timeout)
         link.set(Field.PHASE, WorkerPhase.STARTING)
         return Session(backend=backend, link=link, rank=dist.get_rank(), world_size=dist.get_world_size(),
                        local_rank=local_rank, generation=generation, joined=False, timeout=timeout)

@@ -186,8 +186,7 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
     ``Assign`` (or a survivor's ``CatchUp``, with ``reply=False``: then (bundle, transfer stats), and the caller
     says Received once it checked and loaded the state). Every reply names the swap and its attempt."""
     from tpassrun.transfer import handoff
-    from tpassrun.transfer.wire import poly1305_here
-    from tpassrun.transfer.auth import FLAG_POLY1305
+    from tpassrun.transfer.wire import poly1305_here, encryption_wanted, listener_flags
     from tpassrun.transfer.gate import HandshakeGate
 
     swap_id, attempt = msg.swap_id, msg.attempt
@@ -195,7 +194,8 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
     max_bytes = getattr(msg, "max_bytes", None) or None
     deadline = time.monotonic() + accept_s
     strangers = 0
-    with HandshakeGate(listener, auth, FLAG_POLY1305 if poly1305_here() else 0, watch=(link.sock,)) as gate:
+    encrypted = encryption_wanted()    # the run's --rdzv-conf encrypt=true: the hello says so, the stream is sealed
+    with HandshakeGate(listener, auth, listener_flags(poly1305_here(), encrypted), watch=(link.sock,)) as gate:
         while True:
             if not _next_command(link, pending):
                 return None   # an abort or a new assignment came first: the dispatcher handles it
@@ -219,7 +219,7 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
         conn.settimeout(float(msg.timeout))
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
-            bundle, stats = handoff.recv_bundle(conn, mac=proved.mac, max_bytes=max_bytes)
+            bundle, stats = handoff.recv_bundle(conn, mac=proved.mac, max_bytes=max_bytes, encrypt=encrypted)
         except (OSError, handoff.HandoffError) as exc:
             link.send(Received(ok=False, error=f"{type(exc).__name__}: {exc}"[:300], swap_id=swap_id,
                                attempt=attempt))

@@ -294,6 +294,48 @@ def init_world(backend: str | None, **kwargs: Any) -> None:
         dist.init_process_group(backend, **kwargs)
 
 
+def store_client(addr: str, port: int, timeout: timedelta) -> Any:
+    """The workers' store as this worker may reach it: through the authenticated door with the key its agent
+    gave it (tpassrun.store), else (no key: launched by something else) torch's plain TCPStore client."""
+    from tpassrun.store import connect
+
+    store = connect(addr, port, timeout)
+    _HELD.append(store)
+    return store
+
+
+# A store written in Python (tpassrun.store.AuthStore) is held by torch through its C++ base only: were the
+# Python object collected, the next call into it would fail ("pure virtual function"). The stores of the
+# worlds this process formed stay referenced here; those of worlds it left are closed (release_stores).
+_HELD: list[Any] = []
+
+
+def release_stores(keep: int = 1) -> None:
+    """Close the stores of worlds this process left, keeping the newest ``keep`` (the world it is in)."""
+    while len(_HELD) > keep:
+        old = _HELD.pop(0)
+        close = getattr(old, "close", None)
+        if close is not None:
+            try:
+                close()
+            except OSError:
+                pass
+
+
+def init_first_world(backend: str | None, timeout: timedelta | None) -> None:
+    """The generation's first world, as ``init_process_group()`` with env:// would form it (MASTER_ADDR/PORT,
+    RANK, WORLD_SIZE), but through the store's authenticated door when this worker holds the store key."""
+    from tpassrun.store import key_from_env
+
+    kwargs: dict[str, Any] = {"timeout": timeout} if timeout is not None else {}
+    env = os.environ
+    if key_from_env() is None or not env.get(E.MASTER_ADDR) or not env.get(E.MASTER_PORT):
+        init_world(backend, **kwargs)
+        return
+    store = store_client(env[E.MASTER_ADDR], int(env[E.MASTER_PORT]), timeout or timedelta(seconds=300))
+    init_world(backend, store=store, rank=int(env[E.RANK]), world_size=int(env[E.WORLD_SIZE]), **kwargs)
+
+
 def abort_process_groups() -> None:
     """Abort every communicator of this process at once (NCCL needs one grouped abort; gloo closes its
     sockets), falling back to a plain destroy where abort is not supported."""
@@ -349,6 +391,7 @@ def join_world(backend: str | None, world: "WorldSpec", timeout: timedelta | Non
         pass
     try:
         _join_world(backend, world, timeout, interrupted)
+        release_stores(keep=1)      # the left world's store connection: the new world has its own
     finally:
         faulthandler.cancel_dump_traceback_later()
 
@@ -364,8 +407,7 @@ def _join_world(backend: str | None, world: "WorldSpec", timeout: timedelta | No
     if timeout is not None:
         kwargs["timeout"] = timeout
     limit = timeout or timedelta(seconds=300)
-    store = dist.TCPStore(world.addr, int(world.port), is_master=False, timeout=limit)
-    store = dist.PrefixStore(str(world.prefix), store)
+    store = dist.PrefixStore(str(world.prefix), store_client(world.addr, int(world.port), limit))
     if interrupted is not None:
         deadline = time.monotonic() + limit.total_seconds()
         arrived = store.add("tpassrun_arrived", 1)
