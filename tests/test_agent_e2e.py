@@ -162,6 +162,32 @@ def test_etcd_killed_mid_run_does_not_hang(tmp_path, fresh_etcd, run_id):
         assert "etcd" in job.log()
 
 
+def test_a_signal_ends_fenced_agents_while_etcd_is_gone(tmp_path, fresh_etcd, run_id):
+    """Found while the suite was stopped mid-run (its etcd killed with it): two agents that fenced their workers
+    when etcd went away sat in the fence's request for a new generation, which waits out an outage for as long as
+    it lasts, and a SIGTERM was never read: they outlived the test by minutes. A signal now cuts every such
+    request short; both agents end, with torchrun's code for a signal after the workers started."""
+    hold = hold_at(tmp_path, 3)
+    jobs = [_agent(str(tmp_path / n), fresh_etcd.endpoint, run_id, nnodes="2", nproc=1, steps=400,
+                   env=faults_env(hold.fault)).start() for n in ("a", "b")]
+    try:
+        hold.wait_reached(jobs[0])
+        fresh_etcd.stop()
+        hold.release()
+        deadline = time.monotonic() + 120
+        while not all(any(e["event"] == "fenced" for e in j.events()) for j in jobs):
+            assert time.monotonic() < deadline, [j.log()[-1500:] for j in jobs]
+            time.sleep(0.2)
+        for j in jobs:
+            j.proc.send_signal(signal.SIGTERM)
+        codes = [j.wait(60) for j in jobs]
+    finally:
+        hold.release()
+        for j in jobs:
+            j.kill()
+    assert codes == [1, 1], [j.log()[-1500:] for j in jobs]
+
+
 def test_c10d_endpoint_without_an_etcd_is_hosted_by_one_agent(tmp_path, run_id):
     """torchrun users point c10d at a machine and run no etcd: the agent there hosts one, like torchrun's
     TCPStore host, keeps it until the other agent is done, and leaves nothing behind."""

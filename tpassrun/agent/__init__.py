@@ -26,7 +26,7 @@ import socket
 import sys
 import time
 import uuid
-from typing import Any
+from typing import Any, Awaitable
 
 # The agent forks workers (preexec_fn for PDEATHSIG) while gRPC threads exist; gRPC's fork handlers are
 # for children that use gRPC, which ours never do, and only print noise.
@@ -107,6 +107,7 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         self.progress = Progress()      # the steps its ranks run; what a whole-group restart redoes
         self.workers_started = False
         self.signal_received: int | None = None
+        self._cut_by_signal: set[asyncio.Future[Any]] = set()   # etcd requests a signal cuts short
         self._queue: asyncio.Queue[AgentEvent] = asyncio.Queue()
         self._store_proc: asyncio.subprocess.Process | None = None
         self._store_port = 0
@@ -158,6 +159,29 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
             self._join_task.cancel()
         if self._closing is not None and not self._closing.done():
             self._closing.cancel()
+        for task in list(self._cut_by_signal):
+            task.cancel()
+
+    async def until_signal(self, aw: Awaitable[Any]) -> bool:
+        """Await an etcd request that may wait out an outage for as long as it lasts; a signal cuts it short
+        (-> False). Every request the supervisor makes between a worker's event and the next one goes through
+        here: a signal is obeyed in seconds even while etcd is gone."""
+        if self.signal_received is not None:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            return False
+        task = asyncio.ensure_future(aw)
+        self._cut_by_signal.add(task)
+        try:
+            await task
+            return True
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and self.signal_received is not None and not (me and me.cancelling()):
+                return False
+            raise
+        finally:
+            self._cut_by_signal.discard(task)
 
     _join_task: asyncio.Task[Generation] | None = None
     _closing: asyncio.Future[None] | None = None    # the run's close after a failure (a signal cancels it)
@@ -327,6 +351,8 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
         assert self.rdzv is not None
         outcome_before: str | None = None
         while True:
+            if self.signal_received is not None:      # between generations (a restart's request cut short)
+                return 128 + self.signal_received
             log.debug("waiting in rendezvous (run %s)", self.cfg.rdzv_id)
             joining_since = time.monotonic()
             self._join_task = asyncio.ensure_future(self._join())   # a signal cancels it
@@ -363,9 +389,11 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                         await self._wait_for_other_agents(EXIT_BARRIER_TIMEOUT_S)
                 self._elastic_end("SUCCEEDED", "SUCCEEDED", gen)
                 return 0
-            if outcome == Outcome.SIGNALLED or (outcome == Outcome.FAILED and self.signal_received is not None):
+            if outcome == Outcome.SIGNALLED or (outcome in (Outcome.FAILED, Outcome.MEMBERSHIP)
+                                                and self.signal_received is not None):
                 # FAILED with a signal: the workers saw it first (Slurm's scancel signals every process of the
-                # step at once); torchrun's launcher would have raised on it, as here
+                # step at once); MEMBERSHIP with one: a fence's request cut short by it (etcd gone). torchrun's
+                # launcher would have raised on it, as here
                 self._elastic_end(None, "FAILED", gen)
                 return 1
             if outcome == Outcome.CLOSED:
@@ -379,7 +407,7 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                                 self.remaining_restarts, self.cfg.max_restarts)
                     self.events.write("restart", reason=reason, remaining=self.remaining_restarts)
                     with contextlib.suppress(RendezvousError):
-                        await self.rdzv.request_restart(self.generation or gen, reason)
+                        await self.until_signal(self.rdzv.request_restart(self.generation or gen, reason))
                     continue
                 self._report_failures()
                 # torchrun's agent returns a FAILED result normally: the launcher records SUCCEEDED for itself

@@ -68,7 +68,7 @@ class Supervision:
                                 "%d such restart(s) left on this node)", ev.reason, self.free_fallbacks)
                     self.events.write("fallback", reason=ev.reason, spends_restart=False)
                     with contextlib.suppress(RendezvousError):
-                        await self.rdzv.request_restart(self.generation or gen, ev.reason)
+                        await self.until_signal(self.rdzv.request_restart(self.generation or gen, ev.reason))
                     continue
                 nxt = ("restarting the whole group (spends one of --max-restarts)" if self.remaining_restarts > 0
                        else "no restart left (--max-restarts): the job fails")
@@ -79,7 +79,7 @@ class Supervision:
             elif isinstance(ev, HealthRestartRequested):
                 self.events.write("fallback", reason=ev.reason)
                 with contextlib.suppress(RendezvousError):
-                    await self.rdzv.request_restart(self.generation or gen, ev.reason)
+                    await self.until_signal(self.rdzv.request_restart(self.generation or gen, ev.reason))
             elif isinstance(ev, LeaseLost):
                 result = await self._fence(gen, ev.reason)
             if result is not None:
@@ -220,7 +220,7 @@ class Supervision:
                 return None
             self.events.write("membership_change", reason=reason)
             with contextlib.suppress(RendezvousError):
-                await self.rdzv.request_restart(self.generation or gen, reason)
+                await self.until_signal(self.rdzv.request_restart(self.generation or gen, reason))
             return None
         return None
 
@@ -300,7 +300,7 @@ class Supervision:
         assert self.rdzv is not None
         fenced_in, self._fenced_in = self._fenced_in or gen, None
         with contextlib.suppress(RendezvousError):
-            await self.rdzv.request_restart(fenced_in, f"node {self.node_id} fenced: {reason}")
+            await self.until_signal(self.rdzv.request_restart(fenced_in, f"node {self.node_id} fenced: {reason}"))
         return Outcome.MEMBERSHIP, f"fenced: {reason}"
 
     _fenced_in: Generation | None = None   # the generation a fence happened in
