@@ -12,6 +12,8 @@ stdin (never on the command line); prints ``ready PORT`` once listening. HOST is
 
 from __future__ import annotations
 
+import logging
+import os
 import signal
 import sys
 
@@ -23,9 +25,25 @@ def main(argv: list[str]) -> int:
     key = bytes.fromhex(sys.stdin.readline().strip())
     server = serve(host, port, key, plain="--no-plain" not in argv[2:])
     print(f"ready {server.port}", flush=True)
+    _quiet_cxx_stderr()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     while True:
         signal.pause()
+
+
+def _quiet_cxx_stderr() -> None:
+    """torch's C++ TCPStore (the plain door's, on loopback) prints a warning with a 15-frame backtrace for every
+    malformed message, and a port scan sends thousands: its fd 2 goes to /dev/null once the store listens, while
+    this process's own log lines (the authenticated door's, throttled per source) keep the agent's stderr."""
+    keep = os.fdopen(os.dup(2), "w", buffering=1)
+    logging.basicConfig(stream=keep, level=logging.WARNING, format="%(message)s")
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.StreamHandler) and handler.stream in (sys.stderr, sys.__stderr__):
+            handler.setStream(keep)
+    sys.stderr = keep
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 if __name__ == "__main__":
