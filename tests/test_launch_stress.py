@@ -17,7 +17,7 @@ import pytest
 
 from tpassrun.rendezvous.etcd_link import raise_if_cancelling
 
-LAUNCHES = 100
+LAUNCHES = 50   # the hang it guards against (2ec8367) showed in ~2 of 30 launches under load; bench-sized: raise it
 PER_LAUNCH_TIMEOUT = 90.0  # a hang detector, not a speed target (a launch takes ~1 s on an idle machine)
 
 
