@@ -25,6 +25,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from tpassrun.health import LinkPolicy
+
+_POLICY = LinkPolicy()    # the thresholds' defaults are the health config's (one place)
+
 HEALTHY, SUSPECT, DEGRADED, UNKNOWN = "healthy", "suspect", "degraded", "unknown"
 MISSES = 2       # clear observations in a row that end a suspicion
 ECHO_S = 30.0     # an etcd connection lost this soon after the interface came back: the same outage, seen late
@@ -88,13 +92,13 @@ def _fmt(x: float) -> str:
 class LinkWatch:
     """Judges this node's link, one observation per sampling interval. Thresholds: ``health.LinkPolicy``."""
 
-    rtt_factor: float = 2.0
-    rtt_extra_ms: float = 10.0
-    retrans_pct: float = 1.0
-    slowdown_factor: float = 1.15
-    slowdown_ms: float = 10.0
-    hold_s: float = 10.0
-    clear_s: float = 30.0
+    rtt_factor: float = _POLICY.rtt_factor
+    rtt_extra_ms: float = _POLICY.rtt_extra_ms
+    retrans_pct: float = _POLICY.retrans_pct
+    slowdown_factor: float = _POLICY.slowdown_factor
+    slowdown_ms: float = _POLICY.slowdown_ms
+    hold_s: float = _POLICY.hold_s
+    clear_s: float = _POLICY.clear_s
     baseline_n: int = 10
     _baseline: deque = field(default_factory=lambda: deque(maxlen=30), init=False, repr=False)
     _suspect_since: float | None = field(default=None, init=False, repr=False)
