@@ -38,7 +38,7 @@ from typing import Any
 from common import REPO, EtcdServer, Workdir, next_step_after, print_json, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import Job, _unlogged, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node  # noqa: E402
+from faults import Job, unlogged_steps, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node  # noqa: E402
 
 WORLD = 4
 
@@ -120,11 +120,11 @@ def one_run(work: Workdir, index: int, etcd: EtcdServer, ref: Job, rng: random.R
         exact, why = False, str(exc).splitlines()[0][:120] if str(exc) else type(exc).__name__
     logs = Job(argv=[], out=train)
     relogged = sum(len(logs.losses(r)) - len(_without_relogged(logs.losses(r), set(b_pids))) for r in range(WORLD))
-    unlogged = sum(len(_unlogged(_without_relogged(logs.losses(r), set(b_pids)), set(b_pids))) for r in range(WORLD))
+    unlogged = sum(len(unlogged_steps(_without_relogged(logs.losses(r), set(b_pids)), set(b_pids))) for r in range(WORLD))
     redone = max(len(rows) - len({x["step"] for x in rows})
                  for rows in (_without_relogged(logs.losses(r), set(b_pids)) for r in range(WORLD)))
     missing = max(len(set(range(args.steps)) - {x["step"] for x in logs.losses(r)}
-                      - _unlogged(_without_relogged(logs.losses(r), set(b_pids)), set(b_pids))
+                      - unlogged_steps(_without_relogged(logs.losses(r), set(b_pids)), set(b_pids))
                       - {step - 1 for rank, step in caught if rank == r}) for r in range(WORLD))   # skipped, not lost
     lost = {"redone": redone, "missing": missing}
     caught_up = sorted({e["rank"] for e in evs if e["event"] == "rank_caught_up"})

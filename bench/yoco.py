@@ -41,7 +41,7 @@ from typing import Any
 from common import REPO, Workdir, events, next_step_after, print_json, steps_lost, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import Job, _unlogged, _without_relogged, assert_bit_exact, pids_by_rank, sigkill_rank  # noqa: E402
+from faults import Job, unlogged_steps, _without_relogged, assert_bit_exact, pids_by_rank, sigkill_rank  # noqa: E402
 
 
 def reference(work: Workdir, world: int, args: argparse.Namespace) -> tuple[Job, float]:
@@ -156,12 +156,12 @@ def one_run(work: Workdir, index: int, world: int, spares: int, mode: str, ref: 
 
 def _not_logged(job: Job, world: int, steps: int, pids: set[int]) -> tuple[int, int]:
     """(steps some rank never logged, the most on one rank; of those, the ones a killed rank completed its part
-    of but died before logging, :func:`faults._unlogged`, on all ranks): lost and unlogged."""
+    of but died before logging, :func:`faults.unlogged_steps`, on all ranks): lost and unlogged."""
     lost = unlogged = 0
     for r in range(world):
         rows = job.losses(r)
         missing = set(range(steps)) - {row["step"] for row in rows}
-        done = _unlogged(_without_relogged(rows, pids), pids)
+        done = unlogged_steps(_without_relogged(rows, pids), pids)
         lost, unlogged = max(lost, len(missing - done)), unlogged + len(missing & done)
     return lost, unlogged
 

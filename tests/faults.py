@@ -362,7 +362,7 @@ def _without_relogged(rows: list[dict[str, Any]], pids: Any) -> list[dict[str, A
     return out
 
 
-def _unlogged(rows: list[dict[str, Any]], pids: Any) -> set[int]:
+def unlogged_steps(rows: list[dict[str, Any]], pids: Any) -> set[int]:
     """Steps a process of ``pids`` (a lost node's) died in after its part of the step's all-reduce had reached
     the survivors, before it logged the step: its successor resumed at the next step (the log jumps a step where
     the process changes). The step happened; nobody was left to log it for that rank."""
@@ -396,7 +396,7 @@ def assert_bit_exact(a: Job, b: Job, world: int, *, relogged_by: Any = (), caugh
                 assert torch.equal(v, sb[pid][k]), f"rank {r}: optimizer state {pid}/{k} differs"
         assert fa["scheduler"] == fb["scheduler"] and fa["sampler"] == fb["sampler"]
         rows = _without_relogged(a.losses(r), set(relogged_by))
-        skipped = _unlogged(rows, set(relogged_by))
+        skipped = unlogged_steps(rows, set(relogged_by))
         logged = {x["step"] for x in rows}
         skipped |= {step - 1 for rank, step in caught_up if rank == r and step - 1 not in logged}
         la = [(x["step"], x["loss"]) for x in rows]

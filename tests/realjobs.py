@@ -72,11 +72,20 @@ def assert_same_run(job: Job, ref: Job, world: int, *, redone: bool = False) -> 
 
 def assert_same_training(job: Job, ref: Job, world: int, steps: int) -> None:
     """Every rank's final state (every object of the script with a state_dict) torch.equal to torchrun's, and
-    every step done on every rank (a rank rolled back by a recovery logs some steps twice)."""
+    every step done on every rank (a rank rolled back by a recovery logs some steps twice).
+
+    A step may be missing from a rank's log only where that rank's process changed: a rank SIGKILLed after its
+    part of step S reached its peers, before it logged S, leaves S done (the peers completed it; the state after
+    it is compared) and unlogged (its successor resumes at S + 1). Stop 22's whole-suite run showed this once for
+    the Megatron docstring example ("rank 1: steps [14] never done", the state torch.equal)."""
+    from faults import unlogged_steps
+
     for r in range(world):
         assert_trees_equal(job.final(r), ref.final(r), f"rank {r}")
-        done = {row["step"] for row in job.losses(r)}
-        assert done == set(range(steps)), f"rank {r}: steps {sorted(set(range(steps)) - done)} never done"
+        rows = job.losses(r)
+        done = {row["step"] for row in rows}
+        missing = set(range(steps)) - done - unlogged_steps(rows, {row["pid"] for row in rows})
+        assert not missing, f"rank {r}: steps {sorted(missing)} never done"
 
 
 def swap_pause_s(job: Job) -> float:

@@ -74,7 +74,12 @@ def test_trainer_shaped_sigkill_at_a_random_instant_is_recovered_live(tmp_path, 
 
 def test_a_wait_called_from_the_scripts_own_file_is_a_casualty(tmp_path, etcd_server, run_id, reference):
     """Megatron's shape: ``handle.wait()`` of an async all-reduce, called from the script's own file. Rank 1 dies
-    between starting it and waiting; the others fail in that wait (innermost frame: the script), are casualties."""
+    before sending its part; the others fail in that wait (innermost frame: the script), are casualties.
+
+    Stop 22's CI found no casualty once: rank 1 then died just *after* starting its own ``all_reduce``, and gloo's
+    background thread had finished the reduction before the SIGKILL landed, so the peers failed one collective
+    later, inside torch's files (a collective failure, rightly no casualty verdict). The fault point now sits
+    before the reduction starts."""
     marker = str(tmp_path / "fault")
     job = tpassrun_job(str(tmp_path / "job"), SCRIPT, WORLD, _args("--wait-in-script"), endpoint=etcd_server.endpoint,
                        run_id=run_id, env=faults_env(kill_at(1, 4, marker, where="wait"))).start()

@@ -91,8 +91,11 @@ def main() -> None:
         global_valid_tokens = dist_utils.dist_sum_tensor(local_valid_tokens, batch_mesh)
         if args.wait_in_script:
             check = local_valid_tokens.clone()
+            # tests: a rank dies here, before its part of the reduction is sent, and its peers fail in the wait
+            # below. (Had it started its own all_reduce first, gloo's background thread could finish the
+            # reduction before the SIGKILL lands, so the peers would fail later, in torch's own files.)
+            fault_point(sess.rank, i, "wait")
             handle = dist.all_reduce(check, async_op=True)
-            fault_point(sess.rank, i, "wait")     # tests: a rank dies here, its peers in the wait below
             wait(handle)
         train_state.ntokens_seen += labels.numel()    # (the Trainer counts them in forward_backward_step)
         logits = model(inputs)
