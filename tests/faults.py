@@ -247,9 +247,12 @@ class Job:
         self.log_path = os.path.join(self.out, "launcher.log")
         env = {**os.environ, **self.env}
         self.started = time.monotonic()
-        # cwd outside the source tree: only the installed package is importable, as for a user's job
+        # cwd outside the source tree: only the installed package is importable, as for a user's job. The
+        # launcher dies with the pytest that started it (its workers follow it), as the test etcd does: a pytest
+        # stopped by hand left whole jobs training against an etcd that was gone.
         self.proc = subprocess.Popen(self.argv, env=env, stdout=open(self.log_path, "wb"),
-                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=self.out)
+                                     stderr=subprocess.STDOUT, start_new_session=True, cwd=self.out,
+                                     preexec_fn=dies_with_this_thread())
         return self
 
     def wait(self, timeout: float) -> int:
