@@ -82,7 +82,11 @@ def reference(work: Workdir, shape: Shape) -> tuple[Job, int, float]:
     if code != 0:
         raise SystemExit(f"{shape.name}: the torchrun reference failed ({code}):\n{tail(job)}")
     rows = job.losses(0)
-    return job, rows[-1]["step"] + 1, (rows[-1]["t"] - rows[0]["t"]) / max(1, len(rows) - 1)
+    if "t" in rows[0]:
+        per_step = (rows[-1]["t"] - rows[0]["t"]) / max(1, len(rows) - 1)
+    else:   # a script whose rows carry no time (the examples' own): the whole run's wall time, start-up included
+        per_step = (time.monotonic() - job.started) / len(rows)
+    return job, rows[-1]["step"] + 1, per_step
 
 
 def one_run(work: Workdir, etcd: EtcdServer, shape: Shape, index: int, mode: str, ref: Job, steps: int,
