@@ -241,11 +241,14 @@ class Swapper:
 
     async def _follow_plans(self) -> None:
         prefix = self._keys.family("swaps")
-        for key, doc, rev in await self._store.get_prefix_json(prefix):
+        items, header = await self._store.read_prefix_json(prefix)
+        for key, doc, rev, _created in items:
             plan = load(SwapPlan.from_json, key, doc, rev)
             if plan is not None:
                 await self._on_plan(plan)
-        async for ev in self._store.watch_prefix(prefix):
+        # from the revision read on, not from whenever the plans read were carried out: a phase the leader wrote
+        # meanwhile is seen (_done drops what was seen twice)
+        async for ev in self._store.watch_prefix(prefix, header + 1):
             if ev.kind != "put":
                 continue
             plan = load(SwapPlan.from_json, ev.key, ev.value, ev.mod_revision)
