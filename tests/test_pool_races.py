@@ -2,18 +2,28 @@
 
 A pool node's spare node joins a job in the middle of its recovery: the leader plans the lost node's ranks onto
 its spare slots the moment they appear, so the new agent's swapper starts following the plans while the leader is
-already moving the plan on. Whatever it reads first, it must then see every later phase.
+already moving the plan on. Whatever it reads first, it must then see every later phase. Two jobs that lose a
+node at the same instant race for one pool node: exactly one wins it, and the pool node serves that one only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 import types
+from dataclasses import dataclass
 
 import pytest
 
+from tpassrun.pool import JobSpec, Pool, PoolKeys, PoolNode, pool_prefix
+from tpassrun.pool.job import JobPool
+from tpassrun.pool.node import PoolNodeLoop
+from tpassrun.pool.plan import StartSpare
 from tpassrun.records import Keys, Phase, SlotRef, SwapKind, SwapPlan
+from tpassrun.records.pool import SERVING
+from tpassrun.records.provenance import RunKey
+from tpassrun.settings import LaunchConfig
 from tpassrun.rendezvous import EtcdConfig, EtcdStore, GenState, Generation, Member
 from tpassrun.swapper import Swapper
 from tpassrun.swapper.agentport import AgentPort, SwapSettings
@@ -77,3 +87,94 @@ def test_a_phase_written_while_the_plans_read_at_start_are_carried_out_is_not_mi
             return seen
 
     assert asyncio.run(main()) == ["pause", "transfer"]
+
+
+# ---------------------------------------------------------------------------------------------- two jobs, one node
+POOL_KEY = RunKey.from_text("pool-key-for-the-race-0123456789")
+SPEC = JobSpec(run_id="j", endpoint="e", rdzv_conf="", nproc_per_node=2, entrypoint="t.py", args=())
+
+
+class _HostlessPoolNode(PoolNodeLoop):
+    """A pool node's loop whose one host effect is recorded instead of run: the claimed job's spare node (a
+    ``tpassrun --spare-node`` with workers) is noted, not started; its record, its claim watch and every decision
+    are the real ones."""
+
+    async def _start(self, action: StartSpare) -> None:
+        self.served.append(action.claim.job)
+        await self._register(SERVING, action.claim.job)
+
+
+@dataclass(frozen=True)
+class RaceOutcome:
+    claimed_by: tuple[str, ...]            # the jobs whose leader said pool_claimed
+    claims: tuple[tuple[str, str], ...]    # (pool node, job) of every claim in etcd
+    served: tuple[str, ...]                # the jobs the pool node started a spare node for
+    loser_said: str                        # the loser's last pool line
+    both_tried: bool                       # both leaders saw the node idle and sent a claim (one lost the CAS)
+
+    @property
+    def one_winner(self) -> bool:
+        return (len(self.claimed_by) == 1 and self.claims == (("p1", self.claimed_by[0]),)
+                and self.served == self.claimed_by and "claimed" in self.loser_said)
+
+
+async def claim_race_trial(endpoint: str, name: str) -> RaceOutcome:
+    """Two jobs' leaders (each its own etcd lease) lose a node at the same instant; one idle pool node. Each asks
+    its pool (:meth:`JobPool.need`, as its coordinator does on ``ClaimFromPool``), then looks again on its next
+    tick. Used by the suite and by ``bench/pool_race.py`` (20 trials)."""
+    cfg = EtcdConfig.from_endpoint(endpoint, {"read_timeout": "10"})
+    keys = PoolKeys(pool_prefix("/tpassrun/v1", name))
+    async with EtcdStore(cfg) as admin:
+        pool = Pool(admin, keys, POOL_KEY, name)
+        assert await pool.create()
+        stores = [EtcdStore(cfg, lease_ttl=10) for _ in range(3)]
+        await asyncio.gather(*(s.open() for s in stores))
+        stop = asyncio.Event()
+        node = _HostlessPoolNode(Pool(stores[0], keys, POOL_KEY, name), PoolNode("p1", "h", 2, time.time()),
+                                 say=lambda _s: None)
+        runner = asyncio.create_task(node.run(stop))
+        try:
+            while "p1" not in (await pool.read())[0].nodes:
+                await asyncio.sleep(0.02)
+            jobs = [JobPool(pool=Pool(stores[i + 1], keys, POOL_KEY, name), spec=SPEC, node_id=f"leader-{j}",
+                            cfg=LaunchConfig(rdzv_id=j, spare_pool=name, training_script="t.py", nproc_per_node=2,
+                                             pool_wait=60.0))
+                    for i, j in enumerate(("jobA", "jobB"))]
+            said: list[list[tuple[str, dict]]] = [[], []]
+            start = asyncio.Event()
+
+            async def lose(i: int) -> None:
+                await start.wait()
+                await jobs[i].need((f"node-{i}",), 0, lambda ev, **f: said[i].append((ev, f)))
+            first = [asyncio.create_task(lose(i)) for i in range(2)]
+            await asyncio.sleep(0)
+            start.set()
+            await asyncio.gather(*first)
+            quiet = [not s for s in said]           # a leader that lost the compare-and-set says nothing yet
+            await asyncio.gather(lose(0), lose(1))          # the next tick of each leader
+            winners = tuple(j.cfg.rdzv_id for j, s in zip(jobs, said) if any(e == "pool_claimed" for e, _ in s))
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + 30
+            while len(node.served) < len(winners) and loop.time() < deadline:
+                await asyncio.sleep(0.02)
+            view = (await pool.read())[0]
+            losers = [s for j, s in zip(jobs, said) if j.cfg.rdzv_id not in winners]
+            return RaceOutcome(claimed_by=winners, served=tuple(node.served), both_tried=any(quiet),
+                               claims=tuple(sorted((n, c.job) for n, c in view.claims.items())),
+                               loser_said=losers[0][-1][1].get("reason", "") if losers and losers[0] else "")
+        finally:
+            stop.set()
+            with contextlib.suppress(Exception):
+                await runner
+            await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
+            await pool.delete()
+
+
+@pytest.mark.timeout(120)
+def test_two_jobs_losing_a_node_at_the_same_instant_one_pool_node_exactly_one_claim_wins(etcd_server, run_id):
+    """Issue 24's acceptance, one process on a real etcd (the 20-trial count is bench/pool_race.py's): the two
+    leaders' claims race; exactly one job holds the node, the pool node starts a spare node for that job only,
+    and the other job's leader says the pool is claimed (it waits for the pool, then torchrun's restart)."""
+    outcomes = [asyncio.run(claim_race_trial(etcd_server.endpoint, f"{run_id}-{t}")) for t in range(3)]
+    assert all(o.one_winner for o in outcomes), outcomes
+    assert all("all 1 pool node(s) are claimed" in o.loser_said for o in outcomes), outcomes
