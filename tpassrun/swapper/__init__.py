@@ -184,7 +184,7 @@ class Swapper:
         gen, latest = self.port.generation(), getattr(self.port.rdzv, "generation", None)
         if gen is not None and latest is not None and latest.number == gen.number:
             gen = latest        # spare nodes that joined since the generation formed are annotations of it
-        if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes):
+        if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes and not cfg.pool_wait):
             return False
         step = self._slots.field(slot, Field.STEP)
         lease = self._store.lease_id      # the lease this death is seen under (see the failure's write below)
