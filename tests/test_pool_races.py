@@ -19,9 +19,9 @@ import pytest
 from tpassrun.pool import JobSpec, Pool, PoolKeys, PoolNode, pool_prefix
 from tpassrun.pool.job import JobPool
 from tpassrun.pool.node import PoolNodeLoop
-from tpassrun.pool.plan import StartSpare
+from tpassrun.pool.plan import ChildExited, StartSpare
 from tpassrun.records import Keys, Phase, SlotRef, SwapKind, SwapPlan
-from tpassrun.records.pool import SERVING
+from tpassrun.records.pool import IDLE, SERVING
 from tpassrun.records.provenance import RunKey
 from tpassrun.settings import LaunchConfig
 from tpassrun.rendezvous import EtcdConfig, EtcdStore, GenState, Generation, Member
@@ -178,3 +178,59 @@ def test_two_jobs_losing_a_node_at_the_same_instant_one_pool_node_exactly_one_cl
     outcomes = [asyncio.run(claim_race_trial(etcd_server.endpoint, f"{run_id}-{t}")) for t in range(3)]
     assert all(o.one_winner for o in outcomes), outcomes
     assert all("all 1 pool node(s) are claimed" in o.loser_said for o in outcomes), outcomes
+
+
+@pytest.mark.timeout(120)
+def test_a_job_waiting_for_the_pool_gets_the_node_the_moment_the_job_holding_it_ends(etcd_server, run_id):
+    """Job A holds the only pool node; job B loses a node and waits for the pool. A ends (its spare node on the pool
+    node exits): the pool node drops A's claim and is idle again, and B's leader, on its next look, claims it."""
+
+    async def main() -> list[tuple[str, str]]:
+        cfg = EtcdConfig.from_endpoint(etcd_server.endpoint, {"read_timeout": "10"})
+        keys = PoolKeys(pool_prefix("/tpassrun/v1", run_id))
+        lines: list[tuple[str, str]] = []
+        async with EtcdStore(cfg) as admin:
+            pool = Pool(admin, keys, POOL_KEY, run_id)
+            assert await pool.create()
+            stores = [EtcdStore(cfg, lease_ttl=10) for _ in range(3)]
+            await asyncio.gather(*(s.open() for s in stores))
+            stop = asyncio.Event()
+            node = _HostlessPoolNode(Pool(stores[0], keys, POOL_KEY, run_id), PoolNode("p1", "h", 2, time.time()),
+                                     say=lambda _s: None)
+            runner = asyncio.create_task(node.run(stop))
+            try:
+                while "p1" not in (await pool.read())[0].nodes:
+                    await asyncio.sleep(0.02)
+                a, b = (JobPool(pool=Pool(stores[i + 1], keys, POOL_KEY, run_id), spec=SPEC, node_id=f"leader-{j}",
+                                cfg=LaunchConfig(rdzv_id=j, spare_pool=run_id, training_script="t.py",
+                                                 nproc_per_node=2, pool_wait=60.0))
+                        for i, j in enumerate(("jobA", "jobB")))
+
+                def say(job: str):
+                    return lambda ev, **f: lines.append((job, ev))
+                await a.need(("a-node",), 0, say("jobA"))
+                while node.served != ["jobA"]:
+                    await asyncio.sleep(0.02)
+                await b.need(("b-node",), 0, say("jobB"))
+                assert lines == [("jobA", "pool_claimed"), ("jobB", "pool_waiting")]
+                node.events.put_nowait(ChildExited(0))        # job A ended: its spare node exited
+                while True:
+                    view = (await pool.read())[0]
+                    if view.nodes["p1"].state == IDLE and not view.claims:
+                        break
+                    await asyncio.sleep(0.02)
+                await b.need(("b-node",), 0, say("jobB"))      # B's leader looks again (every second while waiting)
+                while node.served != ["jobA", "jobB"]:
+                    await asyncio.sleep(0.02)
+                assert [c.job for c in (await pool.read())[0].claims.values()] == ["jobB"]
+                assert [h.event for h in sorted((await pool.read())[2], key=lambda h: h.time)] == \
+                    ["claimed", "idle", "claimed"]
+                return lines
+            finally:
+                stop.set()
+                with contextlib.suppress(Exception):
+                    await runner
+                await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
+                await pool.delete()
+
+    assert asyncio.run(main())[-1] == ("jobB", "pool_claimed")
