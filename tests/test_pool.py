@@ -147,6 +147,36 @@ def test_triage_a_lost_node_without_own_spares_draws_from_the_pool_then_restarts
     assert any(isinstance(x, RestartGroup) for x in acts)
 
 
+def test_triage_a_dead_rank_without_own_spares_draws_from_the_pool_then_falls_back_when_it_gave_up():
+    from tpassrun.plan.swap import ClusterView, SlotView
+    from tpassrun.plan.triage import ClaimFromPool, CreatePlan, PutFallback, Seen, dead_rank_need, triage
+    from tpassrun.records import Failure, SwapKind
+
+    dead = Failure(node="a", slot=1, rank=1, code=-9, step=9, light=True, generation=3)
+    live = (SlotView("a", 0, 0, "running", True, 9), SlotView("a", 1, 1, "dead", True, 9),
+            SlotView("b", 0, 2, "running", True, 9), SlotView("b", 1, 3, "running", True, 9))
+
+    def seen(*slots, spare_nodes=(), **kw):
+        v = ClusterView(generation=3, members=("a", "b"), spare_nodes=spare_nodes, slots=(*live, *slots))
+        return Seen(now=1000.0, spawned_generation=3, plans=(), reports=(), failures=(("a-1", dead),), taints=(),
+                    view=v, **kw)
+
+    need = dead_rank_need(dead)
+    assert need == "rank 1 (died at step 9, generation 3)"
+    # no pool: the fallback (torchrun's restart), as before
+    assert any(isinstance(x, PutFallback) for x in triage(seen()).actions)
+    # a pool: ask it; the failure stays unhandled (nothing marked) until the pool node's spares are up
+    acts = triage(seen(pool=True)).actions
+    assert [type(x) for x in acts] == [ClaimFromPool] and acts[0].lost == (need,)
+    # the pool node's spare node joined, its spares still starting: the unplanned swap takes one
+    pooled = (SlotView("p", 0, None, "spare", False), SlotView("p", 1, None, "spare", False))
+    plans = [x for x in triage(seen(*pooled, spare_nodes=("p",), pool=True)).actions if isinstance(x, CreatePlan)]
+    assert plans and plans[0].plan.kind is SwapKind.UNPLANNED and plans[0].plan.joiner.node == "p"
+    # the pool gave up (nothing within --pool-wait): the fallback
+    acts = triage(seen(pool=True, pool_gave_up=frozenset({need}))).actions
+    assert any(isinstance(x, PutFallback) for x in acts)
+
+
 def test_the_console_says_own_spares_pool_or_restart_and_why():
     from tpassrun.ops.console import Describer
 
@@ -162,3 +192,6 @@ def test_the_console_says_own_spares_pool_or_restart_and_why():
     assert "waiting for pool gpu" in line and "all 1 pool node(s) are claimed" in line
     line = d.describe(ev("pool_gave_up", lost_node="host2-7-cd", pool="gpu", reason="waited 60 s"))
     assert "torchrun's restart" in line and "waited 60 s" in line
+    line = d.describe(ev("pool_claimed", lost_node="rank 5 (died at step 9, generation 0)", pool="gpu",
+                         pool_node="host9-3-ef", reason="no own spare ready; pool node host9-3-ef is idle"))
+    assert line.startswith("rank 5 (died at step 9, generation 0), no own spare ready: claimed pool node"), line

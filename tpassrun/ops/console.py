@@ -286,7 +286,9 @@ class Describer:
             what = {"pool_claimed": f"claimed pool node {_short(ev.get('pool_node'))} from pool {ev.get('pool')}",
                     "pool_waiting": f"waiting for pool {ev.get('pool')}",
                     "pool_gave_up": f"pool {ev.get('pool')} gave nothing: torchrun's restart"}[name]
-            return f"node {_short(ev.get('lost_node'))} lost, no own spare ready: {what} ({ev.get('reason')})"
+            lost = str(ev.get("lost_node"))
+            who = lost if lost.startswith("rank ") else f"node {_short(lost)} lost"     # a dead rank's need
+            return f"{who}, no own spare ready: {what} ({ev.get('reason')})"
         if name == "node_lost_decided":
             if ev.get("action") != "plan":
                 return None   # the fallback line says it

@@ -350,8 +350,18 @@ def _recover_many(pending: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[A
     return tuple(out)
 
 
+def dead_rank_need(f: Failure) -> str:
+    """What a dead rank asks the spare pool for, as the pool and the console name it (one per death: the step and
+    generation tell a second death of the rank from the first)."""
+    return f"rank {f.rank} (died at step {f.step}, generation {f.generation})"
+
+
 def _recover(fid: str, f: Failure, seen: Seen) -> tuple[Action, ...]:
     view, now = donor_view(seen), seen.now
+    if seen.pool and choose_spare(view, f.node) is None and dead_rank_need(f) not in seen.pool_gave_up:
+        # own spares first, the pool second, a restart last: the failure stays unhandled until the pool node's
+        # spares are up (the plan then takes one, ready or still starting) or the pool gave up
+        return (ClaimFromPool((dead_rank_need(f),), f"rank {f.rank} died and no spare of the job's own is left"),)
     decision = plan_for_failure(view, node=f.node, slot=f.slot, rank=f.rank, reason=f"exit code {f.code}",
                                 now_wall=now, light_available=f.light,
                                 swap_id=_unique_id(f"u-{fid}-{f.generation}", seen),

@@ -52,6 +52,11 @@ def job_spec(cfg: LaunchConfig, endpoint: str, environ: Mapping[str, str], run_k
                    max_restarts=cfg.max_restarts)
 
 
+def lost_what(need: str) -> str:
+    """A lost node's id, or a dead rank's need (``triage.dead_rank_need``), as a claim's reason says it (pure)."""
+    return need if need.startswith("rank ") else f"node {need} lost"
+
+
 @dataclass
 class JobPool:
     pool: Pool
@@ -69,7 +74,8 @@ class JobPool:
         return self.pool.name
 
     async def need(self, lost: tuple[str, ...], own_starting: int, say: Callable[..., None]) -> None:
-        """Lost nodes no own spare covers: claim a pool node for each, or wait for one, or give them up."""
+        """Lost nodes (or dead ranks, named by ``triage.dead_rank_need``) no own spare covers: claim a pool node for
+        each, or wait for one, or give them up."""
         now = self.clock()
         for node in lost:
             if node in self.gave_up:
@@ -94,7 +100,7 @@ class JobPool:
             action = plan_job(need, view, now)
             if isinstance(action, ClaimNode):
                 claim = Claim(node_id=action.node_id, job=self.cfg.rdzv_id, claimer=self.node_id,
-                              priority=self.cfg.priority, since=now, reason=f"node {node} lost", spec=self.spec,
+                              priority=self.cfg.priority, since=now, reason=lost_what(node), spec=self.spec,
                               waited=now - since)
                 if await self.pool.claim(claim, revs[action.node_id]):
                     self.held[node] = action.node_id

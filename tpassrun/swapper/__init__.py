@@ -184,7 +184,7 @@ class Swapper:
         gen, latest = self.port.generation(), getattr(self.port.rdzv, "generation", None)
         if gen is not None and latest is not None and latest.number == gen.number:
             gen = latest        # spare nodes that joined since the generation formed are annotations of it
-        if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes):
+        if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes and not cfg.pool_wait):
             return False
         step = self._slots.field(slot, Field.STEP)
         lease = self._store.lease_id      # the lease this death is seen under (see the failure's write below)
@@ -241,11 +241,14 @@ class Swapper:
 
     async def _follow_plans(self) -> None:
         prefix = self._keys.family("swaps")
-        for key, doc, rev in await self._store.get_prefix_json(prefix):
+        items, header = await self._store.read_prefix_json(prefix)
+        for key, doc, rev, _created in items:
             plan = load(SwapPlan.from_json, key, doc, rev)
             if plan is not None:
                 await self._on_plan(plan)
-        async for ev in self._store.watch_prefix(prefix):
+        # from the revision read on, not from whenever the plans read were carried out: a phase the leader wrote
+        # meanwhile is seen (_done drops what was seen twice)
+        async for ev in self._store.watch_prefix(prefix, header + 1):
             if ev.kind != "put":
                 continue
             plan = load(SwapPlan.from_json, ev.key, ev.value, ev.mod_revision)
