@@ -26,10 +26,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any
+
+from tpassrun.settings import envnames as E
 
 WIRE_VERSION = 1
 HELLO = struct.Struct("<4sHH32s")     # b"TPNC", version, flags, listener nonce
@@ -215,6 +218,15 @@ class FrameCipher:
             raise ChecksumError("an encrypted frame was forged or altered (its tag does not verify)") from None
 
 
+def encryption_wanted(encrypt: bool | None = None) -> bool:
+    """Whether this process's transfers and mirror traffic are encrypted: ``encrypt``, else its run's
+    ``--rdzv-conf encrypt=true`` (the agent sets ``TPASSRUN_ENCRYPT=1`` for every worker of such a run, so both
+    ends of a transfer agree; the agent itself passes its setting explicitly)."""
+    if encrypt is not None:
+        return encrypt
+    return os.environ.get(E.TPASSRUN_ENCRYPT, "") == "1"
+
+
 def aead_unavailable_reason() -> str | None:
     """None when this process can encrypt (``cryptography`` with ``encrypt_into``), else why not."""
     try:
@@ -229,4 +241,4 @@ def aead_unavailable_reason() -> str | None:
 __all__ = ["ACCEPT", "AEAD_NAME", "AEAD_TAG_LEN", "AuthError", "FLAG_ENCRYPT", "FrameCipher",
            "aead_unavailable_reason", "ChecksumError", "ConnectorHandshake", "FLAG_POLY1305", "FrameMac", "HELLO",
            "HandoffError",
-           "ListenerHandshake", "PROOF", "TAG_LEN", "TransferAuth", "WIRE_VERSION"]
+           "ListenerHandshake", "PROOF", "encryption_wanted", "TAG_LEN", "TransferAuth", "WIRE_VERSION"]
