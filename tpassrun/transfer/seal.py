@@ -24,8 +24,9 @@ from typing import Any
 
 from tpassrun.transfer.codec import ChecksumError, HandoffError, StateBundle
 from tpassrun.transfer.frame import _END_MAGIC, _PREFIX_LEN, _allocate_all, _Frame, _frames, _SocketReader
-from tpassrun.transfer.auth import (AEAD_NAME, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_POLY1305, TAG_LEN, FrameCipher, FrameMac,
-                       aead_unavailable_reason, encryption_wanted)  # noqa: F401 - encryption_wanted re-exported
+from tpassrun.transfer import gmac
+from tpassrun.transfer.auth import (AEAD_NAME, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, FLAG_POLY1305, TAG_LEN,  # noqa: F401
+                                    FrameCipher, FrameMac, aead_unavailable_reason, encryption_wanted)  # re-exported
 
 _FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
 _AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count
@@ -46,8 +47,8 @@ def _expect(check: Future[bytes], tag: bytes, index: int) -> None:
 
 
 def listener_flags(poly1305_here: bool, encrypt: bool) -> int:
-    """What a receiver's hello says: Poly1305 where it has it; FLAG_ENCRYPT when its run encrypts."""
-    flags = FLAG_POLY1305 if poly1305_here else 0
+    """What a receiver's hello says: GMAC and Poly1305 where it has them; FLAG_ENCRYPT when its run encrypts."""
+    flags = (FLAG_POLY1305 if poly1305_here else 0) | (FLAG_GMAC if gmac.available() else 0)
     if encrypt:
         why = aead_unavailable_reason()
         if why is not None:
