@@ -28,9 +28,9 @@ tag): ``gmac-aes-256`` (16 B; FMAC_i is GMAC under the key MAC("one-time-key" | 
 with nonce i: :mod:`tpassrun.transfer.gmac`, about twice Poly1305's speed) where both ends have ``cryptography``
 (the receiver's hello says FLAG_GMAC), else ``poly1305`` (16 B; FMAC_i is Poly1305 under the one-time key
 MAC("one-time-key" | "data" | u64 i), as ChaCha20-Poly1305 derives its key per message) where both ends' OpenSSL
-have it (:mod:`tpassrun.transfer.poly1305`; the receiver's hello says whether it has), else ``hmac-sha256`` (FMAC_i = MAC; one line says so once per process on a
-host without it). Why: SHA-256 is ~2 GB/s per core even with SHA instructions, so an
-HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305 runs at 10-15 GB/s per
+have it (:mod:`tpassrun.transfer.poly1305`; the receiver's hello says whether it has), else ``hmac-sha256``
+(FMAC_i = MAC; one line says so once per process on a host without it). Why: SHA-256 is ~2 GB/s per core even
+with SHA instructions, so an HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305 runs at 10-15 GB/s per
 core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream: independent frame
 tags are computed by a small pool of threads (the MACs release the GIL): the sender has them ready before the
 frame is on the wire, the receiver verifies frame i while frame i+1 arrives (``bench/transfer.py``).
