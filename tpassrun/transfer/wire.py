@@ -23,17 +23,18 @@ part of the frame carries a tag keyed for this connection (both nonces, the swap
     trailer | end tag                         MAC("end" | trailer | every frame tag): no frame dropped or moved
     ack
 
-MAC is the connection's HMAC-SHA256 (32 B). The head names the frame MAC (its ``checksum``, under the head's
-tag): ``gmac-aes-256`` (16 B; FMAC_i is GMAC under the key MAC("one-time-key" | "gmac-data"), one per connection,
-with nonce i: :mod:`tpassrun.transfer.gmac`, about twice Poly1305's speed) where both ends have ``cryptography``
-(the receiver's hello says FLAG_GMAC), else ``poly1305`` (16 B; FMAC_i is Poly1305 under the one-time key
+MAC is the connection's HMAC-SHA256 (32 B). The head names the frame MAC (its ``checksum``, under the head's tag):
+``gmac-aes-256`` (16 B; FMAC_i is GMAC under the key MAC("one-time-key" | "gmac-data"), one per connection, with
+nonce i: :mod:`tpassrun.transfer.gmac`, about twice Poly1305's speed) where both ends have ``cryptography`` (the
+receiver's hello says FLAG_GMAC), else ``poly1305`` (16 B; FMAC_i is Poly1305 under the one-time key
 MAC("one-time-key" | "data" | u64 i), as ChaCha20-Poly1305 derives its key per message) where both ends' OpenSSL
 have it (:mod:`tpassrun.transfer.poly1305`; the receiver's hello says whether it has), else ``hmac-sha256``
-(FMAC_i = MAC; one line says so once per process on a host without it). Why: SHA-256 is ~2 GB/s per core even
-with SHA instructions, so an HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305 runs at 10-15 GB/s per
-core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream: independent frame
-tags are computed by a small pool of threads (the MACs release the GIL): the sender has them ready before the
-frame is on the wire, the receiver verifies frame i while frame i+1 arrives (``bench/transfer.py``).
+(FMAC_i = MAC; one line says so once per process on a host without it). Why: SHA-256 is ~2 GB/s per core even with
+SHA instructions, so an HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305
+runs at 10-15 GB/s per core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream:
+independent frame tags are computed by a small pool of threads (the MACs release the GIL): the sender has them
+ready before the frame is on the wire, the receiver verifies frame i while frame i+1 arrives
+(``bench/transfer.py``).
 
 A listener serves every connection's handshake at once (:class:`~tpassrun.transfer.gate.HandshakeGate`), each within
 one overall deadline (:data:`~tpassrun.transfer.gate.HANDSHAKE_DEADLINE_S`), the first to prove the key being the
