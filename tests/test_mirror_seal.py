@@ -10,7 +10,6 @@ capture sees), and the real server on its own event loop as in an agent.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import struct
 import threading
@@ -24,6 +23,7 @@ from tpassrun.mirror import net as N
 from tpassrun.mirror.client import PushStream
 from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.transfer.auth import ACCEPT, FLAG_ENCRYPT, HELLO, ConnectorHandshake, TransferAuth
+from test_mirror import _Served as _Base
 
 pytestmark = pytest.mark.timeout(60)
 pytest.importorskip("cryptography", reason="the 'encrypt' extra (cryptography >= 44)")
@@ -33,24 +33,11 @@ MARK = b"TPASSRUN-MIRROR-PLAINTEXT!"       # a payload made of it is easy to fin
 KIND = "shard/secret-kind-name"
 
 
-class _Served:
+class _Served(_Base):
     """A MirrorServer on its own event loop thread (as in an agent) behind a relay that records both directions."""
 
     def __init__(self, encrypt: bool) -> None:
-        self.store = M.MirrorStore(1 << 26)
-        self.loop = asyncio.new_event_loop()
-        self.server = M.MirrorServer(self.store, KEY, host="127.0.0.1", run_id="run-e", encrypt=encrypt)
-        ready = threading.Event()
-
-        def main() -> None:
-            asyncio.set_event_loop(self.loop)
-            self.loop.run_until_complete(self.server.start())
-            ready.set()
-            self.loop.run_forever()
-
-        self.thread = threading.Thread(target=main, daemon=True)
-        self.thread.start()
-        assert ready.wait(10)
+        super().__init__(key=KEY, run_id="run-e", encrypt=encrypt)
         self.captured = bytearray()
         self._lock = threading.Lock()
         self.front = socket.socket()
@@ -88,20 +75,12 @@ class _Served:
         with self._lock:
             return needle in self.captured
 
-    def call(self, fn: Any) -> Any:
-        async def run() -> Any:
-            return fn()
-        return asyncio.run_coroutine_threadsafe(run(), self.loop).result(10)
-
     def client(self, encrypt: bool | None = None) -> M.MirrorClient:
         return M.MirrorClient("127.0.0.1", self.port, KEY, run_id="run-e", timeout=5, encrypt=encrypt)
 
     def close(self) -> None:
         self.front.close()
-        asyncio.run_coroutine_threadsafe(self.server.close(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        super().close()
 
 
 @pytest.fixture
