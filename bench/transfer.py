@@ -1,6 +1,7 @@
 """Handoff transfer benchmark: raw loopback TCP vs send_bundle/recv_bundle, and the light snapshot.
 
     python bench/transfer.py [--mb 300] [--rounds 3]
+    python bench/transfer.py --auth-only [--rounds 5]     # raw TCP vs the authenticated stream, frame MAC by frame MAC
 
 Prints, in one run:
   * raw TCP throughput: sendall / recv_into of one buffer between two processes;
@@ -12,6 +13,10 @@ Prints, in one run:
   * their ratios to raw TCP (target >= 0.70), authenticated / checksummed, and CPU seconds per GB (both ends);
   * the same, encrypted (``encrypt=True``: ``--rdzv-conf encrypt=true``, AES-256-GCM frames), GB/s and CPU per GB;
   * ``capture_rng()`` + ``capture`` + ``encode_small`` per call (target < 100 us), with a breakdown.
+
+``--auth-only``: raw TCP and the authenticated stream into an arena with each frame MAC (GMAC, the default where
+``cryptography`` is installed; Poly1305, the default before; HMAC-SHA256 with ``--hmac``), alternating within each
+round: GB/s, ratio to raw (target >= 0.9), CPU-s per GB both ends, and the load average.
 
 Raw and handoff rounds alternate so that background load hits both alike. The last line is JSON.
 Figures only, no assertions: this is not a test.
@@ -155,12 +160,63 @@ class Sampler:
         self.position, self.epoch = state["position"], state["epoch"]
 
 
+def auth_only(nbytes: int, rounds: int, hmac_too: bool) -> None:
+    """Raw TCP vs the authenticated stream, one frame MAC at a time, alternating within each round."""
+    import os
+
+    model, opt = model_and_optimizer(nbytes)
+    bundle = capture({"model": model, "opt": opt}, step=1, rng=capture_rng())
+    payload = memoryview(bytearray(b"\x5a" * nbytes))
+    macs = ["gmac-aes-256", "poly1305"] + (["hmac-sha256"] if hmac_too else [])
+    load = [os.getloadavg()[0]]
+    print(f"state: {bundle.nbytes / 1e6:.0f} MB in {len(bundle.tensors)} tensors; raw {nbytes / 1e6:.0f} MB; {rounds} "
+          f"rounds of raw, {', '.join(macs)} (alternating); load average {load[0]:.1f}", flush=True)
+    raw = start_receiver(raw_receiver, nbytes, rounds)
+    recv = {m: start_receiver(bundle_receiver, rounds, bundle.nbytes + (16 << 20), auth=True) for m in macs}
+    gbps: dict[str, list[float]] = {m: [] for m in ["raw", *macs]}
+    cpu: dict[str, list[float]] = {m: [] for m in ["raw", *macs]}
+    try:
+        for round_no in range(rounds):
+            before = cpu_seconds()
+            gbps["raw"].append(nbytes / send_raw(raw[2], payload) / 1e9)
+            cpu["raw"].append((cpu_seconds() - before + raw[1].get(timeout=600)) / nbytes * 1e9)
+            for mac in macs:
+                before = cpu_seconds()
+                stats = connect_and_send("127.0.0.1", recv[mac][2], bundle, timeout=600, auth=AUTH, frame_mac=mac)
+                cpu[mac].append((cpu_seconds() - before + recv[mac][1].get(timeout=600)) / bundle.nbytes * 1e9)
+                gbps[mac].append(stats.gbps)
+            load.append(os.getloadavg()[0])
+            print(f"  round {round_no}: " + ", ".join(f"{m} {gbps[m][-1]:.2f} GB/s ({cpu[m][-1]:.3f} cpu-s/GB)"
+                                                      for m in gbps) + f"; load {load[-1]:.1f}", flush=True)
+    finally:
+        for proc, _, _ in [raw, *recv.values()]:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    raw_median = statistics.median(gbps["raw"])
+    summary: dict[str, Any] = {"load": [round(x, 1) for x in load]}
+    for name in gbps:
+        med = statistics.median(gbps[name])
+        per_round = [g / r for g, r in zip(gbps[name], gbps["raw"])]
+        print(f"{name:13s} median {med:.2f} GB/s; ratio to raw median/median {med / raw_median:.2f}, per round "
+              f"[{', '.join(f'{x:.2f}' for x in per_round)}] (target >= 0.9); cpu {min(cpu[name]):.3f} s/GB (best)")
+        summary[name] = {"gbps": [round(x, 3) for x in gbps[name]], "ratio_median": round(med / raw_median, 3),
+                         "cpu_s_per_gb_best": round(min(cpu[name]), 3)}
+    print(json.dumps(summary))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mb", type=int, default=300, help="size of the raw buffer and of the tracked state, MB")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--auth-only", action="store_true", help="raw TCP vs the authenticated stream per frame MAC")
+    parser.add_argument("--hmac", action="store_true", help="with --auth-only: HMAC-SHA256 frames too")
     args = parser.parse_args()
     nbytes = args.mb * 10**6
+    if args.auth_only:
+        auth_only(nbytes, args.rounds, args.hmac)
+        return
 
     model, opt = model_and_optimizer(nbytes)
     bundle = capture({"model": model, "opt": opt}, step=1, rng=capture_rng())

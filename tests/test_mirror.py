@@ -97,10 +97,12 @@ def test_the_mirror_key_is_drawn_once_per_run_and_shared():
 class _Served:
     """A MirrorServer on its own event loop thread (as in an agent), for blocking clients in the test."""
 
-    def __init__(self, max_bytes: int = 1 << 26, max_item: int | None = None) -> None:
+    def __init__(self, max_bytes: int = 1 << 26, max_item: int | None = None, *, key: bytes = KEY, run_id: str = "run-1",
+                 encrypt: bool = False) -> None:
         self.store = M.MirrorStore(max_bytes)
         self.loop = asyncio.new_event_loop()
-        self.server = M.MirrorServer(self.store, KEY, host="127.0.0.1", run_id="run-1", max_item_bytes=max_item)
+        self.server = M.MirrorServer(self.store, key, host="127.0.0.1", run_id=run_id, max_item_bytes=max_item,
+                                     encrypt=encrypt)
         ready = threading.Event()
 
         def main() -> None:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tpassrun.transfer import wire as handoff_wire
-from tpassrun.transfer import poly1305
+from tpassrun.transfer import gmac, poly1305
 from tpassrun.transfer.handoff import HandoffError, StateBundle, TransferAuth, recv_bundle, send_bundle
 
 pytestmark = pytest.mark.timeout(60)
@@ -98,6 +98,8 @@ def test_without_poly1305_frames_are_hmac_and_one_line_says_why(monkeypatch, cap
     def no_libcrypto():
         raise OSError("no OpenSSL 3 libcrypto (libcrypto.so.3: cannot open shared object file)")
 
+    monkeypatch.setattr(gmac, "available", lambda: False)     # nor the faster GMAC (no 'cryptography' either)
+
     monkeypatch.setattr(poly1305, "_open_libcrypto", no_libcrypto)
     monkeypatch.setattr(poly1305, "_loaded", None)
     monkeypatch.setattr(poly1305, "_failed", None)
@@ -117,6 +119,7 @@ def test_without_poly1305_frames_are_hmac_and_one_line_says_why(monkeypatch, cap
 @needs_poly1305
 def test_a_sender_picks_hmac_frames_for_a_receiver_without_poly1305(monkeypatch):
     """The receiver's hello says what it can verify: a sender with Poly1305 sends HMAC frames to one without."""
+    monkeypatch.setattr(gmac, "available", lambda: False)
     main = threading.main_thread()
     monkeypatch.setattr(poly1305, "available", lambda: threading.current_thread() is not main)   # receiver: none
     monkeypatch.setattr(handoff_wire, "_poly1305_said", True)

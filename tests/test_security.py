@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from faults import Hold, Job, faults_env, hold_at, run_async, taint
-from tpassrun.transfer import poly1305
+from tpassrun.transfer import gmac, poly1305
 from tpassrun.transfer.handoff import (AuthError, ChecksumError, HandoffError, StateBundle, TransferAuth, accept_and_recv,
                               connect_and_send, listen_for_bundle, recv_bundle, send_bundle)
 
@@ -81,7 +81,7 @@ def test_a_stranger_connecting_first_is_dropped_and_the_sender_still_gets_throug
         attacker.join(30)
     got, stats = results["got"]
     assert torch.equal(got.tensors[0], _bundle().tensors[0])          # the real state, never the perturbed one
-    assert stats.checksum.split(":")[0] in ("poly1305", "hmac-sha256")   # an authenticated stream
+    assert stats.checksum.split(":")[0] in ("gmac-aes-256", "poly1305", "hmac-sha256")   # an authenticated stream
     # a connection that said nothing is a port probe, not a stranger; one that sent anything else is dropped (a
     # key holder of another swap, rank or run tries again: each try is dropped)
     assert bool(strangers) == (stranger != "silent-then-gone"), strangers
@@ -179,7 +179,9 @@ def test_sizes_are_bounded_by_what_the_transfer_allows_before_anything_is_alloca
         t.join(30)
 
 
-FRAME_MACS = [pytest.param("poly1305", marks=pytest.mark.skipif(not poly1305.available(),
+FRAME_MACS = [pytest.param("gmac-aes-256", marks=pytest.mark.skipif(not gmac.available(),
+                                                                    reason=f"no GMAC: {gmac.unavailable_reason()}")),
+              pytest.param("poly1305", marks=pytest.mark.skipif(not poly1305.available(),
                                                                 reason=f"no Poly1305: {poly1305.unavailable_reason()}")),
               "hmac-sha256"]
 

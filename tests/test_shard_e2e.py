@@ -50,19 +50,26 @@ def reference(tmp_path_factory) -> Job:
     return job
 
 
-def _agent(out: str, train: str, endpoint: str, run_id: str, env: dict[str, str]) -> Job:
+def _agent(out: str, train: str, endpoint: str, run_id: str, env: dict[str, str], extra: tuple[str, ...] = ()) -> Job:
     argv = [sys.executable, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "1", "--spares-per-node", "1",
-            "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
+            "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, *extra,
             "--log-dir", os.path.join(out, "logs"), EXAMPLE, *ARGS, "--out", train]
     return Job(argv=argv, out=out, env=env)
 
 
-def test_a_ranks_slice_comes_back_from_the_other_nodes_mirror(tmp_path, etcd_server, run_id, reference):
+@pytest.mark.parametrize("encrypt", [False, True], ids=["clear", "encrypted"])
+def test_a_ranks_slice_comes_back_from_the_other_nodes_mirror(tmp_path, etcd_server, run_id, reference, encrypt):
+    """``encrypted``: the run has ``--rdzv-conf encrypt=true`` (issue 27): the mirror servers of both agents refuse
+    frames in clear (tests/test_mirror_seal.py), so the slice that came back from the other node's mirror travelled
+    sealed both ways, as did the model sent by rank 0."""
+    if encrypt:
+        pytest.importorskip("cryptography", reason="the 'encrypt' extra (cryptography >= 44)")
     train = str(tmp_path / "train")
     marker = str(tmp_path / "fault")
     env = faults_env(kill_at(1, random.Random().randint(3, 8), marker, where="opt_step"))
-    a = _agent(str(tmp_path / "a"), train, etcd_server.endpoint, run_id, env)
-    b = _agent(str(tmp_path / "b"), train, etcd_server.endpoint, run_id, env)
+    extra = ("--rdzv-conf", "encrypt=true") if encrypt else ()
+    a = _agent(str(tmp_path / "a"), train, etcd_server.endpoint, run_id, env, extra)
+    b = _agent(str(tmp_path / "b"), train, etcd_server.endpoint, run_id, env, extra)
     try:
         a.start()
         b.start()
@@ -84,6 +91,9 @@ def test_a_ranks_slice_comes_back_from_the_other_nodes_mirror(tmp_path, etcd_ser
     assert holder, [e.get("reason") for e in evs if e["event"] == "swap_phase"]
     said = [e for e in evs if e["event"] == "shard_mirror"]
     assert {e["rank"] for e in said} == {0, 1} and all(e["buddy"] for e in said), said
+    if encrypt:
+        ends = [e for e in evs if e["event"] == "swap_transfer_end" and e.get("checksum")]
+        assert ends and all(e["checksum"].startswith("aes-256-gcm:") for e in ends), ends
 
 
 @pytest.mark.parametrize("interval,kill_from", [("auto", 3), ("3", 9)], ids=["auto", "every-3"])

@@ -258,7 +258,8 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
                                                                self.node_id)
             # the mirror store serves before this node registers: its port is part of the registration
             self.mirror = await stack.enter_async_context(MirrorPlane(self._port(), cfg.rdzv_id,
-                                                                               max_bytes=cfg.mirror_max_bytes))
+                                                                      max_bytes=cfg.mirror_max_bytes,
+                                                                      encrypt=encrypt_requested(cfg.rdzv_conf)))
             self.rdzv.node = dataclasses.replace(self.rdzv.node, mirror_port=self.mirror.mirror_port)
             from tpassrun.agent.healthd import AgentHealth
 

@@ -39,7 +39,9 @@ API (what the agent and the shard mirror code against)::
 Security: the server listens on the agent's advertised address only. Every connection proves the per-run
 mirror key (:mod:`tpassrun.transfer.auth`'s HMAC handshake, purpose "mirror", the run id as context) before the
 server reads a byte of request or allocates anything for it; every frame after that carries an HMAC-SHA256 tag
-over its direction, sequence number, header, meta and payload; sizes are checked before allocation. The key
+over its direction, sequence number, header, meta and payload; sizes are checked before allocation. A run with
+``--rdzv-conf encrypt=true`` seals every frame's meta and payload with AES-256-GCM instead
+(:mod:`tpassrun.mirror.seal`). The key
 is drawn once per run and kept in the run's authenticated etcd (:func:`ensure_mirror_key`), never on a command
 line or in a file; workers get it over their private agent socket.
 
@@ -70,19 +72,21 @@ class MirrorTarget:
     key: bytes = dataclasses.field(repr=False)
     run_id: str = ""
     epoch: int = 0          # the epoch copies must carry (the generation that spawned the writers)
+    encrypt: bool = False   # the run encrypts (--rdzv-conf encrypt=true): a client sends nothing in clear
 
     def client(self, timeout: float = 10.0) -> MirrorClient:
-        return MirrorClient(self.addr, self.port, self.key, run_id=self.run_id, timeout=timeout)
+        return MirrorClient(self.addr, self.port, self.key, run_id=self.run_id, timeout=timeout,
+                            encrypt=True if self.encrypt else None)
 
     def to_json(self) -> dict[str, Any]:
         return {"node": self.node, "addr": self.addr, "port": self.port, "key": self.key.hex(),
-                "run_id": self.run_id, "epoch": self.epoch}
+                "run_id": self.run_id, "epoch": self.epoch, "encrypt": self.encrypt}
 
     @classmethod
     def from_json(cls, d: Any) -> "MirrorTarget":
         try:
             return cls(str(d["node"]), str(d["addr"]), int(d["port"]), bytes.fromhex(str(d["key"])),
-                       str(d.get("run_id", "")), int(d.get("epoch", 0)))
+                       str(d.get("run_id", "")), int(d.get("epoch", 0)), d.get("encrypt") is True)
         except (KeyError, TypeError, ValueError) as exc:
             raise MirrorError(f"malformed mirror target: {type(exc).__name__}") from exc
 

@@ -16,8 +16,25 @@ from tpassrun.transfer import poly1305
 from tpassrun.mirror.net import _CHUNK, _HEAD, _MAGIC, _TO_CLIENT, _TO_SERVER, MAX_REPLY_META, NOT_FOUND, OK, OP_DROP, OP_GET, \
     OP_LIST, OP_PUSH, OP_PUT, OP_REPLY, PAYLOAD_POLY1305, REFUSED, _auth, _decode_meta, _encode_meta, _mac_of, \
     _payload_tag
+from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror.store import MirrorEntry, MirrorError, MirrorFull, MirrorItem
-from tpassrun.transfer.auth import ACCEPT, FLAG_POLY1305, HELLO, TAG_LEN, AuthError, ConnectorHandshake, FrameMac
+from tpassrun.transfer.auth import (ACCEPT, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_POLY1305, HELLO, TAG_LEN, AuthError,
+                                    ConnectorHandshake, FrameMac, aead_unavailable_reason, encryption_wanted)
+
+
+def _seals(host: str, port: int, base: FrameMac, flags: int, encrypt: bool) -> tuple[FrameSeal, FrameSeal] | None:
+    """The connection's (requests', replies') seals when the server's hello says its run encrypts; None when
+    it does not, unless this process's run encrypts: then nothing is sent in clear (a MirrorError)."""
+    if not flags & FLAG_ENCRYPT:
+        if encrypt:
+            raise MirrorError(f"this run encrypts its mirror traffic (--rdzv-conf encrypt=true) and the mirror at "
+                              f"{host}:{port} does not decrypt: nothing was sent")
+        return None
+    why = aead_unavailable_reason()
+    if why is not None:
+        raise MirrorError(f"the mirror at {host}:{port} encrypts its traffic, but here {why}")
+    return FrameSeal(base, _TO_SERVER), FrameSeal(base, _TO_CLIENT)
+
 
 def _dial(host: str, port: int, timeout: float, auth: Any, *,
           sndbuf: int = 0) -> tuple[socket.socket, FrameMac, int]:
@@ -49,11 +66,15 @@ def _dial(host: str, port: int, timeout: float, auth: Any, *,
 class MirrorClient:
     """Blocking client for one :class:`MirrorServer` (a worker's background thread, or the agent through
     ``asyncio.to_thread``). One connection, reused; calls are serialized by a lock; ``timeout`` bounds the
-    connect and every stall."""
+    connect and every stall. ``encrypt``: this process's run encrypts (None: :func:`encryption_wanted`); a server
+    that encrypts is followed either way."""
 
-    def __init__(self, host: str, port: int, key: bytes, *, run_id: str = "", timeout: float = 10.0) -> None:
+    def __init__(self, host: str, port: int, key: bytes, *, run_id: str = "", timeout: float = 10.0,
+                 encrypt: bool | None = None) -> None:
         self.host, self.port = host, int(port)
         self.timeout = timeout
+        self.encrypt = encryption_wanted(encrypt)
+        self._seals: tuple[FrameSeal, FrameSeal] | None = None
         self._auth = _auth(key, run_id)
         self._sock: socket.socket | None = None
         self._base: FrameMac | None = None
@@ -79,6 +100,11 @@ class MirrorClient:
         if self._sock is not None:
             return
         sock, self._base, flags = _dial(self.host, self.port, self.timeout, self._auth)
+        try:
+            self._seals = _seals(self.host, self.port, self._base, flags, self.encrypt)
+        except MirrorError:
+            sock.close()
+            raise
         self._poly = bool(flags & FLAG_POLY1305) and poly1305.available()
         self._sock, self._seq_out, self._seq_in = sock, 0, 0
 
@@ -87,7 +113,7 @@ class MirrorClient:
             self._drop()
 
     def _drop(self) -> None:
-        sock, self._sock, self._base = self._sock, None, None
+        sock, self._sock, self._base, self._seals = self._sock, None, None, None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()
@@ -142,12 +168,15 @@ class MirrorClient:
         sock, base = self._sock, self._base
         assert sock is not None and base is not None
         meta_raw = _encode_meta(meta)
-        poly = self._poly and op == OP_PUT
-        head = _HEAD.pack(_MAGIC, op, PAYLOAD_POLY1305 if poly else 0, len(meta_raw), sum(p.nbytes for p in pieces),
-                          self._seq_out)
+        seals = self._seals
+        poly = self._poly and op == OP_PUT and seals is None
+        head = _HEAD.pack(_MAGIC, op, PAYLOAD_AEAD if seals else PAYLOAD_POLY1305 if poly else 0, len(meta_raw),
+                          sum(p.nbytes for p in pieces), self._seq_out)
         self._seq_out += 1
         mac = _mac_of(base, _TO_SERVER, head, meta_raw)
-        if poly:        # one tag over the pieces in place, then one gathered send: no per-chunk Python loop
+        if seals is not None:
+            _send_all(sock, seals[0].seal(head, meta_raw, pieces))
+        elif poly:        # one tag over the pieces in place, then one gathered send: no per-chunk Python loop
             tag = _payload_tag(mac, pieces)
             _send_all(sock, [head + meta_raw, *pieces, tag])
         else:
@@ -166,6 +195,14 @@ class MirrorClient:
         long_meta = meta_len == 0xFFFF
         if long_meta and payload_len > MAX_REPLY_META:
             raise MirrorError(f"mirror reply meta of {payload_len} bytes is over the limit")
+        if seals is not None:
+            meta_in = seals[1].open_meta(head_in, _recv_exact(sock, (0 if long_meta else meta_len) + AEAD_TAG_LEN))
+            sealed = bytearray(payload_len + AEAD_TAG_LEN)
+            _recv_into(sock, memoryview(sealed))
+            data = seals[1].open_payload(head_in, sealed)
+            if long_meta:
+                return status, _decode_meta(bytes(data)), b""
+            return status, _decode_meta(meta_in), bytes(data)
         meta_in = b"" if long_meta else _recv_exact(sock, meta_len)
         mac = _mac_of(base, _TO_CLIENT, head_in, meta_in)
         data = bytearray(payload_len)
@@ -194,9 +231,12 @@ class PushStream:
     SNDBUF = 1 << 20             # room for ~100 frames: a push never blocks, and never half-fits unless the
                                  # buddy stopped reading for that long
 
-    def __init__(self, host: str, port: int, key: bytes, *, run_id: str = "", timeout: float = 5.0) -> None:
+    def __init__(self, host: str, port: int, key: bytes, *, run_id: str = "", timeout: float = 5.0,
+                 encrypt: bool | None = None) -> None:
         self.host, self.port = host, int(port)
         self.timeout = timeout
+        self.encrypt = encryption_wanted(encrypt)     # as MirrorClient's
+        self._seal: FrameSeal | None = None
         self._auth = _auth(key, run_id)
         self._sock: socket.socket | None = None
         self._base: FrameMac | None = None
@@ -212,17 +252,24 @@ class PushStream:
         return self._sock is not None
 
     def connect(self) -> "PushStream":
-        sock, base, _flags = _dial(self.host, self.port, self.timeout, self._auth, sndbuf=self.SNDBUF)
+        sock, base, flags = _dial(self.host, self.port, self.timeout, self._auth, sndbuf=self.SNDBUF)
+        try:
+            seals = _seals(self.host, self.port, base, flags, self.encrypt)
+        except MirrorError:
+            sock.close()
+            raise
         sock.setblocking(False)
-        self._sock, self._base, self._seq = sock, base, 0
+        self._sock, self._base, self._seq, self._seal = sock, base, 0, seals[0] if seals else None
         return self
 
     def frame(self, owner: int, kind: str, version: int, epoch: int, payload: bytes) -> list[bytes]:
         """The pieces of one PUSH frame (head and meta, payload, tag); advances the sequence number."""
         assert self._base is not None
         meta = _encode_meta({"owner": owner, "kind": kind, "version": version, "epoch": epoch})
-        head = _HEAD.pack(_MAGIC, OP_PUSH, 0, len(meta), len(payload), self._seq)
+        head = _HEAD.pack(_MAGIC, OP_PUSH, PAYLOAD_AEAD if self._seal else 0, len(meta), len(payload), self._seq)
         self._seq += 1
+        if self._seal is not None:
+            return self._seal.seal(head, meta, [payload])
         mac = _mac_of(self._base, _TO_SERVER, head, meta)
         mac.feed(payload)
         return [head + meta, payload, mac.tag()]
@@ -261,7 +308,7 @@ class PushStream:
                 select.select([], [sock], [], left)
 
     def close(self) -> None:
-        sock, self._sock, self._base = self._sock, None, None
+        sock, self._sock, self._base, self._seal = self._sock, None, None, None
         if sock is not None:
             with contextlib.suppress(OSError):
                 sock.close()

@@ -20,6 +20,10 @@ then over the Poly1305 tag of the payload under a one-time key derived from that
 makes it unique within the connection; :meth:`~tpassrun.transfer.auth.FrameMac.one_time_key`). One SHA-256 pass over a
 refresh's megabytes cost about 0.5 ms of CPU on each end; Poly1305 about a quarter of that, still authenticated.
 
+A server whose run encrypts (``--rdzv-conf encrypt=true``) says so in its hello, and then every frame both ways
+has its meta and payload sealed with AES-256-GCM instead of the tag (:mod:`tpassrun.mirror.seal`); it refuses a
+request in clear.
+
 A :class:`PushStream` is a one-way connection: after the handshake the server never writes to it again, so a
 writer that is SIGKILLed right after handing a frame to its kernel still has it delivered (a socket closed with
 unread data in its receive queue would be reset instead, and its unsent bytes dropped). A push the store refuses
@@ -37,8 +41,10 @@ import struct
 from typing import Any, Sequence
 
 from tpassrun.transfer import poly1305
+from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror.store import MirrorError, MirrorFull, MirrorStore
-from tpassrun.transfer.auth import FLAG_POLY1305, PROOF, TAG_LEN, AuthError, FrameMac, ListenerHandshake, TransferAuth
+from tpassrun.transfer.auth import (AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_POLY1305, PROOF, TAG_LEN, AuthError, FrameMac,
+                                    ListenerHandshake, TransferAuth, aead_unavailable_reason)
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, PendingTable, source_of
 
@@ -116,10 +122,14 @@ def _auth(key: bytes, run_id: str) -> TransferAuth:
 class MirrorServer:
     """The agent's end: serves one :class:`MirrorStore` on ``host`` (the agent's advertised address only).
 
-    ``async with`` (or :meth:`start` / :meth:`close`) does the I/O; the constructor does none."""
+    ``async with`` (or :meth:`start` / :meth:`close`) does the I/O; the constructor does none. ``encrypt``: the
+    run encrypts (every connection's frames sealed, :mod:`tpassrun.mirror.seal`)."""
 
     def __init__(self, store: MirrorStore, key: bytes, *, host: str, run_id: str = "", port: int = 0,
-                 max_item_bytes: int | None = None) -> None:
+                 max_item_bytes: int | None = None, encrypt: bool = False) -> None:
+        if encrypt and aead_unavailable_reason() is not None:
+            raise MirrorError(f"this run encrypts its mirror traffic, but {aead_unavailable_reason()}")
+        self.encrypt = encrypt
         self.store = store
         self.host = host
         self.port = port
@@ -175,7 +185,8 @@ class MirrorServer:
         try:
             base = await self._handshake(reader, writer)
             if base is not None:
-                await self._requests(reader, writer, base)
+                seals = (FrameSeal(base, _TO_SERVER), FrameSeal(base, _TO_CLIENT)) if self.encrypt else None
+                await self._requests(reader, writer, base, seals)
         except (ConnectionError, asyncio.IncompleteReadError, MirrorError, OSError) as exc:
             log.debug("mirror connection ended: %s", exc)
         except asyncio.CancelledError:
@@ -195,7 +206,8 @@ class MirrorServer:
             self.strangers += 1
             victim.cancel()
         try:
-            shake = ListenerHandshake(self._auth, FLAG_POLY1305 if poly1305.available() else 0)
+            shake = ListenerHandshake(self._auth, (FLAG_POLY1305 if poly1305.available() else 0)
+                                      | (FLAG_ENCRYPT if self.encrypt else 0))
             writer.write(shake.hello())
             try:
                 raw = await asyncio.wait_for(reader.readexactly(PROOF.size), HANDSHAKE_DEADLINE_S)
@@ -221,7 +233,9 @@ class MirrorServer:
             log.warning("mirror: dropped a connection from %s that did not prove the mirror key: %s%s", source, why,
                         held_note(held, self._lines.window))
 
-    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, base: FrameMac) -> None:
+    async def _requests(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, base: FrameMac,
+                        seals: tuple[FrameSeal, FrameSeal] | None = None) -> None:
+        """``seals`` (the run encrypts): the requests' and the replies' :class:`FrameSeal`."""
         seq_in = seq_out = 0
         while True:
             try:
@@ -234,11 +248,15 @@ class MirrorServer:
             if magic != _MAGIC or seq != seq_in or meta_len > MAX_META:
                 raise MirrorError(f"bad mirror frame (magic {magic!r}, seq {seq}/{seq_in}, meta {meta_len} B)")
             seq_in += 1
-            meta_raw = await reader.readexactly(meta_len)
+            if seals is not None and flags != PAYLOAD_AEAD:
+                raise MirrorError(f"a mirror request in clear (flags {flags}) on a connection of a run that encrypts")
+            meta_raw = await reader.readexactly(meta_len + (AEAD_TAG_LEN if seals else 0))
+            if seals is not None:
+                meta_raw = seals[0].open_meta(head, meta_raw)
             mac = _mac_of(base, _TO_SERVER, head, meta_raw)
             status, reply, out = OK, {}, ()
             if op == OP_PUSH:
-                status, reply = await self._put(reader, mac, meta_raw, payload_len, flags)
+                status, reply = await self._put(reader, mac, meta_raw, payload_len, flags, head, seals)
                 if status == BAD_REQUEST:
                     raise MirrorError(f"bad mirror push: {reply.get('error')}")
                 if status != OK or not reply.get("kept"):
@@ -246,64 +264,49 @@ class MirrorServer:
                     log.debug("mirror push not kept: %s", reply.get("error", "older than the versions held"))
                 continue                # one-way: never an answer (see PushStream)
             if op == OP_PUT:
-                status, reply = await self._put(reader, mac, meta_raw, payload_len, flags)
+                status, reply = await self._put(reader, mac, meta_raw, payload_len, flags, head, seals)
             else:
                 if payload_len:
                     raise MirrorError(f"mirror op {op} carries no payload")
-                if not mac.verify(await reader.readexactly(TAG_LEN)):
+                if seals is not None:
+                    seals[0].open_payload(head, await reader.readexactly(AEAD_TAG_LEN))
+                elif not mac.verify(await reader.readexactly(TAG_LEN)):
                     raise MirrorError("mirror request MAC mismatch")
                 try:
                     status, reply, out = self._answer(op, _decode_meta(meta_raw))
                 except MirrorError as exc:
                     status, reply = BAD_REQUEST, {"error": str(exc)}
-            await self._reply(writer, base, seq_out, status, reply, out)
+            await self._reply(writer, base, seq_out, status, reply, out, seals[1] if seals else None)
             seq_out += 1
 
     async def _put(self, reader: asyncio.StreamReader, mac: FrameMac, meta_raw: bytes,
-                   payload_len: int, flags: int = 0) -> tuple[int, dict[str, Any]]:
+                   payload_len: int, flags: int = 0, head: bytes = b"",
+                   seals: tuple[FrameSeal, FrameSeal] | None = None) -> tuple[int, dict[str, Any]]:
         poly = flags == PAYLOAD_POLY1305
+        tag_len = AEAD_TAG_LEN if seals else TAG_LEN
         try:
-            if flags not in (0, PAYLOAD_POLY1305) or (poly and not poly1305.available()):
+            if seals is None and (flags not in (0, PAYLOAD_POLY1305) or (poly and not poly1305.available())):
                 raise MirrorError(f"a payload MAC this server does not offer (flags {flags})")
             meta = _decode_meta(meta_raw)
             owner, kind = _int_field(meta, "owner"), _str_field(meta, "kind")
             version, epoch = _int_field(meta, "version"), _int_field(meta, "epoch")
         except MirrorError as exc:
-            await _discard(reader, payload_len + TAG_LEN)
+            await _discard(reader, payload_len + tag_len)
             return BAD_REQUEST, {"error": str(exc)}
         assert owner is not None and kind is not None and version is not None and epoch is not None
         why = (f"a copy of {payload_len} bytes is over this store's item limit {self.max_item_bytes}"
                if payload_len > self.max_item_bytes else self.store.admit(owner, kind, version, epoch, payload_len))
         if why is not None:
-            await _discard(reader, payload_len + TAG_LEN)
+            await _discard(reader, payload_len + tag_len)
             return REFUSED, {"error": why}
         self.store.reserved += payload_len
         try:
-            chunks = []
-            left = payload_len
-            while left:
-                piece = await reader.readexactly(min(left, _CHUNK))
-                left -= len(piece)
-                if poly:        # tagged whole below
-                    pass
-                elif len(piece) >= _THREAD_MAC:
-                    await asyncio.to_thread(mac.feed, piece)   # hashlib drops the GIL: the loop keeps going
-                else:
-                    mac.feed(piece)
-                chunks.append(piece)
-            tag = await reader.readexactly(TAG_LEN)
-            if poly:
-                want = (await asyncio.to_thread(_payload_tag, mac, chunks) if payload_len >= _THREAD_POLY
-                        else _payload_tag(mac, chunks))
-                ok = hmac.compare_digest(tag, want)
+            if seals is not None:
+                data = await self._open_payload(reader, seals[0], head, payload_len)
             else:
-                ok = mac.verify(tag)
-            if not ok:
-                raise MirrorError("mirror put MAC mismatch: nothing kept")
+                data = await self._read_tagged(reader, mac, payload_len, poly)
         finally:
             self.store.reserved -= payload_len
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-        del chunks
         try:
             kept = self.store._commit(owner, kind, version, epoch, data)
         except MirrorFull as exc:
@@ -311,6 +314,47 @@ class MirrorServer:
         self.puts += 1
         self.bytes_in += payload_len
         return OK, {"kept": kept}
+
+    async def _open_payload(self, reader: asyncio.StreamReader, seal: FrameSeal, head: bytes,
+                            payload_len: int) -> bytes:
+        """A sealed payload, read whole and decrypted (off the event loop when large)."""
+        chunks = []
+        left = payload_len + AEAD_TAG_LEN
+        while left:
+            piece = await reader.readexactly(min(left, _CHUNK))
+            left -= len(piece)
+            chunks.append(piece)
+        sealed = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        del chunks
+        if payload_len >= _THREAD_MAC:
+            return await asyncio.to_thread(seal.open_payload, head, sealed)
+        return seal.open_payload(head, sealed)
+
+    async def _read_tagged(self, reader: asyncio.StreamReader, mac: FrameMac, payload_len: int,
+                           poly: bool) -> bytes:
+        """A payload in clear and its tag, verified (a MirrorError when it does not)."""
+        chunks = []
+        left = payload_len
+        while left:
+            piece = await reader.readexactly(min(left, _CHUNK))
+            left -= len(piece)
+            if poly:        # tagged whole below
+                pass
+            elif len(piece) >= _THREAD_MAC:
+                await asyncio.to_thread(mac.feed, piece)   # hashlib drops the GIL: the loop keeps going
+            else:
+                mac.feed(piece)
+            chunks.append(piece)
+        tag = await reader.readexactly(TAG_LEN)
+        if poly:
+            want = (await asyncio.to_thread(_payload_tag, mac, chunks) if payload_len >= _THREAD_POLY
+                    else _payload_tag(mac, chunks))
+            ok = hmac.compare_digest(tag, want)
+        else:
+            ok = mac.verify(tag)
+        if not ok:
+            raise MirrorError("mirror put MAC mismatch: nothing kept")
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     def _answer(self, op: int, meta: dict[str, Any]) -> tuple[int, dict[str, Any], Sequence[bytes]]:
         if op == OP_GET:
@@ -331,13 +375,19 @@ class MirrorServer:
         raise MirrorError(f"unknown mirror op {op}")
 
     async def _reply(self, writer: asyncio.StreamWriter, base: FrameMac, seq: int, status: int,
-                     meta: dict[str, Any], payload: Sequence[bytes]) -> None:
+                     meta: dict[str, Any], payload: Sequence[bytes], seal: FrameSeal | None = None) -> None:
         meta_raw = _encode_meta(meta)
         head = _HEAD.pack(_MAGIC, OP_REPLY, status, min(len(meta_raw), 0xFFFF), sum(len(p) for p in payload), seq)
         # meta_len is u16: a long LIST answer carries its meta length in the payload's place instead
         if len(meta_raw) >= 0xFFFF:
             head = _HEAD.pack(_MAGIC, OP_REPLY, status, 0xFFFF, len(meta_raw), seq)
             payload, meta_raw = (meta_raw,), b""
+        if seal is not None:
+            sealed = (await asyncio.to_thread(seal.seal, head, meta_raw, payload)
+                      if sum(len(p) for p in payload) >= _THREAD_MAC else seal.seal(head, meta_raw, payload))
+            writer.writelines(sealed)
+            await writer.drain()
+            return
         mac = _mac_of(base, _TO_CLIENT, head, meta_raw)
         writer.write(head + meta_raw)
         for piece in payload:

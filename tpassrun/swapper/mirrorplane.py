@@ -68,8 +68,10 @@ class MirrorPlane:
     """Construct with the agent's port; ``async with`` starts the server (its port goes into the agent's
     ``NodeInfo`` before it registers); :meth:`run` in every generation."""
 
-    def __init__(self, port: "AgentPort", run_id: str, *, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+    def __init__(self, port: "AgentPort", run_id: str, *, max_bytes: int = DEFAULT_MAX_BYTES,
+                 encrypt: bool = False) -> None:
         self.port = port
+        self.encrypt = encrypt          # --rdzv-conf encrypt=true: the server and every target seal their frames
         self.run_id = run_id
         self.store = MirrorStore(max_bytes)
         self.key = b""
@@ -93,7 +95,7 @@ class MirrorPlane:
     async def __aenter__(self) -> "MirrorPlane":
         rdzv = self.port.rdzv
         self.key = await ensure_mirror_key(rdzv.store, Keys(rdzv.key("")).mirror_key)
-        self.server = MirrorServer(self.store, self.key, host=self.port.addr, run_id=self.run_id)
+        self.server = MirrorServer(self.store, self.key, host=self.port.addr, run_id=self.run_id, encrypt=self.encrypt)
         await self.server.start()
         return self
 
@@ -104,7 +106,7 @@ class MirrorPlane:
 
     def own_target(self) -> MirrorTarget:
         return MirrorTarget(self.port.node_id, self.port.addr, self.mirror_port, self.key, self.run_id,
-                            self.port.epoch())
+                            self.port.epoch(), self.encrypt)
 
     # ------------------------------------------------------------------ where copies go
     async def target_of(self, node_id: str) -> MirrorTarget | None:
@@ -118,7 +120,7 @@ class MirrorPlane:
         if info is None or not info.mirror_port:
             return None
         return MirrorTarget(node_id, info.addr, info.mirror_port, self.key, self.run_id,
-                            self.port.epoch())
+                            self.port.epoch(), self.encrypt)
 
     async def _follow_ring(self) -> None:
         gen = self.port.generation()

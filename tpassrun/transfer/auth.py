@@ -15,7 +15,7 @@ swap, rank or purpose is refused too. The handshake is sans-I/O (:class:`Listene
 :class:`ConnectorHandshake` say what to send and check what came back), so blocking sockets and asyncio
 streams drive the very same code; :meth:`TransferAuth.frame_mac` then keys the MAC of everything that follows.
 
-``flags`` says what the listener can verify (:data:`FLAG_POLY1305`: Poly1305 frame tags), so a sender picks a
+``flags`` says what the listener can verify (:data:`FLAG_GMAC`, :data:`FLAG_POLY1305`: frame tags), so a sender picks a
 frame MAC both ends have; a listener of an older build sends 0 (HMAC-SHA256 frames). The flags are not under a
 tag: a peer in the middle that flips them can only choose between two sound MACs (the stream's head, under the
 connection's HMAC, names the one in use) or make the transfer fail, which it can do anyway.
@@ -26,10 +26,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
+import os
 import secrets
 import struct
 from dataclasses import dataclass
 from typing import Any
+
+from tpassrun.settings import envnames as E
 
 WIRE_VERSION = 1
 HELLO = struct.Struct("<4sHH32s")     # b"TPNC", version, flags, listener nonce
@@ -38,6 +41,7 @@ ACCEPT = struct.Struct("<4s32s")      # b"TPOK", listener proof
 TAG_LEN = 32
 FLAG_POLY1305 = 1                     # the listener verifies Poly1305 frame tags (tpassrun.transfer.poly1305)
 FLAG_ENCRYPT = 2                      # the listener's run encrypts (--rdzv-conf encrypt=true): AES-256-GCM frames
+FLAG_GMAC = 4                         # the listener verifies GMAC frame tags (tpassrun.transfer.gmac)
 AEAD_NAME = "aes-256-gcm"
 AEAD_TAG_LEN = 16
 
@@ -215,6 +219,15 @@ class FrameCipher:
             raise ChecksumError("an encrypted frame was forged or altered (its tag does not verify)") from None
 
 
+def encryption_wanted(encrypt: bool | None = None) -> bool:
+    """Whether this process's transfers and mirror traffic are encrypted: ``encrypt``, else its run's
+    ``--rdzv-conf encrypt=true`` (the agent sets ``TPASSRUN_ENCRYPT=1`` for every worker of such a run, so both
+    ends of a transfer agree; the agent itself passes its setting explicitly)."""
+    if encrypt is not None:
+        return encrypt
+    return os.environ.get(E.TPASSRUN_ENCRYPT, "") == "1"
+
+
 def aead_unavailable_reason() -> str | None:
     """None when this process can encrypt (``cryptography`` with ``encrypt_into``), else why not."""
     try:
@@ -226,7 +239,7 @@ def aead_unavailable_reason() -> str | None:
     return None
 
 
-__all__ = ["ACCEPT", "AEAD_NAME", "AEAD_TAG_LEN", "AuthError", "FLAG_ENCRYPT", "FrameCipher",
+__all__ = ["ACCEPT", "AEAD_NAME", "AEAD_TAG_LEN", "AuthError", "FLAG_ENCRYPT", "FLAG_GMAC", "FrameCipher",
            "aead_unavailable_reason", "ChecksumError", "ConnectorHandshake", "FLAG_POLY1305", "FrameMac", "HELLO",
            "HandoffError",
-           "ListenerHandshake", "PROOF", "TAG_LEN", "TransferAuth", "WIRE_VERSION"]
+           "ListenerHandshake", "PROOF", "encryption_wanted", "TAG_LEN", "TransferAuth", "WIRE_VERSION"]

@@ -22,11 +22,11 @@ import struct
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from tpassrun.settings import envnames as E
 from tpassrun.transfer.codec import ChecksumError, HandoffError, StateBundle
 from tpassrun.transfer.frame import _END_MAGIC, _PREFIX_LEN, _allocate_all, _Frame, _frames, _SocketReader
-from tpassrun.transfer.auth import (AEAD_NAME, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_POLY1305, TAG_LEN, FrameCipher, FrameMac,
-                       aead_unavailable_reason)
+from tpassrun.transfer import gmac
+from tpassrun.transfer.auth import (AEAD_NAME, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, FLAG_POLY1305, TAG_LEN,  # noqa: F401
+                                    FrameCipher, FrameMac, aead_unavailable_reason, encryption_wanted)  # re-exported
 
 _FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
 _AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count
@@ -46,17 +46,9 @@ def _expect(check: Future[bytes], tag: bytes, index: int) -> None:
         raise ChecksumError(f"handoff data corrupted or forged: frame #{index}'s tag mismatch")
 
 
-def encryption_wanted(encrypt: bool | None = None) -> bool:
-    """Whether this process's transfers are encrypted: ``encrypt``, else its run's ``--rdzv-conf encrypt=true``
-    (the agent sets ``TPASSRUN_ENCRYPT=1`` for every worker of such a run, so both ends of a transfer agree)."""
-    if encrypt is not None:
-        return encrypt
-    return os.environ.get(E.TPASSRUN_ENCRYPT, "") == "1"
-
-
 def listener_flags(poly1305_here: bool, encrypt: bool) -> int:
-    """What a receiver's hello says: Poly1305 where it has it; FLAG_ENCRYPT when its run encrypts."""
-    flags = FLAG_POLY1305 if poly1305_here else 0
+    """What a receiver's hello says: GMAC and Poly1305 where it has them; FLAG_ENCRYPT when its run encrypts."""
+    flags = (FLAG_POLY1305 if poly1305_here else 0) | (FLAG_GMAC if gmac.available() else 0)
     if encrypt:
         why = aead_unavailable_reason()
         if why is not None:

@@ -23,15 +23,18 @@ part of the frame carries a tag keyed for this connection (both nonces, the swap
     trailer | end tag                         MAC("end" | trailer | every frame tag): no frame dropped or moved
     ack
 
-MAC is the connection's HMAC-SHA256 (32 B). The head names the frame MAC (its ``checksum``, under the head's
-tag): ``poly1305`` (16 B; FMAC_i is Poly1305 under the one-time key MAC("one-time-key" | "data" | u64 i), as
-ChaCha20-Poly1305 derives its key per message) where both ends' OpenSSL have it (:mod:`tpassrun.transfer.poly1305`; the
-receiver's hello says whether it has), else ``hmac-sha256`` (FMAC_i = MAC; one line says so once per process on a
-host without it). Why: SHA-256 is ~2 GB/s per core even with SHA instructions, so an
-HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305 runs at 10-15 GB/s per
-core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream: independent frame
-tags are computed by a small pool of threads (the MACs release the GIL): the sender has them ready before the
-frame is on the wire, the receiver verifies frame i while frame i+1 arrives (``bench/transfer.py``).
+MAC is the connection's HMAC-SHA256 (32 B). The head names the frame MAC (its ``checksum``, under the head's tag):
+``gmac-aes-256`` (16 B; FMAC_i is GMAC under the key MAC("one-time-key" | "gmac-data"), one per connection, with
+nonce i: :mod:`tpassrun.transfer.gmac`, about twice Poly1305's speed) where both ends have ``cryptography`` (the
+receiver's hello says FLAG_GMAC), else ``poly1305`` (16 B; FMAC_i is Poly1305 under the one-time key
+MAC("one-time-key" | "data" | u64 i), as ChaCha20-Poly1305 derives its key per message) where both ends' OpenSSL
+have it (:mod:`tpassrun.transfer.poly1305`; the receiver's hello says whether it has), else ``hmac-sha256``
+(FMAC_i = MAC; one line says so once per process on a host without it). Why: SHA-256 is ~2 GB/s per core even with
+SHA instructions, so an HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305
+runs at 10-15 GB/s per core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream:
+independent frame tags are computed by a small pool of threads (the MACs release the GIL): the sender has them
+ready before the frame is on the wire, the receiver verifies frame i while frame i+1 arrives
+(``bench/transfer.py``).
 
 A listener serves every connection's handshake at once (:class:`~tpassrun.transfer.gate.HandshakeGate`), each within
 one overall deadline (:data:`~tpassrun.transfer.gate.HANDSHAKE_DEADLINE_S`), the first to prove the key being the
@@ -51,13 +54,13 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tpassrun.transfer import poly1305
+from tpassrun.transfer import gmac, poly1305
 from tpassrun.transfer.codec import ChecksumError, HandoffError, StateBundle
 from tpassrun.transfer.frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES, _PREFIX_LEN, _STREAM_CHECKSUM, _TRAILER,
                             _allocate_all, _encode_head, _Frame, _frames, _new_checksum, _outgoing, _parse_head,
                             _Pipelined, _read_frame, _read_prefix, _SocketReader, decode_small, encode_parts, encode_small,
                             reserve_receive_arena, reserved_receive_bytes)
-from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError,
+from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_GMAC, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError,
                        ConnectorHandshake, FrameCipher, FrameMac, ListenerHandshake, TransferAuth)
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, HandshakeGate
@@ -75,7 +78,8 @@ _ACK = struct.Struct("<4sI")
 _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
 _HMAC_CHECKSUM = "hmac-sha256"
 _POLY_CHECKSUM = "poly1305"
-_FRAME_MACS = (_POLY_CHECKSUM, _HMAC_CHECKSUM)
+_GMAC_CHECKSUM = "gmac-aes-256"
+_FRAME_MACS = (_GMAC_CHECKSUM, _POLY_CHECKSUM, _HMAC_CHECKSUM)
 _MAX_AUTH_HEAD_BYTES = 64 << 20        # what a signed head may claim before its tag was checked
 _STRANGER_LINES = Throttle()           # one warning line per source a minute, however many strangers it sends
 
@@ -170,26 +174,34 @@ def poly1305_here() -> bool:
 
 
 def _frame_mac_name(requested: str | None, peer_flags: int = FLAG_POLY1305) -> str:
-    """The frame MAC a sender uses: ``requested`` (tests, the bench), else Poly1305 where both ends have it
-    (``peer_flags``: the receiver's hello), else HMAC-SHA256."""
+    """The frame MAC a sender uses: ``requested`` (tests, the bench), else the fastest both ends have
+    (``peer_flags``: the receiver's hello): GMAC, Poly1305, HMAC-SHA256."""
     if requested is None:
+        if gmac.available() and peer_flags & FLAG_GMAC:
+            return _GMAC_CHECKSUM
         return _POLY_CHECKSUM if poly1305_here() and peer_flags & FLAG_POLY1305 else _HMAC_CHECKSUM
     if requested not in _FRAME_MACS:
         raise ValueError(f"unknown frame MAC {requested!r} (have {', '.join(_FRAME_MACS)})")
     if requested == _POLY_CHECKSUM and not poly1305.available():
         raise HandoffError(f"poly1305 frame MACs are not available here: {poly1305.unavailable_reason()}")
+    if requested == _GMAC_CHECKSUM and not gmac.available():
+        raise HandoffError(f"GMAC frame MACs are not available here: {gmac.unavailable_reason()}")
     return requested
 
 
 def _frame_tag_len(name: str) -> int:
     if name == AEAD_NAME:
         return AEAD_TAG_LEN
+    if name == _GMAC_CHECKSUM:
+        return gmac.TAG_LEN
     return poly1305.TAG_LEN if name == _POLY_CHECKSUM else TAG_LEN
 
 
 def _data_tag(mac: FrameMac, name: str, index: int, pieces: list[memoryview]) -> bytes:
     """Frame ``index``'s tag (``mac`` is a fresh copy of the connection's: the pool runs these)."""
     label = b"data" + _FRAME_INDEX.pack(index, sum(len(p) for p in pieces))
+    if name == _GMAC_CHECKSUM:    # the key serves this connection's data frames only; the nonce is the frame's index
+        return gmac.tag(mac.one_time_key(b"gmac-data"), index, [label, *pieces])
     if name == _POLY_CHECKSUM:
         return poly1305.tag(mac.one_time_key(b"data" + index.to_bytes(8, "little")), [label, *pieces])
     return _tag(mac, label, pieces)
@@ -402,6 +414,9 @@ def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None, en
     if head.checksum == _POLY_CHECKSUM and not poly1305.available():
         raise HandoffError("the sender authenticates its frames with poly1305, which this host's OpenSSL lacks "
                            f"({poly1305.unavailable_reason()})")
+    if head.checksum == _GMAC_CHECKSUM and not gmac.available():
+        raise HandoffError(f"the sender authenticates its frames with GMAC, which this host lacks "
+                           f"({gmac.unavailable_reason()})")
     tag_len = _frame_tag_len(head.checksum)
     if not 0 < head.chunk_bytes <= 1 << 30:
         raise HandoffError(f"an authenticated stream with {head.chunk_bytes}-byte frames, refusing")
