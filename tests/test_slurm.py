@@ -201,6 +201,11 @@ def test_down_after_the_run_lost_the_node_is_no_second_loss_and_the_node_stays_d
     assert decide(_view(down_drained, lost=lost, counted=frozenset({A, C}))) == []
     assert decide(_view({"n2": (NodeState.DOWN, "Not responding", "slurm")}, lost=lost)) == [
         Drain("n2", ours + " (Slurm: Not responding)")]
+    # the node's recovery done, no generation names it any more: its recovery plan still says it was lost
+    gone = dict(agents={A: AGENTS[A], C: AGENTS[C]}, homes={0: (A, 0), 1: (A, 1), 2: (C, 0), 3: (C, 1)},
+                counted=frozenset({A, C}), swaps=[_plan("n-1", SwapKind.NODE, 1.0, 1.8, lost_node=B)])
+    assert [a for a in decide(_view({"n2": UP}, **gone)) if isinstance(a, Drain)] == [Drain("n2", ours)]
+    assert [a for a in decide(_view(down_drained, **gone)) if not isinstance(a, Annotate)] == []
     line = LINE.format(state="DOWN+DRAIN+NOT_RESPONDING", reason=f" Reason={ours} [root@2026-11-29T01:47:57]")
     assert parse_nodes(line)["n1"].drain and not parse_nodes(LINE.format(state="DOWN*", reason=""))["n1"].drain
 

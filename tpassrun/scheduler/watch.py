@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from tpassrun.settings import envnames as E
@@ -129,6 +129,9 @@ def _asked(node: SchedNode) -> str:
 
 def decide(view: View) -> list[Action]:
     """Every action one poll calls for (see the module doc)."""
+    # a node recovered from is lost for good, though the generation that lost it may be gone (its ranks moved on)
+    recovered = {p.lost_node for p in view.swaps if p.kind is SwapKind.NODE and p.lost_node}
+    view = replace(view, lost=view.lost | recovered)
     out: list[Action] = []
     ids_of: dict[str, list[str]] = {}
     for node_id in {*view.agents, *view.lost, *view.counted, *(n for n, _s in view.homes.values())}:
