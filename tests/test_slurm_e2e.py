@@ -6,6 +6,9 @@ no rendezvous flag, and the tests never start tpassrun themselves.
   (``scontrol update NodeName=n1 State=DRAIN Reason=maintenance``): its two ranks move to n3 live (planned swaps,
   the other ranks keep their processes), the job ends ``torch.equal`` to torchrun, the console says who asked and
   why, Slurm shows n1 drained and the job's comment lists both swaps.
+* The member n2 dies as a host does (its slurmd, slurmstepd, agent and ranks SIGKILLed at one instant): n3 takes
+  its ranks live before Slurm's verdict; Slurm's DOWN later is no second loss; Slurm shows n2 down and drained with
+  tpassrun's reason and the job's comment lists the recovery.
 * ``scancel`` ends every process of a job (agents, ranks, spares, the hosted etcd) within seconds.
 """
 
@@ -99,6 +102,22 @@ def _warm(job: Job) -> bool:
     return bool(spares) and sum(1 for e in events if e["event"] == "spare_ready") >= spares
 
 
+def _assert_moved_to_n3(train: Job, events: list[dict], placed: dict[int, tuple[str, int]], moved: list[int]) -> None:
+    """Each moved rank ran in its first process, then in one of n3's spares; every other rank in one process."""
+    pids: dict[int, list[int]] = {}
+    for r in range(4):
+        for row in train.losses(r):
+            if not pids.setdefault(r, []) or pids[r][-1] != row["pid"]:
+                pids[r].append(row["pid"])
+    n3_spares = {s["pid"] for e in events if e["event"] == "workers_started" and short(e["node"]) == "n3"
+                 for s in e["slots"]}
+    for r in range(4):
+        if r in moved:
+            assert len(pids[r]) == 2 and pids[r][0] == placed[r][1] and pids[r][1] in n3_spares, (r, pids[r])
+        else:
+            assert pids[r] == [placed[r][1]], f"survivor rank {r} changed process: {pids[r]}"
+
+
 @pytest.fixture(scope="module")
 def reference(reference_run):
     return reference_run(4, STEPS)
@@ -140,18 +159,7 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identic
 
     train = Job(argv=[], out=os.path.join(out, "train"))
     assert_bit_exact(train, reference, 4)
-    pids: dict[int, list[int]] = {}
-    for r in range(4):
-        for row in train.losses(r):
-            if not pids.setdefault(r, []) or pids[r][-1] != row["pid"]:
-                pids[r].append(row["pid"])
-    n3_spares = {s["pid"] for e in logs.events() if e["event"] == "workers_started" and e["node"].startswith("n3-")
-                 for s in e["slots"]}
-    for r in range(4):
-        if r in on_n1:
-            assert len(pids[r]) == 2 and pids[r][0] == placed[r][1] and pids[r][1] in n3_spares, (r, pids[r])
-        else:
-            assert pids[r] == [placed[r][1]], f"survivor rank {r} changed process: {pids[r]}"
+    _assert_moved_to_n3(train, logs.events(), placed, on_n1)
     console = _console(out)
     assert "Slurm drained n1 by root: maintenance: moving rank(s) " in console
     assert "drained n2 in Slurm: tpassrun: gpu1: " in console and "resumed n2 in Slurm" in console
@@ -175,12 +183,13 @@ def _first(pred, timeout: float, what: str, slurm: SlurmCluster, out: str) -> fl
 def test_a_member_node_killed_is_replaced_live_by_the_spare_node_and_slurm_says_what_happened(slurm, tmp_path,
                                                                                                reference):
     """The member n2 dies mid-run as a host does: its slurmd, the step's slurmstepd there, its agent and both its
-    ranks SIGKILLed at one instant (n1 hosts the run's etcd: it stays). The run does not wait for Slurm: n2's lease
-    runs out (3 s), the spare node n3 takes ranks 2 and 3 live (one node recovery, the survivors keep their
-    processes), the job ends ``torch.equal`` to torchrun. The leader drains n2 in Slurm (``tpassrun: lost by job
-    ...``); Slurm's own verdict comes later (no slurmd answered for ``SlurmdTimeout``: DOWN, not responding) and
-    changes nothing in the run: no second recovery. Slurm shows n2 DOWN and drained with tpassrun's reason, and the
-    job's comment lists the recovery. ``--no-kill``: Slurm keeps the job when it loses the node."""
+    ranks SIGKILLed at one instant (n1 hosts the run's etcd and the batch script: it stays). The run does not wait
+    for Slurm: n2's agent's port refuses (or its 3 s lease runs out), the spare node n3 takes its ranks live (one
+    node recovery, the survivors keep their processes), the job ends ``torch.equal`` to torchrun. The leader drains
+    n2 in Slurm (``tpassrun: lost by job ...``); Slurm's own verdict comes ~25 s later (its pings unanswered:
+    DOWN, not responding) and changes nothing in the run: no second recovery. Slurm shows n2 DOWN and drained with
+    tpassrun's reason, and the job's comment lists the recovery. ``--no-kill`` (sbatch and srun): Slurm keeps the
+    job and its step when it loses the node."""
     out = str(tmp_path)
     early, late = hold_at(out, 1, name="early"), hold_at(out, STEPS - 3, name="late")
     env = {**faults_env(early.fault, late.fault), "TPASSRUN_SCHEDULER_POLL": "1"}
@@ -222,18 +231,7 @@ def test_a_member_node_killed_is_replaced_live_by_the_spare_node_and_slurm_says_
     events = logs.events()
     caught_up = [(e["rank"], e["step"]) for e in events if e["event"] == "rank_caught_up"]
     assert_bit_exact(losses, reference, 4, relogged_by=n2_pids, caught_up=caught_up)
-    pids: dict[int, list[int]] = {}
-    for r in range(4):
-        for row in losses.losses(r):
-            if not pids.setdefault(r, []) or pids[r][-1] != row["pid"]:
-                pids[r].append(row["pid"])
-    n3_spares = {s["pid"] for e in events if e["event"] == "workers_started" and short(e["node"]) == "n3"
-                 for s in e["slots"]}
-    for r in range(4):
-        if r in moved:
-            assert len(pids[r]) == 2 and pids[r][0] == placed[r][1] and pids[r][1] in n3_spares, (r, pids[r])
-        else:
-            assert pids[r] == [placed[r][1]], f"survivor rank {r} changed process: {pids[r]}"
+    _assert_moved_to_n3(losses, events, placed, moved)
     recovered = {e["swap_id"]: e for e in events if e["event"] == "node_recovered"}
     assert len(recovered) == 1, recovered          # one recovery: Slurm's DOWN of the lost node was no second one
     [rec] = recovered.values()
