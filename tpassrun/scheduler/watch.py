@@ -27,7 +27,6 @@ leader carries on where the last one stopped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -243,6 +242,7 @@ class SchedulerWatch:
     comment: str | None = None
     refused: set[str] = field(default_factory=set)
     seen: dict[str, str] = field(default_factory=dict)   # node -> the scheduler's state last logged
+    annotate_failing: str = ""
     _failing: str = ""
 
     async def run(self) -> None:
@@ -321,8 +321,16 @@ class SchedulerWatch:
             verb = "drained" if isinstance(action, Drain) else "resumed"
             events.write("scheduler_event", message=f"{verb} {action.node} in {name}: {action.reason}")
         elif isinstance(action, Annotate):
-            with contextlib.suppress(SchedulerError):   # the job's record is a courtesy: never retried in a loop
+            try:
                 await asyncio.to_thread(self.plugin.annotate, action.text)
+            except SchedulerError as exc:
+                # the next poll tries again (one scontrol call); the console says so once per cause
+                if str(exc) != self.annotate_failing:
+                    self.annotate_failing = str(exc)
+                    events.write("scheduler_event", message=f"{name} did not take the job's comment ({exc}); "
+                                                            "trying again at the next poll")
+                return
+            self.annotate_failing = ""
             self.comment = action.text
             events.write("scheduler_annotated", text=action.text)
 
