@@ -242,7 +242,8 @@ def test_a_member_node_killed_is_replaced_live_by_the_spare_node_and_slurm_says_
     lost_at = min(e["mono"] for e in events if e["event"] == "node_lost")
     print(f"n2 killed (slurmd, slurmstepd, agent, ranks): declared lost after {lost_at - killed:.1f} s, training "
           f"resumed on n3 {rec['mono'] - killed:.1f} s after the kill (paused {rec['seconds']:.1f} s); Slurm said DOWN "
-          f"{said_down - killed:.1f} s after the kill (SlurmdTimeout={SLURMD_TIMEOUT})")
+          f"{said_down - killed:.1f} s after the kill (SlurmdTimeout={SLURMD_TIMEOUT}); the workers' store "
+          f"{'moved off n2' if any(e['event'] == 'store_moved' for e in events) else 'was not on n2'}")
 
     # Slurm's side: n2 down (not responding) and drained with tpassrun's reason; the job's comment has the recovery
     state = slurm.state("n2")
