@@ -1,6 +1,9 @@
 """A private, real Slurm for tests: munged on its own socket and key, slurmctld and three slurmd "nodes" (n1-n3,
 ``slurmd -N``, all on this host, each on its own port) from a slurm.conf under a temp dir. Needs root and Debian's
-``slurm-wlm`` and ``munge`` (scripts/bootstrap.sh installs them); :func:`unavailable` says why not, for a skip."""
+``slurm-wlm`` and ``munge`` (scripts/bootstrap.sh installs them); :func:`unavailable` says why not, for a skip.
+
+A node can die (:meth:`SlurmCluster.kill_node`: its slurmd and the given processes SIGKILLed at one instant) and
+come back (:meth:`SlurmCluster.start_node`)."""
 
 from __future__ import annotations
 
@@ -10,9 +13,11 @@ import signal
 import socket
 import subprocess
 import time
+from typing import Iterable
 
 NODES = ("n1", "n2", "n3")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "squeue")
+SLURMD_TIMEOUT = 10   # seconds before slurmctld marks a silent node DOWN (its pings go every third of it)
 
 
 def unavailable() -> str | None:
@@ -30,6 +35,39 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _signal_all(pids: Iterable[int], sig: int) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                ppid = int(fh.read().rpartition(")")[2].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as fh:
+        return int(fh.read().rpartition(")")[2].split()[1])
+
+
 def _bin(name: str) -> str:
     return shutil.which(name) or f"/usr/sbin/{name}"
 
@@ -41,6 +79,7 @@ class SlurmCluster:
         self.root = root
         self.conf = os.path.join(root, "slurm.conf")
         self.procs: list[subprocess.Popen] = []
+        self.slurmd: dict[str, subprocess.Popen] = {}
 
     @property
     def env(self) -> dict[str, str]:
@@ -62,7 +101,7 @@ class SlurmCluster:
             "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none", "SelectType=select/linear",
             "SchedulerType=sched/builtin", "ReturnToService=2", "MpiDefault=none", "JobCompType=jobcomp/none",
             "AccountingStorageType=accounting_storage/none", "JobAcctGatherType=jobacct_gather/none",
-            "SlurmdTimeout=30", "InactiveLimit=0", "KillWait=5", "MinJobAge=300",
+            f"SlurmdTimeout={SLURMD_TIMEOUT}", "InactiveLimit=0", "KillWait=5", "MinJobAge=300",
         ]
         lines += [f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()} CPUs=2 State=UNKNOWN"
                   for n in NODES]
@@ -70,10 +109,12 @@ class SlurmCluster:
         with open(self.conf, "w") as fh:
             fh.write("\n".join(lines) + "\n")
 
-    def _spawn(self, *argv: str) -> None:
-        log = open(os.path.join(self.root, f"{os.path.basename(argv[0])}-{len(self.procs)}.out"), "wb")
-        self.procs.append(subprocess.Popen(list(argv), env=self.env, stdout=log, stderr=subprocess.STDOUT,
-                                           start_new_session=True))
+    def _spawn(self, *argv: str) -> subprocess.Popen:
+        with open(os.path.join(self.root, f"{os.path.basename(argv[0])}-{len(self.procs)}.out"), "wb") as log:
+            proc = subprocess.Popen(list(argv), env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        self.procs.append(proc)
+        return proc
 
     def start(self, timeout: float = 60) -> "SlurmCluster":
         os.chmod(self.root, 0o755)
@@ -89,9 +130,28 @@ class SlurmCluster:
         self._spawn(_bin("slurmctld"), "-D", "-i")
         self._wait(lambda: self.run("scontrol", "ping", check=False).returncode == 0, timeout, "slurmctld")
         for n in NODES:
-            self._spawn(_bin("slurmd"), "-D", "-N", n)
+            self.slurmd[n] = self._spawn(_bin("slurmd"), "-D", "-N", n)
         self._wait(lambda: all(self.state(n) == "IDLE" for n in NODES), timeout, "three idle slurmd nodes")
         return self
+
+    def kill_node(self, node: str, pids: Iterable[int]) -> float:
+        """The node dies at one instant, as a host losing power: its slurmd and ``pids`` (the job's processes there)
+        are stopped first (none of them sees another die), then SIGKILLed. Returns ``time.monotonic()`` of it."""
+        victims = [self.slurmd[node].pid, *pids]
+        _signal_all(victims, signal.SIGSTOP)
+        when = time.monotonic()
+        _signal_all(victims, signal.SIGKILL)
+        self.slurmd[node].wait(10)
+        self.procs.remove(self.slurmd[node])
+        return when
+
+    def start_node(self, node: str, timeout: float = 60) -> None:
+        """A node killed by :meth:`kill_node` back: its slurmd runs and registers (resume it to schedule on it)."""
+        if self.slurmd[node].poll() is None:
+            return
+        self.slurmd[node] = self._spawn(_bin("slurmd"), "-D", "-N", node)
+        self._wait(lambda: "NOT_RESPONDING" not in self.state(node) and "*" not in self.state(node), timeout,
+                   f"slurmd {node} again")
 
     def _wait(self, ready, timeout: float, what: str) -> None:  # noqa: ANN001
         deadline = time.monotonic() + timeout

@@ -54,7 +54,8 @@ def test_node_states_read_as_up_drain_or_down(state, expected):
 def test_the_reason_keeps_its_spaces_and_equal_signs_and_says_who_set_it():
     node = parse_node_line(LINE.format(state="ALLOCATED+DRAIN",
                                        reason=" Reason=firmware x=1 [admin@2026-11-28T22:13:58]"))
-    assert node == SchedNode("n1", NodeState.DRAIN, reason="firmware x=1", who="admin", raw_state="ALLOCATED+DRAIN")
+    assert node == SchedNode("n1", NodeState.DRAIN, reason="firmware x=1", who="admin", raw_state="ALLOCATED+DRAIN",
+                             drain=True)
     assert parse_nodes(LINE.format(state="IDLE", reason="") + "\n\nnonsense\n").keys() == {"n1"}
 
 
@@ -96,8 +97,12 @@ def test_no_rendezvous_flags_inside_a_step():
     cfg = _parse(["--nproc-per-node", "2", "--spare-nodes", "1"], STEP)
     assert (cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_backend, cfg.rdzv_endpoint) == \
         ("77", 2, 2, "c10d", "n1.cluster:29477")
-    assert cfg.etcd_endpoint == "n1.cluster:29477" and cfg.host_etcd and not cfg.spare_node
+    assert cfg.etcd_endpoint == "n1.cluster:29477" and not cfg.host_etcd and not cfg.spare_node
     assert (cfg.scheduler, cfg.node_name) == ("slurm", "n2")
+    # the first node hosts the run's etcd, and only it (slurmd nodes sharing one host all have n1's address)
+    assert _parse(["--spare-nodes", "1"], {**STEP, "SLURMD_NODENAME": "n1"}).host_etcd
+    # an endpoint given on the command line: torchrun's rule (the agent where it is local hosts it)
+    assert _parse(["--rdzv-backend", "c10d", "--rdzv-endpoint", "n9:29400"], STEP).host_etcd
     last = _parse(["--spare-nodes", "1"], {**STEP, "SLURMD_NODENAME": "n3"})
     assert last.spare_node
     assert _parse([], {**STEP, "TPASSRUN_SPARE_NODES": "1", "SLURMD_NODENAME": "n3"}).spare_node
@@ -140,8 +145,9 @@ AGENTS = {A: NodeInfo(A, "h", 2), B: NodeInfo(B, "h", 2), C: NodeInfo(C, "h", 2,
 HOMES = {0: (A, 0), 1: (A, 1), 2: (B, 0), 3: (B, 1)}
 
 
-def _view(sched: dict[str, tuple[NodeState, str, str]], **kw) -> View:
-    nodes = {n: SchedNode(n, st, reason=r, who=w, raw_state=st.value.upper()) for n, (st, r, w) in sched.items()}
+def _view(sched: dict[str, tuple[NodeState, str, str] | SchedNode], **kw) -> View:
+    nodes = {n: v if isinstance(v, SchedNode) else SchedNode(n, v[0], reason=v[1], who=v[2], raw_state=v[0].value.upper())
+             for n, v in sched.items()}
     base = dict(sched=nodes, agents=AGENTS, homes=HOMES, counted=frozenset({A, B, C}), job_id="77", now=5.0)
     base.update(kw)
     return View(**base)
@@ -180,7 +186,28 @@ def test_down_declares_a_node_the_run_counts_on_lost_once():
     actions = decide(_view({"n2": (NodeState.DOWN, "Not responding", "slurm")}))
     assert [type(a) for a in actions] == [DeclareLost] and actions[0].node_id == B
     assert "declared lost now" in actions[0].reason
-    assert decide(_view({"n2": (NodeState.DOWN, "", "")}, lost=frozenset({B}))) == []
+
+
+def test_down_after_the_run_lost_the_node_is_no_second_loss_and_the_node_stays_drained():
+    """The run loses a killed node before Slurm's verdict (its lease, or its agent's port refusing): the leader
+    drains it while Slurm still calls it up (not responding); Slurm's DOWN later changes nothing. A DOWN that came
+    first is drained too, with Slurm's reason kept: else the node returns to service when its slurmd is back."""
+    lost = frozenset({B})
+    ours = "tpassrun: lost by job 77: its agent stopped answering"
+    assert decide(_view({"n2": UP}, lost=lost)) == [Drain("n2", ours)]
+    down_drained = {"n2": SchedNode("n2", NodeState.DOWN, reason=ours, who="root",
+                                    raw_state="DOWN+DRAIN+NOT_RESPONDING", drain=True)}
+    assert decide(_view(down_drained, lost=lost)) == []
+    assert decide(_view(down_drained, lost=lost, counted=frozenset({A, C}))) == []
+    assert decide(_view({"n2": (NodeState.DOWN, "Not responding", "slurm")}, lost=lost)) == [
+        Drain("n2", ours + " (Slurm: Not responding)")]
+    # the node's recovery done, no generation names it any more: its recovery plan still says it was lost
+    gone = dict(agents={A: AGENTS[A], C: AGENTS[C]}, homes={0: (A, 0), 1: (A, 1), 2: (C, 0), 3: (C, 1)},
+                counted=frozenset({A, C}), swaps=[_plan("n-1", SwapKind.NODE, 1.0, 1.8, lost_node=B)])
+    assert [a for a in decide(_view({"n2": UP}, **gone)) if isinstance(a, Drain)] == [Drain("n2", ours)]
+    assert [a for a in decide(_view(down_drained, **gone)) if not isinstance(a, Annotate)] == []
+    line = LINE.format(state="DOWN+DRAIN+NOT_RESPONDING", reason=f" Reason={ours} [root@2026-11-29T01:47:57]")
+    assert parse_nodes(line)["n1"].drain and not parse_nodes(LINE.format(state="DOWN*", reason=""))["n1"].drain
 
 
 def test_a_health_taint_or_a_lost_node_drains_the_node_in_slurm_and_untaint_resumes_it():

@@ -6,6 +6,9 @@ no rendezvous flag, and the tests never start tpassrun themselves.
   (``scontrol update NodeName=n1 State=DRAIN Reason=maintenance``): its two ranks move to n3 live (planned swaps,
   the other ranks keep their processes), the job ends ``torch.equal`` to torchrun, the console says who asked and
   why, Slurm shows n1 drained and the job's comment lists both swaps.
+* The member n2 dies as a host does (its slurmd, slurmstepd, agent and ranks SIGKILLed at one instant): n3 takes
+  its ranks live before Slurm's verdict; Slurm's DOWN later is no second loss; Slurm shows n2 down and drained with
+  tpassrun's reason and the job's comment lists the recovery.
 * ``scancel`` ends every process of a job (agents, ranks, spares, the hosted etcd) within seconds.
 """
 
@@ -21,8 +24,9 @@ import time
 import pytest
 
 from faults import EXAMPLE, Job, alive, assert_bit_exact, faults_env, hold_at
-from slurmcluster import SlurmCluster, unavailable
+from slurmcluster import NODES, SLURMD_TIMEOUT, SlurmCluster, descendants, parent, unavailable
 from tpassrun.rendezvous.embedded import _DIR_PREFIX as ETCD_DIR_PREFIX
+from tpassrun.scheduler.watch import short
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -49,18 +53,20 @@ def slurm(slurm_cluster):
     """The module's cluster with every node schedulable again after the test (a drain must not hold the next)."""
     yield slurm_cluster
     slurm_cluster.run("scancel", "--full", "--user=root", check=False)
+    for node in NODES:
+        slurm_cluster.start_node(node)
     slurm_cluster.resume_all()
 
 
-def _script(out: str, train: list[str]) -> str:
+def _script(out: str, train: list[str], extra: str = "") -> str:
     """The batch script: one srun step, one tpassrun per node, no rendezvous flag (each node's health readings
     file, a site tool's, is named after the node)."""
     path = os.path.join(out, "job.sh")
     with open(path, "w") as fh:
         fh.write(f"""#!/bin/bash
-srun --ntasks-per-node 1 --output={out}/agent-%t.log bash -c 'TPASSRUN_HEALTH_FILE={out}/health-$SLURMD_NODENAME.json \\
+srun --no-kill --ntasks-per-node 1 --output={out}/agent-%t.log bash -c 'TPASSRUN_HEALTH_FILE={out}/health-$SLURMD_NODENAME.json \\
     exec {sys.executable} -m tpassrun --nproc-per-node 2 --spare-nodes 1 --health-interval 0.5 --log-dir {out}/logs \\
-    {' '.join(train)}'
+    {extra}{' '.join(train)}'
 echo $? > {out}/rc
 """)
     return path
@@ -94,6 +100,22 @@ def _warm(job: Job) -> bool:
     events = job.events()
     spares = sum(len(e["slots"]) for e in events if e["event"] == "workers_started" and e.get("spare_node"))
     return bool(spares) and sum(1 for e in events if e["event"] == "spare_ready") >= spares
+
+
+def _assert_moved_to_n3(train: Job, events: list[dict], placed: dict[int, tuple[str, int]], moved: list[int]) -> None:
+    """Each moved rank ran in its first process, then in one of n3's spares; every other rank in one process."""
+    pids: dict[int, list[int]] = {}
+    for r in range(4):
+        for row in train.losses(r):
+            if not pids.setdefault(r, []) or pids[r][-1] != row["pid"]:
+                pids[r].append(row["pid"])
+    n3_spares = {s["pid"] for e in events if e["event"] == "workers_started" and short(e["node"]) == "n3"
+                 for s in e["slots"]}
+    for r in range(4):
+        if r in moved:
+            assert len(pids[r]) == 2 and pids[r][0] == placed[r][1] and pids[r][1] in n3_spares, (r, pids[r])
+        else:
+            assert pids[r] == [placed[r][1]], f"survivor rank {r} changed process: {pids[r]}"
 
 
 @pytest.fixture(scope="module")
@@ -137,18 +159,7 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identic
 
     train = Job(argv=[], out=os.path.join(out, "train"))
     assert_bit_exact(train, reference, 4)
-    pids: dict[int, list[int]] = {}
-    for r in range(4):
-        for row in train.losses(r):
-            if not pids.setdefault(r, []) or pids[r][-1] != row["pid"]:
-                pids[r].append(row["pid"])
-    n3_spares = {s["pid"] for e in logs.events() if e["event"] == "workers_started" and e["node"].startswith("n3-")
-                 for s in e["slots"]}
-    for r in range(4):
-        if r in on_n1:
-            assert len(pids[r]) == 2 and pids[r][0] == placed[r][1] and pids[r][1] in n3_spares, (r, pids[r])
-        else:
-            assert pids[r] == [placed[r][1]], f"survivor rank {r} changed process: {pids[r]}"
+    _assert_moved_to_n3(train, logs.events(), placed, on_n1)
     console = _console(out)
     assert "Slurm drained n1 by root: maintenance: moving rank(s) " in console
     assert "drained n2 in Slurm: tpassrun: gpu1: " in console and "resumed n2 in Slurm" in console
@@ -161,6 +172,88 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identic
     assert slurm.node_field("n1", "Reason").startswith("maintenance")
     comment = slurm.job_field(job_id, "Comment")
     assert comment.startswith("tpassrun: 2 swap(s):") and comment.count("n1->n3") == 2, comment
+
+
+def _first(pred, timeout: float, what: str, slurm: SlurmCluster, out: str) -> float:  # noqa: ANN001
+    """``time.monotonic()`` when ``pred`` first held (polled every 0.1 s)."""
+    _wait(pred, timeout, what, slurm, out)
+    return time.monotonic()
+
+
+def test_a_member_node_killed_is_replaced_live_by_the_spare_node_and_slurm_says_what_happened(slurm, tmp_path,
+                                                                                               reference):
+    """The member n2 dies mid-run as a host does: its slurmd, the step's slurmstepd there, its agent and both its
+    ranks SIGKILLed at one instant (n1 hosts the run's etcd and the batch script: it stays). The run does not wait
+    for Slurm: n2's agent's port refuses (or its 3 s lease runs out), the spare node n3 takes its ranks live (one
+    node recovery, the survivors keep their processes), the job ends ``torch.equal`` to torchrun. The leader drains
+    n2 in Slurm (``tpassrun: lost by job ...``); Slurm's own verdict comes ~25 s later (its pings unanswered:
+    DOWN, not responding) and changes nothing in the run: no second recovery. Slurm shows n2 DOWN and drained with
+    tpassrun's reason, and the job's comment lists the recovery. ``--no-kill`` (sbatch and srun): Slurm keeps the
+    job and its step when it loses the node."""
+    out = str(tmp_path)
+    early, late = hold_at(out, 1, name="early"), hold_at(out, STEPS - 3, name="late")
+    env = {**faults_env(early.fault, late.fault), "TPASSRUN_SCHEDULER_POLL": "1"}
+    train = [EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.05", "--out", f"{out}/train", "--quiet"]
+    job_id = slurm.sbatch(_script(out, train, "--rdzv-conf lease_ttl=3 "), "-N3", "--no-kill",
+                          f"--output={out}/batch.out", env=env)
+    logs, losses = Job(argv=[], out=out), Job(argv=[], out=os.path.join(out, "train"))
+    _wait(lambda: early.reached() and _warm(logs), 240, "the job held at step 1, the spare node warm", slurm, out)
+    events = logs.events()
+    assert [short(e["node"]) for e in events if e["event"] == "etcd_hosted"] == ["n1"]   # the first node's agent
+    placed = {s["rank"]: (e["node"], s["pid"]) for e in events if e["event"] == "workers_started"
+              for s in e["slots"] if s.get("rank") is not None and s["rank"] >= 0}
+    moved = sorted(r for r, (node, _pid) in placed.items() if short(node) == "n2")
+    assert len(placed) == 4 and len(moved) == 2, placed
+    agent = next(int(e["node"].rsplit("-", 2)[1]) for e in events
+                 if e["event"] == "agent_started" and short(e["node"]) == "n2")
+    stepd = parent(agent)
+    with open(f"/proc/{stepd}/comm") as fh:
+        assert fh.read().strip() == "slurmstepd", "n2's agent is not the step's task"
+    assert {placed[r][1] for r in moved} <= set(descendants(stepd)), (descendants(stepd), placed)
+
+    early.release()
+    try:
+        _wait(lambda: all(losses.step_reached(r) >= 4 for r in range(4)), 240, "the run at step 4", slurm, out)
+        n2_pids = [stepd, *descendants(stepd)]
+        killed = slurm.kill_node("n2", n2_pids)
+        _wait(lambda: any(e["event"] == "node_recovered" for e in logs.events()), 240, "n2's ranks recovered on n3",
+              slurm, out)
+        said_down = _first(lambda: "DOWN" in slurm.state("n2"), 120, "Slurm marking n2 DOWN", slurm, out)
+        # the leader's poll that saw Slurm's DOWN of a node the run lost already is done: nothing to do but log it
+        _wait(lambda: any(e["event"] == "scheduler_node" and e["sched_node"] == "n2" and "DOWN" in e["state"]
+                          for e in logs.events()), 60, "the leader's poll of n2 DOWN", slurm, out)
+    finally:
+        late.release()
+    _wait(lambda: os.path.exists(os.path.join(out, "rc")), 240, "the job's end", slurm, out)
+    with open(os.path.join(out, "rc")) as fh:
+        assert fh.read().strip() == "0", _console(out)[-4000:]
+
+    events = logs.events()
+    caught_up = [(e["rank"], e["step"]) for e in events if e["event"] == "rank_caught_up"]
+    assert_bit_exact(losses, reference, 4, relogged_by=n2_pids, caught_up=caught_up)
+    _assert_moved_to_n3(losses, events, placed, moved)
+    recovered = {e["swap_id"]: e for e in events if e["event"] == "node_recovered"}
+    assert len(recovered) == 1, recovered          # one recovery: Slurm's DOWN of the lost node was no second one
+    [rec] = recovered.values()
+    assert sorted(rec["ranks"]) == moved, rec
+    console = _console(out)
+    assert "recovered live on n3" in console and "whole-group restart" not in console.split("summary:")[0]
+    assert f"drained n2 in Slurm: tpassrun: lost by job {job_id}: its agent stopped answering" in console
+    lost_at = min(e["mono"] for e in events if e["event"] == "node_lost")
+    print(f"n2 killed (slurmd, slurmstepd, agent, ranks): declared lost after {lost_at - killed:.1f} s, training "
+          f"resumed on n3 {rec['mono'] - killed:.1f} s after the kill (paused {rec['seconds']:.1f} s); Slurm said DOWN "
+          f"{said_down - killed:.1f} s after the kill (SlurmdTimeout={SLURMD_TIMEOUT}); the workers' store "
+          f"{'moved off n2' if any(e['event'] == 'store_moved' for e in events) else 'was not on n2'}")
+
+    # Slurm's side: n2 down (not responding) and drained with tpassrun's reason; the job's comment has the recovery
+    state = slurm.state("n2")
+    assert "DOWN" in state and "DRAIN" in state and ("NOT_RESPONDING" in state or "*" in state), state
+    assert slurm.node_field("n2", "Reason").startswith(f"tpassrun: lost by job {job_id}: its agent stopped answering")
+    comment = slurm.job_field(job_id, "Comment")
+    assert comment.startswith("tpassrun: 1 swap(s):") and "recovery" in comment and comment.count("n2->n3") == 2, \
+        comment
+    for pid in n2_pids:
+        assert not alive(pid), pid
 
 
 SLEEPER = """import os, sys, time

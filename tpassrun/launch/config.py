@@ -254,7 +254,7 @@ def parse_args(
     """
     env = os.environ if environ is None else environ
     ns = build_parser(env).parse_args(argv)
-    node_name = _from_scheduler(ns, env, address_of)
+    node_name, may_host = _from_scheduler(ns, env, address_of)
 
     backend, endpoint, run_id = ns.rdzv_backend, ns.rdzv_endpoint, ns.rdzv_id
     min_nodes, max_nodes = parse_min_max_nnodes(ns.nnodes)
@@ -373,7 +373,7 @@ def parse_args(
         log_line_prefix_template=env.get(E.TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE),
         omp_num_threads=derived_omp(nproc, env),
         etcd_endpoint=etcd_endpoint,
-        host_etcd=etcd_endpoint is not None and backend in ("c10d", "static"),
+        host_etcd=etcd_endpoint is not None and backend in ("c10d", "static") and may_host,
         spares_per_node=ns.spares_per_node,
         spare_node=ns.spare_node,
         scheduler="slurm" if node_name else "",
@@ -397,15 +397,16 @@ def parse_args(
 
 
 def _from_scheduler(ns: argparse.Namespace, env: Mapping[str, str],
-                    address_of: Callable[[str], str] | None) -> str:
+                    address_of: Callable[[str], str] | None) -> tuple[str, bool]:
     """Inside a Slurm step, the rendezvous settings the command line left alone come from the allocation
-    (``tpassrun/scheduler/slurm.py``); ``ns`` is updated. Returns this node's Slurm name ("" outside Slurm)."""
+    (``tpassrun/scheduler/slurm.py``); ``ns`` is updated. Returns this node's Slurm name ("" outside Slurm) and
+    whether this agent may host the run's etcd (False on every node but the first when Slurm named it)."""
     if ns.spare_nodes < 0:
         raise ConfigError(f"--spare-nodes must be >= 0 (got {ns.spare_nodes})")
     if ns.scheduler == "none":
         if ns.spare_nodes:
             raise ConfigError("--spare-nodes needs the Slurm allocation (not with --scheduler none)")
-        return ""
+        return "", True
     from tpassrun.scheduler import slurm  # noqa: PLC0415
 
     given = slurm.Given(rdzv_id=ns.rdzv_id, nnodes=ns.nnodes, backend=ns.rdzv_backend, endpoint=ns.rdzv_endpoint,
@@ -417,7 +418,7 @@ def _from_scheduler(ns: argparse.Namespace, env: Mapping[str, str],
         raise ConfigError(f"Slurm: {exc}") from None
     ns.rdzv_id, ns.nnodes, ns.rdzv_backend, ns.rdzv_endpoint, ns.spare_node = (
         got.rdzv_id, got.nnodes, got.backend, got.endpoint, got.spare_node)
-    return node_name
+    return node_name, got.hosts_etcd
 
 
 # --------------------------------------------------------------------------------------------

@@ -36,6 +36,7 @@ class SchedNode:
     reason: str = ""     # the operator's words (Slurm's Reason=), without who and when
     who: str = ""        # who set it (Slurm's ``[user@time]`` suffix), when the scheduler says
     raw_state: str = ""  # the scheduler's own spelling (ALLOCATED+DRAIN), for the console
+    drain: bool = False  # no new work goes there, whatever the state (Slurm's DOWN+DRAIN: drained and down)
 
 
 class SchedulerError(Exception):

@@ -83,11 +83,15 @@ _REASON_WHO = re.compile(r"^(?P<reason>.*?)\s*\[(?P<who>[^@\]]+)@[^\]]*\]\s*$")
 _FIELD = re.compile(r"(?:^|\s)([A-Za-z][A-Za-z0-9_]*)=")
 
 
+def _flags(raw: str) -> set[str]:
+    return set(raw.upper().rstrip("*").replace("+", " ").split())
+
+
 def node_state(raw: str) -> NodeState:
     """Slurm's ``State=`` (``ALLOCATED+DRAIN``, ``IDLE*``, ``DOWN+NOT_RESPONDING``...) -> up, drain or down.
     Not responding (``*``, ``+NOT_RESPONDING``) alone is not down: Slurm itself waits ``SlurmdTimeout`` before it
     says DOWN, and a lease revoked on a missed ping would take a live node's ranks away."""
-    flags = set(raw.upper().rstrip("*").replace("+", " ").split())
+    flags = _flags(raw)
     if flags & {"DOWN", "FAIL", "FAILING"}:
         return NodeState.DOWN
     if flags & {"DRAIN", "DRAINING", "DRAINED"}:
@@ -113,7 +117,8 @@ def parse_node_line(line: str) -> SchedNode | None:
         if m:
             reason, who = m.group("reason"), m.group("who")
     raw = fields.get("State", "")
-    return SchedNode(name=name, state=node_state(raw), reason=reason if sep else "", who=who, raw_state=raw)
+    return SchedNode(name=name, state=node_state(raw), reason=reason if sep else "", who=who, raw_state=raw,
+                     drain=bool(_flags(raw) & {"DRAIN", "DRAINING", "DRAINED"}))
 
 
 def parse_nodes(text: str) -> dict[str, SchedNode]:
@@ -243,6 +248,7 @@ class Given:
     spare_node: bool = False
     standalone: bool = False
     master_port: int | None = None
+    hosts_etcd: bool = True      # this agent may host the run's etcd (torchrun's rule: the endpoint is local)
 
 
 def resolve(given: Given, alloc: Allocation | None, spare_nodes: int, *, forced: bool,
@@ -263,8 +269,9 @@ def resolve(given: Given, alloc: Allocation | None, spare_nodes: int, *, forced:
                 backend=given.backend, endpoint=given.endpoint, spare_node=given.spare_node or launch.spare_node,
                 standalone=False, master_port=given.master_port)
     if not given.endpoint and given.backend in ("static", "c10d") and given.master_port is None:
-        out = Given(**{**out.__dict__, "backend": "c10d",
-                       "endpoint": f"{address_of(launch.first_node)}:{launch.port}"})
+        # the first node's agent hosts it, and only it (nodes sharing a host, as in tests, would otherwise race)
+        out = Given(**{**out.__dict__, "backend": "c10d", "endpoint": f"{address_of(launch.first_node)}:{launch.port}",
+                       "hosts_etcd": alloc.node_name == launch.first_node})
     return out, alloc.node_name
 
 

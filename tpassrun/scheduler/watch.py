@@ -11,10 +11,13 @@ says what to do:
   declares it lost now (the spare node takes its ranks) instead of when its lease would have run out;
 * a node drained by an operator and back up (``State=RESUME``): those taints are removed; its slots serve as
   spares again (with ``--migrate-back`` its ranks go home);
-* a node the health monitor tainted, or that the run lost, while the scheduler still schedules on it: drained in
-  the scheduler with the reason (``tpassrun: GPU 3: ...``); once nothing taints it any more (``tpassctl untaint``)
-  and the run did not lose it, resumed;
-* the job's record (the Slurm job's comment) lists the swaps done so far.
+* a node the health monitor tainted while the scheduler still schedules on it: drained in the scheduler with the
+  reason (``tpassrun: GPU 3: ...``); once nothing taints it any more (``tpassctl untaint``), resumed;
+* a node the run lost, up or down in the scheduler, not drained yet: drained with ``tpassrun: lost by job ...`` (and
+  the scheduler's own reason, if it gave one), never resumed by tpassrun; a down it then reports changes nothing;
+* the job's record (the Slurm job's comment) lists the swaps done so far;
+* each change of a node's state in the scheduler is one ``scheduler_node`` event (the event log's record of what
+  the scheduler said, written once that poll's actions are done).
 
 Only the leader acts, so one process per job asks the scheduler; what it did is re-derived from etcd and the
 scheduler at every poll (deterministic taint ids, the ``tpassrun:`` prefix of its own drain reasons), so a new
@@ -24,10 +27,9 @@ leader carries on where the last one stopped.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
 from tpassrun.settings import envnames as E
@@ -126,6 +128,9 @@ def _asked(node: SchedNode) -> str:
 
 def decide(view: View) -> list[Action]:
     """Every action one poll calls for (see the module doc)."""
+    # a node recovered from is lost for good, though the generation that lost it may be gone (its ranks moved on)
+    recovered = {p.lost_node for p in view.swaps if p.kind is SwapKind.NODE and p.lost_node}
+    view = replace(view, lost=view.lost | recovered)
     out: list[Action] = []
     ids_of: dict[str, list[str]] = {}
     for node_id in {*view.agents, *view.lost, *view.counted, *(n for n, _s in view.homes.values())}:
@@ -183,9 +188,11 @@ def _tell_scheduler(view: View, name: str, node: SchedNode, node_ids: Sequence[s
     """Drain a node the run found unhealthy or lost; resume one it drained once nothing holds it."""
     lost = [n for n in node_ids if n in view.lost]
     health = [t for t in view.taints if t.node_id in node_ids and t.source == "health"]
+    if lost and name not in view.refused and not node.drain and node.state in (NodeState.UP, NodeState.DOWN):
+        # a down node too: else it returns to service when its slurmd is back (ReturnToService), unlooked at
+        said = f" ({view.scheduler}: {node.reason})" if node.reason and not node.reason.startswith(OURS) else ""
+        return [Drain(name, f"{LOST} by job {view.job_id}: its agent stopped answering{said}")]
     if node.state is NodeState.UP and name not in view.refused:
-        if lost:
-            return [Drain(name, f"{LOST} by job {view.job_id}: its agent stopped answering")]
         if health:
             return [Drain(name, f"{OURS} {health[0].reason}")]
     if (node.state is NodeState.DRAIN and node.reason.startswith(OURS) and not node.reason.startswith(LOST)
@@ -234,6 +241,8 @@ class SchedulerWatch:
     interval: float = DEFAULT_POLL_S
     comment: str | None = None
     refused: set[str] = field(default_factory=set)
+    seen: dict[str, str] = field(default_factory=dict)   # node -> the scheduler's state last logged
+    annotate_failing: str = ""
     _failing: str = ""
 
     async def run(self) -> None:
@@ -255,6 +264,10 @@ class SchedulerWatch:
         actions = decide(view)
         for action in actions:
             await self.apply(action)
+        for name, node in sorted(view.sched.items()):   # after the actions: a reader knows this poll is handled
+            if self.seen.get(name) != node.raw_state:
+                self.seen[name] = node.raw_state
+                self.host.events.write("scheduler_node", sched_node=name, state=node.raw_state, reason=node.reason)
         self._failing = ""
         return actions
 
@@ -308,8 +321,16 @@ class SchedulerWatch:
             verb = "drained" if isinstance(action, Drain) else "resumed"
             events.write("scheduler_event", message=f"{verb} {action.node} in {name}: {action.reason}")
         elif isinstance(action, Annotate):
-            with contextlib.suppress(SchedulerError):   # the job's record is a courtesy: never retried in a loop
+            try:
                 await asyncio.to_thread(self.plugin.annotate, action.text)
+            except SchedulerError as exc:
+                # the next poll tries again (one scontrol call); the console says so once per cause
+                if str(exc) != self.annotate_failing:
+                    self.annotate_failing = str(exc)
+                    events.write("scheduler_event", message=f"{name} did not take the job's comment ({exc}); "
+                                                            "trying again at the next poll")
+                return
+            self.annotate_failing = ""
             self.comment = action.text
             events.write("scheduler_annotated", text=action.text)
 
