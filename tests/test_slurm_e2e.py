@@ -180,6 +180,7 @@ def _first(pred, timeout: float, what: str, slurm: SlurmCluster, out: str) -> fl
     return time.monotonic()
 
 
+@pytest.mark.acceptance     # 76-113 s here (the job, then Slurm's own DOWN ~25 s after the kill)
 def test_a_member_node_killed_is_replaced_live_by_the_spare_node_and_slurm_says_what_happened(slurm, tmp_path,
                                                                                                reference):
     """The member n2 dies mid-run as a host does: its slurmd, the step's slurmstepd there, its agent and both its
