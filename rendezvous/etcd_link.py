@@ -99,7 +99,7 @@ def raise_if_cancelling() -> None:
         raise asyncio.CancelledError
 
 
-class _TlsClient(aetcd.Client):
+class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd has no types: its Client is Any here
     """aetcd.Client over a TLS channel (aetcd only builds insecure channels itself)."""
 
     def __init__(self, *args: Any, credentials: Any, **kwargs: Any) -> None:
