@@ -236,6 +236,8 @@ class MirrorServer:
             seq_in += 1
             meta_raw = await reader.readexactly(meta_len)
             mac = _mac_of(base, _TO_SERVER, head, meta_raw)
+            reply: dict[str, Any]
+            out: Sequence[bytes]
             status, reply, out = OK, {}, ()
             if op == OP_PUSH:
                 status, reply = await self._put(reader, mac, meta_raw, payload_len, flags)

@@ -42,7 +42,7 @@ META_VERSION = 1
 
 
 # torch-free, so the agent's mirror store (which never imports torch) raises the same errors
-from tpassrun.transfer.auth import ChecksumError, HandoffError  # noqa: E402,F401 - re-exported: the codec's errors
+from tpassrun.transfer.auth import ChecksumError as ChecksumError, HandoffError as HandoffError  # noqa: E402 - the codec's errors
 
 
 @dataclass
