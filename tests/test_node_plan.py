@@ -220,11 +220,11 @@ def test_two_nodes_lost_at_once_go_to_two_spare_nodes_in_one_plan():
     assert (plan.lost_node, plan.lost_also, dict(plan.replacing)) == ("b", ("e",), {"b": "c", "e": "f"})
     assert SwapPlan.from_json(plan.to_json()) == plan
     # the triage plans both at once, and marks both covered
-    result = triage(Seen(now=NOW, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=v))
+    result = triage(Seen(now=NOW, epoch=3, plans=(), reports=(), failures=(), taints=(), view=v))
     assert [type(a) for a in result.actions] == [Say, CreatePlan]
     both = result.actions[1].plan
     assert sorted(m.rank for m in both.moves) == [1, 3]
-    again = triage(Seen(now=NOW, spawned_generation=3, plans=((dataclasses.replace(both, phase=Phase.DONE), 4),),
+    again = triage(Seen(now=NOW, epoch=3, plans=((dataclasses.replace(both, phase=Phase.DONE), 4),),
                         reports=(), failures=(), taints=(), view=v))
     assert not [a for a in again.actions if isinstance(a, CreatePlan)]
     # the generation it commits: c and f take b's and e's places
@@ -261,7 +261,7 @@ def test_a_lost_nodes_plan_whose_transfer_failed_is_tried_once_more_with_the_ran
 
 # --------------------------------------------------------------------------------------------- triage
 def seen(**kw) -> Seen:
-    base = dict(now=NOW, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=view(*A, *C))
+    base = dict(now=NOW, epoch=3, plans=(), reports=(), failures=(), taints=(), view=view(*A, *C))
     return Seen(**{**base, **kw})
 
 

@@ -185,8 +185,10 @@ class GenerationTasks:
         and with no replica left the group restarted). The lost node's plan breaks them out when its lease ends;
         held for that lease and a --hang-timeout more at most, then the watchdog acts as before. A node that is
         itself the one cut off holds too: it fences its workers when its own lease runs out."""
-        gen = getattr(self.rdzv, "generation", None) or self.generation
-        if self.mirror is None or gen is None:
+        if self.mirror is None or self.rdzv is None:
+            return False
+        gen = self.rdzv.generation or self.generation     # latest, else running (swapper/agentport.py)
+        if gen is None:
             return False
         peers = [m.node_id for m in gen.members if m.node_id != self.node_id and m.node_id not in gen.lost]
         answers = await asyncio.gather(*(self.mirror.reach(n) for n in peers))

@@ -38,7 +38,8 @@ from tpassrun.plan.swap import Phase, SwapKind
 from tpassrun.swapper.phases import Phases
 
 if TYPE_CHECKING:
-    from tpassrun.rendezvous import Generation
+    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.rendezvous import EtcdStore, Generation
 
 log = logging.getLogger("tpassrun.plan.swap")
 
@@ -91,7 +92,7 @@ class Swapper:
             self._probe = asyncio.ensure_future(self.node_plans.probe_agents())
 
     @property
-    def _slots(self):  # noqa: ANN202
+    def _slots(self) -> LocalSlots:
         return self.port.slots
 
     @property
@@ -99,7 +100,7 @@ class Swapper:
         return Keys(self.port.rdzv.key(""))
 
     @property
-    def _store(self):  # noqa: ANN202
+    def _store(self) -> EtcdStore:
         return self.port.rdzv.store
 
     def on_spare_lost(self, slot: Slot) -> None:
@@ -181,9 +182,7 @@ class Swapper:
         cfg = self.port.settings
         if not slot.managed or slot.rank is None:
             return False
-        gen, latest = self.port.generation(), getattr(self.port.rdzv, "generation", None)
-        if gen is not None and latest is not None and latest.number == gen.number:
-            gen = latest        # spare nodes that joined since the generation formed are annotations of it
+        gen = self.port.annotated()     # spare nodes that joined since the generation formed count
         if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes):
             return False
         step = self._slots.field(slot, Field.STEP)

@@ -21,7 +21,7 @@ import asyncio
 import base64
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, Field, WorkerPhase
@@ -31,18 +31,22 @@ from tpassrun.records import Move, Phase, Report, SwapPlan
 from tpassrun.channel.slots import SlotState
 from tpassrun.plan.swap import PHASE_TIMEOUT_S, of_attempt, transfer_key, world_prefix
 
+if TYPE_CHECKING:
+    from tpassrun.swapper import Swapper
+    from tpassrun.swapper.agentport import AgentPort
+
 log = logging.getLogger("tpassrun.plan.swap")
 
 
 class NodePlans:
     """One per swapper; :meth:`participate` is its ``_participate`` for plans of kind ``node``."""
 
-    def __init__(self, swapper: Any) -> None:   # the swapper.Swapper it belongs to (not imported: no circle)
+    def __init__(self, swapper: Swapper) -> None:   # the Swapper it belongs to (imported for the type checker only)
         self.sw = swapper
         self._lights: dict[tuple[str, int], bytes | None] = {}   # (plan id, rank) -> light frame for the joiner
 
     @property
-    def port(self) -> Any:
+    def port(self) -> AgentPort:
         return self.sw.port
 
     @property
@@ -94,7 +98,7 @@ class NodePlans:
         """A collective failed here, so a peer died. A node whose agent is gone (it crashed or was killed: its
         workers died with it) is declared lost at once by revoking its lease, instead of after the lease's TTL;
         the node plan starts from there. Anything less certain (no answer at all) waits for the lease."""
-        mirror, gen = self.port.mirror(), self.port.rdzv.generation or self.port.generation()
+        mirror, gen = self.port.mirror(), self.port.latest() or self.port.generation()
         if mirror is None or gen is None:
             return
         async def probe(node: str) -> None:
@@ -326,6 +330,7 @@ class NodePlans:
         waiting = []
         for s in self.sw.phases.survivors(plan):
             slots.set_run_until(s, INT64_MAX)
+            assert s.rank is not None
             slots.send(s, Reform(world=WorldSpec(rank=s.rank, world_size=gen.world_size).with_store(*store),
                                  rollback=True, resume=plan.boundary))
             waiting.append(s)
