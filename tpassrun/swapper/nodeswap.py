@@ -21,27 +21,45 @@ import asyncio
 import base64
 import dataclasses
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, Field, WorkerPhase
 from tpassrun.channel.protocol import (Abort, CatchUp, Light, LightOk, Listening, MirrorSource, Received, Reform, SendState,
                        WorldSpec)
-from tpassrun.records import Move, Phase, Report, SwapPlan
+from tpassrun.records import Keys, Move, Phase, Report, SwapPlan
 from tpassrun.channel.slots import SlotState
 from tpassrun.plan.swap import PHASE_TIMEOUT_S, of_attempt, transfer_key, world_prefix
 
 if TYPE_CHECKING:
-    from tpassrun.swapper import Swapper
+    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.rendezvous import EtcdStore
     from tpassrun.swapper.agentport import AgentPort
+    from tpassrun.swapper.coordinator import Coordinator
 
 log = logging.getLogger("tpassrun.plan.swap")
+
+
+class NodePlanHost(Protocol):
+    """What the node plans need of the swapper they are composed into (its Swapper)."""
+
+    port: AgentPort
+    coordinator: Coordinator
+    phases: Any            # swapper.phases.Phases: it imports this module, and the import graph has no circle
+    _active: SwapPlan | None
+
+    @property
+    def _slots(self) -> LocalSlots: ...
+    @property
+    def _store(self) -> EtcdStore: ...
+    @property
+    def _keys(self) -> Keys: ...
 
 
 class NodePlans:
     """One per swapper; :meth:`participate` is its ``_participate`` for plans of kind ``node``."""
 
-    def __init__(self, swapper: Swapper) -> None:   # the Swapper it belongs to (imported for the type checker only)
+    def __init__(self, swapper: NodePlanHost) -> None:
         self.sw = swapper
         self._lights: dict[tuple[str, int], bytes | None] = {}   # (plan id, rank) -> light frame for the joiner
 
@@ -121,7 +139,7 @@ class NodePlans:
     # ------------------------------------------------------------------ phases
     async def _pause(self, plan: SwapPlan) -> Report:
         self._break_collectives(plan)
-        report = await self.sw.phases.pause(plan)
+        report: Report = await self.sw.phases.pause(plan)
         if not report.ok:
             return report
         mirror, gen = self.port.mirror(), self.port.epoch()
