@@ -192,8 +192,8 @@ class EtcdStore:
                 if not cancelled_by_reconnect(epoch, self.connection):
                     raise
                 # grpc.aio cancels the calls of a channel that is closed: a reconnect (another task's) closed
-                # this one's client. Retry on the new client; this request was not what was cancelled. (It
-                # used to kill the caller: after a 5 s partition the status and health loops were gone.)
+                # this one's client. Retry on the new client; this request was not what was cancelled, and its
+                # caller (a status or health loop) must outlive the reconnect.
 
     async def _grant(self, *, confirm: bool = True) -> float:
         """Grant a lease; returns when the answered attempt was sent. ``confirm=False``: the lease is not taken as

@@ -449,7 +449,8 @@ def test_a_death_reported_late_by_a_node_whose_ranks_moved_is_stale_not_recovere
 def test_a_node_lost_again_is_planned_again_whatever_plans_its_earlier_losses_left():
     """b was lost once and nothing could take its ranks (a marker plan, born aborted, and the group restarted); later,
     back as a spare node, it took ranks and was lost again; or its earlier loss was recovered live (a DONE plan).
-    Neither plan holds the new loss: it gets its own plan."""
+    Neither plan holds the new loss: it gets its own plan. (bench/chaos.py once showed the old marker keeping b
+    "held": nothing was planned until the survivors gave up waiting 30 s later.)"""
     marker = SwapPlan(id="n-b", kind=SwapKind.NODE, generation=1, leaver=SlotRef("b", 0), joiner=SlotRef("b", 0),
                       donor=None, phase=Phase.ABORTED, reason="node b lost", nodes=(),
                       history=((Phase.ABORTED.value, NOW - 100),), lost_node="b", outcome="no spare")

@@ -304,7 +304,9 @@ def test_a_plan_given_up_while_its_world_re_forms_stops_the_joining_ranks_and_re
 
 def test_every_agent_follows_the_workers_store_a_swap_moved_even_one_that_took_no_part():
     """A node plan moved the workers' store (its node was lost) and re-formed without this node (a spare node
-    that leads): it must know the new store, or its next plan names the lost node's dead one."""
+    that leads): it must know the new store, or its next plan names the lost node's dead one (bench/chaos.py, an
+    agent SIGKILLed then a rank: the leader, which took no part, named the dead store and that re-form hung on it
+    until the phase timeout)."""
     moved = []
     slots = FakeSlots([(None, "spare", WorkerPhase.SPARE, 0)])
     p = dataclasses.replace(port(slots, []), set_master=lambda addr, host: moved.append((addr, host)))

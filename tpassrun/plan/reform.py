@@ -195,8 +195,8 @@ def node_lost_in_reform(plan: SwapPlan, rev: int, gone: Sequence[str], seen: See
 
 def hand_back(plan: SwapPlan, why: str, seen: Seen) -> tuple[Action, ...]:
     """The failures a superseded plan had taken on, unhandled again: the next plan takes them. Only those of the
-    slots it moves ranks off: an earlier death of the same rank in another slot was recovered by an earlier plan
-    (chaos: handed back too, it made 'ranks [0, 0] dead' and the next plan found no state for them)."""
+    slots it moves ranks off: an earlier death of the same rank in another slot was recovered by an earlier plan,
+    and handed back too it would count that rank dead twice (the next plan would find no state for it)."""
     leavers = {(m.leaver.node, m.leaver.slot) for m in plan.all_moves}
     return tuple(PutFailure(fid, dataclasses.replace(f, handled=None, reason=why)) for fid, f in seen.failures
                  if f.handled == "plan" and f.rank in plan.ranks and (f.node, f.slot) in leavers

@@ -140,9 +140,7 @@ def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
     view, now = donor_view(seen), seen.now
     # a plan holds a lost node while it runs, once done until its commit is seen (a later generation's view places
     # the moved ranks elsewhere), and born aborted (the group restarts) until that restart. Plans older than that
-    # are about an earlier loss of the node (chaos: a node lost, the group restarted, the node back as a spare node
-    # took ranks and was lost again; its old marker kept it "held" and nothing was planned until the survivors gave
-    # up waiting 30 s later)
+    # are about an earlier loss of the node and never hold a new one: a node lost again gets its own plan
     covered = {n for p, _ in seen.plans if p.kind == SwapKind.NODE and not p.superseded
                and (not p.terminal or (p.phase == Phase.DONE and p.generation >= view.generation)
                     or (p.phase == Phase.ABORTED and p.generation >= seen.epoch))

@@ -264,9 +264,8 @@ class Swapper:
             return
         self._done.add((plan.id, seq))
         if plan.store is not None and plan.phase in (Phase.REFORM, Phase.DONE):
-            # the workers' store moved with this swap: every agent follows, not only those re-forming (a leader
-            # that took no part kept the lost node's store, named it in its next plan, and that re-form hung on a
-            # dead address until the phase timeout: chaos, an agent SIGKILLed then a rank)
+            # the workers' store moved with this swap: every agent follows, not only those re-forming, so that
+            # whichever agent writes the next plan names the live store, never the lost node's
             self.port.set_master(plan.store, plan.store_host)
         if plan.kind == SwapKind.NODE and plan.terminal and seq == 1:
             return   # a lost node with no live recovery: the leader restarts the group, says why

@@ -166,12 +166,11 @@ class Coordinator:
             reports = [r for k, d, rv in await self._store.get_prefix_json(keys.reports(active[0].id, seq))
                        if (r := load(Report.from_json, k, d, rv)) is not None]
         # the status before the failures: an agent writes a dead worker's failure record before the status that
-        # shows the slot dead, so every death this view shows has its failure read too (read the other way
-        # round, a donor dying mid-read looked like a sender gone without a failure: the recovery was aborted
-        # and the group restarted, instead of both dead ranks being planned again at once)
-        # one read of the taints for both the spare pool and the taints to act on: read twice, a node that bars
-        # its own spare and then taints its ranks (netwatch: a degraded link) had a rank planned onto that spare
-        # when the first read came before the bar and the second after the rank's taint
+        # shows the slot dead, so every death this view shows has its failure read too (a dead sender always
+        # comes with its failure: both dead ranks are planned again at once, not the recovery aborted)
+        # one read of the taints for both the spare pool and the taints to act on: a node that bars its own spare
+        # and then taints its ranks (netwatch: a degraded link) is seen with both or neither, so no rank is
+        # planned onto that spare
         taints = await self._taints()
         view = await self._view(taints)
         failures = [(keys.last(k), f) for k, d, rv in await self._store.get_prefix_json(keys.family("failures"))

@@ -136,7 +136,7 @@ class Phases:
     async def store_silent(self, addr: str, port: int) -> str:
         """Why the workers' store at ``addr:port`` cannot host a re-formed world ("" if it answers). Looked at
         before any rank is told to join: a rank connecting to a dead store blocks inside torch (no AbortJoin
-        reaches it) until its timeout, and the whole swap with it (120 s in a chaos run)."""
+        reaches it) until its timeout, and the whole swap with it."""
         try:
             _r, w = await asyncio.wait_for(asyncio.open_connection(addr, port), STORE_PROBE_S)
         except (OSError, asyncio.TimeoutError) as exc:
