@@ -20,7 +20,7 @@ from ._types import HealthVerdict, Reading, Status, TaintEffect, fmt, worse
 class _RuleState:
     last_value: float | None = None          # counters: previous raw value (the baseline)
     last_time: float | None = None
-    increments: deque = field(default_factory=deque)   # (time, non-negative increase) inside the window
+    increments: deque[tuple[float, float]] = field(default_factory=deque)   # (time, non-negative increase) inside the window
     breach_since: float | None = None
     clear_since: float | None = None
     raised: bool = False
@@ -154,7 +154,7 @@ def _advance(rule: Rule, state: _RuleState, value: float, time: float) -> _Evalu
     return _Evaluation(per_second, f"{rule.metric} rising {fmt(per_second)}/s{span or ' since last reading'}{note}")
 
 
-def _prune(increments: deque, older_than: float) -> None:
+def _prune(increments: deque[tuple[float, float]], older_than: float) -> None:
     while increments and increments[0][0] <= older_than:
         increments.popleft()
 

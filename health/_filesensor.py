@@ -133,7 +133,9 @@ def _parse(raw: bytes, now: float) -> list[Reading]:
             raise ValueError(f"reading {i}: \"value\" must be a number or null, got {value!r}")
         if error is not None and not isinstance(error, str):
             raise ValueError(f"reading {i}: \"error\" must be a string")
-        if value is None and error is None:
-            error = "no value given"
-        readings.append(Reading(device, metric, None if error else float(value), now, error=error))
+        error = error or None   # an empty string explains nothing
+        if value is None or error is not None:
+            readings.append(Reading(device, metric, None, now, error=error or "no value given"))
+        else:
+            readings.append(Reading(device, metric, float(value), now))
     return readings

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Awaitable, Callable, Iterable, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Iterable, Mapping, Sequence
 
 from ._engine import PolicyEngine
 from ._straggler import StragglerDetector
@@ -50,7 +50,7 @@ class HealthMonitor:
         self._clock = clock
         self._log = log
         self._straggler, self._step_times = straggler, step_times
-        self._reported: dict[str, tuple[Status, TaintEffect, str | None]] = {}
+        self._reported: dict[str, _Key | tuple[None, None, None]] = {}
         self._verdicts: dict[str, HealthVerdict] = {}
         self._readings: dict[tuple[str, str], Reading] = {}
         self._sensor_metrics: dict[str, set[tuple[str, str]]] = {}   # what each sensor last reported
@@ -130,7 +130,7 @@ class HealthMonitor:
         for device in devices:
             self._reported[device] = _UNSURE
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         """Versioned JSON for ``P health/<node_id>`` (what ``tpassctl status`` shows)."""
         return {
             "v": 1,
@@ -141,11 +141,12 @@ class HealthMonitor:
         }
 
 
-_HEALTHY = (Status.HEALTHY, TaintEffect.NONE, None)
+_Key = tuple[Status, TaintEffect, str | None]   # what a verdict is reported on (not its live figures)
+_HEALTHY: _Key = (Status.HEALTHY, TaintEffect.NONE, None)
 _UNSURE = (None, None, None)   # equal to no verdict's key: the next verdict is delivered
 
 
-def _key(verdict: HealthVerdict) -> tuple[Status, TaintEffect, str | None]:
+def _key(verdict: HealthVerdict) -> _Key:
     # Reasons carry live figures; reporting on every figure change would flood etcd.
     if verdict.status is Status.HEALTHY:
         return _HEALTHY

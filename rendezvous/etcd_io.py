@@ -14,7 +14,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
+from typing import Any, AsyncGenerator, Awaitable, Callable, TypeVar
 
 import aetcd
 import aetcd.exceptions as aetcd_errors
@@ -54,7 +54,7 @@ def decode(raw: bytes | None) -> dict[str, Any] | None:
 _NON_JSON_SEEN: set[bytes] = set()
 
 
-class LeaseIs(aetcd.transactions.BaseCompare):
+class LeaseIs(aetcd.transactions.BaseCompare):  # type: ignore[misc]  # aetcd has no types
     """A transaction's compare on the lease a key is bound to (etcd >= 3.3; aetcd has no such compare)."""
 
     def build_compare(self, compare: Any) -> None:
@@ -63,7 +63,8 @@ class LeaseIs(aetcd.transactions.BaseCompare):
 
 
 def _range_end(key: bytes) -> bytes:
-    return aetcd.utils.prefix_range_end(key)
+    end: bytes = aetcd.utils.prefix_range_end(key)
+    return end
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,8 @@ class EtcdStore:
                 if not cancelled_by_reconnect(epoch, self.connection):
                     raise
                 # grpc.aio cancels the calls of a channel that is closed: a reconnect (another task's) closed
-                # this one's client. Retry on the new client; this request was not what was cancelled. (It
-                # used to kill the caller: after a 5 s partition the status and health loops were gone.)
+                # this one's client. Retry on the new client; this request was not what was cancelled, and its
+                # caller (a status or health loop) must outlive the reconnect.
 
     async def _grant(self, *, confirm: bool = True) -> float:
         """Grant a lease; returns when the answered attempt was sent. ``confirm=False``: the lease is not taken as
@@ -301,7 +302,9 @@ class EtcdStore:
         log.info("etcd lease expired (outage longer than %s s): re-registering", self.lease_ttl)
         sent = await self._grant(confirm=False)
         for key, raw in list(self._leased_keys.items()):
-            await self._call(lambda c, k=key, r=raw: c.put(k.encode(), r, lease=self._lease), forever=True)
+            async def put_again(c: aetcd.Client, k: str = key, r: bytes = raw) -> object:
+                return await c.put(k.encode(), r, lease=self._lease)
+            await self._call(put_again, forever=True)
         self.lease_clock.granted(sent, self.lease_ttl)   # held again once this node is registered again
         self._acked()
         for listener in list(self.lease_listeners):
@@ -359,7 +362,8 @@ class EtcdStore:
             self._require_lease()
             self._leased_keys[key] = raw
         res = await self._call(lambda c: c.put(key.encode(), raw, lease=self._lease if lease else None))
-        return res.header.revision
+        revision: int = res.header.revision
+        return revision
 
     async def create_json(self, key: str, value: dict[str, Any], *, lease: bool = False) -> bool:
         """Write only if the key does not exist (txn on version == 0). Not re-written after a lease expiry."""
@@ -427,7 +431,7 @@ class EtcdStore:
     # --- watches ---------------------------------------------------------------------------------------
 
     def watch_prefix(self, prefix: str, start_revision: int | None = None, *,
-                     ready: asyncio.Event | None = None) -> AsyncIterator[WatchEvent]:
+                     ready: asyncio.Event | None = None) -> AsyncGenerator[WatchEvent, None]:
         """Every change under ``prefix`` from ``start_revision`` on (default: from now), across reconnects.
 
         ``ready`` is set once etcd has confirmed the watch (the first time only).
@@ -435,12 +439,12 @@ class EtcdStore:
         return self._watch(prefix, start_revision, prefix=True, ready=ready)
 
     def watch_key(self, key: str, start_revision: int | None = None, *, raw: bool = False,
-                  ready: asyncio.Event | None = None) -> AsyncIterator[WatchEvent]:
+                  ready: asyncio.Event | None = None) -> AsyncGenerator[WatchEvent, None]:
         """Changes of one key. ``raw=True`` hands over the stored bytes undecoded (``WatchEvent.raw``)."""
         return self._watch(key, start_revision, prefix=False, raw=raw, ready=ready)
 
     async def _watch(self, key: str, start_revision: int | None, *, prefix: bool, raw: bool = False,
-                     ready: asyncio.Event | None = None) -> AsyncIterator[WatchEvent]:
+                     ready: asyncio.Event | None = None) -> AsyncGenerator[WatchEvent, None]:
         k = key.encode()
         next_rev = start_revision
         if next_rev is None:

@@ -53,9 +53,9 @@ _PROBE_TIMEOUT_S = 5.0   # one reconnect probe's patience (a loaded etcd, TLS an
 _PROBE_EVERY_S = 0.5
 _PROBES_IN_FLIGHT = 8
 _BACKOFF_MAX_S = 0.5     # between probes that failed at once (etcd down: connection refused)
-# Every client gets a gRPC subchannel of its own. By default gRPC shares one per target across channels, with its
-# connection attempt and backoff: every fresh probe then waited on the one connect that began in the partition,
-# whose SYN retransmits 1, 3, 7, 15 s apart, so a healed link was found 6-13 s late (chaos runs).
+# Every client gets a gRPC subchannel of its own, so a fresh probe makes a fresh connect. By default gRPC shares one
+# per target across channels, with its connection attempt and backoff: every probe would wait on the one connect
+# that began in the partition, whose SYN retransmits 1, 3, 7, 15 s apart, and find a healed link seconds late.
 _CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
 
 
@@ -90,16 +90,16 @@ def raise_if_cancelling() -> None:
     """Re-raise a cancellation that an await swallowed.
 
     Python 3.11's ``asyncio.wait_for`` returns the inner result, dropping the caller's cancel, when the two
-    coincide (aetcd's ``watch()`` uses it); a watch loop that then carried on made a cancelled task run
-    forever, and the agent hung in ~1 of 10 launches waiting for it. ``Task.cancelling()`` still counts that
-    request, so loops check it after such awaits.
+    coincide (aetcd's ``watch()`` uses it); a watch loop that then carried on would make a cancelled task run
+    forever (and the agent wait for it on exit). ``Task.cancelling()`` still counts that request, so loops check
+    it after such awaits.
     """
     task = asyncio.current_task()
     if task is not None and task.cancelling():
         raise asyncio.CancelledError
 
 
-class _TlsClient(aetcd.Client):
+class _TlsClient(aetcd.Client):  # type: ignore[misc]  # aetcd has no types: its Client is Any here
     """aetcd.Client over a TLS channel (aetcd only builds insecure channels itself)."""
 
     def __init__(self, *args: Any, credentials: Any, **kwargs: Any) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from .config import RendezvousSettings
 from .etcd_io import EtcdStore, WatchEvent
@@ -26,8 +26,8 @@ log = logging.getLogger("tpassrun.rendezvous.handler")
 class Leadership:
     """The leader's half of :class:`~.handler.EtcdRendezvous` (every agent campaigns; one leads at a time).
 
-    It uses the handle's state and methods: ``key``, ``current``, ``_refused``, ``_sealed``, ``_publish``,
-    ``_cas_generation`` and the attributes below."""
+    It uses the handle's state and methods: the attributes and the methods declared below (for the type checker
+    only: :class:`~.handler.EtcdRendezvous` defines them)."""
 
     settings: RendezvousSettings
     node: NodeInfo
@@ -44,6 +44,14 @@ class Leadership:
     _is_leader: bool
     _foreign: str | None
     _last_reason: str
+
+    if TYPE_CHECKING:
+        def key(self, *parts: str) -> str: ...
+        async def current(self) -> Generation | None: ...
+        def _refused(self, key: str, doc: Any, revision: int, what: str, *, fatal: bool = False) -> bool: ...
+        def _sealed(self, key: str, doc: dict[str, Any]) -> dict[str, Any]: ...
+        def _publish(self, event: RdzvEvent) -> None: ...
+        async def _cas_generation(self, new: Generation, expected: int) -> bool: ...
 
     # --- the leader key --------------------------------------------------------------------------------
 

@@ -69,7 +69,8 @@ async def _stopped(proc: _Proc) -> None:
 def test_stopped_processes_are_killed_whatever_their_phase_and_during_a_swap():
     """A rank stopped while paused in a swap, a stopped warm spare and a stopped joiner (a spare being handed a
     rank) are each killed once stopped for --hang-timeout, while ``swapper.busy``; a worker stopped for less
-    than that and continued is left alone."""
+    than that and continued is left alone. (bench/chaos.py: a rank stopped while paused was never found, and the
+    job waited until the harness sent SIGCONT; a stopped joiner or donor held a swap for its 120 s phase timeout.)"""
 
     async def go() -> None:
         slots = await LocalSlots(2, 2, on_message=lambda s, m: None).open()
@@ -143,8 +144,8 @@ def test_ranks_stale_on_a_silent_node_are_held_for_its_lease_then_the_watchdog_a
     """A node cut off from the network blocks this node's ranks in a collective without failing anything: their
     heartbeats go stale with nothing stopped here. While a member node does not answer, the watchdog leaves them
     alone (said once) for that node's lease and a --hang-timeout more: the lost node's plan breaks them out when
-    the lease ends (chaos: killing the only survivor left no replica, and the group restarted). A peer that
-    answers holds nothing back."""
+    the lease ends (bench/chaos.py: a node holding 3 of 4 ranks was cut off, the watchdog killed the 4th, the only
+    survivor, and with no replica left the group restarted). A peer that answers holds nothing back."""
     from tpassrun.rendezvous import GenState, Generation, Member
 
     async def go(answer: str) -> tuple[list[dict], float]:

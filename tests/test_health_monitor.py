@@ -60,6 +60,17 @@ def test_file_sensor_reads_values_and_errors(tmp_path):
                              Reading("slot2", "ib_link", None, 5.0, error="port down")]
 
 
+def test_file_sensor_empty_error_is_no_explanation(tmp_path):
+    """A reading with no value and ``"error": ""`` once raised TypeError out of ``read`` (``float(None)``: the empty
+    string counted as "no error" for the value and as "an error" for the check before it), so the site tool's file
+    read as a failing sensor instead of a device without a value; found when mypy --strict came to health/."""
+    path = tmp_path / "h.json"
+    write_readings(path, [{"device": "gpu0", "metric": "m", "value": None, "error": ""},
+                          {"device": "gpu1", "metric": "m", "value": 2, "error": ""}])
+    sensor = FileSensor(str(path), clock=FakeClock(5.0))
+    assert sensor.read() == [Reading("gpu0", "m", None, 5.0, error="no value given"), Reading("gpu1", "m", 2.0, 5.0)]
+
+
 @pytest.mark.parametrize("content,why", [
     ("{nope", "not valid JSON"),
     ('{"v": 2, "readings": []}', '"v": 1'),

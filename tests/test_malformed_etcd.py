@@ -39,7 +39,8 @@ class _Events:
 def _fake_agent(store: EtcdStore, prefix: str) -> AgentPort:
     """The coordinator's port with no agent behind it: the rendezvous handle (keys, store, leadership) is real
     etcd, the generation is fixed, events and requests are recorded."""
-    rdzv = types.SimpleNamespace(key=lambda *parts: prefix + "/".join(parts), store=store, is_leader=True)
+    rdzv = types.SimpleNamespace(key=lambda *parts: prefix + "/".join(parts), store=store, is_leader=True,
+                                 generation=None)
     gen = Generation(number=0, state=GenState.ACTIVE, members=(Member("n0", 0, "127.0.0.1", 1, 0),), world_size=1)
     posted: list = []
 

@@ -220,11 +220,11 @@ def test_two_nodes_lost_at_once_go_to_two_spare_nodes_in_one_plan():
     assert (plan.lost_node, plan.lost_also, dict(plan.replacing)) == ("b", ("e",), {"b": "c", "e": "f"})
     assert SwapPlan.from_json(plan.to_json()) == plan
     # the triage plans both at once, and marks both covered
-    result = triage(Seen(now=NOW, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=v))
+    result = triage(Seen(now=NOW, epoch=3, plans=(), reports=(), failures=(), taints=(), view=v))
     assert [type(a) for a in result.actions] == [Say, CreatePlan]
     both = result.actions[1].plan
     assert sorted(m.rank for m in both.moves) == [1, 3]
-    again = triage(Seen(now=NOW, spawned_generation=3, plans=((dataclasses.replace(both, phase=Phase.DONE), 4),),
+    again = triage(Seen(now=NOW, epoch=3, plans=((dataclasses.replace(both, phase=Phase.DONE), 4),),
                         reports=(), failures=(), taints=(), view=v))
     assert not [a for a in again.actions if isinstance(a, CreatePlan)]
     # the generation it commits: c and f take b's and e's places
@@ -261,7 +261,7 @@ def test_a_lost_nodes_plan_whose_transfer_failed_is_tried_once_more_with_the_ran
 
 # --------------------------------------------------------------------------------------------- triage
 def seen(**kw) -> Seen:
-    base = dict(now=NOW, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=view(*A, *C))
+    base = dict(now=NOW, epoch=3, plans=(), reports=(), failures=(), taints=(), view=view(*A, *C))
     return Seen(**{**base, **kw})
 
 
@@ -449,7 +449,8 @@ def test_a_death_reported_late_by_a_node_whose_ranks_moved_is_stale_not_recovere
 def test_a_node_lost_again_is_planned_again_whatever_plans_its_earlier_losses_left():
     """b was lost once and nothing could take its ranks (a marker plan, born aborted, and the group restarted); later,
     back as a spare node, it took ranks and was lost again; or its earlier loss was recovered live (a DONE plan).
-    Neither plan holds the new loss: it gets its own plan."""
+    Neither plan holds the new loss: it gets its own plan. (bench/chaos.py once showed the old marker keeping b
+    "held": nothing was planned until the survivors gave up waiting 30 s later.)"""
     marker = SwapPlan(id="n-b", kind=SwapKind.NODE, generation=1, leaver=SlotRef("b", 0), joiner=SlotRef("b", 0),
                       donor=None, phase=Phase.ABORTED, reason="node b lost", nodes=(),
                       history=((Phase.ABORTED.value, NOW - 100),), lost_node="b", outcome="no spare")

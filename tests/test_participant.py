@@ -104,7 +104,7 @@ def port(slots: FakeSlots, events: list) -> AgentPort:
     gen = generation()
     return AgentPort(node_id=NODE, addr="10.0.0.1", settings=SwapSettings(2, 1),
                      events=types.SimpleNamespace(write=lambda name, **f: events.append((name, f))),
-                     rdzv=types.SimpleNamespace(key=lambda *p: "/p/" + "/".join(p), store=None, is_leader=False),
+                     rdzv=types.SimpleNamespace(key=lambda *p: "/p/" + "/".join(p), store=None, is_leader=False, generation=None),
                      slots=slots, generation=lambda: gen, spawned_generation=lambda: 2,
                      master=lambda: ("10.0.0.1", 29500), set_generation=lambda g: None, spawn_spare=nothing,
                      publish_status=nothing, post=lambda ev: None)
@@ -304,7 +304,9 @@ def test_a_plan_given_up_while_its_world_re_forms_stops_the_joining_ranks_and_re
 
 def test_every_agent_follows_the_workers_store_a_swap_moved_even_one_that_took_no_part():
     """A node plan moved the workers' store (its node was lost) and re-formed without this node (a spare node
-    that leads): it must know the new store, or its next plan names the lost node's dead one."""
+    that leads): it must know the new store, or its next plan names the lost node's dead one (bench/chaos.py, an
+    agent SIGKILLed then a rank: the leader, which took no part, named the dead store and that re-form hung on it
+    until the phase timeout)."""
     moved = []
     slots = FakeSlots([(None, "spare", WorkerPhase.SPARE, 0)])
     p = dataclasses.replace(port(slots, []), set_master=lambda addr, host: moved.append((addr, host)))
@@ -327,3 +329,20 @@ def test_the_epoch_is_the_last_restarts_generation_the_same_on_a_spare_node_that
     late = dataclasses.replace(port(slots, []), spawned_generation=lambda: 37, formed_generation=lambda: 3)
     assert late.epoch() == 3
     assert dataclasses.replace(late, formed_generation=None).epoch() == 37      # tests' ports: as before
+
+
+def test_the_annotated_generation_is_the_latest_record_only_while_it_has_the_running_ones_number():
+    """Which generation (swapper/agentport.py): the leader rewrites the running generation in place (lost nodes,
+    spare nodes that joined) and the agent reads that through ``annotated()``; a record of a later generation is
+    not the running one annotated (a restart or a commit not adopted yet): ``latest()`` still shows it."""
+    slots = FakeSlots([(None, "spare", WorkerPhase.SPARE, 0)])
+    base = port(slots, [])
+    running, rewritten, later = generation(2), generation(2), generation(3)
+    rdzv = types.SimpleNamespace(**{**vars(base.rdzv), "generation": None})
+    p = dataclasses.replace(base, rdzv=rdzv, generation=lambda: running)
+    assert p.latest() is None and p.annotated() is running       # the handle has read nothing yet
+    rdzv.generation = rewritten
+    assert p.latest() is rewritten and p.annotated() is rewritten
+    rdzv.generation = later
+    assert p.latest() is later and p.annotated() is running
+    assert dataclasses.replace(p, generation=lambda: None).annotated() is None

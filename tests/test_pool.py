@@ -130,7 +130,7 @@ def test_triage_a_lost_node_without_own_spares_draws_from_the_pool_then_restarts
     def seen(*slots, spare_nodes=(), **kw):
         v = ClusterView(generation=3, members=("a", "b"), spare_nodes=spare_nodes, slots=slots, lost=("b",),
                         homes=homes)
-        return Seen(now=1000.0, spawned_generation=3, plans=(), reports=(), failures=(), taints=(), view=v, **kw)
+        return Seen(now=1000.0, epoch=3, plans=(), reports=(), failures=(), taints=(), view=v, **kw)
 
     # no pool: torchrun's restart, as before
     assert any(isinstance(x, RestartGroup) for x in triage(seen(*a)).actions)

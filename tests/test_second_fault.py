@@ -33,7 +33,7 @@ def failure(slot: int, handled: str | None = None) -> tuple[str, Failure]:
 
 
 def seen(v: ClusterView, failures, plans=(), taints=()) -> Seen:
-    return Seen(now=NOW, spawned_generation=2, plans=plans, reports=(), failures=tuple(failures), taints=taints,
+    return Seen(now=NOW, epoch=2, plans=plans, reports=(), failures=tuple(failures), taints=taints,
                 view=v)
 
 

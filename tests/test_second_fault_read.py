@@ -29,7 +29,8 @@ class _Events:
 
 def _port(store, prefix: str) -> AgentPort:
     """The leader's port with no agent behind it: keys and store are real etcd, the generation is fixed."""
-    rdzv = types.SimpleNamespace(key=lambda *parts: prefix + "/".join(parts), store=store, is_leader=True)
+    rdzv = types.SimpleNamespace(key=lambda *parts: prefix + "/".join(parts), store=store, is_leader=True,
+                                 generation=None)
     gen = Generation(number=0, state=GenState.ACTIVE, members=(Member("n0", 0, "127.0.0.1", 1, 0),), world_size=3)
 
     async def nothing(*_a) -> None:

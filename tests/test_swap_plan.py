@@ -132,6 +132,17 @@ def test_a_failed_transfer_is_retried_then_given_up():
     assert last.plan.phase == Phase.ABORTED and "giving up" in last.reason
 
 
+def test_a_retry_onto_a_spare_node_re_forms_that_node_too():
+    """A joiner died and the retry went to a spare on a spare node that ran no rank, so it was not among the
+    plan's nodes: its spare never got its Reform, the world waited for it until the phase timeout, and the group
+    restarted 120 s later (bench/chaos.py). The retry adds the new joiner's node to the plan's nodes."""
+    p = _plan(phase=Phase.SEND, joiner_addr=("h", 1))
+    assert "c" not in p.nodes
+    bad = [Report("a", Phase.SEND, ok=False, error="the joiner died")]
+    retry = next_step(p, bad, NOW, spare_after_failure=spare("c", 0))
+    assert retry.plan.joiner.node == "c" and "c" in retry.plan.nodes
+
+
 @pytest.mark.parametrize("phase", [Phase.TRANSFER, Phase.SEND])
 def test_a_leaver_that_died_aborts_at_once_whatever_was_reported(phase):
     p = _plan(SwapKind.PLANNED, phase=phase)

@@ -28,7 +28,7 @@ SPARE = SlotView("b", 1, None, "spare", True)
 
 
 def seen(**kw) -> Seen:
-    base = dict(now=NOW, spawned_generation=2, plans=(), reports=(), failures=(), taints=(),
+    base = dict(now=NOW, epoch=2, plans=(), reports=(), failures=(), taints=(),
                 view=view(*RUNNING, SPARE))
     return Seen(**{**base, **kw})
 
@@ -174,7 +174,7 @@ def port(slots, posted) -> AgentPort:
         return None
     events = types.SimpleNamespace(write=lambda *a, **k: None)
     return AgentPort(node_id="a", addr="127.0.0.1", settings=SwapSettings(2, 1), events=events,
-                     rdzv=types.SimpleNamespace(key=lambda *p: "/p/" + "/".join(p), store=None, is_leader=False),
+                     rdzv=types.SimpleNamespace(key=lambda *p: "/p/" + "/".join(p), store=None, is_leader=False, generation=None),
                      slots=slots, generation=lambda: None, spawned_generation=lambda: 2, master=lambda: ("", 0),
                      set_generation=lambda g: None, spawn_spare=nothing, publish_status=nothing, post=posted.append)
 

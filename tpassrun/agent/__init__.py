@@ -66,9 +66,8 @@ from tpassrun.store import bind_host, derive_store_key, is_loopback  # noqa: E40
 
 log = logging.getLogger("tpassrun.agent")
 # torchrun's exit barrier (LocalElasticAgent's exit_barrier_timeout): how long the agent that hosts the run's
-# etcd waits for the others to leave after success. Not the rendezvous's close_timeout (30 s), which it used to
-# re-parse from --rdzv-conf with a default of its own; the rendezvous timeouts are parsed once, in
-# RendezvousSettings.from_conf.
+# etcd waits for the others to leave after success. Not the rendezvous's close_timeout (30 s): the rendezvous
+# timeouts are parsed once, in RendezvousSettings.from_conf.
 EXIT_BARRIER_TIMEOUT_S = 300.0
 
 
@@ -570,7 +569,7 @@ class Agent(Supervision, CauseJudge, WorkerSpawning, GenerationTasks):
     async def _store_ready(self, timeout: float) -> bool:
         """Whether the workers' store this agent runs accepts connections (waiting up to ``timeout``): a store
         process just started imports torch first (seconds on a loaded host), and a worker that connects before
-        it listens backs off for longer and longer (a re-formed world waited 11 s in the chaos run)."""
+        it listens backs off for longer and longer, so a re-formed world would wait seconds past the store's start."""
         proc, port = self._store_proc, self._store_port
         deadline = time.monotonic() + timeout
         while proc is not None and proc.returncode is None and time.monotonic() < deadline:

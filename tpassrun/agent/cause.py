@@ -24,6 +24,7 @@ from tpassrun.channel.protocol import Failed, Raised
 from tpassrun.records import Failure, Keys, load
 from tpassrun.rendezvous import Generation
 from tpassrun.channel.slots import Slot
+from tpassrun.swapper.agentport import annotated
 from tpassrun.worker.failure import StepFailure, worker_log_file
 
 log = logging.getLogger("tpassrun.agent")
@@ -112,8 +113,7 @@ class CauseJudge:
         assert self.slots is not None and self.swapper is not None and self.rdzv is not None
         cur = self.generation or gen
         dead = tuple(why for g, rank, why in self._deaths_seen if g == cur.number and rank != slot.rank) + records
-        latest = getattr(self.rdzv, "generation", None)
-        lost = tuple(latest.lost) if latest is not None and latest.number == cur.number else tuple(cur.lost)
+        lost = tuple(annotated(cur, self.rdzv.generation).lost)   # lost nodes are annotations: written in place
         failed = tuple(s.rank for s in self.slots.active() if s is not slot and s.rank is not None
                        and self.slots.phase(s) == WorkerPhase.FAILED)
         return Around(waited_s=waited, dead=dead, lost_nodes=lost, failed_peers=failed,

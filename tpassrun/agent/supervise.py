@@ -231,8 +231,8 @@ class Supervision:
 
     def _holds_no_rank(self, gen: Generation) -> bool:
         """No rank runs here: a spare node never promoted, or a member whose ranks all moved to other nodes by
-        swaps (taints, recoveries; chaos: such a member, listed in the record still, waited for ever after the job
-        succeeded, its slots all spares). Only workers running a rank end a node on their own."""
+        swaps (taints, recoveries), even while the record still lists it as a member: its slots are all spares, so
+        the job's success ends it, not its own workers. Only workers running a rank end a node on their own."""
         return not (self.slots is not None and any(s.state == SlotState.RUNNING and s.rank is not None
                                                    for s in self.slots.slots))
 
@@ -263,7 +263,7 @@ class Supervision:
     async def _watch_lease(self, gen: Generation) -> None:
         """Fence from this task, at once, not through the supervision queue: the supervisor may be inside a
         handler that waits for etcd (a failure record, a swap step) for as long as the outage lasts, and a fence
-        it handled only then left a partitioned node's workers running 16 s past its lease (chaos)."""
+        handled only then would leave a partitioned node's workers running past its lease."""
         assert self.rdzv is not None
         while True:
             reason = await self.rdzv.lease_lost()

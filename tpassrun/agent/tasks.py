@@ -109,9 +109,9 @@ class GenerationTasks:
 
         * any process of this node's slots (a worker, a warm spare, a joiner or a leaver in a swap, whatever its
           phase, during a swap or another node's recovery too) the kernel has kept stopped (SIGSTOP, state T)
-          for --hang-timeout is killed: a stopped joiner or donor otherwise held a swap until its 120 s phase
-          timeout, a stopped spare was handed out as if it were ready, a rank stopped while paused was never
-          found (chaos: the job waited until the harness sent SIGCONT). Its death then takes the ordinary path
+          for --hang-timeout is killed: otherwise a stopped joiner or donor would hold a swap until its 120 s phase
+          timeout, a stopped spare would be handed out as if it were ready, and a rank stopped while paused would
+          never be found. Its death then takes the ordinary path
           (a recovery, a swap aborted or superseded, a spare re-admitted);
         * a running worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in
           a collective with it get an error at once instead of waiting for gloo's 30-minute timeout (not while a
@@ -152,8 +152,8 @@ class GenerationTasks:
             if not is_stopped(_proc_state(s.pid)):
                 # Nothing of ours is stopped: the hang may be another node's (a rank SIGSTOPped there blocks ours
                 # in the collective). That node's watchdog kills its stopped rank at once; ours then pause for
-                # the recovery (busy) or fail out of the collective (no longer RUNNING). Killing ours too made
-                # a second death inside the first recovery (found by bench/chaos.py). A node cut off from the
+                # the recovery (busy) or fail out of the collective (no longer RUNNING). Killing ours too would
+                # add a second death inside the first recovery. A node cut off from the
                 # network blocks them the same way (held below while it is silent), and if it ran the workers'
                 # store the recovery needs a new one: started now (it imports torch), not when its lease ends.
                 await self._standby_store()
@@ -181,12 +181,14 @@ class GenerationTasks:
     async def _held_for_silent_peer(self, stale: list[tuple[int, Any]], held: dict[str, int], now: int) -> bool:
         """Whether to leave ranks that went stale with nothing stopped here alone for now, because a member node
         does not answer (cut off, or down): they are blocked in a collective on it, and killing one only adds a
-        death, the only survivor's once (chaos: a node holding 3 of 4 ranks cut off, the watchdog killed the 4th,
-        and with no replica left the group restarted). The lost node's plan breaks them out when its lease ends;
+        death (perhaps of the last replica of what the lost node held: then only a restart is left). The lost
+        node's plan breaks them out when its lease ends;
         held for that lease and a --hang-timeout more at most, then the watchdog acts as before. A node that is
         itself the one cut off holds too: it fences its workers when its own lease runs out."""
-        gen = getattr(self.rdzv, "generation", None) or self.generation
-        if self.mirror is None or gen is None:
+        if self.mirror is None or self.rdzv is None:
+            return False
+        gen = self.rdzv.generation or self.generation     # latest, else running (swapper/agentport.py)
+        if gen is None:
             return False
         peers = [m.node_id for m in gen.members if m.node_id != self.node_id and m.node_id not in gen.lost]
         answers = await asyncio.gather(*(self.mirror.reach(n) for n in peers))

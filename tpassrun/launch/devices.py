@@ -61,7 +61,8 @@ def node_devices(environ: Mapping[str, str], nvml_count: Callable[[], int | None
     """:func:`visible_devices` of this node (blocking: NVML is initialised once to count the GPUs); with
     ``TPASSRUN_SHARE_GPUS=1``, stretched over ``slots`` slots (:func:`shared_devices`)."""
     if nvml_count is None:
-        from tpassrun.health import nvml_device_count as nvml_count
+        from tpassrun.health import nvml_device_count
+        nvml_count = nvml_device_count
     devices = visible_devices(environ.get(E.CUDA_VISIBLE_DEVICES), nvml_count())
     return shared_devices(devices, slots) if environ.get(E.TPASSRUN_SHARE_GPUS) == "1" else devices
 

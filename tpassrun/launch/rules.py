@@ -37,26 +37,27 @@ def cpu_count() -> int:
 
 
 def _accelerator_count(kind: str) -> int:
-    """Device count for ``gpu``/``xpu``/``auto``/a privateuse1 name. Imports torch, so only on demand."""
+    """Device count for ``gpu``/``xpu``/``auto``/a privateuse1 name. Imports torch, so only on demand (the type
+    checker does not follow torch: its counts are taken as ``int`` here)."""
     import torch  # noqa: PLC0415  (lazy on purpose: the launcher must not pay for torch)
 
     if kind == "gpu":
         if not torch.cuda.is_available():
             raise ConfigError("--nproc-per-node=gpu: Cuda is not available.")
-        return torch.cuda.device_count()
+        return int(torch.cuda.device_count())
     if kind == "xpu":
         if not torch.xpu.is_available():
             raise ConfigError("--nproc-per-node=xpu: Xpu is not available.")
-        return torch.xpu.device_count()
+        return int(torch.xpu.device_count())
     if kind == "auto":
         if torch.accelerator.is_available():
-            return torch.accelerator.device_count()
+            return int(torch.accelerator.device_count())
         return cpu_count()
     if kind == torch._C._get_privateuse1_backend_name():
         mod = getattr(torch, kind)
         if not mod.is_available():
             raise ConfigError(f"--nproc-per-node={kind}: {kind} is not available.")
-        return mod.device_count()
+        return int(mod.device_count())
     raise ConfigError(f"Unsupported nproc_per_node value: {kind}")
 
 

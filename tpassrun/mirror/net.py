@@ -254,6 +254,8 @@ class MirrorServer:
             if seals is not None:
                 meta_raw = seals[0].open_meta(head, meta_raw)
             mac = _mac_of(base, _TO_SERVER, head, meta_raw)
+            reply: dict[str, Any]
+            out: Sequence[bytes]
             status, reply, out = OK, {}, ()
             if op == OP_PUSH:
                 status, reply = await self._put(reader, mac, meta_raw, payload_len, flags, head, seals)

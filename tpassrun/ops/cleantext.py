@@ -21,7 +21,7 @@ _LINE = str.maketrans({**{c: f"\\x{c:02x}" for c in _CONTROL}, **{c: f"\\u{c:04x
 _BLOCK = str.maketrans({**{chr(k): v for k, v in _LINE.items()}, "\n": "\n"})
 
 
-def clean(text: Any, *, block: bool = False) -> str:
+def clean(text: object, *, block: bool = False) -> str:
     """``text`` (any value: ``str()`` of it) with every control character shown as its escape; ``block``: keep
     newlines (a traceback, a multi-line message)."""
     text = str(text)

@@ -117,7 +117,7 @@ class Describer:
 
     def __init__(self) -> None:
         self.swaps: dict[str, _Swap] = {}
-        self.health: dict[Any, str] = {}
+        self.health: dict[Any, str | None] = {}     # device -> its last verdict's status
         self.tally = RunTally()
         self._last_death: dict[Any, int] = {}
         self._lost: set[str] = set()       # nodes declared lost (one may come back as a spare node)
@@ -338,8 +338,8 @@ class Describer:
             return (f"{_rank(ev)}file timer {ev.get('scope')!r} expired: sent {ev.get('signal')} to pid "
                     f"{ev.get('pid')}")
         if name == "hang_held":
-            nodes = ", ".join(_short(n) for n in ev.get("silent") or [])
-            return (f"ranks {ev.get('ranks')}: no step for {_secs(ev.get('seconds'))}, and node(s) {nodes} do not "
+            silent = ", ".join(_short(n) for n in ev.get("silent") or [])
+            return (f"ranks {ev.get('ranks')}: no step for {_secs(ev.get('seconds'))}, and node(s) {silent} do not "
                     f"answer: not killing ranks blocked on them; their lease ({ev.get('lease_s')} s) decides")
         if name == "generation_ended":
             if ev.get("outcome") in ("failed", "membership"):

@@ -362,10 +362,12 @@ def _describe(node_id: str, local_rank: int | None, rank: int | None) -> str:
 
 
 def _matches(taint: Taint, tid: str, args: argparse.Namespace) -> bool:
-    if args.id is not None:
-        return tid == args.id
-    if args.rank is not None:
-        return taint.rank == args.rank
+    want_id: str | None = args.id          # --id
+    want_rank: int | None = args.rank      # --rank
+    if want_id is not None:
+        return tid == want_id
+    if want_rank is not None:
+        return taint.rank == want_rank
     if taint.node_id != args.node:
         return False
     # a health taint names a slot, not a local rank (at start, slot i runs local rank i)

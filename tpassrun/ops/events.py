@@ -19,7 +19,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, TextIO
 
 Listener = Callable[[dict[str, Any]], None]
 RETRY_S = 5.0     # a given-up event log file is tried again this often
@@ -34,7 +34,7 @@ class EventLog:
         self._clock = clock
         self._listeners: list[Listener] = [echo] if echo is not None else []
         self._lock = threading.Lock()
-        self._fh = None
+        self._fh: TextIO | None = None
         self.write_error: str | None = None      # why the file was given up, while it is
         self._down: list[float] = []             # while given up: [since, last try, events dropped]
         self._listener_errors: set[int] = set()
@@ -80,7 +80,7 @@ class EventLog:
     def _give_up(self, exc: BaseException) -> None:
         fh, self._fh = self._fh, None
         try:
-            fh.close()   # type: ignore[union-attr]
+            fh.close()   # type: ignore[union-attr]  # only called while a file is open
         except (OSError, ValueError):
             pass
         now = self._clock()

@@ -138,7 +138,7 @@ class AgentMetrics:
         server = start_http_server(port, addr=addr, registry=self.registry)
         self._server = server[0] if isinstance(server, tuple) else None
         if self._server is not None:
-            self._server.handle_error = self._connection_failed   # type: ignore[method-assign]
+            self._server.handle_error = self._connection_failed
         self.port = self._server.server_port if self._server is not None else port
         return self.port
 

@@ -117,11 +117,11 @@ def swap_timeline(plan: Mapping[str, Any]) -> list[TimelineStep]:
 
 
 # ---------------------------------------------------------------------------------------------- reading the doc
-def _dict(value: Any) -> dict:
+def _dict(value: Any) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _workers(doc: Mapping[str, Any]) -> list[dict]:
+def _workers(doc: Mapping[str, Any]) -> list[dict[str, Any]]:
     """Every worker row of every node, with its node id."""
     rows = []
     for node_id, status in sorted(_dict(doc.get("status")).items()):
@@ -135,7 +135,7 @@ def _mib(n: float) -> str:
     return f"{n / (1 << 20):.1f} MiB" if n >= 1 << 20 else f"{n / 1024:.1f} KiB"
 
 
-def mirror_usage(doc: Mapping[str, Any], workers: list[dict] | None = None) -> str | None:
+def mirror_usage(doc: Mapping[str, Any], workers: list[dict[str, Any]] | None = None) -> str | None:
     """What mirroring sharded state costs (tpassrun/worker/shards.py), or None when nothing is mirrored: host memory of
     the local copies per rank (the largest), bytes one refresh sends (all ranks), and what the agents' mirror
     stores hold for other nodes."""
@@ -157,7 +157,7 @@ def _is_spare(worker: Mapping[str, Any]) -> bool:
     return bool(worker.get("spare")) or worker.get("state") == "spare"
 
 
-def _active_swaps(doc: Mapping[str, Any]) -> list[tuple[str, dict]]:
+def _active_swaps(doc: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     swaps = sorted(_dict(doc.get("swaps")).items())
     return [(sid, s) for sid, s in swaps if isinstance(s, dict) and s.get("phase") not in TERMINAL_PHASES]
 
@@ -171,7 +171,7 @@ def _node_order(doc: Mapping[str, Any]) -> list[str]:
     return list(dict.fromkeys(order))
 
 
-def _unhealthy(doc: Mapping[str, Any]) -> list[tuple[str, dict]]:
+def _unhealthy(doc: Mapping[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     out = []
     for node_id, health in sorted(_dict(doc.get("health")).items()):
         for v in _dict(health).get("verdicts") or ():
@@ -303,7 +303,7 @@ class RunProgress:
     step_ms: float = 0.0
 
     @classmethod
-    def of(cls, workers: list[dict]) -> "RunProgress":
+    def of(cls, workers: list[dict[str, Any]]) -> "RunProgress":
         running = [w for w in workers if w.get("state") == "running" and w.get("rank") is not None]
         steps = [w["step"] for w in running if isinstance(w.get("step"), int)]
         totals = [w["total"] for w in running if isinstance(w.get("total"), int) and w["total"] > 0]
@@ -333,12 +333,12 @@ def duration_text(seconds: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m"
 
 
-def _plain_progress(workers: list[dict]) -> str:
+def _plain_progress(workers: list[dict[str, Any]]) -> str:
     where, pace = step_info(workers)
     return f"{where} ({pace})" if pace else where
 
 
-def step_info(workers: list[dict]) -> tuple[str, str]:
+def step_info(workers: list[dict[str, Any]]) -> tuple[str, str]:
     """(where, pace) of the run: the slowest running rank's step (of its total, with an ETA when known), and the
     slowest last step time with the steps per second it makes."""
     p = RunProgress.of(workers)
@@ -350,7 +350,7 @@ def step_info(workers: list[dict]) -> tuple[str, str]:
     return where, pace
 
 
-def _summary(doc: Mapping[str, Any], now: float | None, workers: list[dict]) -> list[Text]:
+def _summary(doc: Mapping[str, Any], now: float | None, workers: list[dict[str, Any]]) -> list[Text]:
     gen = _dict(doc.get("generation"))
     where, pace = step_info(workers)
     spares = sum(1 for w in workers if _is_spare(w))
@@ -376,8 +376,7 @@ def _summary(doc: Mapping[str, Any], now: float | None, workers: list[dict]) -> 
     mirror = mirror_usage(doc, workers)
     if mirror is not None:
         second.append(f"  {mirror}")
-    times = [_dict(s).get("time") for s in _dict(doc.get("status")).values()]
-    times = [t for t in times if isinstance(t, (int, float))]
+    times = [t for s in _dict(doc.get("status")).values() if isinstance(t := _dict(s).get("time"), (int, float))]
     if now is not None and times:
         second.append(f"  status {max(0.0, now - min(times)):.1f}s old")
     if pace:
@@ -395,7 +394,7 @@ def _timeline(plan: Mapping[str, Any]) -> Text:
     return out
 
 
-def _alerts(doc: Mapping[str, Any], now: float | None, workers: list[dict]) -> list[Text]:
+def _alerts(doc: Mapping[str, Any], now: float | None, workers: list[dict[str, Any]]) -> list[Text]:
     """Most urgent first: swaps in flight (with their phase timeline), live taints, unhealthy verdicts, dead
     slots, then settled taints and the last finished swap."""
     urgent: list[Text] = []
@@ -449,12 +448,12 @@ def _alerts(doc: Mapping[str, Any], now: float | None, workers: list[dict]) -> l
     return urgent + settled
 
 
-def _members(doc: Mapping[str, Any]) -> dict[str, dict]:
+def _members(doc: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
     gen = _dict(doc.get("generation"))
     return {str(m.get("node_id")): m for m in gen.get("members") or () if isinstance(m, dict)}
 
 
-def _node_role(doc: Mapping[str, Any], node_id: str, members: Mapping[str, dict]) -> tuple[str, str]:
+def _node_role(doc: Mapping[str, Any], node_id: str, members: Mapping[str, dict[str, Any]]) -> tuple[str, str]:
     """(role, ranks) of a node: ``("member 3", "24-31")``, ``("spare node", "-")``."""
     gen = _dict(doc.get("generation"))
     member = members.get(node_id)
@@ -471,9 +470,9 @@ def _node_role(doc: Mapping[str, Any], node_id: str, members: Mapping[str, dict]
 
 
 def _node_rows(doc: Mapping[str, Any], view: ViewState, now: float | None,
-               workers: list[dict]) -> list[tuple[list[Any], str]]:
+               workers: list[dict[str, Any]]) -> list[tuple[list[Any], str]]:
     """Table rows ([cells], style) per node, each followed by its slot rows when expanded."""
-    by_node: dict[str, list[dict]] = {}
+    by_node: dict[str, list[dict[str, Any]]] = {}
     for w in workers:
         by_node.setdefault(w["node_id"], []).append(w)
     unhealthy: dict[str, int] = {}
@@ -516,7 +515,7 @@ def _node_rows(doc: Mapping[str, Any], view: ViewState, now: float | None,
     return [row for g in groups for row in g]
 
 
-def _pages(rows: list, per_page: int) -> int:
+def _pages(rows: list[Any], per_page: int) -> int:
     return max(1, -(-len(rows) // max(1, per_page)))
 
 

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Awaitable, Callable, Iterator, Mapping
 
-from rich.console import Console, Group
+from rich.console import Console, Group, RenderableType
 from rich.live import Live
 from rich.text import Text
 
@@ -85,10 +85,10 @@ class WatchTracker:
     def __init__(self, lost_after: float, on_lost: Callable[[], WatchEnd | None] | None = None) -> None:
         self.lost_after = lost_after
         self.on_lost = on_lost     # a second source for the outcome (the launcher's event log)
-        self.last_doc: dict | None = None
+        self.last_doc: dict[str, Any] | None = None
         self.failing_since: float | None = None
 
-    def update(self, doc: dict | None, error: str | None, now: float) -> WatchEnd | None:
+    def update(self, doc: dict[str, Any] | None, error: str | None, now: float) -> WatchEnd | None:
         if doc is not None:
             self.last_doc, self.failing_since = doc, None
             return run_outcome(doc)
@@ -108,7 +108,7 @@ def _say(console: Console, text: str) -> None:
     console.print(clean(text), markup=False, highlight=False, soft_wrap=True)
 
 
-async def _poll(fetch: Callable[[], Awaitable[dict]]) -> tuple[dict | None, str | None]:
+async def _poll(fetch: Callable[[], Awaitable[dict[str, Any]]]) -> tuple[dict[str, Any] | None, str | None]:
     """One fetch; a failure (etcd briefly unreachable) is shown, not raised, so the view outlives it."""
     try:
         return await fetch(), None
@@ -173,7 +173,7 @@ async def _next_key(queue: "asyncio.Queue[str]", timeout: float) -> str | None:
         return None
 
 
-async def watch(fetch: Callable[[], Awaitable[dict]], *, interval: float = 0.5, console: Console | None = None,
+async def watch(fetch: Callable[[], Awaitable[dict[str, Any]]], *, interval: float = 0.5, console: Console | None = None,
                 clock: Callable[[], float] = time.time, lost_after: float = 10.0,
                 keys: "asyncio.Queue[str] | None" = None, screen: bool = True,
                 on_lost: Callable[[], WatchEnd | None] | None = None) -> int:
@@ -184,6 +184,9 @@ async def watch(fetch: Callable[[], Awaitable[dict]], *, interval: float = 0.5, 
     """
     console = console or Console()
     tracker = WatchTracker(lost_after, on_lost)
+    doc: dict[str, Any] | None = None
+    error: str | None = None
+    end: WatchEnd | None = None
     if not console.is_terminal:
         last = None
         while True:
@@ -200,11 +203,8 @@ async def watch(fetch: Callable[[], Awaitable[dict]], *, interval: float = 0.5, 
 
     queue: asyncio.Queue[str] = keys if keys is not None else asyncio.Queue()
     view = ViewState()
-    doc: dict | None = None
-    error: str | None = None
-    end: WatchEnd | None = None
 
-    def frame() -> Group:
+    def frame() -> RenderableType:
         width, height = console.size
         if doc is None:
             body = Text(error or "waiting for the first status...", style="bold red" if error else "dim")

@@ -15,7 +15,7 @@ class Seen:
     """What the leader read in one tick."""
 
     now: float                                        # wall time (plans' history)
-    spawned_generation: int                           # the generation whose start spawned the current workers
+    epoch: int                                        # since when plans and deaths count (AgentPort.epoch)
     plans: Sequence[tuple[SwapPlan, int]]             # every plan with its etcd mod revision
     reports: Sequence[Report]                         # for the first active plan's current phase
     failures: Sequence[tuple[str, Failure]]           # (failure id, record), key order

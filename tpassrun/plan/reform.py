@@ -45,7 +45,7 @@ def runs_elsewhere(f: Failure, view: ClusterView, failures: Sequence[tuple[str, 
 def reform_deaths(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
     """Deaths not handled yet while ``plan`` re-forms the world: any rank's, its joiners' included."""
     lost = set(seen.view.lost)
-    return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
+    return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.epoch
             and f.node not in lost and not runs_elsewhere(f, seen.view, seen.failures)]
 
 
@@ -60,7 +60,7 @@ def unjoined(seen: Seen) -> dict[tuple[str, int], int]:
     holds: they cannot donate."""
     out: dict[tuple[str, int], int] = {}
     for p, _rev in seen.plans:
-        if not reforming(p) or p.generation < seen.spawned_generation:
+        if not reforming(p) or p.generation < seen.epoch:
             continue
         when = p.history[-1][1]
         if not any(q.phase == Phase.DONE and q.history[-1][1] >= when for q, _ in seen.plans):
@@ -109,7 +109,7 @@ def death_in_reform(plan: SwapPlan, rev: int, late: Sequence[tuple[str, Failure]
     elif gone_joiners:
         first = next(((fid, f) for fid, f in seen.failures if f.handled == "plan" and f.rank == plan.leaver.rank
                       and (f.node, f.slot) == (plan.leaver.node, plan.leaver.slot)
-                      and f.generation >= seen.spawned_generation), None) if plan.kind == SwapKind.UNPLANNED else None
+                      and f.generation >= seen.epoch), None) if plan.kind == SwapKind.UNPLANNED else None
         if first is None:
             blocker = "the joiner died before it had loaded the state it received"
     if blocker is None:
@@ -195,11 +195,11 @@ def node_lost_in_reform(plan: SwapPlan, rev: int, gone: Sequence[str], seen: See
 
 def hand_back(plan: SwapPlan, why: str, seen: Seen) -> tuple[Action, ...]:
     """The failures a superseded plan had taken on, unhandled again: the next plan takes them. Only those of the
-    slots it moves ranks off: an earlier death of the same rank in another slot was recovered by an earlier plan
-    (chaos: handed back too, it made 'ranks [0, 0] dead' and the next plan found no state for them)."""
+    slots it moves ranks off: an earlier death of the same rank in another slot was recovered by an earlier plan,
+    and handed back too it would count that rank dead twice (the next plan would find no state for it)."""
     leavers = {(m.leaver.node, m.leaver.slot) for m in plan.all_moves}
     return tuple(PutFailure(fid, dataclasses.replace(f, handled=None, reason=why)) for fid, f in seen.failures
                  if f.handled == "plan" and f.rank in plan.ranks and (f.node, f.slot) in leavers
-                 and f.generation >= seen.spawned_generation)
+                 and f.generation >= seen.epoch)
 
 

@@ -145,8 +145,8 @@ def plan_for_taint(view: ClusterView, *, node: str, rank: int, reason: str, tain
         return Decision("wait", f"no spare available for rank {rank}; the swap waits for one")
     if not spare.managed:
         # Only spares still starting (back in the pool after a swap: importing torch, up to tens of seconds on a
-        # loaded host). A planned swap can wait for one with the job training; planned now, every rank would sit
-        # paused at the boundary until it is ready (16 s in a chaos taint storm at load 15).
+        # loaded host). A planned swap waits for one with the job training: planned now, every rank would sit
+        # paused at the boundary until the spare is ready.
         return Decision("wait", f"no ready spare for rank {rank} (spare {spare.node}/{spare.slot} is still "
                                 "starting); the swap waits for it")
     plan = SwapPlan(
@@ -203,9 +203,8 @@ def _involved(view: ClusterView, joiner_node: str) -> tuple[str, ...]:
 
 def involved(view: ClusterView, joiner_nodes: Iterable[str] = (), without: Iterable[str] = ()) -> tuple[str, ...]:
     """The nodes a plan pauses and re-forms (pure): the live members, every other live node that runs a rank now
-    (a spare node that took one in an earlier swap), then the joiners' nodes. A spare node holding a rank was left
-    out before: its rank went on stepping into a collective nobody else joined, and the world never re-formed
-    (chaos: the second swap of a taint storm stayed in REFORM)."""
+    (a spare node that took one in an earlier swap), then the joiners' nodes. Every node that runs a rank is in:
+    one left out would go on stepping into a collective nobody else joins, and the world would never re-form."""
     skip = set(view.lost) | set(without)
     nodes = [n for n in view.members if n not in skip]
     hosting = sorted({s.node for s in view.slots if s.rank is not None and s.state in ("running", "joining")})
@@ -471,9 +470,8 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
                             plan.advance(Phase.ABORTED, now_wall))
         if spare_after_failure is not None:
             joiner = SlotRef(spare_after_failure.node, spare_after_failure.slot, plan.joiner.rank)
-            # the new joiner's node re-forms with the others: a spare node that ran no rank was not among the
-            # plan's nodes, its spare never got its Reform, and the world waited for it until the phase timeout
-            # (chaos: a joiner died, the retry went to a spare node, the group restarted 120 s later)
+            # the new joiner's node re-forms with the others: a spare node that runs no rank is not among the plan's
+            # nodes yet, and left out, its spare would never get its Reform (the world would wait for it)
             nodes = plan.nodes if joiner.node in plan.nodes else (*plan.nodes, joiner.node)
             return Decision("plan", f"retry with spare {joiner.node}/{joiner.slot}: {bad[0].error}",
                             plan.advance(Phase.TRANSFER, now_wall, joiner=joiner, joiner_addr=None,

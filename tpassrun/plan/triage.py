@@ -68,7 +68,7 @@ def _announce_taints(seen: Seen) -> tuple[tuple[Action, ...], frozenset[str]]:
 
 def _decide(seen: Seen) -> Triage:
     now = seen.now
-    stale = [(p, rev) for p, rev in seen.plans if not p.terminal and p.generation < seen.spawned_generation]
+    stale = [(p, rev) for p, rev in seen.plans if not p.terminal and p.generation < seen.epoch]
     out: list[Action] = [CasPlan(p, p.advance(Phase.ABORTED, now), rev) for p, rev in stale]
     active = [(p, rev) for p, rev in seen.plans if not p.terminal and (p, rev) not in stale]
     if active:
@@ -114,7 +114,7 @@ def _decide(seen: Seen) -> Triage:
             # a death reported by a node that was lost since: its node plan takes all of its ranks
             stale_failures.append(PutFailure(fid, f.mark("node_lost", f"node {f.node} was lost")))
             continue
-        if f.generation < seen.spawned_generation:
+        if f.generation < seen.epoch:
             # A death from before the last whole-group restart (e.g. a second failure that ended a
             # recovery): those workers are gone, and the rank runs anew. Never plan a swap for it.
             stale_failures.append(PutFailure(fid, f.mark("stale", "before the restart")))
@@ -140,18 +140,16 @@ def _lost_nodes(seen: Seen) -> tuple[Action, ...]:
     view, now = donor_view(seen), seen.now
     # a plan holds a lost node while it runs, once done until its commit is seen (a later generation's view places
     # the moved ranks elsewhere), and born aborted (the group restarts) until that restart. Plans older than that
-    # are about an earlier loss of the node (chaos: a node lost, the group restarted, the node back as a spare node
-    # took ranks and was lost again; its old marker kept it "held" and nothing was planned until the survivors gave
-    # up waiting 30 s later)
+    # are about an earlier loss of the node and never hold a new one: a node lost again gets its own plan
     covered = {n for p, _ in seen.plans if p.kind == SwapKind.NODE and not p.superseded
                and (not p.terminal or (p.phase == Phase.DONE and p.generation >= view.generation)
-                    or (p.phase == Phase.ABORTED and p.generation >= seen.spawned_generation))
+                    or (p.phase == Phase.ABORTED and p.generation >= seen.epoch))
                for n in (p.lost_node, *p.lost_also) if n}
     pending = [n for n in view.lost if n not in covered and lost_ranks(view, n)]
     if not pending:
         return ()
     node = pending[0]
-    dead = [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
+    dead = [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.epoch
             and f.node not in view.lost]
     plan_id = _unique_id(node_plan_id(node), seen)
     if len(pending) == 1 and not dead:
@@ -198,7 +196,7 @@ def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
         senders = [plan.leaver] if plan.kind == SwapKind.PLANNED else [m.donor for m in plan.all_moves if m.donor]
         # a sender's failure record may be read before the status that shows it dead (and the other way round)
         failed = {(f.node, f.slot) for _fid, f in seen.failures
-                  if not f.handled and f.generation >= seen.spawned_generation}
+                  if not f.handled and f.generation >= seen.epoch}
         for sender in senders:
             held = view.slot_at(sender.node, sender.slot)
             sender_dead = sender_dead or (held is not None and held.state in ("dead", "idle")) \
@@ -261,7 +259,7 @@ def _second_faults(plan: SwapPlan, seen: Seen) -> list[tuple[str, Failure]]:
     """Deaths in this generation, not handled yet, of ranks the active plan does not replace (on a lost node: its
     plan's business)."""
     moved, lost = set(plan.ranks), set(seen.view.lost)
-    return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.spawned_generation
+    return [(fid, f) for fid, f in seen.failures if not f.handled and f.generation >= seen.epoch
             and f.node not in lost and f.rank not in moved and not runs_elsewhere(f, seen.view, seen.failures)]
 
 

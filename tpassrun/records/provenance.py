@@ -1,9 +1,9 @@
 """Provenance of the control-plane records that steer a swap: a MAC with a per-run key that is never in etcd.
 
 An etcd without authentication (an external one, or a c10d/static endpoint hosted without a user and password)
-lets anyone who can reach it write a swap plan or a report; without this, the job would act on it (the chaos
-run's forged plan was retried by the leader with a real spare), and anyone who could read it would read the
-transfer secret. With a **run key**, every record whose forgery would move state or steer a swap carries
+lets anyone who can reach it write a swap plan or a report; without this, the job would act on it (a leader
+would carry a forged plan on with a real spare), and anyone who could read it would read the transfer secret.
+With a **run key**, every record whose forgery would move state or steer a swap carries
 ``"mac": "v1:<hex>"``, an HMAC-SHA256 over its canonical JSON and its etcd key, and every reader checks it
 (:func:`tpassrun.records.fields.load`): a record with a missing or bad MAC is logged once and ignored, never
 retried, adopted or shown as the job's own.

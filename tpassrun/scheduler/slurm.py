@@ -113,9 +113,9 @@ def parse_node_line(line: str) -> SchedNode | None:
         return None
     reason, who = reason_text.strip(), ""
     if sep:
-        m = _REASON_WHO.match(reason)
-        if m:
-            reason, who = m.group("reason"), m.group("who")
+        by = _REASON_WHO.match(reason)
+        if by:
+            reason, who = by.group("reason"), by.group("who")
     raw = fields.get("State", "")
     return SchedNode(name=name, state=node_state(raw), reason=reason if sep else "", who=who, raw_state=raw,
                      drain=bool(_flags(raw) & {"DRAIN", "DRAINING", "DRAINED"}))

@@ -28,7 +28,7 @@ def _b(value: Any) -> bytes:
     return bytes(value)
 
 
-class AuthStore(dist.Store):
+class AuthStore(dist.Store):  # type: ignore[misc]  # torch is not followed (pyproject.toml): dist.Store is Any
     """A client of :class:`~tpassrun.store.server.StoreServer` that proves ``key`` before its first request.
     Connecting retries until ``timeout`` (a store process just started may not listen yet); a server that
     cannot prove the key is never sent a byte of the world's keys."""
@@ -133,7 +133,7 @@ class AuthStore(dist.Store):
         self._timeout = timeout
 
     @property
-    def timeout(self) -> timedelta:  # type: ignore[override]
+    def timeout(self) -> timedelta:
         return self._timeout
 
     def ping(self) -> None:

@@ -116,7 +116,7 @@ class StoreServer:
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self._listener.bind((host, port))
         self._listener.listen(512)
-        self.port = self._listener.getsockname()[1]
+        self.port: int = self._listener.getsockname()[1]
         self._plain_store, self._plain_port = (None, 0)
         if plain:
             self._plain_store, self._plain_port = (plain_store or loopback_tcpstore)()

@@ -38,7 +38,8 @@ from tpassrun.plan.swap import Phase, SwapKind
 from tpassrun.swapper.phases import Phases
 
 if TYPE_CHECKING:
-    from tpassrun.rendezvous import Generation
+    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.rendezvous import EtcdStore, Generation
 
 log = logging.getLogger("tpassrun.plan.swap")
 
@@ -91,7 +92,7 @@ class Swapper:
             self._probe = asyncio.ensure_future(self.node_plans.probe_agents())
 
     @property
-    def _slots(self):  # noqa: ANN202
+    def _slots(self) -> LocalSlots:
         return self.port.slots
 
     @property
@@ -99,7 +100,7 @@ class Swapper:
         return Keys(self.port.rdzv.key(""))
 
     @property
-    def _store(self):  # noqa: ANN202
+    def _store(self) -> EtcdStore:
         return self.port.rdzv.store
 
     def on_spare_lost(self, slot: Slot) -> None:
@@ -181,9 +182,7 @@ class Swapper:
         cfg = self.port.settings
         if not slot.managed or slot.rank is None:
             return False
-        gen, latest = self.port.generation(), getattr(self.port.rdzv, "generation", None)
-        if gen is not None and latest is not None and latest.number == gen.number:
-            gen = latest        # spare nodes that joined since the generation formed are annotations of it
+        gen = self.port.annotated()     # spare nodes that joined since the generation formed count
         if gen is None or (cfg.spares_per_node == 0 and not gen.spare_nodes and not cfg.pool_wait):
             return False
         step = self._slots.field(slot, Field.STEP)
@@ -268,9 +267,8 @@ class Swapper:
             return
         self._done.add((plan.id, seq))
         if plan.store is not None and plan.phase in (Phase.REFORM, Phase.DONE):
-            # the workers' store moved with this swap: every agent follows, not only those re-forming (a leader
-            # that took no part kept the lost node's store, named it in its next plan, and that re-form hung on a
-            # dead address until the phase timeout: chaos, an agent SIGKILLed then a rank)
+            # the workers' store moved with this swap: every agent follows, not only those re-forming, so that
+            # whichever agent writes the next plan names the live store, never the lost node's
             self.port.set_master(plan.store, plan.store_host)
         if plan.kind == SwapKind.NODE and plan.terminal and seq == 1:
             return   # a lost node with no live recovery: the leader restarts the group, says why

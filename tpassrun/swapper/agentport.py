@@ -4,12 +4,28 @@ The agent owns the process table, the rendezvous handle and the supervision loop
 daemon see only what is named here, and talk back through typed :class:`AgentEvent` s posted on the agent's
 queue (never its private members). This module imports no agent code, so ``agent -> swapper -> port`` has no
 circle.
+
+Which generation (docs/concepts.md, "Which generation"): each notion has one name here, and every reader goes
+through it.
+
+* **running** (:attr:`AgentPort.generation`): the generation record this agent runs its workers in, as it adopted
+  it (at the group's start, then at each swap's commit).
+* **latest** (:meth:`AgentPort.latest`): the newest record the rendezvous handle has read (no I/O; None before
+  its first read). Ahead of the running one in place (same number: the leader annotates lost nodes and spare
+  nodes that joined) or by number (a restart, or a commit this agent has not adopted yet).
+* **annotated** (:meth:`AgentPort.annotated`, :func:`annotated`): the running generation as it reads now: the
+  latest record when it has the running one's number, else the running one.
+* **spawned** (:attr:`AgentPort.spawned_generation`): the number of the generation whose start spawned this
+  node's workers (swaps keep them; a spare node's is the one it joined in).
+* **formed** (:attr:`AgentPort.formed_generation`, ``Generation.formed``): the number of the run's last
+  whole-group restart, the same on every agent.
+* **epoch** (:meth:`AgentPort.epoch`): since when records and mirror copies count: the formed generation.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union, overload
 
 if TYPE_CHECKING:
     from tpassrun.channel.protocol import Done, Failed, Hello
@@ -98,8 +114,8 @@ class AgentPort:
     events: EventSink
     rdzv: "EtcdRendezvous"
     slots: "LocalSlots"
-    generation: Callable[[], "Generation | None"]          # the generation the agent runs in now
-    spawned_generation: Callable[[], int]                  # the generation whose start spawned the workers here
+    generation: Callable[[], "Generation | None"]          # running: the generation the agent runs in now
+    spawned_generation: Callable[[], int]                  # spawned: the generation whose start spawned the workers here
     master: Callable[[], tuple[str, int]]                  # the workers' store of the current generation
     set_generation: Callable[["Generation"], None]         # a swap committed the next generation
     spawn_spare: Callable[["Slot"], Awaitable[None]]       # start a warm spare in a slot
@@ -110,16 +126,39 @@ class AgentPort:
     start_store: "Callable[[], Awaitable[tuple[str, int]]] | None" = None   # host a new one here (its address)
     store_ready: "Callable[[float], Awaitable[bool]] | None" = None   # the store run here accepts connections
     mirror: Callable[[], Any] = lambda: None   # this node's mirrorplane.MirrorPlane (its mirror store), or None
-    # the generation of the run's last whole-group restart (``Generation.formed``): the same on every agent, where
-    # spawned_generation is the one a spare node joined in. None: spawned_generation (tests' ports)
+    # formed: the generation of the run's last whole-group restart (``Generation.formed``): the same on every agent,
+    # where spawned_generation is the one a spare node joined in. None: spawned_generation (tests' ports)
     formed_generation: "Callable[[], int] | None" = None
 
+    def latest(self) -> "Generation | None":
+        """The newest generation record the rendezvous handle has read (no I/O; None before its first read): the
+        running one, rewritten in place since, or a later one this agent has not adopted (yet)."""
+        return self.rdzv.generation
+
+    def annotated(self) -> "Generation | None":
+        """The running generation as it reads now (:func:`annotated`): with the lost nodes and the spare nodes that
+        joined since it formed."""
+        return annotated(self.generation(), self.latest())
+
     def epoch(self) -> int:
-        """Since when records and copies count: the last whole-group restart's generation. Plans and failures of
-        an older one are stale; mirror copies carry it as their epoch. The same number on every agent: a spare
-        node's own spawn generation (the one it joined in) made a leader that joined late take the era's plans and
-        deaths for stale, and a joiner's buddy refuse its light copies as older than those already held."""
+        """Since when records and copies count: the last whole-group restart's generation (formed). Plans and
+        failures of an older one are stale; mirror copies carry it as their epoch. The same number on every agent,
+        never a spare node's spawn generation: a leader that joined late and a buddy judge plans, deaths and copies
+        as every other agent does."""
         return self.formed_generation() if self.formed_generation is not None else self.spawned_generation()
+
+
+@overload
+def annotated(running: "Generation", latest: "Generation | None") -> "Generation": ...
+@overload
+def annotated(running: "Generation | None", latest: "Generation | None") -> "Generation | None": ...
+def annotated(running: "Generation | None", latest: "Generation | None") -> "Generation | None":
+    """``running`` as the rendezvous rewrote it since: ``latest`` when it is the same generation (the leader
+    annotates lost nodes and joined spare nodes in place, keeping the number), else ``running`` (a later record is
+    another generation, not adopted here yet)."""
+    if running is not None and latest is not None and latest.number == running.number:
+        return latest
+    return running
 
 
 class HealthHost(Protocol):
@@ -144,6 +183,6 @@ class StatusHost(Protocol):
     generation: "Generation | None"
 
 
-__all__ = ["AgentEvent", "AgentPort", "EventSink", "HealthHost", "StatusHost", "FallbackRequested",
+__all__ = ["AgentEvent", "AgentPort", "annotated", "EventSink", "HealthHost", "StatusHost", "FallbackRequested",
            "HealthRestartRequested", "LeaseLost",
            "RendezvousChanged", "SignalReceived", "SpawnFailed", "SwapSettings", "WorkerExited", "WorkerSaid"]

@@ -14,13 +14,13 @@ import dataclasses
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
-from tpassrun.swapper.agentport import AgentPort, HealthRestartRequested
+from tpassrun.swapper.agentport import AgentPort, HealthRestartRequested, annotated
 from tpassrun.records.provenance import seal
 from tpassrun.records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect, load,
                       node_info)
-from tpassrun.rendezvous import NodeInfo
+from tpassrun.rendezvous import GenState, NodeInfo
 from tpassrun.plan.swap import ClusterView, Decision, Phase, SlotView
 from tpassrun.plan.triage import (Action, CasPlan, ClaimFromPool, CreatePlan, PutFailure, PutFallback, PutTaint,
                                   RestartGroup, Say,
@@ -28,7 +28,7 @@ from tpassrun.plan.triage import (Action, CasPlan, ClaimFromPool, CreatePlan, Pu
 
 if TYPE_CHECKING:
     from tpassrun.pool.job import JobPool
-    from tpassrun.rendezvous import Generation
+    from tpassrun.rendezvous import EtcdStore, Generation
 
 log = logging.getLogger("tpassrun.plan.swap")
 
@@ -54,7 +54,7 @@ class Coordinator:
         return Keys(self.port.rdzv.key(""))
 
     @property
-    def _store(self):  # noqa: ANN202
+    def _store(self) -> EtcdStore:
         return self.port.rdzv.store
 
     async def run(self) -> None:
@@ -119,8 +119,7 @@ class Coordinator:
                 slots.append(SlotView(node=status.node_id, slot=w.slot, rank=w.rank, state=state,
                                       managed=w.managed, step=w.step, replicas=w.replicas,
                                       sharded=bool(w.shard_held)))
-        latest = getattr(self.port.rdzv, "generation", None)   # annotations (lost nodes) rewrite it in place
-        lost = tuple(latest.lost) if latest is not None and latest.number == gen.number else tuple(gen.lost)
+        lost = tuple(annotated(gen, self.port.latest()).lost)   # lost nodes are annotations: written in place
         slots = [s for s in slots if s.node not in lost]   # a lost node's last status may outlive it briefly
         return ClusterView(generation=gen.number, members=tuple(m.node_id for m in gen.members),
                            spare_nodes=tuple(gen.spare_nodes), slots=tuple(slots), lost=lost, homes=homes_of(gen))
@@ -148,9 +147,8 @@ class Coordinator:
 
     async def _leader_tick(self) -> None:
         """Read -> decide (:func:`tpassrun.plan.triage.triage`, pure) -> write."""
-        latest, gen = getattr(self.port.rdzv, "generation", None), self.port.generation()
-        if latest is not None and gen is not None and (latest.number > gen.number
-                                                       or getattr(latest.state, "value", latest.state) != "active"):
+        latest, gen = self.port.latest(), self.port.generation()
+        if latest is not None and gen is not None and (latest.number > gen.number or latest.state != GenState.ACTIVE):
             return    # a restart (or a commit this agent has not seen yet) is under way: nothing to plan in this one
         result = triage(await self._read(time.time()))
         self._waiting_said |= result.said
@@ -168,17 +166,16 @@ class Coordinator:
             reports = [r for k, d, rv in await self._store.get_prefix_json(keys.reports(active[0].id, seq))
                        if (r := load(Report.from_json, k, d, rv)) is not None]
         # the status before the failures: an agent writes a dead worker's failure record before the status that
-        # shows the slot dead, so every death this view shows has its failure read too (read the other way
-        # round, a donor dying mid-read looked like a sender gone without a failure: the recovery was aborted
-        # and the group restarted, instead of both dead ranks being planned again at once)
-        # one read of the taints for both the spare pool and the taints to act on: read twice, a node that bars
-        # its own spare and then taints its ranks (netwatch: a degraded link) had a rank planned onto that spare
-        # when the first read came before the bar and the second after the rank's taint
+        # shows the slot dead, so every death this view shows has its failure read too (a dead sender always
+        # comes with its failure: both dead ranks are planned again at once, not the recovery aborted)
+        # one read of the taints for both the spare pool and the taints to act on: a node that bars its own spare
+        # and then taints its ranks (netwatch: a degraded link) is seen with both or neither, so no rank is
+        # planned onto that spare
         taints = await self._taints()
         view = await self._view(taints)
         failures = [(keys.last(k), f) for k, d, rv in await self._store.get_prefix_json(keys.family("failures"))
                     if (f := load(Failure.from_json, k, d, rv)) is not None]
-        return Seen(now=now, spawned_generation=self.port.epoch(), plans=plans, reports=reports,
+        return Seen(now=now, epoch=self.port.epoch(), plans=plans, reports=reports,
                     failures=failures, taints=taints, view=view,
                     waiting_said=frozenset(self._waiting_said), received_said=frozenset(self._taints_said),
                     pool=self.pool is not None,
@@ -268,7 +265,7 @@ class Coordinator:
     def _alive(self, node: str) -> bool:
         """Whether ``node`` is a live member or spare node of the latest generation (not one lost in it, nor one
         lost in an earlier generation and gone from the record since)."""
-        latest = getattr(self.port.rdzv, "generation", None) or self.port.generation()
+        latest = self.port.latest() or self.port.generation()
         return latest is None or latest.includes(node)
 
     async def _commit_generation(self, plan: SwapPlan) -> None:
@@ -323,7 +320,7 @@ def committed_generation(old: "Generation", plan: SwapPlan,
                                bootstrap=plan.store or old.bootstrap)
 
 
-def _sealed(key: str, plan: SwapPlan) -> dict:
+def _sealed(key: str, plan: SwapPlan) -> dict[str, Any]:
     """The plan as stored: with the MAC of the run key (tpassrun/records/provenance.py) when the run has one."""
     return seal(key, plan.to_json())
 

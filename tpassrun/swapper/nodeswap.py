@@ -21,28 +21,50 @@ import asyncio
 import base64
 import dataclasses
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, Field, WorkerPhase
 from tpassrun.channel.protocol import (Abort, CatchUp, Light, LightOk, Listening, MirrorSource, Received, Reform, SendState,
                        WorldSpec)
-from tpassrun.records import Move, Phase, Report, SwapPlan
+from tpassrun.records import Keys, Move, Phase, Report, SwapPlan
 from tpassrun.channel.slots import SlotState
 from tpassrun.plan.swap import PHASE_TIMEOUT_S, of_attempt, transfer_key, world_prefix
 
+if TYPE_CHECKING:
+    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.rendezvous import EtcdStore
+    from tpassrun.swapper.agentport import AgentPort
+    from tpassrun.swapper.coordinator import Coordinator
+
 log = logging.getLogger("tpassrun.plan.swap")
+
+
+class NodePlanHost(Protocol):
+    """What the node plans need of the swapper they are composed into (its Swapper)."""
+
+    port: AgentPort
+    coordinator: Coordinator
+    phases: Any            # swapper.phases.Phases: it imports this module, and the import graph has no circle
+    _active: SwapPlan | None
+
+    @property
+    def _slots(self) -> LocalSlots: ...
+    @property
+    def _store(self) -> EtcdStore: ...
+    @property
+    def _keys(self) -> Keys: ...
 
 
 class NodePlans:
     """One per swapper; :meth:`participate` is its ``_participate`` for plans of kind ``node``."""
 
-    def __init__(self, swapper: Any) -> None:   # the swapper.Swapper it belongs to (not imported: no circle)
+    def __init__(self, swapper: NodePlanHost) -> None:
         self.sw = swapper
         self._lights: dict[tuple[str, int], bytes | None] = {}   # (plan id, rank) -> light frame for the joiner
 
     @property
-    def port(self) -> Any:
+    def port(self) -> AgentPort:
         return self.sw.port
 
     @property
@@ -94,7 +116,7 @@ class NodePlans:
         """A collective failed here, so a peer died. A node whose agent is gone (it crashed or was killed: its
         workers died with it) is declared lost at once by revoking its lease, instead of after the lease's TTL;
         the node plan starts from there. Anything less certain (no answer at all) waits for the lease."""
-        mirror, gen = self.port.mirror(), self.port.rdzv.generation or self.port.generation()
+        mirror, gen = self.port.mirror(), self.port.latest() or self.port.generation()
         if mirror is None or gen is None:
             return
         async def probe(node: str) -> None:
@@ -117,7 +139,7 @@ class NodePlans:
     # ------------------------------------------------------------------ phases
     async def _pause(self, plan: SwapPlan) -> Report:
         self._break_collectives(plan)
-        report = await self.sw.phases.pause(plan)
+        report: Report = await self.sw.phases.pause(plan)
         if not report.ok:
             return report
         mirror, gen = self.port.mirror(), self.port.epoch()
@@ -326,6 +348,7 @@ class NodePlans:
         waiting = []
         for s in self.sw.phases.survivors(plan):
             slots.set_run_until(s, INT64_MAX)
+            assert s.rank is not None
             slots.send(s, Reform(world=WorldSpec(rank=s.rank, world_size=gen.world_size).with_store(*store),
                                  rollback=True, resume=plan.boundary))
             waiting.append(s)

@@ -13,7 +13,7 @@ import asyncio
 import base64
 import logging
 import time
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
@@ -23,8 +23,11 @@ from tpassrun.swapper.nodeswap import NodePlans
 from tpassrun.channel.protocol import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform,
                        Reformed, Resume, SendState, Stranger, WorldSpec)
 from tpassrun.records import Keys, Move, Report, SwapPlan, load, node_info
-from tpassrun.channel.slots import Slot, SlotState
+from tpassrun.channel.slots import LocalSlots, Slot, SlotState
 from tpassrun.plan.swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, of_attempt, transfer_key as _transfer_key, world_prefix
+
+if TYPE_CHECKING:
+    from tpassrun.rendezvous import EtcdStore
 
 log = logging.getLogger("tpassrun.plan.swap")
 
@@ -61,7 +64,7 @@ class Phases:
         return self.sw.port
 
     @property
-    def _slots(self) -> Any:
+    def _slots(self) -> LocalSlots:
         return self.sw.port.slots
 
     @property
@@ -69,7 +72,7 @@ class Phases:
         return Keys(self.sw.port.rdzv.key(""))
 
     @property
-    def _store(self) -> Any:
+    def _store(self) -> EtcdStore:
         return self.sw.port.rdzv.store
 
     def survivors(self, plan: SwapPlan) -> list[Slot]:
@@ -88,7 +91,10 @@ class Phases:
         next_look = time.monotonic() + GIVEN_UP_POLL_S
         while True:
             now = time.monotonic()
-            stationary, cand, paused, failed, post = True, 0, [], [], []
+            paused: list[int] = []     # the steps the survivors paused at (or can resume at exactly)
+            failed: list[int] = []     # ... of survivors that failed past their commit point: the next step
+            post: list[int] = []       # ... of survivors that failed before it: the step they failed in
+            stationary, cand = True, 0
             for s in survivors:
                 ph, step = self._slots.position(s)
                 if ph in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
@@ -130,7 +136,7 @@ class Phases:
     async def store_silent(self, addr: str, port: int) -> str:
         """Why the workers' store at ``addr:port`` cannot host a re-formed world ("" if it answers). Looked at
         before any rank is told to join: a rank connecting to a dead store blocks inside torch (no AbortJoin
-        reaches it) until its timeout, and the whole swap with it (120 s in a chaos run)."""
+        reaches it) until its timeout, and the whole swap with it."""
         try:
             _r, w = await asyncio.wait_for(asyncio.open_connection(addr, port), STORE_PROBE_S)
         except (OSError, asyncio.TimeoutError) as exc:
@@ -329,15 +335,15 @@ class Phases:
                                              replicated_only=plan.kind == SwapKind.UNPLANNED,
                                              without_sharded=plan.shard_from is not None,
                                              rng=plan.kind == SwapKind.PLANNED, timeout=PHASE_TIMEOUT_S))
-        refused = await self._send_catch_up(plan)
-        if refused is not None:
-            return refused
+        refusal = await self._send_catch_up(plan)
+        if refusal is not None:
+            return refusal
         if plan.joiner.node != me:
             return await self._caught_up_here(plan, None)
         joiner = self._slots.slots[plan.joiner.slot]
-        light = plan.kind == SwapKind.UNPLANNED and plan.light_b64 is not None
-        if light:
-            self._slots.send(joiner, Light(data=plan.light_b64, step=plan.boundary))
+        light = plan.light_b64 if plan.kind == SwapKind.UNPLANNED else None
+        if light is not None:
+            self._slots.send(joiner, Light(data=light, step=plan.boundary))
         msg = await self.await_received(plan, joiner)
         if msg == "aborted":
             self._slots.send(joiner, Abort())
@@ -353,7 +359,7 @@ class Phases:
             return Report(node=me, phase=plan.phase, ok=False, error=err)
         self.port.events.write("swap_transfer_end", swap_id=plan.id, nbytes=msg.nbytes, seconds=msg.seconds,
                                 checksum=msg.checksum)
-        if light:
+        if light is not None:
             ok = await self._slots.expect(joiner, (LightOk,), 5.0)
             if ok is None or ok.ok is False:
                 # the same bytes would be rejected again: do not retry
@@ -397,7 +403,8 @@ class Phases:
         connecting leaves the joiner listening; plans are followed one at a time, so this wait must look)."""
         deadline = time.monotonic() + PHASE_TIMEOUT_S
         while time.monotonic() < deadline:
-            msg = await self._slots.expect(joiner, (Received, Stranger), 0.5, of_attempt(plan))
+            msg: Received | Stranger | None = await self._slots.expect(joiner, (Received, Stranger), 0.5,
+                                                                        of_attempt(plan))
             if isinstance(msg, Stranger):
                 self.port.events.write("swap_transfer_stranger", swap_id=plan.id, error=msg.error)
                 continue
@@ -413,9 +420,7 @@ class Phases:
         only to a spare slot of a node of the current generation, at that node's registered address, in a
         swap this node followed into its TRANSFER phase: a plan written straight into SEND, or naming any
         other address, is forged or stale."""
-        gen = self.port.generation()
-        latest = getattr(self.port.rdzv, "generation", None)   # spare nodes that joined since: annotations
-        gen = latest if gen is not None and latest is not None and latest.number == gen.number else gen
+        gen = self.port.annotated()     # spare nodes that joined since it formed count
         move = move or plan.all_moves[0]
         addr = move.joiner_addr
         assert addr is not None and gen is not None
@@ -507,6 +512,7 @@ class Phases:
 
         tasks = {asyncio.ensure_future(one(s)): s for s in waiting}
         pending = set(tasks)
+        joined: dict[asyncio.Future[tuple[Slot, Reformed | None]], Reformed] = {}
         try:
             while pending:
                 done, pending = await asyncio.wait(pending, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
@@ -514,12 +520,13 @@ class Phases:
                     s, msg = t.result()
                     if msg is None or msg.ok is False:
                         return f"rank {s.rank} did not join the new world: {msg.error if msg else None}"
+                    joined[t] = msg
                 if pending and await self._given_up(plan):
                     for t in pending:
                         t.cancel()
                     await self._abort_joins(plan, [tasks[t] for t in pending])
                     return None
-            return [t.result()[1] for t in tasks]
+            return [joined[t] for t in tasks]
         finally:
             for t in tasks:
                 t.cancel()

@@ -24,6 +24,8 @@ from tpassrun.channel import Field, WorkerPhase
 from tpassrun.channel.protocol import MirrorSource, ShardRolledBack, ShardRollback
 
 if TYPE_CHECKING:
+    from tpassrun.channel import ChannelFile
+    from tpassrun.swapper.agentport import AgentPort
     from tpassrun.records import SwapPlan
     from tpassrun.channel.slots import LocalSlots, Slot
 
@@ -43,7 +45,7 @@ def ring_of(ch: Any, slot: int) -> tuple[int, ...] | None:
     return tuple(sorted(v - 1 for v in (ch.get(slot, f) for f in _VERSIONS) if v > 0))
 
 
-def live_step(ch: Any, slot: int) -> int | None:
+def live_step(ch: "ChannelFile", slot: int) -> int | None:
     """The step whose start a stopped survivor's live state is (paused before it, or failed in it before its
     commit point): it can resume there with no copy at all."""
     phase, step = ch.position(slot)
@@ -77,7 +79,7 @@ def mirror_report(mirror: Any, rank: int, min_epoch: int) -> dict[str, Any]:
     return {"mirror_steps": tuple(held), "mirror_addr": (target.addr, target.port)}
 
 
-def pause_fields(port: Any, plan: "SwapPlan", survivors: Iterable["Slot"]) -> dict[str, Any]:
+def pause_fields(port: "AgentPort", plan: "SwapPlan", survivors: Iterable["Slot"]) -> dict[str, Any]:
     """An unplanned plan's PAUSE report fields for sharded state: the copies the local survivors hold, the dead
     rank's own, and what this node's mirror holds of the dead rank's shard."""
     from tpassrun.records import SwapKind
@@ -88,7 +90,8 @@ def pause_fields(port: Any, plan: "SwapPlan", survivors: Iterable["Slot"]) -> di
     fields: dict[str, Any] = {"rings": survivors_rings(ch, [s for s in survivors if s.alive])}
     if plan.leaver.node == port.node_id:
         fields["dead_ring"] = ring_of(ch, plan.leaver.slot)
-    fields.update(mirror_report(port.mirror(), plan.leaver.rank, port.epoch()))
+    if plan.leaver.rank is not None:     # an unplanned plan names its dead rank
+        fields.update(mirror_report(port.mirror(), plan.leaver.rank, port.epoch()))
     return fields
 
 

@@ -42,7 +42,7 @@ META_VERSION = 1
 
 
 # torch-free, so the agent's mirror store (which never imports torch) raises the same errors
-from tpassrun.transfer.auth import ChecksumError, HandoffError  # noqa: E402,F401 - re-exported: the codec's errors
+from tpassrun.transfer.auth import ChecksumError as ChecksumError, HandoffError as HandoffError  # noqa: E402 - the codec's errors
 
 
 @dataclass
@@ -53,8 +53,8 @@ class StateBundle:
     "extra": tree | None}``; ``tensors[i]`` is the leaf that ``{"$T": i}`` points at.
     """
 
-    meta: dict
-    tensors: list
+    meta: dict[str, Any]
+    tensors: list[torch.Tensor]
 
     @property
     def nbytes(self) -> int:
@@ -66,7 +66,7 @@ class StateBundle:
         return int(self.meta["step"])
 
     @property
-    def extra(self) -> dict:
+    def extra(self) -> dict[str, Any]:
         """The decoded ``extra`` mapping passed to :func:`tpassrun.transfer.handoff.capture` ({} if none)."""
         tree = self.meta.get("extra")
         return {} if tree is None else decode_tree(tree, self.tensors)
@@ -131,7 +131,7 @@ class TreeEncoder:
             "arrays/scalars are supported (nothing is pickled)"
         )
 
-    def _pairs(self, mapping: dict, path: Any) -> list:
+    def _pairs(self, mapping: dict[Any, Any], path: Any) -> list[list[Any]]:
         return [[self.encode(k, (path, "<key>")), self.encode(v, (path, k))] for k, v in mapping.items()]
 
     def _add_tensor(self, tensor: torch.Tensor, path: Any) -> int:
@@ -150,7 +150,7 @@ class TreeEncoder:
         self.tensors.append(tensor)
         return len(self.tensors) - 1
 
-    def _encode_ndarray(self, array: Any, path: Any) -> dict:
+    def _encode_ndarray(self, array: Any, path: Any) -> dict[str, Any]:
         self._check_numpy_dtype(array.dtype, path)
         contiguous = np.ascontiguousarray(array)
         if not contiguous.flags.writeable:  # torch.from_numpy warns on read-only memory
@@ -177,7 +177,7 @@ def spell_path(path: Any) -> str:
 # decoding
 
 
-def decode_tree(tree: Any, tensors: list) -> Any:
+def decode_tree(tree: Any, tensors: list[torch.Tensor]) -> Any:
     """Inverse of :meth:`TreeEncoder.encode`; tensor leaves are taken from ``tensors`` (not copied)."""
     kind = type(tree)
     if kind is list:
@@ -191,7 +191,7 @@ def decode_tree(tree: Any, tensors: list) -> Any:
     return {k: decode_tree(v, tensors) for k, v in tree.items()}
 
 
-def _decode_tagged(tag: str, body: Any, tensors: list) -> Any:
+def _decode_tagged(tag: str, body: Any, tensors: list[torch.Tensor]) -> Any:
     if tag == "$T":
         return _tensor_at(tensors, body)
     if tag == "$t":
@@ -200,7 +200,8 @@ def _decode_tagged(tag: str, body: Any, tensors: list) -> Any:
         return {_hashable(decode_tree(k, tensors)): decode_tree(v, tensors) for k, v in body}
     if tag == "$od":
         pairs, metadata = body
-        result: OrderedDict = OrderedDict((_hashable(decode_tree(k, tensors)), decode_tree(v, tensors)) for k, v in pairs)
+        result: OrderedDict[Any, Any] = OrderedDict((_hashable(decode_tree(k, tensors)), decode_tree(v, tensors))
+                                                    for k, v in pairs)
         if metadata is not None:
             result._metadata = decode_tree(metadata, tensors)  # type: ignore[attr-defined]
         return result
@@ -229,7 +230,7 @@ def _hashable(key: Any) -> Any:
     return key
 
 
-def _tensor_at(tensors: list, index: Any) -> torch.Tensor:
+def _tensor_at(tensors: list[torch.Tensor], index: Any) -> torch.Tensor:
     if type(index) is not int or not 0 <= index < len(tensors):
         raise HandoffError(f"meta references tensor #{index!r} but the bundle holds {len(tensors)}")
     return tensors[index]

@@ -67,7 +67,7 @@ class TensorSpec:
     device: str  # device *type* on the sender; anything but "cpu" comes back on the receiver's ``device``
     requires_grad: bool
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "shape": list(self.shape), "nbytes": self.nbytes,
                 "device": self.device, "requires_grad": self.requires_grad}
 
@@ -177,7 +177,7 @@ def _allocate(spec: TensorSpec, arena: _Arena | None = None) -> tuple[torch.Tens
     return tensor, _writable_view(tensor.reshape(-1).view(torch.uint8))
 
 
-def _encode_head(meta: dict, specs: list[TensorSpec], chunk_bytes: int, checksum: str) -> bytes:
+def _encode_head(meta: dict[str, Any], specs: list[TensorSpec], chunk_bytes: int, checksum: str) -> bytes:
     doc = {"v": WIRE_VERSION, "meta": meta, "tensors": [s.to_json() for s in specs],
            "checksum": checksum, "chunk_bytes": chunk_bytes}
     try:
@@ -239,7 +239,7 @@ class _BlockSum64:
         return self._crc
 
 
-_CHECKSUMS: dict[str, type] = {"crc32": _Crc32}
+_CHECKSUMS: dict[str, type[_Checksum]] = {"crc32": _Crc32}
 if np is not None:
     _CHECKSUMS["blocksum64"] = _BlockSum64
 _STREAM_CHECKSUM = "blocksum64" if np is not None else "crc32"

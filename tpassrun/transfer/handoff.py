@@ -70,7 +70,7 @@ class Stateful(Protocol):
 # RNG
 
 
-def capture_rng() -> dict:
+def capture_rng() -> dict[str, Any]:
     """Every global RNG a training step may draw from, as plain values and tensors.
 
     Keys: ``python`` (``random``), ``numpy`` (its legacy global ``RandomState``, only when numpy
@@ -116,7 +116,7 @@ def cuda_rng_targets(states: int, sender_current: int | None, devices: int, curr
     return [(sender_current, current)]
 
 
-def restore_rng(state: dict) -> None:
+def restore_rng(state: dict[str, Any]) -> None:
     """Set every global RNG from :func:`capture_rng`'s output (after a handoff: decoded)."""
     if state.get("v") != RNG_VERSION:
         raise HandoffError(f"RNG state version {state.get('v')!r} is not supported (expected {RNG_VERSION})")
@@ -145,7 +145,7 @@ def restore_rng(state: dict) -> None:
 # capture / apply
 
 
-def capture(objects: Mapping[str, Any], *, step: int, rng: dict | None = None,
+def capture(objects: Mapping[str, Any], *, step: int, rng: dict[str, Any] | None = None,
             extra: Mapping[str, Any] | None = None) -> StateBundle:
     """Snapshot ``objects`` (by ``state_dict()``), plus the step, RNG and extra values.
 

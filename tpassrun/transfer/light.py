@@ -61,9 +61,9 @@ class _NumpyGlobal:
         self._bitgen: Any = None
         self._address = 0
         self._raw = b""
-        self._state: dict | None = None
+        self._state: dict[str, Any] | None = None
 
-    def state(self) -> dict:
+    def state(self) -> dict[str, Any]:
         rs = np.random.mtrand._rand
         bitgen = rs._bit_generator
         if bitgen is not self._bitgen:
@@ -91,7 +91,7 @@ def _state_address(bitgen: Any) -> int:
         return 0
 
 
-def _matches(raw: bytes, state: dict) -> bool:
+def _matches(raw: bytes, state: dict[str, Any]) -> bool:
     inner = state.get("state", {})
     key = inner.get("key")
     return (state.get("bit_generator") == "MT19937" and key is not None

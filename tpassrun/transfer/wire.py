@@ -517,7 +517,7 @@ def connect_and_send(addr: str, port: int, bundle: StateBundle, *, timeout: floa
             if auth is not None:
                 try:
                     if cut is not None:
-                        cut, at = None, cut
+                        at, cut = cut, None
                         _cut_handshake(sock, auth, at)
                     proved = _sender_handshake(sock, auth, min(HANDSHAKE_DEADLINE_S, deadline - time.monotonic()))
                 except AuthError as exc:
