@@ -158,7 +158,7 @@ def test_triage_a_dead_rank_without_own_spares_draws_from_the_pool_then_falls_ba
 
     def seen(*slots, spare_nodes=(), **kw):
         v = ClusterView(generation=3, members=("a", "b"), spare_nodes=spare_nodes, slots=(*live, *slots))
-        return Seen(now=1000.0, spawned_generation=3, plans=(), reports=(), failures=(("a-1", dead),), taints=(),
+        return Seen(now=1000.0, epoch=3, plans=(), reports=(), failures=(("a-1", dead),), taints=(),
                     view=v, **kw)
 
     need = dead_rank_need(dead)

@@ -61,10 +61,10 @@ from tpassrun.transfer.frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES
                             _Pipelined, _read_frame, _read_prefix, _SocketReader, decode_small, encode_parts, encode_small,
                             reserve_receive_arena, reserved_receive_bytes)
 from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_GMAC, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError,
-                       ConnectorHandshake, FrameCipher, FrameMac, ListenerHandshake, TransferAuth)
+                       ConnectorHandshake, FrameCipher, FrameMac, ListenerHandshake, TransferAuth, encryption_wanted)
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, HandshakeGate
-from tpassrun.transfer.seal import (_AUTH_TRAILER, _FRAME_INDEX, _MAC_THREADS, _expect, _tag, encryption_wanted,  # noqa: F401
+from tpassrun.transfer.seal import (_AUTH_TRAILER, _FRAME_INDEX, _MAC_THREADS, _expect, _tag,  # noqa: F401
                            listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
 
 log = logging.getLogger("tpassrun.transfer.handoff")
