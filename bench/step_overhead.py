@@ -244,7 +244,7 @@ def main() -> None:
             pushing._light_retarget_due = 0
             buddy = Buddy()
             from tpassrun.worker.light_mirror import LightMirror
-            from tpassrun.mirror.net import PushStream
+            from tpassrun.mirror.client import PushStream
 
             trained_pushing = train_job(Session(backend=None, link=link, rank=0, world_size=1, local_rank=0,
                                                 generation=0, joined=False, timeout=None))
