@@ -5,5 +5,6 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 "$PY" -m ruff check .
 "$PY" -m mypy --strict --follow-imports=silent tpassrun/plan tpassrun/records tpassrun/channel tpassrun/settings
+"$PY" -m mypy --strict --follow-imports=silent tpassrun/worker
 
 echo "lint: ruff and mypy passed"
