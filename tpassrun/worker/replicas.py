@@ -2,10 +2,11 @@
 the ranks that must hold identical state compare an exact digest of it (:mod:`tpassrun.worker.digest` digests and
 decides). A part of :class:`tpassrun.worker.session.Session`.
 
-Where it touches the rest (each a call of one line): a survivor's re-formed world (``worker_commands._on_reform``)
-and a joiner's join (``worker_spare._on_join``) make the check due (:meth:`ReplicaCheck._replicas_after_recovery`);
-``Session.run`` runs it at the next step start, right after the step's start snapshot (so that a collective of the
-check failing is that step failing, before anything of it ran). Nothing happens at any other step.
+Where it touches the rest (each a call of one line): a survivor's re-formed world (``BoundaryCommands.on_reform``)
+and a joiner's join (``SpareCommands.on_join``) make the check due (:meth:`ReplicaCheck.after_recovery`);
+``Session.run`` runs it (``BoundaryCommands.check_replicas``) at the next step start, right after the step's start
+snapshot (so that a collective of the check failing is that step failing, before anything of it ran). Nothing
+happens at any other step.
 
 The check, on every rank of the world at the same step: one ``all_gather`` of a few words per rank (its replica
 group, a 16-byte digest of everything it compares, whether it just loaded its state). When every group agrees

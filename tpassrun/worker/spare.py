@@ -1,8 +1,8 @@
 """A warm spare: a session without a rank. It waits in :func:`tpassrun.init` for the agent's commands (the
 same dispatcher as a rank's, :mod:`tpassrun.worker.commands`, with the spare's table): an assignment to a
 rank, whose state it receives (and, for an unplanned swap, the dead rank's light snapshot), then the reform
-that makes it that rank (a joiner). Also here: reading a received bundle piece by piece (the joiner loads each
-object as the script tracks it). A part of :class:`tpassrun.worker.session.Session`.
+that makes it that rank (a joiner). The receiving end of the transfer is :mod:`tpassrun.worker.receive`. A part
+of :class:`tpassrun.worker.session.Session`.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from tpassrun.worker import faultpoints as testing
 from tpassrun.channel import Field, WorkerPhase
 from tpassrun.channel.protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
                        Reserve)
-from tpassrun.transfer.quiet import Throttle
 from tpassrun.worker.world import JoinAborted, join_world, set_rank_env
 from tpassrun.worker.commands import BoundaryCommands, Handler
 from tpassrun.worker.receive import _bundle_step, _receive_state, _transfer_auth
@@ -25,7 +24,6 @@ from tpassrun.worker.replicas import ReplicaCheck
 from tpassrun.worker.state import SpareWait, WorkerState
 
 log = logging.getLogger("tpassrun.worker")
-_STRANGER_LINES = Throttle()     # a flood of strangers: one warning line per source a minute, with the count
 
 
 class SpareCommands:
