@@ -267,7 +267,7 @@ def main() -> None:
             def snapshot_pushed() -> None:
                 step[0] += 1
                 pushing._state.window = step[0]     # a step outside an accumulation window, as run() sets it
-                pushing._snapshot_light(step[0])
+                pushing._txn.snapshot_light(step[0])
 
             def drained(measure: Callable[[], float]) -> Callable[[], float]:
                 """``measure`` once the buddy has read everything pushed so far (untimed): a worker pushes once per
