@@ -9,7 +9,7 @@ drains (standing in for the agent), tracking a model (replicated: not in the lig
 
   * the boundary check alone (one ``run_until`` read from the mmap);
   * the per-step channel bookkeeping of ``Session.run`` (step, heartbeat, phase, last step time, the check);
-  * the per-step light snapshot (``Session._snapshot_light``: :class:`tpassrun.transfer.light.LightSnapshotter` and the
+  * the per-step light snapshot (``Session._txn.snapshot_light``: :class:`tpassrun.transfer.light.LightSnapshotter` and the
     double-buffered write), with its parts, and the general handoff codec it replaced, for comparison;
   * ``Session.run`` with a no-op step, managed vs. not launched by tpassrun: the whole per-step overhead;
   * ``Session.run`` with a tiny training step (forward, backward, SGD step on a tracked 16x16 linear model,
@@ -236,24 +236,24 @@ def main() -> None:
                                               generation=0, joined=False, timeout=None))
             sampler = Sampler()
             sess.track(model=torch.nn.Linear(256, 256), sampler=sampler)
-            sess._light_retarget_due = 0            # this stand-in agent knows no buddy: nothing to ask
+            sess._state.light_retarget_due = 0            # this stand-in agent knows no buddy: nothing to ask
             # the same session pushing every snapshot into a buddy's mirror itself (tpassrun/worker/light_mirror.py)
             pushing = Session(backend=None, link=link, rank=0, world_size=1, local_rank=0, generation=0,
                               joined=False, timeout=None)
             pushing.track(model=torch.nn.Linear(256, 256), sampler=Sampler())
-            pushing._light_retarget_due = 0
+            pushing._state.light_retarget_due = 0
             buddy = Buddy()
             from tpassrun.worker.light_mirror import LightMirror
-            from tpassrun.mirror.net import PushStream
+            from tpassrun.mirror.client import PushStream
 
             trained_pushing = train_job(Session(backend=None, link=link, rank=0, world_size=1, local_rank=0,
                                                 generation=0, joined=False, timeout=None))
             for s in (pushing, trained_pushing[1]):
-                s._light_retarget_due = 0
-                s._light_mirror = LightMirror(0, link)
-                s._light_mirror.retarget(buddy.target(), 0)
-                assert s._light_mirror.wait_up(10), "the buddy's mirror did not answer"
-            trained[1]._light_retarget_due = 0
+                s._state.light_retarget_due = 0
+                s._state.light_mirror = LightMirror(0, link)
+                s._state.light_mirror.retarget(buddy.target(), 0)
+                assert s._state.light_mirror.wait_up(10), "the buddy's mirror did not answer"
+            trained[1]._state.light_retarget_due = 0
             raw = PushStream("127.0.0.1", buddy.port, buddy.key, run_id="bench").connect()
             snapper = LightSnapshotter()
             light = snapper.take({"sampler": sampler}, step=7)
@@ -261,19 +261,19 @@ def main() -> None:
 
             def snapshot() -> None:
                 step[0] += 1
-                sess._window = step[0]        # a step outside an accumulation window, as run() sets it
-                sess._snapshot_light(step[0])
+                sess._state.window = step[0]        # a step outside an accumulation window, as run() sets it
+                sess._txn.snapshot_light(step[0])
 
             def snapshot_pushed() -> None:
                 step[0] += 1
-                pushing._window = step[0]     # a step outside an accumulation window, as run() sets it
-                pushing._snapshot_light(step[0])
+                pushing._state.window = step[0]     # a step outside an accumulation window, as run() sets it
+                pushing._txn.snapshot_light(step[0])
 
             def drained(measure: Callable[[], float]) -> Callable[[], float]:
                 """``measure`` once the buddy has read everything pushed so far (untimed): a worker pushes once per
                 step, so its pushes never queue up behind each other as a tight loop's would."""
                 def run() -> float:
-                    streams = [raw, *(s._light_mirror._stream for s in (pushing, trained_pushing[1]))]
+                    streams = [raw, *(s._state.light_mirror._stream for s in (pushing, trained_pushing[1]))]
                     deadline = time.monotonic() + 10
                     while any(unsent(x) for x in streams if x is not None) and time.monotonic() < deadline:
                         time.sleep(0.002)
@@ -314,11 +314,11 @@ def main() -> None:
                 "Session.run tiny training step, managed, pushing to the buddy": drained(lambda: train_batch_us(
                     trained_pushing, push_calls)),
             }, args.repeats)
-            pushed = pushing._light_mirror.pushed + trained_pushing[1]._light_mirror.pushed
-            assert pushing._light_mirror.up and trained_pushing[1]._light_mirror.up, \
+            pushed = pushing._state.light_mirror.pushed + trained_pushing[1]._state.light_mirror.pushed
+            assert pushing._state.light_mirror.up and trained_pushing[1]._state.light_mirror.up, \
                 "the worker stopped pushing to the buddy (its send buffer filled: a skipped push is cheaper)"
             for s in (pushing, trained_pushing[1]):
-                s._light_mirror.close()
+                s._state.light_mirror.close()
             raw.close()
             buddy.close()
             assert channel.read_light(SLOT) is not None

@@ -141,8 +141,8 @@ def test_register_heavy_and_light_with_real_session() -> None:
                    timeout=None)
     register(sess, "heavy", MegatronProgress(), heavy=True)
     register(sess, "light", MegatronProgress(), heavy=False)
-    assert set(sess._tracked) == {"heavy", "light"}
-    assert sess._per_rank == {"light"}   # heavy state is not snapshotted every step
+    assert set(sess._state.tracked) == {"heavy", "light"}
+    assert sess._state.per_rank == {"light"}   # heavy state is not snapshotted every step
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,17 +94,17 @@ def test_a_laggard_catches_up_from_a_leader_and_resumes_where_an_uninterrupted_r
     link = _AgentLink(channel.path, 1, str(tmp_path / "agent.sock"))
     sess = Session(backend=None, link=link, rank=1, world_size=2, local_rank=1, generation=0, joined=False,
                    timeout=None)
-    sess._light_retarget_due = 0
+    sess._state.light_retarget_due = 0
     model, opt, sampler = _job(sess)
     torch.manual_seed(7)
     sess.run(lambda i: _step(model, opt, sampler, i), 2)          # steps 0, 1 as the reference did
     # step 2: this rank seals it in its backward pass, then "fails inside its all-reduce" (the others completed it)
-    sess._in_step = 2
+    sess._state.in_step = 2
     sampler.pos += 1
     g = torch.Generator().manual_seed(100 + sampler.pos)
     model(torch.randn(3, 4, generator=g)).sum().backward()
-    sess._in_step = -1
-    assert sess._sealed == 2 and channel.light_step(1) == 3
+    sess._state.in_step = -1
+    assert sess._state.sealed == 2 and channel.light_step(1) == 3
     random.random(), torch.rand(5)                               # whatever the failure path consumed
 
     # a leader completed step 2 (and so is at step 3's start): the reference after 3 steps
@@ -126,13 +126,13 @@ def test_a_laggard_catches_up_from_a_leader_and_resumes_where_an_uninterrupted_r
 
     thread = threading.Thread(target=donor, daemon=True)
     thread.start()
-    sess._on_catch_up(CatchUp(swap_id="n-b", key=KEY, rank=1, listen_host="127.0.0.1", step=3), 2,
+    sess._catchup.on_catch_up(CatchUp(swap_id="n-b", key=KEY, rank=1, listen_host="127.0.0.1", step=3), 2,
                       RuntimeError("peer gone"))
     thread.join(20)
     received = agent.wait("received")
     assert received["ok"] and received["step"] == 3, received
     # the re-formed world: resume at 3 from the own seal (the worker's _roll_back; the world itself is not joined)
-    sess._roll_back(2, 3, True)
+    sess._commands.roll_back(2, 3, True)
     assert sess.step == 3 and sampler.pos == 3
     sess.run(lambda i: _step(model, opt, sampler, i), 5)
     for a, b in zip(model.parameters(), ref[0].parameters()):
@@ -152,10 +152,10 @@ def test_a_rank_without_its_seal_of_the_step_refuses_to_catch_up(tmp_path):
     link = _AgentLink(channel.path, 1, str(tmp_path / "agent.sock"))
     sess = Session(backend=None, link=link, rank=1, world_size=2, local_rank=1, generation=0, joined=False,
                    timeout=None)
-    sess._light_retarget_due = 0
+    sess._state.light_retarget_due = 0
     model, opt, sampler = _job(sess)
     sess.run(lambda i: _step(model, opt, sampler, i), 2)
-    sess._on_catch_up(CatchUp(swap_id="n-b", key=KEY, rank=1, listen_host="127.0.0.1", step=5), 2,
+    sess._catchup.on_catch_up(CatchUp(swap_id="n-b", key=KEY, rank=1, listen_host="127.0.0.1", step=5), 2,
                       RuntimeError("peer gone"))
     answer = agent.wait("received")
     assert not answer["ok"] and "no seal of step 5" in answer["error"]

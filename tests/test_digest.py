@@ -231,8 +231,8 @@ if group:
 if rank in cfg.get("lr", []):
     opt.param_groups[0]["lr"] = 0.5                          # a non-tensor value differs too
 said = []
-sess._say = said.append
-restart = sess._replica_rounds(7, rank in cfg["loaded"])
+sess._replicas._say = said.append
+restart = sess._replicas.rounds(7, rank in cfg["loaded"])
 tracked = {"model": model, "optimizer": opt, "scheduler": sched}
 out = {"restart": restart, "said": [dataclasses.asdict(m) for m in said],
        "summary": digest.state_digest(tracked).summary.hex(), "lr": opt.param_groups[0]["lr"]}

@@ -112,7 +112,7 @@ def test_user_code_changing_per_rank_state_after_the_step_turns_sealing_off(sess
     assert "changed after the backward pass" in caplog.text
     assert seen[0] == (1, 0)                 # sealed before anyone knew
     assert seen[2] == (2, 1)                 # no seal any more: the newest is the step start
-    assert not sess._commit_snapshots
+    assert not sess._state.commit_snapshots
 
 
 def test_an_accumulation_window_keeps_its_start_snapshot_until_it_commits(session):
@@ -138,13 +138,13 @@ def test_an_accumulation_window_keeps_its_start_snapshot_until_it_commits(sessio
         for i in (w + 1, w + 2):                     # inside the window: its start is always one of the two
             assert w in seen[(i, "start")] and w in seen[(i, "backward")], (i, seen[(i, "backward")])
             assert seen[(i, "backward")][0] == i + 1
-    assert sess._window == 9
+    assert sess._state.window == 9
 
 
 def test_a_paused_rank_inside_a_window_offers_the_windows_start_and_rolls_back_to_it(session):
     sess, channel = session
     model, opt, sampler = _job(sess)
-    sess._window = 0
+    sess._state.window = 0
 
     def step(i: int) -> None:
         sampler.pos += 1
@@ -154,9 +154,9 @@ def test_a_paused_rank_inside_a_window_offers_the_windows_start_and_rolls_back_t
             opt.zero_grad()
 
     sess.run(step, 5)                  # window 3..4 open: step 5 would continue it
-    assert sess._window == 3 and model[0].weight.grad is not None
+    assert sess._state.window == 3 and model[0].weight.grad is not None
     channel.set(1, Field.RUN_UNTIL, 0)
-    sess._roll_back(5, 3, failed=False)
+    sess._commands.roll_back(5, 3, failed=False)
     assert sess.step == 3 and sampler.pos == 3 and model[0].weight.grad is None
 
 
@@ -209,13 +209,13 @@ def test_a_framework_adapters_model_chunks_seal_in_their_backward_pass(session):
     def step(i: int) -> None:
         progress.advance(8)
         chunk(torch.randn(2, 4)).sum().backward()
-        seen.append((_steps(channel), sess._sealed))       # after the backward pass, before the optimizer step
+        seen.append((_steps(channel), sess._state.sealed))       # after the backward pass, before the optimizer step
         opt.step()
         opt.zero_grad()
 
     sess.run(step, 3)
     assert seen == [((1, 0), 0), ((2, 1), 1), ((3, 2), 2)]
-    assert sess._commit_snapshots                              # every seal was the next step's start
+    assert sess._state.commit_snapshots                              # every seal was the next step's start
 
 
 def test_a_grad_scaler_update_commits_a_step_whose_optimizer_step_was_skipped(session):
@@ -232,11 +232,11 @@ def test_a_grad_scaler_update_commits_a_step_whose_optimizer_step_was_skipped(se
         opt.zero_grad()
 
     sess.run(step, 3)
-    assert channel.get(1, Field.COMMITTED) == 3 and sess._window == 3
+    assert channel.get(1, Field.COMMITTED) == 3 and sess._state.window == 3
     assert "update" not in scaler.state_dict() and opt.state == {}     # never stepped, every step committed
     scaler.scale(model(torch.randn(2, 4)).sum()).backward()
     scaler.unscale_(opt)         # a step re-executed after a failure past unscale_ may unscale again
-    sess._drop_grads()
+    sess._txn.drop_grads()
     scaler.unscale_(opt)
 
 
@@ -253,9 +253,9 @@ def test_a_step_failing_after_its_commit_point_resumes_next_only_if_its_state_ch
         sampler.pos += 1
         model(torch.randn(2, 4)).sum().backward()
         opt.step()
-        seen[(i, "before sched")] = sess._complete_after_commit()
+        seen[(i, "before sched")] = sess._txn.complete_after_commit()
         sched.step()
-        seen[(i, "after sched")] = sess._complete_after_commit()
+        seen[(i, "after sched")] = sess._txn.complete_after_commit()
         opt.zero_grad()
 
     sess.run(step, 3)
@@ -294,12 +294,12 @@ def test_a_rank_that_committed_a_step_the_others_did_not_goes_back_to_its_start(
     link = _AgentLink(channel.path, 1, str(tmp_path / "agent.sock"))
     sess = Session(backend=None, link=link, rank=1, world_size=2, local_rank=1, generation=0, joined=False,
                    timeout=None)
-    sess._light_retarget_due = 0
+    sess._state.light_retarget_due = 0
     model, opt, sampler = _adamw_job(sess)
     torch.manual_seed(7)
     sess.run(lambda i: _adamw_step(model, opt, sampler, i), 3)     # committed step 2: a step ahead of the others
     random.random(), torch.rand(5)                                 # whatever the failure path consumed
-    sess._publish_back(3)                                          # as a rank paused at step 3 does
+    sess._catchup.publish_back(3)                                          # as a rank paused at step 3 does
     assert channel.get(1, Field.ALT_BACK) == 3
 
     def donor() -> None:
@@ -309,13 +309,13 @@ def test_a_rank_that_committed_a_step_the_others_did_not_goes_back_to_its_start(
 
     thread = threading.Thread(target=donor, daemon=True)
     thread.start()
-    sess._on_catch_up(CatchUp(swap_id="u-b", key=KEY, rank=1, listen_host="127.0.0.1", step=2), 3, None)
+    sess._catchup.on_catch_up(CatchUp(swap_id="u-b", key=KEY, rank=1, listen_host="127.0.0.1", step=2), 3, None)
     thread.join(20)
     received = agent.wait("received")
     assert received["ok"] and received["step"] == 2, received
     assert channel.get(1, Field.OFFER) == 3 and channel.get(1, Field.ALT_BACK) == 0   # it offers step 2 now
-    sess._roll_back(3, 2, False)            # the re-formed world: resume at 2 (the world itself is not joined)
-    assert sess.step == 2 and sampler.pos == 2 and sess._committed == 1
+    sess._commands.roll_back(3, 2, False)            # the re-formed world: resume at 2 (the world itself is not joined)
+    assert sess.step == 2 and sampler.pos == 2 and sess._state.committed == 1
     sess.run(lambda i: _adamw_step(model, opt, sampler, i), 5)
     for a, b in zip(model.parameters(), ref[0].parameters()):
         assert torch.equal(a, b)
@@ -347,7 +347,7 @@ def test_a_rollback_loads_per_rank_objects_in_the_order_they_were_tracked(sessio
     names = [f"obj{i:02d}" for i in range(16)]
     for name in names:
         sess.track_per_rank(**{name: Named(name)})
-    sess._restore_light(sess._publish_light(0))
+    sess._txn.restore_light(sess._txn.publish_light(0))
     assert loaded == names
 
 
@@ -357,7 +357,7 @@ def test_a_rank_parking_before_a_step_never_shows_that_step_as_running(session, 
     a rank about to park before B once made an agent waiting at a boundary move it a whole window further."""
     sess, channel = session
     model, opt, sampler = _job(sess)
-    link = sess._link
+    link = sess._state.link
     channel.set(1, Field.RUN_UNTIL, 3)   # inside window 2..3: the rank parks before step 4
     seen: list[tuple[object, int]] = []
     write = link.set
@@ -372,7 +372,7 @@ def test_a_rank_parking_before_a_step_never_shows_that_step_as_running(session, 
         link.set(Field.PHASE, WorkerPhase.RUNNING)
 
     monkeypatch.setattr(link, "set", write_and_read)
-    monkeypatch.setattr(sess, "_serve", resumed_at_once)
+    monkeypatch.setattr(sess._commands, "serve", resumed_at_once)
 
     def step(i: int) -> None:
         sampler.pos += 1

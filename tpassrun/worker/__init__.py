@@ -17,9 +17,10 @@ Launched without tpassrun (plain ``torchrun`` or ``python``), :func:`init` just 
 ``init_process_group`` and :meth:`Session.run` is a plain loop, so the same script runs anywhere.
 
 Where the code is: :mod:`tpassrun.worker.session` (``Session``: hooks, the step loop, a joiner's pending
-state), :mod:`tpassrun.worker.step` (the step transaction: light snapshots, seal, commit point),
+state; composed of parts sharing one :class:`~tpassrun.worker.state.WorkerState`),
+:mod:`tpassrun.worker.step` (the step transaction: light snapshots, seal, commit point),
 :mod:`tpassrun.worker.commands` (the one command dispatcher, a rank's commands, sending state),
-:mod:`tpassrun.worker.spare` (a spare's commands and the joiner's receive path),
+:mod:`tpassrun.worker.spare` (a spare's commands), :mod:`tpassrun.worker.receive` (the receiving end of a transfer),
 :mod:`tpassrun.worker.failure` (what a step's exception is),
 :mod:`tpassrun.worker.link` (the channel's worker end).
 """
@@ -41,7 +42,8 @@ from tpassrun.worker.world import init_first_world
 from tpassrun.worker.failure import StepFailure, classify_failure, is_distributed_failure
 from tpassrun.worker.link import AgentLink
 from tpassrun.worker.session import Session
-from tpassrun.worker.spare import _prewarm, _receive_state
+from tpassrun.worker.receive import _receive_state
+from tpassrun.worker.spare import _prewarm
 from tpassrun.worker.watch import Watcher
 
 log = logging.getLogger("tpassrun.worker")
@@ -89,7 +91,7 @@ def init(backend: str | None = None, *, timeout: timedelta | None = None) -> Ses
     # a spare is a session without a rank: it serves the agent's commands until one makes it a rank
     sess = Session(backend=backend, link=link, rank=-1, world_size=0, local_rank=local_rank, generation=generation,
                    joined=False, timeout=timeout)
-    sess._wait_for_rank()
+    sess._spares.wait_for_rank()
     return sess
 
 

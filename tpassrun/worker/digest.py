@@ -100,7 +100,7 @@ def state_digest(objects: Mapping[str, Any]) -> LocalDigest:
     """Digest every object's ``state_dict()``: each tensor leaf by its path, the non-tensor values as one leaf
     (:data:`VALUES`). An object whose state the handoff codec refuses is one leaf saying so (its replicas refuse
     it alike)."""
-    from tpassrun.transfer.codec import HandoffError
+    from tpassrun.transfer.auth import HandoffError
 
     out = LocalDigest()
     for name in sorted(objects):

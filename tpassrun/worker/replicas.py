@@ -1,11 +1,12 @@
 """The replica check on the worker: after every swap or recovery, before the first step in the re-formed world,
 the ranks that must hold identical state compare an exact digest of it (:mod:`tpassrun.worker.digest` digests and
-decides). A mixin of :class:`tpassrun.worker.session.Session`.
+decides). A part of :class:`tpassrun.worker.session.Session`.
 
-Where it touches the rest (each a call of one line): a survivor's re-formed world (``worker_commands._on_reform``)
-and a joiner's join (``worker_spare._on_join``) make the check due (:meth:`ReplicaCheck._replicas_after_recovery`);
-``Session.run`` runs it at the next step start, right after the step's start snapshot (so that a collective of the
-check failing is that step failing, before anything of it ran). Nothing happens at any other step.
+Where it touches the rest (each a call of one line): a survivor's re-formed world (``BoundaryCommands.on_reform``)
+and a joiner's join (``SpareCommands.on_join``) make the check due (:meth:`ReplicaCheck.after_recovery`);
+``Session.run`` runs it (``BoundaryCommands.check_replicas``) at the next step start, right after the step's start
+snapshot (so that a collective of the check failing is that step failing, before anything of it ran). Nothing
+happens at any other step.
 
 The check, on every rank of the world at the same step: one ``all_gather`` of a few words per rank (its replica
 group, a 16-byte digest of everything it compares, whether it just loaded its state). When every group agrees
@@ -25,9 +26,9 @@ import time
 from typing import Any, Sequence
 
 from tpassrun.worker import digest
-from tpassrun.channel import Field, WorkerPhase
 from tpassrun.channel.protocol import ReplicasChecked
-from tpassrun.worker.failure import StepFailure, note_interrupted
+from tpassrun.worker.state import WorkerState
+from tpassrun.worker.step import StepTransaction
 
 log = logging.getLogger("tpassrun.worker")
 
@@ -39,67 +40,43 @@ class CheckFailed(Exception):
 class ReplicaCheck:
     """Session's replica check (see the module doc)."""
 
-    _link: Any
-    _tracked: dict[str, Any]
-    _per_rank: set[str]
-    _sharded: set[str]
-    _replica_group: tuple[int, ...]
-    _replicas_due: bool | None      # None: no check due; else due, and whether this rank just loaded its state
-    _window: int
-    _window_marks: Any
-    rank: int
-    world_size: int
+    def __init__(self, state: WorkerState, txn: StepTransaction) -> None:
+        self.state = state
+        self.txn = txn
 
-    def _replicas_after_recovery(self, loaded: bool) -> None:
+    def after_recovery(self, loaded: bool) -> None:
         """A swap or recovery ended on this rank (``loaded``: its replicated state was just loaded: a joiner, a
         survivor caught up from a peer or rolled back to its own copy): the check is due at the next step start."""
-        self._replicas_due = bool(loaded or self._replicas_due)
+        st = self.state
+        st.replicas_due = bool(loaded or st.replicas_due)
 
-    def _check_replicas(self, step: int) -> bool:
-        """The check (see the module doc). True when this rank went through a recovery or waited for a restart
-        instead (a collective of the check failed; no replica could be trusted): the caller starts the loop over."""
-        loaded, self._replicas_due = bool(self._replicas_due), None
-        try:
-            restart = self._replica_rounds(step, loaded)
-        except CheckFailed as exc:
-            cause = exc.__cause__ if isinstance(exc.__cause__, Exception) else exc
-            note_interrupted(self.rank, f"the replica check at step {step}", StepFailure.COLLECTIVE, cause)
-            self._replicas_due = loaded          # and checked again in the world the recovery re-forms
-            self._after_failure(step, cause, StepFailure.COLLECTIVE)   # type: ignore[attr-defined]
-            return True
-        if not restart:
-            return False
-        # the agent restarts the group (rank 0 said why): wait here, never train on state known to differ
-        self._replicas_due = loaded
-        self._link.set(Field.PHASE, WorkerPhase.PAUSED)
-        self._serve(step)                        # type: ignore[attr-defined]
-        return True
-
-    def _replica_objects(self) -> tuple[tuple[int, ...], dict[str, Any]]:
+    def _objects(self) -> tuple[tuple[int, ...], dict[str, Any]]:
         """This rank's replica group (declared, else the whole world) and what it holds identically to them."""
-        declared = tuple(self._replica_group)
-        group = declared or tuple(range(self.world_size))
+        st = self.state
+        declared = tuple(st.replica_group)
+        group = declared or tuple(range(st.world_size))
         if len(group) < 2:
             return group, {}
-        return group, {name: obj for name, obj in self._tracked.items()
-                       if name not in self._per_rank and (declared or name not in self._sharded)
+        return group, {name: obj for name, obj in st.tracked.items()
+                       if name not in st.per_rank and (declared or name not in st.sharded)
                        and getattr(obj, "replicated", True) is not False}
 
-    def _replica_rounds(self, step: int, loaded: bool) -> bool:
+    def rounds(self, step: int, loaded: bool) -> bool:
         """Check, repair when a trusted replica exists, check again. True: the group must restart."""
+        st = self.state
         t0 = time.perf_counter()
-        group, objects = self._replica_objects()
+        group, objects = self._objects()
         if loaded and objects:
-            _test_corruption(self.rank, step, objects)
+            _test_corruption(st.rank, step, objects)
         local = _digest(objects)
         seconds = time.perf_counter() - t0
         compared = bool(objects) and not local.error
-        verdict = digest.decide(_exchange(self.rank, group, local, loaded, compared))
-        said = dict(step=step, ranks=verdict.ranks, groups=len(verdict.groups), nbytes=local.nbytes,
+        verdict = digest.decide(_exchange(st.rank, group, local, loaded, compared))
+        said: dict[str, Any] = dict(step=step, ranks=verdict.ranks, groups=len(verdict.groups), nbytes=local.nbytes,
                     seconds=round(seconds, 4))
         if local.error:
             log.warning("rank %d: its state could not be digested, not compared with its replicas: %s",
-                        self.rank, local.error)
+                        st.rank, local.error)
         if verdict.ok:
             self._say(ReplicasChecked(ok=True, **said))
             return False
@@ -115,16 +92,16 @@ class ReplicaCheck:
             return True
         self._say(ReplicasChecked(ok=False, action="repair", differ=differ, detail=detail[:900], **said))
         for r in repairs:
-            if self.rank == r.dst:
+            if st.rank == r.dst:
                 log.warning("rank %d: its state differs from its replicas' at step %d (%s): loading %s from rank %d",
-                            self.rank, step, ", ".join(r.tensors[:digest.SHOWN]), ", ".join(r.objects), r.src)
-        _repair(self.rank, repairs, objects)
-        if any(r.dst == self.rank for r in repairs) and self._window == step:
-            self._window_marks = self._replicated_marks()   # type: ignore[attr-defined]  (schedulers it loaded)
+                            st.rank, step, ", ".join(r.tensors[:digest.SHOWN]), ", ".join(r.objects), r.src)
+        _repair(st.rank, repairs, objects)
+        if any(r.dst == st.rank for r in repairs) and st.window == step:
+            st.window_marks = self.txn.replicated_marks()   # (schedulers it loaded)
         t1 = time.perf_counter()
         again = _digest(objects)
         said.update(nbytes=again.nbytes, seconds=round(time.perf_counter() - t1, 4))
-        after = digest.decide(_exchange(self.rank, group, again, loaded, compared and not again.error))
+        after = digest.decide(_exchange(st.rank, group, again, loaded, compared and not again.error))
         if after.ok:
             self._say(ReplicasChecked(ok=True, recheck=True, **said))
             return False
@@ -135,8 +112,9 @@ class ReplicaCheck:
 
     def _say(self, msg: ReplicasChecked) -> None:
         """Rank 0 tells its agent (one console line, one event); a rank that differs also logs it (below)."""
-        if self.rank == 0 and self._link is not None:
-            self._link.send(msg)
+        st = self.state
+        if st.rank == 0 and st.link is not None:
+            st.link.send(msg)
 
 
 def _digest(objects: dict[str, Any]) -> digest.LocalDigest:
@@ -226,7 +204,9 @@ def _send_objects(dst: int, objects: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    trees, tensors, error = {}, [], ""
+    trees: dict[str, Any] = {}
+    tensors: list[Any] = []
+    error = ""
     try:
         for name, obj in objects.items():
             tree, named = digest.named_tensors(name, obj)

@@ -2,134 +2,132 @@
 
 Where it touches the step loop (each a call of one line in the module named):
 
-* ``run`` (worker_session): :meth:`ShardedState._shard_begin` at each step start (after the light snapshot),
-  :meth:`ShardedState._shard_fence` at its end; the commit point (worker_step) fences too;
-* a failed step (worker_commands ``_after_failure``) fences, so the agent reads complete versions;
-* the agent's ``shard_rollback`` command (worker_commands) -> :meth:`ShardedState._shard_rollback`; the re-formed
-  world (``_reform``) -> :meth:`ShardedState._shard_after_reform`;
-* a joiner's received shard (worker_spare) is applied like the rest of its pending state (worker_session).
+* ``Session.run`` (session.py): :meth:`ShardedState.begin` at each step start (after the light snapshot),
+  :meth:`ShardedState.fence` at its end; the commit point (step.py) fences too;
+* a failed step (``BoundaryCommands.after_failure``, commands.py) fences, so the agent reads complete versions;
+* the agent's ``shard_rollback`` command (commands.py) -> :meth:`ShardedState.rollback`; the re-formed
+  world (``BoundaryCommands._reform``) -> :meth:`ShardedState.after_reform`;
+* a joiner's received shard (spare.py) is applied like the rest of its pending state (session.py).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, Iterable
+
+from tpassrun.worker.state import WorkerState
+from tpassrun.worker.step import StepTransaction
 
 log = logging.getLogger("tpassrun.worker")
 
 
 class ShardedState:
-    """Mixed into :class:`tpassrun.worker.session.Session` (which sets the attributes named here)."""
+    """A part of :class:`tpassrun.worker.session.Session` (``track_sharded`` registers through :meth:`add`)."""
 
-    _link: Any
-    _tracked: dict[str, Any]
-    _per_rank: set[str]
-    _sharded: set[str]
-    _shards: Any                      # shards.ShardState, made by the first track_sharded()
-    _shard_restore_due: int | None    # a survivor loads its sharded copy of this step once re-formed
-    _replica_group: tuple[int, ...]   # declare_replicas()
-    rank: int
-    step: int
+    def __init__(self, state: WorkerState, txn: StepTransaction) -> None:
+        self.state = state
+        self.txn = txn
 
-    def track_sharded(self, **objects: Any) -> Any:
-        """Like :meth:`track`, for state of which this rank holds its own shard only (a ZeRO optimizer
-        partition, FSDP2's local shards, a hand-sharded optimizer's state): no other rank holds it, so tpassrun
-        keeps a copy in the memory of a buddy agent on another node (in a job of one node, in the agent's own),
-        refreshed every ``--shard-mirror-interval`` steps in the background, and an unplanned failure of this
-        rank is recovered from there (see :mod:`tpassrun.worker.shards`). Objects may expose ``commit_optimizers()``:
-        the torch optimizers whose ``step()`` starts changing them (where the background copy must be done).
-        The rest of the heavy state (``track``) must be identical on every rank of its declared replica group.
-        Launched without tpassrun, the same as :meth:`track`."""
-        self.track(**objects)                       # type: ignore[attr-defined]
-        self._per_rank.difference_update(objects)
-        self._sharded.update(objects)
-        if self._link is not None and self._shards is None:
+    def add(self, objects: Iterable[str]) -> None:
+        """Objects just tracked (``sess.track_sharded``): this rank holds its own shard of them only; the first
+        ones start the local copies and ask where the mirror is."""
+        st = self.state
+        names = set(objects)
+        st.per_rank.difference_update(names)
+        st.sharded.update(names)
+        if st.link is not None and st.shards is None:
             from tpassrun.worker.shards import ShardState
 
-            self._shards = ShardState.from_env(self.rank, self._link.set)
-            self._shard_retarget()
-        return self
+            st.shards = ShardState.from_env(st.rank, st.link.set)
+            self.retarget()
 
     # --- the step loop ---
-    def _shard_objects(self) -> tuple[dict[str, Any], dict[str, Any]]:
+    def objects(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """(sharded objects, the other heavy objects): what a version of the local copy holds."""
-        sharded = {k: self._tracked[k] for k in self._sharded}
-        others = {k: v for k, v in self._tracked.items() if k not in self._per_rank and k not in self._sharded}
+        st = self.state
+        sharded = {k: st.tracked[k] for k in st.sharded}
+        others = {k: v for k, v in st.tracked.items() if k not in st.per_rank and k not in st.sharded}
         return sharded, others
 
-    def _shard_begin(self, step: int, light: bytes | None) -> None:
-        shards = self._shards
+    def begin(self, step: int, light: bytes | None) -> None:
+        shards = self.state.shards
         if shards is None:
             return
         if shards.retarget_due:
             shards.retarget_due = False
-            self._shard_retarget()
-        if getattr(self, "joined", False):
+            self.retarget()
+        if self.state.joined:
             shards.policy.joined()                  # K comes from the survivors (tpassrun/settings/shard_interval.py)
-        shards.begin(step, self._shard_objects(), light=light)
+        shards.begin(step, self.objects(), light=light)
 
-    def _shard_fence(self) -> None:
-        if self._shards is not None:
-            self._shards.fence()
+    def fence(self) -> None:
+        st = self.state
+        if st.shards is not None:
+            st.shards.fence()
 
-    def _shard_close(self) -> None:
-        if self._shards is not None:
-            self._shards.close()
+    def close(self) -> None:
+        st = self.state
+        if st.shards is not None:
+            st.shards.close()
 
-    def _shard_retarget(self) -> None:
+    def retarget(self) -> None:
         """Ask the agent where this rank's shard copies go: its node's buddy mirror, or in a job of one node
         the agent's own (it outlives a worker, not the node). Once at the start and after each re-formed world
         (the ring may have changed): one round trip over the private socket, never per step."""
-        if self._shards is None or self._link is None or not self._shards.enabled:
+        st = self.state
+        if st.shards is None or st.link is None or not st.shards.enabled:
             return
-        if set(self._replica_group) - {self.rank}:
+        if set(st.replica_group) - {st.rank}:
             # HSDP: live replicas hold this rank's shards (they donate them): no mirror; the local copies serve
             # a rollback when the survivors of a failure stopped at different steps (tpassrun/plan/node_shards.py)
-            self._shards.retarget(None, self.rank)
+            st.shards.retarget(None, st.rank)
             return
         from tpassrun.channel.protocol import MirrorInfo, MirrorInfoRequest
 
-        answer = self._link.request(MirrorInfoRequest(), MirrorInfo)
-        self._shards.retarget((answer.buddy or answer.local) if isinstance(answer, MirrorInfo) else None, self.rank)
+        answer = st.link.request(MirrorInfoRequest(), MirrorInfo)
+        st.shards.retarget((answer.buddy or answer.local) if isinstance(answer, MirrorInfo) else None, st.rank)
 
     # --- recovery ---
-    def _shard_rollback(self, step: int) -> None:
+    def rollback(self, step: int) -> None:
         """Put every tracked object, the RNGs and the step back to the local copy of ``step``'s start (the
         dead rank's newest mirrored shard is older than where this survivor stopped). The sharded objects are
-        loaded once the world is re-formed (:meth:`_shard_after_reform`): a framework's loader may ask its
+        loaded once the world is re-formed (:meth:`after_reform`): a framework's loader may ask its
         process groups (DeepSpeed's ZeRO asks its rank), and the old ones are gone; the joiner loads its shard
         there too."""
-        version = self._shards.ring.get(step)
-        live = step == self.step and self._committed != step
+        st = self.state
+        shards = st.shards
+        assert shards is not None, "a rollback to a local copy without sharded state"
+        version = shards.ring.get(step)
+        live = step == st.step and st.committed != step
         if (version is None or not version.complete()) and live:
-            # this survivor's live state already is that step's start (paused there, or failed in it before
-            # its commit point): only what the step consumed goes back, as under DDP
-            if self._last_light is not None:
-                self._restore_light(self._last_light)  # type: ignore[attr-defined]
-            self._drop_grads()                          # type: ignore[attr-defined]
-            return
-        sharded, others = self._shard_objects()
-        light = self._shards.restore(step, None, others)
+            # it stands at that step (paused there, or failed in it before its commit point) without a complete
+            # copy of its start: refused, the recovery aborts (which per-rank snapshot is that start is not
+            # known here: a paused rank's rollback_light is the previous step's)
+            raise RuntimeError(f"rank {st.rank} holds no complete copy of step {step}, where it stands: its live "
+                               "state is not rolled back in place")
+        sharded, others = self.objects()
+        light = shards.restore(step, None, others)
         if light is not None:
-            self._restore_light(light)              # type: ignore[attr-defined]
-        self._rollback_light, self._commit_light = light, None
-        self._window = step
-        self._drop_grads()                          # type: ignore[attr-defined]
-        self._committed = self._sealed = -1
+            self.txn.restore_light(light)
+        st.rollback_light, st.commit_light = light, None
+        st.window = step
+        self.txn.drop_grads()
+        st.committed = st.sealed = -1
         # the sharded objects already are that step's (live): nothing to load; else once re-formed
-        self._shard_restore_due = None if live else step
-        self.step = step
+        st.shard_restore_due = None if live else step
+        st.step = step
 
-    def _shard_after_reform(self) -> None:
+    def after_reform(self) -> None:
         """In the re-formed world: load the sharded copy a rollback left pending; ask for the buddy again."""
-        if self._shards is None:
+        st = self.state
+        if st.shards is None:
             return
-        self._shards.retarget_due = True            # asked at the next step start, once "reformed" is said
-        self._shards.after_reform()                 # a joiner reads the refresh interval there
+        st.shards.retarget_due = True            # asked at the next step start, once "reformed" is said
+        st.shards.after_reform()                 # a joiner reads the refresh interval there
                                                     # (tpassrun/settings/shard_interval.py)
-        due, self._shard_restore_due = self._shard_restore_due, None
+        due, st.shard_restore_due = st.shard_restore_due, None
         if due is not None:
-            self._shards.restore(due, self._shard_objects()[0], None)
+            st.shards.restore(due, self.objects()[0], None)
 
 
 __all__ = ["ShardedState"]

@@ -64,11 +64,11 @@ class Version:
 
     @property
     def shard_nbytes(self) -> int:
-        return self.shard.nbytes
+        return int(self.shard.nbytes)
 
     @property
     def nbytes(self) -> int:
-        return self.shard.nbytes + self.local.nbytes
+        return int(self.shard.nbytes + self.local.nbytes)
 
     def complete(self) -> bool:
         return self.job is None or (self.job.done() and getattr(self.job, "error", None) is None)
@@ -105,7 +105,7 @@ class ShardRing:
                 self.skipped += 1
                 return None
             # an empty slot, else the oldest version
-            index = min(free, key=lambda i: -1 if self._slots[i] is None else self._slots[i].step)
+            index = min(free, key=lambda i: -1 if (v := self._slots[i]) is None else v.step)
             old = self._slots[index]
             self._slots[index] = None    # never read half-overwritten
         if self._copier is None:
