@@ -44,7 +44,8 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
     ``Assign`` (or a survivor's ``CatchUp``, with ``reply=False``: then (bundle, transfer stats), and the caller
     says Received once it checked and loaded the state). Every reply names the swap and its attempt."""
     from tpassrun.transfer import handoff
-    from tpassrun.transfer.seal import encryption_wanted, listener_flags
+    from tpassrun.transfer.auth import encryption_wanted
+    from tpassrun.transfer.seal import listener_flags
     from tpassrun.transfer.wire import poly1305_here
     from tpassrun.transfer.gate import HandshakeGate
 
