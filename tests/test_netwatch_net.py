@@ -143,7 +143,12 @@ def test_loss_into_a_host_and_delay_on_its_link_make_that_host_stand_out_and_cpu
         found = standing_out(figures(lab))
     finally:
         relay.close()
-    assert list(found) == ["h2"] and "round trip to etcd" in found["h2"], found
+    assert "round trip to etcd" in found.get("h2", ""), found
+    # The relay (raw sockets in Python) may also drop frames of the full-rate stream when it falls behind: loss
+    # both ways on the one link between h1 and h2, and h2 then resends to h1. That case shows on both ends
+    # (docs/network.md, Limits), so h1 may stand out too, by what h2 resends it and only by that; h3 never.
+    # Stop 23's whole-suite run saw it once: h1 "6.1% of what its peers send it is sent again".
+    assert set(found) <= {"h1", "h2"} and ("h1" not in found or "sent again" in found["h1"]), found
 
 
 # --------------------------------------------------------------------------- what a degraded verdict does

@@ -243,11 +243,13 @@ def test_stop_workers_escalates_to_sigkill(run, tmp_path):
     assert run(main()) == [-signal.SIGKILL, -signal.SIGTERM, 0]
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(90)
 def test_stop_workers_signals_the_whole_group(run, tmp_path):
+    # The grace is generous: a whole-suite run once saw the worker still alive 5 s after the SIGINT (then
+    # SIGKILLed: -9); what is asserted is how it ends, not how fast.
     async def main():
         p, grandchild = await spawn_ready(WITH_GRANDCHILD, tmp_path, 0)
-        codes = await stop_workers([p], sig=signal.SIGINT, grace=5)
+        codes = await stop_workers([p], sig=signal.SIGINT, grace=45)
         return codes, int(grandchild)
 
     codes, grandchild = run(main())
