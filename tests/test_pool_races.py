@@ -118,10 +118,10 @@ class RaceOutcome:
                 and self.served == self.claimed_by and "claimed" in self.loser_said)
 
 
-async def claim_race_trial(endpoint: str, name: str) -> RaceOutcome:
-    """Two jobs' leaders (each its own etcd lease) lose a node at the same instant; one idle pool node. Each asks
-    its pool (:meth:`JobPool.need`, as its coordinator does on ``ClaimFromPool``), then looks again on its next
-    tick. Used by the suite and by ``bench/pool_race.py`` (20 trials)."""
+@contextlib.asynccontextmanager
+async def pool_and_two_leaders(endpoint: str, name: str):  # type: ignore[no-untyped-def]
+    """A pool ``name`` with one pool node (p1) running its real loop, and two jobs' leaders (jobA, jobB) each on
+    its own etcd lease: yields (pool, node, [jobA's JobPool, jobB's]); everything stopped and deleted after."""
     cfg = EtcdConfig.from_endpoint(endpoint, {"read_timeout": "10"})
     keys = PoolKeys(pool_prefix("/tpassrun/v1", name))
     async with EtcdStore(cfg) as admin:
@@ -136,38 +136,46 @@ async def claim_race_trial(endpoint: str, name: str) -> RaceOutcome:
         try:
             while "p1" not in (await pool.read())[0].nodes:
                 await asyncio.sleep(0.02)
-            jobs = [JobPool(pool=Pool(stores[i + 1], keys, POOL_KEY, name), spec=SPEC, node_id=f"leader-{j}",
-                            cfg=LaunchConfig(rdzv_id=j, spare_pool=name, training_script="t.py", nproc_per_node=2,
-                                             pool_wait=60.0))
-                    for i, j in enumerate(("jobA", "jobB"))]
-            said: list[list[tuple[str, dict]]] = [[], []]
-            start = asyncio.Event()
-
-            async def lose(i: int) -> None:
-                await start.wait()
-                await jobs[i].need((f"node-{i}",), 0, lambda ev, **f: said[i].append((ev, f)))
-            first = [asyncio.create_task(lose(i)) for i in range(2)]
-            await asyncio.sleep(0)
-            start.set()
-            await asyncio.gather(*first)
-            quiet = [not s for s in said]           # a leader that lost the compare-and-set says nothing yet
-            await asyncio.gather(lose(0), lose(1))          # the next tick of each leader
-            winners = tuple(j.cfg.rdzv_id for j, s in zip(jobs, said) if any(e == "pool_claimed" for e, _ in s))
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + 30
-            while len(node.served) < len(winners) and loop.time() < deadline:
-                await asyncio.sleep(0.02)
-            view = (await pool.read())[0]
-            losers = [s for j, s in zip(jobs, said) if j.cfg.rdzv_id not in winners]
-            return RaceOutcome(claimed_by=winners, served=tuple(node.served), both_tried=any(quiet),
-                               claims=tuple(sorted((n, c.job) for n, c in view.claims.items())),
-                               loser_said=losers[0][-1][1].get("reason", "") if losers and losers[0] else "")
+            yield pool, node, [JobPool(pool=Pool(stores[i + 1], keys, POOL_KEY, name), spec=SPEC,
+                                       node_id=f"leader-{j}",
+                                       cfg=LaunchConfig(rdzv_id=j, spare_pool=name, training_script="t.py",
+                                                        nproc_per_node=2, pool_wait=60.0))
+                               for i, j in enumerate(("jobA", "jobB"))]
         finally:
             stop.set()
             with contextlib.suppress(Exception):
                 await runner
             await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
             await pool.delete()
+
+
+async def claim_race_trial(endpoint: str, name: str) -> RaceOutcome:
+    """Two jobs' leaders (each its own etcd lease) lose a node at the same instant; one idle pool node. Each asks
+    its pool (:meth:`JobPool.need`, as its coordinator does on ``ClaimFromPool``), then looks again on its next
+    tick. Used by the suite and by ``bench/pool_race.py`` (20 trials)."""
+    async with pool_and_two_leaders(endpoint, name) as (pool, node, jobs):
+        said: list[list[tuple[str, dict]]] = [[], []]
+        start = asyncio.Event()
+
+        async def lose(i: int) -> None:
+            await start.wait()
+            await jobs[i].need((f"node-{i}",), 0, lambda ev, **f: said[i].append((ev, f)))
+        first = [asyncio.create_task(lose(i)) for i in range(2)]
+        await asyncio.sleep(0)
+        start.set()
+        await asyncio.gather(*first)
+        quiet = [not s for s in said]           # a leader that lost the compare-and-set says nothing yet
+        await asyncio.gather(lose(0), lose(1))          # the next tick of each leader
+        winners = tuple(j.cfg.rdzv_id for j, s in zip(jobs, said) if any(e == "pool_claimed" for e, _ in s))
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 30
+        while len(node.served) < len(winners) and loop.time() < deadline:
+            await asyncio.sleep(0.02)
+        view = (await pool.read())[0]
+        losers = [s for j, s in zip(jobs, said) if j.cfg.rdzv_id not in winners]
+        return RaceOutcome(claimed_by=winners, served=tuple(node.served), both_tried=any(quiet),
+                           claims=tuple(sorted((n, c.job) for n, c in view.claims.items())),
+                           loser_said=losers[0][-1][1].get("reason", "") if losers and losers[0] else "")
 
 
 @pytest.mark.timeout(120)
@@ -186,51 +194,27 @@ def test_a_job_waiting_for_the_pool_gets_the_node_the_moment_the_job_holding_it_
     node exits): the pool node drops A's claim and is idle again, and B's leader, on its next look, claims it."""
 
     async def main() -> list[tuple[str, str]]:
-        cfg = EtcdConfig.from_endpoint(etcd_server.endpoint, {"read_timeout": "10"})
-        keys = PoolKeys(pool_prefix("/tpassrun/v1", run_id))
         lines: list[tuple[str, str]] = []
-        async with EtcdStore(cfg) as admin:
-            pool = Pool(admin, keys, POOL_KEY, run_id)
-            assert await pool.create()
-            stores = [EtcdStore(cfg, lease_ttl=10) for _ in range(3)]
-            await asyncio.gather(*(s.open() for s in stores))
-            stop = asyncio.Event()
-            node = _HostlessPoolNode(Pool(stores[0], keys, POOL_KEY, run_id), PoolNode("p1", "h", 2, time.time()),
-                                     say=lambda _s: None)
-            runner = asyncio.create_task(node.run(stop))
-            try:
-                while "p1" not in (await pool.read())[0].nodes:
-                    await asyncio.sleep(0.02)
-                a, b = (JobPool(pool=Pool(stores[i + 1], keys, POOL_KEY, run_id), spec=SPEC, node_id=f"leader-{j}",
-                                cfg=LaunchConfig(rdzv_id=j, spare_pool=run_id, training_script="t.py",
-                                                 nproc_per_node=2, pool_wait=60.0))
-                        for i, j in enumerate(("jobA", "jobB")))
-
-                def say(job: str):
-                    return lambda ev, **f: lines.append((job, ev))
-                await a.need(("a-node",), 0, say("jobA"))
-                while node.served != ["jobA"]:
-                    await asyncio.sleep(0.02)
-                await b.need(("b-node",), 0, say("jobB"))
-                assert lines == [("jobA", "pool_claimed"), ("jobB", "pool_waiting")]
-                node.events.put_nowait(ChildExited(0))        # job A ended: its spare node exited
-                while True:
-                    view = (await pool.read())[0]
-                    if view.nodes["p1"].state == IDLE and not view.claims:
-                        break
-                    await asyncio.sleep(0.02)
-                await b.need(("b-node",), 0, say("jobB"))      # B's leader looks again (every second while waiting)
-                while node.served != ["jobA", "jobB"]:
-                    await asyncio.sleep(0.02)
-                assert [c.job for c in (await pool.read())[0].claims.values()] == ["jobB"]
-                assert [h.event for h in sorted((await pool.read())[2], key=lambda h: h.time)] == \
-                    ["claimed", "idle", "claimed"]
-                return lines
-            finally:
-                stop.set()
-                with contextlib.suppress(Exception):
-                    await runner
-                await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
-                await pool.delete()
+        async with pool_and_two_leaders(etcd_server.endpoint, run_id) as (pool, node, (a, b)):
+            def say(job: str):
+                return lambda ev, **f: lines.append((job, ev))
+            await a.need(("a-node",), 0, say("jobA"))
+            while node.served != ["jobA"]:
+                await asyncio.sleep(0.02)
+            await b.need(("b-node",), 0, say("jobB"))
+            assert lines == [("jobA", "pool_claimed"), ("jobB", "pool_waiting")]
+            node.events.put_nowait(ChildExited(0))        # job A ended: its spare node exited
+            while True:
+                view = (await pool.read())[0]
+                if view.nodes["p1"].state == IDLE and not view.claims:
+                    break
+                await asyncio.sleep(0.02)
+            await b.need(("b-node",), 0, say("jobB"))      # B's leader looks again (every second while waiting)
+            while node.served != ["jobA", "jobB"]:
+                await asyncio.sleep(0.02)
+            assert [c.job for c in (await pool.read())[0].claims.values()] == ["jobB"]
+            assert [h.event for h in sorted((await pool.read())[2], key=lambda h: h.time)] == \
+                ["claimed", "idle", "claimed"]
+            return lines
 
     assert asyncio.run(main())[-1] == ("jobB", "pool_claimed")
