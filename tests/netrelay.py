@@ -60,6 +60,24 @@ def _run(*argv: str) -> None:
     subprocess.run(argv, check=True, capture_output=True, timeout=30)
 
 
+def pump(src: socket.socket, dst: socket.socket, record=None) -> None:  # type: ignore[no-untyped-def]
+    """Forward what ``src`` sends to ``dst`` until either side closes or fails (``record``, if given, sees every
+    chunk: a capture for tests looking for plaintext on the wire), then shut both down."""
+    try:
+        while data := src.recv(1 << 16):
+            if record is not None:
+                record(data)
+            dst.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for s in (src, dst):
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 class DelayRelay:
     """``delay_ms`` added each way on host ``i``'s link of ``lab`` until :meth:`close`."""
 

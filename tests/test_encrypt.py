@@ -15,6 +15,7 @@ import threading
 import pytest
 import torch
 
+from netrelay import pump
 from tpassrun.transfer.handoff import StateBundle, TransferAuth, accept_and_recv, connect_and_send, listen_for_bundle
 from tpassrun.transfer.wire import HandoffError
 from tpassrun.transfer.auth import AEAD_NAME, ChecksumError, FrameCipher
@@ -39,26 +40,11 @@ def _relay(target_port: int, captured: bytearray) -> tuple[socket.socket, int]:
     front.bind(("127.0.0.1", 0))
     front.listen(1)
 
-    def pump(src: socket.socket, dst: socket.socket, record: bool) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                if record:
-                    captured.extend(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
     def serve() -> None:
         conn, _ = front.accept()
         back = socket.create_connection(("127.0.0.1", target_port))
-        threading.Thread(target=pump, args=(back, conn, False), daemon=True).start()
-        pump(conn, back, True)
+        threading.Thread(target=pump, args=(back, conn), daemon=True).start()
+        pump(conn, back, captured.extend)
 
     threading.Thread(target=serve, daemon=True).start()
     return front, front.getsockname()[1]

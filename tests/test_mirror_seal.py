@@ -23,6 +23,7 @@ from tpassrun.mirror import net as N
 from tpassrun.mirror.client import PushStream
 from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.transfer.auth import ACCEPT, FLAG_ENCRYPT, HELLO, ConnectorHandshake, TransferAuth
+from netrelay import pump
 from test_mirror import _Served as _Base
 
 pytestmark = pytest.mark.timeout(60)
@@ -53,23 +54,12 @@ class _Served(_Base):
             except OSError:
                 return
             back = socket.create_connection(("127.0.0.1", self.server.port))
-            threading.Thread(target=self._pump, args=(back, conn), daemon=True).start()
-            threading.Thread(target=self._pump, args=(conn, back), daemon=True).start()
+            threading.Thread(target=pump, args=(back, conn, self._record), daemon=True).start()
+            threading.Thread(target=pump, args=(conn, back, self._record), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(1 << 16):
-                with self._lock:
-                    self.captured.extend(data)
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
+    def _record(self, data: bytes) -> None:
+        with self._lock:
+            self.captured.extend(data)
 
     def seen(self, needle: bytes) -> bool:
         with self._lock:
