@@ -243,16 +243,22 @@ def test_stop_workers_escalates_to_sigkill(run, tmp_path):
     assert run(main()) == [-signal.SIGKILL, -signal.SIGTERM, 0]
 
 
-@pytest.mark.timeout(90)
+@pytest.mark.timeout(30)
 def test_stop_workers_signals_the_whole_group(run, tmp_path):
-    # The grace is generous: a whole-suite run once saw the worker still alive 5 s after the SIGINT (then
-    # SIGKILLed: -9); what is asserted is how it ends, not how fast.
+    """A pytest started in the background by a non-interactive shell (``cmd &``) inherits SIGINT ignored, and so
+    would its workers (an ignored signal stays ignored across exec, as under torchrun): two whole-suite runs
+    started so saw the worker ignore SIGINT (-9 after the grace). The test gives its workers what a foreground
+    launch gives them: SIGINT handled here while they start (a handled signal is default again after exec)."""
     async def main():
         p, grandchild = await spawn_ready(WITH_GRANDCHILD, tmp_path, 0)
-        codes = await stop_workers([p], sig=signal.SIGINT, grace=45)
+        codes = await stop_workers([p], sig=signal.SIGINT, grace=5)
         return codes, int(grandchild)
 
-    codes, grandchild = run(main())
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        codes, grandchild = run(main())
+    finally:
+        signal.signal(signal.SIGINT, before)
     # Python turns SIGINT into KeyboardInterrupt, then dies of SIGINT; the grandchild got it too.
     assert codes == [-signal.SIGINT]
     deadline = time.monotonic() + 10
