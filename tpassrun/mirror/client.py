@@ -199,10 +199,10 @@ class MirrorClient:
             meta_in = seals[1].open_meta(head_in, _recv_exact(sock, (0 if long_meta else meta_len) + AEAD_TAG_LEN))
             sealed = bytearray(payload_len + AEAD_TAG_LEN)
             _recv_into(sock, memoryview(sealed))
-            data = seals[1].open_payload(head_in, sealed)
+            plain = seals[1].open_payload(head_in, sealed)
             if long_meta:
-                return status, _decode_meta(bytes(data)), b""
-            return status, _decode_meta(meta_in), bytes(data)
+                return status, _decode_meta(plain), b""
+            return status, _decode_meta(meta_in), plain
         meta_in = b"" if long_meta else _recv_exact(sock, meta_len)
         mac = _mac_of(base, _TO_CLIENT, head_in, meta_in)
         data = bytearray(payload_len)

@@ -328,10 +328,9 @@ class MirrorServer:
             chunks.append(piece)
         sealed = chunks[0] if len(chunks) == 1 else b"".join(chunks)
         del chunks
-        # the store keeps immutable bytes (it hands the same object to every reader)
         if payload_len >= _THREAD_MAC:
-            return bytes(await asyncio.to_thread(seal.open_payload, head, sealed))
-        return bytes(seal.open_payload(head, sealed))
+            return await asyncio.to_thread(seal.open_payload, head, sealed)
+        return seal.open_payload(head, sealed)
 
     async def _read_tagged(self, reader: asyncio.StreamReader, mac: FrameMac, payload_len: int,
                            poly: bool) -> bytes:

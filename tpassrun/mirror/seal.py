@@ -57,22 +57,21 @@ class FrameSeal:
 
     def open_meta(self, head: bytes, sealed: bytes) -> bytes:
         seq = _SEQ.unpack_from(head, _SEQ_AT)[0]
-        return bytes(self._open(2 * seq, head, sealed, "meta"))
+        return self._open(2 * seq, head, sealed, "meta")
 
-    def open_payload(self, head: bytes, sealed: Any) -> bytearray:
+    def open_payload(self, head: bytes, sealed: Any) -> bytes:
         seq = _SEQ.unpack_from(head, _SEQ_AT)[0]
         return self._open(2 * seq + 1, head, sealed, "payload")
 
-    def _open(self, nonce: int, head: bytes, sealed: Any, what: str) -> bytearray:
+    def _open(self, nonce: int, head: bytes, sealed: Any, what: str) -> bytes:
+        """The plaintext as immutable bytes, decrypted once (the mirror store keeps and shares it as is)."""
         if len(sealed) < AEAD_TAG_LEN:
             raise MirrorError(f"a sealed mirror {what} shorter than its tag")
-        out = bytearray(len(sealed) - AEAD_TAG_LEN)
         try:
-            self._cipher.open_into(nonce, self._aad(head), sealed, out)
+            return self._cipher.open(nonce, self._aad(head), sealed)
         except ChecksumError:
             raise MirrorError(f"mirror frame {what} forged or corrupted (its GCM tag does not verify): nothing "
                               "kept") from None
-        return out
 
 
 __all__ = ["FrameSeal", "PAYLOAD_AEAD"]

@@ -206,7 +206,7 @@ class FrameCipher:
         from cryptography.exceptions import InvalidTag
 
         try:
-            return self._aead.decrypt(self.nonce(index), bytes(data), aad)
+            return self._aead.decrypt(self.nonce(index), data, aad)    # any buffer: no copy of the input
         except InvalidTag:
             raise ChecksumError("an encrypted frame was forged or altered (its tag does not verify)") from None
 
