@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from chaos_cluster import RANKS, Cluster
 from chaos_kinds import KINDS, NOTHING_TO_RECOVER, after
-from faults import Job, NetLab, SmallDisk, assert_bit_exact
+from faults import Job, NetLab, SmallDisk, _without_relogged, assert_bit_exact, unlogged_steps
 
 CRAWL_FROM, CRAWL_S = 200, 1.5     # from this step on, each step takes this long until the last fault settled
 # A fence is not one: the fenced node's workers must die (like an agent SIGKILL's); whether its ranks were then
@@ -138,6 +138,23 @@ def redone_by_fault(c: Cluster, faults: list[Fault]) -> None:
             if i is not None:
                 faults[i].steps_redone += 1
         seen.add(row["step"])
+
+
+def never_done(c: Cluster, steps: set[int]) -> tuple[int, int]:
+    """(steps some rank never completed, steps a killed rank completed but never logged), summed over ranks.
+
+    A rank SIGKILLed after its part of a step's all-reduce reached the survivors, but before it logged the step,
+    leaves that step unlogged: its successor resumes at the next step (the log jumps one step where the process
+    changes; :func:`faults.unlogged_steps`). The step happened (the final state, compared with the reference's,
+    includes it): it is counted apart, not as lost."""
+    lost = unlogged = 0
+    for r in range(RANKS):
+        rows = c.losses(r)
+        pids = {x["pid"] for x in rows}
+        missing = steps - {x["step"] for x in rows}
+        done = unlogged_steps(_without_relogged(rows, pids), pids)
+        lost, unlogged = lost + len(missing - done), unlogged + len(missing & done)
+    return lost, unlogged
 
 
 def same_run(job: Job, base: Job) -> str:
@@ -251,10 +268,11 @@ def run(args: argparse.Namespace, work: str) -> dict:
         ref_code = ref.wait(args.timeout)
         redone_by_fault(c, faults)
         steps = set(range(args.steps))
-        lost = sum(len(steps - {x["step"] for x in c.losses(r)}) for r in range(RANKS))
+        lost, unlogged = never_done(c, steps)
         exact = same_run(Job(argv=[], out=c.train), ref) if ref_code == 0 else f"NO (torchrun reference exit {ref_code})"
         time.sleep(1.0)
         result = {"faults": [f.__dict__ for f in faults], "codes": codes, "steps_lost": lost,
+                  "steps_unlogged": unlogged,
                   "bit_identical": exact, "orphans": [c.describe(pid) for pid in c.our_processes()], "leftovers": leftovers(c),
                   "double_held": double_held(c), "netns": c.lab is not None, "small_disk": c.disk is not None,
                   "steps": args.steps}
@@ -294,6 +312,7 @@ def report(args: argparse.Namespace, result: dict) -> None:
     print(f"exit codes: {result['codes']}")
     print(f"steps lost: {result['steps_lost']}, steps redone after fallbacks (rank 0): "
           f"{sum(f['steps_redone'] for f in result['faults'])}")
+    print(f"steps done but never logged by a rank killed in them: {result['steps_unlogged']}")
     print(f"bit-identical to the torchrun reference: {result['bit_identical']}")
     print(f"orphans: {len(result['orphans'])} {result['orphans'][:5]}, "
           f"leftover files: {len(result['leftovers'])} {result['leftovers'][:3]}")
