@@ -13,19 +13,27 @@ import logging
 from typing import Any, Callable, Mapping, TypeVar
 
 from tpassrun.records import provenance
+from tpassrun.schema import Schema, SchemaError
 
 log = logging.getLogger("tpassrun.records")
 
 SCHEMA_VERSION = 1
 
 
-class RecordError(ValueError):
+class RecordError(SchemaError):
     """A value in etcd that is not a valid record of the expected type (wrong shape, type or version)."""
 
 
 class UnauthenticatedRecord(RecordError):
     """A record of a sealed type (see :mod:`tpassrun.records.provenance`) without a good MAC of this run's key."""
 
+
+def record(what: str, *, versioned: bool = True, named_by: str | None = None,
+           check: Callable[[Any], str | None] | None = None) -> Schema:
+    """The schema of a record type (its ``SCHEMA``): ``{"v": 1, ...}`` unless ``versioned`` is False (a record
+    only ever nested in another), read strictly into :class:`RecordError`."""
+    return Schema(what, version=SCHEMA_VERSION if versioned else None, error=RecordError, named_by=named_by,
+                  check=check)
 
 
 # ---------------------------------------------------------------------------------------------- validation
