@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
+from tpassrun import schema
 from tpassrun.health import TaintEffect
-from tpassrun.records.fields import (SCHEMA_VERSION, RecordError, _bool, _check, _enum, _int, _num, _opt_int, _opt_ranks,
-                             _opt_str, _str)
+from tpassrun.records.fields import RecordError, record
+from tpassrun.schema import NonNegative, wire
 
 
 # ---------------------------------------------------------------------------------------------- taints
@@ -42,45 +43,33 @@ class Taint:
 
     id: str
     effect: TaintEffect
-    reason: str
-    source: str
+    reason: str = field(metadata=wire(missing=""))
+    source: str = field(metadata=wire(missing=""))
     node_id: str | None = None
-    slot: int | None = None
-    local_rank: int | None = None
-    rank: int | None = None
+    slot: NonNegative | None = None
+    local_rank: NonNegative | None = None
+    rank: NonNegative | None = None
     time: float = 0.0
     device: str | None = None        # health: the device (gpuN, rankR) and metric the verdict was about
     metric: str | None = None
     status: str | None = None
     home_node: str | None = None     # migrate-back: the rank goes to this slot only
-    home_slot: int | None = None
+    home_slot: NonNegative | None = None
     handled_by: str | None = None    # a swap id, HANDLED_RESTART, HANDLED_KILLED or HANDLED_COALESCED
     state: str = ""                  # the coordinator's word on it (migrating, quarantined, "wait: ...")
+
+    SCHEMA: ClassVar[schema.Schema] = record("taint", named_by="id")
 
     def __post_init__(self) -> None:
         if self.effect is TaintEffect.NONE:
             raise RecordError(f"taint {self.id}: effect none taints nothing")
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "id": self.id, "effect": self.effect.value, "reason": self.reason,
-                "source": self.source, "node_id": self.node_id, "slot": self.slot, "local_rank": self.local_rank,
-                "rank": self.rank, "time": self.time, "device": self.device, "metric": self.metric,
-                "status": self.status, "home_node": self.home_node, "home_slot": self.home_slot,
-                "handled_by": self.handled_by, "state": self.state}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "Taint":
-        what = "taint"
-        d = _check(doc, what)
-        what = f"taint {d.get('id')!r}"
-        return cls(id=_str(d, "id", what), effect=_enum(TaintEffect, d, "effect", what),
-                   reason=_str(d, "reason", what, ""), source=_str(d, "source", what, ""),
-                   node_id=_opt_str(d, "node_id", what), slot=_opt_int(d, "slot", what, minimum=0),
-                   local_rank=_opt_int(d, "local_rank", what, minimum=0), rank=_opt_int(d, "rank", what, minimum=0),
-                   time=_num(d, "time", what), device=_opt_str(d, "device", what),
-                   metric=_opt_str(d, "metric", what), status=_opt_str(d, "status", what),
-                   home_node=_opt_str(d, "home_node", what), home_slot=_opt_int(d, "home_slot", what, minimum=0),
-                   handled_by=_opt_str(d, "handled_by", what), state=_str(d, "state", what, ""))
+        return schema.load(cls, doc)
 
     def handled(self, by: str | None, state: str, **where: Any) -> "Taint":
         return dataclasses.replace(self, handled_by=by, state=state, **where)
@@ -96,39 +85,29 @@ class Failure:
     """``failures/<node>-<slot>``: a managed worker died; the leader's coordinator decides its recovery."""
 
     node: str
-    slot: int
-    rank: int
+    slot: NonNegative
+    rank: NonNegative
     code: int
-    step: int
-    light: bool               # the dead rank's light snapshot is readable on its node
-    generation: int
+    step: int = field(metadata=wire(missing=0))
+    light: bool = field(metadata=wire(missing=False))    # the dead rank's light snapshot is readable on its node
+    generation: NonNegative
     time: float = 0.0
     handled: str | None = None   # the coordinator's action ("plan", "fallback", "stale", ...)
     reason: str = ""
     # the ranks holding exactly the dead rank's model/optimizer state, as its framework adapter declared them
     # (None: not declared, every rank does); ``alone``: why no other rank does, when it is the only one
-    replicas: tuple[int, ...] | None = None
+    replicas: tuple[NonNegative, ...] | None = None
     alone: str = ""
     sharded: bool = False     # it kept local copies of sharded state (tpassrun/worker/shards.py): a mirror may hold its shard
 
+    SCHEMA: ClassVar[schema.Schema] = record("worker failure")
+
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "node": self.node, "slot": self.slot, "rank": self.rank, "code": self.code,
-                "step": self.step, "light": self.light, "generation": self.generation, "time": self.time,
-                "handled": self.handled, "reason": self.reason,
-                "replicas": None if self.replicas is None else list(self.replicas), "alone": self.alone,
-                "sharded": self.sharded}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "Failure":
-        what = "worker failure"
-        d = _check(doc, what)
-        return cls(node=_str(d, "node", what), slot=_int(d, "slot", what, minimum=0),
-                   rank=_int(d, "rank", what, minimum=0), code=_int(d, "code", what),
-                   step=_int(d, "step", what, 0), light=_bool(d, "light", what),
-                   generation=_int(d, "generation", what, minimum=0), time=_num(d, "time", what),
-                   handled=_opt_str(d, "handled", what), reason=_str(d, "reason", what, ""),
-                   replicas=_opt_ranks(d, "replicas", what), alone=_str(d, "alone", what, ""),
-                   sharded=_bool(d, "sharded", what))
+        return schema.load(cls, doc)
 
     def mark(self, handled: str, reason: str) -> "Failure":
         return dataclasses.replace(self, handled=handled, reason=reason)
@@ -140,16 +119,15 @@ class Fallback:
     """``fallbacks/<node>``: the coordinator found no live recovery for a death on that node: the node's agent
     restarts the group (torchrun's path)."""
 
-    reason: str
-    generation: int = 0
-    slot: int | None = None     # the dead worker's slot (torchrun's failure report names it)
+    reason: str = field(metadata=wire(missing=""))
+    generation: NonNegative = 0
+    slot: NonNegative | None = None     # the dead worker's slot (torchrun's failure report names it)
+
+    SCHEMA: ClassVar[schema.Schema] = record("fallback request")
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "reason": self.reason, "generation": self.generation, "slot": self.slot}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "Fallback":
-        what = "fallback request"
-        d = _check(doc, what)
-        return cls(reason=_str(d, "reason", what, ""), generation=_int(d, "generation", what, 0, minimum=0),
-                   slot=_opt_int(d, "slot", what, minimum=0))
+        return schema.load(cls, doc)
