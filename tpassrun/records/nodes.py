@@ -6,103 +6,81 @@ strictly; the rendezvous's records sealed with the run key (:func:`rendezvous_gu
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, ClassVar, Mapping
 
+from tpassrun import schema
 from tpassrun.records import provenance
-from tpassrun.records.fields import (SCHEMA_VERSION, RecordError, _bool, _check, _int, _list, _num, _opt_int,
-                                     _opt_ranks, _opt_str,
-                             _str, sealed)
+from tpassrun.records.fields import RecordError, record, sealed
 from tpassrun.rendezvous.guard import RecordGuard
 from tpassrun.rendezvous.state import Generation, NodeInfo
+from tpassrun.schema import NonNegative, wire
 
 
 # ---------------------------------------------------------------------------------------------- status
 @dataclass(frozen=True)
 class WorkerRow:
-    """One worker slot in ``status/<node>``."""
+    """One worker slot in ``status/<node>``: ``WorkerRow(slot, state, ...)``, the rest by keyword (the fields are
+    declared in the order of their JSON keys)."""
 
-    slot: int
+    slot: NonNegative
+    rank: NonNegative | None = field(default=None, kw_only=True)
+    local_rank: int | None = field(default=None, kw_only=True)
+    pid: int | None = field(default=None, kw_only=True)
     state: str                  # a SlotState value: running | spare | quarantined | dead | done | leaving | idle
-    rank: int | None = None
-    local_rank: int | None = None
-    pid: int | None = None
+    _: KW_ONLY
     step: int = 0
     managed: bool = False       # the worker said hello (it runs tpassrun.init())
     spare: bool = False
     last_step_ms: float = 0.0
-    total: int = 0              # the total_steps its sess.run() was given (0: not known)
     quarantine_reason: str | None = None
-    replicas: tuple[int, ...] | None = None   # the ranks holding this rank's state, as its adapter declared them
-                                              # (None: every rank, plain data parallelism)
-    # sharded state (tpassrun/worker/shards.py): host bytes of its local copies, bytes of one refresh of its mirror,
-    # the newest step its buddy's mirror holds (None: none yet), bytes pushed in all
-    shard_held: int = 0
-    shard_bytes: int = 0
-    shard_mirrored: int | None = None
-    shard_sent: int = 0
-    shard_interval: int = 0     # refreshes every K steps (0: not fixed yet: --shard-mirror-interval auto measures)
+    replicas: tuple[NonNegative, ...] | None = None   # the ranks holding this rank's state, as its adapter declared
+                                                      # them (None: every rank, plain data parallelism)
+    total: NonNegative = field(default=0, metadata=wire(omit_default=True))   # the total_steps its sess.run() was
+                                                                              # given (0: not known)
+    # sharded state (tpassrun/worker/shards.py), written only while it holds some: host bytes of its local copies,
+    # bytes of one refresh of its mirror, the newest step its buddy's mirror holds (None: none yet), bytes pushed in all
+    shard_held: NonNegative = field(default=0, metadata=wire(omit_default=True))
+    shard_bytes: NonNegative = field(default=0, metadata=wire(written_with="shard_held"))
+    shard_mirrored: int | None = field(default=None, metadata=wire(written_with="shard_held"))
+    shard_sent: NonNegative = field(default=0, metadata=wire(written_with="shard_held"))
+    # refreshes every K steps (0: not fixed yet: --shard-mirror-interval auto measures)
+    shard_interval: NonNegative = field(default=0, metadata=wire(written_with="shard_held"))
+
+    SCHEMA: ClassVar[schema.Schema] = record("status worker row", versioned=False)
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"slot": self.slot, "rank": self.rank, "local_rank": self.local_rank, "pid": self.pid,
-               "state": self.state, "step": self.step, "managed": self.managed, "spare": self.spare,
-               "last_step_ms": self.last_step_ms, "quarantine_reason": self.quarantine_reason,
-               "replicas": None if self.replicas is None else list(self.replicas)}
-        if self.total:
-            doc["total"] = self.total
-        if self.shard_held:
-            doc.update(shard_held=self.shard_held, shard_bytes=self.shard_bytes, shard_mirrored=self.shard_mirrored,
-                       shard_sent=self.shard_sent, shard_interval=self.shard_interval)
-        return doc
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "WorkerRow":
-        what = "status worker row"
-        if not isinstance(doc, Mapping):
-            raise RecordError(f"{what}: not a JSON object")
-        return cls(slot=_int(doc, "slot", what, minimum=0), state=_str(doc, "state", what),
-                   rank=_opt_int(doc, "rank", what, minimum=0), local_rank=_opt_int(doc, "local_rank", what),
-                   pid=_opt_int(doc, "pid", what), step=_int(doc, "step", what, 0),
-                   managed=_bool(doc, "managed", what), spare=_bool(doc, "spare", what),
-                   last_step_ms=_num(doc, "last_step_ms", what), total=_int(doc, "total", what, 0, minimum=0),
-                   quarantine_reason=_opt_str(doc, "quarantine_reason", what),
-                   replicas=_opt_ranks(doc, "replicas", what),
-                   shard_held=_int(doc, "shard_held", what, 0, minimum=0),
-                   shard_bytes=_int(doc, "shard_bytes", what, 0, minimum=0),
-                   shard_mirrored=_opt_int(doc, "shard_mirrored", what),
-                   shard_sent=_int(doc, "shard_sent", what, 0, minimum=0),
-                   shard_interval=_int(doc, "shard_interval", what, 0, minimum=0))
+        return schema.load(cls, doc)
 
 
 @dataclass(frozen=True)
 class NodeStatus:
-    """``status/<node>`` (under the agent's lease): the node's worker table, for the coordinator and tpassctl."""
+    """``status/<node>`` (under the agent's lease): the node's worker table, for the coordinator and tpassctl.
+    ``NodeStatus(node_id, workers, ...)``, the rest by keyword (declared in the order of the JSON keys)."""
 
     node_id: str
-    workers: tuple[WorkerRow, ...]
-    addr: str = ""
-    pid: int = 0
-    generation: int | None = None
-    restart_count: int = 0
+    addr: str = field(default="", kw_only=True)
+    pid: int = field(default=0, kw_only=True)
+    generation: int | None = field(default=None, kw_only=True)
+    restart_count: int = field(default=0, kw_only=True)
+    workers: tuple[WorkerRow, ...] = field(metadata=wire(missing=()))
+    _: KW_ONLY
     time: float = 0.0
-    mirror_held: int = 0        # host bytes this agent's mirror store holds for other nodes' ranks (tpassrun/mirror/__init__.py)
+    # host bytes this agent's mirror store holds for other nodes' ranks (tpassrun/mirror/__init__.py)
+    mirror_held: NonNegative = field(default=0, metadata=wire(omit_default=True))
+
+    SCHEMA: ClassVar[schema.Schema] = record("node status")
 
     def to_json(self) -> dict[str, Any]:
-        doc = {"v": SCHEMA_VERSION, "node_id": self.node_id, "addr": self.addr, "pid": self.pid,
-               "generation": self.generation, "restart_count": self.restart_count,
-               "workers": [w.to_json() for w in self.workers], "time": self.time}
-        if self.mirror_held:
-            doc["mirror_held"] = self.mirror_held
-        return doc
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "NodeStatus":
-        what = "node status"
-        d = _check(doc, what)
-        return cls(node_id=_str(d, "node_id", what), addr=_str(d, "addr", what, ""), pid=_int(d, "pid", what, 0),
-                   generation=_opt_int(d, "generation", what), restart_count=_int(d, "restart_count", what, 0),
-                   workers=tuple(WorkerRow.from_json(w) for w in _list(d, "workers", what)),
-                   time=_num(d, "time", what), mirror_held=_int(d, "mirror_held", what, 0, minimum=0))
+        return schema.load(cls, doc)
 
 
 # ---------------------------------------------------------------------------------------------- health
@@ -110,7 +88,7 @@ class NodeStatus:
 class HealthRecord:
     """``health/<node>`` (under the agent's lease): the monitor's snapshot (readings, verdicts) for display."""
 
-    node_id: str
+    node_id: str = field(metadata=wire(missing=""))
     time: float = 0.0
     taints: tuple[str, ...] = ()
     polls: int = 0
@@ -118,23 +96,14 @@ class HealthRecord:
     readings: tuple[Mapping[str, Any], ...] = ()
     verdicts: tuple[Mapping[str, Any], ...] = ()
 
+    SCHEMA: ClassVar[schema.Schema] = record("health record")
+
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "node_id": self.node_id, "time": self.time, "taints": list(self.taints),
-                "polls": self.polls, "unavailable": dict(self.unavailable),
-                "readings": [dict(r) for r in self.readings], "verdicts": [dict(v) for v in self.verdicts]}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "HealthRecord":
-        what = "health record"
-        d = _check(doc, what)
-        unavailable = d.get("unavailable") or {}
-        rows = {k: _list(d, k, what) for k in ("readings", "verdicts", "taints")}
-        if not isinstance(unavailable, Mapping) or not all(isinstance(r, Mapping) for r in
-                                                           rows["readings"] + rows["verdicts"]):
-            raise RecordError(f"{what}: readings, verdicts and unavailable must be JSON objects")
-        return cls(node_id=_str(d, "node_id", what, ""), time=_num(d, "time", what),
-                   taints=tuple(str(t) for t in rows["taints"]), polls=_int(d, "polls", what, 0),
-                   unavailable=dict(unavailable), readings=tuple(rows["readings"]), verdicts=tuple(rows["verdicts"]))
+        return schema.load(cls, doc)
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -142,19 +111,18 @@ class HealthRecord:
 class RunClosed:
     """``closed`` (written by the rendezvous when the run ends), as tpassctl reads it."""
 
-    reason: str
+    reason: str = field(metadata=wire(missing=""))
     node_id: str | None = None
     time: float = 0.0
     SEALED: ClassVar[bool] = True      # written by the rendezvous with the run key's MAC (rendezvous_guard)
+    SCHEMA: ClassVar[schema.Schema] = record("closed record")
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "reason": self.reason, "node_id": self.node_id, "time": self.time}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "RunClosed":
-        what = "closed record"
-        d = _check(doc, what)
-        return cls(reason=_str(d, "reason", what, ""), node_id=_opt_str(d, "node_id", what), time=_num(d, "time", what))
+        return schema.load(cls, doc)
 
 
 @dataclass(frozen=True)
@@ -163,17 +131,17 @@ class MirrorKey:
 
     key: str
 
+    SCHEMA: ClassVar[schema.Schema] = record("mirror key")
+
     def __repr__(self) -> str:   # never print the key
         return "MirrorKey(...)"
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "key": self.key}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "MirrorKey":
-        what = "mirror key"
-        d = _check(doc, what)
-        return cls(key=_str(d, "key", what))
+        return schema.load(cls, doc)
 
 
 @sealed
