@@ -20,11 +20,13 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
-from dataclasses import asdict, dataclass, field
-from typing import Any, Mapping
+from dataclasses import dataclass, field
+from typing import Annotated, Any, ClassVar, Mapping
 
+from tpassrun import schema
 from tpassrun.records import provenance
-from tpassrun.records.fields import SCHEMA_VERSION, RecordError, _check, _int, _num, _opt_str, _str
+from tpassrun.records.fields import RecordError, _check, record
+from tpassrun.schema import NonNegative, OneOf, Positive, wire
 
 POOL_KEY_CONF = "pool_key_file"      # --rdzv-conf pool_key_file=PATH (else $TPASSRUN_POOL_KEY)
 
@@ -91,13 +93,14 @@ class PoolInfo:
     created: float
     fingerprint: str           # the pool key's (safe to show): tells pools of different keys apart
 
+    SCHEMA: ClassVar[schema.Schema] = record("pool info")
+
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, **asdict(self)}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "PoolInfo":
-        w = "pool info"
-        return cls(name=_str(doc, "name", w), created=_num(doc, "created", w), fingerprint=_str(doc, "fingerprint", w))
+        return schema.load(cls, doc)
 
 
 IDLE = "idle"
@@ -110,22 +113,19 @@ class PoolNode:
 
     node_id: str
     host: str
-    nproc: int                 # worker slots it can start (the job's --nproc-per-node must fit)
+    nproc: Positive            # worker slots it can start (the job's --nproc-per-node must fit)
     since: float
-    state: str = IDLE
+    state: Annotated[str, OneOf(IDLE, SERVING)] = IDLE
     job: str | None = None
 
+    SCHEMA: ClassVar[schema.Schema] = record("pool node")
+
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, **asdict(self)}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "PoolNode":
-        w = "pool node"
-        state = _str(doc, "state", w, IDLE)
-        if state not in (IDLE, SERVING):
-            raise RecordError(f"{w}: state {state!r} is not idle or serving")
-        return cls(node_id=_str(doc, "node_id", w), host=_str(doc, "host", w), nproc=_int(doc, "nproc", w, minimum=1),
-                   since=_num(doc, "since", w), state=state, job=_opt_str(doc, "job", w))
+        return schema.load(cls, doc)
 
 
 @dataclass(frozen=True)
@@ -138,37 +138,25 @@ class JobSpec:
 
     run_id: str
     endpoint: str
-    rdzv_conf: str              # non-secret --rdzv-conf items (etcd_prefix, timeouts, cacert paths)
-    nproc_per_node: int
+    # non-secret --rdzv-conf items (etcd_prefix, timeouts, cacert paths)
+    rdzv_conf: str = field(metadata=wire(missing=""))
+    nproc_per_node: Positive
     entrypoint: str
-    args: tuple[str, ...]
+    args: tuple[str, ...] = field(metadata=wire(missing=()))
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str = ""
     run_key_box: str = ""
     nnodes: str = "1"
-    max_restarts: int = 0
+    max_restarts: NonNegative = 0
+
+    SCHEMA: ClassVar[schema.Schema] = record("job spec", versioned=False)
 
     def to_json(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "endpoint": self.endpoint, "rdzv_conf": self.rdzv_conf,
-                "nproc_per_node": self.nproc_per_node, "entrypoint": self.entrypoint, "args": list(self.args),
-                "env": dict(self.env), "cwd": self.cwd, "run_key_box": self.run_key_box,
-                "nnodes": self.nnodes, "max_restarts": self.max_restarts}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "JobSpec":
-        w = "job spec"
-        if not isinstance(doc, Mapping):
-            raise RecordError(f"{w}: not an object")
-        args, env = doc.get("args", []), doc.get("env", {})
-        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
-            raise RecordError(f"{w}: args must be a list of strings")
-        if not isinstance(env, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise RecordError(f"{w}: env must map strings to strings")
-        return cls(run_id=_str(doc, "run_id", w), endpoint=_str(doc, "endpoint", w),
-                   rdzv_conf=_str(doc, "rdzv_conf", w, ""), nproc_per_node=_int(doc, "nproc_per_node", w, minimum=1),
-                   entrypoint=_str(doc, "entrypoint", w), args=tuple(args), env=dict(env), cwd=_str(doc, "cwd", w, ""),
-                   run_key_box=_str(doc, "run_key_box", w, ""), nnodes=_str(doc, "nnodes", w, "1"),
-                   max_restarts=_int(doc, "max_restarts", w, 0, minimum=0))
+        return schema.load(cls, doc)
 
 
 @dataclass(frozen=True)
@@ -179,24 +167,21 @@ class Claim:
     node_id: str
     job: str
     claimer: str
-    priority: int
+    priority: int = field(metadata=wire(missing=0))
     since: float
-    reason: str
+    reason: str = field(metadata=wire(missing=""))
+    # seconds from the job's need to this claim (the claim-wait gauge); keyword-only, its key comes before spec's
+    waited: float = field(default=0.0, kw_only=True)
     spec: JobSpec | None = None
-    waited: float = 0.0         # seconds from the job's need to this claim (the claim-wait gauge)
+
+    SCHEMA: ClassVar[schema.Schema] = record("pool claim")
 
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "node_id": self.node_id, "job": self.job, "claimer": self.claimer,
-                "priority": self.priority, "since": self.since, "reason": self.reason, "waited": self.waited,
-                "spec": self.spec.to_json() if self.spec is not None else None}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "Claim":
-        w = "pool claim"
-        spec = doc.get("spec")
-        return cls(node_id=_str(doc, "node_id", w), job=_str(doc, "job", w), claimer=_str(doc, "claimer", w),
-                   priority=_int(doc, "priority", w, 0), since=_num(doc, "since", w), reason=_str(doc, "reason", w, ""),
-                   spec=JobSpec.from_json(spec) if spec is not None else None, waited=_num(doc, "waited", w, 0.0))
+        return schema.load(cls, doc)
 
 
 @dataclass(frozen=True)
@@ -209,14 +194,14 @@ class HistoryEntry:
     job: str | None = None
     detail: str = ""
 
+    SCHEMA: ClassVar[schema.Schema] = record("pool history")
+
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, **asdict(self)}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "HistoryEntry":
-        w = "pool history"
-        return cls(time=_num(doc, "time", w), node_id=_str(doc, "node_id", w), event=_str(doc, "event", w),
-                   job=_opt_str(doc, "job", w), detail=_str(doc, "detail", w, ""))
+        return schema.load(cls, doc)
 
 
 # ---------------------------------------------------------------------------------------------- the run key box
