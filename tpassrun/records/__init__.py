@@ -11,8 +11,9 @@ Values are ``{"v": 1, ...}`` JSON (never pickle). ``from_json`` validates strict
 per (key, revision): a bad value in etcd is skipped, never fatal, never a traceback per tick.
 
 This module is the one import for all of it: the key layout is here, the record types live by family in
-``records_faults`` (taints, failures, fallbacks), ``records_nodes`` (status, health, closed, nodes, leader) and
-``records_swaps`` (plans, reports), on top of ``records_fields`` (schema version, strict readers, ``load``).
+``faults`` (taints, failures, fallbacks), ``nodes`` (status, health, closed, nodes, leader) and
+``swaps`` (plans, reports), on top of ``fields`` (schema version, ``RecordError``, ``load``) and
+the one codec (:mod:`tpassrun.schema`: each record type declared once, as a frozen dataclass).
 """
 
 from __future__ import annotations

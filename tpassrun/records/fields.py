@@ -1,14 +1,14 @@
-"""What every control-plane record shares: the schema version, :class:`RecordError`, the strict field readers
-each ``from_json`` uses, and :func:`load` (a malformed value is skipped and logged once, never fatal).
+"""What every control-plane record shares: the schema version, :class:`RecordError`, :func:`record` (a record
+type's schema for the one codec, :mod:`tpassrun.schema`), and :func:`load` (a malformed value is skipped and
+logged once, never fatal).
 
-The record types themselves are in ``records_faults`` (taints, failures, fallbacks), ``records_nodes`` (status,
-health, the run's end) and ``records_swaps`` (swap plans and reports); :mod:`tpassrun.records` re-exports them
-with the key layout.
+The record types themselves are in ``faults`` (taints, failures, fallbacks), ``nodes`` (status, health, the run's
+end), ``swaps`` (swap plans and reports) and ``pool``, each declared once and read and written by the one codec;
+:mod:`tpassrun.records` re-exports them with the key layout.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 from typing import Any, Callable, Mapping, TypeVar
 
@@ -45,82 +45,6 @@ def _check(doc: Any, what: str) -> Mapping[str, Any]:
     return doc
 
 
-def _str(doc: Mapping[str, Any], key: str, what: str, default: str | None = None) -> str:
-    value = doc.get(key, default)
-    if not isinstance(value, str):
-        raise RecordError(f"{what}: {key} must be a string, not {value!r}")
-    return value
-
-
-def _opt_str(doc: Mapping[str, Any], key: str, what: str) -> str | None:
-    value = doc.get(key)
-    if value is not None and not isinstance(value, str):
-        raise RecordError(f"{what}: {key} must be a string or null, not {value!r}")
-    return value
-
-
-def _int(doc: Mapping[str, Any], key: str, what: str, default: int | None = None, *, minimum: int | None = None) -> int:
-    value = doc.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise RecordError(f"{what}: {key} must be an integer, not {value!r}")
-    if minimum is not None and value < minimum:
-        raise RecordError(f"{what}: {key} must be >= {minimum}, not {value}")
-    return value
-
-
-def _opt_int(doc: Mapping[str, Any], key: str, what: str, *, minimum: int | None = None) -> int | None:
-    return None if doc.get(key) is None else _int(doc, key, what, minimum=minimum)
-
-
-def _opt_ranks(doc: Mapping[str, Any], key: str, what: str) -> tuple[int, ...] | None:
-    value = doc.get(key)
-    if value is None:
-        return None
-    if not isinstance(value, list) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
-                                              for r in value):
-        raise RecordError(f"{what}: {key} must be a list of ranks or null, not {value!r:.80}")
-    return tuple(value)
-
-
-def _num(doc: Mapping[str, Any], key: str, what: str, default: float = 0.0) -> float:
-    value = doc.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RecordError(f"{what}: {key} must be a number, not {value!r}")
-    return float(value)
-
-
-def _bool(doc: Mapping[str, Any], key: str, what: str, default: bool = False) -> bool:
-    value = doc.get(key, default)
-    if not isinstance(value, bool):
-        raise RecordError(f"{what}: {key} must be true or false, not {value!r}")
-    return value
-
-
-def _list(doc: Mapping[str, Any], key: str, what: str) -> list[Any]:
-    value = doc.get(key, [])
-    if not isinstance(value, list):
-        raise RecordError(f"{what}: {key} must be a list, not {value!r}")
-    return value
-
-
-def _enum(cls: type[E], doc: Mapping[str, Any], key: str, what: str) -> E:
-    try:
-        return cls(doc.get(key))
-    except ValueError:
-        raise RecordError(f"{what}: {key} {doc.get(key)!r} is not one of "
-                          f"{', '.join(m.value for m in cls)}") from None
-
-
-def _addr(value: Any, what: str) -> tuple[str, int] | None:
-    if value is None:
-        return None
-    if (not isinstance(value, list) or len(value) != 2 or not isinstance(value[0], str)
-            or isinstance(value[1], bool) or not isinstance(value[1], int) or not 0 < value[1] < 65536):
-        raise RecordError(f"{what}: an address must be [host, port], not {value!r}")
-    return value[0], value[1]
-
-
-E = TypeVar("E", bound=enum.Enum)
 R = TypeVar("R")
 
 _REPORTED: dict[str, int] = {}
