@@ -1,7 +1,9 @@
 """The rendezvous's data: nodes, members, generations, events, and their versioned JSON form.
 
 Everything stored in etcd is ``{"v": 1, ...}`` JSON (never pickle), so another language, ``etcdctl get`` or
-a newer tpassrun can read it. Decoders reject other versions instead of guessing.
+a newer tpassrun can read it. Each record is declared once, as a frozen dataclass, and written and read by the one
+codec (:mod:`tpassrun.schema`): strictly, other versions refused instead of guessed, one :class:`SchemaError` (a
+``ValueError``) of one line for anything malformed.
 """
 
 from __future__ import annotations
@@ -9,7 +11,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping
+
+from tpassrun import schema
+from tpassrun.schema import wire
 
 SCHEMA_VERSION = 1
 
@@ -42,22 +47,18 @@ class NodeInfo:
     nproc: int
     spares: int = 0  # warm spare worker slots on this node
     spare_node: bool = False  # --spare-node: never a member at formation, only a spare node
-    pid: int = field(default_factory=os.getpid)
+    pid: int = field(default_factory=os.getpid, metadata=wire(missing=0))
     role: str = "default"  # --role: ROLE_RANK/ROLE_WORLD_SIZE count the workers of the same role
     mirror_port: int = 0  # the agent's mirror store listens here, on ``addr`` (0: none)
 
+    SCHEMA: ClassVar[schema.Schema] = schema.Schema("node record", version=SCHEMA_VERSION)
+
     def to_json(self) -> dict[str, Any]:
-        return {"v": SCHEMA_VERSION, "node_id": self.node_id, "addr": self.addr, "nproc": self.nproc,
-                "spares": self.spares, "spare_node": self.spare_node, "pid": self.pid, "role": self.role,
-                "mirror_port": self.mirror_port}
+        return schema.dump(self)
 
     @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> "NodeInfo":
-        _check_version(doc, "node record")
-        return cls(node_id=str(doc["node_id"]), addr=str(doc["addr"]), nproc=int(doc["nproc"]),
-                   spares=int(doc.get("spares", 0)), spare_node=bool(doc.get("spare_node", False)),
-                   pid=int(doc.get("pid", 0)), role=str(doc.get("role", "default")),
-                   mirror_port=int(doc.get("mirror_port", 0)))
+    def from_json(cls, doc: Any) -> "NodeInfo":
+        return schema.load(cls, doc)
 
 
 @dataclass(frozen=True)
@@ -72,15 +73,14 @@ class Member:
     spares: int = 0
     role: str = "default"
 
+    SCHEMA: ClassVar[schema.Schema] = schema.Schema("member")
+
     def to_json(self) -> dict[str, Any]:
-        return {"node_id": self.node_id, "group_rank": self.group_rank, "addr": self.addr,
-                "nproc": self.nproc, "rank_offset": self.rank_offset, "spares": self.spares, "role": self.role}
+        return schema.dump(self)
 
     @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> "Member":
-        return cls(node_id=str(doc["node_id"]), group_rank=int(doc["group_rank"]), addr=str(doc["addr"]),
-                   nproc=int(doc["nproc"]), rank_offset=int(doc["rank_offset"]), spares=int(doc.get("spares", 0)),
-                   role=str(doc.get("role", "default")))
+    def from_json(cls, doc: Any) -> "Member":
+        return schema.load(cls, doc)
 
 
 @dataclass(frozen=True)
@@ -107,8 +107,10 @@ class Generation:
     # the number of the generation the run's workers were last started in (formed by the rendezvous: a restart);
     # swaps' commits and the leader's annotations keep it, so every agent, a spare node that joined later too,
     # knows the same "since the last whole-group restart"
-    formed: int = 0
-    revision: int = field(default=0, compare=False)
+    formed: int = field(default=0, metadata=wire(missing_from="number"))   # a record written without it: its number
+    revision: int = field(default=0, compare=False, metadata=wire(skip=True))
+
+    SCHEMA: ClassVar[schema.Schema] = schema.Schema("generation record", version=SCHEMA_VERSION)
 
     def member(self, node_id: str) -> Member | None:
         for m in self.members:
@@ -144,41 +146,12 @@ class Generation:
         return tuple(sorted(r for r, (n, _s) in self.homes().items() if n == node_id))
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "v": SCHEMA_VERSION,
-            "number": self.number,
-            "state": self.state.value,
-            "members": [m.to_json() for m in self.members],
-            "spare_nodes": list(self.spare_nodes),
-            "world_size": self.world_size,
-            "reason": self.reason,
-            "swap_id": self.swap_id,
-            "assignments": dict(self.assignments),
-            "bootstrap": list(self.bootstrap) if self.bootstrap else None,
-            "waiting": list(self.waiting),
-            "lost": list(self.lost),
-            "formed": self.formed,
-        }
+        return schema.dump(self)
 
     @classmethod
-    def from_json(cls, doc: Mapping[str, Any], revision: int = 0) -> "Generation":
-        _check_version(doc, "generation record")
-        boot = doc.get("bootstrap")
-        return cls(
-            number=int(doc["number"]),
-            state=GenState(doc["state"]),
-            members=tuple(Member.from_json(m) for m in doc.get("members", ())),
-            spare_nodes=tuple(str(n) for n in doc.get("spare_nodes", ())),
-            world_size=int(doc.get("world_size", 0)),
-            reason=str(doc.get("reason", "")),
-            swap_id=doc.get("swap_id"),
-            assignments=dict(doc.get("assignments") or {}),
-            bootstrap=(str(boot[0]), int(boot[1])) if boot else None,
-            waiting=tuple(str(n) for n in doc.get("waiting", ())),
-            lost=tuple(str(n) for n in doc.get("lost", ())),
-            formed=int(doc.get("formed", doc["number"])),
-            revision=revision,
-        )
+    def from_json(cls, doc: Any, revision: int = 0) -> "Generation":
+        gen = schema.load(cls, doc)
+        return gen if revision == 0 else gen.with_revision(revision)
 
     def with_revision(self, revision: int) -> "Generation":
         return replace(self, revision=revision)
@@ -193,7 +166,3 @@ class RdzvEvent:
     node_id: str | None = None
     reason: str = ""
 
-
-def _check_version(doc: Mapping[str, Any], what: str) -> None:
-    if doc.get("v") != SCHEMA_VERSION:
-        raise ValueError(f"{what} has schema version {doc.get('v')!r}; this tpassrun reads v{SCHEMA_VERSION}")
