@@ -6,8 +6,9 @@ to a worker that is paused at a step boundary, failed in a collective, or a spar
 ``Listening``, ``Received``, ``LightOk``, ``Reformed``; ``Hello``, ``Done``, ``Failed`` and ``Raised`` reach the
 agent's supervisor as events. The step boundary itself is signalled through shared memory, not by a message.
 
-This module imports nothing of tpassrun: the worker side (``import tpassrun`` in the user's script) pays for it
-only a dataclass import.
+This module imports nothing of tpassrun but the one codec (:mod:`tpassrun.schema`, the standard library only): the
+worker side (``import tpassrun`` in the user's script) pays for it only that. Each message is declared once, as a
+frozen dataclass; its fields are its keys, after ``kind`` (and the sender's ``slot``).
 
 Every message crosses the socket as one of these types: the agent (``tpassrun/channel/slots.py``: ``send``/``expect``,
 ``tpassrun/swapper/__init__.py``, ``tpassrun/swapper/mirrorplane.py``) builds and reads them, the worker
@@ -28,10 +29,12 @@ import json
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Union, cast
 
+from tpassrun import schema
+
 # --------------------------------------------------------------------------------------------- the world
 
 
-class ProtocolError(ValueError):
+class ProtocolError(schema.SchemaError):
     """A channel line that is not one of the messages below (wrong kind, missing or mistyped field)."""
 
 
@@ -69,14 +72,13 @@ class MirrorSource:
     step: int
 
 
-_NESTED: dict[str, type] = {"WorldSpec": WorldSpec, "MirrorSource": MirrorSource}
-
 # --------------------------------------------------------------------------------------------- messages
 
 
 @dataclass(frozen=True)
 class Message:
     KIND: ClassVar[str] = ""
+    SCHEMA: ClassVar[schema.Schema] = schema.Schema(error=ProtocolError)   # named by its class in errors
 
 
 # agent -> worker: commands
@@ -391,17 +393,11 @@ REPLIES: dict[str, type[Message]] = {c.KIND: c for c in (Hello, Done, Failed, Ra
 
 # --------------------------------------------------------------------------------------------- encoding
 
-_TYPES = {"int": (int,), "float": (int, float), "str": (str,), "bool": (bool,), "dict[str, Any]": (dict,)}
-
-
 def encode(msg: Message, *, slot: int | None = None) -> bytes:
     doc: dict[str, Any] = {"kind": msg.KIND}
     if slot is not None:
         doc["slot"] = slot
-    for f in dataclasses.fields(msg):
-        value = getattr(msg, f.name)
-        doc[f.name] = (dataclasses.asdict(cast(Any, value)) if isinstance(value, tuple(_NESTED.values()))
-                       else list(value) if isinstance(value, tuple) else value)
+    doc.update(schema.dump(msg))
     return (json.dumps(doc, separators=(",", ":")) + "\n").encode()
 
 
@@ -413,9 +409,8 @@ def decode(line: bytes | str, table: Mapping[str, type[Message]]) -> tuple[Messa
         raise ProtocolError(f"not JSON: {line!r:.80}") from exc
     if not isinstance(doc, dict) or doc.get("kind") not in table:
         raise ProtocolError(f"unknown channel message: {line!r:.80}")
-    cls = table[doc["kind"]]
     slot = doc.get("slot")
-    return _build(cls, doc), slot if isinstance(slot, int) and not isinstance(slot, bool) else None
+    return schema.load(table[doc["kind"]], doc), slot if isinstance(slot, int) and not isinstance(slot, bool) else None
 
 
 def decode_command(line: bytes | str) -> Message:
@@ -427,38 +422,6 @@ def decode_reply(line: bytes | str) -> tuple[Reply, int | None]:
     """The agent's side: one line from a worker -> (a :data:`Reply`, the worker's slot if it said so)."""
     msg, slot = decode(line, REPLIES)
     return cast("Reply", msg), slot
-
-
-def _build(cls: type, doc: Mapping[str, Any]) -> Any:
-    kwargs: dict[str, Any] = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in doc:
-            if f.default is dataclasses.MISSING:
-                raise ProtocolError(f"{cls.__name__}: missing {f.name}")
-            continue
-        value = doc[f.name]
-        kind = str(f.type)
-        nested = _NESTED.get(kind.replace(" | None", ""))
-        if nested is not None:
-            if value is None and "None" in kind:
-                pass
-            elif not isinstance(value, Mapping):
-                raise ProtocolError(f"{cls.__name__}: {f.name} must be an object")
-            else:
-                value = _build(nested, value)
-        elif kind == "tuple[int, ...]":
-            if not isinstance(value, list) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-                raise ProtocolError(f"{cls.__name__}: {f.name} must be a list of integers")
-            value = tuple(value)
-        else:
-            optional = "None" in kind
-            base = kind.replace(" | None", "")
-            if value is None and optional:
-                pass
-            elif not isinstance(value, _TYPES[base]) or (base != "bool" and isinstance(value, bool)):
-                raise ProtocolError(f"{cls.__name__}: {f.name} must be {base}, not {value!r:.40}")
-        kwargs[f.name] = value
-    return cls(**kwargs)
 
 
 __all__ = ["Abort", "AbortJoin", "Assign", "Break", "COMMANDS", "CatchUp", "Command", "Done", "Exit", "Failed",
