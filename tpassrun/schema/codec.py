@@ -132,7 +132,7 @@ class _Field:
     name: str
     read: Reader
     write: Writer | None          # None: written as it is
-    default: Any                  # _NOTHING: none (a default_factory counts as none: it is not a JSON value)
+    default: Any                  # dataclasses.MISSING: none, or a default_factory (what omit_default compares with)
     has_default: bool
     optional: bool
     wire: _Wire
@@ -151,6 +151,8 @@ class _Plan:
             for other in (meta.missing_from, meta.written_with):
                 if other is not None and other not in seen:
                     raise TypeError(f"{cls.__name__}.{f.name}: {other} must be declared before it")
+            if meta.omit_default and f.default is dataclasses.MISSING:
+                raise TypeError(f"{cls.__name__}.{f.name}: omit_default needs a plain default")
             seen.add(f.name)
             hint = hints[f.name]
             self.fields.append(_Field(f.name, _reader(hint), _writer(hint), f.default,
@@ -191,7 +193,7 @@ class _Plan:
                 kwargs[f.name] = f.read(doc[f.name], label, f.name)
             elif w.missing is not _NOTHING:
                 kwargs[f.name] = w.missing
-            elif w.missing_from is not None:
+            elif w.missing_from is not None and w.missing_from in kwargs:
                 kwargs[f.name] = kwargs[w.missing_from]
             elif f.has_default:
                 continue
