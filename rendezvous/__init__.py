@@ -25,7 +25,8 @@ _EXPORTS = {
     **dict.fromkeys(("EtcdConnection", "Link", "one_line"), ".etcd_link"),
     "RecordGuard": ".guard",
     "EtcdRendezvous": ".handler",
-    **dict.fromkeys(("EventKind", "GenState", "Generation", "Member", "NodeInfo", "RdzvEvent"), ".state"),
+    **dict.fromkeys(("Bootstrap", "Closed", "EventKind", "GenState", "Generation", "Leader", "Member", "NodeInfo",
+                     "RdzvEvent"), ".state"),
 }
 
 if TYPE_CHECKING:
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from .etcd_link import EtcdConnection, Link, one_line
     from .guard import RecordGuard
     from .handler import EtcdRendezvous
-    from .state import EventKind, GenState, Generation, Member, NodeInfo, RdzvEvent
+    from .state import Bootstrap, Closed, EventKind, GenState, Generation, Leader, Member, NodeInfo, RdzvEvent
 
 
 def __getattr__(name: str) -> Any:
@@ -58,9 +59,12 @@ __all__ = [
     "EtcdConnection",
     "EtcdRendezvous",
     "EtcdStore",
+    "Bootstrap",
+    "Closed",
     "EventKind",
     "GenState",
     "Generation",
+    "Leader",
     "Member",
     "NodeInfo",
     "RdzvEvent",

@@ -35,7 +35,7 @@ from .etcd_link import EtcdConnection, Link, one_line, patient_context, raise_if
 from .guard import SAME_KEY_HINT, RecordGuard, RefusalLog
 from .leading import Leadership
 from .machine import closed_generation, events_between, restart_generation
-from .state import EventKind, GenState, Generation, NodeInfo, RdzvEvent
+from .state import Bootstrap, Closed, EventKind, GenState, Generation, NodeInfo, RdzvEvent
 
 log = logging.getLogger(__name__)
 
@@ -393,8 +393,7 @@ class EtcdRendezvous(Leadership):
     async def close(self, reason: str) -> None:
         """Mark the run closed; every agent sees ``closed`` and late joiners get RendezvousClosedError."""
         key = self.key("closed")
-        await self._store.put_json(key, self._sealed(key, {"v": 1, "reason": reason, "node_id": self.node.node_id,
-                                                           "time": time.time()}))
+        await self._store.put_json(key, self._sealed(key, Closed(reason, self.node.node_id, time.time()).to_json()))
         deadline = self._clock() + self.settings.close_timeout
         while True:
             cur = await self.current()
@@ -412,8 +411,7 @@ class EtcdRendezvous(Leadership):
     async def publish_bootstrap(self, gen: Generation, addr: str, port: int) -> None:
         """Group rank 0's agent says where this generation's workers meet (a fresh store per generation)."""
         key = self.key("bootstrap", str(gen.number))
-        await self._store.put_json(key, self._sealed(key, {"v": 1, "number": gen.number, "addr": addr,
-                                                           "port": int(port)}))
+        await self._store.put_json(key, self._sealed(key, Bootstrap(gen.number, addr, int(port)).to_json()))
 
     async def wait_bootstrap(self, gen: Generation, timeout: float) -> tuple[str, int]:
         if gen.bootstrap is not None:
@@ -446,11 +444,12 @@ class EtcdRendezvous(Leadership):
             return None
         if self._refused(key, doc, revision, "bootstrap address"):
             return None
-        addr, port = doc.get("addr"), doc.get("port")
-        if not isinstance(addr, str) or isinstance(port, bool) or not isinstance(port, int) or not 0 < port < 65536:
-            self._refusals.say(key, revision, f"ignoring unreadable bootstrap address {key} (revision {revision})")
+        try:
+            found = Bootstrap.from_json(doc)
+        except ValueError as exc:
+            self._refusals.say(key, revision, f"ignoring unreadable bootstrap address {key} (revision {revision}): {exc}")
             return None
-        return addr, port
+        return found.addr, found.port
 
     # --- events ----------------------------------------------------------------------------------------
 

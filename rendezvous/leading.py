@@ -18,7 +18,7 @@ from .config import RendezvousSettings
 from .etcd_io import EtcdStore, WatchEvent
 from .guard import RefusalLog, named
 from .machine import Action, NodeEntry, RdzvView, decide
-from .state import EventKind, Generation, NodeInfo, RdzvEvent
+from .state import EventKind, Generation, Leader, NodeInfo, RdzvEvent
 
 log = logging.getLogger("tpassrun.rendezvous.handler")
 
@@ -94,7 +94,7 @@ class Leadership:
         that is not a leader record of this run (a squatter: it reads as vacant, and it has no lease to expire).
         Of several agents replacing the same squatter, the compare-and-set lets exactly one win."""
         key = self.key("leader")
-        me = self._sealed(key, {"v": 1, "node_id": self.node.node_id, "addr": self.node.addr, "pid": self.node.pid})
+        me = self._sealed(key, Leader(self.node.node_id, self.node.addr, self.node.pid).to_json())
         if await self._store.create_json(key, me, lease=True):
             return True
         doc, rev = await self._store.get_json(key)

@@ -14,7 +14,7 @@ from enum import Enum
 from typing import Any, ClassVar, Mapping
 
 from tpassrun import schema
-from tpassrun.schema import wire
+from tpassrun.schema import Port, wire
 
 SCHEMA_VERSION = 1
 
@@ -155,6 +155,56 @@ class Generation:
 
     def with_revision(self, revision: int) -> "Generation":
         return replace(self, revision=revision)
+
+
+@dataclass(frozen=True)
+class Closed:
+    """``closed``: the run is over (written once, by the agent that closes it)."""
+
+    reason: str = field(metadata=wire(missing=""))
+    node_id: str | None = None
+    time: float = 0.0
+
+    SCHEMA: ClassVar[schema.Schema] = schema.Schema("closed record", version=SCHEMA_VERSION)
+
+    def to_json(self) -> dict[str, Any]:
+        return schema.dump(self)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "Closed":
+        return schema.load(cls, doc)
+
+
+@dataclass(frozen=True)
+class Leader:
+    """``leader`` (under the leader's lease): who decides the run's generations."""
+
+    node_id: str
+    addr: str
+    pid: int
+
+    SCHEMA: ClassVar[schema.Schema] = schema.Schema("leader record", version=SCHEMA_VERSION)
+
+    def to_json(self) -> dict[str, Any]:
+        return schema.dump(self)
+
+
+@dataclass(frozen=True)
+class Bootstrap:
+    """``bootstrap/<number>``: where generation ``number``'s workers meet (group rank 0's store)."""
+
+    number: int
+    addr: str
+    port: Port
+
+    SCHEMA: ClassVar[schema.Schema] = schema.Schema("bootstrap address", version=SCHEMA_VERSION)
+
+    def to_json(self) -> dict[str, Any]:
+        return schema.dump(self)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> "Bootstrap":
+        return schema.load(cls, doc)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from tpassrun.records import (Failure, Fallback, HealthRecord, MirrorKey, Move, 
                               Report, RunClosed, SlotRef, SwapKind, SwapPlan, Taint, WorkerRow)
 from tpassrun.records import provenance
 from tpassrun.records.pool import Claim, HistoryEntry, JobSpec, PoolInfo, PoolNode
-from tpassrun.rendezvous.state import Generation, GenState, Member, NodeInfo
+from tpassrun.rendezvous.state import Bootstrap, Closed, Generation, GenState, Leader, Member, NodeInfo
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "schema.json"
 KEY = provenance.RunKey.from_text("golden-run-key-0123456789abcdef")
@@ -193,6 +193,22 @@ def test_a_rows_shard_figures_are_written_only_with_its_held_bytes():
     row = WorkerRow(slot=3, state="spare", shard_bytes=9, shard_mirrored=2)
     assert "shard_bytes" not in row.to_json() and "total" not in row.to_json()
     assert WorkerRow.from_json(row.to_json()) == WorkerRow(slot=3, state="spare")
+
+
+def test_the_rendezvous_writes_closed_leader_and_bootstrap_as_its_handler_did_by_hand():
+    """At b9502b2 rendezvous/handler.py and leading.py wrote these three as dict literals (the first for
+    records.RunClosed to read)."""
+    assert json.dumps(Closed("done", "n0", 2.5).to_json()) == json.dumps({"v": 1, "reason": "done", "node_id": "n0",
+                                                                          "time": 2.5})
+    assert json.dumps(Leader("n0", "10.0.0.1", 7).to_json()) == json.dumps({"v": 1, "node_id": "n0",
+                                                                            "addr": "10.0.0.1", "pid": 7})
+    boot = {"v": 1, "number": 2, "addr": "10.0.0.1", "port": 29500}
+    assert json.dumps(Bootstrap(2, "10.0.0.1", 29500).to_json()) == json.dumps(boot)
+    assert Bootstrap.from_json(boot) == Bootstrap(2, "10.0.0.1", 29500)
+    for bad in ({**boot, "port": 0}, {**boot, "port": True}, {**boot, "addr": None}, {**boot, "v": 2}):
+        with pytest.raises(ValueError):
+            Bootstrap.from_json(bad)
+    assert RunClosed.from_json(Closed("done", "n0", 2.5).to_json()) == RunClosed("done", "n0", 2.5)
 
 
 def _without(doc: dict[str, Any], key: str) -> dict[str, Any]:

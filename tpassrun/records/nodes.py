@@ -13,7 +13,7 @@ from tpassrun import schema
 from tpassrun.records import provenance
 from tpassrun.records.fields import RecordError, record, sealed
 from tpassrun.rendezvous.guard import RecordGuard
-from tpassrun.rendezvous.state import Generation, NodeInfo
+from tpassrun.rendezvous.state import Closed, Generation, NodeInfo
 from tpassrun.schema import NonNegative, wire
 
 
@@ -108,17 +108,12 @@ class HealthRecord:
 
 # ---------------------------------------------------------------------------------------------- run
 @dataclass(frozen=True)
-class RunClosed:
-    """``closed`` (written by the rendezvous when the run ends), as tpassctl reads it."""
+class RunClosed(Closed):
+    """``closed`` (:class:`~tpassrun.rendezvous.state.Closed`, written by the rendezvous when the run ends), as
+    tpassctl reads it: a sealed record, refused as a :class:`RecordError`."""
 
-    reason: str = field(metadata=wire(missing=""))
-    node_id: str | None = None
-    time: float = 0.0
     SEALED: ClassVar[bool] = True      # written by the rendezvous with the run key's MAC (rendezvous_guard)
     SCHEMA: ClassVar[schema.Schema] = record("closed record")
-
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: Any) -> "RunClosed":
