@@ -123,19 +123,31 @@ class _Problem(Exception):
     """Raised while reading, turned into the outermost type's error by :func:`load`."""
 
 
-Reader = Callable[[Any, str, str], Any]    # (value, label, key) -> the field's value
+# Where a value sits, for an error message: a str, or a tuple formatted only when a message needs it (reading a
+# valid record formats nothing): ("in", label, key) a nested object, ("at", key, index) an element, ("named", label,
+# name) a record named by one of its fields.
+Label = Any
+Reader = Callable[[Any, Label, Label], Any]    # (value, label of the object, key) -> the field's value
 Writer = Callable[[Any], Any]
 
 
-@dataclass
-class _Field:
-    name: str
-    read: Reader
-    write: Writer | None          # None: written as it is
-    default: Any                  # dataclasses.MISSING: none, or a default_factory (what omit_default compares with)
-    has_default: bool
-    optional: bool
-    wire: _Wire
+def _text(part: Label) -> str:
+    if isinstance(part, str):
+        return part
+    kind, a, b = part
+    if kind == "at":
+        return f"{_text(a)}[{b}]"
+    if kind == "named":
+        return f"{_text(a)} {b!r}"
+    return f"{_text(a)} {_text(b)}"
+
+
+def _problem(label: Label, key: Label, text: str) -> _Problem:
+    return _Problem(f"{_text(label)}: {_text(key)} {text}")
+
+
+def _fail(label: Label, key: Label, value: Any, what: str) -> _Problem:
+    return _problem(label, key, f"must be {what}, not {value!r:.80}")
 
 
 class _Plan:
@@ -144,66 +156,66 @@ class _Plan:
         self.schema: Schema = getattr(cls, "SCHEMA", None) or Schema()
         self.what = self.schema.what or cls.__name__
         hints = typing.get_type_hints(cls, include_extras=True)
-        self.fields: list[_Field] = []
+        # (name, reader, missing, missing_from, has a default, optional) per field read, in declaration order
+        self.reads: list[tuple[str, Reader, Any, str | None, bool, bool]] = []
+        # (name, writer or None: as it is, omit_default, default, written_with) per field written
+        self.writes: list[tuple[str, Writer | None, bool, Any, str | None]] = []
         seen: set[str] = set()
         for f in dataclasses.fields(cls):
-            meta = f.metadata.get(_WIRE, _Wire())
-            for other in (meta.missing_from, meta.written_with):
+            w = f.metadata.get(_WIRE, _Wire())
+            for other in (w.missing_from, w.written_with):
                 if other is not None and other not in seen:
                     raise TypeError(f"{cls.__name__}.{f.name}: {other} must be declared before it")
-            if meta.omit_default and f.default is dataclasses.MISSING:
+            if w.omit_default and f.default is dataclasses.MISSING:
                 raise TypeError(f"{cls.__name__}.{f.name}: omit_default needs a plain default")
             seen.add(f.name)
+            if w.skip:
+                continue
             hint = hints[f.name]
-            self.fields.append(_Field(f.name, _reader(hint), _writer(hint), f.default,
-                                      f.default is not dataclasses.MISSING
-                                      or f.default_factory is not dataclasses.MISSING,
-                                      _is_optional(hint), meta))
+            has_default = f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING
+            self.reads.append((f.name, _reader(hint), w.missing, w.missing_from, has_default, _is_optional(hint)))
+            self.writes.append((f.name, _writer(hint), w.omit_default, f.default, w.written_with))
 
     def write(self, value: Any) -> dict[str, Any]:
         doc: dict[str, Any] = {} if self.schema.version is None else {"v": self.schema.version}
-        for f in self.fields:
-            w = f.wire
-            if w.skip:
+        for name, write, omit_default, default, written_with in self.writes:
+            item = getattr(value, name)
+            if (omit_default and item == default) or (written_with is not None and written_with not in doc):
                 continue
-            item = getattr(value, f.name)
-            if (w.omit_default and item == f.default) or (w.written_with is not None and w.written_with not in doc):
-                continue
-            doc[f.name] = item if f.write is None or item is None else f.write(item)
+            doc[name] = item if write is None or item is None else write(item)
         return doc
 
-    def read(self, doc: Any, label: str, key: str | None) -> Any:
+    def read(self, doc: Any, label: Label, key: Label | None) -> Any:
         if not isinstance(doc, AbcMapping):
             if key is None:
-                raise _Problem(f"{label}: not a JSON object ({type(doc).__name__})")
-            raise _Problem(f"{label}: {key} must be a JSON object, not {doc!r:.80}")
+                raise _Problem(f"{_text(label)}: not a JSON object ({type(doc).__name__})")
+            raise _fail(label, key, doc, "a JSON object")
         if key is not None:
-            label = f"{label} {key}"
+            label = ("in", label, key)
         version = self.schema.version
         if version is not None and doc.get("v") != version:
-            raise _Problem(f"{label}: schema version {doc.get('v')!r}; this tpassrun reads v{version}")
+            raise _Problem(f"{_text(label)}: schema version {doc.get('v')!r}; this tpassrun reads v{version}")
         if self.schema.named_by is not None:
-            label = f"{label} {doc.get(self.schema.named_by)!r}"
+            label = ("named", label, doc.get(self.schema.named_by))
         kwargs: dict[str, Any] = {}
-        for f in self.fields:
-            w = f.wire
-            if w.skip:
+        get = doc.get
+        for name, read, missing, missing_from, has_default, optional in self.reads:
+            item = get(name, _NOTHING)
+            if item is not _NOTHING:
+                kwargs[name] = read(item, label, name)
+            elif missing is not _NOTHING:
+                kwargs[name] = missing
+            elif missing_from is not None and missing_from in kwargs:
+                kwargs[name] = kwargs[missing_from]
+            elif has_default:
                 continue
-            if f.name in doc:
-                kwargs[f.name] = f.read(doc[f.name], label, f.name)
-            elif w.missing is not _NOTHING:
-                kwargs[f.name] = w.missing
-            elif w.missing_from is not None and w.missing_from in kwargs:
-                kwargs[f.name] = kwargs[w.missing_from]
-            elif f.has_default:
-                continue
-            elif f.optional:
-                kwargs[f.name] = None
+            elif optional:
+                kwargs[name] = None
             else:
-                raise _Problem(f"{label}: {f.name} is missing")
+                raise _Problem(f"{_text(label)}: {name} is missing")
         value = self.cls(**kwargs)
         if self.schema.check is not None and (why := self.schema.check(value)) is not None:
-            raise _Problem(f"{label}: {why}")
+            raise _Problem(f"{_text(label)}: {why}")
         return value
 
 
@@ -230,10 +242,6 @@ def _union_args(hint: Any) -> tuple[Any, ...] | None:
     return None
 
 
-def _fail(label: str, key: str, value: Any, what: str) -> _Problem:
-    return _Problem(f"{label}: {key} must be {what}, not {value!r:.80}")
-
-
 def _reader(hint: Any) -> Reader:
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Annotated:
@@ -244,19 +252,13 @@ def _reader(hint: Any) -> Reader:
             raise TypeError(f"unsupported union {hint!r}: only X | None")
         inner = _reader(rest[0])
 
-        def read_optional(value: Any, label: str, key: str) -> Any:
+        def read_optional(value: Any, label: Label, key: Label) -> Any:
             return None if value is None else inner(value, label, key)
         return read_optional
     if hint is Any:
         return lambda value, label, key: value
     if hint in _SCALARS:
-        accepts, what = _SCALARS[hint]
-
-        def read_scalar(value: Any, label: str, key: str) -> Any:
-            if not accepts(value):
-                raise _fail(label, key, value, what)
-            return float(value) if hint is float else value
-        return read_scalar
+        return _SCALARS[hint]
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return _enum_reader(hint)
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
@@ -270,37 +272,58 @@ def _reader(hint: Any) -> Reader:
 
 
 def _constrained(inner: Reader, constraints: tuple[Any, ...]) -> Reader:
-    def read(value: Any, label: str, key: str) -> Any:
+    least = [c.value for c in constraints if isinstance(c, Min)]
+    most = [c.value for c in constraints if isinstance(c, Max)]
+    among = [c.values for c in constraints if isinstance(c, OneOf)]
+
+    def read(value: Any, label: Label, key: Label) -> Any:
         value = inner(value, label, key)
-        for c in constraints:
-            if isinstance(c, Min) and value < c.value:
-                raise _Problem(f"{label}: {key} must be >= {c.value}, not {value}")
-            if isinstance(c, Max) and value > c.value:
-                raise _Problem(f"{label}: {key} must be <= {c.value}, not {value}")
-            if isinstance(c, OneOf) and value not in c.values:
-                raise _Problem(f"{label}: {key} {value!r} is not one of {', '.join(c.values)}")
+        for m in least:
+            if value < m:
+                raise _problem(label, key, f"must be >= {m}, not {value}")
+        for m in most:
+            if value > m:
+                raise _problem(label, key, f"must be <= {m}, not {value}")
+        for values in among:
+            if value not in values:
+                raise _Problem(f"{_text(label)}: {_text(key)} {value!r} is not one of {', '.join(values)}")
         return value
     return read
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+def _read_str(value: Any, label: Label, key: Label) -> Any:
+    if isinstance(value, str):
+        return value
+    raise _fail(label, key, value, "a string")
 
 
-_SCALARS: dict[Any, tuple[Callable[[Any], bool], str]] = {
-    str: (lambda v: isinstance(v, str), "a string"),
-    int: (_is_int, "an integer"),
-    float: (lambda v: isinstance(v, (int, float)) and not isinstance(v, bool), "a number"),
-    bool: (lambda v: isinstance(v, bool), "true or false"),
-}
+def _read_int(value: Any, label: Label, key: Label) -> Any:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise _fail(label, key, value, "an integer")
+
+
+def _read_float(value: Any, label: Label, key: Label) -> Any:
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    raise _fail(label, key, value, "a number")
+
+
+def _read_bool(value: Any, label: Label, key: Label) -> Any:
+    if isinstance(value, bool):
+        return value
+    raise _fail(label, key, value, "true or false")
+
+
+_SCALARS: dict[Any, Reader] = {str: _read_str, int: _read_int, float: _read_float, bool: _read_bool}
 
 
 def _enum_reader(cls: type[enum.Enum]) -> Reader:
-    def read(value: Any, label: str, key: str) -> Any:
+    def read(value: Any, label: Label, key: Label) -> Any:
         try:
             return cls(value)
         except ValueError:
-            raise _Problem(f"{label}: {key} {value!r:.80} is not one of "
+            raise _Problem(f"{_text(label)}: {_text(key)} {value!r:.80} is not one of "
                            f"{', '.join(str(m.value) for m in cls)}") from None
     return read
 
@@ -309,18 +332,18 @@ def _sequence_reader(origin: Any, args: tuple[Any, ...]) -> Reader:
     if origin is tuple and not (len(args) == 2 and args[1] is Ellipsis):
         items = [_reader(a) for a in args]
 
-        def read_fixed(value: Any, label: str, key: str) -> Any:
+        def read_fixed(value: Any, label: Label, key: Label) -> Any:
             if not isinstance(value, list) or len(value) != len(items):
                 raise _fail(label, key, value, f"a list of {len(items)}")
-            return tuple(read(v, label, f"{key}[{i}]") for i, (read, v) in enumerate(zip(items, value)))
+            return tuple(read(v, label, ("at", key, i)) for i, (read, v) in enumerate(zip(items, value)))
         return read_fixed
     item = _reader(args[0])
     make: Callable[[Any], Any] = tuple if origin is tuple else list
 
-    def read_sequence(value: Any, label: str, key: str) -> Any:
+    def read_sequence(value: Any, label: Label, key: Label) -> Any:
         if not isinstance(value, list):
             raise _fail(label, key, value, "a list")
-        return make(item(v, label, f"{key}[{i}]") for i, v in enumerate(value))
+        return make([item(v, label, ("at", key, i)) for i, v in enumerate(value)])
     return read_sequence
 
 
@@ -329,15 +352,15 @@ def _mapping_reader(args: tuple[Any, ...]) -> Reader:
     if key_type not in (str, int):
         raise TypeError(f"a JSON object's keys are str (or int, written in decimal), not {key_type!r}")
 
-    def read_mapping(value: Any, label: str, key: str) -> Any:
+    def read_mapping(value: Any, label: Label, key: Label) -> Any:
         if not isinstance(value, AbcMapping):
             raise _fail(label, key, value, "a JSON object")
         out: dict[Any, Any] = {}
         for k, v in value.items():
             if not isinstance(k, str) or (key_type is int and not k.isdigit()):
-                raise _Problem(f"{label}: {key} must be keyed by {'ranks' if key_type is int else 'strings'}, "
-                               f"not {k!r:.40}")
-            out[int(k) if key_type is int else k] = item(v, label, f"{key}[{k}]")
+                raise _problem(label, key, f"must be keyed by {'ranks' if key_type is int else 'strings'}, "
+                                           f"not {k!r:.40}")
+            out[int(k) if key_type is int else k] = item(v, label, ("at", key, k))
         return out
     return read_mapping
 
