@@ -39,7 +39,7 @@ class EventKind(str, Enum):
 
 
 @dataclass(frozen=True)
-class NodeInfo:
+class NodeInfo(schema.Record):
     """What an agent says about itself when it registers (``nodes/<node_id>``)."""
 
     node_id: str
@@ -53,16 +53,9 @@ class NodeInfo:
 
     SCHEMA: ClassVar[schema.Schema] = schema.Schema("node record", version=SCHEMA_VERSION)
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "NodeInfo":
-        return schema.load(cls, doc)
-
 
 @dataclass(frozen=True)
-class Member:
+class Member(schema.Record):
     """A node's place in a generation. Global ranks of its workers are ``rank_offset .. rank_offset+nproc-1``."""
 
     node_id: str
@@ -75,16 +68,9 @@ class Member:
 
     SCHEMA: ClassVar[schema.Schema] = schema.Schema("member")
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "Member":
-        return schema.load(cls, doc)
-
 
 @dataclass(frozen=True)
-class Generation:
+class Generation(schema.Record):
     """One version of the run's membership (etcd key ``generation``).
 
     The record is rewritten in place (same ``number``) when the leader notes a lost node, a waiting node
@@ -145,9 +131,6 @@ class Generation:
         """The ranks this generation places on ``node_id`` (a member whose ranks swaps all moved has none)."""
         return tuple(sorted(r for r, (n, _s) in self.homes().items() if n == node_id))
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
     @classmethod
     def from_json(cls, doc: Any, revision: int = 0) -> "Generation":
         gen = schema.load(cls, doc)
@@ -158,7 +141,7 @@ class Generation:
 
 
 @dataclass(frozen=True)
-class Closed:
+class Closed(schema.Record):
     """``closed``: the run is over (written once, by the agent that closes it)."""
 
     reason: str = field(metadata=wire(missing=""))
@@ -167,16 +150,9 @@ class Closed:
 
     SCHEMA: ClassVar[schema.Schema] = schema.Schema("closed record", version=SCHEMA_VERSION)
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "Closed":
-        return schema.load(cls, doc)
-
 
 @dataclass(frozen=True)
-class Leader:
+class Leader(schema.Record):
     """``leader`` (under the leader's lease): who decides the run's generations."""
 
     node_id: str
@@ -185,12 +161,9 @@ class Leader:
 
     SCHEMA: ClassVar[schema.Schema] = schema.Schema("leader record", version=SCHEMA_VERSION)
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
 
 @dataclass(frozen=True)
-class Bootstrap:
+class Bootstrap(schema.Record):
     """``bootstrap/<number>``: where generation ``number``'s workers meet (group rank 0's store)."""
 
     number: int
@@ -198,13 +171,6 @@ class Bootstrap:
     port: Port
 
     SCHEMA: ClassVar[schema.Schema] = schema.Schema("bootstrap address", version=SCHEMA_VERSION)
-
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "Bootstrap":
-        return schema.load(cls, doc)
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ HANDLED_COALESCED = "coalesced"    # ``handled_by``: its rank had already left t
 
 
 @dataclass(frozen=True)
-class Taint:
+class Taint(schema.Record):
     """``taints/<id>``: a slot or rank that must not run (or not be handed out).
 
     ``slot`` is the agent's worker slot index on ``node_id`` (what the agents and the coordinator match on);
@@ -64,13 +64,6 @@ class Taint:
         if self.effect is TaintEffect.NONE:
             raise RecordError(f"taint {self.id}: effect none taints nothing")
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "Taint":
-        return schema.load(cls, doc)
-
     def handled(self, by: str | None, state: str, **where: Any) -> "Taint":
         return dataclasses.replace(self, handled_by=by, state=state, **where)
 
@@ -81,7 +74,7 @@ class Taint:
 
 # ---------------------------------------------------------------------------------------------- failures
 @dataclass(frozen=True)
-class Failure:
+class Failure(schema.Record):
     """``failures/<node>-<slot>``: a managed worker died; the leader's coordinator decides its recovery."""
 
     node: str
@@ -102,20 +95,13 @@ class Failure:
 
     SCHEMA: ClassVar[schema.Schema] = record("worker failure")
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "Failure":
-        return schema.load(cls, doc)
-
     def mark(self, handled: str, reason: str) -> "Failure":
         return dataclasses.replace(self, handled=handled, reason=reason)
 
 
 # ---------------------------------------------------------------------------------------------- fallbacks
 @dataclass(frozen=True)
-class Fallback:
+class Fallback(schema.Record):
     """``fallbacks/<node>``: the coordinator found no live recovery for a death on that node: the node's agent
     restarts the group (torchrun's path)."""
 
@@ -124,10 +110,3 @@ class Fallback:
     slot: NonNegative | None = None     # the dead worker's slot (torchrun's failure report names it)
 
     SCHEMA: ClassVar[schema.Schema] = record("fallback request")
-
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "Fallback":
-        return schema.load(cls, doc)

@@ -19,7 +19,7 @@ from tpassrun.schema import NonNegative, wire
 
 # ---------------------------------------------------------------------------------------------- status
 @dataclass(frozen=True)
-class WorkerRow:
+class WorkerRow(schema.Record):
     """One worker slot in ``status/<node>``: ``WorkerRow(slot, state, ...)``, the rest by keyword (the fields are
     declared in the order of their JSON keys)."""
 
@@ -49,16 +49,9 @@ class WorkerRow:
 
     SCHEMA: ClassVar[schema.Schema] = record("status worker row", versioned=False)
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "WorkerRow":
-        return schema.load(cls, doc)
-
 
 @dataclass(frozen=True)
-class NodeStatus:
+class NodeStatus(schema.Record):
     """``status/<node>`` (under the agent's lease): the node's worker table, for the coordinator and tpassctl.
     ``NodeStatus(node_id, workers, ...)``, the rest by keyword (declared in the order of the JSON keys)."""
 
@@ -75,17 +68,10 @@ class NodeStatus:
 
     SCHEMA: ClassVar[schema.Schema] = record("node status")
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "NodeStatus":
-        return schema.load(cls, doc)
-
 
 # ---------------------------------------------------------------------------------------------- health
 @dataclass(frozen=True)
-class HealthRecord:
+class HealthRecord(schema.Record):
     """``health/<node>`` (under the agent's lease): the monitor's snapshot (readings, verdicts) for display."""
 
     node_id: str = field(metadata=wire(missing=""))
@@ -98,13 +84,6 @@ class HealthRecord:
 
     SCHEMA: ClassVar[schema.Schema] = record("health record")
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "HealthRecord":
-        return schema.load(cls, doc)
-
 
 # ---------------------------------------------------------------------------------------------- run
 @dataclass(frozen=True)
@@ -115,13 +94,9 @@ class RunClosed(Closed):
     SEALED: ClassVar[bool] = True      # written by the rendezvous with the run key's MAC (rendezvous_guard)
     SCHEMA: ClassVar[schema.Schema] = record("closed record")
 
-    @classmethod
-    def from_json(cls, doc: Any) -> "RunClosed":
-        return schema.load(cls, doc)
-
 
 @dataclass(frozen=True)
-class MirrorKey:
+class MirrorKey(schema.Record):
     """``mirror_key`` (created once by the first agent): the run's key for the in-memory mirrors, hex."""
 
     key: str
@@ -130,13 +105,6 @@ class MirrorKey:
 
     def __repr__(self) -> str:   # never print the key
         return "MirrorKey(...)"
-
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "MirrorKey":
-        return schema.load(cls, doc)
 
 
 @sealed

@@ -88,19 +88,12 @@ def load_sealed(key: provenance.RunKey, etcd_key: str, doc: Any) -> Mapping[str,
 
 # ---------------------------------------------------------------------------------------------- records
 @dataclass(frozen=True)
-class PoolInfo:
+class PoolInfo(schema.Record):
     name: str
     created: float
     fingerprint: str           # the pool key's (safe to show): tells pools of different keys apart
 
     SCHEMA: ClassVar[schema.Schema] = record("pool info")
-
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> "PoolInfo":
-        return schema.load(cls, doc)
 
 
 IDLE = "idle"
@@ -108,7 +101,7 @@ SERVING = "serving"
 
 
 @dataclass(frozen=True)
-class PoolNode:
+class PoolNode(schema.Record):
     """``nodes/<node_id>``: a pool node, idle or serving the job named by ``job``."""
 
     node_id: str
@@ -120,16 +113,9 @@ class PoolNode:
 
     SCHEMA: ClassVar[schema.Schema] = record("pool node")
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> "PoolNode":
-        return schema.load(cls, doc)
-
 
 @dataclass(frozen=True)
-class JobSpec:
+class JobSpec(schema.Record):
     """What a pool node needs to start as the job's ``--spare-node``: the launch line minus the script's secrets.
 
     ``run_key_box`` is the job's run key (text) encrypted under the pool key (:func:`box`): the pool node needs
@@ -151,16 +137,9 @@ class JobSpec:
 
     SCHEMA: ClassVar[schema.Schema] = record("job spec", versioned=False)
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "JobSpec":
-        return schema.load(cls, doc)
-
 
 @dataclass(frozen=True)
-class Claim:
+class Claim(schema.Record):
     """``claims/<node_id>``: job ``job`` (its leader ``claimer``, priority ``priority``) holds pool node ``node_id``
     since ``since``. Bound to the claimer's lease."""
 
@@ -176,16 +155,9 @@ class Claim:
 
     SCHEMA: ClassVar[schema.Schema] = record("pool claim")
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> "Claim":
-        return schema.load(cls, doc)
-
 
 @dataclass(frozen=True)
-class HistoryEntry:
+class HistoryEntry(schema.Record):
     """``history/<time>-<node>``: one claim or release, for ``tpassctl pool status``."""
 
     time: float
@@ -195,13 +167,6 @@ class HistoryEntry:
     detail: str = ""
 
     SCHEMA: ClassVar[schema.Schema] = record("pool history")
-
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Mapping[str, Any]) -> "HistoryEntry":
-        return schema.load(cls, doc)
 
 
 # ---------------------------------------------------------------------------------------------- the run key box

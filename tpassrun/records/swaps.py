@@ -47,15 +47,12 @@ class SwapKind(str, enum.Enum):
 
 
 @dataclass(frozen=True)
-class SlotRef:
+class SlotRef(schema.Record):
     node: str
     slot: NonNegative
     rank: NonNegative | None = None
 
     SCHEMA: ClassVar[schema.Schema] = record("slot reference", versioned=False)
-
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
 
     @classmethod
     def from_json(cls, d: Any, what: str = "slot reference") -> "SlotRef":
@@ -67,7 +64,7 @@ def _names_its_rank(move: "Move") -> str | None:
 
 
 @dataclass(frozen=True)
-class Move:
+class Move(schema.Record):
     """One rank of a multi-rank plan (a lost node): from where it was, to the spare that takes it, with the
     replica that streams its model/optimizer and (once the joiner listens) the joiner's address."""
 
@@ -83,16 +80,13 @@ class Move:
         assert self.leaver.rank is not None
         return self.leaver.rank
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
     @classmethod
     def from_json(cls, d: Any, what: str = "move") -> "Move":
         return schema.load(cls, d, what)
 
 
 @dataclass(frozen=True)
-class SwapPlan:
+class SwapPlan(schema.Record):
     """``swaps/<id>``: one swap, advanced phase by phase by the leader (compare-and-swap).
 
     A node plan (``kind`` node) moves every rank of ``lost_node`` at once: ``moves`` lists them (``leaver``,
@@ -176,13 +170,6 @@ class SwapPlan:
     def ranks(self) -> tuple[int, ...]:
         return tuple(m.rank for m in self.all_moves if m.leaver.rank is not None)
 
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "SwapPlan":
-        return schema.load(cls, doc)
-
     def advance(self, phase: Phase, now_wall: float, **changes: Any) -> "SwapPlan":
         if phase not in TRANSITIONS[self.phase]:
             raise ValueError(f"swap {self.id}: {self.phase.value} -> {phase.value} is not allowed")
@@ -190,7 +177,7 @@ class SwapPlan:
 
 
 @dataclass(frozen=True)
-class Report:
+class Report(schema.Record):
     """``reports/<swap id>/<seq>/<node>``: what one agent says about one phase of one swap."""
 
     node: str
@@ -232,10 +219,3 @@ class Report:
 
     SEALED: ClassVar[bool] = True      # carries a MAC of the run key (tpassrun/records/provenance.py)
     SCHEMA: ClassVar[schema.Schema] = record("swap report")
-
-    def to_json(self) -> dict[str, Any]:
-        return schema.dump(self)
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "Report":
-        return schema.load(cls, doc)

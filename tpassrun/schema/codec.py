@@ -30,7 +30,7 @@ import types
 import typing
 from collections.abc import Mapping as AbcMapping
 from dataclasses import dataclass
-from typing import Annotated, Any, Callable, TypeVar
+from typing import Annotated, Any, Callable, ClassVar, Self, TypeVar
 
 T = TypeVar("T")
 
@@ -101,6 +101,19 @@ def wire(*, missing: Any = _NOTHING, missing_from: str | None = None, omit_defau
     while it equals its default; ``written_with``: written only when that (earlier) field is; ``skip``: never
     written nor read (a value derived after reading, or the etcd revision a copy was read at)."""
     return {_WIRE: _Wire(missing, missing_from, omit_default, written_with, skip)}
+
+
+class Record:
+    """A base for a dataclass that is a JSON value: its ``to_json`` and ``from_json``, by the one codec."""
+
+    SCHEMA: ClassVar[Schema] = Schema()
+
+    def to_json(self) -> dict[str, Any]:
+        return dump(self)
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Self:
+        return load(cls, doc)
 
 
 # --------------------------------------------------------------------------------------------- the codec
@@ -396,5 +409,5 @@ def _writer(hint: Any) -> Writer | None:
     return None
 
 
-__all__ = ["Address", "Max", "Min", "NonNegative", "OneOf", "Port", "Positive", "Schema", "SchemaError", "dump",
-           "load", "wire"]
+__all__ = ["Address", "Max", "Min", "NonNegative", "OneOf", "Port", "Positive", "Record", "Schema", "SchemaError",
+           "dump", "load", "wire"]
