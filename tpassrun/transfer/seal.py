@@ -109,6 +109,7 @@ def _frame_label(index: int, length: int) -> bytes:
 
 
 _AHEAD = 2 * _MAC_THREADS    # frames sealed ahead of the one being sent
+SEALED_FRAME_BYTES = 2 << 20  # a sealed stream's frames: its ring (_AHEAD + 2 of them) fits in the cache (bench/transfer.py)
 
 
 class _Ring:

@@ -63,8 +63,8 @@ from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_GMAC, 
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, HandshakeGate
 from tpassrun.transfer.tagger import GMAC_NAME, HMAC_NAME, POLY_NAME, FrameTagger, TagAhead, Verifier, send_parts
-from tpassrun.transfer.seal import (_AUTH_TRAILER, _FRAME_INDEX, _MAC_THREADS, _expect, _tag,  # noqa: F401
-                           listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
+from tpassrun.transfer.seal import (_AUTH_TRAILER, _FRAME_INDEX, _MAC_THREADS, SEALED_FRAME_BYTES, _expect,  # noqa: F401
+                           _tag, listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
 
 log = logging.getLogger("tpassrun.transfer.handoff")
 
@@ -269,6 +269,8 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     sender = _Sender(sock, _corrupt_byte_at)
     if mac is not None:
         checksum = mac_name
+        if checksum == AEAD_NAME:    # its ring of sealed frames stays in the cache until the kernel copies them
+            chunk_bytes = min(chunk_bytes, SEALED_FRAME_BYTES)
         head = _encode_head(bundle.meta, specs, chunk_bytes, checksum)
         send = send_sealed if checksum == AEAD_NAME else _send_signed
         chunks, result = send(sender, mac, checksum, head, views, chunk_bytes)
