@@ -14,9 +14,12 @@ Prints, in one run:
   * the same, encrypted (``encrypt=True``: ``--rdzv-conf encrypt=true``, AES-256-GCM frames), GB/s and CPU per GB;
   * ``capture_rng()`` + ``capture`` + ``encode_small`` per call (target < 100 us), with a breakdown.
 
-``--auth-only``: raw TCP and the authenticated stream into an arena with each frame MAC (GMAC, the default where
-``cryptography`` is installed; Poly1305, the default before; HMAC-SHA256 with ``--hmac``), alternating within each
-round: GB/s, ratio to raw (target >= 0.9), CPU-s per GB both ends, and the load average.
+``--auth-only [--macs gmac-aes-256,poly1305,hmac-sha256] [--chunk-mb 8]``: raw TCP, the authenticated stream into
+a spare's arena with each frame MAC asked for (GMAC, the default where ``cryptography`` is installed), and the
+encrypted one (AES-256-GCM frames), alternating within each round (A/B/C, A/B/C, ...): GB/s medians, the ratio to
+raw (target >= 0.9), CPU-s per GB both ends (median, best, the sender's share), raw's CPU per GB over each one's
+(what the ratio would be if the cores were the limit), and the load average. A receiver's CPU stops when it
+has the verified state (the joiner keeps it: freeing it is not the transfer's).
 
 Raw and handoff rounds alternate so that background load hits both alike. The last line is JSON.
 Figures only, no assertions: this is not a test.
@@ -94,8 +97,8 @@ def bundle_receiver(rounds: int, arena_bytes: int, ports: Any, auth: bool = Fals
                 reserve_receive_arena(arena_bytes)
             cpu_before = cpu_seconds()
             bundle, _stats = accept_and_recv(listener, timeout=600, auth=AUTH if auth else None, encrypt=encrypt)
+            ports.put(cpu_seconds() - cpu_before)   # the joiner keeps the state: freeing it is not the transfer's
             del bundle
-            ports.put(cpu_seconds() - cpu_before)
 
 
 def start_receiver(target: Callable, *args: Any, **kwargs: Any) -> tuple[Any, int]:
@@ -160,49 +163,65 @@ class Sampler:
         self.position, self.epoch = state["position"], state["epoch"]
 
 
-def auth_only(nbytes: int, rounds: int, hmac_too: bool) -> None:
-    """Raw TCP vs the authenticated stream, one frame MAC at a time, alternating within each round."""
+def auth_only(nbytes: int, rounds: int, macs: list[str], chunk_bytes: int) -> None:
+    """Raw TCP, the authenticated stream (each frame MAC in ``macs``) and the encrypted one, alternating within each
+    round (A/B/C/A/B/C...): GB/s, the ratio to raw, CPU-s per GB both ends (medians and best), the load average."""
     import os
 
     model, opt = model_and_optimizer(nbytes)
     bundle = capture({"model": model, "opt": opt}, step=1, rng=capture_rng())
     payload = memoryview(bytearray(b"\x5a" * nbytes))
-    macs = ["gmac-aes-256", "poly1305"] + (["hmac-sha256"] if hmac_too else [])
+    names = ["raw", *macs, "encrypted"]
     load = [os.getloadavg()[0]]
     print(f"state: {bundle.nbytes / 1e6:.0f} MB in {len(bundle.tensors)} tensors; raw {nbytes / 1e6:.0f} MB; {rounds} "
-          f"rounds of raw, {', '.join(macs)} (alternating); load average {load[0]:.1f}", flush=True)
-    raw = start_receiver(raw_receiver, nbytes, rounds)
-    recv = {m: start_receiver(bundle_receiver, rounds, bundle.nbytes + (16 << 20), auth=True) for m in macs}
-    gbps: dict[str, list[float]] = {m: [] for m in ["raw", *macs]}
-    cpu: dict[str, list[float]] = {m: [] for m in ["raw", *macs]}
+          f"rounds of {', '.join(names)} (alternating); frames of {chunk_bytes >> 10} KiB; load average {load[0]:.1f}",
+          flush=True)
+    arena = bundle.nbytes + (16 << 20)
+    recv = {"raw": start_receiver(raw_receiver, nbytes, rounds),
+            **{m: start_receiver(bundle_receiver, rounds, arena, auth=True) for m in macs},
+            "encrypted": start_receiver(bundle_receiver, rounds, arena, auth=True, encrypt=True)}
+    gbps: dict[str, list[float]] = {m: [] for m in names}
+    cpu: dict[str, list[float]] = {m: [] for m in names}
+    send_cpu: dict[str, list[float]] = {m: [] for m in names}
     try:
         for round_no in range(rounds):
-            before = cpu_seconds()
-            gbps["raw"].append(nbytes / send_raw(raw[2], payload) / 1e9)
-            cpu["raw"].append((cpu_seconds() - before + raw[1].get(timeout=600)) / nbytes * 1e9)
-            for mac in macs:
+            for name in names:
                 before = cpu_seconds()
-                stats = connect_and_send("127.0.0.1", recv[mac][2], bundle, timeout=600, auth=AUTH, frame_mac=mac)
-                cpu[mac].append((cpu_seconds() - before + recv[mac][1].get(timeout=600)) / bundle.nbytes * 1e9)
-                gbps[mac].append(stats.gbps)
+                if name == "raw":
+                    gbps[name].append(nbytes / send_raw(recv[name][2], payload) / 1e9)
+                    size = nbytes
+                else:
+                    stats = connect_and_send("127.0.0.1", recv[name][2], bundle, timeout=600, auth=AUTH,
+                                             chunk_bytes=chunk_bytes, frame_mac=None if name == "encrypted" else name,
+                                             encrypt=name == "encrypted")
+                    gbps[name].append(stats.gbps)
+                    size = bundle.nbytes
+                sent = cpu_seconds() - before
+                send_cpu[name].append(sent / size * 1e9)
+                cpu[name].append((sent + recv[name][1].get(timeout=600)) / size * 1e9)
             load.append(os.getloadavg()[0])
             print(f"  round {round_no}: " + ", ".join(f"{m} {gbps[m][-1]:.2f} GB/s ({cpu[m][-1]:.3f} cpu-s/GB)"
-                                                      for m in gbps) + f"; load {load[-1]:.1f}", flush=True)
+                                                      for m in names) + f"; load {load[-1]:.1f}", flush=True)
     finally:
-        for proc, _, _ in [raw, *recv.values()]:
+        for proc, _, _ in recv.values():
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
                 proc.join()
     raw_median = statistics.median(gbps["raw"])
-    summary: dict[str, Any] = {"load": [round(x, 1) for x in load]}
-    for name in gbps:
-        med = statistics.median(gbps[name])
+    raw_cpu = statistics.median(cpu["raw"])
+    summary: dict[str, Any] = {"load": [round(x, 1) for x in load], "chunk_bytes": chunk_bytes}
+    for name in names:
+        med, med_cpu = statistics.median(gbps[name]), statistics.median(cpu[name])
         per_round = [g / r for g, r in zip(gbps[name], gbps["raw"])]
-        print(f"{name:13s} median {med:.2f} GB/s; ratio to raw median/median {med / raw_median:.2f}, per round "
-              f"[{', '.join(f'{x:.2f}' for x in per_round)}] (target >= 0.9); cpu {min(cpu[name]):.3f} s/GB (best)")
+        print(f"{name:13s} median {med:.2f} GB/s; / raw: median/median {med / raw_median:.2f}, per round "
+              f"[{', '.join(f'{x:.2f}' for x in per_round)}]; cpu-s/GB both ends median {med_cpu:.3f} "
+              f"(best {min(cpu[name]):.3f}; sender {statistics.median(send_cpu[name]):.3f}); raw cpu / this cpu "
+              f"{raw_cpu / med_cpu:.2f}")
         summary[name] = {"gbps": [round(x, 3) for x in gbps[name]], "ratio_median": round(med / raw_median, 3),
-                         "cpu_s_per_gb_best": round(min(cpu[name]), 3)}
+                         "cpu_s_per_gb": [round(x, 3) for x in cpu[name]],
+                         "cpu_s_per_gb_median": round(med_cpu, 3), "cpu_ratio": round(raw_cpu / med_cpu, 3),
+                         "sender_cpu_s_per_gb_median": round(statistics.median(send_cpu[name]), 3)}
     print(json.dumps(summary))
 
 
@@ -211,11 +230,15 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=300, help="size of the raw buffer and of the tracked state, MB")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--auth-only", action="store_true", help="raw TCP vs the authenticated stream per frame MAC")
-    parser.add_argument("--hmac", action="store_true", help="with --auth-only: HMAC-SHA256 frames too")
+    parser.add_argument("--macs", default="gmac-aes-256",
+                        help="with --auth-only: the frame MACs to measure (comma-separated: gmac-aes-256, poly1305, "
+                             "hmac-sha256)")
+    parser.add_argument("--chunk-mb", type=float, default=CHUNK / (1 << 20),
+                        help="with --auth-only: the sender's frame size, MiB")
     args = parser.parse_args()
     nbytes = args.mb * 10**6
     if args.auth_only:
-        auth_only(nbytes, args.rounds, args.hmac)
+        auth_only(nbytes, args.rounds, [m for m in args.macs.split(",") if m], int(args.chunk_mb * (1 << 20)))
         return
 
     model, opt = model_and_optimizer(nbytes)

@@ -19,7 +19,7 @@ import collections
 import hmac
 import os
 import struct
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 from tpassrun.transfer.codec import ChecksumError, HandoffError, StateBundle
@@ -83,12 +83,13 @@ def send_sealed(sender: Any, mac: FrameMac, name: str, head: bytes, views: list[
     sender.send(prefix + sealed_head + _tag(mac.copy(), b"head", [prefix, sealed_head]), "header")
     frames = _frames(views, frame_bytes)
     tags: list[bytes] = []
+    ring = _Ring(frames)
     with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-aead") as pool:
-        ahead: collections.deque[Future[bytearray]] = collections.deque()
+        ahead: collections.deque[Future[memoryview]] = collections.deque()
         queued = 0
         for index in range(len(frames)):
-            while queued < len(frames) and queued <= index + 2 * _MAC_THREADS:
-                ahead.append(pool.submit(_seal_frame, cipher, queued, frames[queued]))
+            while queued < len(frames) and queued <= index + _AHEAD:
+                ahead.append(pool.submit(_seal_frame, cipher, queued, frames[queued], ring.buffer(queued)))
                 queued += 1
             out = ahead.popleft().result()
             sender.send(out, f"frame #{index}")
@@ -107,15 +108,34 @@ def _frame_label(index: int, length: int) -> bytes:
     return b"data" + _FRAME_INDEX.pack(index, length)
 
 
-def _seal_frame(cipher: FrameCipher, index: int, pieces: list[memoryview]) -> bytearray:
+_AHEAD = 2 * _MAC_THREADS    # frames sealed ahead of the one being sent
+SEALED_FRAME_BYTES = 2 << 20  # a sealed stream's frames: its ring (_AHEAD + 2 of them) fits in the cache (bench/transfer.py)
+
+
+class _Ring:
+    """The buffers sealed frames are written into (sender) or read into (receiver): frame i uses buffer
+    i % (_AHEAD + 2), allocated and faulted in once per transfer, not once per frame. Invariant: a buffer is reused
+    only once the frame it held was sent (sender: at most _AHEAD frames are sealed ahead of the one on the wire)
+    or opened (receiver: :func:`read_sealed` waits for that frame's decryption first)."""
+
+    def __init__(self, frames: list[list[memoryview]]) -> None:
+        largest = max((sum(len(p) for p in pieces) for pieces in frames), default=0)
+        self._buffers = [bytearray(largest + AEAD_TAG_LEN) for _ in range(min(len(frames), _AHEAD + 2))]
+
+    def buffer(self, index: int, length: int | None = None) -> memoryview:
+        buf = self._buffers[index % len(self._buffers)]
+        return memoryview(buf)[:len(buf) if length is None else length]
+
+
+def _seal_frame(cipher: FrameCipher, index: int, pieces: list[memoryview], out: memoryview) -> memoryview:
     length = sum(len(p) for p in pieces)
     data: Any = pieces[0] if len(pieces) == 1 else b"".join(pieces)
-    out = bytearray(length + AEAD_TAG_LEN)
+    out = out[:length + AEAD_TAG_LEN]
     cipher.seal_into(index, _frame_label(index, length), data, out)
     return out
 
 
-def _open_frame(cipher: FrameCipher, index: int, sealed: bytearray, pieces: list[memoryview]) -> bytes:
+def _open_frame(cipher: FrameCipher, index: int, sealed: memoryview, pieces: list[memoryview]) -> bytes:
     """Decrypt frame ``index`` into its tensors' bytes (straight into a single piece); its tag, for the end
     tag's check. A forged or altered frame is a ChecksumError."""
     length = len(sealed) - AEAD_TAG_LEN
@@ -144,11 +164,14 @@ def read_sealed(reader: _SocketReader, mac: FrameMac, cipher: FrameCipher, head_
     tensors, views = _allocate_all(head.specs, use_arena=True)
     frames = _frames(views, head.chunk_bytes)
     tags: list[bytes] = []
+    ring = _Ring(frames)
     with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-aead") as pool:
         checks: list[Future[bytes]] = []
         for index, pieces in enumerate(frames):
-            sealed = bytearray(sum(len(p) for p in pieces) + AEAD_TAG_LEN)
-            reader.read_into(memoryview(sealed), f"frame #{index} of {len(frames)}")
+            if index >= _AHEAD + 2:
+                wait([checks[index - _AHEAD - 2]])    # that frame's buffer is this one's: opened first
+            sealed = ring.buffer(index, sum(len(p) for p in pieces) + AEAD_TAG_LEN)
+            reader.read_into(sealed, f"frame #{index} of {len(frames)}")
             tags.append(bytes(sealed[-AEAD_TAG_LEN:]))
             checks.append(pool.submit(_open_frame, cipher, index, sealed, pieces))
         trailer = reader.read_exact(_AUTH_TRAILER.size, "trailer")

@@ -32,8 +32,8 @@ have it (:mod:`tpassrun.transfer.poly1305`; the receiver's hello says whether it
 (FMAC_i = MAC; one line says so once per process on a host without it). Why: SHA-256 is ~2 GB/s per core even with
 SHA instructions, so an HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305
 runs at 10-15 GB/s per core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream:
-independent frame tags are computed by a small pool of threads (the MACs release the GIL): the sender has them
-ready before the frame is on the wire, the receiver verifies frame i while frame i+1 arrives
+independent frame tags are computed off the socket's thread (:mod:`tpassrun.transfer.tagger`; the MACs release the
+GIL): the sender tags frame i+1 while frame i is on the wire, the receiver verifies frame i while frame i+1 arrives
 (``bench/transfer.py``).
 
 A listener serves every connection's handshake at once (:class:`~tpassrun.transfer.gate.HandshakeGate`), each within
@@ -44,13 +44,11 @@ is tried again at once (:func:`connect_and_send`): a stranger can neither hold t
 
 from __future__ import annotations
 
-import collections
 import hmac
 import logging
 import socket
 import struct
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -64,8 +62,9 @@ from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_GMAC, 
                        ConnectorHandshake, FrameCipher, FrameMac, ListenerHandshake, TransferAuth, encryption_wanted)
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, HandshakeGate
-from tpassrun.transfer.seal import (_AUTH_TRAILER, _FRAME_INDEX, _MAC_THREADS, _expect, _tag,  # noqa: F401
-                           listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
+from tpassrun.transfer.tagger import GMAC_NAME, HMAC_NAME, POLY_NAME, FrameTagger, TagAhead, Verifier, send_parts
+from tpassrun.transfer.seal import (_AUTH_TRAILER, _FRAME_INDEX, _MAC_THREADS, SEALED_FRAME_BYTES, _expect,  # noqa: F401
+                           _tag, listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
 
 log = logging.getLogger("tpassrun.transfer.handoff")
 
@@ -76,9 +75,7 @@ __all__ = ["AuthError", "TransferAuth", "TransferStats", "accept_and_recv", "acc
 _ACK_MAGIC = b"TPAK"
 _ACK = struct.Struct("<4sI")
 _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
-_HMAC_CHECKSUM = "hmac-sha256"
-_POLY_CHECKSUM = "poly1305"
-_GMAC_CHECKSUM = "gmac-aes-256"
+_HMAC_CHECKSUM, _POLY_CHECKSUM, _GMAC_CHECKSUM = HMAC_NAME, POLY_NAME, GMAC_NAME
 _FRAME_MACS = (_GMAC_CHECKSUM, _POLY_CHECKSUM, _HMAC_CHECKSUM)
 _MAX_AUTH_HEAD_BYTES = 64 << 20        # what a signed head may claim before its tag was checked
 _STRANGER_LINES = Throttle()           # one warning line per source a minute, however many strangers it sends
@@ -197,16 +194,6 @@ def _frame_tag_len(name: str) -> int:
     return poly1305.TAG_LEN if name == _POLY_CHECKSUM else TAG_LEN
 
 
-def _data_tag(mac: FrameMac, name: str, index: int, pieces: list[memoryview]) -> bytes:
-    """Frame ``index``'s tag (``mac`` is a fresh copy of the connection's: the pool runs these)."""
-    label = b"data" + _FRAME_INDEX.pack(index, sum(len(p) for p in pieces))
-    if name == _GMAC_CHECKSUM:    # the key serves this connection's data frames only; the nonce is the frame's index
-        return gmac.tag(mac.one_time_key(b"gmac-data"), index, [label, *pieces])
-    if name == _POLY_CHECKSUM:
-        return poly1305.tag(mac.one_time_key(b"data" + index.to_bytes(8, "little")), [label, *pieces])
-    return _tag(mac, label, pieces)
-
-
 # ---------------------------------------------------------------------------------------------
 # sending
 
@@ -228,6 +215,22 @@ class _Sender:
             data = tampered
         try:
             self._sock.sendall(data)
+        except TimeoutError as exc:
+            raise HandoffError(f"sending {what}: receiver made no progress for {self._sock.gettimeout()} s") from exc
+        except OSError as exc:
+            raise HandoffError(f"sending {what}: connection lost ({exc})") from exc
+        self.offset += n
+
+    def send_frame(self, pieces: list[memoryview], tag: bytes, what: str) -> None:
+        """A data frame and its tag, in one ``sendmsg`` where the socket takes it (no test corruption asked)."""
+        n = sum(len(p) for p in pieces) + len(tag)
+        if self._corrupt_byte_at is not None:
+            for piece in pieces:
+                self.send(piece, what)
+            self.send(tag, f"{what}'s tag")
+            return
+        try:
+            send_parts(self._sock, [*pieces, tag])
         except TimeoutError as exc:
             raise HandoffError(f"sending {what}: receiver made no progress for {self._sock.gettimeout()} s") from exc
         except OSError as exc:
@@ -266,6 +269,8 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     sender = _Sender(sock, _corrupt_byte_at)
     if mac is not None:
         checksum = mac_name
+        if checksum == AEAD_NAME:    # its ring of sealed frames stays in the cache until the kernel copies them
+            chunk_bytes = min(chunk_bytes, SEALED_FRAME_BYTES)
         head = _encode_head(bundle.meta, specs, chunk_bytes, checksum)
         send = send_sealed if checksum == AEAD_NAME else _send_signed
         chunks, result = send(sender, mac, checksum, head, views, chunk_bytes)
@@ -309,17 +314,10 @@ def _send_signed(sender: _Sender, mac: FrameMac, name: str, head: bytes, views: 
     sender.send(head + _tag(mac.copy(), b"head", [head[:_PREFIX_LEN], head[_PREFIX_LEN:]]), "header")
     frames = _frames(views, frame_bytes)
     tags: list[bytes] = []
-    with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-mac") as pool:
-        ahead: collections.deque[Future[bytes]] = collections.deque()
-        queued = 0
+    with TagAhead(FrameTagger(mac, name), frames) as ahead:
         for index, pieces in enumerate(frames):
-            while queued < len(frames) and queued <= index + 2 * _MAC_THREADS:
-                ahead.append(pool.submit(_data_tag, mac.copy(), name, queued, frames[queued]))
-                queued += 1
-            for piece in pieces:
-                sender.send(piece, f"frame #{index}")
-            tags.append(ahead.popleft().result())
-            sender.send(tags[-1], f"frame #{index}'s tag")
+            tags.append(ahead.tag(index))     # computed while the frame before was on the wire
+            sender.send_frame(pieces, tags[-1], f"frame #{index}")
     data_len = sum(len(v) for v in views)
     trailer = _AUTH_TRAILER.pack(_END_MAGIC, data_len, len(frames))
     end = _tag(mac.copy(), b"end", [trailer, *tags])
@@ -423,17 +421,15 @@ def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None, en
     tensors, views = _allocate_all(head.specs, use_arena=True)
     frames = _frames(views, head.chunk_bytes)
     tags: list[bytes] = []
-    with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-mac") as pool:
-        checks: list[Future[bytes]] = []
+    with Verifier(FrameTagger(mac, head.checksum)) as verifier:
         for index, pieces in enumerate(frames):
             for piece in pieces:
                 reader.read_into(piece, f"frame #{index} of {len(frames)}")
             tags.append(reader.read_exact(tag_len, f"frame #{index}'s tag"))
-            checks.append(pool.submit(_data_tag, mac.copy(), head.checksum, index, pieces))   # verified meanwhile
+            verifier.check(index, pieces, tags[-1])     # verified while the next frame arrives
         trailer = reader.read_exact(_AUTH_TRAILER.size, "trailer")
         end = reader.read_exact(TAG_LEN, "the end tag")
-        for index, check in enumerate(checks):   # the whole stream is read first: the sender hears the verdict
-            _expect(check, tags[index], index)
+        verifier.wait()     # the whole stream is read first: the sender hears the verdict
     end_magic, data_len, count = _AUTH_TRAILER.unpack(trailer)
     if not hmac.compare_digest(end, _tag(mac.copy(), b"end", [trailer, *tags])) or end_magic != _END_MAGIC \
             or count != len(frames) or data_len != sum(len(v) for v in views):
