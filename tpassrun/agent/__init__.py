@@ -80,9 +80,9 @@ class Agent:
     """Construct with a resolved :class:`LaunchConfig`; ``await run()`` does everything and returns the exit code.
 
     Composed of parts that share one :class:`~tpassrun.agent.state.AgentState` (each holds it and the parts it
-    calls), wired once here (no I/O): the workers' store (store.py), the generation's background tasks (tasks.py),
-    the workers (workers.py), the cause of a worker's exception (cause.py), supervision and fencing (supervise.py).
-    This class is the lifecycle and the generation loop."""
+    calls), wired once here (their constructors do no I/O): the workers' store (store.py), the generation's
+    background tasks (tasks.py), the workers (workers.py), the cause of a worker's exception (cause.py), supervision
+    and fencing (supervise.py). This class is the lifecycle and the generation loop."""
 
     def __init__(self, cfg: LaunchConfig, *, environ: dict[str, str] | None = None) -> None:
         self.cfg = cfg
