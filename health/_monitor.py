@@ -38,7 +38,7 @@ class HealthMonitor:
                  clock: Callable[[], float] = time.monotonic,
                  log: Callable[[str], None] = _logger.info,
                  straggler: StragglerDetector | None = None,
-                 step_times: Callable[[], Mapping[int, float]] | None = None) -> None:
+                 step_times: Callable[[], Mapping[int, float | None]] | None = None) -> None:
         if interval <= 0:
             raise ValueError(f"health interval must be > 0, got {interval}")
         if (straggler is None) != (step_times is None):

@@ -55,8 +55,8 @@ class StragglerDetector:
         """Drop a rank's history (its slot changed: a swap put another process behind the rank)."""
         self._ranks.pop(rank, None)
 
-    def observe(self, step_times: Mapping[int, float], now: float) -> list[HealthVerdict]:
-        """Add one step time per rank; return a verdict for every rank in ``step_times``."""
+    def observe(self, step_times: Mapping[int, float | None], now: float) -> list[HealthVerdict]:
+        """Add one step time per rank (None: no new step since); return a verdict for every rank in ``step_times``."""
         for rank, seconds in step_times.items():
             state = self._ranks.get(rank)
             if state is None:

@@ -15,15 +15,17 @@ from tpassrun.channel.protocol import Done, Hello
 from tpassrun.channel.slots import Slot, SlotState
 
 
-class _Agent(WorkerSpawning):
-    """WorkerSpawning's surface _on_worker_message uses: the event log, the publication, the mirror, the queue."""
+class _Agent:
+    """What WorkerSpawning.on_worker_message uses: the agent state's event log, mirror and queue, and the publication
+    (GenerationTasks.publish_status)."""
 
     def __init__(self) -> None:
         self.published = 0
         self.said: list[str] = []
         self.events = types.SimpleNamespace(write=lambda name, **_: self.said.append(name))
         self.mirror = None
-        self._queue: asyncio.Queue = asyncio.Queue()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.workers = WorkerSpawning(self, store=None, tasks=self)
 
     async def publish_status(self) -> None:
         self.published += 1
@@ -32,13 +34,13 @@ class _Agent(WorkerSpawning):
 def test_a_ranks_hello_and_a_spares_are_published_at_once():
     async def scenario() -> _Agent:
         agent = _Agent()
-        agent._on_worker_message(Slot(0, rank=0, state=SlotState.RUNNING), Hello(pid=11))
-        agent._on_worker_message(Slot(1, rank=None, state=SlotState.SPARE), Hello(pid=12, spare=True))
-        agent._on_worker_message(Slot(0, rank=0, state=SlotState.RUNNING), Done(step=3))
+        agent.workers.on_worker_message(Slot(0, rank=0, state=SlotState.RUNNING), Hello(pid=11))
+        agent.workers.on_worker_message(Slot(1, rank=None, state=SlotState.SPARE), Hello(pid=12, spare=True))
+        agent.workers.on_worker_message(Slot(0, rank=0, state=SlotState.RUNNING), Done(step=3))
         await asyncio.sleep(0)
         return agent
 
     agent = asyncio.run(scenario())
     assert agent.published == 2                      # each hello, nothing else
     assert agent.said == ["spare_ready"]             # only the spare's is an event
-    assert agent._queue.qsize() == 3                 # and the supervisor still hears every message
+    assert agent.queue.qsize() == 3                 # and the supervisor still hears every message

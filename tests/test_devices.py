@@ -95,7 +95,7 @@ def _effective_gpu(env: dict[str, str], local_rank: int, devices: list[str]) -> 
 @pytest.mark.parametrize("devices", [EIGHT, ["2", "3", "5", "7", "11", "13", "17", "19"]])
 @pytest.mark.parametrize("tainted", [{0}, {3}, {7}, {2, 5}])
 def test_a_restart_after_a_taint_never_puts_a_rank_on_the_tainted_gpu(devices, tainted):
-    """The agent's restart places local ranks 0..6 on the healthy slots in order (agent._spawn_generation);
+    """The agent's restart places local ranks 0..6 on the healthy slots in order (agent/workers.py: WorkerSpawning.spawn_generation);
     every rank must land on its slot's GPU: distinct, and never a quarantined slot's."""
     nproc = 8 - len(tainted)
     usable = [s for s in range(8) if s not in tainted]

@@ -51,13 +51,18 @@ class _Proc:
             return False
 
 
-class _Agent(GenerationTasks):
+class _Agent:
+    """The agent state the watchdog reads (GenerationTasks holds it), the store's standby, and the part."""
+
     def __init__(self, slots: LocalSlots, hang_timeout: float) -> None:
         self.slots = slots
         self.cfg = types.SimpleNamespace(hang_timeout=hang_timeout)
         self.swapper = types.SimpleNamespace(busy=True)      # a swap (or another node's recovery) runs
+        self.node_id = self.generation = self.rdzv = self.mirror = self.health = None
         self.said: list[dict] = []
         self.events = types.SimpleNamespace(write=lambda name, **kw: self.said.append({"event": name, **kw}))
+        self._standby_store = None                          # WorkersStore.standby: a test that reaches it sets it
+        self.tasks = GenerationTasks(self, types.SimpleNamespace(standby=lambda: self._standby_store()))
 
 
 async def _stopped(proc: _Proc) -> None:
@@ -91,10 +96,10 @@ def test_stopped_processes_are_killed_whatever_their_phase_and_during_a_swap():
             agent = _Agent(slots, hang_timeout=10.0)
             since: dict[int, int] = {}
             now = 1_000_000_000
-            assert not agent._kill_stopped(since, now, 10**10)     # seen stopped: the count starts
+            assert not agent.tasks._kill_stopped(since, now, 10**10)     # seen stopped: the count starts
             await _stopped(procs[3])
             os.kill(procs[3].pid, signal.SIGCONT)
-            assert agent._kill_stopped(since, now + 10**10, 10**10)
+            assert agent.tasks._kill_stopped(since, now + 10**10, 10**10)
             for p in procs[:3]:
                 assert p.p.wait() == -signal.SIGKILL
             assert procs[3].returncode is None
@@ -122,7 +127,7 @@ def test_the_watchdog_loop_kills_a_stopped_spare_while_a_swap_runs():
         spare.proc, spare.managed, spare.state = proc, True, SlotState.SPARE
         slots.channel.set(spare.index, Field.PHASE, int(WorkerPhase.SPARE))
         agent = _Agent(slots, hang_timeout=0.2)
-        task = asyncio.ensure_future(agent._hang_watchdog())
+        task = asyncio.ensure_future(agent.tasks.hang_watchdog())
         try:
             await _stopped(proc)
             while proc.returncode is None:      # bounded by the test's timeout
@@ -167,7 +172,7 @@ def test_ranks_stale_on_a_silent_node_are_held_for_its_lease_then_the_watchdog_a
         async def standby() -> None:
             agent.said.append({"event": "standby"})
         agent._standby_store = standby
-        task = asyncio.ensure_future(agent._hang_watchdog())
+        task = asyncio.ensure_future(agent.tasks.hang_watchdog())
         t0 = asyncio.get_running_loop().time()
         try:
             while proc.returncode is None:      # bounded by the test's timeout
@@ -211,7 +216,7 @@ def test_a_worker_asking_whose_fault_its_exception_is_holds_the_watchdog_back():
         async def standby() -> None:
             pass
         agent._standby_store = standby
-        task = asyncio.ensure_future(agent._hang_watchdog())
+        task = asyncio.ensure_future(agent.tasks.hang_watchdog())
         try:
             await asyncio.sleep(3.0)           # past REMOTE_HANG_GRACE_S: it would have killed by now
             assert peer.returncode is None and asking.returncode is None, agent.said

@@ -234,7 +234,7 @@ def test_ranks_stalled_by_a_flap_are_held_while_a_link_was_down_within_hang_time
         async def standby() -> None:
             pass
         agent._standby_store = standby
-        task = asyncio.ensure_future(agent._hang_watchdog())
+        task = asyncio.ensure_future(agent.tasks.hang_watchdog())
         t0 = time.monotonic()
         try:
             while proc.returncode is None:      # bounded by the test's timeout

@@ -22,12 +22,15 @@ GEN = Generation(number=7, state=GenState.ACTIVE, world_size=4,
                  members=(Member("a", 0, "h", 2, 0), Member("b", 1, "h", 2, 2)))
 
 
-class _Node(Supervision):
+class _Node:
+    """The agent state Supervision reads here (its node, generation, slot table and rendezvous), and the part."""
+
     def __init__(self, node_id: str, states: list[tuple[SlotState, int | None]]) -> None:
         self.node_id, self.generation = node_id, GEN
         self.slots = types.SimpleNamespace(slots=[Slot(index=i, rank=r, state=st, managed=True)
                                                   for i, (st, r) in enumerate(states)])
         self.rdzv = types.SimpleNamespace(is_leader=False)
+        self.supervision = Supervision(self, cause=None, workers=None, store=None)
 
 
 def _closed(node: _Node) -> tuple[str, str] | None:
@@ -35,7 +38,7 @@ def _closed(node: _Node) -> tuple[str, str] | None:
     changed = RdzvEvent(EventKind.GENERATION_CHANGED,
                         generation=Generation(number=8, state=GenState.CLOSED, world_size=4, members=GEN.members,
                                               reason="succeeded"))
-    first, second = (asyncio.run(node._on_rdzv_event(GEN, ev)) for ev in (closed, changed))
+    first, second = (asyncio.run(node.supervision._on_rdzv_event(GEN, ev)) for ev in (closed, changed))
     assert first == second
     return first
 

@@ -1,5 +1,5 @@
 """The agent's answer to a worker whose step raised an exception it cannot prove distributed (the effects around
-the pure :func:`tpassrun.plan.failkind.cause_of`). A mixin of :class:`tpassrun.agent.Agent`.
+the pure :func:`tpassrun.plan.failkind.cause_of`). A part of :class:`tpassrun.agent.Agent`.
 
 The worker cannot tell from its exception whether a peer's failure caused it: torchtitan's functional collectives
 raise gloo's "Connection reset by peer" from ``torch/_ops.py``, Megatron waits on a collective's handle in its own
@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+from tpassrun.agent.state import AgentState
 from tpassrun.channel import Field, Verdict, WorkerPhase
 from tpassrun.plan.failkind import CAUSE_GRACE_S, Around, Cause, cause_of, classify_death, interrupted_by
 from tpassrun.channel.protocol import Failed, Raised
@@ -36,18 +37,25 @@ RECORDS_EVERY_S = 0.25  # ... and the other nodes' failure records in etcd (a no
 class CauseJudge:
     """Agent's side of a worker parked ``PENDING``: gathers :class:`Around`, asks :func:`cause_of`, answers."""
 
-    def _note_death(self, gen: Generation, slot: Slot, code: int) -> None:
+    def __init__(self, state: AgentState) -> None:
+        self._state = state
+        self._deaths_seen: list[tuple[int, int | None, str]] = []   # (generation, rank, why)
+        self._judging: set[asyncio.Future[None]] = set()            # workers waiting for their exception's cause
+
+    def note_death(self, gen: Generation, slot: Slot, code: int) -> None:
         """A worker holding a rank died (``code`` != 0): evidence, for the rest of this world, that a failure came
         first. Kept with the world's generation: a recovery commits the next one, and older deaths stop counting."""
-        _kind, why = classify_death(code, self.slots.phase(slot))
-        self._deaths_seen.append(((self.generation or gen).number, slot.rank, f"rank {slot.rank}'s death ({why})"))
+        st = self._state
+        assert st.slots is not None
+        _kind, why = classify_death(code, st.slots.phase(slot))
+        self._deaths_seen.append(((st.generation or gen).number, slot.rank, f"rank {slot.rank}'s death ({why})"))
 
-    def _on_raised(self, gen: Generation, slot: Slot, msg: Raised) -> None:
+    def on_raised(self, gen: Generation, slot: Slot, msg: Raised) -> None:
         task = asyncio.ensure_future(self._judge(gen, slot, slot.proc, msg))
         self._judging.add(task)
         task.add_done_callback(self._judging.discard)
 
-    def _on_failed(self, gen: Generation, slot: Slot, msg: Failed) -> None:
+    def on_failed(self, gen: Generation, slot: Slot, msg: Failed) -> None:
         """A survivor's collective failed: its own text of it went to its log file (tpassrun/worker/failure.py); the
         console's line (``step_interrupted``) says what interrupted it, once the death, lost node or recovery
         behind it is known here (at most :data:`~tpassrun.plan.failkind.CAUSE_GRACE_S`). A casualty's line was said
@@ -59,7 +67,8 @@ class CauseJudge:
         task.add_done_callback(self._judging.discard)
 
     async def _say_interrupted(self, gen: Generation, slot: Slot, proc: Any, msg: Failed) -> None:
-        assert self.slots is not None
+        st = self._state
+        assert st.slots is not None
         t0, rank = time.monotonic(), slot.rank
         records: tuple[str, ...] = ()
         read_at = -1.0
@@ -75,19 +84,20 @@ class CauseJudge:
             if slot.proc is not proc or proc.returncode is not None:
                 return          # it left meanwhile (the failure path, a teardown): its exit says what happened
             await asyncio.sleep(POLL_S)
-        self.events.write("step_interrupted", slot=slot.index, rank=rank, step=msg.step, by=by,
-                          error=msg.error[:300], error_type=msg.error_type, failure=msg.failure,
-                          log=worker_log_file(getattr(proc, "error_file", "")))
+        st.events.write("step_interrupted", slot=slot.index, rank=rank, step=msg.step, by=by,
+                        error=msg.error[:300], error_type=msg.error_type, failure=msg.failure,
+                        log=worker_log_file(getattr(proc, "error_file", "")))
 
     async def _judge(self, gen: Generation, slot: Slot, proc: Any, msg: Raised) -> None:
-        assert self.slots is not None and self.swapper is not None
+        st = self._state
+        assert st.slots is not None and st.swapper is not None
         t0 = time.monotonic()
-        self.swapper.probe_agents()       # a node whose agent is gone is declared lost now, not at its lease's end
+        st.swapper.probe_agents()       # a node whose agent is gone is declared lost now, not at its lease's end
         silent = asyncio.ensure_future(self._silent_nodes(gen))
         records: tuple[str, ...] = ()
         read_at = -1.0
         try:
-            while slot.proc is proc and proc.returncode is None and self.slots.phase(slot) == WorkerPhase.PENDING:
+            while slot.proc is proc and proc.returncode is None and st.slots.phase(slot) == WorkerPhase.PENDING:
                 waited = time.monotonic() - t0
                 if self._other_nodes(gen) and waited - read_at >= RECORDS_EVERY_S:
                     read_at = waited
@@ -102,35 +112,39 @@ class CauseJudge:
             silent.cancel()
 
     def _answer(self, slot: Slot, msg: Raised, cause: Cause, why: str, waited: float) -> None:
-        assert self.slots is not None and self.slots.channel is not None
+        st = self._state
+        assert st.slots is not None and st.slots.channel is not None
         verdict = Verdict.CASUALTY if cause is Cause.CASUALTY else Verdict.ROOT_CAUSE
-        self.slots.channel.set(slot.index, Field.VERDICT, verdict)
-        self.events.write("exception_cause", slot=slot.index, rank=slot.rank, step=msg.step, cause=cause.value,
-                          why=why, error=msg.error[:300], error_type=msg.error_type, seconds=round(waited, 3))
+        st.slots.channel.set(slot.index, Field.VERDICT, verdict)
+        st.events.write("exception_cause", slot=slot.index, rank=slot.rank, step=msg.step, cause=cause.value,
+                        why=why, error=msg.error[:300], error_type=msg.error_type, seconds=round(waited, 3))
 
     def _around(self, gen: Generation, slot: Slot, waited: float, records: tuple[str, ...],
                 silent: tuple[str, ...]) -> Around:
-        assert self.slots is not None and self.swapper is not None and self.rdzv is not None
-        cur = self.generation or gen
+        st = self._state
+        assert st.slots is not None and st.swapper is not None and st.rdzv is not None
+        cur = st.generation or gen
         dead = tuple(why for g, rank, why in self._deaths_seen if g == cur.number and rank != slot.rank) + records
-        lost = tuple(annotated(cur, self.rdzv.generation).lost)   # lost nodes are annotations: written in place
-        failed = tuple(s.rank for s in self.slots.active() if s is not slot and s.rank is not None
-                       and self.slots.phase(s) == WorkerPhase.FAILED)
+        lost = tuple(annotated(cur, st.rdzv.generation).lost)   # lost nodes are annotations: written in place
+        failed = tuple(s.rank for s in st.slots.active() if s is not slot and s.rank is not None
+                       and st.slots.phase(s) == WorkerPhase.FAILED)
         return Around(waited_s=waited, dead=dead, lost_nodes=lost, failed_peers=failed,
-                      recovering=self.swapper.recovering, silent_nodes=silent,
-                      lease_s=float(self.rdzv.settings.lease_seconds))
+                      recovering=st.swapper.recovering, silent_nodes=silent,
+                      lease_s=float(st.rdzv.settings.lease_seconds))
 
     def _other_nodes(self, gen: Generation) -> list[str]:
-        cur = self.generation or gen
-        return [m.node_id for m in cur.members if m.node_id != self.node_id and m.node_id not in cur.lost]
+        st = self._state
+        cur = st.generation or gen
+        return [m.node_id for m in cur.members if m.node_id != st.node_id and m.node_id not in cur.lost]
 
     async def _failure_records(self, gen: Generation, slot: Slot) -> tuple[str, ...]:
         """Other ranks' deaths of this world other nodes recorded (``failures/``; an outage: none known)."""
-        assert self.rdzv is not None
-        cur = self.generation or gen
-        keys = Keys(self.rdzv.key(""))
+        st = self._state
+        assert st.rdzv is not None
+        cur = st.generation or gen
+        keys = Keys(st.rdzv.key(""))
         try:
-            docs = await asyncio.wait_for(self.rdzv.store.get_prefix_json(keys.family("failures")), 2.0)
+            docs = await asyncio.wait_for(st.rdzv.store.get_prefix_json(keys.family("failures")), 2.0)
         except Exception as exc:  # noqa: BLE001 - etcd unreachable: the grace decides
             log.debug("reading failure records: %s", exc)
             return ()
@@ -143,13 +157,11 @@ class CauseJudge:
 
     async def _silent_nodes(self, gen: Generation) -> tuple[str, ...]:
         """Member nodes whose agent does not answer (cut off or down: their lease decides)."""
-        if self.mirror is None:
+        st = self._state
+        if st.mirror is None:
             return ()
         peers = self._other_nodes(gen)
         with contextlib.suppress(Exception):
-            answers = await asyncio.gather(*(self.mirror.reach(n) for n in peers))
+            answers = await asyncio.gather(*(st.mirror.reach(n) for n in peers))
             return tuple(n for n, a in zip(peers, answers) if a == "silent")
         return ()
-
-    _deaths_seen: list[tuple[int, int | None, str]]
-    _judging: set[asyncio.Future[None]]

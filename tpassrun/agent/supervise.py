@@ -1,6 +1,6 @@
 """The agent's supervision: every event of a generation (a worker exited or said it failed, the rendezvous
 changed, a fallback or a health restart was asked for, the lease was lost, a signal) handled one at a time,
-and what each one ends in (:class:`Outcome`). A mixin of :class:`tpassrun.agent.Agent`.
+and what each one ends in (:class:`Outcome`). A part of :class:`tpassrun.agent.Agent`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import logging
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tpassrun.swapper.agentport import (FallbackRequested, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
                    SpawnFailed, WorkerExited, WorkerSaid)
@@ -20,6 +20,12 @@ from tpassrun.channel.protocol import Done, Failed, Raised
 from tpassrun.rendezvous import Generation, Link, RendezvousError, one_line
 from tpassrun.launch.report import ProcessFailure
 from tpassrun.channel.slots import Slot, SlotState
+from tpassrun.agent.state import AgentState
+
+if TYPE_CHECKING:
+    from tpassrun.agent.cause import CauseJudge
+    from tpassrun.agent.store import WorkersStore
+    from tpassrun.agent.workers import WorkerSpawning
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -35,14 +41,22 @@ class Outcome:
 class Supervision:
     """Agent's event handling within one generation (the generation loop is :class:`tpassrun.agent.Agent`)."""
 
-    async def _supervise(self, gen: Generation) -> tuple[str, str]:
+    def __init__(self, state: AgentState, cause: CauseJudge, workers: WorkerSpawning, store: WorkersStore) -> None:
+        self._state = state
+        self._cause = cause
+        self._workers = workers
+        self._store = store
+        self._fenced_in: Generation | None = None   # the generation a fence happened in
+
+    async def supervise(self, gen: Generation) -> tuple[str, str]:
         """One event at a time, so the agent's decisions never race each other."""
-        assert self.slots is not None and self.rdzv is not None and self.swapper is not None
+        st = self._state
+        assert st.slots is not None and st.rdzv is not None and st.swapper is not None
         while True:
-            ev = await self._queue.get()
+            ev = await st.queue.get()
             log.debug("supervisor event: %s", type(ev).__name__)
             if isinstance(ev, SignalReceived):
-                self.events.write("signal", signal=signal.Signals(ev.signal).name)
+                st.events.write("signal", signal=signal.Signals(ev.signal).name)
                 return Outcome.SIGNALLED, f"signal {ev.signal}"
             if isinstance(ev, SpawnFailed):
                 print(f"tpassrun: error: cannot start worker: {ev.error}", file=sys.stderr, flush=True)
@@ -54,66 +68,68 @@ class Supervision:
                 if isinstance(ev.message, Done):
                     ev.slot.finished_pid = ev.slot.pid
                 if isinstance(ev.message, Failed):
-                    self.swapper.on_worker_failed_step(ev.slot, ev.message)
-                    self._on_failed(gen, ev.slot, ev.message)         # its console line (tpassrun/agent/cause.py)
-                    await self._standby_store()
+                    st.swapper.on_worker_failed_step(ev.slot, ev.message)
+                    self._cause.on_failed(gen, ev.slot, ev.message)         # its console line (tpassrun/agent/cause.py)
+                    await self._store.standby()
                 if isinstance(ev.message, Raised) and ev.slot.proc is not None:
-                    self._on_raised(gen, ev.slot, ev.message)      # a casualty, or the root cause (tpassrun/agent/cause.py)
+                    self._cause.on_raised(gen, ev.slot, ev.message)      # a casualty, or the root cause (tpassrun/agent/cause.py)
             elif isinstance(ev, RendezvousChanged):
                 result = await self._on_rdzv_event(gen, ev.event)
             elif isinstance(ev, FallbackRequested):
-                if ev.free and self.free_fallbacks > 0:
-                    self.free_fallbacks -= 1
+                if ev.free and st.free_fallbacks > 0:
+                    st.free_fallbacks -= 1
                     log.warning("tpassrun: %s; restarting the whole group (this does not spend --max-restarts; "
-                                "%d such restart(s) left on this node)", ev.reason, self.free_fallbacks)
-                    self.events.write("fallback", reason=ev.reason, spends_restart=False)
+                                "%d such restart(s) left on this node)", ev.reason, st.free_fallbacks)
+                    st.events.write("fallback", reason=ev.reason, spends_restart=False)
                     with contextlib.suppress(RendezvousError):
-                        await self.until_signal(self.rdzv.request_restart(self.generation or gen, ev.reason))
+                        await st.until_signal(st.rdzv.request_restart(st.generation or gen, ev.reason))
                     continue
-                nxt = ("restarting the whole group (spends one of --max-restarts)" if self.remaining_restarts > 0
+                nxt = ("restarting the whole group (spends one of --max-restarts)" if st.remaining_restarts > 0
                        else "no restart left (--max-restarts): the job fails")
                 log.warning("tpassrun: %s; %s", ev.reason, nxt)
-                self.events.write("fallback", reason=ev.reason, spends_restart=True)
+                st.events.write("fallback", reason=ev.reason, spends_restart=True)
                 self._record_failures(ev.slot)
                 return Outcome.FAILED, ev.reason
             elif isinstance(ev, HealthRestartRequested):
-                self.events.write("fallback", reason=ev.reason)
+                st.events.write("fallback", reason=ev.reason)
                 with contextlib.suppress(RendezvousError):
-                    await self.until_signal(self.rdzv.request_restart(self.generation or gen, ev.reason))
+                    await st.until_signal(st.rdzv.request_restart(st.generation or gen, ev.reason))
             elif isinstance(ev, LeaseLost):
                 result = await self._fence(gen, ev.reason)
             if result is not None:
                 return result
 
     async def _on_exit(self, gen: Generation, slot: Slot, proc: Any, code: int) -> tuple[str, str] | None:
+        st = self._state
+        assert st.slots is not None and st.swapper is not None
         if slot.proc is not proc:
             return None  # an old worker of this slot
         slot.exit_code = code
-        self.events.write("worker_exit", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
-                          state=slot.state)
+        st.events.write("worker_exit", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
+                        state=slot.state)
         if slot.state == SlotState.SPARE:
             slot.state = SlotState.DEAD
-            self.events.write("spare_lost", slot=slot.index, code=code)
-            self.swapper.on_spare_lost(slot)
+            st.events.write("spare_lost", slot=slot.index, code=code)
+            st.swapper.on_spare_lost(slot)
             return None
         if slot.state == SlotState.LEAVING:
             slot.state = SlotState.QUARANTINED
             if slot.release_after_exit:   # migrate-back: the slot it leaves was never sick
                 slot.release_after_exit = False
                 slot.quarantine_reason = None
-                await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=self.master, spare=True)
-                self.events.write("spare_returned", slot=slot.index, reason="migrate-back released it")
+                await self._workers.spawn(gen, slot, local_rank=slot.index, rank=-1, master=st.master, spare=True)
+                st.events.write("spare_returned", slot=slot.index, reason="migrate-back released it")
             return None
         if slot.state != SlotState.RUNNING:
             return None
         if code == 0:
             slot.state = SlotState.DONE
-            if all(s.state == SlotState.DONE for s in self.slots.slots if s.rank is not None
+            if all(s.state == SlotState.DONE for s in st.slots.slots if s.rank is not None
                    and s.state in (SlotState.RUNNING, SlotState.DONE)):
                 return Outcome.SUCCEEDED, "all workers succeeded"
             return None
         slot.state = SlotState.DEAD
-        self._note_death(gen, slot, code)   # a worker of its world waiting for its exception's cause is a casualty
+        self._cause.note_death(gen, slot, code)   # a worker of its world waiting for its exception's cause is a casualty
         proc.kill_leftovers()      # its forked children hold its sockets: the survivors must see them close now
         if slot.finished_pid == proc.pid:
             # Its sess.run() had returned (it died in the script's own code after the training loop: a final
@@ -123,7 +139,7 @@ class Supervision:
                         slot.rank, code)
             self._record_failures(slot)
             return Outcome.FAILED, f"rank {slot.rank} (local {slot.local_rank}) exited with {code} after its training loop"
-        if await self.swapper.on_worker_death(slot, code):
+        if await st.swapper.on_worker_death(slot, code):
             return None
         if not slot.managed:
             self._unmanaged_death(slot, code)
@@ -135,49 +151,53 @@ class Supervision:
         tpassrun the step it was in, nor what state to move). With a spare slot free and a restart left, the
         restart moves the rank onto the spare (the dead slot sits out, as a tainted one does); either way, one
         line says why the spare did not take it live and what would."""
-        assert self.slots is not None
-        if not self.cfg.spares_per_node:
+        st = self._state
+        assert st.slots is not None
+        if not st.cfg.spares_per_node:
             return
         api = "the script does not use tpassrun's worker API (README: 'The worker API'), so no spare can take it live"
-        onto_spare = self.remaining_restarts > 0 and len(self.slots.usable_for_start()) > self.cfg.nproc_per_node
+        onto_spare = st.remaining_restarts > 0 and len(st.slots.usable_for_start()) > st.cfg.nproc_per_node
         if onto_spare:
             slot.state = SlotState.QUARANTINED
             slot.quarantine_reason = f"rank {slot.rank} died here (exit code {code})"
             then = f"the whole-group restart puts rank {slot.rank} on a spare slot"
-        elif self.remaining_restarts > 0:
+        elif st.remaining_restarts > 0:
             then = f"no spare slot is free, the restart reuses slot {slot.index}"
         else:
             then = "--max-restarts N would restart the group onto the spare"
-        self.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=onto_spare,
-                          reason=f"{api}; {then}")
+        st.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=onto_spare,
+                        reason=f"{api}; {then}")
 
     def _record_failures(self, first: Slot | None) -> None:
         """torchrun's report lists the failed worker and the ones it then had to stop."""
-        assert self.slots is not None
+        st = self._state
+        assert st.slots is not None
         now = time.time()
-        for s in self.slots.slots:
+        for s in st.slots.slots:
             if s.proc is None or s.rank is None:
                 continue
             if s is first or (s.state in (SlotState.DEAD,) and s.exit_code not in (None, 0)):
-                self.failures.append(ProcessFailure.from_exit(
+                st.failures.append(ProcessFailure.from_exit(
                     local_rank=s.local_rank, rank=s.rank, pid=s.proc.pid, exitcode=s.exit_code or 1,
                     error_file=s.proc.error_file, now=lambda: now))
 
-    def _record_stopped(self) -> None:
+    def record_stopped(self) -> None:
         """torchrun re-polls after SIGTERMing the rest of the group: the workers that died of it (exit -15, or
         whatever they exited with but 0) are the report's "other failures", after the first ones (torchrun's
         failures dict keeps that insertion order; on a timestamp tie the first one is the root cause)."""
-        assert self.slots is not None
-        seen = {f.pid for f in self.failures}
-        for s in self.slots.slots:
+        st = self._state
+        assert st.slots is not None
+        seen = {f.pid for f in st.failures}
+        for s in st.slots.slots:
             proc = s.proc
             if proc is None or s.rank is None or s.rank < 0 or proc.pid in seen or proc.returncode in (None, 0):
                 continue
-            self.failures.append(ProcessFailure.from_exit(local_rank=s.local_rank, rank=s.rank, pid=proc.pid,
-                                                          exitcode=proc.returncode, error_file=proc.error_file))
+            st.failures.append(ProcessFailure.from_exit(local_rank=s.local_rank, rank=s.rank, pid=proc.pid,
+                                                        exitcode=proc.returncode, error_file=proc.error_file))
 
     async def _on_rdzv_event(self, gen: Generation, ev: Any) -> tuple[str, str] | None:
-        assert self.rdzv is not None
+        st = self._state
+        assert st.rdzv is not None
         kind = getattr(ev.kind, "value", ev.kind)
         if kind == "closed":
             reason = getattr(ev, "reason", "") or ""
@@ -187,7 +207,7 @@ class Supervision:
                     # exit would end it: without this it waited forever after the job succeeded.
                     return Outcome.SUCCEEDED, self._idle_success(gen)
                 return None  # another node finished first; ours finish on their own (torchrun: same)
-            if any(s.state == SlotState.RUNNING for s in self.slots.slots):  # type: ignore[union-attr]
+            if any(s.state == SlotState.RUNNING for s in st.slots.slots):  # type: ignore[union-attr]
                 return Outcome.CLOSED, f"the run was closed by another agent: {reason}"
             return None
         if kind == "generation_changed":
@@ -201,31 +221,34 @@ class Supervision:
                     return None
                 return Outcome.CLOSED, new.reason
             if new.swap_id and getattr(new.state, "value", new.state) == "active":
-                self.swapper.on_generation_committed(new)
-                self.generation = new
+                assert st.swapper is not None
+                st.swapper.on_generation_committed(new)
+                st.generation = new
                 return None
             return Outcome.MEMBERSHIP, f"generation {new.number} requested: {new.reason}"
-        if kind == "node_lost" and ev.node_id == self.node_id:
+        if kind == "node_lost" and ev.node_id == st.node_id:
             # Our lease expired during an etcd outage, and we are alive: we fenced ourselves if anyone else
             # could hold our ranks; otherwise nobody can, and the lost mark goes with the next generation.
             return None
-        if kind == "spare_node_joined" and self.rdzv.is_leader:
+        if kind == "spare_node_joined" and st.rdzv.is_leader:
             # a spare node added to the running job: one started later, or a node lost earlier whose link came
             # back (it fenced its workers, its ranks live elsewhere now): the pool has its slots again
-            self.events.write("spare_node_joined", joined=ev.node_id)
+            st.events.write("spare_node_joined", joined=ev.node_id)
             return None
-        if kind in ("node_lost", "node_waiting") and self.rdzv.is_leader:
+        if kind in ("node_lost", "node_waiting") and st.rdzv.is_leader:
             reason = f"{kind.replace('_', ' ')}: {ev.node_id}"
-            if kind == "node_lost" and await self.swapper.on_node_lost(ev.node_id):
+            assert st.swapper is not None
+            if kind == "node_lost" and await st.swapper.on_node_lost(ev.node_id):
                 return None
-            self.events.write("membership_change", reason=reason)
+            st.events.write("membership_change", reason=reason)
             with contextlib.suppress(RendezvousError):
-                await self.until_signal(self.rdzv.request_restart(self.generation or gen, reason))
+                await st.until_signal(st.rdzv.request_restart(st.generation or gen, reason))
             return None
         return None
 
     def _idle_success(self, gen: Generation) -> str:
-        if (self.generation or gen).member(self.node_id) is None:
+        st = self._state
+        if (st.generation or gen).member(st.node_id) is None:
             return "the run succeeded (this spare node was not needed)"
         return "the run succeeded (no rank runs here any more: swaps moved this node's ranks to other nodes)"
 
@@ -233,43 +256,47 @@ class Supervision:
         """No rank runs here: a spare node never promoted, or a member whose ranks all moved to other nodes by
         swaps (taints, recoveries), even while the record still lists it as a member: its slots are all spares, so
         the job's success ends it, not its own workers. Only workers running a rank end a node on their own."""
-        return not (self.slots is not None and any(s.state == SlotState.RUNNING and s.rank is not None
-                                                   for s in self.slots.slots))
+        st = self._state
+        return not (st.slots is not None and any(s.state == SlotState.RUNNING and s.rank is not None
+                                                 for s in st.slots.slots))
 
-    def _on_etcd_link(self, link: Link, detail: Any) -> None:
+    def on_etcd_link(self, link: Link, detail: Any) -> None:
         """Each etcd outage and recovery, said once (the workers keep running through it; fencing below)."""
+        st = self._state
         if link is Link.LOST:
-            self.events.write("etcd_connection_lost", reason=one_line(detail))
+            st.events.write("etcd_connection_lost", reason=one_line(detail))
         elif link is Link.OVERDUE:
-            self.events.write("etcd_connection_overdue", seconds=self.rdzv.store.config.reconnect_timeout
-                              if self.rdzv else None, reason=one_line(detail))
+            st.events.write("etcd_connection_overdue", seconds=st.rdzv.store.config.reconnect_timeout
+                            if st.rdzv else None, reason=one_line(detail))
         else:
-            self.events.write("etcd_connection_restored", seconds=round(float(detail), 2))
+            st.events.write("etcd_connection_restored", seconds=round(float(detail), 2))
 
     # ------------------------------------------------------------------ fencing
-    async def _join(self) -> Generation:
+    async def join(self) -> Generation:
         """Join the next generation once etcd has acknowledged our lease again, if it looks lost. A node
         that just fenced joined at once, spawned its workers and fenced them again as soon as its new
         generation's lease watch started, at every generation until a refresh got through (8 generations in
         3 s, each restarting the job). Bounded by ``reconnect_timeout``: past it the join says etcd is gone."""
-        assert self.rdzv is not None
-        store = self.rdzv.store
+        st = self._state
+        assert st.rdzv is not None
+        store = st.rdzv.store
         if not store.lease_sure():
             log.info("waiting for etcd to acknowledge this node's lease before joining again")
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.rdzv.lease_held(), store.config.reconnect_timeout)
-        return await self.rdzv.join()
+                await asyncio.wait_for(st.rdzv.lease_held(), store.config.reconnect_timeout)
+        return await st.rdzv.join()
 
-    async def _watch_lease(self, gen: Generation) -> None:
+    async def watch_lease(self, gen: Generation) -> None:
         """Fence from this task, at once, not through the supervision queue: the supervisor may be inside a
         handler that waits for etcd (a failure record, a swap step) for as long as the outage lasts, and a fence
         handled only then would leave a partitioned node's workers running past its lease."""
-        assert self.rdzv is not None
+        st = self._state
+        assert st.rdzv is not None
         while True:
-            reason = await self.rdzv.lease_lost()
-            if await self._fence_workers(self.generation or gen, reason):
-                self._queue.put_nowait(LeaseLost(reason))   # the rest (a new generation) once etcd answers
-            await self.rdzv.lease_held()   # not fenced (nobody else could hold our ranks): watch the next one
+            reason = await st.rdzv.lease_lost()
+            if await self._fence_workers(st.generation or gen, reason):
+                st.queue.put_nowait(LeaseLost(reason))   # the rest (a new generation) once etcd answers
+            await st.rdzv.lease_held()   # not fenced (nobody else could hold our ranks): watch the next one
 
     async def _fence_workers(self, gen: Generation, reason: str) -> bool:
         """Our etcd lease may have expired (etcd unreachable from here, or refreshes too late): the leader may
@@ -278,29 +305,29 @@ class Supervision:
 
         Only when another node could take our ranks: a job of one node with no spare node keeps running
         through an etcd hiccup (nobody else can hold its ranks)."""
-        assert self.slots is not None
-        others = [m for m in gen.members if m.node_id != self.node_id] + [n for n in gen.spare_nodes
-                                                                           if n != self.node_id]
-        procs = [s.proc for s in self.slots.slots if s.proc is not None and s.proc.returncode is None]
+        st = self._state
+        assert st.slots is not None
+        others = [m for m in gen.members if m.node_id != st.node_id] + [n for n in gen.spare_nodes
+                                                                           if n != st.node_id]
+        procs = [s.proc for s in st.slots.slots if s.proc is not None and s.proc.returncode is None]
         if not others or not procs:
-            self.events.write("lease_lost", reason=reason, fenced=False)
+            st.events.write("lease_lost", reason=reason, fenced=False)
             return False
         self._fenced_in = gen
-        for s in self.slots.slots:   # their deaths are ours to cause: not failures, not swaps
+        for s in st.slots.slots:   # their deaths are ours to cause: not failures, not swaps
             if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
                 s.state = SlotState.IDLE
         await stop_workers(procs, signal.SIGKILL, 5.0)
-        self.events.write("fenced", reason=reason, pids=[p.pid for p in procs])
+        st.events.write("fenced", reason=reason, pids=[p.pid for p in procs])
         log.warning("fenced: %s; stopped %d workers", reason, len(procs))
         return True
 
     async def _fence(self, gen: Generation, reason: str) -> tuple[str, str]:
         """After :meth:`_fence_workers`: ask for a new generation (a no-op if the leader already moved past the
         one we fenced in, e.g. our ranks were recovered live elsewhere) and end this one."""
-        assert self.rdzv is not None
+        st = self._state
+        assert st.rdzv is not None
         fenced_in, self._fenced_in = self._fenced_in or gen, None
         with contextlib.suppress(RendezvousError):
-            await self.until_signal(self.rdzv.request_restart(fenced_in, f"node {self.node_id} fenced: {reason}"))
+            await st.until_signal(st.rdzv.request_restart(fenced_in, f"node {st.node_id} fenced: {reason}"))
         return Outcome.MEMBERSHIP, f"fenced: {reason}"
-
-    _fenced_in: Generation | None = None   # the generation a fence happened in

@@ -1,6 +1,6 @@
 """What runs beside the agent's supervision during a generation: the rendezvous event pump, the status
 publisher (``status/<node>``), the ``--tui`` panel, and the hang watchdog (``--hang-timeout``) with its pure
-choice of the culprit (:func:`pick_hung`). A mixin of :class:`tpassrun.agent.Agent`.
+choice of the culprit (:func:`pick_hung`). A part of :class:`tpassrun.agent.Agent`.
 """
 
 from __future__ import annotations
@@ -13,10 +13,12 @@ import signal
 import time
 from typing import Any
 
+from tpassrun.agent.state import AgentState
+from tpassrun.agent.store import WorkersStore
 from tpassrun.settings import envnames as E
 from tpassrun.channel import Field, WorkerPhase
 from tpassrun.swapper.agentport import RendezvousChanged
-from tpassrun.ops.progress import Progress, RankPosition
+from tpassrun.ops.progress import RankPosition
 from tpassrun.records import Keys, NodeStatus
 from tpassrun.rendezvous import Generation
 from tpassrun.channel.slots import SlotState
@@ -27,35 +29,42 @@ log = logging.getLogger("tpassrun.agent")
 class GenerationTasks:
     """Agent's per-generation background tasks (started and cancelled by ``Agent._run_generation``)."""
 
-    async def _pump_rdzv_events(self, gen: Generation) -> None:
-        assert self.rdzv is not None
-        async for ev in self.rdzv.events():
-            self._queue.put_nowait(RendezvousChanged(ev))
+    def __init__(self, state: AgentState, store: WorkersStore) -> None:
+        self._state = state
+        self._store = store
+        self._shard_said: dict[int, tuple[int, int, int]] = {}   # rank -> the shard mirror figures last said
 
-    async def _publish_status_loop(self) -> None:
+    async def pump_rdzv_events(self, gen: Generation) -> None:
+        st = self._state
+        assert st.rdzv is not None
+        async for ev in st.rdzv.events():
+            st.queue.put_nowait(RendezvousChanged(ev))
+
+    async def publish_status_loop(self) -> None:
+        st = self._state
+        assert st.swapper is not None
         while True:
-            self.swapper.hint_spares()
+            st.swapper.hint_spares()
             await self.publish_status()
             await asyncio.sleep(1.0)
 
     async def publish_status(self) -> None:
-        if self.rdzv is None or self.slots is None:
+        st = self._state
+        if st.rdzv is None or st.slots is None:
             return
-        workers = self.slots.table()
+        workers = st.slots.table()
         self._note_progress()
-        mirror = getattr(self, "mirror", None)
-        status = NodeStatus(node_id=self.node_id, addr=self.addr, pid=os.getpid(),
-                            generation=self.generation.number if self.generation else None,
-                            restart_count=self.restart_count, workers=workers, time=time.time(),
+        mirror = st.mirror
+        status = NodeStatus(node_id=st.node_id, addr=st.addr, pid=os.getpid(),
+                            generation=st.generation.number if st.generation else None,
+                            restart_count=st.restart_count, workers=workers, time=time.time(),
                             mirror_held=mirror.store.nbytes if mirror is not None else 0)
         self._say_shard_mirrors(workers)
         with contextlib.suppress(Exception):
-            await self.rdzv.store.put_json(Keys(self.rdzv.key("")).status(self.node_id), status.to_json(), lease=True)
+            await st.rdzv.store.put_json(Keys(st.rdzv.key("")).status(st.node_id), status.to_json(), lease=True)
 
-    progress: Progress
-
-    def _rank_positions(self, *, ended: bool = False) -> list[RankPosition]:
-        slots = self.slots
+    def rank_positions(self, *, ended: bool = False) -> list[RankPosition]:
+        slots = self._state.slots
         if slots is None or slots.channel is None:
             return []
         return [RankPosition(step=slots.field(s, Field.STEP),
@@ -67,15 +76,17 @@ class GenerationTasks:
     def _note_progress(self) -> None:
         """Follow the step this node's managed ranks run; after a whole-group restart, say once (event
         ``training_resumed``) at which step the script resumed and how many steps it runs again."""
-        resumed = self.progress.note(self._rank_positions())
+        st = self._state
+        resumed = st.progress.note(self.rank_positions())
         if resumed is not None:
-            self.events.write("training_resumed", step=resumed.step, reached=resumed.reached,
-                              redone=resumed.redone, redone_s=round(resumed.redone_s, 3))
+            st.events.write("training_resumed", step=resumed.step, reached=resumed.reached,
+                            redone=resumed.redone, redone_s=round(resumed.redone_s, 3))
 
     def _say_shard_mirrors(self, workers: Any) -> None:
         """The event log (and console) says what mirroring a rank's sharded state costs: once when it starts,
         again when a refresh's size or its local copies' memory changes by more than a tenth (tpassrun/worker/shards.py)."""
-        said = self.__dict__.setdefault("_shard_said", {})
+        st = self._state
+        said = self._shard_said
         for w in workers:
             if not w.shard_held or w.rank is None:
                 continue
@@ -85,26 +96,27 @@ class GenerationTasks:
                     and w.shard_interval == before[2]:
                 continue
             said[w.rank] = (w.shard_bytes, w.shard_held, w.shard_interval)
-            mirror = getattr(self, "mirror", None)
+            mirror = st.mirror
             buddy = mirror.buddy.node if mirror is not None and mirror.buddy is not None else None
-            self.events.write("shard_mirror", rank=w.rank, slot=w.slot, bytes_per_refresh=w.shard_bytes,
-                              local_held=w.shard_held, interval=w.shard_interval or None,
-                              buddy=buddy, mirrored_step=w.shard_mirrored)
+            st.events.write("shard_mirror", rank=w.rank, slot=w.slot, bytes_per_refresh=w.shard_bytes,
+                            local_held=w.shard_held, interval=w.shard_interval or None,
+                            buddy=buddy, mirrored_step=w.shard_mirrored)
 
-    async def _status_panel(self) -> None:
+    async def status_panel(self) -> None:
         """``--tui``: the live view under the workers' output, from one etcd read a second (tpassrun/ops/tui_panel.py)."""
+        st = self._state
         from tpassrun.ops.ctl import read_snapshot
         from tpassrun.ops.tui_panel import run_panel
 
-        assert self.rdzv is not None
-        rdzv = self.rdzv
+        assert st.rdzv is not None
+        rdzv = st.rdzv
 
-        async def fetch() -> dict:
-            return (await read_snapshot(rdzv.store, rdzv.settings.run_prefix, self.cfg.rdzv_id)).to_json()
+        async def fetch() -> dict[str, Any]:
+            return (await read_snapshot(rdzv.store, rdzv.settings.run_prefix, st.cfg.rdzv_id)).to_json()
 
-        await run_panel(fetch, color=not self.environ.get(E.NO_COLOR))
+        await run_panel(fetch, color=not st.environ.get(E.NO_COLOR))
 
-    async def _hang_watchdog(self) -> None:
+    async def hang_watchdog(self) -> None:
         """Two checks, every quarter of --hang-timeout (at most 0.5 s):
 
         * any process of this node's slots (a worker, a warm spare, a joiner or a leaver in a swap, whatever its
@@ -116,31 +128,32 @@ class GenerationTasks:
         * a running worker whose step heartbeat is older than --hang-timeout is killed, so its peers blocked in
           a collective with it get an error at once instead of waiting for gloo's 30-minute timeout (not while a
           swap runs here: paused workers do not beat)."""
+        st = self._state
 
-        assert self.slots is not None
-        timeout_ns = int(self.cfg.hang_timeout * 1e9)
+        assert st.slots is not None and st.swapper is not None
+        timeout_ns = int(st.cfg.hang_timeout * 1e9)
         stopped_since: dict[int, int] = {}
         quiet_until = 0
         held: dict[str, int] = {}      # silent peer -> when ranks stale on it were first held back (ns)
         link_held = False              # stale ranks held back because this node's link was down (said once)
         while True:
-            await asyncio.sleep(min(0.5, self.cfg.hang_timeout / 4))
+            await asyncio.sleep(min(0.5, st.cfg.hang_timeout / 4))
             now = time.monotonic_ns()
             if self._kill_stopped(stopped_since, now, timeout_ns):
                 quiet_until = now + timeout_ns     # let the death cascade and the recovery start
                 continue
-            if self.swapper.busy or now < quiet_until:
+            if st.swapper.busy or now < quiet_until:
                 continue
-            if any(self.slots.phase(s) == WorkerPhase.PENDING for s in self.slots.active()):
+            if any(st.slots.phase(s) == WorkerPhase.PENDING for s in st.slots.active()):
                 # a worker asks whose fault its exception is (tpassrun/agent/cause.py): its peers block on it meanwhile,
                 # and killing one would make a casualty of a root cause
                 continue
                 continue
             stale = []
-            for s in self.slots.active():
-                if not s.managed or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING:
+            for s in st.slots.active():
+                if not s.managed or not s.alive or st.slots.phase(s) != WorkerPhase.RUNNING:
                     continue
-                beat = self.slots.field(s, Field.HEARTBEAT_NS)
+                beat = st.slots.field(s, Field.HEARTBEAT_NS)
                 if beat and now - beat > timeout_ns:
                     stale.append((beat, s))
             culprit = pick_hung(stale, _proc_state)
@@ -156,24 +169,24 @@ class GenerationTasks:
                 # add a second death inside the first recovery. A node cut off from the
                 # network blocks them the same way (held below while it is silent), and if it ran the workers'
                 # store the recovery needs a new one: started now (it imports torch), not when its lease ends.
-                await self._standby_store()
+                await self._store.standby()
                 if await self._held_for_silent_peer(stale, held, now):
                     continue
-                link = getattr(getattr(self, "health", None), "link", None)   # netwatch: a flap stalls every rank
-                if link is not None and link.explains_stall(self.cfg.hang_timeout):
+                link = st.health.link if st.health is not None else None   # netwatch: a flap stalls every rank
+                if link is not None and link.explains_stall(st.cfg.hang_timeout):
                     if not link_held:
                         link_held = True
-                        self.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=[],
-                                          seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
-                                          reason="this node's link was down within --hang-timeout")
+                        st.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=[],
+                                        seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
+                                        reason="this node's link was down within --hang-timeout")
                     continue
                 await asyncio.sleep(REMOTE_HANG_GRACE_S)
-                if self.swapper.busy or not s.alive or self.slots.phase(s) != WorkerPhase.RUNNING \
-                        or self.slots.field(s, Field.HEARTBEAT_NS) != beat:
+                if st.swapper.busy or not s.alive or st.slots.phase(s) != WorkerPhase.RUNNING \
+                        or st.slots.field(s, Field.HEARTBEAT_NS) != beat:
                     continue
-            self.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
-                              seconds=round((now - beat) / 1e9, 3), step=self.slots.field(s, Field.STEP),
-                              stale_ranks=sorted(x.rank for _b, x in stale), what="no step")
+            st.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
+                            seconds=round((now - beat) / 1e9, 3), step=st.slots.field(s, Field.STEP),
+                            stale_ranks=sorted(x.rank for _b, x in stale), what="no step")
             s.proc.signal_group(signal.SIGKILL)
             stopped_since.pop(s.pid, None)
             quiet_until = time.monotonic_ns() + timeout_ns
@@ -185,42 +198,44 @@ class GenerationTasks:
         node's plan breaks them out when its lease ends;
         held for that lease and a --hang-timeout more at most, then the watchdog acts as before. A node that is
         itself the one cut off holds too: it fences its workers when its own lease runs out."""
-        if self.mirror is None or self.rdzv is None:
+        st = self._state
+        if st.mirror is None or st.rdzv is None:
             return False
-        gen = self.rdzv.generation or self.generation     # latest, else running (swapper/agentport.py)
+        gen = st.rdzv.generation or st.generation     # latest, else running (swapper/agentport.py)
         if gen is None:
             return False
-        peers = [m.node_id for m in gen.members if m.node_id != self.node_id and m.node_id not in gen.lost]
-        answers = await asyncio.gather(*(self.mirror.reach(n) for n in peers))
+        peers = [m.node_id for m in gen.members if m.node_id != st.node_id and m.node_id not in gen.lost]
+        answers = await asyncio.gather(*(st.mirror.reach(n) for n in peers))
         silent = [n for n, a in zip(peers, answers) if a == "silent"]
         for n in [n for n in held if n not in silent]:
             del held[n]
         new = [n for n in silent if n not in held]
         held.update((n, now) for n in new)
-        limit_ns = int((self.rdzv.settings.lease_seconds + self.cfg.hang_timeout) * 1e9)
+        limit_ns = int((st.rdzv.settings.lease_seconds + st.cfg.hang_timeout) * 1e9)
         waiting = [n for n in silent if now - held[n] < limit_ns]
         if new and waiting:
-            self.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=waiting,
-                              seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
-                              lease_s=self.rdzv.settings.lease_seconds)
+            st.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=waiting,
+                            seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
+                            lease_s=st.rdzv.settings.lease_seconds)
         return bool(waiting)
 
     def _kill_stopped(self, stopped_since: dict[int, int], now: int, timeout_ns: int) -> bool:
         """Kill every process of this node's slots that has stayed stopped for ``timeout_ns`` (``stopped_since``:
         pid -> when it was first seen stopped, kept by the caller across polls). True when one was killed."""
+        st = self._state
         from tpassrun.channel import Field
 
-        assert self.slots is not None
-        procs = {s.pid: s for s in self.slots.slots if s.alive and s.pid is not None}
+        assert st.slots is not None and st.swapper is not None
+        procs = {s.pid: s for s in st.slots.slots if s.alive and s.pid is not None}
         due = stopped_too_long(stopped_since, {pid: _proc_state(pid) for pid in procs}, now, timeout_ns)
         for pid in due:
             s = procs[pid]
             rank = s.rank if s.state in (SlotState.RUNNING, SlotState.LEAVING) else None
-            self.events.write("hang_detected", slot=s.index, rank=rank, pid=pid, proc_state=_proc_state(pid),
-                              seconds=round((now - stopped_since.pop(pid)) / 1e9, 3),
-                              step=self.slots.field(s, Field.STEP) if rank is not None else None,
-                              role=str(s.state.value), phase=self.slots.phase(s).name.lower(),
-                              swap=self.swapper.busy, what="stopped")
+            st.events.write("hang_detected", slot=s.index, rank=rank, pid=pid, proc_state=_proc_state(pid),
+                            seconds=round((now - stopped_since.pop(pid)) / 1e9, 3),
+                            step=st.slots.field(s, Field.STEP) if rank is not None else None,
+                            role=str(s.state.value), phase=st.slots.phase(s).name.lower(),
+                            swap=st.swapper.busy, what="stopped")
             s.proc.signal_group(signal.SIGKILL)
         return bool(due)
 

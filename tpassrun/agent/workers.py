@@ -1,5 +1,5 @@
 """The agent's workers: the devices of the node, each worker's assignment and environment, spawning a
-generation's actives and spares, watching their exits and hellos, stopping them. A mixin of
+generation's actives and spares, watching their exits and hellos, stopping them. A part of
 :class:`tpassrun.agent.Agent`.
 """
 
@@ -11,8 +11,10 @@ import os
 import tempfile
 import time
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tpassrun.agent.state import AgentState
+from tpassrun.agent.store import WorkersStore
 from tpassrun.settings import envnames as E
 from tpassrun.launch.devices import node_devices, slot_env, visible_devices
 from tpassrun.launch.filetimer import FileTimerServer, TimerRequest, signal_name
@@ -20,9 +22,12 @@ from tpassrun.swapper.agentport import FallbackRequested, SpawnFailed, WorkerExi
 from tpassrun.launch.procs import spawn_worker, stop_workers
 from tpassrun.channel.protocol import Done, Failed, Hello, MirrorInfoRequest, Raised, ReplicasChecked, Reply
 from tpassrun.records import HANDLED_RESTART, Keys, Taint, load
-from tpassrun.rendezvous import Generation, Member, RendezvousError
+from tpassrun.rendezvous import Generation, RendezvousError
 from tpassrun.channel.slots import Slot, SlotState
 from tpassrun.launch.workerenv import WorkerAssignment, encrypt_requested, role_ranks, worker_argv, worker_env
+
+if TYPE_CHECKING:
+    from tpassrun.agent.tasks import GenerationTasks
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -30,178 +35,186 @@ log = logging.getLogger("tpassrun.agent")
 class WorkerSpawning:
     """Agent's workers on this node."""
 
-    def _find_devices(self) -> list[str] | None:
+    def __init__(self, state: AgentState, store: WorkersStore, tasks: GenerationTasks) -> None:
+        self._state = state
+        self._store = store
+        self._tasks = tasks
+        self.timer_file: str | None = None          # TORCHELASTIC_TIMER_FILE of the current workers
+        self._file_timer: FileTimerServer | None = None
+        self._forwarded: int | None = None          # the signal already sent to every worker's group (forward_signal)
+        self.workers_started = False
+
+    def find_devices(self) -> list[str] | None:
+        st = self._state
         try:
-            return node_devices(self.environ, slots=self.cfg.nproc_per_node + self.cfg.spares_per_node)
+            return node_devices(st.environ, slots=st.cfg.nproc_per_node + st.cfg.spares_per_node)
         except Exception as exc:  # noqa: BLE001 - a broken NVML: fall back to CUDA_VISIBLE_DEVICES alone
             log.warning("cannot count GPUs through NVML (%s); using CUDA_VISIBLE_DEVICES only", exc)
-            return visible_devices(self.environ.get(E.CUDA_VISIBLE_DEVICES), None)
+            return visible_devices(st.environ.get(E.CUDA_VISIBLE_DEVICES), None)
 
     def assignment(self, gen: Generation, local_rank: int, rank: int, master: tuple[str, int],
                    slot: Slot, spare: bool) -> WorkerAssignment:
-        me = gen.member(self.node_id)
-        assert (me is not None or spare) and self.slots is not None
+        st = self._state
+        me = gen.member(st.node_id)
+        assert (me is not None or spare) and st.slots is not None
         extra = {
-            E.TPASSRUN_CHANNEL: self.slots.channel_path, E.TPASSRUN_SLOT: str(slot.index),
-            E.TPASSRUN_AGENT_SOCK: self.slots.sock_path, E.TPASSRUN_GENERATION: str(gen.number),
-            E.TPASSRUN_NODE_ID: self.node_id,
-            E.TPASSRUN_SHARD_MIRROR_INTERVAL: "auto" if self.cfg.shard_mirror_interval is None
-            else str(self.cfg.shard_mirror_interval),
+            E.TPASSRUN_CHANNEL: st.slots.channel_path, E.TPASSRUN_SLOT: str(slot.index),
+            E.TPASSRUN_AGENT_SOCK: st.slots.sock_path, E.TPASSRUN_GENERATION: str(gen.number),
+            E.TPASSRUN_NODE_ID: st.node_id,
+            E.TPASSRUN_SHARD_MIRROR_INTERVAL: "auto" if st.cfg.shard_mirror_interval is None
+            else str(st.cfg.shard_mirror_interval),
         }
         if spare:
             extra[E.TPASSRUN_SPARE] = "1"
-        if encrypt_requested(self.cfg.rdzv_conf):   # both ends of every transfer read it: they agree
+        if encrypt_requested(st.cfg.rdzv_conf):   # both ends of every transfer read it: they agree
             extra[E.TPASSRUN_ENCRYPT] = "1"
-        store_key = self.store_key()
+        store_key = self._store.key()
         if store_key is not None:    # the workers' store's authenticated door (tpassrun.store)
             extra[E.TPASSRUN_STORE_KEY] = store_key.hex()
         # Each slot owns its GPU: a spare sees only its own, a rank moved off a tainted slot is steered to
         # its new slot's GPU (tpassrun/launch/devices.py); on a CPU node this adds nothing.
-        extra.update(slot_env(slot.index, local_rank, self.devices, spare=spare,
-                              virtual_local_rank=self.cfg.virtual_local_rank))
-        attempt_dir = self.logs.attempt_dir(self.restart_count)
+        extra.update(slot_env(slot.index, local_rank, st.devices, spare=spare,
+                              virtual_local_rank=st.cfg.virtual_local_rank))
+        attempt_dir = st.logs.attempt_dir(st.restart_count)
         err = os.path.join(attempt_dir, str(slot.index if spare else local_rank), "error.json") if attempt_dir else ""
         role_rank, role_world_size = role_ranks(gen.members, rank, gen.world_size)
         return WorkerAssignment(
             local_rank=local_rank, rank=rank, group_rank=me.group_rank if me is not None else -1, role_rank=role_rank,
-            role_world_size=role_world_size, local_world_size=self.cfg.nproc_per_node, world_size=gen.world_size,
+            role_world_size=role_world_size, local_world_size=st.cfg.nproc_per_node, world_size=gen.world_size,
             group_world_size=len(gen.members), master_addr=master[0], master_port=master[1],
-            restart_count=self.restart_count, error_file=err, use_agent_store=True,
+            restart_count=st.restart_count, error_file=err, use_agent_store=True,
             timer_file=self.timer_file, extra=extra)
 
-    timer_file: str | None = None               # TORCHELASTIC_TIMER_FILE of the current workers
-    _file_timer: FileTimerServer | None = None
-
-    async def _start_file_timer(self) -> None:
+    async def start_file_timer(self) -> None:
         """torchrun's watchdog: with ``TORCHELASTIC_ENABLE_FILE_TIMER=1`` a timer server (on the agent's
         ``TORCHELASTIC_TIMER_FILE``, else a new ``<tmp>/watchdog_timer_<uuid4>``) for each group of workers started,
         stopped with them; the workers get its path. Given a path but not enabled, torchrun passes the path on
         (the workers inherit it) and serves nothing."""
-        await self._stop_file_timer()
-        given = self.environ.get(E.TORCHELASTIC_TIMER_FILE)
-        if self.environ.get(E.TORCHELASTIC_ENABLE_FILE_TIMER) != "1":
+        st = self._state
+        await self.stop_file_timer()
+        given = st.environ.get(E.TORCHELASTIC_TIMER_FILE)
+        if st.environ.get(E.TORCHELASTIC_ENABLE_FILE_TIMER) != "1":
             return
         path = given or os.path.join(tempfile.gettempdir(), f"watchdog_timer_{uuid.uuid4()}")
         self._file_timer = FileTimerServer(path, allowed=lambda pid: self._slot_of_session(pid) is not None,
                                            on_expired=self._timer_expired).start()
         self.timer_file = path
 
-    async def _stop_file_timer(self) -> None:
+    async def stop_file_timer(self) -> None:
         server, self._file_timer, self.timer_file = self._file_timer, None, None
         if server is not None:
             await server.stop()
 
     def _slot_of_session(self, pid: int) -> Slot | None:
         """The slot whose worker's session ``pid`` is in (workers start their own session: sid == worker pid)."""
-        assert self.slots is not None
+        st = self._state
+        assert st.slots is not None
         try:
             sid = os.getsid(pid)
         except OSError:
             return None
-        return next((s for s in self.slots.slots if s.proc is not None and s.proc.pid == sid), None)
+        return next((s for s in st.slots.slots if s.proc is not None and s.proc.pid == sid), None)
 
     def _timer_expired(self, request: TimerRequest, sent: bool) -> None:
         slot = self._slot_of_session(request.pid)
-        self.events.write("timer_expired", rank=slot.rank if slot else None, slot=slot.index if slot else None,
-                          pid=request.pid, scope=request.scope_id, signal=signal_name(request.signal), sent=sent)
+        self._state.events.write("timer_expired", rank=slot.rank if slot else None, slot=slot.index if slot else None,
+                                 pid=request.pid, scope=request.scope_id, signal=signal_name(request.signal), sent=sent)
 
-    def _member(self, gen: Generation) -> Member | None:
-        """This node's place among ``gen``'s members, or None when it runs no rank there: a spare node, or a
-        member lost earlier whose ranks swaps moved to other nodes, back as a spare node (rendezvous.machine)."""
-        me = gen.member(self.node_id)
-        return me if me is not None and gen.placed(self.node_id) else None
-
-    async def _spawn_generation(self, gen: Generation, master: tuple[str, int]) -> None:
-        assert self.slots is not None
-        me = self._member(gen)
-        if self.mirror is not None:   # copies from before this (re)start must never be taken for this one's
-            self.mirror.store.drop(below_epoch=gen.formed)
+    async def spawn_generation(self, gen: Generation, master: tuple[str, int]) -> None:
+        st = self._state
+        assert st.slots is not None
+        me = st.member(gen)
+        if st.mirror is not None:   # copies from before this (re)start must never be taken for this one's
+            st.mirror.store.drop(below_epoch=gen.formed)
         if me is None:
             await self._spawn_spare_node(gen, master)
             return
-        self.logs.start_attempt(self.restart_count)
+        st.logs.start_attempt(st.restart_count)
         await self._quarantine_restart_taints()
-        usable = self.slots.usable_for_start()
-        if len(usable) < self.cfg.nproc_per_node:
-            usable = list(self.slots.slots)  # more quarantined slots than spares: reuse rather than not run
+        usable = st.slots.usable_for_start()
+        if len(usable) < st.cfg.nproc_per_node:
+            usable = list(st.slots.slots)  # more quarantined slots than spares: reuse rather than not run
             for s in usable:
                 s.state = SlotState.IDLE
-        for s in self.slots.slots:
+        for s in st.slots.slots:
             if s.state != SlotState.QUARANTINED:
                 s.state = SlotState.IDLE
                 s.rank = None
-        actives, spares = usable[: self.cfg.nproc_per_node], usable[self.cfg.nproc_per_node:]
+        actives, spares = usable[: st.cfg.nproc_per_node], usable[st.cfg.nproc_per_node:]
         for local_rank, slot in enumerate(actives):
             await self.spawn(gen, slot, local_rank=local_rank, rank=me.rank_offset + local_rank, master=master)
         for slot in spares:
             await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
         self.workers_started = True
-        self.spawned_generation, self.formed_generation = gen.number, gen.formed
-        self.events.write("workers_started", generation=gen.number,
-                          slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
+        st.spawned_generation, st.formed_generation = gen.number, gen.formed
+        st.events.write("workers_started", generation=gen.number,
+                        slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
                                  for s in actives + spares])
 
     async def _spawn_spare_node(self, gen: Generation, master: tuple[str, int]) -> None:
         """A node of the generation that is not a member (a --spare-node agent, or one more node than
         --nnodes allows): every slot runs a warm spare, so a lost node's ranks (or any single rank) can move
         here live, without starting a process."""
-        assert self.slots is not None
-        if not gen.includes(self.node_id):
+        st = self._state
+        assert st.slots is not None
+        if not gen.includes(st.node_id):
             return
-        self.logs.start_attempt(self.restart_count)
+        st.logs.start_attempt(st.restart_count)
         await self._quarantine_restart_taints()
-        for s in self.slots.slots:
+        for s in st.slots.slots:
             if s.state != SlotState.QUARANTINED:
                 s.state, s.rank = SlotState.IDLE, None
-        spares = self.slots.usable_for_start()
+        spares = st.slots.usable_for_start()
         for slot in spares:
             await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
         self.workers_started = True
-        self.spawned_generation, self.formed_generation = gen.number, gen.formed
-        self.events.write("workers_started", generation=gen.number, spare_node=True,
-                          slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state} for s in spares])
+        st.spawned_generation, st.formed_generation = gen.number, gen.formed
+        st.events.write("workers_started", generation=gen.number, spare_node=True,
+                        slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state} for s in spares])
 
     async def _quarantine_restart_taints(self) -> None:
         """Slots of this node whose taint was answered by a health-aware restart sit this generation out
         (until ``tpassctl untaint`` returns them to the spare pool)."""
-        assert self.rdzv is not None and self.slots is not None
+        st = self._state
+        assert st.rdzv is not None and st.slots is not None
         try:
-            taints = await self.rdzv.store.get_prefix_json(Keys(self.rdzv.key("")).family("taints"))
+            taints = await st.rdzv.store.get_prefix_json(Keys(st.rdzv.key("")).family("taints"))
         except RendezvousError as exc:
             log.warning("cannot read taints before starting workers: %s", exc)
             return
         for key, doc, rev in taints:
             taint = load(Taint.from_json, key, doc, rev)
-            if (taint is None or taint.handled_by != HANDLED_RESTART or taint.node_id != self.node_id
+            if (taint is None or taint.handled_by != HANDLED_RESTART or taint.node_id != st.node_id
                     or taint.slot is None):
                 continue
-            slot = self.slots.slots[taint.slot] if taint.slot < len(self.slots.slots) else None
+            slot = st.slots.slots[taint.slot] if taint.slot < len(st.slots.slots) else None
             if slot is not None and slot.state != SlotState.QUARANTINED:
                 slot.state = SlotState.QUARANTINED
                 slot.quarantine_reason = taint.reason or "tainted"
-                self.events.write("slot_quarantined", slot=slot.index, reason=slot.quarantine_reason,
-                                  taint=taint.id)
+                st.events.write("slot_quarantined", slot=slot.index, reason=slot.quarantine_reason,
+                                taint=taint.id)
 
     async def spawn(self, gen: Generation, slot: Slot, *, local_rank: int, rank: int, master: tuple[str, int],
                     spare: bool = False) -> None:
-        assert self.slots is not None
-        self.slots.reset(slot)
+        st = self._state
+        assert st.slots is not None
+        st.slots.reset(slot)
         a = self.assignment(gen, local_rank, rank, master, slot, spare)
-        env = worker_env(self.cfg, a, self.environ)
-        argv = worker_argv(self.cfg, local_rank, spare=spare)
-        stdio = self.logs.stdio(self.restart_count, local_rank, rank=rank if rank >= 0 else None,
-                                dir_name=str(slot.index) if spare else None)
+        env = worker_env(st.cfg, a, st.environ)
+        argv = worker_argv(st.cfg, local_rank, spare=spare)
+        stdio = st.logs.stdio(st.restart_count, local_rank, rank=rank if rank >= 0 else None,
+                              dir_name=str(slot.index) if spare else None)
         slot.rank = None if spare else rank
         slot.local_rank = local_rank
         slot.state = SlotState.SPARE if spare else SlotState.RUNNING
         slot.exit_code = None
         slot.started_at = time.monotonic()
         try:
-            slot.proc = await spawn_worker(argv, env, stdio, local_rank=local_rank, role=self.cfg.role)
+            slot.proc = await spawn_worker(argv, env, stdio, local_rank=local_rank, role=st.cfg.role)
         except OSError as exc:
             slot.proc = None
             slot.state = SlotState.DEAD
-            self._queue.put_nowait(SpawnFailed(slot, exc))
+            st.queue.put_nowait(SpawnFailed(slot, exc))
             return
         proc = slot.proc
         asyncio.ensure_future(self._watch_exit(slot, proc))
@@ -209,21 +222,22 @@ class WorkerSpawning:
     async def _watch_exit(self, slot: Slot, proc: Any) -> None:
         code = await proc.wait()
         log.debug("slot %d (pid %d) exited with %s", slot.index, proc.pid, code)
-        self._queue.put_nowait(WorkerExited(slot, proc, code))
+        self._state.queue.put_nowait(WorkerExited(slot, proc, code))
 
-    def _on_worker_message(self, slot: Slot, msg: Reply) -> None:
+    def on_worker_message(self, slot: Slot, msg: Reply) -> None:
+        st = self._state
         if isinstance(msg, Hello):
             if msg.spare:
-                self.events.write("spare_ready", slot=slot.index, pid=msg.pid)
+                st.events.write("spare_ready", slot=slot.index, pid=msg.pid)
             # The planners see a spare once this node's status says it is warm, and a rank as managed (it can be
             # swapped) once the status says it said hello: say so now, not at the next periodic publication (up
             # to a second later: a node lost meanwhile found no spare to take its ranks; a taint meanwhile took
             # the rank for a script without tpassrun.init() and restarted the whole group, losing its steps).
-            asyncio.ensure_future(self.publish_status())
-        if isinstance(msg, MirrorInfoRequest) and self.mirror is not None:
-            asyncio.ensure_future(self.mirror.answer_current(slot))
+            asyncio.ensure_future(self._tasks.publish_status())
+        if isinstance(msg, MirrorInfoRequest) and st.mirror is not None:
+            asyncio.ensure_future(st.mirror.answer_current(slot))
         if isinstance(msg, (Hello, Done, Failed, Raised)):
-            self._queue.put_nowait(WorkerSaid(slot, msg))
+            st.queue.put_nowait(WorkerSaid(slot, msg))
         if isinstance(msg, ReplicasChecked):
             self._replicas_checked(slot, msg)
 
@@ -231,26 +245,27 @@ class WorkerSpawning:
         """Rank 0's word on the replica check after a swap or recovery (tpassrun/worker/replicas.py): an event (and
         its console line); replicas that disagree with none to trust: torchrun's whole-group restart, which spends
         a restart as the failure that led here would have under torchrun."""
-        self.events.write("replicas_checked", reported_by=slot.rank, step=msg.step, ok=msg.ok,
-                          action=msg.action, ranks=msg.ranks, groups=msg.groups, nbytes=msg.nbytes, seconds=msg.seconds,
-                          differ=msg.differ, detail=msg.detail, recheck=msg.recheck)
+        st = self._state
+        st.events.write("replicas_checked", reported_by=slot.rank, step=msg.step, ok=msg.ok,
+                        action=msg.action, ranks=msg.ranks, groups=msg.groups, nbytes=msg.nbytes, seconds=msg.seconds,
+                        differ=msg.differ, detail=msg.detail, recheck=msg.recheck)
         if msg.action == "restart":
-            self._queue.put_nowait(FallbackRequested(f"replicas disagree after a recovery at step {msg.step}: "
-                                                     f"{msg.detail}"[:600], slot))
+            st.queue.put_nowait(FallbackRequested(f"replicas disagree after a recovery at step {msg.step}: "
+                                                  f"{msg.detail}"[:600], slot))
 
-    _forwarded: int | None = None     # the signal already sent to every worker's group (see _forward_signal)
-
-    def _forward_signal(self, sig: int) -> None:
-        """Send ``sig`` to every live worker's process group now (``_stop_all`` then waits and escalates)."""
-        assert self.slots is not None
-        for s in self.slots.slots:
+    def forward_signal(self, sig: int) -> None:
+        """Send ``sig`` to every live worker's process group now (``stop_all`` then waits and escalates)."""
+        st = self._state
+        assert st.slots is not None
+        for s in st.slots.slots:
             if s.proc is not None and s.proc.returncode is None:
                 s.proc.signal_group(sig)
         self._forwarded = sig
 
-    async def _stop_all(self, sig: int, grace: float) -> None:
-        assert self.slots is not None
-        every = [s.proc for s in self.slots.slots if s.proc is not None]
+    async def stop_all(self, sig: int, grace: float) -> None:
+        st = self._state
+        assert st.slots is not None
+        every = [s.proc for s in st.slots.slots if s.proc is not None]
         procs = [p for p in every if p.returncode is None]
         if procs:
             await stop_workers(procs, sig, grace, signalled=self._forwarded == sig)
@@ -260,6 +275,6 @@ class WorkerSpawning:
             # (no pdeathsig: they were reparented to init): they go with the job, as torchrun's close() signals
             # every worker's process group, finished or not
             p.kill_leftovers()
-        for s in self.slots.slots:
+        for s in st.slots.slots:
             if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
                 s.state = SlotState.IDLE

@@ -73,7 +73,7 @@ class JobPool:
     def name(self) -> str:
         return self.pool.name
 
-    async def need(self, lost: tuple[str, ...], own_starting: int, say: Callable[..., None]) -> None:
+    async def need(self, lost: tuple[str, ...], own_starting: int, say: Callable[..., object]) -> None:
         """Lost nodes (or dead ranks, named by ``triage.dead_rank_need``) no own spare covers: claim a pool node for
         each, or wait for one, or give them up."""
         now = self.clock()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union, overload
 
 if TYPE_CHECKING:
-    from tpassrun.channel.protocol import Done, Failed, Hello
+    from tpassrun.channel.protocol import Done, Failed, Hello, Raised
     from tpassrun.settings import LaunchConfig
     from tpassrun.rendezvous import EtcdRendezvous, Generation, RdzvEvent
     from tpassrun.channel.slots import LocalSlots, Slot
@@ -56,7 +56,7 @@ class WorkerExited:
 @dataclass(frozen=True)
 class WorkerSaid:
     slot: "Slot"
-    message: "Hello | Done | Failed"      # what a worker said that its agent's supervisor handles
+    message: "Hello | Done | Failed | Raised"      # what a worker said that its agent's supervisor handles
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ AgentEvent = Union[SignalReceived, SpawnFailed, WorkerExited, WorkerSaid, Rendez
 
 # --------------------------------------------------------------------------------------------- the port
 class EventSink(Protocol):
-    def write(self, event: str, **fields: Any) -> None: ...
+    def write(self, event: str, **fields: Any) -> object: ...   # an event log returns what it wrote
 
 
 @dataclass(frozen=True)

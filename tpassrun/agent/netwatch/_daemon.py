@@ -55,7 +55,7 @@ class LinkDaemon:
         self.down_wall = 0.0                   # the same in wall time (published: the peers' watchdogs read it)
         self.peer_down_wall = 0.0              # the latest of the peers' (from their health records)
         self.tainted: set[str] = set()
-        self._steps: deque = deque(maxlen=3)   # ms per step of the last few samples: one slow interval is noise
+        self._steps: deque[float] = deque(maxlen=3)   # ms per step of the last few samples: one slow interval is noise
         self._last_step: tuple[float, int] | None = None     # (clock, step) at the last sample
         self._sent: dict[str, tuple[int, int]] | None = None    # remote address -> (bytes sent, sent again)
         self._dev: str | None = None
@@ -64,7 +64,7 @@ class LinkDaemon:
         self.agent.events.add_listener(self._on_event)
 
     # ------------------------------------------------------------------ flaps
-    def _on_event(self, ev: dict) -> None:
+    def _on_event(self, ev: dict[str, Any]) -> None:
         name, now = ev.get("event"), self.clock()
         if name == "etcd_connection_lost":
             self.book.etcd_lost(now)
@@ -141,13 +141,13 @@ class LinkDaemon:
         self.figures = LinkFigures(rtt, self._step_ms(), self._addr, delta)
         return self.figures
 
-    def readings(self) -> list[dict]:
+    def readings(self) -> list[dict[str, Any]]:
         """The figures as one reading of the node's health record (what the peers compare against)."""
         return [{"device": READINGS_DEVICE, "metric": "figures", "value": self.figures.to_json(),
                  "time": time.time(), "state": self.state, "extra_ms": round(self.extra_ms, 1),
                  "down_wall": self.down_wall}]
 
-    def verdicts(self) -> list[dict]:
+    def verdicts(self) -> list[dict[str, Any]]:
         """This node's link as one verdict of its health record (``tpassctl status`` shows it with the devices')."""
         effect = self.policy.effect.value if self.state == DEGRADED else "none"
         return [{"v": 1, "device": READINGS_DEVICE, "status": self.state, "effect": effect, "reason": self.reason,

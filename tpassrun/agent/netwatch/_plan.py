@@ -23,7 +23,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Any, Mapping
 
 from tpassrun.health import LinkPolicy
 
@@ -43,7 +43,7 @@ class LinkFigures:
     addr: str | None = None              # its address (the source address of its route to etcd)
     sent_to: Mapping[str, tuple[float, float]] = field(default_factory=dict)   # addr -> (bytes sent, sent again)
 
-    def to_json(self) -> dict:
+    def to_json(self) -> dict[str, Any]:
         return {"rtt_ms": self.rtt_ms, "step_ms": self.step_ms, "addr": self.addr,
                 "sent_to": {a: list(v) for a, v in self.sent_to.items()}}
 
@@ -100,7 +100,7 @@ class LinkWatch:
     hold_s: float = _POLICY.hold_s
     clear_s: float = _POLICY.clear_s
     baseline_n: int = 10
-    _baseline: deque = field(default_factory=lambda: deque(maxlen=30), init=False, repr=False)
+    _baseline: deque[float] = field(default_factory=lambda: deque(maxlen=30), init=False, repr=False)
     _suspect_since: float | None = field(default=None, init=False, repr=False)
     _clear_since: float | None = field(default=None, init=False, repr=False)
     _misses: int = field(default=0, init=False, repr=False)
@@ -110,7 +110,8 @@ class LinkWatch:
     @classmethod
     def from_policy(cls, policy: object) -> "LinkWatch":
         names = ("rtt_factor", "rtt_extra_ms", "retrans_pct", "slowdown_factor", "slowdown_ms", "hold_s", "clear_s")
-        return cls(**{n: float(getattr(policy, n)) for n in names if hasattr(policy, n)})
+        given: dict[str, Any] = {n: float(getattr(policy, n)) for n in names if hasattr(policy, n)}
+        return cls(**given)
 
     def baseline_ms(self) -> float | None:
         return statistics.median(self._baseline) if len(self._baseline) >= self.baseline_n else None

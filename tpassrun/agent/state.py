@@ -1,0 +1,120 @@
+"""The one state a :class:`tpassrun.agent.Agent` and its parts share: :class:`AgentState`.
+
+An Agent is composed of parts that each own one concern (the workers' store, the workers, the generation's
+background tasks, the cause of a worker's exception, supervision); each holds this object and the parts it calls,
+never the Agent. Every field is declared here with its type, so that a reader (and mypy) sees who reads and writes
+what. A field one part alone uses lives in that part.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from typing import TYPE_CHECKING, Any, Awaitable
+
+from tpassrun.launch.procs import RunLogs
+from tpassrun.launch.report import ProcessFailure
+from tpassrun.ops.events import EventLog
+from tpassrun.ops.progress import Progress
+from tpassrun.rendezvous import EtcdRendezvous, Generation, Member
+from tpassrun.settings import LaunchConfig
+from tpassrun.swapper.agentport import AgentEvent, EventSink
+
+if TYPE_CHECKING:
+    from tpassrun.agent.healthd import AgentHealth
+    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.swapper import Swapper
+    from tpassrun.swapper.mirrorplane import MirrorPlane
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class AgentState:
+    """One node's agent: who it is, what its run allows, what it runs now. Set once: ``cfg``, ``node_id``, ``addr``, ``logs``;
+    ``events``, ``environ``, ``rdzv``, ``slots``, ``swapper``, ``mirror`` and ``health`` once while the agent starts
+    (``Agent._run``), before a generation runs."""
+
+    cfg: LaunchConfig
+    environ: dict[str, str]             # what workers are given: the user's environment without the run key
+    node_id: str
+    addr: str
+    logs: RunLogs
+    events: EventLog
+    remaining_restarts: int
+    # A death a spare should have absorbed, whose live recovery turned out impossible, restarts the group without
+    # spending --max-restarts (the user gave spares, not a restart budget), at most once per spare of this node: a
+    # rank killed over and over still ends in torchrun's failure report.
+    free_fallbacks: int
+    # --- made while the agent starts ---
+    rdzv: EtcdRendezvous | None = None
+    slots: LocalSlots | None = None
+    swapper: Swapper | None = None
+    mirror: MirrorPlane | None = None   # this node's mirror store and its light mirror (tpassrun/swapper/mirrorplane.py)
+    health: AgentHealth | None = None   # one per agent, run in every generation
+    run_key_file: str | None = None     # an embedded etcd's run key (0600, in its private dir): tpassctl verifies with it
+    credentials_file: str | None = None   # an embedded etcd's root password file (0600)
+    devices: list[str] | None = None    # the node's GPUs in slot order (tpassrun/launch/devices.py); None: no GPU
+    # --- the generation (Agent._generations, and a swap's commit through the swapper's port) ---
+    generation: Generation | None = None
+    queue: asyncio.Queue[AgentEvent] = dataclasses.field(default_factory=asyncio.Queue)   # replaced by each one
+    failures: list[ProcessFailure] = dataclasses.field(default_factory=list)
+    progress: Progress = dataclasses.field(default_factory=Progress)   # the steps its ranks run: what a restart redoes
+    master: tuple[str, int] = ("", 0)   # the workers' store of the current generation
+    store_host: str | None = None       # the node running it (group rank 0's, or a swap's)
+    spawned_generation: int = 0         # the generation whose start spawned the current workers (swaps keep them)
+    formed_generation: int = 0          # the run's last whole-group restart's (Generation.formed): port.epoch()
+    # --- signals ---
+    signal_received: int | None = None
+    cut_by_signal: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)   # etcd requests a signal cuts short
+
+    @property
+    def restart_count(self) -> int:
+        return self.cfg.max_restarts - self.remaining_restarts
+
+    def member(self, gen: Generation) -> Member | None:
+        """This node's place among ``gen``'s members, or None when it runs no rank there: a spare node, or a
+        member lost earlier whose ranks swaps moved to other nodes, back as a spare node (rendezvous.machine)."""
+        me = gen.member(self.node_id)
+        return me if me is not None and gen.placed(self.node_id) else None
+
+    async def until_signal(self, aw: Awaitable[Any]) -> bool:
+        """Await an etcd request that may wait out an outage for as long as it lasts; a signal cuts it short
+        (-> False). Every request the supervisor makes between a worker's event and the next one goes through
+        here: a signal is obeyed in seconds even while etcd is gone."""
+        if self.signal_received is not None:
+            if asyncio.iscoroutine(aw):
+                aw.close()
+            return False
+        task = asyncio.ensure_future(aw)
+        self.cut_by_signal.add(task)
+        try:
+            await task
+            return True
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if task.cancelled() and self.signal_received is not None and not (me and me.cancelling()):
+                return False
+            raise
+        finally:
+            self.cut_by_signal.discard(task)
+
+    def host(self) -> NodeHost:
+        """What the health daemon and the scheduler watcher read of this agent, once it has a rendezvous and slots."""
+        assert self.rdzv is not None and self.slots is not None
+        return NodeHost(node_id=self.node_id, cfg=self.cfg, environ=self.environ, rdzv=self.rdzv, slots=self.slots,
+                        events=self.events)
+
+
+@dataclasses.dataclass(eq=False)
+class NodeHost:
+    """One agent as its health daemon (:class:`tpassrun.swapper.agentport.HealthHost`) and its scheduler watcher
+    (:class:`tpassrun.scheduler.watch.SchedulerHost`) see it: values fixed once the agent has started."""
+
+    node_id: str
+    cfg: LaunchConfig
+    environ: dict[str, str]
+    rdzv: EtcdRendezvous
+    slots: LocalSlots
+    events: EventSink
+
+
+__all__ = ["AgentState", "NodeHost"]
