@@ -75,7 +75,8 @@ def test_bad_pool_input_is_one_line_at_start(tmp_path, etcd_server, run_id):
         _pool_op(etcd_server.endpoint, run_id, "delete")
 
 
-def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill) -> dict:
+def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill, extra: tuple[str, ...] = (),
+                      step_sleep: float = 0.05) -> dict:
     """The job (2 agents x 2 ranks, ``--spare-pool``, no spares of its own) and one idle pool node; ``kill(b, train)``
     is the fault, once every rank reached step 3: it returns (the monotonic time of the kill, the dead pids). Waits
     for the job to end (exit 0) and the pool node to be idle again; returns what the checks need."""
@@ -86,7 +87,8 @@ def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill) -> dict:
                     out=str(tmp_path / "pool"), env=keys)
     train = str(tmp_path / "train")
     a, b = (Job.agent(str(tmp_path / n), train, endpoint=endpoint, run_id=run_id, nproc=2, steps=STEPS,
-                      step_sleep=0.05, extra=["--spare-pool", run_id, "--pool-wait", "60"], env=keys) for n in "ab")
+                      step_sleep=step_sleep, extra=["--spare-pool", run_id, "--pool-wait", "60", *extra], env=keys)
+            for n in "ab")
     try:
         pool_node.start()
         deadline = time.monotonic() + 60
@@ -176,3 +178,36 @@ def test_a_dead_rank_without_own_spares_is_replaced_live_on_a_pool_node(tmp_path
         assert rows == {pid} if r != rank else (pid in rows and len(rows) == 2), (r, rows)
     assert run["history"][0] == "claimed" and run["history"][-1] == "idle", run["history"]
     assert f"rank {rank} (died at step" in run["log"] and "claimed pool node" in run["log"]
+
+
+@pytest.mark.acceptance
+def test_a_pool_node_is_given_back_when_migrate_back_moves_the_dead_ranks_home(tmp_path, etcd_server, run_id,
+                                                                              reference_run):
+    """Issue 24, item 4, with real agents (an acceptance run: 40 steps of 1 s, so that the whole round trip fits in
+    the job's life). One rank dies; the pool node takes it live; its slot is re-admitted; --migrate-back moves the
+    rank home (a planned swap) and the pool node, holding no rank, is given back and idle again while the job
+    trains on. Bit-identical to torchrun; the other three ranks keep their processes."""
+    reference = reference_run(4, STEPS)
+
+    def kill_one_rank(b, train):
+        rank = next(r for r in range(4) if pid_of_rank(train, r) in b.worker_pids())
+        pid, _wall = sigkill_rank(train, rank)
+        return time.monotonic(), [pid]
+    run = _with_a_pool_node(tmp_path, etcd_server.endpoint, run_id, kill_one_rank, extra=("--migrate-back",),
+                            step_sleep=1.0)
+    train, dead = run["train"], run["dead"]
+    rank = next(r for r, pid in run["pids"].items() if pid in dead)
+    assert run["history"] == ["claimed", "joined", "released", "idle"], (run["history"], run["log"][-4000:])
+    released = [e for e in run["events"] if e["event"] == "pool_released"]
+    assert released and released[0]["pool_node"] == "poolnode1" and f"[{rank}] moved home" in released[0]["reason"]
+    assert "given back to pool" in run["log"]
+    assert_bit_exact(Job(argv=[], out=train), reference, 4)
+    rows = Job(argv=[], out=train).losses(rank)
+    pids = list(dict.fromkeys(row["pid"] for row in rows))
+    assert len(pids) == 3 and pids[0] in dead, pids      # home, the pool node, home again (a new process)
+    for r, pid in run["pids"].items():
+        if r != rank:
+            assert {row["pid"] for row in Job(argv=[], out=train).losses(r)} == {pid}, r
+    t_released = released[0]["mono"] - run["t_kill"]
+    print(f"\nrank {rank}: pool node claimed, rank home again and the pool node given back {t_released:.1f} s "
+          f"after the kill")

@@ -68,6 +68,8 @@ class JobPool:
     held: dict[str, str] = field(default_factory=dict)          # lost node -> the pool node claimed for it
     gave_up: set[str] = field(default_factory=set)              # lost nodes left to torchrun's restart
     said: set[tuple[str, str]] = field(default_factory=set)
+    used: dict[str, tuple[int, ...]] = field(default_factory=dict)    # a pool node (the job's id for it) -> the ranks
+                                                                      # it ran (plan.giveback)
 
     @property
     def name(self) -> str:
@@ -119,6 +121,33 @@ class JobPool:
     def waiting(self) -> bool:
         """Lost nodes the pool still works on (claimed nodes starting count: the claim is watched until planned)."""
         return any(n not in self.gave_up for n in self.since)
+
+    @property
+    def pool_nodes(self) -> tuple[str, ...]:
+        """The pool nodes this job holds."""
+        return tuple(sorted(set(self.held.values())))
+
+    async def agents(self) -> dict[str, str]:
+        """The node id in this job of each pool node it holds whose spare node joined -> the pool node's id."""
+        if not self.held:
+            return {}
+        view, _, _ = await self.pool.read()
+        nodes = [view.nodes.get(p) for p in self.pool_nodes]
+        return {n.agent: n.node_id for n in nodes if n is not None and n.agent and n.job == self.cfg.rdzv_id}
+
+    async def give_back(self, pool_node: str, why: str, say: Callable[..., None]) -> bool:
+        """Give ``pool_node`` back to the pool (its ranks went home, ``tpassrun.plan.giveback``): its claim is marked
+        released, the pool node stops this job's spare node there and is idle again. False: the claim is not ours
+        any more (nothing to give back; the node returns when its spare node exits)."""
+        view, _, _ = await self.pool.read()
+        claim = view.claims.get(pool_node)
+        done = claim is not None and claim.job == self.cfg.rdzv_id and await self.pool.give_back(claim, why)
+        for need in [n for n, p in self.held.items() if p == pool_node]:
+            del self.held[need]
+            self.since.pop(need, None)
+        if done:
+            say("pool_released", pool=self.name, pool_node=pool_node, reason=why)
+        return done
 
     async def release_all(self, why: str) -> None:
         for node, pool_node in list(self.held.items()):

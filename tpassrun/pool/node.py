@@ -115,11 +115,11 @@ class PoolNodeLoop:
         elif isinstance(action, Refuse):
             self.say(f"pool node {self.record.node_id}: refusing a claim: {action.reason}")
         elif isinstance(action, Keep) and isinstance(event, ChildJoined):
-            await self._register(SERVING, self.state.job)
+            await self._register(SERVING, self.state.job, event.agent or None)
             await self.pool.note(self.record.node_id, "joined", self.state.job, action.reason)
 
-    async def _register(self, state: str, job: str | None) -> None:
-        self.record = replace(self.record, state=state, job=job, since=time.time())
+    async def _register(self, state: str, job: str | None, agent: str | None = None) -> None:
+        self.record = replace(self.record, state=state, job=job, agent=agent, since=time.time())
         await self.pool.register(self.record)
 
     async def _watch_claim(self) -> None:
@@ -158,9 +158,10 @@ class PoolNodeLoop:
         while child.returncode is None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(child.wait(), 0.2)
-            if not joined and _workers_started(event_log):
+            agent = None if joined else _workers_started(event_log)
+            if agent is not None:
                 joined = True
-                self.events.put_nowait(ChildJoined())
+                self.events.put_nowait(ChildJoined(agent))
         self.events.put_nowait(ChildExited(child.returncode or 0))
 
     async def _stop_child(self, why: str) -> None:
@@ -181,13 +182,17 @@ class PoolNodeLoop:
         return self.state.phase
 
 
-def _workers_started(event_log: str) -> bool:
+def _workers_started(event_log: str) -> str | None:
+    """The spare node's node id in the job once its event log says its workers started (None before)."""
+    agent = ""
     try:
         with open(event_log) as fh:
             for line in fh:
-                with contextlib.suppress(ValueError):
-                    if json.loads(line).get("event") == "workers_started":
-                        return True
+                with contextlib.suppress(ValueError, AttributeError):
+                    ev = json.loads(line)
+                    agent = str(ev.get("node") or agent)
+                    if ev.get("event") == "workers_started":
+                        return agent
     except OSError:
         pass
-    return False
+    return None

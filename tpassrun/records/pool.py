@@ -114,6 +114,8 @@ class PoolNode:
     since: float
     state: str = IDLE
     job: str | None = None
+    agent: str | None = None   # serving: the node id its spare node has in the job (once joined; the job's view
+                               # names the node by it)
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, **asdict(self)}
@@ -125,7 +127,8 @@ class PoolNode:
         if state not in (IDLE, SERVING):
             raise RecordError(f"{w}: state {state!r} is not idle or serving")
         return cls(node_id=_str(doc, "node_id", w), host=_str(doc, "host", w), nproc=_int(doc, "nproc", w, minimum=1),
-                   since=_num(doc, "since", w), state=state, job=_opt_str(doc, "job", w))
+                   since=_num(doc, "since", w), state=state, job=_opt_str(doc, "job", w),
+                   agent=_opt_str(doc, "agent", w))
 
 
 @dataclass(frozen=True)
@@ -184,11 +187,13 @@ class Claim:
     reason: str
     spec: JobSpec | None = None
     waited: float = 0.0         # seconds from the job's need to this claim (the claim-wait gauge)
+    released: str = ""          # why the job gave the node back (its ranks went home); "" while it holds it. A put,
+                                # not a delete: a deleted claim is a claimer that died, which never stops a joined node
 
     def to_json(self) -> dict[str, Any]:
         return {"v": SCHEMA_VERSION, "node_id": self.node_id, "job": self.job, "claimer": self.claimer,
                 "priority": self.priority, "since": self.since, "reason": self.reason, "waited": self.waited,
-                "spec": self.spec.to_json() if self.spec is not None else None}
+                "spec": self.spec.to_json() if self.spec is not None else None, "released": self.released}
 
     @classmethod
     def from_json(cls, doc: Mapping[str, Any]) -> "Claim":
@@ -196,7 +201,8 @@ class Claim:
         spec = doc.get("spec")
         return cls(node_id=_str(doc, "node_id", w), job=_str(doc, "job", w), claimer=_str(doc, "claimer", w),
                    priority=_int(doc, "priority", w, 0), since=_num(doc, "since", w), reason=_str(doc, "reason", w, ""),
-                   spec=JobSpec.from_json(spec) if spec is not None else None, waited=_num(doc, "waited", w, 0.0))
+                   spec=JobSpec.from_json(spec) if spec is not None else None, waited=_num(doc, "waited", w, 0.0),
+                   released=_str(doc, "released", w, ""))
 
 
 @dataclass(frozen=True)
