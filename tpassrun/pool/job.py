@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 from tpassrun.records import provenance
 from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
@@ -25,7 +25,7 @@ from tpassrun.settings import LaunchConfig
 from tpassrun.pool.ctl import pool_key_from
 from tpassrun.pool.etcd import Pool, PoolError
 from tpassrun.pool.plan import ClaimNode, JobNeed, Preempt, Restart, UseOwn, WaitForPool, plan_job
-from tpassrun.records.pool import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, box, pool_prefix
+from tpassrun.records.pool import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, PoolNode, box, pool_prefix
 
 # secrets and what only makes sense on the host it was set on (a pool node brings its own)
 _NOT_SHIPPED = {TPASSRUN_RUN_KEY, TPASSRUN_POOL_KEY, ETCD_PASSWORD_ENV, "CUDA_VISIBLE_DEVICES", "HOSTNAME", "PWD",
@@ -57,6 +57,16 @@ def lost_what(need: str) -> str:
     return need if need.startswith("rank ") else f"node {need} lost"
 
 
+def silent_pool_node(record: PoolNode | None, job_lost: Collection[str]) -> str:
+    """Why a claimed pool node will not serve (pure): it left the pool (its lease expired: dead, or stopped), or the
+    job lost its spare node (stopped answering before its ranks came); "" while it may still come up."""
+    if record is None:
+        return "left the pool (its lease expired: it died or stopped answering)"
+    if record.agent and record.agent in job_lost:
+        return f"stopped answering the job (its spare node {record.agent} was lost)"
+    return ""
+
+
 @dataclass
 class JobPool:
     pool: Pool
@@ -75,9 +85,11 @@ class JobPool:
     def name(self) -> str:
         return self.pool.name
 
-    async def need(self, lost: tuple[str, ...], own_starting: int, say: Callable[..., None]) -> None:
+    async def need(self, lost: tuple[str, ...], own_starting: int, say: Callable[..., None],
+                   job_lost: Collection[str] = ()) -> None:
         """Lost nodes (or dead ranks, named by ``triage.dead_rank_need``) no own spare covers: claim a pool node for
-        each, or wait for one, or give them up."""
+        each, or wait for one, or give them up. ``job_lost``: the nodes the job lost (a claimed pool node's spare node
+        among them stopped answering: another pool node is asked for)."""
         now = self.clock()
         for node in lost:
             if node in self.gave_up:
@@ -86,7 +98,13 @@ class JobPool:
             view, revs, _ = await self.pool.read()
             if node in self.held:
                 mine = view.claims.get(self.held[node])
-                if mine is not None and mine.job == self.cfg.rdzv_id:
+                silent = silent_pool_node(view.nodes.get(self.held[node]), job_lost)
+                if mine is not None and mine.job == self.cfg.rdzv_id and silent:
+                    pool_node = self.held.pop(node)
+                    await self.pool.release(pool_node, self.cfg.rdzv_id, silent)
+                    say("pool_waiting", lost_node=node, pool=self.name,
+                        reason=f"pool node {pool_node} {silent}: asking the pool for another")
+                elif mine is not None and mine.job == self.cfg.rdzv_id:
                     if now - since < self.cfg.pool_wait:
                         continue        # its spare node is starting: the node plan takes it when it is up
                     await self.pool.release(self.held.pop(node), self.cfg.rdzv_id, "its spares never came up")
@@ -94,9 +112,9 @@ class JobPool:
                     say("pool_gave_up", lost_node=node, pool=self.name,
                         reason=f"the pool node's spares did not come up within {self.cfg.pool_wait:g} s")
                     continue
-                # the claim is gone (the pool node refused it, or died): ask the pool again
-                say("pool_waiting", lost_node=node, pool=self.name,
-                    reason=f"pool node {self.held.pop(node)} dropped the claim")
+                else:   # the claim is gone (the pool node refused it, or died): ask the pool again
+                    say("pool_waiting", lost_node=node, pool=self.name,
+                        reason=f"pool node {self.held.pop(node)} dropped the claim")
             need = JobNeed(job=self.cfg.rdzv_id, priority=self.cfg.priority, nproc=self.cfg.nproc_per_node,
                            own_starting=own_starting, since=since, wait_limit=self.cfg.pool_wait, preempt=False)
             action = plan_job(need, view, now)
