@@ -14,6 +14,7 @@ Left to the netns acceptance harness: two such jobs sharing the pool node, the s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -211,3 +212,93 @@ def test_a_pool_node_is_given_back_when_migrate_back_moves_the_dead_ranks_home(t
     t_released = released[0]["mono"] - run["t_kill"]
     print(f"\nrank {rank}: pool node claimed, rank home again and the pool node given back {t_released:.1f} s "
           f"after the kill")
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def test_a_pool_node_that_stops_answering_mid_recovery_is_replaced_by_another(tmp_path, etcd_server, run_id,
+                                                                             reference_run):
+    """Issue 24: a claimed pool node that hangs mid-swap must not stall the recovery. Node B is SIGKILLed; the
+    leader claims pool node 1, whose spare node joins; the moment the recovery's plan is under way (the leader's
+    first phase of it), pool node 1 is SIGSTOPped whole (its loop, its spare node, their workers). Its lease expires,
+    the job sees it lost, the plan is given up naming it, the leader releases its claim and claims pool node 2, and
+    B's ranks recover live there: torch.equal to torchrun, A's ranks keep their processes. (Should the plan finish
+    before the stop lands, pool node 1 is a lost node holding B's ranks, and pool node 2 takes them: the outcome
+    asserted is the same, the line printed says which it was.)"""
+    reference = reference_run(4, STEPS)
+    endpoint = etcd_server.endpoint
+    assert _pool_op(endpoint, run_id, "create")
+    keys = {"TPASSRUN_POOL_KEY": POOL_KEY, "TPASSRUN_RUN_KEY": RUN_KEY}
+    pools = [Job(argv=[sys.executable, "-m", "tpassrun.ops.ctl", "pool", "join", run_id, "--rdzv-endpoint", endpoint,
+                       "--nproc-per-node", "2", "--node-id", f"poolnode{i}"], out=str(tmp_path / f"pool{i}"), env=keys)
+             for i in (1, 2)]
+    train = str(tmp_path / "train")
+    a, b = (Job.agent(str(tmp_path / n), train, endpoint=endpoint, run_id=run_id, nproc=2, steps=STEPS,
+                      step_sleep=0.05, extra=["--spare-pool", run_id, "--pool-wait", "120"], env=keys) for n in "ab")
+    stopped: list[int] = []
+    try:
+        pools[0].start()
+        deadline = time.monotonic() + 60
+        while "poolnode1" not in _pool_op(endpoint, run_id, "read")[0].nodes:     # idle longest: claimed first
+            assert time.monotonic() < deadline and pools[0].proc.poll() is None, pools[0].log()[-2000:]
+            time.sleep(0.2)
+        pools[1].start()
+        while "poolnode2" not in _pool_op(endpoint, run_id, "read")[0].nodes:
+            assert time.monotonic() < deadline and pools[1].proc.poll() is None, pools[1].log()[-2000:]
+            time.sleep(0.2)
+        a.start(), b.start()
+        logs = Job(argv=[], out=train)
+        for r in range(4):
+            logs.wait_step(3, 180, rank=r)
+        pids = {r: pid_of_rank(train, r) for r in range(4)}
+        b_pids = b.worker_pids()
+        t_kill = sigkill_node(b)
+        deadline = time.monotonic() + 180
+        while not any(e["event"] == "swap_phase" for e in a.events()):     # the recovery is under way
+            assert time.monotonic() < deadline and a.proc.poll() is None, a.log()[-4000:] + pools[0].log()[-2000:]
+            time.sleep(0.05)
+        phase = [e for e in a.events() if e["event"] == "swap_phase"][-1]["phase"]
+        stopped = _descendants(pools[0].proc.pid)
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        assert a.wait(300) == 0, a.log()[-5000:] + pools[1].log()[-2000:]
+        events = a.events()
+        claimed = [e["pool_node"] for e in events if e["event"] == "pool_claimed"]
+        assert claimed == ["poolnode1", "poolnode2"], (claimed, a.log()[-4000:])
+        silent = [e for e in events if e["event"] == "pool_waiting" and "poolnode1" in str(e.get("reason"))]
+        assert_bit_exact(Job(argv=[], out=train), reference, 4, relogged_by=b_pids)
+        b_ranks = [r for r, pid in pids.items() if pid in b_pids]
+        for r, pid in pids.items():
+            if r not in b_ranks:
+                assert {row["pid"] for row in logs.losses(r)} == {pid}, f"survivor {r} changed process"
+        for r in b_ranks:
+            assert logs.losses(r)[-1]["pid"] not in (*b_pids, *stopped), r     # on pool node 2's spares
+        t_done = next(e["mono"] for e in reversed(events) if e["event"] in ("node_recovered", "swap_resumed"))
+        print(f"\npool node 1 SIGSTOPped in the recovery's {phase} phase "
+              f"({'given up, released: ' + silent[0]['reason'] if silent else 'after its plan: it held the ranks'}); "
+              f"B's ranks training again on pool node 2 {t_done - t_kill:.1f} s after B's kill")
+    finally:
+        for pid in reversed(stopped):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for j in (a, b, *pools):
+            j.kill()
+        _pool_op(endpoint, run_id, "delete")

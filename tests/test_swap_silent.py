@@ -123,17 +123,19 @@ def test_a_job_asks_for_another_pool_node_when_the_claimed_one_stops_answering(e
             stores = [EtcdStore(cfg, lease_ttl=2), EtcdStore(cfg, lease_ttl=10)]
             await asyncio.gather(*(s.open() for s in stores))
             stop = asyncio.Event()
-            nodes = [_Hostless(Pool(st, keys, POOL_KEY, run_id), PoolNode(n, "h", 2, time.time() + i),
-                               say=lambda _s: None) for i, (n, st) in enumerate(zip(("p1", "p2"), stores))]
-            runners = [asyncio.create_task(n.run(stop)) for n in nodes]
+            nodes = [_Hostless(Pool(st, keys, POOL_KEY, run_id), PoolNode(n, "h", 2, time.time()),
+                               say=lambda _s: None) for n, st in zip(("p1", "p2"), stores)]
+            runners = []
+            for n in nodes:         # one after the other: p1 is idle the longer, the one claimed first
+                runners.append(asyncio.create_task(n.run(stop)))
+                while n.record.node_id not in (await pool.read())[0].nodes:
+                    await asyncio.sleep(0.02)
             job = JobPool(pool=Pool(leader, keys, POOL_KEY, run_id), node_id="leader",
                           spec=JobSpec(run_id="jobA", endpoint="e", rdzv_conf="", nproc_per_node=2,
                                        entrypoint="t.py", args=()),
                           cfg=LaunchConfig(rdzv_id="jobA", spare_pool=run_id, training_script="t.py",
                                            nproc_per_node=2, pool_wait=600.0))
             try:
-                while len((await pool.read())[0].nodes) < 2:
-                    await asyncio.sleep(0.02)
                 await job.need(("b",), 0, lambda ev, **f: said.append((ev, f)))
                 assert job.held == {"b": "p1"} and nodes[0].served == ["jobA"]
                 await job.need(("b",), 0, lambda ev, **f: said.append((ev, f)))      # p1 starting: wait for it

@@ -334,6 +334,10 @@ def _recover_many(pending: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[A
     reason = f"ranks {ranks} died (exit codes {[f.code for f in sorted(failures, key=lambda f: f.rank)]})"
     # state no live rank holds (sharded without a replica: ZeRO, FSDP); HSDP's shards have their replicas
     odd = [f for f in failures if f.alone or (f.sharded and not set(f.replicas or ()) - {f.rank})]
+    needs = tuple(dead_rank_need(f) for f in sorted(failures, key=lambda f: f.rank))
+    if not odd and seen.pool and _spare_slots(view) < len(failures) and not set(needs) & seen.pool_gave_up:
+        # own spares first, the pool second (one pool node covers as many of them as it has slots), a restart last
+        return (ClaimFromPool(needs, f"{reason}, only {_spare_slots(view)} spare(s) of the job's own left"),)
     if odd:
         decision = Decision("fallback", f"{reason}; rank {odd[0].rank}'s state has no replica to take it from "
                                         f"({odd[0].alone or 'sharded'}), with another rank dead too: whole-group restart")

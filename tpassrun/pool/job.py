@@ -24,7 +24,7 @@ from tpassrun.rendezvous.config import DEFAULT_PREFIX
 from tpassrun.settings import LaunchConfig
 from tpassrun.pool.ctl import pool_key_from
 from tpassrun.pool.etcd import Pool, PoolError
-from tpassrun.pool.plan import ClaimNode, JobNeed, Preempt, Restart, UseOwn, WaitForPool, plan_job
+from tpassrun.pool.plan import ClaimNode, JobNeed, PoolView, Preempt, Restart, UseOwn, WaitForPool, plan_job
 from tpassrun.records.pool import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, PoolNode, box, pool_prefix
 
 # secrets and what only makes sense on the host it was set on (a pool node brings its own)
@@ -115,6 +115,12 @@ class JobPool:
                 else:   # the claim is gone (the pool node refused it, or died): ask the pool again
                     say("pool_waiting", lost_node=node, pool=self.name,
                         reason=f"pool node {self.held.pop(node)} dropped the claim")
+            covering = self._room_for(node, lost, view)
+            if covering is not None:        # a pool node claimed for another loss has a slot left for this one
+                self.held[node] = covering
+                say("pool_waiting", lost_node=node, pool=self.name,
+                    reason=f"pool node {covering}, claimed for another loss, has a slot for it too")
+                continue
             need = JobNeed(job=self.cfg.rdzv_id, priority=self.cfg.priority, nproc=self.cfg.nproc_per_node,
                            own_starting=own_starting, since=since, wait_limit=self.cfg.pool_wait, preempt=False)
             action = plan_job(need, view, now)
@@ -134,6 +140,20 @@ class JobPool:
             elif isinstance(action, Restart):
                 self.gave_up.add(node)
                 say("pool_gave_up", lost_node=node, pool=self.name, reason=action.reason)
+
+    def _room_for(self, need: str, batch: Collection[str], view: PoolView) -> str | None:
+        """A pool node claimed for another loss of the same ``batch`` (losses seen at once) with slots left for
+        ``need``: a dead rank takes one slot, a lost node all of them."""
+        def slots(n: str) -> int:
+            return 1 if n.startswith("rank ") else self.cfg.nproc_per_node
+        for pool_node in sorted({p for n, p in self.held.items() if n in batch}):
+            claim = view.claims.get(pool_node)
+            if claim is None or claim.job != self.cfg.rdzv_id or claim.released:
+                continue
+            taken = sum(slots(n) for n, p in self.held.items() if p == pool_node)
+            if taken + slots(need) <= self.cfg.nproc_per_node:
+                return pool_node
+        return None
 
     @property
     def waiting(self) -> bool:
