@@ -76,6 +76,23 @@ def test_bad_pool_input_is_one_line_at_start(tmp_path, etcd_server, run_id):
         _pool_op(etcd_server.endpoint, run_id, "delete")
 
 
+def _join(pool_node: Job, endpoint: str, run_id: str, node_id: str) -> None:
+    """Start a pool node (``tpassctl pool join``) and wait until it is registered in the pool."""
+    pool_node.start()
+    deadline = time.monotonic() + 60
+    while node_id not in _pool_op(endpoint, run_id, "read")[0].nodes:
+        assert time.monotonic() < deadline and pool_node.proc.poll() is None, pool_node.log()[-2000:]
+        time.sleep(0.2)
+
+
+def _train_to_step_3(a: Job, b: Job, train: str) -> dict[int, int | None]:
+    """Start the job's two agents; once every rank reached step 3, the process of each rank."""
+    a.start(), b.start()
+    for r in range(4):
+        Job(argv=[], out=train).wait_step(3, 180, rank=r)
+    return {r: pid_of_rank(train, r) for r in range(4)}
+
+
 def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill, extra: tuple[str, ...] = (),
                       step_sleep: float = 0.05) -> dict:
     """The job (2 agents x 2 ranks, ``--spare-pool``, no spares of its own) and one idle pool node; ``kill(b, train)``
@@ -91,16 +108,8 @@ def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill, extra: tuple[s
                       step_sleep=step_sleep, extra=["--spare-pool", run_id, "--pool-wait", "60", *extra], env=keys)
             for n in "ab")
     try:
-        pool_node.start()
-        deadline = time.monotonic() + 60
-        while "poolnode1" not in _pool_op(endpoint, run_id, "read")[0].nodes:
-            assert time.monotonic() < deadline and pool_node.proc.poll() is None, pool_node.log()[-2000:]
-            time.sleep(0.2)
-        a.start(), b.start()
-        logs = Job(argv=[], out=train)
-        for r in range(4):
-            logs.wait_step(3, 180, rank=r)
-        pids = {r: pid_of_rank(train, r) for r in range(4)}
+        _join(pool_node, endpoint, run_id, "poolnode1")
+        pids = _train_to_step_3(a, b, train)
         t_kill, dead = kill(b, train)
         assert len(wait_dead(dead, t_kill, 10)) == len(dead)
         for j in (a, b):
@@ -254,20 +263,10 @@ def test_a_pool_node_that_stops_answering_mid_recovery_is_replaced_by_another(tm
                       step_sleep=0.05, extra=["--spare-pool", run_id, "--pool-wait", "120"], env=keys) for n in "ab")
     stopped: list[int] = []
     try:
-        pools[0].start()
-        deadline = time.monotonic() + 60
-        while "poolnode1" not in _pool_op(endpoint, run_id, "read")[0].nodes:     # idle longest: claimed first
-            assert time.monotonic() < deadline and pools[0].proc.poll() is None, pools[0].log()[-2000:]
-            time.sleep(0.2)
-        pools[1].start()
-        while "poolnode2" not in _pool_op(endpoint, run_id, "read")[0].nodes:
-            assert time.monotonic() < deadline and pools[1].proc.poll() is None, pools[1].log()[-2000:]
-            time.sleep(0.2)
-        a.start(), b.start()
+        for i, pool in enumerate(pools, 1):      # one after the other: pool node 1, idle the longer, is claimed first
+            _join(pool, endpoint, run_id, f"poolnode{i}")
+        pids = _train_to_step_3(a, b, train)
         logs = Job(argv=[], out=train)
-        for r in range(4):
-            logs.wait_step(3, 180, rank=r)
-        pids = {r: pid_of_rank(train, r) for r in range(4)}
         b_pids = b.worker_pids()
         t_kill = sigkill_node(b)
         deadline = time.monotonic() + 180

@@ -9,20 +9,14 @@ first claim's free slot); three take two; a lost node and a dead rank take two."
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
 
 import pytest
 
-from test_pool_races import POOL_KEY, SPEC, _HostlessPoolNode
+from test_pool_races import pool_with
 from tpassrun.plan.actions import ClaimFromPool, CreatePlan, PutFallback, Seen
 from tpassrun.plan.swap import ClusterView, SlotView
 from tpassrun.plan.triage import dead_rank_need, triage
-from tpassrun.pool import Pool, PoolKeys, PoolNode, pool_prefix
-from tpassrun.pool.job import JobPool
 from tpassrun.records import Failure, SwapKind
-from tpassrun.rendezvous import EtcdConfig, EtcdStore
-from tpassrun.settings import LaunchConfig
 
 DEAD = (Failure(node="a", slot=1, rank=1, code=-9, step=9, light=True, generation=3),
         Failure(node="b", slot=1, rank=3, code=-9, step=9, light=True, generation=3))
@@ -58,43 +52,18 @@ def _into(said: list[str]):  # type: ignore[no-untyped-def]
 @pytest.mark.timeout(120)
 def test_losses_seen_at_once_share_a_pool_node_while_it_has_slots_and_claim_another_when_not(etcd_server, run_id):
     async def main() -> list[list[str]]:
-        cfg = EtcdConfig.from_endpoint(etcd_server.endpoint, {"read_timeout": "5"})
         out: list[list[str]] = []
         for t, lost in enumerate((("rank 1 (x)", "rank 3 (x)"), ("rank 1 (x)", "rank 3 (x)", "rank 5 (x)"),
                                   ("node-b", "rank 1 (x)"))):
-            name = f"{run_id}-{t}"
-            keys = PoolKeys(pool_prefix("/tpassrun/v1", name))
-            async with EtcdStore(cfg) as admin:
-                pool = Pool(admin, keys, POOL_KEY, name)
-                assert await pool.create()
-                stores = [EtcdStore(cfg, lease_ttl=10) for _ in range(3)]
-                await asyncio.gather(*(s.open() for s in stores))
-                stop = asyncio.Event()
-                nodes = [_HostlessPoolNode(Pool(st, keys, POOL_KEY, name), PoolNode(n, "h", 2, time.time()),
-                                           say=lambda _s: None) for n, st in zip(("p1", "p2"), stores)]
-                runners = [asyncio.create_task(n.run(stop)) for n in nodes]
-                job = JobPool(pool=Pool(stores[2], keys, POOL_KEY, name), spec=SPEC, node_id="leader",
-                              cfg=LaunchConfig(rdzv_id="jobA", spare_pool=name, training_script="t.py",
-                                               nproc_per_node=2, pool_wait=60.0))
-                said: list[str] = []
-                try:
-                    while len((await pool.read())[0].nodes) < 2:
-                        await asyncio.sleep(0.02)
-                    await job.need(lost, 0, _into(said))
-                    await job.need(lost, 0, _into(said))       # the next tick: nothing new
-                    view = (await pool.read())[0]
-                    assert {c.job for c in view.claims.values()} <= {"jobA"}
-                    out.append(sorted(view.claims))
-                    assert sorted(set(job.held.values())) == sorted(view.claims) and set(job.held) == set(lost)
-                    assert said.count("pool_claimed") == len(view.claims), said
-                finally:
-                    stop.set()
-                    for r in runners:
-                        with contextlib.suppress(Exception):
-                            await r
-                    await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
-                    await pool.delete()
+            async with pool_with(etcd_server.endpoint, f"{run_id}-{t}", ("p1", "p2"), ("jobA",)) as (pool, _n, jobs):
+                job, said = jobs[0], []
+                await job.need(lost, 0, _into(said))
+                await job.need(lost, 0, _into(said))       # the next tick: nothing new
+                view = (await pool.read())[0]
+                assert {c.job for c in view.claims.values()} == {"jobA"}
+                out.append(sorted(view.claims))
+                assert sorted(set(job.held.values())) == sorted(view.claims) and set(job.held) == set(lost)
+                assert said.count("pool_claimed") == len(view.claims), said
         return out
 
-    claimed = asyncio.run(main())        # (which of two idle nodes is the older is the two loops' race)
-    assert [len(c) for c in claimed] == [1, 2, 2], claimed
+    assert asyncio.run(main()) == [["p1"], ["p1", "p2"], ["p1", "p2"]]      # p1, idle the longest, first
