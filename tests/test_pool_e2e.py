@@ -6,8 +6,10 @@ the leader finds no own spare, claims the pool node (compare-and-set under its l
 job's ``--spare-node`` from the sealed claim, and the node plan moves B's ranks onto it when its spare is up. The
 run ends ``torch.equal`` to plain torchrun, the survivor keeps its process, and the pool node is idle again once
 the job ended. The same with one rank SIGKILLed instead of the node: the dead rank draws the pool node (it has no
-spare of the job's own) and its spare takes the rank live, the other three keep their processes. Bad input (a pool
-that does not exist, no pool key) is one line and exit 1 at start.
+spare of the job's own) and its spare takes the rank live, the other three keep their processes. A claimed pool node
+SIGSTOPped mid-recovery (two pool nodes): the recovery does not stall, the other pool node takes B's ranks live.
+With --migrate-back (an acceptance run), the pool node is given back once the dead rank is home again. Bad input
+(a pool that does not exist, no pool key) is one line and exit 1 at start.
 
 Left to the netns acceptance harness: two such jobs sharing the pool node, the second finding it empty."""
 
@@ -245,8 +247,8 @@ def _descendants(pid: int) -> list[int]:
 def test_a_pool_node_that_stops_answering_mid_recovery_is_replaced_by_another(tmp_path, etcd_server, run_id,
                                                                              reference_run):
     """Issue 24: a claimed pool node that hangs mid-swap must not stall the recovery. Node B is SIGKILLed; the
-    leader claims pool node 1, whose spare node joins; the moment the recovery's plan is under way (the leader's
-    first phase of it), pool node 1 is SIGSTOPped whole (its loop, its spare node, their workers). Its lease expires,
+    leader claims pool node 1, whose spare node joins; the moment the recovery's plan is under way (the survivor
+    pauses for it), pool node 1 is SIGSTOPped whole (its loop, its spare node, their workers). Its lease expires,
     the job sees it lost, the plan is given up naming it, the leader releases its claim and claims pool node 2, and
     B's ranks recover live there: torch.equal to torchrun, A's ranks keep their processes. (Should the plan finish
     before the stop lands, pool node 1 is a lost node holding B's ranks, and pool node 2 takes them: the outcome
@@ -270,10 +272,10 @@ def test_a_pool_node_that_stops_answering_mid_recovery_is_replaced_by_another(tm
         b_pids = b.worker_pids()
         t_kill = sigkill_node(b)
         deadline = time.monotonic() + 180
-        while not any(e["event"] == "swap_phase" for e in a.events()):     # the recovery is under way
+        while not any(e["event"] == "swap_pause" for e in a.events()):     # the recovery is under way
             assert time.monotonic() < deadline and a.proc.poll() is None, a.log()[-4000:] + pools[0].log()[-2000:]
             time.sleep(0.05)
-        phase = [e for e in a.events() if e["event"] == "swap_phase"][-1]["phase"]
+        phase = ([e["phase"] for e in a.events() if e["event"] == "swap_phase"] or ["pause"])[-1]
         stopped = _descendants(pools[0].proc.pid)
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
