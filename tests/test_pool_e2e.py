@@ -244,6 +244,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.acceptance     # ~50-65 s: past CI's budget (the pool side runs in CI: test_swap_silent.py)
 def test_a_pool_node_that_stops_answering_mid_recovery_is_replaced_by_another(tmp_path, etcd_server, run_id,
                                                                              reference_run):
     """Issue 24: a claimed pool node that hangs mid-swap must not stall the recovery. Node B is SIGKILLed; the

@@ -21,10 +21,10 @@ from tpassrun.plan.swap import REPORT_DEADLINE_S, SILENT, next_step
 from tpassrun.plan.actions import CasPlan, PutTaint, RestartGroup, Say, Seen
 from tpassrun.plan.swap import ClusterView, SlotView
 from tpassrun.plan.triage import triage
-from tpassrun.pool import JobSpec, Pool, PoolKeys, PoolNode, pool_prefix
+from tpassrun.pool import Claim, JobSpec, NodeState, Pool, PoolKeys, PoolNode, plan_node, pool_prefix
 from tpassrun.pool.job import JobPool, silent_pool_node
 from tpassrun.pool.node import PoolNodeLoop
-from tpassrun.pool.plan import StartSpare
+from tpassrun.pool.plan import ChildStarted, ClaimSeen, Keep, StartSpare
 from tpassrun.records import Move, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
 from tpassrun.records.pool import SERVING
 from tpassrun.records.provenance import RunKey
@@ -92,6 +92,12 @@ def test_the_triage_gives_a_silent_swap_up_and_its_taint_waits_again_or_the_node
 
 
 def test_a_claimed_pool_node_that_left_the_pool_or_the_job_is_said_silent():
+    """Its spare node's id in the job is in its record from its first event (before its workers start: a plan may
+    take its spare slots the moment they appear, and the node may stop right then)."""
+    serving, _ = plan_node(NodeState("p1", 2), ClaimSeen(Claim("p1", "jobA", "l", 0, 0.0, "b lost",
+                                                               JobSpec("jobA", "e", "", 2, "t.py", ()))), 1.0)
+    after, act = plan_node(serving, ChildStarted("h-12-ab"), 2.0)
+    assert after == serving and isinstance(act, Keep) and "h-12-ab" in act.reason
     node = PoolNode("p1", "h", 2, 0.0, state=SERVING, job="jobA", agent="h-12-ab")
     assert silent_pool_node(node, ()) == ""
     assert "left the pool" in silent_pool_node(None, ())

@@ -26,8 +26,8 @@ from typing import Callable
 
 from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
 from tpassrun.pool.etcd import Pool
-from tpassrun.pool.plan import (BecomeIdle, ChildExited, ChildJoined, ClaimGone, ClaimSeen, Keep, NodeEvent, NodeState, Phase,
-                   Refuse, StartSpare, StopSpare, plan_node)
+from tpassrun.pool.plan import (BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen, Keep, NodeEvent,
+                                NodeState, Phase, Refuse, StartSpare, StopSpare, plan_node)
 from tpassrun.records.pool import IDLE, SERVING, JobSpec, PoolNode, unbox
 
 STOP_GRACE_S = 10.0
@@ -114,8 +114,10 @@ class PoolNodeLoop:
             await self._register(IDLE, None)
         elif isinstance(action, Refuse):
             self.say(f"pool node {self.record.node_id}: refusing a claim: {action.reason}")
+        elif isinstance(action, Keep) and isinstance(event, ChildStarted) and self.state.phase is Phase.SERVING:
+            await self._register(SERVING, self.state.job, event.agent)       # the job's name for it, at once
         elif isinstance(action, Keep) and isinstance(event, ChildJoined):
-            await self._register(SERVING, self.state.job, event.agent or None)
+            await self._register(SERVING, self.state.job, event.agent or self.record.agent)
             await self.pool.note(self.record.node_id, "joined", self.state.job, action.reason)
 
     async def _register(self, state: str, job: str | None, agent: str | None = None) -> None:
@@ -154,12 +156,17 @@ class PoolNodeLoop:
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
     async def _follow(self, child: asyncio.subprocess.Process, event_log: str) -> None:
-        joined = False
+        joined, named = False, False
         while child.returncode is None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(child.wait(), 0.2)
-            agent = None if joined else _workers_started(event_log)
-            if agent is not None:
+            if joined:
+                continue
+            agent, started = _progress(event_log)
+            if agent and not named:
+                named = True
+                self.events.put_nowait(ChildStarted(agent))
+            if started:
                 joined = True
                 self.events.put_nowait(ChildJoined(agent))
         self.events.put_nowait(ChildExited(child.returncode or 0))
@@ -182,8 +189,8 @@ class PoolNodeLoop:
         return self.state.phase
 
 
-def _workers_started(event_log: str) -> str | None:
-    """The spare node's node id in the job once its event log says its workers started (None before)."""
+def _progress(event_log: str) -> tuple[str, bool]:
+    """The spare node's node id in the job ("" before its first event), and whether its workers started."""
     agent = ""
     try:
         with open(event_log) as fh:
@@ -192,7 +199,7 @@ def _workers_started(event_log: str) -> str | None:
                     ev = json.loads(line)
                     agent = str(ev.get("node") or agent)
                     if ev.get("event") == "workers_started":
-                        return agent
+                        return agent, True
     except OSError:
         pass
-    return None
+    return agent, False

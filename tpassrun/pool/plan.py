@@ -148,6 +148,11 @@ class ClaimGone:
 
 
 @dataclass(frozen=True)
+class ChildStarted:
+    agent: str                  # the spare node's node id in the job (its event log's first line says it)
+
+
+@dataclass(frozen=True)
 class ChildJoined:
     agent: str = ""             # the spare node's node id in the job
 
@@ -157,7 +162,7 @@ class ChildExited:
     code: int
 
 
-NodeEvent = Union[ClaimSeen, ClaimGone, ChildJoined, ChildExited]
+NodeEvent = Union[ClaimSeen, ClaimGone, ChildStarted, ChildJoined, ChildExited]
 
 
 @dataclass(frozen=True)
@@ -210,6 +215,9 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
             return state, Refuse(f"{c.job} needs {c.spec.nproc_per_node} slots; this pool node has {state.nproc}")
         nxt = NodeState(state.node_id, state.nproc, Phase.SERVING, c.job, now)
         return nxt, StartSpare(c, f"claimed by {c.job} (priority {c.priority}): {c.reason}")
+    if isinstance(event, ChildStarted):
+        return state, Keep(f"its spare node is {event.agent} in {state.job}" if state.phase is Phase.SERVING
+                           else "not serving")
     if isinstance(event, ChildJoined):
         if state.phase is Phase.SERVING:
             return NodeState(state.node_id, state.nproc, Phase.SERVING, state.job, state.claim_since, True), \
