@@ -6,14 +6,17 @@ the leader finds no own spare, claims the pool node (compare-and-set under its l
 job's ``--spare-node`` from the sealed claim, and the node plan moves B's ranks onto it when its spare is up. The
 run ends ``torch.equal`` to plain torchrun, the survivor keeps its process, and the pool node is idle again once
 the job ended. The same with one rank SIGKILLed instead of the node: the dead rank draws the pool node (it has no
-spare of the job's own) and its spare takes the rank live, the other three keep their processes. Bad input (a pool
-that does not exist, no pool key) is one line and exit 1 at start.
+spare of the job's own) and its spare takes the rank live, the other three keep their processes. A claimed pool node
+SIGSTOPped mid-recovery (two pool nodes): the recovery does not stall, the other pool node takes B's ranks live.
+With --migrate-back (an acceptance run), the pool node is given back once the dead rank is home again. Bad input
+(a pool that does not exist, no pool key) is one line and exit 1 at start.
 
 Left to the netns acceptance harness: two such jobs sharing the pool node, the second finding it empty."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -75,7 +78,25 @@ def test_bad_pool_input_is_one_line_at_start(tmp_path, etcd_server, run_id):
         _pool_op(etcd_server.endpoint, run_id, "delete")
 
 
-def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill) -> dict:
+def _join(pool_node: Job, endpoint: str, run_id: str, node_id: str) -> None:
+    """Start a pool node (``tpassctl pool join``) and wait until it is registered in the pool."""
+    pool_node.start()
+    deadline = time.monotonic() + 60
+    while node_id not in _pool_op(endpoint, run_id, "read")[0].nodes:
+        assert time.monotonic() < deadline and pool_node.proc.poll() is None, pool_node.log()[-2000:]
+        time.sleep(0.2)
+
+
+def _train_to_step_3(a: Job, b: Job, train: str) -> dict[int, int | None]:
+    """Start the job's two agents; once every rank reached step 3, the process of each rank."""
+    a.start(), b.start()
+    for r in range(4):
+        Job(argv=[], out=train).wait_step(3, 180, rank=r)
+    return {r: pid_of_rank(train, r) for r in range(4)}
+
+
+def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill, extra: tuple[str, ...] = (),
+                      step_sleep: float = 0.05) -> dict:
     """The job (2 agents x 2 ranks, ``--spare-pool``, no spares of its own) and one idle pool node; ``kill(b, train)``
     is the fault, once every rank reached step 3: it returns (the monotonic time of the kill, the dead pids). Waits
     for the job to end (exit 0) and the pool node to be idle again; returns what the checks need."""
@@ -86,18 +107,11 @@ def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill) -> dict:
                     out=str(tmp_path / "pool"), env=keys)
     train = str(tmp_path / "train")
     a, b = (Job.agent(str(tmp_path / n), train, endpoint=endpoint, run_id=run_id, nproc=2, steps=STEPS,
-                      step_sleep=0.05, extra=["--spare-pool", run_id, "--pool-wait", "60"], env=keys) for n in "ab")
+                      step_sleep=step_sleep, extra=["--spare-pool", run_id, "--pool-wait", "60", *extra], env=keys)
+            for n in "ab")
     try:
-        pool_node.start()
-        deadline = time.monotonic() + 60
-        while "poolnode1" not in _pool_op(endpoint, run_id, "read")[0].nodes:
-            assert time.monotonic() < deadline and pool_node.proc.poll() is None, pool_node.log()[-2000:]
-            time.sleep(0.2)
-        a.start(), b.start()
-        logs = Job(argv=[], out=train)
-        for r in range(4):
-            logs.wait_step(3, 180, rank=r)
-        pids = {r: pid_of_rank(train, r) for r in range(4)}
+        _join(pool_node, endpoint, run_id, "poolnode1")
+        pids = _train_to_step_3(a, b, train)
         t_kill, dead = kill(b, train)
         assert len(wait_dead(dead, t_kill, 10)) == len(dead)
         for j in (a, b):
@@ -176,3 +190,117 @@ def test_a_dead_rank_without_own_spares_is_replaced_live_on_a_pool_node(tmp_path
         assert rows == {pid} if r != rank else (pid in rows and len(rows) == 2), (r, rows)
     assert run["history"][0] == "claimed" and run["history"][-1] == "idle", run["history"]
     assert f"rank {rank} (died at step" in run["log"] and "claimed pool node" in run["log"]
+
+
+@pytest.mark.acceptance
+def test_a_pool_node_is_given_back_when_migrate_back_moves_the_dead_ranks_home(tmp_path, etcd_server, run_id,
+                                                                              reference_run):
+    """Issue 24, item 4, with real agents (an acceptance run: 40 steps of 2 s, so that the whole round trip fits in
+    the job's life; it took 13-50 s after the kill at load 8-18). One rank dies; the pool node takes it live; its
+    slot is re-admitted; --migrate-back moves the rank home (a planned swap) and the pool node, holding no rank, is
+    given back and idle again while the job trains on. Bit-identical to torchrun; the other three ranks keep their processes."""
+    reference = reference_run(4, STEPS)
+
+    def kill_one_rank(b, train):
+        rank = next(r for r in range(4) if pid_of_rank(train, r) in b.worker_pids())
+        pid, _wall = sigkill_rank(train, rank)
+        return time.monotonic(), [pid]
+    run = _with_a_pool_node(tmp_path, etcd_server.endpoint, run_id, kill_one_rank, extra=("--migrate-back",),
+                            step_sleep=2.0)
+    train, dead = run["train"], run["dead"]
+    rank = next(r for r, pid in run["pids"].items() if pid in dead)
+    assert run["history"] == ["claimed", "joined", "released", "idle"], (run["history"], run["log"][-4000:])
+    released = [e for e in run["events"] if e["event"] == "pool_released"]
+    assert released and released[0]["pool_node"] == "poolnode1" and f"[{rank}] moved home" in released[0]["reason"]
+    assert "given back to pool" in run["log"]
+    assert_bit_exact(Job(argv=[], out=train), reference, 4)
+    rows = Job(argv=[], out=train).losses(rank)
+    pids = list(dict.fromkeys(row["pid"] for row in rows))
+    assert len(pids) == 3 and pids[0] in dead, pids      # home, the pool node, home again (a new process)
+    for r, pid in run["pids"].items():
+        if r != rank:
+            assert {row["pid"] for row in Job(argv=[], out=train).losses(r)} == {pid}, r
+    t_released = released[0]["mono"] - run["t_kill"]
+    print(f"\nrank {rank}: pool node claimed, rank home again and the pool node given back {t_released:.1f} s "
+          f"after the kill")
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc), parents first."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+@pytest.mark.acceptance     # ~50-65 s: past CI's budget (the pool side runs in CI: test_swap_silent.py)
+def test_a_pool_node_that_stops_answering_mid_recovery_is_replaced_by_another(tmp_path, etcd_server, run_id,
+                                                                             reference_run):
+    """Issue 24: a claimed pool node that hangs mid-swap must not stall the recovery. Node B is SIGKILLed; the
+    leader claims pool node 1, whose spare node joins; the moment the recovery's plan is under way (the survivor
+    pauses for it), pool node 1 is SIGSTOPped whole (its loop, its spare node, their workers). Its lease expires,
+    the job sees it lost, the plan is given up naming it, the leader releases its claim and claims pool node 2, and
+    B's ranks recover live there: torch.equal to torchrun, A's ranks keep their processes. (Should the plan finish
+    before the stop lands, pool node 1 is a lost node holding B's ranks, and pool node 2 takes them: the outcome
+    asserted is the same, the line printed says which it was.)"""
+    reference = reference_run(4, STEPS)
+    endpoint = etcd_server.endpoint
+    assert _pool_op(endpoint, run_id, "create")
+    keys = {"TPASSRUN_POOL_KEY": POOL_KEY, "TPASSRUN_RUN_KEY": RUN_KEY}
+    pools = [Job(argv=[sys.executable, "-m", "tpassrun.ops.ctl", "pool", "join", run_id, "--rdzv-endpoint", endpoint,
+                       "--nproc-per-node", "2", "--node-id", f"poolnode{i}"], out=str(tmp_path / f"pool{i}"), env=keys)
+             for i in (1, 2)]
+    train = str(tmp_path / "train")
+    a, b = (Job.agent(str(tmp_path / n), train, endpoint=endpoint, run_id=run_id, nproc=2, steps=STEPS,
+                      step_sleep=0.05, extra=["--spare-pool", run_id, "--pool-wait", "120"], env=keys) for n in "ab")
+    stopped: list[int] = []
+    try:
+        for i, pool in enumerate(pools, 1):      # one after the other: pool node 1, idle the longer, is claimed first
+            _join(pool, endpoint, run_id, f"poolnode{i}")
+        pids = _train_to_step_3(a, b, train)
+        logs = Job(argv=[], out=train)
+        b_pids = b.worker_pids()
+        t_kill = sigkill_node(b)
+        deadline = time.monotonic() + 180
+        while not any(e["event"] == "swap_pause" for e in a.events()):     # the recovery is under way
+            assert time.monotonic() < deadline and a.proc.poll() is None, a.log()[-4000:] + pools[0].log()[-2000:]
+            time.sleep(0.05)
+        phase = ([e["phase"] for e in a.events() if e["event"] == "swap_phase"] or ["pause"])[-1]
+        stopped = _descendants(pools[0].proc.pid)
+        for pid in stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGSTOP)
+        assert a.wait(300) == 0, a.log()[-5000:] + pools[1].log()[-2000:]
+        events = a.events()
+        claimed = [e["pool_node"] for e in events if e["event"] == "pool_claimed"]
+        assert claimed == ["poolnode1", "poolnode2"], (claimed, a.log()[-4000:])
+        silent = [e for e in events if e["event"] == "pool_waiting" and "poolnode1" in str(e.get("reason"))]
+        assert_bit_exact(Job(argv=[], out=train), reference, 4, relogged_by=b_pids)
+        b_ranks = [r for r, pid in pids.items() if pid in b_pids]
+        for r, pid in pids.items():
+            if r not in b_ranks:
+                assert {row["pid"] for row in logs.losses(r)} == {pid}, f"survivor {r} changed process"
+        for r in b_ranks:
+            assert logs.losses(r)[-1]["pid"] not in (*b_pids, *stopped), r     # on pool node 2's spares
+        t_done = next(e["mono"] for e in reversed(events) if e["event"] in ("node_recovered", "swap_resumed"))
+        print(f"\npool node 1 SIGSTOPped in the recovery's {phase} phase "
+              f"({'given up, released: ' + silent[0]['reason'] if silent else 'after its plan: it held the ranks'}); "
+              f"B's ranks training again on pool node 2 {t_done - t_kill:.1f} s after B's kill")
+    finally:
+        for pid in reversed(stopped):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        for j in (a, b, *pools):
+            j.kill()
+        _pool_op(endpoint, run_id, "delete")

@@ -39,7 +39,7 @@ hold = os.environ.get("POOL_TEST_HOLD")
 while hold and not os.path.exists(hold):
     time.sleep(0.05)
 with open(log, "a") as fh:
-    fh.write(json.dumps({{"event": "workers_started"}}) + "\\n")
+    fh.write(json.dumps({{"event": "workers_started", "node": "agent-" + str(os.getpid())}}) + "\\n")
 while True:
     time.sleep(0.1)
 """

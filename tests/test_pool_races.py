@@ -119,34 +119,45 @@ class RaceOutcome:
 
 
 @contextlib.asynccontextmanager
-async def pool_and_two_leaders(endpoint: str, name: str):  # type: ignore[no-untyped-def]
-    """A pool ``name`` with one pool node (p1) running its real loop, and two jobs' leaders (jobA, jobB) each on
-    its own etcd lease: yields (pool, node, [jobA's JobPool, jobB's]); everything stopped and deleted after."""
+async def pool_with(endpoint: str, name: str, nodes: tuple[str, ...] = ("p1",),
+                    jobs: tuple[str, ...] = ("jobA", "jobB")):  # type: ignore[no-untyped-def]
+    """A pool ``name`` with pool nodes ``nodes`` running their real loops (registered one after the other: the
+    first is idle the longest), and one leader per job, each on its own etcd lease: yields (pool, [the nodes' loops],
+    [each job's JobPool]); everything stopped and deleted after."""
     cfg = EtcdConfig.from_endpoint(endpoint, {"read_timeout": "10"})
     keys = PoolKeys(pool_prefix("/tpassrun/v1", name))
     async with EtcdStore(cfg) as admin:
         pool = Pool(admin, keys, POOL_KEY, name)
         assert await pool.create()
-        stores = [EtcdStore(cfg, lease_ttl=10) for _ in range(3)]
+        stores = [EtcdStore(cfg, lease_ttl=10) for _ in range(len(nodes) + len(jobs))]
         await asyncio.gather(*(s.open() for s in stores))
         stop = asyncio.Event()
-        node = _HostlessPoolNode(Pool(stores[0], keys, POOL_KEY, name), PoolNode("p1", "h", 2, time.time()),
-                                 say=lambda _s: None)
-        runner = asyncio.create_task(node.run(stop))
+        loops = [_HostlessPoolNode(Pool(st, keys, POOL_KEY, name), PoolNode(n, "h", 2, time.time()),
+                                   say=lambda _s: None) for n, st in zip(nodes, stores)]
+        runners = []
         try:
-            while "p1" not in (await pool.read())[0].nodes:
-                await asyncio.sleep(0.02)
-            yield pool, node, [JobPool(pool=Pool(stores[i + 1], keys, POOL_KEY, name), spec=SPEC,
-                                       node_id=f"leader-{j}",
-                                       cfg=LaunchConfig(rdzv_id=j, spare_pool=name, training_script="t.py",
-                                                        nproc_per_node=2, pool_wait=60.0))
-                               for i, j in enumerate(("jobA", "jobB"))]
+            for loop in loops:
+                runners.append(asyncio.create_task(loop.run(stop)))
+                while loop.record.node_id not in (await pool.read())[0].nodes:
+                    await asyncio.sleep(0.02)
+            yield pool, loops, [JobPool(pool=Pool(st, keys, POOL_KEY, name), spec=SPEC, node_id=f"leader-{j}",
+                                        cfg=LaunchConfig(rdzv_id=j, spare_pool=name, training_script="t.py",
+                                                         nproc_per_node=2, pool_wait=60.0))
+                                for j, st in zip(jobs, stores[len(nodes):])]
         finally:
             stop.set()
-            with contextlib.suppress(Exception):
-                await runner
+            for r in runners:
+                with contextlib.suppress(Exception):
+                    await r
             await asyncio.gather(*(s.close() for s in stores), return_exceptions=True)
             await pool.delete()
+
+
+@contextlib.asynccontextmanager
+async def pool_and_two_leaders(endpoint: str, name: str):  # type: ignore[no-untyped-def]
+    """One pool node (p1) and two jobs' leaders (jobA, jobB): yields (pool, node, [jobA's JobPool, jobB's])."""
+    async with pool_with(endpoint, name) as (pool, nodes, jobs):
+        yield pool, nodes[0], jobs
 
 
 async def claim_race_trial(endpoint: str, name: str) -> RaceOutcome:

@@ -122,7 +122,7 @@ def test_a_failure_from_before_the_last_restart_is_marked_stale_and_the_taints_g
 
 def plan(**kw) -> SwapPlan:
     base = dict(id="s-1", kind=SwapKind.PLANNED, generation=2, leaver=SlotRef("a", 1, 1), joiner=SlotRef("b", 1, 1),
-                donor=None, phase=Phase.PAUSE, reason="ecc", nodes=("a", "b"), history=(("pause", 1.0),))
+                donor=None, phase=Phase.PAUSE, reason="ecc", nodes=("a", "b"), history=(("pause", NOW - 1.0),))
     return SwapPlan(**{**base, **kw})
 
 

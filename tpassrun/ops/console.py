@@ -289,6 +289,8 @@ class Describer:
             lost = str(ev.get("lost_node"))
             who = lost if lost.startswith("rank ") else f"node {_short(lost)} lost"     # a dead rank's need
             return f"{who}, no own spare ready: {what} ({ev.get('reason')})"
+        if name == "pool_released":
+            return f"pool node {_short(ev.get('pool_node'))} given back to pool {ev.get('pool')}: {ev.get('reason')}"
         if name == "node_lost_decided":
             if ev.get("action") != "plan":
                 return None   # the fallback line says it

@@ -40,10 +40,11 @@ from tpassrun.plan.catchup import leaders_donate, roll_forward
 from tpassrun.plan.node_shards import replica_held, sharded_resume
 from tpassrun.plan.resume import ResumeChoice, resume_plan, resume_step
 
-__all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Move", "PHASE_TIMEOUT_S", "Phase", "Report", "ResumeChoice",
-           "SlotRef", "SlotView", "SwapKind", "SwapPlan", "TRANSITIONS", "choose_donor", "choose_spare", "lost_ranks",
-           "new_swap_id", "next_step", "node_plan_id", "plan_for_dead_ranks", "plan_for_failure", "plan_for_node_loss",
-           "plan_for_taint", "resume_plan", "resume_step", "resume_step_node", "transfer_key"]
+__all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Move", "PHASE_TIMEOUT_S", "Phase", "REPORT_DEADLINE_S",
+           "Report", "ResumeChoice", "SILENT", "SlotRef", "SlotView", "SwapKind", "SwapPlan", "TRANSITIONS",
+           "choose_donor", "choose_spare", "lost_ranks", "new_swap_id", "next_step", "node_plan_id",
+           "plan_for_dead_ranks", "plan_for_failure", "plan_for_node_loss", "plan_for_taint", "resume_plan",
+           "resume_step", "resume_step_node", "transfer_key"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +82,7 @@ class ClusterView:
 
 @dataclass(frozen=True)
 class Decision:
-    action: str                # "plan" | "wait" | "reject" | "fallback"
+    action: str                # "plan" | "wait" | "reject" | "fallback" | SILENT (a plan given up: nobody answered)
     reason: str
     plan: SwapPlan | None = None
 
@@ -387,7 +388,7 @@ def _next_node_step(plan: SwapPlan, mine: Sequence[Report], now_wall: float, sen
         needed = needed | set(plan.nodes)      # every survivor rolled back to its copy before a donor sends
     have = {r.node for r in mine}
     if not needed <= have:
-        return Decision("wait", f"{plan.phase.value}: waiting for {sorted(needed - have)}")
+        return silent(plan, needed - have, now_wall)
     if plan.phase == Phase.PAUSE:
         sharded = (None if set(plan.ranks) <= set(plan.replica_held)    # HSDP: from live replicas, as below
                    else sharded_resume(mine, plan.ranks, *resume_step(mine, None)))
@@ -426,6 +427,21 @@ def _next_node_step(plan: SwapPlan, mine: Sequence[Report], now_wall: float, sen
 
 MAX_SEND_ATTEMPTS = 4
 PHASE_TIMEOUT_S = 120.0        # how long a participant waits for its workers in one phase
+# how long the leader waits for a participant's report in one phase: past every wait a live participant makes in
+# a phase (a transfer's accept is 3 x PHASE_TIMEOUT_S), so only one that never answers (alive, its lease kept, but
+# its swapper stuck or deaf) meets it; a participant that dies or stops is lost with its lease, much sooner
+REPORT_DEADLINE_S = 5 * PHASE_TIMEOUT_S
+SILENT = "silent"              # a Decision's action: given up because a participant never reported
+
+
+def silent(plan: SwapPlan, missing: Iterable[str], now_wall: float) -> Decision:
+    """Wait for the participants that have not reported yet, or give the plan up once the phase is older than
+    :data:`REPORT_DEADLINE_S`, naming them (pure)."""
+    who, since = sorted(missing), now_wall - plan.history[-1][1]
+    if since < REPORT_DEADLINE_S:
+        return Decision("wait", f"{plan.phase.value}: waiting for {who}")
+    why = f"{', '.join(who)} did not answer in {plan.phase.value} within {since:.0f} s"
+    return Decision(SILENT, f"aborted: {why}", plan.advance(Phase.ABORTED, now_wall, outcome=why))
 
 
 def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
@@ -496,7 +512,7 @@ def next_step(plan: SwapPlan, reports: Sequence[Report], now_wall: float,
         needed |= {m.joiner.node for m in plan.catch_up}     # a mixed commit: survivors moved to the boundary
     have = {r.node for r in mine}
     if not needed <= have:
-        return Decision("wait", f"{plan.phase.value}: waiting for {sorted(needed - have)}")
+        return silent(plan, needed - have, now_wall)
 
     if plan.phase == Phase.PAUSE:
         if plan.kind == SwapKind.UNPLANNED:

@@ -37,8 +37,8 @@ from typing import Sequence
 from tpassrun.records import (HANDLED_COALESCED, HANDLED_RESTART, Failure, Fallback, Phase, SlotRef, SwapKind, SwapPlan,
                       Taint, TaintEffect, TaintSource)
 from tpassrun.plan.multiloss import plan_for_losses
-from tpassrun.plan.swap import (ClusterView, Decision, choose_spare, lost_ranks, next_step, node_plan_id, plan_for_dead_ranks,
-                   plan_for_failure, plan_for_node_loss, plan_for_taint)
+from tpassrun.plan.swap import (SILENT, ClusterView, Decision, choose_spare, lost_ranks, next_step, node_plan_id,
+                                plan_for_dead_ranks, plan_for_failure, plan_for_node_loss, plan_for_taint)
 from tpassrun.plan.reform import (death_in_reform, donor_view, hand_back, needs, node_lost_in_reform, reform_deaths,
                             runs_elsewhere)
 from tpassrun.plan.actions import (Action, CasPlan, ClaimFromPool, CreatePlan, PutFailure, PutFallback, PutTaint,
@@ -212,6 +212,9 @@ def _advance(plan: SwapPlan, rev: int, seen: Seen) -> tuple[Action, ...]:
     if joiner_gone and spare is None and decision.plan.phase == Phase.ABORTED and plan.kind != SwapKind.NODE:
         return _joiner_lost(plan, rev, decision, seen)
     out: tuple[Action, ...] = (CasPlan(plan, decision.plan, rev, decision),)
+    taint = next((t for t in seen.taints if t.id == plan.taint_id), None) if plan.kind == SwapKind.PLANNED else None
+    if decision.action == SILENT and taint is not None:     # a participant never answered: asked for again later
+        out += (PutTaint(taint.handled(None, f"waiting: {decision.plan.outcome}")),)
     if (plan.kind == SwapKind.NODE and plan.lost_node is not None and decision.plan.phase == Phase.ABORTED
             and plan.phase in (Phase.TRANSFER, Phase.SEND)
             and not any(p.superseded and p.lost_node == plan.lost_node for p, _ in seen.plans)):
@@ -331,6 +334,10 @@ def _recover_many(pending: Sequence[tuple[str, Failure]], seen: Seen) -> tuple[A
     reason = f"ranks {ranks} died (exit codes {[f.code for f in sorted(failures, key=lambda f: f.rank)]})"
     # state no live rank holds (sharded without a replica: ZeRO, FSDP); HSDP's shards have their replicas
     odd = [f for f in failures if f.alone or (f.sharded and not set(f.replicas or ()) - {f.rank})]
+    needs = tuple(dead_rank_need(f) for f in sorted(failures, key=lambda f: f.rank))
+    if not odd and seen.pool and _spare_slots(view) < len(failures) and not set(needs) & seen.pool_gave_up:
+        # own spares first, the pool second (one pool node covers as many of them as it has slots), a restart last
+        return (ClaimFromPool(needs, f"{reason}, only {_spare_slots(view)} spare(s) of the job's own left"),)
     if odd:
         decision = Decision("fallback", f"{reason}; rank {odd[0].rank}'s state has no replica to take it from "
                                         f"({odd[0].alone or 'sharded'}), with another rank dead too: whole-group restart")

@@ -10,7 +10,7 @@ compare holds. A claimer that dies: its lease expires, etcd deletes the claim, t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import aetcd
@@ -138,6 +138,24 @@ class Pool:
         done = await self.store.call(op)
         if done:
             await self.note(node_id, "released", job, why)
+        return done
+
+    async def give_back(self, claim: Claim, why: str) -> bool:
+        """Mark our claim on ``claim.node_id`` released (a put under our lease, only if the claim is still bound to
+        it): the pool node stops the job's spare node, drops the claim and is idle again. False: not ours."""
+        ckey, lease = self.keys.claim(claim.node_id), self.store.lease_id
+        if lease is None:
+            return False
+        raw = encode(seal(self.key, ckey, replace(claim, released=why).to_json()))
+
+        async def op(c: aetcd.Client) -> bool:
+            ok, _ = await c.transaction(compare=[LeaseIs(ckey.encode()) == lease],
+                                        success=[c.transactions.put(ckey.encode(), raw, lease=lease)], failure=[])
+            return bool(ok)
+
+        done = await self.store.call(op)
+        if done:
+            await self.note(claim.node_id, "released", claim.job, why)
         return done
 
     async def note(self, node_id: str, event: str, job: str | None, detail: str = "") -> None:

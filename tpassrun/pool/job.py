@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Mapping
+from typing import Callable, Collection, Mapping
 
 from tpassrun.records import provenance
 from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
@@ -24,8 +24,8 @@ from tpassrun.rendezvous.config import DEFAULT_PREFIX
 from tpassrun.settings import LaunchConfig
 from tpassrun.pool.ctl import pool_key_from
 from tpassrun.pool.etcd import Pool, PoolError
-from tpassrun.pool.plan import ClaimNode, JobNeed, Preempt, Restart, UseOwn, WaitForPool, plan_job
-from tpassrun.records.pool import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, box, pool_prefix
+from tpassrun.pool.plan import ClaimNode, JobNeed, PoolView, Preempt, Restart, UseOwn, WaitForPool, plan_job
+from tpassrun.records.pool import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, PoolNode, box, pool_prefix
 
 # secrets and what only makes sense on the host it was set on (a pool node brings its own)
 _NOT_SHIPPED = {TPASSRUN_RUN_KEY, TPASSRUN_POOL_KEY, ETCD_PASSWORD_ENV, "CUDA_VISIBLE_DEVICES", "HOSTNAME", "PWD",
@@ -57,6 +57,16 @@ def lost_what(need: str) -> str:
     return need if need.startswith("rank ") else f"node {need} lost"
 
 
+def silent_pool_node(record: PoolNode | None, job_lost: Collection[str]) -> str:
+    """Why a claimed pool node will not serve (pure): it left the pool (its lease expired: dead, or stopped), or the
+    job lost its spare node (stopped answering before its ranks came); "" while it may still come up."""
+    if record is None:
+        return "left the pool (its lease expired: it died or stopped answering)"
+    if record.agent and record.agent in job_lost:
+        return f"stopped answering the job (its spare node {record.agent} was lost)"
+    return ""
+
+
 @dataclass
 class JobPool:
     pool: Pool
@@ -68,14 +78,18 @@ class JobPool:
     held: dict[str, str] = field(default_factory=dict)          # lost node -> the pool node claimed for it
     gave_up: set[str] = field(default_factory=set)              # lost nodes left to torchrun's restart
     said: set[tuple[str, str]] = field(default_factory=set)
+    used: dict[str, tuple[int, ...]] = field(default_factory=dict)    # a pool node (the job's id for it) -> the ranks
+                                                                      # it ran (plan.giveback)
 
     @property
     def name(self) -> str:
         return self.pool.name
 
-    async def need(self, lost: tuple[str, ...], own_starting: int, say: Callable[..., object]) -> None:
+    async def need(self, lost: tuple[str, ...], own_starting: int, say: Callable[..., object],
+                   job_lost: Collection[str] = ()) -> None:
         """Lost nodes (or dead ranks, named by ``triage.dead_rank_need``) no own spare covers: claim a pool node for
-        each, or wait for one, or give them up."""
+        each, or wait for one, or give them up. ``job_lost``: the nodes the job lost (a claimed pool node's spare node
+        among them stopped answering: another pool node is asked for)."""
         now = self.clock()
         for node in lost:
             if node in self.gave_up:
@@ -84,7 +98,13 @@ class JobPool:
             view, revs, _ = await self.pool.read()
             if node in self.held:
                 mine = view.claims.get(self.held[node])
-                if mine is not None and mine.job == self.cfg.rdzv_id:
+                silent = silent_pool_node(view.nodes.get(self.held[node]), job_lost)
+                if mine is not None and mine.job == self.cfg.rdzv_id and silent:
+                    pool_node = self.held.pop(node)
+                    await self.pool.release(pool_node, self.cfg.rdzv_id, silent)
+                    say("pool_waiting", lost_node=node, pool=self.name,
+                        reason=f"pool node {pool_node} {silent}: asking the pool for another")
+                elif mine is not None and mine.job == self.cfg.rdzv_id:
                     if now - since < self.cfg.pool_wait:
                         continue        # its spare node is starting: the node plan takes it when it is up
                     await self.pool.release(self.held.pop(node), self.cfg.rdzv_id, "its spares never came up")
@@ -92,9 +112,15 @@ class JobPool:
                     say("pool_gave_up", lost_node=node, pool=self.name,
                         reason=f"the pool node's spares did not come up within {self.cfg.pool_wait:g} s")
                     continue
-                # the claim is gone (the pool node refused it, or died): ask the pool again
+                else:   # the claim is gone (the pool node refused it, or died): ask the pool again
+                    say("pool_waiting", lost_node=node, pool=self.name,
+                        reason=f"pool node {self.held.pop(node)} dropped the claim")
+            covering = self._room_for(node, lost, view)
+            if covering is not None:        # a pool node claimed for another loss has a slot left for this one
+                self.held[node] = covering
                 say("pool_waiting", lost_node=node, pool=self.name,
-                    reason=f"pool node {self.held.pop(node)} dropped the claim")
+                    reason=f"pool node {covering}, claimed for another loss, has a slot for it too")
+                continue
             need = JobNeed(job=self.cfg.rdzv_id, priority=self.cfg.priority, nproc=self.cfg.nproc_per_node,
                            own_starting=own_starting, since=since, wait_limit=self.cfg.pool_wait, preempt=False)
             action = plan_job(need, view, now)
@@ -115,10 +141,51 @@ class JobPool:
                 self.gave_up.add(node)
                 say("pool_gave_up", lost_node=node, pool=self.name, reason=action.reason)
 
+    def _room_for(self, need: str, batch: Collection[str], view: PoolView) -> str | None:
+        """A pool node claimed for another loss of the same ``batch`` (losses seen at once) with slots left for
+        ``need``: a dead rank takes one slot, a lost node all of them."""
+        def slots(n: str) -> int:
+            return 1 if n.startswith("rank ") else self.cfg.nproc_per_node
+        for pool_node in sorted({p for n, p in self.held.items() if n in batch}):
+            claim = view.claims.get(pool_node)
+            if claim is None or claim.job != self.cfg.rdzv_id or claim.released:
+                continue
+            taken = sum(slots(n) for n, p in self.held.items() if p == pool_node)
+            if taken + slots(need) <= self.cfg.nproc_per_node:
+                return pool_node
+        return None
+
     @property
     def waiting(self) -> bool:
         """Lost nodes the pool still works on (claimed nodes starting count: the claim is watched until planned)."""
         return any(n not in self.gave_up for n in self.since)
+
+    @property
+    def pool_nodes(self) -> tuple[str, ...]:
+        """The pool nodes this job holds."""
+        return tuple(sorted(set(self.held.values())))
+
+    async def agents(self) -> dict[str, str]:
+        """The node id in this job of each pool node it holds whose spare node joined -> the pool node's id."""
+        if not self.held:
+            return {}
+        view, _, _ = await self.pool.read()
+        nodes = [view.nodes.get(p) for p in self.pool_nodes]
+        return {n.agent: n.node_id for n in nodes if n is not None and n.agent and n.job == self.cfg.rdzv_id}
+
+    async def give_back(self, pool_node: str, why: str, say: Callable[..., None]) -> bool:
+        """Give ``pool_node`` back to the pool (its ranks went home, ``tpassrun.plan.giveback``): its claim is marked
+        released, the pool node stops this job's spare node there and is idle again. False: the claim is not ours
+        any more (nothing to give back; the node returns when its spare node exits)."""
+        view, _, _ = await self.pool.read()
+        claim = view.claims.get(pool_node)
+        done = claim is not None and claim.job == self.cfg.rdzv_id and await self.pool.give_back(claim, why)
+        for need in [n for n, p in self.held.items() if p == pool_node]:
+            del self.held[need]
+            self.since.pop(need, None)
+        if done:
+            say("pool_released", pool=self.name, pool_node=pool_node, reason=why)
+        return done
 
     async def release_all(self, why: str) -> None:
         for node, pool_node in list(self.held.items()):

@@ -26,8 +26,8 @@ from typing import Callable
 
 from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
 from tpassrun.pool.etcd import Pool
-from tpassrun.pool.plan import (BecomeIdle, ChildExited, ChildJoined, ClaimGone, ClaimSeen, Keep, NodeEvent, NodeState, Phase,
-                   Refuse, StartSpare, StopSpare, plan_node)
+from tpassrun.pool.plan import (BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen, Keep, NodeEvent,
+                                NodeState, Phase, Refuse, StartSpare, StopSpare, plan_node)
 from tpassrun.records.pool import IDLE, SERVING, JobSpec, PoolNode, unbox
 
 STOP_GRACE_S = 10.0
@@ -114,12 +114,14 @@ class PoolNodeLoop:
             await self._register(IDLE, None)
         elif isinstance(action, Refuse):
             self.say(f"pool node {self.record.node_id}: refusing a claim: {action.reason}")
+        elif isinstance(action, Keep) and isinstance(event, ChildStarted) and self.state.phase is Phase.SERVING:
+            await self._register(SERVING, self.state.job, event.agent)       # the job's name for it, at once
         elif isinstance(action, Keep) and isinstance(event, ChildJoined):
-            await self._register(SERVING, self.state.job)
+            await self._register(SERVING, self.state.job, event.agent or self.record.agent)
             await self.pool.note(self.record.node_id, "joined", self.state.job, action.reason)
 
-    async def _register(self, state: str, job: str | None) -> None:
-        self.record = replace(self.record, state=state, job=job, since=time.time())
+    async def _register(self, state: str, job: str | None, agent: str | None = None) -> None:
+        self.record = replace(self.record, state=state, job=job, agent=agent, since=time.time())
         await self.pool.register(self.record)
 
     async def _watch_claim(self) -> None:
@@ -154,13 +156,19 @@ class PoolNodeLoop:
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
     async def _follow(self, child: asyncio.subprocess.Process, event_log: str) -> None:
-        joined = False
+        joined, named = False, False
         while child.returncode is None:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(child.wait(), 0.2)
-            if not joined and _workers_started(event_log):
+            if joined:
+                continue
+            agent, started = _progress(event_log)
+            if agent and not named:
+                named = True
+                self.events.put_nowait(ChildStarted(agent))
+            if started:
                 joined = True
-                self.events.put_nowait(ChildJoined())
+                self.events.put_nowait(ChildJoined(agent))
         self.events.put_nowait(ChildExited(child.returncode or 0))
 
     async def _stop_child(self, why: str) -> None:
@@ -181,13 +189,17 @@ class PoolNodeLoop:
         return self.state.phase
 
 
-def _workers_started(event_log: str) -> bool:
+def _progress(event_log: str) -> tuple[str, bool]:
+    """The spare node's node id in the job ("" before its first event), and whether its workers started."""
+    agent = ""
     try:
         with open(event_log) as fh:
             for line in fh:
-                with contextlib.suppress(ValueError):
-                    if json.loads(line).get("event") == "workers_started":
-                        return True
+                with contextlib.suppress(ValueError, AttributeError):
+                    ev = json.loads(line)
+                    agent = str(ev.get("node") or agent)
+                    if ev.get("event") == "workers_started":
+                        return agent, True
     except OSError:
         pass
-    return False
+    return agent, False

@@ -7,8 +7,8 @@ Two planners:
   priority), a restart last, after waiting for the pool up to ``wait_limit``. Every action says why, in the words
   the console prints.
 - :func:`plan_node`: a pool node. Idle until a claim (already checked: sealed with the pool key) names it; then it
-  starts the claiming job's spare node; when the claim goes (released, or its claimer's lease expired before the
-  node joined) or the spare node exits, it returns idle.
+  starts the claiming job's spare node; when the claim goes (its claimer's lease expired before the node joined),
+  the job gives it back (a claim marked released: its ranks went home) or the spare node exits, it returns idle.
 """
 
 from __future__ import annotations
@@ -148,8 +148,13 @@ class ClaimGone:
 
 
 @dataclass(frozen=True)
+class ChildStarted:
+    agent: str                  # the spare node's node id in the job (its event log's first line says it)
+
+
+@dataclass(frozen=True)
 class ChildJoined:
-    pass
+    agent: str = ""             # the spare node's node id in the job
 
 
 @dataclass(frozen=True)
@@ -157,7 +162,7 @@ class ChildExited:
     code: int
 
 
-NodeEvent = Union[ClaimSeen, ClaimGone, ChildJoined, ChildExited]
+NodeEvent = Union[ClaimSeen, ClaimGone, ChildStarted, ChildJoined, ChildExited]
 
 
 @dataclass(frozen=True)
@@ -193,6 +198,13 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
     """The pool node's next state and what to do. ``ClaimSeen`` carries a claim whose seal was already checked."""
     if isinstance(event, ClaimSeen):
         c = event.claim
+        if c.released:
+            if state.phase is Phase.SERVING and c.job == state.job:
+                return NodeState(state.node_id, state.nproc, Phase.STOPPING, state.job, state.claim_since,
+                                 state.joined), StopSpare(f"{c.job} gave it back ({c.released})")
+            if state.phase is Phase.IDLE:       # (a node that came back to a claim given back meanwhile)
+                return state, BecomeIdle(f"{c.job} gave it back ({c.released})")
+            return state, Keep(f"{c.job}'s claim is given back")
         if state.phase is not Phase.IDLE:
             if c.job == state.job:
                 return state, Keep(f"still serving {c.job}")
@@ -203,6 +215,9 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
             return state, Refuse(f"{c.job} needs {c.spec.nproc_per_node} slots; this pool node has {state.nproc}")
         nxt = NodeState(state.node_id, state.nproc, Phase.SERVING, c.job, now)
         return nxt, StartSpare(c, f"claimed by {c.job} (priority {c.priority}): {c.reason}")
+    if isinstance(event, ChildStarted):
+        return state, Keep(f"its spare node is {event.agent} in {state.job}" if state.phase is Phase.SERVING
+                           else "not serving")
     if isinstance(event, ChildJoined):
         if state.phase is Phase.SERVING:
             return NodeState(state.node_id, state.nproc, Phase.SERVING, state.job, state.claim_since, True), \

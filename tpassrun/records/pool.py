@@ -110,6 +110,8 @@ class PoolNode(schema.Record):
     since: float
     state: Annotated[str, OneOf(IDLE, SERVING)] = IDLE
     job: str | None = None
+    agent: str | None = None   # serving: the node id its spare node has in the job (once joined; the job's view
+                               # names the node by it)
 
     SCHEMA: ClassVar[schema.Schema] = record("pool node")
 
@@ -152,6 +154,8 @@ class Claim(schema.Record):
     # seconds from the job's need to this claim (the claim-wait gauge); keyword-only, its key comes before spec's
     waited: float = field(default=0.0, kw_only=True)
     spec: JobSpec | None = None
+    released: str = ""          # why the job gave the node back (its ranks went home); "" while it holds it. A put,
+                                # not a delete: a deleted claim is a claimer that died, which never stops a joined node
 
     SCHEMA: ClassVar[schema.Schema] = record("pool claim")
 

@@ -18,10 +18,11 @@ from typing import TYPE_CHECKING, Any, Mapping
 
 from tpassrun.swapper.agentport import AgentPort, HealthRestartRequested, annotated
 from tpassrun.records.provenance import seal
-from tpassrun.records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect, load,
-                      node_info)
+from tpassrun.records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect,
+                              TaintSource, load, node_info)
 from tpassrun.rendezvous import GenState, NodeInfo
-from tpassrun.plan.swap import ClusterView, Decision, Phase, SlotView
+from tpassrun.plan.giveback import GiveBack, MoveHome, plan_give_back, seen_ranks
+from tpassrun.plan.swap import REPORT_DEADLINE_S, ClusterView, Decision, Phase, SlotView
 from tpassrun.plan.triage import (Action, CasPlan, ClaimFromPool, CreatePlan, PutFailure, PutFallback, PutTaint,
                                   RestartGroup, Say,
                      Seen, triage)
@@ -45,6 +46,8 @@ class Coordinator:
         self._taints_said: set[str] = set()    # taint ids whose arrival the event log has
         self._newest: dict[str, SwapPlan] = {}   # plan id -> the newest version of it this agent read as leader
         self.pool: "JobPool | None" = None        # --spare-pool (tpassrun.pool.job), set by the agent
+        self._wake: asyncio.TimerHandle | None = None     # the next report deadline of a plan in flight
+        self._job_lost: tuple[str, ...] = ()      # the lost nodes of the last view read (a claimed pool node's too)
 
     def kick(self) -> None:
         self._kick.set()
@@ -150,11 +153,44 @@ class Coordinator:
         latest, gen = self.port.latest(), self.port.generation()
         if latest is not None and gen is not None and (latest.number > gen.number or latest.state != GenState.ACTIVE):
             return    # a restart (or a commit this agent has not seen yet) is under way: nothing to plan in this one
-        result = triage(await self._read(time.time()))
+        seen = await self._read(time.time())
+        self._job_lost = seen.view.lost
+        result = triage(seen)
         self._waiting_said |= result.said
         self._taints_said |= result.received
         for action in result.actions:
             await self._carry_out(action)
+        if self.pool is not None:
+            await self._give_back(seen, busy=bool(result.actions))
+        active = [p.history[-1][1] for p, _ in seen.plans if not p.terminal and p.history]
+        if active:      # nothing in etcd may change when a silent participant's deadline passes: look again then
+            self._wake_at(min(active) + REPORT_DEADLINE_S - seen.now)
+
+    def _wake_at(self, delay: float) -> None:
+        if self._wake is not None:
+            self._wake.cancel()
+        self._wake = asyncio.get_running_loop().call_later(max(delay, 0.0) + 0.5, self.kick)
+
+    async def _give_back(self, seen: Seen, busy: bool) -> None:
+        """--spare-pool with --migrate-back: once the job's own spares can hold a pool node's ranks, they go home
+        (a migrate-back taint each, one at a time) and the pool node is given back (tpassrun.plan.giveback)."""
+        pool = self.pool
+        assert pool is not None
+        if not self.port.settings.migrate_back or not pool.held:
+            return
+        agents = await pool.agents()
+        pool.used = seen_ranks(seen.view, agents, pool.used)
+        action = plan_give_back(seen.view, agents, pool.used, seen.taints, migrate_back=True,
+                                busy=busy or any(not p.terminal for p, _ in seen.plans))
+        if isinstance(action, MoveHome):
+            tid = f"pool-home-{action.rank}-{int(seen.now * 1000)}"
+            taint = Taint(id=tid, effect=TaintEffect.MIGRATE, rank=action.rank, reason=action.reason,
+                          source=TaintSource.MIGRATE_BACK.value, home_node=action.home[0], home_slot=action.home[1],
+                          time=seen.now)
+            await self._store.put_json(self._keys.taint(tid), taint.to_json())
+        elif isinstance(action, GiveBack):
+            pool.used.pop(action.node, None)
+            await pool.give_back(agents[action.node], action.reason, self.port.events.write)
 
     async def _read(self, now: float) -> Seen:
         keys = self._keys
@@ -207,7 +243,7 @@ class Coordinator:
             self.port.post(HealthRestartRequested(action.reason))
         elif isinstance(action, ClaimFromPool) and self.pool is not None:
             gave_up = len(self.pool.gave_up)
-            await self.pool.need(action.lost, 0, events.write)
+            await self.pool.need(action.lost, 0, events.write, job_lost=self._job_lost)
             if len(self.pool.gave_up) > gave_up:
                 self.kick()                     # the restart is decided at once
             elif self.pool.waiting:             # no etcd change may come: look at the pool again in a second
