@@ -173,7 +173,7 @@ class JobPool:
         nodes = [view.nodes.get(p) for p in self.pool_nodes]
         return {n.agent: n.node_id for n in nodes if n is not None and n.agent and n.job == self.cfg.rdzv_id}
 
-    async def give_back(self, pool_node: str, why: str, say: Callable[..., None]) -> bool:
+    async def give_back(self, pool_node: str, why: str, say: Callable[..., object]) -> bool:
         """Give ``pool_node`` back to the pool (its ranks went home, ``tpassrun.plan.giveback``): its claim is marked
         released, the pool node stops this job's spare node there and is idle again. False: the claim is not ours
         any more (nothing to give back; the node returns when its spare node exits)."""
