@@ -98,13 +98,11 @@ class ShardedState:
         shards = st.shards
         assert shards is not None, "a rollback to a local copy without sharded state"
         version = shards.ring.get(step)
-        live = step == st.step and st.committed != step
+        # it stands at that step before its commit point, its sharded objects loaded: they are that step's
+        live = step == st.step and st.committed != step and st.shard_restore_due is None
         if (version is None or not version.complete()) and live:
-            # it stands at that step (paused there, or failed in it before its commit point) without a complete
-            # copy of its start: refused, the recovery aborts (which per-rank snapshot is that start is not
-            # known here: a paused rank's rollback_light is the previous step's)
-            raise RuntimeError(f"rank {st.rank} holds no complete copy of step {step}, where it stands: its live "
-                               "state is not rolled back in place")
+            self._in_place(step)
+            return
         sharded, others = self.objects()
         light = shards.restore(step, None, others)
         if light is not None:
@@ -116,6 +114,31 @@ class ShardedState:
         # the sharded objects already are that step's (live): nothing to load; else once re-formed
         st.shard_restore_due = None if live else step
         st.step = step
+
+    def _in_place(self, step: int) -> None:
+        """:meth:`rollback` to ``step`` where this rank stands, before its commit point, without a complete copy
+        of its start (the planner counts such a rank as holding it: ``tpassrun.swapper.shardplane.live_step``).
+        Nothing changes the heavy state before the commit point, so only what the step consumed goes back: the
+        per-rank state to the snapshot its transaction began with, the gradients dropped. Paused at its boundary
+        before starting it, the rank holds exactly its start: nothing goes back. Inside an open accumulation
+        window the step is no transaction's start (the window's gradients would be lost): refused."""
+        st = self.state
+        began = st.txn is not None and st.txn[0] == step
+        if not began and st.window != step:
+            raise RuntimeError(f"rank {st.rank} stands at step {step} inside the accumulation window begun at step "
+                               f"{st.window}: step {step} is not a step it can be put back to")
+        if began:
+            assert st.txn is not None
+            light = st.txn[1] if st.light_enabled else None    # (turned off: no snapshot is that step's)
+            if light is None:
+                raise RuntimeError(f"rank {st.rank} stands inside step {step} with neither a copy of its start nor "
+                                   "a snapshot of its per-rank state there")
+            self.txn.restore_light(light)
+            self.txn.drop_grads()
+            st.rollback_light = light
+        st.commit_light = None
+        st.committed = st.sealed = -1
+        st.window = step
 
     def after_reform(self) -> None:
         """In the re-formed world: load the sharded copy a rollback left pending; ask for the buddy again."""
