@@ -17,7 +17,7 @@ for entry in tpassrun/*; do
 done
 ln -s "$PWD/rendezvous" "$TREE/tpassrun/rendezvous"
 ln -s "$PWD/health" "$TREE/tpassrun/health"
-STRICT=(schema plan records channel settings rendezvous health mirror scheduler store launch pool transfer swapper ops worker agent)
+STRICT=(schema plan records channel settings rendezvous health mirror scheduler store launch pool transfer swapper ops worker agent adapters)
 ARGS=()
 for package in "${STRICT[@]}"; do ARGS+=(-p "tpassrun.$package"); done
 status=0

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import types
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping
 
@@ -61,7 +62,7 @@ def portable(tree: Any) -> Any:
     if isinstance(tree, io.BytesIO):
         return {BYTESIO_TAG: tree.getvalue()}
     if isinstance(tree, Mapping):
-        out = type(tree)() if type(tree) in (dict,) or _is_ordered(tree) else {}
+        out: dict[Any, Any] = OrderedDict() if _is_ordered(tree) else {}   # any other mapping: a dict
         for key, value in tree.items():
             out[key] = portable(value)
         if _is_ordered(tree) and hasattr(tree, "_metadata"):
@@ -83,7 +84,7 @@ def restore_portable(tree: Any, like: Any) -> Any:
         if set(tree) == {BYTESIO_TAG}:
             return io.BytesIO(tree[BYTESIO_TAG])
         like_map = like if isinstance(like, Mapping) else {}
-        out = type(tree)() if _is_ordered(tree) or type(tree) is dict else {}
+        out: dict[Any, Any] = OrderedDict() if _is_ordered(tree) else {}
         for key, value in tree.items():
             out[key] = restore_portable(value, like_map.get(key))
         if _is_ordered(tree) and hasattr(tree, "_metadata"):
@@ -101,8 +102,6 @@ def restore_portable(tree: Any, like: Any) -> Any:
 
 
 def _is_ordered(obj: Any) -> bool:
-    from collections import OrderedDict
-
     return type(obj) is OrderedDict
 
 

@@ -60,7 +60,7 @@ class ResumableLoader:
         if callable(set_epoch):
             set_epoch(self.epoch)
         self._it = None           # shut the old iterator's workers down before the new ones start
-        batches = getattr(self.loader, "batch_sampler", None)
+        batches: Any = getattr(self.loader, "batch_sampler", None)
         size = getattr(batches, "batch_size", None)
         if at_batch and type(batches).__name__ == "BatchSampler" and hasattr(batches, "sampler") and size:
             batches.sampler = _StartAt(batches, batches.sampler, at_batch * int(size))

@@ -344,7 +344,7 @@ class DeepSpeedZeroState:
 def _distributed_ready() -> bool:
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized()
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 class DeepSpeedAdapter:
@@ -367,7 +367,7 @@ class DeepSpeedAdapter:
         self.data_loader = data_loader
         # ZeRO-1/2: the optimizer partition is sharded state of its own (mirrored to a buddy node), the rest of the
         # engine is identical on every data-parallel rank
-        track_sharded = getattr(sess, "track_sharded", None)
+        track_sharded: Any = getattr(sess, "track_sharded", None)   # callable whenever self.zero_state is set
         sharded = zero_stage(engine) in (1, 2) and callable(track_sharded)
         self.engine_state = DeepSpeedEngineState(engine, optimizer=not sharded)
         self.zero_state = DeepSpeedZeroState(engine) if sharded else None

@@ -331,8 +331,8 @@ class MegatronOptimizerState:
             leaves[int(index)].load_parameter_state_from_dp_reshardable(shard)
 
 
-def _bucket_states(shard: dict) -> list[list[dict]]:
-    out = []
+def _bucket_states(shard: dict[Any, Any]) -> list[list[dict[str, Any]]]:
+    out: list[list[dict[str, Any]]] = []
     for key, per_dtype in shard.items():
         if type(key) is int and isinstance(per_dtype, dict):
             for buckets in per_dtype.values():
@@ -355,7 +355,8 @@ class SchedulerState:
         return int(getattr(self.scheduler, "num_steps", 0))
 
     def state_dict(self) -> dict[str, Any]:
-        return self.scheduler.state_dict()
+        state: dict[str, Any] = self.scheduler.state_dict()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if hasattr(self.scheduler, "num_steps"):
@@ -490,7 +491,7 @@ def _without_drawing(fn: Callable[[int], Any], arg: int) -> Any:
     try:
         import numpy as np
     except ImportError:
-        np = None
+        np = None  # type: ignore[assignment]  # numpy is optional: then no numpy RNG to put back
     npy = np.random.get_state() if np is not None else None
     try:
         return fn(arg)
@@ -723,7 +724,7 @@ class MegatronAdapter:
 def _distributed_ready() -> bool:
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized()
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 __all__ = ["DEFAULT_ORDER", "DataIteratorState", "MegatronAdapter", "MegatronOptimizerState", "MegatronProgress",

@@ -127,7 +127,7 @@ def replica_dims(model_parts: Sequence[Any]) -> int:
     """Size of the ``dp_replicate`` dim of the parameters' mesh (1 without HSDP)."""
     for part in model_parts:
         for param in part.parameters():
-            mesh = getattr(param, "device_mesh", None)
+            mesh: Any = getattr(param, "device_mesh", None)
             names = tuple(getattr(mesh, "mesh_dim_names", None) or ())
             if "dp_replicate" in names:
                 return int(mesh["dp_replicate"].size())
@@ -215,7 +215,7 @@ class OptimizerState(_Sharded):
         if self._is_plain():
             from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-            current = get_optimizer_state_dict(self.model_parts[0], self.optimizers, options=_options())
+            current: dict[str, Any] = get_optimizer_state_dict(self.model_parts[0], self.optimizers, options=_options())
         else:
             current = self.optimizers.state_dict()
         for opt in fresh:
@@ -420,7 +420,7 @@ class TorchTitanAdapter:
     @property
     def replicated(self) -> bool:
         """Whether another rank holds this rank's shards: only with a ``dp_replicate`` dimension of size > 1."""
-        mesh = self.world_mesh if self.world_mesh is not None else (self._meshes.root if self._meshes else None)
+        mesh: Any = self.world_mesh if self.world_mesh is not None else (self._meshes.root if self._meshes else None)
         names = getattr(mesh, "mesh_dim_names", None) or ()
         return "dp_replicate" in names and mesh["dp_replicate"].size() > 1
 
@@ -465,7 +465,7 @@ class TorchTitanAdapter:
 def _distributed_ready() -> bool:
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized()
+    return bool(dist.is_available() and dist.is_initialized())
 
 
 __all__ = ["MeshSnapshot", "ModelPartsState", "OptimizerState", "TorchTitanAdapter"]
