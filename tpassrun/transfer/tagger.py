@@ -18,14 +18,12 @@ or spliced from another stream (another connection has other keys).
 from __future__ import annotations
 
 import collections
-import hmac
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from tpassrun.transfer import gmac, poly1305
 from tpassrun.transfer.auth import FrameMac
-from tpassrun.transfer.codec import ChecksumError
-from tpassrun.transfer.seal import _FRAME_INDEX, _MAC_THREADS, _tag
+from tpassrun.transfer.seal import _FRAME_INDEX, _MAC_THREADS, _expect, _tag
 
 GMAC_NAME = "gmac-aes-256"
 POLY_NAME = "poly1305"
@@ -103,8 +101,7 @@ class Verifier:
 
     def wait(self) -> None:
         for index, (check, tag) in enumerate(self._checks):
-            if not hmac.compare_digest(check.result(), tag):
-                raise ChecksumError(f"handoff data corrupted or forged: frame #{index}'s tag mismatch")
+            _expect(check, tag, index)
 
 
 def send_parts(sock: Any, parts: list[Any]) -> None:

@@ -63,7 +63,7 @@ from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_GMAC, 
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, HandshakeGate
 from tpassrun.transfer.tagger import GMAC_NAME, HMAC_NAME, POLY_NAME, FrameTagger, TagAhead, Verifier, send_parts
-from tpassrun.transfer.seal import (_AUTH_TRAILER, _FRAME_INDEX, _MAC_THREADS, SEALED_FRAME_BYTES, _expect,  # noqa: F401
+from tpassrun.transfer.seal import (_AUTH_TRAILER, _MAC_THREADS, SEALED_FRAME_BYTES,  # noqa: F401
                            _tag, listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
 
 log = logging.getLogger("tpassrun.transfer.handoff")
