@@ -50,7 +50,7 @@ from dataclasses import dataclass, field
 
 from chaos_cluster import RANKS, Cluster
 from chaos_kinds import KINDS, NOTHING_TO_RECOVER, after
-from faults import Job, NetLab, SmallDisk, _without_relogged, assert_bit_exact, unlogged_steps
+from faults import Job, NetLab, SmallDisk, assert_bit_exact, never_logged
 
 CRAWL_FROM, CRAWL_S = 200, 1.5     # from this step on, each step takes this long until the last fault settled
 # A fence is not one: the fenced node's workers must die (like an agent SIGKILL's); whether its ranks were then
@@ -140,7 +140,7 @@ def redone_by_fault(c: Cluster, faults: list[Fault]) -> None:
         seen.add(row["step"])
 
 
-def never_done(c: Cluster, steps: set[int]) -> tuple[int, int]:
+def never_done(c: Cluster, steps: int) -> tuple[int, int]:
     """(steps some rank never completed, steps a killed rank completed but never logged), summed over ranks.
 
     A rank SIGKILLed after its part of a step's all-reduce reached the survivors, but before it logged the step,
@@ -150,10 +150,8 @@ def never_done(c: Cluster, steps: set[int]) -> tuple[int, int]:
     lost = unlogged = 0
     for r in range(RANKS):
         rows = c.losses(r)
-        pids = {x["pid"] for x in rows}
-        missing = steps - {x["step"] for x in rows}
-        done = unlogged_steps(_without_relogged(rows, pids), pids)
-        lost, unlogged = lost + len(missing - done), unlogged + len(missing & done)
+        never, not_logged = never_logged(rows, steps, {x["pid"] for x in rows})
+        lost, unlogged = lost + len(never), unlogged + len(not_logged)
     return lost, unlogged
 
 
@@ -267,8 +265,7 @@ def run(args: argparse.Namespace, work: str) -> dict:
         codes = {a.name: a.job.wait(args.timeout) for a in c.agents if not a.killed}
         ref_code = ref.wait(args.timeout)
         redone_by_fault(c, faults)
-        steps = set(range(args.steps))
-        lost, unlogged = never_done(c, steps)
+        lost, unlogged = never_done(c, args.steps)
         exact = same_run(Job(argv=[], out=c.train), ref) if ref_code == 0 else f"NO (torchrun reference exit {ref_code})"
         time.sleep(1.0)
         result = {"faults": [f.__dict__ for f in faults], "codes": codes, "steps_lost": lost,

@@ -41,7 +41,7 @@ from typing import Any
 from common import REPO, Workdir, events, next_step_after, print_json, steps_lost, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import Job, unlogged_steps, _without_relogged, assert_bit_exact, pids_by_rank, sigkill_rank  # noqa: E402
+from faults import Job, assert_bit_exact, never_logged, pids_by_rank, sigkill_rank  # noqa: E402
 
 
 def reference(work: Workdir, world: int, args: argparse.Namespace) -> tuple[Job, float]:
@@ -159,10 +159,8 @@ def _not_logged(job: Job, world: int, steps: int, pids: set[int]) -> tuple[int, 
     of but died before logging, :func:`faults.unlogged_steps`, on all ranks): lost and unlogged."""
     lost = unlogged = 0
     for r in range(world):
-        rows = job.losses(r)
-        missing = set(range(steps)) - {row["step"] for row in rows}
-        done = unlogged_steps(_without_relogged(rows, pids), pids)
-        lost, unlogged = max(lost, len(missing - done)), unlogged + len(missing & done)
+        never, not_logged = never_logged(job.losses(r), steps, pids)
+        lost, unlogged = max(lost, len(never)), unlogged + len(not_logged)
     return lost, unlogged
 
 

@@ -373,6 +373,14 @@ def unlogged_steps(rows: list[dict[str, Any]], pids: Any) -> set[int]:
             if row["pid"] in pids and nxt["pid"] != row["pid"] and nxt["step"] == row["step"] + 2}
 
 
+def never_logged(rows: list[dict[str, Any]], steps: int, pids: Any) -> tuple[set[int], set[int]]:
+    """A rank's log ``rows`` against steps ``0 .. steps - 1``: (steps never done, steps done but never logged by a
+    process of ``pids`` killed in them, :func:`unlogged_steps`)."""
+    missing = set(range(steps)) - {row["step"] for row in rows}
+    done = unlogged_steps(_without_relogged(rows, pids), pids)
+    return missing - done, missing & done
+
+
 def assert_bit_exact(a: Job, b: Job, world: int, *, relogged_by: Any = (), caught_up: Any = ()) -> None:
     """Parameters and optimizer state ``torch.equal`` on every rank, and identical per-step loss logs.
 
