@@ -58,6 +58,8 @@ TPASSRUN_SHARE_GPUS = "TPASSRUN_SHARE_GPUS"      # "1": more slots than GPUs is 
 TPASSRUN_HEALTH_FILE = "TPASSRUN_HEALTH_FILE"    # JSON readings file a site tool writes (FileSensor)
 TPASSRUN_SPARE_NODES = "TPASSRUN_SPARE_NODES"    # --spare-nodes K: the last K nodes of a Slurm step are spare nodes
 TPASSRUN_SCHEDULER_POLL = "TPASSRUN_SCHEDULER_POLL"  # seconds between the scheduler watcher's polls (default 5)
+TPASSRUN_HOPS_TRACE = "TPASSRUN_HOPS_TRACE"  # bench only, never read by tpassrun: a directory; bench/hopstrace/
+                                            # sitecustomize.py (on PYTHONPATH) writes each process's moves between modules there
 
 # --- read from Slurm (an srun step: tpassrun/scheduler/slurm.py) ---
 SLURM_JOB_ID = "SLURM_JOB_ID"
