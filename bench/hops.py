@@ -1,16 +1,21 @@
 """How many module boundaries one pure triage call crosses (issue 23's "hop count"), traced with ``sys.setprofile``.
 
-For each case a :func:`tpassrun.plan.triage.triage` call is traced; every Python call whose callee lives in another
-file of the project than its caller is a move (a hop down), every return into another file a move back up; a move
-between packages is one whose two files sit in different packages (in the flat tree every module was its own). Only
-the project's own files count (tpassrun/, rendezvous/, health/); the standard library and torch are seen through.
-The issue measured the flat layout before the renovation: 8 files, 23 moves, 11 back up for a triage call.
+For each case a :func:`tpassrun.plan.triage.triage` call is traced with bench/hopstrace/hopcount.py's
+``Recorder``, the counter bench/hops_swap.py runs in every process of a planned swap: every Python call whose callee
+lives in another file of the project than the nearest project frame below it is a move (a hop down), every return
+into another file a move back up; a move between packages is one whose two files sit in different packages (in the
+flat tree every module was its own). Only the project's own files count (tpassrun/, rendezvous/, health/); the
+standard library and torch are seen through. The issue measured the flat layout before the renovation with a
+counter of its own: 8 files, 23 moves, 11 back up for a triage call.
 
     python bench/hops.py            # a table: case, files, moves, back up, the files in order of first entry
 
-Before the renovation (the tree before c0a17c6, same script, same fixtures)::
+It measures the tree whose ``tpassrun`` the interpreter imports, with that tree's tests/test_triage.py fixtures
+(the names through it, so an older tree runs this too). Before the renovation (the tree before c0a17c6; an
+interpreter importing tpassrun from it, bench/README.md's "Hop counts" says how it was made)::
 
-    git worktree add /tmp/old c0a17c6^ && cp bench/hops.py /tmp/old/bench/ && PYTHONPATH=/tmp/old python /tmp/old/bench/hops.py
+    git worktree add /work/wt/hops-old c0a17c6^
+    /work/wt/hops-old/.venv/bin/python bench/hops.py
 """
 
 from __future__ import annotations
@@ -19,59 +24,25 @@ import os
 import sys
 from typing import Any, Callable
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hopstrace"))
 
 import tpassrun  # noqa: E402
+from hopcount import Recorder, summarise, window  # noqa: E402
 
-ROOTS = tuple(os.path.dirname(os.path.abspath(m)) + os.sep for m in (tpassrun.__file__,))
-
-
-def ours(path: str) -> str | None:
-    path = os.path.abspath(path)
-    for root in ROOTS:
-        if path.startswith(root):
-            return os.path.relpath(path, os.path.dirname(root.rstrip(os.sep)))
-    return None
-
-
-def package(path: str) -> str:
-    """tpassrun/plan/swap.py -> tpassrun/plan; a flat module (tpassrun/swap.py) is its own package."""
-    head, tail = os.path.split(path)
-    return head if head.count(os.sep) >= 1 else path
+TREE = os.path.dirname(os.path.dirname(os.path.abspath(tpassrun.__file__)))    # the tree under measure, not this one
+sys.path.insert(0, os.path.join(TREE, "tests"))
 
 
 def trace(fn: Callable[[], Any]) -> tuple[list[str], int, int, int]:
-    files: list[str] = []
-    moves = ups = between = 0
-    stack: list[str | None] = []
-
-    def prof(frame: Any, event: str, arg: Any) -> None:
-        nonlocal moves, ups, between
-        if event not in ("call", "return"):
-            return
-        here = ours(frame.f_code.co_filename)
-        if event == "call":
-            caller = stack[-1] if stack else None
-            stack.append(here)
-            if here is not None:
-                if here not in files:
-                    files.append(here)
-                if caller is not None and caller != here:
-                    moves += 1
-                    between += package(caller) != package(here)
-        else:
-            done = stack.pop() if stack else None
-            back = stack[-1] if stack else None
-            if done is not None and back is not None and back != done:
-                ups += 1
-
-    sys.setprofile(prof)
+    """The files entered (in order), moves, back up, moves between packages of one call of ``fn``."""
+    recorder = Recorder(TREE)
+    sys.setprofile(recorder)
     try:
         fn()
     finally:
         sys.setprofile(None)
-    return files, moves, ups, between
+    got = summarise(window(recorder.moves, recorder.names, float("-inf"), float("inf")))
+    return recorder.names, got["moves"], got["back_up"], got["between_packages"]
 
 
 def cases() -> dict[str, Callable[[], Any]]:
