@@ -2,27 +2,39 @@
 
     python bench/hops_swap.py [--tree DIR] [--python EXE] [--runs 3] [--keep]
 
-A job of 2 nodes (two agents on one etcd, started here) x 2 ranks of ``examples/train_ddp.py`` (gloo), node b with
-``--spares-per-node 1``; at step ``--taint-at`` the bench runs ``tpassctl taint --rank R`` for a rank of node a,
-so the planned swap moves that rank across nodes into b's spare. Every Python process of the job (both agents, all
+A job of 2 nodes (two agents on one etcd, started here) x 2 ranks of ``examples/train_ddp.py`` (gloo, ``--steps
+60``), node b with ``--spares-per-node 1``. The job is held at step ``--taint-at`` (tests/faults.py's ``Hold``)
+until b's spare is ready (under load a traced spare takes tens of seconds to import torch), released, and right then
+the bench runs ``tpassctl taint --rank R`` for a rank of node a, so the planned swap moves that rank across nodes
+into b's spare while the job has 50 steps left. Every Python process of the job (both agents, all
 workers, the spare) runs with ``bench/hopstrace`` first on ``PYTHONPATH`` and ``TPASSRUN_HOPS_TRACE`` set, so
 ``bench/hopstrace/sitecustomize.py`` records each move between the project's files (tpassrun/, rendezvous/,
 health/; everything else seen through, ``bench/hopstrace/hopcount.py`` says how) with its wall-clock time and
 writes one JSON file per process. ``tpassctl`` itself is not traced.
 
-The swap window is from the taint's own ``time`` (written by tpassctl, read back from etcd) to the leader's
-``generation_committed`` event. Per role (the leader's agent: the one that logged ``generation_committed``; the
-other agent; the leaving rank's worker; the spare that joins; the survivors' workers, summed) and in total: the
-files that took part in a move, moves (calls into another file), returns back up into another file, moves
-between packages, and the most frequent crossings. A run counts what it counts: the agents' polling loops and the
-workers' steps inside the window are in it; the median of ``--runs`` is printed beside every run.
+Two windows, both from the taint's own ``time`` (written by tpassctl, read back from etcd): to the leader's
+``generation_committed`` event (the swap's commit, the issue's window), and to its ``swap_resumed`` (the world
+re-formed, training on). Per role (the leader's agent: the one that logged ``generation_committed``; the other
+agent; the leaving rank's worker; the spare that joins; the survivors' workers, summed) and in total: the files that
+took part in a move; distinct crossings (file -> file, down) and of them between packages (the "module boundaries"
+of the issue: in the flat tree every module was its own package); moves (calls into another file), returns back
+up, moves between packages; and the most frequent crossings. The distinct counts are what the code's shape
+decides; the move counts also grow with the window's length (the agents poll the channel and etcd while they
+wait, the survivors step until the boundary), which the host's load stretches: compare them with the window.
 
-Before the package move (c0a17c6), the same bench against the flat tree: its source in a worktree, an
-interpreter that imports ``tpassrun`` (and ``tpassrun.rendezvous``/``.health``) from there (bench/README.md, "hop
-count", says how the venv was made), the tracer from this tree::
+Before the package move (c0a17c6), the same bench against the flat tree: its source in a worktree and an
+interpreter whose ``tpassrun``, ``tpassrun.rendezvous`` and ``tpassrun.health`` all come from there (checked at
+start: ``PYTHONPATH=<old tree>`` alone is not enough, this venv's editable install maps the two sub-packages to
+this tree; bench/README.md's "Hop counts" says how that venv was made), the tracer from this tree::
 
     git worktree add /work/wt/hops-old c0a17c6^
     python bench/hops_swap.py --tree /work/wt/hops-old --python /work/wt/hops-old/.venv/bin/python
+
+Figures (2026-11-29, ``--runs 3`` each, load average 10-25; medians, taint -> commit, all 7 processes):
+
+    | tree | window s | files | crossings | between packages | moves | moves between packages |
+    | before (5dd78a2 = c0a17c6^) | 0.46 | 60 | 122 | 108 | 5693 | 5384 |
+    | after (3fa4a79) | 1.22 | 71 | 158 | 31 | 5556 | 4236 |
 
 Figures only; the last line is JSON.
 """
@@ -41,13 +53,14 @@ import time
 import uuid
 from typing import Any
 
-from common import EtcdServer, Job, Workdir, print_json, taint_times
+from common import EtcdServer, Job, Workdir, faults_env, print_json, taint_times
+from faults import Hold, hold_at
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 TRACER = os.path.join(BENCH, "hopstrace")
 sys.path.insert(0, TRACER)
 
-from hopcount import ENV, summarise, window  # noqa: E402
+from hopcount import ENV, PARTS, summarise, window  # noqa: E402
 
 ROLES = ("leader agent", "other agent", "leaving worker", "joining spare", "survivor workers", "other")
 COLUMNS = ("files", "crossings", "package_crossings", "moves", "back_up", "between_packages")
@@ -55,13 +68,13 @@ WINDOWS = ("commit", "resumed")     # taint -> the leader's generation_committed
 
 
 def agent(tree: str, python: str, out: str, train: str, *, endpoint: str, run_id: str, spares: int,
-          steps: int, trace: str) -> Job:
+          steps: int, trace: str, hold: Hold) -> Job:
     argv = [python, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "2", "--spares-per-node", str(spares),
             "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             "--rdzv-conf", "lease_ttl=3,last_call_timeout=1", "--max-restarts", "1",
             "--log-dir", os.path.join(out, "logs"), os.path.join(tree, "examples", "train_ddp.py"),
             "--steps", str(steps), "--step-sleep", "0.05", "--out", train, "--quiet"]
-    return Job(argv=argv, out=out, env={"PYTHONPATH": TRACER, ENV: trace})
+    return Job(argv=argv, out=out, env={"PYTHONPATH": TRACER, ENV: trace, **faults_env(hold.fault)})
 
 
 def tpassctl_taint(tree: str, python: str, endpoint: str, run_id: str, rank: int) -> None:
@@ -69,14 +82,6 @@ def tpassctl_taint(tree: str, python: str, endpoint: str, run_id: str, rank: int
     env = {k: v for k, v in os.environ.items() if k not in (ENV, "PYTHONPATH")}
     subprocess.run([python, "-m", module, "taint", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id, "--rank",
                     str(rank), "--reason", "hops", "--no-wait"], check=True, capture_output=True, timeout=120, env=env)
-
-
-def steps_logged(train: str, rank: int) -> int:
-    try:
-        with open(os.path.join(train, f"loss_rank{rank}.jsonl")) as fh:
-            return sum(1 for line in fh.read().split("\n")[:-1] if line.strip())
-    except FileNotFoundError:
-        return 0
 
 
 def until(what: str, ready: Any, jobs: list[Job], timeout: float = 600) -> Any:
@@ -108,12 +113,15 @@ def role(record: dict[str, Any], leader: int, other: int, leaver: int) -> str:
 def run(tree: str, python: str, out: str, etcd: EtcdServer, taint_at: int, steps: int) -> dict[str, Any]:
     trace, train, run_id = os.path.join(out, "trace"), os.path.join(out, "train"), uuid.uuid4().hex[:8]
     os.makedirs(trace)
+    hold = hold_at(out, taint_at)
     a, b = (agent(tree, python, os.path.join(out, n), train, endpoint=etcd.endpoint, run_id=run_id,
-                  spares=int(n == "b"), steps=steps, trace=trace).start() for n in "ab")
+                  spares=int(n == "b"), steps=steps, trace=trace, hold=hold).start() for n in "ab")
     started = until("workers started on node a", lambda: [e for e in a.events() if e["event"] == "workers_started"],
                     [a, b])
     leaver = next(s["rank"] for s in started[-1]["slots"] if s["rank"] is not None and s["rank"] >= 0)
-    until(f"step {taint_at}", lambda: steps_logged(train, leaver) > taint_at, [a, b])
+    until("the spare ready", lambda: [e for e in b.events() if e["event"] == "spare_ready"], [a, b])
+    until(f"the hold at step {taint_at}", hold.reached, [a, b])
+    hold.release()
     tpassctl_taint(tree, python, etcd.endpoint, run_id, leaver)
     start = min(taint_times(etcd.endpoint, run_id))
     committed = until("generation_committed", lambda: [e for j in (a, b) for e in j.events()
@@ -164,15 +172,21 @@ def main() -> None:
     parser.add_argument("--tree", default=os.path.dirname(BENCH), help="the source tree whose tpassrun runs the job")
     parser.add_argument("--python", default=sys.executable, help="an interpreter importing tpassrun from --tree")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--taint-at", type=int, default=10)
     parser.add_argument("--keep", action="store_true", help="keep the jobs' output (and the per-process traces)")
     args = parser.parse_args()
     tree = os.path.abspath(args.tree)
-    check = subprocess.run([args.python, "-c", "import tpassrun, sys; sys.stdout.write(tpassrun.__file__)"],
-                           capture_output=True, text=True, cwd="/")
-    if not check.stdout.startswith(os.path.join(tree, "tpassrun") + os.sep):
-        raise SystemExit(f"hops_swap: {args.python} imports tpassrun from {check.stdout or check.stderr!r}, not {tree}")
+    if args.runs < 1:
+        raise SystemExit("hops_swap: --runs must be at least 1")
+    # PYTHONPATH=<tree> alone is not enough: an editable install maps tpassrun.rendezvous / .health to its own tree
+    check = subprocess.run([args.python, "-c", "import sys, tpassrun, tpassrun.rendezvous as r, tpassrun.health as h; "
+                            "print(tpassrun.__file__, r.__file__, h.__file__)"], capture_output=True, text=True, cwd="/",
+                           env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})     # as the jobs get it
+    found = check.stdout.split()
+    if len(found) != 3 or not all(f.startswith(os.path.join(tree, p) + os.sep) for f, p in zip(found, PARTS)):
+        raise SystemExit(f"hops_swap: {args.python} imports {check.stdout.strip() or check.stderr.strip()!r}, "
+                         f"not tpassrun, rendezvous and health of {tree}")
     runs = []
     with Workdir(keep=args.keep, prefix="tpassrun-hops-") as work:
         etcd = EtcdServer().start()
