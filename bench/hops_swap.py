@@ -6,7 +6,10 @@ A job of 2 nodes (two agents on one etcd, started here) x 2 ranks of ``examples/
 60``), node b with ``--spares-per-node 1``. The job is held at step ``--taint-at`` (tests/faults.py's ``Hold``)
 until b's spare is ready (under load a traced spare takes tens of seconds to import torch), released, and right then
 the bench runs ``tpassctl taint --rank R`` for a rank of node a, so the planned swap moves that rank across nodes
-into b's spare while the job has 50 steps left. Every Python process of the job (both agents, all
+into b's spare while the job has 50 steps left. A second hold, 10 steps before the end, is released once the
+swap's boundary is fixed (its ``swap_boundary`` event): the job cannot end before its swap (under load average
+20+, 2 of 8 runs of a version without it ended with no swap at all). It is reached only when the swap
+is that late, and then its wait is in the window. Every Python process of the job (both agents, all
 workers, the spare) runs with ``bench/hopstrace`` first on ``PYTHONPATH`` and ``TPASSRUN_HOPS_TRACE`` set, so
 ``bench/hopstrace/sitecustomize.py`` records each move between the project's files (tpassrun/, rendezvous/,
 health/; everything else seen through, ``bench/hopstrace/hopcount.py`` says how) with its wall-clock time and
@@ -68,13 +71,13 @@ WINDOWS = ("commit", "resumed")     # taint -> the leader's generation_committed
 
 
 def agent(tree: str, python: str, out: str, train: str, *, endpoint: str, run_id: str, spares: int,
-          steps: int, trace: str, hold: Hold) -> Job:
+          steps: int, trace: str, holds: tuple[Hold, ...]) -> Job:
     argv = [python, "-m", "tpassrun", "--nnodes", "2", "--nproc-per-node", "2", "--spares-per-node", str(spares),
             "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
             "--rdzv-conf", "lease_ttl=3,last_call_timeout=1", "--max-restarts", "1",
             "--log-dir", os.path.join(out, "logs"), os.path.join(tree, "examples", "train_ddp.py"),
             "--steps", str(steps), "--step-sleep", "0.05", "--out", train, "--quiet"]
-    return Job(argv=argv, out=out, env={"PYTHONPATH": TRACER, ENV: trace, **faults_env(hold.fault)})
+    return Job(argv=argv, out=out, env={"PYTHONPATH": TRACER, ENV: trace, **faults_env(*(h.fault for h in holds))})
 
 
 def tpassctl_taint(tree: str, python: str, endpoint: str, run_id: str, rank: int) -> None:
@@ -113,9 +116,9 @@ def role(record: dict[str, Any], leader: int, other: int, leaver: int) -> str:
 def run(tree: str, python: str, out: str, etcd: EtcdServer, taint_at: int, steps: int) -> dict[str, Any]:
     trace, train, run_id = os.path.join(out, "trace"), os.path.join(out, "train"), uuid.uuid4().hex[:8]
     os.makedirs(trace)
-    hold = hold_at(out, taint_at)
+    hold, late = hold_at(out, taint_at), hold_at(out, steps - 10, name="late")
     a, b = (agent(tree, python, os.path.join(out, n), train, endpoint=etcd.endpoint, run_id=run_id,
-                  spares=int(n == "b"), steps=steps, trace=trace, hold=hold).start() for n in "ab")
+                  spares=int(n == "b"), steps=steps, trace=trace, holds=(hold, late)).start() for n in "ab")
     started = until("workers started on node a", lambda: [e for e in a.events() if e["event"] == "workers_started"],
                     [a, b])
     leaver = next(s["rank"] for s in started[-1]["slots"] if s["rank"] is not None and s["rank"] >= 0)
@@ -124,6 +127,8 @@ def run(tree: str, python: str, out: str, etcd: EtcdServer, taint_at: int, steps
     hold.release()
     tpassctl_taint(tree, python, etcd.endpoint, run_id, leaver)
     start = min(taint_times(etcd.endpoint, run_id))
+    until("swap_boundary", lambda: [e for j in (a, b) for e in j.events() if e["event"] == "swap_boundary"], [a, b])
+    late.release()
     committed = until("generation_committed", lambda: [e for j in (a, b) for e in j.events()
                                                        if e["event"] == "generation_committed"], [a, b])
     resumed = until("swap_resumed", lambda: [e for e in (a if committed[0] in a.events() else b).events()
