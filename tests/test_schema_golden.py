@@ -283,3 +283,25 @@ def test_a_pool_record_written_before_its_newer_field_reads_as_its_default(name,
     record, doc = RECORDS[name], json.loads(GOLD["records"][name]["json"])
     del doc[key]
     assert type(record).from_json(doc) == record
+
+
+# --------------------------------------------------------------------------------------------- the smaller codecs
+# ``GOLD["codecs"]`` was captured at 3fa4a79 from the hand-written codecs outside records/rendezvous/channel (the
+# registry's RunEntry.to_json as json.dump wrote it, netwatch's LinkFigures.to_json, the credentials file an
+# embedded etcd wrote, the mirror's frame metas): never regenerate it from the code it checks.
+CODECS = GOLD["codecs"]
+RUN_ENTRIES: dict[str, Any] = {
+    "run_entry": dict(run_id="jobA", endpoint="127.0.0.1:2379", pid=42, node_id="n0", host="h1", started=12.5,
+                      event_log="/l/ev.jsonl", log_dir="/l", credentials="/c/cred.json", rdzv_conf="cacert=/ca.pem",
+                      nproc=2, spares=1, script="train.py --steps 5"),
+    "run_entry_min": dict(run_id="j", endpoint="e:1", pid=1, host="h", started=1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUN_ENTRIES))
+def test_a_run_entry_is_written_as_before_and_reads_back(name):
+    from tpassrun.ops.registry import RunEntry
+    entry = RunEntry(**RUN_ENTRIES[name])
+    assert json.dumps(entry.to_json()) == CODECS["registry"][name]      # what registry.register's json.dump writes
+    assert RunEntry.from_json(json.loads(CODECS["registry"][name])) == entry
+
