@@ -305,3 +305,13 @@ def test_a_run_entry_is_written_as_before_and_reads_back(name):
     assert json.dumps(entry.to_json()) == CODECS["registry"][name]      # what registry.register's json.dump writes
     assert RunEntry.from_json(json.loads(CODECS["registry"][name])) == entry
 
+
+
+@pytest.mark.parametrize("doc", [None, [], {"v": 2}, {"run_id": "j", "endpoint": "e", "pid": 1},
+                                 {"v": 1, "endpoint": "e", "pid": 1}, {"v": 1, "run_id": "j", "endpoint": "e", "pid": "1"},
+                                 {"v": 1, "run_id": 3, "endpoint": "e", "pid": 1}])
+def test_a_malformed_run_entry_is_one_value_error_of_one_line(doc):
+    from tpassrun.ops.registry import RunEntry
+    with pytest.raises(ValueError) as err:
+        RunEntry.from_json(doc)
+    assert "\n" not in str(err.value)
