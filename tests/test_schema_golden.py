@@ -315,3 +315,28 @@ def test_a_malformed_run_entry_is_one_value_error_of_one_line(doc):
     with pytest.raises(ValueError) as err:
         RunEntry.from_json(doc)
     assert "\n" not in str(err.value)
+
+
+def _credentials_from(tmp_path: Path, text: str) -> tuple[str | None, str | None]:
+    from tpassrun.rendezvous.config import _credentials
+    path = tmp_path / "credentials.json"
+    path.write_text(text)
+    path.chmod(0o600)
+    return _credentials({"credentials_file": str(path)}, {})
+
+
+def test_the_credentials_file_is_written_as_the_embedded_etcd_wrote_it_and_reads_back(tmp_path):
+    from tpassrun.rendezvous.config import Credentials
+    gold = CODECS["credentials"]["credentials"]
+    assert json.dumps(Credentials("root", "s3cr-et_x").to_json()) == gold    # embedded.py's json.dump
+    assert _credentials_from(tmp_path, gold) == ("root", "s3cr-et_x")
+
+
+@pytest.mark.parametrize("text", ["", "[]", '{"user": "root"}', '{"user": "root", "password": 5}',
+                                  '{"user": null, "password": "x"}', "{"])
+def test_a_malformed_credentials_file_is_one_rendezvous_error_of_one_line(tmp_path, text):
+    """A password that is not a string used to be read as its str() ("5", "None"): now refused."""
+    from tpassrun.rendezvous import RendezvousError
+    with pytest.raises(RendezvousError) as err:
+        _credentials_from(tmp_path, text)
+    assert "\n" not in str(err.value)
