@@ -340,3 +340,15 @@ def test_a_malformed_credentials_file_is_one_rendezvous_error_of_one_line(tmp_pa
     with pytest.raises(RendezvousError) as err:
         _credentials_from(tmp_path, text)
     assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["figures", "figures_min"])
+def test_a_nodes_link_figures_are_written_as_before_and_read_back(name):
+    """The figures ride in a node's health record (readings[].value), stored by rendezvous.etcd_io."""
+    from tpassrun.agent.netwatch import LinkFigures
+    figures = {"figures": LinkFigures(rtt_ms=1.5, step_ms=60.0, addr="10.0.0.1",
+                                      sent_to={"10.0.0.2": (1048576.0, 12.0), "10.0.0.3": (5.0, 0.0)}),
+               "figures_min": LinkFigures()}[name]
+    gold = CODECS["netwatch"][name]
+    assert json.dumps(figures.to_json()) == gold["json"] and etcd_bytes(figures.to_json()) == gold["etcd"]
+    assert LinkFigures.from_json(json.loads(gold["etcd"])) == figures
