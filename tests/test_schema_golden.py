@@ -352,3 +352,14 @@ def test_a_nodes_link_figures_are_written_as_before_and_read_back(name):
     gold = CODECS["netwatch"][name]
     assert json.dumps(figures.to_json()) == gold["json"] and etcd_bytes(figures.to_json()) == gold["etcd"]
     assert LinkFigures.from_json(json.loads(gold["etcd"])) == figures
+
+
+def test_a_mirror_listing_row_is_written_as_before_and_reads_back():
+    from tpassrun.mirror import MirrorEntry, MirrorError
+    entry = MirrorEntry(3, "light", 2, (7, 8), 7)
+    assert json.dumps(entry.to_json()) == CODECS["mirror_entry"]["entry"]
+    assert MirrorEntry.from_json(json.loads(CODECS["mirror_entry"]["entry"])) == entry
+    for bad in ({**entry.to_json(), "versions": ["7"]}, {**entry.to_json(), "owner": "3"}, {"owner": 3}, [3]):
+        with pytest.raises(MirrorError) as err:     # what the client's callers catch
+            MirrorEntry.from_json(bad)
+        assert "\n" not in str(err.value)
