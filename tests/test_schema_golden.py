@@ -363,3 +363,43 @@ def test_a_mirror_listing_row_is_written_as_before_and_reads_back():
         with pytest.raises(MirrorError) as err:     # what the client's callers catch
             MirrorEntry.from_json(bad)
         assert "\n" not in str(err.value)
+
+
+def _mirror_metas() -> dict[str, Any]:
+    from tpassrun.mirror import MirrorEntry, meta as M
+    return {"put": M.CopyRef(3, "light", 9, 2), "get": M.Get(3, "light", None, None), "get_at": M.Get(3, "light", 8, 2),
+            "list": M.Select(None, None), "list_owner": M.Select(3, "light"), "drop": M.Drop(None, None, 2),
+            "drop_all": M.Drop(1, "shard", None), "kept": M.Stored(True),
+            "error": M.Failed("a copy of 9 bytes is over this store's item limit 3"), "got": M.Got(8, 2),
+            "not_found": M.NotFound(), "dropped": M.Dropped(10),
+            "listed": M.Listing((MirrorEntry(1, "shard", 0, (1,), 10), MirrorEntry(3, "light", 2, (7, 8), 7)), 17, 1 << 30)}
+
+
+def test_every_mirror_frame_meta_is_written_as_before_and_reads_back():
+    """Requests as mirror/client.py wrote them (dict literals), answers as MirrorServer._answer did."""
+    from tpassrun.mirror import meta as M
+    metas = _mirror_metas()
+    assert set(metas) == set(CODECS["mirror"])
+    for name, value in metas.items():
+        assert M.encode(value).decode() == CODECS["mirror"][name], name
+        assert M.read(type(value), CODECS["mirror"][name].encode()) == value, name
+
+
+@pytest.mark.parametrize("cls,raw,says", [
+    ("CopyRef", b'{"owner":"3","kind":"light","version":9,"epoch":2}', "mirror request: owner must be an integer, not '3'"),
+    ("CopyRef", b'{"owner":3,"kind":"","version":9,"epoch":2}', "mirror request: kind must be a short string, not ''"),
+    ("CopyRef", b'{"owner":3,"kind":"' + b"k" * 300 + b'","version":9,"epoch":2}', "must be a short string"),
+    ("CopyRef", b'{"owner":3,"kind":"light","epoch":2}', "mirror request: version is missing"),
+    ("Get", b'{"owner":3,"kind":"light","version":true}', "mirror request: version must be an integer, not True"),
+    ("Select", b'{"owner":null,"kind":7}', "mirror request: kind must be a string, not 7"),
+    ("Drop", b'[1]', "mirror request: not a JSON object (list)"),
+    ("Drop", b'{"owner":', "malformed mirror frame meta"),
+    ("Got", b'{"version":"8","epoch":2}', "mirror answer: version must be an integer, not '8'"),
+    ("Listing", b'{"entries":[{"owner":1}],"bytes":1,"max_bytes":2}', "mirror answer entries[0]: kind is missing"),
+])
+def test_a_malformed_mirror_meta_is_one_mirror_error_of_one_line(cls, raw, says):
+    """The server answers a request it cannot read BAD_REQUEST with this line; a client raises it."""
+    from tpassrun.mirror import MirrorError, meta as M
+    with pytest.raises(MirrorError) as err:
+        M.read(getattr(M, cls), raw)
+    assert says in str(err.value) and "\n" not in str(err.value)
