@@ -22,6 +22,7 @@ from tpassrun.records import (Failure, Fallback, HealthRecord, MirrorKey, Move, 
 from tpassrun.records import provenance
 from tpassrun.records.pool import Claim, HistoryEntry, JobSpec, PoolInfo, PoolNode
 from tpassrun.rendezvous.state import Bootstrap, Closed, Generation, GenState, Leader, Member, NodeInfo
+from tpassrun.schema import SchemaError, dump, load
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "schema.json"
 KEY = provenance.RunKey.from_text("golden-run-key-0123456789abcdef")
@@ -403,3 +404,29 @@ def test_a_malformed_mirror_meta_is_one_mirror_error_of_one_line(cls, raw, says)
     with pytest.raises(MirrorError) as err:
         M.read(getattr(M, cls), raw)
     assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_repairs_head_is_written_as_before_and_reads_back():
+    """replicas._send_objects wrote a dict literal: the trees of two modules, then each tensor's dtype and shape."""
+    import torch
+
+    from tpassrun.worker import digest
+    from tpassrun.worker.replicas import RepairHead, _renumber
+    trees: dict[str, Any] = {}
+    tensors: list[Any] = []
+    for name, obj in {"model": torch.nn.Linear(3, 2), "head": torch.nn.Embedding(4, 2)}.items():
+        tree, named = digest.named_tensors(name, obj)
+        trees[name] = _renumber(tree, len(tensors))
+        tensors += [t for _, t in named]
+    heads = {"repair_head": RepairHead(trees, "", tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape))
+                                                         for t in tensors)),
+             "repair_head_error": RepairHead({}, "RuntimeError: cannot encode", ())}
+    for name, head in heads.items():
+        gold = CODECS["replicas"][name]
+        assert json.dumps(dump(head), separators=(",", ":")) == gold
+        assert load(RepairHead, json.loads(gold)) == head
+    for bad in ({"objects": {}, "error": "", "specs": [["float32", [-1]]]}, {"objects": {}, "specs": []},
+                {"objects": [], "error": "", "specs": []}, {"objects": {}, "error": "", "specs": [["float32"]]}):
+        with pytest.raises(SchemaError) as err:
+            load(RepairHead, bad)
+        assert "\n" not in str(err.value)
