@@ -430,3 +430,22 @@ def test_a_repairs_head_is_written_as_before_and_reads_back():
         with pytest.raises(SchemaError) as err:
             load(RepairHead, bad)
         assert "\n" not in str(err.value)
+
+
+def test_a_health_reading_and_verdict_are_written_as_before_and_read_back():
+    """They ride in a node's health record (its readings and verdicts), as health/_types.py's to_json wrote them."""
+    from tpassrun.health import HealthVerdict, Reading, Status
+    samples = {"reading": Reading("gpu0", "temperature_c", 71.5, 12.25),
+               "reading_error": Reading("gpu1", "ecc", None, 3, error="sensor offline"),
+               "verdict": HealthVerdict("gpu0", Status.DEGRADED, TaintEffect.MIGRATE, "temperature_c 95 >= 90",
+                                        "temperature_c", 4.5),
+               "verdict_healthy": HealthVerdict("rank3", Status.HEALTHY, TaintEffect.NONE, "", None, 5)}
+    for name, value in samples.items():
+        gold = CODECS["health"][name]
+        assert json.dumps(value.to_json()) == gold
+        assert type(value).from_json(json.loads(gold)) == value
+    verdict = json.loads(CODECS["health"]["verdict"])
+    for bad in ({**verdict, "v": 2}, {**verdict, "status": "fine"}, {**verdict, "time": "4"}, _without(verdict, "device")):
+        with pytest.raises(ValueError) as err:
+            HealthVerdict.from_json(bad)
+        assert "\n" not in str(err.value)
