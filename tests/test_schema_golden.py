@@ -449,3 +449,21 @@ def test_a_health_reading_and_verdict_are_written_as_before_and_read_back():
         with pytest.raises(ValueError) as err:
             HealthVerdict.from_json(bad)
         assert "\n" not in str(err.value)
+
+
+def test_a_mirror_target_is_written_as_before_and_reads_back():
+    """What the agent hands its workers (mirror_info, a re-formed world's mirror source): the key in hex."""
+    from tpassrun.mirror import MirrorError, MirrorTarget
+    samples = {"target": MirrorTarget("n2", "10.0.0.2", 29600, bytes(range(32)), run_id="jobA", epoch=3, encrypt=True),
+               "target_min": MirrorTarget("n1", "h", 1, b"\x00" * 32)}
+    for name, target in samples.items():
+        gold = CODECS["mirror_target"][name]
+        assert json.dumps(target.to_json()) == gold
+        assert MirrorTarget.from_json(json.loads(gold)) == target
+    doc = json.loads(CODECS["mirror_target"]["target"])
+    assert MirrorTarget.from_json({k: doc[k] for k in ("node", "addr", "port", "key")}) == \
+        MirrorTarget("n2", "10.0.0.2", 29600, bytes(range(32)))          # run_id, epoch, encrypt: their defaults
+    for bad in ({**doc, "key": "xyz"}, {**doc, "port": "29600"}, {**doc, "encrypt": "yes"}, _without(doc, "key"), None):
+        with pytest.raises(MirrorError) as err:
+            MirrorTarget.from_json(bad)
+        assert "\n" not in str(err.value)
