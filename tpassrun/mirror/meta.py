@@ -21,12 +21,17 @@ T = TypeVar("T")
 MAX_KIND = 256       # a kind is a short string ("light", "shard/<name>")
 
 
-def _kind_problem(kind: str | None, optional: bool) -> str | None:
-    if (kind is None and optional) or (kind and len(kind) <= MAX_KIND):
-        return None
-    return f"kind must be a short string, not {kind!r:.80}"
+def _request(any_kind: bool) -> Schema:
+    """A request's schema: its ``kind`` a short string (or None, for any kind, when ``any_kind``)."""
+    def problem(request: Any) -> str | None:
+        kind = request.kind
+        if (kind is None and any_kind) or (kind and len(kind) <= MAX_KIND):
+            return None
+        return f"kind must be a short string, not {kind!r:.80}"
+    return Schema(what="mirror request", error=MirrorMetaError, check=problem)
 
 
+_ONE_KIND, _ANY_KIND = _request(False), _request(True)
 _ANSWER = Schema(what="mirror answer", error=MirrorMetaError)
 
 
@@ -35,8 +40,7 @@ _ANSWER = Schema(what="mirror answer", error=MirrorMetaError)
 class CopyRef:
     """PUT and PUSH: the copy the payload is."""
 
-    SCHEMA: ClassVar[Schema] = Schema(what="mirror request", error=MirrorMetaError,
-                                      check=lambda r: _kind_problem(r.kind, False))
+    SCHEMA: ClassVar[Schema] = _ONE_KIND
 
     owner: int
     kind: str
@@ -48,8 +52,7 @@ class CopyRef:
 class Get:
     """GET: that version and epoch, or the newest (None)."""
 
-    SCHEMA: ClassVar[Schema] = Schema(what="mirror request", error=MirrorMetaError,
-                                      check=lambda r: _kind_problem(r.kind, False))
+    SCHEMA: ClassVar[Schema] = _ONE_KIND
 
     owner: int
     kind: str
@@ -61,8 +64,7 @@ class Get:
 class Select:
     """LIST: the rows of that owner and kind (None: any)."""
 
-    SCHEMA: ClassVar[Schema] = Schema(what="mirror request", error=MirrorMetaError,
-                                      check=lambda r: _kind_problem(r.kind, True))
+    SCHEMA: ClassVar[Schema] = _ANY_KIND
 
     owner: int | None
     kind: str | None
@@ -72,8 +74,7 @@ class Select:
 class Drop:
     """DROP: the copies of that owner and kind (None: any), of epochs below ``below_epoch`` (None: all)."""
 
-    SCHEMA: ClassVar[Schema] = Schema(what="mirror request", error=MirrorMetaError,
-                                      check=lambda r: _kind_problem(r.kind, True))
+    SCHEMA: ClassVar[Schema] = _ANY_KIND
 
     owner: int | None
     kind: str | None
