@@ -407,19 +407,11 @@ def test_a_malformed_mirror_meta_is_one_mirror_error_of_one_line(cls, raw, says)
 
 
 def test_a_repairs_head_is_written_as_before_and_reads_back():
-    """replicas._send_objects wrote a dict literal: the trees of two modules, then each tensor's dtype and shape."""
-    import torch
-
-    from tpassrun.worker import digest
-    from tpassrun.worker.replicas import RepairHead, _renumber
-    trees: dict[str, Any] = {}
-    tensors: list[Any] = []
-    for name, obj in {"model": torch.nn.Linear(3, 2), "head": torch.nn.Embedding(4, 2)}.items():
-        tree, named = digest.named_tensors(name, obj)
-        trees[name] = _renumber(tree, len(tensors))
-        tensors += [t for _, t in named]
-    heads = {"repair_head": RepairHead(trees, "", tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape))
-                                                         for t in tensors)),
+    """replicas._send_objects wrote a dict literal: the encoded trees of two modules (a Linear, an Embedding: opaque
+    to the codec), then each tensor's dtype and shape."""
+    from tpassrun.worker.replicas import RepairHead
+    trees = json.loads(CODECS["replicas"]["repair_head"])["objects"]
+    heads = {"repair_head": RepairHead(trees, "", (("float32", (2, 3)), ("float32", (2,)), ("float32", (4, 2)))),
              "repair_head_error": RepairHead({}, "RuntimeError: cannot encode", ())}
     for name, head in heads.items():
         gold = CODECS["replicas"][name]
