@@ -8,9 +8,11 @@ human can act on. Verdicts are never a bare bool: a check that cannot run is ``U
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Protocol, runtime_checkable
+from typing import ClassVar, Protocol, runtime_checkable
+
+from tpassrun.schema import Record, Schema, wire
 
 
 class Status(str, Enum):
@@ -41,25 +43,23 @@ EFFECT_SEVERITY = {TaintEffect.NONE: 0, TaintEffect.EXCLUDE: 1, TaintEffect.MIGR
 
 
 @dataclass(frozen=True)
-class Reading:
+class Reading(Record):
     """One observation. ``value is None`` exactly when ``error`` says why it could not be read."""
+
+    SCHEMA: ClassVar[Schema] = Schema(what="health reading")
 
     device: str
     metric: str
     value: float | None
     time: float
-    error: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"device": self.device, "metric": self.metric, "value": self.value, "time": self.time}
-        if self.error is not None:
-            out["error"] = self.error
-        return out
+    error: str | None = field(default=None, metadata=wire(omit_default=True))
 
 
 @dataclass(frozen=True)
-class HealthVerdict:
+class HealthVerdict(Record):
     """The current judgement of one device (``gpu0``, ``rank3``, ...)."""
+
+    SCHEMA: ClassVar[Schema] = Schema(what="health verdict", version=1)
 
     device: str
     status: Status
@@ -72,16 +72,6 @@ class HealthVerdict:
     def taints(self) -> bool:
         return self.effect is not TaintEffect.NONE
 
-    def to_json(self) -> dict[str, Any]:
-        return {"v": 1, "device": self.device, "status": self.status.value, "effect": self.effect.value,
-                "reason": self.reason, "metric": self.metric, "time": self.time}
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> "HealthVerdict":
-        if data.get("v") != 1:
-            raise ValueError(f"unsupported verdict version {data.get('v')!r}")
-        return cls(device=data["device"], status=Status(data["status"]), effect=TaintEffect(data["effect"]),
-                   reason=data["reason"], metric=data.get("metric"), time=float(data["time"]))
 
 
 def worse(a: HealthVerdict, b: HealthVerdict) -> bool:

@@ -15,6 +15,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import Mapping
 
+from tpassrun.schema import Record
+
 from .errors import RendezvousError
 
 DEFAULT_ETCD_PORT = 2379
@@ -48,6 +50,14 @@ def read_private_file(path: str, what: str) -> str:
         return fh.read()
 
 
+@dataclass(frozen=True)
+class Credentials(Record):
+    """The etcd credentials file a tpassrun-hosted etcd writes (0600) and ``credentials_file`` reads."""
+
+    user: str
+    password: str
+
+
 def _credentials(conf: Mapping[str, str], environ: Mapping[str, str]) -> tuple[str | None, str | None]:
     """(user, password) from, in order: ``credentials_file`` (JSON, what a tpassrun-hosted etcd writes),
     ``password_file``, the inline ``password`` (in-process callers only; the CLI refuses it), ``$TPASSRUN_ETCD_PASSWORD``."""
@@ -55,10 +65,10 @@ def _credentials(conf: Mapping[str, str], environ: Mapping[str, str]) -> tuple[s
     path = conf.get("credentials_file")
     if path:
         try:
-            doc = json.loads(read_private_file(path, "etcd credentials file"))
-            return str(doc["user"]), str(doc["password"])
-        except (ValueError, KeyError, TypeError):
+            creds = Credentials.from_json(json.loads(read_private_file(path, "etcd credentials file")))
+        except ValueError:      # not JSON, or a SchemaError
             raise RendezvousError(f"the etcd credentials file {path} is not {{\"user\": ..., \"password\": ...}}") from None
+        return creds.user, creds.password
     if conf.get("password_file"):
         lines = read_private_file(conf["password_file"], "etcd password file").splitlines()
         return user, (lines[0] if lines else "")

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping
 
+from .config import Credentials
 from .errors import RendezvousError
 
 # The environment variable naming an etcd binary. Spelled here rather than imported because
@@ -356,7 +357,7 @@ class EmbeddedEtcd:
         fd = os.open(os.path.join(self._dir, CREDENTIALS_FILE), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
                      0o600)
         with os.fdopen(fd, "w") as fh:
-            json.dump({"user": user, "password": password}, fh)
+            json.dump(Credentials(user, password).to_json(), fh)
         self.user, self.password = user, password
 
     def _log_tail(self) -> str:

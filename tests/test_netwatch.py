@@ -148,7 +148,8 @@ def test_what_was_sent_and_sent_again_is_summed_per_remote_address_and_taken_as_
     assert sent_delta({"10.77.1.11": (9000, 10)}, now) == {"10.77.1.13": (7, 0)}
     assert LinkFigures.from_json(LinkFigures(1.0, 2.0, "a", {"b": (1.0, 0.0)}).to_json()) == \
         LinkFigures(1.0, 2.0, "a", {"b": (1.0, 0.0)})
-    assert LinkFigures.from_json({"rtt_ms": "x", "sent_to": {"b": [1]}}) == LinkFigures()
+    assert LinkFigures.from_json({"rtt_ms": "x", "sent_to": {"b": [1]}}) is None    # not a peer's figures
+    assert LinkFigures.from_json({"rtt_ms": -1.0}) is None and LinkFigures.from_json([1.0]) is None
 
 
 def test_a_flap_seen_by_the_interface_is_said_once_with_its_length_even_if_etcd_saw_it_too():

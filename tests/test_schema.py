@@ -110,3 +110,17 @@ def test_a_hint_without_a_json_form_is_refused_when_first_used():
 
     with pytest.raises(TypeError, match="no JSON form"):
         dump(Odd({1}))
+
+
+def test_bytes_are_written_as_hex_and_anything_else_is_refused():
+    @dataclass(frozen=True)
+    class Keyed:
+        key: bytes
+        old: bytes | None = None
+
+    assert dump(Keyed(b"\x00\xab")) == {"key": "00ab", "old": None}
+    assert load(Keyed, {"key": "00AB", "old": "01"}) == Keyed(b"\x00\xab", b"\x01")
+    for bad, says in (("0g", "'0g'"), ("abc", "'abc'"), (5, "5")):
+        with pytest.raises(SchemaError) as err:
+            load(Keyed, {"key": bad})
+        assert str(err.value) == f"Keyed: key must be a hex string, not {says}"

@@ -22,6 +22,7 @@ from tpassrun.records import (Failure, Fallback, HealthRecord, MirrorKey, Move, 
 from tpassrun.records import provenance
 from tpassrun.records.pool import Claim, HistoryEntry, JobSpec, PoolInfo, PoolNode
 from tpassrun.rendezvous.state import Bootstrap, Closed, Generation, GenState, Leader, Member, NodeInfo
+from tpassrun.schema import SchemaError, dump, load
 
 GOLDEN = Path(__file__).resolve().parent / "golden" / "schema.json"
 KEY = provenance.RunKey.from_text("golden-run-key-0123456789abcdef")
@@ -283,3 +284,178 @@ def test_a_pool_record_written_before_its_newer_field_reads_as_its_default(name,
     record, doc = RECORDS[name], json.loads(GOLD["records"][name]["json"])
     del doc[key]
     assert type(record).from_json(doc) == record
+
+
+# --------------------------------------------------------------------------------------------- the smaller codecs
+# ``GOLD["codecs"]`` was captured at 3fa4a79 from the hand-written codecs outside records/rendezvous/channel (the
+# registry's RunEntry.to_json as json.dump wrote it, netwatch's LinkFigures.to_json, the credentials file an
+# embedded etcd wrote, the mirror's frame metas): never regenerate it from the code it checks.
+CODECS = GOLD["codecs"]
+RUN_ENTRIES: dict[str, Any] = {
+    "run_entry": dict(run_id="jobA", endpoint="127.0.0.1:2379", pid=42, node_id="n0", host="h1", started=12.5,
+                      event_log="/l/ev.jsonl", log_dir="/l", credentials="/c/cred.json", rdzv_conf="cacert=/ca.pem",
+                      nproc=2, spares=1, script="train.py --steps 5"),
+    "run_entry_min": dict(run_id="j", endpoint="e:1", pid=1, host="h", started=1.0),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RUN_ENTRIES))
+def test_a_run_entry_is_written_as_before_and_reads_back(name):
+    from tpassrun.ops.registry import RunEntry
+    entry = RunEntry(**RUN_ENTRIES[name])
+    assert json.dumps(entry.to_json()) == CODECS["registry"][name]      # what registry.register's json.dump writes
+    assert RunEntry.from_json(json.loads(CODECS["registry"][name])) == entry
+
+
+
+@pytest.mark.parametrize("doc", [None, [], {"v": 2}, {"run_id": "j", "endpoint": "e", "pid": 1},
+                                 {"v": 1, "endpoint": "e", "pid": 1}, {"v": 1, "run_id": "j", "endpoint": "e", "pid": "1"},
+                                 {"v": 1, "run_id": 3, "endpoint": "e", "pid": 1}])
+def test_a_malformed_run_entry_is_one_value_error_of_one_line(doc):
+    from tpassrun.ops.registry import RunEntry
+    with pytest.raises(ValueError) as err:
+        RunEntry.from_json(doc)
+    assert "\n" not in str(err.value)
+
+
+def _credentials_from(tmp_path: Path, text: str) -> tuple[str | None, str | None]:
+    from tpassrun.rendezvous.config import _credentials
+    path = tmp_path / "credentials.json"
+    path.write_text(text)
+    path.chmod(0o600)
+    return _credentials({"credentials_file": str(path)}, {})
+
+
+def test_the_credentials_file_is_written_as_the_embedded_etcd_wrote_it_and_reads_back(tmp_path):
+    from tpassrun.rendezvous.config import Credentials
+    gold = CODECS["credentials"]["credentials"]
+    assert json.dumps(Credentials("root", "s3cr-et_x").to_json()) == gold    # embedded.py's json.dump
+    assert _credentials_from(tmp_path, gold) == ("root", "s3cr-et_x")
+
+
+@pytest.mark.parametrize("text", ["", "[]", '{"user": "root"}', '{"user": "root", "password": 5}',
+                                  '{"user": null, "password": "x"}', "{"])
+def test_a_malformed_credentials_file_is_one_rendezvous_error_of_one_line(tmp_path, text):
+    """A password that is not a string used to be read as its str() ("5", "None"): now refused."""
+    from tpassrun.rendezvous import RendezvousError
+    with pytest.raises(RendezvousError) as err:
+        _credentials_from(tmp_path, text)
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["figures", "figures_min"])
+def test_a_nodes_link_figures_are_written_as_before_and_read_back(name):
+    """The figures ride in a node's health record (readings[].value), stored by rendezvous.etcd_io."""
+    from tpassrun.agent.netwatch import LinkFigures
+    figures = {"figures": LinkFigures(rtt_ms=1.5, step_ms=60.0, addr="10.0.0.1",
+                                      sent_to={"10.0.0.2": (1048576.0, 12.0), "10.0.0.3": (5.0, 0.0)}),
+               "figures_min": LinkFigures()}[name]
+    gold = CODECS["netwatch"][name]
+    assert json.dumps(figures.to_json()) == gold["json"] and etcd_bytes(figures.to_json()) == gold["etcd"]
+    assert LinkFigures.from_json(json.loads(gold["etcd"])) == figures
+
+
+def test_a_mirror_listing_row_is_written_as_before_and_reads_back():
+    from tpassrun.mirror import MirrorEntry, MirrorError
+    entry = MirrorEntry(3, "light", 2, (7, 8), 7)
+    assert json.dumps(entry.to_json()) == CODECS["mirror_entry"]["entry"]
+    assert MirrorEntry.from_json(json.loads(CODECS["mirror_entry"]["entry"])) == entry
+    for bad in ({**entry.to_json(), "versions": ["7"]}, {**entry.to_json(), "owner": "3"}, {"owner": 3}, [3]):
+        with pytest.raises(MirrorError) as err:     # what the client's callers catch
+            MirrorEntry.from_json(bad)
+        assert "\n" not in str(err.value)
+
+
+def _mirror_metas() -> dict[str, Any]:
+    from tpassrun.mirror import MirrorEntry, meta as M
+    return {"put": M.CopyRef(3, "light", 9, 2), "get": M.Get(3, "light", None, None), "get_at": M.Get(3, "light", 8, 2),
+            "list": M.Select(None, None), "list_owner": M.Select(3, "light"), "drop": M.Drop(None, None, 2),
+            "drop_all": M.Drop(1, "shard", None), "kept": M.Stored(True),
+            "error": M.Failed("a copy of 9 bytes is over this store's item limit 3"), "got": M.Got(8, 2),
+            "not_found": M.NotFound(), "dropped": M.Dropped(10),
+            "listed": M.Listing((MirrorEntry(1, "shard", 0, (1,), 10), MirrorEntry(3, "light", 2, (7, 8), 7)), 17, 1 << 30)}
+
+
+def test_every_mirror_frame_meta_is_written_as_before_and_reads_back():
+    """Requests as mirror/client.py wrote them (dict literals), answers as MirrorServer._answer did."""
+    from tpassrun.mirror import meta as M
+    metas = _mirror_metas()
+    assert set(metas) == set(CODECS["mirror"])
+    for name, value in metas.items():
+        assert M.encode(value).decode() == CODECS["mirror"][name], name
+        assert M.read(type(value), CODECS["mirror"][name].encode()) == value, name
+
+
+@pytest.mark.parametrize("cls,raw,says", [
+    ("CopyRef", b'{"owner":"3","kind":"light","version":9,"epoch":2}', "mirror request: owner must be an integer, not '3'"),
+    ("CopyRef", b'{"owner":3,"kind":"","version":9,"epoch":2}', "mirror request: kind must be a short string, not ''"),
+    ("CopyRef", b'{"owner":3,"kind":"' + b"k" * 300 + b'","version":9,"epoch":2}', "must be a short string"),
+    ("CopyRef", b'{"owner":3,"kind":"light","epoch":2}', "mirror request: version is missing"),
+    ("Get", b'{"owner":3,"kind":"light","version":true}', "mirror request: version must be an integer, not True"),
+    ("Select", b'{"owner":null,"kind":7}', "mirror request: kind must be a string, not 7"),
+    ("Drop", b'[1]', "mirror request: not a JSON object (list)"),
+    ("Drop", b'{"owner":', "malformed mirror frame meta"),
+    ("Got", b'{"version":"8","epoch":2}', "mirror answer: version must be an integer, not '8'"),
+    ("Listing", b'{"entries":[{"owner":1}],"bytes":1,"max_bytes":2}', "mirror answer entries[0]: kind is missing"),
+])
+def test_a_malformed_mirror_meta_is_one_mirror_error_of_one_line(cls, raw, says):
+    """The server answers a request it cannot read BAD_REQUEST with this line; a client raises it."""
+    from tpassrun.mirror import MirrorError, meta as M
+    with pytest.raises(MirrorError) as err:
+        M.read(getattr(M, cls), raw)
+    assert says in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_repairs_head_is_written_as_before_and_reads_back():
+    """replicas._send_objects wrote a dict literal: the encoded trees of two modules (a Linear, an Embedding: opaque
+    to the codec), then each tensor's dtype and shape."""
+    from tpassrun.worker.replicas import RepairHead
+    trees = json.loads(CODECS["replicas"]["repair_head"])["objects"]
+    heads = {"repair_head": RepairHead(trees, "", (("float32", (2, 3)), ("float32", (2,)), ("float32", (4, 2)))),
+             "repair_head_error": RepairHead({}, "RuntimeError: cannot encode", ())}
+    for name, head in heads.items():
+        gold = CODECS["replicas"][name]
+        assert json.dumps(dump(head), separators=(",", ":")) == gold
+        assert load(RepairHead, json.loads(gold)) == head
+    for bad in ({"objects": {}, "error": "", "specs": [["float32", [-1]]]}, {"objects": {}, "specs": []},
+                {"objects": [], "error": "", "specs": []}, {"objects": {}, "error": "", "specs": [["float32"]]}):
+        with pytest.raises(SchemaError) as err:
+            load(RepairHead, bad)
+        assert "\n" not in str(err.value)
+
+
+def test_a_health_reading_and_verdict_are_written_as_before_and_read_back():
+    """They ride in a node's health record (its readings and verdicts), as health/_types.py's to_json wrote them."""
+    from tpassrun.health import HealthVerdict, Reading, Status
+    samples = {"reading": Reading("gpu0", "temperature_c", 71.5, 12.25),
+               "reading_error": Reading("gpu1", "ecc", None, 3, error="sensor offline"),
+               "verdict": HealthVerdict("gpu0", Status.DEGRADED, TaintEffect.MIGRATE, "temperature_c 95 >= 90",
+                                        "temperature_c", 4.5),
+               "verdict_healthy": HealthVerdict("rank3", Status.HEALTHY, TaintEffect.NONE, "", None, 5)}
+    for name, value in samples.items():
+        gold = CODECS["health"][name]
+        assert json.dumps(value.to_json()) == gold
+        assert type(value).from_json(json.loads(gold)) == value
+    verdict = json.loads(CODECS["health"]["verdict"])
+    for bad in ({**verdict, "v": 2}, {**verdict, "status": "fine"}, {**verdict, "time": "4"}, _without(verdict, "device")):
+        with pytest.raises(ValueError) as err:
+            HealthVerdict.from_json(bad)
+        assert "\n" not in str(err.value)
+
+
+def test_a_mirror_target_is_written_as_before_and_reads_back():
+    """What the agent hands its workers (mirror_info, a re-formed world's mirror source): the key in hex."""
+    from tpassrun.mirror import MirrorError, MirrorTarget
+    samples = {"target": MirrorTarget("n2", "10.0.0.2", 29600, bytes(range(32)), run_id="jobA", epoch=3, encrypt=True),
+               "target_min": MirrorTarget("n1", "h", 1, b"\x00" * 32)}
+    for name, target in samples.items():
+        gold = CODECS["mirror_target"][name]
+        assert json.dumps(target.to_json()) == gold
+        assert MirrorTarget.from_json(json.loads(gold)) == target
+    doc = json.loads(CODECS["mirror_target"]["target"])
+    assert MirrorTarget.from_json({k: doc[k] for k in ("node", "addr", "port", "key")}) == \
+        MirrorTarget("n2", "10.0.0.2", 29600, bytes(range(32)))          # run_id, epoch, encrypt: their defaults
+    for bad in ({**doc, "key": "xyz"}, {**doc, "port": "29600"}, {**doc, "encrypt": "yes"}, _without(doc, "key"), None):
+        with pytest.raises(MirrorError) as err:
+            MirrorTarget.from_json(bad)
+        assert "\n" not in str(err.value)

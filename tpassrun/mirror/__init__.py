@@ -53,18 +53,22 @@ from __future__ import annotations
 import dataclasses
 import secrets
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, ClassVar, Iterable, Sequence
 
 from tpassrun.mirror.client import MirrorClient
 from tpassrun.mirror.net import BAD_REQUEST, NOT_FOUND, OK, REFUSED, MirrorServer
-from tpassrun.mirror.store import DEFAULT_MAX_BYTES, MirrorEntry, MirrorError, MirrorFull, MirrorItem, MirrorStore
+from tpassrun.mirror.store import (DEFAULT_MAX_BYTES, MirrorEntry, MirrorError, MirrorFull, MirrorItem, MirrorMetaError,
+                                   MirrorStore)
+from tpassrun.schema import Record, Schema
 
 
 # ---------------------------------------------------------------------------------------------- targets
 @dataclass(frozen=True)
-class MirrorTarget:
+class MirrorTarget(Record):
     """Where one process's copies go: a node's mirror store and how to prove the key to it. The agent hands
     its workers theirs (their node's buddy) over the private agent socket (``mirror_info``); never printed."""
+
+    SCHEMA: ClassVar[Schema] = Schema(what="mirror target", error=MirrorMetaError)
 
     node: str
     addr: str
@@ -78,17 +82,6 @@ class MirrorTarget:
         return MirrorClient(self.addr, self.port, self.key, run_id=self.run_id, timeout=timeout,
                             encrypt=True if self.encrypt else None)
 
-    def to_json(self) -> dict[str, Any]:
-        return {"node": self.node, "addr": self.addr, "port": self.port, "key": self.key.hex(),
-                "run_id": self.run_id, "epoch": self.epoch, "encrypt": self.encrypt}
-
-    @classmethod
-    def from_json(cls, d: Any) -> "MirrorTarget":
-        try:
-            return cls(str(d["node"]), str(d["addr"]), int(d["port"]), bytes.fromhex(str(d["key"])),
-                       str(d.get("run_id", "")), int(d.get("epoch", 0)), d.get("encrypt") is True)
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MirrorError(f"malformed mirror target: {type(exc).__name__}") from exc
 
 
 # ---------------------------------------------------------------------------------------------- key, ring
@@ -141,5 +134,5 @@ def copies_of(node: str, nodes: Sequence[str]) -> str | None:
 
 
 __all__ = ["BAD_REQUEST", "DEFAULT_MAX_BYTES", "MirrorClient", "MirrorEntry", "MirrorError", "MirrorFull",
-           "MirrorItem", "MirrorServer", "MirrorStore", "MirrorTarget", "NOT_FOUND", "OK", "REFUSED", "buddy_ring", "copies_of",
-           "ensure_mirror_key", "new_mirror_key", "ring_nodes"]
+           "MirrorItem", "MirrorMetaError", "MirrorServer", "MirrorStore", "MirrorTarget", "NOT_FOUND", "OK", "REFUSED",
+           "buddy_ring", "copies_of", "ensure_mirror_key", "new_mirror_key", "ring_nodes"]

@@ -14,9 +14,9 @@ from typing import Any, Sequence
 
 from tpassrun.transfer import poly1305
 from tpassrun.mirror.net import _CHUNK, _HEAD, _MAGIC, _TO_CLIENT, _TO_SERVER, MAX_REPLY_META, NOT_FOUND, OK, OP_DROP, OP_GET, \
-    OP_LIST, OP_PUSH, OP_PUT, OP_REPLY, PAYLOAD_POLY1305, REFUSED, _auth, _decode_meta, _encode_meta, _mac_of, \
-    _payload_tag
+    OP_LIST, OP_PUSH, OP_PUT, OP_REPLY, PAYLOAD_POLY1305, REFUSED, _auth, _mac_of, _payload_tag
 from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
+from tpassrun.mirror import meta as M
 from tpassrun.mirror.store import MirrorEntry, MirrorError, MirrorFull, MirrorItem
 from tpassrun.transfer.auth import (ACCEPT, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_POLY1305, HELLO, TAG_LEN, AuthError,
                                     ConnectorHandshake, FrameMac, aead_unavailable_reason, encryption_wanted)
@@ -124,36 +124,37 @@ class MirrorClient:
         memoryviews of several tensors), streamed as they are: never joined, never copied. Raises
         :class:`MirrorFull` when the store refuses it, :class:`MirrorError` when the connection fails."""
         pieces = [memoryview(p).cast("B") for p in (payload if isinstance(payload, (list, tuple)) else [payload])]
-        status, meta, _ = self._call(OP_PUT, {"owner": owner, "kind": kind, "version": version, "epoch": epoch},
-                                     pieces)
+        status, meta, _ = self._call(OP_PUT, M.CopyRef(owner, kind, version, epoch), pieces)
         if status == REFUSED:
-            raise MirrorFull(str(meta.get("error", "refused")))
+            raise MirrorFull(M.read(M.Failed, meta).error or "refused")
         _check_ok(status, meta)
-        return bool(meta.get("kept", False))
+        return M.read(M.Stored, meta).kept
 
     def get(self, owner: int, kind: str, version: int | None = None, *, epoch: int | None = None) -> MirrorItem | None:
-        status, meta, data = self._call(OP_GET, {"owner": owner, "kind": kind, "version": version, "epoch": epoch})
+        status, meta, data = self._call(OP_GET, M.Get(owner, kind, version, epoch))
         if status == NOT_FOUND:
             return None
         _check_ok(status, meta)
-        return MirrorItem(owner, kind, int(meta["version"]), int(meta["epoch"]), data)
+        got = M.read(M.Got, meta)
+        return MirrorItem(owner, kind, got.version, got.epoch, data)
 
     def versions(self, owner: int, kind: str) -> tuple[int, ...]:
         rows = self.list(owner, kind)
         return rows[0].versions if rows else ()
 
     def list(self, owner: int | None = None, kind: str | None = None) -> list[MirrorEntry]:
-        status, meta, _ = self._call(OP_LIST, {"owner": owner, "kind": kind})
+        status, meta, _ = self._call(OP_LIST, M.Select(owner, kind))
         _check_ok(status, meta)
-        return [MirrorEntry.from_json(r) for r in meta.get("entries", [])]
+        return list(M.read(M.Listing, meta).entries)
 
     def drop(self, owner: int | None = None, kind: str | None = None, *, below_epoch: int | None = None) -> int:
-        status, meta, _ = self._call(OP_DROP, {"owner": owner, "kind": kind, "below_epoch": below_epoch})
+        status, meta, _ = self._call(OP_DROP, M.Drop(owner, kind, below_epoch))
         _check_ok(status, meta)
-        return int(meta.get("freed", 0))
+        return M.read(M.Dropped, meta).freed
 
     # --- one request, one answer -----------------------------------------------------------------------
-    def _call(self, op: int, meta: dict[str, Any], pieces: Sequence[memoryview] = ()) -> tuple[int, dict[str, Any], bytes]:
+    def _call(self, op: int, meta: Any, pieces: Sequence[memoryview] = ()) -> tuple[int, bytes, bytes]:
+        """(status, the answer's meta bytes, its payload) of one request (``meta``: one of :mod:`.meta`'s)."""
         with self._lock:
             self._connect()
             try:
@@ -164,10 +165,10 @@ class MirrorClient:
                     raise
                 raise MirrorError(f"mirror at {self.host}:{self.port}: connection lost ({exc})") from exc
 
-    def _exchange(self, op: int, meta: dict[str, Any], pieces: Sequence[memoryview]) -> tuple[int, dict[str, Any], bytes]:
+    def _exchange(self, op: int, meta: Any, pieces: Sequence[memoryview]) -> tuple[int, bytes, bytes]:
         sock, base = self._sock, self._base
         assert sock is not None and base is not None
-        meta_raw = _encode_meta(meta)
+        meta_raw = M.encode(meta)
         seals = self._seals
         poly = self._poly and op == OP_PUT and seals is None
         head = _HEAD.pack(_MAGIC, op, PAYLOAD_AEAD if seals else PAYLOAD_POLY1305 if poly else 0, len(meta_raw),
@@ -201,8 +202,8 @@ class MirrorClient:
             _recv_into(sock, memoryview(sealed))
             plain = seals[1].open_payload(head_in, sealed)
             if long_meta:
-                return status, _decode_meta(plain), b""
-            return status, _decode_meta(meta_in), plain
+                return status, plain, b""
+            return status, meta_in, plain
         meta_in = b"" if long_meta else _recv_exact(sock, meta_len)
         mac = _mac_of(base, _TO_CLIENT, head_in, meta_in)
         data = bytearray(payload_len)
@@ -214,8 +215,8 @@ class MirrorClient:
         if not mac.verify(_recv_exact(sock, TAG_LEN)):
             raise MirrorError("mirror reply MAC mismatch: forged or corrupted")
         if long_meta:
-            return status, _decode_meta(bytes(data)), b""
-        return status, _decode_meta(meta_in), bytes(data) if payload_len else b""
+            return status, bytes(data), b""
+        return status, meta_in, bytes(data) if payload_len else b""
 
 
 class PushStream:
@@ -265,7 +266,7 @@ class PushStream:
     def frame(self, owner: int, kind: str, version: int, epoch: int, payload: bytes) -> list[bytes]:
         """The pieces of one PUSH frame (head and meta, payload, tag); advances the sequence number."""
         assert self._base is not None
-        meta = _encode_meta({"owner": owner, "kind": kind, "version": version, "epoch": epoch})
+        meta = M.encode(M.CopyRef(owner, kind, version, epoch))
         head = _HEAD.pack(_MAGIC, OP_PUSH, PAYLOAD_AEAD if self._seal else 0, len(meta), len(payload), self._seq)
         self._seq += 1
         if self._seal is not None:
@@ -314,9 +315,9 @@ class PushStream:
                 sock.close()
 
 
-def _check_ok(status: int, meta: dict[str, Any]) -> None:
+def _check_ok(status: int, meta: bytes) -> None:
     if status != OK:
-        raise MirrorError(f"mirror request failed (status {status}): {meta.get('error', '')}")
+        raise MirrorError(f"mirror request failed (status {status}): {M.read(M.Failed, meta).error}")
 
 
 def _send_all(sock: socket.socket, pieces: list[Any]) -> None:

@@ -12,6 +12,7 @@ Wire, after the handshake, both directions (little endian)::
 ops: PUT {owner, kind, version, epoch} + payload -> {kept}; GET {owner, kind, version|null, epoch|null} ->
 {version, epoch} + payload | NOT_FOUND; LIST {owner|null, kind|null} -> {entries, bytes, max_bytes};
 DROP {owner|null, kind|null, below_epoch|null} -> {freed}; PUSH: a PUT with no answer (:class:`PushStream`).
+Each meta is declared once, in :mod:`tpassrun.mirror.meta`.
 
 ``tag`` is the connection's HMAC-SHA256 (:class:`~tpassrun.transfer.auth.FrameMac`) over the direction, head, meta and
 payload. A PUT or PUSH whose head's status byte is :data:`PAYLOAD_POLY1305` carries a cheaper one instead, when the
@@ -35,13 +36,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
 import logging
 import struct
 from typing import Any, Sequence
 
 from tpassrun.transfer import poly1305
 from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
+from tpassrun.mirror import meta as M
 from tpassrun.mirror.store import MirrorError, MirrorFull, MirrorStore
 from tpassrun.transfer.auth import (AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_POLY1305, PROOF, TAG_LEN, AuthError, FrameMac,
                                     ListenerHandshake, TransferAuth, aead_unavailable_reason)
@@ -80,38 +81,6 @@ def _payload_tag(mac: FrameMac, pieces: Sequence[Any]) -> bytes:
     mac = mac.copy()
     mac.feed(poly1305.tag(mac.one_time_key(_POLY_LABEL), list(pieces)))
     return mac.tag()
-
-
-def _encode_meta(meta: dict[str, Any]) -> bytes:
-    return json.dumps(meta, separators=(",", ":")).encode()
-
-
-def _decode_meta(raw: bytes) -> dict[str, Any]:
-    try:
-        doc = json.loads(raw) if raw else {}
-    except ValueError as exc:
-        raise MirrorError(f"malformed mirror frame meta: {exc}") from exc
-    if not isinstance(doc, dict):
-        raise MirrorError("malformed mirror frame meta: not a JSON object")
-    return doc
-
-
-def _int_field(meta: dict[str, Any], name: str, optional: bool = False) -> int | None:
-    value = meta.get(name)
-    if value is None and optional:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise MirrorError(f"mirror request: {name} must be an integer, not {value!r}")
-    return value
-
-
-def _str_field(meta: dict[str, Any], name: str, optional: bool = False) -> str | None:
-    value = meta.get(name)
-    if value is None and optional:
-        return None
-    if not isinstance(value, str) or not value or len(value) > 256:
-        raise MirrorError(f"mirror request: {name} must be a short string, not {value!r}")
-    return value
 
 
 def _auth(key: bytes, run_id: str) -> TransferAuth:
@@ -254,16 +223,16 @@ class MirrorServer:
             if seals is not None:
                 meta_raw = seals[0].open_meta(head, meta_raw)
             mac = _mac_of(base, _TO_SERVER, head, meta_raw)
-            reply: dict[str, Any]
-            out: Sequence[bytes]
-            status, reply, out = OK, {}, ()
+            reply: Any
+            out: Sequence[bytes] = ()
             if op == OP_PUSH:
                 status, reply = await self._put(reader, mac, meta_raw, payload_len, flags, head, seals)
-                if status == BAD_REQUEST:
-                    raise MirrorError(f"bad mirror push: {reply.get('error')}")
-                if status != OK or not reply.get("kept"):
+                if isinstance(reply, M.Failed) and status == BAD_REQUEST:
+                    raise MirrorError(f"bad mirror push: {reply.error}")
+                if not (isinstance(reply, M.Stored) and reply.kept):
                     self.pushes_refused += 1
-                    log.debug("mirror push not kept: %s", reply.get("error", "older than the versions held"))
+                    log.debug("mirror push not kept: %s",
+                              reply.error if isinstance(reply, M.Failed) else "older than the versions held")
                 continue                # one-way: never an answer (see PushStream)
             if op == OP_PUT:
                 status, reply = await self._put(reader, mac, meta_raw, payload_len, flags, head, seals)
@@ -275,32 +244,30 @@ class MirrorServer:
                 elif not mac.verify(await reader.readexactly(TAG_LEN)):
                     raise MirrorError("mirror request MAC mismatch")
                 try:
-                    status, reply, out = self._answer(op, _decode_meta(meta_raw))
+                    status, reply, out = self._answer(op, meta_raw)
                 except MirrorError as exc:
-                    status, reply = BAD_REQUEST, {"error": str(exc)}
+                    status, reply = BAD_REQUEST, M.Failed(str(exc))
             await self._reply(writer, base, seq_out, status, reply, out, seals[1] if seals else None)
             seq_out += 1
 
     async def _put(self, reader: asyncio.StreamReader, mac: FrameMac, meta_raw: bytes,
                    payload_len: int, flags: int = 0, head: bytes = b"",
-                   seals: tuple[FrameSeal, FrameSeal] | None = None) -> tuple[int, dict[str, Any]]:
+                   seals: tuple[FrameSeal, FrameSeal] | None = None) -> tuple[int, M.Stored | M.Failed]:
         poly = flags == PAYLOAD_POLY1305
         tag_len = AEAD_TAG_LEN if seals else TAG_LEN
         try:
             if seals is None and (flags not in (0, PAYLOAD_POLY1305) or (poly and not poly1305.available())):
                 raise MirrorError(f"a payload MAC this server does not offer (flags {flags})")
-            meta = _decode_meta(meta_raw)
-            owner, kind = _int_field(meta, "owner"), _str_field(meta, "kind")
-            version, epoch = _int_field(meta, "version"), _int_field(meta, "epoch")
+            ref = M.read(M.CopyRef, meta_raw)
         except MirrorError as exc:
             await _discard(reader, payload_len + tag_len)
-            return BAD_REQUEST, {"error": str(exc)}
-        assert owner is not None and kind is not None and version is not None and epoch is not None
+            return BAD_REQUEST, M.Failed(str(exc))
+        owner, kind, version, epoch = ref.owner, ref.kind, ref.version, ref.epoch
         why = (f"a copy of {payload_len} bytes is over this store's item limit {self.max_item_bytes}"
                if payload_len > self.max_item_bytes else self.store.admit(owner, kind, version, epoch, payload_len))
         if why is not None:
             await _discard(reader, payload_len + tag_len)
-            return REFUSED, {"error": why}
+            return REFUSED, M.Failed(why)
         self.store.reserved += payload_len
         try:
             if seals is not None:
@@ -312,10 +279,10 @@ class MirrorServer:
         try:
             kept = self.store._commit(owner, kind, version, epoch, data)
         except MirrorFull as exc:
-            return REFUSED, {"error": str(exc)}
+            return REFUSED, M.Failed(str(exc))
         self.puts += 1
         self.bytes_in += payload_len
-        return OK, {"kept": kept}
+        return OK, M.Stored(kept)
 
     async def _open_payload(self, reader: asyncio.StreamReader, seal: FrameSeal, head: bytes,
                             payload_len: int) -> bytes:
@@ -358,27 +325,25 @@ class MirrorServer:
             raise MirrorError("mirror put MAC mismatch: nothing kept")
         return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _answer(self, op: int, meta: dict[str, Any]) -> tuple[int, dict[str, Any], Sequence[bytes]]:
+    def _answer(self, op: int, meta_raw: bytes) -> tuple[int, Any, Sequence[bytes]]:
         if op == OP_GET:
-            owner, kind = _int_field(meta, "owner"), _str_field(meta, "kind")
-            item = self.store.get(owner, kind, _int_field(meta, "version", True),   # type: ignore[arg-type]
-                                  _int_field(meta, "epoch", True))
+            get = M.read(M.Get, meta_raw)
+            item = self.store.get(get.owner, get.kind, get.version, get.epoch)
             if item is None:
-                return NOT_FOUND, {}, ()
-            return OK, {"version": item.version, "epoch": item.epoch}, (item.data,)
+                return NOT_FOUND, M.NotFound(), ()
+            return OK, M.Got(item.version, item.epoch), (item.data,)
         if op == OP_LIST:
-            rows = self.store.usage(_int_field(meta, "owner", True), _str_field(meta, "kind", True))
-            return OK, {"entries": [r.to_json() for r in rows], "bytes": self.store.nbytes,
-                        "max_bytes": self.store.max_bytes}, ()
+            select = M.read(M.Select, meta_raw)
+            return OK, M.Listing(tuple(self.store.usage(select.owner, select.kind)), self.store.nbytes,
+                                 self.store.max_bytes), ()
         if op == OP_DROP:
-            freed = self.store.drop(_int_field(meta, "owner", True), _str_field(meta, "kind", True),
-                                    _int_field(meta, "below_epoch", True))
-            return OK, {"freed": freed}, ()
+            drop = M.read(M.Drop, meta_raw)
+            return OK, M.Dropped(self.store.drop(drop.owner, drop.kind, drop.below_epoch)), ()
         raise MirrorError(f"unknown mirror op {op}")
 
     async def _reply(self, writer: asyncio.StreamWriter, base: FrameMac, seq: int, status: int,
-                     meta: dict[str, Any], payload: Sequence[bytes], seal: FrameSeal | None = None) -> None:
-        meta_raw = _encode_meta(meta)
+                     meta: Any, payload: Sequence[bytes], seal: FrameSeal | None = None) -> None:
+        meta_raw = M.encode(meta)
         head = _HEAD.pack(_MAGIC, OP_REPLY, status, min(len(meta_raw), 0xFFFF), sum(len(p) for p in payload), seq)
         # meta_len is u16: a long LIST answer carries its meta length in the payload's place instead
         if len(meta_raw) >= 0xFFFF:

@@ -6,8 +6,9 @@ See :mod:`tpassrun.mirror` for the API and its rules; :mod:`tpassrun.mirror.net`
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import ClassVar
 
+from tpassrun.schema import Record, Schema, SchemaError
 from tpassrun.transfer.auth import HandoffError
 
 DEFAULT_MAX_BYTES = 1 << 30
@@ -15,6 +16,10 @@ DEFAULT_MAX_BYTES = 1 << 30
 
 class MirrorError(HandoffError):
     """A mirror request failed (connection lost, refused, malformed)."""
+
+
+class MirrorMetaError(MirrorError, SchemaError):
+    """A frame's meta that is not the value its op carries (the one codec's error, one line)."""
 
 
 class MirrorFull(MirrorError):
@@ -31,26 +36,16 @@ class MirrorItem:
 
 
 @dataclass(frozen=True)
-class MirrorEntry:
+class MirrorEntry(Record):
     """What a store holds for one (owner, kind): its epoch, complete versions (ascending) and bytes."""
+
+    SCHEMA: ClassVar[Schema] = Schema(what="mirror listing row", error=MirrorMetaError)
 
     owner: int
     kind: str
     epoch: int
     versions: tuple[int, ...]
     nbytes: int
-
-    def to_json(self) -> dict[str, Any]:
-        return {"owner": self.owner, "kind": self.kind, "epoch": self.epoch, "versions": list(self.versions),
-                "nbytes": self.nbytes}
-
-    @classmethod
-    def from_json(cls, d: Any) -> "MirrorEntry":
-        try:
-            return cls(int(d["owner"]), str(d["kind"]), int(d["epoch"]), tuple(int(v) for v in d["versions"]),
-                       int(d["nbytes"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise MirrorError(f"malformed mirror listing row {d!r}") from exc
 
 
 # ---------------------------------------------------------------------------------------------- the store

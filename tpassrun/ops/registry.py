@@ -18,9 +18,10 @@ import socket
 import stat
 import tempfile
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, ClassVar
 
 from tpassrun.rendezvous import pid_alive
+from tpassrun.schema import Record, Schema
 
 if TYPE_CHECKING:
     from tpassrun.swapper.agentport import StatusHost
@@ -53,7 +54,9 @@ def registry_dir(environ: dict[str, str] | None = None) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
-class RunEntry:
+class RunEntry(Record):
+    SCHEMA: ClassVar[Schema] = Schema(what="run entry", version=VERSION)
+
     run_id: str
     endpoint: str
     pid: int
@@ -67,19 +70,6 @@ class RunEntry:
     nproc: int = 0
     spares: int = 0
     script: str = ""                   # what it runs: the entry point and its first arguments (for the run list)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"v": VERSION, **dataclasses.asdict(self)}
-
-    @classmethod
-    def from_json(cls, doc: Any) -> "RunEntry":
-        if not isinstance(doc, dict) or doc.get("v") != VERSION:
-            raise ValueError("not a run entry")
-        names = {f.name for f in dataclasses.fields(cls)}
-        entry = cls(**{k: v for k, v in doc.items() if k in names})
-        if not isinstance(entry.run_id, str) or not isinstance(entry.endpoint, str) or not isinstance(entry.pid, int):
-            raise ValueError("malformed run entry")
-        return entry
 
 
 def register(entry: RunEntry, directory: str | None = None) -> str:
@@ -113,7 +103,7 @@ def list_runs(directory: str | None = None, *, prune: bool = True) -> list[RunEn
         try:
             with open(path) as fh:
                 entry = RunEntry.from_json(json.load(fh))
-        except (OSError, ValueError, TypeError):
+        except (OSError, ValueError):     # a torn or foreign file (SchemaError is a ValueError)
             continue
         if not pid_alive(entry.pid):
             if prune:

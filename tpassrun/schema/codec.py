@@ -5,7 +5,8 @@ A record is declared once. Its JSON object has one key per field, in the order t
 ``"v"`` for a versioned type); :func:`load` checks every value against its field's type hint and raises one
 error of one line (:attr:`Schema.error`) naming the record, the field and what was wrong. What a type hint says:
 
-- ``str``, ``int`` (never a bool), ``float`` (an int is read as a float), ``bool``, ``Any`` (taken as it is);
+- ``str``, ``int`` (never a bool), ``float`` (an int is read as a float), ``bool``, ``Any`` (taken as it is),
+  ``bytes`` (written as a hex string: a key);
   a ``str`` enum (written as its value); ``X | None``; another dataclass (a nested JSON object);
 - ``tuple[X, ...]`` / ``list[X]`` (a JSON list), ``tuple[X, Y]`` (a list of exactly that shape),
   ``Mapping[str, X]`` / ``Mapping[int, X]`` (a JSON object; int keys are written as decimal strings);
@@ -328,7 +329,16 @@ def _read_bool(value: Any, label: Label, key: Label) -> Any:
     raise _fail(label, key, value, "true or false")
 
 
-_SCALARS: dict[Any, Reader] = {str: _read_str, int: _read_int, float: _read_float, bool: _read_bool}
+def _read_hex(value: Any, label: Label, key: Label) -> Any:
+    if isinstance(value, str):
+        try:
+            return bytes.fromhex(value)
+        except ValueError:
+            pass
+    raise _fail(label, key, value, "a hex string")
+
+
+_SCALARS: dict[Any, Reader] = {str: _read_str, int: _read_int, float: _read_float, bool: _read_bool, bytes: _read_hex}
 
 
 def _enum_reader(cls: type[enum.Enum]) -> Reader:
@@ -387,6 +397,8 @@ def _writer(hint: Any) -> Writer | None:
         return _writer(next(a for a in union if a is not type(None)))
     if isinstance(hint, type) and issubclass(hint, enum.Enum):
         return lambda value: value.value
+    if hint is bytes:
+        return bytes.hex
     if isinstance(hint, type) and dataclasses.is_dataclass(hint):
         return dump
     if origin in (tuple, list):

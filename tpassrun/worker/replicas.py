@@ -23,10 +23,12 @@ import hashlib
 import json
 import logging
 import time
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
 
 from tpassrun.worker import digest
 from tpassrun.channel.protocol import ReplicasChecked
+from tpassrun.schema import NonNegative, dump, load
 from tpassrun.worker.state import WorkerState
 from tpassrun.worker.step import StepTransaction
 
@@ -200,6 +202,16 @@ def _repair(rank: int, repairs: Sequence[digest.Repair], objects: dict[str, Any]
             _receive_objects(r.src, {n: objects[n] for n in r.objects})
 
 
+@dataclass(frozen=True)
+class RepairHead:
+    """What a repair's sender sends first: the objects' encoded trees (tensor references numbered across all of
+    them), why it could not (then nothing follows), and each tensor's dtype and shape, in the order they follow."""
+
+    objects: Mapping[str, Any]
+    error: str
+    specs: tuple[tuple[str, tuple[NonNegative, ...]], ...]
+
+
 def _send_objects(dst: int, objects: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
@@ -214,10 +226,9 @@ def _send_objects(dst: int, objects: dict[str, Any]) -> None:
             tensors += [t for _, t in named]
     except Exception as exc:  # noqa: BLE001 - said in the head: the receiver keeps its state
         trees, tensors, error = {}, [], f"{type(exc).__name__}: {exc}"[:300]
-    head = {"objects": trees, "error": error,
-            "specs": [[str(t.dtype).removeprefix("torch."), list(t.shape)] for t in tensors]}
+    head = RepairHead(trees, error, tuple((str(t.dtype).removeprefix("torch."), tuple(t.shape)) for t in tensors))
     device = _device()
-    data = json.dumps(head, separators=(",", ":")).encode()
+    data = json.dumps(dump(head), separators=(",", ":")).encode()
     _collective(dist.send, torch.tensor([len(data)], dtype=torch.int64, device=device), dst)
     _collective(dist.send, torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device), dst)
     for t in tensors:
@@ -236,17 +247,17 @@ def _receive_objects(src: int, objects: dict[str, Any]) -> None:
     _collective(dist.recv, size, src)
     data = torch.empty(int(size), dtype=torch.uint8, device=device)
     _collective(dist.recv, data, src)
-    head = json.loads(digest.host_bytes(data))
+    head = load(RepairHead, json.loads(digest.host_bytes(data)))
     tensors = []
-    for dtype, shape in head["specs"]:
+    for dtype, shape in head.specs:
         t = torch.empty(shape, dtype=dtype_from_name(dtype), device=device)
         if t.numel():
             _collective(dist.recv, t.reshape(-1).view(torch.uint8), src)
         tensors.append(t)
-    if head["error"]:
-        log.warning("rank %d could not send its state for the repair: %s", src, head["error"])
+    if head.error:
+        log.warning("rank %d could not send its state for the repair: %s", src, head.error)
         return
-    for name, tree in head["objects"].items():
+    for name, tree in head.objects.items():
         try:
             objects[name].load_state_dict(decode_tree(tree, tensors))
         except Exception as exc:  # noqa: BLE001 - it keeps its state; the check after the repair says it differs

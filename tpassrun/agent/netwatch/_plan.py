@@ -23,9 +23,11 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Annotated, Any, Mapping
 
+from tpassrun import schema
 from tpassrun.health import LinkPolicy
+from tpassrun.schema import Min
 
 _POLICY = LinkPolicy()    # the thresholds' defaults are the health config's (one place)
 
@@ -34,34 +36,28 @@ MISSES = 2       # clear observations in a row that end a suspicion
 ECHO_S = 30.0     # an etcd connection lost this soon after the interface came back: the same outage, seen late
 
 
+Figure = Annotated[float, Min(0)]
+
+
 @dataclass(frozen=True)
 class LinkFigures:
     """One node's link figures over its last sampling interval (None / empty: not measured)."""
 
-    rtt_ms: float | None = None          # median smoothed RTT of its connections to etcd
-    step_ms: float | None = None         # median step time of its ranks (None: it holds no rank)
-    addr: str | None = None              # its address (the source address of its route to etcd)
-    sent_to: Mapping[str, tuple[float, float]] = field(default_factory=dict)   # addr -> (bytes sent, sent again)
+    rtt_ms: Figure | None = None          # median smoothed RTT of its connections to etcd
+    step_ms: Figure | None = None         # median step time of its ranks (None: it holds no rank)
+    addr: str | None = None               # its address (the source address of its route to etcd)
+    sent_to: Mapping[str, tuple[Figure, Figure]] = field(default_factory=dict)   # addr -> (bytes sent, sent again)
 
     def to_json(self) -> dict[str, Any]:
-        return {"rtt_ms": self.rtt_ms, "step_ms": self.step_ms, "addr": self.addr,
-                "sent_to": {a: list(v) for a, v in self.sent_to.items()}}
+        return schema.dump(self)
 
     @classmethod
     def from_json(cls, doc: object) -> "LinkFigures | None":
-        if not isinstance(doc, Mapping):
+        """A peer's figures, or None when they are not valid ones (not measured, as far as the judging goes)."""
+        try:
+            return schema.load(cls, doc)
+        except schema.SchemaError:
             return None
-
-        def num(v: object) -> float | None:
-            return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0 else None
-
-        sent: dict[str, tuple[float, float]] = {}
-        raw = doc.get("sent_to")
-        for a, v in (raw.items() if isinstance(raw, Mapping) else ()):
-            if isinstance(v, (list, tuple)) and len(v) == 2 and num(v[0]) is not None and num(v[1]) is not None:
-                sent[str(a)] = (float(v[0]), float(v[1]))
-        addr = doc.get("addr")
-        return cls(num(doc.get("rtt_ms")), num(doc.get("step_ms")), addr if isinstance(addr, str) else None, sent)
 
 
 def inbound_loss_pct(addr: str | None, senders: list[LinkFigures], min_bytes: float = 64 * 1024) -> float | None:
