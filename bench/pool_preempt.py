@@ -8,6 +8,8 @@ Each trial is a real run on one etcd (``tests/test_pool_preempt_e2e.py``): the h
 - pre-empt: one pool node runs a low-priority elastic job's member (``--nnodes 1:2 --pool-members 1``); the high
   job (``--spare-pool``, ``--priority 5``, no spares of its own) asks it to leave, claims it when idle, its spare
   node starts there and takes B's ranks live (a cold spare: the tpassrun agent and its workers start after the kill).
+- idle pool: the same pool node idle (no lower-priority job): the claim without a pre-emption, so that
+  pre-empt minus idle pool is what the pre-emption itself costs.
 - spare node: a third agent started with ``--spare-node`` at the job's start (warm: its workers are up before the
   kill).
 
@@ -26,7 +28,13 @@ import uuid
 from pathlib import Path
 
 from common import EtcdServer  # noqa: F401  (puts tests/ on the path)
+from faults import sigkill_node
+from test_pool_e2e import _with_a_pool_node
 from test_pool_preempt_e2e import preempt_run, spare_node_run, training_again
+
+
+def idle_pool_run(tmp: Path, endpoint: str, run_id: str) -> dict:
+    return _with_a_pool_node(tmp, endpoint, run_id, lambda b, _train: (sigkill_node(b), b.worker_pids()))
 
 
 def _load() -> str:
@@ -38,10 +46,10 @@ def main() -> None:
     p.add_argument("--trials", type=int, default=3)
     args = p.parse_args()
     server = EtcdServer().start()
-    got: dict[str, list[float]] = {"pre-empt": [], "spare node": []}
+    got: dict[str, list[float]] = {"pre-empt": [], "idle pool": [], "spare node": []}
     try:
         for t in range(args.trials):
-            for name, run in (("pre-empt", preempt_run), ("spare node", spare_node_run)):
+            for name, run in (("pre-empt", preempt_run), ("idle pool", idle_pool_run), ("spare node", spare_node_run)):
                 with tempfile.TemporaryDirectory(prefix="pool-preempt-") as tmp:
                     load = _load()
                     out = run(Path(tmp), server.endpoint, "b-" + uuid.uuid4().hex[:8])

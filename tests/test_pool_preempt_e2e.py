@@ -13,8 +13,6 @@ checkpoint), never claims the node back, and exits 0. Both consoles say what hap
 from __future__ import annotations
 
 import json
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from faults import Job, assert_bit_exact, sigkill_node, wait_dead
-from test_pool_e2e import POOL_KEY, RUN_KEY, STEPS, _join, _pool_op, _train_to_step_3
+from test_pool_e2e import POOL_KEY, RUN_KEY, STEPS, _join, _pool_op, _train_to_step_3, stop_pool_node
 
 pytestmark = pytest.mark.timeout(400)
 
@@ -113,12 +111,7 @@ def preempt_run(tmp_path: Path, endpoint: str, run_id: str) -> dict:
     finally:
         for j in (a, b, low):
             j.kill()
-        if pool_node.proc is not None and pool_node.proc.poll() is None:
-            pool_node.proc.send_signal(signal.SIGTERM)
-            try:
-                pool_node.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pool_node.kill()
+        stop_pool_node(pool_node)
         _pool_op(endpoint, pool, "delete")
 
 

@@ -87,6 +87,7 @@ def test_a_high_priority_job_takes_a_pool_node_from_a_low_priority_member(etcd_s
                 assert await low.take(1, lambda ev, **kw: low_said.append((ev, kw))) == ["p1"]
                 watch = asyncio.create_task(low.watch(lambda ev, **kw: low_said.append((ev, kw)), lambda: 2))
                 await _until(lambda: _history(pool, "joined"), "the member node never joined")
+                member = loop.child
 
                 # refused: a request without the pool key's seal, and one of an equal priority
                 bad = PreemptRequest("p1", "mallory", "m", 9, time.time(), "x")
@@ -103,20 +104,24 @@ def test_a_high_priority_job_takes_a_pool_node_from_a_low_priority_member(etcd_s
                                spec("high"), "highleader")
                 say = lambda ev, **kw: high_said.append((ev, kw))      # noqa: E731
                 await high.need(("b",), 0, say)
-                assert [e for e, _ in high_said] == ["pool_preempting"]
-                assert high_said[0][1]["victim"] == "low" and "(priority 1 < 5)" in high_said[0][1]["reason"]
-                await high.need(("b",), 0, say)                          # asked once: the request stands
-                assert [e for e, _ in high_said] == ["pool_preempting"]
+                assert high_said[0][0] == "pool_preempting" and high_said[0][1]["victim"] == "low"
+                assert "(priority 1 < 5)" in high_said[0][1]["reason"]
+                await high.need(("b",), 0, say)     # asked once: the request stands until the node acted on it
+                assert [e for e, _ in high_said].count("pool_preempting") == 1
                 await _until(lambda: _said([kw.get("reason", "") for _, kw in low_said], "taken back"),
                              "the low job did not say it")
-                member = loop.child
-                await _until(lambda: _state(pool, "idle"), "the pre-empted node did not return idle")
+                await _until(lambda: _history(pool, "idle"), "the pre-empted node did not return idle")
                 assert member is not None and member.returncode == -9          # it ignored SIGTERM: SIGKILLed
+
+                async def claimed() -> bool:
+                    await high.need(("b",), 0, say)
+                    return "pool_claimed" in [e for e, _ in high_said]
+                await _until(claimed, "the high job did not claim the idle node")
                 view, _, history = await pool.read()
-                assert "p1" not in view.claims and "p1" not in view.preempts
+                assert view.claims["p1"].job == "high" and "p1" not in view.preempts
                 assert [h.event for h in history].count("preempted") == 1
-                await high.need(("b",), 0, say)
-                assert [e for e, _ in high_said] == ["pool_preempting", "pool_claimed"]
+                # (a look between the node's drop of the victim's claim and its idle record waits: "pool_waiting")
+                assert [e for e, _ in high_said if e != "pool_waiting"] == ["pool_preempting", "pool_claimed"]
                 await _until(lambda: _serving_high(pool), "the high job's claim was not served")
 
                 async def two_children() -> bool:

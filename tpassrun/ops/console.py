@@ -298,6 +298,8 @@ class Describer:
                     f"{ev.get('victim')} (priority {ev.get('victim_priority')} < {ev.get('priority')})")
         if name == "pool_taken_back":
             return str(ev.get("reason"))
+        if name == "pool_members_failed":
+            return f"pool {ev.get('pool')}: pool members given up: {ev.get('reason')}"
         if name == "pool_members_claimed":
             return (f"pool {ev.get('pool')}: {len(ev.get('pool_nodes') or [])} of {ev.get('wanted')} pool node(s) "
                     f"claimed as members (priority {ev.get('priority')}): {ev.get('reason')}")

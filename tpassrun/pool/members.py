@@ -16,7 +16,6 @@ rendezvous re-forms without it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -84,9 +83,13 @@ def start_members(jobpool: JobPool, want: int, say: Callable[..., object],
     members = PoolMembers(jobpool)
 
     async def run() -> None:
-        await members.take(want, say)
-        with contextlib.suppress(asyncio.CancelledError):
+        try:
+            await members.take(want, say)
             await members.watch(say, nodes_now)
+        except asyncio.CancelledError:
+            pass
+        except Exception as exc:  # noqa: BLE001 - the job runs on without (more) members; said, not raised
+            say("pool_members_failed", pool=jobpool.name, reason=f"{type(exc).__name__}: {exc}")
 
     task = asyncio.get_running_loop().create_task(run(), name="pool-members")
 
