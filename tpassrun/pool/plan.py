@@ -16,10 +16,8 @@ Two planners:
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Union
-
-from dataclasses import replace
 
 from tpassrun.records.pool import IDLE, MEMBER, SPARE, Claim, PoolNode, PreemptRequest
 
