@@ -3,6 +3,8 @@ two planners (a job's leader: own spares first, the pool second, a restart last;
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tpassrun.pool import (Claim, ClaimNode, JobNeed, JobSpec, NodeState, Phase, PoolKeys, PoolNode, PoolView,
@@ -81,7 +83,8 @@ def test_job_too_small_pool_node_is_not_claimed_and_the_reason_says_so():
 
 
 def test_job_preempts_only_lower_priority_work():
-    view = PoolView(nodes={"p1": node("p1")}, claims={"p1": claim("p1", "elastic", 0)})
+    """(The member/spare distinction and the node's side: tests/test_pool_preempt.py.)"""
+    view = PoolView(nodes={"p1": node("p1")}, claims={"p1": replace(claim("p1", "elastic", 0), kind="member")})
     act = plan_job(JobNeed(job="jobA", priority=5, nproc=2, wait_limit=10), view, 0.0)
     assert isinstance(act, Preempt) and act.victim == "elastic" and "pre-empting" in act.reason
     same = plan_job(JobNeed(job="jobA", priority=0, nproc=2, wait_limit=10), view, 0.0)

@@ -131,13 +131,18 @@ def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill, extra: tuple[s
     finally:
         for j in (a, b):
             j.kill()
-        if pool_node.proc is not None and pool_node.proc.poll() is None:
-            pool_node.proc.send_signal(signal.SIGTERM)
-            try:
-                pool_node.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                pool_node.kill()
+        stop_pool_node(pool_node)
         _pool_op(endpoint, run_id, "delete")
+
+
+def stop_pool_node(pool_node: Job) -> None:
+    """``tpassctl pool join`` stopped as an operator does (SIGTERM: it stops what it runs and leaves the pool)."""
+    if pool_node.proc is not None and pool_node.proc.poll() is None:
+        pool_node.proc.send_signal(signal.SIGTERM)
+        try:
+            pool_node.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            pool_node.kill()
 
 
 def test_a_lost_node_is_replaced_live_by_a_pool_node_which_is_idle_again_after_the_job(tmp_path, etcd_server,

@@ -216,8 +216,14 @@ class Agent:
             if cfg.spare_pool:   # checked before anything runs: no pool, no pool key -> one line, exit 1
                 from tpassrun.pool.job import job_pool
 
-                st.swapper.coordinator.pool = await job_pool(cfg, st.rdzv.store, endpoint, pool_environ,
-                                                             st.node_id)
+                jobpool = await job_pool(cfg, st.rdzv.store, endpoint, pool_environ, st.node_id)
+                if cfg.pool_members:    # lower-priority work on idle pool nodes: members, never spares from the pool
+                    from tpassrun.pool.members import start_members
+
+                    stack.callback(start_members(jobpool, cfg.pool_members, st.events.write,
+                                                 lambda: len(st.generation.members) if st.generation else 0))
+                else:
+                    st.swapper.coordinator.pool = jobpool
             # the mirror store serves before this node registers: its port is part of the registration
             st.mirror = await stack.enter_async_context(MirrorPlane(self._port(), cfg.rdzv_id,
                                                                     max_bytes=cfg.mirror_max_bytes,

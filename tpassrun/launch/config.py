@@ -190,6 +190,10 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
                       help="This job's priority in its spare pool (a higher one may pre-empt a lower one's pool node).")
     ours.add_argument("--pool-wait", "--pool_wait", type=float, default=60.0,
                       help="Seconds a lost node's recovery waits for a pool node before torchrun's restart.")
+    ours.add_argument("--pool-members", "--pool_members", type=int, default=0,
+                      help="An elastic job (--nnodes MIN:MAX) started with --spare-pool: claim up to N idle pool nodes "
+                           "at start as members (lower-priority work: a higher --priority job may take them back, "
+                           "and this job then shrinks as torchrun's elastic membership change does).")
     ours.add_argument("--hang-timeout", "--hang_timeout", type=float, default=0.0,
                       help="Seconds without a step heartbeat before a worker counts as hung (0 = off).")
     ours.add_argument("--metrics-port", "--metrics_port", type=int, default=None,
@@ -278,6 +282,9 @@ def parse_args(
 
     if ns.max_restarts < 0:
         raise ConfigError(f"--max-restarts must be >= 0 (got {ns.max_restarts})")
+    if ns.pool_members and not (ns.spare_pool and 0 < ns.pool_members < max_nodes and min_nodes < max_nodes):
+        raise ConfigError(f"--pool-members {ns.pool_members}: needs --spare-pool and an elastic --nnodes MIN:MAX with "
+                          f"0 < N < MAX (got --nnodes {ns.nnodes})")
     if not ns.monitor_interval > 0:
         raise ConfigError(f"--monitor-interval must be > 0 (got {ns.monitor_interval})")
     if ns.no_python and ns.module and not ns.run_path:
@@ -381,6 +388,7 @@ def parse_args(
         spare_pool=ns.spare_pool,
         priority=ns.priority,
         pool_wait=ns.pool_wait,
+        pool_members=ns.pool_members,
         hang_timeout=ns.hang_timeout,
         event_log=ns.event_log,
         tui=ns.tui,

@@ -291,6 +291,18 @@ class Describer:
             return f"{who}, no own spare ready: {what} ({ev.get('reason')})"
         if name == "pool_released":
             return f"pool node {_short(ev.get('pool_node'))} given back to pool {ev.get('pool')}: {ev.get('reason')}"
+        if name == "pool_preempting":
+            lost = str(ev.get("lost_node"))
+            who = lost if lost.startswith("rank ") else f"node {_short(lost)} lost"
+            return (f"{who}, no own spare ready: pre-empting pool node {_short(ev.get('pool_node'))} from job "
+                    f"{ev.get('victim')} (priority {ev.get('victim_priority')} < {ev.get('priority')})")
+        if name == "pool_taken_back":
+            return str(ev.get("reason"))
+        if name == "pool_members_failed":
+            return f"pool {ev.get('pool')}: pool members given up: {ev.get('reason')}"
+        if name == "pool_members_claimed":
+            return (f"pool {ev.get('pool')}: {len(ev.get('pool_nodes') or [])} of {ev.get('wanted')} pool node(s) "
+                    f"claimed as members (priority {ev.get('priority')}): {ev.get('reason')}")
         if name == "node_lost_decided":
             if ev.get("action") != "plan":
                 return None   # the fallback line says it

@@ -64,7 +64,8 @@ def status_doc(name: str, view: PoolView, history: Sequence[HistoryEntry], now: 
         c = view.claims.get(n.node_id)
         nodes.append({"node": n.node_id, "host": n.host, "slots": n.nproc, "state": n.state, "job": n.job,
                       "since": n.since, "claimed_by": c.job if c else None, "priority": c.priority if c else None,
-                      "claimed_since": c.since if c else None})
+                      "claimed_since": c.since if c else None, "kind": c.kind if c else None,
+                      "preempted_by": view.preempts[n.node_id].job if n.node_id in view.preempts else None})
     return {"pool": name, "exists": view.exists, "nodes": nodes, "gauges": gauges(view, history),
             "history": [h.to_json() for h in sorted(history, key=lambda h: h.time)[-50:]], "time": now}
 
@@ -88,7 +89,12 @@ def status_lines(doc: dict[str, Any]) -> list[str]:
     out = [f"pool {doc['pool']}: {int(g['tpassrun_pool_nodes'])} node(s), {int(g['tpassrun_pool_idle_nodes'])} idle, "
            f"{int(g['tpassrun_pool_claims'])} claimed ({int(g['tpassrun_pool_claims_total'])} claims so far)"]
     for n in doc["nodes"]:
-        if n["claimed_by"]:
+        if n["claimed_by"] and n.get("kind") == "member":
+            what = (f"running lower-priority job {n['claimed_by']} as a member (priority {n['priority']}) for "
+                    f"{doc['time'] - n['claimed_since']:.0f} s")
+            if n.get("preempted_by"):
+                what += f", being pre-empted by {n['preempted_by']}"
+        elif n["claimed_by"]:
             what = (f"claimed by {n['claimed_by']} (priority {n['priority']}) for "
                     f"{doc['time'] - n['claimed_since']:.0f} s")
         elif n["state"] == "serving":

@@ -19,7 +19,8 @@ from tpassrun.records import provenance
 from tpassrun.records.fields import RecordError
 from tpassrun.rendezvous import EtcdStore
 from tpassrun.rendezvous.etcd_io import LeaseIs, encode
-from tpassrun.records.pool import Claim, HistoryEntry, PoolInfo, PoolKeys, PoolNode, load_sealed, seal
+from tpassrun.records.pool import (Claim, HistoryEntry, PoolInfo, PoolKeys, PoolNode, PreemptRequest, load_sealed,
+                                   seal)
 from tpassrun.pool.plan import PoolView
 
 
@@ -66,6 +67,7 @@ class Pool:
         items, _ = await self.store.read_prefix_json(self.keys.prefix)
         nodes: dict[str, PoolNode] = {}
         claims: dict[str, Claim] = {}
+        preempts: dict[str, PreemptRequest] = {}
         revs: dict[str, int] = {}
         history: list[HistoryEntry] = []
         exists = False
@@ -81,17 +83,27 @@ class Pool:
                 elif key.startswith(self.keys.claims):
                     claim = Claim.from_json(load_sealed(self.key, key, doc))
                     claims[claim.node_id] = claim
+                elif key.startswith(self.keys.preempts):
+                    req = PreemptRequest.from_json(load_sealed(self.key, key, doc))
+                    preempts[req.node_id] = req
                 elif key.startswith(self.keys.history):
                     history.append(HistoryEntry.from_json(load_sealed(self.key, key, doc)))
             except RecordError:
                 continue
-        return PoolView(nodes=nodes, claims=claims, exists=exists), revs, history
+        return PoolView(nodes=nodes, claims=claims, exists=exists, preempts=preempts), revs, history
 
     def decode_claim(self, key: str, doc: Any) -> Claim | None:
         try:
             return Claim.from_json(load_sealed(self.key, key, doc))
         except RecordError:
             return None
+
+    def decode_preempt(self, key: str, doc: Any) -> tuple[PreemptRequest | None, str]:
+        """A pre-emption request, or None and why it is refused (no good pool-key MAC, malformed)."""
+        try:
+            return PreemptRequest.from_json(load_sealed(self.key, key, doc)), ""
+        except RecordError as exc:
+            return None, str(exc)
 
     # --- a pool node's writes ------------------------------------------------------------------------
     async def register(self, node: PoolNode) -> int:
@@ -102,6 +114,10 @@ class Pool:
     async def drop_claim(self, node_id: str) -> None:
         """The node itself ends a claim (its spare node exited: the job ended or released it)."""
         await self.store.delete(self.keys.claim(node_id))
+
+    async def drop_preempt(self, node_id: str) -> None:
+        """The node is done with a pre-emption request (it went idle for the requester)."""
+        await self.store.delete(self.keys.preempt(node_id))
 
     # --- a claimer's writes --------------------------------------------------------------------------
     async def claim(self, claim: Claim, node_rev: int) -> bool:
@@ -157,6 +173,14 @@ class Pool:
         if done:
             await self.note(claim.node_id, "released", claim.job, why)
         return done
+
+    async def request_preempt(self, req: PreemptRequest) -> None:
+        """Ask ``req.node_id`` to give up its lower-priority member, bound to this store's lease (a requester that
+        dies withdraws it). The pool node decides (seal, priorities); the claim comes after, as on an idle node."""
+        if self.store.lease_id is None:
+            raise PoolError("a pre-emption request must be bound to the requester's lease (this store has none)")
+        key = self.keys.preempt(req.node_id)
+        await self.store.put_json(key, seal(self.key, key, req.to_json()), lease=True)
 
     async def note(self, node_id: str, event: str, job: str | None, detail: str = "") -> None:
         entry = HistoryEntry(time.time(), node_id, event, job, detail)

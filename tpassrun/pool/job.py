@@ -7,7 +7,9 @@ node its own spares cannot cover (the triage's ``ClaimFromPool``); :meth:`JobPoo
 rendezvous lease: a leader that dies frees its claims). The claimed pool node starts the job's ``--spare-node``
 from the claim's sealed :class:`~tpassrun.records.pool.JobSpec`; once its spares are up the node plan takes them
 as it takes spares still starting. When the pool has nothing within ``--pool-wait``, the lost node is given up
-to torchrun's restart (:attr:`JobPool.gave_up`; the triage then decides the restart as without a pool).
+to torchrun's restart (:attr:`JobPool.gave_up`; the triage then decides the restart as without a pool). A pool
+node that runs a lower-priority job as a member is asked to give it up (a sealed pre-emption request under the
+leader's lease, :class:`~tpassrun.records.pool.PreemptRequest`); once it is idle the claim takes it as any idle node.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from tpassrun.settings import LaunchConfig
 from tpassrun.pool.ctl import pool_key_from
 from tpassrun.pool.etcd import Pool, PoolError
 from tpassrun.pool.plan import ClaimNode, JobNeed, PoolView, Preempt, Restart, UseOwn, WaitForPool, plan_job
-from tpassrun.records.pool import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, PoolNode, box, pool_prefix
+from tpassrun.records.pool import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, PoolNode, PreemptRequest, box, pool_prefix
 
 # secrets and what only makes sense on the host it was set on (a pool node brings its own)
 _NOT_SHIPPED = {TPASSRUN_RUN_KEY, TPASSRUN_POOL_KEY, ETCD_PASSWORD_ENV, "CUDA_VISIBLE_DEVICES", "HOSTNAME", "PWD",
@@ -122,7 +124,7 @@ class JobPool:
                     reason=f"pool node {covering}, claimed for another loss, has a slot for it too")
                 continue
             need = JobNeed(job=self.cfg.rdzv_id, priority=self.cfg.priority, nproc=self.cfg.nproc_per_node,
-                           own_starting=own_starting, since=since, wait_limit=self.cfg.pool_wait, preempt=False)
+                           own_starting=own_starting, since=since, wait_limit=self.cfg.pool_wait)
             action = plan_job(need, view, now)
             if isinstance(action, ClaimNode):
                 claim = Claim(node_id=action.node_id, job=self.cfg.rdzv_id, claimer=self.node_id,
@@ -130,16 +132,33 @@ class JobPool:
                               waited=now - since)
                 if await self.pool.claim(claim, revs[action.node_id]):
                     self.held[node] = action.node_id
+                    if action.node_id in view.preempts:     # the node we pre-empted (it drops the request itself)
+                        await self.pool.store.delete(self.pool.keys.preempt(action.node_id))
                     say("pool_claimed", lost_node=node, pool=self.name, pool_node=action.node_id,
                         reason=action.reason, waited=round(now - since, 3))
                 # a lost race: the next tick reads the pool again
-            elif isinstance(action, (WaitForPool, UseOwn, Preempt)):
+            elif isinstance(action, Preempt):
+                await self._preempt(node, action, view, now, say)
+            elif isinstance(action, (WaitForPool, UseOwn)):
                 if (node, type(action).__name__) not in self.said:
                     self.said.add((node, type(action).__name__))
                     say("pool_waiting", lost_node=node, pool=self.name, reason=action.reason)
             elif isinstance(action, Restart):
                 self.gave_up.add(node)
                 say("pool_gave_up", lost_node=node, pool=self.name, reason=action.reason)
+
+    async def _preempt(self, lost: str, action: Preempt, view: PoolView, now: float,
+                       say: Callable[..., object]) -> None:
+        """Ask ``action.node_id`` to give up its lower-priority member (once: the request stands under our lease
+        until the node acted on it); the claim follows when it is idle."""
+        asked = view.preempts.get(action.node_id)
+        if asked is not None and asked.job == self.cfg.rdzv_id:
+            return
+        await self.pool.request_preempt(PreemptRequest(node_id=action.node_id, job=self.cfg.rdzv_id,
+                                                       requester=self.node_id, priority=self.cfg.priority, since=now,
+                                                       reason=lost_what(lost)))
+        say("pool_preempting", lost_node=lost, pool=self.name, pool_node=action.node_id, victim=action.victim,
+            victim_priority=action.victim_priority, priority=self.cfg.priority, reason=action.reason)
 
     def _room_for(self, need: str, batch: Collection[str], view: PoolView) -> str | None:
         """A pool node claimed for another loss of the same ``batch`` (losses seen at once) with slots left for

@@ -7,7 +7,10 @@ prove the pool key never runs here). The claimed job's spare node is a child ``p
 built from the claim's sealed :class:`~tpassrun.records.pool.JobSpec`, dying with this process (PDEATHSIG: a pool
 node that dies takes its spare node with it, as a host would); it is "joined" once its event log says
 its workers started (from then on the job holds it as its own node: a claimer's death no longer stops it), and
-the node is idle again when that child exits (the job ended, or released it).
+the node is idle again when that child exits (the job ended, or released it). A ``member`` claim starts one of the
+job's member nodes instead (the same line without ``--spare-node``); a sealed pre-emption request of a strictly
+higher priority stops it (SIGTERM, SIGKILL after ``PREEMPT_GRACE_S``), and once it exited the node drops the
+victim's claim and the request and is idle, for the requester's claim.
 """
 
 from __future__ import annotations
@@ -26,9 +29,10 @@ from typing import Callable
 
 from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
 from tpassrun.pool.etcd import Pool
-from tpassrun.pool.plan import (BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen, Keep, NodeEvent,
-                                NodeState, Phase, Refuse, StartSpare, StopSpare, plan_node)
-from tpassrun.records.pool import IDLE, SERVING, JobSpec, PoolNode, unbox
+from tpassrun.pool.plan import (PREEMPT_GRACE_S, BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen,
+                                Evict, Keep, NodeEvent, NodeState, Phase, PreemptSeen, Refuse, StartSpare, StopSpare,
+                                plan_node)
+from tpassrun.records.pool import IDLE, MEMBER, SERVING, JobSpec, PoolNode, unbox
 
 STOP_GRACE_S = 10.0
 
@@ -40,10 +44,13 @@ _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, 
                     "os.execv(sys.argv[2], sys.argv[2:])")
 
 
-def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable, parent: int | None = None) -> list[str]:
-    """The job's ``--spare-node`` launch line (pure); with ``parent``, it dies with that process."""
+def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable, parent: int | None = None,
+                    member: bool = False) -> list[str]:
+    """The job's ``--spare-node`` launch line (pure), or with ``member`` one of its member nodes' (the same line
+    without ``--spare-node``, as the job's own nodes run it); with ``parent``, it dies with that process."""
     wrap = [python, "-c", _DIE_WITH_PARENT, str(parent), python] if parent is not None else [python]
-    argv = [*wrap, "-m", "tpassrun", "--spare-node", "--nnodes", spec.nnodes, "--nproc-per-node",
+    role = [] if member else ["--spare-node"]
+    argv = [*wrap, "-m", "tpassrun", *role, "--nnodes", spec.nnodes, "--nproc-per-node",
             str(spec.nproc_per_node), "--rdzv-backend", "etcd", "--rdzv-endpoint", spec.endpoint,
             "--rdzv-id", spec.run_id, "--max-restarts", str(spec.max_restarts), "--event-log", event_log]
     if spec.rdzv_conf:
@@ -64,8 +71,10 @@ def spare_node_env(spec: JobSpec, base: dict[str, str], run_key: str | None) -> 
 
 class PoolNodeLoop:
     def __init__(self, pool: Pool, node: PoolNode, *, say: Callable[[str], None] = print,
-                 base_env: dict[str, str] | None = None, python: str = sys.executable) -> None:
+                 base_env: dict[str, str] | None = None, python: str = sys.executable,
+                 preempt_grace: float = PREEMPT_GRACE_S) -> None:
         self.pool, self.say, self.python = pool, say, python
+        self.preempt_grace = preempt_grace
         self.record = node
         self.state = NodeState(node.node_id, node.nproc)
         self.base_env = dict(os.environ if base_env is None else base_env)
@@ -80,6 +89,7 @@ class PoolNodeLoop:
         await self._register(IDLE, None)
         self.say(f"pool node {self.record.node_id}: idle in pool {self.pool.name!r} ({self.record.nproc} slots)")
         self._tasks.append(asyncio.create_task(self._watch_claim(), name="pool-claim-watch"))
+        self._tasks.append(asyncio.create_task(self._watch_preempt(), name="pool-preempt-watch"))
         stopper = asyncio.create_task(stop.wait())
         try:
             while True:
@@ -105,11 +115,20 @@ class PoolNodeLoop:
         elif isinstance(action, StopSpare):
             self.say(f"pool node {self.record.node_id}: {action.reason}")
             await self._stop_child(action.reason)
+        elif isinstance(action, Evict):
+            self.say(f"pool node {self.record.node_id}: {action.reason}")
+            await self.pool.note(self.record.node_id, "preempted", action.victim,
+                                 f"by {action.request.job} (priority {action.victim_priority} < "
+                                 f"{action.request.priority}): {action.request.reason}")
+            await self._stop_child(action.reason, self.preempt_grace)
         elif isinstance(action, BecomeIdle):
             self.say(f"pool node {self.record.node_id}: {action.reason}")
             job = self.served[-1] if self.served else None
             with contextlib.suppress(Exception):
                 await self.pool.drop_claim(self.record.node_id)
+            if action.preempted_by:
+                with contextlib.suppress(Exception):
+                    await self.pool.drop_preempt(self.record.node_id)
             await self.pool.note(self.record.node_id, "idle", job, action.reason)
             await self._register(IDLE, None)
         elif isinstance(action, Refuse):
@@ -135,6 +154,15 @@ class PoolNodeLoop:
             elif ev.kind == "delete":
                 self.events.put_nowait(ClaimGone("released, or its claimer's lease expired"))
 
+    async def _watch_preempt(self) -> None:
+        key = self.pool.keys.preempt(self.record.node_id)
+        doc, _, header = await self.pool.store.read_json(key)
+        if doc is not None:
+            self.events.put_nowait(PreemptSeen(*self.pool.decode_preempt(key, doc)))
+        async for ev in self.pool.store.watch_key(key, header + 1):
+            if ev.kind == "put":
+                self.events.put_nowait(PreemptSeen(*self.pool.decode_preempt(key, ev.value)))
+
     def _on_claim(self, key: str, doc: object) -> None:
         claim = self.pool.decode_claim(key, doc)
         if claim is None:
@@ -145,13 +173,14 @@ class PoolNodeLoop:
     async def _start(self, action: StartSpare) -> None:
         spec = action.claim.spec
         assert spec is not None
-        self.say(f"pool node {self.record.node_id}: {action.reason}: starting its spare node")
+        what = "member" if action.claim.kind == MEMBER else "spare"
+        self.say(f"pool node {self.record.node_id}: {action.reason}: starting its {what} node")
         run_key = unbox(self.pool.key, spec.run_key_box) if spec.run_key_box else None
         event_log = os.path.join(self._tmp, f"{spec.run_id}-{len(self.served)}.jsonl")
         self.served.append(spec.run_id)
         await self._register(SERVING, spec.run_id)
         self.child = await asyncio.create_subprocess_exec(
-            *spare_node_argv(spec, event_log, self.python, os.getpid()),
+            *spare_node_argv(spec, event_log, self.python, os.getpid(), member=action.claim.kind == MEMBER),
             env=spare_node_env(spec, self.base_env, run_key), cwd=spec.cwd or None, start_new_session=True)
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
@@ -171,14 +200,14 @@ class PoolNodeLoop:
                 self.events.put_nowait(ChildJoined(agent))
         self.events.put_nowait(ChildExited(child.returncode or 0))
 
-    async def _stop_child(self, why: str) -> None:
+    async def _stop_child(self, why: str, grace: float = STOP_GRACE_S) -> None:
         child = self.child
         if child is None or child.returncode is not None:
             return
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.pid, signal.SIGTERM)
         try:
-            await asyncio.wait_for(child.wait(), STOP_GRACE_S)
+            await asyncio.wait_for(child.wait(), grace)
         except asyncio.TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(child.pid, signal.SIGKILL)

@@ -7,17 +7,23 @@ Two planners:
   priority), a restart last, after waiting for the pool up to ``wait_limit``. Every action says why, in the words
   the console prints.
 - :func:`plan_node`: a pool node. Idle until a claim (already checked: sealed with the pool key) names it; then it
-  starts the claiming job's spare node; when the claim goes (its claimer's lease expired before the node joined),
-  the job gives it back (a claim marked released: its ranks went home) or the spare node exits, it returns idle.
+  starts the claiming job's spare node (or, for a ``member`` claim, one of the job's member nodes); when the claim
+  goes (its claimer's lease expired before the node joined), the job gives it back (a claim marked released: its
+  ranks went home) or the spare node exits, it returns idle. A pre-emption request of a strictly higher priority
+  stops a member node (SIGTERM, then SIGKILL after :data:`PREEMPT_GRACE_S`); the node is idle once it exited.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Mapping, Union
 
-from tpassrun.records.pool import IDLE, Claim, PoolNode
+from tpassrun.records.pool import IDLE, MEMBER, SPARE, Claim, PoolNode, PreemptRequest
+
+# A pre-empted member node gets SIGTERM, and SIGKILL this long after if it has not exited: the whole pre-emption
+# (request seen -> node idle) is bounded by it plus one etcd round trip.
+PREEMPT_GRACE_S = 10.0
 
 
 # ---------------------------------------------------------------------------------------------- the job's side
@@ -41,6 +47,7 @@ class PoolView:
     nodes: Mapping[str, PoolNode] = field(default_factory=dict)
     claims: Mapping[str, Claim] = field(default_factory=dict)
     exists: bool = True
+    preempts: Mapping[str, PreemptRequest] = field(default_factory=dict)
 
 
 class Source(str, enum.Enum):
@@ -68,6 +75,7 @@ class Preempt:
     victim: str
     reason: str
     source: Source = Source.POOL
+    victim_priority: int = 0
 
 
 @dataclass(frozen=True)
@@ -103,12 +111,16 @@ def plan_job(need: JobNeed, view: PoolView, now: float) -> JobAction:
         return ClaimNode(pick.node_id, f"no own spare ready; pool node {pick.node_id} is idle "
                                        f"({len(idle)} idle in the pool)")
     if need.preempt:
+        # only lower-priority work (a member claim) is taken: a spare claim holds a node that replaces a failed one
+        # of its job, and taking it would turn one failure into two
         victims = [c for c in view.claims.values() if c.job != need.job and c.priority < need.priority
+                   and c.kind == MEMBER and not c.released
                    and c.node_id in view.nodes and view.nodes[c.node_id].nproc >= need.nproc]
         if victims:
             v = min(victims, key=lambda c: (c.priority, -c.since, c.node_id))
-            return Preempt(v.node_id, v.job, f"the pool has no idle node; {v.node_id} runs {v.job} "
-                                             f"(priority {v.priority} < {need.priority}): pre-empting it")
+            return Preempt(v.node_id, v.job, f"the pool has no idle node; pre-empting pool node {v.node_id} from "
+                                             f"job {v.job} (priority {v.priority} < {need.priority})",
+                           victim_priority=v.priority)
     fits = sum(1 for n in view.nodes.values() if n.nproc >= need.nproc)
     why = ("the pool has no node" if not view.nodes else
            f"no pool node has {need.nproc} slots" if not fits else
@@ -117,6 +129,20 @@ def plan_job(need: JobNeed, view: PoolView, now: float) -> JobAction:
     if waited < need.wait_limit:
         return WaitForPool(f"{why}: waiting for the pool ({waited:.0f} of {need.wait_limit:.0f} s)")
     return Restart(f"{why} (waited {waited:.0f} s): restarting as torchrun does")
+
+
+def plan_members(view: PoolView, want: int, nproc: int) -> tuple[list[str], str]:
+    """A lower-priority elastic job's members at start (``--pool-members``): up to ``want`` idle pool nodes with
+    ``nproc`` slots, idle longest first, and why (pure). Only idle nodes: lower-priority work never pre-empts."""
+    idle = sorted((n for n in view.nodes.values()
+                   if n.node_id not in view.claims and n.state == IDLE and n.nproc >= nproc),
+                  key=lambda n: (n.since, n.node_id))
+    picks = [n.node_id for n in idle[:max(want, 0)]]
+    if not view.exists:
+        return [], "the spare pool does not exist"
+    if not picks:
+        return [], f"no idle pool node has {nproc} slots ({len(view.nodes)} node(s), {len(view.claims)} claimed)"
+    return picks, f"{len(picks)} of {want} wanted: idle pool node(s) {', '.join(picks)}"
 
 
 # ---------------------------------------------------------------------------------------------- the node's side
@@ -135,6 +161,9 @@ class NodeState:
     claim_since: float = 0.0
     joined: bool = False            # the spare node registered in the job's rendezvous (a claimer's death then
                                     # no longer stops it: the job holds it as its own node)
+    priority: int = 0               # the claim's (what a pre-emption must be strictly above)
+    kind: str = SPARE               # the claim's: only a MEMBER is ever pre-empted
+    taken_by: str = ""              # STOPPING for a pre-emption: the job that takes the node
 
 
 @dataclass(frozen=True)
@@ -162,7 +191,16 @@ class ChildExited:
     code: int
 
 
-NodeEvent = Union[ClaimSeen, ClaimGone, ChildStarted, ChildJoined, ChildExited]
+@dataclass(frozen=True)
+class PreemptSeen:
+    """A pre-emption request for this node; ``request`` is None when it was not sealed with the pool key
+    (``problem`` says why)."""
+
+    request: PreemptRequest | None
+    problem: str = ""
+
+
+NodeEvent = Union[ClaimSeen, ClaimGone, ChildStarted, ChildJoined, ChildExited, PreemptSeen]
 
 
 @dataclass(frozen=True)
@@ -177,8 +215,19 @@ class StopSpare:
 
 
 @dataclass(frozen=True)
+class Evict:
+    """Stop the member node of ``victim`` (SIGTERM, SIGKILL after :data:`PREEMPT_GRACE_S`): ``request`` takes it."""
+
+    request: PreemptRequest
+    victim: str
+    victim_priority: int
+    reason: str
+
+
+@dataclass(frozen=True)
 class BecomeIdle:
     reason: str
+    preempted_by: str = ""      # the job whose pre-emption this ends (its request is done with)
 
 
 @dataclass(frozen=True)
@@ -191,7 +240,21 @@ class Keep:
     reason: str
 
 
-NodeAction = Union[StartSpare, StopSpare, BecomeIdle, Refuse, Keep]
+NodeAction = Union[StartSpare, StopSpare, Evict, BecomeIdle, Refuse, Keep]
+
+
+def preempt_refusal(serving: str | None, kind: str, priority: int, request: PreemptRequest) -> str:
+    """Why ``request`` may not take a node running ``serving`` (a claim of ``kind`` at ``priority``); "" when it may.
+    The pool node acts on it; the victim job's claimer reads it the same way (pure)."""
+    if serving is None:
+        return "the node runs no job"
+    if request.job == serving:
+        return f"{request.job} asks to pre-empt its own node"
+    if kind != MEMBER:
+        return f"it serves {serving} as a spare node (only lower-priority members are pre-empted)"
+    if request.priority <= priority:
+        return f"{request.job} (priority {request.priority}) is not above {serving} (priority {priority})"
+    return ""
 
 
 def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState, NodeAction]:
@@ -200,8 +263,7 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
         c = event.claim
         if c.released:
             if state.phase is Phase.SERVING and c.job == state.job:
-                return NodeState(state.node_id, state.nproc, Phase.STOPPING, state.job, state.claim_since,
-                                 state.joined), StopSpare(f"{c.job} gave it back ({c.released})")
+                return replace(state, phase=Phase.STOPPING), StopSpare(f"{c.job} gave it back ({c.released})")
             if state.phase is Phase.IDLE:       # (a node that came back to a claim given back meanwhile)
                 return state, BecomeIdle(f"{c.job} gave it back ({c.released})")
             return state, Keep(f"{c.job}'s claim is given back")
@@ -213,19 +275,33 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
             return state, Refuse(f"the claim of {c.job} carries no job spec")
         if c.spec.nproc_per_node > state.nproc:
             return state, Refuse(f"{c.job} needs {c.spec.nproc_per_node} slots; this pool node has {state.nproc}")
-        nxt = NodeState(state.node_id, state.nproc, Phase.SERVING, c.job, now)
-        return nxt, StartSpare(c, f"claimed by {c.job} (priority {c.priority}): {c.reason}")
+        nxt = NodeState(state.node_id, state.nproc, Phase.SERVING, c.job, now, priority=c.priority, kind=c.kind)
+        as_what = " as a member" if c.kind == MEMBER else ""
+        return nxt, StartSpare(c, f"claimed by {c.job} (priority {c.priority}){as_what}: {c.reason}")
+    if isinstance(event, PreemptSeen):
+        req = event.request
+        if req is None:
+            return state, Refuse(f"a pre-emption request without the pool key's seal ({event.problem})")
+        if state.phase is not Phase.SERVING:
+            return state, Keep(f"{req.job} asks for this node: nothing to pre-empt ({state.phase.value})")
+        why = preempt_refusal(state.job, state.kind, state.priority, req)
+        if why:
+            return state, Refuse(f"a pre-emption request of {req.job}: {why}")
+        assert state.job is not None
+        return replace(state, phase=Phase.STOPPING, taken_by=req.job), \
+            Evict(req, state.job, state.priority, f"pre-empted by {req.job} (priority {state.priority} < "
+                                                  f"{req.priority}): stopping the member node of {state.job}")
     if isinstance(event, ChildStarted):
         return state, Keep(f"its spare node is {event.agent} in {state.job}" if state.phase is Phase.SERVING
                            else "not serving")
     if isinstance(event, ChildJoined):
         if state.phase is Phase.SERVING:
-            return NodeState(state.node_id, state.nproc, Phase.SERVING, state.job, state.claim_since, True), \
-                Keep(f"joined {state.job} as its spare node")
+            return replace(state, joined=True), \
+                Keep(f"joined {state.job} as its {'member' if state.kind == MEMBER else 'spare'} node")
         return state, Keep("not serving")
     if isinstance(event, ClaimGone):
         if state.phase is Phase.SERVING and not state.joined:
-            return NodeState(state.node_id, state.nproc, Phase.STOPPING, state.job, state.claim_since), \
+            return replace(state, phase=Phase.STOPPING), \
                 StopSpare(f"the claim of {state.job} is gone before the node joined it ({event.why})")
         if state.phase is Phase.SERVING:
             # joined: the job holds it as one of its nodes (a member, maybe); it comes back when its spare node
@@ -238,5 +314,9 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
         idle = NodeState(state.node_id, state.nproc)
         if state.phase is Phase.IDLE:
             return idle, Keep("no spare node was running")
-        return idle, BecomeIdle(f"the spare node of {job} exited ({event.code}): back to the pool")
+        if state.taken_by:
+            return idle, BecomeIdle(f"the member node of {job} exited ({event.code}): back to the pool for "
+                                    f"{state.taken_by}", preempted_by=state.taken_by)
+        what = "member" if state.kind == MEMBER else "spare"
+        return idle, BecomeIdle(f"the {what} node of {job} exited ({event.code}): back to the pool")
     raise TypeError(f"not a pool node event: {event!r}")

@@ -13,6 +13,8 @@ Layout, under ``<etcd prefix>-pools/<name>/`` (a sibling of the runs' prefix: no
 - ``claims/<node_id>``: :class:`Claim`, created only if absent (compare on version 0) and bound to the
   **claimer's** lease: a claimer that dies frees the claim; two claims on one node cannot exist.
 - ``history/<time>-<node_id>``: :class:`HistoryEntry`, unleased, what ``tpassctl pool status`` lists.
+- ``preempt/<node_id>``: :class:`PreemptRequest`, bound to the **requester's** lease: a higher-priority job asks the
+  pool node to give up the lower-priority job it runs as a member (the node checks the seal and the priorities).
 """
 
 from __future__ import annotations
@@ -63,6 +65,13 @@ class PoolKeys:
     def claim(self, node_id: str) -> str:
         return self.claims + _part(node_id)
 
+    @property
+    def preempts(self) -> str:
+        return self.prefix + "preempt/"
+
+    def preempt(self, node_id: str) -> str:
+        return self.preempts + _part(node_id)
+
     def history_entry(self, when: float, node_id: str) -> str:
         return self.history + f"{when:017.6f}-{_part(node_id)}"
 
@@ -98,6 +107,9 @@ class PoolInfo(schema.Record):
 
 IDLE = "idle"
 SERVING = "serving"
+SPARE = "spare"      # a claim's kind: the pool node starts the job's --spare-node (replacement capacity)
+MEMBER = "member"    # a claim's kind: the pool node starts one of the job's member nodes (lower-priority work that a
+                     # higher-priority job may pre-empt)
 
 
 @dataclass(frozen=True)
@@ -156,8 +168,24 @@ class Claim(schema.Record):
     spec: JobSpec | None = None
     released: str = ""          # why the job gave the node back (its ranks went home); "" while it holds it. A put,
                                 # not a delete: a deleted claim is a claimer that died, which never stops a joined node
+    kind: Annotated[str, OneOf(SPARE, MEMBER)] = field(default=SPARE, metadata=wire(omit_default=True))
 
     SCHEMA: ClassVar[schema.Schema] = record("pool claim")
+
+
+@dataclass(frozen=True)
+class PreemptRequest(schema.Record):
+    """``preempt/<node_id>``: job ``job`` (priority ``priority``, its leader ``requester``) asks pool node ``node_id``
+    to give up the lower-priority job it runs as a member, because ``reason``. Bound to the requester's lease."""
+
+    node_id: str
+    job: str
+    requester: str
+    priority: int
+    since: float
+    reason: str = ""
+
+    SCHEMA: ClassVar[schema.Schema] = record("pool pre-emption request")
 
 
 @dataclass(frozen=True)

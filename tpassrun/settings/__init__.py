@@ -136,6 +136,7 @@ class LaunchConfig:
     spare_pool: str | None = None   # draw from this spare pool (tpassrun.pool) when no own spare is ready
     priority: int = 0               # in the pool: a higher priority may pre-empt a lower one's pool node
     pool_wait: float = 60.0         # how long a lost node's recovery waits for a pool node before a restart
+    pool_members: int = 0           # an elastic job's idle pool nodes claimed at start as members (lower-priority work)
     hang_timeout: float = 0.0
     event_log: str | None = None  # None: <run log dir>/events.jsonl
     tui: bool | None = None  # None/False: no panel (torchrun's console); True: --tui, the status panel
