@@ -32,13 +32,14 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from common import EtcdServer  # noqa: F401  (puts tests/ on the path; kills what a stopped bench started)
-from faults import Job, NetLab, alive, assert_bit_exact
+from faults import Job, NetLab, assert_bit_exact
 
 from tpassrun.pool import Pool, PoolKeys, pool_prefix
 from tpassrun.records.provenance import RunKey
@@ -66,9 +67,9 @@ class Host:
 class Lab:
     """The hosts, the etcd, the pool: ``close()`` removes every process, namespace and directory it made."""
 
-    def __init__(self, names: list[str], work: str) -> None:
+    def __init__(self, names: list[str], work: str, tag: str | None = None) -> None:
         self.work = work
-        self.net = NetLab(uuid.uuid4().hex[:4])
+        self.net = NetLab(tag or uuid.uuid4().hex[:4])
         self.hosts: dict[str, Host] = {}
         self.etcd: EtcdServer | None = None
         self.pool_name = "pool-" + uuid.uuid4().hex[:6]
@@ -92,7 +93,9 @@ class Lab:
 
     def run_on(self, host: str, argv: list[str], out: str, env: dict[str, str]) -> Job:
         h = self.hosts[host]
-        job = Job(argv=[*self.net.argv(h.index), *argv], out=out, env={"GLOO_SOCKET_IFNAME": IFACE, **env})
+        # a host of its own: its network namespace and its own host name (the consoles name nodes by host name)
+        uts = ["unshare", "--uts", "--", "sh", "-c", 'hostname "$0" && exec "$@"', host]
+        job = Job(argv=[*self.net.argv(h.index), *uts, *argv], out=out, env={"GLOO_SOCKET_IFNAME": IFACE, **env})
         h.jobs.append(job.start())
         return job
 
@@ -233,7 +236,7 @@ def said(job: Job, since_text: str = "") -> list[str]:
 
 def share_trial(args: argparse.Namespace, ref: Job, rng: random.Random) -> dict[str, Any]:
     work = tempfile.mkdtemp(prefix="tpassrun-poolacc-")
-    lab = Lab(["a1", "a2", "b1", "b2", "p"], work)
+    lab = Lab(["a1", "a2", "b1", "b2", "p"], work, args.tag)
     t: dict[str, float] = {}
     row: dict[str, Any] = {}
     try:
@@ -361,6 +364,163 @@ def share(args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+class Sampler:
+    """Reads the pool every half second while a scenario runs: what it saw that must never be (a node serving one job
+    while claimed by another, two spare nodes at once on one pool node), and when each node was first seen gone,
+    idle, claimed."""
+
+    def __init__(self, lab: Lab, pool_jobs: dict[str, Job]) -> None:
+        self.lab, self.pool_jobs = lab, pool_jobs
+        self.bad: list[str] = []
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.5):
+            try:
+                view = self.lab.pool("read")[0]
+            except Exception:  # noqa: BLE001 - etcd busy: the next sample
+                continue
+            self.samples += 1
+            for node_id, claim in view.claims.items():
+                node = view.nodes.get(node_id)
+                if node is not None and node.state == "serving" and node.job not in (None, claim.job):
+                    self.bad.append(f"{node_id} serves {node.job} while claimed by {claim.job}")
+            for node_id, job in self.pool_jobs.items():
+                if job.proc is not None and job.proc.poll() is None:
+                    spares = [p for p in descendants(job.proc.pid) if "--spare-node" in cmdline(p)
+                              and "tpassrun" in cmdline(p) and "-c" not in cmdline(p).split()[:3]]
+                    if len(spares) > 1:
+                        self.bad.append(f"{node_id} runs {len(spares)} spare nodes at once")
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as fh:
+            return fh.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as fh:
+                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def restart_pool_node(lab: Lab, host: str, node_id: str) -> Job:
+    """The pool node's ``tpassctl pool join`` again, same command line; until it is in the pool again (a job waiting
+    for the pool may claim it at once)."""
+    job = restart_host(lab, host)
+    until(lambda: node_id in lab.pool("read")[0].nodes, 120, f"{node_id} registered again", job)
+    return job
+
+
+def heal(args: argparse.Namespace) -> dict[str, Any]:
+    """(1) the idle pool node SIGKILLed, then started again; (2) job C's leader SIGKILLed right after it claimed the
+    pool node for C's lost node (mid-claim); (3) job D's claimed pool node SIGKILLed once D's ranks run on it, then
+    started again: D claims it again and recovers live. One pool node on host p, every kill a whole host."""
+    work = tempfile.mkdtemp(prefix="tpassrun-poolheal-")
+    refdir = os.path.join(work, "ref")
+    lab = Lab(["c1", "c2", "d1", "d2", "p"], work, args.tag)
+    out: dict[str, Any] = {}
+    sampler: Sampler | None = None
+    try:
+        ref = reference(args, refdir)
+        assert lab.pool("create")
+        lab.join_pool("p", "poolnode1")
+        sampler = Sampler(lab, {"poolnode1": lab.hosts["p"].job})
+        gone = lambda: "poolnode1" not in lab.pool("read")[0].nodes  # noqa: E731
+        free = lambda: idle_and_free(lab) and "poolnode1" in lab.pool("read")[0].nodes  # noqa: E731
+
+        # (1) idle, killed: its record leaves with its lease; started again, it is idle in the pool again
+        t0 = kill_host(lab.hosts["p"].job)
+        until(gone, 120, "the killed idle pool node left the pool")
+        out["idle_killed_left_pool_s"] = round(time.time() - t0, 2)
+        restart_pool_node(lab, "p", "poolnode1")
+        until(free, 60, "the pool node idle again")
+
+        # (2) a claimer dying mid-claim: C's node c2 dies, C's leader (c1) claims the pool node and dies at once
+        c = start_job(lab, "C", ("c1", "c2"), args, 120)
+        until(lambda: c.min_step() >= 3, 300, "C past step 3", *c.agents(lab))
+        kill_host(lab.hosts["c2"].job)
+        claimed = until(lambda: c.first(lab, "pool_claimed", 0), 300, "C claimed the pool node", lab.hosts["c1"].job)
+        t1 = kill_host(lab.hosts["c1"].job)
+        out["claimer_killed_after_claim_s"] = round(t1 - claimed["time"], 2)
+        joined_first = "joined" in [h.event for h in lab.pool("read")[2] if h.job and h.job.startswith("C-")]
+        until(free, 180, "the dead claimer's claim expired and the pool node is idle again")
+        out["claim_expired_pool_node_idle_s"] = round(time.time() - t1, 2)
+        out["claimer_died_after_its_spare_node_joined"] = joined_first
+
+        # (3) claimed and serving, killed: D's ranks on it are a lost node again; D waits, the node comes back, D
+        # claims it again and recovers live
+        d = start_job(lab, "D", ("d1", "d2"), args, args.pool_wait_b)
+        until(lambda: d.min_step() >= 3, 300, "D past step 3", *d.agents(lab))
+        pids0 = {r: p[-1] for r, p in d.pids().items()}
+        d2_workers = lab.hosts["d2"].job.worker_pids()
+        t2 = kill_host(lab.hosts["d2"].job)
+        until(lambda: d.first(lab, "node_recovered", t2), 300, "D recovered on the pool node", lab.hosts["d1"].job)
+        on_pool = [r for r, p in d.pids().items() if p[-1] not in (pids0[r],)]
+        pool_workers = [p[-1] for r, p in d.pids().items() if r in on_pool]
+        t3 = kill_host(lab.hosts["p"].job)
+        waiting = until(lambda: d.first(lab, "pool_waiting", t3), 300, "D waiting for the pool", lab.hosts["d1"].job)
+        out["claimed_killed_D_waiting_s"] = round(waiting["time"] - t3, 2)
+        out["claimed_killed_D_said"] = waiting.get("reason")
+        until(gone, 120, "the killed claimed pool node left the pool")
+        out["claimed_killed_left_pool_s"] = round(time.time() - t3, 2)
+        t4 = time.time()
+        restart_pool_node(lab, "p", "poolnode1")
+        again = until(lambda: d.first(lab, "node_recovered", t4), args.timeout, "D recovered on the pool node again",
+                      lab.hosts["d1"].job)
+        out["node_back_to_D_training_s"] = round(again["time"] - t4, 2)
+        out["D_exit"] = lab.hosts["d1"].job.wait(args.timeout)
+        until(free, 120, "the pool node idle again after D")
+        try:
+            assert_bit_exact(Job(argv=[], out=d.train), ref, RANKS, relogged_by=[*d2_workers, *pool_workers])
+            out["D_bit_identical"] = True
+        except AssertionError as exc:
+            out["D_bit_identical"] = f"no: {exc}"
+        now = d.pids()
+        out["D_survivors_kept_pids"] = all(now[r] == [pid] for r, pid in pids0.items() if pid not in d2_workers)
+        out["history"] = [(h.event, (h.job or "")[:1]) for h in sorted(lab.pool("read")[2], key=lambda h: h.time)]
+        out["status_json"] = summarize_status(lab.status())
+        out["double_held"] = sampler.bad
+        out["samples"] = sampler.samples
+        out["ok"] = (out["D_exit"] == 0 and out["D_bit_identical"] is True and out["D_survivors_kept_pids"]
+                     and not sampler.bad)
+        return out
+    except AssertionError as exc:
+        out.update(ok=False, error=str(exc)[-4000:])
+        out["tails"] = {h.name: h.job.log()[-2500:] for h in lab.hosts.values() if h.jobs}
+        return out
+    finally:
+        if sampler is not None:
+            sampler.close()
+        lab.close()
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            out["work"] = work
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="what", required=True)
@@ -374,9 +534,29 @@ def main() -> None:
     s.add_argument("--pool-wait-b", type=float, default=400, help="B's finite --pool-wait")
     s.add_argument("--timeout", type=float, default=600, help="a deadline that only catches a hang")
     s.add_argument("--keep", action="store_true", help="keep the work directory")
+    s.add_argument("--tag", default=None, help="the namespaces' name tag (tp<tag>-h<i>; default random)")
+    h = sub.add_parser("heal")
+    h.add_argument("--steps", type=int, default=300)
+    h.add_argument("--step-sleep", type=float, default=0.3)
+    h.add_argument("--lease-ttl", type=int, default=5)
+    h.add_argument("--pool-wait-b", type=float, default=400, help="D's finite --pool-wait")
+    h.add_argument("--timeout", type=float, default=600, help="a deadline that only catches a hang")
+    h.add_argument("--keep", action="store_true", help="keep the work directory")
+    h.add_argument("--tag", default=None, help="the namespaces' name tag (tp<tag>-h<i>; default random)")
     args = p.parse_args()
     if not NetLab.available():
         raise SystemExit("needs root and iproute2 (network namespaces)")
+    if args.what == "heal":
+        res = heal(args)
+        for k, v in res.items():
+            if k != "tails":
+                print(f"  {k}: {v}")
+        for host, tail in res.get("tails", {}).items():
+            print(f"  --- {host} tail ---\n{tail}")
+        print(json.dumps({k: v for k, v in res.items() if k != "tails"}, default=str))
+        if not res["ok"]:
+            raise SystemExit(1)
+        return
     rows = share(args)
     print(json.dumps({"trials": [{k: v for k, v in r.items() if k not in ("said", "tails")} for r in rows]},
                      default=str))
