@@ -1,6 +1,6 @@
 """Issue 24's acceptance on separate hosts: two jobs sharing one pool node, real agents, network namespaces.
 
-    .venv/bin/python bench/pool_acceptance.py share [--trials 1] [--steps 400] [--step-sleep 0.5]
+    .venv/bin/python bench/pool_acceptance.py share [--trials 1] [--steps 600] [--step-sleep 0.5]
     .venv/bin/python bench/pool_acceptance.py heal
     .venv/bin/python bench/pool_acceptance.py race [--trials 20]
 
@@ -17,8 +17,9 @@ it rejoins A as a spare node, ``--migrate-back`` moves the pool node's ranks hom
 claims it and recovers live. Both jobs end ``torch.equal`` to plain torchrun, survivors keep their processes. The
 timeline and the consoles' one-liners are printed; the last line is JSON.
 
-``heal``: a pool node SIGKILLed while idle and while claimed, a claimer killed mid-claim: the claims expire with the
-leases, nothing hangs, nothing is double-held (``tpassctl pool status --json`` and the history).
+``heal``: a pool node SIGKILLed while idle (its record leaves with its lease) and while it runs a job's ranks (the job
+waits; the node started again serves it), a claimer killed mid-claim (the claim expires with its lease): nothing
+hangs, nothing is double-held (``tpassctl pool status --json``, the history, the pool sampled twice a second).
 
 ``race``: ``bench/pool_race.py`` with real agents: A and B lose a node at the same instant, one idle pool node;
 exactly one claim wins (the count over ``--trials``).
@@ -301,7 +302,8 @@ def main() -> None:
     s = sub.add_parser("share")
     s.add_argument("--trials", type=int, default=1)
     s.add_argument("--seed", type=int, default=None)
-    s.add_argument("--steps", type=int, default=400)
+    s.add_argument("--steps", type=int, default=600,
+                   help="A must still train when p is given back (67 s after a2's restart at load 18)")
     s.add_argument("--step-sleep", type=float, default=0.5)
     s.add_argument("--lease-ttl", type=int, default=5)
     s.add_argument("--pool-wait-a", type=float, default=120)
