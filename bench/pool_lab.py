@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shutil
@@ -62,7 +63,8 @@ class Lab:
                 ns, _outer, inner, _ = self.net.hosts[i]
                 for args in (("link", "set", inner, "down"), ("link", "set", inner, "name", IFACE),
                              ("link", "set", IFACE, "up")):
-                    NetLab._ip(*args, ns=ns)
+                    subprocess.run(["ip", "netns", "exec", ns, "ip", *args], check=True, capture_output=True,
+                                   timeout=30)
                 self.hosts[name] = Host(name, i, addr)
             self.etcd = EtcdServer(self.net.gateway).start()
         except BaseException:
@@ -125,7 +127,8 @@ def until(pred: Callable[[], Any], timeout: float, what: str, *watch: Job) -> An
             return got
         for j in watch:
             if j.proc is not None and j.proc.poll() is not None:
-                raise AssertionError(f"{what}: {j.argv[4:8]} exited {j.proc.returncode}:\n{j.log()[-3000:]}")
+                raise AssertionError(f"{what}: the agent on {j.argv[10]} exited {j.proc.returncode}:\n"
+                                     f"{j.log()[-3000:]}")
         if time.monotonic() > deadline:
             raise AssertionError(f"{what}: not within {timeout:.0f} s")
         time.sleep(0.2)
@@ -137,7 +140,6 @@ class JobRun:
 
     name: str
     hosts: tuple[str, str]
-    argv: list[str]
     train: str
     env: dict[str, str]
 
@@ -178,7 +180,7 @@ def job_argv(lab: Lab, name: str, host: str, train: str, args: argparse.Namespac
 def start_job(lab: Lab, name: str, hosts: tuple[str, str], args: argparse.Namespace, pool_wait: float) -> JobRun:
     train = os.path.join(lab.work, f"train-{name}")
     env = {"TPASSRUN_POOL_KEY": POOL_KEY, "TPASSRUN_RUN_KEY": f"run-key-of-job-{name}-" + uuid.uuid4().hex}
-    run = JobRun(name, hosts, [], train, env)
+    run = JobRun(name, hosts, train, env)
     for h in hosts:
         lab.run_on(h, job_argv(lab, name, h, train, args, pool_wait), os.path.join(lab.work, h), env)
     return run
@@ -190,12 +192,11 @@ def kill_host(job: Job) -> float:
     assert job.proc is not None
     pids = [s["pid"] for e in job.events() if e["event"] == "workers_started" for s in e["slots"]]
     when = time.time()
-    for kill in (lambda: os.killpg(job.proc.pid, signal.SIGKILL), *(lambda p=p: os.kill(p, signal.SIGKILL)
-                                                                    for p in pids)):
-        try:
-            kill()
-        except ProcessLookupError:
-            pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(job.proc.pid, signal.SIGKILL)
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
     job.proc.wait(10)
     return when
 
@@ -209,7 +210,9 @@ def restart_host(lab: Lab, host: str) -> Job:
     return job
 
 
-def said(job: Job, since_text: str = "") -> list[str]:
+def said(job: Job) -> list[str]:
+    """The console lines of ``job``'s host (its first agent's too, when it was started again) about the pool and the
+    recoveries."""
     text = job.log()
     if os.path.exists(job.log_path + ".1"):
         with open(job.log_path + ".1", errors="replace") as fh:
@@ -234,9 +237,8 @@ def reference(args: argparse.Namespace, work: str) -> Job:
 
 
 class Sampler:
-    """Reads the pool every half second while a scenario runs: what it saw that must never be (a node serving one job
-    while claimed by another, two spare nodes at once on one pool node), and when each node was first seen gone,
-    idle, claimed."""
+    """Reads the pool every half second while a scenario runs and keeps what must never be: a node serving one job
+    while claimed by another, two spare nodes at once on one pool node."""
 
     def __init__(self, lab: Lab, pool_jobs: dict[str, Job]) -> None:
         self.lab, self.pool_jobs = lab, pool_jobs
