@@ -244,10 +244,29 @@ def heal(args: argparse.Namespace) -> dict[str, Any]:
             out["work"] = work
 
 
+def race_trial(lab: Lab, i: int, args: argparse.Namespace) -> dict[str, Any]:
+    """One trial of :func:`race` on a started lab whose pool node is idle; returns its row."""
+    jobs = {n: start_job(lab, f"{n}{i}", (f"{n.lower()}1", f"{n.lower()}2"), args, 300) for n in "AB"}
+    agents = [lab.hosts[h].job for h in ("a1", "a2", "b1", "b2")]
+    until(lambda: all(j.min_step() >= 3 for j in jobs.values()), 300, "both jobs past step 3", *agents)
+    order = ["a2", "b2"] if i % 2 == 0 else ["b2", "a2"]
+    t0 = min(kill_host(lab.hosts[h].job) for h in order)
+    said_ = {n: until(lambda j=j: j.first(lab, "pool_claimed", t0) or j.first(lab, "pool_waiting", t0), 180,
+                      f"job {n} asked the pool") for n, j in jobs.items()}
+    claims = sorted(c.job.split("-")[0] for c in lab.pool("read")[0].claims.values())
+    winners = sorted(n for n, e in said_.items() if e["event"] == "pool_claimed")
+    losers = {n: e.get("reason", "") for n, e in said_.items() if e["event"] == "pool_waiting"}
+    return {"trial": i + 1, "first_killed": order[0], "claims": claims, "winners": winners, "losers": losers,
+            "one_winner": len(winners) == 1 and claims == [f"{winners[0]}{i}"] and
+            all("claimed" in r for r in losers.values())}
+
+
 def race(args: argparse.Namespace) -> dict[str, Any]:
-    """Jobs A and B (fresh each trial) each lose a node at the same instant (b2 SIGKILLed right after a2), one idle
-    pool node: exactly one claim wins, the other job is told the pool is claimed and waits; then every agent and the
-    pool node are killed (the claim expires with the winner's lease) and the pool node is started again."""
+    """Jobs A and B (fresh each trial) each lose a node at the same instant (b2 SIGKILLed right after a2, or the other
+    way round), one idle pool node: exactly one claim wins, the other job is told the pool is claimed and waits; then
+    every agent and the pool node are killed (the claim expires with the winner's lease) and the pool node is started
+    again. A trial that does not get there (a deadline that only catches a hang) counts as failed, with the hosts'
+    consoles printed, and the next one starts."""
     work = tempfile.mkdtemp(prefix="tpassrun-poolrace-")
     lab = Lab(["a1", "a2", "b1", "b2", "p"], work, args.tag)
     rows: list[dict[str, Any]] = []
@@ -261,25 +280,19 @@ def race(args: argparse.Namespace) -> dict[str, Any]:
                 restart_pool_node(lab, "p", "poolnode1")
             until(lambda: idle_and_free(lab) and "poolnode1" in lab.pool("read")[0].nodes, 120, "pool node idle")
             sampler.pool_jobs = {"poolnode1": lab.hosts["p"].job}
-            jobs = {n: start_job(lab, f"{n}{i}", (f"{n.lower()}1", f"{n.lower()}2"), args, 300) for n in "AB"}
-            until(lambda jobs=jobs: all(j.min_step() >= 3 for j in jobs.values()), 300, "both jobs past step 3")
-            order = ["a2", "b2"] if i % 2 == 0 else ["b2", "a2"]
-            t0 = min(kill_host(lab.hosts[h].job) for h in order)
-            said_ = {n: until(lambda j=j, t0=t0: j.first(lab, "pool_claimed", t0) or j.first(lab, "pool_waiting", t0),
-                              180,
-                              f"job {n} asked the pool") for n, j in jobs.items()}
-            view = lab.pool("read")[0]
-            claims = sorted(c.job.split("-")[0] for c in view.claims.values())
-            winners = sorted(n for n, e in said_.items() if e["event"] == "pool_claimed")
-            losers = {n: e.get("reason", "") for n, e in said_.items() if e["event"] == "pool_waiting"}
-            row = {"trial": i + 1, "first_killed": order[0], "claims": claims, "winners": winners, "losers": losers,
-                   "one_winner": len(winners) == 1 and claims == [f"{winners[0]}{i}"] and
-                   all("claimed" in r for r in losers.values())}
+            try:
+                row = race_trial(lab, i, args)
+                print(f"trial {i + 1}: {row['first_killed']} killed first; claim won by {row['winners']}; the other "
+                      f"told: {list(row['losers'].values())}", flush=True)
+            except AssertionError as exc:
+                row = {"trial": i + 1, "one_winner": False, "winners": [], "error": str(exc)[:300]}
+                print(f"trial {i + 1}: FAILED: {str(exc)[:2000]}", flush=True)
+                for h in lab.hosts.values():
+                    print(f"--- {h.name} ---\n{h.job.log()[-1500:]}", flush=True)
             rows.append(row)
-            print(f"trial {i + 1}: {order[0]} killed first; claim won by {winners}; the other told: "
-                  f"{list(losers.values())}", flush=True)
-            for h in ("a1", "b1", "p"):
-                kill_host(lab.hosts[h].job)
+            for h in lab.hosts.values():
+                if h.job.proc is not None and h.job.proc.poll() is None:
+                    kill_host(h.job)
             until(lambda: "poolnode1" not in lab.pool("read")[0].nodes and not lab.pool("read")[0].claims, 120,
                   "the pool node and the claim gone with their leases")
         good = sum(r["one_winner"] for r in rows)
@@ -294,7 +307,6 @@ def race(args: argparse.Namespace) -> dict[str, Any]:
             sampler.close()
         lab.close()
         shutil.rmtree(work, ignore_errors=True)
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
