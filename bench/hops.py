@@ -14,8 +14,8 @@ It measures the tree whose ``tpassrun`` the interpreter imports, with that tree'
 (the names through it, so an older tree runs this too). Before the renovation (the tree before c0a17c6; an
 interpreter importing tpassrun from it, bench/README.md's "Hop counts" says how it was made)::
 
-    git worktree add /work/wt/hops-old c0a17c6^
-    /work/wt/hops-old/.venv/bin/python bench/hops.py
+    git worktree add ../tpassrun-before c0a17c6^
+    ../tpassrun-before/.venv/bin/python bench/hops.py
 """
 
 from __future__ import annotations

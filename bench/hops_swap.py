@@ -30,8 +30,8 @@ interpreter whose ``tpassrun``, ``tpassrun.rendezvous`` and ``tpassrun.health`` 
 start: ``PYTHONPATH=<old tree>`` alone is not enough, this venv's editable install maps the two sub-packages to
 this tree; bench/README.md's "Hop counts" says how that venv was made), the tracer from this tree::
 
-    git worktree add /work/wt/hops-old c0a17c6^
-    python bench/hops_swap.py --tree /work/wt/hops-old --python /work/wt/hops-old/.venv/bin/python
+    git worktree add ../tpassrun-before c0a17c6^
+    python bench/hops_swap.py --tree ../tpassrun-before --python ../tpassrun-before/.venv/bin/python
 
 Figures (2026-11-29, ``--runs 3`` each, load average 10-25; medians, taint -> commit, all 7 processes):
 
