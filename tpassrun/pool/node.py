@@ -27,7 +27,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
+from tpassrun.settings.envnames import CUDA_VISIBLE_DEVICES, TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
 from tpassrun.pool.etcd import Pool
 from tpassrun.pool.plan import (PREEMPT_GRACE_S, BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen,
                                 Evict, Keep, NodeEvent, NodeState, Phase, PreemptSeen, Refuse, StartSpare, StopSpare,
@@ -58,11 +58,23 @@ def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable,
     return argv + [spec.entrypoint, *spec.args]
 
 
+# What names this host's own devices and links: a value the pool node has wins over the one the job shipped (a job's
+# GLOO_SOCKET_IFNAME names its hosts' NIC, which this host may not have); one the pool node lacks comes from the job
+HOST_LOCAL = frozenset({CUDA_VISIBLE_DEVICES, "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                        "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_TOPO_FILE", "UCX_NET_DEVICES"})
+HOST_LOCAL_SUFFIXES = ("_SOCKET_IFNAME",)       # GLOO_, NCCL_, TP_ (tensorpipe), NVSHMEM_BOOTSTRAP_UID_, ...
+
+
+def host_local(name: str) -> bool:
+    return name in HOST_LOCAL or name.endswith(HOST_LOCAL_SUFFIXES)
+
+
 def spare_node_env(spec: JobSpec, base: dict[str, str], run_key: str | None) -> dict[str, str]:
-    """The node's own environment (paths, devices), the job's worker environment over it, the job's run key (opened
-    from the claim's box); never the pool key."""
+    """The node's own environment (paths, devices), the job's worker environment over it except the host-local
+    variables the node sets itself (:func:`host_local`), the job's run key (opened from the claim's box); never the
+    pool key."""
     env = {k: v for k, v in base.items() if k != TPASSRUN_POOL_KEY}
-    env.update(spec.env)
+    env.update({k: v for k, v in spec.env.items() if not (host_local(k) and k in base)})
     env.pop(TPASSRUN_RUN_KEY, None)
     if run_key:
         env[TPASSRUN_RUN_KEY] = run_key
