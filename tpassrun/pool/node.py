@@ -45,9 +45,10 @@ _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, 
 
 
 def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable, parent: int | None = None,
-                    member: bool = False) -> list[str]:
+                    member: bool = False, local_addr: str | None = None) -> list[str]:
     """The job's ``--spare-node`` launch line (pure), or with ``member`` one of its member nodes' (the same line
-    without ``--spare-node``, as the job's own nodes run it); with ``parent``, it dies with that process."""
+    without ``--spare-node``, as the job's own nodes run it); with ``parent``, it dies with that process; with
+    ``local_addr`` (``tpassctl pool join --local-addr``), it advertises that address."""
     wrap = [python, "-c", _DIE_WITH_PARENT, str(parent), python] if parent is not None else [python]
     role = [] if member else ["--spare-node"]
     argv = [*wrap, "-m", "tpassrun", *role, "--nnodes", spec.nnodes, "--nproc-per-node",
@@ -55,6 +56,8 @@ def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable,
             "--rdzv-id", spec.run_id, "--max-restarts", str(spec.max_restarts), "--event-log", event_log]
     if spec.rdzv_conf:
         argv += ["--rdzv-conf", spec.rdzv_conf]
+    if local_addr:
+        argv += ["--local-addr", local_addr]
     return argv + [spec.entrypoint, *spec.args]
 
 
@@ -84,8 +87,8 @@ def spare_node_env(spec: JobSpec, base: dict[str, str], run_key: str | None) -> 
 class PoolNodeLoop:
     def __init__(self, pool: Pool, node: PoolNode, *, say: Callable[[str], None] = print,
                  base_env: dict[str, str] | None = None, python: str = sys.executable,
-                 preempt_grace: float = PREEMPT_GRACE_S) -> None:
-        self.pool, self.say, self.python = pool, say, python
+                 preempt_grace: float = PREEMPT_GRACE_S, local_addr: str | None = None) -> None:
+        self.pool, self.say, self.python, self.local_addr = pool, say, python, local_addr
         self.preempt_grace = preempt_grace
         self.record = node
         self.state = NodeState(node.node_id, node.nproc)
@@ -192,7 +195,8 @@ class PoolNodeLoop:
         self.served.append(spec.run_id)
         await self._register(SERVING, spec.run_id)
         self.child = await asyncio.create_subprocess_exec(
-            *spare_node_argv(spec, event_log, self.python, os.getpid(), member=action.claim.kind == MEMBER),
+            *spare_node_argv(spec, event_log, self.python, os.getpid(), member=action.claim.kind == MEMBER,
+                             local_addr=self.local_addr),
             env=spare_node_env(spec, self.base_env, run_key), cwd=spec.cwd or None, start_new_session=True)
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
