@@ -2,9 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
+from dataclasses import replace
+from typing import Awaitable, Callable
+
 import pytest
 
+from test_pool_races import POOL_KEY, _HostlessPoolNode
+from test_pool_races import SPEC as RACE_SPEC
 from tpassrun.launch.config import parse_args
+from tpassrun.pool import Pool, PoolKeys, PoolNode, PoolView, pool_prefix
+from tpassrun.pool.job import JobPool
+from tpassrun.pool.plan import ChildExited, ChildJoined, ChildStarted, JobNeed, Phase, plan_job
+from tpassrun.records.pool import IDLE, SERVING, Claim
+from tpassrun.rendezvous import EtcdConfig, EtcdStore
+from tpassrun.settings import LaunchConfig
 from tpassrun.pool.ctl import check_local_addr
 from tpassrun.pool.node import host_local, spare_node_argv, spare_node_env
 from tpassrun.records.pool import JobSpec
@@ -49,3 +63,131 @@ def test_pool_join_local_addr_reaches_the_nodes_it_starts_and_bad_input_is_one_l
         assert main(["pool", "join", "p", "--rdzv-endpoint", "127.0.0.1:1", f"--local-addr={bad}"]) == 1
         err = capsys.readouterr().err
         assert err.startswith("tpassctl pool: error: --local-addr") and err.count("\n") == 1, err
+
+
+class _Node(_HostlessPoolNode):
+    """The race tests' pool node (the spare node's start recorded, not run) whose recorded spare node exits when
+    it is stopped, as a real one does."""
+
+    async def _stop_child(self, why: str, grace: float = 0.0) -> None:
+        if self.phase is Phase.STOPPING:
+            self.events.put_nowait(ChildExited(0))
+
+
+async def _until(cond, what: str) -> None:  # type: ignore[no-untyped-def]
+    for _ in range(1000):
+        if await cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"never: {what}")
+
+
+@contextlib.asynccontextmanager
+async def _pool_and_leader(endpoint: str, name: str):  # type: ignore[no-untyped-def]
+    """A pool ``name`` and job jobA's leader on its own lease; yields (pool, the leader's JobPool, start a pool node
+    p1 -> (its loop, stop it as a death does: its loop and its lease gone))."""
+    cfg = EtcdConfig.from_endpoint(endpoint, {"read_timeout": "10"})
+    keys = PoolKeys(pool_prefix("/tpassrun/v1", name))
+    started: list[tuple[asyncio.Task[None], EtcdStore]] = []
+
+    async def start() -> tuple[_Node, Callable[[], Awaitable[None]]]:
+        store = EtcdStore(cfg, lease_ttl=10)
+        await store.open()
+        loop = _Node(Pool(store, keys, POOL_KEY, name), PoolNode("p1", "h", 2, time.time()), say=lambda _s: None)
+        task = asyncio.create_task(loop.run(asyncio.Event()))
+        started.append((task, store))
+
+        async def die() -> None:
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+            await store.close()
+        await _until(lambda: _registered(pool, ""), "p1 in the pool")
+        return loop, die
+
+    async with EtcdStore(cfg) as admin, EtcdStore(cfg, lease_ttl=10) as leader:
+        pool = Pool(admin, keys, POOL_KEY, name)
+        assert await pool.create()
+        job = JobPool(pool=Pool(leader, keys, POOL_KEY, name), spec=RACE_SPEC, node_id="leader-a",
+                      cfg=LaunchConfig(rdzv_id="jobA", spare_pool=name, training_script="t.py", nproc_per_node=2,
+                                       pool_wait=60.0))
+        try:
+            yield pool, job, start
+        finally:
+            for task, store in started:
+                task.cancel()
+                with contextlib.suppress(BaseException):
+                    await task
+                await store.close()
+            await pool.delete()
+
+
+async def _registered(pool: Pool, state: str, agent: str | None = None) -> bool:
+    rec = (await pool.read())[0].nodes.get("p1")
+    return rec is not None and state in ("", rec.state) and (agent is None or rec.agent == agent)
+
+
+async def _joined(pool: Pool, node: _Node, agent: str) -> None:
+    """p1's spare node (recorded) starts and joins jobA as ``agent``, as its event log would say."""
+    await _until(lambda: _registered(pool, SERVING), "p1 serving")
+    node.events.put_nowait(ChildStarted(agent))
+    node.events.put_nowait(ChildJoined(agent))
+    await _until(lambda: _registered(pool, SERVING, agent), f"p1's record naming {agent}")
+
+    async def noted() -> bool:
+        return any(h.event == "joined" for h in (await pool.read())[2])
+    await _until(noted, "p1's joined in the history")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("back", ["after the leader looked", "before the leader looked"])
+def test_a_claimed_pool_node_that_died_is_claimed_afresh_not_served_from_the_dead_claim(etcd_server, run_id, back):
+    """The acceptance on separate hosts (heal): p, claimed by job D, SIGKILLed while it ran D's ranks. D's claim is
+    bound to D's leader's lease, so it stayed: D was told `all 1 pool node(s) are claimed` (its own claim, on a dead
+    node), and p, started again, served D from that old claim (history: joined twice, no second claimed). Now the
+    leader drops its claim on a pool node that left the pool, or whose spare node the job lost (p back already,
+    serving the old claim: its spare node is stopped), and claims it afresh once it is idle."""
+    async def main() -> tuple[list[str], list[str], list[str]]:
+        async with _pool_and_leader(etcd_server.endpoint, run_id) as (pool, job, start):
+            said: list[str] = []
+            say = lambda ev, **f: said.append(f"{ev}: {f.get('reason')}")  # noqa: E731
+            node, die = await start()
+            await job.need(("node-b",), 0, say)
+            assert said[-1].startswith("pool_claimed"), said
+            await _joined(pool, node, "pa-1")
+            await job.need(("node-b",), 0, say, job_lost=("node-b",))      # a tick of the recovery onto p1
+            await die()                                                     # p1 dies holding jobA's ranks
+            lost = ("node-b", "pa-1")
+            if back == "before the leader looked":
+                node, die = await start()                                   # back, and it sees jobA's old claim
+                await _until(lambda: _registered(pool, SERVING), "p1 serving the old claim")
+            await job.need(("pa-1",), 0, say, job_lost=lost)
+            if back == "after the leader looked":
+                assert not (await pool.read())[0].claims
+                node, die = await start()
+            await _until(lambda: _registered(pool, IDLE), "p1 idle with no claim")
+            await job.need(("pa-1",), 0, say, job_lost=lost)
+            await _until(lambda: _registered(pool, SERVING), "p1 serving the new claim")
+            view, _, history = await pool.read()
+            assert [c.job for c in view.claims.values()] == ["jobA"] and job.held == {"pa-1": "p1"}
+            return said, [h.event for h in sorted(history, key=lambda h: h.time)], node.served
+
+    said, history, served = asyncio.run(main())
+    assert not [s for s in said if "are claimed" in s], said
+    assert any("pool node p1 left the pool" in s or "its spare node pa-1 was lost" in s for s in said), said
+    assert said[-1].startswith("pool_claimed"), said
+    assert history[:3] == ["claimed", "joined", "released"] and history[-1] == "claimed", history
+    # back before the leader looked, it started a spare node for the old claim, stopped when the claim was dropped
+    assert served == (["jobA"] if back == "after the leader looked" else ["jobA", "jobA"])
+
+
+def test_the_job_is_never_told_its_own_claim_is_someone_elses():
+    mine = Claim(node_id="p1", job="jobA", claimer="l", priority=0, since=1.0, reason="node b lost")
+    theirs = replace(mine, node_id="p2", job="jobB")
+    need = JobNeed(job="jobA", priority=0, nproc=2, since=0.0, wait_limit=60.0)
+    nodes = {n: PoolNode(n, "h", 2, 0.0, state=SERVING) for n in ("p1", "p2", "p3")}
+    why = plan_job(need, PoolView(nodes=nodes, claims={"p1": mine, "p2": theirs}), 1.0).reason
+    assert why.startswith("no pool node is free (1 claimed by other jobs, 1 already this job's, 1 not idle yet") and \
+        "are claimed" not in why, why
+    assert "all 1 pool node(s) are claimed" in plan_job(need, PoolView(nodes={"p2": nodes["p2"]},
+                                                                        claims={"p2": theirs}), 1.0).reason

@@ -121,14 +121,30 @@ def plan_job(need: JobNeed, view: PoolView, now: float) -> JobAction:
             return Preempt(v.node_id, v.job, f"the pool has no idle node; pre-empting pool node {v.node_id} from "
                                              f"job {v.job} (priority {v.priority} < {need.priority})",
                            victim_priority=v.priority)
-    fits = sum(1 for n in view.nodes.values() if n.nproc >= need.nproc)
-    why = ("the pool has no node" if not view.nodes else
-           f"no pool node has {need.nproc} slots" if not fits else
-           f"all {fits} pool node(s) are claimed")
+    why = _none_free(need, view)
     waited = now - need.since
     if waited < need.wait_limit:
         return WaitForPool(f"{why}: waiting for the pool ({waited:.0f} of {need.wait_limit:.0f} s)")
     return Restart(f"{why} (waited {waited:.0f} s): restarting as torchrun does")
+
+
+def _none_free(need: JobNeed, view: PoolView) -> str:
+    """Why no pool node can be claimed for ``need`` (pure): "claimed" counts other jobs' claims only, never this
+    job's own (one it holds for another loss, or one it has not dropped yet)."""
+    fits = [n.node_id for n in view.nodes.values() if n.nproc >= need.nproc]
+    if not view.nodes:
+        return "the pool has no node"
+    if not fits:
+        return f"no pool node has {need.nproc} slots"
+    jobs = [view.claims[n].job if n in view.claims else None for n in fits]
+    others = sum(1 for j in jobs if j is not None and j != need.job)
+    if others == len(fits):
+        return f"all {len(fits)} pool node(s) are claimed"
+    own, unclaimed = jobs.count(need.job), jobs.count(None)
+    parts = [f"{others} claimed by other jobs" if others else "",
+             f"{own} already this job's" if own else "",
+             f"{unclaimed} not idle yet (starting, or serving a job whose claim is gone)" if unclaimed else ""]
+    return f"no pool node is free ({', '.join(p for p in parts if p)})"
 
 
 def plan_members(view: PoolView, want: int, nproc: int) -> tuple[list[str], str]:
