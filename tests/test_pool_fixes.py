@@ -4,21 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
+import types
 from dataclasses import replace
 from typing import Awaitable, Callable
 
 import pytest
 
-from test_pool_races import POOL_KEY, _HostlessPoolNode
+from test_pool_races import POOL_KEY, _HostlessPoolNode, _port
+from tpassrun.agent import given_back_reason
+from tpassrun.ops.console import Describer, summary_lines
 from test_pool_races import SPEC as RACE_SPEC
 from tpassrun.launch.config import parse_args
 from tpassrun.pool import Pool, PoolKeys, PoolNode, PoolView, pool_prefix
 from tpassrun.pool.job import JobPool
-from tpassrun.pool.plan import ChildExited, ChildJoined, ChildStarted, JobNeed, Phase, plan_job
+from tpassrun.pool.plan import (BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen, JobNeed,
+                                NodeState, Phase, StopSpare, plan_job, plan_node)
 from tpassrun.records.pool import IDLE, SERVING, Claim
 from tpassrun.rendezvous import EtcdConfig, EtcdStore
 from tpassrun.settings import LaunchConfig
+from tpassrun.swapper import Swapper
 from tpassrun.pool.ctl import check_local_addr
 from tpassrun.pool.node import host_local, spare_node_argv, spare_node_env
 from tpassrun.records.pool import JobSpec
@@ -191,3 +197,72 @@ def test_the_job_is_never_told_its_own_claim_is_someone_elses():
         "are claimed" not in why, why
     assert "all 1 pool node(s) are claimed" in plan_job(need, PoolView(nodes={"p2": nodes["p2"]},
                                                                         claims={"p2": theirs}), 1.0).reason
+
+
+# ---------------------------------------------------------------------------------------------- the give-back
+def test_a_give_back_stops_the_spare_node_as_given_back_and_the_node_says_so():
+    claim = Claim(node_id="p1", job="jobA", claimer="l", priority=0, since=1.0, reason="node b lost", spec=RACE_SPEC)
+    state, act = plan_node(NodeState("p1", 2), ClaimSeen(claim), 2.0)
+    state, act = plan_node(state, ChildJoined("pa-1"), 3.0)
+    why = "its ranks [2, 3] moved home to the job's own spares"
+    state, act = plan_node(state, ClaimSeen(replace(claim, released=why)), 4.0)
+    assert isinstance(act, StopSpare) and act.given_back == why
+    state, act = plan_node(state, ChildExited(0), 5.0)
+    assert isinstance(act, BecomeIdle) and "left, given back" in act.reason and "exited" not in act.reason, act
+    # a claim gone before the node joined is no give-back: torchrun's SIGTERM, as before
+    state, _ = plan_node(NodeState("p1", 2), ClaimSeen(claim), 2.0)
+    state, act = plan_node(state, ClaimGone("its claimer's lease expired"), 3.0)
+    assert isinstance(act, StopSpare) and not act.given_back
+
+
+def test_only_a_marked_sigterm_to_a_node_holding_no_rank_is_a_give_back(tmp_path):
+    marker = tmp_path / "p.given-back"
+    assert given_back_reason(str(marker), holds_rank=False) == ""          # not written: torchrun's SIGTERM
+    assert given_back_reason("", holds_rank=False) == ""                   # not a pool node's spare node
+    marker.write_text("its ranks [2, 3] moved home")
+    assert given_back_reason(str(marker), holds_rank=True) == ""           # a rank runs here: never
+    assert given_back_reason(str(marker), holds_rank=False) == "its ranks [2, 3] moved home"
+
+
+def test_the_consoles_say_given_back_not_failed_nor_lost():
+    """The acceptance on separate hosts: after a give-back the spare node's summary said `goodput not counted: the
+    run failed (its progress ... is lost)`, the pool node `exited (1)` and the job's console `node p lost`."""
+    spare = Describer()
+    line = spare.describe({"event": "pool_given_back", "reason": "its ranks [2, 3] moved home", "time": 1.0,
+                           "mono": 1.0, "node": "pa-1"})
+    assert line is not None and "given back to the spare pool (its ranks [2, 3] moved home)" in line
+    summary = " ".join(summary_lines(spare.tally, 0))
+    assert "given back to the spare pool" in summary and "failed" not in summary, summary
+    assert "the run failed" in " ".join(summary_lines(Describer().tally, 1))     # torchrun's exit: as before
+    job = Describer()
+    left = job.describe({"event": "pool_node_left", "lost_node": "pa-1", "pool": "P", "pool_node": "p1",
+                         "time": 2.0, "mono": 2.0, "node": "a1"})
+    assert left is not None and "pool node p1 left the job as given back to pool P" in left and "lost" not in left
+
+
+@pytest.mark.timeout(120)
+def test_the_leader_expects_its_given_back_pool_node_to_leave_and_the_pool_node_marks_the_sigterm(
+        etcd_server, run_id, tmp_path):
+    async def main() -> tuple[list[tuple[str, dict]], str, list[str]]:
+        async with _pool_and_leader(etcd_server.endpoint, run_id) as (pool, job, start):
+            node, _die = await start()
+            node._given_back_file = str(tmp_path / "p1.given-back")     # what _start sets for a real child
+            said: list[tuple[str, dict]] = []
+            say = lambda ev, **f: said.append((ev, f))  # noqa: E731
+            await job.need(("node-b",), 0, say)
+            await _joined(pool, node, "pa-1")
+            assert await job.agents() == {"pa-1": "p1"}
+            assert await job.give_back("p1", "its ranks [2, 3] moved home", say)
+            await _until(lambda: _registered(pool, IDLE), "p1 idle again")
+            swapper = Swapper(dataclasses.replace(_port(job.pool.store, f"/tpassrun/v1/{run_id}/"),
+                                                  events=types.SimpleNamespace(write=say)))
+            swapper.coordinator.pool = job
+            assert await swapper.on_node_lost("pa-1")                   # its lease goes as it leaves
+            history = [h.detail for h in sorted((await pool.read())[2], key=lambda h: h.time) if h.event == "idle"]
+            return said, (tmp_path / "p1.given-back").read_text(), history
+
+    said, marker, idle = asyncio.run(main())
+    assert ("pool_node_left", {"lost_node": "pa-1", "pool": run_id, "pool_node": "p1"}) in said, said
+    assert not [ev for ev, _f in said if ev == "node_lost"], said
+    assert marker == "its ranks [2, 3] moved home"
+    assert idle and "left, given back (its ranks [2, 3] moved home" in idle[-1], idle

@@ -85,6 +85,8 @@ class JobPool:
     used: dict[str, tuple[int, ...]] = field(default_factory=dict)    # a pool node (the job's id for it) -> the ranks
                                                                       # it ran (plan.giveback)
     agent_of: dict[str, str] = field(default_factory=dict)      # a pool node claimed -> its spare node's id in the job
+    given_back: dict[str, str] = field(default_factory=dict)    # the spare node's id of a pool node given back -> the
+                                                                # pool node (its leaving is expected: not a loss)
 
     @property
     def name(self) -> str:
@@ -159,7 +161,7 @@ class JobPool:
         held for: the pool node, once back and idle, is claimed afresh like any other. -> pool node: why."""
         out: dict[str, str] = {}
         for pool_node, claim in sorted(view.claims.items()):
-            if claim.job != self.cfg.rdzv_id:
+            if claim.job != self.cfg.rdzv_id or claim.released:     # given back: its spare node leaves as planned
                 continue
             record = view.nodes.get(pool_node)
             why = silent_pool_node(record, job_lost, self.agent_of.get(pool_node, ""))
@@ -227,7 +229,12 @@ class JobPool:
         any more (nothing to give back; the node returns when its spare node exits)."""
         view, _, _ = await self.pool.read()
         claim = view.claims.get(pool_node)
+        leaving = {a: p for p, a in self.agent_of.items() if p == pool_node}
+        self.given_back.update(leaving)         # before the release: the pool node stops its spare node on it
         done = claim is not None and claim.job == self.cfg.rdzv_id and await self.pool.give_back(claim, why)
+        if not done:
+            for agent in leaving:
+                del self.given_back[agent]
         for need in [n for n, p in self.held.items() if p == pool_node]:
             del self.held[need]
             self.since.pop(need, None)

@@ -27,7 +27,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from tpassrun.settings.envnames import CUDA_VISIBLE_DEVICES, TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
+from tpassrun.settings.envnames import CUDA_VISIBLE_DEVICES, TPASSRUN_POOL_GIVEN_BACK, TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
 from tpassrun.pool.etcd import Pool
 from tpassrun.pool.plan import (PREEMPT_GRACE_S, BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen,
                                 Evict, Keep, NodeEvent, NodeState, Phase, PreemptSeen, Refuse, StartSpare, StopSpare,
@@ -72,15 +72,19 @@ def host_local(name: str) -> bool:
     return name in HOST_LOCAL or name.endswith(HOST_LOCAL_SUFFIXES)
 
 
-def spare_node_env(spec: JobSpec, base: dict[str, str], run_key: str | None) -> dict[str, str]:
+def spare_node_env(spec: JobSpec, base: dict[str, str], run_key: str | None,
+                   given_back_file: str = "") -> dict[str, str]:
     """The node's own environment (paths, devices), the job's worker environment over it except the host-local
-    variables the node sets itself (:func:`host_local`), the job's run key (opened from the claim's box); never the
-    pool key."""
+    variables the node sets itself (:func:`host_local`), the job's run key (opened from the claim's box), the file
+    that tells the spare node a SIGTERM is a give-back; never the pool key."""
     env = {k: v for k, v in base.items() if k != TPASSRUN_POOL_KEY}
     env.update({k: v for k, v in spec.env.items() if not (host_local(k) and k in base)})
     env.pop(TPASSRUN_RUN_KEY, None)
     if run_key:
         env[TPASSRUN_RUN_KEY] = run_key
+    env.pop(TPASSRUN_POOL_GIVEN_BACK, None)
+    if given_back_file:
+        env[TPASSRUN_POOL_GIVEN_BACK] = given_back_file
     return env
 
 
@@ -97,6 +101,7 @@ class PoolNodeLoop:
         self.events: asyncio.Queue[NodeEvent] = asyncio.Queue()
         self.served: list[str] = []           # the jobs served, in order (tests, status)
         self._tmp = tempfile.mkdtemp(prefix="tpassrun-pool-")
+        self._given_back_file = ""      # the current child's (see spare_node_env)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -129,6 +134,9 @@ class PoolNodeLoop:
             await self._start(action)
         elif isinstance(action, StopSpare):
             self.say(f"pool node {self.record.node_id}: {action.reason}")
+            if action.given_back and self._given_back_file:     # written before the SIGTERM it explains
+                with contextlib.suppress(OSError), open(self._given_back_file, "w") as fh:
+                    fh.write(action.given_back)
             await self._stop_child(action.reason)
         elif isinstance(action, Evict):
             self.say(f"pool node {self.record.node_id}: {action.reason}")
@@ -192,12 +200,14 @@ class PoolNodeLoop:
         self.say(f"pool node {self.record.node_id}: {action.reason}: starting its {what} node")
         run_key = unbox(self.pool.key, spec.run_key_box) if spec.run_key_box else None
         event_log = os.path.join(self._tmp, f"{spec.run_id}-{len(self.served)}.jsonl")
+        self._given_back_file = os.path.join(self._tmp, f"{spec.run_id}-{len(self.served)}.given-back")
         self.served.append(spec.run_id)
         await self._register(SERVING, spec.run_id)
         self.child = await asyncio.create_subprocess_exec(
             *spare_node_argv(spec, event_log, self.python, os.getpid(), member=action.claim.kind == MEMBER,
                              local_addr=self.local_addr),
-            env=spare_node_env(spec, self.base_env, run_key), cwd=spec.cwd or None, start_new_session=True)
+            env=spare_node_env(spec, self.base_env, run_key, self._given_back_file), cwd=spec.cwd or None,
+            start_new_session=True)
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
     async def _follow(self, child: asyncio.subprocess.Process, event_log: str) -> None:

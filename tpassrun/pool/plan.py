@@ -180,6 +180,7 @@ class NodeState:
     priority: int = 0               # the claim's (what a pre-emption must be strictly above)
     kind: str = SPARE               # the claim's: only a MEMBER is ever pre-empted
     taken_by: str = ""              # STOPPING for a pre-emption: the job that takes the node
+    given_back: str = ""            # STOPPING for a give-back: the job's reason (its ranks went home)
 
 
 @dataclass(frozen=True)
@@ -228,6 +229,7 @@ class StartSpare:
 @dataclass(frozen=True)
 class StopSpare:
     reason: str
+    given_back: str = ""        # the job gave the node back (why): its spare node, holding no rank, leaves cleanly
 
 
 @dataclass(frozen=True)
@@ -279,7 +281,8 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
         c = event.claim
         if c.released:
             if state.phase is Phase.SERVING and c.job == state.job:
-                return replace(state, phase=Phase.STOPPING), StopSpare(f"{c.job} gave it back ({c.released})")
+                return replace(state, phase=Phase.STOPPING, given_back=c.released), \
+                    StopSpare(f"{c.job} gave it back ({c.released})", given_back=c.released)
             if state.phase is Phase.IDLE:       # (a node that came back to a claim given back meanwhile)
                 return state, BecomeIdle(f"{c.job} gave it back ({c.released})")
             return state, Keep(f"{c.job}'s claim is given back")
@@ -334,5 +337,8 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
             return idle, BecomeIdle(f"the member node of {job} exited ({event.code}): back to the pool for "
                                     f"{state.taken_by}", preempted_by=state.taken_by)
         what = "member" if state.kind == MEMBER else "spare"
+        if state.given_back:
+            return idle, BecomeIdle(f"the {what} node of {job} left, given back ({state.given_back}; exit "
+                                    f"{event.code}): back to the pool")
         return idle, BecomeIdle(f"the {what} node of {job} exited ({event.code}): back to the pool")
     raise TypeError(f"not a pool node event: {event!r}")
