@@ -217,6 +217,10 @@ def test_a_give_back_stops_the_spare_node_as_given_back_and_the_node_says_so():
 
 def test_only_a_marked_sigterm_to_a_node_holding_no_rank_is_a_give_back(tmp_path):
     marker = tmp_path / "p.given-back"
+    # the pool node names the file in its spare node's environment; a job cannot ship its own
+    shipped = dataclasses.replace(SPEC, env={**SPEC.env, "TPASSRUN_POOL_GIVEN_BACK": "/job/file"})
+    assert spare_node_env(shipped, {}, None, str(marker))["TPASSRUN_POOL_GIVEN_BACK"] == str(marker)
+    assert "TPASSRUN_POOL_GIVEN_BACK" not in spare_node_env(shipped, {}, None)
     assert given_back_reason(str(marker), holds_rank=False) == ""          # not written: torchrun's SIGTERM
     assert given_back_reason("", holds_rank=False) == ""                   # not a pool node's spare node
     marker.write_text("its ranks [2, 3] moved home")
