@@ -6,8 +6,8 @@
 
 Root only (iproute2). Every agent is a host of its own: a network namespace on a bridge (``tests/faults.NetLab``), the
 one etcd on the bridge's address; each host's link has the same name (``tpeth0``), as a cluster's NICs do, so the
-``GLOO_SOCKET_IFNAME`` a job ships to the pool node is right there too. The pool node learns its own address from
-``PET_LOCAL_ADDR`` (the spare node it starts reads it as ``--local-addr``; on real hosts ``getfqdn()`` does).
+``GLOO_SOCKET_IFNAME`` a job ships to the pool node is right there too. The pool node is given its own address
+(``tpassctl pool join --local-addr``: the spare node it starts advertises it; on real hosts ``getfqdn()`` may do).
 
 ``share``: job A (hosts a1, a2) and job B (b1, b2), each 2 nodes x 2 ranks, no spares of their own,
 ``--spare-pool P --migrate-back``, and one pool node (host p). A's node a2 dies at a random instant (its agent's

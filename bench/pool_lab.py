@@ -103,9 +103,9 @@ class Lab:
 
     def join_pool(self, host: str, node_id: str) -> Job:
         job = self.run_on(host, [sys.executable, "-m", "tpassrun.ops.ctl", "pool", "join", self.pool_name,
-                                 "--rdzv-endpoint", self.endpoint, "--nproc-per-node", "2", "--node-id", node_id],
-                          os.path.join(self.work, host), {"TPASSRUN_POOL_KEY": POOL_KEY,
-                                                          "PET_LOCAL_ADDR": self.hosts[host].addr})
+                                 "--rdzv-endpoint", self.endpoint, "--nproc-per-node", "2", "--node-id", node_id,
+                                 "--local-addr", self.hosts[host].addr],
+                          os.path.join(self.work, host), {"TPASSRUN_POOL_KEY": POOL_KEY})
         until(lambda: node_id in self.pool("read")[0].nodes, 120, f"pool node {node_id} registered", job)
         return job
 

@@ -127,7 +127,7 @@ def _with_a_pool_node(tmp_path, endpoint: str, run_id: str, kill, extra: tuple[s
             time.sleep(0.2)
         history = [h.event for h in _pool_op(endpoint, run_id, "read")[2]]
         return {"events": a.events() + b.events(), "pids": pids, "dead": dead, "t_kill": t_kill, "history": history,
-                "log": a.log() + b.log(), "train": train}
+                "log": a.log() + b.log(), "train": train, "pool_log": pool_node.log()}
     finally:
         for j in (a, b):
             j.kill()
@@ -218,6 +218,14 @@ def test_a_pool_node_is_given_back_when_migrate_back_moves_the_dead_ranks_home(t
     released = [e for e in run["events"] if e["event"] == "pool_released"]
     assert released and released[0]["pool_node"] == "poolnode1" and f"[{rank}] moved home" in released[0]["reason"]
     assert "given back to pool" in run["log"]
+    # a planned leave, said so on the three consoles (the acceptance on separate hosts found `the run failed`,
+    # `exited (1)` and `node p lost` there): the spare node exits 0, the job expects its lease to go
+    left = [e for e in run["events"] if e["event"] == "pool_node_left"]
+    assert left and left[0]["pool_node"] == "poolnode1", run["log"][-4000:]
+    assert not [e for e in run["events"] if e["event"] == "node_lost" and e.get("lost_node") == left[0]["lost_node"]]
+    assert "given back to the spare pool" in run["pool_log"] and "summary: exit code 0" in run["pool_log"], \
+        run["pool_log"][-3000:]
+    assert "left, given back" in run["pool_log"] and "the run failed" not in run["pool_log"], run["pool_log"][-3000:]
     assert_bit_exact(Job(argv=[], out=train), reference, 4)
     rows = Job(argv=[], out=train).losses(rank)
     pids = list(dict.fromkeys(row["pid"] for row in rows))

@@ -61,7 +61,7 @@ from tpassrun.swapper.agentport import AgentEvent, AgentPort, SignalReceived, Sw
 from tpassrun.records.provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, env_without_key,  # noqa: E402
                          register as register_run_key, run_key_from)
 from tpassrun.swapper.mirrorplane import MirrorPlane  # noqa: E402
-from tpassrun.channel.slots import LocalSlots, Slot  # noqa: E402
+from tpassrun.channel.slots import LocalSlots, Slot, SlotState  # noqa: E402
 from tpassrun.swapper import Swapper  # noqa: E402
 from tpassrun.launch.workerenv import check_encrypt_conf, elastic_entry_point, encrypt_requested, entrypoint_name  # noqa: E402
 from tpassrun.transfer.auth import aead_unavailable_reason  # noqa: E402
@@ -136,6 +136,11 @@ class Agent:
                     loop.remove_signal_handler(getattr(signal, name))
 
     def _on_signal(self, sig: int) -> None:
+        st = self._state
+        if sig == signal.SIGTERM and st.signal_received is None:
+            st.given_back = given_back_reason(st.environ.get(E.TPASSRUN_POOL_GIVEN_BACK, ""), holds_rank=bool(
+                st.slots is not None and any(s.state == SlotState.RUNNING and s.rank is not None
+                                             for s in st.slots.slots)))
         self._state.signal_received = sig
         self._state.queue.put_nowait(SignalReceived(sig))
         if self._starting and self._main_task is not None and not self._main_task.done():
@@ -367,6 +372,10 @@ class Agent:
                 # FAILED with a signal: the workers saw it first (Slurm's scancel signals every process of the
                 # step at once); MEMBERSHIP with one: a fence's request cut short by it (etcd gone). torchrun's
                 # launcher would have raised on it, as here
+                if st.given_back:    # planned: a pool node's spare node, holding no rank, leaves the job
+                    st.events.write("pool_given_back", reason=st.given_back)
+                    self._elastic_end(None, "SUCCEEDED", gen)
+                    return 0
                 self._elastic_end(None, "FAILED", gen)
                 return 1
             if outcome == Outcome.CLOSED:
@@ -495,6 +504,18 @@ class Agent:
             self._supervision.record_stopped()
         await self._store.stop()
         return outcome, reason
+
+
+def given_back_reason(marker: str, holds_rank: bool) -> str:
+    """Why a SIGTERM is this spare node's give-back to its spare pool, or "" when it is torchrun's SIGTERM: only a
+    node started by a pool node (``marker``: the file it writes before that SIGTERM) that holds no rank."""
+    if not marker or holds_rank:
+        return ""
+    try:
+        with open(marker) as fh:
+            return fh.read().strip() or "given back"
+    except OSError:
+        return ""
 
 
 def run_launcher(cfg: LaunchConfig) -> int:

@@ -64,6 +64,7 @@ class AgentState:
     formed_generation: int = 0          # the run's last whole-group restart's (Generation.formed): port.epoch()
     # --- signals ---
     signal_received: int | None = None
+    given_back: str = ""                # a SIGTERM from this node's pool node giving it back (why); see on_signal
     cut_by_signal: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)   # etcd requests a signal cuts short
 
     @property

@@ -87,6 +87,7 @@ class RunTally:
     restart_redone: int = 0          # "steps lost": run again after whole-group restarts (progress thrown away)
     redone_s: float = 0.0            # what the restarts' redone steps cost, at the step time before them
     fallbacks: int = 0
+    given_back: str = ""             # a pool node's spare node that its job gave back to the pool (why)
     hang_kills: int = 0
     _restart_at: float | None = None
     _restart_why: str = ""
@@ -289,6 +290,12 @@ class Describer:
             lost = str(ev.get("lost_node"))
             who = lost if lost.startswith("rank ") else f"node {_short(lost)} lost"     # a dead rank's need
             return f"{who}, no own spare ready: {what} ({ev.get('reason')})"
+        if name == "pool_given_back":
+            t.given_back = str(ev.get("reason") or "given back")
+            return f"given back to the spare pool ({t.given_back}): no rank runs here, leaving the job"
+        if name == "pool_node_left":
+            return (f"pool node {_short(ev.get('pool_node'))} left the job as given back to pool {ev.get('pool')} "
+                    f"(its spare node {_short(ev.get('lost_node'))} held no rank)")
         if name == "pool_released":
             return f"pool node {_short(ev.get('pool_node'))} given back to pool {ev.get('pool')}: {ev.get('reason')}"
         if name == "pool_preempting":
@@ -443,7 +450,9 @@ def summary_lines(t: RunTally, code: Any) -> list[str]:
              + (f", {len(t.aborted)} aborted swap(s)" if t.aborted else ""),
              f"summary: time lost to failures {_secs(t.lost)}, steps lost {t.restart_redone}, steps redone "
              f"{t.steps_redone}"
-             + (f", goodput {t.goodput:.1f}%" if code in (0, "0") else
+             + (f", given back to the spare pool ({t.given_back}): no rank ran here at the end"
+                if t.given_back and code in (0, "0") else
+                f", goodput {t.goodput:.1f}%" if code in (0, "0") else
                 ", goodput not counted: the run failed (its progress since the script's last checkpoint is lost)")]
     return lines
 

@@ -1,7 +1,7 @@
 """``tpassctl pool create|join|status|delete NAME``: a spare pool's life from the command line.
 
     tpassctl pool create NAME --rdzv-endpoint E            (the pool key: $TPASSRUN_POOL_KEY or
-    tpassctl pool join   NAME --rdzv-endpoint E --nproc-per-node N [--metrics-port P]
+    tpassctl pool join   NAME --rdzv-endpoint E --nproc-per-node N [--local-addr A] [--metrics-port P]
     tpassctl pool status NAME --rdzv-endpoint E [--json | --prometheus]
     tpassctl pool delete NAME --rdzv-endpoint E             --rdzv-conf pool_key_file=PATH)
 
@@ -13,8 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import ipaddress
 import json
 import os
+import re
 import signal
 import socket
 import sys
@@ -31,6 +34,17 @@ from tpassrun.pool.plan import PoolView
 from tpassrun.records.pool import POOL_KEY_CONF, HistoryEntry, PoolKeys, PoolNode, pool_prefix
 
 LEASE_TTL = 10
+_HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+
+
+def check_local_addr(text: str) -> str:
+    """``--local-addr``: a host name or an IP address (pure; ValueError, one line, otherwise)."""
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(text))
+    labels = text[:-1].split(".") if text.endswith(".") else text.split(".")
+    if len(text) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels):
+        raise ValueError(f"--local-addr {text!r}: not a host name or an IP address")
+    return text
 
 
 def pool_key_from(conf: dict[str, str], environ: dict[str, str] | os._Environ[str]) -> RunKey | None:
@@ -119,6 +133,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="join: worker slots")
     p.add_argument("--node-id", default=None, help="join: this node's id (default host-pid-random)")
     p.add_argument("--metrics-port", type=int, default=None, help="join: serve the pool's gauges to Prometheus")
+    p.add_argument("--local-addr", "--local_addr", default=None,
+                   help="join: the address the spare (or member) node this pool node starts advertises to the job "
+                        "(torchrun's --local-addr; default its FQDN)")
     shape = p.add_mutually_exclusive_group()
     shape.add_argument("--json", action="store_true")
     shape.add_argument("--prometheus", action="store_true")
@@ -130,6 +147,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         conf = parse_conf(args.rdzv_conf)
         refuse_inline_secrets(conf)
+        if args.local_addr is not None:
+            args.local_addr = check_local_addr(args.local_addr)
         key = pool_key_from(conf, os.environ)
         if key is None:
             raise PoolError(f"no pool key: give --rdzv-conf {POOL_KEY_CONF}=PATH (a file only you can read) or "
@@ -185,7 +204,7 @@ async def _join(args: argparse.Namespace, etcd: EtcdConfig, conf: dict[str, str]
         server = _serve_gauges(pool, args.metrics_port, loop) if args.metrics_port is not None else None
         try:
             node = PoolNode(node_id, socket.gethostname(), args.nproc_per_node, time.time())
-            await PoolNodeLoop(pool, node, say=lambda s: print(s, flush=True)).run(stop)
+            await PoolNodeLoop(pool, node, say=lambda s: print(s, flush=True), local_addr=args.local_addr).run(stop)
         finally:
             if server is not None:
                 server.shutdown()

@@ -59,13 +59,15 @@ def lost_what(need: str) -> str:
     return need if need.startswith("rank ") else f"node {need} lost"
 
 
-def silent_pool_node(record: PoolNode | None, job_lost: Collection[str]) -> str:
+def silent_pool_node(record: PoolNode | None, job_lost: Collection[str], known_agent: str = "") -> str:
     """Why a claimed pool node will not serve (pure): it left the pool (its lease expired: dead, or stopped), or the
-    job lost its spare node (stopped answering before its ranks came); "" while it may still come up."""
+    job lost its spare node (``known_agent``: the one it had before it came back), before or after its ranks came;
+    "" while it may still serve."""
     if record is None:
         return "left the pool (its lease expired: it died or stopped answering)"
-    if record.agent and record.agent in job_lost:
-        return f"stopped answering the job (its spare node {record.agent} was lost)"
+    for agent in (record.agent, known_agent):
+        if agent and agent in job_lost:
+            return f"stopped answering the job (its spare node {agent} was lost)"
     return ""
 
 
@@ -82,6 +84,9 @@ class JobPool:
     said: set[tuple[str, str]] = field(default_factory=set)
     used: dict[str, tuple[int, ...]] = field(default_factory=dict)    # a pool node (the job's id for it) -> the ranks
                                                                       # it ran (plan.giveback)
+    agent_of: dict[str, str] = field(default_factory=dict)      # a pool node claimed -> its spare node's id in the job
+    given_back: dict[str, str] = field(default_factory=dict)    # the spare node's id of a pool node given back -> the
+                                                                # pool node (its leaving is expected: not a loss)
 
     @property
     def name(self) -> str:
@@ -98,15 +103,17 @@ class JobPool:
                 continue
             since = self.since.setdefault(node, now)
             view, revs, _ = await self.pool.read()
+            dropped = await self._drop_silent(view, job_lost)
+            if dropped:
+                view, revs, _ = await self.pool.read()
+                for pool_node, why in dropped.items():
+                    if (node, pool_node) not in self.said:
+                        self.said.add((node, pool_node))
+                        say("pool_waiting", lost_node=node, pool=self.name,
+                            reason=f"pool node {pool_node} {why}: asking the pool for another")
             if node in self.held:
                 mine = view.claims.get(self.held[node])
-                silent = silent_pool_node(view.nodes.get(self.held[node]), job_lost)
-                if mine is not None and mine.job == self.cfg.rdzv_id and silent:
-                    pool_node = self.held.pop(node)
-                    await self.pool.release(pool_node, self.cfg.rdzv_id, silent)
-                    say("pool_waiting", lost_node=node, pool=self.name,
-                        reason=f"pool node {pool_node} {silent}: asking the pool for another")
-                elif mine is not None and mine.job == self.cfg.rdzv_id:
+                if mine is not None and mine.job == self.cfg.rdzv_id:
                     if now - since < self.cfg.pool_wait:
                         continue        # its spare node is starting: the node plan takes it when it is up
                     await self.pool.release(self.held.pop(node), self.cfg.rdzv_id, "its spares never came up")
@@ -132,6 +139,7 @@ class JobPool:
                               waited=now - since)
                 if await self.pool.claim(claim, revs[action.node_id]):
                     self.held[node] = action.node_id
+                    self.agent_of.pop(action.node_id, None)
                     if action.node_id in view.preempts:     # the node we pre-empted (it drops the request itself)
                         await self.pool.store.delete(self.pool.keys.preempt(action.node_id))
                     say("pool_claimed", lost_node=node, pool=self.name, pool_node=action.node_id,
@@ -146,6 +154,27 @@ class JobPool:
             elif isinstance(action, Restart):
                 self.gave_up.add(node)
                 say("pool_gave_up", lost_node=node, pool=self.name, reason=action.reason)
+
+    async def _drop_silent(self, view: PoolView, job_lost: Collection[str]) -> dict[str, str]:
+        """Release this job's claims on pool nodes that will not serve it any more (:func:`silent_pool_node`: one
+        that died, whether its ranks had come or not, or came back to serve an old claim), and forget what they were
+        held for: the pool node, once back and idle, is claimed afresh like any other. -> pool node: why."""
+        out: dict[str, str] = {}
+        for pool_node, claim in sorted(view.claims.items()):
+            if claim.job != self.cfg.rdzv_id or claim.released:     # given back: its spare node leaves as planned
+                continue
+            record = view.nodes.get(pool_node)
+            why = silent_pool_node(record, job_lost, self.agent_of.get(pool_node, ""))
+            if not why:
+                if record is not None and record.job == self.cfg.rdzv_id and record.agent:
+                    self.agent_of[pool_node] = record.agent
+                continue
+            if await self.pool.release(pool_node, self.cfg.rdzv_id, why):
+                out[pool_node] = why
+                self.agent_of.pop(pool_node, None)
+                for need in [n for n, p in self.held.items() if p == pool_node]:
+                    del self.held[need]
+        return out
 
     async def _preempt(self, lost: str, action: Preempt, view: PoolView, now: float,
                        say: Callable[..., object]) -> None:
@@ -190,7 +219,9 @@ class JobPool:
             return {}
         view, _, _ = await self.pool.read()
         nodes = [view.nodes.get(p) for p in self.pool_nodes]
-        return {n.agent: n.node_id for n in nodes if n is not None and n.agent and n.job == self.cfg.rdzv_id}
+        out = {n.agent: n.node_id for n in nodes if n is not None and n.agent and n.job == self.cfg.rdzv_id}
+        self.agent_of.update({p: a for a, p in out.items()})
+        return out
 
     async def give_back(self, pool_node: str, why: str, say: Callable[..., object]) -> bool:
         """Give ``pool_node`` back to the pool (its ranks went home, ``tpassrun.plan.giveback``): its claim is marked
@@ -198,7 +229,12 @@ class JobPool:
         any more (nothing to give back; the node returns when its spare node exits)."""
         view, _, _ = await self.pool.read()
         claim = view.claims.get(pool_node)
+        leaving = {a: p for p, a in self.agent_of.items() if p == pool_node}
+        self.given_back.update(leaving)         # before the release: the pool node stops its spare node on it
         done = claim is not None and claim.job == self.cfg.rdzv_id and await self.pool.give_back(claim, why)
+        if not done:
+            for agent in leaving:
+                del self.given_back[agent]
         for need in [n for n, p in self.held.items() if p == pool_node]:
             del self.held[need]
             self.since.pop(need, None)

@@ -27,7 +27,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
-from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
+from tpassrun.settings.envnames import CUDA_VISIBLE_DEVICES, TPASSRUN_POOL_GIVEN_BACK, TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
 from tpassrun.pool.etcd import Pool
 from tpassrun.pool.plan import (PREEMPT_GRACE_S, BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen,
                                 Evict, Keep, NodeEvent, NodeState, Phase, PreemptSeen, Refuse, StartSpare, StopSpare,
@@ -45,9 +45,10 @@ _DIE_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL(None).prctl(1, 
 
 
 def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable, parent: int | None = None,
-                    member: bool = False) -> list[str]:
+                    member: bool = False, local_addr: str | None = None) -> list[str]:
     """The job's ``--spare-node`` launch line (pure), or with ``member`` one of its member nodes' (the same line
-    without ``--spare-node``, as the job's own nodes run it); with ``parent``, it dies with that process."""
+    without ``--spare-node``, as the job's own nodes run it); with ``parent``, it dies with that process; with
+    ``local_addr`` (``tpassctl pool join --local-addr``), it advertises that address."""
     wrap = [python, "-c", _DIE_WITH_PARENT, str(parent), python] if parent is not None else [python]
     role = [] if member else ["--spare-node"]
     argv = [*wrap, "-m", "tpassrun", *role, "--nnodes", spec.nnodes, "--nproc-per-node",
@@ -55,25 +56,43 @@ def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable,
             "--rdzv-id", spec.run_id, "--max-restarts", str(spec.max_restarts), "--event-log", event_log]
     if spec.rdzv_conf:
         argv += ["--rdzv-conf", spec.rdzv_conf]
+    if local_addr:
+        argv += ["--local-addr", local_addr]
     return argv + [spec.entrypoint, *spec.args]
 
 
-def spare_node_env(spec: JobSpec, base: dict[str, str], run_key: str | None) -> dict[str, str]:
-    """The node's own environment (paths, devices), the job's worker environment over it, the job's run key (opened
-    from the claim's box); never the pool key."""
+# What names this host's own devices and links: a value the pool node has wins over the one the job shipped (a job's
+# GLOO_SOCKET_IFNAME names its hosts' NIC, which this host may not have); one the pool node lacks comes from the job
+HOST_LOCAL = frozenset({CUDA_VISIBLE_DEVICES, "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+                        "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_TOPO_FILE", "UCX_NET_DEVICES"})
+HOST_LOCAL_SUFFIXES = ("_SOCKET_IFNAME",)       # GLOO_, NCCL_, TP_ (tensorpipe), NVSHMEM_BOOTSTRAP_UID_, ...
+
+
+def host_local(name: str) -> bool:
+    return name in HOST_LOCAL or name.endswith(HOST_LOCAL_SUFFIXES)
+
+
+def spare_node_env(spec: JobSpec, base: dict[str, str], run_key: str | None,
+                   given_back_file: str = "") -> dict[str, str]:
+    """The node's own environment (paths, devices), the job's worker environment over it except the host-local
+    variables the node sets itself (:func:`host_local`), the job's run key (opened from the claim's box), the file
+    that tells the spare node a SIGTERM is a give-back; never the pool key."""
     env = {k: v for k, v in base.items() if k != TPASSRUN_POOL_KEY}
-    env.update(spec.env)
+    env.update({k: v for k, v in spec.env.items() if not (host_local(k) and k in base)})
     env.pop(TPASSRUN_RUN_KEY, None)
     if run_key:
         env[TPASSRUN_RUN_KEY] = run_key
+    env.pop(TPASSRUN_POOL_GIVEN_BACK, None)
+    if given_back_file:
+        env[TPASSRUN_POOL_GIVEN_BACK] = given_back_file
     return env
 
 
 class PoolNodeLoop:
     def __init__(self, pool: Pool, node: PoolNode, *, say: Callable[[str], None] = print,
                  base_env: dict[str, str] | None = None, python: str = sys.executable,
-                 preempt_grace: float = PREEMPT_GRACE_S) -> None:
-        self.pool, self.say, self.python = pool, say, python
+                 preempt_grace: float = PREEMPT_GRACE_S, local_addr: str | None = None) -> None:
+        self.pool, self.say, self.python, self.local_addr = pool, say, python, local_addr
         self.preempt_grace = preempt_grace
         self.record = node
         self.state = NodeState(node.node_id, node.nproc)
@@ -82,6 +101,7 @@ class PoolNodeLoop:
         self.events: asyncio.Queue[NodeEvent] = asyncio.Queue()
         self.served: list[str] = []           # the jobs served, in order (tests, status)
         self._tmp = tempfile.mkdtemp(prefix="tpassrun-pool-")
+        self._given_back_file = ""      # the current child's (see spare_node_env)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -114,6 +134,9 @@ class PoolNodeLoop:
             await self._start(action)
         elif isinstance(action, StopSpare):
             self.say(f"pool node {self.record.node_id}: {action.reason}")
+            if action.given_back and self._given_back_file:     # written before the SIGTERM it explains
+                with contextlib.suppress(OSError), open(self._given_back_file, "w") as fh:
+                    fh.write(action.given_back)
             await self._stop_child(action.reason)
         elif isinstance(action, Evict):
             self.say(f"pool node {self.record.node_id}: {action.reason}")
@@ -177,11 +200,14 @@ class PoolNodeLoop:
         self.say(f"pool node {self.record.node_id}: {action.reason}: starting its {what} node")
         run_key = unbox(self.pool.key, spec.run_key_box) if spec.run_key_box else None
         event_log = os.path.join(self._tmp, f"{spec.run_id}-{len(self.served)}.jsonl")
+        self._given_back_file = os.path.join(self._tmp, f"{spec.run_id}-{len(self.served)}.given-back")
         self.served.append(spec.run_id)
         await self._register(SERVING, spec.run_id)
         self.child = await asyncio.create_subprocess_exec(
-            *spare_node_argv(spec, event_log, self.python, os.getpid(), member=action.claim.kind == MEMBER),
-            env=spare_node_env(spec, self.base_env, run_key), cwd=spec.cwd or None, start_new_session=True)
+            *spare_node_argv(spec, event_log, self.python, os.getpid(), member=action.claim.kind == MEMBER,
+                             local_addr=self.local_addr),
+            env=spare_node_env(spec, self.base_env, run_key, self._given_back_file), cwd=spec.cwd or None,
+            start_new_session=True)
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
     async def _follow(self, child: asyncio.subprocess.Process, event_log: str) -> None:

@@ -121,14 +121,30 @@ def plan_job(need: JobNeed, view: PoolView, now: float) -> JobAction:
             return Preempt(v.node_id, v.job, f"the pool has no idle node; pre-empting pool node {v.node_id} from "
                                              f"job {v.job} (priority {v.priority} < {need.priority})",
                            victim_priority=v.priority)
-    fits = sum(1 for n in view.nodes.values() if n.nproc >= need.nproc)
-    why = ("the pool has no node" if not view.nodes else
-           f"no pool node has {need.nproc} slots" if not fits else
-           f"all {fits} pool node(s) are claimed")
+    why = _none_free(need, view)
     waited = now - need.since
     if waited < need.wait_limit:
         return WaitForPool(f"{why}: waiting for the pool ({waited:.0f} of {need.wait_limit:.0f} s)")
     return Restart(f"{why} (waited {waited:.0f} s): restarting as torchrun does")
+
+
+def _none_free(need: JobNeed, view: PoolView) -> str:
+    """Why no pool node can be claimed for ``need`` (pure): "claimed" counts other jobs' claims only, never this
+    job's own (one it holds for another loss, or one it has not dropped yet)."""
+    fits = [n.node_id for n in view.nodes.values() if n.nproc >= need.nproc]
+    if not view.nodes:
+        return "the pool has no node"
+    if not fits:
+        return f"no pool node has {need.nproc} slots"
+    jobs = [view.claims[n].job if n in view.claims else None for n in fits]
+    others = sum(1 for j in jobs if j is not None and j != need.job)
+    if others == len(fits):
+        return f"all {len(fits)} pool node(s) are claimed"
+    own, unclaimed = jobs.count(need.job), jobs.count(None)
+    parts = [f"{others} claimed by other jobs" if others else "",
+             f"{own} already this job's" if own else "",
+             f"{unclaimed} not idle yet (starting, or serving a job whose claim is gone)" if unclaimed else ""]
+    return f"no pool node is free ({', '.join(p for p in parts if p)})"
 
 
 def plan_members(view: PoolView, want: int, nproc: int) -> tuple[list[str], str]:
@@ -164,6 +180,7 @@ class NodeState:
     priority: int = 0               # the claim's (what a pre-emption must be strictly above)
     kind: str = SPARE               # the claim's: only a MEMBER is ever pre-empted
     taken_by: str = ""              # STOPPING for a pre-emption: the job that takes the node
+    given_back: str = ""            # STOPPING for a give-back: the job's reason (its ranks went home)
 
 
 @dataclass(frozen=True)
@@ -212,6 +229,7 @@ class StartSpare:
 @dataclass(frozen=True)
 class StopSpare:
     reason: str
+    given_back: str = ""        # the job gave the node back (why): its spare node, holding no rank, leaves cleanly
 
 
 @dataclass(frozen=True)
@@ -263,7 +281,8 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
         c = event.claim
         if c.released:
             if state.phase is Phase.SERVING and c.job == state.job:
-                return replace(state, phase=Phase.STOPPING), StopSpare(f"{c.job} gave it back ({c.released})")
+                return replace(state, phase=Phase.STOPPING, given_back=c.released), \
+                    StopSpare(f"{c.job} gave it back ({c.released})", given_back=c.released)
             if state.phase is Phase.IDLE:       # (a node that came back to a claim given back meanwhile)
                 return state, BecomeIdle(f"{c.job} gave it back ({c.released})")
             return state, Keep(f"{c.job}'s claim is given back")
@@ -318,5 +337,8 @@ def plan_node(state: NodeState, event: NodeEvent, now: float) -> tuple[NodeState
             return idle, BecomeIdle(f"the member node of {job} exited ({event.code}): back to the pool for "
                                     f"{state.taken_by}", preempted_by=state.taken_by)
         what = "member" if state.kind == MEMBER else "spare"
+        if state.given_back:
+            return idle, BecomeIdle(f"the {what} node of {job} left, given back ({state.given_back}; exit "
+                                    f"{event.code}): back to the pool")
         return idle, BecomeIdle(f"the {what} node of {job} exited ({event.code}): back to the pool")
     raise TypeError(f"not a pool node event: {event!r}")

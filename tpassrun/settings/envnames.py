@@ -51,6 +51,8 @@ TPASSRUN_HANG_TIMEOUT = "TPASSRUN_HANG_TIMEOUT"  # seconds without a step heartb
 TPASSRUN_SHARD_MIRROR_INTERVAL = "TPASSRUN_SHARD_MIRROR_INTERVAL"  # sharded state: local copy + mirror every K steps
 TPASSRUN_RUN_KEY = "TPASSRUN_RUN_KEY"  # the run key of a job of several agents (read by the agent; never a worker's)
 TPASSRUN_POOL_KEY = "TPASSRUN_POOL_KEY"  # a spare pool's key (tpassrun.pool; never a worker's)
+TPASSRUN_POOL_GIVEN_BACK = "TPASSRUN_POOL_GIVEN_BACK"  # a pool node's spare node: the file its pool node writes (the
+                                                       # job's reason) before the SIGTERM that ends a give-back
 TPASSRUN_STORE_KEY = "TPASSRUN_STORE_KEY"  # hex: the workers' store key (derived from the run's mirror key; a worker's only)
 TPASSRUN_ENCRYPT = "TPASSRUN_ENCRYPT"      # "1": the run encrypts state transfers and mirror payloads (--rdzv-conf encrypt=true)
 TPASSRUN_SHARE_GPUS = "TPASSRUN_SHARE_GPUS"      # "1": more slots than GPUs is allowed, slots share them

@@ -107,8 +107,14 @@ class NodePlans:
 
     def on_node_lost(self, node_id: str) -> bool:
         """The leader heard that a node's lease ended: its coordinator moves the node's ranks live (a node plan)
-        or restarts the group saying why; a node that held no ranks (an idle spare node) costs nothing."""
-        self.port.events.write("node_lost", lost_node=node_id)
+        or restarts the group saying why; a node that held no ranks (an idle spare node) costs nothing. A pool
+        node's spare node the job gave back leaves as expected, and is said so."""
+        pool = self.sw.coordinator.pool
+        if pool is not None and node_id in pool.given_back:
+            self.port.events.write("pool_node_left", lost_node=node_id, pool=pool.name,
+                                   pool_node=pool.given_back.pop(node_id))
+        else:
+            self.port.events.write("node_lost", lost_node=node_id)
         self.sw.coordinator.kick()
         return True
 
