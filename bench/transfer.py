@@ -35,6 +35,7 @@ Figures only, no assertions: this is not a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import hmac
 import json
@@ -323,11 +324,7 @@ class RemoteReceivers:
 def serve(bind: str, port: int, key: bytes, once: bool) -> None:
     """Host B: serve ``--to`` sessions one at a time on ``bind``:``port`` (until interrupted, or one)."""
     try:
-        family = socket.AF_INET6 if ":" in bind else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((bind, port))
-        listener.listen(16)
+        listener = socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET)
     except (OSError, OverflowError) as exc:
         raise BenchError(f"cannot listen on {bind}:{port}: {exc}") from exc
     print(f"serving --auth-only --to on {bind}:{port}{' (one session)' if once else ' (Ctrl-C stops)'}", flush=True)
@@ -336,22 +333,18 @@ def serve(bind: str, port: int, key: bytes, once: bool) -> None:
             listener.settimeout(None)
             conn, peer = listener.accept()
             control = Control(conn)
-            failed = True
             try:
                 serve_session(listener, control, key)
                 print(f"session from {peer[0]} done", flush=True)
-                failed = False
             except (BenchError, HandoffError, OSError, RuntimeError, ValueError, KeyError) as exc:
                 print(f"session from {peer[0]} failed: {exc}", flush=True)
-                try:
+                with contextlib.suppress(OSError):
                     control.send({"error": str(exc)})
-                except OSError:
-                    pass
+                if once:
+                    raise SystemExit(1) from None
             finally:
                 control.close()
             if once:
-                if failed:
-                    raise SystemExit(1)
                 return
 
 
@@ -383,7 +376,6 @@ def serve_session(listener: socket.socket, control: Control, key: bytes) -> None
                                                  encrypt=name == "encrypted")
                 control.send({"cpu": cpu_seconds() - cpu_before})   # the joiner keeps the state: freeing is not timed
                 del bundle
-
 
 
 def auth_only(nbytes: int, rounds: int, macs: list[str], chunk_bytes: int, to: tuple[str, int] | None = None,
