@@ -476,7 +476,7 @@ def main() -> None:
             else:
                 auth_only(nbytes, args.rounds, [m for m in args.macs.split(",") if m], int(args.chunk_mb * (1 << 20)),
                           to=to, key=key)
-        except BenchError as exc:
+        except (BenchError, HandoffError, OSError) as exc:   # a transfer or the control connection failed
             raise SystemExit(f"transfer.py: {exc}") from None
         except KeyboardInterrupt:
             raise SystemExit(130) from None
