@@ -2,6 +2,8 @@
 
     python bench/transfer.py [--mb 300] [--rounds 3]
     python bench/transfer.py --auth-only [--rounds 5]     # raw TCP vs the authenticated stream, frame MAC by frame MAC
+    python bench/transfer.py --auth-only --serve [--bind ADDR] [--port P]   # host B: the receivers of --to
+    python bench/transfer.py --auth-only --to B[:P] [--rounds 5]           # host A: the same table, across hosts
 
 Prints, in one run:
   * raw TCP throughput: sendall / recv_into of one buffer between two processes;
@@ -21,6 +23,11 @@ raw (target >= 0.9), CPU-s per GB both ends (median, best, the sender's share), 
 (what the ratio would be if the cores were the limit), and the load average. A receiver's CPU stops when it
 has the verified state (the joiner keeps it: freeing it is not the transfer's).
 
+``--serve`` / ``--to``: the same ``--auth-only`` table between two hosts. Host B serves (one TCP port, default
+29610: a control connection of JSON lines, then each round's transfers, one at a time); host A connects, proves the
+bench key, and sends. B reports its own CPU seconds per transfer over the control connection. The key (>= 16
+bytes) is read from ``$TPASSRUN_BENCH_KEY`` or from ``--key-file PATH`` on both hosts, never from the command line.
+
 Raw and handoff rounds alternate so that background load hits both alike. The last line is JSON.
 Figures only, no assertions: this is not a test.
 """
@@ -28,7 +35,11 @@ Figures only, no assertions: this is not a test.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
+import hmac
 import json
+import os
 import multiprocessing as mp
 import resource
 import socket
@@ -38,7 +49,7 @@ from typing import Any, Callable
 
 import torch
 
-from tpassrun.transfer.wire import reserve_receive_arena
+from tpassrun.transfer.wire import HandoffError, accept_one, reserve_receive_arena
 from tpassrun.transfer.handoff import (
     TransferAuth,
     accept_and_recv,
@@ -73,15 +84,20 @@ def raw_receiver(nbytes: int, rounds: int, ports: Any) -> None:
         for _ in range(rounds):
             conn, _ = listener.accept()
             cpu_before = cpu_seconds()
-            with conn:
-                got = 0
-                while got < nbytes:
-                    n = conn.recv_into(view[got:got + CHUNK])
-                    if n == 0:
-                        raise RuntimeError("sender went away")
-                    got += n
-                conn.sendall(b"k")  # the sender's clock stops on this, as send_bundle's does on its ack
+            recv_raw(conn, view)
             ports.put(cpu_seconds() - cpu_before)
+
+
+def recv_raw(conn: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` from ``conn``, confirm, close."""
+    with conn:
+        got = 0
+        while got < len(view):
+            n = conn.recv_into(view[got:got + CHUNK])
+            if n == 0:
+                raise RuntimeError("sender went away")
+            got += n
+        conn.sendall(b"k")  # the sender's clock stops on this, as send_bundle's does on its ack
 
 
 AUTH = TransferAuth(b"bench-transfer-key-0123456789abcdef", "s-bench", 1)
@@ -101,7 +117,7 @@ def bundle_receiver(rounds: int, arena_bytes: int, ports: Any, auth: bool = Fals
             del bundle
 
 
-def start_receiver(target: Callable, *args: Any, **kwargs: Any) -> tuple[Any, int]:
+def start_receiver(target: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Any, int]:
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
     proc = ctx.Process(target=target, args=(*args, ports), kwargs=kwargs, daemon=True)
@@ -113,9 +129,9 @@ def start_receiver(target: Callable, *args: Any, **kwargs: Any) -> tuple[Any, in
 # senders (this process)
 
 
-def send_raw(port: int, payload: memoryview) -> float:
+def send_raw(port: int, payload: memoryview, host: str = "127.0.0.1") -> float:
     started = time.perf_counter()
-    with socket.create_connection(("127.0.0.1", port)) as sock:
+    with socket.create_connection((host, port)) as sock:
         for offset in range(0, len(payload), CHUNK):
             sock.sendall(payload[offset:offset + CHUNK])
         if sock.recv(1) != b"k":
@@ -163,11 +179,211 @@ class Sampler:
         self.position, self.epoch = state["position"], state["epoch"]
 
 
-def auth_only(nbytes: int, rounds: int, macs: list[str], chunk_bytes: int) -> None:
-    """Raw TCP, the authenticated stream (each frame MAC in ``macs``) and the encrypted one, alternating within each
-    round (A/B/C/A/B/C...): GB/s, the ratio to raw, CPU-s per GB both ends (medians and best), the load average."""
-    import os
+# ---------------------------------------------------------------------------------------------
+# across hosts: ``--serve`` on host B, ``--to B[:P]`` on host A
 
+
+KEY_ENV = "TPASSRUN_BENCH_KEY"       # the bench's shared key (or --key-file PATH): never on a command line
+SERVE_PORT = 29610                   # the one TCP port of --serve: the control connection, then every transfer
+CONTROL_TIMEOUT_S = 600.0
+
+
+class BenchError(Exception):
+    """A one-line reason the bench cannot run (bad target, key, address, or the other end)."""
+
+
+def parse_target(text: str, default_port: int = SERVE_PORT) -> tuple[str, int]:
+    """``HOST``, ``HOST:PORT``, ``[V6]``, ``[V6]:PORT`` or a bare IPv6 address -> (host, port)."""
+    text = text.strip()
+    if text.startswith("["):
+        host, sep, rest = text[1:].partition("]")
+        if not sep or (rest and not rest.startswith(":")):
+            raise BenchError(f"bad --to {text!r}: expected [IPV6] or [IPV6]:PORT")
+        port_text = rest[1:] if rest else None
+    elif text.count(":") == 1:
+        host, _, port_text = text.partition(":")
+    else:
+        host, port_text = text, None   # a name, an IPv4 address, or a bare IPv6 address
+    if not host:
+        raise BenchError(f"bad --to {text!r}: no host (expected HOST[:PORT])")
+    if port_text is None:
+        return host, default_port
+    if not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise BenchError(f"bad --to {text!r}: the port must be a number in 1..65535")
+    return host, int(port_text)
+
+
+def read_key(key_file: str | None, environ: dict[str, str] | os._Environ[str] = os.environ) -> bytes:
+    """The bench key: the file's bytes (a trailing newline dropped), else ``$TPASSRUN_BENCH_KEY``."""
+    if key_file:
+        try:
+            with open(key_file, "rb") as f:
+                key = f.read().rstrip(b"\r\n")
+        except OSError as exc:
+            raise BenchError(f"cannot read the key file {key_file}: {exc.strerror or exc}") from exc
+        where = key_file
+    else:
+        key, where = environ.get(KEY_ENV, "").encode(), f"${KEY_ENV}"
+        if not key:
+            raise BenchError(f"no bench key: set ${KEY_ENV} or give --key-file PATH (the same key on both hosts)")
+    if len(key) < 16:
+        raise BenchError(f"the bench key in {where} is {len(key)} bytes: it needs at least 16")
+    return key
+
+
+def bench_auth(key: bytes) -> TransferAuth:
+    return TransferAuth(key, "s-bench-hosts", 1)
+
+
+def control_proof(key: bytes, nonce: bytes) -> str:
+    return hmac.new(key, b"tpassrun-bench-transfer/" + nonce, hashlib.sha256).hexdigest()
+
+
+class Control:
+    """JSON lines over one TCP connection."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        sock.settimeout(CONTROL_TIMEOUT_S)
+        self.sock, self.lines = sock, sock.makefile("rb")
+
+    def send(self, message: dict[str, Any]) -> None:
+        self.sock.sendall(json.dumps(message).encode() + b"\n")
+
+    def recv(self) -> dict[str, Any]:
+        line = self.lines.readline()
+        if not line:
+            raise BenchError("the other end closed the control connection")
+        message = json.loads(line)
+        if "error" in message:
+            raise BenchError(f"the receiver host says: {message['error']}")
+        return message
+
+    def close(self) -> None:
+        self.lines.close()
+        self.sock.close()
+
+
+class LocalReceivers:
+    """Today's receivers: one child process per kind on 127.0.0.1, each reporting its CPU on a queue."""
+
+    host = "127.0.0.1"
+
+    def __init__(self, nbytes: int, rounds: int, macs: list[str], arena: int) -> None:
+        self.procs = {"raw": start_receiver(raw_receiver, nbytes, rounds),
+                      **{m: start_receiver(bundle_receiver, rounds, arena, auth=True) for m in macs},
+                      "encrypted": start_receiver(bundle_receiver, rounds, arena, auth=True, encrypt=True)}
+
+    def ready(self, name: str) -> int:
+        return self.procs[name][2]
+
+    def cpu(self, name: str) -> float:
+        return float(self.procs[name][1].get(timeout=600))
+
+    def close(self) -> None:
+        for proc, _, _ in self.procs.values():
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+class RemoteReceivers:
+    """A ``--serve`` on another host: its control connection says when each transfer may start (its arena is
+    faulted in) and how many CPU seconds it took there."""
+
+    def __init__(self, to: tuple[str, int], key: bytes) -> None:
+        """Connect and prove the key (before the state is built: a wrong address or key fails at once)."""
+        self.host, self.port, self.key = *to, key
+        try:
+            sock = socket.create_connection(to, timeout=30)
+        except OSError as exc:   # gaierror (a bad name), refused, unreachable, timed out
+            raise BenchError(f"cannot reach the --serve at {self.host}:{self.port}: {exc}") from exc
+        self.control = Control(sock)
+        nonce = bytes.fromhex(self.control.recv()["nonce"])
+        self.control.send({"proof": control_proof(key, nonce)})
+        self.hello = self.control.recv()
+
+    def start(self, nbytes: int, rounds: int, names: list[str], arena: int) -> None:
+        self.control.send({"nbytes": nbytes, "rounds": rounds, "names": names, "arena": arena})
+        print(f"receiver: {self.hello['host']} ({self.hello['cpus']} cpus, load average {self.hello['load']:.1f}) "
+              f"at {self.host}:{self.port}", flush=True)
+
+    def ready(self, name: str) -> int:
+        said = self.control.recv().get("ready")
+        if said != name:
+            raise BenchError(f"the receiver host is ready for {said!r}, not {name!r}")
+        return self.port
+
+    def cpu(self, name: str) -> float:
+        return float(self.control.recv()["cpu"])
+
+    def close(self) -> None:
+        self.control.close()
+
+
+def serve(bind: str, port: int, key: bytes, once: bool) -> None:
+    """Host B: serve ``--to`` sessions one at a time on ``bind``:``port`` (until interrupted, or one)."""
+    try:
+        listener = socket.create_server((bind, port), family=socket.AF_INET6 if ":" in bind else socket.AF_INET)
+    except (OSError, OverflowError) as exc:
+        raise BenchError(f"cannot listen on {bind}:{port}: {exc}") from exc
+    print(f"serving --auth-only --to on {bind}:{port}{' (one session)' if once else ' (Ctrl-C stops)'}", flush=True)
+    with listener:
+        while True:
+            listener.settimeout(None)
+            conn, peer = listener.accept()
+            control = Control(conn)
+            try:
+                serve_session(listener, control, key)
+                print(f"session from {peer[0]} done", flush=True)
+            except (BenchError, HandoffError, OSError, RuntimeError, ValueError, KeyError) as exc:
+                print(f"session from {peer[0]} failed: {exc}", flush=True)
+                with contextlib.suppress(OSError):
+                    control.send({"error": str(exc)})
+                if once:
+                    raise SystemExit(1) from None
+            finally:
+                control.close()
+            if once:
+                return
+
+
+def serve_session(listener: socket.socket, control: Control, key: bytes) -> None:
+    """One sender's rounds: prove the key, then per transfer: fault in the arena, "ready", receive, its CPU s."""
+    nonce = os.urandom(16)
+    control.send({"nonce": nonce.hex()})
+    if not hmac.compare_digest(str(control.recv().get("proof", "")), control_proof(key, nonce)):
+        raise BenchError("the sender did not prove the bench key (a different key on the two hosts?)")
+    control.send({"host": socket.gethostname(), "cpus": os.cpu_count(), "load": os.getloadavg()[0]})
+    config = control.recv()
+    nbytes, rounds, arena, names = int(config["nbytes"]), int(config["rounds"]), int(config["arena"]), config["names"]
+    auth = bench_auth(key)
+    view = memoryview(bytearray(nbytes))   # touched once, reused: the best case for raw TCP
+    for _ in range(rounds):
+        for name in names:
+            if name != "raw":
+                reserve_receive_arena(arena)
+            control.send({"ready": name})
+            if name == "raw":
+                conn = accept_one(listener, CONTROL_TIMEOUT_S)
+                conn.settimeout(CONTROL_TIMEOUT_S)
+                cpu_before = cpu_seconds()
+                recv_raw(conn, view)
+                control.send({"cpu": cpu_seconds() - cpu_before})
+            else:
+                cpu_before = cpu_seconds()
+                bundle, _stats = accept_and_recv(listener, timeout=CONTROL_TIMEOUT_S, auth=auth,
+                                                 encrypt=name == "encrypted")
+                control.send({"cpu": cpu_seconds() - cpu_before})   # the joiner keeps the state: freeing is not timed
+                del bundle
+
+
+def auth_only(nbytes: int, rounds: int, macs: list[str], chunk_bytes: int, to: tuple[str, int] | None = None,
+              key: bytes | None = None) -> None:
+    """Raw TCP, the authenticated stream (each frame MAC in ``macs``) and the encrypted one, alternating within each
+    round (A/B/C/A/B/C...): GB/s, the ratio to raw, CPU-s per GB both ends (medians and best), the load average.
+    ``to``: the receivers are a ``--serve`` on that (host, port), proved with ``key``; else local child processes."""
+    remote = RemoteReceivers(to, key) if to is not None and key is not None else None
     model, opt = model_and_optimizer(nbytes)
     bundle = capture({"model": model, "opt": opt}, step=1, rng=capture_rng())
     payload = memoryview(bytearray(b"\x5a" * nbytes))
@@ -177,9 +393,12 @@ def auth_only(nbytes: int, rounds: int, macs: list[str], chunk_bytes: int) -> No
           f"rounds of {', '.join(names)} (alternating); frames of {chunk_bytes >> 10} KiB; load average {load[0]:.1f}",
           flush=True)
     arena = bundle.nbytes + (16 << 20)
-    recv = {"raw": start_receiver(raw_receiver, nbytes, rounds),
-            **{m: start_receiver(bundle_receiver, rounds, arena, auth=True) for m in macs},
-            "encrypted": start_receiver(bundle_receiver, rounds, arena, auth=True, encrypt=True)}
+    recv: LocalReceivers | RemoteReceivers
+    if remote is None:
+        recv, auth = LocalReceivers(nbytes, rounds, macs, arena), AUTH
+    else:
+        remote.start(nbytes, rounds, names, arena)
+        recv, auth = remote, bench_auth(remote.key)
     gbps: dict[str, list[float]] = {m: [] for m in names}
     cpu: dict[str, list[float]] = {m: [] for m in names}
     send_cpu: dict[str, list[float]] = {m: [] for m in names}
@@ -187,30 +406,29 @@ def auth_only(nbytes: int, rounds: int, macs: list[str], chunk_bytes: int) -> No
         for round_no in range(rounds):
             for name in names:
                 before = cpu_seconds()
+                port = recv.ready(name)
                 if name == "raw":
-                    gbps[name].append(nbytes / send_raw(recv[name][2], payload) / 1e9)
+                    gbps[name].append(nbytes / send_raw(port, payload, recv.host) / 1e9)
                     size = nbytes
                 else:
-                    stats = connect_and_send("127.0.0.1", recv[name][2], bundle, timeout=600, auth=AUTH,
+                    stats = connect_and_send(recv.host, port, bundle, timeout=600, auth=auth,
                                              chunk_bytes=chunk_bytes, frame_mac=None if name == "encrypted" else name,
                                              encrypt=name == "encrypted")
                     gbps[name].append(stats.gbps)
                     size = bundle.nbytes
                 sent = cpu_seconds() - before
                 send_cpu[name].append(sent / size * 1e9)
-                cpu[name].append((sent + recv[name][1].get(timeout=600)) / size * 1e9)
+                cpu[name].append((sent + recv.cpu(name)) / size * 1e9)
             load.append(os.getloadavg()[0])
             print(f"  round {round_no}: " + ", ".join(f"{m} {gbps[m][-1]:.2f} GB/s ({cpu[m][-1]:.3f} cpu-s/GB)"
                                                       for m in names) + f"; load {load[-1]:.1f}", flush=True)
     finally:
-        for proc, _, _ in recv.values():
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+        recv.close()
     raw_median = statistics.median(gbps["raw"])
     raw_cpu = statistics.median(cpu["raw"])
     summary: dict[str, Any] = {"load": [round(x, 1) for x in load], "chunk_bytes": chunk_bytes}
+    if isinstance(recv, RemoteReceivers):
+        summary["receiver"] = recv.hello
     for name in names:
         med, med_cpu = statistics.median(gbps[name]), statistics.median(cpu[name])
         per_round = [g / r for g, r in zip(gbps[name], gbps["raw"])]
@@ -235,8 +453,34 @@ def main() -> None:
                              "hmac-sha256)")
     parser.add_argument("--chunk-mb", type=float, default=CHUNK / (1 << 20),
                         help="with --auth-only: the sender's frame size, MiB")
+    parser.add_argument("--serve", action="store_true",
+                        help="with --auth-only: this host receives for a --to on another host")
+    parser.add_argument("--bind", default="0.0.0.0", help="with --serve: the address to listen on")
+    parser.add_argument("--port", type=int, default=SERVE_PORT, help="with --serve: the one TCP port to listen on")
+    parser.add_argument("--once", action="store_true", help="with --serve: serve one session, then exit")
+    parser.add_argument("--to", metavar="HOST[:PORT]", help="with --auth-only: send to a --serve on HOST")
+    parser.add_argument("--key-file", metavar="PATH",
+                        help=f"with --serve/--to: the bench key's file (else ${KEY_ENV}; the same on both hosts)")
     args = parser.parse_args()
     nbytes = args.mb * 10**6
+    if args.serve or args.to:
+        try:
+            if not args.auth_only:
+                raise BenchError("--serve and --to go with --auth-only")
+            if args.serve and args.to:
+                raise BenchError("--serve (host B) and --to (host A) are for different hosts")
+            to = parse_target(args.to) if args.to else None
+            key = read_key(args.key_file)
+            if args.serve:
+                serve(args.bind, args.port, key, args.once)
+            else:
+                auth_only(nbytes, args.rounds, [m for m in args.macs.split(",") if m], int(args.chunk_mb * (1 << 20)),
+                          to=to, key=key)
+        except (BenchError, HandoffError, OSError) as exc:   # a transfer or the control connection failed
+            raise SystemExit(f"transfer.py: {exc}") from None
+        except KeyboardInterrupt:
+            raise SystemExit(130) from None
+        return
     if args.auth_only:
         auth_only(nbytes, args.rounds, [m for m in args.macs.split(",") if m], int(args.chunk_mb * (1 << 20)))
         return
