@@ -16,11 +16,11 @@ import pytest
 from tpassrun.launch.config import ConfigError, parse_args
 from tpassrun.ops.console import Describer
 from tpassrun.pool import plan as P
-from tpassrun.pool.ctl import status_doc, status_lines
+from tpassrun.pool.ctl import gauges, status_doc, status_lines
 from tpassrun.pool.node import spare_node_argv
 from tpassrun.pool.plan import (JobNeed, NodeState, Phase, PoolView, Preempt, WaitForPool, plan_job, plan_members,
                                 plan_node, preempt_refusal)
-from tpassrun.records.pool import MEMBER, Claim, JobSpec, PoolNode, PreemptRequest
+from tpassrun.records.pool import MEMBER, Claim, HistoryEntry, JobSpec, PoolNode, PreemptRequest
 
 SPEC = JobSpec(run_id="low", endpoint="127.0.0.1:2379", rdzv_conf="lease_ttl=3", nproc_per_node=2,
                entrypoint="/w/train.py", args=("--steps", "5"), nnodes="1:2", max_restarts=3)
@@ -127,6 +127,17 @@ def test_both_consoles_say_it_in_one_line_and_status_shows_the_member():
     line = status_lines(doc)[1]
     assert "running lower-priority job low as a member (priority 1)" in line and "being pre-empted by high" in line
     assert doc["nodes"][0]["kind"] == MEMBER and doc["nodes"][0]["preempted_by"] == "high"
+
+
+def test_the_gauges_count_lent_nodes_and_preemptions():
+    view = PoolView(nodes={"p1": node("p1", state="serving"), "p2": node("p2", state="serving"), "p3": node("p3")},
+                    claims={"p1": member("p1"), "p2": replace(member("p2"), kind="spare", job="high")})
+    history = [HistoryEntry(1.0, "p1", "claimed", "low"), HistoryEntry(2.0, "p1", "preempted", "low"),
+               HistoryEntry(3.0, "p1", "claimed", "high"), HistoryEntry(4.0, "p1", "preempted", "low2")]
+    g = gauges(view, history)
+    assert g["tpassrun_pool_member_nodes"] == 1 and g["tpassrun_pool_claims"] == 2
+    assert g["tpassrun_pool_idle_nodes"] == 1
+    assert g["tpassrun_pool_preemptions_total"] == 2 and g["tpassrun_pool_claims_total"] == 2
 
 
 @pytest.mark.parametrize("args", [

@@ -31,7 +31,7 @@ from tpassrun.rendezvous import EtcdConfig, EtcdStore, RendezvousError, read_pri
 from tpassrun.rendezvous.config import DEFAULT_PREFIX
 from tpassrun.pool.etcd import Pool, PoolError
 from tpassrun.pool.plan import PoolView
-from tpassrun.records.pool import POOL_KEY_CONF, HistoryEntry, PoolKeys, PoolNode, pool_prefix
+from tpassrun.records.pool import MEMBER, POOL_KEY_CONF, HistoryEntry, PoolKeys, PoolNode, pool_prefix
 
 LEASE_TTL = 10
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
@@ -85,12 +85,15 @@ def status_doc(name: str, view: PoolView, history: Sequence[HistoryEntry], now: 
 
 
 def gauges(view: PoolView, history: Sequence[HistoryEntry]) -> dict[str, float]:
-    """Prometheus gauges of a pool (pure): idle nodes, nodes, claims now, claims ever, the last claim's wait."""
+    """Prometheus gauges of a pool (pure): idle nodes, nodes, claims now (and of them, the nodes lent to
+    lower-priority jobs as members), claims and pre-emptions ever, the last claim's wait."""
     idle = sum(1 for n in view.nodes.values() if n.state == "idle" and n.node_id not in view.claims)
     last = max(view.claims.values(), key=lambda c: c.since, default=None)
     return {"tpassrun_pool_nodes": float(len(view.nodes)), "tpassrun_pool_idle_nodes": float(idle),
             "tpassrun_pool_claims": float(len(view.claims)),
+            "tpassrun_pool_member_nodes": float(sum(1 for c in view.claims.values() if c.kind == MEMBER)),
             "tpassrun_pool_claims_total": float(sum(1 for h in history if h.event == "claimed")),
+            "tpassrun_pool_preemptions_total": float(sum(1 for h in history if h.event == "preempted")),
             "tpassrun_pool_claim_wait_seconds": float(last.waited) if last is not None else 0.0}
 
 
