@@ -141,7 +141,7 @@ class JobPool:
                     self.held[node] = action.node_id
                     self.agent_of.pop(action.node_id, None)
                     if action.node_id in view.preempts:     # the node we pre-empted (it drops the request itself)
-                        await self.pool.store.delete(self.pool.keys.preempt(action.node_id))
+                        await self.pool.drop_preempt(action.node_id)
                     say("pool_claimed", lost_node=node, pool=self.name, pool_node=action.node_id,
                         reason=action.reason, waited=round(now - since, 3))
                 # a lost race: the next tick reads the pool again
@@ -229,12 +229,12 @@ class JobPool:
         any more (nothing to give back; the node returns when its spare node exits)."""
         view, _, _ = await self.pool.read()
         claim = view.claims.get(pool_node)
-        leaving = {a: p for p, a in self.agent_of.items() if p == pool_node}
-        self.given_back.update(leaving)         # before the release: the pool node stops its spare node on it
+        agent = self.agent_of.get(pool_node)
+        if agent:                               # before the release: the pool node stops its spare node on it
+            self.given_back[agent] = pool_node
         done = claim is not None and claim.job == self.cfg.rdzv_id and await self.pool.give_back(claim, why)
-        if not done:
-            for agent in leaving:
-                del self.given_back[agent]
+        if not done and agent:
+            del self.given_back[agent]
         for need in [n for n, p in self.held.items() if p == pool_node]:
             del self.held[need]
             self.since.pop(need, None)
