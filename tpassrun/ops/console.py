@@ -13,7 +13,7 @@ import logging
 import os
 import sys
 import time
-from typing import Any, Callable, TextIO
+from typing import Any, Callable, Mapping, TextIO
 
 from tpassrun.ops.cleantext import clean
 
@@ -25,6 +25,12 @@ def _short(node: Any) -> str:
     text = str(node or "?")
     parts = text.rsplit("-", 2)
     return parts[0] if len(parts) == 3 and parts[1].isdigit() else text
+
+
+def _pool_need(ev: Mapping[str, Any]) -> str:
+    """What a pool event is for: ``rank N ...`` (a dead rank's need, said as is) or ``node H lost``."""
+    lost = str(ev.get("lost_node"))
+    return lost if lost.startswith("rank ") else f"node {_short(lost)} lost"
 
 
 def _secs(x: Any) -> str:
@@ -287,9 +293,7 @@ class Describer:
             what = {"pool_claimed": f"claimed pool node {_short(ev.get('pool_node'))} from pool {ev.get('pool')}",
                     "pool_waiting": f"waiting for pool {ev.get('pool')}",
                     "pool_gave_up": f"pool {ev.get('pool')} gave nothing: torchrun's restart"}[name]
-            lost = str(ev.get("lost_node"))
-            who = lost if lost.startswith("rank ") else f"node {_short(lost)} lost"     # a dead rank's need
-            return f"{who}, no own spare ready: {what} ({ev.get('reason')})"
+            return f"{_pool_need(ev)}, no own spare ready: {what} ({ev.get('reason')})"
         if name == "pool_given_back":
             t.given_back = str(ev.get("reason") or "given back")
             return f"given back to the spare pool ({t.given_back}): no rank runs here, leaving the job"
@@ -299,9 +303,7 @@ class Describer:
         if name == "pool_released":
             return f"pool node {_short(ev.get('pool_node'))} given back to pool {ev.get('pool')}: {ev.get('reason')}"
         if name == "pool_preempting":
-            lost = str(ev.get("lost_node"))
-            who = lost if lost.startswith("rank ") else f"node {_short(lost)} lost"
-            return (f"{who}, no own spare ready: pre-empting pool node {_short(ev.get('pool_node'))} from job "
+            return (f"{_pool_need(ev)}, no own spare ready: pre-empting pool node {_short(ev.get('pool_node'))} from job "
                     f"{ev.get('victim')} (priority {ev.get('victim_priority')} < {ev.get('priority')})")
         if name == "pool_taken_back":
             return str(ev.get("reason"))
