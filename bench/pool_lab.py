@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from common import EtcdServer  # (puts tests/ on the path; kills what a stopped bench started)
-from faults import Job, NetLab
+from faults import Job, NetLab, descendants
 
 from tpassrun.pool import Pool, PoolKeys, pool_prefix
 from tpassrun.records.provenance import RunKey
@@ -277,24 +277,6 @@ def cmdline(pid: int) -> str:
             return fh.read().replace(b"\0", b" ").decode(errors="replace")
     except OSError:
         return ""
-
-
-def descendants(pid: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo += children.get(p, [])
-    return out
 
 
 def restart_pool_node(lab: Lab, host: str, node_id: str) -> Job:

@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from faults import Job, assert_bit_exact, pid_of_rank, sigkill_node, sigkill_rank, wait_dead
+from faults import Job, assert_bit_exact, descendants, pid_of_rank, sigkill_node, sigkill_rank, wait_dead
 from tpassrun.pool import Pool, PoolKeys, pool_prefix
 from tpassrun.records.provenance import RunKey
 from tpassrun.rendezvous import EtcdConfig, EtcdStore
@@ -238,25 +238,6 @@ def test_a_pool_node_is_given_back_when_migrate_back_moves_the_dead_ranks_home(t
           f"after the kill")
 
 
-def _descendants(pid: int) -> list[int]:
-    """``pid`` and every process below it (from /proc), parents first."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as fh:
-                    ppid = int(fh.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    out, todo = [], [pid]
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo += children.get(p, [])
-    return out
-
-
 @pytest.mark.acceptance     # ~50-65 s: past CI's budget (the pool side runs in CI: test_swap_silent.py)
 def test_a_pool_node_that_stops_answering_mid_recovery_is_replaced_by_another(tmp_path, etcd_server, run_id,
                                                                              reference_run):
@@ -290,7 +271,7 @@ def test_a_pool_node_that_stops_answering_mid_recovery_is_replaced_by_another(tm
             assert time.monotonic() < deadline and a.proc.poll() is None, a.log()[-4000:] + pools[0].log()[-2000:]
             time.sleep(0.05)
         phase = ([e["phase"] for e in a.events() if e["event"] == "swap_phase"] or ["pause"])[-1]
-        stopped = _descendants(pools[0].proc.pid)
+        stopped = descendants(pools[0].proc.pid)
         for pid in stopped:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGSTOP)
