@@ -97,6 +97,12 @@ def held_by(view: PoolView, job: str) -> list[str]:
     return sorted(n for n, c in view.claims.items() if c.job == job)
 
 
+def idle_nodes(view: PoolView, nproc: int) -> list[PoolNode]:
+    """The pool nodes free to claim with ``nproc`` slots: idle, unclaimed; idle longest first (pure)."""
+    return sorted((n for n in view.nodes.values() if n.node_id not in view.claims and n.state == IDLE
+                   and n.nproc >= nproc), key=lambda n: (n.since, n.node_id))
+
+
 def plan_job(need: JobNeed, view: PoolView, now: float) -> JobAction:
     if need.own_ready >= need.nodes:
         return UseOwn(f"{need.own_ready} own spare node(s) ready")
@@ -104,10 +110,9 @@ def plan_job(need: JobNeed, view: PoolView, now: float) -> JobAction:
         return UseOwn(f"own spare node(s) still starting ({need.own_starting}): waiting for them, not the pool")
     if not view.exists:
         return Restart("the spare pool does not exist")
-    idle = [n for n in view.nodes.values()
-            if n.node_id not in view.claims and n.state == IDLE and n.nproc >= need.nproc]
+    idle = idle_nodes(view, need.nproc)
     if idle:
-        pick = min(idle, key=lambda n: (n.since, n.node_id))
+        pick = idle[0]
         return ClaimNode(pick.node_id, f"no own spare ready; pool node {pick.node_id} is idle "
                                        f"({len(idle)} idle in the pool)")
     if need.preempt:
@@ -150,10 +155,7 @@ def _none_free(need: JobNeed, view: PoolView) -> str:
 def plan_members(view: PoolView, want: int, nproc: int) -> tuple[list[str], str]:
     """A lower-priority elastic job's members at start (``--pool-members``): up to ``want`` idle pool nodes with
     ``nproc`` slots, idle longest first, and why (pure). Only idle nodes: lower-priority work never pre-empts."""
-    idle = sorted((n for n in view.nodes.values()
-                   if n.node_id not in view.claims and n.state == IDLE and n.nproc >= nproc),
-                  key=lambda n: (n.since, n.node_id))
-    picks = [n.node_id for n in idle[:max(want, 0)]]
+    picks = [n.node_id for n in idle_nodes(view, nproc)[:max(want, 0)]]
     if not view.exists:
         return [], "the spare pool does not exist"
     if not picks:
