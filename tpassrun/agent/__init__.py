@@ -252,6 +252,10 @@ class Agent:
                             run_key=run_key.fingerprint if run_key is not None else None)
             if metrics_at is not None:
                 st.events.write("metrics_serving", addr=metrics_at[0], port=metrics_at[1])
+            from tpassrun.agent.netwatch import advertised_check   # several hosts: one line if they cannot reach us
+
+            if (loopback := await asyncio.to_thread(advertised_check, st.addr, cfg.max_nodes)) is not None:
+                st.events.write("address_loopback", addr=st.addr, line=loopback)
             register_run(self._state, stack, endpoint, event_path)   # tpassctl on this machine finds it without ids
             self._starting = False
             if st.signal_received is not None:

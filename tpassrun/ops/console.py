@@ -191,7 +191,8 @@ class Describer:
             return f"{_rank(ev)}health: killed pid {ev.get('pid')}: {ev.get('reason')}"
         if name == "health_message":
             return str(ev.get("message"))
-        if name in ("link_ridden_out", "link_flap_broke", "link_degraded", "link_healthy"):
+        if name in ("link_ridden_out", "link_flap_broke", "link_degraded", "link_healthy", "link_ambiguous",
+                    "address_loopback"):
             return str(ev.get("line"))     # tpassrun/agent/netwatch wrote the line (flap_line, the link verdict)
         if name == "worker_exit":
             if ev.get("code") == 0 or ev.get("state") not in ("running",):
@@ -462,7 +463,8 @@ def summary_lines(t: RunTally, code: Any) -> list[str]:
 #: events the console (and ``tpassctl events``) shows as warnings; every other line is informational
 WARNING_EVENTS = frozenset({"fallback", "user_error", "hang_detected", "timer_expired", "worker_died",
                             "unmanaged_death", "swap_aborted_here", "swap_transfer_failed", "fenced", "etcd_connection_lost",
-                            "etcd_connection_overdue", "link_degraded", "link_flap_broke"})
+                            "etcd_connection_overdue", "link_degraded", "link_flap_broke", "link_ambiguous",
+                            "address_loopback"})
 
 
 def level_of(ev: dict[str, Any]) -> str:

@@ -4,7 +4,9 @@ judges it against the peers' (``_plan``, pure) and carries the verdict out.
 Effects, and only here:
 
 * events ``link_down`` / ``link_ridden_out`` (a flap: the console says "link to node X lost for 4.2 s, ridden
-  out"), ``link_suspect``, ``link_degraded`` / ``link_healthy`` ("node X: link degraded, +38 ms per step");
+  out", one line, written by the console from the event and nowhere else), ``link_suspect``, ``link_degraded`` /
+  ``link_healthy`` ("node X: link degraded, +38 ms per step"), ``link_ambiguous`` (the figures point at more than
+  one node and cannot tell them apart: which nodes and why, every ``AMBIGUOUS_EVERY_S`` while it lasts);
 * with a degraded link, ``effect`` migrate and a spare node in the job: a taint on each of this node's slots
   through the health daemon's own taint path (running ranks migrate as planned swaps; this node's spares are
   not handed out, since they sit behind the same link); the taints go when the link is healthy again;
@@ -22,11 +24,19 @@ from collections import deque
 from typing import Any, Callable
 
 from tpassrun.agent.netwatch import _probe
-from tpassrun.agent.netwatch._plan import DEGRADED, HEALTHY, SUSPECT, FlapBook, LinkFigures, LinkWatch, flap_line
+from tpassrun.agent.netwatch._flaps import FlapBook, flap_line
+from tpassrun.agent.netwatch._plan import AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, LinkFigures, LinkVerdict, LinkWatch
 
 log = logging.getLogger("tpassrun.agent.netwatch")
 
 READINGS_DEVICE = "link"     # the device name of the link figures in a node's health record
+AMBIGUOUS_EVERY_S = 6.0      # how often an ambiguous finding is said again while it lasts
+SMOOTH_N = 3                 # step samples a node's step time is the median of
+# events during which (and for one sampling interval after) the ranks may be paused, not training: a swap's pause,
+# a world re-formed, a restart. Step samples then are not what the link costs, and the baseline never learns them.
+PAUSE_EVENTS = ("swap_decided", "swap_boundary_reached", "swap_phase", "swap_world_reformed", "swap_resumed",
+                "generation_joined", "generation_committed", "generation_ended", "restart", "membership_change",
+                "training_resumed", "ranks_recovered", "worker_died", "hang_held")
 
 
 def figures_of(readings: Any) -> LinkFigures | None:
@@ -46,6 +56,7 @@ class LinkDaemon:
         self.policy = policy
         self.clock = clock
         self.watch = LinkWatch.from_policy(policy)
+        self.watch.me = self.agent.node_id
         self.book = FlapBook()
         self.figures = LinkFigures()
         self.state = HEALTHY
@@ -55,8 +66,12 @@ class LinkDaemon:
         self.down_wall = 0.0                   # the same in wall time (published: the peers' watchdogs read it)
         self.peer_down_wall = 0.0              # the latest of the peers' (from their health records)
         self.tainted: set[str] = set()
-        self._steps: deque[float] = deque(maxlen=3)   # ms per step of the last few samples: one slow interval is noise
+        self._steps: deque[float] = deque(maxlen=SMOOTH_N)   # ms per step of the last few samples (one is noise)
         self._last_step: tuple[float, int] | None = None     # (clock, step) at the last sample
+        self._trained = False          # a step completed since these ranks started (start-up is not a step)
+        self._unsteady = 0             # samples still to come whose smoothing includes a stall or a pause
+        self._paused_at: float | None = None     # clock of the last pause event (PAUSE_EVENTS)
+        self._ambiguous_said: float | None = None  # clock the ambiguous finding was last said
         self._sent: dict[str, tuple[int, int]] | None = None    # remote address -> (bytes sent, sent again)
         self._dev: str | None = None
         self._addr: str | None = None
@@ -66,6 +81,8 @@ class LinkDaemon:
     # ------------------------------------------------------------------ flaps
     def _on_event(self, ev: dict[str, Any]) -> None:
         name, now = ev.get("event"), self.clock()
+        if name in PAUSE_EVENTS:
+            self._paused_at = now
         if name == "etcd_connection_lost":
             self.book.etcd_lost(now)
             self.down_at, self.down_wall = now, time.time()
@@ -84,10 +101,9 @@ class LinkDaemon:
     def _said(self, flap: Any) -> None:
         if flap is None:
             return
-        line = flap_line(self.agent.node_id, flap)
+        # one line per flap: the console says the event's line (I ridden out, W fenced); no log line besides
         self.agent.events.write("link_ridden_out" if flap.ridden_out else "link_flap_broke", seconds=flap.seconds,
-                                seen_by=flap.seen_by, line=line)
-        log.warning("%s", line)
+                                seen_by=flap.seen_by, line=flap_line(self.agent.node_id, flap))
 
     def _poll_iface(self) -> None:
         if self._dev is None:
@@ -105,15 +121,19 @@ class LinkDaemon:
             # what the kernel sent again during the outage is the outage's, not the link's quality after it
             self._sent = None
             self._steps.clear()
-            self._last_step = None
+            self._last_step, self._unsteady = None, SMOOTH_N
         self._said(flap)
         if not st.up and not was_down:
             self.agent.events.write("link_down", dev=self._dev)
 
     # ------------------------------------------------------------------ figures
-    def _step_ms(self) -> float | None:
-        """Wall time per step of this node's ranks since the last sample (every step's stall counted, not one step's
-        duration), smoothed over the last few samples; None when it holds no rank."""
+    def _step_sample(self) -> tuple[float | None, bool]:
+        """(wall time per step of this node's ranks, smoothed over the last few samples; whether those samples are
+        training only). None before a step completed (start-up is not a step) or without ranks.
+
+        An interval in which no step completed after training began is a stall: counted as one step that long (a
+        link can make a step outlast the interval), never learned. A sample next to a pause event (a swap's pause,
+        a restart) is not steady either."""
         from tpassrun.channel import Field
         from tpassrun.channel.slots import SlotState
 
@@ -121,14 +141,24 @@ class LinkDaemon:
         steps = [slots.field(s, Field.STEP) for s in slots.slots if s.rank is not None and s.state == SlotState.RUNNING]
         now, prev = self.clock(), self._last_step
         if not steps:
-            self._last_step = None
+            self._last_step, self._trained, self._unsteady = None, False, 0
             self._steps.clear()
-            return None
+            return None, False
         self._last_step = (now, max(steps))
-        if prev is not None and max(steps) >= prev[1] and now > prev[0]:
-            # no step completed: a stall at least this long
-            self._steps.append(1000.0 * (now - prev[0]) / max(1, max(steps) - prev[1]))
-        return statistics.median(self._steps) if self._steps else None
+        interval = float(self.policy.interval_s)
+        paused = self._paused_at is not None and now - self._paused_at <= interval * 1.5
+        if prev is None or max(steps) < prev[1] or now <= prev[0]:
+            return (statistics.median(self._steps) if self._steps else None), False
+        done = max(steps) - prev[1]
+        if done == 0 and not self._trained:
+            return None, False                       # starting up: nothing to measure yet
+        if done == 0 or paused or not self._trained:
+            self._unsteady = SMOOTH_N                # a stall, a pause, or the first steps (their start-up in them)
+        self._trained = self._trained or done > 0
+        self._steps.append(1000.0 * (now - prev[0]) / max(1, done))
+        steady = self._unsteady == 0
+        self._unsteady = max(0, self._unsteady - 1)
+        return statistics.median(self._steps), steady
 
     async def sample(self) -> LinkFigures:
         host, port = self.agent.rdzv.store.config.endpoints[0]
@@ -138,7 +168,8 @@ class LinkDaemon:
         delta = _probe.sent_delta(self._sent, sent) if self._sent is not None else {}
         self._sent = sent
         rtt = await asyncio.to_thread(_probe.rtt_ms, host, port)
-        self.figures = LinkFigures(rtt, self._step_ms(), self._addr, delta)
+        step_ms, steady = self._step_sample()
+        self.figures = LinkFigures(rtt, step_ms, self._addr, delta, steady)
         return self.figures
 
     def readings(self) -> list[dict[str, Any]]:
@@ -196,10 +227,14 @@ class LinkDaemon:
     async def judge(self, peers: dict[str, LinkFigures]) -> None:
         verdict = self.watch.observe(self.figures, peers, self.clock())
         before, self.state, self.extra_ms = self.state, verdict.state, verdict.extra_ms
-        self.reason = verdict.reason
         node = self.agent.node_id
+        self.reason = verdict.reason
         if verdict.state == SUSPECT and before != SUSPECT:
-            self.agent.events.write("link_suspect", reason=verdict.reason, figures=self.figures.to_json())
+            self.agent.events.write("link_suspect", reason=self.reason, figures=self.figures.to_json())
+        if verdict.state == AMBIGUOUS:
+            self._say_ambiguous(verdict, peers)
+        else:
+            self._ambiguous_said = None
         if not verdict.changed:
             return
         if verdict.state == DEGRADED:
@@ -216,6 +251,17 @@ class LinkDaemon:
         elif verdict.state == HEALTHY:
             self.agent.events.write("link_healthy", reason=verdict.reason, line=f"node {node}: {verdict.reason}")
             await self._untaint(verdict.reason)
+
+    def _say_ambiguous(self, verdict: LinkVerdict, peers: dict[str, LinkFigures]) -> None:
+        """The console (and ``tpassctl status``, through this node's link verdict) says which nodes and why, every
+        ``AMBIGUOUS_EVERY_S`` while it lasts: not silently nothing."""
+        now = self.clock()
+        if self._ambiguous_said is not None and now - self._ambiguous_said < AMBIGUOUS_EVERY_S:
+            return
+        self._ambiguous_said = now
+        self.agent.events.write("link_ambiguous", suspects=list(verdict.suspects), reason=self.reason,
+                                figures=self.figures.to_json(), peers={k: v.to_json() for k, v in peers.items()},
+                                line=f"node {self.agent.node_id}: {self.reason}")
 
     async def _spare_node(self) -> str | None:
         """Another node with a ready spare (its ``status/`` record): somewhere this node's ranks can go. This
