@@ -183,8 +183,11 @@ def test_loss_both_ways_on_one_nodes_link_is_charged_to_it_by_what_it_also_loses
     # what b sent etcd was lost too (a's was not): b
     found = explain(nodes(pair_only, third={"b": 0.04}), {}, **kw)
     assert found.culprit == "b" and "b also resends to third parties (b->10.0.0.9 4.0%)" in found.reason
-    # or b's round trip to etcd moved against its own usual one (a's did not)
-    found = explain(nodes(pair_only, rtt={"a": 1.2, "b": 30.0}), {"a": 1.0, "b": 1.1}, **kw)
+    # or b's round trip to etcd stands out against the others'
+    found = explain(nodes(pair_only, rtt={"a": 1.2, "b": 30.0}), {}, **kw)
+    assert found.culprit == "b" and "b's round trip to etcd 30 ms against 1.1 ms on 2 peer(s)" in found.reason
+    # or moved against its own usual one (a's did not)
+    found = explain(nodes(pair_only, rtt={"a": 20.0, "b": 30.0, "c": 20.0}), {"a": 15.0, "b": 1.1}, **kw)
     assert found.culprit == "b" and "from 1.1 to 30 ms" in found.reason
     # loss on the way to etcd from everyone: a third party's link, no node's
     assert explain(nodes({}, third={"a": 0.05, "b": 0.05, "c": 0.05}), {}, **kw).culprit is None

@@ -159,6 +159,7 @@ def bad_daemon(health: AgentHealth) -> LinkDaemon:
     for _ in range(daemon.watch.baseline_n):
         daemon.watch.observe(LinkFigures(rtt_ms=1.0, step_ms=60.0), {"b": LinkFigures(rtt_ms=1.0)}, 0.0)
     daemon.figures = LinkFigures(rtt_ms=100.0, step_ms=140.0)
+    daemon.watch.observe(daemon.figures, {"b": LinkFigures(rtt_ms=1.0)}, 1.0)   # the RTT is a median of 3 samples
     return daemon
 
 

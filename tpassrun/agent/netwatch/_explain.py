@@ -13,8 +13,8 @@ has lossy paths, both ends have every lossy path in common; then
   way in; the only case ``tests/netrelay.lossy`` makes),
 * both directions lossy: what each sent to third parties (etcd, which every node talks to, or any address that is
   not a node) tells them apart when one of them lost there too and the other did not; else whose round trip to
-  etcd moved (against its own learned one, by ``rtt_factor`` and ``rtt_extra_ms``); else it cannot be told, and
-  the finding says so with the figures.
+  etcd stands out against the other nodes' or moved against its own learned one (by ``rtt_factor`` and
+  ``rtt_extra_ms``); else it cannot be told, and the finding says so with the figures.
 
 Round trip. A node's round trip to etcd (a third party) ``rtt_factor`` x the median of the others' and
 ``rtt_extra_ms`` more: that node (both ends of a slow link would see the same RTT on the link itself, which is why
@@ -186,11 +186,15 @@ def _others_inbound(node: str, nodes: Mapping[str, NodeFigures]) -> float:
 
 def _tie_break(suspects: tuple[str, ...], nodes: Mapping[str, NodeFigures], third: Mapping[tuple[str, str], float],
                rtt_learned: Mapping[str, float], rtt_factor: float, rtt_extra_ms: float) -> tuple[str, str] | None:
-    """The one suspect that also lost what it sent to third parties, or whose round trip to etcd moved."""
+    """The one suspect that also lost what it sent to third parties, or whose round trip to etcd stands out against
+    the other nodes' or moved against its own usual one."""
     lost = [n for n in suspects if any(s == n for s, _ in third)]
     if len(lost) == 1:
         n = lost[0]
         return n, f"{n} also resends to third parties ({_paths((p, v) for p, v in third.items() if p[0] == n)})"
+    slow = [(n, f"{n}'s {w}") for n in suspects if (w := rtt_stands_out(n, nodes, rtt_factor, rtt_extra_ms))]
+    if len(slow) == 1:
+        return slow[0]
     moved = []
     for n in suspects:
         now, usual = nodes[n].rtt_ms, rtt_learned.get(n)
