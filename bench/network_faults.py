@@ -1,8 +1,9 @@
 """Network faults against a running job: link flaps, degraded links, and background noise.
 
-    .venv/bin/python bench/network_faults.py flaps --flaps 10            # (a)
-    .venv/bin/python bench/network_faults.py degrade --kinds loss,delay,rate   # (b)
-    .venv/bin/python bench/network_faults.py noise --seconds 600         # (c)
+    .venv/bin/python bench/network_faults.py flaps --flaps 10                    # (a)
+    .venv/bin/python bench/network_faults.py degrade --kinds loss,rate --trials 5    # (b) at a random step 1-300
+    .venv/bin/python bench/network_faults.py degrade --kinds both --trials 2         # (b) loss both ways
+    .venv/bin/python bench/network_faults.py noise --seconds 180 --burners 2         # (c)
 
 Root only. One chaos cluster (``bench/chaos_cluster.py``: 2 members of 2 ranks and a ``--spare-node``, one
 external etcd, every agent a host of its own in a network namespace). The last line is JSON.
@@ -21,7 +22,7 @@ import time
 
 from chaos_cluster import RANKS, Cluster  # (puts tests/ on sys.path)
 from faults import Job, NetLab, assert_bit_exact
-from netrelay import DelayRelay, lossy, rate_limit, unlimit, unlossy
+from netrelay import DelayRelay, lossy, lossy_both_ways, rate_limit, unlimit, unlossy, unlossy_both_ways
 
 SWAP_EVENTS = ("swap_decided",)
 RESTART_EVENTS = ("restart", "fallback", "membership_change", "fenced", "lease_lost", "node_lost", "hang_detected",
@@ -90,6 +91,8 @@ def flaps(args: argparse.Namespace) -> dict:
                                                                      if e["event"] == "swap_decided"}),
                   "bad_events": count(evs, RESTART_EVENTS, t_start), "steps_lost": lost, "bit_identical": identical,
                   "ridden_out": [e["line"] for e in evs if e["event"] == "link_ridden_out"],
+                  # one console line per flap (the event's; no second log line)
+                  "console_flap_lines": sum(ln.count("lost for") for a in c.agents for ln in a.job.log().splitlines()),
                   "degraded": [e["line"] for e in evs if e["event"] == "link_degraded"]}
         print(json.dumps({k: v for k, v in result.items() if k != "flaps"}, default=str))
         return result
@@ -121,57 +124,82 @@ def wait_for(c: Cluster, pred, timeout: float) -> dict | None:  # type: ignore[n
     return None
 
 
-def degrade_one(kind: str, args: argparse.Namespace) -> dict:
+def apply(kind: str, c: Cluster, host: int, args: argparse.Namespace):  # type: ignore[no-untyped-def]
+    """Degrade host ``host``'s link; returns what undoes it (every rule, qdisc and table by name)."""
+    if kind == "loss":          # docs/network.md's recipe: iptables INPUT -i <link> in the node's namespace
+        lossy(c.lab, host, args.loss)
+        return lambda: unlossy(c.lab, host, args.loss)
+    if kind == "both":          # frames to and from its veth dropped on the bridge (nftables, bridge family)
+        lossy_both_ways(c.lab, host, args.loss)
+        return lambda: unlossy_both_ways(c.lab, host)
+    if kind == "delay":
+        return DelayRelay(c.lab, host, args.delay_ms).close
+    if kind == "rate":
+        rate_limit(c.lab, host, args.rate)
+        return lambda: unlimit(c.lab, host)
+    raise SystemExit(f"unknown fault kind {kind!r}")
+
+
+def degrade_one(kind: str, trial: int, rng: random.Random, ref: Job | None, args: argparse.Namespace) -> dict:
+    """One trial: the job from its start, one member's link degraded at a random step in [1, --at-most], the job
+    run to its end and compared with torchrun's (``ref``)."""
     work = tempfile.mkdtemp(prefix=f"tpassrun-netdeg-{kind}-")
-    c = Cluster(work, steps=100000, step_sleep=args.step_sleep, hang_timeout=60, netns=True, small_disk=False)
-    row: dict = {"kind": kind}
+    c = Cluster(work, steps=args.steps, step_sleep=args.step_sleep, hang_timeout=60, netns=True, small_disk=False)
+    at = rng.randint(1, args.at_most)
+    row: dict = {"kind": kind, "trial": trial, "at_step": at}
     undo = None
     try:
-        c.start_job()
+        for spare_node in (False, False, True):
+            c.start_agent(spare_node=spare_node)
         victim = c.agents[1]
-        time.sleep(args.settle)
+        deadline = time.time() + 600
+        while c.step(0) < at and time.time() < deadline and c.running():
+            time.sleep(0.05)
         t0 = time.time()
-        if kind == "loss":
-            lossy(c.lab, victim.host, args.loss)
-            undo = lambda: unlossy(c.lab, victim.host)  # noqa: E731
-        elif kind == "delay":
-            relay = DelayRelay(c.lab, victim.host, args.delay_ms)
-            undo = relay.close
-        elif kind == "rate":
-            rate_limit(c.lab, victim.host, args.rate)
-            undo = lambda: unlimit(c.lab, victim.host)  # noqa: E731
-        row["ms_per_step_before"] = ms_per_step(c, t0 - args.settle, t0)
-        found = wait_for(c, lambda e: e["event"] == "link_degraded" and e["time"] >= t0, args.timeout)
-        if found is None:
-            row["detected"] = False
-            row["ms_per_step_during"] = ms_per_step(c, t0, time.time())
-            return row
-        td = found["time"]
+        undo = apply(kind, c, victim.host, args)
+        row["applied_at_step"] = c.step(0)
         victim_id = next(e["node"] for e in victim.events() if e["event"] == "agent_started")
-        row.update(detected=True, node_ok=found["node"] == victim_id, line=found["line"],
-                   seconds_to_detection=round(td - t0, 1), steps_to_detection=step_at(c, td) - step_at(c, t0),
-                   ms_per_step_during=ms_per_step(c, t0, td))
-        # migration done: every rank of the victim resumed elsewhere (a swap_resumed per rank it held)
-        deadline = time.time() + args.timeout
-        done = None
-        while time.time() < deadline and c.running():
-            resumed = {e.get("swap_id"): e["time"] for e in c.events() if e["event"] == "swap_resumed"
-                       and e["time"] >= td}
-            if len(resumed) >= 2:
-                done = max(resumed.values())
-                break
-            time.sleep(0.5)
-        if done is not None:
-            row["seconds_to_migration_done"] = round(done - td, 1)
-            time.sleep(args.settle)
-            row["ms_per_step_after"] = ms_per_step(c, done + 2, time.time())
+        found = wait_for(c, lambda e: e["event"] in ("link_degraded", "link_ambiguous") and e["time"] >= t0,
+                         args.timeout)
+        if found is None:
+            row.update(detected=False, ms_per_step_during=ms_per_step(c, t0, time.time()))
+        else:
+            td = found["time"]
+            row.update(detected=found["event"] == "link_degraded", node_ok=found["node"] == victim_id,
+                       line=found["line"], seconds_to_detection=round(td - t0, 1),
+                       steps_to_detection=step_at(c, td) - step_at(c, t0), ms_per_step_during=ms_per_step(c, t0, td))
+            done = None
+            deadline = time.time() + args.timeout
+            while found["event"] == "link_degraded" and time.time() < deadline and c.running():
+                resumed = {e.get("swap_id"): e["time"] for e in c.events() if e["event"] == "swap_resumed"
+                           and e["time"] >= td}
+                if len(resumed) >= 2:
+                    done = max(resumed.values())
+                    break
+                time.sleep(0.5)
+            if done is not None:
+                row["seconds_to_migration_done"] = round(done - td, 1)
+            if kind == "both" and found["event"] == "link_ambiguous":
+                time.sleep(20)      # said again every few seconds while it lasts
+                row["ambiguous_lines"] = [e["line"] for e in c.events() if e["event"] == "link_ambiguous"][:6]
+        if undo is not None:       # the rest of the run on a healthy network: the job ends, torch.equal is checked
+            undo()
+            undo = None
+        codes = [a.job.wait(1800) for a in c.agents]
         evs = c.events()
+        row["exit_codes"] = codes
         row["swaps"] = len({e.get("swap_id") for e in evs if e["event"] == "swap_decided"})
-        # where the victim's ranks run now: none of them may be on the victim
         row["swaps_onto_victim"] = sum(e["event"] == "swap_decided" and f"to spare {victim_id}/" in (e.get("reason") or "")
                                        for e in evs)
         row["false_alarms"] = sorted({e["node"] for e in evs if e["event"] == "link_degraded" and e["node"] != victim_id})
-        row["restarts"] = count(c.events(), ("restart", "fallback", "membership_change"), t0)
+        row["restarts"] = count(evs, ("restart", "fallback", "membership_change"), t0)
+        if ref is not None:
+            try:
+                assert_bit_exact(Job(argv=[], out=c.train), ref, RANKS)
+                row["bit_identical"] = True
+            except AssertionError as exc:
+                row["bit_identical"] = False
+                row["not_identical"] = str(exc)[:300]
         return row
     finally:
         if undo is not None:
@@ -180,12 +208,26 @@ def degrade_one(kind: str, args: argparse.Namespace) -> dict:
 
 
 def degrade(args: argparse.Namespace) -> dict:
+    rng = random.Random(args.seed)
+    ref = reference(tempfile.mkdtemp(prefix="tpassrun-netdeg-ref-"), args.steps, args.step_sleep) if args.compare \
+        else None
     rows = []
     for kind in args.kinds.split(","):
-        row = degrade_one(kind, args)
-        print(json.dumps(row), flush=True)
-        rows.append(row)
-    return {"degrade": rows}
+        for trial in range(args.trials):
+            row = degrade_one(kind, trial + 1, rng, ref, args)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    summary = {}
+    for kind in args.kinds.split(","):
+        mine = [r for r in rows if r["kind"] == kind]
+        secs = sorted(r["seconds_to_detection"] for r in mine if r.get("detected"))
+        summary[kind] = {"trials": len(mine), "flagged_right_node": sum(bool(r.get("detected") and r.get("node_ok"))
+                                                                         for r in mine),
+                         "migrated": sum("seconds_to_migration_done" in r for r in mine),
+                         "bit_identical": sum(r.get("bit_identical") is True for r in mine),
+                         "false_alarms": sum(len(r.get("false_alarms", [])) for r in mine),
+                         "detection_s": secs}
+    return {"degrade": rows, "summary": summary}
 
 
 def noise(args: argparse.Namespace) -> dict:
@@ -204,6 +246,7 @@ def noise(args: argparse.Namespace) -> dict:
                           step_at(c, t0), "ms_per_step": ms_per_step(c, t0, time.time()),
                           "degraded": sum(e["event"] == "link_degraded" for e in evs),
                           "suspect": sum(e["event"] == "link_suspect" for e in evs),
+                          "ambiguous": sum(e["event"] == "link_ambiguous" for e in evs),
                           "swaps": len({e.get("swap_id") for e in evs if e["event"] == "swap_decided"})}}
     finally:
         for b in burners:
@@ -223,15 +266,19 @@ def main() -> None:
     f.add_argument("--lease-ttl", type=int, default=10)
     f.add_argument("--hang-timeout", type=float, default=30)
     d = sub.add_parser("degrade")
-    d.add_argument("--kinds", default="loss,delay,rate")
+    d.add_argument("--kinds", default="loss,rate", help="loss (into the node), both (loss both ways), rate, delay")
+    d.add_argument("--trials", type=int, default=5, help="per kind, each at a random step in [1, --at-most]")
+    d.add_argument("--at-most", type=int, default=300)
+    d.add_argument("--steps", type=int, default=700)
+    d.add_argument("--seed", type=int, default=1)
     d.add_argument("--loss", type=float, default=0.05)
     d.add_argument("--delay-ms", type=float, default=50)
     d.add_argument("--rate", default="20mbit")
     d.add_argument("--step-sleep", type=float, default=0.05)
-    d.add_argument("--settle", type=float, default=40, help="seconds of steps measured before and after")
-    d.add_argument("--timeout", type=float, default=240)
+    d.add_argument("--timeout", type=float, default=180)
+    d.add_argument("--no-compare", dest="compare", action="store_false", help="skip torchrun's reference run")
     n = sub.add_parser("noise")
-    n.add_argument("--seconds", type=float, default=600)
+    n.add_argument("--seconds", type=float, default=180)
     n.add_argument("--burners", type=int, default=2, help="background processes, each busy 0.5 s of every 0.7 s")
     n.add_argument("--step-sleep", type=float, default=0.05)
     args = p.parse_args()

@@ -107,17 +107,47 @@ class DelayRelay:
 
 
 def lossy(lab, i: int, probability: float) -> None:  # type: ignore[no-untyped-def]
-    """Random loss of ``probability`` on everything host ``i`` receives (iptables' statistic match in its netns).
+    """Random loss of ``probability`` on everything host ``i`` receives on its link (iptables' statistic match in its
+    netns, ``-i <its veth>``: its loopback traffic is left alone, as a lossy link would).
 
     INPUT, not OUTPUT: a packet OUTPUT drops never left, and the local TCP stack is told so at once and sends it
     again without any timeout (no retransmission counted, hardly a slowdown): not what a lossy link does. One
     dropped on the way in is lost as on a wire: its sender finds out by the missing ACK."""
-    _run(*lab.argv(i), "iptables", "-A", "INPUT", "-m", "statistic", "--mode", "random", "--probability",
-         str(probability), "-j", "DROP")
+    _run(*lab.argv(i), "iptables", *_loss_rule("-A", lab.hosts[i][2], probability))
 
 
-def unlossy(lab, i: int) -> None:  # type: ignore[no-untyped-def]
-    subprocess.run([*lab.argv(i), "iptables", "-F", "INPUT"], capture_output=True, timeout=30)
+def _loss_rule(op: str, dev: str, probability: float) -> list[str]:
+    return [op, "INPUT", "-i", dev, "-m", "statistic", "--mode", "random", "--probability", str(probability), "-j",
+            "DROP"]
+
+
+def unlossy(lab, i: int, probability: float) -> None:  # type: ignore[no-untyped-def]
+    """Remove ``lossy``'s rule (by its spec: nothing else in the chain is touched)."""
+    subprocess.run([*lab.argv(i), "iptables", *_loss_rule("-D", lab.hosts[i][2], probability)], capture_output=True,
+                   timeout=30)
+
+
+def _table(lab, i: int) -> str:  # type: ignore[no-untyped-def]
+    return f"tp{lab.tag}loss{i}"
+
+
+def lossy_both_ways(lab, i: int, probability: float) -> None:  # type: ignore[no-untyped-def]
+    """Random loss of ``probability`` on host ``i``'s link, both ways: frames to and from its veth dropped on the
+    bridge (an nftables table of the bridge family in the root namespace, named for this lab and host, matching
+    that veth only), so what the host sends is lost on the wire too. (iptables OUTPUT in the host would not do:
+    see ``lossy``.) ``unlossy_both_ways`` deletes the table."""
+    outer, table = lab.hosts[i][1], _table(lab, i)
+    per_mille = str(max(1, round(probability * 1000)))
+    _run("nft", "add", "table", "bridge", table)
+    for chain, hook in (("cf", "forward"), ("ci", "input"), ("co", "output")):
+        _run("nft", "add", "chain", "bridge", table, chain, f"{{ type filter hook {hook} priority 0 ; }}")
+    for chain, match in (("cf", "iifname"), ("cf", "oifname"), ("ci", "iifname"), ("co", "oifname")):
+        _run("nft", "add", "rule", "bridge", table, chain, match, outer, "numgen", "random", "mod", "1000", "<",
+             per_mille, "drop")
+
+
+def unlossy_both_ways(lab, i: int) -> None:  # type: ignore[no-untyped-def]
+    subprocess.run(["nft", "delete", "table", "bridge", _table(lab, i)], capture_output=True, timeout=30)
 
 
 def rate_limit(lab, i: int, rate: str) -> None:  # type: ignore[no-untyped-def]

@@ -134,7 +134,7 @@ def test_loss_into_a_host_and_delay_on_its_link_make_that_host_stand_out_and_cpu
     try:
         found = standing_out(figures(lab))
     finally:
-        unlossy(lab, 2)
+        unlossy(lab, 2, 0.05)
     # loss into host 2 shows in what its peers resend it, and often in its round trip to "etcd" too (the
     # server's answers lost and resent): either names host 2, and only host 2
     assert list(found) == ["h2"], found
