@@ -11,7 +11,7 @@ import pytest
 
 from tpassrun.health import LinkPolicy, Policy
 from tpassrun.agent.netwatch import (AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, FlapBook, LinkFigures, LinkWatch,
-                                     NodeFigures, Window, explain, flap_line, loopback_warning)
+                                     NodeFigures, StepMeter, Window, explain, flap_line, loopback_warning)
 from tpassrun.agent.netwatch._plan import inbound_loss_pct
 from tpassrun.agent.netwatch._probe import parse_sent, sent_delta
 
@@ -284,3 +284,19 @@ def test_a_flap_only_etcd_saw_is_timed_by_it_and_a_fence_meanwhile_means_not_rid
     flap = book.interface(True, 215.0)
     assert flap is not None and not flap.ridden_out and "fenced" in flap_line("n2", flap)
     assert book.interface(True, 216.0, flapped=True) is not None    # down and up between two samples: a flap of 0 s
+
+
+def test_the_step_meter_measures_training_only_and_says_which_samples_are_steady():
+    """Start-up (no step yet) gives no sample at all (it gave one 2,000 ms "step" per interval); the first steps,
+    a stall and a pause are measured (they slow the job) but never steady, nor is a median that includes them."""
+    m = StepMeter()
+    assert m.sample(0.0, None) == (None, False)                   # no rank here
+    assert [m.sample(t, 0) for t in (2.0, 4.0, 6.0, 8.0)] == [(None, False)] * 4     # starting up: 8 s, no step
+    assert m.sample(10.0, 5) == (400.0, False)                    # the first steps: start-up in them
+    got = [m.sample(10.0 + 2 * i, 5 + 20 * i) for i in range(1, 6)]
+    assert got == [(250.0, False), (100.0, False), (100.0, True), (100.0, True), (100.0, True)]
+    assert m.sample(22.0, 105) == (100.0, False)                  # a stall: 2,000 ms counted, never steady
+    assert m.sample(24.0, 125, paused=True) == (100.0, False)     # next to a swap's pause
+    assert [m.sample(26.0 + 2 * i, 145 + 20 * i)[1] for i in range(4)] == [False, False, True, True]
+    m.restart()                                                   # after a flap: start over, not steady
+    assert m.sample(40.0, 300) == (None, False) and m.sample(42.0, 320) == (100.0, False)

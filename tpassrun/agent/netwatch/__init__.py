@@ -10,9 +10,9 @@ from tpassrun.agent.netwatch._daemon import READINGS_DEVICE, LinkDaemon, figures
 from tpassrun.agent.netwatch._explain import Finding, NodeFigures, Window, explain
 from tpassrun.agent.netwatch._flaps import Flap, FlapBook, flap_line
 from tpassrun.agent.netwatch._plan import (AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, UNKNOWN, LinkFigures, LinkVerdict,
-                                           LinkWatch)
+                                           LinkWatch, StepMeter)
 from tpassrun.agent.netwatch._setup import advertised_check, loopback_warning
 
 __all__ = ["AMBIGUOUS", "DEGRADED", "HEALTHY", "READINGS_DEVICE", "SUSPECT", "UNKNOWN", "Finding", "Flap", "FlapBook",
-           "LinkDaemon", "LinkFigures", "LinkVerdict", "LinkWatch", "NodeFigures", "Window", "explain", "figures_of",
+           "LinkDaemon", "LinkFigures", "LinkVerdict", "LinkWatch", "NodeFigures", "StepMeter", "Window", "explain", "figures_of",
            "advertised_check", "flap_line", "loopback_warning"]

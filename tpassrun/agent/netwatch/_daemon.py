@@ -18,20 +18,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import statistics
 import time
-from collections import deque
 from typing import Any, Callable
 
 from tpassrun.agent.netwatch import _probe
 from tpassrun.agent.netwatch._flaps import FlapBook, flap_line
-from tpassrun.agent.netwatch._plan import AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, LinkFigures, LinkVerdict, LinkWatch
+from tpassrun.agent.netwatch._plan import (AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, LinkFigures, LinkVerdict, LinkWatch,
+                                           StepMeter)
 
 log = logging.getLogger("tpassrun.agent.netwatch")
 
 READINGS_DEVICE = "link"     # the device name of the link figures in a node's health record
 AMBIGUOUS_EVERY_S = 6.0      # how often an ambiguous finding is said again while it lasts
-SMOOTH_N = 3                 # step samples a node's step time is the median of
 # events during which (and for one sampling interval after) the ranks may be paused, not training: a swap's pause,
 # a world re-formed, a restart. Step samples then are not what the link costs, and the baseline never learns them.
 PAUSE_EVENTS = ("swap_decided", "swap_boundary_reached", "swap_phase", "swap_world_reformed", "swap_resumed",
@@ -66,10 +64,7 @@ class LinkDaemon:
         self.down_wall = 0.0                   # the same in wall time (published: the peers' watchdogs read it)
         self.peer_down_wall = 0.0              # the latest of the peers' (from their health records)
         self.tainted: set[str] = set()
-        self._steps: deque[float] = deque(maxlen=SMOOTH_N)   # ms per step of the last few samples (one is noise)
-        self._last_step: tuple[float, int] | None = None     # (clock, step) at the last sample
-        self._trained = False          # a step completed since these ranks started (start-up is not a step)
-        self._unsteady = 0             # samples still to come whose smoothing includes a stall or a pause
+        self.meter = StepMeter()
         self._paused_at: float | None = None     # clock of the last pause event (PAUSE_EVENTS)
         self._ambiguous_said: float | None = None  # clock the ambiguous finding was last said
         self._sent: dict[str, tuple[int, int]] | None = None    # remote address -> (bytes sent, sent again)
@@ -120,45 +115,22 @@ class LinkDaemon:
         if flap is not None:
             # what the kernel sent again during the outage is the outage's, not the link's quality after it
             self._sent = None
-            self._steps.clear()
-            self._last_step, self._unsteady = None, SMOOTH_N
+            self.meter.restart()
         self._said(flap)
         if not st.up and not was_down:
             self.agent.events.write("link_down", dev=self._dev)
 
     # ------------------------------------------------------------------ figures
     def _step_sample(self) -> tuple[float | None, bool]:
-        """(wall time per step of this node's ranks, smoothed over the last few samples; whether those samples are
-        training only). None before a step completed (start-up is not a step) or without ranks.
-
-        An interval in which no step completed after training began is a stall: counted as one step that long (a
-        link can make a step outlast the interval), never learned. A sample next to a pause event (a swap's pause,
-        a restart) is not steady either."""
+        """This node's ranks' step (the highest among its running ranks) fed to its ``StepMeter``."""
         from tpassrun.channel import Field
         from tpassrun.channel.slots import SlotState
 
         slots = self.agent.slots
         steps = [slots.field(s, Field.STEP) for s in slots.slots if s.rank is not None and s.state == SlotState.RUNNING]
-        now, prev = self.clock(), self._last_step
-        if not steps:
-            self._last_step, self._trained, self._unsteady = None, False, 0
-            self._steps.clear()
-            return None, False
-        self._last_step = (now, max(steps))
-        interval = float(self.policy.interval_s)
-        paused = self._paused_at is not None and now - self._paused_at <= interval * 1.5
-        if prev is None or max(steps) < prev[1] or now <= prev[0]:
-            return (statistics.median(self._steps) if self._steps else None), False
-        done = max(steps) - prev[1]
-        if done == 0 and not self._trained:
-            return None, False                       # starting up: nothing to measure yet
-        if done == 0 or paused or not self._trained:
-            self._unsteady = SMOOTH_N                # a stall, a pause, or the first steps (their start-up in them)
-        self._trained = self._trained or done > 0
-        self._steps.append(1000.0 * (now - prev[0]) / max(1, done))
-        steady = self._unsteady == 0
-        self._unsteady = max(0, self._unsteady - 1)
-        return statistics.median(self._steps), steady
+        now = self.clock()
+        paused = self._paused_at is not None and now - self._paused_at <= float(self.policy.interval_s) * 1.5
+        return self.meter.sample(now, max(steps) if steps else None, paused)
 
     async def sample(self) -> LinkFigures:
         host, port = self.agent.rdzv.store.config.endpoints[0]

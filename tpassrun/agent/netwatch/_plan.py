@@ -37,6 +37,7 @@ _POLICY = LinkPolicy()    # the thresholds' defaults are the health config's (on
 HEALTHY, SUSPECT, DEGRADED, UNKNOWN, AMBIGUOUS = "healthy", "suspect", "degraded", "unknown", "ambiguous"
 MISSES = 2       # clear observations in a row that end a suspicion
 RTT_LEARN_N = 5  # round trips seen (nothing standing out) before a node's usual one is known
+SMOOTH_N = 3     # step samples a node's step time is the median of
 
 
 Figure = Annotated[float, Min(0)]
@@ -197,3 +198,45 @@ class LinkWatch:
         if not has_base:
             return LinkVerdict(UNKNOWN, 0.0, f"learning the step time: {len(self._baseline)}/{self.baseline_n}")
         return LinkVerdict(HEALTHY, extra, "link figures in line with the peers'")
+
+
+@dataclass
+class StepMeter:
+    """A node's wall time per step, one sample per sampling interval, from the step its ranks are at (pure).
+
+    ``sample(now, step, paused)`` -> (ms per step, the median of the last ``SMOOTH_N`` samples; whether all of
+    those are training only). None before a step completed (start-up is not a step) or without ranks. An interval
+    in which no step completed once training began is a stall: counted as one step that long (a link can make a
+    step outlast the interval) but not steady; the first steps (their start-up in them) and an interval next to a
+    pause event (a swap's pause, a restart) are not steady either, and nor is any sample whose median includes
+    one of those."""
+
+    _steps: deque[float] = field(default_factory=lambda: deque(maxlen=SMOOTH_N), init=False, repr=False)
+    _last: tuple[float, int] | None = field(default=None, init=False, repr=False)
+    _trained: bool = field(default=False, init=False, repr=False)
+    _unsteady: int = field(default=0, init=False, repr=False)
+
+    def restart(self) -> None:
+        """What comes next is not comparable with before (the link was down: TCP's backoff in the next steps)."""
+        self._steps.clear()
+        self._last, self._unsteady = None, SMOOTH_N
+
+    def sample(self, now: float, step: int | None, paused: bool = False) -> tuple[float | None, bool]:
+        prev = self._last
+        if step is None:
+            self._last, self._trained, self._unsteady = None, False, 0
+            self._steps.clear()
+            return None, False
+        self._last = (now, step)
+        if prev is None or step < prev[1] or now <= prev[0]:
+            return (statistics.median(self._steps) if self._steps else None), False
+        done = step - prev[1]
+        if done == 0 and not self._trained:
+            return None, False                       # starting up: nothing to measure yet
+        if done == 0 or paused or not self._trained:
+            self._unsteady = SMOOTH_N
+        self._trained = True
+        self._steps.append(1000.0 * (now - prev[0]) / max(1, done))
+        steady = self._unsteady == 0
+        self._unsteady = max(0, self._unsteady - 1)
+        return statistics.median(self._steps), steady
