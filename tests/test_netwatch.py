@@ -300,3 +300,42 @@ def test_the_step_meter_measures_training_only_and_says_which_samples_are_steady
     assert [m.sample(26.0 + 2 * i, 145 + 20 * i)[1] for i in range(4)] == [False, False, True, True]
     m.restart()                                                   # after a flap: start over, not steady
     assert m.sample(40.0, 300) == (None, False) and m.sample(42.0, 320) == (100.0, False)
+
+
+@pytest.mark.parametrize("event, level", [("link_ridden_out", "I"), ("link_flap_broke", "W"),
+                                          ("link_ambiguous", "W"), ("address_loopback", "W")])
+def test_each_link_line_is_said_once_by_the_console_at_its_level(event, level):
+    """One line per flap (and per ambiguous finding, and the loopback warning): the console's, from the event's
+    ``line``; the daemon logs nothing besides (a flap printed an I and a W line before)."""
+    import io
+
+    from tpassrun.ops.console import ConsoleReporter
+
+    out = io.StringIO()
+    ConsoleReporter(stream=out, pid=7)({"event": event, "node": "n1", "mono": 1.0, "time": 1.0, "line": "said once"})
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(level) and lines[0].endswith("said once"), lines
+
+
+def test_a_flap_is_one_event_and_no_log_line(caplog):
+    import logging
+    import types
+
+    from tpassrun.agent.netwatch import Flap, LinkDaemon
+
+    written: list[dict] = []
+    events = types.SimpleNamespace(add_listener=lambda fn: None,
+                                   write=lambda name, **kw: written.append({"event": name, **kw}))
+    health = types.SimpleNamespace(agent=types.SimpleNamespace(events=events, node_id="n1"))
+    with caplog.at_level(logging.DEBUG):
+        LinkDaemon(health, LinkPolicy())._said(Flap(4.2, "interface", True))
+    assert [e["event"] for e in written] == ["link_ridden_out"]
+    assert written[0]["line"] == "link to node n1 lost for 4.2 s, ridden out"
+    assert [r for r in caplog.records if r.name.startswith("tpassrun.agent.netwatch")] == []
+
+
+def test_loss_one_way_is_the_receivers_unless_the_senders_round_trip_stands_out():
+    kw = {"retrans_pct": 1.0, "rtt_factor": 2.0, "rtt_extra_ms": 10.0}
+    assert explain(nodes({("a", "b"): 0.05}), {}, **kw).culprit == "b"
+    # a's uplink at its rate limit drops what it sends (and queues its etcd traffic behind): a
+    assert explain(nodes({("a", "b"): 0.02}, rtt={"a": 40.0}), {}, **kw).culprit == "a"

@@ -10,7 +10,8 @@ clean: so the node is the one endpoint every lossy path between nodes has in com
 has lossy paths, both ends have every lossy path in common; then
 
 * only one direction lossy (S -> D): the loss is charged to the receiver D (what its peers send it is lost on the
-  way in; the only case ``tests/netrelay.lossy`` makes),
+  way in; ``tests/netrelay.lossy``), unless S's round trip to etcd stands out and D's does not (an uplink at its
+  rate limit dropping what it sends),
 * both directions lossy: what each sent to third parties (etcd, which every node talks to, or any address that is
   not a node) tells them apart when one of them lost there too and the other did not; else whose round trip to
   etcd stands out against the other nodes' or moved against its own learned one (by ``rtt_factor`` and
@@ -138,9 +139,15 @@ def explain(nodes: Mapping[str, NodeFigures], rtt_learned: Mapping[str, float], 
     if between:
         ends = {e for pair in between for e in pair}
         common = sorted(e for e in ends if all(e in pair for pair in between))
-        if len(common) == 1 or (len(common) == 2 and sum((d, s) in between for s, d in between) == 0):
-            # one node in every lossy path; or one pair, one way only: the receiver
-            node = common[0] if len(common) == 1 else next(iter(between))[1]
+        one_way = len(common) == 2 and len(between) == 1
+        if one_way:
+            # one pair, one way: the receiver (loss on its way in), unless the sender's round trip to etcd stands
+            # out and the receiver's does not (a congested or rate-limited uplink dropping what it sends)
+            (src, dst), = between
+            slow = [n for n in (src, dst) if rtt_stands_out(n, nodes, rtt_factor, rtt_extra_ms)]
+            common = [slow[0] if len(slow) == 1 else dst]
+        if len(common) == 1:
+            node = common[0]
             if all(d == node for _, d in between):
                 return Finding(node, (node,), f"{fmt(_inbound(node, nodes))}% of what its peers send it is sent "
                                               f"again against {fmt(_others_inbound(node, nodes))}% to the other node(s)")
