@@ -24,7 +24,7 @@ import pytest
 from conftest import EtcdServer
 from faults import Job, NetLab, assert_bit_exact, faults_env, hold_at
 
-pytestmark = [pytest.mark.timeout(420),
+pytestmark = [pytest.mark.timeout(420), pytest.mark.e2e,
               pytest.mark.skipif(not NetLab.available(), reason="needs root and iproute2 (network namespaces)")]
 
 STEPS = 40      # the session's 4-rank reference (conftest.reference_run)
@@ -110,5 +110,6 @@ def test_a_flap_under_cpu_load_is_ridden_out_and_said_and_nothing_else_happens(t
     assert said and said[0]["node"] == b.node_id() and said[0]["seen_by"] == "interface"
     assert said[0]["line"] == f"link to node {b.node_id()} lost for {said[0]['seconds']:.1f} s, ridden out"
     assert 2.5 <= said[0]["seconds"]
-    assert said[0]["line"] in b.log()           # the console says it
+    assert said[0]["line"] in b.log()           # the console says it, once (an I line; no W line besides)
+    assert len(said) == 1 and sum("lost for" in ln for ln in b.log().splitlines()) == 1, b.log()[-3000:]
     assert_bit_exact(Job(argv=[], out=os.path.join(tmp, "train")), reference_run(4, steps), 4)
