@@ -1,7 +1,7 @@
 """Handoff transfer benchmark: raw loopback TCP vs send_bundle/recv_bundle, and the light snapshot.
 
     python bench/transfer.py [--mb 300] [--rounds 3]
-    python bench/transfer.py --auth-only [--rounds 5]     # raw TCP vs the authenticated stream, frame MAC by frame MAC
+    python bench/transfer.py --auth-only [--rounds 5] [--pin auto|off|N]   # raw TCP vs the authenticated stream
     python bench/transfer.py --auth-only --serve [--bind ADDR] [--port P]   # host B: the receivers of --to
     python bench/transfer.py --auth-only --to B[:P] [--rounds 5]           # host A: the same table, across hosts
 
@@ -9,19 +9,24 @@ Prints, in one run:
   * raw TCP throughput: sendall / recv_into of one buffer between two processes;
   * handoff throughput: ``connect_and_send`` / ``accept_and_recv`` of a model + AdamW state of
     about the same size between two processes (checksummed, acknowledged, fresh receive tensors);
-  * the same, authenticated as every transfer between processes is (handshake, a tag on every frame: Poly1305
-    where the host's OpenSSL has it, the default), into a spare's pre-faulted arena: what a swap actually pays;
-  * the same with HMAC-SHA256 frame tags (the fallback, and what every transfer paid before Poly1305);
+  * the same, authenticated as every transfer between processes is (handshake, a GMAC tag on every frame), into a
+    spare's pre-faulted arena: what a swap actually pays;
   * their ratios to raw TCP (target >= 0.70), authenticated / checksummed, and CPU seconds per GB (both ends);
   * the same, encrypted (``encrypt=True``: ``--rdzv-conf encrypt=true``, AES-256-GCM frames), GB/s and CPU per GB;
   * ``capture_rng()`` + ``capture`` + ``encode_small`` per call (target < 100 us), with a breakdown.
 
-``--auth-only [--macs gmac-aes-256,poly1305,hmac-sha256] [--chunk-mb 8]``: raw TCP, the authenticated stream into
-a spare's arena with each frame MAC asked for (GMAC, the default where ``cryptography`` is installed), and the
-encrypted one (AES-256-GCM frames), alternating within each round (A/B/C, A/B/C, ...): GB/s medians, the ratio to
-raw (target >= 0.9), CPU-s per GB both ends (median, best, the sender's share), raw's CPU per GB over each one's
-(what the ratio would be if the cores were the limit), and the load average. A receiver's CPU stops when it
-has the verified state (the joiner keeps it: freeing it is not the transfer's).
+``--auth-only [--chunk-mb 8] [--pin auto|off|N]``: raw TCP, the authenticated stream into a spare's arena (GMAC
+frames, the one frame MAC), and the encrypted one (AES-256-GCM frames), alternating within each round (A/B/C,
+A/B/C, ...): GB/s medians, the ratio to raw (target >= 0.9), CPU-s per GB both ends (median, best, the sender's
+share), raw's CPU per GB over each one's (what the ratio would be if the cores were the limit), and the load
+average. A receiver's CPU stops when it has the verified state (the joiner keeps it: freeing it is not the
+transfer's).
+
+``--pin``: each end on cores of its own (``sched_setaffinity``, what ``taskset -c`` does): the sender (this
+process, with its MAC threads) on the first N of the cores it may use, every receiver on the next N, so the two ends
+never compete for a core as they do unpinned on a small host. ``auto`` (the default): N = half the cores when there
+are at least 4, else unpinned; ``N``: N cores per end (needs 2N; ``--pin 1`` on a 2-core host: one core each);
+``off``: unpinned. The MAC threads follow the affinity (``tpassrun.transfer.seal.mac_threads``).
 
 ``--serve`` / ``--to``: the same ``--auth-only`` table between two hosts. Host B serves (one TCP port, default
 29610: a control connection of JSON lines, then each round's transfers, one at a time); host A connects, proves the
@@ -117,12 +122,35 @@ def bundle_receiver(rounds: int, arena_bytes: int, ports: Any, auth: bool = Fals
             del bundle
 
 
-def start_receiver(target: Callable, *args: Any, **kwargs: Any) -> tuple[Any, Any, int]:
+def start_receiver(target: Callable, *args: Any, cores: list[int] | None = None, **kwargs: Any) -> tuple[Any, Any, int]:
+    """A receiver in a process of its own (on ``cores`` only, when given: see ``--pin``)."""
     ctx = mp.get_context("spawn")
     ports = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, ports), kwargs=kwargs, daemon=True)
+    proc = ctx.Process(target=_pinned, args=(target, cores, *args, ports), kwargs=kwargs, daemon=True)
     proc.start()
     return proc, ports, ports.get(timeout=600)
+
+
+def _pinned(target: Callable, cores: list[int] | None, *args: Any, **kwargs: Any) -> None:
+    if cores:
+        os.sched_setaffinity(0, cores)
+    target(*args, **kwargs)
+
+
+def pin_plan(pin: str, cores: list[int]) -> tuple[list[int], list[int]] | None:
+    """(the sender's cores, the receivers') for ``--pin`` over the ``cores`` this process may use; None: unpinned."""
+    if pin == "off":
+        return None
+    if pin == "auto":
+        per = len(cores) // 2 if len(cores) >= 4 else 0
+    else:
+        try:
+            per = int(pin)
+        except ValueError:
+            raise BenchError(f"--pin {pin!r}: auto, off or a number of cores per end") from None
+        if per < 1 or 2 * per > len(cores):
+            raise BenchError(f"--pin {per}: needs {2 * per} cores, this process may use {len(cores)} ({cores})")
+    return (cores[:per], cores[per:2 * per]) if per else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,10 +296,11 @@ class LocalReceivers:
 
     host = "127.0.0.1"
 
-    def __init__(self, nbytes: int, rounds: int, macs: list[str], arena: int) -> None:
-        self.procs = {"raw": start_receiver(raw_receiver, nbytes, rounds),
-                      **{m: start_receiver(bundle_receiver, rounds, arena, auth=True) for m in macs},
-                      "encrypted": start_receiver(bundle_receiver, rounds, arena, auth=True, encrypt=True)}
+    def __init__(self, nbytes: int, rounds: int, macs: list[str], arena: int, cores: list[int] | None = None) -> None:
+        self.procs = {"raw": start_receiver(raw_receiver, nbytes, rounds, cores=cores),
+                      **{m: start_receiver(bundle_receiver, rounds, arena, auth=True, cores=cores) for m in macs},
+                      "encrypted": start_receiver(bundle_receiver, rounds, arena, auth=True, encrypt=True,
+                                                  cores=cores)}
 
     def ready(self, name: str) -> int:
         return self.procs[name][2]
@@ -379,23 +408,28 @@ def serve_session(listener: socket.socket, control: Control, key: bytes) -> None
 
 
 def auth_only(nbytes: int, rounds: int, macs: list[str], chunk_bytes: int, to: tuple[str, int] | None = None,
-              key: bytes | None = None) -> None:
+              key: bytes | None = None, pin: str = "off") -> None:
     """Raw TCP, the authenticated stream (each frame MAC in ``macs``) and the encrypted one, alternating within each
     round (A/B/C/A/B/C...): GB/s, the ratio to raw, CPU-s per GB both ends (medians and best), the load average.
-    ``to``: the receivers are a ``--serve`` on that (host, port), proved with ``key``; else local child processes."""
+    ``to``: the receivers are a ``--serve`` on that (host, port), proved with ``key``; else local child processes
+    (each end on its own cores per ``pin``, see ``--pin``)."""
     remote = RemoteReceivers(to, key) if to is not None and key is not None else None
+    plan = pin_plan(pin, sorted(os.sched_getaffinity(0))) if remote is None else None
+    if plan is not None:
+        os.sched_setaffinity(0, plan[0])     # this process: the sender and its MAC threads
     model, opt = model_and_optimizer(nbytes)
     bundle = capture({"model": model, "opt": opt}, step=1, rng=capture_rng())
     payload = memoryview(bytearray(b"\x5a" * nbytes))
     names = ["raw", *macs, "encrypted"]
     load = [os.getloadavg()[0]]
     print(f"state: {bundle.nbytes / 1e6:.0f} MB in {len(bundle.tensors)} tensors; raw {nbytes / 1e6:.0f} MB; {rounds} "
-          f"rounds of {', '.join(names)} (alternating); frames of {chunk_bytes >> 10} KiB; load average {load[0]:.1f}",
-          flush=True)
+          f"rounds of {', '.join(names)} (alternating); frames of {chunk_bytes >> 10} KiB; load average {load[0]:.1f}; "
+          + (f"pinned: sender on cores {plan[0]}, receivers on {plan[1]}" if plan else
+             f"unpinned ({os.cpu_count()} cores shared by both ends)"), flush=True)
     arena = bundle.nbytes + (16 << 20)
     recv: LocalReceivers | RemoteReceivers
     if remote is None:
-        recv, auth = LocalReceivers(nbytes, rounds, macs, arena), AUTH
+        recv, auth = LocalReceivers(nbytes, rounds, macs, arena, plan[1] if plan else None), AUTH
     else:
         remote.start(nbytes, rounds, names, arena)
         recv, auth = remote, bench_auth(remote.key)
@@ -426,7 +460,9 @@ def auth_only(nbytes: int, rounds: int, macs: list[str], chunk_bytes: int, to: t
         recv.close()
     raw_median = statistics.median(gbps["raw"])
     raw_cpu = statistics.median(cpu["raw"])
-    summary: dict[str, Any] = {"load": [round(x, 1) for x in load], "chunk_bytes": chunk_bytes}
+    summary: dict[str, Any] = {"load": [round(x, 1) for x in load], "chunk_bytes": chunk_bytes,
+                               "pinned": {"sender": plan[0], "receivers": plan[1]} if plan else None,
+                               "cores": os.cpu_count()}
     if isinstance(recv, RemoteReceivers):
         summary["receiver"] = recv.hello
     for name in names:
@@ -449,8 +485,10 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--auth-only", action="store_true", help="raw TCP vs the authenticated stream per frame MAC")
     parser.add_argument("--macs", default="gmac-aes-256",
-                        help="with --auth-only: the frame MACs to measure (comma-separated: gmac-aes-256, poly1305, "
-                             "hmac-sha256)")
+                        help="with --auth-only: the frame MACs to measure (there is one since issue 42: gmac-aes-256)")
+    parser.add_argument("--pin", default="auto",
+                        help="with --auth-only: each end on cores of its own: auto (half each when >= 4 cores), off, "
+                             "or N cores per end")
     parser.add_argument("--chunk-mb", type=float, default=CHUNK / (1 << 20),
                         help="with --auth-only: the sender's frame size, MiB")
     parser.add_argument("--serve", action="store_true",
@@ -482,7 +520,11 @@ def main() -> None:
             raise SystemExit(130) from None
         return
     if args.auth_only:
-        auth_only(nbytes, args.rounds, [m for m in args.macs.split(",") if m], int(args.chunk_mb * (1 << 20)))
+        try:
+            auth_only(nbytes, args.rounds, [m for m in args.macs.split(",") if m], int(args.chunk_mb * (1 << 20)),
+                      pin=args.pin)
+        except BenchError as exc:
+            raise SystemExit(f"transfer.py: {exc}") from None
         return
 
     model, opt = model_and_optimizer(nbytes)
@@ -497,13 +539,11 @@ def main() -> None:
                                                            bundle.nbytes + (16 << 20))
     auth_proc, auth_reports, auth_port = start_receiver(bundle_receiver, args.rounds, bundle.nbytes + (16 << 20),
                                                         auth=True)
-    hmac_proc, hmac_reports, hmac_port = start_receiver(bundle_receiver, args.rounds, bundle.nbytes + (16 << 20),
-                                                        auth=True)
     enc_proc, enc_reports, enc_port = start_receiver(bundle_receiver, args.rounds, bundle.nbytes + (16 << 20),
                                                      auth=True, encrypt=True)
     enc_gbps, enc_cpu = [], []
     raw_gbps, bundle_gbps, raw_cpu, bundle_cpu, arena_gbps, arena_cpu = [], [], [], [], [], []
-    auth_gbps, auth_cpu, hmac_gbps, hmac_cpu = [], [], [], []
+    auth_gbps, auth_cpu = [], []
     try:
         for round_no in range(args.rounds):
             cpu_before = cpu_seconds()
@@ -522,10 +562,6 @@ def main() -> None:
             auth_cpu.append((cpu_seconds() - cpu_before, auth_reports.get(timeout=600)))
             auth_gbps.append(sstats.gbps)
             cpu_before = cpu_seconds()
-            hstats = connect_and_send("127.0.0.1", hmac_port, bundle, timeout=600, auth=AUTH, frame_mac="hmac-sha256")
-            hmac_cpu.append((cpu_seconds() - cpu_before, hmac_reports.get(timeout=600)))
-            hmac_gbps.append(hstats.gbps)
-            cpu_before = cpu_seconds()
             estats = connect_and_send("127.0.0.1", enc_port, bundle, timeout=600, auth=AUTH, encrypt=True)
             enc_cpu.append((cpu_seconds() - cpu_before, enc_reports.get(timeout=600)))
             enc_gbps.append(estats.gbps)
@@ -534,13 +570,12 @@ def main() -> None:
             print(f"  round {round_no}: handoff into a spare's pre-faulted arena {astats.gbps:.2f} GB/s "
                   f"(cpu s: send {arena_cpu[-1][0]:.3f}, recv {arena_cpu[-1][1]:.3f}); authenticated "
                   f"{sstats.gbps:.2f} GB/s (cpu s: send {auth_cpu[-1][0]:.3f}, recv {auth_cpu[-1][1]:.3f}; "
-                  f"{sstats.chunks} frames, {sstats.checksum}); with HMAC-SHA256 frames {hstats.gbps:.2f} GB/s "
-                  f"(cpu s: send {hmac_cpu[-1][0]:.3f}, recv {hmac_cpu[-1][1]:.3f})")
+                  f"{sstats.chunks} frames, {sstats.checksum})")
             print(f"  round {round_no}: raw {raw_gbps[-1]:.2f} GB/s (cpu s: send {raw_cpu[-1][0]:.3f}, "
                   f"recv {raw_cpu[-1][1]:.3f}), handoff {stats.gbps:.2f} GB/s (cpu s: send {bundle_cpu[-1][0]:.3f}, "
                   f"recv {bundle_cpu[-1][1]:.3f}; {stats.nbytes / 1e6:.0f} MB, {stats.chunks} chunks, {stats.checksum})")
     finally:
-        for proc in (raw_proc, bundle_proc, arena_proc, auth_proc, hmac_proc, enc_proc):
+        for proc in (raw_proc, bundle_proc, arena_proc, auth_proc, enc_proc):
             proc.join(timeout=60)
             if proc.is_alive():
                 proc.kill()
@@ -560,10 +595,6 @@ def main() -> None:
     print(f"authed     best {max(auth_gbps):.2f} GB/s, median {statistics.median(auth_gbps):.2f} GB/s; ratio to raw "
           f"median/median {auth_ratio:.2f}; authenticated / checksummed (both into an arena) {auth_vs_arena:.2f} "
           f"({sstats.checksum.split(':')[0]} frames)")
-    hmac_ratio = statistics.median(hmac_gbps) / statistics.median(raw_gbps)
-    hmac_vs_arena = statistics.median(hmac_gbps) / statistics.median(arena_gbps)
-    print(f"hmac       best {max(hmac_gbps):.2f} GB/s, median {statistics.median(hmac_gbps):.2f} GB/s; ratio to raw "
-          f"median/median {hmac_ratio:.2f}; HMAC-SHA256 frames / checksummed {hmac_vs_arena:.2f}")
     enc_ratio = statistics.median(enc_gbps) / statistics.median(raw_gbps)
     enc_vs_auth = statistics.median(enc_gbps) / statistics.median(auth_gbps)
     print(f"encrypted  best {max(enc_gbps):.2f} GB/s, median {statistics.median(enc_gbps):.2f} GB/s; ratio to raw "
@@ -571,11 +602,10 @@ def main() -> None:
     cost = lambda cpu, n: min(send + recv for send, recv in cpu) / n * 1e9   # noqa: E731
     enc_cost = cost(enc_cpu, bundle.nbytes)
     raw_cost, bundle_cost, arena_cost = cost(raw_cpu, nbytes), cost(bundle_cpu, bundle.nbytes), cost(arena_cpu, bundle.nbytes)
-    auth_cost, hmac_cost = cost(auth_cpu, bundle.nbytes), cost(hmac_cpu, bundle.nbytes)
+    auth_cost = cost(auth_cpu, bundle.nbytes)
     print(f"cpu cost   raw {raw_cost:.3f} s/GB, handoff {bundle_cost:.3f}, arena {arena_cost:.3f}, authenticated "
-          f"{auth_cost:.3f}, HMAC-SHA256 frames {hmac_cost:.3f} s/GB (both ends; a load-independent view on a "
-          f"shared host): raw/handoff {raw_cost / bundle_cost:.2f}, arena/authenticated {arena_cost / auth_cost:.2f}, "
-          f"arena/HMAC {arena_cost / hmac_cost:.2f}; encrypted {enc_cost:.3f} s/GB")
+          f"{auth_cost:.3f} s/GB (both ends; a load-independent view on a shared host): raw/handoff "
+          f"{raw_cost / bundle_cost:.2f}, arena/authenticated {arena_cost / auth_cost:.2f}; encrypted {enc_cost:.3f} s/GB")
 
     sampler = Sampler()
     rng = capture_rng()
@@ -596,8 +626,7 @@ def main() -> None:
         "arena_ratio_median": round(arena_ratio, 3), "ratio_best": round(ratio_best, 3),
         "auth_gbps": auth_gbps, "auth_ratio_median": round(auth_ratio, 3),
         "auth_vs_checksum_median": round(auth_vs_arena, 3), "cpu_s_per_gb_auth": round(auth_cost, 3),
-        "hmac_gbps": hmac_gbps, "hmac_vs_checksum_median": round(hmac_vs_arena, 3),
-        "cpu_s_per_gb_hmac": round(hmac_cost, 3), "enc_gbps": enc_gbps, "enc_ratio_median": round(enc_ratio, 3),
+        "enc_gbps": enc_gbps, "enc_ratio_median": round(enc_ratio, 3),
         "enc_vs_auth_median": round(enc_vs_auth, 3), "cpu_s_per_gb_enc": round(enc_cost, 3), "cpu_s_per_gb_arena": round(arena_cost, 3),
         "ratio_median": round(ratio_median, 3), "cpu_s_per_gb": {"raw": round(raw_cost, 3), "handoff": round(bundle_cost, 3)},
         "state_mb": round(bundle.nbytes / 1e6, 1),

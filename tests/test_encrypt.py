@@ -22,8 +22,6 @@ from tpassrun.transfer.auth import AEAD_NAME, ChecksumError, FrameCipher
 from tpassrun.launch.workerenv import check_encrypt_conf, encrypt_requested
 
 pytestmark = pytest.mark.timeout(300)
-pytest.importorskip("cryptography", reason="the 'encrypt' extra (cryptography >= 44; the test extra and "
-                    "scripts/bootstrap.sh install it)")
 
 AUTH = TransferAuth(b"e" * 32, "s-enc", 1)
 MARK = b"TPASSRUN-PLAINTEXT-MARK!"        # 24 bytes: a tensor made of it is easy to find in a capture

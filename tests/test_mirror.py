@@ -12,7 +12,6 @@ import pytest
 
 from tpassrun import mirror as M
 from tpassrun.mirror import net as N
-from tpassrun.transfer import poly1305
 from tpassrun.transfer.auth import ACCEPT, HELLO, AuthError, ConnectorHandshake, TransferAuth
 
 pytestmark = pytest.mark.timeout(60)
@@ -215,18 +214,30 @@ def test_a_tampered_frame_is_not_kept(served):
         assert c.get(4, "light") is None
 
 
-@pytest.mark.skipif(not poly1305.available(), reason="no Poly1305 in this host's libcrypto")
-def test_puts_carry_a_poly1305_payload_tag_and_a_tampered_one_is_not_kept(served):
+def test_puts_carry_a_gmac_payload_tag_and_a_tampered_one_is_not_kept(served):
     with served.client() as c:                            # the server offered it: the client's PUTs use it
         assert c.put(3, "shard/state", 5, [b"fast ", memoryview(bytearray(b"tag"))])
-        assert c._poly and c.get(3, "shard/state").data == b"fast tag"
+        assert c._gmac and c.get(3, "shard/state").data == b"fast tag"
     s, base = _raw_authenticated(served)
     meta = b'{"owner":4,"kind":"light","version":11,"epoch":0}'
-    head = struct.pack("<4sBBHQQ", b"TPMR", N.OP_PUT, N.PAYLOAD_POLY1305, len(meta), 5, 0)
+    head = struct.pack("<4sBBHQQ", b"TPMR", N.OP_PUT, N.PAYLOAD_GMAC, len(meta), 5, 0)
     tag = N._payload_tag(N._mac_of(base, b"C", head, meta), [b"hello"])
     s.sendall(head + meta + b"jello" + tag)               # one byte changed on the way
     assert s.recv(100) == b""
     s.close()
+    with served.client() as c:
+        assert c.get(4, "light") is None
+
+
+def test_a_put_under_an_older_tpassruns_poly1305_tag_is_refused_and_not_kept(served):
+    """Status byte 1 was the Poly1305 payload tag of tpassrun before issue 42: refused (BAD_REQUEST, one line)."""
+    s, base = _raw_authenticated(served)
+    meta = b'{"owner":4,"kind":"light","version":11,"epoch":0}'
+    head = struct.pack("<4sBBHQQ", b"TPMR", N.OP_PUT, 1, len(meta), 5, 0)
+    s.sendall(head + meta + b"hello" + bytes(32))
+    reply = s.recv(4096)
+    s.close()
+    assert reply[:4] == b"TPMR" and reply[5] == N.BAD_REQUEST and b"older tpassrun's Poly1305 tag" in reply
     with served.client() as c:
         assert c.get(4, "light") is None
 

@@ -3,7 +3,9 @@ two planners (a job's leader: own spares first, the pool second, a restart last;
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,7 @@ from tpassrun.pool import (Claim, ClaimNode, JobNeed, JobSpec, NodeState, Phase,
                            Preempt, Restart, Source, UseOwn, WaitForPool, box, plan_job, plan_node, pool_prefix, unbox)
 from tpassrun.pool import plan as P
 from tpassrun.records.pool import load_sealed, seal
+from tpassrun.records import provenance
 from tpassrun.records.provenance import RunKey
 from tpassrun.records.fields import RecordError
 
@@ -49,13 +52,30 @@ def test_records_round_trip_sealed_and_refused_with_another_key_or_moved():
 
 def test_the_run_key_box_opens_with_the_pool_key_only():
     boxed = box(KEY, "the-job-run-key-abcdefghijklmnopqrstuvwxyz-0123456789")
-    assert "run-key" not in boxed
+    assert "run-key" not in boxed and boxed.startswith("v2:")          # AES-256-GCM, versioned
     assert unbox(KEY, boxed) == "the-job-run-key-abcdefghijklmnopqrstuvwxyz-0123456789"
     assert box(KEY, "x" * 40) != box(KEY, "x" * 40)          # a fresh nonce each time
-    try:
-        assert unbox(OTHER, boxed) != "the-job-run-key-abcdefghijklmnopqrstuvwxyz-0123456789"
-    except RecordError:
-        pass
+    with pytest.raises(RecordError, match="does not open with this pool key"):
+        unbox(OTHER, boxed)
+    raw = bytearray(bytes.fromhex(boxed[3:]))
+    raw[20] ^= 1                                              # one bit of the ciphertext altered
+    with pytest.raises(RecordError, match="does not open with this pool key"):
+        unbox(KEY, "v2:" + raw.hex())
+    with pytest.raises(RecordError, match="'v9' box"):
+        unbox(KEY, "v9:" + boxed[3:])
+
+
+def test_a_run_key_box_of_the_older_tpassrun_is_refused_in_one_line():
+    """tests/golden/pool_box_v1.json: a box the keystream code wrote (before issue 42). Refused as what it is, with
+    the key it was sealed with too: never decrypted into a wrong run key."""
+    golden = json.loads((Path(__file__).resolve().parent / "golden" / "pool_box_v1.json").read_text())
+    key = provenance.RunKey.from_text(golden["run_key"])
+    with pytest.raises(RecordError) as refused:
+        unbox(key, golden["box"])
+    line = str(refused.value)
+    assert "sealed by an older tpassrun (box v1)" in line and "\n" not in line
+    with pytest.raises(RecordError, match="not a tpassrun box"):
+        unbox(key, "not hex at all")
 
 
 def test_job_own_spares_first_then_pool_then_restart():

@@ -12,13 +12,12 @@ import threading
 import time
 from typing import Any, Sequence
 
-from tpassrun.transfer import poly1305
 from tpassrun.mirror.net import _CHUNK, _HEAD, _MAGIC, _TO_CLIENT, _TO_SERVER, MAX_REPLY_META, NOT_FOUND, OK, OP_DROP, OP_GET, \
-    OP_LIST, OP_PUSH, OP_PUT, OP_REPLY, PAYLOAD_POLY1305, REFUSED, _auth, _mac_of, _payload_tag
+    OP_LIST, OP_PUSH, OP_PUT, OP_REPLY, PAYLOAD_GMAC, REFUSED, _auth, _mac_of, _payload_tag
 from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror import meta as M
 from tpassrun.mirror.store import MirrorEntry, MirrorError, MirrorFull, MirrorItem
-from tpassrun.transfer.auth import (ACCEPT, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_POLY1305, HELLO, TAG_LEN, AuthError,
+from tpassrun.transfer.auth import (ACCEPT, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, HELLO, TAG_LEN, AuthError,
                                     ConnectorHandshake, FrameMac, aead_unavailable_reason, encryption_wanted)
 
 
@@ -39,7 +38,7 @@ def _seals(host: str, port: int, base: FrameMac, flags: int, encrypt: bool) -> t
 def _dial(host: str, port: int, timeout: float, auth: Any, *,
           sndbuf: int = 0) -> tuple[socket.socket, FrameMac, int]:
     """Connect to a mirror server and prove the job's key (both clients): -> (socket, the connection's frame MAC
-    base, what the server's hello offers: :data:`FLAG_POLY1305`). A refused proof is an :class:`AuthError`; anything
+    base, what the server's hello offers: :data:`FLAG_GMAC`). A refused proof is an :class:`AuthError`; anything
     else a :class:`MirrorError`."""
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
@@ -79,7 +78,7 @@ class MirrorClient:
         self._sock: socket.socket | None = None
         self._base: FrameMac | None = None
         self._seq_out = self._seq_in = 0
-        self._poly = False              # the server verifies Poly1305 payload tags (and this host computes them)
+        self._gmac = False              # the server verifies GMAC payload tags (an older one: HMAC-SHA256 tags)
         self._lock = threading.Lock()
 
     def __enter__(self) -> "MirrorClient":
@@ -105,7 +104,7 @@ class MirrorClient:
         except MirrorError:
             sock.close()
             raise
-        self._poly = bool(flags & FLAG_POLY1305) and poly1305.available()
+        self._gmac = bool(flags & FLAG_GMAC)
         self._sock, self._seq_out, self._seq_in = sock, 0, 0
 
     def close(self) -> None:
@@ -170,14 +169,14 @@ class MirrorClient:
         assert sock is not None and base is not None
         meta_raw = M.encode(meta)
         seals = self._seals
-        poly = self._poly and op == OP_PUT and seals is None
-        head = _HEAD.pack(_MAGIC, op, PAYLOAD_AEAD if seals else PAYLOAD_POLY1305 if poly else 0, len(meta_raw),
+        fast = self._gmac and op == OP_PUT and seals is None
+        head = _HEAD.pack(_MAGIC, op, PAYLOAD_AEAD if seals else PAYLOAD_GMAC if fast else 0, len(meta_raw),
                           sum(p.nbytes for p in pieces), self._seq_out)
         self._seq_out += 1
         mac = _mac_of(base, _TO_SERVER, head, meta_raw)
         if seals is not None:
             _send_all(sock, seals[0].seal(head, meta_raw, pieces))
-        elif poly:        # one tag over the pieces in place, then one gathered send: no per-chunk Python loop
+        elif fast:        # one tag over the pieces in place, then one gathered send: no per-chunk Python loop
             tag = _payload_tag(mac, pieces)
             _send_all(sock, [head + meta_raw, *pieces, tag])
         else:

@@ -15,11 +15,14 @@ DROP {owner|null, kind|null, below_epoch|null} -> {freed}; PUSH: a PUT with no a
 Each meta is declared once, in :mod:`tpassrun.mirror.meta`.
 
 ``tag`` is the connection's HMAC-SHA256 (:class:`~tpassrun.transfer.auth.FrameMac`) over the direction, head, meta and
-payload. A PUT or PUSH whose head's status byte is :data:`PAYLOAD_POLY1305` carries a cheaper one instead, when the
-server's hello offered it (:data:`~tpassrun.transfer.auth.FLAG_POLY1305`): the HMAC over the direction, head and meta,
-then over the Poly1305 tag of the payload under a one-time key derived from that HMAC (the head's sequence number
-makes it unique within the connection; :meth:`~tpassrun.transfer.auth.FrameMac.one_time_key`). One SHA-256 pass over a
-refresh's megabytes cost about 0.5 ms of CPU on each end; Poly1305 about a quarter of that, still authenticated.
+payload. A PUT whose head's status byte is :data:`PAYLOAD_GMAC` carries a cheaper one instead, when the server's
+hello offered it (:data:`~tpassrun.transfer.auth.FLAG_GMAC`: every server of this version): the HMAC over the
+direction, head and meta, then over the GMAC tag (:mod:`tpassrun.transfer.gmac`) of the payload under a one-time key
+derived from that HMAC (the head's sequence number makes it unique within the connection, so nonce 0 is never
+reused under it; :meth:`~tpassrun.transfer.auth.FrameMac.one_time_key`). One SHA-256 pass over a refresh's megabytes
+cost about 0.5 ms of CPU on each end; GMAC about a tenth of that, still authenticated. The status byte 1 was an older
+tpassrun's Poly1305 payload tag: refused in one line (a client of that version never sends it to a server of this
+one, whose hello does not offer it).
 
 A server whose run encrypts (``--rdzv-conf encrypt=true``) says so in its hello, and then every frame both ways
 has its meta and payload sealed with AES-256-GCM instead of the tag (:mod:`tpassrun.mirror.seal`); it refuses a
@@ -40,11 +43,11 @@ import logging
 import struct
 from typing import Any, Sequence
 
-from tpassrun.transfer import poly1305
+from tpassrun.transfer import gmac
 from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror import meta as M
 from tpassrun.mirror.store import MirrorError, MirrorFull, MirrorStore
-from tpassrun.transfer.auth import (AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_POLY1305, PROOF, TAG_LEN, AuthError, FrameMac,
+from tpassrun.transfer.auth import (AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, PROOF, TAG_LEN, AuthError, FrameMac,
                                     ListenerHandshake, TransferAuth, aead_unavailable_reason)
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, PendingTable, source_of
@@ -55,15 +58,16 @@ MAX_META = 1 << 16                  # a request's JSON; a LIST answer may be lon
 MAX_REPLY_META = 16 << 20
 _CHUNK = 4 << 20                    # payloads stream in pieces of this size (MAC off the event loop above it)
 _THREAD_MAC = 1 << 20
-_THREAD_POLY = 8 << 20              # Poly1305 runs at ~7 GB/s: below this, a thread hand-off costs more than the tag
+_THREAD_GMAC = 8 << 20              # GMAC runs at ~20 GB/s: below this, a thread hand-off costs more than the tag
 
 _HEAD = struct.Struct("<4sBBHQQ")
 _MAGIC = b"TPMR"
 OP_PUT, OP_GET, OP_LIST, OP_DROP, OP_REPLY, OP_PUSH = 1, 2, 3, 4, 5, 6
 OK, NOT_FOUND, REFUSED, BAD_REQUEST = 0, 1, 2, 3
 _TO_SERVER, _TO_CLIENT = b"C", b"S"
-PAYLOAD_POLY1305 = 1                # a request head's status byte: the payload is under a Poly1305 tag (module doc)
-_POLY_LABEL = b"mirror-payload"
+PAYLOAD_GMAC = 3                    # a request head's status byte: the payload is under a GMAC tag (module doc)
+_OLD_PAYLOAD_POLY1305 = 1           # an older tpassrun's Poly1305 payload tag: refused
+_GMAC_LABEL = b"mirror-payload-gmac"
 
 
 # ---------------------------------------------------------------------------------------------- framing
@@ -76,10 +80,10 @@ def _mac_of(base: FrameMac, direction: bytes, head: bytes, meta: bytes) -> Frame
 
 
 def _payload_tag(mac: FrameMac, pieces: Sequence[Any]) -> bytes:
-    """The tag of a :data:`PAYLOAD_POLY1305` frame: ``mac`` (fed the direction, head and meta) over the Poly1305
+    """The tag of a :data:`PAYLOAD_GMAC` frame: ``mac`` (fed the direction, head and meta) over the GMAC
     tag of the payload ``pieces`` under a one-time key from ``mac`` (module doc). GIL released while it runs."""
     mac = mac.copy()
-    mac.feed(poly1305.tag(mac.one_time_key(_POLY_LABEL), list(pieces)))
+    mac.feed(gmac.tag(mac.one_time_key(_GMAC_LABEL), 0, list(pieces)))     # the key is this message's alone
     return mac.tag()
 
 
@@ -175,7 +179,7 @@ class MirrorServer:
             self.strangers += 1
             victim.cancel()
         try:
-            shake = ListenerHandshake(self._auth, (FLAG_POLY1305 if poly1305.available() else 0)
+            shake = ListenerHandshake(self._auth, FLAG_GMAC
                                       | (FLAG_ENCRYPT if self.encrypt else 0))
             writer.write(shake.hello())
             try:
@@ -253,10 +257,13 @@ class MirrorServer:
     async def _put(self, reader: asyncio.StreamReader, mac: FrameMac, meta_raw: bytes,
                    payload_len: int, flags: int = 0, head: bytes = b"",
                    seals: tuple[FrameSeal, FrameSeal] | None = None) -> tuple[int, M.Stored | M.Failed]:
-        poly = flags == PAYLOAD_POLY1305
+        fast = flags == PAYLOAD_GMAC
         tag_len = AEAD_TAG_LEN if seals else TAG_LEN
         try:
-            if seals is None and (flags not in (0, PAYLOAD_POLY1305) or (poly and not poly1305.available())):
+            if seals is None and flags == _OLD_PAYLOAD_POLY1305:
+                raise MirrorError("a payload under an older tpassrun's Poly1305 tag, which this server no longer "
+                                  "verifies: run one tpassrun version on every node")
+            if seals is None and flags not in (0, PAYLOAD_GMAC):
                 raise MirrorError(f"a payload MAC this server does not offer (flags {flags})")
             ref = M.read(M.CopyRef, meta_raw)
         except MirrorError as exc:
@@ -273,7 +280,7 @@ class MirrorServer:
             if seals is not None:
                 data = await self._open_payload(reader, seals[0], head, payload_len)
             else:
-                data = await self._read_tagged(reader, mac, payload_len, poly)
+                data = await self._read_tagged(reader, mac, payload_len, fast)
         finally:
             self.store.reserved -= payload_len
         try:
@@ -300,14 +307,14 @@ class MirrorServer:
         return seal.open_payload(head, sealed)
 
     async def _read_tagged(self, reader: asyncio.StreamReader, mac: FrameMac, payload_len: int,
-                           poly: bool) -> bytes:
+                           fast: bool) -> bytes:
         """A payload in clear and its tag, verified (a MirrorError when it does not)."""
         chunks = []
         left = payload_len
         while left:
             piece = await reader.readexactly(min(left, _CHUNK))
             left -= len(piece)
-            if poly:        # tagged whole below
+            if fast:        # tagged whole below
                 pass
             elif len(piece) >= _THREAD_MAC:
                 await asyncio.to_thread(mac.feed, piece)   # hashlib drops the GIL: the loop keeps going
@@ -315,8 +322,8 @@ class MirrorServer:
                 mac.feed(piece)
             chunks.append(piece)
         tag = await reader.readexactly(TAG_LEN)
-        if poly:
-            want = (await asyncio.to_thread(_payload_tag, mac, chunks) if payload_len >= _THREAD_POLY
+        if fast:
+            want = (await asyncio.to_thread(_payload_tag, mac, chunks) if payload_len >= _THREAD_GMAC
                     else _payload_tag(mac, chunks))
             ok = hmac.compare_digest(tag, want)
         else:
@@ -373,4 +380,4 @@ async def _discard(reader: asyncio.StreamReader, n: int) -> None:
         n -= len(await reader.readexactly(min(n, _CHUNK)))
 
 
-__all__ = ["BAD_REQUEST", "MirrorServer", "NOT_FOUND", "OK", "PAYLOAD_POLY1305", "REFUSED"]
+__all__ = ["BAD_REQUEST", "MirrorServer", "NOT_FOUND", "OK", "PAYLOAD_GMAC", "REFUSED"]

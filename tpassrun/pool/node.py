@@ -32,6 +32,7 @@ from tpassrun.pool.etcd import Pool
 from tpassrun.pool.plan import (PREEMPT_GRACE_S, BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen,
                                 Evict, Keep, NodeEvent, NodeState, Phase, PreemptSeen, Refuse, StartSpare, StopSpare,
                                 plan_node)
+from tpassrun.records import RecordError
 from tpassrun.records.pool import IDLE, MEMBER, SERVING, JobSpec, PoolNode, unbox
 
 STOP_GRACE_S = 10.0
@@ -198,7 +199,12 @@ class PoolNodeLoop:
         assert spec is not None
         what = "member" if action.claim.kind == MEMBER else "spare"
         self.say(f"pool node {self.record.node_id}: {action.reason}: starting its {what} node")
-        run_key = unbox(self.pool.key, spec.run_key_box) if spec.run_key_box else None
+        try:
+            run_key = unbox(self.pool.key, spec.run_key_box) if spec.run_key_box else None
+        except RecordError as exc:     # an older job's box, or one this pool key did not seal: nothing is started
+            self.say(f"pool node {self.record.node_id}: cannot start {spec.run_id!r}: {exc}")
+            self.events.put_nowait(ChildExited(1))          # back to idle, the claim dropped, as a spare that failed
+            return
         event_log = os.path.join(self._tmp, f"{spec.run_id}-{len(self.served)}.jsonl")
         self._given_back_file = os.path.join(self._tmp, f"{spec.run_id}-{len(self.served)}.given-back")
         self.served.append(spec.run_id)

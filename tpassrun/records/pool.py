@@ -19,11 +19,12 @@ Layout, under ``<etcd prefix>-pools/<name>/`` (a sibling of the runs' prefix: no
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import secrets
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Mapping
+
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from tpassrun import schema
 from tpassrun.records import provenance
@@ -132,7 +133,7 @@ class PoolNode(schema.Record):
 class JobSpec(schema.Record):
     """What a pool node needs to start as the job's ``--spare-node``: the launch line minus the script's secrets.
 
-    ``run_key_box`` is the job's run key (text) encrypted under the pool key (:func:`box`): the pool node needs
+    ``run_key_box`` is the job's run key (text) sealed under the pool key (:func:`box`, AES-256-GCM): the pool node needs
     it to join the job's rendezvous, and nobody who can only read etcd may learn it. ``env`` is the worker
     environment minus secrets (``provenance.env_without_key`` and the etcd password)."""
 
@@ -202,32 +203,49 @@ class HistoryEntry(schema.Record):
 
 
 # ---------------------------------------------------------------------------------------------- the run key box
+BOX_VERSION = "v2"
+_BOX_LABEL = "pool/run-key-box/" + BOX_VERSION     # the box key: derived from the pool key for this use only
+_BOX_AAD = b"tpassrun-pool-run-key-box/" + BOX_VERSION.encode()
+_BOX_NONCE = 12
+
+
 def box(key: provenance.RunKey, plaintext: str) -> str:
-    """``plaintext`` encrypted under the pool key: a random nonce, an HMAC-SHA256 keystream (counter mode) XORed
-    in. Its integrity is the sealed record's MAC (encrypt-then-MAC); the keystream key is derived for this use
-    only."""
-    nonce = secrets.token_bytes(16)
-    data = plaintext.encode()
-    return (nonce + _xor(key, nonce, data)).hex()
+    """``plaintext`` sealed under the pool key: ``"v2:" + hex(nonce | AES-256-GCM(plaintext) | tag)``, the nonce
+    random (96 bits: a pool key boxes a handful of run keys, never near GCM's bound on random nonces), the key
+    derived from the pool key for this use only. The tag makes the box authenticated on its own (the sealed
+    record's MAC covers it too)."""
+    nonce = secrets.token_bytes(_BOX_NONCE)
+    sealed = AESGCM(key.derive(_BOX_LABEL)).encrypt(nonce, plaintext.encode(), _BOX_AAD)
+    return f"{BOX_VERSION}:{(nonce + sealed).hex()}"
 
 
 def unbox(key: provenance.RunKey, boxed: str) -> str:
+    """The run key in ``boxed``; :class:`RecordError` (one line) when it is not a v2 box this pool key sealed. A box
+    of the tpassrun before v2 (plain hex, a home-made stream cipher) is refused as such, never decrypted into garbage."""
+    version, sep, body = boxed.partition(":")
+    if not sep:
+        if _looks_like_v1(boxed):
+            raise RecordError(f"the job's run key box was sealed by an older tpassrun (box v1), which this pool node "
+                              f"no longer opens: restart the job with this tpassrun version ({BOX_VERSION} boxes)")
+        raise RecordError("the run key box is not a tpassrun box")
+    if version != BOX_VERSION:
+        raise RecordError(f"the run key box is a {version!r} box; this tpassrun opens {BOX_VERSION} boxes: run the job "
+                          "and the pool nodes with one tpassrun version")
     try:
-        raw = bytes.fromhex(boxed)
+        raw = bytes.fromhex(body)
     except ValueError:
         raise RecordError("the run key box is not hex") from None
-    if len(raw) < 16:
+    if len(raw) < _BOX_NONCE + 16:
         raise RecordError("the run key box is too short")
     try:
-        return _xor(key, raw[:16], raw[16:]).decode()
-    except UnicodeDecodeError:
-        raise RecordError("the run key box does not open with this pool key") from None
+        return AESGCM(key.derive(_BOX_LABEL)).decrypt(raw[:_BOX_NONCE], raw[_BOX_NONCE:], _BOX_AAD).decode()
+    except (InvalidTag, UnicodeDecodeError):
+        raise RecordError("the run key box does not open with this pool key (another pool's, or altered)") from None
 
 
-def _xor(key: provenance.RunKey, nonce: bytes, data: bytes) -> bytes:
-    stream_key = key.derive("pool/run-key-box")
-    out = bytearray()
-    for block in range(0, len(data), 32):
-        pad = hmac.new(stream_key, nonce + block.to_bytes(8, "big"), hashlib.sha256).digest()
-        out += bytes(a ^ b for a, b in zip(data[block:block + 32], pad))
-    return bytes(out)
+def _looks_like_v1(boxed: str) -> bool:
+    """A v1 box: hex of a 16-byte nonce and the XORed text, nothing else."""
+    try:
+        return len(bytes.fromhex(boxed)) >= 16
+    except ValueError:
+        return False

@@ -15,10 +15,15 @@ swap, rank or purpose is refused too. The handshake is sans-I/O (:class:`Listene
 :class:`ConnectorHandshake` say what to send and check what came back), so blocking sockets and asyncio
 streams drive the very same code; :meth:`TransferAuth.frame_mac` then keys the MAC of everything that follows.
 
-``flags`` says what the listener can verify (:data:`FLAG_GMAC`, :data:`FLAG_POLY1305`: frame tags), so a sender picks a
-frame MAC both ends have; a listener of an older build sends 0 (HMAC-SHA256 frames). The flags are not under a
-tag: a peer in the middle that flips them can only choose between two sound MACs (the stream's head, under the
-connection's HMAC, names the one in use) or make the transfer fail, which it can do anyway.
+``flags`` says what the listener can verify and wants: :data:`FLAG_GMAC` (GMAC frame tags: every listener of this
+version sets it; a sender refuses, in one line, a listener without it: a tpassrun from before issue 42 without
+``cryptography``, which offered only Poly1305 (bit 1, never set now) or HMAC-SHA256 frames) and :data:`FLAG_ENCRYPT`.
+The flags are not under a tag: a peer in the middle that flips them can only make the transfer fail (the stream's
+head, under the connection's HMAC, names the frame MAC in use), which it can do anyway.
+
+Primitives: the proofs, the connection's MAC and the keys derived from it are HMAC-SHA256 (the standard library's
+``hmac``, OpenSSL's SHA-256 underneath: small messages, where HMAC is all that is needed); frames are tagged with
+GMAC (:mod:`tpassrun.transfer.gmac`) or sealed with AES-256-GCM (:class:`FrameCipher`), both from ``cryptography``.
 """
 
 from __future__ import annotations
@@ -39,7 +44,6 @@ HELLO = struct.Struct("<4sHH32s")     # b"TPNC", version, flags, listener nonce
 PROOF = struct.Struct("<4s32s32s")    # b"TPAU", connector nonce, connector proof
 ACCEPT = struct.Struct("<4s32s")      # b"TPOK", listener proof
 TAG_LEN = 32
-FLAG_POLY1305 = 1                     # the listener verifies Poly1305 frame tags (tpassrun.transfer.poly1305)
 FLAG_ENCRYPT = 2                      # the listener's run encrypts (--rdzv-conf encrypt=true): AES-256-GCM frames
 FLAG_GMAC = 4                         # the listener verifies GMAC frame tags (tpassrun.transfer.gmac)
 AEAD_NAME = "aes-256-gcm"
@@ -115,8 +119,9 @@ class FrameMac:
         return hmac.compare_digest(tag, self.tag())
 
     def one_time_key(self, label: bytes) -> bytes:
-        """A 32-byte key for one message (a Poly1305 frame tag, :mod:`tpassrun.transfer.poly1305`): this connection's
-        HMAC over what was fed so far and ``label``, which must never repeat within the connection."""
+        """A 32-byte key for one purpose or message (the GMAC key of a connection's frames, an AES-256-GCM key, a
+        mirror payload's GMAC key): this connection's HMAC over what was fed so far and ``label``, which must never
+        repeat within the connection."""
         mac = self._mac.copy()
         mac.update(b"one-time-key\0" + label)
         return mac.digest()
@@ -233,13 +238,13 @@ def aead_unavailable_reason() -> str | None:
     try:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:
-        return "the 'cryptography' package is not installed (pip install 'tpassrun[encrypt]')"
+        return "the 'cryptography' package is not installed (a dependency of tpassrun: pip install tpassrun again)"
     if not hasattr(AESGCM, "encrypt_into"):
         return "the installed 'cryptography' is too old (encrypt_into needs cryptography >= 44)"
     return None
 
 
 __all__ = ["ACCEPT", "AEAD_NAME", "AEAD_TAG_LEN", "AuthError", "FLAG_ENCRYPT", "FLAG_GMAC", "FrameCipher",
-           "aead_unavailable_reason", "ChecksumError", "ConnectorHandshake", "FLAG_POLY1305", "FrameMac", "HELLO",
+           "aead_unavailable_reason", "ChecksumError", "ConnectorHandshake", "FrameMac", "HELLO",
            "HandoffError",
            "ListenerHandshake", "PROOF", "encryption_wanted", "TAG_LEN", "TransferAuth", "WIRE_VERSION"]

@@ -4,12 +4,12 @@ One frame, all integers little endian::
 
     prefix   24 B  b"TPHO" | u16 version | u16 flags | u64 head_len | u32 crc32(head) | u32 crc32(first 20 B)
     head     head_len B of UTF-8 JSON: {"v": 1, "meta": <bundle meta>, "tensors": [spec, ...], "chunk_bytes": int,
-                                        "checksum": "blocksum64" | "crc32" | "poly1305" | "hmac-sha256"}
+                                        "checksum": "blocksum64" | "crc32" | "gmac-aes-256" | "aes-256-gcm"}
     data     the raw bytes of every tensor, in table order, in chunks of ``chunk_bytes``
     trailer  16 B  b"TPEN" | u64 data_len | u32 checksum of prefix + head + data
 
 The head carries its own checksum so a corrupted tensor table is caught before we allocate from it; the
-trailer's checksum covers everything. An authenticated stream (``poly1305`` or ``hmac-sha256``) adds tags
+trailer's checksum covers everything. An authenticated stream (``gmac-aes-256``, or ``aes-256-gcm`` encrypted) adds tags
 between these parts and cuts the data into frames of its own: :mod:`tpassrun.transfer.wire` reads and writes that
 layout with the building blocks here.
 

@@ -24,13 +24,24 @@ from typing import Any
 
 from tpassrun.transfer.codec import ChecksumError, HandoffError, StateBundle
 from tpassrun.transfer.frame import _END_MAGIC, _PREFIX_LEN, _allocate_all, _Frame, _frames, _SocketReader
-from tpassrun.transfer import gmac
-from tpassrun.transfer.auth import (AEAD_NAME, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, FLAG_POLY1305, TAG_LEN,  # noqa: F401
+from tpassrun.transfer.auth import (AEAD_NAME, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, TAG_LEN,  # noqa: F401
                                     FrameCipher, FrameMac, aead_unavailable_reason, encryption_wanted)  # re-exported
 
 _FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
 _AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count
-_MAC_THREADS = max(1, min(4, os.cpu_count() or 1))
+
+
+def mac_threads() -> int:
+    """Threads that tag or seal a transfer's frames: the cores this process may run on now (its affinity: taskset,
+    a cgroup's cpuset, not the machine's count), at most 4."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):     # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
+_MAC_THREADS = mac_threads()      # at import: how far sealed frames run ahead (the ring's size) is fixed per process
 
 
 def _tag(mac: FrameMac, label: bytes, pieces: list[Any]) -> bytes:
@@ -46,9 +57,9 @@ def _expect(check: Future[bytes], tag: bytes, index: int) -> None:
         raise ChecksumError(f"handoff data corrupted or forged: frame #{index}'s tag mismatch")
 
 
-def listener_flags(poly1305_here: bool, encrypt: bool) -> int:
-    """What a receiver's hello says: GMAC and Poly1305 where it has them; FLAG_ENCRYPT when its run encrypts."""
-    flags = (FLAG_POLY1305 if poly1305_here else 0) | (FLAG_GMAC if gmac.available() else 0)
+def listener_flags(encrypt: bool) -> int:
+    """What a receiver's hello says: GMAC frame tags (always); FLAG_ENCRYPT when its run encrypts."""
+    flags = FLAG_GMAC
     if encrypt:
         why = aead_unavailable_reason()
         if why is not None:
@@ -84,7 +95,7 @@ def send_sealed(sender: Any, mac: FrameMac, name: str, head: bytes, views: list[
     frames = _frames(views, frame_bytes)
     tags: list[bytes] = []
     ring = _Ring(frames)
-    with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-aead") as pool:
+    with ThreadPoolExecutor(mac_threads(), thread_name_prefix="tpassrun-handoff-aead") as pool:
         ahead: collections.deque[Future[memoryview]] = collections.deque()
         queued = 0
         for index in range(len(frames)):
@@ -165,7 +176,7 @@ def read_sealed(reader: _SocketReader, mac: FrameMac, cipher: FrameCipher, head_
     frames = _frames(views, head.chunk_bytes)
     tags: list[bytes] = []
     ring = _Ring(frames)
-    with ThreadPoolExecutor(_MAC_THREADS, thread_name_prefix="tpassrun-handoff-aead") as pool:
+    with ThreadPoolExecutor(mac_threads(), thread_name_prefix="tpassrun-handoff-aead") as pool:
         checks: list[Future[bytes]] = []
         for index, pieces in enumerate(frames):
             if index >= _AHEAD + 2:

@@ -5,14 +5,13 @@ Sender (:class:`TagAhead`): while frame k is on the wire, a worker thread tags f
 :data:`AHEAD_BYTES`: a frame tagged just before it is sent is still in the shared cache when the kernel copies it
 into the socket, so its memory is fetched once, not twice); frame k then leaves with its tag in one ``sendmsg``.
 Receiver (:class:`Verifier`): frame k's tag is checked by a worker while frame k+1 arrives (recv_into just wrote
-frame k, so the check reads it from the cache); every check is done before anything is returned. The MACs release
-the GIL (OpenSSL through ``cryptography`` for buffers of 2 KiB and more, through ctypes always), so the socket's
-thread never waits for one.
+frame k, so the check reads it from the cache); every check is done before anything is returned. GMAC
+(:mod:`tpassrun.transfer.gmac`, OpenSSL through ``cryptography``) releases the GIL for buffers of 2 KiB and more,
+so the socket's thread never waits for one.
 
-Keys (:class:`FrameTagger`): GMAC has one key per connection (its nonce is the frame's index), derived once;
-Poly1305 a one-time key per frame; HMAC-SHA256 the connection's MAC. The tag of frame i covers
-``"data" | u64 i | u64 length | frame``: its position and length are bound, so frames cannot be reordered, cut
-or spliced from another stream (another connection has other keys).
+Keys (:class:`FrameTagger`): one GMAC key per connection (its nonce is the frame's index), derived once from the
+connection's MAC. The tag of frame i covers ``"data" | u64 i | u64 length | frame``: its position and length are
+bound, so frames cannot be reordered, cut or spliced from another stream (another connection has other keys).
 """
 
 from __future__ import annotations
@@ -21,31 +20,25 @@ import collections
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from tpassrun.transfer import gmac, poly1305
+from tpassrun.transfer import gmac
 from tpassrun.transfer.auth import FrameMac
-from tpassrun.transfer.seal import _FRAME_INDEX, _MAC_THREADS, _expect, _tag
+from tpassrun.transfer.seal import _FRAME_INDEX, _expect, mac_threads
 
-GMAC_NAME = "gmac-aes-256"
-POLY_NAME = "poly1305"
-HMAC_NAME = "hmac-sha256"
+GMAC_NAME = gmac.NAME
 AHEAD_BYTES = 8 << 20     # how far the sender's tags run ahead of the wire: within the cache, at least one frame
 
 
 class FrameTagger:
-    """Frame tags of one connection under the frame MAC ``name``; :meth:`tag` is safe to call from many threads."""
+    """GMAC frame tags of one connection; :meth:`tag` is safe to call from many threads."""
 
-    def __init__(self, mac: FrameMac, name: str) -> None:
-        self.name = name
-        self._mac = mac
-        self._gmac_key = mac.one_time_key(b"gmac-data") if name == GMAC_NAME else b""
+    name = GMAC_NAME
+
+    def __init__(self, mac: FrameMac) -> None:
+        self._key = mac.one_time_key(b"gmac-data")    # this connection's data frames only; the nonce is the index
 
     def tag(self, index: int, pieces: list[memoryview]) -> bytes:
         label = b"data" + _FRAME_INDEX.pack(index, sum(len(p) for p in pieces))
-        if self.name == GMAC_NAME:   # the key serves this connection's data frames only; the nonce is the index
-            return gmac.tag(self._gmac_key, index, [label, *pieces])
-        if self.name == POLY_NAME:
-            return poly1305.tag(self._mac.one_time_key(b"data" + index.to_bytes(8, "little")), [label, *pieces])
-        return _tag(self._mac.copy(), label, pieces)
+        return gmac.tag(self._key, index, [label, *pieces])
 
 
 class TagAhead:
@@ -53,11 +46,11 @@ class TagAhead:
     ``ahead_bytes`` (and at least one frame) ahead of the frame being sent."""
 
     def __init__(self, tagger: FrameTagger, frames: list[list[memoryview]], ahead_bytes: int | None = None,
-                 threads: int = _MAC_THREADS) -> None:
+                 threads: int | None = None) -> None:
         self._tagger, self._frames = tagger, frames
         largest = max((sum(len(p) for p in f) for f in frames), default=1)
         self._ahead = max(1, (AHEAD_BYTES if ahead_bytes is None else ahead_bytes) // max(1, largest))
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tpassrun-handoff-mac")
+        self._pool = ThreadPoolExecutor(threads or mac_threads(), thread_name_prefix="tpassrun-handoff-mac")
         self._queued: collections.deque[Future[bytes]] = collections.deque()
         self._submitted = 0
 
@@ -85,9 +78,9 @@ class Verifier:
     """The receiver's checks: :meth:`check` queues frame ``index``'s (its memory must stay unchanged until
     :meth:`wait`), :meth:`wait` raises :class:`ChecksumError` for the first frame whose tag does not verify."""
 
-    def __init__(self, tagger: FrameTagger, threads: int = _MAC_THREADS) -> None:
+    def __init__(self, tagger: FrameTagger, threads: int | None = None) -> None:
         self._tagger = tagger
-        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="tpassrun-handoff-mac")
+        self._pool = ThreadPoolExecutor(threads or mac_threads(), thread_name_prefix="tpassrun-handoff-mac")
         self._checks: list[tuple[Future[bytes], bytes]] = []
 
     def __enter__(self) -> "Verifier":
@@ -121,4 +114,4 @@ def send_parts(sock: Any, parts: list[Any]) -> None:
 _IOV_MAX = 512
 
 
-__all__ = ["AHEAD_BYTES", "FrameTagger", "GMAC_NAME", "HMAC_NAME", "POLY_NAME", "TagAhead", "Verifier", "send_parts"]
+__all__ = ["AHEAD_BYTES", "FrameTagger", "GMAC_NAME", "TagAhead", "Verifier", "send_parts"]

@@ -25,16 +25,16 @@ part of the frame carries a tag keyed for this connection (both nonces, the swap
 
 MAC is the connection's HMAC-SHA256 (32 B). The head names the frame MAC (its ``checksum``, under the head's tag):
 ``gmac-aes-256`` (16 B; FMAC_i is GMAC under the key MAC("one-time-key" | "gmac-data"), one per connection, with
-nonce i: :mod:`tpassrun.transfer.gmac`, about twice Poly1305's speed) where both ends have ``cryptography`` (the
-receiver's hello says FLAG_GMAC), else ``poly1305`` (16 B; FMAC_i is Poly1305 under the one-time key
-MAC("one-time-key" | "data" | u64 i), as ChaCha20-Poly1305 derives its key per message) where both ends' OpenSSL
-have it (:mod:`tpassrun.transfer.poly1305`; the receiver's hello says whether it has), else ``hmac-sha256``
-(FMAC_i = MAC; one line says so once per process on a host without it). Why: SHA-256 is ~2 GB/s per core even with
-SHA instructions, so an HMAC'd stream was CPU-bound on both ends at a fraction of the checksummed one; Poly1305
-runs at 10-15 GB/s per core, cheaper than the copy out of the socket. Why frames and not one MAC over the stream:
-independent frame tags are computed off the socket's thread (:mod:`tpassrun.transfer.tagger`; the MACs release the
-GIL): the sender tags frame i+1 while frame i is on the wire, the receiver verifies frame i while frame i+1 arrives
-(``bench/transfer.py``).
+nonce i: :mod:`tpassrun.transfer.gmac`, from ``cryptography``), the one frame MAC; the receiver's hello says
+FLAG_GMAC. Why: SHA-256 is ~2 GB/s per core even with SHA instructions, so an HMAC'd stream was CPU-bound on both
+ends at a fraction of the checksummed one; GHASH runs at ~20 GB/s per core, cheaper than the copy out of the
+socket. Why frames and not one MAC over the stream: independent frame tags are computed off the socket's thread
+(:mod:`tpassrun.transfer.tagger`; GMAC releases the GIL): the sender tags frame i+1 while frame i is on the wire,
+the receiver verifies frame i while frame i+1 arrives (``bench/transfer.py``).
+
+Older peers (tpassrun before issue 42, which also had ``poly1305`` and ``hmac-sha256`` frames): a receiver whose
+hello lacks FLAG_GMAC is refused by the sender before a byte of state goes out, and a stream whose head names an
+older frame MAC is refused by the receiver, each in one line (:func:`_frame_mac_name`, :func:`_older_sender`).
 
 A listener serves every connection's handshake at once (:class:`~tpassrun.transfer.gate.HandshakeGate`), each within
 one overall deadline (:data:`~tpassrun.transfer.gate.HANDSHAKE_DEADLINE_S`), the first to prove the key being the
@@ -52,17 +52,17 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tpassrun.transfer import gmac, poly1305
+from tpassrun.transfer import gmac
 from tpassrun.transfer.codec import ChecksumError, HandoffError, StateBundle
 from tpassrun.transfer.frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES, _PREFIX_LEN, _STREAM_CHECKSUM, _TRAILER,
                             _allocate_all, _encode_head, _Frame, _frames, _new_checksum, _outgoing, _parse_head,
                             _Pipelined, _read_frame, _read_prefix, _SocketReader, decode_small, encode_parts, encode_small,
                             reserve_receive_arena, reserved_receive_bytes)
-from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_GMAC, FLAG_POLY1305, HELLO, PROOF, TAG_LEN, AuthError,
+from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_GMAC, HELLO, PROOF, TAG_LEN, AuthError,
                        ConnectorHandshake, FrameCipher, FrameMac, ListenerHandshake, TransferAuth, encryption_wanted)
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, HandshakeGate
-from tpassrun.transfer.tagger import GMAC_NAME, HMAC_NAME, POLY_NAME, FrameTagger, TagAhead, Verifier, send_parts
+from tpassrun.transfer.tagger import GMAC_NAME, FrameTagger, TagAhead, Verifier, send_parts
 from tpassrun.transfer.seal import (_AUTH_TRAILER, _MAC_THREADS, SEALED_FRAME_BYTES,  # noqa: F401
                            _tag, listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
 
@@ -75,8 +75,9 @@ __all__ = ["AuthError", "TransferAuth", "TransferStats", "accept_and_recv", "acc
 _ACK_MAGIC = b"TPAK"
 _ACK = struct.Struct("<4sI")
 _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
-_HMAC_CHECKSUM, _POLY_CHECKSUM, _GMAC_CHECKSUM = HMAC_NAME, POLY_NAME, GMAC_NAME
-_FRAME_MACS = (_GMAC_CHECKSUM, _POLY_CHECKSUM, _HMAC_CHECKSUM)
+_GMAC_CHECKSUM = GMAC_NAME
+_OLDER_FRAME_MACS = ("poly1305", "hmac-sha256")    # what a tpassrun before issue 42 could send: refused (one line)
+_UPGRADE = "run this tpassrun version (its frames are GMAC, from 'cryptography') on both ends"
 _MAX_AUTH_HEAD_BYTES = 64 << 20        # what a signed head may claim before its tag was checked
 _STRANGER_LINES = Throttle()           # one warning line per source a minute, however many strangers it sends
 
@@ -155,43 +156,21 @@ class _DeadlineReader:
         return bytes(buf)
 
 
-_poly1305_said = False
+def _frame_mac_name(requested: str | None, peer_flags: int = FLAG_GMAC) -> str:
+    """The frame MAC a sender uses (``requested``: tests, the bench; only GMAC exists): a receiver whose hello
+    (``peer_flags``) does not say FLAG_GMAC is a tpassrun before issue 42 without ``cryptography``, refused in one
+    line before a byte of state goes out."""
+    if requested not in (None, _GMAC_CHECKSUM):
+        raise ValueError(f"unknown frame MAC {requested!r} (there is one: {_GMAC_CHECKSUM})")
+    if not peer_flags & FLAG_GMAC:
+        raise HandoffError("the receiver is an older tpassrun that cannot verify GMAC frame tags (it offers "
+                           f"{'poly1305' if peer_flags & 1 else 'hmac-sha256'} frames): nothing was sent; {_UPGRADE}")
+    return _GMAC_CHECKSUM
 
 
-def poly1305_here() -> bool:
-    """Whether this process can tag and verify Poly1305 frames; where it cannot, one line says why (once)."""
-    global _poly1305_said
-    if poly1305.available():
-        return True
-    if not _poly1305_said:
-        _poly1305_said = True
-        log.warning("tpassrun: no Poly1305 in this host's OpenSSL (%s): state transfers authenticate their "
-                    "frames with HMAC-SHA256 (slower)", poly1305.unavailable_reason())
-    return False
-
-
-def _frame_mac_name(requested: str | None, peer_flags: int = FLAG_POLY1305) -> str:
-    """The frame MAC a sender uses: ``requested`` (tests, the bench), else the fastest both ends have
-    (``peer_flags``: the receiver's hello): GMAC, Poly1305, HMAC-SHA256."""
-    if requested is None:
-        if gmac.available() and peer_flags & FLAG_GMAC:
-            return _GMAC_CHECKSUM
-        return _POLY_CHECKSUM if poly1305_here() and peer_flags & FLAG_POLY1305 else _HMAC_CHECKSUM
-    if requested not in _FRAME_MACS:
-        raise ValueError(f"unknown frame MAC {requested!r} (have {', '.join(_FRAME_MACS)})")
-    if requested == _POLY_CHECKSUM and not poly1305.available():
-        raise HandoffError(f"poly1305 frame MACs are not available here: {poly1305.unavailable_reason()}")
-    if requested == _GMAC_CHECKSUM and not gmac.available():
-        raise HandoffError(f"GMAC frame MACs are not available here: {gmac.unavailable_reason()}")
-    return requested
-
-
-def _frame_tag_len(name: str) -> int:
-    if name == AEAD_NAME:
-        return AEAD_TAG_LEN
-    if name == _GMAC_CHECKSUM:
-        return gmac.TAG_LEN
-    return poly1305.TAG_LEN if name == _POLY_CHECKSUM else TAG_LEN
+def _older_sender(checksum: str) -> HandoffError:
+    return HandoffError(f"the sender is an older tpassrun ({checksum} frame tags, which this version no longer "
+                        f"verifies): nothing was applied; {_UPGRADE}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,8 +230,7 @@ def send_bundle(sock: socket.socket, bundle: StateBundle, *, chunk_bytes: int = 
     the byte at that
     offset of the frame on the wire while checksumming the original. With ``auth`` the receiver must prove
     the swap's key before a byte of state goes out (:class:`AuthError` otherwise) and every part of the frame
-    is authenticated (``frame_mac``: "poly1305" or "hmac-sha256" for the data frames; None: the fastest this
-    host has, see the module doc).
+    is authenticated (GMAC frame tags, or AES-256-GCM frames when either end's run encrypts; see the module doc).
     """
     if chunk_bytes <= 0:
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
@@ -314,7 +292,7 @@ def _send_signed(sender: _Sender, mac: FrameMac, name: str, head: bytes, views: 
     sender.send(head + _tag(mac.copy(), b"head", [head[:_PREFIX_LEN], head[_PREFIX_LEN:]]), "header")
     frames = _frames(views, frame_bytes)
     tags: list[bytes] = []
-    with TagAhead(FrameTagger(mac, name), frames) as ahead:
+    with TagAhead(FrameTagger(mac), frames) as ahead:
         for index, pieces in enumerate(frames):
             tags.append(ahead.tag(index))     # computed while the frame before was on the wire
             sender.send_frame(pieces, tags[-1], f"frame #{index}")
@@ -366,7 +344,7 @@ def _receiver_handshake(sock: socket.socket, auth: TransferAuth, encrypt: bool =
     """One accepted connection's handshake (a listener serving many uses :class:`HandshakeGate`): a fresh nonce
     out, the sender's proof in within the handshake's deadline (constant-time check), our proof out."""
     stream_timeout = sock.gettimeout()
-    shake = ListenerHandshake(auth, listener_flags(poly1305_here(), encrypt))
+    shake = ListenerHandshake(auth, listener_flags(encrypt))
     try:
         try:
             sock.settimeout(HANDSHAKE_DEADLINE_S)
@@ -407,21 +385,17 @@ def _read_signed(reader: _SocketReader, mac: FrameMac, max_bytes: int | None, en
                            f"this receiver's run {'encrypts' if encrypted else 'does not encrypt'}")
     if cipher is not None:
         return read_sealed(reader, mac, cipher, head_len, head)
-    if head.checksum not in _FRAME_MACS:
-        raise HandoffError(f"an authenticated stream must use {' or '.join(_FRAME_MACS)}, not {head.checksum!r}")
-    if head.checksum == _POLY_CHECKSUM and not poly1305.available():
-        raise HandoffError("the sender authenticates its frames with poly1305, which this host's OpenSSL lacks "
-                           f"({poly1305.unavailable_reason()})")
-    if head.checksum == _GMAC_CHECKSUM and not gmac.available():
-        raise HandoffError(f"the sender authenticates its frames with GMAC, which this host lacks "
-                           f"({gmac.unavailable_reason()})")
-    tag_len = _frame_tag_len(head.checksum)
+    if head.checksum in _OLDER_FRAME_MACS:
+        raise _older_sender(head.checksum)
+    if head.checksum != _GMAC_CHECKSUM:
+        raise HandoffError(f"an authenticated stream must use {_GMAC_CHECKSUM}, not {head.checksum!r}")
+    tag_len = gmac.TAG_LEN
     if not 0 < head.chunk_bytes <= 1 << 30:
         raise HandoffError(f"an authenticated stream with {head.chunk_bytes}-byte frames, refusing")
     tensors, views = _allocate_all(head.specs, use_arena=True)
     frames = _frames(views, head.chunk_bytes)
     tags: list[bytes] = []
-    with Verifier(FrameTagger(mac, head.checksum)) as verifier:
+    with Verifier(FrameTagger(mac)) as verifier:
         for index, pieces in enumerate(frames):
             for piece in pieces:
                 reader.read_into(piece, f"frame #{index} of {len(frames)}")
@@ -566,7 +540,7 @@ def accept_and_recv(listener: socket.socket, *, timeout: float, device: str = "c
     deadline = time.monotonic() + timeout
     dropped: list[str] = []
     encrypted = encryption_wanted(encrypt)
-    with HandshakeGate(listener, auth, listener_flags(poly1305_here(), encrypted), deadline_s=handshake_s) as gate:
+    with HandshakeGate(listener, auth, listener_flags(encrypted), deadline_s=handshake_s) as gate:
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

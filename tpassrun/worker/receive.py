@@ -46,7 +46,6 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
     from tpassrun.transfer import handoff
     from tpassrun.transfer.auth import encryption_wanted
     from tpassrun.transfer.seal import listener_flags
-    from tpassrun.transfer.wire import poly1305_here
     from tpassrun.transfer.gate import HandshakeGate
 
     swap_id, attempt = msg.swap_id, msg.attempt
@@ -55,7 +54,7 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
     deadline = time.monotonic() + accept_s
     strangers = 0
     encrypted = encryption_wanted()    # the run's --rdzv-conf encrypt=true: the hello says so, the stream is sealed
-    with HandshakeGate(listener, auth, listener_flags(poly1305_here(), encrypted), watch=(link.sock,)) as gate:
+    with HandshakeGate(listener, auth, listener_flags(encrypted), watch=(link.sock,)) as gate:
         while True:
             if not _next_command(link, pending):
                 return None   # an abort or a new assignment came first: the dispatcher handles it
