@@ -20,6 +20,7 @@ import harness  # noqa: E402
 
 GPU_ROWS = ["nvml", "swap: planned", "swap: SIGKILL", "shard mirror", "nccl (2 GPUs)", "transfer 1 GiB",
             "swap: compile joiner"]
+STREAM = "stream: auth-only, pinned"     # needs no GPU: >= 4 cores (issue 42)
 
 
 def _rows(output: str) -> dict[str, list[str]]:
@@ -35,9 +36,10 @@ def test_the_dry_run_prints_the_table_with_every_gpu_row_skipped(tmp_path):
                          capture_output=True, text=True, timeout=240)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
     rows = _rows(run.stdout)
-    assert list(rows) == ["environment", "nvml", "layout", *GPU_ROWS[1:], harness.HANG,
+    assert list(rows) == ["environment", "nvml", "layout", *GPU_ROWS[1:-1], STREAM, GPU_ROWS[-1], harness.HANG,
                           "harness: nothing left running"], rows
     assert all(rows[name][1] == "skipped: no GPU" for name in GPU_ROWS), rows
+    assert rows[STREAM][1] == "skipped: dry run (the bench measures this machine's cores)", rows[STREAM]
     for name in ("environment", "layout", harness.HANG, "harness: nothing left running"):
         assert rows[name][1] == "ok" and rows[name][3] == "", rows[name]
     assert "refused without TPASSRUN_SHARE_GPUS=1" in rows["layout"][2]
