@@ -351,3 +351,19 @@ def pytest_collection_modifyitems(config, items):  # type: ignore[no-untyped-def
     for item in items:
         if "acceptance" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):  # type: ignore[no-untyped-def]
+    """A test that starts a real job (faults.Job) must be marked ``e2e`` (the fast tier, ``-m "not e2e"``, leaves
+    those out): faults.Job.start refuses to start one for a test that is not (set before its fixtures run, so a
+    shared reference run made for it counts too)."""
+    import faults
+
+    faults.UNMARKED_TEST = None if item.get_closest_marker("e2e") else item.nodeid
+
+
+def pytest_runtest_teardown(item, nextitem):  # type: ignore[no-untyped-def]
+    import faults
+
+    faults.UNMARKED_TEST = None

@@ -188,6 +188,11 @@ def run_through(jobs: list["Job"], down: Hold, back: Hold, fault: Callable[[], N
     assert codes == [0] * len(jobs), "\n".join(j.log()[-3000:] for j in jobs)
 
 
+# Set by tests/conftest.py to the id of the running test when that test is not marked ``e2e``: a real job started
+# there would put a multi-process run into the fast tier (``-m "not e2e"``), so Job.start refuses it.
+UNMARKED_TEST: str | None = None
+
+
 @dataclass
 class Job:
     """One launcher process running the example job (or any script)."""
@@ -243,6 +248,7 @@ class Job:
         return cls(argv=argv, out=out, env=env or {})
 
     def start(self) -> "Job":
+        assert UNMARKED_TEST is None, f"{UNMARKED_TEST} starts a real job: mark it @pytest.mark.e2e"
         os.makedirs(self.out, exist_ok=True)
         self.log_path = os.path.join(self.out, "launcher.log")
         env = {**os.environ, **self.env}

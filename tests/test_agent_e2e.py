@@ -16,7 +16,7 @@ import pytest
 
 from faults import EXAMPLE, REPO, Job, alive as _alive, faults_env, hold_at
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 def _agent(out: str, endpoint: str, run_id: str, *, nnodes: str, nproc: int, steps: int,

@@ -17,7 +17,7 @@ from faults import Job, assert_bit_exact, faults_env, kill_at, pids_by_rank
 
 STEPS = 24
 SLEEP = 0.03
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 
 @pytest.fixture(scope="module")

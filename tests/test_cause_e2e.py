@@ -24,7 +24,7 @@ from realjobs import assert_same_run, sigkill_at_random_instant, swap_pause_s, t
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "titan_trainer.py")
 STEPS = 12
 WORLD = 4
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
 def _args(*more: str, sleep: float = 0.05) -> list[str]:

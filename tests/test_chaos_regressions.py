@@ -11,7 +11,7 @@ import pytest
 
 from faults import EXAMPLE, Job, faults_env, stop_at
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 STEPS = 40
 
 

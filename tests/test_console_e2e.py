@@ -14,7 +14,7 @@ import pytest
 
 from faults import Job, faults_env, hold_at, stop_at, taint
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PREFIX = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ tpassrun/agent\] \[node [^\]]+\] ", re.M)
 
 

@@ -16,7 +16,7 @@ import pytest
 from faults import Job, faults_env, hold_at, listening_ports
 from test_console_e2e import _descendants, _lines, _wait_event
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 SCANS = 200
 GLOG = re.compile(r"^[IWE]\d{4} \d\d:\d\d:\d\d\.\d{6} \d+ tpassrun/\w+\] ")   # any line of tpassrun's own
 

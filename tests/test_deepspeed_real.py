@@ -16,7 +16,7 @@ from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpass
 
 SCRIPT = example("deepspeed", "train.py")
 STEPS = 50
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
 def _args(stage: int, sleep: float = 0.1) -> list[str]:

@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -271,6 +271,7 @@ def _run(tmp_path, world: int, *, loaded: list[int], corrupt: int | None = None,
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
 
 
+@pytest.mark.e2e
 @GLOO
 def test_gloo_agreeing_replicas_say_so_in_one_round(tmp_path):
     out = _run(tmp_path, 3, loaded=[2])
@@ -281,6 +282,7 @@ def test_gloo_agreeing_replicas_say_so_in_one_round(tmp_path):
     assert said[0]["nbytes"] > 3 * 4 * (64 * 300 + 300 * 3)     # model + AdamW's two moments
 
 
+@pytest.mark.e2e
 @GLOO
 def test_gloo_a_corrupted_joiner_is_named_and_repaired_from_a_replica(tmp_path):
     out = _run(tmp_path, 3, loaded=[2], corrupt=2, tensor="model.1.weight", lr=[2])
@@ -294,6 +296,7 @@ def test_gloo_a_corrupted_joiner_is_named_and_repaired_from_a_replica(tmp_path):
     assert again["ok"] and again["recheck"]
 
 
+@pytest.mark.e2e
 @GLOO
 def test_gloo_replica_groups_are_compared_apart(tmp_path):
     """TP x DP (or HSDP): ranks {0, 2} hold one model, {1, 3} another (as declared): only rank 3, corrupted
@@ -306,6 +309,7 @@ def test_gloo_replica_groups_are_compared_apart(tmp_path):
     assert first["differ"]["3"]["tensors"] == ["model.0.weight"] and again["ok"] and again["ranks"] == 4
 
 
+@pytest.mark.e2e
 @GLOO
 def test_gloo_two_replicas_both_just_loaded_restart(tmp_path):
     out = _run(tmp_path, 2, loaded=[0, 1], corrupt=1)

@@ -17,7 +17,7 @@ from faults import Job, assert_bit_exact, faults_env, kill_at
 
 STEPS = 40           # the session's 4-rank reference (conftest.reference_run)
 SLEEP = 0.05
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from docrun import docrun_job, ds_config, write_example
 from faults import Job, faults_env, hold_at, pids_by_rank, sigkill_rank, taint
 from realjobs import assert_same_training, example, swap_pause_s
 
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 def _ds_args(work: str) -> list[str]:

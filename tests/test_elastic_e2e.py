@@ -20,7 +20,7 @@ import pytest
 
 from faults import Job
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 # A worker without torch: records (generation world, restart count) and runs until released by a file.
 WORKER = r'''

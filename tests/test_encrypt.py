@@ -121,6 +121,7 @@ def test_the_rdzv_conf_setting():
     assert check_encrypt_conf({"encrypt": "true"}, None) is None
 
 
+@pytest.mark.e2e
 def test_a_planned_swap_of_a_run_that_encrypts_is_encrypted_and_bit_exact(tmp_path, etcd_server, run_id,
                                                                           reference_run):
     """The whole path: ``--rdzv-conf encrypt=true`` on the agent, TPASSRUN_ENCRYPT in every worker, the leaver's

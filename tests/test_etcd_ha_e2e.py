@@ -11,7 +11,7 @@ import pytest
 
 from faults import Job, assert_bit_exact, faults_env, hold_at, run_through
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 STEPS = 30
 DOWN_AT, BACK_BY = 6, 24    # the leader dies with the job held at DOWN_AT; the job waits at BACK_BY for the end of it

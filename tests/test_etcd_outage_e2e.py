@@ -16,7 +16,7 @@ import pytest
 
 from faults import EXAMPLE, Job, faults_env, hold_at, kill_etcd, run_through, start_etcd_again
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 STEPS = 30
 DOWN_AT, BACK_BY = 8, 14    # etcd dies with the job held at DOWN_AT; the job waits at BACK_BY until it is back

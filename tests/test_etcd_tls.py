@@ -94,6 +94,7 @@ def test_hosting_tls_without_a_server_certificate_is_a_one_line_error(pki):
     assert split.cert.endswith("node.pem") and split.client_cert is None
 
 
+@pytest.mark.e2e
 def test_a_c10d_job_that_asks_for_tls_starts_and_finishes(tmp_path, pki, run_id):
     """torchrun's c10d command line plus TLS in --rdzv-conf: the agent on the endpoint hosts a TLS etcd and the
     job runs to the end (before: the hosted etcd spoke plain HTTP and a job that asked for TLS could not start)."""

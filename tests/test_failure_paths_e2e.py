@@ -14,7 +14,7 @@ from faults import Job, faults_env, hold_at, kill_at, stop_at
 from tpassrun.channel import WorkerPhase
 from tpassrun.plan.failkind import FailureKind, classify_death, recoverable
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 STEPS = 30
 
 

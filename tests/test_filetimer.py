@@ -93,6 +93,7 @@ print("rank", os.environ["RANK"], "done in attempt", attempt, flush=True)
 """
 
 
+@pytest.mark.e2e
 def test_an_expired_timer_kills_the_worker_and_the_group_restarts(tmp_path):
     """torchrun 2.13 SIGKILLs the worker, then its own agent (exit 137, the other workers left running); tpassrun
     kills the worker and takes the usual path: here a whole-group restart (--max-restarts 1), which succeeds."""

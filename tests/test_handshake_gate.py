@@ -347,6 +347,7 @@ def test_the_mirror_serves_its_clients_while_strangers_hold_connections_open():
 # --- a real job ------------------------------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 def test_a_planned_swap_goes_through_strangers_on_every_listener_and_a_cut_handshake(tmp_path, etcd_server, run_id):
     """The acceptance scenario of both issues in one real job (2 gloo ranks and a spare, real etcd): while the

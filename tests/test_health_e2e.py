@@ -40,8 +40,8 @@ def _agent_runs_health() -> bool:
     return spec is not None and spec.origin is not None and "AgentHealth" in Path(spec.origin).read_text()
 
 
-pytestmark = pytest.mark.skipif(not _agent_runs_health(),
-                                reason="tpassrun/agent/__init__.py does not start AgentHealth yet (see tpassrun/agent/healthd.py)")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(not _agent_runs_health(),
+                                                  reason="tpassrun/agent/__init__.py does not start AgentHealth yet (see tpassrun/agent/healthd.py)")]
 
 
 def launch(endpoint: str, run_id: str, workdir: Path, steps: int, *, spares: int, extra_args: tuple[str, ...] = (),

@@ -15,7 +15,7 @@ import pytest
 
 from faults import REPO
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 BIN = Path(sys.executable).parent
 

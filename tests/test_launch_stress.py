@@ -48,6 +48,7 @@ def test_a_swallowed_cancel_is_raised_again():
     assert len(rounds) == 1
 
 
+@pytest.mark.e2e
 @pytest.mark.slow
 @pytest.mark.timeout(LAUNCHES * 30)
 def test_sequential_tiny_launches_all_finish(tmp_path):

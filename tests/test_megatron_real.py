@@ -28,7 +28,7 @@ SCRIPT = example("megatron", "train_gpt.py")
 STEPS = 16
 TINY = ["--tp", "2", "--layers", "2", "--hidden", "32", "--heads", "4", "--seq", "16", "--vocab", "128",
         "--micro-batch", "2", "--num-microbatches", "2", "--steps", str(STEPS)]
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(scope="module")

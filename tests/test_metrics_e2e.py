@@ -10,7 +10,7 @@ import pytest
 
 from faults import Job, taint
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 
 def _scrape(port: int) -> str:

@@ -30,7 +30,7 @@ from tpassrun.agent.healthd import AgentHealth
 from tpassrun.agent.netwatch import DEGRADED, LinkDaemon, LinkFigures, LinkWatch
 from tpassrun.records import Keys, NodeStatus, WorkerRow
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
 SERVER = r"""
 import socket, sys, threading

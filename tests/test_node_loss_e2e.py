@@ -27,7 +27,7 @@ import pytest
 from faults import (EtcdProxy, Job, assert_bit_exact, faults_env, hold_at, pid_of_rank, sigkill_agent, sigkill_node, taint,
                     wait_dead)
 
-pytestmark = pytest.mark.timeout(360)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(360)]
 
 STEPS = 40
 TTL = 3

@@ -16,7 +16,7 @@ from faults import EXAMPLE, Job, faults_env
 from test_node_loss_e2e import _pids_by_rank, _start
 from test_shard_e2e import assert_same_run
 
-pytestmark = pytest.mark.timeout(360)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(360)]
 
 STEPS = 24
 ARGS = ["--zero"]

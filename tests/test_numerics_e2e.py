@@ -19,7 +19,7 @@ from faults import Job, assert_bit_exact, faults_env, hold_at, pids_by_rank, tai
 
 STEPS = 40
 SLEEP = 0.05
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 NO_NUMPY = '''\
 import os

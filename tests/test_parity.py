@@ -380,6 +380,7 @@ def test_corpus_is_big_enough():
     assert len(CASES) >= (1 if os.environ.get("PARITY_ONLY") else 20) and len({c.name for c in CASES}) == len(CASES)
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_torchrun_half(results, case):
@@ -391,6 +392,7 @@ def test_torchrun_half(results, case):
         assert ref.report is not None and "parity_worker.py FAILED" in ref.report
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_parity(results, case):

@@ -26,7 +26,7 @@ import pytest
 from conftest import _etcd_binary, _free_port
 from faults import Job, assert_bit_exact, faults_env, pid_of_rank, wait_dead
 
-pytestmark = pytest.mark.timeout(360)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(360)]
 
 STEPS = 30
 TTL = 3

@@ -20,7 +20,7 @@ import pytest
 
 from faults import NetLab
 
-pytestmark = [pytest.mark.acceptance, pytest.mark.timeout(1500)]
+pytestmark = [pytest.mark.e2e, pytest.mark.acceptance, pytest.mark.timeout(1500)]
 
 BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench", "pool_acceptance.py")
 

@@ -30,7 +30,7 @@ from tpassrun.pool import Pool, PoolKeys, pool_prefix
 from tpassrun.records.provenance import RunKey
 from tpassrun.rendezvous import EtcdConfig, EtcdStore
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 STEPS = 40          # the session's 4-rank reference (conftest.reference_run)
 POOL_KEY = "pool-key-for-the-e2e-0123456789"

@@ -22,7 +22,7 @@ import pytest
 from faults import Job, assert_bit_exact, sigkill_node, wait_dead
 from test_pool_e2e import POOL_KEY, RUN_KEY, STEPS, _join, _pool_op, _train_to_step_3, stop_pool_node
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(400)]
 
 LOW_RUN_KEY = "low-run-key-for-the-e2e-0123456789"
 

@@ -385,6 +385,7 @@ def test_state_is_never_streamed_to_an_address_from_an_unsealed_registration(etc
 
 
 # --- real agents ----------------------------------------------------------------------------------------------
+@pytest.mark.e2e
 def test_agents_given_different_run_keys_end_with_one_line(tmp_path, etcd_server, run_id):
     """Two real ``tpassrun`` agents of one run, each with its own key: the one that comes to the other's run stops
     with one line and exit code 1 instead of waiting for its join timeout; the first waits on for its peers."""

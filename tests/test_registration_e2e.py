@@ -11,7 +11,7 @@ import pytest
 from faults import Job, faults_env, hold_at
 from test_rdzv_etcd import agents, settings
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 STEPS = 20
 

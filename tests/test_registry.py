@@ -46,6 +46,7 @@ def _ctl(*argv: str, env: dict[str, str]) -> subprocess.CompletedProcess:
                           timeout=60, env={**os.environ, **env})
 
 
+@pytest.mark.e2e
 def test_tpassctl_finds_a_standalone_job_without_ids(tmp_path):
     env = {"XDG_RUNTIME_DIR": str(tmp_path / "xdg")}
     os.makedirs(env["XDG_RUNTIME_DIR"], mode=0o700)

@@ -12,7 +12,7 @@ import pytest
 
 from faults import Job, assert_bit_exact, faults_env, hold_at, kill_at, pids_by_rank, taint
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 STEPS = 24       # the session's 3-rank reference (shared with test_swap_e2e)
 SLEEP = 0.05
 

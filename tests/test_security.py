@@ -253,6 +253,7 @@ def _wait_event(job: Job, name: str, timeout: float = 120) -> dict:
         time.sleep(0.05)
 
 
+@pytest.mark.e2e
 def test_a_foreign_connection_to_the_spare_cannot_inject_weights(tmp_path, etcd_server, run_id):
     """The issue's attack: a process that found the spare's port connects before the leaver and sends
     perturbed weights. The spare drops it, the real state arrives, and rank 1 ends equal to rank 0 (DDP keeps
@@ -305,6 +306,7 @@ def test_a_foreign_connection_to_the_spare_cannot_inject_weights(tmp_path, etcd_
         assert [x["step"] for x in job.losses(r)] == list(range(40))
 
 
+@pytest.mark.e2e
 def test_a_forged_plan_sends_nothing_anywhere(tmp_path, etcd_server, run_id):
     """Anyone who can write etcd writes a plan in its SEND phase naming their own socket: the leaver's agent
     refuses (it never took part in that transfer, and the address is no spare's), and not one byte arrives."""
@@ -343,6 +345,7 @@ def test_a_forged_plan_sends_nothing_anywhere(tmp_path, etcd_server, run_id):
     assert job.log().count("swap plans are not authenticated") == 1, job.log()[-3000:]
 
 
+@pytest.mark.e2e
 def test_with_a_run_key_a_forged_plan_is_refused_on_read_and_never_stops_a_real_swap(tmp_path, etcd_server, run_id):
     """The chaos run's attack, on an etcd without auth: plans written by someone without the run key (one in
     SEND naming a trap, one in PAUSE, which the leader used to retry with the real spare, and one squatting the
@@ -402,6 +405,7 @@ def test_with_a_run_key_a_forged_plan_is_refused_on_read_and_never_stops_a_real_
     assert len(_events(job, "agent_started")[0]["run_key"]) == 12     # a fingerprint, never the key
 
 
+@pytest.mark.e2e
 def test_an_aborted_planned_swap_resumes_the_leaver(tmp_path, etcd_server, run_id):
     """Every transfer attempt corrupted: the swap is given up after SEND, and the leaver (left TRANSFERRING)
     is resumed with everyone else: the job finishes every step instead of hanging."""
@@ -561,6 +565,7 @@ def test_a_health_file_that_blocks_is_an_error_not_a_hang(tmp_path):
     release.set()
 
 
+@pytest.mark.e2e
 def test_the_agent_exits_with_a_fifo_as_health_file(tmp_path):
     fifo = tmp_path / "health.fifo"
     os.mkfifo(fifo)
@@ -578,6 +583,7 @@ def _catches(pid: int, sig: int) -> bool:
     return bool(mask & (1 << (sig - 1)))
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
 def test_a_signal_while_connecting_to_etcd_is_obeyed_at_once(tmp_path, sig):
     """Nothing answers at the endpoint and the connection would be retried for 10 minutes: a signal stops the
@@ -618,6 +624,7 @@ def _leftovers_of(pid: int) -> list[str]:
     return found
 
 
+@pytest.mark.e2e
 def test_what_a_sigkilled_agent_leaves_is_cleaned_by_the_next_run(tmp_path):
     import signal as signals
 
@@ -664,6 +671,7 @@ def test_a_full_disk_for_tee_logs_is_reported_once_and_the_worker_never_blocks(c
     assert len(warnings) == 1, warnings
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(600)
 def test_chaos_short_tier(tmp_path):
     """bench/chaos.py's short tier: attacks and a malformed value on a live 2-agent job with a spare node (the long

@@ -27,7 +27,7 @@ STEPS = 12
 SLEEP = 0.02
 SHAPES = ["--compile", "--amp", "fp16", "--micro", "2", "--accum-steps", "2", "--loader-workers", "2",
           "--samples", "480"]
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

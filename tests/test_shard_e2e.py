@@ -35,7 +35,7 @@ def assert_same_run(job: Job, ref: Job, world: int) -> None:
         assert {s for s, _ in got} == set(ref_losses), f"rank {r}: steps lost"
         assert all(loss == ref_losses[s] for s, loss in got), f"rank {r}: a loss differs from the reference's"
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 STEPS = 24
 ARGS = ["--steps", str(STEPS), "--step-sleep", "0.05", "--zero", "--quiet"]

@@ -28,7 +28,7 @@ from slurmcluster import NODES, SLURMD_TIMEOUT, SlurmCluster, descendants, paren
 from tpassrun.rendezvous.embedded import _DIR_PREFIX as ETCD_DIR_PREFIX
 from tpassrun.scheduler.watch import short
 
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 STEPS = 40
 

@@ -36,6 +36,7 @@ if attempt == "0" and rank == "1":
 """
 
 
+@pytest.mark.e2e
 def test_tcp_to_the_static_endpoint_works_in_every_attempt_with_a_new_store(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

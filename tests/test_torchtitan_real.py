@@ -26,7 +26,7 @@ from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpass
 
 SCRIPT = example("torchtitan", "train.py")
 STEPS = 12
-pytestmark = pytest.mark.timeout(420)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(420)]
 
 
 def _args(replicate: int, sleep: float = 0.05) -> list[str]:

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import eventful_run, frame  # noqa: E402
 
 FUTURE = 1e11
-pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
+pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
 
 
 def _put_run(endpoint: str, run_id: str, doc: dict) -> None:

@@ -13,7 +13,7 @@ import pytest
 
 from faults import REPO, Job, taint
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 PLAIN = os.path.join(REPO, "tests", "plain_train.py")
 
 

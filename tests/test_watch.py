@@ -57,6 +57,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.e2e
 def test_a_break_fails_a_collective_blocked_on_a_silent_peer(tmp_path):
     ch = ChannelFile.create(str(tmp_path / "chan"), 1)
     path = str(tmp_path / "agent.sock")
