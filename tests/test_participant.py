@@ -160,7 +160,7 @@ def test_a_late_reply_to_an_earlier_attempt_is_never_paired_with_the_next():
 
     slots.replies[2] = [P.Received(ok=False, swap_id="s-1", attempt=0, error="late"),
                         P.Received(ok=True, swap_id="s-1", attempt=1, nbytes=8)]
-    got = asyncio.run(swapper.phases.await_received(plan(attempt=1), slots.slots[2]))
+    got = asyncio.run(swapper.ranks.await_received(plan(attempt=1), slots.slots[2]))
     assert (got.ok, got.attempt) == (True, 1)
 
 
@@ -290,8 +290,7 @@ def test_a_plan_given_up_while_its_world_re_forms_stops_the_joining_ranks_and_re
                            (1, "running", WorkerPhase.RECONFIGURING, 6)])
         slots.replies = {0: [P.Reformed(ok=False, error="join given up")], 2: [P.Reformed(ok=False)]}
         posted: list = []
-        swapper = Swapper(port(slots, []))
-        swapper.port = dataclasses.replace(swapper.port, post=posted.append)
+        swapper = Swapper(dataclasses.replace(port(slots, []), post=posted.append))
         asyncio.run(swapper.phases.abort(plan(phase=Phase.ABORTED, history=history, superseded=superseded)))
         abort = P.AbortJoin(prefix="/tpassrun/s-1/0/")          # this world's only: never the next one's
         assert slots.commands(0) == [abort] and slots.commands(2) == [abort]

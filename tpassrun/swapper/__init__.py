@@ -36,12 +36,13 @@ from tpassrun.records import Failure, Fallback, Keys, Report, SwapPlan, Taint, T
 from tpassrun.channel.slots import Slot, SlotState
 from tpassrun.plan.swap import Phase, SwapKind
 from tpassrun.swapper.phases import Phases
+from tpassrun.swapper.ranks import LocalRanks
 
 if TYPE_CHECKING:
     from tpassrun.channel.slots import LocalSlots
     from tpassrun.rendezvous import EtcdStore, Generation
 
-log = logging.getLogger("tpassrun.plan.swap")
+log = logging.getLogger(__name__)
 
 FAILED_STEP_GRACE_S = 30.0    # a worker that failed in a collective with no recovery planned by then re-raises
 # A slot whose worker was killed by a signal (SIGKILL, the OOM killer, a hang kill; a rank recovered live or a
@@ -60,7 +61,8 @@ def me_in(plan: SwapPlan, node: str) -> bool:
 
 class Swapper:
     """The participant half of live swaps (every agent): follows the plans, answers the agent's hooks, and runs
-    this node's part of each phase through its :class:`Phases` (node plans through its ``NodePlans``)."""
+    this node's part of each phase through its :class:`Phases` (node plans through its ``NodePlans``), which are
+    given what they need and return their reports. The plan being carried out (``_active``) is the swapper's alone."""
 
     def __init__(self, port: AgentPort) -> None:
         self.port = port
@@ -69,8 +71,9 @@ class Swapper:
         self.coordinator = Coordinator(port)
         self._failed_timers: dict[int, asyncio.TimerHandle] = {}
         self._probe: asyncio.Future[None] | None = None
-        self.phases = Phases(self)
-        self.node_plans = NodePlans(self)
+        self.ranks = LocalRanks(port)
+        self.phases = Phases(port, self.ranks, view=self.coordinator.view, died=self.died)
+        self.node_plans = NodePlans(port, self.ranks, self.phases)
         self._deaths: dict[int, list[float]] = {}    # slot -> when its workers died (to re-admit it as a spare)
         # plans given up while their world re-formed (a rank died on its way in): their joiners hold their ranks
         # and enter the world the next plan re-forms; their ranks resumed live once that plan is done
@@ -89,7 +92,28 @@ class Swapper:
     def probe_agents(self) -> None:
         """A worker here failed: declare a node whose agent is gone lost now (once at a time)."""
         if self._probe is None or self._probe.done():
-            self._probe = asyncio.ensure_future(self.node_plans.probe_agents())
+            self._probe = asyncio.ensure_future(self._probe_agents())
+
+    async def _probe_agents(self) -> None:
+        """A collective failed here, so a peer died. A node whose agent is gone (it crashed or was killed: its
+        workers died with it) is declared lost at once by revoking its lease, instead of after the lease's TTL;
+        the node plan starts from there. Anything less certain (no answer at all) waits for the lease."""
+        mirror, gen = self.port.mirror(), self.port.latest() or self.port.generation()
+        if mirror is None or gen is None:
+            return
+
+        async def probe(node: str) -> None:
+            try:
+                if await mirror.agent_gone(node) and await self._store.revoke_lease_of(self._keys.node(node)):
+                    log.warning("node %s: its agent is gone (its mirror port refuses connections); revoked its "
+                                "lease", node)
+                    self.port.events.write("agent_gone", lost_node=node,
+                                           reason="its agent's port refuses connections: declared lost now")
+            except Exception as exc:  # noqa: BLE001 - the lease expiry still comes
+                log.debug("probing node %s: %s", node, exc)
+
+        nodes = [m.node_id for m in gen.members] + list(gen.spare_nodes)
+        await asyncio.gather(*(probe(n) for n in nodes if n != self.port.node_id and n not in gen.lost))
 
     @property
     def _slots(self) -> LocalSlots:
@@ -159,7 +183,17 @@ class Swapper:
         pass
 
     async def on_node_lost(self, node_id: str) -> bool:
-        return self.node_plans.on_node_lost(node_id)
+        """The leader heard that a node's lease ended: its coordinator moves the node's ranks live (a node plan)
+        or restarts the group saying why; a node that held no ranks (an idle spare node) costs nothing. A pool
+        node's spare node the job gave back leaves as expected, and is said so."""
+        pool = self.coordinator.pool
+        if pool is not None and node_id in pool.given_back:
+            self.port.events.write("pool_node_left", lost_node=node_id, pool=pool.name,
+                                   pool_node=pool.given_back.pop(node_id))
+        else:
+            self.port.events.write("node_lost", lost_node=node_id)
+        self.coordinator.kick()
+        return True
 
     def on_worker_failed_step(self, slot: Slot, msg: Failed) -> None:
         """A survivor's collective failed. Normally a death elsewhere is being recovered; if nothing claims
@@ -302,7 +336,10 @@ class Swapper:
         me = self.port.node_id
         phase = plan.phase
         if plan.kind == SwapKind.NODE:
-            return await self.node_plans.participate(plan)
+            report = await self.node_plans.participate(plan)
+            if phase in (Phase.DONE, Phase.ABORTED):
+                self._active = None
+            return report
         if phase == Phase.PAUSE:
             return await self.phases.pause(plan) if me in plan.nodes else None
         if phase == Phase.BOUNDARY:

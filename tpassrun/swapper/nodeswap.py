@@ -21,55 +21,42 @@ import asyncio
 import base64
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING
 
 from tpassrun.swapper import shardplane
-from tpassrun.channel import INT64_MAX, Field, WorkerPhase
-from tpassrun.channel.protocol import (Abort, CatchUp, Light, LightOk, Listening, MirrorSource, Received, Reform, SendState,
-                       WorldSpec)
-from tpassrun.records import Keys, Move, Phase, Report, SwapPlan
+from tpassrun.channel import INT64_MAX, WorkerPhase
+from tpassrun.channel.protocol import Abort, Light, LightOk, MirrorSource, Received, Reform, SendState, WorldSpec
+from tpassrun.records import Move, Phase, Report, SwapPlan
 from tpassrun.channel.slots import SlotState
-from tpassrun.plan.swap import PHASE_TIMEOUT_S, of_attempt, transfer_key, world_prefix
+from tpassrun.plan.swap import PHASE_TIMEOUT_S, transfer_key, world_prefix
 
 if TYPE_CHECKING:
     from tpassrun.channel.slots import LocalSlots
-    from tpassrun.rendezvous import EtcdStore
     from tpassrun.swapper.agentport import AgentPort
-    from tpassrun.swapper.coordinator import Coordinator
+    from tpassrun.swapper.phases import Phases
+    from tpassrun.swapper.ranks import LocalRanks
 
-log = logging.getLogger("tpassrun.plan.swap")
-
-
-class NodePlanHost(Protocol):
-    """What the node plans need of the swapper they are composed into (its Swapper)."""
-
-    port: AgentPort
-    coordinator: Coordinator
-    phases: Any            # swapper.phases.Phases: it imports this module, and the import graph has no circle
-    _active: SwapPlan | None
-
-    @property
-    def _slots(self) -> LocalSlots: ...
-    @property
-    def _store(self) -> EtcdStore: ...
-    @property
-    def _keys(self) -> Keys: ...
+log = logging.getLogger(__name__)
 
 
 class NodePlans:
-    """One per swapper; :meth:`participate` is its ``_participate`` for plans of kind ``node``."""
+    """One per swapper; :meth:`participate` is its ``_participate`` for plans of kind ``node``: this node's part of
+    the plan's phase, and its report. Given the agent (``port``), this node's ranks (``ranks``) and the single-rank
+    phases whose steps it reuses (``phases``: pausing, assigning a joiner, the checks before sending, the re-form)."""
 
-    def __init__(self, swapper: NodePlanHost) -> None:
-        self.sw = swapper
+    def __init__(self, port: AgentPort, ranks: LocalRanks, phases: Phases) -> None:
+        self.port = port
+        self.ranks = ranks
+        self.phases = phases
         self._lights: dict[tuple[str, int], bytes | None] = {}   # (plan id, rank) -> light frame for the joiner
 
     @property
-    def port(self) -> AgentPort:
-        return self.sw.port
+    def me(self) -> str:
+        return self.port.node_id
 
     @property
-    def me(self) -> str:
-        return self.sw.port.node_id
+    def _slots(self) -> LocalSlots:
+        return self.port.slots
 
     def _mine(self, plan: SwapPlan) -> list[Move]:
         return [m for m in plan.moves if m.joiner.node == self.me]
@@ -96,47 +83,12 @@ class NodePlans:
                                        boundary=plan.boundary,
                                        seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
             self._forget(plan)
-            self.sw._active = None
             return None
         if phase == Phase.ABORTED:
             if len(plan.history) > 1:     # born aborted (no live recovery was possible): nothing was started
                 self._abort(plan)
             self._forget(plan)
-            self.sw._active = None
         return None
-
-    def on_node_lost(self, node_id: str) -> bool:
-        """The leader heard that a node's lease ended: its coordinator moves the node's ranks live (a node plan)
-        or restarts the group saying why; a node that held no ranks (an idle spare node) costs nothing. A pool
-        node's spare node the job gave back leaves as expected, and is said so."""
-        pool = self.sw.coordinator.pool
-        if pool is not None and node_id in pool.given_back:
-            self.port.events.write("pool_node_left", lost_node=node_id, pool=pool.name,
-                                   pool_node=pool.given_back.pop(node_id))
-        else:
-            self.port.events.write("node_lost", lost_node=node_id)
-        self.sw.coordinator.kick()
-        return True
-
-    async def probe_agents(self) -> None:
-        """A collective failed here, so a peer died. A node whose agent is gone (it crashed or was killed: its
-        workers died with it) is declared lost at once by revoking its lease, instead of after the lease's TTL;
-        the node plan starts from there. Anything less certain (no answer at all) waits for the lease."""
-        mirror, gen = self.port.mirror(), self.port.latest() or self.port.generation()
-        if mirror is None or gen is None:
-            return
-        async def probe(node: str) -> None:
-            try:
-                if await mirror.agent_gone(node) and await self.sw._store.revoke_lease_of(self.sw._keys.node(node)):
-                    log.warning("node %s: its agent is gone (its mirror port refuses connections); revoked its "
-                                "lease", node)
-                    self.port.events.write("agent_gone", lost_node=node,
-                                           reason="its agent's port refuses connections: declared lost now")
-            except Exception as exc:  # noqa: BLE001 - the lease expiry still comes
-                log.debug("probing node %s: %s", node, exc)
-
-        nodes = [m.node_id for m in gen.members] + list(gen.spare_nodes)
-        await asyncio.gather(*(probe(n) for n in nodes if n != self.port.node_id and n not in gen.lost))
 
     def _forget(self, plan: SwapPlan) -> None:
         for key in [k for k in self._lights if k[0] == plan.id]:
@@ -145,7 +97,7 @@ class NodePlans:
     # ------------------------------------------------------------------ phases
     async def _pause(self, plan: SwapPlan) -> Report:
         self._break_collectives(plan)
-        report: Report = await self.sw.phases.pause(plan)
+        report: Report = await self.phases.pause(plan)
         if not report.ok:
             return report
         mirror, gen = self.port.mirror(), self.port.epoch()
@@ -153,44 +105,18 @@ class NodePlans:
         # sharded state (tpassrun/plan/node_shards.py): the steps every local survivor can be put back to, and what this node's
         # mirror holds of the lost ranks' shards
         shards = mirror.held(plan.ranks, shardplane.MIRROR_KIND, gen) if mirror is not None else {}
-        survivors = [s for s in self.sw.phases.survivors(plan) if s.alive]
-        rings = shardplane.survivors_rings(self.sw._slots.channel, survivors) if survivors else None
-        return dataclasses.replace(report, held=held, stops=self.stops(plan), backs=self.backs(plan),
+        survivors = [s for s in self.ranks.survivors(plan) if s.alive]
+        rings = shardplane.survivors_rings(self._slots.channel, survivors) if survivors else None
+        return dataclasses.replace(report, held=held, stops=self.ranks.stops(plan), backs=self.ranks.backs(plan),
                                    shard_held=shards, rings=rings)
-
-    def stops(self, plan: SwapPlan) -> dict[int, tuple[int, int, bool]]:
-        """rank -> (slot, the step it can resume at exactly or -1, whether it can catch up to the next one) for
-        every stopped local survivor (a mixed commit, tpassrun/plan/catchup.py): one that failed inside a step before
-        its commit point, outside an accumulation window, with a seal of the next step in its slot."""
-        slots, ch, out = self.sw._slots, self.sw._slots.channel, {}
-        for s in self.sw.phases.survivors(plan):
-            ph, step = slots.position(s)
-            if s.rank is None or ph not in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
-                continue
-            offer = slots.field(s, Field.OFFER) - 1
-            sealed = ch is not None and step + 1 in (ch.light_step(s.index), ch.light_step(s.index, previous=True))
-            can = (ph == WorkerPhase.FAILED and offer == step and sealed
-                   and slots.field(s, Field.COMMITTED) != step + 1)
-            out[s.rank] = (s.index, offer if offer >= 0 or ph == WorkerPhase.FAILED else step, can)
-        return out
-
-    def backs(self, plan: SwapPlan) -> dict[int, int]:
-        """rank -> the start of the transaction before the one each stopped local survivor offers: it can go back
-        there given a survivor's replicated state of that step (a mixed commit the other way, catchup.mixed_commit)."""
-        slots, out = self.sw._slots, {}
-        for s in self.sw.phases.survivors(plan):
-            back = slots.field(s, Field.ALT_BACK) - 1
-            if s.rank is not None and back >= 0 and slots.phase(s) in (WorkerPhase.PAUSED, WorkerPhase.FAILED):
-                out[s.rank] = back
-        return out
 
     def _break_collectives(self, plan: SwapPlan) -> None:
         """Every local survivor inside a step is told to shut its process-group sockets down now: a collective
         it is blocked in with the lost node's ranks may never fail by itself (a partition, a host that lost
         power: no connection reset reaches it) and would hold the recovery until the group's timeout. Its step
         then fails like any step a peer died in (tpassrun/worker/watch.py); one paused or failed already is left alone."""
-        slots, broken = self.sw._slots, []
-        for s in self.sw.phases.survivors(plan):
+        slots, broken = self._slots, []
+        for s in self.ranks.survivors(plan):
             if slots.phase(s) == WorkerPhase.RUNNING and slots.break_collectives(
                     s, f"node {plan.lost_node} was declared lost"):
                 broken.append(s.rank)
@@ -198,22 +124,19 @@ class NodePlans:
             self.port.events.write("collectives_broken", swap_id=plan.id, lost_node=plan.lost_node, ranks=broken)
 
     async def _transfer(self, plan: SwapPlan) -> Report | None:
-        self.sw.phases.transfers_seen.add((plan.id, plan.attempt))
-        mine, behind = self._mine(plan), self.catching_up(plan)
-        survivors = [s for s in self.sw.phases.survivors(plan) if s.alive]
-        if plan.restore and self.me in plan.nodes and survivors and plan.id not in self.sw.phases.rolled_back:
-            # every survivor back to its own copy of the resume step before any donor sends (tpassrun/swapper/shardplane.py)
-            why = await shardplane.roll_back(self.sw._slots, survivors, int(plan.boundary or 0))
+        self.phases.saw_transfer(plan)
+        mine, behind = self._mine(plan), self.ranks.catching_up(plan)
+        survivors = [s for s in self.ranks.survivors(plan) if s.alive]
+        if plan.restore and self.me in plan.nodes and survivors:
+            why = await self.phases.roll_back_once(plan, survivors)
             if why is not None:
                 return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=why)
-            self.sw.phases.rolled_back.add(plan.id)
-            self.port.events.write("swap_shards_rolled_back", swap_id=plan.id, step=plan.boundary)
         if not mine and not behind:
             return Report(node=self.me, phase=plan.phase) if plan.restore and self.me in plan.nodes else None
         sources = await asyncio.gather(*(self._shard_source(plan, m) for m in mine))
         assigned, fetched = await asyncio.gather(
-            asyncio.gather(*(self.sw.phases.assign_joiner(plan, m, mirror_from=src) for m, src in zip(mine, sources)),
-                           *(self.listen_catch_up(plan, m) for m in behind)),
+            asyncio.gather(*(self.phases.assign_joiner(plan, m, mirror_from=src) for m, src in zip(mine, sources)),
+                           *(self.ranks.listen_catch_up(plan, m) for m in behind)),
             asyncio.gather(*(self._fetch_light(plan, m) for m in mine)))
         addrs: dict[int, tuple[str, int]] = {}
         for move, result in zip([*mine, *behind], assigned):
@@ -226,26 +149,6 @@ class NodePlans:
                 return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=err)
         self.port.events.write("swap_transfer_start", swap_id=plan.id, ranks=sorted(addrs))
         return Report(node=self.me, phase=plan.phase, joiner_addrs=addrs)
-
-    def catching_up(self, plan: SwapPlan) -> list[Move]:
-        return [m for m in plan.catch_up if m.joiner.node == self.me]
-
-    async def listen_catch_up(self, plan: SwapPlan, move: Move) -> tuple[str, int] | str:
-        """A survivor of this node that catches up (a mixed commit): it listens for a leader's replicated state;
-        its address, or why not."""
-        slot = self.sw._slots.slots[move.joiner.slot]
-        key = transfer_key(plan)
-        if key is None:
-            return f"swap {plan.id} carries no transfer secret: refusing an unauthenticated transfer"
-        if slot.rank != move.rank or not slot.alive:
-            return f"rank {move.rank} is no longer running on {self.me}/{move.joiner.slot}"
-        self.sw._slots.send(slot, CatchUp(swap_id=plan.id, key=key, rank=move.rank, listen_host=self.port.addr,
-                                          step=int(plan.boundary or 0), timeout=PHASE_TIMEOUT_S,
-                                          accept_timeout=PHASE_TIMEOUT_S, attempt=plan.attempt))
-        msg = await self.sw._slots.expect(slot, (Listening, Received), PHASE_TIMEOUT_S, of_attempt(plan))
-        if isinstance(msg, Listening):
-            return (self.port.addr, msg.port)
-        return f"rank {move.rank} cannot catch up: {msg.error if isinstance(msg, Received) else 'no answer'}"
 
     async def _shard_source(self, plan: SwapPlan, move: Move) -> MirrorSource | None:
         """Where the joiner of a lost rank with sharded state fetches its shard of the resume step (with the
@@ -283,25 +186,25 @@ class NodePlans:
         for move in (*plan.catch_up, *plan.moves):
             if move.donor is None or move.donor.node != me:
                 continue
-            refused = await self.sw.phases.refuse_destination(plan, move, catch_up=id(move) in catching_up)
+            refused = await self.phases.refuse_destination(plan, move, catch_up=id(move) in catching_up)
             if refused is not None:
                 log.error("swap %s: refusing to send rank %s's state: %s", plan.id, move.rank, refused)
                 self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
                 return Report(node=me, phase=plan.phase, ok=False, final=True, error=f"send refused: {refused}")
             assert move.joiner_addr is not None
-            donor = self.sw._slots.slots[move.donor.slot]
+            donor = self._slots.slots[move.donor.slot]
             # a donor serving several joiners streams to them one after the other (it reads its commands in turn)
             key = transfer_key(plan)
             assert key is not None   # _refuse_destination checked it
-            self.sw._slots.send(donor, SendState(addr=move.joiner_addr[0], port=move.joiner_addr[1], swap_id=plan.id,
-                                                 key=key, rank=move.rank, replicated_only=True, rng=False,
-                                                 without_sharded=move.rank in plan.shards_from,
-                                                 timeout=PHASE_TIMEOUT_S))
-        mine, behind = self._mine(plan), self.catching_up(plan)
+            self._slots.send(donor, SendState(addr=move.joiner_addr[0], port=move.joiner_addr[1], swap_id=plan.id,
+                                              key=key, rank=move.rank, replicated_only=True, rng=False,
+                                              without_sharded=move.rank in plan.shards_from,
+                                              timeout=PHASE_TIMEOUT_S))
+        mine, behind = self._mine(plan), self.ranks.catching_up(plan)
         if not mine and not behind:
             return None
         results = await asyncio.gather(*(self._receive(plan, m) for m in mine),
-                                       *(self.caught_up(plan, m) for m in behind))
+                                       *(self.ranks.caught_up(plan, m) for m in behind))
         errors = [r for r in results if isinstance(r, str)]
         if errors:
             return Report(node=me, phase=plan.phase, ok=False, final=True, error=errors[0])
@@ -309,13 +212,13 @@ class NodePlans:
 
     async def _receive(self, plan: SwapPlan, move: Move) -> int | str:
         """One joiner here: its light frame in, its state received and verified: the bytes, or why not."""
-        joiner = self.sw._slots.slots[move.joiner.slot]
+        joiner = self._slots.slots[move.joiner.slot]
         light = self._lights.get((plan.id, move.rank))
         if light is not None:
-            self.sw._slots.send(joiner, Light(data=base64.b64encode(light).decode(), step=plan.boundary))
-        msg = await self.sw.phases.await_received(plan, joiner)
+            self._slots.send(joiner, Light(data=base64.b64encode(light).decode(), step=plan.boundary))
+        msg = await self.ranks.await_received(plan, joiner)
         if msg == "aborted":
-            self.sw._slots.send(joiner, Abort())
+            self._slots.send(joiner, Abort())
             return "the plan was aborted"
         if not isinstance(msg, Received) or not msg.ok:
             err = msg.error if isinstance(msg, Received) else None
@@ -325,34 +228,23 @@ class NodePlans:
         self.port.events.write("swap_transfer_end", swap_id=plan.id, rank=move.rank, nbytes=msg.nbytes,
                                seconds=msg.seconds, checksum=msg.checksum)
         if light is not None:
-            ok = await self.sw._slots.expect(joiner, (LightOk,), 5.0)
+            ok = await self._slots.expect(joiner, (LightOk,), 5.0)
             if ok is None or ok.ok is False:
                 return (f"the joiner of rank {move.rank} rejected its mirrored snapshot (step "
                         f"{ok.step if ok else None}, resume step {plan.boundary})")
         return int(msg.nbytes or 0)
 
-    async def caught_up(self, plan: SwapPlan, move: Move) -> int | str:
-        """A survivor of this node catching up: the bytes it received and loaded, or why not."""
-        slot = self.sw._slots.slots[move.joiner.slot]
-        msg = await self.sw.phases.await_received(plan, slot)
-        if not isinstance(msg, Received) or not msg.ok:
-            err = msg.error if isinstance(msg, Received) else msg
-            return f"rank {move.rank} did not catch up: {err or 'no answer'}"
-        self.port.events.write("rank_caught_up", swap_id=plan.id, rank=move.rank, step=plan.boundary,
-                               donor=move.donor.rank if move.donor else None, nbytes=msg.nbytes)
-        return int(msg.nbytes or 0)
-
     async def _reform(self, plan: SwapPlan) -> Report | None:
-        me, slots = self.me, self.sw._slots
+        me, slots = self.me, self._slots
         gen = self.port.generation()
         assert gen is not None
         addr, port = plan.store or self.port.master()
-        silent = await self.sw.phases.store_silent(addr, port)
+        silent = await self.phases.store_silent(addr, port)
         if silent:
             return Report(node=me, phase=plan.phase, ok=False, error=silent)
         store = (addr, port, world_prefix(plan), gen.number + 1)
         waiting = []
-        for s in self.sw.phases.survivors(plan):
+        for s in self.ranks.survivors(plan):
             slots.set_run_until(s, INT64_MAX)
             assert s.rank is not None
             slots.send(s, Reform(world=WorldSpec(rank=s.rank, world_size=gen.world_size).with_store(*store),
@@ -361,7 +253,7 @@ class NodePlans:
         for move in self._mine(plan):
             joiner = slots.slots[move.joiner.slot]
             slots.set_run_until(joiner, INT64_MAX)
-            slots.send(joiner, Reform(world=self.sw.phases.joiner_world(plan, move).with_store(*store)))
+            slots.send(joiner, Reform(world=self.phases.joiner_world(plan, move).with_store(*store)))
             joiner.state, joiner.rank = SlotState.RUNNING, move.rank
             waiting.append(joiner)
         for move in plan.moves:
@@ -373,7 +265,7 @@ class NodePlans:
                     dead.rank = None
         if plan.store is not None:
             self.port.set_master(plan.store, plan.store_host)
-        answers = await self.sw.phases.await_reformed(plan, waiting)
+        answers = await self.phases.await_reformed(plan, waiting)
         if answers is None:
             return None
         if isinstance(answers, str):
@@ -386,7 +278,7 @@ class NodePlans:
     def _abort(self, plan: SwapPlan) -> None:
         """Give back the spares this node had assigned; the survivors wait for the group restart the leader
         asked for (a failed collective cannot be resumed)."""
-        slots = self.sw._slots
+        slots = self._slots
         for s in slots.slots:
             slots.set_run_until(s, INT64_MAX)
         for move in self._mine(plan):

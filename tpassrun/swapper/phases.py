@@ -13,72 +13,77 @@ import asyncio
 import base64
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
 from tpassrun.swapper.agentport import AgentPort, FallbackRequested
-from tpassrun.swapper.coordinator import Coordinator
-from tpassrun.swapper.nodeswap import NodePlans
+from tpassrun.swapper.ranks import LocalRanks
 from tpassrun.channel.protocol import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform,
-                       Reformed, Resume, SendState, Stranger, WorldSpec)
+                       Reformed, Resume, SendState, WorldSpec)
 from tpassrun.records import Keys, Move, Report, SwapPlan, load, node_info
 from tpassrun.channel.slots import LocalSlots, Slot, SlotState
-from tpassrun.plan.swap import PHASE_TIMEOUT_S, Phase, SlotRef, SwapKind, of_attempt, transfer_key as _transfer_key, world_prefix
+from tpassrun.plan.swap import (PHASE_TIMEOUT_S, ClusterView, Phase, SlotRef, SwapKind, of_attempt,
+                                transfer_key as _transfer_key, world_prefix)
 
 if TYPE_CHECKING:
     from tpassrun.rendezvous import EtcdStore
 
-log = logging.getLogger("tpassrun.plan.swap")
+log = logging.getLogger(__name__)
 
 PAUSE_SETTLE_S = 0.03         # how long a RUNNING step must stay unchanged before we call it "stuck in a collective"
 GIVEN_UP_POLL_S = 0.25        # how often a participant waiting for its workers looks whether the plan was given up
 STORE_PROBE_S = 5.0           # how long the workers' store may take to accept a connection before a re-form
 
 
-class PhaseHost(Protocol):
-    """What the phases need of the swapper they are composed into."""
-
-    port: AgentPort
-    coordinator: Coordinator
-    node_plans: NodePlans
-
-    def died(self, slot: Slot) -> None: ...
-
-
 class Phases:
-    """This node's part of each phase (see the module doc), composed into its :class:`Swapper` (``sw``): the
-    swapper follows the plans and calls here; what a phase needs of the swapper (its node plans, its hooks) it
-    reaches through ``sw``, what only the phases keep (the early joiner, the transfers followed, the rollbacks
-    done) lives here."""
+    """This node's part of each phase (see the module doc); the swapper follows the plans and calls here, and each
+    phase returns its report. Given what it needs: the agent (``port``), this node's ranks (``ranks``, shared with
+    the node plans), the cluster's view as the leader keeps it (``view``: a joiner's slot is checked in it before
+    any state is sent) and the swapper's note of a worker's death (``died``). What only the phases keep (the early
+    joiner, the transfers followed, the rollbacks done) lives here."""
 
-    def __init__(self, sw: PhaseHost) -> None:
-        self.sw = sw
+    def __init__(self, port: AgentPort, ranks: LocalRanks, *, view: Callable[[], Awaitable[ClusterView]],
+                 died: Callable[[Slot], None]) -> None:
+        self.port = port
+        self.ranks = ranks
+        self._view = view
+        self._died = died
         # planned swaps: the joiner is assigned during BOUNDARY; (swap id, attempt, slot) -> its address or error
         self.early: tuple[tuple[str, int, int], asyncio.Task[Any]] | None = None
         self.transfers_seen: set[tuple[str, int]] = set()   # (swap id, attempt) this node followed into TRANSFER
         self.rolled_back: set[str] = set()                  # swaps whose survivors here loaded their shard copies
 
     @property
-    def port(self) -> AgentPort:
-        return self.sw.port
-
-    @property
     def _slots(self) -> LocalSlots:
-        return self.sw.port.slots
+        return self.port.slots
 
     @property
     def _keys(self) -> Keys:
-        return Keys(self.sw.port.rdzv.key(""))
+        return Keys(self.port.rdzv.key(""))
 
     @property
     def _store(self) -> EtcdStore:
-        return self.sw.port.rdzv.store
+        return self.port.rdzv.store
 
     def survivors(self, plan: SwapPlan) -> list[Slot]:
-        me = self.port.node_id
-        return [s for s in self._slots.active() if s.alive and s.managed
-                and not (plan.leaver.node == me and s.index == plan.leaver.slot and plan.kind == SwapKind.UNPLANNED)]
+        return self.ranks.survivors(plan)
+
+    def saw_transfer(self, plan: SwapPlan) -> None:
+        """This node followed ``plan``'s attempt into TRANSFER (a state is sent only in one it did: refuse_destination)."""
+        self.transfers_seen.add((plan.id, plan.attempt))
+
+    async def roll_back_once(self, plan: SwapPlan, survivors: list[Slot]) -> str | None:
+        """A plan that restores sharded state: every local survivor back to its own copy of the resume step before
+        any donor sends (tpassrun/swapper/shardplane.py), once per plan; why not, or None."""
+        if plan.id in self.rolled_back:
+            return None
+        why = await shardplane.roll_back(self._slots, survivors, int(plan.boundary or 0))
+        if why is not None:
+            return why
+        self.rolled_back.add(plan.id)
+        self.port.events.write("swap_shards_rolled_back", swap_id=plan.id, step=plan.boundary)
+        return None
 
     async def pause(self, plan: SwapPlan) -> Report:
         survivors = self.survivors(plan)
@@ -129,7 +134,7 @@ class Phases:
                 # declared lost and the next plan breaks it out; the leader gives this plan up then (superseded),
                 # and plans are followed one at a time, so this wait must look or it holds that next plan back
                 next_look = now + GIVEN_UP_POLL_S
-                if await self._given_up(plan):
+                if await self.ranks.given_up(plan):
                     return Report(node=self.port.node_id, phase=plan.phase, ok=False, error="the plan was given up")
             await asyncio.sleep(0.002)
 
@@ -144,18 +149,6 @@ class Phases:
         w.close()
         return ""
 
-    async def _given_up(self, plan: SwapPlan) -> bool:
-        """The leader aborted ``plan`` since this phase began (read from etcd: a malformed or missing record is
-        not taken for an abort)."""
-        key = self._keys.swap(plan.id)
-        try:
-            doc, rev = await self._store.get_json(key)
-        except Exception as exc:  # noqa: BLE001 - etcd away: the phase goes on, the next look tries again
-            log.debug("reading %s: %s", key, exc)
-            return False
-        now = load(SwapPlan.from_json, key, doc, rev) if doc is not None else None
-        return now is not None and now.phase == Phase.ABORTED
-
     def _mixed_commit_fields(self, plan: SwapPlan, survivors: list[Slot]) -> dict[str, Any]:
         """An unplanned recovery's PAUSE: where each local survivor stopped and where else it could stand
         (catchup.mixed_commit), and the replica groups survivors declared (a survivor's replicated state comes
@@ -163,7 +156,7 @@ class Phases:
         if plan.kind != SwapKind.UNPLANNED:
             return {}
         replicas = {s.rank: tuple(s.replicas) for s in survivors if s.rank is not None and s.replicas is not None}
-        return {"stops": self.sw.node_plans.stops(plan), "backs": self.sw.node_plans.backs(plan), "replicas": replicas}
+        return {"stops": self.ranks.stops(plan), "backs": self.ranks.backs(plan), "replicas": replicas}
 
     def _dead_lights(self, plan: SwapPlan) -> list[tuple[int, bytes]]:
         """The dead rank's saved light snapshots as (step, bytes), newest first (unplanned, its node only).
@@ -245,15 +238,12 @@ class Phases:
             data = next((d for step, d in self._dead_lights(plan) if step == plan.boundary), None)
             if data is not None:
                 light_b64 = base64.b64encode(data).decode()
-        self.transfers_seen.add((plan.id, plan.attempt))
+        self.saw_transfer(plan)
         restored = plan.restore and me in plan.nodes
-        if restored and plan.id not in self.rolled_back:
-            # every survivor back to its own copy of the resume step before any donor sends (tpassrun/swapper/shardplane.py)
-            why = await shardplane.roll_back(self._slots, self.survivors(plan), int(plan.boundary or 0))
+        if restored:
+            why = await self.roll_back_once(plan, self.survivors(plan))
             if why is not None:
                 return Report(node=me, phase=plan.phase, ok=False, final=True, error=why)
-            self.rolled_back.add(plan.id)
-            self.port.events.write("swap_shards_rolled_back", swap_id=plan.id, step=plan.boundary)
         if plan.joiner.node == me:
             key = (plan.id, plan.attempt, plan.joiner.slot)
             early, self.early = self.early, None
@@ -271,12 +261,12 @@ class Phases:
                 return Report(node=me, phase=plan.phase, ok=False, error=result)
             addr = result
             self.port.events.write("swap_transfer_start", swap_id=plan.id, joiner=plan.joiner.to_json())
-        behind = self.sw.node_plans.catching_up(plan)
+        behind = self.ranks.catching_up(plan)
         listening: dict[int, tuple[str, int]] = {}
         if behind:
             # a mixed commit: the local survivors the plan moves to the resume step listen for a survivor standing
             # there (catchup.mixed_commit)
-            for move, result in zip(behind, await asyncio.gather(*(self.sw.node_plans.listen_catch_up(plan, m)
+            for move, result in zip(behind, await asyncio.gather(*(self.ranks.listen_catch_up(plan, m)
                                                                    for m in behind))):
                 if isinstance(result, str):
                     return Report(node=me, phase=plan.phase, ok=False, final=True, error=result)
@@ -344,7 +334,7 @@ class Phases:
         light = plan.light_b64 if plan.kind == SwapKind.UNPLANNED else None
         if light is not None:
             self._slots.send(joiner, Light(data=light, step=plan.boundary))
-        msg = await self.await_received(plan, joiner)
+        msg = await self.ranks.await_received(plan, joiner)
         if msg == "aborted":
             self._slots.send(joiner, Abort())
             return None
@@ -389,30 +379,14 @@ class Phases:
 
     async def _caught_up_here(self, plan: SwapPlan, report: Report | None) -> Report | None:
         """SEND: ``report`` once every local survivor the plan moves loaded what it received, else why not."""
-        behind = self.sw.node_plans.catching_up(plan)
+        behind = self.ranks.catching_up(plan)
         if not behind:
             return report
-        results = await asyncio.gather(*(self.sw.node_plans.caught_up(plan, m) for m in behind))
+        results = await asyncio.gather(*(self.ranks.caught_up(plan, m) for m in behind))
         errors = [r for r in results if isinstance(r, str)]
         if errors:
             return Report(node=self.port.node_id, phase=plan.phase, ok=False, final=True, error=errors[0])
         return report or Report(node=self.port.node_id, phase=plan.phase)
-
-    async def await_received(self, plan: SwapPlan, joiner: Slot) -> Received | str | None:
-        """The joiner's "received", or "aborted" once the leader gave the plan up (a sender that died before
-        connecting leaves the joiner listening; plans are followed one at a time, so this wait must look)."""
-        deadline = time.monotonic() + PHASE_TIMEOUT_S
-        while time.monotonic() < deadline:
-            msg: Received | Stranger | None = await self._slots.expect(joiner, (Received, Stranger), 0.5,
-                                                                        of_attempt(plan))
-            if isinstance(msg, Stranger):
-                self.port.events.write("swap_transfer_stranger", swap_id=plan.id, error=msg.error)
-                continue
-            if msg is not None or not joiner.alive:
-                return msg
-            if await self._given_up(plan):
-                return "aborted"
-        return None
 
     async def refuse_destination(self, plan: SwapPlan, move: Move | None = None,
                                   catch_up: bool = False) -> str | None:
@@ -442,7 +416,7 @@ class Phases:
             registered = info.addr if info is not None else None
         if host != registered:
             return f"{host}:{addr[1]} is not the address of node {move.joiner.node!r} ({registered})"
-        view = await self.sw.coordinator.view()
+        view = await self._view()
         held = view.slot_at(move.joiner.node, move.joiner.slot)
         if catch_up:      # a survivor catching up (a mixed commit): the slot runs that rank
             if held is None or held.state != "running" or held.rank != move.rank:
@@ -490,7 +464,7 @@ class Phases:
                 self._slots.send(leaver, Exit(code=0))
             else:
                 leaver.state = SlotState.QUARANTINED
-                self.sw.died(leaver)
+                self._died(leaver)
             leaver.rank = None
         answers = await self.await_reformed(plan, waiting)
         if answers is None:
@@ -521,7 +495,7 @@ class Phases:
                     if msg is None or msg.ok is False:
                         return f"rank {s.rank} did not join the new world: {msg.error if msg else None}"
                     joined[t] = msg
-                if pending and await self._given_up(plan):
+                if pending and await self.ranks.given_up(plan):
                     for t in pending:
                         t.cancel()
                     await self._abort_joins(plan, [tasks[t] for t in pending])
