@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 # grammar (``config.split_endpoint``) without paying for aetcd and gRPC
 _EXPORTS = {
     **dict.fromkeys(("ETCD_PASSWORD_ENV", "EtcdConfig", "RendezvousSettings", "read_private_file",
-                     "refuse_inline_secrets"), ".config"),
+                     "refuse_inline_secrets", "split_endpoint"), ".config"),
     **dict.fromkeys(("EmbeddedEtcd", "ServerTls", "find_etcd_binary", "host_etcd_if_absent", "pid_alive"),
                     ".embedded"),
     **dict.fromkeys(("RendezvousClosedError", "RendezvousConnectionError", "RendezvousError", "RendezvousKeyError",
@@ -30,7 +30,8 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from .config import ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, read_private_file, refuse_inline_secrets
+    from .config import (ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, read_private_file, refuse_inline_secrets,
+                         split_endpoint)
     from .embedded import EmbeddedEtcd, ServerTls, find_etcd_binary, host_etcd_if_absent, pid_alive
     from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError, RendezvousKeyError,
                          RendezvousTimeoutError)
@@ -82,4 +83,5 @@ __all__ = [
     "ETCD_PASSWORD_ENV",
     "refuse_inline_secrets",
     "read_private_file",
+    "split_endpoint",
 ]

@@ -15,7 +15,7 @@ def test_every_state_has_a_row_and_the_table_names_only_states():
 
 
 def test_the_lifecycles_the_agent_drives_are_legal(caplog):
-    caplog.set_level(logging.WARNING, logger="tpassrun.agent")
+    caplog.set_level(logging.WARNING, logger="tpassrun.channel")
     paths = [
         ["idle", "running", "done", "idle"],                       # a rank that finished, next generation
         ["idle", "running", "dead", "quarantined", "spare"],       # unplanned: retired, untainted: a spare again
@@ -33,7 +33,7 @@ def test_the_lifecycles_the_agent_drives_are_legal(caplog):
 
 
 def test_an_illegal_transition_is_logged_not_fatal(caplog):
-    caplog.set_level(logging.WARNING, logger="tpassrun.agent")
+    caplog.set_level(logging.WARNING, logger="tpassrun.channel")
     slot = Slot(index=3, state=SlotState.DONE)
     slot.state = SlotState.SPARE
     assert slot.state is SlotState.SPARE

@@ -12,6 +12,7 @@ import sys
 
 from tpassrun.ops.cleantext import clean
 from tpassrun.launch.config import ConfigError, parse_args, preflight
+from tpassrun.settings import envnames as E
 
 USAGE_ERROR = 2     # argparse's code, as torchrun
 REJECTED_VALUE = 1  # torchrun's code when run.py raises on a value (unknown backend, bad --nnodes, ...)
@@ -45,9 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # argparse: usage line already printed (or --help)
         return exc.code if isinstance(exc.code, int) else USAGE_ERROR
 
+    # gRPC reads its settings when it is first imported (by the agent's etcd client, below): quieted for this
+    # process here, while the agent is given the environment as it was, which its workers inherit
+    given = dict(os.environ)
+    for name, value in E.GRPC_QUIET.items():
+        os.environ.setdefault(name, value)
     from tpassrun.agent import run_launcher  # noqa: PLC0415  (keeps `tpassrun --help` fast)
 
-    return run_launcher(cfg)
+    return run_launcher(cfg, environ=given)
 
 
 if __name__ == "__main__":  # pragma: no cover

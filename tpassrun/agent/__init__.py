@@ -31,40 +31,33 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-# The agent forks workers (preexec_fn for PDEATHSIG) while gRPC threads exist; gRPC's fork handlers are
-# for children that use gRPC, which ours never do, and only print noise.
-_GRPC_QUIET = {"GRPC_ENABLE_FORK_SUPPORT": "false", "GRPC_VERBOSITY": "ERROR"}
-_GRPC_ADDED = {k for k in _GRPC_QUIET if k not in os.environ}
-for _k in _GRPC_ADDED:
-    os.environ[_k] = _GRPC_QUIET[_k]
-
-from tpassrun.settings import envnames as E  # noqa: E402
-from tpassrun.agent.cause import CauseJudge  # noqa: E402
-from tpassrun.agent.state import AgentState  # noqa: E402
-from tpassrun.agent.store import WorkersStore  # noqa: E402
-from tpassrun.agent.supervise import Outcome, Supervision  # noqa: E402
-from tpassrun.agent.tasks import GenerationTasks  # noqa: E402
-from tpassrun.agent.workers import WorkerSpawning  # noqa: E402
-from tpassrun.settings import LaunchConfig  # noqa: E402
-from tpassrun.ops.cleantext import clean  # noqa: E402
-from tpassrun.ops.console import WAITING_EVERY_S, ConsoleReporter, GlogFormatter  # noqa: E402
-from tpassrun.launch.elasticevents import ElasticEvents  # noqa: E402
-from tpassrun.ops.events import EventLog  # noqa: E402
-from tpassrun.ops.registry import register_run  # noqa: E402
-from tpassrun.launch.procs import RunLogs  # noqa: E402
-from tpassrun.records import Keys, rendezvous_guard  # noqa: E402
-from tpassrun.launch.report import copy_root_cause_error_file, format_failure_report  # noqa: E402
-from tpassrun.rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,  # noqa: E402
+from tpassrun.settings import envnames as E
+from tpassrun.agent.cause import CauseJudge
+from tpassrun.agent.state import AgentState
+from tpassrun.agent.store import WorkersStore
+from tpassrun.agent.supervise import Outcome, Supervision
+from tpassrun.agent.tasks import GenerationTasks
+from tpassrun.agent.workers import WorkerSpawning
+from tpassrun.settings import LaunchConfig
+from tpassrun.ops.cleantext import clean
+from tpassrun.ops.console import WAITING_EVERY_S, ConsoleReporter, GlogFormatter
+from tpassrun.launch.elasticevents import ElasticEvents
+from tpassrun.ops.events import EventLog
+from tpassrun.ops.registry import register_run
+from tpassrun.launch.procs import RunLogs
+from tpassrun.records import Keys, rendezvous_guard
+from tpassrun.launch.report import copy_root_cause_error_file, format_failure_report
+from tpassrun.rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,
                          RendezvousError, RendezvousSettings, ServerTls, find_etcd_binary, host_etcd_if_absent,
                          read_private_file, refuse_inline_secrets)
-from tpassrun.swapper.agentport import AgentEvent, AgentPort, SignalReceived, SwapSettings  # noqa: E402
-from tpassrun.records.provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, env_without_key,  # noqa: E402
+from tpassrun.swapper.agentport import AgentEvent, AgentPort, SignalReceived, SwapSettings
+from tpassrun.records.provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, env_without_key,
                          register as register_run_key, run_key_from)
-from tpassrun.swapper.mirrorplane import MirrorPlane  # noqa: E402
-from tpassrun.channel.slots import LocalSlots, Slot, SlotState  # noqa: E402
-from tpassrun.swapper import Swapper  # noqa: E402
-from tpassrun.launch.workerenv import check_encrypt_conf, elastic_entry_point, encrypt_requested, entrypoint_name  # noqa: E402
-from tpassrun.transfer.auth import aead_unavailable_reason  # noqa: E402
+from tpassrun.swapper.mirrorplane import MirrorPlane
+from tpassrun.channel.slots import LocalSlots, Slot, SlotState
+from tpassrun.swapper import Swapper
+from tpassrun.launch.workerenv import check_encrypt_conf, elastic_entry_point, encrypt_requested, entrypoint_name
+from tpassrun.transfer.auth import aead_unavailable_reason
 
 if TYPE_CHECKING:
     from tpassrun.scheduler.watch import SchedulerWatch
@@ -86,9 +79,7 @@ class Agent:
 
     def __init__(self, cfg: LaunchConfig, *, environ: dict[str, str] | None = None) -> None:
         self.cfg = cfg
-        env = dict(os.environ if environ is None else environ)
-        for k in _GRPC_ADDED:  # ours, not the user's: workers get the environment tpassrun was given
-            env.pop(k, None)
+        env = dict(os.environ if environ is None else environ)   # (tpassrun.cli: as tpassrun was given it)
         # a scheduler's node name when there is one (the scheduler watcher maps node ids back to it)
         node_id = f"{cfg.node_name or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
         self._state = st = AgentState(
@@ -522,13 +513,14 @@ def given_back_reason(marker: str, holds_rank: bool) -> str:
         return ""
 
 
-def run_launcher(cfg: LaunchConfig) -> int:
-    """Run the agent for this node to completion and return torchrun's exit code."""
+def run_launcher(cfg: LaunchConfig, *, environ: dict[str, str] | None = None) -> int:
+    """Run the agent for this node to completion and return torchrun's exit code (``environ``: what workers are
+    given, the process's own environment when None)."""
     level = os.environ.get(E.LOGLEVEL, "WARNING").upper()
     handler = logging.StreamHandler()
     handler.setFormatter(GlogFormatter())      # one format for every line the launcher prints
     logging.basicConfig(level=getattr(logging, level, logging.WARNING), handlers=[handler])
-    agent = Agent(cfg)
+    agent = Agent(cfg, environ=environ)
     try:
         import uvloop
 

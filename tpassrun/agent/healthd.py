@@ -38,7 +38,7 @@ from tpassrun.swapper.agentport import HealthHost
 from tpassrun.records import HANDLED_KILLED, HealthRecord, Keys, Taint, TaintSource, load
 from tpassrun.channel.slots import SlotState
 
-log = logging.getLogger("tpassrun.health")
+log = logging.getLogger(__name__)
 
 SOURCE = TaintSource.HEALTH.value
 PUBLISH_EVERY_S = 5.0           # the snapshot also goes out on every change; this keeps `polls` fresh

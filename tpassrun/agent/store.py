@@ -14,8 +14,7 @@ import socket
 import time
 
 from tpassrun.agent.state import AgentState
-from tpassrun.launch.rules import split_endpoint
-from tpassrun.rendezvous import Generation, RendezvousError
+from tpassrun.rendezvous import Generation, RendezvousError, split_endpoint
 from tpassrun.store import bind_host, derive_store_key, is_loopback
 
 log = logging.getLogger("tpassrun.agent")
@@ -60,7 +59,7 @@ class WorkersStore:
                 # torchrun's static agent serves the workers' store on the endpoint (--rdzv-endpoint, else
                 # --master-addr/--master-port) and hands workers that address, which scripts may tcp:// to; ours
                 # serves each generation's new store there (a new process: never a previous attempt's keys)
-                addr, static_port = split_endpoint(cfg.rdzv_endpoint)
+                _scheme, addr, static_port = split_endpoint(cfg.rdzv_endpoint, schemes=False, min_port=0)
                 port = static_port or 0
             port = port or free_port()
             await self._start(port, addr if cfg.rdzv_backend == "static" else None)

@@ -22,7 +22,7 @@ from tpassrun.channel import INT64_MAX, ChannelFile, Field, WorkerPhase
 from tpassrun.channel.protocol import Break, Command, Hello, Message, ProtocolError, Replicas, Reply, Watch, decode_reply, encode
 from tpassrun.records import WorkerRow
 
-log = logging.getLogger("tpassrun.agent")
+log = logging.getLogger(__name__)
 
 
 class SlotState(enum.StrEnum):

@@ -99,7 +99,7 @@ def check_endpoint(endpoint: str, backend: str) -> None:
     without ``http://``/``https://``). An error at once, never a connection attempt that times out."""
     if not endpoint:
         return
-    from tpassrun.rendezvous.config import split_endpoint  # noqa: PLC0415  (the one endpoint grammar; not at import)
+    from tpassrun.rendezvous import split_endpoint   # the one endpoint grammar (not at import: tpassrun --help)
 
     members = endpoint.split(",") if backend in ETCD_BACKENDS else [endpoint]
     for member in members:
@@ -171,24 +171,13 @@ def resolve_etcd_endpoint(backend: str, endpoint: str, max_nodes: int, standalon
     )
 
 
-def split_endpoint(endpoint: str) -> tuple[str, int | None]:
-    """``host:port`` / ``[v6]:port`` / ``host`` -> (host, port or None); the endpoint has passed
-    :func:`check_endpoint`."""
-    text = endpoint.strip()
-    if text.startswith("["):
-        host, _, rest = text[1:].partition("]")
-        return host, int(rest[1:]) if rest.startswith(":") else None
-    host, sep, port = text.rpartition(":")
-    if not sep:
-        return text, None
-    return host, int(port)
-
-
 def static_etcd_endpoint(endpoint: str) -> str:
     """Multi-node ``static``: torchrun's agent of node rank 0 hosts the workers' store at the endpoint (given, or
     ``master_addr:master_port``), which workers get as MASTER_ADDR/PORT and may ``tcp://`` to; tpassrun's agent
     there serves that store too, and hosts its etcd next to it, on the endpoint's port + 1."""
-    host, port = split_endpoint(endpoint)
+    from tpassrun.rendezvous import split_endpoint   # (the endpoint passed check_endpoint)
+
+    _scheme, host, port = split_endpoint(endpoint, schemes=False, min_port=0)
     if port is None:   # torchrun: ValueError "Port is absent in endpoint"
         raise ConfigError(f"--rdzv-endpoint={endpoint}: the static backend needs a port (the workers' store listens "
                           "there)")

@@ -23,7 +23,7 @@ from typing import Any, Callable
 
 from tpassrun.settings import envnames as E
 
-log = logging.getLogger("tpassrun.spare")
+log = logging.getLogger(__name__)
 
 
 def _park(*_args: Any, **_kwargs: Any) -> None:

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from tpassrun.ops.tui import render_status
 
-log = logging.getLogger("tpassrun.agent")
+log = logging.getLogger(__name__)
 
 __all__ = ["panel_height", "panel_bytes", "run_panel"]
 

@@ -38,6 +38,11 @@ TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE = "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"
 NO_COLOR = "NO_COLOR"        # https://no-color.org: set (to anything non-empty): no colour in any output
 COLUMNS = "COLUMNS"          # the terminal's width, as the shell exports it: tpassctl's lines and tables fit it
 
+# --- set for the launcher's own process only (never a worker's): gRPC (under the etcd client) kept quiet ---
+# The agent forks workers (preexec_fn for PDEATHSIG) while gRPC threads exist; gRPC's fork handlers are for
+# children that use gRPC, which ours never do, and only print noise. A value the user set is kept.
+GRPC_QUIET = {"GRPC_ENABLE_FORK_SUPPORT": "false", "GRPC_VERBOSITY": "ERROR"}
+
 # --- tpassrun's own ---
 TPASSRUN_ETCD_BIN = "TPASSRUN_ETCD_BIN"          # etcd binary for the embedded default
 TPASSRUN_CHANNEL = "TPASSRUN_CHANNEL"            # shared-memory file of the agent<->worker channel

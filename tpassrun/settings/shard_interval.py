@@ -26,7 +26,7 @@ import statistics
 from datetime import timedelta
 from typing import Any, Sequence
 
-log = logging.getLogger("tpassrun.worker.shards")
+log = logging.getLogger(__name__)
 
 AUTO = "auto"
 DECIDE_STEP = 8         # steps 1..7 refresh every step and measure; K is fixed at this step's start

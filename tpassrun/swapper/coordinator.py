@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from tpassrun.pool.job import JobPool
     from tpassrun.rendezvous import EtcdStore, Generation
 
-log = logging.getLogger("tpassrun.plan.swap")
+log = logging.getLogger(__name__)
 
 STORE_READY_S = 30.0   # how long a re-form waits for a workers' store just started here to listen
 

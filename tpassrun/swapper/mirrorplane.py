@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from tpassrun.rendezvous import Generation
     from tpassrun.channel.slots import Slot
 
-log = logging.getLogger("tpassrun.mirror")
+log = logging.getLogger(__name__)
 
 LIGHT = "light"
 PUSH_EVERY_S = 0.005          # how often the agent looks for new snapshots when no worker nudged it

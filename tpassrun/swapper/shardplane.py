@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from tpassrun.records import SwapPlan
     from tpassrun.channel.slots import LocalSlots, Slot
 
-log = logging.getLogger("tpassrun.plan.swap")
+log = logging.getLogger(__name__)
 
 MIRROR_KIND = "shard/state"        # == tpassrun.worker.shards.MIRROR_KIND (that module imports torch)
 ROLLBACK_TIMEOUT_S = 120.0

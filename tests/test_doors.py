@@ -1,0 +1,90 @@
+"""Each package is entered by its door (its ``__init__``, or ``api.py``), and importing one changes nothing.
+
+- Cross-package imports through a door: a ratchet for now. The count of ``from tpassrun.<pkg>.<module> import``
+  from another package may not grow (new code goes through the door, or makes the name the package's own); the
+  target is 0 (issue 40).
+- No module writes the process environment at import (``tpassrun.agent`` did, for gRPC: now ``tpassrun.cli`` does
+  it, for its own process, before the agent is imported).
+- A module's logger is named after its package (``tpassrun.<package>...``: ``__name__`` is), so a log line says
+  where it came from.
+- One endpoint grammar: ``split_endpoint`` is defined once (``tpassrun.rendezvous``).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+
+from test_import_graph import ROOT, _modules, package_of
+
+# cross-package from-imports that name a module behind another package's door, at most (the count when this
+# test was written; lower it as doors grow)
+MOST_PAST_A_DOOR = 157
+
+
+def past_a_door() -> list[str]:
+    """``module -> imported module`` for every ``from tpassrun.<pkg>.<module> import ...`` in another package."""
+    found = []
+    for module, path in _modules().items():
+        mine = package_of(module)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("tpassrun.")):
+                continue
+            target = node.module or ""
+            theirs = package_of(target)
+            if theirs in (mine, "top"):
+                continue
+            door = ".".join(target.split(".")[:2])
+            if target not in (door, door + ".api"):
+                found.append(f"{module} -> {target}")
+    return found
+
+
+def test_cross_package_imports_past_a_door_do_not_grow():
+    found = past_a_door()
+    assert len(found) <= MOST_PAST_A_DOOR, (
+        f"{len(found)} cross-package imports past a door (at most {MOST_PAST_A_DOOR}): import from the package's "
+        "__init__ (add the name to its __all__) instead\n" + "\n".join(sorted(found)))
+
+
+def test_importing_tpassrun_writes_no_environment():
+    probe = ("import os; before = dict(os.environ)\n"
+             "import tpassrun, tpassrun.cli, tpassrun.agent, tpassrun.worker, tpassrun.ops.ctl\n"
+             "changed = sorted(k for k in set(before) | set(os.environ) if before.get(k) != os.environ.get(k))\n"
+             "assert not changed, changed\n")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=str(ROOT))
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+def _logger_names(tree: ast.AST) -> list[str | None]:
+    """The name given to each ``logging.getLogger(...)`` at module level (None: ``__name__``)."""
+    names: list[str | None] = []
+    for node in getattr(tree, "body", []):
+        for call in ast.walk(node):
+            if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr == "getLogger" \
+                    and call.args:
+                arg = call.args[0]
+                if isinstance(arg, ast.Name) and arg.id == "__name__":
+                    names.append(None)
+                elif isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    names.append(arg.value)
+    return names
+
+
+def test_every_logger_is_named_after_its_package():
+    wrong = []
+    for module, path in _modules().items():
+        package = package_of(module)
+        prefix = "tpassrun" if package == "top" else f"tpassrun.{package}"
+        for name in _logger_names(ast.parse(path.read_text())):
+            if name is not None and name != prefix and not name.startswith(prefix + "."):
+                wrong.append(f"{module}: getLogger({name!r})")
+    assert wrong == [], wrong
+
+
+def test_one_split_endpoint():
+    defined = [module for module, path in _modules().items()
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.FunctionDef) and node.name == "split_endpoint"]
+    assert defined == ["tpassrun.rendezvous.config"]
