@@ -21,9 +21,9 @@ import sys
 import uuid
 
 from common import REPO, Workdir
-from conftest import EtcdServer  # noqa: E402  (tests/ is on the path: common.py)
-from faults import faults_env, hold_at, pids_by_rank  # noqa: E402
-from realjobs import assert_same_run, sigkill_at_random_instant, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
+from conftest import EtcdServer  # tests/ is on the path: common.py
+from faults import faults_env, hold_at, pids_by_rank
+from realjobs import assert_same_run, sigkill_at_random_instant, swap_pause_s, torchrun_job, tpassrun_job
 
 SCRIPT = os.path.join(REPO, "tests", "titan_trainer.py")
 WORLD = 4

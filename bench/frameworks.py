@@ -39,9 +39,9 @@ from typing import Any
 from common import REPO, EtcdServer, Workdir, print_json, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from docrun import docrun_job, ds_config, write_example  # noqa: E402
-from faults import Job, faults_env, hold_at, pids_by_rank, sigkill_rank, taint  # noqa: E402
-from realjobs import CPU_ENV, assert_same_training, swap_pause_s  # noqa: E402
+from docrun import docrun_job, ds_config, write_example
+from faults import Job, faults_env, hold_at, pids_by_rank, sigkill_rank, taint
+from realjobs import CPU_ENV, assert_same_training, swap_pause_s
 
 
 class Shape:

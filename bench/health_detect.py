@@ -42,7 +42,7 @@ class Slots:
         self.slots = [types.SimpleNamespace(index=i, rank=i, proc=None, pid=None, state=SlotState.RUNNING)
                       for i in range(n)]
 
-    def field(self, slot, f) -> int:  # noqa: ANN001 - no straggler detection in this bench
+    def field(self, slot, f) -> int:  # no straggler detection in this bench
         return 0
 
 

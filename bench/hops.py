@@ -26,8 +26,8 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hopstrace"))
 
-import tpassrun  # noqa: E402
-from hopcount import Recorder, summarise, window  # noqa: E402
+import tpassrun
+from hopcount import Recorder, summarise, window
 
 TREE = os.path.dirname(os.path.dirname(os.path.abspath(tpassrun.__file__)))    # the tree under measure, not this one
 sys.path.insert(0, os.path.join(TREE, "tests"))

@@ -38,8 +38,8 @@ from typing import Any
 from common import REPO, EtcdServer, Workdir, print_json
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import hold_at, pids_by_rank, sigkill_rank, taint  # noqa: E402
-from realjobs import swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
+from faults import hold_at, pids_by_rank, sigkill_rank, taint
+from realjobs import swap_pause_s, torchrun_job, tpassrun_job
 
 SCRIPT = os.path.join(REPO, "tests", "megatron_trainer.py")
 WORLD = 4

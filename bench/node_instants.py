@@ -38,7 +38,7 @@ from typing import Any
 from common import REPO, EtcdServer, Workdir, next_step_after, print_json, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import Job, unlogged_steps, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node  # noqa: E402
+from faults import Job, unlogged_steps, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node
 
 WORLD = 4
 

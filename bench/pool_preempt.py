@@ -27,7 +27,7 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from common import EtcdServer  # noqa: F401  (puts tests/ on the path)
+from common import EtcdServer  # puts tests/ on the path
 from faults import sigkill_node
 from test_pool_e2e import _with_a_pool_node
 from test_pool_preempt_e2e import preempt_run, spare_node_run, training_again

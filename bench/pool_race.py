@@ -16,7 +16,7 @@ import asyncio
 import collections
 import time
 
-from common import EtcdServer  # noqa: F401  (puts tests/ on the path)
+from common import EtcdServer  # puts tests/ on the path
 from test_pool_races import claim_race_trial
 
 

@@ -27,7 +27,7 @@ from datetime import timedelta
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(__file__))
-from common import print_json  # noqa: E402
+from common import print_json
 
 KEY = b"bench-store-key-" * 2
 KINDS = ("auth", "plain-door", "tcpstore")

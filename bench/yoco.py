@@ -41,7 +41,7 @@ from typing import Any
 from common import REPO, Workdir, events, next_step_after, print_json, steps_lost, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import Job, assert_bit_exact, never_logged, pids_by_rank, sigkill_rank  # noqa: E402
+from faults import Job, assert_bit_exact, never_logged, pids_by_rank, sigkill_rank
 
 
 def reference(work: Workdir, world: int, args: argparse.Namespace) -> tuple[Job, float]:

@@ -58,7 +58,7 @@ def nvml_device_count(nvml_module: Any = None) -> int | None:
     nv = nvml_module
     if nv is None:
         try:
-            import pynvml  # noqa: PLC0415 - lazy, like NvmlSensor
+            import pynvml  # lazy, like NvmlSensor
         except ImportError:
             return None
         nv = pynvml

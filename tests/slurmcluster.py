@@ -153,7 +153,7 @@ class SlurmCluster:
         self._wait(lambda: "NOT_RESPONDING" not in self.state(node) and "*" not in self.state(node), timeout,
                    f"slurmd {node} again")
 
-    def _wait(self, ready, timeout: float, what: str) -> None:  # noqa: ANN001
+    def _wait(self, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while not ready():
             dead = [p.args[0] for p in self.procs if p.poll() is not None]

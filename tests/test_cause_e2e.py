@@ -18,8 +18,8 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan not installed (scripts/bootstrap.sh installs torchtitan==0.3.0)")
 
-from faults import Job, faults_env, hold_at, kill_at, pids_by_rank  # noqa: E402
-from realjobs import assert_same_run, sigkill_at_random_instant, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
+from faults import Job, faults_env, hold_at, kill_at, pids_by_rank
+from realjobs import assert_same_run, sigkill_at_random_instant, swap_pause_s, torchrun_job, tpassrun_job
 
 SCRIPT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "titan_trainer.py")
 STEPS = 12

@@ -11,8 +11,8 @@ import pytest
 
 pytest.importorskip("deepspeed", reason="DeepSpeed not installed (scripts/bootstrap.sh installs deepspeed==0.19.8)")
 
-from faults import faults_env, hold_at, kill_at, pids_by_rank, sigkill_rank, taint  # noqa: E402
-from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
+from faults import faults_env, hold_at, kill_at, pids_by_rank, sigkill_rank, taint
+from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job
 
 SCRIPT = example("deepspeed", "train.py")
 STEPS = 50

@@ -13,7 +13,7 @@ from tpassrun.launch.devices import check_layout, node_devices, slot_env, visibl
 from tpassrun.health import device_for_local_rank, nvml_device_count
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_health_nvml import FakeGpu, FakeNvml, real  # noqa: E402
+from test_health_nvml import FakeGpu, FakeNvml, real
 
 EIGHT = [str(i) for i in range(8)]
 

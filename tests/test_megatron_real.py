@@ -20,8 +20,8 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core not installed (scripts/bootstrap.sh installs "
                                             "megatron-core==0.16.1)")
 
-from faults import REPO, faults_env, hold_at, kill_at, pids_by_rank, sigkill_rank, taint  # noqa: E402
-from realjobs import (assert_same_run, assert_trees_equal, example, swap_pause_s, torchrun_job,  # noqa: E402
+from faults import REPO, faults_env, hold_at, kill_at, pids_by_rank, sigkill_rank, taint
+from realjobs import (assert_same_run, assert_trees_equal, example, swap_pause_s, torchrun_job,
                       tpassrun_job)
 
 SCRIPT = example("megatron", "train_gpt.py")

@@ -88,7 +88,7 @@ def _console(out: str) -> str:
     return text
 
 
-def _wait(pred, timeout: float, what: str, slurm: SlurmCluster, out: str) -> None:  # noqa: ANN001
+def _wait(pred, timeout: float, what: str, slurm: SlurmCluster, out: str) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
         if time.monotonic() > deadline:
@@ -174,7 +174,7 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identic
     assert comment.startswith("tpassrun: 2 swap(s):") and comment.count("n1->n3") == 2, comment
 
 
-def _first(pred, timeout: float, what: str, slurm: SlurmCluster, out: str) -> float:  # noqa: ANN001
+def _first(pred, timeout: float, what: str, slurm: SlurmCluster, out: str) -> float:
     """``time.monotonic()`` when ``pred`` first held (polled every 0.1 s)."""
     _wait(pred, timeout, what, slurm, out)
     return time.monotonic()

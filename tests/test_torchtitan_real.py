@@ -21,8 +21,8 @@ import pytest
 
 pytest.importorskip("torchtitan", reason="torchtitan not installed (scripts/bootstrap.sh installs torchtitan==0.3.0)")
 
-from faults import faults_env, hold_at, kill_at, pids_by_rank, slow_from, taint  # noqa: E402
-from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job  # noqa: E402
+from faults import faults_env, hold_at, kill_at, pids_by_rank, slow_from, taint
+from realjobs import assert_same_run, example, swap_pause_s, torchrun_job, tpassrun_job
 
 SCRIPT = example("torchtitan", "train.py")
 STEPS = 12

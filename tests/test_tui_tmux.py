@@ -22,7 +22,7 @@ from tpassrun.rendezvous import EtcdConfig, EtcdStore, RendezvousSettings
 from tpassrun.ops.tui import ViewState
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_tui import eventful_run, frame  # noqa: E402
+from test_tui import eventful_run, frame
 
 FUTURE = 1e11
 pytestmark = [pytest.mark.e2e, pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]

@@ -18,11 +18,11 @@ USAGE_ERROR = 2     # argparse's code, as torchrun
 REJECTED_VALUE = 1  # torchrun's code when run.py raises on a value (unknown backend, bad --nnodes, ...)
 
 
-def _check_devices(cfg) -> None:  # noqa: ANN001 - a LaunchConfig
+def _check_devices(cfg) -> None:  # a LaunchConfig
     """A layout whose spares need more GPUs than the node has is refused before anything starts."""
     if cfg.spares_per_node <= 0:
         return
-    from tpassrun.launch.devices import check_layout, node_devices  # noqa: PLC0415
+    from tpassrun.launch.devices import check_layout, node_devices
 
     try:
         devices = node_devices(os.environ, slots=cfg.nproc_per_node + cfg.spares_per_node)
@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     given = dict(os.environ)
     for name, value in E.GRPC_QUIET.items():
         os.environ.setdefault(name, value)
-    from tpassrun.agent import run_launcher  # noqa: PLC0415  (keeps `tpassrun --help` fast)
+    from tpassrun.agent import run_launcher  # keeps `tpassrun --help` fast
 
     return run_launcher(cfg, environ=given)
 

@@ -18,7 +18,7 @@ import time
 
 from support import (STEP_S, Ctx, Etcd, Failed, Skip, compare, events, faults_env, finish, kill_at, no_restart,
                      pause_s, reference, sigkill_rank, start, taint, tpassrun_job, until, wait_event)
-from faults import hold_at  # noqa: E402  (tests/ is on the path through support)
+from faults import hold_at  # tests/ is on the path through support
 
 STEPS, SLEEP = 40, 0.05
 
@@ -184,7 +184,7 @@ def _held_job(ctx: Ctx, name: str, args: list[str], *, at: int, extra_faults: tu
     return job, hold, etcd
 
 
-def _held_run(ctx: Ctx, name: str, args: list[str], act, *, at: int, **kw):  # noqa: ANN001
+def _held_run(ctx: Ctx, name: str, args: list[str], act, *, at: int, **kw):
     """:func:`_held_job`, then ``act(job, hold, etcd)`` (the fault), then the job's end: a live recovery, not a
     whole-group restart. The job, its hold and its etcd are gone whatever happens."""
     job, hold, etcd = _held_job(ctx, name, args, at=at, **kw)
@@ -204,7 +204,7 @@ def _held_run(ctx: Ctx, name: str, args: list[str], act, *, at: int, **kw):  # n
 
 def _planned(ctx: Ctx, name: str, args: list[str], at: int, env: dict | None = None):
     """A held job whose rank 1 is tainted (tpassctl taint); the hold is released once the boundary is fixed."""
-    def act(job, hold, etcd) -> None:  # noqa: ANN001
+    def act(job, hold, etcd) -> None:
         if taint(etcd.endpoint, job.run_id, rank=1, reason="gpu check") != 0:
             raise Failed("tpassctl taint --rank 1 failed")
         hold.release_after(job, "swap_boundary", timeout=STEP_S)
@@ -234,7 +234,7 @@ def swap_sigkill(ctx: Ctx) -> tuple[str, str]:
 
 def _killed(ctx: Ctx, name: str, args: list[str], *, victim: int, gpus: str | None = None):
     """A held job released once its spare is ready; ``victim`` SIGKILLed from outside at a random instant."""
-    def act(job, hold, _etcd) -> None:  # noqa: ANN001
+    def act(job, hold, _etcd) -> None:
         hold.release()
         time.sleep(random.uniform(0.0, 0.4))
         killed = sigkill_rank(job.out, victim)

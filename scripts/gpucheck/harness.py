@@ -96,7 +96,7 @@ def slug(name: str) -> str:
 HANG = "harness: hung check stopped"
 
 
-def _hang(ctx) -> int:  # noqa: ANN001
+def _hang(ctx) -> int:
     """The harness's self-test: a check that starts a process in a session of its own and never returns."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
     ctx.started(child.pid)

@@ -415,7 +415,7 @@ def _from_scheduler(ns: argparse.Namespace, env: Mapping[str, str],
         if ns.spare_nodes:
             raise ConfigError("--spare-nodes needs the Slurm allocation (not with --scheduler none)")
         return "", True
-    from tpassrun.scheduler import slurm  # noqa: PLC0415
+    from tpassrun.scheduler import slurm
 
     given = slurm.Given(rdzv_id=ns.rdzv_id, nnodes=ns.nnodes, backend=ns.rdzv_backend, endpoint=ns.rdzv_endpoint,
                         spare_node=ns.spare_node, standalone=bool(ns.standalone), master_port=ns.master_port)
@@ -459,7 +459,7 @@ def preflight(cfg: LaunchConfig) -> None:
         except OSError as exc:
             raise ConfigError(f"--event-log={cfg.event_log}: cannot write: {exc.strerror or exc}") from None
     if cfg.health_config:
-        from tpassrun.health import Policy  # noqa: PLC0415  (only when asked for)
+        from tpassrun.health import Policy  # only when asked for
 
         try:
             Policy.load(cfg.health_config)

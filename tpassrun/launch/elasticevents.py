@@ -81,7 +81,7 @@ class ElasticEvents:
                 failures: Any = (), total_run_time: int = 0) -> None:
         """One event per worker of this node: ``state`` for all (START, SUCCEEDED), or with ``failures`` given,
         FAILED for the failed ones and TERMINATED for the rest (torchrun's ``_get_worker_state``)."""
-        from tpassrun.launch.workerenv import role_ranks  # noqa: PLC0415  (the one tpassrun import, only when enabled)
+        from tpassrun.launch.workerenv import role_ranks  # the one tpassrun import, only when enabled
 
         if not self.enabled or gen is None:
             return

@@ -377,7 +377,7 @@ async def spawn_worker(
         if path is not None:
             # appended: a slot started again in the same attempt (a spare after a swap, a membership change) keeps
             # what the previous worker there said (a joiner that died, a re-form that hung) for the post-mortem
-            f = open(path, "ab")  # noqa: SIM115  (owned by the WorkerProcess)
+            f = open(path, "ab")  # owned by the WorkerProcess
             files.append(f)
             return f
         return None if shown else asyncio.subprocess.DEVNULL
@@ -407,9 +407,9 @@ async def spawn_worker(
     ):
         if reader is None or path is None:
             continue
-        logf = open(path, "ab")  # noqa: SIM115  (appended, as above)
+        logf = open(path, "ab")  # appended, as above
         files.append(logf)
-        filtered = open(fpath, "ab") if fpath else None  # noqa: SIM115  (shared by the attempt's workers)
+        filtered = open(fpath, "ab") if fpath else None  # shared by the attempt's workers
         if filtered is not None:
             files.append(filtered)
         copier = _StreamCopier(logf, con, prefix, filtered, tuple(f.encode() for f in filters))

@@ -39,7 +39,7 @@ def cpu_count() -> int:
 def _accelerator_count(kind: str) -> int:
     """Device count for ``gpu``/``xpu``/``auto``/a privateuse1 name. Imports torch, so only on demand (the type
     checker does not follow torch: its counts are taken as ``int`` here)."""
-    import torch  # noqa: PLC0415  (lazy on purpose: the launcher must not pay for torch)
+    import torch  # lazy on purpose: the launcher must not pay for torch
 
     if kind == "gpu":
         if not torch.cuda.is_available():

@@ -132,7 +132,7 @@ class Describer:
     def _swap(self, sid: Any) -> _Swap:
         return self.swaps.setdefault(str(sid), _Swap())
 
-    def describe(self, ev: dict[str, Any]) -> str | None:  # noqa: C901 - one branch per event kind, on purpose
+    def describe(self, ev: dict[str, Any]) -> str | None:  # one branch per event kind, on purpose
         name, now, t = ev.get("event"), float(ev.get("mono") or 0.0), self.tally
         sid = ev.get("swap_id")
         if name == "agent_started":

@@ -435,7 +435,7 @@ def _pick_run(args: argparse.Namespace) -> int | None:
     # is empty"); a run not listed here is reached with what the command line says
     try:
         runs = list_runs()
-    except Exception:  # noqa: BLE001 - an unusable registry: a run named on the command line is reached without it
+    except Exception:  # an unusable registry: a run named on the command line is reached without it
         if not (args.rdzv_endpoint and args.rdzv_id):
             raise
         runs = []

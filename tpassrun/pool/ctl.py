@@ -220,7 +220,7 @@ def _serve_gauges(pool: Pool, port: int, loop: asyncio.AbstractEventLoop) -> Any
     import threading
 
     class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        def do_GET(self) -> None:  # http.server's name
             view, _, history = asyncio.run_coroutine_threadsafe(pool.read(), loop).result(10)
             body = prometheus_text(pool.name, gauges(view, history)).encode()
             self.send_response(200)

@@ -313,7 +313,7 @@ class Swapper:
                                 lost_node=plan.lost_node)
         try:
             report = await self._participate(plan)
-        except Exception as exc:  # noqa: BLE001 - a failed phase is reported, never fatal for the agent
+        except Exception as exc:  # a failed phase is reported, never fatal for the agent
             log.exception("swap %s phase %s failed", plan.id, plan.phase.value)
             report = Report(node=self.port.node_id, phase=plan.phase, ok=False, error=f"{type(exc).__name__}: {exc}")
         if plan.phase == Phase.ABORTED and plan.superseded and len(plan.history) >= 2 \

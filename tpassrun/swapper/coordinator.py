@@ -84,7 +84,7 @@ class Coordinator:
                     try:
                         await self._leader_tick()
                         backoff, said = 0.2, ""
-                    except Exception as exc:  # noqa: BLE001 - the next kick re-reads everything
+                    except Exception as exc:  # the next kick re-reads everything
                         # Once per distinct error, then retry with a growing pause: never a traceback per tick.
                         if repr(exc) != said:
                             said = repr(exc)

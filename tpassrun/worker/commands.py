@@ -216,7 +216,7 @@ class BoundaryCommands:
         target = msg.step
         try:
             self.sharded.rollback(target)
-        except Exception as exc:  # noqa: BLE001 - reported: the recovery aborts, nothing half-applied runs
+        except Exception as exc:  # reported: the recovery aborts, nothing half-applied runs
             log.exception("rank %d: rolling back to its copy of step %d failed", st.rank, target)
             link.send(ShardRolledBack(ok=False, step=target, error=f"{type(exc).__name__}: {exc}"[:300]))
             return False
@@ -351,7 +351,7 @@ class BoundaryCommands:
         try:
             for fn in st.callbacks:
                 fn()        # (a DDP rebuilt on the new world: its first collectives)
-        except Exception as exc:  # noqa: BLE001 - a rank that died after it arrived fails them: given up too
+        except Exception as exc:  # a rank that died after it arrived fails them: given up too
             log.warning("rank %s: the re-formed world failed before it was ready: %s", st.rank, exc)
             abort_process_groups()     # peers blocked on this rank fail at once too
             raise JoinAborted(f"the re-formed world failed before it was ready: {type(exc).__name__}: {exc}"[:300]) \

@@ -141,7 +141,7 @@ def _device() -> Any:
 def _collective(fn: Any, *args: Any) -> Any:
     try:
         return fn(*args)
-    except Exception as exc:  # noqa: BLE001 - gloo raises plain RuntimeErrors: any failure here is the collective's
+    except Exception as exc:  # gloo raises plain RuntimeErrors: any failure here is the collective's
         raise CheckFailed(f"{getattr(fn, '__name__', fn)} failed") from exc
 
 

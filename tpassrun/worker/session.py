@@ -251,7 +251,7 @@ class Session:
             st.in_step = step
             try:
                 step_fn(step)
-            except Exception as exc:  # noqa: BLE001 - classified right below
+            except Exception as exc:  # classified right below
                 st.in_step = -1
                 kind = classify_failure(exc)
                 if not kind.distributed:

@@ -420,7 +420,7 @@ def _join_world(backend: str | None, world: "WorldSpec", timeout: timedelta | No
             arrived = store.add("tpassrun_arrived", 0)
         try:
             init_world(backend, store=store, rank=int(world.rank), world_size=int(world.world_size), **kwargs)
-        except Exception as exc:  # noqa: BLE001 - a rank that arrived and died before connecting: given up too
+        except Exception as exc:  # a rank that arrived and died before connecting: given up too
             leave_process_group()
             raise JoinAborted(f"the world could not be formed: {type(exc).__name__}: {exc}"[:300]) from exc
         return
