@@ -88,3 +88,23 @@ def test_one_split_endpoint():
                for node in ast.walk(ast.parse(path.read_text()))
                if isinstance(node, ast.FunctionDef) and node.name == "split_endpoint"]
     assert defined == ["tpassrun.rendezvous.config"]
+
+
+def _action_vocabularies() -> dict[str, list[str]]:
+    """class name -> the modules whose action union (a module-level ``...Action = A | B`` or ``Union[A, B]``) names it."""
+    found: dict[str, list[str]] = {}
+    for module, path in _modules().items():
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name) \
+                    and node.targets[0].id.endswith("Action"):
+                names = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name) and n.id != "Union"}
+                for name in names:
+                    found.setdefault(name, []).append(module)
+    return found
+
+
+def test_action_vocabularies_are_named_per_package():
+    """Each package's actions are its own: the triage's PutTaint and the scheduler watcher's were two classes of one
+    name (and Say), told apart only by where they were imported from."""
+    shared = {name: mods for name, mods in _action_vocabularies().items() if len({package_of(m) for m in mods}) > 1}
+    assert shared == {}

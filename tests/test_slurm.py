@@ -12,7 +12,7 @@ from tpassrun.rendezvous import NodeInfo
 from tpassrun.scheduler import NodeState, SchedNode
 from tpassrun.scheduler.slurm import (Allocation, allocation_from_env, expand_hostlist, parse_node_line, parse_nodes,
                                       plan_launch)
-from tpassrun.scheduler.watch import (Annotate, DeclareLost, DeleteTaints, Drain, PutTaint, Resume, Say, View, decide,
+from tpassrun.scheduler.watch import (Annotate, DeclareLost, DeleteTaints, Drain, TaintSlot, ResumeNode, Tell, View, decide,
                                       job_comment, slurm_taint_id)
 
 
@@ -158,8 +158,8 @@ UP = (NodeState.UP, "", "")
 
 def test_a_drain_by_an_operator_migrates_the_nodes_ranks_and_says_who_and_why():
     actions = decide(_view({"n1": (NodeState.DRAIN, "firmware", "root"), "n2": UP, "n3": UP}))
-    assert actions[0] == Say("Slurm drained n1 by root: firmware: moving rank(s) 0, 1 to spares")
-    taints = [a.taint for a in actions if isinstance(a, PutTaint)]
+    assert actions[0] == Tell("Slurm drained n1 by root: firmware: moving rank(s) 0, 1 to spares")
+    taints = [a.taint for a in actions if isinstance(a, TaintSlot)]
     assert [(t.id, t.node_id, t.slot, t.rank, t.effect, t.source) for t in taints] == [
         (slurm_taint_id(A, 0), A, 0, 0, TaintEffect.MIGRATE, "scheduler"),
         (slurm_taint_id(A, 1), A, 1, 1, TaintEffect.MIGRATE, "scheduler")]
@@ -171,15 +171,15 @@ def test_a_drain_by_an_operator_migrates_the_nodes_ranks_and_says_who_and_why():
 
 def test_a_drained_spare_node_has_its_slots_set_aside():
     actions = decide(_view({"n3": (NodeState.DRAIN, "", "")}))
-    assert actions[0] == Say("Slurm drained n3 by an operator: no reason given: its spares set aside")
-    assert [(a.taint.slot, a.taint.rank) for a in actions if isinstance(a, PutTaint)] == [(0, None), (1, None)]
+    assert actions[0] == Tell("Slurm drained n3 by an operator: no reason given: its spares set aside")
+    assert [(a.taint.slot, a.taint.rank) for a in actions if isinstance(a, TaintSlot)] == [(0, None), (1, None)]
 
 
 def test_resume_lifts_the_drain_taints():
     taints = [Taint(slurm_taint_id(A, s), TaintEffect.MIGRATE, "x", "scheduler", node_id=A, slot=s) for s in (0, 1)]
     actions = decide(_view({"n1": UP}, taints=taints))
     assert actions == [DeleteTaints("n1", (slurm_taint_id(A, 0), slurm_taint_id(A, 1))),
-                       Say("Slurm resumed n1: its slots serve as spares again")]
+                       Tell("Slurm resumed n1: its slots serve as spares again")]
 
 
 def test_down_declares_a_node_the_run_counts_on_lost_once():
@@ -215,7 +215,7 @@ def test_a_health_taint_or_a_lost_node_drains_the_node_in_slurm_and_untaint_resu
     assert decide(_view({"n2": UP}, taints=[health])) == [Drain("n2", "tpassrun: gpu3: 12 correctable ECC errors in 60 s")]
     ours = (NodeState.DRAIN, "tpassrun: gpu3: 12 correctable ECC errors in 60 s", "root")
     assert decide(_view({"n2": ours}, taints=[health])) == []          # our own drain is no operator's drain
-    assert decide(_view({"n2": ours})) == [Resume("n2", "no health taint holds it any more")]
+    assert decide(_view({"n2": ours})) == [ResumeNode("n2", "no health taint holds it any more")]
     assert decide(_view({"n2": UP}, lost=frozenset({B}))) == [Drain("n2", "tpassrun: lost by job 77: its agent stopped "
                                                                           "answering")]
     lost_drained = (NodeState.DRAIN, "tpassrun: lost by job 77: its agent stopped answering", "root")

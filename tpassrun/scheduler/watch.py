@@ -57,7 +57,7 @@ def short(node_id: str) -> str:
 
 # ------------------------------------------------------------------------------------------- decisions (pure)
 @dataclass(frozen=True)
-class PutTaint:
+class TaintSlot:
     taint: Taint
 
 
@@ -81,7 +81,7 @@ class Drain:
 
 
 @dataclass(frozen=True)
-class Resume:
+class ResumeNode:
     node: str
     reason: str
 
@@ -92,11 +92,11 @@ class Annotate:
 
 
 @dataclass(frozen=True)
-class Say:
+class Tell:
     text: str
 
 
-Action = PutTaint | DeleteTaints | DeclareLost | Drain | Resume | Annotate | Say
+SchedulerAction = TaintSlot | DeleteTaints | DeclareLost | Drain | ResumeNode | Annotate | Tell
 
 
 @dataclass(frozen=True)
@@ -126,12 +126,12 @@ def _asked(node: SchedNode) -> str:
     return f"{by}: {node.reason or 'no reason given'}"
 
 
-def decide(view: View) -> list[Action]:
+def decide(view: View) -> list[SchedulerAction]:
     """Every action one poll calls for (see the module doc)."""
     # a node recovered from is lost for good, though the generation that lost it may be gone (its ranks moved on)
     recovered = {p.lost_node for p in view.swaps if p.kind is SwapKind.NODE and p.lost_node}
     view = replace(view, lost=view.lost | recovered)
-    out: list[Action] = []
+    out: list[SchedulerAction] = []
     ids_of: dict[str, list[str]] = {}
     for node_id in {*view.agents, *view.lost, *view.counted, *(n for n, _s in view.homes.values())}:
         ids_of.setdefault(short(node_id), []).append(node_id)
@@ -150,7 +150,7 @@ def decide(view: View) -> list[Action]:
             back = tuple(sorted(t.id for t in ours if t.node_id in node_ids))
             if back:
                 out.append(DeleteTaints(name, back))
-                out.append(Say(f"{view.scheduler} resumed {name}: its slots serve as spares again"))
+                out.append(Tell(f"{view.scheduler} resumed {name}: its slots serve as spares again"))
         out += _tell_scheduler(view, name, node, node_ids)
     text = job_comment(view.swaps)
     if text and text != view.comment:
@@ -159,9 +159,9 @@ def decide(view: View) -> list[Action]:
 
 
 def _migrate_off(view: View, name: str, node: SchedNode, node_ids: Sequence[str],
-                 ours: Sequence[Taint]) -> list[Action]:
+                 ours: Sequence[Taint]) -> list[SchedulerAction]:
     have = {t.id for t in ours}
-    out: list[Action] = []
+    out: list[SchedulerAction] = []
     moved: list[int] = []
     for node_id in node_ids:
         info = view.agents.get(node_id)
@@ -175,16 +175,16 @@ def _migrate_off(view: View, name: str, node: SchedNode, node_ids: Sequence[str]
             rank = ranks.get(slot)
             if rank is not None:
                 moved.append(rank)
-            out.append(PutTaint(Taint(id=tid, effect=TaintEffect.MIGRATE, source=SOURCE, node_id=node_id, slot=slot,
+            out.append(TaintSlot(Taint(id=tid, effect=TaintEffect.MIGRATE, source=SOURCE, node_id=node_id, slot=slot,
                                       local_rank=slot, rank=rank, time=view.now,
                                       reason=f"{view.scheduler} drained {name} {_asked(node)}")))
     if out:
         what = f"moving rank(s) {', '.join(map(str, sorted(moved)))} to spares" if moved else "its spares set aside"
-        out.insert(0, Say(f"{view.scheduler} drained {name} {_asked(node)}: {what}"))
+        out.insert(0, Tell(f"{view.scheduler} drained {name} {_asked(node)}: {what}"))
     return out
 
 
-def _tell_scheduler(view: View, name: str, node: SchedNode, node_ids: Sequence[str]) -> list[Action]:
+def _tell_scheduler(view: View, name: str, node: SchedNode, node_ids: Sequence[str]) -> list[SchedulerAction]:
     """Drain a node the run found unhealthy or lost; resume one it drained once nothing holds it."""
     lost = [n for n in node_ids if n in view.lost]
     health = [t for t in view.taints if t.node_id in node_ids and t.source == "health"]
@@ -197,7 +197,7 @@ def _tell_scheduler(view: View, name: str, node: SchedNode, node_ids: Sequence[s
             return [Drain(name, f"{OURS} {health[0].reason}")]
     if (node.state is NodeState.DRAIN and node.reason.startswith(OURS) and not node.reason.startswith(LOST)
             and not health and not lost):
-        return [Resume(name, "no health taint holds it any more")]
+        return [ResumeNode(name, "no health taint holds it any more")]
     return []
 
 
@@ -259,7 +259,7 @@ class SchedulerWatch:
                     self._failing = str(exc)
                     self.host.events.write("scheduler_error", message=f"{self.plugin.name}: {exc}")
 
-    async def poll(self) -> list[Action]:
+    async def poll(self) -> list[SchedulerAction]:
         view = await self.view()
         actions = decide(view)
         for action in actions:
@@ -287,12 +287,12 @@ class SchedulerWatch:
                     taints=taints, swaps=swaps, scheduler=self.plugin.name, job_id=self.plugin.job_id,
                     now=time.time(), comment=self.comment, refused=frozenset(self.refused))
 
-    async def apply(self, action: Action) -> None:
+    async def apply(self, action: SchedulerAction) -> None:
         rdzv, events, name = self.host.rdzv, self.host.events, self.plugin.name
         keys = Keys(rdzv.key(""))
-        if isinstance(action, Say):
+        if isinstance(action, Tell):
             events.write("scheduler_event", message=action.text)
-        elif isinstance(action, PutTaint):
+        elif isinstance(action, TaintSlot):
             t = action.taint
             created = await rdzv.store.create_json(keys.taint(t.id), t.to_json())
             events.write("scheduler_taint", id=t.id, target_node=t.node_id, slot=t.slot, rank=t.rank,
@@ -305,7 +305,7 @@ class SchedulerWatch:
             revoked = await rdzv.store.revoke_lease_of(keys.node(action.node_id))
             events.write("scheduler_event", message=f"node {action.node}: {action.reason}", lost_node=action.node_id,
                          revoked=revoked)
-        elif isinstance(action, (Drain, Resume)):
+        elif isinstance(action, (Drain, ResumeNode)):
             try:
                 if isinstance(action, Drain):
                     await asyncio.to_thread(self.plugin.drain, action.node, action.reason)
@@ -313,7 +313,7 @@ class SchedulerWatch:
                     await asyncio.to_thread(self.plugin.resume, action.node)
             except SchedulerError as exc:
                 self.refused.add(action.node)
-                events.write("scheduler_event", message=f"{name} refused to {type(action).__name__.lower()} "
+                events.write("scheduler_event", message=f"{name} refused to {'drain' if isinstance(action, Drain) else 'resume'} "
                                                         f"{action.node} ({exc}); an operator can run: "
                                                         f"{_command(action)}")
                 return
@@ -335,7 +335,7 @@ class SchedulerWatch:
             events.write("scheduler_annotated", text=action.text)
 
 
-def _command(action: Drain | Resume) -> str:
+def _command(action: Drain | ResumeNode) -> str:
     if isinstance(action, Drain):
         return f"scontrol update NodeName={action.node} State=DRAIN Reason='{action.reason}'"
     return f"scontrol update NodeName={action.node} State=RESUME"
@@ -349,6 +349,6 @@ def poll_interval(environ: Mapping[str, str]) -> float:
     return value if value > 0 else DEFAULT_POLL_S
 
 
-__all__ = ["Action", "Annotate", "DeclareLost", "DeleteTaints", "Drain", "PutTaint", "Resume", "Say",
+__all__ = ["SchedulerAction", "Annotate", "DeclareLost", "DeleteTaints", "Drain", "TaintSlot", "ResumeNode", "Tell",
            "SchedulerHost", "SchedulerWatch", "View", "decide", "job_comment", "poll_interval", "short",
            "slurm_taint_id"]
