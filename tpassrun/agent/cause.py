@@ -20,7 +20,7 @@ from typing import Any
 
 from tpassrun.agent.state import AgentState
 from tpassrun.channel import Field, Verdict, WorkerPhase
-from tpassrun.plan.failkind import CAUSE_GRACE_S, Around, Cause, cause_of, classify_death, interrupted_by
+from tpassrun.plan import CAUSE_GRACE_S, Around, Cause, cause_of, classify_death, interrupted_by
 from tpassrun.channel.protocol import Failed, Raised
 from tpassrun.records import Failure, Keys, load
 from tpassrun.rendezvous import Generation

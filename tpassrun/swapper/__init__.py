@@ -27,14 +27,14 @@ from typing import TYPE_CHECKING
 from tpassrun.swapper import shardplane
 from tpassrun.channel import STOP_NOW, Field, WorkerPhase
 from tpassrun.swapper.coordinator import Coordinator
-from tpassrun.plan.failkind import classify_death, recoverable
+from tpassrun.plan import classify_death, recoverable
 from tpassrun.swapper.nodeswap import NodePlans
 from tpassrun.swapper.agentport import AgentPort, FallbackRequested
 from tpassrun.channel.protocol import Failed, Raise, Reserve
 from tpassrun.records.provenance import seal
 from tpassrun.records import Failure, Fallback, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load
 from tpassrun.channel.slots import Slot, SlotState
-from tpassrun.plan.swap import Phase, SwapKind
+from tpassrun.plan import Phase, SwapKind
 from tpassrun.swapper.phases import Phases
 from tpassrun.swapper.ranks import LocalRanks
 

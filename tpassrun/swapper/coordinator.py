@@ -21,11 +21,9 @@ from tpassrun.records.provenance import seal
 from tpassrun.records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect,
                               TaintSource, load, node_info)
 from tpassrun.rendezvous import GenState, NodeInfo
-from tpassrun.plan.giveback import GiveBack, MoveHome, plan_give_back, seen_ranks
-from tpassrun.plan.swap import REPORT_DEADLINE_S, ClusterView, Decision, Phase, SlotView
-from tpassrun.plan.triage import (Action, CasPlan, ClaimFromPool, CreatePlan, PutFailure, PutFallback, PutTaint,
-                                  RestartGroup, Say,
-                     Seen, triage)
+from tpassrun.plan import (REPORT_DEADLINE_S, Action, CasPlan, ClaimFromPool, ClusterView, CreatePlan, Decision, GiveBack,
+                           MoveHome, Phase, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen, SlotView,
+                           plan_give_back, seen_ranks, triage)
 
 if TYPE_CHECKING:
     from tpassrun.pool.job import JobPool

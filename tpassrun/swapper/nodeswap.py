@@ -28,7 +28,7 @@ from tpassrun.channel import INT64_MAX, WorkerPhase
 from tpassrun.channel.protocol import Abort, Light, LightOk, MirrorSource, Received, Reform, SendState, WorldSpec
 from tpassrun.records import Move, Phase, Report, SwapPlan
 from tpassrun.channel.slots import SlotState
-from tpassrun.plan.swap import PHASE_TIMEOUT_S, transfer_key, world_prefix
+from tpassrun.plan import PHASE_TIMEOUT_S, transfer_key, world_prefix
 
 if TYPE_CHECKING:
     from tpassrun.channel.slots import LocalSlots

@@ -23,8 +23,8 @@ from tpassrun.channel.protocol import (Abort, AbortJoin, Assign, Exit, Light, Li
                        Reformed, Resume, SendState, WorldSpec)
 from tpassrun.records import Keys, Move, Report, SwapPlan, load, node_info
 from tpassrun.channel.slots import LocalSlots, Slot, SlotState
-from tpassrun.plan.swap import (PHASE_TIMEOUT_S, ClusterView, Phase, SlotRef, SwapKind, of_attempt,
-                                transfer_key as _transfer_key, world_prefix)
+from tpassrun.plan import (PHASE_TIMEOUT_S, ClusterView, Phase, SlotRef, SwapKind, of_attempt,
+                           transfer_key as _transfer_key, world_prefix)
 
 if TYPE_CHECKING:
     from tpassrun.rendezvous import EtcdStore

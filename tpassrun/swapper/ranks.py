@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from tpassrun.channel import Field, WorkerPhase
 from tpassrun.channel.protocol import CatchUp, Listening, Received, Stranger
-from tpassrun.plan.swap import PHASE_TIMEOUT_S, Phase, SwapKind, of_attempt, transfer_key
+from tpassrun.plan import PHASE_TIMEOUT_S, Phase, SwapKind, of_attempt, transfer_key
 from tpassrun.records import Keys, Move, SwapPlan, load
 
 if TYPE_CHECKING:
