@@ -60,7 +60,7 @@ from tpassrun.launch.workerenv import check_encrypt_conf, elastic_entry_point, e
 from tpassrun.transfer.auth import aead_unavailable_reason
 
 if TYPE_CHECKING:
-    from tpassrun.scheduler.watch import SchedulerWatch
+    from tpassrun.scheduler import SchedulerWatch
 
 log = logging.getLogger("tpassrun.agent")
 # torchrun's exit barrier (LocalElasticAgent's exit_barrier_timeout): how long the agent that hosts the run's

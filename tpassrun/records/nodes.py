@@ -12,8 +12,7 @@ from typing import Any, ClassVar, Mapping
 from tpassrun import schema
 from tpassrun.records import provenance
 from tpassrun.records.fields import RecordError, record, sealed
-from tpassrun.rendezvous.guard import RecordGuard
-from tpassrun.rendezvous.state import Closed, Generation, NodeInfo
+from tpassrun.rendezvous import Closed, Generation, NodeInfo, RecordGuard
 from tpassrun.schema import NonNegative, wire
 
 
