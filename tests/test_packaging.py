@@ -19,13 +19,24 @@ pytestmark = pytest.mark.timeout(300)
 @pytest.fixture(scope="module")
 def wheel(tmp_path_factory) -> str:
     out = tmp_path_factory.mktemp("wheel")
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", str(out), REPO]
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "-v", "-w", str(out), REPO]
     r = subprocess.run([*cmd[:4], "--no-build-isolation", *cmd[4:]], capture_output=True, text=True)
     if r.returncode != 0:
         r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-2000:]
+    (out / "build.log").write_text(r.stdout + r.stderr)
     (path,) = list(out.glob("tpassrun-*.whl"))
     return str(path)
+
+
+def test_the_build_prints_no_deprecation_warning(wheel):
+    """pyproject's ``license`` as a TOML table printed setuptools' deprecation box on every install; the SPDX
+    string form (setuptools >= 77, which build-system requires) does not."""
+    log = open(os.path.join(os.path.dirname(wheel), "build.log")).read()
+    assert "SetuptoolsDeprecationWarning" not in log and "is deprecated" not in log, log[-3000:]
+    with zipfile.ZipFile(wheel) as zf:
+        meta = zf.read(next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    assert "License-Expression: BSD-3-Clause" in meta
 
 
 def test_wheel_layout(wheel):
