@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import io
 
-from tpassrun.ops.ctl_render import node_names, render_status, run_list_lines
+from tpassrun.ops.ctl_render import render_status, run_list_lines
+from tpassrun.ops.names import node_names
 from tpassrun.ops.ctl_width import columns, wrap
 from tpassrun.ops.registry import RunEntry
 
@@ -42,8 +43,10 @@ def test_the_run_list_is_two_lines_a_run_within_80_columns_its_id_whole():
 def test_a_node_is_its_host_when_that_names_one_node_of_the_run():
     assert node_names(["gpu-a17-3301-9f2c", "gpu-a18.dc.example-4410-77aa"]) == {
         "gpu-a17-3301-9f2c": "gpu-a17", "gpu-a18.dc.example-4410-77aa": "gpu-a18"}
-    both = node_names(["vm-1-aaaa", "vm-2-bbbb"])                # two agents on one host: their ids
-    assert both == {"vm-1-aaaa": "vm-1-aaaa", "vm-2-bbbb": "vm-2-bbbb"}
+    both = node_names(["vm-1-aaaa", "vm-2-bbbb"])                # two agents on one host: host and pid
+    assert both == {"vm-1-aaaa": "vm-1", "vm-2-bbbb": "vm-2"}
+    same_pid = node_names(["vm-1-aaaa", "vm-1-bbbb", "db-7-cccc"])   # the pid too (two machines called vm)
+    assert same_pid == {"vm-1-aaaa": "vm-1-aaaa", "vm-1-bbbb": "vm-1-bbbb", "db-7-cccc": "db"}
 
 
 def test_status_tables_fit_80_columns_and_keep_ids_whole(capsys, monkeypatch):

@@ -7,6 +7,7 @@ import re
 
 from tpassrun.ops.console import ConsoleReporter, Describer, RunTally, summary_lines
 from tpassrun.ops.events import EventLog, read_events
+from tpassrun.ops.tally import RestartCost
 
 
 def test_a_full_disk_is_reported_once_and_the_events_go_on(capsys):
@@ -56,7 +57,8 @@ def test_phases_have_durations_and_the_summary_adds_up():
     line = d.describe(_ev("swap_resumed", 10.6, swap_id="u1", rank=1, seconds=0.5))
     assert line == "[rank 1] recovered and resumed (swap u1): paused 500 ms, 2.0 MiB moved, 0 steps lost, 1 redone"
     d.describe(_ev("generation_ended", 20.0, generation=0, outcome="failed", reason="x"))
-    d.describe(_ev("generation_joined", 25.0, generation=1, world_size=2, members=["host1-123-abcd"]))
+    d.describe(_ev("generation_joined", 24.0, generation=1, world_size=2, members=["host1-123-abcd"]))
+    d.describe(_ev("training_resumed", 25.0, step=7, reached=7, redone=0, redone_s=0.0))   # the worker API says
     d.describe(_ev("agent_exit", 100.0, code=0))
     t = d.tally
     assert (t.wall, round(t.lost, 3), t.steps_redone) == (100.0, 5.5, 1)
@@ -192,11 +194,11 @@ def test_a_restart_counts_its_start_up_and_the_steps_it_runs_again_and_a_failed_
     d.describe(_ev("generation_ended", 40.0, generation=0, outcome="failed", reason="x", step=22))
     d.describe(_ev("generation_joined", 42.0, generation=1, world_size=2, members=["host1-123-abcd"]))
     line = d.describe(_ev("training_resumed", 50.0, step=0, reached=22, redone=22, redone_s=11.0))
-    assert line == ("training resumed at step 0 after the whole-group restart (start-up 8.00 s): 22 step(s) run "
-                    "again (reached step 22 before; ~11.00 s)")
+    assert line == ("training resumed at step 0 after the whole-group restart (it took 10.00 s from the failure): "
+                    "22 step(s) run again (reached step 22 before; ~11.00 s)")
     d.describe(_ev("agent_exit", 100.0, code=0))
     t = d.tally
-    assert t.restarts == [("x", 10.0)] and round(t.lost, 3) == 21.0 and t.restart_redone == 22
+    assert t.restarts == [RestartCost("x", 10.0, 22, 11.0, 0)] and round(t.lost, 3) == 21.0 and t.restart_redone == 22
     assert summary_lines(t, 0)[2] == "summary: time lost to failures 21.00 s, steps lost 22, steps redone 0, goodput 79.0%"
     failed = summary_lines(t, 1)[2]
     assert "goodput not counted: the run failed" in failed and "%" not in failed
@@ -271,3 +273,20 @@ def test_a_survivors_gloo_text_goes_to_its_stderr_log_under_redirects_else_besid
     assert interrupted_by(Around(waited_s=0.1, dead=("rank 1's death (killed by SIGKILL)",))).startswith("rank 1's")
     assert interrupted_by(Around(waited_s=0.1, lost_nodes=("n2",))) == "node n2 lost"
     assert interrupted_by(Around(waited_s=0.1, failed_peers=(2,))) == ""   # a peer failing too is no cause
+
+
+def test_nodes_on_one_host_are_told_apart_in_every_line():
+    """On one machine every node was called ``vm`` (``node vm lost``, ``recovered live on vm``): once a second node
+    of the run shares a host, each is named ``host-pid``, in the line and in its ``[node ...]`` prefix."""
+    out = io.StringIO()
+    rep = ConsoleReporter(stream=out, pid=42)
+    rep({**_ev("agent_started", 0.0, endpoint="e:1", run_id="r", nproc=2, spares=0), "node": "vm-11-aaaa"})
+    rep({**_ev("generation_joined", 1.0, generation=0, world_size=4, members=["vm-11-aaaa", "vm-22-bbbb"]),
+         "node": "vm-11-aaaa"})
+    rep({**_ev("node_recovered", 9.0, swap_id="n1", lost_node="vm-22-bbbb", ranks=[2, 3], to=["vm-33-cccc"],
+               boundary=7, seconds=1.5), "node": "vm-11-aaaa"})
+    lines = out.getvalue().splitlines()
+    assert "[node vm] run r at etcd e:1" in lines[0]          # alone on its host so far: its host name
+    assert "[node vm-11] generation 0 formed: world size 4, 2 node(s): vm-11, vm-22" in lines[1]
+    assert ("[node vm-11] node vm-22 lost: ranks [2, 3] recovered live on vm-33 at step 7 (swap n1): paused 1.50 s"
+            in lines[2])

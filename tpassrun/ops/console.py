@@ -3,7 +3,8 @@
 Everything the agent and the swapper decide is already an event (:mod:`tpassrun.ops.events`); this module turns
 the stream into human lines in torchrun's logger format (``I1123 10:37:45.123000 <pid> <where>] <message>``)
 with ``[node ...]`` / ``[rank N]`` prefixes, without touching the code that emits them. :func:`describe` is a
-pure function of (tracker state, event); :class:`RunTally` accumulates what the summary needs.
+pure function of (tracker state, event); the run's tally (what failures cost: :mod:`tpassrun.ops.tally`) is a
+reducer of its own, fed the same events.
 """
 
 from __future__ import annotations
@@ -16,21 +17,16 @@ import time
 from typing import Any, Callable, Mapping, TextIO
 
 from tpassrun.ops.cleantext import clean
+from tpassrun.ops.names import NodeNames, split_id
+from tpassrun.ops.tally import HOW_TO_KNOW, RunTally
 
 WAITING_EVERY_S = 10.0
 
 
-def _short(node: Any) -> str:
-    """``host-pid-rand`` -> ``host``: what an operator calls the machine (tpassctl --node accepts it too)."""
-    text = str(node or "?")
-    parts = text.rsplit("-", 2)
-    return parts[0] if len(parts) == 3 and parts[1].isdigit() else text
-
-
-def _pool_need(ev: Mapping[str, Any]) -> str:
+def _pool_need(ev: Mapping[str, Any], name: Callable[[Any], str]) -> str:
     """What a pool event is for: ``rank N ...`` (a dead rank's need, said as is) or ``node H lost``."""
     lost = str(ev.get("lost_node"))
-    return lost if lost.startswith("rank ") else f"node {_short(lost)} lost"
+    return lost if lost.startswith("rank ") else f"node {name(lost)} lost"
 
 
 def _secs(x: Any) -> str:
@@ -73,50 +69,9 @@ class _Swap:
     phase_at: float = 0.0
     led_here: bool = False
     nbytes: int = 0
-    died_step: int | None = None
     boundary: int | None = None
-    started: float = 0.0
     reason: str = ""
     phase_reasoned: bool = False    # the leader's reason for the current phase was printed
-
-
-@dataclasses.dataclass
-class RunTally:
-    """What the exit summary reports (fed by every event, also by the metrics)."""
-
-    started: float | None = None
-    ended: float | None = None
-    swaps: list[tuple[str, str, float]] = dataclasses.field(default_factory=list)   # (kind, id, pause s)
-    restarts: list[tuple[str, float]] = dataclasses.field(default_factory=list)      # (why, downtime s)
-    aborted: list[tuple[str, float]] = dataclasses.field(default_factory=list)       # (id, held s)
-    steps_redone: int = 0
-    restart_redone: int = 0          # "steps lost": run again after whole-group restarts (progress thrown away)
-    redone_s: float = 0.0            # what the restarts' redone steps cost, at the step time before them
-    fallbacks: int = 0
-    given_back: str = ""             # a pool node's spare node that its job gave back to the pool (why)
-    hang_kills: int = 0
-    _restart_at: float | None = None
-    _restart_why: str = ""
-    _joined_at: float | None = None  # a restart's group formed: its start-up counts until training resumes
-
-    @property
-    def wall(self) -> float:
-        if self.started is None:
-            return 0.0
-        return max(0.0, (self.ended if self.ended is not None else time.monotonic()) - self.started)
-
-    @property
-    def lost(self) -> float:
-        return (sum(p for _k, _i, p in self.swaps) + sum(d for _w, d in self.restarts)
-                + sum(d for _i, d in self.aborted) + self.redone_s)
-
-    @property
-    def goodput(self) -> float:
-        """Share of wall time that was useful training: not swap pauses, not whole-group restarts (from the
-        failure until the new workers run a step) and not the steps those restarts ran again (the first
-        start-up counts as good, as under an uninterrupted torchrun)."""
-        wall = self.wall
-        return 100.0 if wall <= 0 else max(0.0, 100.0 * (wall - self.lost) / wall)
 
 
 class Describer:
@@ -125,36 +80,31 @@ class Describer:
     def __init__(self) -> None:
         self.swaps: dict[str, _Swap] = {}
         self.health: dict[Any, str | None] = {}     # device -> its last verdict's status
-        self.tally = RunTally()
-        self._last_death: dict[Any, int] = {}
+        self.tally = RunTally()      # fed every event first (tpassrun/ops/tally.py): the lines only read it
         self._lost: set[str] = set()       # nodes declared lost (one may come back as a spare node)
+        self.name = NodeNames()      # a node's name unique in the run (tpassrun/ops/names.py)
 
     def _swap(self, sid: Any) -> _Swap:
         return self.swaps.setdefault(str(sid), _Swap())
 
     def describe(self, ev: dict[str, Any]) -> str | None:  # one branch per event kind, on purpose
+        self.tally.feed(ev)
+        self.name.see(ev)
         name, now, t = ev.get("event"), float(ev.get("mono") or 0.0), self.tally
         sid = ev.get("swap_id")
         if name == "agent_started":
-            t.started = now
             return (f"run {ev.get('run_id')} at etcd {ev.get('endpoint')}: {ev.get('nproc')} rank(s) and "
                     f"{ev.get('spares')} spare(s) per node; event log {ev.get('event_log') or '-'} "
                     "(look: tpassctl status; follow: tpassctl events -f)")
         if name == "metrics_serving":
             return f"Prometheus metrics at http://{ev.get('addr')}:{ev.get('port')}/metrics"
         if name == "generation_joined":
-            members = [_short(m) for m in ev.get("members") or []]
+            members = [self.name(m) for m in ev.get("members") or []]
             shown = ", ".join(members[:8]) + (f" (+{len(members) - 8} more)" if len(members) > 8 else "")
-            # not a restart: this node fenced its workers and came back as a spare node (its ranks moved live)
-            back_as_spare = t._restart_why.startswith("fenced:") and ev.get("node") not in (ev.get("members") or [])
-            if t._restart_at is not None and not back_as_spare:
-                t.restarts.append((t._restart_why, max(0.0, now - t._restart_at)))
-                t._joined_at = now
-            t._restart_at = None
             return (f"generation {ev.get('generation')} formed: world size {ev.get('world_size')}, "
                     f"{len(members)} node(s): {shown}")
         if name == "waiting_for_nodes":
-            missing, nodes = ev.get("missing"), [_short(n) for n in ev.get("nodes") or []]
+            missing, nodes = ev.get("missing"), [self.name(n) for n in ev.get("nodes") or []]
             return (f"waiting for nodes ({_secs(ev.get('seconds'))}): {ev.get('joined')} of {ev.get('needed')} "
                     f"joined" + (f" ({', '.join(nodes[:8])})" if nodes else "")
                     + (f"; missing: {', '.join(map(str, missing))}" if missing else ""))
@@ -172,7 +122,7 @@ class Describer:
             return f"{what}: slot {ev.get('slot')}" + (f" ({ev['reason']})" if ev.get("reason") else "")
         if name == "taint_received" or name == "health_taint":
             who = f"rank {ev.get('rank')}" if ev.get("rank") is not None else f"slot {ev.get('slot')}"
-            where = f" on {_short(ev.get('target_node'))}" if ev.get("target_node") else ""
+            where = f" on {self.name(ev.get('target_node'))}" if ev.get("target_node") else ""
             return (f"taint received: {who}{where} ({ev.get('effect') or 'migrate'}, from "
                     f"{ev.get('source') or 'health'}): {ev.get('reason')}")
         if name in ("scheduler_event", "scheduler_error"):
@@ -213,7 +163,6 @@ class Describer:
             by = f" by {ev['by']}" if ev.get("by") else f": its collective failed ({_error_type(ev)})"
             return f"{_rank(ev)}step {ev.get('step')} interrupted{by}; waiting for recovery"
         if name == "worker_died":
-            self._last_death[ev.get("rank")] = int(ev.get("step") or 0)
             return f"{_rank(ev)}died at step {ev.get('step')}: {ev.get('why') or 'exit code ' + str(ev.get('code'))}"
         if name == "failure_dropped":
             return f"{_rank(ev)}its death is not reported: {ev.get('reason')}"
@@ -221,7 +170,7 @@ class Describer:
             if not ev.get("bytes_per_refresh"):     # HSDP: its replicas hold its shards (tpassrun/worker/sharded.py)
                 return (f"{_rank(ev)}sharded state kept in local copies only, not mirrored (under HSDP its "
                         f"declared replicas hold it): {_bytes(ev.get('local_held'))}")
-            where = f"node {_short(ev['buddy'])}'s memory" if ev.get("buddy") else "this agent's memory (no other node)"
+            where = f"node {self.name(ev['buddy'])}'s memory" if ev.get("buddy") else "this agent's memory (no other node)"
             every = (f"every {ev['interval']} step(s)" if ev.get("interval")
                      else "every step while it measures the cost (--shard-mirror-interval auto)")
             return (f"{_rank(ev)}sharded state mirrored to {where}: {_bytes(ev.get('bytes_per_refresh'))} {every}; "
@@ -245,11 +194,10 @@ class Describer:
             if ev.get("boundary") is not None:
                 s.boundary = int(ev["boundary"])
             if name == "swap_pause" and not s.phase:
-                s.phase, s.phase_at, s.started = "pause", now, now
-                s.died_step = self._last_death.get(s.rank)
+                s.phase, s.phase_at = "pause", now
                 if s.kind == "node":
                     return (f"[ranks {ev.get('ranks')}] node recovery {sid}: pausing the workers (node "
-                            f"{_short(ev.get('lost_node'))} lost)")
+                            f"{self.name(ev.get('lost_node'))} lost)")
                 label = "recovery" if s.kind == "unplanned" else "swap"
                 return f"[rank {s.rank}] {label} {sid}: pausing the workers"
             if s.led_here or s.phase == name[5:]:
@@ -264,48 +212,43 @@ class Describer:
         if name == "swap_resumed":
             s = self._swap(sid)
             pause = float(ev.get("seconds") or 0.0)
-            redone = 0
-            if s.kind == "unplanned" and s.died_step is not None and s.boundary is not None:
-                redone = max(0, s.died_step - s.boundary + 1)
-            t.swaps.append((s.kind, str(sid), pause))
-            t.steps_redone += redone
+            last = t.last_swap()
+            redone = last.redone if last is not None and last.swap_id == str(sid) else 0
             label = "recovered" if s.kind == "unplanned" else "swapped"
             moved = f", {_bytes(s.nbytes)} moved" if s.nbytes else ""
             return (f"[rank {ev.get('rank')}] {label} and resumed (swap {sid}): paused {_secs(pause)}{moved}, "
                     f"0 steps lost, {redone} redone")
         if name == "swap_aborted_here":
             s = self._swap(sid)
-            if s.started:   # the time it held the workers is lost all the same
-                t.aborted.append((str(sid), max(0.0, now - s.started)))
-                s.started = 0.0
-            return f"swap {sid} aborted after {_secs(t.aborted[-1][1]) if t.aborted else '?'}: {s.reason or ev.get('reason')}"
+            held = next((h for i, h in reversed(t.aborted) if i == str(sid)), None)
+            return f"swap {sid} aborted after {_secs(held) if held is not None else '?'}: {s.reason or ev.get('reason')}"
         if name == "node_lost":
             self._lost.add(str(ev.get("lost_node")))
-            return f"node {_short(ev.get('lost_node'))} lost"
+            return f"node {self.name(ev.get('lost_node'))} lost"
         if name == "spare_node_joined":
             joined = str(ev.get("joined"))
             if joined in self._lost:
-                return (f"node {_short(joined)}, lost earlier, is back as a spare node (its ranks stay where they "
+                return (f"node {self.name(joined)}, lost earlier, is back as a spare node (its ranks stay where they "
                         "moved; its slots serve the next failure)")
-            return f"spare node {_short(joined)} joined (its slots serve the next failure)"
+            return f"spare node {self.name(joined)} joined (its slots serve the next failure)"
         if name == "agent_gone":
-            return f"node {_short(ev.get('lost_node'))}: {ev.get('reason')}"
+            return f"node {self.name(ev.get('lost_node'))}: {ev.get('reason')}"
         if name in ("pool_claimed", "pool_waiting", "pool_gave_up"):   # own spares first, the pool, a restart last
-            what = {"pool_claimed": f"claimed pool node {_short(ev.get('pool_node'))} from pool {ev.get('pool')}",
+            what = {"pool_claimed": f"claimed pool node {self.name(ev.get('pool_node'))} from pool {ev.get('pool')}",
                     "pool_waiting": f"waiting for pool {ev.get('pool')}",
                     "pool_gave_up": f"pool {ev.get('pool')} gave nothing: torchrun's restart"}[name]
-            return f"{_pool_need(ev)}, no own spare ready: {what} ({ev.get('reason')})"
+            return f"{_pool_need(ev, self.name)}, no own spare ready: {what} ({ev.get('reason')})"
         if name == "pool_given_back":
-            t.given_back = str(ev.get("reason") or "given back")
             return f"given back to the spare pool ({t.given_back}): no rank runs here, leaving the job"
         if name == "pool_node_left":
-            return (f"pool node {_short(ev.get('pool_node'))} left the job as given back to pool {ev.get('pool')} "
-                    f"(its spare node {_short(ev.get('lost_node'))} held no rank)")
+            return (f"pool node {self.name(ev.get('pool_node'))} left the job as given back to pool {ev.get('pool')} "
+                    f"(its spare node {self.name(ev.get('lost_node'))} held no rank)")
         if name == "pool_released":
-            return f"pool node {_short(ev.get('pool_node'))} given back to pool {ev.get('pool')}: {ev.get('reason')}"
+            return f"pool node {self.name(ev.get('pool_node'))} given back to pool {ev.get('pool')}: {ev.get('reason')}"
         if name == "pool_preempting":
-            return (f"{_pool_need(ev)}, no own spare ready: pre-empting pool node {_short(ev.get('pool_node'))} from job "
-                    f"{ev.get('victim')} (priority {ev.get('victim_priority')} < {ev.get('priority')})")
+            return (f"{_pool_need(ev, self.name)}, no own spare ready: pre-empting pool node "
+                    f"{self.name(ev.get('pool_node'))} from job {ev.get('victim')} (priority "
+                    f"{ev.get('victim_priority')} < {ev.get('priority')})")
         if name == "pool_taken_back":
             return str(ev.get("reason"))
         if name == "pool_members_failed":
@@ -316,40 +259,36 @@ class Describer:
         if name == "node_lost_decided":
             if ev.get("action") != "plan":
                 return None   # the fallback line says it
-            return f"node {_short(ev.get('lost_node'))}: live recovery decided: {ev.get('reason')}"
+            return f"node {self.name(ev.get('lost_node'))}: live recovery decided: {ev.get('reason')}"
         if name == "recovery_superseded":
             return f"swap {sid} given up: {ev.get('reason')}"
         if name == "swap_node_dropped":
             return f"swap {sid}: {ev.get('reason')}"
         if name == "ranks_recovered":
             pause = float(ev.get("seconds") or 0.0)
-            t.swaps.append(("unplanned", str(sid), pause))
-            return (f"ranks {ev.get('ranks')} recovered live on {', '.join(_short(n) for n in ev.get('to') or [])} "
+            return (f"ranks {ev.get('ranks')} recovered live on {', '.join(self.name(n) for n in ev.get('to') or [])} "
                     f"at step {ev.get('boundary')} (swap {sid}): paused {_secs(pause)}, 0 steps lost")
         if name == "collectives_broken":
-            return (f"node {_short(ev.get('lost_node'))} lost: ranks {ev.get('ranks')} broken out of their "
+            return (f"node {self.name(ev.get('lost_node'))} lost: ranks {ev.get('ranks')} broken out of their "
                     f"collectives (swap {sid})")
         if name == "rank_caught_up":
             return (f"[rank {ev.get('rank')}] mixed commit: caught up to step {ev.get('step')} from rank "
                     f"{ev.get('donor')} (swap {sid}, {_bytes(int(ev.get('nbytes') or 0))})")
         if name == "node_recovered":
             pause = float(ev.get("seconds") or 0.0)
-            t.swaps.append(("node", str(sid), pause))
-            also = "".join(f", {_short(n)}" for n in ev.get("also") or [])
-            return (f"node {_short(ev.get('lost_node'))}{also} lost: ranks {ev.get('ranks')} recovered live on "
-                    f"{', '.join(_short(n) for n in ev.get('to') or [])} at step {ev.get('boundary')} (swap {sid}): "
+            also = "".join(f", {self.name(n)}" for n in ev.get("also") or [])
+            return (f"node {self.name(ev.get('lost_node'))}{also} lost: ranks {ev.get('ranks')} recovered live on "
+                    f"{', '.join(self.name(n) for n in ev.get('to') or [])} at step {ev.get('boundary')} (swap {sid}): "
                     f"paused {_secs(pause)}, 0 steps lost")
         if name == "replicas_checked":
             return _replicas_line(ev)
         if name == "store_moved":
             return f"the workers' store moved to {ev.get('addr')}:{ev.get('port')}: {ev.get('reason')}"
         if name == "mirror_push_failed":
-            return f"mirror: cannot copy light state to buddy {_short(ev.get('buddy'))}: {ev.get('error')}"
+            return f"mirror: cannot copy light state to buddy {self.name(ev.get('buddy'))}: {ev.get('error')}"
         if name == "fallback":
-            t.fallbacks += 1
             return f"fallback to torchrun's whole-group restart: {ev.get('reason')}"
         if name == "hang_detected":
-            t.hang_kills += 1
             if ev.get("what") == "stopped":
                 return (f"{_rank(ev)}hang: slot {ev.get('slot')} ({ev.get('role')}, {ev.get('phase')}) stopped for "
                         f"{_secs(ev.get('seconds'))} (pid {ev.get('pid')}, state {ev.get('proc_state')}); killing it")
@@ -362,27 +301,17 @@ class Describer:
             return (f"{_rank(ev)}file timer {ev.get('scope')!r} expired: sent {ev.get('signal')} to pid "
                     f"{ev.get('pid')}")
         if name == "hang_held":
-            silent = ", ".join(_short(n) for n in ev.get("silent") or [])
+            silent = ", ".join(self.name(n) for n in ev.get("silent") or [])
             return (f"ranks {ev.get('ranks')}: no step for {_secs(ev.get('seconds'))}, and node(s) {silent} do not "
                     f"answer: not killing ranks blocked on them; their lease ({ev.get('lease_s')} s) decides")
         if name == "generation_ended":
-            if ev.get("outcome") in ("failed", "membership"):
-                t._restart_at, t._restart_why = now, str(ev.get("reason"))
             return f"generation {ev.get('generation')} ended ({ev.get('outcome')}): {ev.get('reason')}"
         if name == "unmanaged_death":
             return f"[rank {ev.get('rank')}] died (exit code {ev.get('code')}): {ev.get('reason')}"
         if name == "training_resumed":
-            redone = int(ev.get("redone") or 0)
-            t.restart_redone += redone
-            t.redone_s += float(ev.get("redone_s") or 0.0)
-            startup = 0.0
-            if t._joined_at is not None and t.restarts:
-                startup = max(0.0, now - t._joined_at)
-                why, down = t.restarts[-1]
-                t.restarts[-1] = (why, down + startup)
-            t._joined_at = None
-            return (f"training resumed at step {ev.get('step')} after the whole-group restart (start-up "
-                    f"{_secs(startup)}): {redone} step(s) run again (reached step {ev.get('reached')} before; "
+            took = f" (it took {_secs(t.restarts[-1].down_s)} from the failure)" if t.restarts else ""
+            return (f"training resumed at step {ev.get('step')} after the whole-group restart{took}: "
+                    f"{int(ev.get('redone') or 0)} step(s) run again (reached step {ev.get('reached')} before; "
                     f"~{_secs(ev.get('redone_s'))})")
         if name == "restart":
             return f"whole-group restart ({ev.get('remaining')} left): {ev.get('reason')}"
@@ -401,9 +330,6 @@ class Describer:
             return f"{name.replace('_', ' ')}: {detail}"
         if name == "plans_unauthenticated":
             return f"warning: {ev.get('reason')}"
-        if name == "agent_exit":
-            t.ended = now
-            return None
         return None
 
     def _phase_line(self, sid: Any, s: _Swap, phase: str, now: float, reason: Any) -> str | None:
@@ -440,9 +366,25 @@ def _replicas_line(ev: dict[str, Any]) -> str:
     return f"replica check at step {step}: {what}: {ev.get('detail')} ({then})"
 
 
+def cost_line(t: RunTally, code: Any) -> str:
+    """What failures cost, in one line (the summary's third; ``tpassctl status`` says it while the run runs,
+    ``code`` None). A cost tpassrun cannot see is said to be unknown, never 0 (tpassrun/ops/tally.py)."""
+    steps_lost, goodput = t.restart_redone, t.goodput
+    head = (f"time lost to failures {'' if t.known else 'at least '}{_secs(t.lost)}, steps lost "
+            f"{'unknown' if steps_lost is None else steps_lost}, steps redone {t.steps_redone}")
+    if code is None:
+        return head + (", goodput unknown" if goodput is None else f", goodput so far {goodput:.1f}%")
+    if code not in (0, "0"):
+        return head + ", goodput not counted: the run failed (its progress since the script's last checkpoint is lost)"
+    if t.given_back:
+        return head + f", given back to the spare pool ({t.given_back}): no rank ran here at the end"
+    return head + (", goodput unknown" if goodput is None else f", goodput {goodput:.1f}%")
+
+
 def summary_lines(t: RunTally, code: Any) -> list[str]:
-    planned = [p for k, _i, p in t.swaps if k not in ("unplanned", "node")]
-    unplanned = [p for k, _i, p in t.swaps if k in ("unplanned", "node")]
+    """The exit summary: what ran, what it cost, and (when a cost is unknown) how to make it known."""
+    planned = [s.pause_s for s in t.swaps if s.kind not in ("unplanned", "node")]
+    unplanned = [s.pause_s for s in t.swaps if s.kind in ("unplanned", "node")]
 
     def pauses(xs: list[float]) -> str:
         return "" if not xs else f" (pause {', '.join(_secs(x) for x in xs[:6])}{', ...' if len(xs) > 6 else ''})"
@@ -451,12 +393,9 @@ def summary_lines(t: RunTally, code: Any) -> list[str]:
              f"summary: {len(planned)} swap(s){pauses(planned)}, {len(unplanned)} recover(ies){pauses(unplanned)}, "
              f"{len(t.restarts)} whole-group restart(s), {t.hang_kills} hang kill(s)"
              + (f", {len(t.aborted)} aborted swap(s)" if t.aborted else ""),
-             f"summary: time lost to failures {_secs(t.lost)}, steps lost {t.restart_redone}, steps redone "
-             f"{t.steps_redone}"
-             + (f", given back to the spare pool ({t.given_back}): no rank ran here at the end"
-                if t.given_back and code in (0, "0") else
-                f", goodput {t.goodput:.1f}%" if code in (0, "0") else
-                ", goodput not counted: the run failed (its progress since the script's last checkpoint is lost)")]
+             f"summary: {cost_line(t, code)}"]
+    if not t.known:
+        lines.append(f"summary: unknown: {HOW_TO_KNOW}")
     return lines
 
 
@@ -510,12 +449,14 @@ def _clean_arg(value: Any) -> Any:
     return clean(value) if isinstance(value, (str, BaseException)) else value
 
 
-def format_line(ev: dict[str, Any], line: str, pid: int, *, wall: float | None = None) -> str:
+def format_line(ev: dict[str, Any], line: str, pid: int, *, wall: float | None = None,
+                name: Callable[[Any], str] | None = None) -> str:
     """One console line for ``ev`` (no newline): the logger prefix (its level: :func:`level_of`), the node, the text,
     every control character of it shown escaped (a taint reason or a node id is anyone's text: it must not drive
     the terminal)."""
     prefix = log_prefix(pid, float(ev.get("time") or (time.time() if wall is None else wall)), level_of(ev))
-    return clean(f"{prefix}[node {_short(ev.get('node'))}] {line}")
+    node = (name or (lambda n: split_id(str(n or "?"))[0]))(ev.get("node"))
+    return clean(f"{prefix}[node {node}] {line}")
 
 
 class ConsoleReporter:
@@ -545,7 +486,7 @@ class ConsoleReporter:
     def _emit(self, ev: dict[str, Any], line: str, *, node: bool) -> None:
         if not self.enabled:
             return
-        text = format_line(ev, line, self.pid, wall=self._wall()) + "\n"
+        text = format_line(ev, line, self.pid, wall=self._wall(), name=self.describer.name) + "\n"
         stream = self.stream or sys.stderr
         try:
             stream.write(text)

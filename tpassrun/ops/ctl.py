@@ -31,6 +31,9 @@ from typing import Any, Callable, Sequence
 from tpassrun.ops.cleantext import clean
 from tpassrun.ops.ctl_wait import EtcdWait
 from tpassrun.ops.ctl_render import render_status, run_list_lines
+from tpassrun.ops.events import read_events
+from tpassrun.ops.names import short_host, split_id
+from tpassrun.ops.tally import RunTally, tally_of
 from tpassrun.ops.ctl_width import columns, wrap
 from tpassrun.records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RunClosed, SwapPlan, Taint, TaintEffect,
                       TaintSource, generation_record, leader_of, load, node_info)
@@ -248,10 +251,12 @@ async def _on_store(args: argparse.Namespace, etcd: EtcdConfig, prefix: str, key
                 event_log = _event_log_of(args)
                 return await tui_live.watch(fetch, interval=args.interval, lost_after=args.lost_after,
                                             on_lost=lambda: tui_live.outcome_from_event_log(event_log))
+            costs = _costs_of(args)
             if args.json:
-                print(json.dumps(snap.to_json(), indent=2, sort_keys=True))
+                print(json.dumps({**snap.to_json(), "costs": costs.to_json() if costs else None}, indent=2,
+                                 sort_keys=True))
             else:
-                render_status(snap)
+                render_status(snap, costs)
             return 0
         if getattr(args, "node", None):
             args.node = _resolve_node(snap, args.node)
@@ -477,13 +482,26 @@ def _event_log_of(args: argparse.Namespace) -> str | None:
     return entry.event_log if entry is not None else None
 
 
+def _costs_of(args: argparse.Namespace) -> RunTally | None:
+    """What failures cost the run so far, from its launcher's event log through the summary's own reducer
+    (tpassrun/ops/tally.py), so status and the summary say the same; None for a run not on this machine."""
+    path = _event_log_of(args)
+    if not path:
+        return None
+    try:
+        return tally_of(read_events(path))
+    except OSError:
+        return None
+
+
 def _resolve_node(snap: RunSnapshot, node: str) -> str:
-    """A node id, or a hostname naming exactly one node of the run (ids are ``host-pid-rand``)."""
+    """A node id, or a name of exactly one node of the run (ids are ``host-pid-rand``; a host, its short name,
+    or ``host-pid``: the names the console and status show, tpassrun/ops/names.py)."""
     gen = snap.generation
     known = set(snap.status) | set(snap.nodes) | (set(gen.member_ids) if gen else set())
     if node in known:
         return node
-    hits = sorted(n for n in known if n.rsplit("-", 2)[0] == node)
+    hits = sorted(n for n in known if node in (split_id(n)[0], short_host(split_id(n)[0]), "-".join(n.rsplit("-", 2)[:2])))
     if len(hits) == 1:
         return hits[0]
     if len(hits) > 1:

@@ -20,7 +20,7 @@ POLL_S = 0.2
 def _line(d: Describer, ev: dict[str, Any], pid: int) -> list[str]:
     text = d.describe(ev)
     lines = summary_lines(d.tally, ev.get("code")) if ev.get("event") == "agent_exit" else ([text] if text else [])
-    return [format_line(ev, x, pid) for x in lines]
+    return [format_line(ev, x, pid, name=d.name) for x in lines]
 
 
 def print_events(entry: RunEntry, *, follow: bool, raw: bool, out: Any = None) -> int:

@@ -1,8 +1,8 @@
 """``tpassctl status``'s tables and the run list, fitted to 80 columns (or the terminal's width).
 
 Nothing a command takes is cut: ids (taints, swaps, runs) and node ids fold onto a second line instead of ending in
-an ellipsis; a node is shown by its host name when that names one node of the run (as the launcher's console
-does), by its id otherwise; free text (reasons, states) wraps.
+an ellipsis; a node is shown by a name unique in the run, as the launcher's console does (its host name, else
+``host-pid``: tpassrun/ops/names.py); free text (reasons, states) wraps.
 """
 
 from __future__ import annotations
@@ -12,6 +12,9 @@ from typing import Any
 
 from tpassrun.ops.cleantext import clean
 from tpassrun.records.provenance import RUN_KEY_ENV, RUN_KEY_FILE_CONF
+from tpassrun.ops.console import cost_line
+from tpassrun.ops.names import node_names
+from tpassrun.ops.tally import HOW_TO_KNOW, RunTally
 from tpassrun.ops.tui import duration_text, step_info
 
 
@@ -32,22 +35,9 @@ def _size(n: int) -> str:
 MAX_WHOLE = 28     # a column is kept whole when its cells are at most this wide (else: folded)
 
 
-def node_names(node_ids: Any) -> dict[str, str]:
-    """How each node is shown in a table: its host (``host-pid-rand`` -> ``host``) when no other node of the run
-    runs there, else its whole id (pure)."""
-    ids = sorted({str(n) for n in node_ids})
-    host = {n: (n.rsplit("-", 2)[0] if len(n.rsplit("-", 2)) == 3 and n.rsplit("-", 2)[1].isdigit() else n)
-            for n in ids}
-    out = {}
-    for n, h in host.items():
-        short = h.split(".", 1)[0]       # gpu-a17.cluster.example.com -> gpu-a17
-        out[n] = next((name for name in (short, h) if sum(1 for x in ids if host[x].split(".", 1)[0] == name
-                                                          or host[x] == name) == 1), n)
-    return out
-
-
-def render_status(snap: Any) -> None:
-    """``tpassctl status``'s tables of a ``ctl.RunSnapshot``."""
+def render_status(snap: Any, costs: RunTally | None = None) -> None:
+    """``tpassctl status``'s tables of a ``ctl.RunSnapshot``; ``costs``: the run's tally from its event log (the
+    exit summary's line), when the run is on this machine."""
     from rich.console import Console
     from rich.table import Column, Table
     from rich.text import Text
@@ -91,6 +81,10 @@ def render_status(snap: Any) -> None:
     console.print(Text(clean(f"{where}" + (f"  ({pace})" if pace else ""))))
     console.print(Text(clean(f"leader: {snap.leader or '-'}" + (f"   closed: {snap.closed.reason}" if snap.closed
                                                                      else ""))))
+    if costs is not None:
+        console.print(Text(clean(f"costs: {cost_line(costs, costs.code)}")))
+        if not costs.known:
+            console.print(Text(clean(f"unknown: {HOW_TO_KNOW}")))
     if snap.provenance == "unverified":
         console.print(Text(f"unverified: the job seals its records with a run key and tpassctl was given none "
                            f"(--rdzv-conf {RUN_KEY_FILE_CONF}=PATH or ${RUN_KEY_ENV})", style="yellow"))

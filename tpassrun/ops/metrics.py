@@ -63,9 +63,9 @@ class AgentMetrics:
         self.describer.describe(ev)
         tally = self.describer.tally
         if len(tally.swaps) > before[0]:
-            kind, _sid, pause = tally.swaps[-1]
-            self.swaps.labels(kind).inc()
-            self.pause.labels(kind).observe(pause)
+            swap = tally.swaps[-1]
+            self.swaps.labels(swap.kind).inc()
+            self.pause.labels(swap.kind).observe(swap.pause_s)
             self.steps_redone.inc(tally.steps_redone - before[1])
         if name == "swap_transfer_end":
             self.bytes.inc(float(ev.get("nbytes") or 0))
@@ -119,13 +119,20 @@ class AgentMetrics:
         yield health
         yield GaugeMetricFamily("tpassrun_link_degraded_extra_step_seconds", "Step time this node's degraded link "
                                 "adds to every step (0: its link is not degraded)", value=self.link_extra_s)
-        tally = self.describer.tally
+        tally = self.describer.tally     # the summary's own reducer (tpassrun/ops/tally.py): -1 where it says unknown
+        goodput, steps_lost = tally.goodput, tally.restart_redone
         yield GaugeMetricFamily("tpassrun_goodput_ratio", "Share of wall time that was useful training (not "
-                                "swap pauses, restarts, or steps a restart ran again)", value=tally.goodput / 100.0)
+                                "swap pauses, restarts, or steps a restart ran again); -1: unknown (a restart of a "
+                                "script without the worker API)", value=-1.0 if goodput is None else goodput / 100.0)
         yield GaugeMetricFamily("tpassrun_time_lost_seconds", "Wall time lost to swap pauses, restarts and the "
-                                "steps restarts ran again", value=tally.lost)
+                                "steps restarts ran again (a lower bound while tpassrun_costs_known is 0)",
+                                value=tally.lost)
+        yield GaugeMetricFamily("tpassrun_costs_known", "1: every restart's steps run again are known; 0: a restart "
+                                "of a script without the worker API (its steps are not seen)",
+                                value=1.0 if tally.known else 0.0)
         yield GaugeMetricFamily("tpassrun_steps_lost", "Steps whole-group restarts ran again (progress since the "
-                                "script's last checkpoint)", value=float(tally.restart_redone))
+                                "script's last checkpoint); -1: unknown",
+                                value=-1.0 if steps_lost is None else float(steps_lost))
         yield GaugeMetricFamily("tpassrun_steps_redone", "In-flight steps live recoveries re-executed",
                                 value=float(tally.steps_redone))
         yield GaugeMetricFamily("tpassrun_whole_group_restarts", "Whole-group restarts (torchrun's path)",
