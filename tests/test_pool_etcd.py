@@ -169,14 +169,26 @@ def test_a_jobs_leader_waits_claims_asks_again_when_dropped_and_gives_up_after_p
                 say = lambda event, **f: said.append((event, f))      # noqa: E731
                 await jp.need(("b",), 0, say)
                 assert said[-1][0] == "pool_waiting" and "the pool has no node" in said[-1][1]["reason"]
+                n = len(said)
+                now[0] += 2
+                await jp.need(("b",), 0, say)                                  # not again within a few seconds
+                assert len(said) == n
+                now[0] += 3                                                    # then how long, and why, again
+                await jp.need(("b",), 0, say)
+                assert said[-1][0] == "pool_waiting" and said[-1][1]["waited"] == 5.0 \
+                    and said[-1][1]["wait_limit"] == 30.0 and "the pool has no node" in said[-1][1]["reason"]
                 await _pool(ns, run_id).register(PoolNode("p1", "h", 1, time.time()))
                 now[0] += 5
                 await jp.need(("b",), 0, say)
-                assert said[-1][0] == "pool_claimed" and said[-1][1]["waited"] == 5.0 and jp.held == {"b": "p1"}
+                assert said[-1][0] == "pool_claimed" and said[-1][1]["waited"] == 10.0 and jp.held == {"b": "p1"}
+                now[0] += 6                                                    # its spares start from cold
+                await jp.need(("b",), 0, say)
+                assert said[-1][0] == "pool_waiting" and said[-1][1]["waited"] == 16.0 \
+                    and "pool node p1 claimed 6 s ago; its spares are starting" in said[-1][1]["reason"]
                 await _pool(ns, run_id).drop_claim("p1")                      # the pool node dropped it
                 await jp.need(("b",), 0, say)
                 assert [e for e, _ in said[-2:]] == ["pool_waiting", "pool_claimed"]
-                now[0] += 40                                                   # its spares never came up
+                now[0] += 34                                                   # its spares never came up
                 await jp.need(("b",), 0, say)
                 assert said[-1][0] == "pool_gave_up" and jp.gave_up == {"b"} and not jp.held
                 assert not (await pool.read())[0].claims

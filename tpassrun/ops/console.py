@@ -234,8 +234,10 @@ class Describer:
         if name == "agent_gone":
             return f"node {self.name(ev.get('lost_node'))}: {ev.get('reason')}"
         if name in ("pool_claimed", "pool_waiting", "pool_gave_up"):   # own spares first, the pool, a restart last
+            waited = (f" for {_secs(ev['waited'])} of --pool-wait {_secs(ev.get('wait_limit'))}"
+                      if ev.get("waited") is not None and ev.get("wait_limit") is not None else "")
             what = {"pool_claimed": f"claimed pool node {self.name(ev.get('pool_node'))} from pool {ev.get('pool')}",
-                    "pool_waiting": f"waiting for pool {ev.get('pool')}",
+                    "pool_waiting": f"waiting for pool {ev.get('pool')}{waited}",
                     "pool_gave_up": f"pool {ev.get('pool')} gave nothing: torchrun's restart"}[name]
             return f"{_pool_need(ev, self.name)}, no own spare ready: {what} ({ev.get('reason')})"
         if name == "pool_given_back":

@@ -71,6 +71,10 @@ def silent_pool_node(record: PoolNode | None, job_lost: Collection[str], known_a
     return ""
 
 
+#: a job waiting for its pool says how long and why this often (the console's and the live view's line)
+WAITING_SAY_EVERY_S = 5.0
+
+
 @dataclass
 class JobPool:
     pool: Pool
@@ -87,6 +91,8 @@ class JobPool:
     agent_of: dict[str, str] = field(default_factory=dict)      # a pool node claimed -> its spare node's id in the job
     given_back: dict[str, str] = field(default_factory=dict)    # the spare node's id of a pool node given back -> the
                                                                 # pool node (its leaving is expected: not a loss)
+    said_at: dict[str, float] = field(default_factory=dict)     # lost node -> when a waiting line was last said
+    claimed_at: dict[str, float] = field(default_factory=dict)  # lost node -> when its pool node was claimed
 
     @property
     def name(self) -> str:
@@ -115,7 +121,14 @@ class JobPool:
                 mine = view.claims.get(self.held[node])
                 if mine is not None and mine.job == self.cfg.rdzv_id:
                     if now - since < self.cfg.pool_wait:
-                        continue        # its spare node is starting: the node plan takes it when it is up
+                        # its spare node is starting: the node plan takes it when it is up; said every few seconds
+                        if self._due(node, now):
+                            say("pool_waiting", lost_node=node, pool=self.name, waited=round(now - since, 1),
+                                wait_limit=self.cfg.pool_wait,
+                                reason=f"pool node {self.held[node]} claimed "
+                                       f"{now - self.claimed_at.get(node, since):.0f} s ago; its spares are "
+                                       "starting (a joiner from cold: the script's imports and tpassrun.init())")
+                        continue
                     await self.pool.release(self.held.pop(node), self.cfg.rdzv_id, "its spares never came up")
                     self.gave_up.add(node)
                     say("pool_gave_up", lost_node=node, pool=self.name,
@@ -139,6 +152,8 @@ class JobPool:
                               waited=now - since)
                 if await self.pool.claim(claim, revs[action.node_id]):
                     self.held[node] = action.node_id
+                    self.claimed_at[node] = now
+                    self.said_at[node] = now
                     self.agent_of.pop(action.node_id, None)
                     if action.node_id in view.preempts:     # the node we pre-empted (it drops the request itself)
                         await self.pool.drop_preempt(action.node_id)
@@ -148,12 +163,22 @@ class JobPool:
             elif isinstance(action, Preempt):
                 await self._preempt(node, action, view, now, say)
             elif isinstance(action, (WaitForPool, UseOwn)):
-                if (node, type(action).__name__) not in self.said:
+                first = (node, type(action).__name__) not in self.said
+                if first or self._due(node, now):      # how long and why, again every few seconds
                     self.said.add((node, type(action).__name__))
-                    say("pool_waiting", lost_node=node, pool=self.name, reason=action.reason)
+                    self.said_at[node] = now
+                    say("pool_waiting", lost_node=node, pool=self.name, reason=action.reason,
+                        waited=round(now - since, 1), wait_limit=self.cfg.pool_wait)
             elif isinstance(action, Restart):
                 self.gave_up.add(node)
                 say("pool_gave_up", lost_node=node, pool=self.name, reason=action.reason)
+
+    def _due(self, node: str, now: float) -> bool:
+        """A waiting line for ``node`` is due (the last one was WAITING_SAY_EVERY_S ago); notes it said."""
+        if now - self.said_at.get(node, float("-inf")) < WAITING_SAY_EVERY_S:
+            return False
+        self.said_at[node] = now
+        return True
 
     async def _drop_silent(self, view: PoolView, job_lost: Collection[str]) -> dict[str, str]:
         """Release this job's claims on pool nodes that will not serve it any more (:func:`silent_pool_node`: one
