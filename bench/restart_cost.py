@@ -38,16 +38,17 @@ def _rows(out: str, pattern: str, rank: int) -> list[dict[str, object]]:
         return []
 
 
-def run(launcher: str, script: str, out: str, *, steps: int, sleep: float, kill_step: int | None) -> dict[str, object]:
+def run(launcher: str, script: str, out: str, *, steps: int, sleep: float, kill_step: int | None, spares: int = 1,
+        max_restarts: int = 1) -> dict[str, object]:
     path, pattern = SCRIPTS[script]
     args = ["--steps", str(steps), "--step-sleep", str(sleep), "--out", out]
     if launcher == "tpassrun":
-        argv = [sys.executable, "-m", "tpassrun", "--standalone", "--nproc-per-node", "2", "--spares-per-node", "1",
-                "--max-restarts", "1", "--log-dir", os.path.join(out, "logs"), path, *args]
+        argv = [sys.executable, "-m", "tpassrun", "--standalone", "--nproc-per-node", "2", "--spares-per-node",
+                str(spares), "--max-restarts", str(max_restarts), "--log-dir", os.path.join(out, "logs"), path, *args]
         env: dict[str, str] = {}
     else:
         argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                "--max-restarts", "1", path, *args]
+                "--max-restarts", str(max_restarts), path, *args]
         env = dict(TORCHRUN_RESTART_ENV)
     job = Job(argv=argv, out=out, env=env).start()
     killed_at = None
@@ -77,18 +78,23 @@ def main() -> None:
     p.add_argument("--step-sleep", type=float, default=0.5)
     p.add_argument("--kill-step", type=int, default=15)
     p.add_argument("--launchers", default="tpassrun,torchrun")
+    p.add_argument("--spares", type=int, default=1, help="tpassrun's --spares-per-node (with the worker API and a "
+                   "spare the failure is recovered live, no restart)")
+    p.add_argument("--max-restarts", type=int, default=1, help="0: the failure ends the run (exit 1)")
+    p.add_argument("--no-clean", action="store_true", help="skip the run without the failure (no stopwatch figure)")
     p.add_argument("--keep", default="", help="keep the jobs' output (event logs, step logs) under this directory")
     a = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="restart_cost_") as scratch:
         tmp = a.keep or scratch
         for launcher in a.launchers.split(","):
-            base = run(launcher, a.script, os.path.join(tmp, f"{launcher}-clean"), steps=a.steps, sleep=a.step_sleep,
-                       kill_step=None)
-            hit = run(launcher, a.script, os.path.join(tmp, f"{launcher}-fault"), steps=a.steps, sleep=a.step_sleep,
-                      kill_step=a.kill_step)
-            hit["stopwatch_lost_s"] = float(hit["wall_s"]) - float(base["wall_s"])  # type: ignore[arg-type]
-            hit["clean_wall_s"] = base["wall_s"]
+            shape = {"steps": a.steps, "sleep": a.step_sleep, "spares": a.spares, "max_restarts": a.max_restarts}
+            base = None if a.no_clean else run(launcher, a.script, os.path.join(tmp, f"{launcher}-clean"),
+                                               kill_step=None, **shape)  # type: ignore[arg-type]
+            hit = run(launcher, a.script, os.path.join(tmp, f"{launcher}-fault"), kill_step=a.kill_step,
+                      **shape)  # type: ignore[arg-type]
+            hit["clean_wall_s"] = base["wall_s"] if base else float("nan")
+            hit["stopwatch_lost_s"] = float(hit["wall_s"]) - float(hit["clean_wall_s"])  # type: ignore[arg-type]
             results.append(hit)
             print(f"{launcher:9s} exit {hit['code']}  wall {hit['wall_s']:.2f} s (clean {base['wall_s']:.2f} s): "
                   f"the failure cost {hit['stopwatch_lost_s']:.2f} s by the stopwatch, "

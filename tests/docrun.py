@@ -1,5 +1,13 @@
-"""Run a user's training script as it is written (an adapter docstring's example, extracted), under torchrun or
-tpassrun, and leave behind what the tests and ``bench/frameworks.py`` compare:
+"""What the documentation says, run as written: the pages' command blocks (:func:`command_blocks`,
+:func:`run_page`), and a user's training script as it is written (an adapter docstring's example, extracted),
+under torchrun or tpassrun, leaving behind what the tests and ``bench/frameworks.py`` compare.
+
+Pages (README.md, docs/*.md): every fenced block names its language; a shell block (``sh``, ``bash``) is preceded
+by a marker line, ``<!-- docrun: run -->`` (run as written, in order with the page's other run blocks, in one
+bash of a scratch directory, as a reader following the page would) or ``<!-- docrun: skip: WHY -->`` (not run in
+CI, and why: the test says it). Anything else (``text``: output, ``python``, ``toml`` ...) is not a command.
+
+Training scripts:
 
     torchrun --nproc-per-node 2 tests/docrun.py SCRIPT [script args] --out DIR
 
@@ -20,14 +28,74 @@ The script is run unchanged (``runpy``, as ``__main__``, with its own arguments 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import re
 import runpy
+import signal
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SHELL_LANGS = ("sh", "bash", "shell", "console")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One fenced block of a page."""
+
+    page: str
+    line: int            # 1-based line of its opening fence
+    lang: str            # "" when the fence names none
+    text: str
+    mark: str            # "run", "skip: WHY", or "" (no marker)
+
+    @property
+    def where(self) -> str:
+        return f"{os.path.relpath(self.page, REPO)}:{self.line}"
+
+
+def command_blocks(page: str) -> list[Block]:
+    """Every fenced block of ``page`` with its language and the docrun marker on the line before it (pure)."""
+    with open(page) as fh:
+        lines = fh.read().split("\n")
+    out, i = [], 0
+    while i < len(lines):
+        fence = re.match(r"^(\s*)```(\S*)\s*$", lines[i])
+        if not fence:
+            i += 1
+            continue
+        j = i + 1
+        while j < len(lines) and not re.match(r"^\s*```\s*$", lines[j]):
+            j += 1
+        before = next((lines[k].strip() for k in range(i - 1, -1, -1) if lines[k].strip()), "")
+        mark = re.match(r"^<!-- docrun: (run|skip: .+?) -->$", before)
+        out.append(Block(page, i + 1, fence.group(2), "\n".join(lines[i + 1:j]), mark.group(1) if mark else ""))
+        i = j + 1
+    return out
+
+
+def run_page(page: str, cwd: str, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
+    """The page's ``run`` blocks in order, in one ``bash -euo pipefail`` in ``cwd`` (a variable one block exports
+    is the next one's, as in a reader's shell); whatever they left running in the background is killed at the end
+    (the session's process group). Returns the finished process (stdout and stderr together)."""
+    script = "\n".join(f"# --- {b.where}\n{b.text}" for b in command_blocks(page) if b.mark == "run")
+    proc = subprocess.Popen(["bash", "-euo", "pipefail", "-c", script], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        out = ""
+        proc.returncode = -1
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)     # the background jobs a block started (a pool node, a job)
+        proc.wait()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, "")
 
 
 def example(module_doc: str) -> str:
