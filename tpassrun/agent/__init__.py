@@ -37,7 +37,8 @@ from tpassrun.agent.state import AgentState
 from tpassrun.agent.store import WorkersStore
 from tpassrun.agent.supervise import Outcome, Supervision
 from tpassrun.agent.tasks import GenerationTasks
-from tpassrun.agent.workers import WorkerSpawning
+from tpassrun.agent.transparent import Transparent
+from tpassrun.agent.workers import WorkerSpawning, watch_exit
 from tpassrun.settings import LaunchConfig
 from tpassrun.ops.cleantext import clean
 from tpassrun.ops.console import WAITING_EVERY_S, ConsoleReporter, GlogFormatter
@@ -95,9 +96,11 @@ class Agent:
         self._hosting_etcd = False        # c10d/static: this agent serves the run's etcd
         self._store = WorkersStore(st)
         self._tasks = GenerationTasks(st, self._store)
-        self._workers = WorkerSpawning(st, self._store, self._tasks)
+        # --snapshot-interval: process snapshots (transparent.py); a restored worker's exit is watched as a spawned one's
+        self._transparent = Transparent(st, watch=lambda slot, proc: asyncio.ensure_future(watch_exit(st, slot, proc)))
+        self._workers = WorkerSpawning(st, self._store, self._tasks, self._transparent)
         self._cause = CauseJudge(st)
-        self._supervision = Supervision(st, self._cause, self._workers, self._store)
+        self._supervision = Supervision(st, self._cause, self._workers, self._store, self._transparent)
         self._join_task: asyncio.Task[Generation] | None = None
         self._closing: asyncio.Future[None] | None = None    # the run's close after a failure (a signal cancels it)
         self._main_task: asyncio.Task[Any] | None = None
@@ -186,6 +189,8 @@ class Agent:
             stack.callback(st.events.close)
             if self._hosting_etcd:
                 st.events.write("etcd_hosted", endpoint=endpoint)
+            await self._transparent.start()        # --snapshot-interval: criu check decides, once (one line if not)
+            stack.callback(self._transparent.close)
             etcd_cfg = EtcdConfig.from_endpoint(endpoint, rdzv_conf)
             if run_key is None and etcd_cfg.user is None and etcd_cfg.cert is None:
                 st.events.write("plans_unauthenticated", reason=(
@@ -460,6 +465,7 @@ class Agent:
         log.debug("generation %d: store at %s:%d; spawning workers", gen.number, *master)
         await self._workers.start_file_timer()
         await self._workers.spawn_generation(gen, master)
+        self._transparent.generation_started()
         self._elastic.workers("START", gen, st.node_id, st.slots.slots, st.remaining_restarts)
         log.debug("generation %d: workers spawned; supervising", gen.number)
         tasks = [asyncio.ensure_future(self._tasks.pump_rdzv_events(gen)),
@@ -470,6 +476,8 @@ class Agent:
             tasks.append(asyncio.ensure_future(st.mirror.run()))
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._tasks.hang_watchdog()))
+        if self._transparent.active:
+            tasks.append(asyncio.ensure_future(self._transparent.run()))
         tasks.append(asyncio.ensure_future(self._supervision.watch_lease(gen)))
         if self._scheduler is not None:
             tasks.append(asyncio.ensure_future(self._scheduler.run()))
