@@ -43,7 +43,8 @@ started=$(date +%s)
 DEPS="build-essential pkg-config libbsd-dev libcap-dev libnet1-dev libnftables-dev libnl-3-dev libprotobuf-c-dev \
 libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev libgnutls28-dev xz-utils"
 say "apt-get install the build dependencies"
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $DEPS >/dev/null
+DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $DEPS >/dev/null 2>&1 \
+    || { say "apt-get install of the build dependencies failed"; exit 1; }
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 # Debian's source index of unstable, in a private apt state (the machine's own sources stay as they are)
