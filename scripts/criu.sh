@@ -31,17 +31,23 @@ if [ "${1:-}" = "--check" ]; then
     say "no usable CRIU (>= 4.2 whose 'criu check' passes); bash scripts/criu.sh installs one"
     exit 1
 fi
+can_install() { [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; }
+# the job's network lock while its TCP connections are dumped and restored is an nftables table (the nft command)
+if ! command -v nft >/dev/null 2>&1 && can_install; then
+    say "apt-get install nftables"
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nftables >/dev/null 2>&1 || true
+fi
 if [ -x "$BIN" ] && usable "$BIN" >/dev/null; then
     say "ready: $BIN ($("$BIN" --version | sed -n 's/^Version: *//p'))"
     exit 0
 fi
-if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then
+if ! can_install; then
     say "skipped: needs root and apt-get (transparent mode falls back to torchrun's restart without it)"
     exit 0
 fi
 started=$(date +%s)
 DEPS="build-essential pkg-config libbsd-dev libcap-dev libnet1-dev libnftables-dev libnl-3-dev libprotobuf-c-dev \
-libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev libgnutls28-dev xz-utils"
+libprotobuf-dev protobuf-c-compiler protobuf-compiler uuid-dev libgnutls28-dev xz-utils nftables"
 say "apt-get install the build dependencies"
 DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $DEPS >/dev/null 2>&1 \
     || { say "apt-get install of the build dependencies failed"; exit 1; }

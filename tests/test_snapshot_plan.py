@@ -35,7 +35,7 @@ def test_version_and_verdicts() -> None:
 def test_command_lines_lock_tcp_and_restore_as_our_child() -> None:
     d = dump_argv("criu", 42, "/s/r0", leave_running=True)
     assert d[:5] == ["criu", "dump", "-t", "42", "-D"] and "--tcp-established" in d and d[-1] == "--leave-running"
-    assert "--network-lock" in d and d[d.index("--network-lock") + 1] == "nftables"
+    assert "--network-lock" in d and d[d.index("--network-lock") + 1] == "skip"     # the job's own lock
     r = restore_argv("criu", "/s/r0", "/s/r0/pid", [(7, "pipe:[99]")])
     assert "--restore-sibling" in r and "--restore-detached" in r and r[-2:] == ["--inherit-fd", "fd[7]:pipe:[99]"]
 
@@ -73,3 +73,14 @@ def test_flag() -> None:
     assert parse_args(["--standalone", "--snapshot-interval", "2.5", "x.py"]).snapshot_interval == 2.5
     with pytest.raises(ConfigError, match="--snapshot-interval must be"):
         parse_args(["--standalone", "--snapshot-interval", "-1", "x.py"])
+
+
+def test_the_jobs_network_lock_drops_its_ports_both_ways() -> None:
+    from tpassrun.snapshot import lock_ruleset
+
+    text = lock_ruleset("t1", [5, 3, 5])
+    assert text.startswith("table inet t1 {") and "elements = { 3, 5 }" in text
+    assert text.count("tcp sport @ports drop") == 2 and text.count("tcp dport @ports drop") == 2
+    assert "hook input" in text and "hook output" in text
+    assert judge("c", 0, "Version: 4.2\n", 0, "Looks good.", nft=None).reason == \
+        "the nft command (nftables) is not installed"

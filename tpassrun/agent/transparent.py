@@ -29,9 +29,9 @@ from tpassrun.agent.state import AgentState
 from tpassrun.channel.slots import Slot, SlotState
 from tpassrun.launch.procs import StdioSpec, adopt_worker
 from tpassrun.settings import envnames as E
-from tpassrun.snapshot import (Availability, Move, SnapshotError, WORKER_ENV, continue_groups, dump, on_death, on_taint,
-                               probe, restore, signal_groups, snapshot_due, stdio_pipes, stop_groups, wait_gone,
-                               wait_stopped)
+from tpassrun.snapshot import (WORKER_ENV, Availability, Move, NetworkLock, SnapshotError, continue_groups, dump,
+                               on_death, on_taint, probe, restore, signal_groups, snapshot_due, stdio_pipes,
+                               stop_groups, tcp_ports, wait_gone, wait_stopped)
 
 log = logging.getLogger("tpassrun.agent")
 KILL_WAIT_S = 10.0
@@ -58,6 +58,7 @@ class Snapshot:
     taken_at: float                # monotonic
     ranks: tuple[RankImage, ...]
     seconds: float                 # the pause: first stop to last continue
+    ports: tuple[int, ...]         # the local ports of the ranks' TCP sockets: the job's network lock
 
 
 class Transparent:
@@ -170,8 +171,10 @@ class Transparent:
             images = [RankImage(rank=s.rank, slot=s.index, local_rank=s.local_rank, pid=s.proc.pid,  # type: ignore[arg-type]
                                 pipes=stdio_pipes(s.proc.pid), stdio=s.proc.stdio, argv=list(s.proc.argv),
                                 images=os.path.join(path, f"rank{s.rank}")) for s in running]
-            await asyncio.gather(*(dump(self.availability.criu, im.pid, im.images, leave_running=leave_running)
-                                   for im in images))
+            ports = tuple(tcp_ports(pids))
+            async with NetworkLock(ports):
+                await asyncio.gather(*(dump(self.availability.criu, im.pid, im.images, leave_running=leave_running)
+                                       for im in images))
         except BaseException as exc:
             shutil.rmtree(path, ignore_errors=True)
             if leave_running:
@@ -184,7 +187,7 @@ class Transparent:
         done = path[: -len(".partial")]
         os.rename(path, done)
         snap = Snapshot(self._seq, done, t0, tuple(dataclasses.replace(im, images=os.path.join(done, f"rank{im.rank}"))
-                                                   for im in images), seconds)
+                                                   for im in images), seconds, ports)
         self._drop_older_than(snap)
         self.last = snap
         st.events.write("snapshot_taken", seq=snap.seq, seconds=round(seconds, 3), ranks=len(images),
@@ -300,7 +303,8 @@ class Transparent:
         for im in snap.ranks:
             slot = st.slots.slots[slots_of.get(im.rank, im.slot)]
             slot.proc = None         # the old process's exit (queued) is not this slot's worker's any more
-        results = await asyncio.gather(*(one(im) for im in snap.ranks), return_exceptions=True)
+        async with NetworkLock(snap.ports):      # until every rank is back: none may reset a connection to a peer
+            results = await asyncio.gather(*(one(im) for im in snap.ranks), return_exceptions=True)
         failed = [r for r in results if isinstance(r, BaseException)]
         restored = [r for r in results if not isinstance(r, BaseException)]
         if failed:

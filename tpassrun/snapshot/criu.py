@@ -12,7 +12,8 @@ import signal
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
-from tpassrun.snapshot.plan import Availability, dump_argv, first_usable, judge, restore_argv, criu_candidates
+from tpassrun.snapshot.plan import (Availability, criu_candidates, dump_argv, first_usable, judge, lock_ruleset,
+                                    restore_argv)
 
 PROBE_TIMEOUT_S = 20.0
 CRIU_TIMEOUT_S = 120.0
@@ -23,16 +24,17 @@ class SnapshotError(RuntimeError):
 
 
 async def _run(argv: Sequence[str], *, cwd: str | None = None, pass_fds: Sequence[int] = (),
-               timeout: float = CRIU_TIMEOUT_S) -> tuple[int | None, str]:
+               timeout: float = CRIU_TIMEOUT_S, stdin: bytes | None = None) -> tuple[int | None, str]:
     """(exit code, output); exit code None when it could not be started. Bounded: a criu that hangs is killed."""
     try:
-        proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, stdin=asyncio.subprocess.DEVNULL,
+        proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, stdin=asyncio.subprocess.PIPE if stdin is not None
+                                                    else asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
                                                     pass_fds=tuple(pass_fds))
     except OSError as exc:
         return None, str(exc)
     try:
-        out, _ = await asyncio.wait_for(proc.communicate(), timeout)
+        out, _ = await asyncio.wait_for(proc.communicate(stdin), timeout)
     except asyncio.TimeoutError:
         with contextlib.suppress(ProcessLookupError):
             proc.kill()
@@ -47,7 +49,7 @@ async def probe(environ: Mapping[str, str]) -> Availability:
     for criu in criu_candidates(environ, shutil.which("criu")):
         vrc, vout = await _run([criu, "--version"], timeout=PROBE_TIMEOUT_S)
         crc, cout = (await _run([criu, "check"], timeout=PROBE_TIMEOUT_S)) if vrc == 0 else (None, "")
-        verdicts.append(judge(criu, vrc, vout, crc, cout))
+        verdicts.append(judge(criu, vrc, vout, crc, cout, shutil.which("nft")))
         if verdicts[-1].usable:
             break
     return first_usable(verdicts)
@@ -115,6 +117,46 @@ def stdio_pipes(pid: int) -> dict[int, str]:
             if link.startswith("pipe:["):
                 out[fd] = link
     return out
+
+
+def tcp_ports(pgids: Iterable[int]) -> list[int]:
+    """The local ports of every TCP socket (listening or connected) held by any process of the groups ``pgids``."""
+    inodes: set[str] = set()
+    for pgid in pgids:
+        for task in {t.split("/", 1)[0] for t in _tasks_of_group(pgid)}:
+            with contextlib.suppress(OSError):
+                for fd in os.listdir(f"/proc/{task}/fd"):
+                    with contextlib.suppress(OSError):
+                        link = os.readlink(f"/proc/{task}/fd/{fd}")
+                        if link.startswith("socket:["):
+                            inodes.add(link[8:-1])
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as fh:
+            for line in list(fh)[1:]:
+                cols = line.split()
+                if len(cols) > 9 and cols[9] in inodes:
+                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
+    return sorted(ports)
+
+
+class NetworkLock:
+    """The job's network lock (see :func:`tpassrun.snapshot.plan.lock_ruleset`): ``async with NetworkLock(ports)``."""
+
+    def __init__(self, ports: Sequence[int]) -> None:
+        self.ports = list(ports)
+        self.table = f"tpassrun_lock_{os.getpid()}"
+
+    async def __aenter__(self) -> "NetworkLock":
+        if self.ports:
+            rc, out = await _run(["nft", "-f", "-"], stdin=lock_ruleset(self.table, self.ports).encode())
+            if rc != 0:
+                raise SnapshotError(f"cannot lock the job's connections (nft): {out.strip()[:300]}")
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self.ports:
+            await _run(["nft", "delete", "table", "inet", self.table])
 
 
 async def dump(criu: str, pid: int, images: str, *, leave_running: bool) -> float:

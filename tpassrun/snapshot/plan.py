@@ -60,8 +60,12 @@ def parse_version(text: str) -> tuple[int, ...] | None:
     return tuple(int(x) for x in m.group(1).split(".")) if m else None
 
 
-def judge(criu: str, version_rc: int | None, version_out: str, check_rc: int | None, check_out: str) -> Availability:
-    """One binary's verdict from ``criu --version`` and ``criu check`` (rc None: it could not be started)."""
+def judge(criu: str, version_rc: int | None, version_out: str, check_rc: int | None, check_out: str,
+          nft: str | None = "nft") -> Availability:
+    """One binary's verdict from ``criu --version`` and ``criu check`` (rc None: it could not be started); ``nft``: the
+    nftables command the job's network lock needs (None: not found)."""
+    if nft is None:
+        return Availability(Verdict.UNUSABLE, criu, reason="the nft command (nftables) is not installed")
     if version_rc is None:
         return Availability(Verdict.UNUSABLE, criu, reason=f"{criu} cannot be run")
     version = parse_version(version_out)
@@ -90,7 +94,22 @@ def _last(text: str) -> str:
 
 
 # ------------------------------------------------------------------ command lines
-COMMON = ("--tcp-established", "--network-lock", "nftables")
+# The network lock is the job's, not each criu's (``skip``): one nftables table that drops every packet of the job's
+# TCP connections from before the first dump until after the last (and from before the first restore until after
+# the last): a rank restored before its peer would otherwise send to a socket not there yet and get a reset.
+COMMON = ("--tcp-established", "--network-lock", "skip")
+
+
+def lock_ruleset(table: str, ports: Sequence[int]) -> str:
+    """The nft script of the job's network lock: TCP packets from or to any of ``ports`` (the local ports of every
+    rank's TCP sockets) dropped both ways, before the sockets see them (so no reset is sent either)."""
+    elements = ", ".join(str(p) for p in sorted(set(ports)))
+    rules = "meta l4proto tcp tcp sport @ports drop; meta l4proto tcp tcp dport @ports drop;"
+    return (f"table inet {table} {{\n"
+            f"  set ports {{ type inet_service; elements = {{ {elements} }} }}\n"
+            f"  chain input {{ type filter hook input priority -150; policy accept; {rules} }}\n"
+            f"  chain output {{ type filter hook output priority -150; policy accept; {rules} }}\n"
+            f"}}\n")
 
 
 def dump_argv(criu: str, pid: int, images: str, *, leave_running: bool) -> list[str]:
