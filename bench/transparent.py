@@ -32,7 +32,7 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import REPO, EtcdServer, Job, taint  # noqa: E402
+from common import REPO, EtcdServer, Job, taint
 
 SCRIPT = os.path.join(REPO, "tests", "transparent_train.py")
 

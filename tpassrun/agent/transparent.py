@@ -144,10 +144,11 @@ class Transparent:
         return [s for s in slots.slots if s.state == SlotState.RUNNING and s.rank is not None and s.alive]
 
     def _whole_job(self) -> list[Slot] | None:
-        """Every rank's slot when every rank of the generation runs here (none finished, none dead), else None."""
+        """Every rank's slot when every rank of the generation runs here (none finished, none dead) and none uses the
+        worker API (its own live swaps cover it; its channel to the agent is not the kind of thing to snapshot)."""
         gen = self._state.generation
         running = self._running()
-        if gen is None or len(running) != gen.world_size:
+        if gen is None or len(running) != gen.world_size or any(s.managed for s in running):
             return None
         return running
 
