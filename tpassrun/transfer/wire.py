@@ -164,8 +164,9 @@ def _frame_mac_name(requested: str | None, peer_flags: int = FLAG_GMAC) -> str:
     if requested not in (None, _GMAC_CHECKSUM):
         raise ValueError(f"unknown frame MAC {requested!r} (there is one: {_GMAC_CHECKSUM})")
     if not peer_flags & FLAG_GMAC:
+        offered = "poly1305" if peer_flags & _OLD_FLAG_POLY1305 else "hmac-sha256"
         raise HandoffError("the receiver is an older tpassrun that cannot verify GMAC frame tags (it offers "
-                           f"{'poly1305' if peer_flags & _OLD_FLAG_POLY1305 else 'hmac-sha256'} frames): nothing was sent; {_UPGRADE}")
+                           f"{offered} frames): nothing was sent; {_UPGRADE}")
     return _GMAC_CHECKSUM
 
 
