@@ -443,13 +443,47 @@ def test_deepspeed_adapter_replication_and_refusals() -> None:
     assert sess._per_rank == {"deepspeed.data"}
     assert adapter.replicated is False
     assert DeepSpeedAdapter(StandInSession(), StandInEngine(0, stage=0)).replicated is True
-    with pytest.raises(NotImplementedError, match="ZeRO-3"):
-        handoff.capture({"e": DeepSpeedEngineState(StandInEngine(0, stage=3))}, step=0)
     with pytest.raises(handoff.HandoffError, match="stage"):
         roundtrip({"e": DeepSpeedEngineState(StandInEngine(0, stage=2))},
                   {"e": DeepSpeedEngineState(StandInEngine(0, stage=1))})
     with pytest.raises(RuntimeError, match="record_groups"):
         adapter.reconfigure()
+
+
+class StandInOffload:
+    def __init__(self, device: str) -> None:
+        self.device = device
+
+
+@pytest.mark.parametrize("setting,reason", [
+    ({"zero_offload_optimizer": StandInOffload("cpu")}, "offload_optimizer to cpu"),
+    ({"zero_offload_param": StandInOffload("nvme")}, "NVMe swap files"),
+    ({"zero_elastic_checkpoint": True}, "elastic_checkpoint=true"),
+    ({"zero_hpz_partition_size": 2, "_stage": 3}, "zero_hpz_partition_size"),
+    ({"pipeline": True}, "pipeline engine"),
+])
+def test_deepspeed_configurations_it_cannot_hand_over_run_as_under_torchrun(setting: dict, reason: str) -> None:
+    """Each configuration the DeepSpeed adapter knows it cannot hand over is recognised: nothing is handed over
+    (a planned swap is refused: ``handover_refused``), the rank is declared alone with the reason (an unplanned
+    failure restarts the group, as torchrun, saying it in one line), never a crash at a snapshot.
+    tests/test_deepspeed_real.py runs the elastic_checkpoint one for real through a SIGKILL."""
+    from tpassrun.adapters.deepspeed import handover_refused
+
+    engine: Any = StandInEngine(0)
+    if setting.pop("pipeline", False):
+        engine.__class__ = type("PipelineEngine", (StandInEngine,), {})
+    for name, value in setting.items():
+        if name.startswith("_"):
+            setattr(engine, name, value)
+        else:
+            setattr(engine, name, lambda value=value: value)
+    assert reason in (handover_refused(engine) or "")
+    sess = StandInSession()
+    adapter = DeepSpeedAdapter(sess, engine)
+    assert adapter.refused and set(sess.tracked) == {"deepspeed.engine"}
+    view = sess.tracked["deepspeed.engine"]
+    assert reason in view.handover_refused() and view.replicated is False
+    assert handover_refused(StandInEngine(0)) is None and handover_refused(StandInEngine(0, stage=3)) is None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,3 +688,68 @@ def test_megatron_parallel_state_reinit_real(one_rank_world: None) -> None:
         assert ps.get_data_parallel_world_size() == 1
     finally:
         ps.destroy_model_parallel()
+
+
+@pytest.mark.timeout(120)
+def test_deepspeed_zero3_partition_rolls_back_and_loads_into_a_fresh_engine(one_rank_world: None,
+                                                                           monkeypatch: Any) -> None:
+    """Real DeepSpeed ZeRO-3 (one rank): the engine's state and this rank's ZeRO-3 partition (parameters,
+    fp32 master, Adam moments, the persistent parameters) captured at a window's start, then (a) the same engine
+    half-way through the window put back (``drop_grads``: gathered parameters, the coordinator's trace, the
+    accumulation counter) and loaded, (b) a fresh engine loaded: both train on torch.equal to an engine that was
+    never interrupted. No collective in any load."""
+    deepspeed = pytest.importorskip("deepspeed")
+    import importlib
+    import json
+    import os
+
+    from tpassrun.adapters.deepspeed import DeepSpeedZeroState
+
+    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
+    for name, value in (("LOCAL_RANK", "0"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+        monkeypatch.setenv(name, value)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    with open(os.path.join(os.path.dirname(__file__), "..", "examples", "deepspeed", "ds_config_zero3.json")) as fh:
+        config = json.load(fh)
+
+    def build() -> Any:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+        return deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)[0]
+
+    data = [torch.randn(8, 16, generator=torch.Generator().manual_seed(i)) for i in range(16)]
+
+    def step(engine: Any, i: int) -> float:
+        loss = engine(data[i]).pow(2).mean()
+        engine.backward(loss)
+        engine.step()
+        return loss.item()
+
+    def views(engine: Any) -> dict:
+        return {"e": DeepSpeedEngineState(engine, optimizer=False), "z": DeepSpeedZeroState(engine)}
+
+    def final(engine: Any) -> list:
+        opt = engine.optimizer
+        return ([p.ds_tensor for p in engine.module.parameters()] + [p.data for p in opt.persistent_parameters]
+                + list(opt.fp32_partitioned_groups_flat)
+                + [v for st in opt.optimizer.state.values() for v in st.values() if torch.is_tensor(v)])
+
+    live = build()
+    for i in range(6):
+        step(live, i)
+    bundle = handoff.capture(views(live), step=6)
+    copy = handoff.StateBundle(bundle.meta, [t.clone() for t in bundle.tensors])
+    live.backward(live(data[6]).pow(2).mean())          # half-way through the window at 6 (accumulation 2)
+    views(live)["e"].drop_grads()
+    handoff.apply(handoff.StateBundle(copy.meta, [t.clone() for t in copy.tensors]), views(live),
+                  restore_rng_state=False)
+    fresh = build()
+    handoff.apply(handoff.StateBundle(copy.meta, [t.clone() for t in copy.tensors]), views(fresh),
+                  restore_rng_state=False)
+    ref = build()
+    for i in range(6):
+        step(ref, i)
+    losses = {name: [step(e, i) for i in range(6, 14)] for name, e in (("ref", ref), ("live", live), ("fresh", fresh))}
+    assert losses["live"] == losses["ref"] and losses["fresh"] == losses["ref"], losses
+    for name, engine in (("live", live), ("fresh", fresh)):
+        assert all(torch.equal(a, b) for a, b in zip(final(engine), final(ref))), name

@@ -1,6 +1,7 @@
 """A DeepSpeed training script, written the way DeepSpeed users write it, that survives a live swap.
 
-``deepspeed.initialize`` with a JSON config (AdamW + WarmupLR, any ZeRO stage 0-2), ``engine(x)``,
+``deepspeed.initialize`` with a JSON config (AdamW + WarmupLR, any ZeRO stage 0-3; ``ds_config_zero3.json``: ZeRO-3 with
+gradient accumulation, gradient clipping and WarmupDecayLR), ``engine(x)``,
 ``engine.backward(loss)``, ``engine.step()``, data through a ``DataLoader`` with a ``DistributedSampler``. The lines
 marked ``# tpassrun`` are all it takes (see README.md for the diff against the stock script). The same file runs
 under plain ``torchrun`` (tpassrun.init() then just initialises the process group), which is the reference:
@@ -110,6 +111,15 @@ def main() -> None:
 def final_state(engine) -> dict:
     """The module, and this rank's optimizer partition as plain tensors (fp32 master shard under ZeRO)."""
     opt = engine.optimizer
+    if engine.zero_optimization_stage() >= 3:     # this rank's parameter partition and the persistent ones
+        sd = opt.state_dict()
+        module = {name: (p.ds_tensor if not p.ds_persist else p.data).detach().clone()
+                  for name, p in engine.module.named_parameters()}
+        base = sd["optimizer_state_dict"]
+        fp32 = [t.detach().clone() for t in sd["fp32_flat_groups"]]
+        state = {pid: {k: v for k, v in st.items() if torch.is_tensor(v)} for pid, st in base["state"].items()}
+        return {"module": module, "fp32": fp32, "optim": state, "scheduler": engine.lr_scheduler.state_dict(),
+                "global_steps": engine.global_steps, "micro_steps": engine.micro_steps}
     if engine.zero_optimization_stage() >= 1:
         base = opt.optimizer.state_dict()
         fp32 = [t.detach().clone() for t in opt.single_partition_of_fp32_groups]

@@ -198,20 +198,20 @@ class DeepSpeedEngineState:
         if optimizer is not None:
             if zero_stage(self.engine) in (1, 2):
                 reset_zero_reduction(optimizer)
+            elif zero_stage(self.engine) >= 3:
+                reset_zero3_step(self.engine)
             optimizer.zero_grad(set_to_none=True)
 
 
     def state_dict(self) -> dict[str, Any]:
         engine = self.engine
         stage = zero_stage(engine)
-        if stage >= 3:
-            raise NotImplementedError("tpassrun: ZeRO-3 parameter partitions are not handed over (use ZeRO-1/2)")
         optimizer = getattr(engine, "optimizer", None)
         scheduler = getattr(engine, "lr_scheduler", None)
         return {
             "v": STATE_VERSION,
             "zero_stage": stage,
-            "module": portable(engine.module.state_dict()),
+            "module": portable(_module_state(engine)),
             "optimizer": None if optimizer is None or not self.with_optimizer
             else _to_portable_optimizer(optimizer.state_dict()),
             "lr_scheduler": None if scheduler is None else portable(scheduler.state_dict()),
@@ -226,7 +226,8 @@ class DeepSpeedEngineState:
         stage = zero_stage(engine)
         if state["zero_stage"] != stage:
             raise ValueError(f"received ZeRO stage {state['zero_stage']} state, this engine runs stage {stage}")
-        engine.module.load_state_dict(restore_portable(state["module"], engine.module.state_dict()), strict=True)
+        # ZeRO-3: the parameters are the partition's (DeepSpeedZeroState); the module carries its buffers only
+        engine.module.load_state_dict(restore_portable(state["module"], engine.module.state_dict()), strict=stage < 3)
         if state["optimizer"] is not None:
             self._load_optimizer(_from_portable_optimizer(state["optimizer"], engine.optimizer), stage)
         if state["lr_scheduler"] is not None:
@@ -246,6 +247,84 @@ class DeepSpeedEngineState:
         # The engine's loader picks entry [dp_rank] of a per-partition list; this rank's is the only one we have.
         optimizer.load_state_dict([optim_state] * dp_size, load_optimizer_states=True, load_from_fp32_weights=True,
                                   checkpoint_folder=None)
+
+
+def _module_state(engine: Any) -> Any:
+    """The module's state_dict; under ZeRO-3 without its parameters: each rank holds its partition of them only
+    (``ds_tensor``; the ``data`` of a partitioned one is empty), carried by :class:`DeepSpeedZeroState`, so what
+    is left (buffers) is identical on every data-parallel rank."""
+    state = engine.module.state_dict()
+    if zero_stage(engine) < 3:
+        return state
+    params = {name for name, _ in engine.module.named_parameters(remove_duplicate=False)}
+    kept = type(state)((k, v) for k, v in state.items() if k not in params)
+    if hasattr(state, "_metadata"):
+        kept._metadata = state._metadata
+    return kept
+
+
+def persistent_params(engine: Any) -> list[Any]:
+    """ZeRO-3's persistent parameters (``ds_persist``: small ones every rank keeps whole, re-gathered from the
+    partitions after each optimizer step), in the optimizer's order."""
+    return list(getattr(engine.optimizer, "persistent_parameters", None) or [])
+
+
+def reset_zero3_step(engine: Any) -> None:
+    """Put a ZeRO-3 engine back to how a step (or an accumulation window) finds it, after a forward/backward that
+    failed half-way or a rollback to the window's start. Local only (the old process groups are gone).
+
+    What a failed step leaves behind (read from DeepSpeed 0.19.8's ``DeepSpeedZeroOptimizer_Stage3``,
+    ``PartitionedParameterCoordinator``, ``partition_parameters``): parameters gathered whole (or in flight, with
+    all-gather handles of the dead world) and marked active in sub-modules; the reduction buckets; the
+    gradient-accumulation counter; and the parameter coordinator's trace, which a fresh engine (the joiner's)
+    records again from scratch with collectives (``assert_ints_same_as_other_ranks``) a survivor with a complete
+    trace would not make. So every rank's coordinator goes back to a fresh one's state (the trace only steers
+    prefetching: the numbers do not change), and survivors and joiner make the same collectives."""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
+
+    optimizer = engine.optimizer
+    module = engine.module
+    registry = getattr(module, "ds_inflight_param_registry", None)
+    if registry is not None:
+        registry.clear()            # all-gather handles of the dead world: never waited on
+    for param in module.parameters():
+        active = getattr(param, "ds_active_sub_modules", None)
+        if active is not None:
+            active.clear()
+        if getattr(param, "ds_persist", False) or getattr(param, "ds_status", None) is None:
+            continue                # whole on every rank at all times (re-gathered after the optimizer step only)
+        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
+            free_param(param)       # back to the partition (``ds_tensor`` is untouched by a forward/backward)
+    offload = getattr(optimizer, "parameter_offload", None)
+    coordinator = offload.get_param_coordinator() if offload is not None else None
+    if coordinator is not None:
+        _fresh_coordinator(coordinator)
+    for bucket in getattr(optimizer, "ipg_buckets", {}).values():
+        bucket.clear_params()
+    flags = getattr(optimizer, "params_already_reduced", None)
+    if isinstance(flags, dict):
+        for key in flags:
+            flags[key] = False
+    if isinstance(getattr(optimizer, "averaged_gradients", None), dict):
+        optimizer.averaged_gradients = {}
+    optimizer.zero_grad(set_to_none=True)   # micro_step_id = 0: the window's first micro-step overwrites
+
+
+def _fresh_coordinator(coordinator: Any) -> None:
+    """A ZeRO-3 ``PartitionedParameterCoordinator`` as ``__init__`` leaves it: no trace (INVALID), no step in
+    progress, nothing in flight or available. Its fields are name-mangled: set through the class's prefix."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import ZeRoTraceMode
+
+    prefix = "_PartitionedParameterCoordinator__"
+    _require(coordinator, prefix + "trace_mode")
+    setattr(coordinator, prefix + "trace_mode", ZeRoTraceMode.INVALID)
+    _require(coordinator, "_clear_trace_structures")()
+    setattr(coordinator, prefix + "step_id", 0)
+    setattr(coordinator, prefix + "n_available_params", 0)
+    for name in ("ongoing_fetch_events", "ongoing_fetch_leaf_module_events", "active_backward_submodules"):
+        held = getattr(coordinator, prefix + name, None)
+        if held is not None:
+            held.clear()
 
 
 def micro_steps_at_window_start(engine: Any) -> int:
@@ -307,7 +386,9 @@ def reset_zero_reduction(optimizer: Any) -> None:
 
 
 class DeepSpeedZeroState:
-    """This rank's ZeRO-1/2 optimizer partition alone (fp32 master shard, base optimizer state, loss scaler):
+    """This rank's ZeRO optimizer partition alone (fp32 master shard, base optimizer state, loss scaler; under
+    ZeRO-3 also this rank's parameter partition, restored from the fp32 master shard, and the persistent
+    parameters):
     tracked as sharded state (``sess.track_sharded``), so that it is mirrored to a buddy node and an unplanned
     failure is recovered from there; module, scheduler and counters stay in the replicated
     :class:`DeepSpeedEngineState`."""
@@ -320,6 +401,11 @@ class DeepSpeedZeroState:
     def why_not_replicated(self) -> str:
         return f"DeepSpeed ZeRO-{zero_stage(self.engine)} keeps each rank's optimizer partition on that rank only"
 
+    def copy_at_start(self) -> bool:
+        """DeepSpeed creates the partition's optimizer state at initialization (a zero-gradient step in
+        ``initialize_optimizer_states``): its ``state_dict()`` changes nothing at step 0, which is copied too."""
+        return True
+
     def commit_optimizers(self) -> list[Any]:
         """The step of the torch optimizer inside the ZeRO optimizer is where the partition starts changing."""
         base = getattr(self.engine.optimizer, "optimizer", None)
@@ -328,8 +414,13 @@ class DeepSpeedZeroState:
         return [base] if isinstance(base, torch.optim.Optimizer) else []
 
     def state_dict(self) -> dict[str, Any]:
-        return {"v": STATE_VERSION, "zero_stage": zero_stage(self.engine),
-                "optimizer": _to_portable_optimizer(self.engine.optimizer.state_dict())}
+        state = {"v": STATE_VERSION, "zero_stage": zero_stage(self.engine),
+                 "optimizer": _to_portable_optimizer(self.engine.optimizer.state_dict())}
+        if zero_stage(self.engine) >= 3:
+            # whole on every rank, but loading the partition frees them (DeepSpeed re-gathers them with a
+            # collective after a checkpoint load): carried as they are, so the load needs no communication
+            state["persistent"] = [p.data for p in persistent_params(self.engine)]
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("v") != STATE_VERSION:
@@ -339,6 +430,62 @@ class DeepSpeedZeroState:
             raise ValueError(f"received ZeRO stage {state['zero_stage']} state, this engine runs stage {stage}")
         DeepSpeedEngineState(self.engine)._load_optimizer(
             _from_portable_optimizer(state["optimizer"], self.engine.optimizer), stage)
+        if stage >= 3:
+            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+            params = persistent_params(self.engine)
+            if len(params) != len(state["persistent"]):
+                raise ValueError(f"received {len(state['persistent'])} persistent ZeRO-3 parameters, this engine has "
+                                 f"{len(params)}: the DeepSpeed configs differ")
+            for param, whole in zip(params, state["persistent"]):
+                param.data = whole.detach().clone().reshape(param.ds_shape).to(param.dtype)
+                param.ds_status = ZeroParamStatus.AVAILABLE
+
+
+def handover_refused(engine: Any) -> str | None:
+    """Why tpassrun cannot hand this engine's state over (None: it can). Such a job runs exactly as under
+    torchrun: an unplanned failure restarts the group, saying this. Each reason is a configuration whose state
+    lives where the adapter does not reach, or that it was never tested with."""
+    stage = zero_stage(engine)
+    if any(c.__name__ == "PipelineEngine" for c in type(engine).__mro__):
+        return "DeepSpeed's pipeline engine (PipelineModule) is not handed over by tpassrun"
+    for what, getter in (("offload_optimizer", "zero_offload_optimizer"), ("offload_param", "zero_offload_param")):
+        get = getattr(engine, getter, None)
+        offload = get() if callable(get) and stage >= 1 else None
+        device = str(getattr(getattr(offload, "device", None), "value", getattr(offload, "device", "none")))
+        if offload is not None and device not in ("none", "None"):
+            return (f"DeepSpeed ZeRO-{stage} with {what} to {device} keeps the partitions in "
+                    f"{'NVMe swap files' if device == 'nvme' else 'offload buffers'} tpassrun does not copy")
+    elastic = getattr(engine, "zero_elastic_checkpoint", None)
+    if stage in (1, 2) and callable(elastic) and elastic():
+        return ("DeepSpeed ZeRO-{} with zero_optimization.elastic_checkpoint=true loads every rank's partition at "
+                "once; a handoff carries one").format(stage)
+    hpz = getattr(engine, "zero_hpz_partition_size", None)
+    if stage >= 3 and callable(hpz) and int(hpz() or 1) > 1:
+        return "DeepSpeed ZeRO++ hierarchical partitioning (zero_hpz_partition_size > 1) is not handed over"
+    return None
+
+
+class RefusedState:
+    """Stands, in the session, for an engine tpassrun cannot hand over (:func:`handover_refused`): a handoff is
+    refused (``handover_refused()``, the worker's ``on_send_state``) and no rank is another's replica."""
+
+    replicated = False
+
+    def __init__(self, reason: str) -> None:
+        self.reason = reason
+
+    def why_not_replicated(self) -> str:
+        return self.reason
+
+    def handover_refused(self) -> str:
+        return self.reason
+
+    def state_dict(self) -> dict[str, Any]:
+        raise RuntimeError(f"tpassrun: {self.reason}")
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        raise RuntimeError(f"tpassrun: {self.reason}")
 
 
 def _distributed_ready() -> bool:
@@ -365,13 +512,27 @@ class DeepSpeedAdapter:
         self.sess = sess
         self.engine = engine
         self.data_loader = data_loader
-        # ZeRO-1/2: the optimizer partition is sharded state of its own (mirrored to a buddy node), the rest of the
-        # engine is identical on every data-parallel rank
+        self._groups: GroupSnapshot | None = None
+        self.refused = handover_refused(engine)
+        if self.refused is not None:
+            # torchrun's path: nothing is handed over, an unplanned failure restarts the group (one console line,
+            # the agent's, says why: the reason declared below), a planned swap is refused
+            log.info("tpassrun cannot hand this DeepSpeed engine over: %s", self.refused)
+            self.engine_state: Any = RefusedState(self.refused)
+            self.zero_state: DeepSpeedZeroState | None = None
+            if _distributed_ready():
+                import torch.distributed as dist
+
+                declare_replicas(sess, [dist.get_rank()], self.refused)
+            register(sess, "deepspeed.engine", self.engine_state, heavy=True)
+            sess.on_reconfigure(self.reconfigure)   # (a planned swap is refused: never called)
+            return
+        # ZeRO-1/2/3: the optimizer partition (ZeRO-3: and the parameters') is sharded state of its own (mirrored to
+        # a buddy node), the rest of the engine is identical on every data-parallel rank
         track_sharded: Any = getattr(sess, "track_sharded", None)   # callable whenever self.zero_state is set
-        sharded = zero_stage(engine) in (1, 2) and callable(track_sharded)
+        sharded = zero_stage(engine) >= 1 and callable(track_sharded)
         self.engine_state = DeepSpeedEngineState(engine, optimizer=not sharded)
         self.zero_state = DeepSpeedZeroState(engine) if sharded else None
-        self._groups: GroupSnapshot | None = None
         if _distributed_ready():
             self.record_groups()   # local bookkeeping only: which groups the engine uses, and their members
             adopt_group_sockets()
@@ -409,6 +570,32 @@ class DeepSpeedAdapter:
         self._groups = GroupSnapshot.of(self._roots())
         return self._groups
 
+    def _mirror_zero3_init(self) -> None:
+        """The collectives a joiner's ``deepspeed.initialize`` makes under ZeRO-3 (DeepSpeed 0.19.8), made by a
+        survivor with throw-away buffers of the same sizes, results discarded: the engine's parameter broadcast
+        (the joiner's module is not partitioned yet: every parameter whole), zero.Init's broadcast of each
+        parameter from the partition group's first rank as it partitions it, and the optimizer's three barriers
+        (fp16 partitions, fp32 partitions, optimizer state). Then this rank's parameter coordinator goes back to
+        a fresh one's state, as the joiner's is (:func:`reset_zero3_step`)."""
+        import torch
+        import torch.distributed as dist
+
+        engine = self.engine
+        from deepspeed.utils import groups as ds_groups
+
+        def whole(p: Any) -> Any:
+            return torch.empty(int(p.ds_numel) * p.element_size(), dtype=torch.uint8, device=p.ds_tensor.device)
+
+        src = ds_groups._get_broadcast_src_rank()
+        for _name, p in engine.module.named_parameters():
+            dist.broadcast(whole(p), src, group=engine.seq_data_parallel_group)
+        for p in engine.module.parameters(recurse=True):
+            group = p.ds_process_group
+            dist.broadcast(whole(p), 0 if group is None else dist.get_global_rank(group, 0), group=group)
+        for _ in range(3):
+            dist.barrier()
+        reset_zero3_step(engine)
+
     def reconfigure(self) -> int:
         """Re-create every group the engine cached, with the same members, in the order the joiner's engine
         creates them; re-point references; then mirror the joiner's parameter broadcast (result discarded)."""
@@ -418,14 +605,21 @@ class DeepSpeedAdapter:
             raise RuntimeError("DeepSpeedAdapter.record_groups() was not called before the world was re-formed")
         mapping = self._groups.recreate()
         replaced = rebind_references(self._roots(), mapping)
+        if zero_stage(self.engine) >= 3:
+            # ZeRO-3 parameters keep their partition group as an attribute (ds_process_group), and the walk does
+            # not enter parameters: their attribute dicts are walked instead
+            replaced += rebind_references([vars(p) for p in self.engine.module.parameters()], mapping)
         self._groups = GroupSnapshot.of(self._roots())   # ready for the next swap
-        broadcast = _require(self.engine, "_broadcast_model")
-        params = [p for p in self.engine.module.parameters()]
-        kept = [p.detach().clone() for p in params]
-        broadcast()
-        with torch.no_grad():
-            for p, k in zip(params, kept):
-                p.copy_(k)
+        if zero_stage(self.engine) >= 3:
+            self._mirror_zero3_init()
+        else:
+            broadcast = _require(self.engine, "_broadcast_model")
+            params = [p for p in self.engine.module.parameters()]
+            kept = [p.detach().clone() for p in params]
+            broadcast()
+            with torch.no_grad():
+                for p, k in zip(params, kept):
+                    p.copy_(k)
         adopt_group_sockets()
         log.info("deepspeed: %d groups re-created, %d references re-pointed", len(mapping), replaced)
         return replaced

@@ -183,6 +183,7 @@ class BoundaryCommands:
         objs = {k: v for k, v in st.tracked.items() if not (msg.replicated_only and k in st.per_rank)
                 and not (msg.without_sharded and k in st.sharded)}   # those: from the mirror
         unique = _not_replicated(objs) if msg.replicated_only else []
+        unique += _refused(objs)   # an adapter's configuration tpassrun cannot hand over: never, planned or not
         if st.shard_restore_due is not None and set(objs) & st.sharded:
             # rolled back to an earlier step's copy, whose sharded part is loaded only in the re-formed world:
             # the live shards are a later step's, never the resume step's (worker_shards._shard_rollback)
@@ -190,7 +191,8 @@ class BoundaryCommands:
         if unique:
             # e.g. a ZeRO optimizer partition: this rank's copy is not the dead rank's. Refuse (the joiner sees
             # the connection close at once) rather than hand over the wrong state.
-            log.warning("rank %d cannot donate state for an unplanned recovery: %s", st.rank, "; ".join(unique))
+            log.warning("rank %d cannot hand its state over%s: %s", st.rank,
+                        " for an unplanned recovery" if msg.replicated_only else "", "; ".join(unique))
             _refuse_send(msg)
             return False
         rng = handoff.capture_rng() if msg.rng else None
@@ -371,6 +373,18 @@ def _not_replicated(objs: dict[str, Any]) -> list[str]:
         if getattr(obj, "replicated", True) is False:
             why = getattr(obj, "why_not_replicated", None)
             out.append(f"{name}: {why() if callable(why) else 'not replicated on other ranks'}")
+    return out
+
+
+def _refused(objs: dict[str, Any]) -> list[str]:
+    """Why each object whose adapter cannot hand it over at all (``handover_refused()``: e.g. a DeepSpeed
+    configuration it does not support; the job runs as under torchrun) refuses to travel."""
+    out = []
+    for name, obj in objs.items():
+        refused = getattr(obj, "handover_refused", None)
+        why = refused() if callable(refused) else None
+        if why:
+            out.append(f"{name}: {why}")
     return out
 
 

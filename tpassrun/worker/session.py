@@ -286,6 +286,9 @@ class Session:
         from tpassrun.transfer import handoff
 
         st = self._state
+        if any(callable(getattr(obj, "handover_refused", None)) and obj.handover_refused()
+               for obj in st.tracked.values()):
+            return 0          # an adapter's configuration tpassrun cannot hand over (runs as under torchrun)
         try:
             return handoff.capture(st.tracked, step=st.step).nbytes
         except handoff.HandoffError:

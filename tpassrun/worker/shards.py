@@ -416,11 +416,15 @@ class ShardState:
 
     def begin(self, step: int, objects: tuple[Mapping[str, Any], Mapping[str, Any]], *, light: bytes | None) -> None:
         """At a step start: snapshot it if it is a refresh step (every ``interval``-th, and the first one this
-        process runs, so a joiner is covered at once). Never step 0: before the first optimizer step a
-        framework's ``state_dict()`` may initialise the optimizer's state to describe it (torch's
-        ``get_optimizer_state_dict`` runs a zero-gradient step, which moves Adam's step count), and a death in
-        step 0 loses nothing to a whole-group restart anyway."""
-        if not self.enabled or step == 0:
+        process runs, so a joiner is covered at once). Step 0 only when every sharded object says its
+        ``state_dict()`` leaves it as it is there (``copy_at_start()``: e.g. a DeepSpeed ZeRO partition, whose
+        optimizer state DeepSpeed creates at initialization): before the first optimizer step a framework's
+        ``state_dict()`` may initialise the optimizer's state to describe it (torch's ``get_optimizer_state_dict``
+        runs a zero-gradient step, which moves Adam's step count). With a copy of step 0, a death before the first
+        refresh or inside the first accumulation window is recovered live like any other; without, the group
+        restarts (nothing is lost: nothing was done)."""
+        sharded, others = objects
+        if not self.enabled or (step == 0 and not copy_at_start(sharded)):
             return
         self.policy.step_started(step, time.perf_counter())
         due = self.policy.due(step)
@@ -432,12 +436,18 @@ class ShardState:
         held = self.ring.versions()
         if held:
             self.pusher.wait_pushed(held[-1])    # the mirror lags one version at most (module docstring)
-        sharded, others = objects
         version = self.ring.begin(step, sharded, others, owner=self.pusher.owner, light=light)
         if version is None:
             log.debug("step %d: shard snapshot skipped, the previous one is still being pushed", step)
             return
         self._costed = (version, time.thread_time() - cpu0)
+        if step == 0 and self.pusher.pushing:
+            # the job's first copy: in the buddy's memory before the step starts, so that no instant of the first
+            # step (or accumulation window) is without one (once per job: the push of one partition)
+            self.ring.fence()
+            self.pusher.offer()
+            self.pusher.wait_pushed(step)
+            return
         self.pusher.offer()
 
     def _account(self) -> None:
@@ -503,6 +513,16 @@ class ShardState:
         self.pusher.close()
 
 
+def copy_at_start(sharded: Mapping[str, Any]) -> bool:
+    """Whether every sharded object's ``state_dict()`` is safe to call at step 0 (``copy_at_start()``, or the
+    attribute, true: it changes nothing there)."""
+    def says(obj: Any) -> bool:
+        attr = getattr(obj, "copy_at_start", False)
+        return bool(attr() if callable(attr) else attr)
+
+    return bool(sharded) and all(says(obj) for obj in sharded.values())
+
+
 def fetch_mirrored(target: Any, owner: int, step: int) -> tuple[Any, bytes | None, int]:
     """The joiner's side: the dead rank ``owner``'s mirrored shard of ``step`` from the buddy's mirror ->
     (bundle of its sharded objects, its light snapshot, the step)."""
@@ -526,5 +546,5 @@ def decode_mirrored(data: bytes | bytearray | memoryview) -> tuple[Any, bytes | 
     return bundle, light if isinstance(light, bytes) else None, bundle.step
 
 
-__all__ = ["CpuCopier", "CudaCopier", "MIRROR_KIND", "MirrorPusher", "PushStats", "ShardRing", "ShardState", "Version",
-           "as_target", "decode_mirrored", "fetch_mirrored", "make_copier"]
+__all__ = ["CpuCopier", "CudaCopier", "MIRROR_KIND", "copy_at_start", "MirrorPusher", "PushStats", "ShardRing",
+           "ShardState", "Version", "as_target", "decode_mirrored", "fetch_mirrored", "make_copier"]
