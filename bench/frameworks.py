@@ -2,6 +2,8 @@
 
     python bench/frameworks.py --framework deepspeed [--trials 10] [--planned 2] [--zero 1 2]
     python bench/frameworks.py --script PATH --nproc 4 [--docrun] [--trials 10] [--planned 2] -- SCRIPT ARGS
+    python bench/frameworks.py --script examples/deepspeed/train.py --nproc 4 --trials 10 --early 3 --planned 0 \
+        -- --config examples/deepspeed/ds_config_zero3.json --steps 24     # ZeRO-3, 4 ranks + 1 spare
 
 ``--framework deepspeed`` runs the DeepSpeed adapter's docstring example (a script as DeepSpeed users write it: a
 torch optimizer given to ``deepspeed.initialize``, ``engine.backward``/``engine.step`` per micro-batch, ZeRO stage
@@ -14,7 +16,8 @@ launchers (``--nproc``, ``--launcher-arg``; ``--tpassrun-arg`` for tpassrun only
 
 Per shape: one reference under plain torchrun, then ``--trials`` runs under tpassrun (``--max-restarts 0``) where
 one random rank is SIGKILLed from outside at a uniformly random instant of a random step (the instant drawn over
-one step as long as the reference's, after the victim logged the step before), and ``--planned`` runs where a random
+one step as long as the reference's, after the victim logged the step before; ``--early K``: the first K of them in
+step 1, inside the first accumulation window), and ``--planned`` runs where a random
 rank is tainted (``tpassctl``) while the job stands at a random step. Printed per run:
 
   * live: recovered by a spare (``swap_resumed``), no fallback or restart, exit 0;
@@ -90,11 +93,11 @@ def reference(work: Workdir, shape: Shape) -> tuple[Job, int, float]:
 
 
 def one_run(work: Workdir, etcd: EtcdServer, shape: Shape, index: int, mode: str, ref: Job, steps: int,
-            per_step: float, rng: random.Random) -> dict[str, Any]:
+            per_step: float, rng: random.Random, early: bool = False) -> dict[str, Any]:
     out = work.sub(f"{shape.name}-{mode}-{index}")
     run_id = "fw-" + uuid.uuid4().hex[:8]
     victim = rng.randrange(shape.nproc)
-    at = rng.randrange(1, max(2, steps - 8))
+    at = 1 if early else rng.randrange(1, max(2, steps - 8))
     # rank `other` stands at a late step (kill) or at `at` (planned) until the fault is under way: the job cannot
     # end first, however slow the machine; a hold changes no numerics
     other = (victim + 1) % shape.nproc
@@ -137,7 +140,7 @@ def one_run(work: Workdir, etcd: EtcdServer, shape: Shape, index: int, mode: str
         line.split("recovery decided (fallback): ", 1)[1] for line in job.log().splitlines()
         if "recovery decided (fallback): " in line]
     pids = pids_by_rank(job, shape.nproc)
-    return {"shape": shape.name, "mode": mode, "run": index, "rank": victim,
+    return {"shape": shape.name, "mode": mode, "run": index, "rank": victim, "seconds": round(time.monotonic() - job.started, 1),
             "step": at if mode == "planned" else died_in,
             "exit": code, "live": live, "exact": exact, "pause_s": round(swap_pause_s(job), 3),
             "kept_pids": all(len(pids[r]) == 1 for r in range(shape.nproc) if r != victim),
@@ -168,6 +171,8 @@ def main() -> None:
     parser.add_argument("--tpassrun-arg", action="append", default=[], help="one more flag for tpassrun only")
     parser.add_argument("--trials", type=int, default=10, help="random-instant SIGKILL runs per shape")
     parser.add_argument("--planned", type=int, default=2, help="planned-swap runs per shape")
+    parser.add_argument("--early", type=int, default=0, help="of the --trials, how many kill at a random instant "
+                        "of step 1 (inside the first accumulation window when it is 2 micro-steps or more)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
     parser.add_argument("script_args", nargs="*", help="after --: the script's own arguments")
@@ -185,10 +190,11 @@ def main() -> None:
                       f"{per_step * 1000:.0f} ms/step under torchrun, seed {seed}", flush=True)
                 plan = ["kill"] * args.trials + ["planned"] * args.planned
                 for i, mode in enumerate(plan):
-                    r = one_run(work, etcd, shape, i, mode, ref, steps, per_step, rng)
+                    r = one_run(work, etcd, shape, i, mode, ref, steps, per_step, rng,
+                                early=mode == "kill" and i < args.early)
                     results.append(r)
                     print(f"  {mode:7s} {i:2d} rank {r['rank']} step {r['step']}: live {'yes' if r['live'] else 'NO '}"
-                          f"  exact {'yes' if r['exact'] else 'NO '}  pause {r['pause_s']:.2f} s"
+                          f"  exact {'yes' if r['exact'] else 'NO '}  pause {r['pause_s']:.2f} s  run {r['seconds']} s"
                           + ("" if r["kept_pids"] else "  (a survivor lost its process)")
                           + (f"  [{r['why']}]" if r["why"] else ""), flush=True)
                     if r["log"]:

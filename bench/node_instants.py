@@ -1,8 +1,11 @@
 """A whole node killed at a uniformly random instant of a step: recovered live and exact, every time?
 
     python bench/node_instants.py [--runs 10] [--steps 40] [--step-sleep 0.002] [--hidden 256] [--seed S]
+    python bench/node_instants.py --runs 5 --steps 24 --script examples/deepspeed/train.py \
+        -- --config examples/deepspeed/ds_config_zero3.json           # DeepSpeed ZeRO-3: partitions from the mirror
 
-Each run is ``examples/train_ddp.py`` on 2 nodes of 2 ranks plus a ``--spare-node`` (3 agents on one etcd,
+Each run is ``examples/train_ddp.py`` (or ``--script``, any script following the examples' convention: ``--steps``,
+``--step-sleep``, ``--out``, a ``{"step", "pid", "t"}`` row per step, a final state) on 2 nodes of 2 ranks plus a ``--spare-node`` (3 agents on one etcd,
 ``--max-restarts 1``). Once C's spares are warm, node B (its agent and both its workers, SIGKILLed from outside
 back to back, as a host dies) is killed at a random step and a uniformly random instant inside it, so it lands
 wherever B's ranks then are: forward, backward, inside the all-reduce, right after it, the optimizer step, the
@@ -38,14 +41,29 @@ from typing import Any
 from common import REPO, EtcdServer, Workdir, next_step_after, print_json, tail
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import Job, unlogged_steps, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node
+from faults import EXAMPLE, Job, unlogged_steps, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node
+from realjobs import CPU_ENV
 
 WORLD = 4
 
 
+def with_script(job: Job, args: argparse.Namespace) -> Job:
+    """``job`` (the example's) running ``--script`` with its own arguments instead, on CPU settings."""
+    if not args.script:
+        job.argv += ["--hidden", str(args.hidden)]       # a bigger model: a longer all-reduce in each step
+        return job
+    at = job.argv.index(EXAMPLE)
+    tail_args = job.argv[at + 1:]
+    keep = [tail_args[i + 1] for i in range(len(tail_args) - 1) if tail_args[i] in ("--steps", "--step-sleep", "--out")]
+    steps, sleep, out = keep
+    job.argv[at:] = [os.path.abspath(args.script), "--steps", steps, "--step-sleep", sleep, "--out", out,
+                     *args.script_args]
+    job.env = {**CPU_ENV, **job.env}
+    return job
+
+
 def reference(work: Workdir, args: argparse.Namespace) -> Job:
-    job = Job.torchrun(work.sub("torchrun"), nproc=WORLD, steps=args.steps, step_sleep=0.0,
-                       script_args=["--hidden", str(args.hidden)]).start()
+    job = with_script(Job.torchrun(work.sub("torchrun"), nproc=WORLD, steps=args.steps, step_sleep=0.0), args).start()
     try:
         code = job.wait(300)
     finally:
@@ -80,7 +98,7 @@ def one_run(work: Workdir, index: int, etcd: EtcdServer, ref: Job, rng: random.R
                                      steps=args.steps, step_sleep=args.step_sleep, env=hold,
                                      extra=["--spare-node"] if n == "c" else []) for n in "abc")
     for j in jobs:
-        j.argv += ["--hidden", str(args.hidden)]       # a bigger model: a longer all-reduce in each step
+        with_script(j, args)
     step, killed_wall, logged, code, b_pids = rng.randint(3, args.steps // 2), None, None, -1, []
     try:
         for j in jobs:
@@ -146,6 +164,8 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256, help="the example's hidden width (its all-reduce size)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true")
+    parser.add_argument("--script", default=None, help="another script than examples/train_ddp.py (see above)")
+    parser.add_argument("script_args", nargs="*", help="after --: --script's own arguments")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)

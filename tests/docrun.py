@@ -121,10 +121,16 @@ def write_example(module: str, path: str) -> str:
 
 
 def ds_config(path: str, stage: int) -> str:
-    """What the DeepSpeed docstring's comment shows, at ZeRO ``stage``."""
+    """What the DeepSpeed docstring's comment shows, at ZeRO ``stage`` (ZeRO-3: parameters of more than 100
+    elements partitioned, the others persistent, so that both kinds are exercised)."""
+    zero: dict[str, Any] = {"stage": stage}
+    if stage >= 3:
+        zero["stage3_param_persistence_threshold"] = 100
     with open(path, "w") as fh:
-        json.dump({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2,
-                   "zero_optimization": {"stage": stage}, "steps_per_print": 1_000_000}, fh)
+        json.dump({"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 2, "gradient_clipping": 1.0,
+                   "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 1e-3,
+                                                                     "warmup_num_steps": 5, "total_num_steps": 100}},
+                   "zero_optimization": zero, "steps_per_print": 1_000_000}, fh)
     return path
 
 
@@ -209,7 +215,16 @@ def final_state(namespace: dict[str, Any]) -> dict[str, Any]:
     for name, value in namespace.items():
         if name.startswith("_") or isinstance(value, type) or not callable(getattr(value, "state_dict", None)):
             continue
+        groups = getattr(value, "param_groups", None)
+        if isinstance(groups, list) and groups and not any(g.get("params") for g in groups):
+            continue    # a torch optimizer DeepSpeed ZeRO-3 took the parameters out of (the engine's entry has them)
         out[name] = local(value.state_dict())
+        stage = getattr(value, "zero_optimization_stage", None)
+        if callable(stage) and stage() >= 3:
+            # ZeRO-3: the module's parameters are this rank's partitions; the ZeRO optimizer holds the fp32 master
+            # partition and the moments
+            out[name + ".zero3"] = local({"params": {n: p.ds_tensor for n, p in value.module.named_parameters()},
+                                          "optimizer": value.optimizer.state_dict()})
     return out
 
 

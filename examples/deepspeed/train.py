@@ -99,7 +99,7 @@ def main() -> None:
         if args.step_sleep:
             time.sleep(args.step_sleep)
         if log is not None:
-            log.write(json.dumps({"step": i, "loss": loss.item(), "pid": os.getpid(),
+            log.write(json.dumps({"step": i, "loss": loss.item(), "pid": os.getpid(), "t": time.time(),
                                   "generation": sess.generation}) + "\n")
 
     sess.run(step, args.steps)                                    # tpassrun (was: for i in range(steps): ...)

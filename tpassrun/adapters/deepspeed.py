@@ -14,7 +14,8 @@ block on CPU, under torchrun and under tpassrun with a rank SIGKILLed, and compa
     from tpassrun.adapters.deepspeed import DeepSpeedAdapter
 
     # --deepspeed_config ds_config.json, e.g. {"train_micro_batch_size_per_gpu": 8,
-    #   "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}}
+    #   "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "zero_optimization": {"stage": 3},
+    #   "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3, "total_num_steps": 100}}}
     args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args()
     sess = tpassrun.init(backend="gloo")             # instead of deepspeed.init_distributed(); "nccl" on GPUs
     torch.manual_seed(0)
@@ -38,10 +39,12 @@ block on CPU, under torchrun and under tpassrun with a rank SIGKILLed, and compa
 
 What travels (heavy = only at a handoff; light = also snapshotted at every step start):
 
-* heavy: the module's ``state_dict()``; the optimizer through the engine's own objects: under ZeRO-1/2
-  ``engine.optimizer.state_dict()`` is *this rank's partition* (``base_optimizer_state``,
-  ``single_partition_of_fp32_groups``, ...) and is loaded back with ``load_from_fp32_weights=True`` so the fp32
-  master shard is exact even under bf16/fp16; without ZeRO the wrapped optimizer's ``state_dict()``;
+* heavy: the module's ``state_dict()`` (under ZeRO-3 its buffers only); the optimizer through the engine's own
+  objects: under ZeRO-1/2/3 ``engine.optimizer.state_dict()`` is *this rank's partition* (ZeRO-1/2:
+  ``base_optimizer_state``, ``single_partition_of_fp32_groups``, ...; ZeRO-3: the base optimizer's state and
+  ``fp32_flat_groups``, from which the load rebuilds the rank's parameter partitions, plus the persistent
+  parameters, whole) and is loaded back with ``load_from_fp32_weights=True`` so the fp32 master shard is exact
+  even under bf16/fp16, without any collective; without ZeRO the wrapped optimizer's ``state_dict()``;
   ``engine.lr_scheduler``; ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``. The loss
   scaler (an object, never pickled) travels as its plain attributes and is applied to the joiner's own scaler.
 * light: the data position (any loader with ``state_dict()``, e.g. :class:`tpassrun.adapters.data.ResumableLoader`).
@@ -50,24 +53,35 @@ After a re-formed world (survivors, in ``on_reconfigure``) the adapter does what
 ``deepspeed.initialize`` does collectively, in the same order: re-create the groups the engine cached (DeepSpeed's
 clone of the world group in ``deepspeed.utils.groups``, the groups in ``deepspeed.comm``'s backend) with
 ``new_group``'s default synchronization, then the engine's parameter broadcast, whose result the survivors throw
-away (the joiner loads the real state right after). Both sides therefore issue the same collectives and the new
-world never hangs.
+away (the joiner loads the real state right after). Under ZeRO-3 those are the joiner's whole-parameter broadcasts
+(the engine's, then zero.Init's as it partitions) and the ZeRO-3 optimizer's three barriers, made with throw-away
+buffers, and every survivor's parameter coordinator goes back to a fresh one's state (its trace recording makes
+collectives of its own). Both sides therefore issue the same collectives and the new world never hangs.
 
-Replicas: ZeRO partitions are owned by DP index and nobody else holds a rank's partition, so under ZeRO-1/2 the
+Replicas: ZeRO partitions are owned by DP index and nobody else holds a rank's partition, so under ZeRO-1/2/3 the
 partition is tracked on its own as sharded state (:class:`DeepSpeedZeroState`, ``sess.track_sharded``): it is
-mirrored to a buddy node every step, and an unplanned failure takes the module, scheduler and counters from a
-survivor and the partition from the mirror (without a mirror copy the job falls back to a whole-group restart,
-saying why); a planned swap (the leaver sends its own partition) is exact. ZeRO-0 state is identical on every
-rank: unplanned recovery takes it from a survivor.
-ZeRO-3 parameter partitions are refused. DeepSpeed does not save RNG; tpassrun's generic RNG capture moves the
-global generators (``deepspeed.checkpointing``'s model-parallel CUDA tracker is not covered).
+mirrored to a buddy node (from step 0 on: DeepSpeed creates the optimizer state at initialization, so a death in
+the first step or accumulation window is recovered too), and an unplanned failure takes the module, scheduler and
+counters from a survivor and the partition from the mirror (without a mirror copy the job falls back to a
+whole-group restart, saying why); a planned swap (the leaver sends its own partition) is exact. ZeRO-0 state is
+identical on every rank: unplanned recovery takes it from a survivor. DeepSpeed does not save RNG; tpassrun's
+generic RNG capture moves the global generators (``deepspeed.checkpointing``'s model-parallel CUDA tracker is not
+covered).
+
+Configurations the adapter cannot hand over run exactly as under torchrun (:func:`handover_refused`: nothing is
+handed over, a planned swap is refused, an unplanned failure restarts the group with one console line saying
+why): ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``/``offload_param``: the partitions live in buffers or
+NVMe files tpassrun does not copy), ``elastic_checkpoint`` under ZeRO-1/2, ZeRO++ hierarchical partitioning
+(``zero_hpz_partition_size`` > 1) and the pipeline engine.
 
 Tested against DeepSpeed 0.19.8 on CPU (``DS_ACCELERATOR=cpu``, gloo), each run ending ``torch.equal`` to the same
-script under torchrun: ZeRO 0/1/2 planned swaps, a ZeRO-0 SIGKILL recovered from a replica, ZeRO-1/2 SIGKILLs
-(mid-backward, and from outside at a random instant) recovered from the shard mirror, and a ZeRO-1 SIGKILL
-without a mirror falling back to a whole-group restart that says why (``tests/test_deepspeed_real.py``); the
-example above (ZeRO-2, gradient accumulation) through a SIGKILL at a random instant and then a planned swap
-(``tests/test_docs_run.py``; ``bench/frameworks.py --framework deepspeed`` repeats the SIGKILL at many instants).
+script under torchrun: ZeRO 0/1/2 planned swaps, a ZeRO-0 SIGKILL recovered from a replica, ZeRO-1/2/3 SIGKILLs
+(mid-backward, inside the first accumulation window, and from outside at a random instant) recovered from the shard
+mirror, a ZeRO-1 SIGKILL without a mirror and one under ``elastic_checkpoint`` falling back to a whole-group restart
+that says why (``tests/test_deepspeed_real.py``); the example above (ZeRO-3, gradient accumulation, clipping,
+WarmupDecayLR) through a SIGKILL at a random instant and then a planned swap (``tests/test_docs_run.py``);
+``bench/frameworks.py`` repeats the SIGKILL at many instants on 4 ranks, ``bench/node_instants.py --script`` a
+whole node.
 """
 
 from __future__ import annotations
