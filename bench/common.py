@@ -306,3 +306,18 @@ def hidden_for_state(target_bytes: int, dim: int = 32) -> int:
     while tracked_state_bytes(hidden + 16, dim) <= target_bytes:
         hidden += 16
     return hidden
+
+
+def with_script(job: Job, script: str, script_args: list[str]) -> Job:
+    """``job``, built for ``examples/train_ddp.py`` (``Job.tpassrun``/``Job.agent``/``Job.torchrun``), running
+    ``script`` instead with the same ``--steps``/``--step-sleep``/``--out`` and ``script_args`` (its own, in place
+    of train_ddp's), on the CPU settings the framework examples need (``DS_ACCELERATOR=cpu``, ...)."""
+    from faults import EXAMPLE
+    from realjobs import CPU_ENV
+
+    at = job.argv.index(EXAMPLE)
+    rest = job.argv[at + 1:]
+    kept = {rest[i]: rest[i + 1] for i in range(len(rest) - 1) if rest[i] in ("--steps", "--step-sleep", "--out")}
+    job.argv[at:] = [os.path.abspath(script), *(x for k, v in kept.items() for x in (k, v)), *script_args]
+    job.env = {**CPU_ENV, **job.env}
+    return job

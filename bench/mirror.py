@@ -2,6 +2,8 @@
 it buys when a rank dies. One run, side by side.
 
     python bench/mirror.py [--trials 3] [--steps 80] [--hidden 512] [--batch 2048] [--kill-step 40] [--quick]
+    python bench/mirror.py --skip-critical --script examples/deepspeed/train.py \
+        -- --config examples/deepspeed/ds_config_zero3.json --hidden 1024 --dim 256    # DeepSpeed ZeRO-3
 
 The job is ``examples/train_ddp.py --zero`` (ZeRO-1 by hand: each of 2 ranks holds the AdamW state of half of
 the parameters only, tracked with ``sess.track_sharded``), compute-bound (no sleep; ``--hidden``/``--batch`` set
@@ -38,7 +40,7 @@ from typing import Any
 
 from common import (TORCHRUN_RESTART_ENV, Job, Series, Workdir, add_common_args, alternate, events, faults_env,
                     kill_at, marker_time, next_step_after, print_json, ratio_line, run_to_end, steady_ms_per_step,
-                    steps_lost, tail)
+                    steps_lost, tail, with_script)
 
 WORLD = 2
 VICTIM = 1
@@ -52,11 +54,13 @@ def script_args(args: argparse.Namespace) -> list[str]:
 def make_job(kind: str, out: str, args: argparse.Namespace, *, fault: bool) -> Job:
     env = faults_env(kill_at(VICTIM, args.kill_step, out + "-marker", where="backward")) if fault else {}
     if kind == "torchrun":
-        return Job.torchrun(out, nproc=WORLD, steps=args.steps, step_sleep=0.0, script_args=script_args(args),
-                            extra=["--max-restarts", "1"] if fault else [], env={**env, **TORCHRUN_RESTART_ENV})
-    extra = ["--shard-mirror-interval", "0"] if kind == "no-mirror" else []
-    return Job.tpassrun(out, endpoint=None, run_id=uuid.uuid4().hex[:8], nproc=WORLD, spares=1 if fault else 0,
-                        steps=args.steps, step_sleep=0.0, script_args=script_args(args), extra=extra, env=env)
+        job = Job.torchrun(out, nproc=WORLD, steps=args.steps, step_sleep=0.0, script_args=script_args(args),
+                           extra=["--max-restarts", "1"] if fault else [], env={**env, **TORCHRUN_RESTART_ENV})
+    else:
+        extra = ["--shard-mirror-interval", "0"] if kind == "no-mirror" else []
+        job = Job.tpassrun(out, endpoint=None, run_id=uuid.uuid4().hex[:8], nproc=WORLD, spares=1 if fault else 0,
+                           steps=args.steps, step_sleep=0.0, script_args=script_args(args), extra=extra, env=env)
+    return with_script(job, args.script, args.script_args) if args.script else job
 
 
 def mirror_figures(out: str) -> dict[str, Any]:
@@ -283,12 +287,20 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=2048)
     parser.add_argument("--skip-recovery", action="store_true")
     parser.add_argument("--step-ms", type=float, default=50.0, help="the step time part 0 relates its costs to")
+    parser.add_argument("--script", default=None, help="another script than examples/train_ddp.py --zero (its "
+                        "convention: --steps, --step-sleep, --out), e.g. examples/deepspeed/train.py")
+    parser.add_argument("--skip-critical", action="store_true", help="skip part 0 (it measures train_ddp's state)")
+    parser.add_argument("script_args", nargs="*", help="after --: --script's own arguments")
     args = parser.parse_args()
     trials = 1 if args.quick else args.trials
-    print(f"{WORLD} ranks of examples/train_ddp.py --zero --hidden {args.hidden} --batch {args.batch}, "
-          f"{args.steps} steps, {trials} trial(s) each; load average {os.getloadavg()[0]:.1f}")
-    print("critical path (one process, real ShardState and MirrorServer):")
-    crit = critical_path(args)
+    what = (f"{args.script} {' '.join(args.script_args)}" if args.script
+            else f"examples/train_ddp.py --zero --hidden {args.hidden} --batch {args.batch}")
+    print(f"{WORLD} ranks of {what}, {args.steps} steps, {trials} trial(s) each; load average "
+          f"{os.getloadavg()[0]:.1f}")
+    crit = None
+    if not args.skip_critical:
+        print("critical path (one process, real ShardState and MirrorServer):")
+        crit = critical_path(args)
     with Workdir(keep=args.keep) as work:
         print("overhead (no fault):")
         over = overhead(args, work, trials)

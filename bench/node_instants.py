@@ -38,32 +38,24 @@ import time
 import uuid
 from typing import Any
 
-from common import REPO, EtcdServer, Workdir, next_step_after, print_json, tail
+from common import REPO, EtcdServer, Workdir, next_step_after, print_json, tail, with_script
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import EXAMPLE, Job, unlogged_steps, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node
-from realjobs import CPU_ENV
+from faults import Job, unlogged_steps, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node
 
 WORLD = 4
 
 
-def with_script(job: Job, args: argparse.Namespace) -> Job:
-    """``job`` (the example's) running ``--script`` with its own arguments instead, on CPU settings."""
-    if not args.script:
-        job.argv += ["--hidden", str(args.hidden)]       # a bigger model: a longer all-reduce in each step
-        return job
-    at = job.argv.index(EXAMPLE)
-    tail_args = job.argv[at + 1:]
-    keep = [tail_args[i + 1] for i in range(len(tail_args) - 1) if tail_args[i] in ("--steps", "--step-sleep", "--out")]
-    steps, sleep, out = keep
-    job.argv[at:] = [os.path.abspath(args.script), "--steps", steps, "--step-sleep", sleep, "--out", out,
-                     *args.script_args]
-    job.env = {**CPU_ENV, **job.env}
+def with_args(job: Job, args: argparse.Namespace) -> Job:
+    """``job`` with the example's ``--hidden``, or running ``--script`` with its own arguments instead."""
+    if args.script:
+        return with_script(job, args.script, args.script_args)
+    job.argv += ["--hidden", str(args.hidden)]       # a bigger model: a longer all-reduce in each step
     return job
 
 
 def reference(work: Workdir, args: argparse.Namespace) -> Job:
-    job = with_script(Job.torchrun(work.sub("torchrun"), nproc=WORLD, steps=args.steps, step_sleep=0.0), args).start()
+    job = with_args(Job.torchrun(work.sub("torchrun"), nproc=WORLD, steps=args.steps, step_sleep=0.0), args).start()
     try:
         code = job.wait(300)
     finally:
@@ -98,7 +90,7 @@ def one_run(work: Workdir, index: int, etcd: EtcdServer, ref: Job, rng: random.R
                                      steps=args.steps, step_sleep=args.step_sleep, env=hold,
                                      extra=["--spare-node"] if n == "c" else []) for n in "abc")
     for j in jobs:
-        with_script(j, args)
+        with_args(j, args)
     step, killed_wall, logged, code, b_pids = rng.randint(3, args.steps // 2), None, None, -1, []
     try:
         for j in jobs:
