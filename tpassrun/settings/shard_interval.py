@@ -106,8 +106,9 @@ class IntervalPolicy:
     def step_started(self, step: int, now: float) -> None:
         if self.decide_at is None:
             self.decide_at = step + DECIDE_STEP - 1    # a script resumed from its checkpoint starts past step 1
-        if self.auto and self._last is not None and step == self._last[0] + 1:
-            self._steps.append(now - self._last[1])
+        if self.auto and self._last is not None and step > self._last[0]:
+            # per step: under gradient accumulation only a window's first step is seen (a copy is a window's start)
+            self._steps.append((now - self._last[1]) / (step - self._last[0]))
         self._last = (step, now)
 
     def refresh_cost(self, cpu_s: float) -> None:
@@ -121,7 +122,9 @@ class IntervalPolicy:
             if self.joiner and not self.decided:
                 self.joiner = False
                 self._fetch()                  # what the survivors decided, or when they will decide
-            if step == self.decide_at:
+            # (or the first step seen past it: under gradient accumulation only windows' first steps are seen;
+            # every rank sees the same ones)
+            if step == self.decide_at or (not self.decided and self.decide_at is not None and step > self.decide_at):
                 self._agree()
         return self.enabled and step % self.interval == 0
 
