@@ -143,6 +143,9 @@ class _Sharded:
     model_parts: list[Any]
     _replicas: int = 1
     _coords: dict[str, int] = {}
+    # state_dict() changes nothing at step 0 (the optimizer view forgets the state describing a fresh optimizer
+    # materializes: OptimizerState._current): the shard mirror copies step 0 too (tpassrun/worker/shards.py)
+    copy_at_start = True
 
     def refresh_layout(self) -> None:
         self._replicas = replica_dims(self.model_parts)

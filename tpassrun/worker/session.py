@@ -147,7 +147,9 @@ class Session:
         keeps a copy in the memory of a buddy agent on another node (in a job of one node, in the agent's own),
         refreshed every ``--shard-mirror-interval`` steps in the background, and an unplanned failure of this
         rank is recovered from there (see :mod:`tpassrun.worker.shards`). Objects may expose ``commit_optimizers()``:
-        the torch optimizers whose ``step()`` starts changing them (where the background copy must be done).
+        the torch optimizers whose ``step()`` starts changing them (where the background copy must be done), and
+        ``copy_at_start`` (true: their ``state_dict()`` changes nothing before the first optimizer step, so step 0
+        is copied too and a death in the first step or accumulation window is recovered live).
         The rest of the heavy state (``track``) must be identical on every rank of its declared replica group.
         Launched without tpassrun, the same as :meth:`track`."""
         self.track(**objects)
