@@ -18,12 +18,12 @@ heavy = sent only when a rank is handed over; light = also snapshotted at every 
 |             | samples/flops, data iterator, rerun SM    | mirror get_megatron_      | shims.py); bf16, clip,   |
 |             |                                           | optimizer's all_gather    | DistOpt need a GPU       |
 +-------------+-------------------------------------------+---------------------------+--------------------------+
-| deepspeed   | heavy: module, optimizer (ZeRO-1/2: this  | repeat the joiner's init  | real DeepSpeed 0.19.8 on |
-|             | rank's partition, fp32 master exact, loss | collectives: re-create    | CPU: ZeRO 0/1/2 planned, |
-|             | scaler as attributes), lr_scheduler,      | the engine's groups in    | SIGKILL (ZeRO-0 from a   |
-|             | global_steps/samples, skipped/micro       | creation order, re-point, | replica, ZeRO-1/2 from   |
-|             | steps. light: data loader position        | parameter broadcast       | the shard mirror); ZeRO-3|
-|             |                                           |                           | refused                  |
+| deepspeed   | heavy: module, optimizer (ZeRO-1/2/3:     | repeat the joiner's init  | real DeepSpeed 0.19.8 on |
+|             | this rank's partition, ZeRO-3's parameter | collectives: re-create    | CPU: ZeRO 0/1/2 planned, |
+|             | partition from its fp32 master, loss      | the engine's groups in    | SIGKILL (ZeRO-0 from a   |
+|             | scaler as attributes), lr_scheduler,      | creation order, re-point, | replica, ZeRO-1/2/3 from |
+|             | global_steps/samples, skipped/micro       | parameter broadcast(s),   | the shard mirror); offload|
+|             | steps. light: data loader position        | ZeRO-3 barriers           | etc.: torchrun's restart |
 +-------------+-------------------------------------------+---------------------------+--------------------------+
 | torchtitan  | heavy: model parts and optimizer (DTensor | ParallelDims.build_mesh() | real torchtitan 0.3.0 on |
 |             | local shards + shard coordinates,         | again (or init_device_    | CPU, 4 ranks: FSDP2      |
