@@ -694,7 +694,7 @@ def test_megatron_parallel_state_reinit_real(one_rank_world: None) -> None:
 def test_deepspeed_zero3_partition_rolls_back_and_loads_into_a_fresh_engine(one_rank_world: None,
                                                                            monkeypatch: Any) -> None:
     """Real DeepSpeed ZeRO-3 (one rank): the engine's state and this rank's ZeRO-3 partition (parameters,
-    fp32 master, Adam moments, the persistent parameters) captured at a window's start, then (a) the same engine
+    fp32 master, Adam moments) captured at a window's start, then (a) the same engine
     half-way through the window put back (``drop_grads``: gathered parameters, the coordinator's trace, the
     accumulation counter) and loaded, (b) a fresh engine loaded: both train on torch.equal to an engine that was
     never interrupted. No collective in any load."""
@@ -730,8 +730,7 @@ def test_deepspeed_zero3_partition_rolls_back_and_loads_into_a_fresh_engine(one_
 
     def final(engine: Any) -> list:
         opt = engine.optimizer
-        return ([p.ds_tensor for p in engine.module.parameters()] + [p.data for p in opt.persistent_parameters]
-                + list(opt.fp32_partitioned_groups_flat)
+        return ([p.ds_tensor for p in engine.module.parameters()] + list(opt.fp32_partitioned_groups_flat)
                 + [v for st in opt.optimizer.state.values() for v in st.values() if torch.is_tensor(v)])
 
     live = build()

@@ -42,8 +42,8 @@ What travels (heavy = only at a handoff; light = also snapshotted at every step 
 * heavy: the module's ``state_dict()`` (under ZeRO-3 its buffers only); the optimizer through the engine's own
   objects: under ZeRO-1/2/3 ``engine.optimizer.state_dict()`` is *this rank's partition* (ZeRO-1/2:
   ``base_optimizer_state``, ``single_partition_of_fp32_groups``, ...; ZeRO-3: the base optimizer's state and
-  ``fp32_flat_groups``, from which the load rebuilds the rank's parameter partitions, plus the persistent
-  parameters, whole) and is loaded back with ``load_from_fp32_weights=True`` so the fp32 master shard is exact
+  ``fp32_flat_groups``, from which the load rebuilds the rank's parameter partitions) and is loaded back with
+  ``load_from_fp32_weights=True`` so the fp32 master shard is exact
   even under bf16/fp16, without any collective; without ZeRO the wrapped optimizer's ``state_dict()``;
   ``engine.lr_scheduler``; ``global_steps``, ``global_samples``, ``skipped_steps``, ``micro_steps``. The loss
   scaler (an object, never pickled) travels as its plain attributes and is applied to the joiner's own scaler.
@@ -277,12 +277,6 @@ def _module_state(engine: Any) -> Any:
     return kept
 
 
-def persistent_params(engine: Any) -> list[Any]:
-    """ZeRO-3's persistent parameters (``ds_persist``: small ones every rank keeps whole, re-gathered from the
-    partitions after each optimizer step), in the optimizer's order."""
-    return list(getattr(engine.optimizer, "persistent_parameters", None) or [])
-
-
 def reset_zero3_step(engine: Any) -> None:
     """Put a ZeRO-3 engine back to how a step (or an accumulation window) finds it, after a forward/backward that
     failed half-way or a rollback to the window's start. Local only (the old process groups are gone).
@@ -305,10 +299,11 @@ def reset_zero3_step(engine: Any) -> None:
         active = getattr(param, "ds_active_sub_modules", None)
         if active is not None:
             active.clear()
-        if getattr(param, "ds_persist", False) or getattr(param, "ds_status", None) is None:
-            continue                # whole on every rank at all times (re-gathered after the optimizer step only)
-        if param.ds_status != ZeroParamStatus.NOT_AVAILABLE:
-            free_param(param)       # back to the partition (``ds_tensor`` is untouched by a forward/backward)
+        if getattr(param, "ds_status", None) not in (None, ZeroParamStatus.NOT_AVAILABLE):
+            # back to the partition (``ds_tensor`` is untouched by a forward/backward), persistent parameters too:
+            # a failed forward may have released some of them on this rank only; partitioned everywhere, the
+            # next forward gathers them on every rank alike (load_zero3_partition leaves a joiner the same)
+            free_param(param)
     offload = getattr(optimizer, "parameter_offload", None)
     coordinator = offload.get_param_coordinator() if offload is not None else None
     if coordinator is not None:
@@ -401,8 +396,7 @@ def reset_zero_reduction(optimizer: Any) -> None:
 
 class DeepSpeedZeroState:
     """This rank's ZeRO optimizer partition alone (fp32 master shard, base optimizer state, loss scaler; under
-    ZeRO-3 also this rank's parameter partition, restored from the fp32 master shard, and the persistent
-    parameters):
+    ZeRO-3 also this rank's parameter partition, restored from the fp32 master shard):
     tracked as sharded state (``sess.track_sharded``), so that it is mirrored to a buddy node and an unplanned
     failure is recovered from there; module, scheduler and counters stay in the replicated
     :class:`DeepSpeedEngineState`."""
@@ -428,13 +422,8 @@ class DeepSpeedZeroState:
         return [base] if isinstance(base, torch.optim.Optimizer) else []
 
     def state_dict(self) -> dict[str, Any]:
-        state = {"v": STATE_VERSION, "zero_stage": zero_stage(self.engine),
-                 "optimizer": _to_portable_optimizer(self.engine.optimizer.state_dict())}
-        if zero_stage(self.engine) >= 3:
-            # whole on every rank, but loading the partition frees them (DeepSpeed re-gathers them with a
-            # collective after a checkpoint load): carried as they are, so the load needs no communication
-            state["persistent"] = [p.data for p in persistent_params(self.engine)]
-        return state
+        return {"v": STATE_VERSION, "zero_stage": zero_stage(self.engine),
+                "optimizer": _to_portable_optimizer(self.engine.optimizer.state_dict())}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if not isinstance(state, dict) or state.get("v") != STATE_VERSION:
@@ -442,18 +431,32 @@ class DeepSpeedZeroState:
         stage = zero_stage(self.engine)
         if state["zero_stage"] != stage:
             raise ValueError(f"received ZeRO stage {state['zero_stage']} state, this engine runs stage {stage}")
-        DeepSpeedEngineState(self.engine)._load_optimizer(
-            _from_portable_optimizer(state["optimizer"], self.engine.optimizer), stage)
+        optim_state = _from_portable_optimizer(state["optimizer"], self.engine.optimizer)
         if stage >= 3:
-            from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+            load_zero3_partition(self.engine, optim_state)
+        else:
+            DeepSpeedEngineState(self.engine)._load_optimizer(optim_state, stage)
 
-            params = persistent_params(self.engine)
-            if len(params) != len(state["persistent"]):
-                raise ValueError(f"received {len(state['persistent'])} persistent ZeRO-3 parameters, this engine has "
-                                 f"{len(params)}: the DeepSpeed configs differ")
-            for param, whole in zip(params, state["persistent"]):
-                param.data = whole.detach().clone().reshape(param.ds_shape).to(param.dtype)
-                param.ds_status = ZeroParamStatus.AVAILABLE
+
+def load_zero3_partition(engine: Any, optim_state: dict[str, Any]) -> None:
+    """This rank's ZeRO-3 partition into the live engine, without communication: DeepSpeed 0.19.8's rigid loader
+    (base optimizer state, fp32 master partition, the parameter partitions rebuilt from it), then every parameter
+    partitioned (persistent ones too). That is the state every rank of a re-formed world starts from: a survivor's
+    reset (:func:`reset_zero3_step`) leaves the same, and the first forward then gathers what it needs on every
+    rank alike. (DeepSpeed's own ``load_state_dict`` partitions the persistent parameters and expects a collective
+    gather after it.)"""
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus, free_param
+
+    optimizer = engine.optimizer
+    if getattr(optimizer, "elastic_checkpoint", False):
+        raise ValueError("tpassrun: ZeRO-3 elastic checkpointing is not handed over")
+    _require(optimizer, "_rigid_load_state_dict")(optim_state, load_optimizer_states=True)
+    for param in engine.module.parameters():
+        active = getattr(param, "ds_active_sub_modules", None)
+        if active is not None:
+            active.clear()
+        if getattr(param, "ds_status", ZeroParamStatus.NOT_AVAILABLE) != ZeroParamStatus.NOT_AVAILABLE:
+            free_param(param)
 
 
 def handover_refused(engine: Any) -> str | None:
