@@ -140,7 +140,6 @@ def test_zero1_unplanned_kill_without_a_mirror_falls_back_and_says_why(tmp_path,
         assert_trees_equal(job.final(r), ref.final(r), f"rank {r}")
 
 
-@pytest.mark.e2e
 @pytest.mark.parametrize("at", [1, "random"])
 def test_zero3_unplanned_kill_is_recovered_from_the_mirror(tmp_path, etcd_server, run_id, reference, at):
     """ZeRO-3 (the parameters partitioned too; accumulation 2, clipping, WarmupDecayLR): the dead rank's parameter
@@ -164,7 +163,6 @@ def test_zero3_unplanned_kill_is_recovered_from_the_mirror(tmp_path, etcd_server
     print(f"deepspeed ZeRO-3 SIGKILL at step {step}: pause {swap_pause_s(job):.2f} s")
 
 
-@pytest.mark.e2e
 def test_a_configuration_the_adapter_cannot_hand_over_runs_as_under_torchrun(tmp_path, etcd_server, run_id, reference):
     """ZeRO-1 with ``elastic_checkpoint`` (its loader merges every rank's partition; a handoff carries one): never
     a crash. The adapter says so once (``handover_refused``): the SIGKILL restarts the group as torchrun would, one
