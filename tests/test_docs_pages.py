@@ -14,7 +14,7 @@ from docrun import REPO, SHELL_LANGS, command_blocks, run_page
 
 pytestmark = pytest.mark.timeout(600)
 
-PAGES = ("README.md", "docs/pool.md", "docs/slurm.md", "docs/operations.md")
+PAGES = ("README.md", "docs/pool.md", "docs/slurm.md", "docs/operations.md", "docs/transparent.md")
 _BLOCKS = [b for page in PAGES for b in command_blocks(os.path.join(REPO, page))]
 
 

@@ -19,7 +19,7 @@ sys.path.insert(0, str(REPO / "scripts" / "gpucheck"))
 import harness  # noqa: E402
 
 GPU_ROWS = ["nvml", "swap: planned", "swap: SIGKILL", "shard mirror", "nccl (2 GPUs)", "transfer 1 GiB",
-            "swap: compile joiner"]
+            "transparent: cuda-checkpoint", "swap: compile joiner"]
 STREAM = "stream: auth-only, pinned"     # needs no GPU: >= 4 cores (issue 42)
 
 

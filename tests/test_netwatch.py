@@ -12,7 +12,7 @@ import pytest
 from tpassrun.health import LinkPolicy, Policy
 from tpassrun.agent.netwatch import (AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, FlapBook, LinkFigures, LinkWatch,
                                      NodeFigures, StepMeter, Window, explain, flap_line, loopback_warning)
-from tpassrun.agent.netwatch._plan import inbound_loss_pct
+from tpassrun.agent.netwatch._plan import QUIET_N, inbound_loss_pct
 from tpassrun.agent.netwatch._probe import parse_sent, sent_delta
 
 MB = 1024 * 1024
@@ -25,9 +25,11 @@ def run(watch: LinkWatch, figures: list[tuple[LinkFigures, dict[str, LinkFigures
 
 
 def learned(watch: LinkWatch) -> float:
-    """Feed a healthy baseline; returns the next instant."""
-    run(watch, [(FINE, {"b": FINE, "c": FINE})] * watch.baseline_n)
-    return watch.baseline_n * 2.0
+    """Feed a healthy baseline (learning starts at the QUIET_N-th quiet sample); returns the next instant."""
+    n = watch.baseline_n + QUIET_N - 1
+    run(watch, [(FINE, {"b": FINE, "c": FINE})] * n)
+    assert watch.baseline_ms() == 60.0
+    return n * 2.0
 
 
 def pair(a_to_b: float, b_to_a: float, *, step_ms: float = 60.0, rtt_b: float = 1.0) -> tuple[LinkFigures, dict]:
@@ -339,3 +341,15 @@ def test_loss_one_way_is_the_receivers_unless_the_senders_round_trip_stands_out(
     assert explain(nodes({("a", "b"): 0.05}), {}, **kw).culprit == "b"
     # a's uplink at its rate limit drops what it sends (and queues its etcd traffic behind): a
     assert explain(nodes({("a", "b"): 0.02}, rtt={"a": 40.0}), {}, **kw).culprit == "a"
+
+
+def test_a_rate_limited_link_standing_out_in_some_samples_only_is_never_learned_as_healthy():
+    """bench (rate, 20mbit at step 29): the node's round trip to etcd stood out in some samples only, the baseline
+    learned the slow steps between them (8/10 after 25 s), and nothing was flagged in 180 s. Learning now waits
+    for QUIET_N quiet samples in a row; the suspicion, broken by one clear sample at most, holds."""
+    w = LinkWatch(me="b", hold_s=10.0)
+    peers = {"a": LinkFigures(rtt_ms=5.0, step_ms=250.0), "c": LinkFigures(rtt_ms=5.0)}
+    seen = run(w, [(LinkFigures(rtt_ms=20.0 if i % 2 else 7.0, step_ms=250.0), peers) for i in range(30)])
+    assert w.baseline_ms() is None and len(w._baseline) == 0
+    assert DEGRADED in {v.state for v in seen}
+    assert "round trip to etcd" in w.reason and "judged against its peers" in w.reason

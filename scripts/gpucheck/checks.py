@@ -379,6 +379,52 @@ def stream(ctx: Ctx) -> tuple[str, str]:
                   f"{auth['cpu_s_per_gb_median']:.2f}/{enc['cpu_s_per_gb_median']:.2f}; load {out['load'][0]:.1f}")
 
 
+# --------------------------------------------------------------------------------------------- transparent mode
+
+_HOLDER = """
+import sys, time, torch
+x = torch.randn(64 << 20, device="cuda", generator=torch.Generator("cuda").manual_seed(7))
+want = x.double().sum().item()
+print("ready", flush=True)
+sys.stdin.readline()                      # the check suspends and resumes this process's CUDA state meanwhile
+print("equal" if x.double().sum().item() == want and torch.cuda.is_available() else "differs", flush=True)
+"""
+
+
+def cuda_checkpoint(ctx: Ctx) -> tuple[str, str]:
+    """The transparent mode's GPU half (docs/transparent.md#gpus): NVIDIA's cuda-checkpoint suspends a process
+    holding 256 MB on the GPU (device memory to host, the device released) and resumes it; the tensor is unchanged."""
+    ctx.need_gpus(1, cuda=True)
+    import shutil
+
+    tool = shutil.which("cuda-checkpoint")
+    if tool is None:
+        raise Skip("cuda-checkpoint not on PATH (NVIDIA driver >= 570 ships it)")
+    proc = subprocess.Popen([ctx.python, "-c", _HOLDER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "CUDA_VISIBLE_DEVICES": visible(ctx, 1)})
+    try:
+        assert proc.stdout is not None and proc.stdin is not None
+        if proc.stdout.readline().strip() != "ready":
+            raise Failed("the holder did not start")
+        times = []
+        for want in ("checkpointed", "running"):
+            t0 = time.monotonic()
+            subprocess.run([tool, "--toggle", "--pid", str(proc.pid)], check=True, capture_output=True, timeout=60)
+            times.append(time.monotonic() - t0)
+            state = _run([tool, "--get-state", "--pid", str(proc.pid)])
+            if want not in state:
+                raise Failed(f"after a toggle the state is {state!r}, not {want}")
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        said = proc.stdout.readline().strip()
+        if said != "equal":
+            raise Failed(f"the tensor after a suspend and resume: {said or 'the holder died'}")
+    finally:
+        proc.kill()
+        proc.wait(10)
+    return "ok", f"256 MB suspended in {times[0]:.2f} s, resumed in {times[1]:.2f} s, unchanged"
+
+
 CHECKS = {
     # name: (function, hard timeout in seconds, runs alongside the others)
     "environment": (environment, 60, False),
@@ -389,6 +435,7 @@ CHECKS = {
     "shard mirror": (shard_mirror, 150, False),
     "nccl (2 GPUs)": (nccl, 130, False),
     "transfer 1 GiB": (transfer, 90, False),
+    "transparent: cuda-checkpoint": (cuda_checkpoint, 90, False),
     "stream: auth-only, pinned": (stream, 120, False),  # issue 42: raw / GMAC / AES-GCM, each end on its own cores
     "swap: compile joiner": (swap_compile, 170, False),     # last: inductor's first compile is the slowest
 }

@@ -37,7 +37,8 @@ from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
 from tpassrun.agent.supervise import Outcome, Supervision, etcd_link_said
 from tpassrun.agent.tasks import GenerationTasks
-from tpassrun.agent.workers import WorkerSpawning, find_devices
+from tpassrun.agent.transparent import Transparent
+from tpassrun.agent.workers import WorkerSpawning, find_devices, watch_exit
 from tpassrun.settings import LaunchConfig
 from tpassrun.ops.cleantext import clean
 from tpassrun.ops.console import WAITING_EVERY_S, ConsoleReporter, GlogFormatter
@@ -98,6 +99,7 @@ class Agent:
         self._node: Started | None = None
         self._store: WorkersStore
         self._tasks: GenerationTasks
+        self._transparent: Transparent
         self._workers: WorkerSpawning
         self._cause: CauseJudge
         self._supervision: Supervision
@@ -239,6 +241,8 @@ class Agent:
                 self._scheduler = watcher_for(st.host(rdzv, slots))
             self._node = started = Started(rdzv=rdzv, slots=slots, swapper=swapper, mirror=mirror, health=health)
             self._start_parts(started)
+            await self._transparent.start()        # --snapshot-interval: criu check decides, once (one line if not)
+            stack.callback(self._transparent.close)
             metrics_at = None
             if cfg.metrics_port is not None:   # prometheus_client is optional: imported only when asked for
                 from tpassrun.ops.metrics import serve_metrics
@@ -267,9 +271,12 @@ class Agent:
         st = self._state
         self._store = WorkersStore(st, node)
         self._tasks = GenerationTasks(st, node, self._store)
-        self._workers = WorkerSpawning(st, node, self._store, self._tasks)
+        # --snapshot-interval: process snapshots (transparent.py); a restored worker's exit is watched as a spawned one's
+        self._transparent = Transparent(st, node.slots,
+                                        watch=lambda slot, proc: asyncio.ensure_future(watch_exit(st, slot, proc)))
+        self._workers = WorkerSpawning(st, node, self._store, self._tasks, self._transparent)
         self._cause = CauseJudge(st, node)
-        self._supervision = Supervision(st, node, self._cause, self._workers, self._store)
+        self._supervision = Supervision(st, node, self._cause, self._workers, self._store, self._transparent)
 
     async def _stop_store(self) -> None:
         if self._node is not None:
@@ -487,6 +494,7 @@ class Agent:
         log.debug("generation %d: store at %s:%d; spawning workers", gen.number, *master)
         await self._workers.start_file_timer()
         await self._workers.spawn_generation(gen, master)
+        self._transparent.generation_started()
         self._elastic.workers("START", gen, st.node_id, node.slots.slots, st.remaining_restarts)
         log.debug("generation %d: workers spawned; supervising", gen.number)
         tasks = [asyncio.ensure_future(self._tasks.pump_rdzv_events(gen)),
@@ -496,6 +504,8 @@ class Agent:
                  asyncio.ensure_future(node.mirror.run())]
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._tasks.hang_watchdog()))
+        if self._transparent.active:
+            tasks.append(asyncio.ensure_future(self._transparent.run()))
         tasks.append(asyncio.ensure_future(self._supervision.watch_lease(gen)))
         if self._scheduler is not None:
             tasks.append(asyncio.ensure_future(self._scheduler.run()))

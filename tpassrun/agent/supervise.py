@@ -25,6 +25,7 @@ from tpassrun.agent.state import AgentState, Started
 if TYPE_CHECKING:
     from tpassrun.agent.cause import CauseJudge
     from tpassrun.agent.store import WorkersStore
+    from tpassrun.agent.transparent import Transparent
     from tpassrun.agent.workers import WorkerSpawning
 
 log = logging.getLogger("tpassrun.agent")
@@ -56,9 +57,10 @@ class Supervision:
     """Agent's event handling within one generation (the generation loop is :class:`tpassrun.agent.Agent`)."""
 
     def __init__(self, state: AgentState, node: Started, cause: CauseJudge, workers: WorkerSpawning,
-                 store: WorkersStore) -> None:
+                 store: WorkersStore, transparent: Transparent | None = None) -> None:
         self._state = state
         self._node = node
+        self._transparent = transparent
         self._cause = cause
         self._workers = workers
         self._store = store
@@ -106,6 +108,9 @@ class Supervision:
                 self._record_failures(ev.slot)
                 return Outcome.FAILED, ev.reason
             elif isinstance(ev, HealthRestartRequested):
+                if (ev.rank is not None and self._transparent is not None
+                        and await self._transparent.on_taint(ev.rank, ev.reason)):
+                    continue     # moved live by process snapshots (tpassrun/agent/transparent.py)
                 st.events.write("fallback", reason=ev.reason)
                 with contextlib.suppress(RendezvousError):
                     await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, ev.reason))
@@ -142,6 +147,8 @@ class Supervision:
                    and s.state in (SlotState.RUNNING, SlotState.DONE)):
                 return Outcome.SUCCEEDED, "all workers succeeded"
             return None
+        if not slot.managed and self._transparent is not None and await self._transparent.on_death(slot, code):
+            return None     # every rank restored from the last snapshot (tpassrun/agent/transparent.py)
         slot.state = SlotState.DEAD
         self._cause.note_death(gen, slot, code)   # a worker of its world waiting for its exception's cause is a casualty
         proc.kill_leftovers()      # its forked children hold its sockets: the survivors must see them close now

@@ -28,6 +28,7 @@ from tpassrun.launch.workerenv import WorkerAssignment, encrypt_requested, role_
 
 if TYPE_CHECKING:
     from tpassrun.agent.tasks import GenerationTasks
+    from tpassrun.agent.transparent import Transparent
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -44,9 +45,11 @@ def find_devices(st: AgentState) -> list[str] | None:
 class WorkerSpawning:
     """Agent's workers on this node."""
 
-    def __init__(self, state: AgentState, node: Started, store: WorkersStore, tasks: GenerationTasks) -> None:
+    def __init__(self, state: AgentState, node: Started, store: WorkersStore, tasks: GenerationTasks,
+                 transparent: Transparent | None = None) -> None:
         self._state = state
         self._node = node
+        self._transparent = transparent
         self._store = store
         self._tasks = tasks
         self.timer_file: str | None = None          # TORCHELASTIC_TIMER_FILE of the current workers
@@ -196,6 +199,9 @@ class WorkerSpawning:
         self._node.slots.reset(slot)
         a = self.assignment(gen, local_rank, rank, master, slot, spare)
         env = worker_env(st.cfg, a, st.environ)
+        transparent = self._transparent is not None and self._transparent.active
+        if self._transparent is not None and not spare:   # CRIU cannot dump torch's libuv store (io_uring)
+            env.update(self._transparent.worker_env())
         argv = worker_argv(st.cfg, local_rank, spare=spare)
         stdio = st.logs.stdio(st.restart_count, local_rank, rank=rank if rank >= 0 else None,
                               dir_name=str(slot.index) if spare else None)
@@ -205,19 +211,15 @@ class WorkerSpawning:
         slot.exit_code = None
         slot.started_at = time.monotonic()
         try:
-            slot.proc = await spawn_worker(argv, env, stdio, local_rank=local_rank, role=st.cfg.role)
+            slot.proc = await spawn_worker(argv, env, stdio, local_rank=local_rank, role=st.cfg.role,
+                                           piped=transparent)
         except OSError as exc:
             slot.proc = None
             slot.state = SlotState.DEAD
             st.queue.put_nowait(SpawnFailed(slot, exc))
             return
         proc = slot.proc
-        asyncio.ensure_future(self._watch_exit(slot, proc))
-
-    async def _watch_exit(self, slot: Slot, proc: Any) -> None:
-        code = await proc.wait()
-        log.debug("slot %d (pid %d) exited with %s", slot.index, proc.pid, code)
-        self._state.queue.put_nowait(WorkerExited(slot, proc, code))
+        asyncio.ensure_future(watch_exit(st, slot, proc))
 
     def on_worker_message(self, slot: Slot, msg: Reply) -> None:
         st = self._state
@@ -269,3 +271,10 @@ class WorkerSpawning:
         for s in self._node.slots.slots:
             if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
                 s.state = SlotState.IDLE
+
+
+async def watch_exit(state: AgentState, slot: Slot, proc: Any) -> None:
+    """Queue the worker's exit for the supervisor (one per worker process: spawned, or restored from a snapshot)."""
+    code = await proc.wait()
+    log.debug("slot %d (pid %d) exited with %s", slot.index, proc.pid, code)
+    state.queue.put_nowait(WorkerExited(slot, proc, code))

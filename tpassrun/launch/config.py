@@ -218,6 +218,12 @@ def build_parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     ours.add_argument("--mirror-max-bytes", "--mirror_max_bytes", type=_byte_size, default=1 << 30,
                       help="Host memory this agent's mirror store may hold for other nodes' ranks (bytes, or with a "
                            "K/M/G/T suffix; default 1G): 2 x each mirrored rank's shard, see the README.")
+    ours.add_argument("--snapshot-interval", "--snapshot_interval", type=float, default=0.0,
+                      help="The transparent mode, for scripts that do not use the worker API: a whole-job process "
+                           "snapshot (CRIU >= 4.2, root) every S seconds; a rank's death restores every rank from the "
+                           "last one, a taint moves the rank to a spare slot with no step lost (docs/transparent.md). "
+                           "0 (the default): off. Without a usable CRIU, one line says why and the job runs as under "
+                           "torchrun.")
     ours.add_argument("--shard-mirror-interval", "--shard_mirror_interval", type=str, default="auto",
                       help="Refresh the in-memory copies of sharded state (sess.track_sharded: ZeRO, FSDP) every K "
                            "steps (an unplanned failure then recomputes up to K-1 steps; 0 = off). Default 'auto': "
@@ -309,6 +315,8 @@ def parse_args(
     except ValueError:
         raise ConfigError(f"--shard-mirror-interval must be an integer >= 0 or 'auto' (got "
                           f"{ns.shard_mirror_interval!r})") from None
+    if not ns.snapshot_interval >= 0 or ns.snapshot_interval == float("inf"):   # NaN fails the first test
+        raise ConfigError(f"--snapshot-interval must be a number of seconds >= 0 (got {ns.snapshot_interval})")
     if ns.metrics_port is not None and not 0 <= ns.metrics_port <= 65535:
         raise ConfigError(f"--metrics-port must be a port number (0-65535), not {ns.metrics_port}")
     if ns.metrics_port is not None:
@@ -401,6 +409,7 @@ def parse_args(
         metrics_port=ns.metrics_port,
         shard_mirror_interval=parse_interval(ns.shard_mirror_interval),
         mirror_max_bytes=ns.mirror_max_bytes,
+        snapshot_interval=ns.snapshot_interval,
     )
 
 

@@ -214,7 +214,7 @@ def die_with_parent(parent_pid: int):  # type: ignore[no-untyped-def]
 class _StreamCopier:
     """Copies a worker pipe to its log file, and complete lines (prefixed) to the console."""
 
-    def __init__(self, file: IO[bytes], console: BinaryIO | None, prefix: bytes,
+    def __init__(self, file: IO[bytes] | None, console: BinaryIO | None, prefix: bytes,
                  filtered: IO[bytes] | None, filters: tuple[bytes, ...],
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.file, self.console, self.prefix = file, console, prefix
@@ -250,7 +250,8 @@ class _StreamCopier:
                         getattr(stream, "name", name), down[2], now - down[0])
 
     def feed(self, chunk: bytes) -> None:
-        self._write("log file", self.file, chunk)
+        if self.file is not None:
+            self._write("log file", self.file, chunk)
         data = self._partial + chunk
         *lines, self._partial = data.split(b"\n")
         self._emit([line + b"\n" for line in lines])
@@ -356,6 +357,7 @@ async def spawn_worker(
     role: str,
     console: tuple[BinaryIO, BinaryIO] | None = None,
     cwd: str | None = None,
+    piped: bool = False,
 ) -> WorkerProcess:
     """Start one worker.
 
@@ -364,6 +366,9 @@ async def spawn_worker(
         env: the complete environment, from :func:`tpassrun.launch.workerenv.worker_env`.
         stdio_spec: from :meth:`RunLogs.stdio` (or :data:`CONSOLE`).
         console: where tee'd lines go (default: this process's stdout/stderr).
+        piped: every stream the worker may write goes through a pipe this process copies (to its file, to the
+            console, or both: what torchrun would have written), never a descriptor the worker shares with the
+            agent (the transparent mode: a process snapshot restores a pipe in its place, tpassrun/snapshot).
 
     Raises:
         OSError: the executable cannot be started (e.g. ``FileNotFoundError``).
@@ -372,7 +377,7 @@ async def spawn_worker(
     files: list[IO[bytes]] = []
 
     def target(path: str | None, tee: bool, shown: bool) -> int | IO[bytes] | None:
-        if path is not None and tee:
+        if (path is not None and tee) or (piped and (path is not None or shown)):
             return asyncio.subprocess.PIPE
         if path is not None:
             # appended: a slot started again in the same attempt (a spare after a swap, a membership change) keeps
@@ -399,22 +404,82 @@ async def spawn_worker(
     files.clear()
     log.debug("spawned worker %s%d: pid %d", role, local_rank, proc.pid)
 
+    pumps = _start_pumps(s, proc.stdout, proc.stderr, (out_console, err_console), files, f"{role}{local_rank}")
+    return WorkerProcess(proc, local_rank=local_rank, role=role, argv=list(argv), stdio=s, pumps=pumps, files=files)
+
+
+def _start_pumps(s: StdioSpec, out: asyncio.StreamReader | None, err: asyncio.StreamReader | None,
+                 consoles: tuple[BinaryIO, BinaryIO], files: list[IO[bytes]], name: str) -> list[asyncio.Task[None]]:
+    """A copier per piped stream: to its log file (if any), its complete lines to the console when tee'd (with the
+    prefix) or when the stream has no file but is shown (as torchrun's worker would have written it itself)."""
     pumps: list[asyncio.Task[None]] = []
     prefix = s.prefix.encode()
-    for reader, path, con, fpath, filters in (
-        (proc.stdout, s.stdout_path, out_console, s.filtered_stdout_path, s.stdout_filters),
-        (proc.stderr, s.stderr_path, err_console, s.filtered_stderr_path, s.stderr_filters),
+    for reader, path, tee, shown, con, fpath, filters in (
+        (out, s.stdout_path, s.tee_stdout, s.show_stdout, consoles[0], s.filtered_stdout_path, s.stdout_filters),
+        (err, s.stderr_path, s.tee_stderr, s.show_stderr, consoles[1], s.filtered_stderr_path, s.stderr_filters),
     ):
-        if reader is None or path is None:
+        if reader is None:
             continue
-        logf = open(path, "ab")  # appended, as above
-        files.append(logf)
+        logf = open(path, "ab") if path is not None else None  # appended, as above
+        if logf is not None:
+            files.append(logf)
         filtered = open(fpath, "ab") if fpath else None  # shared by the attempt's workers
         if filtered is not None:
             files.append(filtered)
-        copier = _StreamCopier(logf, con, prefix, filtered, tuple(f.encode() for f in filters))
-        pumps.append(asyncio.create_task(_pump(reader, copier), name=f"tee-{role}{local_rank}"))
-    return WorkerProcess(proc, local_rank=local_rank, role=role, argv=list(argv), stdio=s, pumps=pumps, files=files)
+        if path is None:      # piped only so no descriptor is shared: the console gets it unprefixed, as is
+            copier = _StreamCopier(None, con if shown else None, b"", None, ())
+        else:
+            copier = _StreamCopier(logf, con if tee else None, prefix, filtered, tuple(f.encode() for f in filters))
+        pumps.append(asyncio.create_task(_pump(reader, copier), name=f"tee-{name}"))
+    return pumps
+
+
+class _Adopted:
+    """A worker this process did not start but is the parent of (restored by criu with ``--restore-sibling``): its
+    exit is seen through a pidfd and reaped with waitpid, like asyncio's own children."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+        self._done: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._pidfd = os.pidfd_open(pid)
+        asyncio.get_running_loop().add_reader(self._pidfd, self._reap)
+
+    def _reap(self) -> None:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:      # not ours to reap (should not happen): it is gone all the same
+            pid, status = self.pid, 255 << 8
+        if pid == 0:
+            return
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
+        self.returncode = os.waitstatus_to_exitcode(status)
+        if not self._done.done():
+            self._done.set_result(self.returncode)
+
+    async def wait(self) -> int:
+        return await asyncio.shield(self._done)
+
+
+async def adopt_worker(pid: int, stdio_spec: StdioSpec, out_fd: int | None, err_fd: int | None, *, local_rank: int,
+                       role: str, argv: list[str], console: tuple[BinaryIO, BinaryIO] | None = None) -> WorkerProcess:
+    """A :class:`WorkerProcess` for a restored worker (a child of this process it did not spawn): ``out_fd`` and
+    ``err_fd`` are the read ends of the pipes put in place of its stdout/stderr (owned from now on)."""
+    loop = asyncio.get_running_loop()
+    readers: list[asyncio.StreamReader | None] = []
+    for fd in (out_fd, err_fd):
+        if fd is None:
+            readers.append(None)
+            continue
+        reader = asyncio.StreamReader(limit=_PUMP_CHUNK)
+        await loop.connect_read_pipe(functools.partial(asyncio.StreamReaderProtocol, reader), os.fdopen(fd, "rb", 0))
+        readers.append(reader)
+    files: list[IO[bytes]] = []
+    pumps = _start_pumps(stdio_spec, readers[0], readers[1], console or (sys.stdout.buffer, sys.stderr.buffer),
+                         files, f"{role}{local_rank}")
+    return WorkerProcess(_Adopted(pid), local_rank=local_rank, role=role, argv=argv,  # type: ignore[arg-type]
+                         stdio=stdio_spec, pumps=pumps, files=files)
 
 
 # --------------------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class RestartGroup:
     """A health-aware restart: a new generation without the tainted slot (costs no restart)."""
 
     reason: str
+    rank: int | None = None          # the tainted rank (the transparent mode moves it instead, if it can)
 
 
 @dataclass(frozen=True)

@@ -428,7 +428,7 @@ def _taints(seen: Seen) -> tuple[tuple[Action, ...], frozenset[str]]:
             held = view.slot_of_rank(rank)
             where = {"node_id": held.node, "slot": held.slot} if held is not None else {}
             out += [PutTaint(taint.handled(HANDLED_RESTART, decision.reason, **where)),
-                    RestartGroup(f"health-aware restart: {decision.reason}")]
+                    RestartGroup(f"health-aware restart: {decision.reason}", rank=rank)]
             break
     return tuple(out), frozenset(said)
 

@@ -150,6 +150,7 @@ class LaunchConfig:
     shard_mirror_interval: int | None = None  # sharded state (sess.track_sharded): local copy + buddy mirror every
                                               # K steps; None: auto (measured and agreed, tpassrun/settings/shard_interval.py)
     mirror_max_bytes: int = 1 << 30  # what this agent's mirror store may hold for other nodes' ranks
+    snapshot_interval: float = 0.0   # the transparent mode (CRIU process snapshots) every S seconds; 0: off
 
     @property
     def uses_embedded_etcd(self) -> bool:

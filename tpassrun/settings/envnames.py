@@ -28,6 +28,7 @@ TORCHELASTIC_TIMER_FILE = "TORCHELASTIC_TIMER_FILE"                 # the file t
 TORCH_NCCL_ASYNC_ERROR_HANDLING = "TORCH_NCCL_ASYNC_ERROR_HANDLING"
 OMP_NUM_THREADS = "OMP_NUM_THREADS"
 CUDA_VISIBLE_DEVICES = "CUDA_VISIBLE_DEVICES"
+USE_LIBUV = "USE_LIBUV"   # torch's TCPStore backend; "0" in a transparent job's workers (CRIU cannot dump io_uring)
 
 # --- read from the launcher's own environment (torchrun's knobs) ---
 PET_PREFIX = "PET_"
@@ -65,6 +66,8 @@ TPASSRUN_SHARE_GPUS = "TPASSRUN_SHARE_GPUS"      # "1": more slots than GPUs is 
 TPASSRUN_HEALTH_FILE = "TPASSRUN_HEALTH_FILE"    # JSON readings file a site tool writes (FileSensor)
 TPASSRUN_SPARE_NODES = "TPASSRUN_SPARE_NODES"    # --spare-nodes K: the last K nodes of a Slurm step are spare nodes
 TPASSRUN_SCHEDULER_POLL = "TPASSRUN_SCHEDULER_POLL"  # seconds between the scheduler watcher's polls (default 5)
+TPASSRUN_CRIU = "TPASSRUN_CRIU"    # the criu binary of the transparent mode (default: scripts/criu.sh's, then PATH)
+TPASSRUN_SNAPSHOT_DIR = "TPASSRUN_SNAPSHOT_DIR"  # where the transparent mode keeps its snapshots (default: a temp dir)
 TPASSRUN_HOPS_TRACE = "TPASSRUN_HOPS_TRACE"  # bench only, never read by tpassrun: a directory; bench/hopstrace/
                                             # sitecustomize.py (on PYTHONPATH) writes each process's moves between modules there
 

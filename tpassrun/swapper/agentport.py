@@ -78,6 +78,7 @@ class HealthRestartRequested:
     """A tainted rank cannot swap live: restart the group without the slot (costs no restart)."""
 
     reason: str
+    rank: int | None = None          # the tainted rank, when one is (the transparent mode moves it instead)
 
 
 @dataclass(frozen=True)

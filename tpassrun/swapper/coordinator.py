@@ -238,7 +238,7 @@ class Coordinator:
         elif isinstance(action, Say):
             events.write(action.event, **action.fields)
         elif isinstance(action, RestartGroup):
-            self.port.post(HealthRestartRequested(action.reason))
+            self.port.post(HealthRestartRequested(action.reason, action.rank))
         elif isinstance(action, ClaimFromPool) and self.pool is not None:
             gave_up = len(self.pool.gave_up)
             await self.pool.need(action.lost, 0, events.write, job_lost=self._job_lost)

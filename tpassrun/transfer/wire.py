@@ -77,6 +77,7 @@ _ACK = struct.Struct("<4sI")
 _ACK_OK, _ACK_CHECKSUM_MISMATCH = 0, 1
 _GMAC_CHECKSUM = GMAC_NAME
 _OLDER_FRAME_MACS = ("poly1305", "hmac-sha256")    # what a tpassrun before issue 42 could send: refused (one line)
+_OLD_FLAG_POLY1305 = 1                             # the hello of such a receiver without 'cryptography' offered it
 _UPGRADE = "run this tpassrun version (its frames are GMAC, from 'cryptography') on both ends"
 _MAX_AUTH_HEAD_BYTES = 64 << 20        # what a signed head may claim before its tag was checked
 _STRANGER_LINES = Throttle()           # one warning line per source a minute, however many strangers it sends
@@ -163,8 +164,9 @@ def _frame_mac_name(requested: str | None, peer_flags: int = FLAG_GMAC) -> str:
     if requested not in (None, _GMAC_CHECKSUM):
         raise ValueError(f"unknown frame MAC {requested!r} (there is one: {_GMAC_CHECKSUM})")
     if not peer_flags & FLAG_GMAC:
+        offered = "poly1305" if peer_flags & _OLD_FLAG_POLY1305 else "hmac-sha256"
         raise HandoffError("the receiver is an older tpassrun that cannot verify GMAC frame tags (it offers "
-                           f"{'poly1305' if peer_flags & 1 else 'hmac-sha256'} frames): nothing was sent; {_UPGRADE}")
+                           f"{offered} frames): nothing was sent; {_UPGRADE}")
     return _GMAC_CHECKSUM
 
 

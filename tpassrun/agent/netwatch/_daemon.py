@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import statistics
 import time
 from typing import Any, Callable
 
@@ -30,6 +31,7 @@ log = logging.getLogger("tpassrun.agent.netwatch")
 
 READINGS_DEVICE = "link"     # the device name of the link figures in a node's health record
 AMBIGUOUS_EVERY_S = 6.0      # how often an ambiguous finding is said again while it lasts
+RTT_READS = 4                # round trips to etcd read per sampling interval (one ``ss`` each), averaged
 # events during which (and for one sampling interval after) the ranks may be paused, not training: a swap's pause,
 # a world re-formed, a restart. Step samples then are not what the link costs, and the baseline never learns them.
 PAUSE_EVENTS = ("swap_decided", "swap_boundary_reached", "swap_phase", "swap_world_reformed", "swap_resumed",
@@ -65,6 +67,7 @@ class LinkDaemon:
         self.peer_down_wall = 0.0              # the latest of the peers' (from their health records)
         self.tainted: set[str] = set()
         self.meter = StepMeter()
+        self._rtts: list[float | None] = []    # round trips to etcd read since the last sample
         self._paused_at: float | None = None     # clock of the last pause event (PAUSE_EVENTS)
         self._ambiguous_said: float | None = None  # clock the ambiguous finding was last said
         self._sent: dict[str, tuple[int, int]] | None = None    # remote address -> (bytes sent, sent again)
@@ -139,7 +142,9 @@ class LinkDaemon:
         sent = await asyncio.to_thread(_probe.sent_by_peer)
         delta = _probe.sent_delta(self._sent, sent) if self._sent is not None else {}
         self._sent = sent
-        rtt = await asyncio.to_thread(_probe.rtt_ms, host, port)
+        reads = [r for r in self._rtts if r is not None]
+        self._rtts.clear()
+        rtt = statistics.fmean(reads) if reads else await asyncio.to_thread(_probe.rtt_ms, host, port)
         step_ms, steady = self._step_sample()
         self.figures = LinkFigures(rtt, step_ms, self._addr, delta, steady)
         return self.figures
@@ -194,7 +199,17 @@ class LinkDaemon:
                     await self.sample()
                     await self.health.publish()
                     await self.judge(await self.peers())
-            await asyncio.sleep(interval)
+            # the round trip to etcd is read RTT_READS times per interval and averaged: the kernel's smoothed RTT
+            # of a connection that carries a request now and then moves with whichever request it last timed
+            for _ in range(RTT_READS):
+                await asyncio.sleep(interval / RTT_READS)
+                if not self.book.down:
+                    await self._read_rtt()
+
+    async def _read_rtt(self) -> None:
+        with contextlib.suppress(Exception):
+            host, port = self.agent.rdzv.store.config.endpoints[0]
+            self._rtts.append(await asyncio.to_thread(_probe.rtt_ms, host, port))
 
     async def judge(self, peers: dict[str, LinkFigures]) -> None:
         verdict = self.watch.observe(self.figures, peers, self.clock())

@@ -8,8 +8,9 @@ step times say *that* the network slows the job, not *whose* link does. The link
 A node is *suspect* when the figures of every node point at its link *and* the job is slowed:
 
 * its step time is up on its own healthy baseline (``slowdown_factor`` and ``slowdown_ms``). The baseline learns
-  from training steps only (``LinkFigures.steady``: no start-up, stall or swap pause in the sample) taken while no
-  node's link stood out and no suspicion was running;
+  from training steps only (``LinkFigures.steady``: no start-up, stall or swap pause in the sample) taken after
+  ``QUIET_N`` samples in a row in which no node's link stood out, not even by half the ``rtt_extra_ms``, and no
+  suspicion ran;
 * or, before that baseline exists (a link degraded from the first step), the node trains while its link stands out
   against its peers' at the same moment: the peers are the reference, not its own past.
 
@@ -28,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Mapping
 
 from tpassrun import schema
-from tpassrun.agent.netwatch._explain import NodeFigures, Window, explain, fmt
+from tpassrun.agent.netwatch._explain import NodeFigures, Window, explain, fmt, rtt_stands_out
 from tpassrun.health import LinkPolicy
 from tpassrun.schema import Min
 
@@ -38,6 +39,7 @@ HEALTHY, SUSPECT, DEGRADED, UNKNOWN, AMBIGUOUS = "healthy", "suspect", "degraded
 MISSES = 2       # clear observations in a row that end a suspicion
 RTT_LEARN_N = 5  # round trips seen (nothing standing out) before a node's usual one is known
 SMOOTH_N = 3     # step samples a node's step time is the median of
+QUIET_N = 3      # quiet samples in a row before what is seen is learned as healthy
 
 
 Figure = Annotated[float, Min(0)]
@@ -108,6 +110,7 @@ class LinkWatch:
     _suspect_since: float | None = field(default=None, init=False, repr=False)
     _clear_since: float | None = field(default=None, init=False, repr=False)
     _misses: int = field(default=0, init=False, repr=False)
+    _quiet: int = field(default=0, init=False, repr=False)
     degraded: bool = field(default=False, init=False)
     reason: str = field(default="", init=False)
 
@@ -151,8 +154,12 @@ class LinkWatch:
         ambiguous = found.ambiguous and self.me in found.candidates
         slow, extra, how = self._slowed(mine)
         has_base = self.baseline_ms() is not None
-        if not found.candidates and self._suspect_since is None and not self.degraded:
-            # nothing stands out anywhere: what is seen now is what healthy looks like
+        # nothing stands out anywhere, not even half as much, for QUIET_N samples: what is seen now is what healthy
+        # looks like (a rate-limited link's round trip stands out in some samples only; the ones between are not)
+        quiet = not found.candidates and self._suspect_since is None and not self.degraded and not any(
+            rtt_stands_out(n, figs, self.rtt_factor, self.rtt_extra_ms / 2) for n in figs)
+        self._quiet = self._quiet + 1 if quiet else 0
+        if self._quiet >= QUIET_N:
             for n, f in figs.items():
                 if f.rtt_ms is not None:
                     self._rtts.setdefault(n, deque(maxlen=30)).append(f.rtt_ms)
