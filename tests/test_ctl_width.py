@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import io
 
+import pytest
+
 from tpassrun.ops.ctl_render import render_status, run_list_lines
 from tpassrun.ops.names import node_names
 from tpassrun.ops.ctl_width import columns, wrap
@@ -70,3 +72,18 @@ def test_status_tables_fit_80_columns_and_keep_ids_whole(capsys, monkeypatch):
     assert "…" not in out, out
     assert "td67609b0ed91" in out and REASON.split()[0] in out
     assert "│ gpu-node-000 " in out and "│ gpu-node-001 " in out and "quarantined" in out   # the host, the state whole
+
+
+def test_node_accepts_every_name_the_console_and_status_show():
+    """``--node`` takes the id, the host (when it names one node), its short name, or ``host-pid`` (what the
+    console and status show when hosts share a name: tpassrun/ops/names.py)."""
+    from tpassrun.ops.ctl import RunSnapshot, _resolve_node
+    from tpassrun.ops.registry import CtlError
+    from tpassrun.records import NodeStatus
+
+    ids = ["vm-11-aaaa", "vm-22-bbbb", "gpu7.example.com-5-cccc"]
+    snap = RunSnapshot("r", status={n: NodeStatus(node_id=n, workers=()) for n in ids})
+    assert _resolve_node(snap, "vm-22") == "vm-22-bbbb" and _resolve_node(snap, "vm-11-aaaa") == "vm-11-aaaa"
+    assert _resolve_node(snap, "gpu7") == _resolve_node(snap, "gpu7.example.com") == "gpu7.example.com-5-cccc"
+    with pytest.raises(CtlError, match="runs several nodes"):
+        _resolve_node(snap, "vm")

@@ -62,8 +62,6 @@ def test_a_ranks_slice_comes_back_from_the_other_nodes_mirror(tmp_path, etcd_ser
     """``encrypted``: the run has ``--rdzv-conf encrypt=true`` (issue 27): the mirror servers of both agents refuse
     frames in clear (tests/test_mirror_seal.py), so the slice that came back from the other node's mirror travelled
     sealed both ways, as did the model sent by rank 0."""
-    if encrypt:
-        pytest.importorskip("cryptography", reason="the 'encrypt' extra (cryptography >= 44)")
     train = str(tmp_path / "train")
     marker = str(tmp_path / "fault")
     env = faults_env(kill_at(1, random.Random().randint(3, 8), marker, where="opt_step"))

@@ -56,7 +56,7 @@ sleep 20                                   # both train
 kill -9 "$(rank_pid jobA 1)"               # jobA claims the pool node
 wait_for jobA.log "recovered and resumed" 240
 kill -9 "$(rank_pid jobB 1)"               # jobB finds it taken: it waits
-wait_for jobB.events '"pool_waiting".*"waited": 1[05]' 60
+wait_for jobB.events '"pool_waiting".*"waited": 1[0-9]' 60
 tmux new-session -d -s pfW -x 80 -y 24 "PATH=$PATH tpassctl status --watch --rdzv-endpoint $ETCD --rdzv-id jobB; sleep 600"
 sleep 3
 tmux capture-pane -t pfB -p > "$REPO/docs/frames/pool-wait-console-120x40.txt"

@@ -102,11 +102,15 @@ class GenerationTasks:
         st = self._state
         from tpassrun.ops.ctl import read_snapshot
         from tpassrun.ops.tui_panel import run_panel
+        from tpassrun.ops.waiting import WaitNote
 
         rdzv = self._node.rdzv
+        waiting = WaitNote()          # what this agent waits for, with its age (the console says it every few s)
+        st.events.add_listener(waiting)
 
         async def fetch() -> dict[str, Any]:
-            return (await read_snapshot(rdzv.store, rdzv.settings.run_prefix, st.cfg.rdzv_id)).to_json()
+            doc = (await read_snapshot(rdzv.store, rdzv.settings.run_prefix, st.cfg.rdzv_id)).to_json()
+            return {**doc, "waiting": waiting.doc()}
 
         await run_panel(fetch, color=not st.environ.get(E.NO_COLOR))
 

@@ -398,6 +398,10 @@ def _alerts(doc: Mapping[str, Any], now: float | None, workers: list[dict[str, A
     """Most urgent first: swaps in flight (with their phase timeline), live taints, unhealthy verdicts, dead
     slots, then settled taints and the last finished swap."""
     urgent: list[Text] = []
+    waiting = _dict(doc.get("waiting"))      # tpassrun --tui: what this agent waits for (tpassrun/ops/waiting.py)
+    if waiting.get("what"):
+        age = f" {max(0.0, now - float(waiting.get('since') or now)):.0f}s" if now is not None else ""
+        urgent.append(_line(("… waiting", "bold yellow"), (age, "yellow"), ": ", _text(waiting.get("what"), "")))
     for sid, plan in _active_swaps(doc):
         line = _line(("▶ swap ", "bold magenta"), (sid, "bold magenta"),
                      f" {_text(plan.get('kind'), '?')} {_ref(plan.get('leaver'))} → {_ref(plan.get('joiner'))}")
