@@ -142,7 +142,7 @@ def test_a_mixed_commit_across_tp_and_dp_rolls_forward_from_each_ranks_replica(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trial", [0, 1])
+@pytest.mark.parametrize("trial", [0, pytest.param(1, marks=pytest.mark.acceptance)])   # CI: one random instant
 def test_sigkill_at_a_random_instant_is_live_and_exact_or_explained(tmp_path, etcd_server, run_id,
                                                                     trainer_reference, trial):
     """A random rank SIGKILLed from outside at a uniformly random instant (bench/megatron.py runs more): live and
