@@ -57,7 +57,7 @@ for p in sorted((ROOT / "tpassrun" / "agent").rglob("*.py")):
 noqa = 0
 for p in [*ROOT.glob("tpassrun/**/*.py"), *ROOT.glob("rendezvous/*.py"), *ROOT.glob("health/*.py"), *ROOT.glob("tests/*.py"),
           *ROOT.glob("bench/**/*.py"), *ROOT.glob("examples/**/*.py"), *ROOT.glob("scripts/**/*.py")]:
-    noqa += p.read_text().count("# noqa")
+    noqa += 0 if p.name == "measures.py" else p.read_text().count("# noqa")   # (not this file's own)
 print(f"largest function: {funcs[0][0]} lines ({funcs[0][1]}); next {funcs[1][0]} ({funcs[1][1]})")
 print(f"largest class: {classes[0][0]} lines ({classes[0][1]}); next {classes[1][0]} ({classes[1][1]})")
 print(f"'assert ... is not None' in tpassrun/agent/: {agent_asserts}")
