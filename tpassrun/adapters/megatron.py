@@ -259,10 +259,18 @@ def _unwrap_chunks(model: Any) -> list[Any]:
 
 
 class ModelChunksState:
-    """All model chunks of this rank (one per virtual pipeline stage), in their rank-local form."""
+    """All model chunks of this rank (one per virtual pipeline stage), in their rank-local form. ``replicated``
+    is False when it is tracked as sharded state next to a DistributedOptimizer's shard (model-parallel ranks:
+    only this rank's data-parallel replicas hold the same chunks, and the recovery takes its other state from any
+    rank)."""
 
-    def __init__(self, model: Any) -> None:
+    def __init__(self, model: Any, *, replicated: bool = True) -> None:
         self.chunks = _unwrap_chunks(model)
+        self.replicated = replicated
+
+    def why_not_replicated(self) -> str:
+        return ("a model-parallel rank's chunks, mirrored with its DistributedOptimizer shard (the tensor/pipeline "
+                "peers of a rank hold other chunks)")
 
     def seal_modules(self) -> list[Any]:
         """The chunks themselves (``nn.Module``s, Megatron's DDP wrapper included): the session seals a step in
@@ -297,7 +305,9 @@ def _leaf_optimizers(opt: Any) -> list[Any]:
 
 class MegatronOptimizerState:
     """A MegatronOptimizer (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer, or a
-    ChainedOptimizer of them). DistributedOptimizer parameter state is this rank's shard only (GPU only)."""
+    ChainedOptimizer of them). A DistributedOptimizer's parameter state is this rank's shard only: fp32 main
+    params, ``exp_avg``, ``exp_avg_sq``, ``step``, read without a copy or a collective
+    (``get_parameter_state_dp_reshardable``); ``replicated`` is then False (no other rank holds it)."""
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
@@ -305,6 +315,13 @@ class MegatronOptimizerState:
     @property
     def sharded(self) -> bool:
         return any(_is_distributed_optimizer(o) for o in _leaf_optimizers(self.optimizer))
+
+    @property
+    def replicated(self) -> bool:
+        return not self.sharded
+
+    def why_not_replicated(self) -> str:
+        return "Megatron's DistributedOptimizer keeps each data-parallel rank's optimizer shard on that rank only"
 
     def commit_optimizers(self) -> list[Any]:
         """The torch optimizers inside (``FP32Optimizer.optimizer``, ...): their ``step()`` runs after the
@@ -320,6 +337,8 @@ class MegatronOptimizerState:
         return {"v": STATE_VERSION, "common": portable(self.optimizer.state_dict()), "param_shards": shards}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        import torch
+
         _check_version(state, "optimizer")
         # common first: a DistributedOptimizer allocates its per-parameter state there
         self.optimizer.load_state_dict(state["common"])
@@ -328,7 +347,8 @@ class MegatronOptimizerState:
             for bucket_states in _bucket_states(shard):
                 for elem in bucket_states:
                     elem.setdefault("padding", False)   # the getter omits it; the loader filters on it
-            leaves[int(index)].load_parameter_state_from_dp_reshardable(shard)
+            with torch.no_grad():    # fp32 main params are views of the model's parameters: an in-place copy
+                leaves[int(index)].load_parameter_state_from_dp_reshardable(shard)
 
 
 def _bucket_states(shard: dict[Any, Any]) -> list[list[dict[str, Any]]]:
@@ -620,6 +640,32 @@ def mirror_optimizer_setup(chunks: Sequence[Any], optimizer: Any, config_overrid
 
 
 # ---------------------------------------------------------------------------------------------
+# the DistributedOptimizer: handed over live, or what keeps it from it
+
+
+def distopt_limit(chunks: Sequence[Any], layout: ParallelLayout, *, can_mirror: bool) -> str | None:
+    """Why this DistributedOptimizer's shards cannot be recovered live from the mirror (None: they can). Each
+    reason is a configuration this adapter has not made exact; the job then runs as under torchrun (a whole-group
+    restart on an unplanned failure, said in one console line), never worse. Pure: reads config attributes."""
+    if not can_mirror:
+        return "this tpassrun session keeps no sharded state (sess.track_sharded)"
+    if layout.distopt_instances > 1:
+        return (f"num_distributed_optimizer_instances={layout.distopt_instances} (several DistributedOptimizer "
+                "instances) is not handed over live")
+    for chunk in chunks:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is None:
+            continue
+        if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
+            return "Megatron FSDP (use_megatron_fsdp) is not handed over live"
+        if getattr(ddp, "overlap_param_gather", False):
+            # the next forward pass finishes the parameter all-gather the optimizer step started: the model a
+            # step-start copy would read is still being written
+            return "overlap_param_gather=True (the parameter all-gather runs into the next step) is not handed over live"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 # the adapter
 
 
@@ -655,8 +701,17 @@ class MegatronAdapter:
         self.scheduler = opt_param_scheduler
         self.layout = layout if layout is not None else ParallelLayout.from_parallel_state()
         self.progress = progress if progress is not None else MegatronProgress()
-        self.model_state = ModelChunksState(model)
         self.optimizer_state = MegatronOptimizerState(optimizer)
+        chunks = _unwrap_chunks(model)
+        track_sharded: Any = getattr(sess, "track_sharded", None)
+        # a DistributedOptimizer: its shard (and, on a model-parallel rank, the model chunks, which only its
+        # data-parallel replicas share) kept in a buddy's memory and recovered from there; or, when this
+        # configuration is not handed over (distopt_limit), what torchrun does, said when a rank dies
+        self.distopt_limit = (distopt_limit(chunks, self.layout, can_mirror=callable(track_sharded))
+                              if self.optimizer_state.sharded else None)
+        self.distopt_mirrored = self.optimizer_state.sharded and self.distopt_limit is None
+        model_parallel = self.layout.tp * self.layout.pp * self.layout.cp * self.layout.ep > 1
+        self.model_state = ModelChunksState(model, replicated=not (self.distopt_mirrored and model_parallel))
         self.rng_state = RngTrackerState(rng_tracker_getter)
         self.data_state = (DataIteratorState(data_iterator, self.progress, rebuild_data_iterator)
                            if data_iterator is not None or rebuild_data_iterator is not None else None)
@@ -667,8 +722,14 @@ class MegatronAdapter:
             register(sess, "megatron.data", self.data_state, heavy=False)
         if rerun_state_machine is not None:
             register(sess, "megatron.rerun", RerunStateMachineState(rerun_state_machine, data_iterator), heavy=False)
-        register(sess, "megatron.model", self.model_state, heavy=True)
-        register(sess, "megatron.optimizer", self.optimizer_state, heavy=True)
+        if self.model_state.replicated:
+            register(sess, "megatron.model", self.model_state, heavy=True)
+        else:
+            track_sharded(**{"megatron.model": self.model_state})
+        if self.distopt_mirrored:
+            track_sharded(**{"megatron.optimizer": self.optimizer_state})
+        else:
+            register(sess, "megatron.optimizer", self.optimizer_state, heavy=True)
         if opt_param_scheduler is not None:
             register(sess, "megatron.scheduler", SchedulerState(opt_param_scheduler), heavy=True)
         self._declare_replicas()
@@ -678,18 +739,19 @@ class MegatronAdapter:
 
     def _declare_replicas(self) -> None:
         """The donors of an unplanned recovery of this rank: its data-parallel replicas (same TP/PP/CP/expert
-        coordinates), or itself alone under a DistributedOptimizer with one instance."""
+        coordinates); under a DistributedOptimizer this rank alone: its shard (and on a model-parallel rank its
+        chunks) come from the buddy's mirror, the rest (scheduler) from any rank, or, when the configuration is
+        not handed over, the group restarts saying why."""
         import torch.distributed as dist
 
         if not _distributed_ready():
             return
         rank, world = dist.get_rank(), dist.get_world_size()
-        if self.optimizer_state.sharded and self.layout.distopt_instances < 2:
-            declare_replicas(self.sess, [rank], "Megatron's DistributedOptimizer keeps each data-parallel rank's "
-                                                "optimizer shard on that rank only")
-        elif not self.optimizer_state.sharded:
+        if self.optimizer_state.sharded:
+            why = self.optimizer_state.why_not_replicated()
+            declare_replicas(self.sess, [rank], f"{why}; {self.distopt_limit}" if self.distopt_limit else why)
+        else:
             declare_replicas(self.sess, [rank, *self.layout.replica_ranks(rank, world)])
-        # several DistributedOptimizer instances: not declared (instance-aware donors are not worked out here)
 
     @property
     def data_iterator(self) -> Any:
@@ -699,8 +761,15 @@ class MegatronAdapter:
     @property
     def replicated(self) -> bool:
         """Whether a live data-parallel replica holds everything this rank holds. False with a
-        DistributedOptimizer of one instance (the shard is unique): then only a planned swap is exact."""
-        return not (self.optimizer_state.sharded and self.layout.distopt_instances < 2)
+        DistributedOptimizer (the shard is unique): see :attr:`live_recovery`."""
+        return not self.optimizer_state.sharded
+
+    @property
+    def live_recovery(self) -> bool:
+        """Whether an unplanned failure of this rank is recovered live: from a replica, or under a
+        DistributedOptimizer from the buddy's mirror; False when :attr:`distopt_limit` says why not (then only a
+        planned swap is live, an unplanned failure restarts the group as under torchrun)."""
+        return self.distopt_limit is None
 
     def donor_for(self, rank: int, world: int, avoid: Collection[int] = ()) -> int | None:
         """:func:`donor_rank` for this job's layout."""
@@ -727,6 +796,6 @@ def _distributed_ready() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
-__all__ = ["DEFAULT_ORDER", "DataIteratorState", "MegatronAdapter", "MegatronOptimizerState", "MegatronProgress",
+__all__ = ["DEFAULT_ORDER", "DataIteratorState", "distopt_limit", "MegatronAdapter", "MegatronOptimizerState", "MegatronProgress",
            "ModelChunksState", "ParallelLayout", "RerunStateMachineState", "RngTrackerState", "SchedulerState",
            "donor_rank", "mirror_optimizer_setup", "reinitialize_parallel_state"]
