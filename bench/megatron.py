@@ -4,7 +4,7 @@ torchrun? And, with Megatron's distributed optimizer, what the shard mirror cost
 
     python bench/megatron.py [--kills 10] [--swaps 10] [--nodes 0] [--iters 16] [--tp 2] [--distopt] [--seed S]
     python bench/megatron.py --distopt --kills 10 --swaps 0 --nodes 5         # the DistOpt acceptance
-    python bench/megatron.py --distopt --cost --iters 40 --kills 0 --swaps 0  # mirror cost, memory, recovery
+    python bench/megatron.py --distopt --cost --kills 0 --swaps 0   # mirror cost, memory, recovery
 
 Each run is ``tests/megatron_trainer.py`` (megatron-core 0.16.1 on gloo: ``GPTModel``, Megatron's DDP, Adam via
 ``get_megatron_optimizer``, ``OptimizerParamScheduler``, ``get_forward_backward_func`` over 2 micro-batches per
@@ -192,6 +192,7 @@ def node_run(work: Workdir, etcd: Any, index: int, ref: Any, args: argparse.Name
     """2 nodes x 2 ranks + a spare node; node B killed whole at a random instant of a random step."""
     out = work.sub(f"node-{index}")
     train = os.path.join(out, "train")
+    os.makedirs(train, exist_ok=True)
     early = hold_at(train, 0, name="early")
     late = hold_at(train, args.iters - 3)
     run_id = f"mgn-{uuid.uuid4().hex[:8]}"
@@ -325,6 +326,7 @@ def main() -> None:
     p.add_argument("--swaps", type=int, default=10)
     p.add_argument("--nodes", type=int, default=0, help="whole-node kills (2 nodes x 2 ranks + a spare node)")
     p.add_argument("--cost", action="store_true", help="mirror cost, memory and recovery vs torchrun's restart")
+    p.add_argument("--cost-iters", type=int, default=40, help="iterations of the --cost runs")
     p.add_argument("--iters", type=int, default=16)
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (1: DP=4)")
     p.add_argument("--distopt", action="store_true", help="Megatron's DistributedOptimizer + clip-grad 1.0")
@@ -351,7 +353,13 @@ def main() -> None:
             for i in range(args.nodes):
                 rows.append(node_run(work, etcd, i, ref, args, rng))
             if args.cost:
-                costs = cost(work, etcd, ref, args)
+                long = argparse.Namespace(**{**vars(args), "iters": args.cost_iters})
+                ref = torchrun_job(work.sub("torchrun-cost"), SCRIPT, WORLD, script_args(long)).start()
+                try:
+                    ref.wait(900)
+                finally:
+                    ref.kill()
+                costs = cost(work, etcd, ref, long)
         finally:
             etcd.cleanup()
     summary = {}

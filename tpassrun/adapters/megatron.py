@@ -26,9 +26,10 @@ torchrun and under tpassrun with a rank SIGKILLed, and compares the two with ``t
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
                    max_sequence_length=16)           # on GPUs: .cuda()
-    model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=gpt)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)     # --use-distributed-optimizer
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     config.finalize_model_grads_func = finalize_model_grads
-    opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=0.0)   # clip_grad=1.0 on GPUs
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=1.0, use_distributed_optimizer=True)
     optimizer = get_megatron_optimizer(opt_config, [model])
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=8,
                                         lr_decay_steps=120, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
@@ -76,10 +77,12 @@ What travels (heavy = only at a handoff; light = also snapshotted at every step 
 * heavy ``megatron.model``: each model chunk's ``state_dict_for_save_checkpoint()`` (virtual-pipeline chunks are
   a list). The joiner takes the leaver's rank, hence the same TP/PP/CP/EP coordinates, so the rank-local form is
   exactly right; ``sharded_state_dict`` would only be needed to re-shard onto different coordinates.
-* heavy ``megatron.optimizer``: ``optimizer.state_dict()`` plus, for a DistributedOptimizer (GPU only: it refuses
-  CPU tensors), this rank's own shard via ``get_parameter_state_dp_reshardable()`` /
-  ``load_parameter_state_from_dp_reshardable()``: no collective, unlike the ``dp_zero`` form, which gathers on
-  DP rank 0 and so cannot run while the world is paused for a handoff.
+* heavy ``megatron.optimizer``: ``optimizer.state_dict()`` plus, for a DistributedOptimizer
+  (``--use-distributed-optimizer``), this rank's own shard (fp32 main params, ``exp_avg``, ``exp_avg_sq``,
+  ``step``) via ``get_parameter_state_dp_reshardable()`` / ``load_parameter_state_from_dp_reshardable()``: no copy
+  and no collective, unlike the ``dp_zero`` form, which gathers on DP rank 0 and so cannot run while the world is
+  paused for a handoff. A DistributedOptimizer's shard is *sharded state* (``sess.track_sharded``): kept in a
+  buddy's memory and refreshed every ``--shard-mirror-interval`` steps, as ZeRO-1/2's partitions are.
 * heavy ``megatron.scheduler``: ``OptimizerParamScheduler.state_dict()``.
 * light ``megatron.rng_tracker``: ``tensor_parallel.get_cuda_rng_tracker().get_states()`` (model-parallel,
   expert-parallel and data-parallel streams; differ across TP ranks, equal across DP replicas).
@@ -93,8 +96,14 @@ After a re-formed world every survivor runs :meth:`MegatronAdapter.reconfigure`:
 ``tp_group``, DDP bucket groups, the DistributedOptimizer's groups) is re-pointed at its new counterpart.
 
 Donors: model and optimizer state exists only on ranks with the same model-parallel coordinates
-(:func:`donor_rank`); under a DistributedOptimizer with one instance nobody else holds this rank's optimizer
-shard, so only a planned swap (the leaver itself sends) is exact: :attr:`MegatronAdapter.replicated` says so.
+(:func:`donor_rank`), which the adapter declares. Under a DistributedOptimizer nobody else holds this rank's
+optimizer shard: an unplanned failure takes it from the buddy's mirror, together with the rank's model chunks
+when it is model-parallel (TP/PP/CP/EP > 1: only its DP replicas hold them), and the scheduler from any rank; the
+survivors roll back to the same step's local copy and the step in flight is re-executed (a whole node: every lost
+rank's shard from its buddy). A planned swap is exact in every configuration (the leaver sends). Configurations
+not handed over live (:func:`distopt_limit`: ``overlap_param_gather``, Megatron FSDP, several
+DistributedOptimizer instances) run as under torchrun, a whole-group restart on an unplanned failure, the console
+saying why in one line (:attr:`MegatronAdapter.live_recovery`).
 """
 
 from __future__ import annotations
