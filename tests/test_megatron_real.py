@@ -189,7 +189,6 @@ def distopt_reference(tmp_path_factory):
     return job
 
 
-@pytest.mark.e2e
 def test_distributed_optimizer_rank_killed_mid_step_is_recovered_from_the_mirror(tmp_path, etcd_server, run_id,
                                                                                 distopt_reference):
     """A rank dies after its backward pass, before the data-parallel reduce-scatter of a random step: nobody holds
@@ -211,7 +210,6 @@ def test_distributed_optimizer_rank_killed_mid_step_is_recovered_from_the_mirror
     assert all(len(pids[r]) == 1 for r in (0, 2, 3)) and len(pids[1]) == 2, pids
 
 
-@pytest.mark.e2e
 def test_a_distributed_optimizer_configuration_not_handed_over_runs_as_under_torchrun(tmp_path, etcd_server,
                                                                                       run_id):
     """Never worse than torchrun: --overlap-param-gather (the parameter all-gather runs into the next step's
