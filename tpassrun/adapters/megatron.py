@@ -341,23 +341,85 @@ class MegatronOptimizerState:
         return [o for o in inner if isinstance(o, torch.optim.Optimizer)]
 
     def state_dict(self) -> dict[str, Any]:
+        leaves = _leaf_optimizers(self.optimizer)
+        # A DistributedOptimizer's torch optimizer holds no state before its first step, and megatron-core's
+        # state_dict() needs it (the step of its states): before that, "fresh" is the whole of it
+        fresh = [i for i, o in enumerate(leaves) if _is_distributed_optimizer(o) and _never_stepped(o)]
+        if fresh:
+            common: Any = {_PER_LEAF: [_fresh_state(o) if i in fresh else portable(o.state_dict())
+                                       for i, o in enumerate(leaves)]}
+        else:
+            common = portable(self.optimizer.state_dict())
         shards = {i: portable(o.get_parameter_state_dp_reshardable())
-                  for i, o in enumerate(_leaf_optimizers(self.optimizer)) if _is_distributed_optimizer(o)}
-        return {"v": STATE_VERSION, "common": portable(self.optimizer.state_dict()), "param_shards": shards}
+                  for i, o in enumerate(leaves) if _is_distributed_optimizer(o) and i not in fresh}
+        return {"v": STATE_VERSION, "common": common, "param_shards": shards, "fresh": fresh}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         import torch
 
         _check_version(state, "optimizer")
-        # common first: a DistributedOptimizer allocates its per-parameter state there
-        self.optimizer.load_state_dict(state["common"])
         leaves = _leaf_optimizers(self.optimizer)
+        common, fresh = state["common"], [int(i) for i in state.get("fresh", ())]
+        # common first: a DistributedOptimizer allocates its per-parameter state there
+        if isinstance(common, dict) and _PER_LEAF in common:
+            for i, (leaf, leaf_state) in enumerate(zip(leaves, common[_PER_LEAF])):
+                if i in fresh:
+                    _make_fresh(leaf, leaf_state)
+                else:
+                    leaf.load_state_dict(leaf_state)
+        else:
+            self.optimizer.load_state_dict(common)
+        for leaf in leaves:
+            if _is_distributed_optimizer(leaf):
+                _unshare_steps(leaf)
         for index, shard in state["param_shards"].items():
             for bucket_states in _bucket_states(shard):
                 for elem in bucket_states:
                     elem.setdefault("padding", False)   # the getter omits it; the loader filters on it
             with torch.no_grad():    # fp32 main params are views of the model's parameters: an in-place copy
                 leaves[int(index)].load_parameter_state_from_dp_reshardable(shard)
+
+
+_PER_LEAF = "__tpassrun_per_leaf__"
+
+
+def _never_stepped(leaf: Any) -> bool:
+    inner = getattr(leaf, "optimizer", None)
+    return inner is not None and len(getattr(inner, "state", {})) == 0
+
+
+def _fresh_state(leaf: Any) -> dict[str, Any]:
+    scaler = getattr(leaf, "grad_scaler", None)
+    return {"fresh": True, "grad_scaler": portable(scaler.state_dict()) if scaler else None}
+
+
+def _make_fresh(leaf: Any, state: dict[str, Any]) -> None:
+    """A DistributedOptimizer put back to before its first step (a survivor rolled back to step 0; a joiner's is
+    already): no torch optimizer state, fp32 main params from the model's (loaded before it), the scaler's."""
+    inner = leaf.optimizer
+    inner.state.clear()
+    for group in inner.param_groups:
+        group.pop("step", None)          # (TE/Apex FusedAdam count steps in the group)
+    reload = getattr(leaf, "reload_model_params", None)
+    if callable(reload):
+        reload()                         # fp32 main params as copies (bf16/fp16 models); views: the same values
+    scaler = getattr(leaf, "grad_scaler", None)
+    if scaler is not None and state.get("grad_scaler") is not None:
+        scaler.load_state_dict(state["grad_scaler"])
+
+
+def _unshare_steps(leaf: Any) -> None:
+    """megatron-core 0.16's ``DistributedOptimizer.load_state_dict`` gives every parameter of a torch Adam the same
+    ``step`` tensor; torch's Adam then adds 1 to it once per parameter at each step (wrong bias corrections from the
+    next step on). One tensor per parameter, as the optimizer has it under torchrun."""
+    seen: set[int] = set()
+    for param_state in getattr(getattr(leaf, "optimizer", None), "state", {}).values():
+        step = param_state.get("step") if isinstance(param_state, dict) else None
+        if step is None or not hasattr(step, "clone"):
+            continue
+        if id(step) in seen:
+            param_state["step"] = step.clone()
+        seen.add(id(step))
 
 
 def _bucket_states(shard: dict[Any, Any]) -> list[list[dict[str, Any]]]:
