@@ -273,6 +273,8 @@ class ModelChunksState:
     only this rank's data-parallel replicas hold the same chunks, and the recovery takes its other state from any
     rank)."""
 
+    copy_at_start = True    # its state_dict() is the model's at step 0 too (sharded state copied at step 0)
+
     def __init__(self, model: Any, *, replicated: bool = True) -> None:
         self.chunks = _unwrap_chunks(model)
         self.replicated = replicated
@@ -317,6 +319,8 @@ class MegatronOptimizerState:
     ChainedOptimizer of them). A DistributedOptimizer's parameter state is this rank's shard only: fp32 main
     params, ``exp_avg``, ``exp_avg_sq``, ``step``, read without a copy or a collective
     (``get_parameter_state_dp_reshardable``); ``replicated`` is then False (no other rank holds it)."""
+
+    copy_at_start = True    # before its first step it travels as "fresh" (state_dict below)
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
