@@ -177,8 +177,7 @@ class Transparent:
                                        for im in images))
         except BaseException as exc:
             shutil.rmtree(path, ignore_errors=True)
-            if leave_running:
-                continue_groups(pids)
+            continue_groups(pids)     # never leave a rank stopped (a failed move then restarts the group)
             st.events.write("snapshot_failed", seq=self._seq, reason=str(exc)[:300])
             raise
         if leave_running:
@@ -255,6 +254,9 @@ class Transparent:
                 await self._restore(snap, dict(decision.slots))
             except (SnapshotError, OSError) as exc:
                 return self._fallback(f"the move failed: {exc}")
+            # a death from now on restores the moved rank where it runs now
+            self.last = dataclasses.replace(snap, ranks=tuple(dataclasses.replace(im, slot=decision.slots[im.rank])
+                                                              for im in snap.ranks))
             old.state, old.rank, old.proc = SlotState.QUARANTINED, None, None
             old.quarantine_reason = reason or "tainted"
             seconds = time.monotonic() - t0
