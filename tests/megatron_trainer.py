@@ -51,6 +51,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--use-distributed-optimizer", action="store_true", help="shard the optimizer over DP")
+    p.add_argument("--clip-grad", type=float, default=0.0, help="gradient clipping (Megatron-LM's default: 1.0)")
+    p.add_argument("--overlap-grad-reduce", action="store_true")
+    p.add_argument("--overlap-param-gather", action="store_true")
     p.add_argument("--step-sleep", type=float, default=0.0)
     p.add_argument("--out", required=True)
     return p.parse_args()
@@ -187,12 +191,15 @@ def main() -> None:
     # setup_model_and_optimizer
     model = [model_provider(args)]
     config = model[0].config
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                                               use_distributed_optimizer=False)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=args.overlap_grad_reduce,
+                                               overlap_param_gather=args.overlap_param_gather,
+                                               use_distributed_optimizer=args.use_distributed_optimizer)
     model = [DistributedDataParallel(config=config, ddp_config=ddp_config, module=chunk) for chunk in model]
     with cpu_shims.cuda_factories_on_cpu():
         optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, min_lr=args.lr / 10,
-                                                           weight_decay=0.1, clip_grad=0.0), model)
+                                                           weight_decay=0.1, clip_grad=args.clip_grad,
+                                                           use_distributed_optimizer=args.use_distributed_optimizer),
+                                           model)
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=args.lr, min_lr=args.lr / 10,
                                         lr_warmup_steps=2 * args.global_batch_size,
                                         lr_decay_steps=args.train_iters * args.global_batch_size,

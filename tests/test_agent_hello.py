@@ -25,7 +25,7 @@ class _Agent:
         self.events = types.SimpleNamespace(write=lambda name, **_: self.said.append(name))
         self.mirror = None
         self.queue: asyncio.Queue = asyncio.Queue()
-        self.workers = WorkerSpawning(self, store=None, tasks=self)
+        self.workers = WorkerSpawning(self, self, store=None, tasks=self)    # (the state, and what started)
 
     async def publish_status(self) -> None:
         self.published += 1

@@ -44,7 +44,11 @@ def reference(tmp_path_factory):
     return get
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2])
+# CI's budget: ZeRO-1 in CI (the optimizer state partitioned: what a swap hands over); ZeRO-0 is DDP's case
+# (test_swap_e2e; its unplanned recovery below) and ZeRO-2 adds only gradient partitioning, which no swap carries
+# (test_docs_run draws ZeRO-1 or 2): both with TPASSRUN_ACCEPTANCE=1
+@pytest.mark.parametrize("stage", [pytest.param(0, marks=pytest.mark.acceptance), 1,
+                                   pytest.param(2, marks=pytest.mark.acceptance)])
 def test_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, reference, stage):
     ref = reference(stage)
     at = random.Random().randint(1, 5)

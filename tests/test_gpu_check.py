@@ -18,8 +18,8 @@ sys.path.insert(0, str(REPO / "scripts" / "gpucheck"))
 
 import harness  # noqa: E402
 
-GPU_ROWS = ["nvml", "swap: planned", "swap: SIGKILL", "shard mirror", "nccl (2 GPUs)", "transfer 1 GiB",
-            "transparent: cuda-checkpoint", "swap: compile joiner"]
+GPU_ROWS = ["nvml", "swap: planned", "swap: SIGKILL", "shard mirror", "nccl (2 GPUs)", "megatron DistOpt (2 GPUs)",
+            "transfer 1 GiB", "transparent: cuda-checkpoint", "swap: compile joiner"]
 STREAM = "stream: auth-only, pinned"     # needs no GPU: >= 4 cores (issue 42)
 
 

@@ -52,17 +52,19 @@ class _Proc:
 
 
 class _Agent:
-    """The agent state the watchdog reads (GenerationTasks holds it), the store's standby, and the part."""
+    """The agent state the watchdog reads (GenerationTasks holds it: AgentState, and Started: its slots, swapper,
+    rendezvous, mirror and health daemon), the store's standby, and the part."""
 
     def __init__(self, slots: LocalSlots, hang_timeout: float) -> None:
         self.slots = slots
         self.cfg = types.SimpleNamespace(hang_timeout=hang_timeout)
         self.swapper = types.SimpleNamespace(busy=True)      # a swap (or another node's recovery) runs
-        self.node_id = self.generation = self.rdzv = self.mirror = self.health = None
+        self.node_id = self.generation = self.rdzv = self.mirror = None
+        self.health = types.SimpleNamespace(link=None)      # no link watch: nothing explains a stall
         self.said: list[dict] = []
         self.events = types.SimpleNamespace(write=lambda name, **kw: self.said.append({"event": name, **kw}))
         self._standby_store = None                          # WorkersStore.standby: a test that reaches it sets it
-        self.tasks = GenerationTasks(self, types.SimpleNamespace(standby=lambda: self._standby_store()))
+        self.tasks = GenerationTasks(self, self, types.SimpleNamespace(standby=lambda: self._standby_store()))
 
 
 async def _stopped(proc: _Proc) -> None:
@@ -211,7 +213,8 @@ def test_a_worker_asking_whose_fault_its_exception_is_holds_the_watchdog_back():
             slots.channel.set(s.index, Field.HEARTBEAT_NS, 1)          # stale since long ago
         agent = _Agent(slots, hang_timeout=0.1)
         agent.swapper = types.SimpleNamespace(busy=False)
-        agent.rdzv = agent.generation = agent.mirror = None      # one node: no peer node to wait for
+        agent.generation = None                                  # one node: no peer node to wait for
+        agent.rdzv = types.SimpleNamespace(generation=None)
 
         async def standby() -> None:
             pass

@@ -49,7 +49,7 @@ def test_a_swallowed_cancel_is_raised_again():
 
 
 @pytest.mark.e2e
-@pytest.mark.slow
+@pytest.mark.acceptance   # ~65 s of CI's budget: the mechanism is checked in CI, in one process, just above
 @pytest.mark.timeout(LAUNCHES * 30)
 def test_sequential_tiny_launches_all_finish(tmp_path):
     script = tmp_path / "tiny.py"

@@ -142,7 +142,7 @@ def test_a_mixed_commit_across_tp_and_dp_rolls_forward_from_each_ranks_replica(t
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("trial", [0, 1])
+@pytest.mark.parametrize("trial", [0, pytest.param(1, marks=pytest.mark.acceptance)])   # CI: one random instant
 def test_sigkill_at_a_random_instant_is_live_and_exact_or_explained(tmp_path, etcd_server, run_id,
                                                                     trainer_reference, trial):
     """A random rank SIGKILLed from outside at a uniformly random instant (bench/megatron.py runs more): live and
@@ -169,3 +169,66 @@ def test_sigkill_at_a_random_instant_is_live_and_exact_or_explained(tmp_path, et
     assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-3000:]
     _same_state_and_losses(job, trainer_reference, unlogged=set(range(TRAINER_ITERS)))
     print(f"trial {trial}: rank {victim} after step {at}: live, exact, pause {swap_pause_s(job):.2f} s")
+
+
+# ---------------------------------------------------------------------------------------------
+# Megatron's DistributedOptimizer (--use-distributed-optimizer, gradient clipping 1.0), TP=2 x DP=2: each DP rank's
+# fp32 main-param and Adam shard exists on that rank only; tpassrun keeps it (and, TP > 1, the rank's model
+# chunks) in its buddy's memory (sess.track_sharded) and recovers a dead rank from there
+
+DISTOPT = ["--train-iters", str(TRAINER_ITERS), "--use-distributed-optimizer", "--clip-grad", "1.0"]
+
+
+@pytest.fixture(scope="module")
+def distopt_reference(tmp_path_factory):
+    job = torchrun_job(str(tmp_path_factory.mktemp("distopt-ref")), TRAINER, 4, DISTOPT).start()
+    try:
+        assert job.wait(300) == 0, job.log()[-3000:]
+    finally:
+        job.kill()
+    return job
+
+
+def test_distributed_optimizer_rank_killed_mid_step_is_recovered_from_the_mirror(tmp_path, etcd_server, run_id,
+                                                                                distopt_reference):
+    """A rank dies after its backward pass, before the data-parallel reduce-scatter of a random step: nobody holds
+    its optimizer shard but its buddy's mirror; the joiner loads it (and its model chunks) from there, the
+    scheduler from a survivor, the survivors roll back to the same step's local copy and the step is re-executed.
+    Final state (model, DistributedOptimizer state, scheduler, RNG tracker, counters) and every logged loss
+    torch.equal to torchrun's; the survivors keep their processes."""
+    at = random.Random().randint(2, TRAINER_ITERS - 4)
+    job = tpassrun_job(str(tmp_path / "job"), TRAINER, 4, DISTOPT, endpoint=etcd_server.endpoint, run_id=run_id,
+                       env=faults_env(kill_at(1, at, str(tmp_path / "fault"), where="finalize"))).start()
+    try:
+        assert job.wait(360) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-3000:]
+    assert [e for e in job.events() if e["event"] == "shard_mirror"], "the optimizer shard was not mirrored"
+    _same_state_and_losses(job, distopt_reference)
+    pids = pids_by_rank(job, 4)
+    assert all(len(pids[r]) == 1 for r in (0, 2, 3)) and len(pids[1]) == 2, pids
+
+
+def test_a_distributed_optimizer_configuration_not_handed_over_runs_as_under_torchrun(tmp_path, etcd_server,
+                                                                                      run_id):
+    """Never worse than torchrun: --overlap-param-gather (the parameter all-gather runs into the next step's
+    forward pass) is not handed over live. A rank's death then restarts the group, as torchrun does, with one
+    console line quoting why; the restarted job ends torch.equal to torchrun's run."""
+    args = [*DISTOPT, "--overlap-grad-reduce", "--overlap-param-gather"]
+    ref = torchrun_job(str(tmp_path / "ref"), TRAINER, 4, args).start()
+    try:
+        assert ref.wait(300) == 0, ref.log()[-3000:]
+    finally:
+        ref.kill()
+    job = tpassrun_job(str(tmp_path / "job"), TRAINER, 4, args, endpoint=etcd_server.endpoint, run_id=run_id,
+                       env=faults_env(kill_at(2, 3, str(tmp_path / "fault"), where="step")),
+                       extra=["--max-restarts", "1"]).start()
+    try:
+        assert job.wait(360) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    said = [ln for ln in job.log().splitlines() if "recovery decided (fallback)" in ln]
+    assert len(said) == 1 and "overlap_param_gather" in said[0], job.log()[-4000:]
+    for r in range(4):
+        assert_trees_equal(job.final(r), ref.final(r), f"rank {r}")

@@ -9,6 +9,7 @@ the same record sealed with a fixed run key (old records still verify, the seal 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -353,6 +354,9 @@ def test_a_nodes_link_figures_are_written_as_before_and_read_back(name):
     gold = CODECS["netwatch"][name]
     assert json.dumps(figures.to_json()) == gold["json"] and etcd_bytes(figures.to_json()) == gold["etcd"]
     assert LinkFigures.from_json(json.loads(gold["etcd"])) == figures
+    unsteady = dataclasses.replace(figures, steady=False)    # the newer field: written only when false
+    assert json.loads(json.dumps(unsteady.to_json()))["steady"] is False
+    assert LinkFigures.from_json(unsteady.to_json()) == unsteady
 
 
 def test_a_mirror_listing_row_is_written_as_before_and_reads_back():

@@ -672,7 +672,8 @@ def test_a_full_disk_for_tee_logs_is_reported_once_and_the_worker_never_blocks(c
 
 
 @pytest.mark.e2e
-@pytest.mark.timeout(600)
+@pytest.mark.acceptance   # ~75 s of CI's budget; each of its attacks runs in CI on its own (the e2e tests above,
+@pytest.mark.timeout(600)  # test_malformed_etcd.py); bench/chaos.py runs every fault kind
 def test_chaos_short_tier(tmp_path):
     """bench/chaos.py's short tier: attacks and a malformed value on a live 2-agent job with a spare node (the long
     run with every fault kind is the benchmark). Nothing reaches a stranger or a forged address; the job ends as

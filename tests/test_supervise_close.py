@@ -23,14 +23,15 @@ GEN = Generation(number=7, state=GenState.ACTIVE, world_size=4,
 
 
 class _Node:
-    """The agent state Supervision reads here (its node, generation, slot table and rendezvous), and the part."""
+    """The agent state Supervision reads here (its node and generation: AgentState; its slot table and rendezvous:
+    Started), and the part."""
 
     def __init__(self, node_id: str, states: list[tuple[SlotState, int | None]]) -> None:
         self.node_id, self.generation = node_id, GEN
         self.slots = types.SimpleNamespace(slots=[Slot(index=i, rank=r, state=st, managed=True)
                                                   for i, (st, r) in enumerate(states)])
         self.rdzv = types.SimpleNamespace(is_leader=False)
-        self.supervision = Supervision(self, cause=None, workers=None, store=None)
+        self.supervision = Supervision(self, self, cause=None, workers=None, store=None)
 
 
 def _closed(node: _Node) -> tuple[str, str] | None:

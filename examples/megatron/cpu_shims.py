@@ -16,22 +16,29 @@ GPU-only call                                          used by                  
                                                        ``ChainedOptimizer.step``, the schedule's token   (scoped:
                                                        count                                             see below)
 ``torch.cuda.synchronize()``                           ``dist_checkpointing``                            no-op
+``Tensor.type()`` compared with ``"torch.cuda.Float``  the DistributedOptimizer's parameter sort         the CUDA
+``Tensor"`` (or ``HalfTensor``, ``BFloat16Tensor``)    (``distrib_optimizer.py``), ``FP32Optimizer``/    type name
+                                                       ``Float16Optimizer``, gradient clipping's         (scoped:
+                                                       assertion (``clip_grads.py``)                     see below)
 =====================================================  ================================================  ==========
 
 The hard-coded ``device="cuda"`` factories are rewritten only inside :func:`cuda_factories_on_cpu` (a
 ``TorchFunctionMode``), which ``train_gpt.py`` enters around building the optimizer and around each training
-step. On CPU the "CUDA" RNG streams are states of the CPU default generator, so megatron's check that the CPU
-generator is unchanged inside ``fork()`` always trips: its warning is silenced.
+step. ``Tensor.type()`` answers with the CUDA type name only to a call without arguments made from
+``megatron.core.optimizer`` itself; everywhere else it is torch's own. On CPU the "CUDA" RNG streams are states
+of the CPU default generator, so megatron's check that the CPU generator is unchanged inside ``fork()`` always
+trips: its warning is silenced.
 
-Still impossible on CPU, shim or not: gradient clipping (``clip_grads`` asserts ``torch.cuda.FloatTensor``
-gradients: ``--clip-grad 0`` here), the DistributedOptimizer (refuses CPU tensors), bf16/fp16 mixed precision
-(``Float16OptimizerWithFloat16Params``), Transformer Engine layers, NCCL.
+With these the DistributedOptimizer (``--use-distributed-optimizer``) and gradient clipping train on CPU in fp32.
+Still impossible on CPU, shim or not: bf16/fp16 mixed precision (``Float16OptimizerWithFloat16Params``),
+Transformer Engine layers, NCCL.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 from typing import Any, Iterator
 
 import torch
@@ -55,6 +62,32 @@ def install() -> None:
     mrandom._get_cuda_rng_state = lambda device="cuda", clone=False, graph_safe=False: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda new_state, device=-1, graph_safe=False: torch.set_rng_state(new_state)
     logging.getLogger(mrandom.__name__).setLevel(logging.ERROR)
+    _install_cuda_type_names()
+
+
+_CUDA_TYPE_NAMES = {"torch.FloatTensor": "torch.cuda.FloatTensor", "torch.HalfTensor": "torch.cuda.HalfTensor",
+                    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor"}
+
+
+def _install_cuda_type_names() -> None:
+    """``Tensor.type()`` without arguments, called from ``megatron.core.optimizer``, names a CPU float tensor by its
+    CUDA type (the DistributedOptimizer sorts parameters and ``clip_grads`` asserts on those names). Any other
+    call, or any other caller, gets torch's own answer."""
+    original = torch.Tensor.type
+    if getattr(original, "_cpu_shim", False):
+        return
+
+    def type_(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        name = original(self, *args, **kwargs)
+        if args or kwargs:
+            return name
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if caller.startswith("megatron.core.optimizer"):
+            return _CUDA_TYPE_NAMES.get(name, name)
+        return name
+
+    type_._cpu_shim = True   # type: ignore[attr-defined]
+    torch.Tensor.type = type_   # type: ignore[method-assign]
 
 
 class _CudaFactoriesOnCpu(TorchFunctionMode):

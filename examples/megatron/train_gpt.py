@@ -11,7 +11,8 @@ CPU by ``cpu_shims.py``, the one place they live), e.g. TP=2 x DP=2 with a spare
         --layers 2 --hidden 32 --heads 4 --seq 16 --vocab 128 --steps 20
 
 megatron-core's own parts: ``parallel_state``, ``GPTModel`` (local layer spec), Megatron's
-``DistributedDataParallel``, ``get_megatron_optimizer`` (Adam, no DistributedOptimizer on CPU), the
+``DistributedDataParallel``, ``get_megatron_optimizer`` (Adam; ``--use-distributed-optimizer``: Megatron's
+DistributedOptimizer, its shards mirrored in a buddy's memory and recovered live from there), the
 ``OptimizerParamScheduler``, the RNG tracker (``model_parallel_cuda_manual_seed``; dropout in tensor-parallel
 regions forks it) and the pipeline schedule (``get_forward_backward_func``). Synthetic tokens are a pure function
 of the sample index, and the data iterator is rebuilt from ``consumed_train_samples`` exactly as Megatron's
@@ -49,8 +50,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1, help="attention and hidden dropout")
     p.add_argument("--clip-grad", type=float, default=None, help="default 1.0 on GPUs, 0 (off) on CPU")
     p.add_argument("--seed", type=int, default=1234)
-    p.add_argument("--distributed-optimizer", action="store_true",
-                   help="shard optimizer state over DP (GPUs only; then only planned swaps are exact)")
+    p.add_argument("--use-distributed-optimizer", "--distributed-optimizer", dest="distributed_optimizer",
+                   action="store_true", help="shard optimizer state over DP (Megatron's DistributedOptimizer)")
     p.add_argument("--step-sleep", type=float, default=0.0, help="the user's own work after each step")
     p.add_argument("--out", default=None, help="write per-step losses and the final state here")
     return p.parse_args()
@@ -114,8 +115,6 @@ def train(args: argparse.Namespace) -> None:
         sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
         import cpu_shims
 
-        if args.distributed_optimizer or (args.clip_grad or 0) > 0:
-            sys.exit("train_gpt.py: --distributed-optimizer and --clip-grad need CUDA GPUs (see cpu_shims.py)")
         cpu_shims.install()
         on_device = cpu_shims.cuda_factories_on_cpu
     device = "cpu" if cpu else "cuda"
@@ -149,8 +148,8 @@ def train(args: argparse.Namespace) -> None:
     data = batches(progress.consumed_train_samples, args, dp_rank, dp, device)
     adapter = MegatronAdapter(sess, [model], optimizer, scheduler, progress=progress, data_iterator=data,  # tpassrun
                               rebuild_data_iterator=lambda consumed: batches(consumed, args, dp_rank, dp, device))
-    if sess.rank == 0 and not adapter.replicated:
-        print("note: DistributedOptimizer shards are unique; unplanned failures restart the group", flush=True)
+    if sess.rank == 0 and not adapter.live_recovery:
+        print(f"note: unplanned failures restart the group: {adapter.distopt_limit}", flush=True)
 
     forward_backward = get_forward_backward_func()
     log = None

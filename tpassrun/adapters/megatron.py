@@ -26,9 +26,10 @@ torchrun and under tpassrun with a rank SIGKILLed, and compares the two with ``t
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
     gpt = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=128,
                    max_sequence_length=16)           # on GPUs: .cuda()
-    model = DistributedDataParallel(config=config, ddp_config=DistributedDataParallelConfig(), module=gpt)
+    ddp_config = DistributedDataParallelConfig(use_distributed_optimizer=True)     # --use-distributed-optimizer
+    model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=gpt)
     config.finalize_model_grads_func = finalize_model_grads
-    opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=0.0)   # clip_grad=1.0 on GPUs
+    opt_config = OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4, clip_grad=1.0, use_distributed_optimizer=True)
     optimizer = get_megatron_optimizer(opt_config, [model])
     scheduler = OptimizerParamScheduler(optimizer, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=8,
                                         lr_decay_steps=120, lr_decay_style="cosine", start_wd=0.0, end_wd=0.0,
@@ -76,10 +77,12 @@ What travels (heavy = only at a handoff; light = also snapshotted at every step 
 * heavy ``megatron.model``: each model chunk's ``state_dict_for_save_checkpoint()`` (virtual-pipeline chunks are
   a list). The joiner takes the leaver's rank, hence the same TP/PP/CP/EP coordinates, so the rank-local form is
   exactly right; ``sharded_state_dict`` would only be needed to re-shard onto different coordinates.
-* heavy ``megatron.optimizer``: ``optimizer.state_dict()`` plus, for a DistributedOptimizer (GPU only: it refuses
-  CPU tensors), this rank's own shard via ``get_parameter_state_dp_reshardable()`` /
-  ``load_parameter_state_from_dp_reshardable()``: no collective, unlike the ``dp_zero`` form, which gathers on
-  DP rank 0 and so cannot run while the world is paused for a handoff.
+* heavy ``megatron.optimizer``: ``optimizer.state_dict()`` plus, for a DistributedOptimizer
+  (``--use-distributed-optimizer``), this rank's own shard (fp32 main params, ``exp_avg``, ``exp_avg_sq``,
+  ``step``) via ``get_parameter_state_dp_reshardable()`` / ``load_parameter_state_from_dp_reshardable()``: no copy
+  and no collective, unlike the ``dp_zero`` form, which gathers on DP rank 0 and so cannot run while the world is
+  paused for a handoff. A DistributedOptimizer's shard is *sharded state* (``sess.track_sharded``): kept in a
+  buddy's memory and refreshed every ``--shard-mirror-interval`` steps, as ZeRO-1/2's partitions are.
 * heavy ``megatron.scheduler``: ``OptimizerParamScheduler.state_dict()``.
 * light ``megatron.rng_tracker``: ``tensor_parallel.get_cuda_rng_tracker().get_states()`` (model-parallel,
   expert-parallel and data-parallel streams; differ across TP ranks, equal across DP replicas).
@@ -93,8 +96,14 @@ After a re-formed world every survivor runs :meth:`MegatronAdapter.reconfigure`:
 ``tp_group``, DDP bucket groups, the DistributedOptimizer's groups) is re-pointed at its new counterpart.
 
 Donors: model and optimizer state exists only on ranks with the same model-parallel coordinates
-(:func:`donor_rank`); under a DistributedOptimizer with one instance nobody else holds this rank's optimizer
-shard, so only a planned swap (the leaver itself sends) is exact: :attr:`MegatronAdapter.replicated` says so.
+(:func:`donor_rank`), which the adapter declares. Under a DistributedOptimizer nobody else holds this rank's
+optimizer shard: an unplanned failure takes it from the buddy's mirror, together with the rank's model chunks
+when it is model-parallel (TP/PP/CP/EP > 1: only its DP replicas hold them), and the scheduler from any rank; the
+survivors roll back to the same step's local copy and the step in flight is re-executed (a whole node: every lost
+rank's shard from its buddy). A planned swap is exact in every configuration (the leaver sends). Configurations
+not handed over live (:func:`distopt_limit`: ``overlap_param_gather``, Megatron FSDP, several
+DistributedOptimizer instances) run as under torchrun, a whole-group restart on an unplanned failure, the console
+saying why in one line (:attr:`MegatronAdapter.live_recovery`).
 """
 
 from __future__ import annotations
@@ -259,10 +268,20 @@ def _unwrap_chunks(model: Any) -> list[Any]:
 
 
 class ModelChunksState:
-    """All model chunks of this rank (one per virtual pipeline stage), in their rank-local form."""
+    """All model chunks of this rank (one per virtual pipeline stage), in their rank-local form. ``replicated``
+    is False when it is tracked as sharded state next to a DistributedOptimizer's shard (model-parallel ranks:
+    only this rank's data-parallel replicas hold the same chunks, and the recovery takes its other state from any
+    rank)."""
 
-    def __init__(self, model: Any) -> None:
+    copy_at_start = True    # its state_dict() is the model's at step 0 too (sharded state copied at step 0)
+
+    def __init__(self, model: Any, *, replicated: bool = True) -> None:
         self.chunks = _unwrap_chunks(model)
+        self.replicated = replicated
+
+    def why_not_replicated(self) -> str:
+        return ("a model-parallel rank's chunks, mirrored with its DistributedOptimizer shard (the tensor/pipeline "
+                "peers of a rank hold other chunks)")
 
     def seal_modules(self) -> list[Any]:
         """The chunks themselves (``nn.Module``s, Megatron's DDP wrapper included): the session seals a step in
@@ -297,7 +316,11 @@ def _leaf_optimizers(opt: Any) -> list[Any]:
 
 class MegatronOptimizerState:
     """A MegatronOptimizer (FP32Optimizer, Float16OptimizerWithFloat16Params, DistributedOptimizer, or a
-    ChainedOptimizer of them). DistributedOptimizer parameter state is this rank's shard only (GPU only)."""
+    ChainedOptimizer of them). A DistributedOptimizer's parameter state is this rank's shard only: fp32 main
+    params, ``exp_avg``, ``exp_avg_sq``, ``step``, read without a copy or a collective
+    (``get_parameter_state_dp_reshardable``); ``replicated`` is then False (no other rank holds it)."""
+
+    copy_at_start = True    # before its first step it travels as "fresh" (state_dict below)
 
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
@@ -305,6 +328,13 @@ class MegatronOptimizerState:
     @property
     def sharded(self) -> bool:
         return any(_is_distributed_optimizer(o) for o in _leaf_optimizers(self.optimizer))
+
+    @property
+    def replicated(self) -> bool:
+        return not self.sharded
+
+    def why_not_replicated(self) -> str:
+        return "Megatron's DistributedOptimizer keeps each data-parallel rank's optimizer shard on that rank only"
 
     def commit_optimizers(self) -> list[Any]:
         """The torch optimizers inside (``FP32Optimizer.optimizer``, ...): their ``step()`` runs after the
@@ -315,20 +345,85 @@ class MegatronOptimizerState:
         return [o for o in inner if isinstance(o, torch.optim.Optimizer)]
 
     def state_dict(self) -> dict[str, Any]:
+        leaves = _leaf_optimizers(self.optimizer)
+        # A DistributedOptimizer's torch optimizer holds no state before its first step, and megatron-core's
+        # state_dict() needs it (the step of its states): before that, "fresh" is the whole of it
+        fresh = [i for i, o in enumerate(leaves) if _is_distributed_optimizer(o) and _never_stepped(o)]
+        if fresh:
+            common: Any = {_PER_LEAF: [_fresh_state(o) if i in fresh else portable(o.state_dict())
+                                       for i, o in enumerate(leaves)]}
+        else:
+            common = portable(self.optimizer.state_dict())
         shards = {i: portable(o.get_parameter_state_dp_reshardable())
-                  for i, o in enumerate(_leaf_optimizers(self.optimizer)) if _is_distributed_optimizer(o)}
-        return {"v": STATE_VERSION, "common": portable(self.optimizer.state_dict()), "param_shards": shards}
+                  for i, o in enumerate(leaves) if _is_distributed_optimizer(o) and i not in fresh}
+        return {"v": STATE_VERSION, "common": common, "param_shards": shards, "fresh": fresh}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        import torch
+
         _check_version(state, "optimizer")
-        # common first: a DistributedOptimizer allocates its per-parameter state there
-        self.optimizer.load_state_dict(state["common"])
         leaves = _leaf_optimizers(self.optimizer)
+        common, fresh = state["common"], [int(i) for i in state.get("fresh", ())]
+        # common first: a DistributedOptimizer allocates its per-parameter state there
+        if isinstance(common, dict) and _PER_LEAF in common:
+            for i, (leaf, leaf_state) in enumerate(zip(leaves, common[_PER_LEAF])):
+                if i in fresh:
+                    _make_fresh(leaf, leaf_state)
+                else:
+                    leaf.load_state_dict(leaf_state)
+        else:
+            self.optimizer.load_state_dict(common)
+        for leaf in leaves:
+            if _is_distributed_optimizer(leaf):
+                _unshare_steps(leaf)
         for index, shard in state["param_shards"].items():
             for bucket_states in _bucket_states(shard):
                 for elem in bucket_states:
                     elem.setdefault("padding", False)   # the getter omits it; the loader filters on it
-            leaves[int(index)].load_parameter_state_from_dp_reshardable(shard)
+            with torch.no_grad():    # fp32 main params are views of the model's parameters: an in-place copy
+                leaves[int(index)].load_parameter_state_from_dp_reshardable(shard)
+
+
+_PER_LEAF = "__tpassrun_per_leaf__"
+
+
+def _never_stepped(leaf: Any) -> bool:
+    inner = getattr(leaf, "optimizer", None)
+    return inner is not None and len(getattr(inner, "state", {})) == 0
+
+
+def _fresh_state(leaf: Any) -> dict[str, Any]:
+    scaler = getattr(leaf, "grad_scaler", None)
+    return {"fresh": True, "grad_scaler": portable(scaler.state_dict()) if scaler else None}
+
+
+def _make_fresh(leaf: Any, state: dict[str, Any]) -> None:
+    """A DistributedOptimizer put back to before its first step (a survivor rolled back to step 0; a joiner's is
+    already): no torch optimizer state, fp32 main params from the model's (loaded before it), the scaler's."""
+    inner = leaf.optimizer
+    inner.state.clear()
+    for group in inner.param_groups:
+        group.pop("step", None)          # (TE/Apex FusedAdam count steps in the group)
+    reload = getattr(leaf, "reload_model_params", None)
+    if callable(reload):
+        reload()                         # fp32 main params as copies (bf16/fp16 models); views: the same values
+    scaler = getattr(leaf, "grad_scaler", None)
+    if scaler is not None and state.get("grad_scaler") is not None:
+        scaler.load_state_dict(state["grad_scaler"])
+
+
+def _unshare_steps(leaf: Any) -> None:
+    """megatron-core 0.16's ``DistributedOptimizer.load_state_dict`` gives every parameter of a torch Adam the same
+    ``step`` tensor; torch's Adam then adds 1 to it once per parameter at each step (wrong bias corrections from the
+    next step on). One tensor per parameter, as the optimizer has it under torchrun."""
+    seen: set[int] = set()
+    for param_state in getattr(getattr(leaf, "optimizer", None), "state", {}).values():
+        step = param_state.get("step") if isinstance(param_state, dict) else None
+        if step is None or not hasattr(step, "clone"):
+            continue
+        if id(step) in seen:
+            param_state["step"] = step.clone()
+        seen.add(id(step))
 
 
 def _bucket_states(shard: dict[Any, Any]) -> list[list[dict[str, Any]]]:
@@ -620,6 +715,32 @@ def mirror_optimizer_setup(chunks: Sequence[Any], optimizer: Any, config_overrid
 
 
 # ---------------------------------------------------------------------------------------------
+# the DistributedOptimizer: handed over live, or what keeps it from it
+
+
+def distopt_limit(chunks: Sequence[Any], layout: ParallelLayout, *, can_mirror: bool) -> str | None:
+    """Why this DistributedOptimizer's shards cannot be recovered live from the mirror (None: they can). Each
+    reason is a configuration this adapter has not made exact; the job then runs as under torchrun (a whole-group
+    restart on an unplanned failure, said in one console line), never worse. Pure: reads config attributes."""
+    if not can_mirror:
+        return "this tpassrun session keeps no sharded state (sess.track_sharded)"
+    if layout.distopt_instances > 1:
+        return (f"num_distributed_optimizer_instances={layout.distopt_instances} (several DistributedOptimizer "
+                "instances) is not handed over live")
+    for chunk in chunks:
+        ddp = getattr(chunk, "ddp_config", None)
+        if ddp is None:
+            continue
+        if getattr(ddp, "use_megatron_fsdp", False) or getattr(ddp, "use_custom_fsdp", False):
+            return "Megatron FSDP (use_megatron_fsdp) is not handed over live"
+        if getattr(ddp, "overlap_param_gather", False):
+            # the next forward pass finishes the parameter all-gather the optimizer step started: the model a
+            # step-start copy would read is still being written
+            return "overlap_param_gather=True (the parameter all-gather runs into the next step) is not handed over live"
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 # the adapter
 
 
@@ -655,8 +776,17 @@ class MegatronAdapter:
         self.scheduler = opt_param_scheduler
         self.layout = layout if layout is not None else ParallelLayout.from_parallel_state()
         self.progress = progress if progress is not None else MegatronProgress()
-        self.model_state = ModelChunksState(model)
         self.optimizer_state = MegatronOptimizerState(optimizer)
+        chunks = _unwrap_chunks(model)
+        track_sharded: Any = getattr(sess, "track_sharded", None)
+        # a DistributedOptimizer: its shard (and, on a model-parallel rank, the model chunks, which only its
+        # data-parallel replicas share) kept in a buddy's memory and recovered from there; or, when this
+        # configuration is not handed over (distopt_limit), what torchrun does, said when a rank dies
+        self.distopt_limit = (distopt_limit(chunks, self.layout, can_mirror=callable(track_sharded))
+                              if self.optimizer_state.sharded else None)
+        self.distopt_mirrored = self.optimizer_state.sharded and self.distopt_limit is None
+        model_parallel = self.layout.tp * self.layout.pp * self.layout.cp * self.layout.ep > 1
+        self.model_state = ModelChunksState(model, replicated=not (self.distopt_mirrored and model_parallel))
         self.rng_state = RngTrackerState(rng_tracker_getter)
         self.data_state = (DataIteratorState(data_iterator, self.progress, rebuild_data_iterator)
                            if data_iterator is not None or rebuild_data_iterator is not None else None)
@@ -667,8 +797,14 @@ class MegatronAdapter:
             register(sess, "megatron.data", self.data_state, heavy=False)
         if rerun_state_machine is not None:
             register(sess, "megatron.rerun", RerunStateMachineState(rerun_state_machine, data_iterator), heavy=False)
-        register(sess, "megatron.model", self.model_state, heavy=True)
-        register(sess, "megatron.optimizer", self.optimizer_state, heavy=True)
+        if self.model_state.replicated:
+            register(sess, "megatron.model", self.model_state, heavy=True)
+        else:
+            track_sharded(**{"megatron.model": self.model_state})
+        if self.distopt_mirrored:
+            track_sharded(**{"megatron.optimizer": self.optimizer_state})
+        else:
+            register(sess, "megatron.optimizer", self.optimizer_state, heavy=True)
         if opt_param_scheduler is not None:
             register(sess, "megatron.scheduler", SchedulerState(opt_param_scheduler), heavy=True)
         self._declare_replicas()
@@ -678,18 +814,19 @@ class MegatronAdapter:
 
     def _declare_replicas(self) -> None:
         """The donors of an unplanned recovery of this rank: its data-parallel replicas (same TP/PP/CP/expert
-        coordinates), or itself alone under a DistributedOptimizer with one instance."""
+        coordinates); under a DistributedOptimizer this rank alone: its shard (and on a model-parallel rank its
+        chunks) come from the buddy's mirror, the rest (scheduler) from any rank, or, when the configuration is
+        not handed over, the group restarts saying why."""
         import torch.distributed as dist
 
         if not _distributed_ready():
             return
         rank, world = dist.get_rank(), dist.get_world_size()
-        if self.optimizer_state.sharded and self.layout.distopt_instances < 2:
-            declare_replicas(self.sess, [rank], "Megatron's DistributedOptimizer keeps each data-parallel rank's "
-                                                "optimizer shard on that rank only")
-        elif not self.optimizer_state.sharded:
+        if self.optimizer_state.sharded:
+            why = self.optimizer_state.why_not_replicated()
+            declare_replicas(self.sess, [rank], f"{why}; {self.distopt_limit}" if self.distopt_limit else why)
+        else:
             declare_replicas(self.sess, [rank, *self.layout.replica_ranks(rank, world)])
-        # several DistributedOptimizer instances: not declared (instance-aware donors are not worked out here)
 
     @property
     def data_iterator(self) -> Any:
@@ -699,8 +836,15 @@ class MegatronAdapter:
     @property
     def replicated(self) -> bool:
         """Whether a live data-parallel replica holds everything this rank holds. False with a
-        DistributedOptimizer of one instance (the shard is unique): then only a planned swap is exact."""
-        return not (self.optimizer_state.sharded and self.layout.distopt_instances < 2)
+        DistributedOptimizer (the shard is unique): see :attr:`live_recovery`."""
+        return not self.optimizer_state.sharded
+
+    @property
+    def live_recovery(self) -> bool:
+        """Whether an unplanned failure of this rank is recovered live: from a replica, or under a
+        DistributedOptimizer from the buddy's mirror; False when :attr:`distopt_limit` says why not (then only a
+        planned swap is live, an unplanned failure restarts the group as under torchrun)."""
+        return self.distopt_limit is None
 
     def donor_for(self, rank: int, world: int, avoid: Collection[int] = ()) -> int | None:
         """:func:`donor_rank` for this job's layout."""
@@ -727,6 +871,6 @@ def _distributed_ready() -> bool:
     return bool(dist.is_available() and dist.is_initialized())
 
 
-__all__ = ["DEFAULT_ORDER", "DataIteratorState", "MegatronAdapter", "MegatronOptimizerState", "MegatronProgress",
+__all__ = ["DEFAULT_ORDER", "DataIteratorState", "distopt_limit", "MegatronAdapter", "MegatronOptimizerState", "MegatronProgress",
            "ModelChunksState", "ParallelLayout", "RerunStateMachineState", "RngTrackerState", "SchedulerState",
            "donor_rank", "mirror_optimizer_setup", "reinitialize_parallel_state"]

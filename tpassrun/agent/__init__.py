@@ -33,12 +33,12 @@ from typing import TYPE_CHECKING, Any
 
 from tpassrun.settings import envnames as E
 from tpassrun.agent.cause import CauseJudge
-from tpassrun.agent.state import AgentState
+from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
-from tpassrun.agent.supervise import Outcome, Supervision
+from tpassrun.agent.supervise import Outcome, Supervision, etcd_link_said
 from tpassrun.agent.tasks import GenerationTasks
 from tpassrun.agent.transparent import Transparent
-from tpassrun.agent.workers import WorkerSpawning, watch_exit
+from tpassrun.agent.workers import WorkerSpawning, find_devices, watch_exit
 from tpassrun.settings import LaunchConfig
 from tpassrun.ops.cleantext import clean
 from tpassrun.ops.console import WAITING_EVERY_S, ConsoleReporter, GlogFormatter
@@ -83,7 +83,7 @@ class Agent:
         env = dict(os.environ if environ is None else environ)   # (tpassrun.cli: as tpassrun was given it)
         # a scheduler's node name when there is one (the scheduler watcher maps node ids back to it)
         node_id = f"{cfg.node_name or socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:4]}"
-        self._state = st = AgentState(
+        self._state = AgentState(
             cfg=cfg, environ=env, node_id=node_id,
             addr=cfg.local_addr or ("127.0.0.1" if cfg.uses_embedded_etcd else socket.getfqdn()),
             logs=RunLogs.from_config(cfg), events=EventLog(None, node_id=node_id),
@@ -94,13 +94,15 @@ class Agent:
         self._console = ConsoleReporter()         # one launcher line per event, and the exit summary
         self._scheduler: SchedulerWatch | None = None   # in a Slurm step: run in every generation
         self._hosting_etcd = False        # c10d/static: this agent serves the run's etcd
-        self._store = WorkersStore(st)
-        self._tasks = GenerationTasks(st, self._store)
-        # --snapshot-interval: process snapshots (transparent.py); a restored worker's exit is watched as a spawned one's
-        self._transparent = Transparent(st, watch=lambda slot, proc: asyncio.ensure_future(watch_exit(st, slot, proc)))
-        self._workers = WorkerSpawning(st, self._store, self._tasks, self._transparent)
-        self._cause = CauseJudge(st)
-        self._supervision = Supervision(st, self._cause, self._workers, self._store, self._transparent)
+        # what the agent has once started, and its parts, made then (_start_parts: what they read is never None);
+        # the swapper's port calls the parts only while a generation runs
+        self._node: Started | None = None
+        self._store: WorkersStore
+        self._tasks: GenerationTasks
+        self._transparent: Transparent
+        self._workers: WorkerSpawning
+        self._cause: CauseJudge
+        self._supervision: Supervision
         self._join_task: asyncio.Task[Generation] | None = None
         self._closing: asyncio.Future[None] | None = None    # the run's close after a failure (a signal cancels it)
         self._main_task: asyncio.Task[Any] | None = None
@@ -133,8 +135,8 @@ class Agent:
         st = self._state
         if sig == signal.SIGTERM and st.signal_received is None:
             st.given_back = given_back_reason(st.environ.get(E.TPASSRUN_POOL_GIVEN_BACK, ""), holds_rank=bool(
-                st.slots is not None and any(s.state == SlotState.RUNNING and s.rank is not None
-                                             for s in st.slots.slots)))
+                self._node is not None and any(s.state == SlotState.RUNNING and s.rank is not None
+                                               for s in self._node.slots.slots)))
         self._state.signal_received = sig
         self._state.queue.put_nowait(SignalReceived(sig))
         if self._starting and self._main_task is not None and not self._main_task.done():
@@ -151,7 +153,7 @@ class Agent:
     async def _run(self) -> int:
         st = self._state
         cfg = self.cfg
-        st.devices = await asyncio.to_thread(self._workers.find_devices)
+        st.devices = await asyncio.to_thread(find_devices, st)
         async with contextlib.AsyncExitStack() as stack:
             endpoint = cfg.etcd_endpoint
             rdzv_conf = dict(cfg.rdzv_conf or {})
@@ -189,8 +191,6 @@ class Agent:
             stack.callback(st.events.close)
             if self._hosting_etcd:
                 st.events.write("etcd_hosted", endpoint=endpoint)
-            await self._transparent.start()        # --snapshot-interval: criu check decides, once (one line if not)
-            stack.callback(self._transparent.close)
             etcd_cfg = EtcdConfig.from_endpoint(endpoint, rdzv_conf)
             if run_key is None and etcd_cfg.user is None and etcd_cfg.cert is None:
                 st.events.write("plans_unauthenticated", reason=(
@@ -204,44 +204,50 @@ class Agent:
             if run_key is not None:   # before anything reads or writes a record: plans and reports are sealed
                 stack.callback(register_run_key(settings.run_prefix, run_key))
             # the rendezvous's own records (generation, bootstrap, registrations, leader, closed) are sealed too
-            st.rdzv = await stack.enter_async_context(EtcdRendezvous(etcd_cfg, settings, node,
-                                                                     guard=rendezvous_guard(run_key)))
-            st.rdzv.store.connection.listeners.append(self._supervision.on_etcd_link)
-            st.rdzv.store.lease_listeners.append(self._lease_regranted)
-            st.slots = await LocalSlots(cfg.nproc_per_node, cfg.spares_per_node, on_message=self._workers.on_worker_message,
-                                        on_nudge=lambda: st.mirror.nudge() if st.mirror else None).open()
-            stack.push_async_callback(st.slots.close)
-            stack.push_async_callback(self._store.stop)
-            stack.push_async_callback(self._workers.stop_file_timer)
-            st.swapper = Swapper(self._port())
+            rdzv = await stack.enter_async_context(EtcdRendezvous(etcd_cfg, settings, node,
+                                                                  guard=rendezvous_guard(run_key)))
+            rdzv.store.connection.listeners.append(etcd_link_said(st, rdzv))
+            rdzv.store.lease_listeners.append(self._lease_regranted)
+            # (a worker says something only once workers run, after the parts are made)
+            slots = await LocalSlots(cfg.nproc_per_node, cfg.spares_per_node,
+                                     on_message=lambda slot, msg: self._workers.on_worker_message(slot, msg),
+                                     on_nudge=lambda: self._node.mirror.nudge() if self._node else None).open()
+            stack.push_async_callback(slots.close)
+            stack.push_async_callback(self._stop_store)
+            stack.push_async_callback(self._stop_file_timer)
+            swapper = Swapper(self._port(rdzv, slots))
             if cfg.spare_pool:   # checked before anything runs: no pool, no pool key -> one line, exit 1
                 from tpassrun.pool.job import job_pool
 
-                jobpool = await job_pool(cfg, st.rdzv.store, endpoint, pool_environ, st.node_id)
+                jobpool = await job_pool(cfg, rdzv.store, endpoint, pool_environ, st.node_id)
                 if cfg.pool_members:    # lower-priority work on idle pool nodes: members, never spares from the pool
                     from tpassrun.pool.members import start_members
 
                     stack.callback(start_members(jobpool, cfg.pool_members, st.events.write,
                                                  lambda: len(st.generation.members) if st.generation else 0))
                 else:
-                    st.swapper.coordinator.pool = jobpool
+                    swapper.coordinator.pool = jobpool
             # the mirror store serves before this node registers: its port is part of the registration
-            st.mirror = await stack.enter_async_context(MirrorPlane(self._port(), cfg.rdzv_id,
-                                                                    max_bytes=cfg.mirror_max_bytes,
-                                                                    encrypt=encrypt_requested(cfg.rdzv_conf)))
-            st.rdzv.node = dataclasses.replace(st.rdzv.node, mirror_port=st.mirror.mirror_port)
+            mirror = await stack.enter_async_context(MirrorPlane(self._port(rdzv, slots), cfg.rdzv_id,
+                                                                 max_bytes=cfg.mirror_max_bytes,
+                                                                 encrypt=encrypt_requested(cfg.rdzv_conf)))
+            rdzv.node = dataclasses.replace(rdzv.node, mirror_port=mirror.mirror_port)
             from tpassrun.agent.healthd import AgentHealth
 
-            st.health = AgentHealth(st.host())
+            health = AgentHealth(st.host(rdzv, slots))
             if cfg.scheduler:
                 from tpassrun.scheduler import watcher_for
 
-                self._scheduler = watcher_for(st.host())
+                self._scheduler = watcher_for(st.host(rdzv, slots))
+            self._node = started = Started(rdzv=rdzv, slots=slots, swapper=swapper, mirror=mirror, health=health)
+            self._start_parts(started)
+            await self._transparent.start()        # --snapshot-interval: criu check decides, once (one line if not)
+            stack.callback(self._transparent.close)
             metrics_at = None
             if cfg.metrics_port is not None:   # prometheus_client is optional: imported only when asked for
                 from tpassrun.ops.metrics import serve_metrics
 
-                metrics_at = serve_metrics(self._state, stack)
+                metrics_at = serve_metrics(st.status(slots), stack)
             # run_key: a fingerprint (safe to show) that tells agents given different run keys apart
             st.events.write("agent_started", endpoint=endpoint, run_id=cfg.rdzv_id, nproc=cfg.nproc_per_node,
                             spares=cfg.spares_per_node, event_log=event_path,
@@ -252,13 +258,33 @@ class Agent:
 
             if (loopback := await asyncio.to_thread(advertised_check, st.addr, cfg.max_nodes)) is not None:
                 st.events.write("address_loopback", addr=st.addr, line=loopback)
-            register_run(self._state, stack, endpoint, event_path)   # tpassctl on this machine finds it without ids
+            register_run(st.status(slots), stack, endpoint, event_path)   # tpassctl on this machine finds it without ids
             self._starting = False
             if st.signal_received is not None:
                 return 128 + st.signal_received
-            code = await self._generations()
-            st.events.write("agent_exit", code=code, mirror=st.mirror.usage() if st.mirror else None)
+            code = await self._generations(started)
+            st.events.write("agent_exit", code=code, mirror=mirror.usage())
             return code
+
+    def _start_parts(self, node: Started) -> None:
+        """The agent's parts, once it has started (their constructors do no I/O)."""
+        st = self._state
+        self._store = WorkersStore(st, node)
+        self._tasks = GenerationTasks(st, node, self._store)
+        # --snapshot-interval: process snapshots (transparent.py); a restored worker's exit is watched as a spawned one's
+        self._transparent = Transparent(st, node.slots,
+                                        watch=lambda slot, proc: asyncio.ensure_future(watch_exit(st, slot, proc)))
+        self._workers = WorkerSpawning(st, node, self._store, self._tasks, self._transparent)
+        self._cause = CauseJudge(st, node)
+        self._supervision = Supervision(st, node, self._cause, self._workers, self._store, self._transparent)
+
+    async def _stop_store(self) -> None:
+        if self._node is not None:
+            await self._store.stop()
+
+    async def _stop_file_timer(self) -> None:
+        if self._node is not None:
+            await self._workers.stop_file_timer()
 
     def _lease_regranted(self) -> None:
         self._state.events.write("lease_regranted", reason="the lease expired during the outage")
@@ -275,10 +301,10 @@ class Agent:
         self._state.environ = env_without_key(self._state.environ)
         return key
 
-    def _port(self) -> AgentPort:
-        """What the swapper sees of this agent (see :mod:`tpassrun.swapper.agentport`)."""
+    def _port(self, rdzv: EtcdRendezvous, slots: LocalSlots) -> AgentPort:
+        """What the swapper sees of this agent (see :mod:`tpassrun.swapper.agentport`): called while a generation
+        runs, when the parts exist."""
         st = self._state
-        assert st.rdzv is not None and st.slots is not None
         cfg = self.cfg
 
         def set_generation(gen: Generation) -> None:
@@ -291,42 +317,48 @@ class Agent:
         def set_master(addr: tuple[str, int], host: str | None) -> None:
             st.master, st.store_host = (str(addr[0]), int(addr[1])), host
 
-        return AgentPort(node_id=st.node_id, addr=st.addr, events=st.events, rdzv=st.rdzv, slots=st.slots,
+        async def publish_status() -> None:
+            await self._tasks.publish_status()
+
+        async def start_store() -> tuple[str, int]:
+            return await self._store.host_new()
+
+        async def store_ready(timeout: float) -> bool:
+            return await self._store.ready(timeout)
+
+        return AgentPort(node_id=st.node_id, addr=st.addr, events=st.events, rdzv=rdzv, slots=slots,
                          settings=SwapSettings(nproc_per_node=cfg.nproc_per_node, spares_per_node=cfg.spares_per_node,
                                                migrate_back=cfg.migrate_back,
                                                pool_wait=cfg.pool_wait if cfg.spare_pool else 0.0),
                          generation=lambda: st.generation, spawned_generation=lambda: st.spawned_generation,
                          formed_generation=lambda: st.formed_generation,
                          master=lambda: st.master, set_generation=set_generation, spawn_spare=spawn_spare,
-                         publish_status=self._tasks.publish_status, post=self._queue_put,
-                         store_host=lambda: st.store_host, set_master=set_master, start_store=self._store.host_new,
-                         store_ready=self._store.ready,
-                         mirror=lambda: st.mirror)
+                         publish_status=publish_status, post=self._queue_put,
+                         store_host=lambda: st.store_host, set_master=set_master, start_store=start_store,
+                         store_ready=store_ready, mirror=lambda: self._node.mirror if self._node else None)
 
     def _queue_put(self, event: AgentEvent) -> None:
         self._state.queue.put_nowait(event)   # the queue of the current generation (replaced by each one)
 
-    async def _wait_for_other_agents(self, timeout: float) -> None:
+    async def _wait_for_other_agents(self, rdzv: EtcdRendezvous, timeout: float) -> None:
         """The hosting agent keeps its etcd up until the other agents are gone (their registrations and status
         keys live under their leases), so a node that finishes first does not pull the rendezvous from under the
         rest. The registration counts, not only the status: an agent whose workers were quick had not published
         a status yet, and the other agent, its etcd gone, waited for it for ever."""
         st = self._state
-        assert st.rdzv is not None
         deadline = time.monotonic() + timeout
-        status = Keys(st.rdzv.key("")).family("status")
+        status = Keys(rdzv.key("")).family("status")
         while time.monotonic() < deadline:
             with contextlib.suppress(Exception):
-                others = [k.rsplit("/", 1)[-1] for k, _d, _r in await st.rdzv.store.get_prefix_json(status)]
-                others += [info.node_id for info in await st.rdzv.registrations()]
+                others = [k.rsplit("/", 1)[-1] for k, _d, _r in await rdzv.store.get_prefix_json(status)]
+                others += [info.node_id for info in await rdzv.registrations()]
                 others = [node for node in others if node != st.node_id]
                 if not others:
                     return
             await asyncio.sleep(0.5)
 
-    async def _generations(self) -> int:
-        st = self._state
-        assert st.rdzv is not None
+    async def _generations(self, node: Started) -> int:
+        st, rdzv = self._state, node.rdzv
         outcome_before: str | None = None
         while True:
             if st.signal_received is not None:      # between generations (a restart's request cut short)
@@ -338,7 +370,7 @@ class Agent:
                 waited = 0.0
                 while not (await asyncio.wait({self._join_task}, timeout=WAITING_EVERY_S))[0]:
                     waited += WAITING_EVERY_S
-                    await self._say_waiting(waited)
+                    await self._say_waiting(rdzv, waited)
                 gen = self._join_task.result()
             except asyncio.CancelledError:
                 if st.signal_received is not None:
@@ -353,7 +385,7 @@ class Agent:
             # a group of workers after a failed one (or a membership change) is a whole-group restart: its
             # first step says how much progress the restart threw away (tpassrun/ops/progress.py)
             st.progress.started(after_restart=outcome_before in (Outcome.FAILED, Outcome.MEMBERSHIP))
-            outcome, reason = await self._run_generation(gen)
+            outcome, reason = await self._run_generation(gen, node)
             st.progress.ended(self._tasks.rank_positions(ended=True))
             outcome_before = outcome
             st.events.write("generation_ended", generation=gen.number, outcome=outcome, reason=reason,
@@ -361,10 +393,10 @@ class Agent:
             log.debug("generation %d ended: %s (%s)", gen.number, outcome, reason)
             if outcome == Outcome.SUCCEEDED:
                 with contextlib.suppress(RendezvousError):
-                    await st.rdzv.close("succeeded")
+                    await rdzv.close("succeeded")
                 if self._hosting_etcd:
                     with contextlib.suppress(asyncio.TimeoutError, RendezvousError):
-                        await self._wait_for_other_agents(EXIT_BARRIER_TIMEOUT_S)
+                        await self._wait_for_other_agents(rdzv, EXIT_BARRIER_TIMEOUT_S)
                 self._elastic_end("SUCCEEDED", "SUCCEEDED", gen)
                 return 0
             if outcome == Outcome.SIGNALLED or (outcome in (Outcome.FAILED, Outcome.MEMBERSHIP)
@@ -389,20 +421,19 @@ class Agent:
                                 st.remaining_restarts, self.cfg.max_restarts)
                     st.events.write("restart", reason=reason, remaining=st.remaining_restarts)
                     with contextlib.suppress(RendezvousError):
-                        await st.until_signal(st.rdzv.request_restart(st.generation or gen, reason))
+                        await st.until_signal(rdzv.request_restart(st.generation or gen, reason))
                     continue
                 self._report_failures()
                 # torchrun's agent returns a FAILED result normally: the launcher records SUCCEEDED for itself
                 self._elastic_end("FAILED", "SUCCEEDED", gen)
-                await self._close_unless_signalled(f"workers failed: {reason}")
+                await self._close_unless_signalled(rdzv, f"workers failed: {reason}")
                 return 1
             # MEMBERSHIP: a new generation without consuming a restart (torchrun's num_nodes_waiting rule).
 
-    async def _close_unless_signalled(self, reason: str) -> None:
+    async def _close_unless_signalled(self, rdzv: EtcdRendezvous, reason: str) -> None:
         """Close the run; a signal cuts it short (a scheduler's cancel signals the hosted etcd too: a close that
         retried a dead etcd outlived Slurm's KillWait and was SIGKILLed, leaving the etcd's data dir behind)."""
-        assert self._state.rdzv is not None
-        self._closing = asyncio.ensure_future(self._state.rdzv.close(reason))
+        self._closing = asyncio.ensure_future(rdzv.close(reason))
         if self._state.signal_received is not None:
             self._closing.cancel()
         await asyncio.wait({self._closing})
@@ -410,12 +441,11 @@ class Agent:
                 not isinstance(self._closing.exception(), RendezvousError):
             raise self._closing.exception()  # type: ignore[misc]
 
-    async def _say_waiting(self, waited: float) -> None:
+    async def _say_waiting(self, rdzv: EtcdRendezvous, waited: float) -> None:
         """Every 10 s without a generation: who has joined, how many are needed (never a silent wait)."""
         st = self._state
-        assert st.rdzv is not None
         try:   # the registrations the rendezvous accepts: one without the run's seal is nobody's
-            nodes = sorted(info.node_id for info in await st.rdzv.registrations())
+            nodes = sorted(info.node_id for info in await rdzv.registrations())
         except Exception as exc:  # noqa: BLE001 - etcd unreachable is itself worth saying
             st.events.write("waiting_for_nodes", seconds=waited, joined=0, needed=self.cfg.min_nodes,
                             missing=[f"etcd unreachable: {type(exc).__name__}"])
@@ -429,8 +459,8 @@ class Agent:
         launcher's own event."""
         st = self._state
         total = int(time.monotonic() - self._started_at)
-        if workers is not None and gen is not None and st.slots is not None:
-            self._elastic.workers(workers, gen, st.node_id, st.slots.slots, st.remaining_restarts,
+        if workers is not None and gen is not None and self._node is not None:
+            self._elastic.workers(workers, gen, st.node_id, self._node.slots.slots, st.remaining_restarts,
                                   failures=st.failures if workers == "FAILED" else (), total_run_time=total)
         me = gen.member(st.node_id) if gen is not None else None
         self._elastic.agent(launcher, group_rank=me.group_rank if me else None,
@@ -449,9 +479,8 @@ class Agent:
         copy_root_cause_error_file(self._state.failures, self._state.environ)
 
     # ------------------------------------------------------------------ one generation
-    async def _run_generation(self, gen: Generation) -> tuple[str, str]:
+    async def _run_generation(self, gen: Generation, node: Started) -> tuple[str, str]:
         st = self._state
-        assert st.rdzv is not None and st.slots is not None and st.swapper is not None and st.health is not None
         me = st.member(gen)
         st.failures = []
         st.queue = asyncio.Queue()
@@ -466,14 +495,13 @@ class Agent:
         await self._workers.start_file_timer()
         await self._workers.spawn_generation(gen, master)
         self._transparent.generation_started()
-        self._elastic.workers("START", gen, st.node_id, st.slots.slots, st.remaining_restarts)
+        self._elastic.workers("START", gen, st.node_id, node.slots.slots, st.remaining_restarts)
         log.debug("generation %d: workers spawned; supervising", gen.number)
         tasks = [asyncio.ensure_future(self._tasks.pump_rdzv_events(gen)),
-                 asyncio.ensure_future(st.swapper.run(gen)),
+                 asyncio.ensure_future(node.swapper.run(gen)),
                  asyncio.ensure_future(self._tasks.publish_status_loop()),
-                 asyncio.ensure_future(st.health.run())]
-        if st.mirror is not None:
-            tasks.append(asyncio.ensure_future(st.mirror.run()))
+                 asyncio.ensure_future(node.health.run()),
+                 asyncio.ensure_future(node.mirror.run())]
         if self.cfg.hang_timeout > 0:
             tasks.append(asyncio.ensure_future(self._tasks.hang_watchdog()))
         if self._transparent.active:

@@ -18,7 +18,7 @@ import logging
 import time
 from typing import Any
 
-from tpassrun.agent.state import AgentState
+from tpassrun.agent.state import AgentState, Started
 from tpassrun.channel import Field, Verdict, WorkerPhase
 from tpassrun.plan import CAUSE_GRACE_S, Around, Cause, cause_of, classify_death, interrupted_by
 from tpassrun.channel.protocol import Failed, Raised
@@ -37,8 +37,9 @@ RECORDS_EVERY_S = 0.25  # ... and the other nodes' failure records in etcd (a no
 class CauseJudge:
     """Agent's side of a worker parked ``PENDING``: gathers :class:`Around`, asks :func:`cause_of`, answers."""
 
-    def __init__(self, state: AgentState) -> None:
+    def __init__(self, state: AgentState, node: Started) -> None:
         self._state = state
+        self._node = node
         self._deaths_seen: list[tuple[int, int | None, str]] = []   # (generation, rank, why)
         self._judging: set[asyncio.Future[None]] = set()            # workers waiting for their exception's cause
 
@@ -46,8 +47,7 @@ class CauseJudge:
         """A worker holding a rank died (``code`` != 0): evidence, for the rest of this world, that a failure came
         first. Kept with the world's generation: a recovery commits the next one, and older deaths stop counting."""
         st = self._state
-        assert st.slots is not None
-        _kind, why = classify_death(code, st.slots.phase(slot))
+        _kind, why = classify_death(code, self._node.slots.phase(slot))
         self._deaths_seen.append(((st.generation or gen).number, slot.rank, f"rank {slot.rank}'s death ({why})"))
 
     def on_raised(self, gen: Generation, slot: Slot, msg: Raised) -> None:
@@ -68,7 +68,6 @@ class CauseJudge:
 
     async def _say_interrupted(self, gen: Generation, slot: Slot, proc: Any, msg: Failed) -> None:
         st = self._state
-        assert st.slots is not None
         t0, rank = time.monotonic(), slot.rank
         records: tuple[str, ...] = ()
         read_at = -1.0
@@ -89,15 +88,13 @@ class CauseJudge:
                         log=worker_log_file(getattr(proc, "error_file", "")))
 
     async def _judge(self, gen: Generation, slot: Slot, proc: Any, msg: Raised) -> None:
-        st = self._state
-        assert st.slots is not None and st.swapper is not None
         t0 = time.monotonic()
-        st.swapper.probe_agents()       # a node whose agent is gone is declared lost now, not at its lease's end
+        self._node.swapper.probe_agents()       # a node whose agent is gone is declared lost now, not at its lease's end
         silent = asyncio.ensure_future(self._silent_nodes(gen))
         records: tuple[str, ...] = ()
         read_at = -1.0
         try:
-            while slot.proc is proc and proc.returncode is None and st.slots.phase(slot) == WorkerPhase.PENDING:
+            while slot.proc is proc and proc.returncode is None and self._node.slots.phase(slot) == WorkerPhase.PENDING:
                 waited = time.monotonic() - t0
                 if self._other_nodes(gen) and waited - read_at >= RECORDS_EVERY_S:
                     read_at = waited
@@ -113,24 +110,23 @@ class CauseJudge:
 
     def _answer(self, slot: Slot, msg: Raised, cause: Cause, why: str, waited: float) -> None:
         st = self._state
-        assert st.slots is not None and st.slots.channel is not None
+        assert self._node.slots.channel is not None
         verdict = Verdict.CASUALTY if cause is Cause.CASUALTY else Verdict.ROOT_CAUSE
-        st.slots.channel.set(slot.index, Field.VERDICT, verdict)
+        self._node.slots.channel.set(slot.index, Field.VERDICT, verdict)
         st.events.write("exception_cause", slot=slot.index, rank=slot.rank, step=msg.step, cause=cause.value,
                         why=why, error=msg.error[:300], error_type=msg.error_type, seconds=round(waited, 3))
 
     def _around(self, gen: Generation, slot: Slot, waited: float, records: tuple[str, ...],
                 silent: tuple[str, ...]) -> Around:
         st = self._state
-        assert st.slots is not None and st.swapper is not None and st.rdzv is not None
         cur = st.generation or gen
         dead = tuple(why for g, rank, why in self._deaths_seen if g == cur.number and rank != slot.rank) + records
-        lost = tuple(annotated(cur, st.rdzv.generation).lost)   # lost nodes are annotations: written in place
-        failed = tuple(s.rank for s in st.slots.active() if s is not slot and s.rank is not None
-                       and st.slots.phase(s) == WorkerPhase.FAILED)
+        lost = tuple(annotated(cur, self._node.rdzv.generation).lost)   # lost nodes are annotations: written in place
+        failed = tuple(s.rank for s in self._node.slots.active() if s is not slot and s.rank is not None
+                       and self._node.slots.phase(s) == WorkerPhase.FAILED)
         return Around(waited_s=waited, dead=dead, lost_nodes=lost, failed_peers=failed,
-                      recovering=st.swapper.recovering, silent_nodes=silent,
-                      lease_s=float(st.rdzv.settings.lease_seconds))
+                      recovering=self._node.swapper.recovering, silent_nodes=silent,
+                      lease_s=float(self._node.rdzv.settings.lease_seconds))
 
     def _other_nodes(self, gen: Generation) -> list[str]:
         st = self._state
@@ -140,11 +136,10 @@ class CauseJudge:
     async def _failure_records(self, gen: Generation, slot: Slot) -> tuple[str, ...]:
         """Other ranks' deaths of this world other nodes recorded (``failures/``; an outage: none known)."""
         st = self._state
-        assert st.rdzv is not None
         cur = st.generation or gen
-        keys = Keys(st.rdzv.key(""))
+        keys = Keys(self._node.rdzv.key(""))
         try:
-            docs = await asyncio.wait_for(st.rdzv.store.get_prefix_json(keys.family("failures")), 2.0)
+            docs = await asyncio.wait_for(self._node.rdzv.store.get_prefix_json(keys.family("failures")), 2.0)
         except Exception as exc:  # noqa: BLE001 - etcd unreachable: the grace decides
             log.debug("reading failure records: %s", exc)
             return ()
@@ -157,11 +152,8 @@ class CauseJudge:
 
     async def _silent_nodes(self, gen: Generation) -> tuple[str, ...]:
         """Member nodes whose agent does not answer (cut off or down: their lease decides)."""
-        st = self._state
-        if st.mirror is None:
-            return ()
         peers = self._other_nodes(gen)
         with contextlib.suppress(Exception):
-            answers = await asyncio.gather(*(st.mirror.reach(n) for n in peers))
+            answers = await asyncio.gather(*(self._node.mirror.reach(n) for n in peers))
             return tuple(n for n, a in zip(peers, answers) if a == "silent")
         return ()

@@ -1,9 +1,11 @@
-"""The one state a :class:`tpassrun.agent.Agent` and its parts share: :class:`AgentState`.
+"""What a :class:`tpassrun.agent.Agent` and its parts share: :class:`AgentState` (from construction on) and
+:class:`Started` (what exists once the agent has started: its rendezvous, slots, swapper, mirror and health daemon).
 
 An Agent is composed of parts that each own one concern (the workers' store, the workers, the generation's
-background tasks, the cause of a worker's exception, supervision); each holds this object and the parts it calls,
-never the Agent. Every field is declared here with its type, so that a reader (and mypy) sees who reads and writes
-what. A field one part alone uses lives in that part.
+background tasks, the cause of a worker's exception, supervision); each holds these two objects and the parts it
+calls, never the Agent, and is made once the agent has started, so nothing it reads is ever None. Every field is
+declared here with its type, so that a reader (and mypy) sees who reads and writes what. A field one part alone
+uses lives in that part.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from tpassrun.ops.events import EventLog
 from tpassrun.ops.progress import Progress
 from tpassrun.rendezvous import EtcdRendezvous, Generation, Member
 from tpassrun.settings import LaunchConfig
-from tpassrun.swapper.agentport import AgentEvent, EventSink
+from tpassrun.swapper.agentport import AgentEvent, EventSink, StatusHost
 
 if TYPE_CHECKING:
     from tpassrun.agent.healthd import AgentHealth
@@ -30,8 +32,8 @@ if TYPE_CHECKING:
 @dataclasses.dataclass(slots=True, eq=False)
 class AgentState:
     """One node's agent: who it is, what its run allows, what it runs now. Set once: ``cfg``, ``node_id``, ``addr``, ``logs``;
-    ``events``, ``environ``, ``rdzv``, ``slots``, ``swapper``, ``mirror`` and ``health`` once while the agent starts
-    (``Agent._run``), before a generation runs."""
+    ``events``, ``environ``, ``run_key_file``, ``credentials_file`` and ``devices`` once while the agent starts
+    (``Agent._run``), before a generation runs (what the start makes is :class:`Started`)."""
 
     cfg: LaunchConfig
     environ: dict[str, str]             # what workers are given: the user's environment without the run key
@@ -44,12 +46,7 @@ class AgentState:
     # spending --max-restarts (the user gave spares, not a restart budget), at most once per spare of this node: a
     # rank killed over and over still ends in torchrun's failure report.
     free_fallbacks: int
-    # --- made while the agent starts ---
-    rdzv: EtcdRendezvous | None = None
-    slots: LocalSlots | None = None
-    swapper: Swapper | None = None
-    mirror: MirrorPlane | None = None   # this node's mirror store and its light mirror (tpassrun/swapper/mirrorplane.py)
-    health: AgentHealth | None = None   # one per agent, run in every generation
+    # --- found while the agent starts (None: there is none) ---
     run_key_file: str | None = None     # an embedded etcd's run key (0600, in its private dir): tpassctl verifies with it
     credentials_file: str | None = None   # an embedded etcd's root password file (0600)
     devices: list[str] | None = None    # the node's GPUs in slot order (tpassrun/launch/devices.py); None: no GPU
@@ -98,11 +95,66 @@ class AgentState:
         finally:
             self.cut_by_signal.discard(task)
 
-    def host(self) -> NodeHost:
+    def host(self, rdzv: EtcdRendezvous, slots: LocalSlots) -> NodeHost:
         """What the health daemon and the scheduler watcher read of this agent, once it has a rendezvous and slots."""
-        assert self.rdzv is not None and self.slots is not None
-        return NodeHost(node_id=self.node_id, cfg=self.cfg, environ=self.environ, rdzv=self.rdzv, slots=self.slots,
+        return NodeHost(node_id=self.node_id, cfg=self.cfg, environ=self.environ, rdzv=rdzv, slots=slots,
                         events=self.events)
+
+    def status(self, slots: LocalSlots) -> StatusHost:
+        """What the metrics endpoint and the run registry read of this agent, once it has slots."""
+        return AgentStatus(self, slots)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Started:
+    """What an agent has once started (``Agent._run``, before a generation runs), for the rest of its life."""
+
+    rdzv: EtcdRendezvous
+    slots: LocalSlots
+    swapper: Swapper
+    mirror: MirrorPlane        # this node's mirror store and its light mirror (tpassrun/swapper/mirrorplane.py)
+    health: AgentHealth        # one per agent, run in every generation
+
+
+class AgentStatus:
+    """:class:`tpassrun.swapper.agentport.StatusHost` of one agent: read when the metrics are scraped (the current
+    generation) and when the run is registered."""
+
+    def __init__(self, state: AgentState, slots: LocalSlots) -> None:
+        self._state = state
+        self._slots = slots
+
+    @property
+    def node_id(self) -> str:
+        return self._state.node_id
+
+    @property
+    def cfg(self) -> LaunchConfig:
+        return self._state.cfg
+
+    @property
+    def logs(self) -> RunLogs:
+        return self._state.logs
+
+    @property
+    def events(self) -> EventLog:
+        return self._state.events
+
+    @property
+    def slots(self) -> LocalSlots:
+        return self._slots
+
+    @property
+    def generation(self) -> Generation | None:
+        return self._state.generation
+
+    @property
+    def run_key_file(self) -> str | None:
+        return self._state.run_key_file
+
+    @property
+    def credentials_file(self) -> str | None:
+        return self._state.credentials_file
 
 
 @dataclasses.dataclass(eq=False)
@@ -118,4 +170,4 @@ class NodeHost:
     events: EventSink
 
 
-__all__ = ["AgentState", "NodeHost"]
+__all__ = ["AgentState", "AgentStatus", "NodeHost", "Started"]

@@ -13,7 +13,7 @@ import secrets
 import socket
 import time
 
-from tpassrun.agent.state import AgentState
+from tpassrun.agent.state import AgentState, Started
 from tpassrun.rendezvous import Generation, RendezvousError, split_endpoint
 from tpassrun.store import bind_host, derive_store_key, is_loopback
 
@@ -30,8 +30,9 @@ def free_port(host: str = "") -> int:
 class WorkersStore:
     """The store process this agent runs, if any, and the standby that may replace a lost node's."""
 
-    def __init__(self, state: AgentState) -> None:
+    def __init__(self, state: AgentState, node: Started) -> None:
         self._state = state
+        self._node = node
         self._proc: asyncio.subprocess.Process | None = None
         self._port = 0
         self._standby: tuple[asyncio.subprocess.Process, int] | None = None   # a store ready to take over (port)
@@ -41,12 +42,11 @@ class WorkersStore:
         """A fresh TCPStore per generation, hosted next to group rank 0 (never a previous attempt's keys)."""
         st = self._state
         cfg = st.cfg
-        assert st.rdzv is not None
         if st.member(gen) is None:
             # a spare node: its spares join re-formed worlds at the swap's store; knowing this generation's
             # lets it lead a swap (the leader names the store). Not worth failing over.
             try:
-                return await st.rdzv.wait_bootstrap(gen, timeout=min(60.0, st.rdzv.settings.join_timeout))
+                return await self._node.rdzv.wait_bootstrap(gen, timeout=min(60.0, self._node.rdzv.settings.join_timeout))
             except RendezvousError as exc:
                 log.debug("spare node: no bootstrap address for generation %d: %s", gen.number, exc)
                 return ("", 0)
@@ -63,9 +63,9 @@ class WorkersStore:
                 port = static_port or 0
             port = port or free_port()
             await self._start(port, addr if cfg.rdzv_backend == "static" else None)
-            await st.rdzv.publish_bootstrap(gen, addr, port)
+            await self._node.rdzv.publish_bootstrap(gen, addr, port)
             return addr, port
-        return await st.rdzv.wait_bootstrap(gen, timeout=st.rdzv.settings.join_timeout)
+        return await self._node.rdzv.wait_bootstrap(gen, timeout=self._node.rdzv.settings.join_timeout)
 
     def _single_node(self) -> bool:
         return self._state.cfg.max_nodes == 1
@@ -80,7 +80,7 @@ class WorkersStore:
     def key(self) -> bytes | None:
         """The workers' store key (tpassrun.store): derived from the run's mirror key, given to this node's
         workers in their environment and to the store process on its stdin, never on a command line."""
-        mirror = self._state.mirror
+        mirror = self._node.mirror
         return derive_store_key(mirror.key) if mirror is not None and mirror.key else None
 
     async def _start(self, port: int, addr: str | None = None) -> None:
@@ -136,13 +136,12 @@ class WorkersStore:
         """Stop an unused standby store once nothing is being recovered any more (it holds a process)."""
         from tpassrun.channel import WorkerPhase
 
-        st = self._state
         quiet = 0.0
         while self._standby is standby:
             await asyncio.sleep(1.0)
-            slots = st.slots
-            failed = slots is not None and any(slots.phase(s) == WorkerPhase.FAILED for s in slots.active())
-            quiet = 0.0 if (failed or (st.swapper is not None and st.swapper.busy)) else quiet + 1.0
+            slots = self._node.slots
+            failed = any(slots.phase(s) == WorkerPhase.FAILED for s in slots.active())
+            quiet = 0.0 if (failed or self._node.swapper.busy) else quiet + 1.0
             if quiet >= 5.0 and self._standby is standby:
                 self._standby = None
                 with contextlib.suppress(ProcessLookupError):

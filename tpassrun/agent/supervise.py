@@ -11,16 +11,16 @@ import logging
 import signal
 import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from tpassrun.swapper.agentport import (FallbackRequested, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
                    SpawnFailed, WorkerExited, WorkerSaid)
 from tpassrun.launch.procs import stop_workers
 from tpassrun.channel.protocol import Done, Failed, Raised
-from tpassrun.rendezvous import Generation, Link, RendezvousError, one_line
+from tpassrun.rendezvous import EtcdRendezvous, Generation, Link, RendezvousError, one_line
 from tpassrun.launch.report import ProcessFailure
 from tpassrun.channel.slots import Slot, SlotState
-from tpassrun.agent.state import AgentState
+from tpassrun.agent.state import AgentState, Started
 
 if TYPE_CHECKING:
     from tpassrun.agent.cause import CauseJudge
@@ -29,6 +29,20 @@ if TYPE_CHECKING:
     from tpassrun.agent.workers import WorkerSpawning
 
 log = logging.getLogger("tpassrun.agent")
+
+
+def etcd_link_said(st: AgentState, rdzv: EtcdRendezvous) -> Callable[[Link, Any], None]:
+    """A listener of ``rdzv``'s etcd connection: each etcd outage and recovery, said once (the workers keep running
+    through it; Supervision fences them when the lease may be gone)."""
+    def said(link: Link, detail: Any) -> None:
+        if link is Link.LOST:
+            st.events.write("etcd_connection_lost", reason=one_line(detail))
+        elif link is Link.OVERDUE:
+            st.events.write("etcd_connection_overdue", seconds=rdzv.store.config.reconnect_timeout,
+                            reason=one_line(detail))
+        else:
+            st.events.write("etcd_connection_restored", seconds=round(float(detail), 2))
+    return said
 
 
 class Outcome:
@@ -42,9 +56,10 @@ class Outcome:
 class Supervision:
     """Agent's event handling within one generation (the generation loop is :class:`tpassrun.agent.Agent`)."""
 
-    def __init__(self, state: AgentState, cause: CauseJudge, workers: WorkerSpawning, store: WorkersStore,
-                 transparent: Transparent | None = None) -> None:
+    def __init__(self, state: AgentState, node: Started, cause: CauseJudge, workers: WorkerSpawning,
+                 store: WorkersStore, transparent: Transparent | None = None) -> None:
         self._state = state
+        self._node = node
         self._transparent = transparent
         self._cause = cause
         self._workers = workers
@@ -54,7 +69,6 @@ class Supervision:
     async def supervise(self, gen: Generation) -> tuple[str, str]:
         """One event at a time, so the agent's decisions never race each other."""
         st = self._state
-        assert st.slots is not None and st.rdzv is not None and st.swapper is not None
         while True:
             ev = await st.queue.get()
             log.debug("supervisor event: %s", type(ev).__name__)
@@ -71,7 +85,7 @@ class Supervision:
                 if isinstance(ev.message, Done):
                     ev.slot.finished_pid = ev.slot.pid
                 if isinstance(ev.message, Failed):
-                    st.swapper.on_worker_failed_step(ev.slot, ev.message)
+                    self._node.swapper.on_worker_failed_step(ev.slot, ev.message)
                     self._cause.on_failed(gen, ev.slot, ev.message)         # its console line (tpassrun/agent/cause.py)
                     await self._store.standby()
                 if isinstance(ev.message, Raised) and ev.slot.proc is not None:
@@ -85,7 +99,7 @@ class Supervision:
                                 "%d such restart(s) left on this node)", ev.reason, st.free_fallbacks)
                     st.events.write("fallback", reason=ev.reason, spends_restart=False)
                     with contextlib.suppress(RendezvousError):
-                        await st.until_signal(st.rdzv.request_restart(st.generation or gen, ev.reason))
+                        await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, ev.reason))
                     continue
                 nxt = ("restarting the whole group (spends one of --max-restarts)" if st.remaining_restarts > 0
                        else "no restart left (--max-restarts): the job fails")
@@ -99,7 +113,7 @@ class Supervision:
                     continue     # moved live by process snapshots (tpassrun/agent/transparent.py)
                 st.events.write("fallback", reason=ev.reason)
                 with contextlib.suppress(RendezvousError):
-                    await st.until_signal(st.rdzv.request_restart(st.generation or gen, ev.reason))
+                    await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, ev.reason))
             elif isinstance(ev, LeaseLost):
                 result = await self._fence(gen, ev.reason)
             if result is not None:
@@ -107,7 +121,6 @@ class Supervision:
 
     async def _on_exit(self, gen: Generation, slot: Slot, proc: Any, code: int) -> tuple[str, str] | None:
         st = self._state
-        assert st.slots is not None and st.swapper is not None
         if slot.proc is not proc:
             return None  # an old worker of this slot
         slot.exit_code = code
@@ -116,7 +129,7 @@ class Supervision:
         if slot.state == SlotState.SPARE:
             slot.state = SlotState.DEAD
             st.events.write("spare_lost", slot=slot.index, code=code)
-            st.swapper.on_spare_lost(slot)
+            self._node.swapper.on_spare_lost(slot)
             return None
         if slot.state == SlotState.LEAVING:
             slot.state = SlotState.QUARANTINED
@@ -130,7 +143,7 @@ class Supervision:
             return None
         if code == 0:
             slot.state = SlotState.DONE
-            if all(s.state == SlotState.DONE for s in st.slots.slots if s.rank is not None
+            if all(s.state == SlotState.DONE for s in self._node.slots.slots if s.rank is not None
                    and s.state in (SlotState.RUNNING, SlotState.DONE)):
                 return Outcome.SUCCEEDED, "all workers succeeded"
             return None
@@ -147,7 +160,7 @@ class Supervision:
                         slot.rank, code)
             self._record_failures(slot)
             return Outcome.FAILED, f"rank {slot.rank} (local {slot.local_rank}) exited with {code} after its training loop"
-        if await st.swapper.on_worker_death(slot, code):
+        if await self._node.swapper.on_worker_death(slot, code):
             return None
         if not slot.managed:
             self._unmanaged_death(slot, code)
@@ -160,11 +173,10 @@ class Supervision:
         restart moves the rank onto the spare (the dead slot sits out, as a tainted one does); either way, one
         line says why the spare did not take it live and what would."""
         st = self._state
-        assert st.slots is not None
         if not st.cfg.spares_per_node:
             return
         api = "the script does not use tpassrun's worker API (README: 'The worker API'), so no spare can take it live"
-        onto_spare = st.remaining_restarts > 0 and len(st.slots.usable_for_start()) > st.cfg.nproc_per_node
+        onto_spare = st.remaining_restarts > 0 and len(self._node.slots.usable_for_start()) > st.cfg.nproc_per_node
         if onto_spare:
             slot.state = SlotState.QUARANTINED
             slot.quarantine_reason = f"rank {slot.rank} died here (exit code {code})"
@@ -179,9 +191,8 @@ class Supervision:
     def _record_failures(self, first: Slot | None) -> None:
         """torchrun's report lists the failed worker and the ones it then had to stop."""
         st = self._state
-        assert st.slots is not None
         now = time.time()
-        for s in st.slots.slots:
+        for s in self._node.slots.slots:
             if s.proc is None or s.rank is None:
                 continue
             if s is first or (s.state in (SlotState.DEAD,) and s.exit_code not in (None, 0)):
@@ -194,9 +205,8 @@ class Supervision:
         whatever they exited with but 0) are the report's "other failures", after the first ones (torchrun's
         failures dict keeps that insertion order; on a timestamp tie the first one is the root cause)."""
         st = self._state
-        assert st.slots is not None
         seen = {f.pid for f in st.failures}
-        for s in st.slots.slots:
+        for s in self._node.slots.slots:
             proc = s.proc
             if proc is None or s.rank is None or s.rank < 0 or proc.pid in seen or proc.returncode in (None, 0):
                 continue
@@ -205,7 +215,6 @@ class Supervision:
 
     async def _on_rdzv_event(self, gen: Generation, ev: Any) -> tuple[str, str] | None:
         st = self._state
-        assert st.rdzv is not None
         kind = getattr(ev.kind, "value", ev.kind)
         if kind == "closed":
             reason = getattr(ev, "reason", "") or ""
@@ -215,7 +224,7 @@ class Supervision:
                     # exit would end it: without this it waited forever after the job succeeded.
                     return Outcome.SUCCEEDED, self._idle_success(gen)
                 return None  # another node finished first; ours finish on their own (torchrun: same)
-            if any(s.state == SlotState.RUNNING for s in st.slots.slots):  # type: ignore[union-attr]
+            if any(s.state == SlotState.RUNNING for s in self._node.slots.slots):
                 return Outcome.CLOSED, f"the run was closed by another agent: {reason}"
             return None
         if kind == "generation_changed":
@@ -229,8 +238,7 @@ class Supervision:
                     return None
                 return Outcome.CLOSED, new.reason
             if new.swap_id and getattr(new.state, "value", new.state) == "active":
-                assert st.swapper is not None
-                st.swapper.on_generation_committed(new)
+                self._node.swapper.on_generation_committed(new)
                 st.generation = new
                 return None
             return Outcome.MEMBERSHIP, f"generation {new.number} requested: {new.reason}"
@@ -238,19 +246,18 @@ class Supervision:
             # Our lease expired during an etcd outage, and we are alive: we fenced ourselves if anyone else
             # could hold our ranks; otherwise nobody can, and the lost mark goes with the next generation.
             return None
-        if kind == "spare_node_joined" and st.rdzv.is_leader:
+        if kind == "spare_node_joined" and self._node.rdzv.is_leader:
             # a spare node added to the running job: one started later, or a node lost earlier whose link came
             # back (it fenced its workers, its ranks live elsewhere now): the pool has its slots again
             st.events.write("spare_node_joined", joined=ev.node_id)
             return None
-        if kind in ("node_lost", "node_waiting") and st.rdzv.is_leader:
+        if kind in ("node_lost", "node_waiting") and self._node.rdzv.is_leader:
             reason = f"{kind.replace('_', ' ')}: {ev.node_id}"
-            assert st.swapper is not None
-            if kind == "node_lost" and await st.swapper.on_node_lost(ev.node_id):
+            if kind == "node_lost" and await self._node.swapper.on_node_lost(ev.node_id):
                 return None
             st.events.write("membership_change", reason=reason)
             with contextlib.suppress(RendezvousError):
-                await st.until_signal(st.rdzv.request_restart(st.generation or gen, reason))
+                await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, reason))
             return None
         return None
 
@@ -264,20 +271,7 @@ class Supervision:
         """No rank runs here: a spare node never promoted, or a member whose ranks all moved to other nodes by
         swaps (taints, recoveries), even while the record still lists it as a member: its slots are all spares, so
         the job's success ends it, not its own workers. Only workers running a rank end a node on their own."""
-        st = self._state
-        return not (st.slots is not None and any(s.state == SlotState.RUNNING and s.rank is not None
-                                                 for s in st.slots.slots))
-
-    def on_etcd_link(self, link: Link, detail: Any) -> None:
-        """Each etcd outage and recovery, said once (the workers keep running through it; fencing below)."""
-        st = self._state
-        if link is Link.LOST:
-            st.events.write("etcd_connection_lost", reason=one_line(detail))
-        elif link is Link.OVERDUE:
-            st.events.write("etcd_connection_overdue", seconds=st.rdzv.store.config.reconnect_timeout
-                            if st.rdzv else None, reason=one_line(detail))
-        else:
-            st.events.write("etcd_connection_restored", seconds=round(float(detail), 2))
+        return not any(s.state == SlotState.RUNNING and s.rank is not None for s in self._node.slots.slots)
 
     # ------------------------------------------------------------------ fencing
     async def join(self) -> Generation:
@@ -285,26 +279,23 @@ class Supervision:
         that just fenced joined at once, spawned its workers and fenced them again as soon as its new
         generation's lease watch started, at every generation until a refresh got through (8 generations in
         3 s, each restarting the job). Bounded by ``reconnect_timeout``: past it the join says etcd is gone."""
-        st = self._state
-        assert st.rdzv is not None
-        store = st.rdzv.store
+        store = self._node.rdzv.store
         if not store.lease_sure():
             log.info("waiting for etcd to acknowledge this node's lease before joining again")
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(st.rdzv.lease_held(), store.config.reconnect_timeout)
-        return await st.rdzv.join()
+                await asyncio.wait_for(self._node.rdzv.lease_held(), store.config.reconnect_timeout)
+        return await self._node.rdzv.join()
 
     async def watch_lease(self, gen: Generation) -> None:
         """Fence from this task, at once, not through the supervision queue: the supervisor may be inside a
         handler that waits for etcd (a failure record, a swap step) for as long as the outage lasts, and a fence
         handled only then would leave a partitioned node's workers running past its lease."""
         st = self._state
-        assert st.rdzv is not None
         while True:
-            reason = await st.rdzv.lease_lost()
+            reason = await self._node.rdzv.lease_lost()
             if await self._fence_workers(st.generation or gen, reason):
                 st.queue.put_nowait(LeaseLost(reason))   # the rest (a new generation) once etcd answers
-            await st.rdzv.lease_held()   # not fenced (nobody else could hold our ranks): watch the next one
+            await self._node.rdzv.lease_held()   # not fenced (nobody else could hold our ranks): watch the next one
 
     async def _fence_workers(self, gen: Generation, reason: str) -> bool:
         """Our etcd lease may have expired (etcd unreachable from here, or refreshes too late): the leader may
@@ -314,15 +305,14 @@ class Supervision:
         Only when another node could take our ranks: a job of one node with no spare node keeps running
         through an etcd hiccup (nobody else can hold its ranks)."""
         st = self._state
-        assert st.slots is not None
         others = [m for m in gen.members if m.node_id != st.node_id] + [n for n in gen.spare_nodes
                                                                            if n != st.node_id]
-        procs = [s.proc for s in st.slots.slots if s.proc is not None and s.proc.returncode is None]
+        procs = [s.proc for s in self._node.slots.slots if s.proc is not None and s.proc.returncode is None]
         if not others or not procs:
             st.events.write("lease_lost", reason=reason, fenced=False)
             return False
         self._fenced_in = gen
-        for s in st.slots.slots:   # their deaths are ours to cause: not failures, not swaps
+        for s in self._node.slots.slots:   # their deaths are ours to cause: not failures, not swaps
             if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
                 s.state = SlotState.IDLE
         await stop_workers(procs, signal.SIGKILL, 5.0)
@@ -334,8 +324,7 @@ class Supervision:
         """After :meth:`_fence_workers`: ask for a new generation (a no-op if the leader already moved past the
         one we fenced in, e.g. our ranks were recovered live elsewhere) and end this one."""
         st = self._state
-        assert st.rdzv is not None
         fenced_in, self._fenced_in = self._fenced_in or gen, None
         with contextlib.suppress(RendezvousError):
-            await st.until_signal(st.rdzv.request_restart(fenced_in, f"node {st.node_id} fenced: {reason}"))
+            await st.until_signal(self._node.rdzv.request_restart(fenced_in, f"node {st.node_id} fenced: {reason}"))
         return Outcome.MEMBERSHIP, f"fenced: {reason}"

@@ -13,7 +13,7 @@ import signal
 import time
 from typing import Any
 
-from tpassrun.agent.state import AgentState
+from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
 from tpassrun.settings import envnames as E
 from tpassrun.channel import Field, WorkerPhase
@@ -29,42 +29,37 @@ log = logging.getLogger("tpassrun.agent")
 class GenerationTasks:
     """Agent's per-generation background tasks (started and cancelled by ``Agent._run_generation``)."""
 
-    def __init__(self, state: AgentState, store: WorkersStore) -> None:
+    def __init__(self, state: AgentState, node: Started, store: WorkersStore) -> None:
         self._state = state
+        self._node = node
         self._store = store
         self._shard_said: dict[int, tuple[int, int, int]] = {}   # rank -> the shard mirror figures last said
 
     async def pump_rdzv_events(self, gen: Generation) -> None:
         st = self._state
-        assert st.rdzv is not None
-        async for ev in st.rdzv.events():
+        async for ev in self._node.rdzv.events():
             st.queue.put_nowait(RendezvousChanged(ev))
 
     async def publish_status_loop(self) -> None:
-        st = self._state
-        assert st.swapper is not None
         while True:
-            st.swapper.hint_spares()
+            self._node.swapper.hint_spares()
             await self.publish_status()
             await asyncio.sleep(1.0)
 
     async def publish_status(self) -> None:
         st = self._state
-        if st.rdzv is None or st.slots is None:
-            return
-        workers = st.slots.table()
+        workers = self._node.slots.table()
         self._note_progress()
-        mirror = st.mirror
         status = NodeStatus(node_id=st.node_id, addr=st.addr, pid=os.getpid(),
                             generation=st.generation.number if st.generation else None,
                             restart_count=st.restart_count, workers=workers, time=time.time(),
-                            mirror_held=mirror.store.nbytes if mirror is not None else 0)
+                            mirror_held=self._node.mirror.store.nbytes)
         self._say_shard_mirrors(workers)
         with contextlib.suppress(Exception):
-            await st.rdzv.store.put_json(Keys(st.rdzv.key("")).status(st.node_id), status.to_json(), lease=True)
+            await self._node.rdzv.store.put_json(Keys(self._node.rdzv.key("")).status(st.node_id), status.to_json(), lease=True)
 
     def rank_positions(self, *, ended: bool = False) -> list[RankPosition]:
-        slots = self._state.slots
+        slots = self._node.slots
         if slots is None or slots.channel is None:
             return []
         return [RankPosition(step=slots.field(s, Field.STEP),
@@ -96,7 +91,7 @@ class GenerationTasks:
                     and w.shard_interval == before[2]:
                 continue
             said[w.rank] = (w.shard_bytes, w.shard_held, w.shard_interval)
-            mirror = st.mirror
+            mirror = self._node.mirror
             buddy = mirror.buddy.node if mirror is not None and mirror.buddy is not None else None
             st.events.write("shard_mirror", rank=w.rank, slot=w.slot, bytes_per_refresh=w.shard_bytes,
                             local_held=w.shard_held, interval=w.shard_interval or None,
@@ -109,8 +104,7 @@ class GenerationTasks:
         from tpassrun.ops.tui_panel import run_panel
         from tpassrun.ops.waiting import WaitNote
 
-        assert st.rdzv is not None
-        rdzv = st.rdzv
+        rdzv = self._node.rdzv
         waiting = WaitNote()          # what this agent waits for, with its age (the console says it every few s)
         st.events.add_listener(waiting)
 
@@ -134,7 +128,6 @@ class GenerationTasks:
           swap runs here: paused workers do not beat)."""
         st = self._state
 
-        assert st.slots is not None and st.swapper is not None
         timeout_ns = int(st.cfg.hang_timeout * 1e9)
         stopped_since: dict[int, int] = {}
         quiet_until = 0
@@ -146,18 +139,18 @@ class GenerationTasks:
             if self._kill_stopped(stopped_since, now, timeout_ns):
                 quiet_until = now + timeout_ns     # let the death cascade and the recovery start
                 continue
-            if st.swapper.busy or now < quiet_until:
+            if self._node.swapper.busy or now < quiet_until:
                 continue
-            if any(st.slots.phase(s) == WorkerPhase.PENDING for s in st.slots.active()):
+            if any(self._node.slots.phase(s) == WorkerPhase.PENDING for s in self._node.slots.active()):
                 # a worker asks whose fault its exception is (tpassrun/agent/cause.py): its peers block on it meanwhile,
                 # and killing one would make a casualty of a root cause
                 continue
                 continue
             stale = []
-            for s in st.slots.active():
-                if not s.managed or not s.alive or st.slots.phase(s) != WorkerPhase.RUNNING:
+            for s in self._node.slots.active():
+                if not s.managed or not s.alive or self._node.slots.phase(s) != WorkerPhase.RUNNING:
                     continue
-                beat = st.slots.field(s, Field.HEARTBEAT_NS)
+                beat = self._node.slots.field(s, Field.HEARTBEAT_NS)
                 if beat and now - beat > timeout_ns:
                     stale.append((beat, s))
             culprit = pick_hung(stale, _proc_state)
@@ -176,7 +169,7 @@ class GenerationTasks:
                 await self._store.standby()
                 if await self._held_for_silent_peer(stale, held, now):
                     continue
-                link = st.health.link if st.health is not None else None   # netwatch: a flap stalls every rank
+                link = self._node.health.link   # netwatch: a flap stalls every rank
                 if link is not None and link.explains_stall(st.cfg.hang_timeout):
                     if not link_held:
                         link_held = True
@@ -185,11 +178,11 @@ class GenerationTasks:
                                         reason="this node's link was down within --hang-timeout")
                     continue
                 await asyncio.sleep(REMOTE_HANG_GRACE_S)
-                if st.swapper.busy or not s.alive or st.slots.phase(s) != WorkerPhase.RUNNING \
-                        or st.slots.field(s, Field.HEARTBEAT_NS) != beat:
+                if self._node.swapper.busy or not s.alive or self._node.slots.phase(s) != WorkerPhase.RUNNING \
+                        or self._node.slots.field(s, Field.HEARTBEAT_NS) != beat:
                     continue
             st.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
-                            seconds=round((now - beat) / 1e9, 3), step=st.slots.field(s, Field.STEP),
+                            seconds=round((now - beat) / 1e9, 3), step=self._node.slots.field(s, Field.STEP),
                             stale_ranks=sorted(x.rank for _b, x in stale), what="no step")
             s.proc.signal_group(signal.SIGKILL)
             stopped_since.pop(s.pid, None)
@@ -203,24 +196,22 @@ class GenerationTasks:
         held for that lease and a --hang-timeout more at most, then the watchdog acts as before. A node that is
         itself the one cut off holds too: it fences its workers when its own lease runs out."""
         st = self._state
-        if st.mirror is None or st.rdzv is None:
-            return False
-        gen = st.rdzv.generation or st.generation     # latest, else running (swapper/agentport.py)
+        gen = self._node.rdzv.generation or st.generation     # latest, else running (swapper/agentport.py)
         if gen is None:
             return False
         peers = [m.node_id for m in gen.members if m.node_id != st.node_id and m.node_id not in gen.lost]
-        answers = await asyncio.gather(*(st.mirror.reach(n) for n in peers))
+        answers = await asyncio.gather(*(self._node.mirror.reach(n) for n in peers))
         silent = [n for n, a in zip(peers, answers) if a == "silent"]
         for n in [n for n in held if n not in silent]:
             del held[n]
         new = [n for n in silent if n not in held]
         held.update((n, now) for n in new)
-        limit_ns = int((st.rdzv.settings.lease_seconds + st.cfg.hang_timeout) * 1e9)
+        limit_ns = int((self._node.rdzv.settings.lease_seconds + st.cfg.hang_timeout) * 1e9)
         waiting = [n for n in silent if now - held[n] < limit_ns]
         if new and waiting:
             st.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=waiting,
                             seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
-                            lease_s=st.rdzv.settings.lease_seconds)
+                            lease_s=self._node.rdzv.settings.lease_seconds)
         return bool(waiting)
 
     def _kill_stopped(self, stopped_since: dict[int, int], now: int, timeout_ns: int) -> bool:
@@ -229,17 +220,16 @@ class GenerationTasks:
         st = self._state
         from tpassrun.channel import Field
 
-        assert st.slots is not None and st.swapper is not None
-        procs = {s.pid: s for s in st.slots.slots if s.alive and s.pid is not None}
+        procs = {s.pid: s for s in self._node.slots.slots if s.alive and s.pid is not None}
         due = stopped_too_long(stopped_since, {pid: _proc_state(pid) for pid in procs}, now, timeout_ns)
         for pid in due:
             s = procs[pid]
             rank = s.rank if s.state in (SlotState.RUNNING, SlotState.LEAVING) else None
             st.events.write("hang_detected", slot=s.index, rank=rank, pid=pid, proc_state=_proc_state(pid),
                             seconds=round((now - stopped_since.pop(pid)) / 1e9, 3),
-                            step=st.slots.field(s, Field.STEP) if rank is not None else None,
-                            role=str(s.state.value), phase=st.slots.phase(s).name.lower(),
-                            swap=st.swapper.busy, what="stopped")
+                            step=self._node.slots.field(s, Field.STEP) if rank is not None else None,
+                            role=str(s.state.value), phase=self._node.slots.phase(s).name.lower(),
+                            swap=self._node.swapper.busy, what="stopped")
             s.proc.signal_group(signal.SIGKILL)
         return bool(due)
 

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpassrun.agent.state import AgentState
-from tpassrun.channel.slots import Slot, SlotState
+from tpassrun.channel.slots import LocalSlots, Slot, SlotState
 from tpassrun.launch.procs import StdioSpec, adopt_worker
 from tpassrun.settings import envnames as E
 from tpassrun.snapshot import (WORKER_ENV, Availability, Move, NetworkLock, SnapshotError, continue_groups, dump,
@@ -64,8 +64,9 @@ class Snapshot:
 class Transparent:
     """The agent's snapshots of its workers; ``active`` only once ``criu check`` passed (see :meth:`start`)."""
 
-    def __init__(self, state: AgentState, watch: Callable[[Slot, Any], object]) -> None:
+    def __init__(self, state: AgentState, slots: LocalSlots, watch: Callable[[Slot, Any], object]) -> None:
         self._state = state
+        self._slots = slots
         self._watch = watch          # called with each restored worker: its exit reaches the supervisor
         self.availability: Availability | None = None
         self._dir: str | None = None
@@ -139,9 +140,7 @@ class Transparent:
             await asyncio.sleep(min(0.5, interval / 4))
 
     def _running(self) -> list[Slot]:
-        slots = self._state.slots
-        assert slots is not None
-        return [s for s in slots.slots if s.state == SlotState.RUNNING and s.rank is not None and s.alive]
+        return [s for s in self._slots.slots if s.state == SlotState.RUNNING and s.rank is not None and s.alive]
 
     def _whole_job(self) -> list[Slot] | None:
         """Every rank's slot when every rank of the generation runs here (none finished, none dead) and none uses the
@@ -178,8 +177,7 @@ class Transparent:
                                        for im in images))
         except BaseException as exc:
             shutil.rmtree(path, ignore_errors=True)
-            if leave_running:
-                continue_groups(pids)
+            continue_groups(pids)     # never leave a rank stopped (a failed move then restarts the group)
             st.events.write("snapshot_failed", seq=self._seq, reason=str(exc)[:300])
             raise
         if leave_running:
@@ -217,7 +215,7 @@ class Transparent:
                 return self._fallback(decision.reason)
             t0 = time.monotonic()
             try:
-                await self._kill_all([s for s in self._state.slots.slots if s.rank is not None])  # type: ignore[union-attr]
+                await self._kill_all([s for s in self._slots.slots if s.rank is not None])
                 await self._restore(snap, dict(decision.slots or {}))
             except (SnapshotError, OSError) as exc:
                 return self._fallback(f"the restore failed: {exc}")
@@ -234,18 +232,18 @@ class Transparent:
         """A tainted rank: snapshot every rank now, restore them all, the tainted one on a free spare slot (its old
         slot quarantined). False: not handled (torchrun's health-aware restart)."""
         st = self._state
-        if not self.active or st.slots is None:
+        if not self.active:
             return False
         async with self._lock:
             running = self._whole_job()
             if running is None:
                 return self._fallback("not every rank is running")
-            spares = [s for s in st.slots.slots if s.state == SlotState.SPARE]
+            spares = [s for s in self._slots.slots if s.state == SlotState.SPARE]
             decision = on_taint(rank, {s.rank: s.index for s in running if s.rank is not None}, [s.index for s in spares])
             if decision.move is not Move.MIGRATE or decision.slots is None:
                 return self._fallback(decision.reason)
-            old = st.slots.slots[next(s.index for s in running if s.rank == rank)]
-            target = st.slots.slots[decision.slots[rank]]
+            old = self._slots.slots[next(s.index for s in running if s.rank == rank)]
+            target = self._slots.slots[decision.slots[rank]]
             t0 = time.monotonic()
             try:
                 snap = await self._snapshot(leave_running=False)      # criu ends every rank once it is dumped
@@ -256,6 +254,9 @@ class Transparent:
                 await self._restore(snap, dict(decision.slots))
             except (SnapshotError, OSError) as exc:
                 return self._fallback(f"the move failed: {exc}")
+            # a death from now on restores the moved rank where it runs now
+            self.last = dataclasses.replace(snap, ranks=tuple(dataclasses.replace(im, slot=decision.slots[im.rank])
+                                                              for im in snap.ranks))
             old.state, old.rank, old.proc = SlotState.QUARANTINED, None, None
             old.quarantine_reason = reason or "tainted"
             seconds = time.monotonic() - t0
@@ -282,7 +283,7 @@ class Transparent:
     async def _restore(self, snap: Snapshot, slots_of: dict[int, int]) -> None:
         """Every rank of ``snap`` restored (stopped, as dumped) onto its slot in ``slots_of``, then all continued."""
         st = self._state
-        assert self.availability is not None and st.slots is not None
+        assert self.availability is not None
         async def one(im: RankImage) -> tuple[RankImage, Any]:
             fds: dict[str, int] = {}
             reads: dict[int, int] = {}
@@ -302,7 +303,7 @@ class Transparent:
             return im, proc
 
         for im in snap.ranks:
-            slot = st.slots.slots[slots_of.get(im.rank, im.slot)]
+            slot = self._slots.slots[slots_of.get(im.rank, im.slot)]
             slot.proc = None         # the old process's exit (queued) is not this slot's worker's any more
         async with NetworkLock(snap.ports):      # until every rank is back: none may reset a connection to a peer
             results = await asyncio.gather(*(one(im) for im in snap.ranks), return_exceptions=True)
@@ -312,7 +313,7 @@ class Transparent:
             signal_groups([p.pid for _im, p in restored], signal.SIGKILL)
             raise SnapshotError(str(failed[0]))
         for im, proc in restored:
-            slot = st.slots.slots[slots_of.get(im.rank, im.slot)]
+            slot = self._slots.slots[slots_of.get(im.rank, im.slot)]
             slot.rank, slot.local_rank, slot.proc, slot.exit_code = im.rank, im.local_rank, proc, None
             slot.state = SlotState.RUNNING
             slot.started_at = time.monotonic()

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from tpassrun.agent.state import AgentState
+from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
 from tpassrun.settings import envnames as E
 from tpassrun.launch.devices import node_devices, slot_env, visible_devices
@@ -33,12 +33,22 @@ if TYPE_CHECKING:
 log = logging.getLogger("tpassrun.agent")
 
 
+def find_devices(st: AgentState) -> list[str] | None:
+    """The node's GPUs in slot order (None: no GPU), found before the agent starts."""
+    try:
+        return node_devices(st.environ, slots=st.cfg.nproc_per_node + st.cfg.spares_per_node)
+    except Exception as exc:  # noqa: BLE001 - a broken NVML: fall back to CUDA_VISIBLE_DEVICES alone
+        log.warning("cannot count GPUs through NVML (%s); using CUDA_VISIBLE_DEVICES only", exc)
+        return visible_devices(st.environ.get(E.CUDA_VISIBLE_DEVICES), None)
+
+
 class WorkerSpawning:
     """Agent's workers on this node."""
 
-    def __init__(self, state: AgentState, store: WorkersStore, tasks: GenerationTasks,
+    def __init__(self, state: AgentState, node: Started, store: WorkersStore, tasks: GenerationTasks,
                  transparent: Transparent | None = None) -> None:
         self._state = state
+        self._node = node
         self._transparent = transparent
         self._store = store
         self._tasks = tasks
@@ -47,22 +57,14 @@ class WorkerSpawning:
         self._forwarded: int | None = None          # the signal already sent to every worker's group (forward_signal)
         self.workers_started = False
 
-    def find_devices(self) -> list[str] | None:
-        st = self._state
-        try:
-            return node_devices(st.environ, slots=st.cfg.nproc_per_node + st.cfg.spares_per_node)
-        except Exception as exc:  # noqa: BLE001 - a broken NVML: fall back to CUDA_VISIBLE_DEVICES alone
-            log.warning("cannot count GPUs through NVML (%s); using CUDA_VISIBLE_DEVICES only", exc)
-            return visible_devices(st.environ.get(E.CUDA_VISIBLE_DEVICES), None)
-
     def assignment(self, gen: Generation, local_rank: int, rank: int, master: tuple[str, int],
                    slot: Slot, spare: bool) -> WorkerAssignment:
         st = self._state
         me = gen.member(st.node_id)
-        assert (me is not None or spare) and st.slots is not None
+        assert (me is not None or spare)
         extra = {
-            E.TPASSRUN_CHANNEL: st.slots.channel_path, E.TPASSRUN_SLOT: str(slot.index),
-            E.TPASSRUN_AGENT_SOCK: st.slots.sock_path, E.TPASSRUN_GENERATION: str(gen.number),
+            E.TPASSRUN_CHANNEL: self._node.slots.channel_path, E.TPASSRUN_SLOT: str(slot.index),
+            E.TPASSRUN_AGENT_SOCK: self._node.slots.sock_path, E.TPASSRUN_GENERATION: str(gen.number),
             E.TPASSRUN_NODE_ID: st.node_id,
             E.TPASSRUN_SHARD_MIRROR_INTERVAL: "auto" if st.cfg.shard_mirror_interval is None
             else str(st.cfg.shard_mirror_interval),
@@ -110,13 +112,11 @@ class WorkerSpawning:
 
     def _slot_of_session(self, pid: int) -> Slot | None:
         """The slot whose worker's session ``pid`` is in (workers start their own session: sid == worker pid)."""
-        st = self._state
-        assert st.slots is not None
         try:
             sid = os.getsid(pid)
         except OSError:
             return None
-        return next((s for s in st.slots.slots if s.proc is not None and s.proc.pid == sid), None)
+        return next((s for s in self._node.slots.slots if s.proc is not None and s.proc.pid == sid), None)
 
     def _timer_expired(self, request: TimerRequest, sent: bool) -> None:
         slot = self._slot_of_session(request.pid)
@@ -125,21 +125,19 @@ class WorkerSpawning:
 
     async def spawn_generation(self, gen: Generation, master: tuple[str, int]) -> None:
         st = self._state
-        assert st.slots is not None
         me = st.member(gen)
-        if st.mirror is not None:   # copies from before this (re)start must never be taken for this one's
-            st.mirror.store.drop(below_epoch=gen.formed)
+        self._node.mirror.store.drop(below_epoch=gen.formed)   # copies from before this (re)start: never this one's
         if me is None:
             await self._spawn_spare_node(gen, master)
             return
         st.logs.start_attempt(st.restart_count)
         await self._quarantine_restart_taints()
-        usable = st.slots.usable_for_start()
+        usable = self._node.slots.usable_for_start()
         if len(usable) < st.cfg.nproc_per_node:
-            usable = list(st.slots.slots)  # more quarantined slots than spares: reuse rather than not run
+            usable = list(self._node.slots.slots)  # more quarantined slots than spares: reuse rather than not run
             for s in usable:
                 s.state = SlotState.IDLE
-        for s in st.slots.slots:
+        for s in self._node.slots.slots:
             if s.state != SlotState.QUARANTINED:
                 s.state = SlotState.IDLE
                 s.rank = None
@@ -159,15 +157,14 @@ class WorkerSpawning:
         --nnodes allows): every slot runs a warm spare, so a lost node's ranks (or any single rank) can move
         here live, without starting a process."""
         st = self._state
-        assert st.slots is not None
         if not gen.includes(st.node_id):
             return
         st.logs.start_attempt(st.restart_count)
         await self._quarantine_restart_taints()
-        for s in st.slots.slots:
+        for s in self._node.slots.slots:
             if s.state != SlotState.QUARANTINED:
                 s.state, s.rank = SlotState.IDLE, None
-        spares = st.slots.usable_for_start()
+        spares = self._node.slots.usable_for_start()
         for slot in spares:
             await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
         self.workers_started = True
@@ -179,9 +176,8 @@ class WorkerSpawning:
         """Slots of this node whose taint was answered by a health-aware restart sit this generation out
         (until ``tpassctl untaint`` returns them to the spare pool)."""
         st = self._state
-        assert st.rdzv is not None and st.slots is not None
         try:
-            taints = await st.rdzv.store.get_prefix_json(Keys(st.rdzv.key("")).family("taints"))
+            taints = await self._node.rdzv.store.get_prefix_json(Keys(self._node.rdzv.key("")).family("taints"))
         except RendezvousError as exc:
             log.warning("cannot read taints before starting workers: %s", exc)
             return
@@ -190,7 +186,7 @@ class WorkerSpawning:
             if (taint is None or taint.handled_by != HANDLED_RESTART or taint.node_id != st.node_id
                     or taint.slot is None):
                 continue
-            slot = st.slots.slots[taint.slot] if taint.slot < len(st.slots.slots) else None
+            slot = self._node.slots.slots[taint.slot] if taint.slot < len(self._node.slots.slots) else None
             if slot is not None and slot.state != SlotState.QUARANTINED:
                 slot.state = SlotState.QUARANTINED
                 slot.quarantine_reason = taint.reason or "tainted"
@@ -200,8 +196,7 @@ class WorkerSpawning:
     async def spawn(self, gen: Generation, slot: Slot, *, local_rank: int, rank: int, master: tuple[str, int],
                     spare: bool = False) -> None:
         st = self._state
-        assert st.slots is not None
-        st.slots.reset(slot)
+        self._node.slots.reset(slot)
         a = self.assignment(gen, local_rank, rank, master, slot, spare)
         env = worker_env(st.cfg, a, st.environ)
         transparent = self._transparent is not None and self._transparent.active
@@ -236,8 +231,8 @@ class WorkerSpawning:
             # to a second later: a node lost meanwhile found no spare to take its ranks; a taint meanwhile took
             # the rank for a script without tpassrun.init() and restarted the whole group, losing its steps).
             asyncio.ensure_future(self._tasks.publish_status())
-        if isinstance(msg, MirrorInfoRequest) and st.mirror is not None:
-            asyncio.ensure_future(st.mirror.answer_current(slot))
+        if isinstance(msg, MirrorInfoRequest):
+            asyncio.ensure_future(self._node.mirror.answer_current(slot))
         if isinstance(msg, (Hello, Done, Failed, Raised)):
             st.queue.put_nowait(WorkerSaid(slot, msg))
         if isinstance(msg, ReplicasChecked):
@@ -257,17 +252,13 @@ class WorkerSpawning:
 
     def forward_signal(self, sig: int) -> None:
         """Send ``sig`` to every live worker's process group now (``stop_all`` then waits and escalates)."""
-        st = self._state
-        assert st.slots is not None
-        for s in st.slots.slots:
+        for s in self._node.slots.slots:
             if s.proc is not None and s.proc.returncode is None:
                 s.proc.signal_group(sig)
         self._forwarded = sig
 
     async def stop_all(self, sig: int, grace: float) -> None:
-        st = self._state
-        assert st.slots is not None
-        every = [s.proc for s in st.slots.slots if s.proc is not None]
+        every = [s.proc for s in self._node.slots.slots if s.proc is not None]
         procs = [p for p in every if p.returncode is None]
         if procs:
             await stop_workers(procs, sig, grace, signalled=self._forwarded == sig)
@@ -277,7 +268,7 @@ class WorkerSpawning:
             # (no pdeathsig: they were reparented to init): they go with the job, as torchrun's close() signals
             # every worker's process group, finished or not
             p.kill_leftovers()
-        for s in st.slots.slots:
+        for s in self._node.slots.slots:
             if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
                 s.state = SlotState.IDLE
 

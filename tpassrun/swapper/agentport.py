@@ -174,14 +174,20 @@ class HealthHost(Protocol):
 
 
 class StatusHost(Protocol):
-    """One agent as its metrics endpoint and its run-registry entry see it."""
+    """One started agent as its metrics endpoint and its run-registry entry see it (read only)."""
 
-    node_id: str
-    cfg: "LaunchConfig"            # the launch settings (run id, metrics port, nproc, spares, rdzv conf)
-    logs: Any                      # procs.RunLogs (the run's log dir)
-    events: Any                    # events.EventLog (listeners are added to it)
-    slots: "LocalSlots | None"
-    generation: "Generation | None"
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def cfg(self) -> "LaunchConfig": ...          # the launch settings (run id, metrics port, nproc, spares, rdzv conf)
+    @property
+    def logs(self) -> Any: ...                    # procs.RunLogs (the run's log dir)
+    @property
+    def events(self) -> Any: ...                  # events.EventLog (listeners are added to it)
+    @property
+    def slots(self) -> "LocalSlots": ...
+    @property
+    def generation(self) -> "Generation | None": ...
 
 
 __all__ = ["AgentEvent", "AgentPort", "annotated", "EventSink", "HealthHost", "StatusHost", "FallbackRequested",
