@@ -22,8 +22,8 @@ heavy = sent only when a rank is handed over; light = also snapshotted at every 
 |             | this rank's partition, ZeRO-3's parameter | collectives: re-create    | CPU: ZeRO 0/1/2 planned, |
 |             | partition from its fp32 master, loss      | the engine's groups in    | SIGKILL (ZeRO-0 from a   |
 |             | scaler as attributes), lr_scheduler,      | creation order, re-point, | replica, ZeRO-1/2/3 from |
-|             | global_steps/samples, skipped/micro       | parameter broadcast(s),   | the shard mirror); offload|
-|             | steps. light: data loader position        | ZeRO-3 barriers           | etc.: torchrun's restart |
+|             | global_steps/samples, skipped/micro       | parameter broadcast(s),   | the shard mirror); ZeRO-3|
+|             | steps. light: data loader position        | ZeRO-3 barriers           | offload: torchrun restart|
 +-------------+-------------------------------------------+---------------------------+--------------------------+
 | torchtitan  | heavy: model parts and optimizer (DTensor | ParallelDims.build_mesh() | real torchtitan 0.3.0 on |
 |             | local shards + shard coordinates,         | again (or init_device_    | CPU, 4 ranks: FSDP2      |
