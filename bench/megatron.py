@@ -1,10 +1,11 @@
 """megatron-core TP x DP as Megatron-LM's trainer writes it: SIGKILL a random rank at a uniformly random
 instant, move a random rank away (planned swap), kill a whole node; is every run live and ``torch.equal`` to
-torchrun? And, with Megatron's distributed optimizer, what the shard mirror costs.
+torchrun? (What the shard mirror costs Megatron's distributed optimizer: bench/mirror.py, the third line.)
 
     python bench/megatron.py [--kills 10] [--swaps 10] [--nodes 0] [--iters 16] [--tp 2] [--distopt] [--seed S]
     python bench/megatron.py --distopt --kills 10 --swaps 0 --nodes 5         # the DistOpt acceptance
-    python bench/megatron.py --distopt --cost --kills 0 --swaps 0   # mirror cost, memory, recovery
+    python bench/mirror.py --skip-critical --script tests/megatron_trainer.py \
+        -- --tensor-model-parallel-size 1 --use-distributed-optimizer --clip-grad 1.0   # DistOpt: mirror cost
 
 Each run is ``tests/megatron_trainer.py`` (megatron-core 0.16.1 on gloo: ``GPTModel``, Megatron's DDP, Adam via
 ``get_megatron_optimizer``, ``OptimizerParamScheduler``, ``get_forward_backward_func`` over 2 micro-batches per
@@ -16,20 +17,16 @@ its buddy's memory by tpassrun; gradient clipping as Megatron-LM's default); ``-
 
 * kill: one rank chosen at random is SIGKILLed from outside (``tests/faults.py:sigkill_rank``) once it has
   logged a random step, after a delay drawn uniformly over one step: wherever it is (forward, backward, an
-  all-reduce, the optimizer step, between steps). Every third run kills inside step 0 (the first accumulation
-  window, before any refresh of the mirror completed): rank 0 is held at step 0's start until the spare is
-  ready, then the kill follows its release by a delay drawn uniformly over one step. Rank 0 waits at a late step
+  all-reduce, the optimizer step, between steps). Every third run (``--first-window-every``) kills inside
+  step 0 (the first accumulation window, before any refresh of the mirror completed): rank 0 is held at step 0's
+  start until the spare is ready, then the kill follows its release by a delay drawn uniformly over one step. Rank 0 waits at a late step
   until the kill is done, so the job cannot end first.
 * swap: rank 0 waits at a random step, a random rank is tainted (``tpassctl taint``), released once the swap's
   boundary is fixed.
 * node: 2 nodes of 2 ranks and a ``--spare-node`` (3 agents); node B (its agent and workers, SIGKILLed back to
   back: ``sigkill_node``) dies at a random step, a uniformly random instant inside it.
-* cost (``--cost``): the same job without a fault under torchrun, under tpassrun with the mirror off
-  (``--shard-mirror-interval 0``) and at its default (``auto``): the median step time of each (ratio to the
-  mirror off), the bytes per refresh and host memory per rank the agents report (``shard_mirror`` events: local
-  copies + 2 versions on the buddy), and a SIGKILL at step ``iters/2`` recovered by tpassrun against torchrun's
-  restart of the same job (``--max-restarts 1``, no checkpoint: the whole group starts over): seconds from the
-  kill until every rank logged a step after it / the step it died in again.
+* the mirror's cost (step time with and without it, bytes per refresh, host memory, recovery against torchrun's
+  restart): ``bench/mirror.py --script tests/megatron_trainer.py`` (the command above; DP=2, its world).
 
 Per run: outcome (``live``: recovered or swapped by a spare, no restart; ``fallback``: the console line that says
 why; ``user error``: a survivor's failure in the peer's death taken for the script's own, torchrun's path;
@@ -141,7 +138,7 @@ def one_run(work: Workdir, etcd: Any, index: int, mode: str, ref: Any, args: arg
     out = work.sub(f"{mode}-{index}")
     run_id = f"mg-{uuid.uuid4().hex[:8]}"
     victim = rng.randrange(WORLD)
-    first_window = mode == "kill" and index % 3 == 0
+    first_window = mode == "kill" and index % args.first_window_every == 0
     at = 0 if first_window else rng.randint(2, args.iters - 6)
     hold = hold_at(out, args.iters - 3 if mode == "kill" else at)
     early = hold_at(out, 0, name="early")
@@ -259,75 +256,14 @@ def kill_started_rank(job: Any, rank: int) -> int | None:
     return int(pid)
 
 
-def cost(work: Workdir, etcd: Any, ref: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Step time with the mirror off and at its default interval, its bytes and memory, recovery vs torchrun."""
-    rows: dict[str, Any] = {"torchrun_step_s": round(median_step(ref), 4)}
-    for name, flags in (("mirror_off", ["--shard-mirror-interval", "0"]), ("mirror_auto", [])):
-        out = work.sub(f"cost-{name}")
-        job = tpassrun_job(out, SCRIPT, WORLD, script_args(args), endpoint=etcd.endpoint,
-                           run_id=f"mgc-{uuid.uuid4().hex[:8]}", extra=flags).start()
-        try:
-            code = job.wait(900)
-        finally:
-            job.kill()
-        mirror = [e for e in job.events() if e["event"] == "shard_mirror"]
-        rows[name] = {"exit": code, "step_s": round(median_step(job), 4),
-                      "bytes_per_refresh": max((e["bytes_per_refresh"] for e in mirror), default=0),
-                      "local_held": max((e["local_held"] for e in mirror), default=0),
-                      "interval": next((e["interval"] for e in reversed(mirror) if e.get("interval")), None)}
-    off, auto = rows["mirror_off"], rows["mirror_auto"]
-    rows["ratio_auto_vs_off"] = round(auto["step_s"] / off["step_s"], 3) if off["step_s"] else None
-    # host memory per rank: its local copies (3 versions of its heavy state) + 2 versions of its shard at the buddy
-    rows["host_bytes_per_rank"] = auto["local_held"] + 2 * auto["bytes_per_refresh"]
-    rows["recovery"] = recovery_vs_restart(work, etcd, args)
-    print(f"cost: {rows}", flush=True)
-    return rows
-
-
-def median_step(job: Any) -> float:
-    import statistics
-
-    t = [row["t"] for row in job.losses(0)]
-    gaps = [b - a for a, b in zip(t, t[1:])]
-    return statistics.median(gaps) if gaps else 0.0
-
-
-def recovery_vs_restart(work: Workdir, etcd: Any, args: argparse.Namespace) -> dict[str, Any]:
-    """Rank 1 SIGKILLed after step iters/2: seconds until training is past it again, tpassrun vs torchrun."""
-    at = args.iters // 2
-    out: dict[str, Any] = {"step": at}
-    for launcher in ("tpassrun", "torchrun"):
-        where = work.sub(f"recovery-{launcher}")
-        if launcher == "tpassrun":
-            job = tpassrun_job(where, SCRIPT, WORLD, script_args(args), endpoint=etcd.endpoint,
-                               run_id=f"mgr-{uuid.uuid4().hex[:8]}", extra=["--max-restarts", "1"]).start()
-        else:
-            job = torchrun_job(where, SCRIPT, WORLD, script_args(args))
-            job.argv[job.argv.index("--standalone"):job.argv.index("--standalone") + 1] = ["--standalone",
-                                                                                          "--max-restarts", "1"]
-            job.start()
-        try:
-            job.wait_step(at, 600, rank=1)
-            killed = time.time()
-            sigkill_rank(where, 1)
-            code = job.wait(900)
-        finally:
-            job.kill()
-        # past the kill again: every rank logged a step > at after the kill (torchrun: it started over from 0)
-        later = [min((r["t"] for r in job.losses(k) if r["t"] > killed and r["step"] > at), default=None)
-                 for k in range(WORLD)]
-        out[launcher] = {"exit": code, "seconds": round(max(later) - killed, 2) if None not in later else None}
-    return out
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--kills", type=int, default=10)
     p.add_argument("--swaps", type=int, default=10)
     p.add_argument("--nodes", type=int, default=0, help="whole-node kills (2 nodes x 2 ranks + a spare node)")
-    p.add_argument("--cost", action="store_true", help="mirror cost, memory and recovery vs torchrun's restart")
-    p.add_argument("--cost-iters", type=int, default=40, help="iterations of the --cost runs")
     p.add_argument("--iters", type=int, default=16)
+    p.add_argument("--first-window-every", type=int, default=3,
+                   help="every N-th kill lands inside step 0, the first accumulation window (1: all of them)")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel size (1: DP=4)")
     p.add_argument("--distopt", action="store_true", help="Megatron's DistributedOptimizer + clip-grad 1.0")
     p.add_argument("--seed", type=int, default=None)
@@ -337,7 +273,6 @@ def main() -> None:
     rng = random.Random(seed)
     print(f"seed {seed}: {' '.join(script_args(args))}", flush=True)
     rows = []
-    costs = None
     with Workdir(keep=args.keep, prefix="tpassrun-bench-megatron-") as work:
         ref = torchrun_job(work.sub("torchrun"), SCRIPT, WORLD, script_args(args)).start()
         try:
@@ -352,14 +287,6 @@ def main() -> None:
                     rows.append(one_run(work, etcd, i, mode, ref, args, rng))
             for i in range(args.nodes):
                 rows.append(node_run(work, etcd, i, ref, args, rng))
-            if args.cost:
-                long = argparse.Namespace(**{**vars(args), "iters": args.cost_iters})
-                ref = torchrun_job(work.sub("torchrun-cost"), SCRIPT, WORLD, script_args(long)).start()
-                try:
-                    ref.wait(900)
-                finally:
-                    ref.kill()
-                costs = cost(work, etcd, ref, long)
         finally:
             etcd.cleanup()
     summary = {}
@@ -373,7 +300,7 @@ def main() -> None:
                          "silent_divergence": sum(r["outcome"] == "live" and not r["exact"] for r in mine),
                          "wall_s": round(sum(r["wall_s"] for r in mine), 1)}
         print(f"{mode}: {summary[mode]}", flush=True)
-    print_json({"seed": seed, "args": script_args(args), "summary": summary, "cost": costs, "runs": rows})
+    print_json({"seed": seed, "args": script_args(args), "summary": summary, "runs": rows})
 
 
 if __name__ == "__main__":

@@ -17,8 +17,8 @@ it).
 
 Writes ``loss_rank<R>.jsonl`` (per step: the local per-micro-batch losses, the DP-reduced loss, pid) and
 ``final_rank<R>.pt`` under ``--out``. Fault points (``TPASSRUN_FAULTS``): ``step`` (a step's start),
-``finalize`` and ``finalized`` (after the backward pass, before and after the data-parallel gradient
-all-reduce).
+``backward`` (in the backward pass), ``finalize`` and ``finalized`` (after the backward pass, before and after the
+data-parallel gradient all-reduce). ``--steps`` is ``--train-iters`` (``bench/mirror.py --script`` passes it).
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--vocab-size", type=int, default=128)
     p.add_argument("--micro-batch-size", type=int, default=2)
     p.add_argument("--global-batch-size", type=int, default=8)
-    p.add_argument("--train-iters", type=int, default=20)
+    p.add_argument("--train-iters", "--steps", dest="train_iters", type=int, default=20)
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--seed", type=int, default=1234)
@@ -217,6 +217,9 @@ def main() -> None:
         return out
 
     config.finalize_model_grads_func = finalize
+    # the "backward" fault point: in the backward pass of the step's first micro-batch's last layer
+    last = [p for p in model[0].parameters() if p.requires_grad][-1]
+    last.register_hook(lambda grad: fault_point(rank, sess.step, "backward"))
 
     progress = MegatronProgress()                                                    # tpassrun
     train_iterator = train_data_iterator(progress.consumed_train_samples, args)

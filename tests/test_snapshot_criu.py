@@ -65,12 +65,18 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_two_processes_and_their_connection_survive_a_snapshot_kill_and_restore(tmp_path) -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])     # the agent runs on uvloop: its pipes must be pipes too
+def test_two_processes_and_their_connection_survive_a_snapshot_kill_and_restore(tmp_path, loop) -> None:
     why = _usable()
     if why is not None:
         pytest.skip(why)
     criu = asyncio.run(probe(os.environ)).criu
-    asyncio.run(_scenario(criu, str(tmp_path)))
+    if loop == "uvloop":
+        import uvloop
+
+        uvloop.run(_scenario(criu, str(tmp_path)))
+    else:
+        asyncio.run(_scenario(criu, str(tmp_path)))
 
 
 async def _scenario(criu: str, tmp: str) -> None:

@@ -375,9 +375,15 @@ async def spawn_worker(
     """
     out_console, err_console = console or (sys.stdout.buffer, sys.stderr.buffer)
     files: list[IO[bytes]] = []
+    # piped: real pipes of our own (uvloop's PIPE is a unix socketpair, which CRIU refuses as an external socket)
+    own_pipes: dict[int, int] = {}      # write end -> read end
 
     def target(path: str | None, tee: bool, shown: bool) -> int | IO[bytes] | None:
-        if (path is not None and tee) or (piped and (path is not None or shown)):
+        if piped and (path is not None or shown):
+            r, w = os.pipe()
+            own_pipes[w] = r
+            return w
+        if path is not None and tee:
             return asyncio.subprocess.PIPE
         if path is not None:
             # appended: a slot started again in the same attempt (a spare after a swap, a membership change) keeps
@@ -398,13 +404,20 @@ async def spawn_worker(
     except BaseException:
         for f in files:
             f.close()
+        for w, r in own_pipes.items():
+            os.close(w)
+            os.close(r)
         raise
     for f in files:  # the child has its own copy of the descriptor now
         f.close()
     files.clear()
     log.debug("spawned worker %s%d: pid %d", role, local_rank, proc.pid)
-
-    pumps = _start_pumps(s, proc.stdout, proc.stderr, (out_console, err_console), files, f"{role}{local_rank}")
+    readers: list[asyncio.StreamReader | None] = [proc.stdout, proc.stderr]
+    for i, fd in enumerate((stdout, stderr)):
+        if isinstance(fd, int) and fd in own_pipes:
+            os.close(fd)
+            readers[i] = await _pipe_reader(own_pipes[fd])
+    pumps = _start_pumps(s, readers[0], readers[1], (out_console, err_console), files, f"{role}{local_rank}")
     return WorkerProcess(proc, local_rank=local_rank, role=role, argv=list(argv), stdio=s, pumps=pumps, files=files)
 
 
@@ -462,19 +475,19 @@ class _Adopted:
         return await asyncio.shield(self._done)
 
 
+async def _pipe_reader(fd: int) -> asyncio.StreamReader:
+    """A StreamReader over the read end ``fd`` of a pipe (owned from now on)."""
+    reader = asyncio.StreamReader(limit=_PUMP_CHUNK)
+    await asyncio.get_running_loop().connect_read_pipe(functools.partial(asyncio.StreamReaderProtocol, reader),
+                                                       os.fdopen(fd, "rb", 0))
+    return reader
+
+
 async def adopt_worker(pid: int, stdio_spec: StdioSpec, out_fd: int | None, err_fd: int | None, *, local_rank: int,
                        role: str, argv: list[str], console: tuple[BinaryIO, BinaryIO] | None = None) -> WorkerProcess:
     """A :class:`WorkerProcess` for a restored worker (a child of this process it did not spawn): ``out_fd`` and
     ``err_fd`` are the read ends of the pipes put in place of its stdout/stderr (owned from now on)."""
-    loop = asyncio.get_running_loop()
-    readers: list[asyncio.StreamReader | None] = []
-    for fd in (out_fd, err_fd):
-        if fd is None:
-            readers.append(None)
-            continue
-        reader = asyncio.StreamReader(limit=_PUMP_CHUNK)
-        await loop.connect_read_pipe(functools.partial(asyncio.StreamReaderProtocol, reader), os.fdopen(fd, "rb", 0))
-        readers.append(reader)
+    readers = [None if fd is None else await _pipe_reader(fd) for fd in (out_fd, err_fd)]
     files: list[IO[bytes]] = []
     pumps = _start_pumps(stdio_spec, readers[0], readers[1], console or (sys.stdout.buffer, sys.stderr.buffer),
                          files, f"{role}{local_rank}")

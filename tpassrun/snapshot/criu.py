@@ -184,12 +184,15 @@ async def restore(criu: str, images: str, inherit: Mapping[str, int]) -> int:
 
 
 def _log_tail(images: str, name: str, out: str) -> str:
+    """The first error criu logged (the cause; the last one is the generic "Dumping FAILED")."""
     try:
         with open(os.path.join(images, name), errors="replace") as fh:
-            lines = [ln.strip() for ln in fh if "Error" in ln or "err" in ln.lower()]
+            lines = [ln.strip() for ln in fh if "Error" in ln]
     except OSError:
         lines = []
-    return (lines[-1] if lines else out.strip().splitlines()[-1] if out.strip() else "no output")[:300]
+    with contextlib.suppress(OSError):     # kept beside the images' directory for the post-mortem
+        shutil.copy(os.path.join(images, name), os.path.dirname(os.path.dirname(images)) + f"/failed-{name}")
+    return (lines[0] if lines else out.strip().splitlines()[-1] if out.strip() else "no output")[:300]
 
 
 async def wait_gone(pids: Iterable[int], timeout: float = 10.0) -> bool:
