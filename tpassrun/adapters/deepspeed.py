@@ -602,9 +602,10 @@ class DeepSpeedAdapter:
         """The collectives a joiner's ``deepspeed.initialize`` makes under ZeRO-3 (DeepSpeed 0.19.8), made by a
         survivor with throw-away buffers of the same sizes, results discarded: the engine's parameter broadcast
         (the joiner's module is not partitioned yet: every parameter whole), zero.Init's broadcast of each
-        parameter from the partition group's first rank as it partitions it, and the optimizer's three barriers
-        (fp16 partitions, fp32 partitions, optimizer state). Then this rank's parameter coordinator goes back to
-        a fresh one's state, as the joiner's is (:func:`reset_zero3_step`)."""
+        parameter from the partition group's first rank as it partitions it, the optimizer's three barriers
+        (fp16 partitions, fp32 partitions, optimizer state) and its gradient hooks' all-gather of each trainable
+        parameter. This rank's parameter coordinator goes back to a fresh one's state, as the joiner's is
+        (:func:`reset_zero3_step`)."""
         import torch
         import torch.distributed as dist
 
@@ -622,7 +623,14 @@ class DeepSpeedAdapter:
             dist.broadcast(whole(p), 0 if group is None else dist.get_global_rank(group, 0), group=group)
         for _ in range(3):
             dist.barrier()
-        reset_zero3_step(engine)
+        reset_zero3_step(engine)     # every parameter partitioned, as the joiner's are here
+        # the ZeRO-3 optimizer's gradient hooks: each trainable parameter gathered whole, then partitioned again
+        # (a survivor's own partitions are left as they were: partition() of a gathered parameter only frees it)
+        for group in engine.optimizer.fp16_groups:
+            for p in group:
+                if p.requires_grad:
+                    p.all_gather()
+                    p.partition()
 
     def reconfigure(self) -> int:
         """Re-create every group the engine cached, with the same members, in the order the joiner's engine
