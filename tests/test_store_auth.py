@@ -144,6 +144,41 @@ def test_strangers_dripping_into_the_store_never_hold_a_worker_back(store_server
         s.close()
 
 
+def test_the_authenticated_door_serves_while_the_plain_doors_tcpstore_is_still_starting():
+    """The plain door's TCPStore needs torch (a 1-3 s import in a fresh store process): a store started because
+    the node that ran the workers' store was lost must not make the re-formed world wait for it. Key holders are
+    served at once; a plain client that arrives meanwhile waits for the TCPStore, then is relayed to it."""
+    from tpassrun.store.server import StoreServer, loopback_tcpstore
+
+    release = threading.Event()
+
+    def slow_tcpstore():
+        release.wait(30)
+        return loopback_tcpstore()
+
+    server = StoreServer("127.0.0.1", 0, KEY, plain_store=slow_tcpstore)
+    server.start()
+    try:
+        ours = AuthStore("127.0.0.1", server.port, KEY, SHORT)
+        ours.set("world/0/addr", b"10.0.0.5:4242")
+        assert ours.get("world/0/addr") == b"10.0.0.5:4242" and not server.plain_ready(0)
+        got: dict[str, object] = {}
+
+        def plain_client():
+            plain = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+            plain.set("p", b"1")
+            got["p"] = plain.get("p")
+
+        t = threading.Thread(target=plain_client)
+        t.start()
+        release.set()
+        t.join(60)
+        assert got == {"p": b"1"} and server.plain_ready(0)
+        assert not ours.check(["p"])          # still two separate stores
+    finally:
+        server.close()
+
+
 # --- the store process, as the agent starts it ------------------------------------------------------------
 def test_the_store_process_takes_its_key_on_stdin_and_serves_a_key_holder():
     """As the agent starts it (the gloo worlds through it: every e2e job; --no-plain: no torch to import)."""
