@@ -199,6 +199,47 @@ def test_the_store_process_takes_its_key_on_stdin_and_serves_a_key_holder():
         proc.wait()
 
 
+def test_a_standby_store_listens_without_torch_and_takes_over_at_once(tmp_path):
+    """Issue 37: every agent but the store's keeps a standby store (WorkersStore.standby); the recovery's leader
+    makes it the re-formed world's (host_new): the same port its store_standby event said, serving a key holder at
+    once, with no torch imported; a plain client opens the plain door on demand (torch imported then)."""
+    import asyncio
+    import types
+
+    from tpassrun.agent.store import WorkersStore
+
+    said: list[tuple[str, dict]] = []
+    state = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(max_nodes=2, rdzv_backend="etcd", local_addr="127.0.0.1", python_exec=sys.executable),
+        mirror=types.SimpleNamespace(key=b"m" * 32), store_host="the-lost-node", node_id="this-node",
+        events=types.SimpleNamespace(write=lambda name, **fields: said.append((name, fields))))
+
+    def torch_loaded(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as fh:
+            return "libtorch" in fh.read()
+
+    async def main() -> None:
+        ws = WorkersStore(state)
+        try:
+            await ws.standby()
+            await ws.standby()                       # one standby, however often a failure asks for it
+            [(name, fields)] = said
+            assert name == "store_standby"
+            addr, port = await ws.host_new()
+            assert (addr, port) == ("127.0.0.1", fields["port"]) and await ws.ready(60)
+            ours = AuthStore(addr, port, KEY, SHORT)
+            ours.set("world/1/addr", b"10.0.0.5:4242")
+            assert ours.get("world/1/addr") == b"10.0.0.5:4242"
+            assert not torch_loaded(fields["pid"])
+            plain = await asyncio.to_thread(dist.TCPStore, addr, port, is_master=False, timeout=timedelta(seconds=60))
+            plain.set("p", b"1")
+            assert plain.get("p") == b"1" and not ours.check(["p"]) and torch_loaded(fields["pid"])
+        finally:
+            await ws.stop()
+
+    asyncio.run(main())
+
+
 # --- another host: a network namespace on a veth pair -----------------------------------------------------
 _PROBE = r"""
 import json, sys
