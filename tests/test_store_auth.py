@@ -211,15 +211,16 @@ def test_a_standby_store_listens_without_torch_and_takes_over_at_once(tmp_path):
     said: list[tuple[str, dict]] = []
     state = types.SimpleNamespace(
         cfg=types.SimpleNamespace(max_nodes=2, rdzv_backend="etcd", local_addr="127.0.0.1", python_exec=sys.executable),
-        mirror=types.SimpleNamespace(key=b"m" * 32), store_host="the-lost-node", node_id="this-node",
+        store_host="the-lost-node", node_id="this-node",
         events=types.SimpleNamespace(write=lambda name, **fields: said.append((name, fields))))
+    node = types.SimpleNamespace(mirror=types.SimpleNamespace(key=b"m" * 32))
 
     def torch_loaded(pid: int) -> bool:
         with open(f"/proc/{pid}/maps") as fh:
             return "libtorch" in fh.read()
 
     async def main() -> None:
-        ws = WorkersStore(state)
+        ws = WorkersStore(state, node)
         try:
             await ws.standby()
             await ws.standby()                       # one standby, however often a failure asks for it
