@@ -131,6 +131,7 @@ def main() -> None:
         raise SystemExit(f"bench/slurm_store.py: {why}")
     results: list[dict[str, Any]] = []
     with Workdir(keep=args.keep, prefix="tpassrun-slurm-store-") as work:
+        os.makedirs(work.sub("slurm"))
         slurm = SlurmCluster(work.sub("slurm"))
         etcd = EtcdServer().start()
         try:
