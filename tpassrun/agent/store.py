@@ -143,7 +143,11 @@ class WorkersStore:
         if self._standby is not None and self._standby[0].returncode is None:
             return
         port = free_port()
-        proc = await self._spawn(port, standby=True)
+        try:
+            proc = await self._spawn(port, standby=True)
+        except OSError as exc:     # no standby: a lost store's node is then served by a store started at the loss
+            log.warning("tpassrun: could not start a standby workers' store: %s", exc)
+            return
         self._standby = (proc, port)
         st.events.write("store_standby", port=port, pid=proc.pid)
 
