@@ -51,11 +51,12 @@ def run_trial(launcher: str, out: str, args: argparse.Namespace, etcd: EtcdServe
     marker = os.path.join(out, "killed")
     die = faults_env(*({"rank": r, "step": args.kill_step, "where": "step", "action": "kill_node",
                         "marker": marker} for r in range(WORLD)))
+    victim = "a" if args.victim == "store" else "b"
     run_id = uuid.uuid4().hex[:8]
     if launcher == "tpassrun":
         a, b, c = (Job.agent(os.path.join(out, n), train, endpoint=etcd.endpoint, run_id=run_id, steps=args.steps,
                              step_sleep=args.step_sleep, ttl=args.ttl, extra=["--spare-node"] if n == "c" else [],
-                             env=die if n == "b" else {}) for n in "abc")
+                             env=die if n == victim else {}) for n in "abc")
     else:
         endpoint = f"127.0.0.1:{_free_port()}"
         a, b, c = (_torchrun(os.path.join(out, n), train, endpoint, run_id, args, die if n == "b" else {})
@@ -67,7 +68,7 @@ def run_trial(launcher: str, out: str, args: argparse.Namespace, etcd: EtcdServe
         b.start()
         time.sleep(1.0)
         c.start()
-        code = a.wait(600)
+        code = (b if victim == "a" else a).wait(600)
         c.wait(120)
     finally:
         for j in jobs:
@@ -82,6 +83,10 @@ def main() -> None:
     parser.add_argument("--kill-step", type=int, default=30)
     parser.add_argument("--step-sleep", type=float, default=0.05)
     parser.add_argument("--ttl", type=float, default=10.0, help="tpassrun's lease TTL (its default is 10 s)")
+    parser.add_argument("--victim", choices=("other", "store"), default="other",
+                        help="the node killed: 'store' = node A (group rank 0: ranks 0-1 and the workers' store), "
+                             "'other' = node B")
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS), help="which launchers to run (comma-separated)")
     args = parser.parse_args()
     trials = 1 if args.quick else args.trials
     recovery = Series("kill -> next step on all ranks", "s")
@@ -93,7 +98,7 @@ def main() -> None:
     etcd = EtcdServer().start()
     try:
         with Workdir(keep=args.keep) as work:
-            for trial, launcher in alternate(LAUNCHERS, trials):
+            for trial, launcher in alternate(tuple(args.launchers.split(",")), trials):
                 out = work.sub(f"{launcher}-{trial}")
                 code, train = run_trial(launcher, out, args, etcd)
                 kill_wall = marker_time(os.path.join(out, "killed"))

@@ -96,7 +96,7 @@ def main() -> None:
             hit["clean_wall_s"] = base["wall_s"] if base else float("nan")
             hit["stopwatch_lost_s"] = float(hit["wall_s"]) - float(hit["clean_wall_s"])  # type: ignore[arg-type]
             results.append(hit)
-            print(f"{launcher:9s} exit {hit['code']}  wall {hit['wall_s']:.2f} s (clean {base['wall_s']:.2f} s): "
+            print(f"{launcher:9s} exit {hit['code']}  wall {hit['wall_s']:.2f} s (clean {hit['clean_wall_s']:.2f} s): "
                   f"the failure cost {hit['stopwatch_lost_s']:.2f} s by the stopwatch, "
                   f"{hit['steps_run_again']} step(s) run again (killed at step {hit['killed_at']})")
             for line in hit["summary"]:  # type: ignore[attr-defined]

@@ -145,6 +145,7 @@ def run_trial(kind: str, job: Job, endpoint: str, run_id: str, rnd: random.Rando
         row.update(rank=rank, step=at, taint_rc=rc)
     else:
         job.wait_event("snapshot_taken", timeout=300)
+        job.wait_step(5, 300, rank=rank)          # a snapshot can come before a rank's first step
         time.sleep(rnd.uniform(0, 2 * args.interval))
         pid = job.losses(rank)[-1]["pid"]
         t0 = time.time()

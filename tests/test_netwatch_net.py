@@ -156,8 +156,12 @@ def test_loss_into_a_host_and_delay_on_its_link_make_that_host_stand_out_and_cpu
 def bad_daemon(health: AgentHealth) -> LinkDaemon:
     daemon = LinkDaemon(health, LinkPolicy())
     daemon.watch = LinkWatch(hold_s=0.0)
-    for _ in range(daemon.watch.baseline_n):
+    # healthy samples until the baseline is learned (it learns only after a few quiet samples in a row)
+    for _ in range(3 * daemon.watch.baseline_n):
+        if daemon.watch.baseline_ms() is not None:
+            break
         daemon.watch.observe(LinkFigures(rtt_ms=1.0, step_ms=60.0), {"b": LinkFigures(rtt_ms=1.0)}, 0.0)
+    assert daemon.watch.baseline_ms() == 60.0
     daemon.figures = LinkFigures(rtt_ms=100.0, step_ms=140.0)
     daemon.watch.observe(daemon.figures, {"b": LinkFigures(rtt_ms=1.0)}, 1.0)   # the RTT is a median of 3 samples
     return daemon

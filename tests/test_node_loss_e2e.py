@@ -92,13 +92,16 @@ def _per_step(train: str, rank: int) -> float:
     return (rows[-1]["t"] - rows[0]["t"]) / max(1, len(rows) - 1) if len(rows) > 1 else 0.02
 
 
+@pytest.mark.parametrize("victim", ["other", "store"])
 def test_a_node_killed_at_a_random_instant_is_replaced_live_by_the_spare_node(tmp_path, etcd_server, run_id,
-                                                                                reference):
-    """Node B (its agent and both its workers, SIGKILLed from outside back to back, as a host dies) is killed at
+                                                                                reference, victim):
+    """A member node (its agent and both its workers, SIGKILLed from outside back to back, as a host dies) is killed at
     an instant drawn uniformly over a step: in its forward, backward, inside the all-reduce, right after it (the
     instant its seal of the step must already be in its buddy's memory: the worker pushes it there itself,
     before its gradients reach the all-reduce), in the optimizer step, in user code, between steps. Short
-    steps, so that those parts are most of the step."""
+    steps, so that those parts are most of the step. ``store``: the node killed is the one running ranks 0-1 and the
+    workers' store; the world re-forms at the standby store another node had listening all along (issue 37), so
+    no node is special."""
     rng = random.Random()
     seed = rng.randrange(1 << 30)
     rng.seed(seed)
@@ -114,11 +117,14 @@ def test_a_node_killed_at_a_random_instant_is_replaced_live_by_the_spare_node(tm
                for n in "abc")
     try:
         _start(a, b, c)                   # the job waits at step 1 until C's spares are warm
-        b_pids = b.worker_pids()
         open(release, "w").close()
         logs = Job(argv=[], out=train)
         for r in range(4):
             logs.wait_step(0, 120, rank=r)
+        holds_store = a if pid_of_rank(train, 0) in a.worker_pids() else b
+        b, a = (holds_store, b if holds_store is a else a) if victim == "store" else \
+            (b if holds_store is a else a, holds_store)          # b: the victim, a: the surviving member
+        b_pids = b.worker_pids()
         b_rank = next(r for r in range(4) if pid_of_rank(train, r) in b_pids)
         logs.wait_step(step, 120, rank=b_rank)
         delay = rng.uniform(0, _per_step(train, b_rank))
@@ -140,6 +146,11 @@ def test_a_node_killed_at_a_random_instant_is_replaced_live_by_the_spare_node(tm
     _assert_recovered_live(train, reference, survivors, b_ranks, c, b_pids, a)
     reformed = [e["mono"] for e in c.events() if e["event"] == "swap_world_reformed"]
     assert reformed and max(dead.values()) < min(reformed)
+    moved = [e for j in (a, c) for e in j.events() if e["event"] == "store_moved"]
+    assert bool(moved) == (victim == "store"), moved
+    if moved:   # the re-formed world met at a standby that was listening before the loss
+        standbys = {e["port"] for j in (a, c) for e in j.events() if e["event"] == "store_standby"}
+        assert moved[0]["port"] in standbys, (moved, standbys)
     # the workers pushed their own snapshots to the buddy (the agents copied the first step's only)
     pushes = [e["mirror"]["pushes"] for j in (a, c) for e in j.events() if e["event"] == "agent_exit"]
     assert pushes and max(pushes) <= 2 * STEPS // 4, pushes

@@ -144,6 +144,41 @@ def test_strangers_dripping_into_the_store_never_hold_a_worker_back(store_server
         s.close()
 
 
+def test_the_authenticated_door_serves_while_the_plain_doors_tcpstore_is_still_starting():
+    """The plain door's TCPStore needs torch (a 1-3 s import in a fresh store process): a store started because
+    the node that ran the workers' store was lost must not make the re-formed world wait for it. Key holders are
+    served at once; a plain client that arrives meanwhile waits for the TCPStore, then is relayed to it."""
+    from tpassrun.store.server import StoreServer, loopback_tcpstore
+
+    release = threading.Event()
+
+    def slow_tcpstore():
+        release.wait(30)
+        return loopback_tcpstore()
+
+    server = StoreServer("127.0.0.1", 0, KEY, plain_store=slow_tcpstore)
+    server.start()
+    try:
+        ours = AuthStore("127.0.0.1", server.port, KEY, SHORT)
+        ours.set("world/0/addr", b"10.0.0.5:4242")
+        assert ours.get("world/0/addr") == b"10.0.0.5:4242" and not server.plain_ready(0)
+        got: dict[str, object] = {}
+
+        def plain_client():
+            plain = dist.TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=30))
+            plain.set("p", b"1")
+            got["p"] = plain.get("p")
+
+        t = threading.Thread(target=plain_client)
+        t.start()
+        release.set()
+        t.join(60)
+        assert got == {"p": b"1"} and server.plain_ready(0)
+        assert not ours.check(["p"])          # still two separate stores
+    finally:
+        server.close()
+
+
 # --- the store process, as the agent starts it ------------------------------------------------------------
 def test_the_store_process_takes_its_key_on_stdin_and_serves_a_key_holder():
     """As the agent starts it (the gloo worlds through it: every e2e job; --no-plain: no torch to import)."""
@@ -162,6 +197,48 @@ def test_the_store_process_takes_its_key_on_stdin_and_serves_a_key_holder():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_standby_store_listens_without_torch_and_takes_over_at_once(tmp_path):
+    """Issue 37: every agent but the store's keeps a standby store (WorkersStore.standby); the recovery's leader
+    makes it the re-formed world's (host_new): the same port its store_standby event said, serving a key holder at
+    once, with no torch imported; a plain client opens the plain door on demand (torch imported then)."""
+    import asyncio
+    import types
+
+    from tpassrun.agent.store import WorkersStore
+
+    said: list[tuple[str, dict]] = []
+    state = types.SimpleNamespace(
+        cfg=types.SimpleNamespace(max_nodes=2, rdzv_backend="etcd", local_addr="127.0.0.1", python_exec=sys.executable),
+        store_host="the-lost-node", node_id="this-node",
+        events=types.SimpleNamespace(write=lambda name, **fields: said.append((name, fields))))
+    node = types.SimpleNamespace(mirror=types.SimpleNamespace(key=b"m" * 32))
+
+    def torch_loaded(pid: int) -> bool:
+        with open(f"/proc/{pid}/maps") as fh:
+            return "libtorch" in fh.read()
+
+    async def main() -> None:
+        ws = WorkersStore(state, node)
+        try:
+            await ws.standby()
+            await ws.standby()                       # one standby, however often a failure asks for it
+            [(name, fields)] = said
+            assert name == "store_standby"
+            addr, port = await ws.host_new()
+            assert (addr, port) == ("127.0.0.1", fields["port"]) and await ws.ready(60)
+            ours = AuthStore(addr, port, KEY, SHORT)
+            ours.set("world/1/addr", b"10.0.0.5:4242")
+            assert ours.get("world/1/addr") == b"10.0.0.5:4242"
+            assert not torch_loaded(fields["pid"])
+            plain = await asyncio.to_thread(dist.TCPStore, addr, port, is_master=False, timeout=timedelta(seconds=60))
+            plain.set("p", b"1")
+            assert plain.get("p") == b"1" and not ours.check(["p"]) and torch_loaded(fields["pid"])
+        finally:
+            await ws.stop()
+
+    asyncio.run(main())
 
 
 # --- another host: a network namespace on a veth pair -----------------------------------------------------

@@ -7,6 +7,8 @@ Prometheus gauges saying the same from it.
   group restarted and ran steps 0-15 again. By the stopwatch the failure cost 12.46 s (torchrun: 10.49 s; the
   same 16 steps run again). tpassrun sees the restart's own 122 ms (the death -> the new workers started), not
   the new workers' start-up nor the steps they ran again: it says "at least", and "unknown", never 0 / 100%.
+- ``restart-worker-api``: ``examples/train_ddp.py`` (the worker API), no spare, ``--max-restarts 1``.
+- ``recovery-live``: the same script with a spare: recovered live. ``failure-no-restart``: no spare, no restart.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ def test_a_restart_of_a_script_without_the_worker_api_counts_its_own_time_and_sa
     assert doc["unknown_because"] == HOW_TO_KNOW and doc["restarts"] == 1 and doc["exit_code"] == 0
 
 
-@pytest.mark.parametrize("name", ["restart-plain-script"])
+@pytest.mark.parametrize("name", ["restart-plain-script", "restart-worker-api", "recovery-live", "failure-no-restart"])
 def test_status_events_and_metrics_say_what_the_summary_says(name, tmp_path, monkeypatch):
     events = _log(name)
     t = tally_of(events)
@@ -87,3 +89,28 @@ def test_the_tally_is_the_same_fed_one_event_at_a_time_or_folded():
         d.describe(ev)
     assert d.tally.to_json() == tally_of(events).to_json()
     assert json.dumps(d.tally.to_json())     # JSON as tpassctl status --json gives it
+
+
+def test_a_restart_with_the_worker_api_counts_its_time_the_steps_run_again_and_the_goodput():
+    """``restart-worker-api``: examples/train_ddp.py, no spare, ``--max-restarts 1``, rank 1 SIGKILLed after step
+    15: the stopwatch says the failure cost 13.53 s (torchrun: 11.97 s), 16 steps run again. The summary: 12.70 s,
+    15 steps lost (the step in flight counts as not done), goodput 62.2%."""
+    t = tally_of(_log("restart-worker-api"))
+    assert t.known and len(t.restarts) == 1 and t.restarts[0].resumed_at == 0 and t.restart_redone == 15
+    assert summary_lines(t, 0)[2] == \
+        "summary: time lost to failures 12.70 s, steps lost 15, steps redone 0, goodput 62.2%"
+    assert t.to_json()["unknown_because"] is None and t.to_json()["goodput_pct"] == 62.2
+
+
+def test_a_live_recovery_and_a_failed_run():
+    """``recovery-live``: examples/train_ddp.py with a spare: the SIGKILLed rank recovered live (a pause, no
+    restart). ``failure-no-restart``: no spare, ``--max-restarts 0``: the run failed and claims no goodput."""
+    live = tally_of(_log("recovery-live"))
+    assert [(s.kind, s.redone) for s in live.swaps] == [("unplanned", 0)] and not live.restarts and live.known
+    assert summary_lines(live, 0)[1:] == [
+        "summary: 0 swap(s), 1 recover(ies) (pause 554 ms), 0 whole-group restart(s), 0 hang kill(s)",
+        "summary: time lost to failures 554 ms, steps lost 0, steps redone 0, goodput 97.5%"]
+    failed = tally_of(_log("failure-no-restart"))
+    assert failed.code == 1 and not failed.restarts and not failed.swaps
+    assert summary_lines(failed, 1)[2].endswith("goodput not counted: the run failed (its progress since the "
+                                                "script's last checkpoint is lost)")

@@ -27,8 +27,8 @@ etcd --data-dir etcd-data --listen-client-urls http://127.0.0.1:23792 --advertis
 PIDS+=($!)
 export ETCD=127.0.0.1:23792
 until etcdctl --endpoints $ETCD endpoint health > /dev/null 2>&1; do sleep 0.2; done
-LINE="--nnodes 2 --nproc-per-node 2 --rdzv-backend etcd --rdzv-endpoint $ETCD --rdzv-id job1 --rdzv-conf lease_ttl=3
-      --max-restarts 1"
+LINE="--nnodes 2 --nproc-per-node 2 --rdzv-backend etcd --rdzv-endpoint $ETCD --rdzv-id job1 --rdzv-conf lease_ttl=3"
+LINE="$LINE --max-restarts 1"     # one line: it goes into tmux's command as it is
 ARGS="train.py --steps 4000 --step-sleep 0.1"
 tmux new-session -d -s nfA -x 120 -y 40 "PATH=$PATH tpassrun --tui $LINE --event-log $W/a.events $ARGS --out outA; sleep 600"
 sleep 2

@@ -495,6 +495,7 @@ class Agent:
         await self._workers.start_file_timer()
         await self._workers.spawn_generation(gen, master)
         self._transparent.generation_started()
+        await self._store.standby()       # ready to serve the re-formed world should the store's node be lost
         self._elastic.workers("START", gen, st.node_id, node.slots.slots, st.remaining_restarts)
         log.debug("generation %d: workers spawned; supervising", gen.number)
         tasks = [asyncio.ensure_future(self._tasks.pump_rdzv_events(gen)),

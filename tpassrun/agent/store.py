@@ -1,6 +1,13 @@
 """The workers' store (a TCPStore in a process of its own, :mod:`tpassrun.launch.storeserver`) as the agent runs it:
-a fresh one per generation next to group rank 0, a standby started while a loss is being confirmed, a new one here
-when the node that ran it was lost. A part of :class:`tpassrun.agent.Agent` (:class:`WorkersStore`).
+a fresh one per generation next to group rank 0, a standby on every other node of a multi-node job (listening,
+idle, no torch imported), which becomes the store when the node that ran it is lost. A part of
+:class:`tpassrun.agent.Agent` (:class:`WorkersStore`).
+
+Why a standby everywhere rather than a store that survives its node (its state in etcd, or replicated): a
+re-formed world needs none of the old store's keys (each world meets under a prefix of its own, and gloo's
+addresses are exchanged afresh), so the only thing a lost store costs is the time to have another one listening.
+A standby that already listens makes that nothing; without torch (the plain door opens on demand) it is one idle
+interpreter of ~20 MB per node. docs/concepts.md ("No node is special") says more.
 """
 
 from __future__ import annotations
@@ -100,9 +107,11 @@ class WorkersStore:
             await asyncio.sleep(0.05)
         return False
 
-    async def _spawn(self, port: int, addr: str | None = None) -> asyncio.subprocess.Process:
+    async def _spawn(self, port: int, addr: str | None = None, *, standby: bool = False) -> asyncio.subprocess.Process:
         """The store process, listening on ``addr`` (this node's advertised address by default) resolved, or
-        on loopback for a single node (:func:`tpassrun.store.bind_host`); its key on stdin."""
+        on loopback for a single node (:func:`tpassrun.store.bind_host`); its key on stdin. A ``standby`` opens
+        its plain door (torch's TCPStore: a 1-3 s import) only when a plain client comes: tpassrun's re-formed
+        worlds use the authenticated door alone."""
         from tpassrun.launch.procs import die_with_parent  # the same pdeathsig hook the workers get
 
         cfg = self._state.cfg
@@ -112,6 +121,7 @@ class WorkersStore:
         key = self.key() or secrets.token_bytes(32)   # no mirror (tests): a key no worker holds
         proc = await asyncio.create_subprocess_exec(
             cfg.python_exec, "-m", "tpassrun.launch.storeserver", host, str(port),
+            *(["--plain-on-demand"] if standby else []),
             stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.DEVNULL,
             start_new_session=True, preexec_fn=die_with_parent(os.getpid()))
         assert proc.stdin is not None
@@ -122,32 +132,24 @@ class WorkersStore:
         return proc
 
     async def standby(self) -> None:
-        """A worker here failed in a collective: if the node that died ran the workers' store, the re-formed world
-        needs a new one, and starting a store process (it imports torch) takes seconds. Start it now, while the
-        loss is being confirmed (the lease takes as long to expire): idle unless this node leads the recovery."""
+        """A store ready to take over if the node that runs the workers' store is lost: started with the
+        generation on every node of a multi-node job but the store's (and again by the callers that see a peer
+        fail, should it have died). It listens and holds nothing, so the re-formed world meets at once."""
         st = self._state
-        if self._standby is not None or st.store_host == st.node_id or self._proc is not None:
+        if self._single_node() or st.cfg.rdzv_backend == "static":
+            return    # a single node's store dies only with the whole job; a static job's is on its endpoint
+        if st.store_host == st.node_id or self._proc is not None:
+            return
+        if self._standby is not None and self._standby[0].returncode is None:
             return
         port = free_port()
-        self._standby = standby = (await self._spawn(port), port)
-        asyncio.ensure_future(self._retire_standby(standby))
-
-    async def _retire_standby(self, standby: tuple[asyncio.subprocess.Process, int]) -> None:
-        """Stop an unused standby store once nothing is being recovered any more (it holds a process)."""
-        from tpassrun.channel import WorkerPhase
-
-        quiet = 0.0
-        while self._standby is standby:
-            await asyncio.sleep(1.0)
-            slots = self._node.slots
-            failed = any(slots.phase(s) == WorkerPhase.FAILED for s in slots.active())
-            quiet = 0.0 if (failed or self._node.swapper.busy) else quiet + 1.0
-            if quiet >= 5.0 and self._standby is standby:
-                self._standby = None
-                with contextlib.suppress(ProcessLookupError):
-                    standby[0].kill()
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(standby[0].wait(), 5)
+        try:
+            proc = await self._spawn(port, standby=True)
+        except OSError as exc:     # no standby: a lost store's node is then served by a store started at the loss
+            log.warning("tpassrun: could not start a standby workers' store: %s", exc)
+            return
+        self._standby = (proc, port)
+        st.events.write("store_standby", port=port, pid=proc.pid)
 
     async def host_new(self) -> tuple[str, int]:
         """Run the workers' store here from now on (the node that ran it was lost): the standby if one is up."""
@@ -157,7 +159,7 @@ class WorkersStore:
             self._port = port
         else:
             port = free_port()
-            await self._start(port)
+            self._proc, self._port = await self._spawn(port, standby=True), port
         return (self.addr_for(self._state.cfg.local_addr or socket.getfqdn()), port)
 
     async def stop(self) -> None:

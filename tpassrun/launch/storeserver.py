@@ -5,9 +5,10 @@ attempt's gloo addresses (torchrun.md §3.7). tpassrun starts one of these per g
 rank 0 and kills it when the generation ends, so no key can outlive its generation. Swaps inside a
 generation use it too, each re-formed world under its own key prefix.
 
-Run as ``python -m tpassrun.launch.storeserver HOST PORT [--no-plain]`` with the store key (hex) as the first line of
-stdin (never on the command line); prints ``ready PORT`` once listening. HOST is the advertised address
-(loopback for a single node: :func:`tpassrun.store.bind_host`), never every interface.
+Run as ``python -m tpassrun.launch.storeserver HOST PORT [--no-plain | --plain-on-demand]`` with the store key (hex)
+as the first line of stdin (never on the command line); prints ``ready PORT`` once listening. HOST is the advertised
+address (loopback for a single node: :func:`tpassrun.store.bind_host`), never every interface. ``--plain-on-demand``
+(a standby store): torch, the plain door's, is imported only when a plain client first connects.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def main(argv: list[str]) -> int:
 
     host, port = argv[0], int(argv[1])
     key = bytes.fromhex(sys.stdin.readline().strip())
-    server = serve(host, port, key, plain="--no-plain" not in argv[2:])
+    server = serve(host, port, key, plain="--no-plain" not in argv[2:], plain_on_demand="--plain-on-demand" in argv[2:])
     print(f"ready {server.port}", flush=True)
     _quiet_cxx_stderr()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))

@@ -78,9 +78,9 @@ def _resolve(name: str, family: int) -> str:
         return ""
 
 
-def serve(host: str, port: int, key: bytes, *, plain: bool = True) -> Any:
+def serve(host: str, port: int, key: bytes, *, plain: bool = True, plain_on_demand: bool = False) -> Any:
     from tpassrun.store.server import StoreServer
 
-    server = StoreServer(host, port, key, plain=plain)
+    server = StoreServer(host, port, key, plain=plain, plain_on_demand=plain_on_demand)
     server.start()
     return server

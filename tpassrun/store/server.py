@@ -32,6 +32,7 @@ from tpassrun.store.wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE, ERROR,
 log = logging.getLogger("tpassrun.store")
 
 PLAIN_HELLO = 5     # torch's TCPStore validation: a query-type byte and a 32-bit magic
+PLAIN_START_S = 120.0   # how long a plain client waits for the plain door's TCPStore (torch's import) to be up
 
 
 class StoreTimeout(Exception):
@@ -106,7 +107,7 @@ class StoreServer:
     ``host:port`` (0: a free one). ``start`` binds and returns the port; ``close`` stops accepting."""
 
     def __init__(self, host: str, port: int, key: bytes, *, plain: bool = True,
-                 plain_store: Callable[[], tuple[Any, int]] | None = None) -> None:
+                 plain_store: Callable[[], tuple[Any, int]] | None = None, plain_on_demand: bool = False) -> None:
         self.key, self.plain = key, plain
         self.kv = KeyValue()
         self._pending: PendingTable[socket.socket] = PendingTable(deadline_s=HANDSHAKE_DEADLINE_S)
@@ -117,10 +118,38 @@ class StoreServer:
         self._listener.bind((host, port))
         self._listener.listen(512)
         self.port: int = self._listener.getsockname()[1]
-        self._plain_store, self._plain_port = (None, 0)
-        if plain:
-            self._plain_store, self._plain_port = (plain_store or loopback_tcpstore)()
+        # The plain door's TCPStore needs torch, whose import takes 1-3 s of CPU: it is built on a thread of its
+        # own (the authenticated door, stdlib only, listens at once), or, ``plain_on_demand``, only when the first
+        # plain client arrives. A standby store (one that takes over when the node running the workers' store is
+        # lost) is on the re-formed world's critical path, which only uses the authenticated door: it imports no
+        # torch until a plain client needs it (and an import on another thread would slow its door by the GIL).
+        self._plain_make = plain_store or loopback_tcpstore
+        self._plain_store: Any = None
+        self._plain_port = 0
+        self._plain_opened = False
+        self._plain_up = threading.Event()
+        if plain and not plain_on_demand:
+            self._open_plain()
         self._closed = False
+
+    def _open_plain(self) -> None:
+        with self._lock:
+            if self._plain_opened:
+                return
+            self._plain_opened = True
+        threading.Thread(target=self._start_plain, name="store-plain", daemon=True).start()
+
+    def _start_plain(self) -> None:
+        try:
+            self._plain_store, self._plain_port = self._plain_make()
+        except Exception as exc:  # noqa: BLE001 - the plain door stays shut; the authenticated one serves on
+            log.warning("store: the plain door (torch's TCPStore) could not start: %s", exc)
+        finally:
+            self._plain_up.set()
+
+    def plain_ready(self, timeout: float | None = None) -> bool:
+        """Whether the plain door's TCPStore is up (waiting up to ``timeout``)."""
+        return self._plain_up.wait(timeout) and bool(self._plain_port)
 
     def start(self) -> int:
         threading.Thread(target=self._accept_loop, name="store-accept", daemon=True).start()
@@ -190,6 +219,9 @@ class StoreServer:
             channel.send(answer)
 
     def _relay(self, sock: socket.socket, first: bytes) -> None:
+        self._open_plain()
+        if not self.plain_ready(PLAIN_START_S):
+            raise AuthError("the plain door's TCPStore is not up")
         sock.settimeout(None)
         inner = socket.create_connection(("127.0.0.1", self._plain_port))
         inner.sendall(first)
