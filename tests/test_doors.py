@@ -16,7 +16,7 @@ import ast
 import subprocess
 import sys
 
-from test_import_graph import ROOT, _modules, package_of
+from test_import_graph import ROOT, _modules, cross_package_imports, package_of
 
 # cross-package from-imports that name a module behind another package's door, at most (the count when this
 # test was written; lower it as doors grow)
@@ -26,18 +26,13 @@ MOST_PAST_A_DOOR = 147   # (later: agent/transparent.py: channel.slots, launch.p
 def past_a_door() -> list[str]:
     """``module -> imported module`` for every ``from tpassrun.<pkg>.<module> import ...`` in another package."""
     found = []
-    for module, path in _modules().items():
-        mine = package_of(module)
-        for node in ast.walk(ast.parse(path.read_text())):
-            if not (isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("tpassrun.")):
-                continue
-            target = node.module or ""
-            theirs = package_of(target)
-            if theirs in (mine, "top"):
-                continue
-            door = ".".join(target.split(".")[:2])
-            if target not in (door, door + ".api"):
-                found.append(f"{module} -> {target}")
+    for module, node in cross_package_imports():
+        target = node.module or ""
+        if package_of(target) == "top":
+            continue
+        door = ".".join(target.split(".")[:2])
+        if target not in (door, door + ".api"):
+            found.append(f"{module} -> {target}")
     return found
 
 
