@@ -112,7 +112,7 @@ class WorkersStore:
         on loopback for a single node (:func:`tpassrun.store.bind_host`); its key on stdin. A ``standby`` opens
         its plain door (torch's TCPStore: a 1-3 s import) only when a plain client comes: tpassrun's re-formed
         worlds use the authenticated door alone."""
-        from tpassrun.launch.procs import die_with_parent  # the same pdeathsig hook the workers get
+        from tpassrun.launch import die_with_parent  # the same pdeathsig hook the workers get
 
         cfg = self._state.cfg
         advertised = addr or cfg.local_addr or socket.getfqdn()

@@ -17,6 +17,7 @@ every 0.1 s from a thread; the file content and the console lines are the same).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import functools
 import logging
@@ -197,11 +198,30 @@ def _libc() -> ctypes.CDLL | None:
         return None
 
 
+def inherit_only(keep: Iterable[int] = ()) -> None:
+    """In a child between fork and exec: what ``subprocess``'s ``close_fds=True`` does, which uvloop's
+    ``subprocess_exec`` silently ignores (its close_fds is a TODO). Every descriptor but 0-2 and ``keep`` is made
+    close-on-exec, so a worker under the agent's uvloop does not inherit the agent's sockets (an etcd connection,
+    the store's listening socket, a peer link) that a C library opened without ``SOCK_CLOEXEC``: a worker that
+    outlived its agent would hold the port, and a process snapshot would carry another process's connections
+    (a CI run of tests/test_snapshot_criu.py counted 9 TCP ports in a 2-socket ping-pong). Marked, not closed:
+    the spawner's own pipes (uvloop's error pipe) still close at exec as they should."""
+    kept = set(keep)
+    with contextlib.suppress(OSError):
+        for name in os.listdir("/proc/self/fd"):
+            fd = int(name)
+            if fd > 2 and fd not in kept:
+                with contextlib.suppress(OSError):       # the listing's own descriptor is gone by now
+                    os.set_inheritable(fd, False)
+
+
 def die_with_parent(parent_pid: int):  # type: ignore[no-untyped-def]
-    """A preexec_fn: SIGKILL this child when the agent dies; close the race with an early death."""
+    """A preexec_fn: SIGKILL this child when the agent dies; close the race with an early death; inherit only
+    0-2 (:func:`inherit_only`)."""
     libc = _libc()  # resolved before fork: the child only calls into it
 
     def preexec() -> None:
+        inherit_only()
         if libc is not None:
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         # If the agent died between fork and prctl, no signal will ever come: die now.

@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 from typing import Callable
 
+from tpassrun.launch import inherit_only
 from tpassrun.settings.envnames import CUDA_VISIBLE_DEVICES, TPASSRUN_POOL_GIVEN_BACK, TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
 from tpassrun.pool.etcd import Pool
 from tpassrun.pool.plan import (PREEMPT_GRACE_S, BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen,
@@ -213,7 +214,7 @@ class PoolNodeLoop:
             *spare_node_argv(spec, event_log, self.python, os.getpid(), member=action.claim.kind == MEMBER,
                              local_addr=self.local_addr),
             env=spare_node_env(spec, self.base_env, run_key, self._given_back_file), cwd=spec.cwd or None,
-            start_new_session=True)
+            start_new_session=True, preexec_fn=inherit_only)      # uvloop ignores close_fds
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
     async def _follow(self, child: asyncio.subprocess.Process, event_log: str) -> None:

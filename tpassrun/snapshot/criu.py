@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import os
 import shutil
 import signal
 import time
 from collections.abc import Iterable, Mapping, Sequence
 
+from tpassrun.launch import inherit_only
 from tpassrun.snapshot.plan import (Availability, criu_candidates, dump_argv, first_usable, judge, lock_ruleset,
                                     restore_argv)
 
@@ -30,7 +32,8 @@ async def _run(argv: Sequence[str], *, cwd: str | None = None, pass_fds: Sequenc
         proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, stdin=asyncio.subprocess.PIPE if stdin is not None
                                                     else asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                    pass_fds=tuple(pass_fds))
+                                                    pass_fds=tuple(pass_fds),
+                                                    preexec_fn=functools.partial(inherit_only, tuple(pass_fds)))
     except OSError as exc:
         return None, str(exc)
     try:
