@@ -6,6 +6,7 @@ Skipped, saying why, without root or a usable CRIU (bash scripts/criu.sh)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -88,44 +89,48 @@ async def _scenario(criu: str, tmp: str) -> None:
         procs[role] = await spawn_worker([sys.executable, "-c", PEER, role, str(port), str(n)], os.environ,
                                          specs[role], local_rank=i, role="t", piped=True)
         await asyncio.sleep(0.3 if role == "server" else 0)
-    await asyncio.sleep(1.0)
-    pids = {role: p.pid for role, p in procs.items()}
-    stop_groups(pids.values())
-    await wait_stopped(pids.values())
-    pipes = {role: stdio_pipes(pid) for role, pid in pids.items()}
-    assert all(1 in p and p[1].startswith("pipe:[") for p in pipes.values()), pipes
-    ports = tcp_ports(pids.values())
-    assert len(ports) == 2, ports                           # the connection's two ends
-    async with NetworkLock(ports):
-        await asyncio.gather(*(dump(criu, pid, os.path.join(tmp, role), leave_running=True)
-                               for role, pid in pids.items()))
-    continue_groups(pids.values())
-    await asyncio.sleep(0.5)                                # they go on past the snapshot ...
-    signal_groups(pids.values(), signal.SIGKILL)            # ... and die: back to the snapshot
-    assert [await p.wait() for p in procs.values()] == [-9, -9]
-    for p in procs.values():
-        await p.aclose()
-    assert await wait_gone(pids.values())
-    restored = {}
-    async with NetworkLock(ports):      # one after the other, on purpose: the lock is what keeps the first one's
-        for i, role in enumerate(("server", "client")):      # connection from being reset by the missing peer
-            (r1, w1), (r2, w2) = os.pipe(), os.pipe()
-            pid = await restore(criu, os.path.join(tmp, role), {pipes[role][1]: w1, pipes[role][2]: w2})
-            os.close(w1)
-            os.close(w2)
-            assert pid == pids[role]                            # the same PID, a child of this process again
-            restored[role] = await adopt_worker(pid, specs[role], r1, r2, local_rank=i, role="t", argv=[])
-    continue_groups(pids.values())
-    codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in restored.values())), 60)
-    for p in restored.values():
-        await p.aclose()
-    assert codes == [0, 0], [open(os.path.join(tmp, f"{r}.err")).read()[-2000:] for r in ("server", "client")]
-    for role in ("server", "client"):
-        with open(specs[role].stdout_path or "") as fh:
-            counts = [int(line.split()[1]) for line in fh]
-        # the log holds the first run up to its death, then the restored run from the snapshot on (one step back):
-        # after it, each count the peer sent arrives exactly once and in order, to the end
-        drops = [i for i in range(1, len(counts)) if counts[i] <= counts[i - 1]]
-        assert len(drops) == 1, (role, counts)
-        after = counts[drops[0]:]
-        assert after[-1] in (n, n + 1) and all(b == a + 2 for a, b in zip(after, after[1:])), (role, after)
+    try:
+        await asyncio.sleep(1.0)
+        pids = {role: p.pid for role, p in procs.items()}
+        stop_groups(pids.values())
+        await wait_stopped(pids.values())
+        pipes = {role: stdio_pipes(pid) for role, pid in pids.items()}
+        assert all(1 in p and p[1].startswith("pipe:[") for p in pipes.values()), pipes
+        ports = tcp_ports(pids.values())
+        assert len(ports) == 2, ports                           # the connection's two ends
+        async with NetworkLock(ports):
+            await asyncio.gather(*(dump(criu, pid, os.path.join(tmp, role), leave_running=True)
+                                   for role, pid in pids.items()))
+        continue_groups(pids.values())
+        await asyncio.sleep(0.5)                                # they go on past the snapshot ...
+        signal_groups(pids.values(), signal.SIGKILL)            # ... and die: back to the snapshot
+        assert [await p.wait() for p in procs.values()] == [-9, -9]
+        for p in procs.values():
+            await p.aclose()
+        assert await wait_gone(pids.values())
+        restored = {}
+        async with NetworkLock(ports):      # one after the other, on purpose: the lock is what keeps the first one's
+            for i, role in enumerate(("server", "client")):      # connection from being reset by the missing peer
+                (r1, w1), (r2, w2) = os.pipe(), os.pipe()
+                pid = await restore(criu, os.path.join(tmp, role), {pipes[role][1]: w1, pipes[role][2]: w2})
+                os.close(w1)
+                os.close(w2)
+                assert pid == pids[role]                            # the same PID, a child of this process again
+                restored[role] = await adopt_worker(pid, specs[role], r1, r2, local_rank=i, role="t", argv=[])
+        continue_groups(pids.values())
+        codes = await asyncio.wait_for(asyncio.gather(*(p.wait() for p in restored.values())), 60)
+        for p in restored.values():
+            await p.aclose()
+        assert codes == [0, 0], [open(os.path.join(tmp, f"{r}.err")).read()[-2000:] for r in ("server", "client")]
+        for role in ("server", "client"):
+            with open(specs[role].stdout_path or "") as fh:
+                counts = [int(line.split()[1]) for line in fh]
+            # the log holds the first run up to its death, then the restored run from the snapshot on (one step back):
+            # after it, each count the peer sent arrives exactly once and in order, to the end
+            drops = [i for i in range(1, len(counts)) if counts[i] <= counts[i - 1]]
+            assert len(drops) == 1, (role, counts)
+            after = counts[drops[0]:]
+            assert after[-1] in (n, n + 1) and all(b == a + 2 for a, b in zip(after, after[1:])), (role, after)
+    finally:                # a failed assertion leaves no process behind (the next test's fixture counts them)
+        with contextlib.suppress(OSError):
+            signal_groups([p.pid for p in procs.values()], signal.SIGKILL)
