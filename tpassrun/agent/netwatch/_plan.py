@@ -56,6 +56,10 @@ class LinkFigures:
     # step_ms is training only: no start-up, stall or pause in its samples; left out while true, so a steady node's
     # record is byte for byte what it was before the field existed (tests/golden/schema.json)
     steady: bool = field(default=True, metadata=schema.wire(omit_default=True))
+    # addr -> the share (0-1) of the interval its busiest connection to that address had data waiting (``_probe``);
+    # left out when not measured (an agent before it existed, or a sample without a previous one)
+    busy_to: Mapping[str, Annotated[float, Min(0)]] | None = field(default=None,
+                                                                   metadata=schema.wire(omit_default=True))
 
     def to_json(self) -> dict[str, Any]:
         return schema.dump(self)
@@ -69,7 +73,7 @@ class LinkFigures:
             return None
 
     def node(self) -> NodeFigures:
-        return NodeFigures(self.rtt_ms, self.addr, self.sent_to)
+        return NodeFigures(self.rtt_ms, self.addr, self.sent_to, self.busy_to or {})
 
 
 def inbound_loss_pct(addr: str | None, senders: list[LinkFigures], min_bytes: float = 64 * 1024) -> float | None:
@@ -121,6 +125,13 @@ class LinkWatch:
         names = ("rtt_factor", "rtt_extra_ms", "retrans_pct", "slowdown_factor", "slowdown_ms", "hold_s", "clear_s")
         given: dict[str, Any] = {n: float(getattr(policy, n)) for n in names if hasattr(policy, n)}
         return cls(**given)
+
+    def forget(self) -> None:
+        """Drop the figures' window: a link (this node's or a peer's) was down, and what was sent again or waited
+        on meanwhile says nothing about any link's quality; a suspicion on those figures ends with them."""
+        self._window.clear()
+        if not self.degraded:
+            self._suspect_since, self._misses = None, MISSES
 
     def baseline_ms(self) -> float | None:
         return statistics.median(self._baseline) if len(self._baseline) >= self.baseline_n else None
