@@ -20,13 +20,13 @@ from tpassrun.ops.events import EventLog
 from tpassrun.ops.progress import Progress
 from tpassrun.rendezvous import EtcdRendezvous, Generation, Member
 from tpassrun.settings import LaunchConfig
-from tpassrun.swapper.agentport import AgentEvent, EventSink, StatusHost
+from tpassrun.swapper import AgentEvent, EventSink, StatusHost
 
 if TYPE_CHECKING:
     from tpassrun.agent.healthd import AgentHealth
-    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.channel import LocalSlots
     from tpassrun.swapper import Swapper
-    from tpassrun.swapper.mirrorplane import MirrorPlane
+    from tpassrun.swapper import MirrorPlane
 
 
 @dataclasses.dataclass(slots=True, eq=False)

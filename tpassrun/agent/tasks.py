@@ -17,11 +17,11 @@ from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
 from tpassrun.settings import envnames as E
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.swapper.agentport import RendezvousChanged
+from tpassrun.swapper import RendezvousChanged
 from tpassrun.ops.progress import RankPosition
 from tpassrun.records import Keys, NodeStatus
 from tpassrun.rendezvous import Generation
-from tpassrun.channel.slots import SlotState
+from tpassrun.channel import SlotState
 
 log = logging.getLogger("tpassrun.agent")
 

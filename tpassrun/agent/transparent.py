@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import Any
 
 from tpassrun.agent.state import AgentState
-from tpassrun.channel.slots import LocalSlots, Slot, SlotState
+from tpassrun.channel import LocalSlots, Slot, SlotState
 from tpassrun.launch.procs import StdioSpec, adopt_worker
 from tpassrun.settings import envnames as E
 from tpassrun.snapshot import (WORKER_ENV, Availability, Move, NetworkLock, SnapshotError, continue_groups, dump,

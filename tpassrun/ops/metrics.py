@@ -21,7 +21,7 @@ from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.ops.tui import RunProgress
 
 if TYPE_CHECKING:
-    from tpassrun.swapper.agentport import StatusHost
+    from tpassrun.swapper import StatusHost
 
 log = logging.getLogger("tpassrun.ops.metrics")
 

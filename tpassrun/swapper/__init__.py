@@ -29,17 +29,20 @@ from tpassrun.channel import STOP_NOW, Field, WorkerPhase
 from tpassrun.swapper.coordinator import Coordinator
 from tpassrun.plan import classify_death, recoverable
 from tpassrun.swapper.nodeswap import NodePlans
-from tpassrun.swapper.agentport import AgentPort, FallbackRequested
-from tpassrun.channel.protocol import Failed, Raise, Reserve
-from tpassrun.records.provenance import seal
+from tpassrun.swapper.agentport import (AgentEvent, AgentPort, EventSink, FallbackRequested, HealthHost,
+                                       HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived, SpawnFailed,
+                                       StatusHost, SwapSettings, WorkerExited, WorkerSaid, annotated)
+from tpassrun.swapper.mirrorplane import MirrorPlane
+from tpassrun.channel import Failed, Raise, Reserve
+from tpassrun.records import seal
 from tpassrun.records import Failure, Fallback, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load
-from tpassrun.channel.slots import Slot, SlotState
+from tpassrun.channel import Slot, SlotState
 from tpassrun.plan import Phase, SwapKind
 from tpassrun.swapper.phases import Phases
 from tpassrun.swapper.ranks import LocalRanks
 
 if TYPE_CHECKING:
-    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.channel import LocalSlots
     from tpassrun.rendezvous import EtcdStore, Generation
 
 log = logging.getLogger(__name__)
@@ -407,3 +410,12 @@ class Swapper:
         await self._store.put_json(self._keys.taint(tid), taint.to_json())
         self.port.events.write("migrate_back_requested", rank=rank, slot=home.index, taint=tid)
         await self.port.publish_status()
+
+
+__all__ = ["DEATHS_TO_QUARANTINE", "DEATH_WINDOW_S", "FAILED_STEP_GRACE_S", "Swapper", "me_in", "shardplane",
+           # what the swapper sees of its agent, and what the agent tells it (tpassrun.swapper.agentport)
+           "AgentEvent", "AgentPort", "EventSink", "FallbackRequested", "HealthHost", "HealthRestartRequested", "LeaseLost",
+           "RendezvousChanged", "SignalReceived", "SpawnFailed", "StatusHost", "SwapSettings", "WorkerExited",
+           "WorkerSaid", "annotated",
+           # the agent's mirror plane (tpassrun.swapper.mirrorplane)
+           "MirrorPlane"]

@@ -17,7 +17,7 @@ import time
 from typing import TYPE_CHECKING, Any, Mapping
 
 from tpassrun.swapper.agentport import AgentPort, HealthRestartRequested, annotated
-from tpassrun.records.provenance import seal
+from tpassrun.records import seal
 from tpassrun.records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect,
                               TaintSource, load, node_info)
 from tpassrun.rendezvous import GenState, NodeInfo
@@ -26,7 +26,7 @@ from tpassrun.plan import (REPORT_DEADLINE_S, Action, CasPlan, ClaimFromPool, Cl
                            plan_give_back, seen_ranks, triage)
 
 if TYPE_CHECKING:
-    from tpassrun.pool.job import JobPool
+    from tpassrun.pool import JobPool
     from tpassrun.rendezvous import EtcdStore, Generation
 
 log = logging.getLogger(__name__)

@@ -33,13 +33,13 @@ from typing import TYPE_CHECKING, Any, Iterable
 from tpassrun.channel import Field
 from tpassrun.mirror import (DEFAULT_MAX_BYTES, MirrorClient, MirrorError, MirrorServer, MirrorStore, MirrorTarget, copies_of,
                      ensure_mirror_key, ring_nodes)
-from tpassrun.channel.protocol import MirrorInfo
+from tpassrun.channel import MirrorInfo
 from tpassrun.records import Keys, load, node_info
 
 if TYPE_CHECKING:
     from tpassrun.swapper.agentport import AgentPort
     from tpassrun.rendezvous import Generation
-    from tpassrun.channel.slots import Slot
+    from tpassrun.channel import Slot
 
 log = logging.getLogger(__name__)
 

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING
 
 from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, WorkerPhase
-from tpassrun.channel.protocol import Abort, Light, LightOk, MirrorSource, Received, Reform, SendState, WorldSpec
+from tpassrun.channel import Abort, Light, LightOk, MirrorSource, Received, Reform, SendState, WorldSpec
 from tpassrun.records import Move, Phase, Report, SwapPlan
-from tpassrun.channel.slots import SlotState
+from tpassrun.channel import SlotState
 from tpassrun.plan import PHASE_TIMEOUT_S, transfer_key, world_prefix
 
 if TYPE_CHECKING:
-    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.channel import LocalSlots
     from tpassrun.swapper.agentport import AgentPort
     from tpassrun.swapper.phases import Phases
     from tpassrun.swapper.ranks import LocalRanks

@@ -19,10 +19,10 @@ from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
 from tpassrun.swapper.agentport import AgentPort, FallbackRequested
 from tpassrun.swapper.ranks import LocalRanks
-from tpassrun.channel.protocol import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform,
+from tpassrun.channel import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform,
                        Reformed, Resume, SendState, WorldSpec)
 from tpassrun.records import Keys, Move, Report, SwapPlan, load, node_info
-from tpassrun.channel.slots import LocalSlots, Slot, SlotState
+from tpassrun.channel import LocalSlots, Slot, SlotState
 from tpassrun.plan import (PHASE_TIMEOUT_S, ClusterView, Phase, SlotRef, SwapKind, of_attempt,
                            transfer_key as _transfer_key, world_prefix)
 

@@ -12,12 +12,12 @@ import time
 from typing import TYPE_CHECKING
 
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel.protocol import CatchUp, Listening, Received, Stranger
+from tpassrun.channel import CatchUp, Listening, Received, Stranger
 from tpassrun.plan import PHASE_TIMEOUT_S, Phase, SwapKind, of_attempt, transfer_key
 from tpassrun.records import Keys, Move, SwapPlan, load
 
 if TYPE_CHECKING:
-    from tpassrun.channel.slots import LocalSlots, Slot
+    from tpassrun.channel import LocalSlots, Slot
     from tpassrun.swapper.agentport import AgentPort
 
 log = logging.getLogger(__name__)

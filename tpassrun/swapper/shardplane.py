@@ -21,13 +21,13 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel.protocol import MirrorSource, ShardRolledBack, ShardRollback
+from tpassrun.channel import MirrorSource, ShardRolledBack, ShardRollback
 
 if TYPE_CHECKING:
     from tpassrun.channel import ChannelFile
     from tpassrun.swapper.agentport import AgentPort
     from tpassrun.records import SwapPlan
-    from tpassrun.channel.slots import LocalSlots, Slot
+    from tpassrun.channel import LocalSlots, Slot
 
 log = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ from datetime import timedelta
 from tpassrun.settings import envnames as E
 from tpassrun.worker import faultpoints as testing
 from tpassrun.channel import INT64_MAX, Field, WorkerPhase
-from tpassrun.channel.protocol import Hello
+from tpassrun.channel import Hello
 from tpassrun.worker.world import init_first_world
 from tpassrun.worker.failure import StepFailure, classify_failure, is_distributed_failure
 from tpassrun.worker.link import AgentLink

@@ -16,7 +16,7 @@ import time
 from typing import Any, Callable
 
 from tpassrun.channel import STOP_NOW, Field, Verdict, WorkerPhase
-from tpassrun.channel.protocol import (AbortJoin, CatchUp, Exit, Failed, Message, Raise, Raised, Reform, Reformed,
+from tpassrun.channel import (AbortJoin, CatchUp, Exit, Failed, Message, Raise, Raised, Reform, Reformed,
                                        Resume, SendState,
                        ShardRolledBack, ShardRollback)
 from tpassrun.worker.world import JoinAborted, abort_process_groups, join_world, leave_process_group, set_rank_env

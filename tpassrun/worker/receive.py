@@ -11,7 +11,7 @@ import socket
 import time
 from typing import Any
 
-from tpassrun.channel.protocol import Light, Message, Received, Reserve, Stranger
+from tpassrun.channel import Light, Message, Received, Reserve, Stranger
 from tpassrun.transfer.quiet import Throttle, held_note
 from tpassrun.worker.link import AgentLink
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from tpassrun.worker import digest
-from tpassrun.channel.protocol import ReplicasChecked
+from tpassrun.channel import ReplicasChecked
 from tpassrun.schema import NonNegative, dump, load
 from tpassrun.worker.state import WorkerState
 from tpassrun.worker.step import StepTransaction

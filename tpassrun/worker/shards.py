@@ -380,10 +380,10 @@ class ShardState:
 
     def __init__(self, owner: int, interval: int | str | None, publish: Callable[[Any, int], None],
                  copier: Copier | None = None, store: Any = None) -> None:
-        from tpassrun.settings.shard_interval import IntervalPolicy
+        from tpassrun.settings import shard_interval
 
         self.ring = ShardRing(copier)
-        self.policy = IntervalPolicy(interval, store)     # None or "auto": measured, agreed (tpassrun/settings/shard_interval.py)
+        self.policy = shard_interval.IntervalPolicy(interval, store)  # None or "auto": measured, agreed
         self._publish = publish
         self._began = False
         self._costed: tuple[Version, float] | None = None  # the newest refresh, its main-thread CPU
@@ -395,14 +395,14 @@ class ShardState:
         import os
 
         from tpassrun.settings import envnames as E
-        from tpassrun.settings.shard_interval import AUTO, parse
+        from tpassrun.settings import shard_interval
 
-        raw = os.environ.get(E.TPASSRUN_SHARD_MIRROR_INTERVAL, AUTO)
+        raw = os.environ.get(E.TPASSRUN_SHARD_MIRROR_INTERVAL, shard_interval.AUTO)
         try:
-            parse(raw)
+            shard_interval.parse(raw)
         except ValueError:
-            log.warning("%s=%r is not an interval: using %s", E.TPASSRUN_SHARD_MIRROR_INTERVAL, raw, AUTO)
-            raw = AUTO
+            log.warning("%s=%r is not an interval: using %s", E.TPASSRUN_SHARD_MIRROR_INTERVAL, raw, shard_interval.AUTO)
+            raw = shard_interval.AUTO
         return cls(owner, raw, publish)
 
     @property
@@ -455,7 +455,7 @@ class ShardState:
         for ``auto`` (tpassrun/settings/shard_interval.py): its part on this thread,
         the copy thread's, the pusher's and as much again for the receiving agent. Called once its push is done
         (the next refresh waited for it)."""
-        from tpassrun.settings.shard_interval import RECEIVER_FACTOR
+        from tpassrun.settings import shard_interval
 
         costed, self._costed = self._costed, None
         if costed is None or self.policy.decided:
@@ -463,7 +463,7 @@ class ShardState:
         version, main_s = costed
         copy_s = getattr(version.job, "cpu_s", 0.0) if version.job is not None else 0.0
         stats = self.pusher.stats
-        push_s = stats.last_cpu_s * (1 + RECEIVER_FACTOR) if stats.pushed_step == version.step else 0.0
+        push_s = stats.last_cpu_s * (1 + shard_interval.RECEIVER_FACTOR) if stats.pushed_step == version.step else 0.0
         if self.pusher.pushing and not push_s:
             return      # its push did not land (yet): not a representative sample
         self.policy.refresh_cost(main_s + copy_s + push_s)

@@ -15,7 +15,7 @@ import time
 from tpassrun.settings import envnames as E
 from tpassrun.worker import faultpoints as testing
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel.protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
+from tpassrun.channel import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
                        Reserve)
 from tpassrun.worker.world import JoinAborted, join_world, set_rank_env
 from tpassrun.worker.commands import BoundaryCommands, Handler

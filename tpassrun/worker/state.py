@@ -12,7 +12,7 @@ import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
-from tpassrun.channel.protocol import Assign, Message
+from tpassrun.channel import Assign, Message
 
 if TYPE_CHECKING:
     from tpassrun.transfer.light import LightSnapshotter

@@ -264,7 +264,7 @@ class StepTransaction:
         question over the private socket, never per step. A fresh start waits briefly for the answer and the
         connection, so that its first seal goes out this way too; otherwise the answer is picked up at a later
         step start (one ``select`` per step until it is in)."""
-        from tpassrun.channel.protocol import MirrorInfo, MirrorInfoRequest
+        from tpassrun.channel import MirrorInfo, MirrorInfoRequest
 
         st = self.state
         due, link = st.light_retarget_due, st.link

@@ -131,7 +131,7 @@ class LinkDaemon:
     def _step_sample(self) -> tuple[float | None, bool]:
         """This node's ranks' step (the highest among its running ranks) fed to its ``StepMeter``."""
         from tpassrun.channel import Field
-        from tpassrun.channel.slots import SlotState
+        from tpassrun.channel import SlotState
 
         slots = self.agent.slots
         steps = [slots.field(s, Field.STEP) for s in slots.slots if s.rank is not None and s.state == SlotState.RUNNING]
@@ -278,7 +278,7 @@ class LinkDaemon:
         return HealthVerdict(device, Status.DEGRADED, effect, reason, "link", now)
 
     async def _taint(self, reason: str) -> None:
-        from tpassrun.channel.slots import SlotState
+        from tpassrun.channel import SlotState
 
         now = self.clock()
         # this node's spares first: once a rank's taint is out the coordinator picks a spare for it, and one here
