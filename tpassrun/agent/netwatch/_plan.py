@@ -40,6 +40,7 @@ MISSES = 2       # clear observations in a row that end a suspicion
 RTT_LEARN_N = 5  # round trips seen (nothing standing out) before a node's usual one is known
 SMOOTH_N = 3     # step samples a node's step time is the median of
 QUIET_N = 3      # quiet samples in a row before what is seen is learned as healthy
+MUTE_N = 3       # samples left out after a link was down (TCP's backoff, the peers' samples across the outage)
 
 
 Figure = Annotated[float, Min(0)]
@@ -117,6 +118,7 @@ class LinkWatch:
     _clear_since: float | None = field(default=None, init=False, repr=False)
     _misses: int = field(default=0, init=False, repr=False)
     _quiet: int = field(default=0, init=False, repr=False)
+    _mute: int = field(default=0, init=False, repr=False)
     degraded: bool = field(default=False, init=False)
     reason: str = field(default="", init=False)
 
@@ -128,8 +130,11 @@ class LinkWatch:
 
     def forget(self) -> None:
         """Drop the figures' window: a link (this node's or a peer's) was down, and what was sent again or waited
-        on meanwhile says nothing about any link's quality; a suspicion on those figures ends with them."""
+        on meanwhile says nothing about any link's quality; a suspicion on those figures ends with them. The next
+        ``MUTE_N`` samples are left out too: the steps stalled by TCP's backoff after the outage, an etcd round trip
+        smoothed over it, and a peer's sample that spans it (measured: suspect 2-5 s after a flap was ridden out)."""
         self._window.clear()
+        self._mute = MUTE_N
         if not self.degraded:
             self._suspect_since, self._misses = None, MISSES
 
@@ -159,6 +164,12 @@ class LinkWatch:
         return slow, extra, f"+{fmt(extra)} ms per step ({fmt(mine.step_ms)} against {fmt(base)} ms)"
 
     def observe(self, mine: LinkFigures, peers: Mapping[str, LinkFigures], now: float) -> LinkVerdict:
+        if self._mute > 0:
+            self._mute -= 1
+            self._quiet = 0
+            if self.degraded:
+                return LinkVerdict(DEGRADED, 0.0, self.reason)
+            return LinkVerdict(UNKNOWN, 0.0, "a link was down: the figures around the outage are left out")
         self._window.add({self.me: mine.node(), **{n: p.node() for n, p in peers.items()}})
         figs = self._window.figures()
         found = explain(figs, self._usual_rtts(), retrans_pct=self.retrans_pct, rtt_factor=self.rtt_factor,
