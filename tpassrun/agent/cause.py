@@ -26,7 +26,7 @@ from tpassrun.records import Failure, Keys, load
 from tpassrun.rendezvous import Generation
 from tpassrun.channel import Slot
 from tpassrun.swapper import annotated
-from tpassrun.worker.failure import StepFailure, worker_log_file
+from tpassrun.channel import StepFailure, worker_log_file
 
 log = logging.getLogger("tpassrun.agent")
 

@@ -14,10 +14,10 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Awaitable
 
-from tpassrun.launch.procs import RunLogs
-from tpassrun.launch.report import ProcessFailure
-from tpassrun.ops.events import EventLog
-from tpassrun.ops.progress import Progress
+from tpassrun.launch import RunLogs
+from tpassrun.launch import ProcessFailure
+from tpassrun.ops import EventLog
+from tpassrun.ops import Progress
 from tpassrun.rendezvous import EtcdRendezvous, Generation, Member
 from tpassrun.settings import LaunchConfig
 from tpassrun.swapper import AgentEvent, EventSink, StatusHost

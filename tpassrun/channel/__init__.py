@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from tpassrun.channel.shm import (INT64_MAX, LIGHT_BYTES, SLOT_BYTES, SLOT_FIELDS, STOP_NOW, ChannelFile, Field,
                                   Verdict, WorkerPhase)
+from tpassrun.channel.failure import DETAIL_LOG, StepFailure, worker_log_file
 from tpassrun.channel.protocol import (Abort, AbortJoin, Assign, Break, CatchUp, Command, Done, Exit, Failed, Hello, Light,
                                        LightOk, Listening, Message, MirrorInfo, MirrorInfoRequest, MirrorSource,
                                        ProtocolError, Raise, Raised, Received, Reform, Reformed, Replicas,
@@ -52,5 +53,7 @@ __all__ = ["INT64_MAX", "LIGHT_BYTES", "SLOT_BYTES", "SLOT_FIELDS", "STOP_NOW", 
            "Raised", "Received", "Reform", "Reformed", "Replicas", "ReplicasChecked", "Reply", "Reserve", "Resume",
            "SendState", "ShardRollback", "ShardRolledBack", "Stranger", "Watch", "WorldSpec", "decode_command",
            "decode_reply", "encode",
+           # a failed step's kind and the worker's log file (tpassrun.channel.failure)
+           "DETAIL_LOG", "StepFailure", "worker_log_file",
            # the agent's slot table (tpassrun.channel.slots)
            "LocalSlots", "Slot", "SlotState"]

@@ -55,7 +55,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Sequence
 
-from tpassrun.mirror.client import MirrorClient
+from tpassrun.mirror.client import MirrorClient, PushStream
 from tpassrun.mirror.net import BAD_REQUEST, NOT_FOUND, OK, REFUSED, MirrorServer
 from tpassrun.mirror.store import (DEFAULT_MAX_BYTES, MirrorEntry, MirrorError, MirrorFull, MirrorItem, MirrorMetaError,
                                    MirrorStore)
@@ -133,6 +133,6 @@ def copies_of(node: str, nodes: Sequence[str]) -> str | None:
     return buddy_ring(nodes).get(node)
 
 
-__all__ = ["BAD_REQUEST", "DEFAULT_MAX_BYTES", "MirrorClient", "MirrorEntry", "MirrorError", "MirrorFull",
+__all__ = ["BAD_REQUEST", "DEFAULT_MAX_BYTES", "MirrorClient", "PushStream", "MirrorEntry", "MirrorError", "MirrorFull",
            "MirrorItem", "MirrorMetaError", "MirrorServer", "MirrorStore", "MirrorTarget", "NOT_FOUND", "OK", "REFUSED",
            "buddy_ring", "copies_of", "ensure_mirror_key", "new_mirror_key", "ring_nodes"]

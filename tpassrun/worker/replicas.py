@@ -240,7 +240,7 @@ def _receive_objects(src: int, objects: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from tpassrun.transfer.codec import decode_tree, dtype_from_name
+    from tpassrun.transfer import decode_tree, dtype_from_name
 
     device = _device()
     size = torch.empty(1, dtype=torch.int64, device=device)

@@ -315,7 +315,7 @@ class MirrorPusher:
                 pass
 
     def _run(self) -> None:
-        from tpassrun.transfer.wire import encode_parts
+        from tpassrun.transfer import encode_parts
 
         backoff = 0.0
         while not self._stop:
@@ -539,7 +539,7 @@ def fetch_mirrored(target: Any, owner: int, step: int) -> tuple[Any, bytes | Non
 
 def decode_mirrored(data: bytes | bytearray | memoryview) -> tuple[Any, bytes | None, int]:
     """A mirror entry -> (bundle of the sharded objects, the light snapshot, the step it is the start of)."""
-    from tpassrun.transfer.wire import decode_small
+    from tpassrun.transfer import decode_small
 
     bundle = decode_small(data)
     light = bundle.extra.get("light")

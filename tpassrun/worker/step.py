@@ -96,7 +96,7 @@ class StepTransaction:
         if not (st.light_enabled and st.commit_snapshots):
             return
         if st.light is None:
-            from tpassrun.transfer.light import LightSnapshotter
+            from tpassrun.transfer import LightSnapshotter
 
             st.light = LightSnapshotter()
         data = st.light.take(self.light_objects(), step + 1)
@@ -185,7 +185,7 @@ class StepTransaction:
         """The step-start snapshot: what a failed step rolls back to, and what a joiner starts from."""
         st = self.state
         if st.light is None:
-            from tpassrun.transfer.light import LightSnapshotter
+            from tpassrun.transfer import LightSnapshotter
 
             st.light = LightSnapshotter()
         commit, st.commit_light = st.commit_light, None
@@ -230,7 +230,7 @@ class StepTransaction:
     def publish_light(self, step: int) -> bytes | None:
         st = self.state
         if st.light is None:
-            from tpassrun.transfer.light import LightSnapshotter
+            from tpassrun.transfer import LightSnapshotter
 
             st.light = LightSnapshotter()
         data = st.light.take(self.light_objects(), step)
