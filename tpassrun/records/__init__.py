@@ -28,6 +28,14 @@ from tpassrun.records.fields import SCHEMA_VERSION, RecordError, load
 from tpassrun.records.nodes import (HealthRecord, MirrorKey, NodeStatus, RunClosed, WorkerRow, generation_record, leader_of,
                             node_info, rendezvous_guard)
 from tpassrun.records.swaps import TERMINAL, TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
+from tpassrun.records.events import (EVENTS, AgentGone, CollectivesBroken, Event, FailureDropped, GenerationCommitted,
+                                     MigrateBackRequested, MirrorBuddy, MirrorPushFailed, MirrorPushRestored, NodeLost,
+                                     NodeRecovered, PoolNodeLeft, RankCaughtUp, RanksRecovered, RecordReplaced,
+                                     SpareReturned, StoreMoved, SwapAbortedHere, SwapBoundaryReached, SwapDecided,
+                                     SwapJoinAborted, SwapPhaseChanged, SwapPlanSeen, SwapReformTimings, SwapResumed,
+                                     SwapSendRefused, SwapShardsRolledBack, SwapTransferEnd, SwapTransferFailed,
+                                     SwapTransferStart, SwapTransferStranger, SwapWorldReformed, UserError, WorkerDied,
+                                     emit, read_event)
 from tpassrun.records.provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, carries_mac, env_without_key,
                                         key_for, register, run_key_from, seal)
 
@@ -143,6 +151,14 @@ __all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED",
            "Phase", "RecordError", "Report", "RunClosed", "generation_record", "leader_of", "node_info",
            "rendezvous_guard", "SCHEMA_VERSION", "SlotRef", "SwapKind", "SwapPlan", "TERMINAL",
            "TRANSITIONS", "Taint", "TaintEffect", "TaintSource", "WorkerRow", "load",
+           # the event log's events (tpassrun.records.events)
+           "EVENTS", "AgentGone", "CollectivesBroken", "Event", "FailureDropped", "GenerationCommitted",
+           "MigrateBackRequested", "MirrorBuddy", "MirrorPushFailed", "MirrorPushRestored", "NodeLost", "NodeRecovered",
+           "PoolNodeLeft", "RankCaughtUp", "RanksRecovered", "RecordReplaced", "SpareReturned", "StoreMoved",
+           "SwapAbortedHere", "SwapBoundaryReached", "SwapDecided", "SwapJoinAborted", "SwapPhaseChanged", "SwapPlanSeen",
+           "SwapReformTimings", "SwapResumed", "SwapSendRefused", "SwapShardsRolledBack", "SwapTransferEnd",
+           "SwapTransferFailed", "SwapTransferStart", "SwapTransferStranger", "SwapWorldReformed", "UserError",
+           "WorkerDied", "emit", "read_event",
            # the run key and its seal (tpassrun.records.provenance)
            "RUN_KEY_ENV", "RUN_KEY_FILE_CONF", "RunKey", "RunKeyError", "carries_mac", "env_without_key", "key_for",
            "register", "run_key_from", "seal",
