@@ -210,11 +210,12 @@ class PoolNodeLoop:
         self._given_back_file = os.path.join(self._tmp, f"{spec.run_id}-{len(self.served)}.given-back")
         self.served.append(spec.run_id)
         await self._register(SERVING, spec.run_id)
+        inherit_only()                                  # uvloop ignores close_fds
         self.child = await asyncio.create_subprocess_exec(
             *spare_node_argv(spec, event_log, self.python, os.getpid(), member=action.claim.kind == MEMBER,
                              local_addr=self.local_addr),
             env=spare_node_env(spec, self.base_env, run_key, self._given_back_file), cwd=spec.cwd or None,
-            start_new_session=True, preexec_fn=inherit_only)      # uvloop ignores close_fds
+            start_new_session=True)
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
     async def _follow(self, child: asyncio.subprocess.Process, event_log: str) -> None:
