@@ -233,7 +233,7 @@ class Swapper:
         failure = Failure(node=self.port.node_id, slot=slot.index, rank=slot.rank, code=code, step=step,
                           light=light is not None, generation=gen.number, time=time.time(),
                           replicas=slot.replicas, alone=slot.alone,
-                          sharded=shardplane.ring_of(self._slots.channel, slot.index) is not None)
+                          sharded=shardplane.tracks_sharded(self._slots.channel, slot.index))
         emit(self.port.events, WorkerDied(slot=slot.index, rank=slot.rank, code=code, step=step, kind=kind.value, why=why))
         # Stop the other local ranks at their next step start (the ones blocked in a collective will fail).
         for s in self._slots.active():

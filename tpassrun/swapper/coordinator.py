@@ -120,7 +120,7 @@ class Coordinator:
                     state = "tainted"
                 slots.append(SlotView(node=status.node_id, slot=w.slot, rank=w.rank, state=state,
                                       managed=w.managed, step=w.step, replicas=w.replicas,
-                                      sharded=bool(w.shard_held)))
+                                      sharded=w.sharded or bool(w.shard_held)))
         lost = tuple(annotated(gen, self.port.latest()).lost)   # lost nodes are annotations: written in place
         slots = [s for s in slots if s.node not in lost]   # a lost node's last status may outlive it briefly
         return ClusterView(generation=gen.number, members=tuple(m.node_id for m in gen.members),
