@@ -17,8 +17,9 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from tpassrun.records import GenerationCommitted, RecordReplaced, StoreMoved, SwapDecided, SwapPhaseChanged, emit
 from tpassrun.swapper.agentport import AgentPort, HealthRestartRequested, annotated
-from tpassrun.records.provenance import seal
+from tpassrun.records import seal
 from tpassrun.records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect,
                               TaintSource, load, node_info)
 from tpassrun.rendezvous import GenState, NodeInfo
@@ -27,7 +28,7 @@ from tpassrun.plan import (REPORT_DEADLINE_S, Action, CasPlan, ClaimFromPool, Cl
                            plan_give_back, seen_ranks, triage)
 
 if TYPE_CHECKING:
-    from tpassrun.pool.job import JobPool
+    from tpassrun.pool import JobPool
     from tpassrun.rendezvous import EtcdStore, Generation
 
 log = logging.getLogger(__name__)
@@ -151,7 +152,7 @@ class Coordinator:
                     state = "tainted"
                 slots.append(SlotView(node=status.node_id, slot=w.slot, rank=w.rank, state=state,
                                       managed=w.managed, step=w.step, replicas=w.replicas,
-                                      sharded=bool(w.shard_held)))
+                                      sharded=w.sharded or bool(w.shard_held)))
         lost = tuple(annotated(gen, self.port.latest()).lost)   # lost nodes are annotations: written in place
         slots = [s for s in slots if s.node not in lost]   # a lost node's last status may outlive it briefly
         return ClusterView(generation=gen.number, members=tuple(m.node_id for m in gen.members),
@@ -260,7 +261,7 @@ class Coordinator:
             created = await store.create_json(key, _sealed(key, plan)) or await self._replace_foreign(key, plan)
             if created and action.taint is not None:
                 await store.put_json(keys.taint(action.taint.id), action.taint.handled(plan.id, "migrating").to_json())
-                events.write("swap_decided", swap_id=plan.id, reason=action.reason, taint=action.taint.id)
+                emit(events, SwapDecided(swap_id=plan.id, reason=action.reason, taint=action.taint.id))
         elif isinstance(action, PutFailure):
             await store.put_json(keys.failure_by_id(action.failure_id), action.failure.to_json())
         elif isinstance(action, PutTaint):
@@ -288,8 +289,8 @@ class Coordinator:
             return False
         replaced = await self._store.cas_json(key, _sealed(key, plan), rev)
         if replaced:
-            self.port.events.write("record_replaced", key=key, swap_id=plan.id,
-                                   reason="the value there was not the job's (refused on read)")
+            emit(self.port.events, RecordReplaced(key=key, swap_id=plan.id,
+                                                  reason="the value there was not the job's (refused on read)"))
         return replaced
 
     async def _apply(self, decision: Decision, plan: SwapPlan, rev: int) -> None:
@@ -303,7 +304,7 @@ class Coordinator:
             await self._commit_generation(new)
         ok = await self._store.cas_json(self._keys.swap(plan.id), _sealed(self._keys.swap(plan.id), new), rev)
         if ok:
-            self.port.events.write("swap_phase", swap_id=new.id, phase=new.phase.value, reason=decision.reason)
+            emit(self.port.events, SwapPhaseChanged(swap_id=new.id, phase=new.phase, reason=decision.reason))
             if new.phase == Phase.DONE and new.taint_id and new.release:
                 await self._store.delete(self._keys.taint(new.taint_id))   # migrate-back done: nothing sick
             elif new.phase == Phase.DONE and new.taint_id:
@@ -324,8 +325,8 @@ class Coordinator:
                 return plan        # (tests' ports) the participants use the store they know
             addr, port = await self.port.start_store()
             host = self.port.node_id
-            self.port.events.write("store_moved", addr=addr, port=port, swap_id=plan.id,
-                                   reason=f"the workers' store was on lost node {plan.lost_node}")
+            emit(self.port.events, StoreMoved(addr=addr, port=port, swap_id=plan.id,
+                                              reason=f"the workers' store was on lost node {plan.lost_node}"))
         return dataclasses.replace(plan, store=(addr, port), store_host=host)
 
     def _alive(self, node: str) -> bool:
@@ -349,7 +350,7 @@ class Coordinator:
         new = committed_generation(old, plan, infos)
         if await self.port.rdzv.commit(old, new):
             self.port.set_generation(new)
-            self.port.events.write("generation_committed", generation=new.number, swap_id=plan.id)
+            emit(self.port.events, GenerationCommitted(generation=new.number, swap_id=plan.id))
 
 
 def status_shape(doc: Any) -> object | None:
