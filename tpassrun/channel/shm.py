@@ -10,7 +10,7 @@ import struct
 
 INT64_MAX = (1 << 63) - 1
 
-SLOT_FIELDS = 32                  # 0-28 used; room to grow
+SLOT_FIELDS = 32                  # 0-29 used; room to grow
 SLOT_BYTES = SLOT_FIELDS * 8
 LIGHT_BYTES = 256 * 1024          # per buffer; two buffers per slot
 _LIGHT_HEADER = struct.Struct("<q")  # payload length
@@ -52,6 +52,8 @@ class Field(enum.IntEnum):
     RUN_FROM = 26      # worker: 1 + the step its run() started at (a restarted script's resume point), 0: not yet
     TOTAL = 27         # worker: the total_steps its run() was given (progress and ETA), 0: not known
     VERDICT = 28       # agent: its answer to a worker parked PENDING (Verdict); the worker clears it before it parks
+    SHARD_TRACKED = 29  # worker: 1 from ``sess.track_sharded`` on, before any copy: its agent and the planner count
+                        # it as a rank with sharded state from then on (a death inside step 0 included)
 
 
 # RUN_UNTIL: pause before any step >= this one, at the end of an open gradient-accumulation window (a boundary

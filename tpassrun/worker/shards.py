@@ -389,6 +389,11 @@ class ShardState:
         self._costed: tuple[Version, float] | None = None  # the newest refresh, its main-thread CPU
         self.retarget_due = False       # the worker asks the agent for its buddy again (after a re-formed world)
         self.pusher = MirrorPusher(self.ring, owner, on_pushed=self._pushed)
+        from tpassrun.channel import Field
+
+        # counted as a rank with sharded state from now on, before its first copy: a death inside step 0 is then
+        # planned from its step-0 copy (begin) rather than as a rank whose state some other rank holds
+        publish(Field.SHARD_TRACKED, 1)
 
     @classmethod
     def from_env(cls, owner: int, publish: Callable[[Any, int], None]) -> "ShardState":
@@ -443,8 +448,9 @@ class ShardState:
         self._costed = (version, time.thread_time() - cpu0)
         if step == 0 and self.pusher.pushing:
             # the job's first copy: in the buddy's memory before the step starts, so that no instant of the first
-            # step (or accumulation window) is without one (once per job: the push of one partition)
-            self.ring.fence()
+            # step (or accumulation window) is without one (once per job: the push of one partition); published at
+            # once (fence): the survivors' rings hold step 0 whatever instant of it a peer dies at
+            self.fence()
             self.pusher.offer()
             self.pusher.wait_pushed(step)
             return
