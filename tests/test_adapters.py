@@ -25,12 +25,22 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tpassrun.transfer import handoff
 from tpassrun.adapters._common import _collect, register
 from tpassrun.adapters.deepspeed import DeepSpeedAdapter, DeepSpeedEngineState
-from tpassrun.adapters.megatron import (DataIteratorState, MegatronAdapter, MegatronOptimizerState, MegatronProgress,
-                                        ModelChunksState, ParallelLayout, RerunStateMachineState, RngTrackerState,
-                                        SchedulerState, distopt_limit, donor_rank)
+from tpassrun.adapters.megatron import (
+    DataIteratorState,
+    MegatronAdapter,
+    MegatronOptimizerState,
+    MegatronProgress,
+    ModelChunksState,
+    ParallelLayout,
+    RerunStateMachineState,
+    RngTrackerState,
+    SchedulerState,
+    distopt_limit,
+    donor_rank,
+)
+from tpassrun.transfer import handoff
 from tpassrun.worker import Session
 
 

@@ -9,7 +9,6 @@ import os
 import re
 
 import pytest
-
 from docrun import REPO, SHELL_LANGS, command_blocks, run_page
 
 pytestmark = pytest.mark.timeout(600)

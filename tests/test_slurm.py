@@ -10,10 +10,20 @@ from tpassrun.launch.config import ConfigError, parse_args
 from tpassrun.records import Move, Phase, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
 from tpassrun.rendezvous import NodeInfo
 from tpassrun.scheduler import NodeState, SchedNode
-from tpassrun.scheduler.slurm import (Allocation, allocation_from_env, expand_hostlist, parse_node_line, parse_nodes,
-                                      plan_launch)
-from tpassrun.scheduler.watch import (Annotate, DeclareLost, DeleteTaints, Drain, TaintSlot, ResumeNode, Tell, View, decide,
-                                      job_comment, slurm_taint_id)
+from tpassrun.scheduler.slurm import Allocation, allocation_from_env, expand_hostlist, parse_node_line, parse_nodes, plan_launch
+from tpassrun.scheduler.watch import (
+    Annotate,
+    DeclareLost,
+    DeleteTaints,
+    Drain,
+    ResumeNode,
+    TaintSlot,
+    Tell,
+    View,
+    decide,
+    job_comment,
+    slurm_taint_id,
+)
 
 
 # ------------------------------------------------------------------------------------------- parsers

@@ -22,9 +22,9 @@ import sys
 import time
 
 import pytest
-
 from faults import EXAMPLE, Job, alive, assert_bit_exact, faults_env, hold_at
 from slurmcluster import NODES, SLURMD_TIMEOUT, SlurmCluster, descendants, parent, unavailable
+
 from tpassrun.rendezvous.embedded import _DIR_PREFIX as ETCD_DIR_PREFIX
 from tpassrun.scheduler.watch import short
 

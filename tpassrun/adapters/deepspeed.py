@@ -92,9 +92,15 @@ import logging
 import sys
 from typing import Any
 
-from tpassrun.adapters._common import (GroupSnapshot, adopt_group_sockets, declare_replicas, portable,
-                                       rebind_references, register,
-                      restore_portable)
+from tpassrun.adapters._common import (
+    GroupSnapshot,
+    adopt_group_sockets,
+    declare_replicas,
+    portable,
+    rebind_references,
+    register,
+    restore_portable,
+)
 
 log = logging.getLogger("tpassrun.adapters.deepspeed")
 

@@ -14,10 +14,8 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Awaitable
 
-from tpassrun.launch import RunLogs
-from tpassrun.launch import ProcessFailure
-from tpassrun.ops import EventLog
-from tpassrun.ops import Progress
+from tpassrun.launch import ProcessFailure, RunLogs
+from tpassrun.ops import EventLog, Progress
 from tpassrun.rendezvous import EtcdRendezvous, Generation, Member
 from tpassrun.settings import LaunchConfig
 from tpassrun.swapper import AgentEvent, EventSink, StatusHost
@@ -25,8 +23,7 @@ from tpassrun.swapper import AgentEvent, EventSink, StatusHost
 if TYPE_CHECKING:
     from tpassrun.agent.healthd import AgentHealth
     from tpassrun.channel import LocalSlots
-    from tpassrun.swapper import Swapper
-    from tpassrun.swapper import MirrorPlane
+    from tpassrun.swapper import MirrorPlane, Swapper
 
 
 @dataclasses.dataclass(slots=True, eq=False)

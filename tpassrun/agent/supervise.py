@@ -13,17 +13,36 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from tpassrun.records import (EtcdConnectionLost, EtcdConnectionOverdue, EtcdConnectionRestored, FallbackRestart, Fenced,
-                              LeaseLostNoted, MembershipChange, Signal, SpareLost, SpareNodeJoined, SpareReturned, UnmanagedDeath,
-                              WorkerExit, emit)
-from tpassrun.swapper import (FallbackRequested, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
-                   SpawnFailed, WorkerExited, WorkerSaid)
-from tpassrun.launch import stop_workers
-from tpassrun.channel import Done, Failed, Raised
-from tpassrun.rendezvous import EtcdRendezvous, Generation, Link, RendezvousError, one_line
-from tpassrun.launch import ProcessFailure
-from tpassrun.channel import Slot, SlotState
 from tpassrun.agent.state import AgentState, Started
+from tpassrun.channel import Done, Failed, Raised, Slot, SlotState
+from tpassrun.launch import ProcessFailure, stop_workers
+from tpassrun.records import (
+    EtcdConnectionLost,
+    EtcdConnectionOverdue,
+    EtcdConnectionRestored,
+    FallbackRestart,
+    Fenced,
+    LeaseLostNoted,
+    MembershipChange,
+    Signal,
+    SpareLost,
+    SpareNodeJoined,
+    SpareReturned,
+    UnmanagedDeath,
+    WorkerExit,
+    emit,
+)
+from tpassrun.rendezvous import EtcdRendezvous, Generation, Link, RendezvousError, one_line
+from tpassrun.swapper import (
+    FallbackRequested,
+    HealthRestartRequested,
+    LeaseLost,
+    RendezvousChanged,
+    SignalReceived,
+    SpawnFailed,
+    WorkerExited,
+    WorkerSaid,
+)
 
 if TYPE_CHECKING:
     from tpassrun.agent.cause import CauseJudge

@@ -19,8 +19,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
-from tpassrun.settings import envnames as E
 from tpassrun.scheduler.base import NodeState, SchedNode, SchedulerError
+from tpassrun.settings import envnames as E
 
 C10D_DEFAULT_PORT = 29400      # torchrun's c10d default; a job's etcd port is this + job id % PORT_SPREAD
 PORT_SPREAD = 1000             # two jobs sharing a first node (shared nodes) get different ports

@@ -32,9 +32,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
-from tpassrun.settings import envnames as E
 from tpassrun.records import Keys, Phase, SwapKind, SwapPlan, Taint, TaintEffect, load
 from tpassrun.scheduler.base import NodeState, SchedNode, SchedulerError, SchedulerPlugin
+from tpassrun.settings import envnames as E
 
 if TYPE_CHECKING:
     from tpassrun.rendezvous import EtcdRendezvous, NodeInfo

@@ -24,22 +24,52 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tpassrun.records import (AgentGone, FailureDropped, MigrateBackRequested, NodeLost, PoolNodeLeft, SpareReturned,
-                              SwapPlanSeen, SwapResumed, UserError, WorkerDied, emit)
+from tpassrun.channel import STOP_NOW, Failed, Field, Raise, Reserve, Slot, SlotState, WorkerPhase
+from tpassrun.plan import Phase, SwapKind, classify_death, recoverable
+from tpassrun.records import (
+    AgentGone,
+    Failure,
+    FailureDropped,
+    Fallback,
+    Keys,
+    MigrateBackRequested,
+    NodeLost,
+    PoolNodeLeft,
+    Report,
+    SpareReturned,
+    SwapPlan,
+    SwapPlanSeen,
+    SwapResumed,
+    Taint,
+    TaintEffect,
+    TaintSource,
+    UserError,
+    WorkerDied,
+    emit,
+    load,
+    seal,
+)
 from tpassrun.swapper import shardplane
-from tpassrun.channel import STOP_NOW, Field, WorkerPhase
+from tpassrun.swapper.agentport import (
+    AgentEvent,
+    AgentPort,
+    EventSink,
+    FallbackRequested,
+    HealthHost,
+    HealthRestartRequested,
+    LeaseLost,
+    RendezvousChanged,
+    SignalReceived,
+    SpawnFailed,
+    StatusHost,
+    SwapSettings,
+    WorkerExited,
+    WorkerSaid,
+    annotated,
+)
 from tpassrun.swapper.coordinator import Coordinator
-from tpassrun.plan import classify_death, recoverable
-from tpassrun.swapper.nodeswap import NodePlans
-from tpassrun.swapper.agentport import (AgentEvent, AgentPort, EventSink, FallbackRequested, HealthHost,
-                                       HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived, SpawnFailed,
-                                       StatusHost, SwapSettings, WorkerExited, WorkerSaid, annotated)
 from tpassrun.swapper.mirrorplane import MirrorPlane
-from tpassrun.channel import Failed, Raise, Reserve
-from tpassrun.records import seal
-from tpassrun.records import Failure, Fallback, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load
-from tpassrun.channel import Slot, SlotState
-from tpassrun.plan import Phase, SwapKind
+from tpassrun.swapper.nodeswap import NodePlans
 from tpassrun.swapper.phases import Phases
 from tpassrun.swapper.ranks import LocalRanks
 

@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union, overload
 
 if TYPE_CHECKING:
-    from tpassrun.channel import Done, Failed, Hello, Raised
-    from tpassrun.settings import LaunchConfig
+    from tpassrun.channel import Done, Failed, Hello, LocalSlots, Raised, Slot
     from tpassrun.rendezvous import EtcdRendezvous, Generation, RdzvEvent
-    from tpassrun.channel import LocalSlots, Slot
+    from tpassrun.settings import LaunchConfig
 
 
 # --------------------------------------------------------------------------------------------- agent events
