@@ -13,8 +13,8 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from tpassrun.swapper.agentport import (FallbackRequested, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
-                   SpawnFailed, WorkerExited, WorkerSaid)
+from tpassrun.swapper.agentport import (FallbackRequested, HandedBack, HealthRestartRequested, LeaseLost, RendezvousChanged,
+                                        SignalReceived, SpawnFailed, WorkerExited, WorkerSaid)
 from tpassrun.launch.procs import stop_workers
 from tpassrun.channel.protocol import Done, Failed, Raised
 from tpassrun.rendezvous import EtcdRendezvous, Generation, Link, RendezvousError, one_line
@@ -116,6 +116,16 @@ class Supervision:
                     await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, ev.reason))
             elif isinstance(ev, LeaseLost):
                 result = await self._fence(gen, ev.reason)
+            elif isinstance(ev, HandedBack):
+                running = sorted(s.rank for s in self._node.slots.slots
+                                 if s.state == SlotState.RUNNING and s.rank is not None)
+                if running:     # the leader asks only of a node its ranks left: never take a rank down with it
+                    if not st.handed_back:
+                        st.events.write("handback_refused", reason=ev.reason, ranks=running)
+                    continue
+                st.handed_back = ev.reason
+                st.events.write("handed_back", reason=ev.reason)
+                return Outcome.SIGNALLED, f"handed back to the scheduler: {ev.reason}"
             if result is not None:
                 return result
 

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tpassrun.health import TaintEffect
-from tpassrun.records.faults import HANDLED_COALESCED, HANDLED_KILLED, HANDLED_RESTART, Failure, Fallback, Taint, TaintSource
+from tpassrun.records.faults import (HANDLED_COALESCED, HANDLED_KILLED, HANDLED_RESTART, Failure, Fallback, HandBack, Taint,
+                                     TaintSource)
 from tpassrun.records.fields import SCHEMA_VERSION, RecordError, load
 from tpassrun.records.nodes import (HealthRecord, MirrorKey, NodeStatus, RunClosed, WorkerRow, generation_record, leader_of,
                             node_info, rendezvous_guard)
@@ -54,6 +55,7 @@ class Keys:
         "status": "status/<node_id>",
         "health": "health/<node_id>",
         "fallbacks": "fallbacks/<node_id>",
+        "handbacks": "handbacks/<node_id>",
         "mirror_key": "mirror_key",
     }
 
@@ -110,12 +112,15 @@ class Keys:
     def fallback(self, node_id: str) -> str:
         return self._join("fallbacks", node_id)
 
+    def handback(self, node_id: str) -> str:
+        return self._join("handbacks", node_id)
+
     @property
     def mirror_key(self) -> str:
         return self.prefix + "mirror_key"
 
 
-__all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED", "HANDLED_RESTART", "HealthRecord",
+__all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED", "HANDLED_RESTART", "HandBack", "HealthRecord",
            "Keys", "MirrorKey", "NodeStatus",
            "Phase", "RecordError", "Report", "RunClosed", "generation_record", "leader_of", "node_info",
            "rendezvous_guard", "SCHEMA_VERSION", "SlotRef", "SwapKind", "SwapPlan", "TERMINAL",

@@ -29,10 +29,10 @@ from tpassrun.channel import STOP_NOW, Field, WorkerPhase
 from tpassrun.swapper.coordinator import Coordinator
 from tpassrun.plan import classify_death, recoverable
 from tpassrun.swapper.nodeswap import NodePlans
-from tpassrun.swapper.agentport import AgentPort, FallbackRequested
+from tpassrun.swapper.agentport import AgentPort, FallbackRequested, HandedBack
 from tpassrun.channel.protocol import Failed, Raise, Reserve
 from tpassrun.records.provenance import seal
-from tpassrun.records import Failure, Fallback, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load
+from tpassrun.records import Failure, Fallback, HandBack, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load
 from tpassrun.channel.slots import Slot, SlotState
 from tpassrun.plan import Phase, SwapKind
 from tpassrun.swapper.phases import Phases
@@ -187,7 +187,13 @@ class Swapper:
         or restarts the group saying why; a node that held no ranks (an idle spare node) costs nothing. A pool
         node's spare node the job gave back leaves as expected, and is said so."""
         pool = self.coordinator.pool
-        if pool is not None and node_id in pool.given_back:
+        key = self._keys.handback(node_id)
+        doc, rev = await self._store.get_json(key)
+        handback = load(HandBack.from_json, key, doc, rev) if doc is not None else None
+        if handback is not None:       # handed back to the scheduler, holding no rank: no loss
+            self.port.events.write("node_handed_back", lost_node=node_id, sched_node=handback.node,
+                                   reason=handback.reason)
+        elif pool is not None and node_id in pool.given_back:
             self.port.events.write("pool_node_left", lost_node=node_id, pool=pool.name,
                                    pool_node=pool.given_back.pop(node_id))
         else:
@@ -271,6 +277,7 @@ class Swapper:
             tg.create_task(self.coordinator.run())
             tg.create_task(self._follow_taint_removals())
             tg.create_task(self._follow_fallbacks())
+            tg.create_task(self._follow_handback())
 
     async def _follow_plans(self) -> None:
         prefix = self._keys.family("swaps")
@@ -375,6 +382,18 @@ class Swapper:
             index = fallback.slot
             dead = self._slots.slots[index] if index is not None and index < len(self._slots.slots) else None
             self.port.post(FallbackRequested(fallback.reason, dead))
+
+    async def _follow_handback(self) -> None:
+        """The leader's scheduler watcher hands this node back to the scheduler (``handbacks/<node>``): the agent
+        leaves the job (see :class:`~tpassrun.swapper.agentport.HandedBack`)."""
+        key = self._keys.handback(self.port.node_id)
+        doc, rev, header = await self._store.read_json(key)     # written before this generation's watch began
+        if doc is not None and (handback := load(HandBack.from_json, key, doc, rev)) is not None:
+            self.port.post(HandedBack(handback.reason))
+        async for ev in self._store.watch_key(key, header + 1):
+            handback = load(HandBack.from_json, key, ev.value, ev.mod_revision) if ev.kind == "put" else None
+            if handback is not None:
+                self.port.post(HandedBack(handback.reason))
 
     async def _follow_taint_removals(self) -> None:
         """``tpassctl untaint``: a quarantined slot of this node goes back to the spare pool."""
