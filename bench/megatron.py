@@ -4,6 +4,8 @@ torchrun? (What the shard mirror costs Megatron's distributed optimizer: bench/m
 
     python bench/megatron.py [--kills 10] [--swaps 10] [--nodes 0] [--iters 16] [--tp 2] [--distopt] [--seed S]
     python bench/megatron.py --distopt --kills 10 --swaps 0 --nodes 5         # the DistOpt acceptance
+    python bench/megatron.py --distopt --kills 3 --swaps 0 --keep             # ... split into short runs: then
+    python bench/megatron.py --distopt --kills 3 --swaps 0 --reference DIR/torchrun   # DIR: the one kept above
     python bench/mirror.py --skip-critical --script tests/megatron_trainer.py \
         -- --tensor-model-parallel-size 1 --use-distributed-optimizer --clip-grad 1.0   # DistOpt: mirror cost
 
@@ -268,18 +270,24 @@ def main() -> None:
     p.add_argument("--distopt", action="store_true", help="Megatron's DistributedOptimizer + clip-grad 1.0")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--keep", action="store_true")
+    p.add_argument("--reference", default=None, metavar="DIR",
+                   help="the torchrun reference of a kept run (its torchrun/ directory, same script arguments): "
+                        "not run again, so that a sweep splits into short runs")
     args = p.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
     rng = random.Random(seed)
     print(f"seed {seed}: {' '.join(script_args(args))}", flush=True)
     rows = []
     with Workdir(keep=args.keep, prefix="tpassrun-bench-megatron-") as work:
-        ref = torchrun_job(work.sub("torchrun"), SCRIPT, WORLD, script_args(args)).start()
-        try:
-            if ref.wait(600) != 0:
-                raise SystemExit(f"the torchrun reference failed:\n{ref.log()[-3000:]}")
-        finally:
-            ref.kill()
+        if args.reference:
+            ref = Job(argv=[], out=args.reference)
+        else:
+            ref = torchrun_job(work.sub("torchrun"), SCRIPT, WORLD, script_args(args)).start()
+            try:
+                if ref.wait(600) != 0:
+                    raise SystemExit(f"the torchrun reference failed:\n{ref.log()[-3000:]}")
+            finally:
+                ref.kill()
         etcd = EtcdServer().start()
         try:
             for mode, n in (("kill", args.kills), ("swap", args.swaps)):

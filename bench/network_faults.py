@@ -3,7 +3,7 @@
     .venv/bin/python bench/network_faults.py flaps --flaps 10                    # (a)
     .venv/bin/python bench/network_faults.py degrade --kinds loss,rate --trials 5    # (b) at a random step 1-300
     .venv/bin/python bench/network_faults.py degrade --kinds both --trials 2         # (b) loss both ways
-    .venv/bin/python bench/network_faults.py noise --seconds 180 --burners 2         # (c)
+    .venv/bin/python bench/network_faults.py noise --seconds 600 --burners 2 --flaps 8   # (c) CPU load and flaps
 
 Root only. One chaos cluster (``bench/chaos_cluster.py``: 2 members of 2 ranks and a ``--spare-node``, one
 external etcd, every agent a host of its own in a network namespace). The last line is JSON.
@@ -15,6 +15,7 @@ import argparse
 import json
 import os
 import random
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -43,9 +44,23 @@ def count(events: list[dict], names: tuple[str, ...], since: float = 0.0) -> dic
     return out
 
 
-def reference(work: str, steps: int, step_sleep: float) -> Job:
+def reference(work: str, steps: int, step_sleep: float, keep: str | None = None) -> Job:
+    """torchrun's run of the same job. ``keep``: a directory that holds one from an earlier call with the same
+    steps and step sleep (reused; written there when it does not): a sweep split into short runs runs it once."""
+    if keep is not None:
+        stamp = os.path.join(keep, "reference.json")
+        if os.path.exists(stamp):
+            with open(stamp) as fh:
+                was = json.load(fh)
+            if was == {"steps": steps, "step_sleep": step_sleep}:
+                return Job(argv=[], out=os.path.join(keep, "ref"))
+        os.makedirs(keep, exist_ok=True)
+        work = keep
     ref = Job.torchrun(os.path.join(work, "ref"), nproc=RANKS, steps=steps, step_sleep=step_sleep).start()
     assert ref.wait(900) == 0, ref.log()[-3000:]
+    if keep is not None:
+        with open(os.path.join(keep, "reference.json"), "w") as fh:
+            json.dump({"steps": steps, "step_sleep": step_sleep}, fh)
     return ref
 
 
@@ -209,8 +224,8 @@ def degrade_one(kind: str, trial: int, rng: random.Random, ref: Job | None, args
 
 def degrade(args: argparse.Namespace) -> dict:
     rng = random.Random(args.seed)
-    ref = reference(tempfile.mkdtemp(prefix="tpassrun-netdeg-ref-"), args.steps, args.step_sleep) if args.compare \
-        else None
+    ref = reference(tempfile.mkdtemp(prefix="tpassrun-netdeg-ref-"), args.steps, args.step_sleep,
+                    keep=args.reference) if args.compare else None
     rows = []
     for kind in args.kinds.split(","):
         for trial in range(args.trials):
@@ -231,23 +246,50 @@ def degrade(args: argparse.Namespace) -> dict:
 
 
 def noise(args: argparse.Namespace) -> dict:
-    """No fault, background CPU load from other processes and a slow step now and then: nothing degraded."""
+    """No degraded link: background CPU load from other processes (``--burners``, beside whatever else the machine
+    runs), a slow step now and then and, with ``--flaps``, a member's link down for 1-6 s every 40-80 s. Nothing
+    may be flagged (degraded, suspect or ambiguous); the machine's load average is recorded every 30 s."""
+    rng = random.Random(args.seed)
     work = tempfile.mkdtemp(prefix="tpassrun-netnoise-")
     c = Cluster(work, steps=100000, step_sleep=args.step_sleep, hang_timeout=60, netns=True, small_disk=False)
     burners = []
+    loads: list[tuple[float, float, float]] = []
+    flapped: list[dict] = []
     try:
         c.start_job()
         t0 = time.time()
         burn = "import time\nwhile True:\n    t = time.time()\n    while time.time() - t < 0.5: pass\n    time.sleep(0.2)"
         burners = [subprocess.Popen([sys.executable, "-c", burn]) for _ in range(args.burners)]
-        time.sleep(args.seconds)
+        next_flap = t0 + rng.uniform(40, 80) if args.flaps else float("inf")
+        next_load = t0
+        while time.time() - t0 < args.seconds and c.running():
+            now = time.time()
+            if now >= next_load:
+                loads.append(os.getloadavg())
+                next_load += 30
+            if now >= next_flap and len(flapped) < args.flaps:
+                victim = c.agents[rng.randrange(2)]
+                down = rng.uniform(1.0, 6.0)
+                link(c, victim.host, "down")
+                time.sleep(down)
+                link(c, victim.host, "up")
+                flapped.append({"node": victim.name, "down_s": round(down, 1), "at_s": round(now - t0)})
+                print(f"flap: {victim.name} down {down:.1f} s at {now - t0:.0f} s", flush=True)
+                next_flap = time.time() + rng.uniform(40, 80)
+            time.sleep(0.5)
         evs = c.events()
-        return {"noise": {"seconds": args.seconds, "burners": args.burners, "steps": step_at(c, time.time()) -
-                          step_at(c, t0), "ms_per_step": ms_per_step(c, t0, time.time()),
+        one_min = [ld[0] for ld in loads]
+        return {"noise": {"seconds": round(time.time() - t0), "burners": args.burners, "running": c.running(),
+                          "steps": step_at(c, time.time()) - step_at(c, t0), "ms_per_step": ms_per_step(c, t0, time.time()),
+                          "load_1min": {"min": min(one_min, default=None), "median": statistics.median(one_min)
+                                        if one_min else None, "max": max(one_min, default=None)},
+                          "flaps": flapped, "ridden_out": sum(e["event"] == "link_ridden_out" for e in evs),
                           "degraded": sum(e["event"] == "link_degraded" for e in evs),
                           "suspect": sum(e["event"] == "link_suspect" for e in evs),
                           "ambiguous": sum(e["event"] == "link_ambiguous" for e in evs),
-                          "swaps": len({e.get("swap_id") for e in evs if e["event"] == "swap_decided"})}}
+                          "suspect_lines": [e.get("reason") for e in evs if e["event"] == "link_suspect"][:5],
+                          "swaps": len({e.get("swap_id") for e in evs if e["event"] == "swap_decided"}),
+                          "bad_events": count(evs, RESTART_EVENTS, t0)}}
     finally:
         for b in burners:
             b.kill()
@@ -277,10 +319,14 @@ def main() -> None:
     d.add_argument("--step-sleep", type=float, default=0.05)
     d.add_argument("--timeout", type=float, default=180)
     d.add_argument("--no-compare", dest="compare", action="store_false", help="skip torchrun's reference run")
+    d.add_argument("--reference", metavar="DIR", help="keep torchrun's reference run in DIR and reuse it from there "
+                   "(a sweep split into several short runs)")
     n = sub.add_parser("noise")
     n.add_argument("--seconds", type=float, default=180)
     n.add_argument("--burners", type=int, default=2, help="background processes, each busy 0.5 s of every 0.7 s")
     n.add_argument("--step-sleep", type=float, default=0.05)
+    n.add_argument("--flaps", type=int, default=0, help="this many link flaps of 1-6 s, one every 40-80 s")
+    n.add_argument("--seed", type=int, default=1)
     args = p.parse_args()
     if not NetLab.available():
         raise SystemExit("needs root and iproute2 (network namespaces)")

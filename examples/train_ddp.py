@@ -106,6 +106,9 @@ class ZeroAdamW:
     def commit_optimizers(self) -> list:
         return [self.inner]         # tpassrun: its step() is where this rank's slice starts changing
 
+    copy_at_start = True            # tpassrun: state_dict() changes nothing before the first step: step 0 is
+                                    # mirrored too, a death inside it recovered live
+
     def state_dict(self) -> dict:
         return {"rank": self.rank, "world": self.world, "shard": self.shard.detach(), "inner": self.inner.state_dict()}
 

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 # name -> the submodule that defines it, imported on first use: the launcher's command-line checks use the endpoint
 # grammar (``config.split_endpoint``) without paying for aetcd and gRPC
 _EXPORTS = {
-    **dict.fromkeys(("ETCD_PASSWORD_ENV", "EtcdConfig", "RendezvousSettings", "read_private_file",
+    **dict.fromkeys(("DEFAULT_PREFIX", "ETCD_PASSWORD_ENV", "EtcdConfig", "RendezvousSettings", "read_private_file",
                      "refuse_inline_secrets", "split_endpoint"), ".config"),
     **dict.fromkeys(("EmbeddedEtcd", "ServerTls", "find_etcd_binary", "host_etcd_if_absent", "pid_alive"),
                     ".embedded"),
     **dict.fromkeys(("RendezvousClosedError", "RendezvousConnectionError", "RendezvousError", "RendezvousKeyError",
                      "RendezvousTimeoutError"), ".errors"),
-    **dict.fromkeys(("EtcdStore", "WatchEvent"), ".etcd_io"),
+    **dict.fromkeys(("EtcdStore", "LeaseIs", "WatchEvent", "encode_value"), ".etcd_io"),
     **dict.fromkeys(("EtcdConnection", "Link", "one_line"), ".etcd_link"),
     "RecordGuard": ".guard",
     "EtcdRendezvous": ".handler",
@@ -30,12 +30,12 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from .config import (ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, read_private_file, refuse_inline_secrets,
-                         split_endpoint)
+    from .config import (DEFAULT_PREFIX, ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, read_private_file,
+                         refuse_inline_secrets, split_endpoint)
     from .embedded import EmbeddedEtcd, ServerTls, find_etcd_binary, host_etcd_if_absent, pid_alive
     from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError, RendezvousKeyError,
                          RendezvousTimeoutError)
-    from .etcd_io import EtcdStore, WatchEvent
+    from .etcd_io import EtcdStore, LeaseIs, WatchEvent, encode_value
     from .etcd_link import EtcdConnection, Link, one_line
     from .guard import RecordGuard
     from .handler import EtcdRendezvous
@@ -52,6 +52,9 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "DEFAULT_PREFIX",
+    "LeaseIs",
+    "encode_value",
     "EmbeddedEtcd",
     "ServerTls",
     "host_etcd_if_absent",

@@ -34,6 +34,9 @@ def encode(value: dict[str, Any]) -> bytes:
     return json.dumps(value, sort_keys=True, separators=(",", ":")).encode()
 
 
+encode_value = encode   # the door's name for it (tpassrun.rendezvous.encode_value): a value's bytes, as the store writes them
+
+
 def decode(raw: bytes | None) -> dict[str, Any] | None:
     """A stored JSON object, or None for an absent, empty or foreign (non-JSON-object) value."""
     if not raw:

@@ -72,6 +72,9 @@ class EtcdRendezvous(Leadership):
         self._leader_vacant = asyncio.Event()
         self._leadership_lost = asyncio.Event()
         self._is_leader = False
+        # called (no arguments, on the handle's loop) whenever this agent starts or stops leading: the swap
+        # coordinator watches the run's records only while it leads (one watcher of every status write, not N)
+        self.leadership_listeners: list[Callable[[], None]] = []
         self._registered = False
         self._last_joined: Generation | None = None
         self._subscribers: list[asyncio.Queue[RdzvEvent | None]] = []
@@ -135,7 +138,7 @@ class EtcdRendezvous(Leadership):
             await asyncio.wait(tasks, timeout=5)
         with contextlib.suppress(ValueError):
             self._store.connection.listeners.remove(self._on_connection)
-        self._is_leader = False
+        self._set_leading(False)
         await self._store.close()  # revokes the lease: our registration and leader key vanish at once
         for q in self._subscribers:
             q.put_nowait(None)

@@ -42,6 +42,7 @@ class Leadership:
     _leader_vacant: asyncio.Event
     _leadership_lost: asyncio.Event
     _is_leader: bool
+    leadership_listeners: list[Callable[[], None]]
     _foreign: str | None
     _last_reason: str
 
@@ -114,8 +115,8 @@ class Leadership:
                 return   # this agent is leaving (its records are sealed with another key): it must not lead
             if not await self._campaign():
                 continue  # someone else won; wait for the key to go again
-            self._is_leader = True
             self._leadership_lost.clear()
+            self._set_leading(True)
             if self._leader != self.node.node_id:
                 self._leader = self.node.node_id
                 self._publish(RdzvEvent(EventKind.LEADER_CHANGED, self._gen, self.node.node_id,
@@ -124,7 +125,14 @@ class Leadership:
             try:
                 await self._lead()
             finally:
-                self._is_leader = False
+                self._set_leading(False)
+
+    def _set_leading(self, leading: bool) -> None:
+        if leading == self._is_leader:
+            return
+        self._is_leader = leading
+        for listener in list(self.leadership_listeners):
+            listener()
 
     # --- leading ---------------------------------------------------------------------------------------
 

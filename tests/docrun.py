@@ -222,9 +222,11 @@ def final_state(namespace: dict[str, Any]) -> dict[str, Any]:
         stage = getattr(value, "zero_optimization_stage", None)
         if callable(stage) and stage() >= 3:
             # ZeRO-3: the module's parameters are this rank's partitions; the ZeRO optimizer holds the fp32 master
-            # partition and the moments
-            out[name + ".zero3"] = local({"params": {n: p.ds_tensor for n, p in value.module.named_parameters()},
-                                          "optimizer": value.optimizer.state_dict()})
+            # partition and the moments (compared without DeepSpeed's alignment padding: uninitialized memory that
+            # differs run to run under torchrun too)
+            from tpassrun.adapters.deepspeed import zero3_partition
+
+            out[name + ".zero3"] = zero3_partition(value)
     return out
 
 

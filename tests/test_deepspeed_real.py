@@ -158,10 +158,12 @@ def test_zero3_runs_as_under_torchrun(tmp_path, etcd_server, run_id, reference):
         job.kill()
     lines = [line for line in job.log().splitlines() if "recovery decided (fallback)" in line]
     assert len(lines) == 1 and "ZeRO-3" in lines[0] and "whole-group restart" in lines[0], lines
-    # Open (issue 35): the restarted run's rank 1 fp32 partition differed from this reference once (20:25 UTC,
-    # Dec 7); whether ZeRO-3 on CPU is run-to-run deterministic under torchrun itself is not established yet, so
-    # the comparison is not asserted here.
-    assert ref.final(0) is not None and job.final(0) is not None
+    # the restarted group ran the whole script again: its final state is the reference's. (It once differed in
+    # rank 1's fp32 partition, 1c063cc: in its last element, the alignment padding of the last rank's partition,
+    # uninitialized memory that differs between two plain torchrun runs too; zero3_partition leaves it out.)
+    from realjobs import assert_trees_equal
+    for r in range(2):
+        assert_trees_equal(job.final(r), ref.final(r), f"rank {r}")
 
 
 def test_a_configuration_the_adapter_cannot_hand_over_runs_as_under_torchrun(tmp_path, etcd_server, run_id, reference):

@@ -12,7 +12,7 @@ import pytest
 from tpassrun.pool import (Claim, ClaimNode, JobNeed, JobSpec, NodeState, Phase, PoolKeys, PoolNode, PoolView,
                            Preempt, Restart, Source, UseOwn, WaitForPool, box, plan_job, plan_node, pool_prefix, unbox)
 from tpassrun.pool import plan as P
-from tpassrun.records.pool import load_sealed, seal
+from tpassrun.records.pool import load_sealed, pool_seal
 from tpassrun.records import provenance
 from tpassrun.records.provenance import RunKey
 from tpassrun.records.fields import RecordError
@@ -35,7 +35,7 @@ def test_records_round_trip_sealed_and_refused_with_another_key_or_moved():
     keys = PoolKeys(pool_prefix("/tpassrun/v1", "p1"))
     assert keys.prefix == "/tpassrun/v1-pools/p1/"
     c = claim("n1", "jobA", 3)
-    doc = seal(KEY, keys.claim("n1"), c.to_json())
+    doc = pool_seal(KEY, keys.claim("n1"), c.to_json())
     assert Claim.from_json(load_sealed(KEY, keys.claim("n1"), doc)) == c
     with pytest.raises(RecordError):
         load_sealed(OTHER, keys.claim("n1"), doc)             # another pool's key

@@ -27,7 +27,7 @@ from tpassrun.pool import plan as P
 from tpassrun.pool.job import JobPool
 from tpassrun.pool.node import PoolNodeLoop
 from tpassrun.records import Keys, Phase as SwapPhase, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, TaintSource
-from tpassrun.records.pool import load_sealed, seal
+from tpassrun.records.pool import load_sealed, pool_seal
 from tpassrun.records.provenance import RunKey
 from tpassrun.rendezvous import EtcdConfig, EtcdStore
 from tpassrun.settings import LaunchConfig
@@ -107,7 +107,7 @@ def test_the_pool_node_stops_the_jobs_spare_node_on_a_claim_given_back_and_is_id
     _, act = plan_node(NodeState("p1", 2), P.ClaimSeen(released), 5.0)
     assert isinstance(act, P.BecomeIdle)
     keys = PoolKeys(pool_prefix("/tpassrun/v1", "p"))
-    assert Claim.from_json(load_sealed(KEY, keys.claim("p1"), seal(KEY, keys.claim("p1"), released.to_json()))) \
+    assert Claim.from_json(load_sealed(KEY, keys.claim("p1"), pool_seal(KEY, keys.claim("p1"), released.to_json()))) \
         == released
     old = {k: v for k, v in claim.to_json().items() if k != "released"}     # written before the field existed
     assert Claim.from_json(old).released == ""

@@ -22,7 +22,7 @@ from tpassrun.pool import JobSpec, Pool, PoolKeys, PoolNode, pool_prefix
 from tpassrun.pool.job import JobPool
 from tpassrun.pool.members import PoolMembers
 from tpassrun.pool.node import PoolNodeLoop
-from tpassrun.records.pool import PreemptRequest, seal
+from tpassrun.records.pool import PreemptRequest, pool_seal
 from tpassrun.records.provenance import RunKey
 from tpassrun.rendezvous import EtcdConfig, EtcdStore
 from tpassrun.settings import LaunchConfig
@@ -94,7 +94,7 @@ def test_a_high_priority_job_takes_a_pool_node_from_a_low_priority_member(etcd_s
                 await admin.put_json(keys.preempt("p1"), bad.to_json())
                 await _until(lambda: _said(node_said, "without the pool key's seal"), "an unsealed request acted on")
                 equal = PreemptRequest("p1", "peer", "m", 1, time.time(), "x")
-                await admin.put_json(keys.preempt("p1"), seal(KEY, keys.preempt("p1"), equal.to_json()))
+                await admin.put_json(keys.preempt("p1"), pool_seal(KEY, keys.preempt("p1"), equal.to_json()))
                 await _until(lambda: _said(node_said, "peer (priority 1) is not above low"), "an equal one acted on")
                 assert await _state(pool, "serving") and loop.child is not None and loop.child.returncode is None
                 await admin.delete(keys.preempt("p1"))

@@ -6,7 +6,8 @@ parameters only), against the same script under plain torchrun.
   A's memory; SIGKILLed inside its optimizer step (after its own slice changed), its replacement on node B takes
   the slice from A's mirror and the model from rank 0; rank 0 keeps its process, 0 steps lost;
 * one agent (2 ranks + 1 spare), rank 1 killed at a random instant from outside (refreshes at the default
-  interval, and every 3 steps: then up to 2 steps are recomputed from older copies).
+  interval, and every 3 steps: then up to 2 steps are recomputed from older copies); and killed inside step 0,
+  from the step-0 copy.
 DeepSpeed ZeRO-1/2 and FSDP2 are in tests/test_deepspeed_real.py and tests/test_torchtitan_real.py."""
 
 from __future__ import annotations
@@ -120,3 +121,24 @@ def test_a_kill_at_a_random_instant_is_recovered_from_the_mirror(tmp_path, etcd_
     assert_same_run(job, reference, 2)
     pids = pids_by_rank(job, 2)
     assert len(pids[0]) == 1 and len(pids[1]) == 2, pids
+
+
+def test_a_death_inside_step_0_is_recovered_from_the_step_0_copy(tmp_path, etcd_server, run_id, reference):
+    """Issue 35 item 3: rank 1 dies in its backward pass of step 0 (inside the first accumulation window, before
+    the step's commit point): its step-0 copy is in the buddy's memory before the step ran
+    (``ZeroAdamW.copy_at_start``), and its slot says it keeps sharded state from ``track_sharded`` on. Before, the
+    slot said so only from the step's commit point on, and such a death restarted the group
+    (tests/test_shard_step0.py). Live, no step lost, rank 0 keeps its process."""
+    out = str(tmp_path / "job")
+    argv = [sys.executable, "-m", "tpassrun", "--nnodes", "1", "--rdzv-backend", "etcd", "--rdzv-endpoint",
+            etcd_server.endpoint, "--rdzv-id", run_id, "--nproc-per-node", "2", "--spares-per-node", "1",
+            "--max-restarts", "0", "--log-dir", os.path.join(out, "logs"), EXAMPLE, *ARGS, "--out", out]
+    job = Job(argv=argv, out=out, env=faults_env(kill_at(1, 0, str(tmp_path / "fault"), where="backward"))).start()
+    try:
+        assert job.wait(240) == 0, job.log()[-4000:]
+    finally:
+        job.kill()
+    assert os.path.exists(tmp_path / "fault"), "the fault did not fire"
+    assert [e for e in job.events() if e["event"] == "swap_resumed"], job.log()[-3000:]
+    assert_same_run(job, reference, 2)
+    assert len(pids_by_rank(job, 2)[0]) == 1

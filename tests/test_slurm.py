@@ -9,8 +9,7 @@ import pytest
 from tpassrun.launch.config import ConfigError, parse_args
 from tpassrun.records import HandBack, Move, Phase, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
 from tpassrun.rendezvous import NodeInfo
-from tpassrun.scheduler import NodeState, SchedNode
-from tpassrun.scheduler.base import SchedJob
+from tpassrun.scheduler import NodeState, SchedJob, SchedNode
 from tpassrun.scheduler.slurm import (Allocation, allocation_from_env, expand_hostlist, parse_job, parse_node_line,
                                       parse_nodes, plan_launch)
 from tpassrun.scheduler.watch import (Annotate, DeclareLost, DeleteTaints, Drain, HandBackNode, KeepNode, ReleaseNodes,

@@ -186,7 +186,7 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_is_handed_b
     assert "Slurm drained n2 by root: maintenance: moving rank(s) " in console
     assert "drained n1 in Slurm: tpassrun: gpu1: " in console and "resumed n1 in Slurm" in console
     assert console.count("swapped and resumed") >= 2
-    assert "handed back to the scheduler (Slurm drained n2 by root: maintenance" in console       # n2's agent
+    assert "handed back to the scheduler, leaving the job (Slurm drained n2 by root: maintenance" in console  # n2
     assert "handed n2 back to Slurm: the job runs on n1, n3" in console                          # the leader
     assert not [e for e in events if e["event"] == "node_lost"], "a node handed back is no loss"
     assert [short(e["lost_node"]) for e in events if e["event"] == "node_handed_back"] == ["n2"]

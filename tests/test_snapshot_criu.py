@@ -124,7 +124,9 @@ async def _scenario(criu: str, tmp: str) -> None:
         assert codes == [0, 0], [open(os.path.join(tmp, f"{r}.err")).read()[-2000:] for r in ("server", "client")]
         for role in ("server", "client"):
             with open(specs[role].stdout_path or "") as fh:
-                counts = [int(line.split()[1]) for line in fh]
+                text = fh.read()
+            assert all(len(line.split()) == 2 for line in text.splitlines()), (role, text)
+            counts = [int(line.split()[1]) for line in text.splitlines()]
             # the log holds the first run up to its death, then the restored run from the snapshot on (one step back):
             # after it, each count the peer sent arrives exactly once and in order, to the end
             drops = [i for i in range(1, len(counts)) if counts[i] <= counts[i - 1]]

@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import sys
 
-from tpassrun.ops.cleantext import clean
-from tpassrun.launch.config import ConfigError, parse_args, preflight
+from tpassrun.ops import clean
+from tpassrun.launch import parse_args, preflight
+from tpassrun.settings import ConfigError
 from tpassrun.settings import envnames as E
 
 USAGE_ERROR = 2     # argparse's code, as torchrun
@@ -22,7 +23,7 @@ def _check_devices(cfg) -> None:  # a LaunchConfig
     """A layout whose spares need more GPUs than the node has is refused before anything starts."""
     if cfg.spares_per_node <= 0:
         return
-    from tpassrun.launch.devices import check_layout, node_devices
+    from tpassrun.launch import check_layout, node_devices
 
     try:
         devices = node_devices(os.environ, slots=cfg.nproc_per_node + cfg.spares_per_node)

@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import tpassrun                                                   # tpassrun
 from tpassrun.adapters.data import ResumableLoader                # tpassrun
 from tpassrun.adapters.deepspeed import DeepSpeedAdapter          # tpassrun
+from tpassrun.adapters.deepspeed import zero3_partition           # (--out only: what the tests compare)
 from tpassrun.worker.faultpoints import fault_point
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -112,13 +113,8 @@ def final_state(engine) -> dict:
     """The module, and this rank's optimizer partition as plain tensors (fp32 master shard under ZeRO)."""
     opt = engine.optimizer
     if engine.zero_optimization_stage() >= 3:     # this rank's parameter partition and the persistent ones
-        sd = opt.state_dict()
-        module = {name: (p.ds_tensor if not p.ds_persist else p.data).detach().clone()
-                  for name, p in engine.module.named_parameters()}
-        base = sd["optimizer_state_dict"]
-        fp32 = [t.detach().clone() for t in sd["fp32_flat_groups"]]
-        state = {pid: {k: v for k, v in st.items() if torch.is_tensor(v)} for pid, st in base["state"].items()}
-        return {"module": module, "fp32": fp32, "optim": state, "scheduler": engine.lr_scheduler.state_dict(),
+        # without the alignment padding (uninitialized memory nothing reads: it differs run to run under torchrun)
+        return {**zero3_partition(engine), "scheduler": engine.lr_scheduler.state_dict(),
                 "global_steps": engine.global_steps, "micro_steps": engine.micro_steps}
     if engine.zero_optimization_stage() >= 1:
         base = opt.optimizer.state_dict()

@@ -339,6 +339,6 @@ def _collect(roots: Iterable[Any], match: Callable[[Any], bool], found: dict[int
 def adopt_group_sockets() -> int:
     """Let tpassrun tear the sockets of the groups created since the world's init down on a failure (so a peer
     blocked in a sub-group collective fails at once instead of waiting for gloo's timeout)."""
-    from tpassrun.worker.world import GROUP_SOCKETS
+    from tpassrun.worker import GROUP_SOCKETS
 
     return GROUP_SOCKETS.adopt_since_init()

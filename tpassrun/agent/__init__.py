@@ -40,25 +40,25 @@ from tpassrun.agent.tasks import GenerationTasks
 from tpassrun.agent.transparent import Transparent
 from tpassrun.agent.workers import WorkerSpawning, find_devices, watch_exit
 from tpassrun.settings import LaunchConfig
-from tpassrun.ops.cleantext import clean
-from tpassrun.ops.console import WAITING_EVERY_S, ConsoleReporter, GlogFormatter
-from tpassrun.launch.elasticevents import ElasticEvents
-from tpassrun.ops.events import EventLog
-from tpassrun.ops.registry import register_run
-from tpassrun.launch.procs import RunLogs
+from tpassrun.ops import clean
+from tpassrun.ops import WAITING_EVERY_S, ConsoleReporter, GlogFormatter
+from tpassrun.launch import ElasticEvents
+from tpassrun.ops import EventLog
+from tpassrun.ops import register_run
+from tpassrun.launch import RunLogs
 from tpassrun.records import Keys, rendezvous_guard
-from tpassrun.launch.report import copy_root_cause_error_file, format_failure_report
+from tpassrun.launch import copy_root_cause_error_file, format_failure_report
 from tpassrun.rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,
                          RendezvousError, RendezvousSettings, ServerTls, find_etcd_binary, host_etcd_if_absent,
                          read_private_file, refuse_inline_secrets)
-from tpassrun.swapper.agentport import AgentEvent, AgentPort, SignalReceived, SwapSettings
-from tpassrun.records.provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, env_without_key,
+from tpassrun.swapper import AgentEvent, AgentPort, SignalReceived, SwapSettings
+from tpassrun.records import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, env_without_key,
                          register as register_run_key, run_key_from)
-from tpassrun.swapper.mirrorplane import MirrorPlane
-from tpassrun.channel.slots import LocalSlots, Slot, SlotState
+from tpassrun.swapper import MirrorPlane
+from tpassrun.channel import LocalSlots, Slot, SlotState
 from tpassrun.swapper import Swapper
-from tpassrun.launch.workerenv import check_encrypt_conf, elastic_entry_point, encrypt_requested, entrypoint_name
-from tpassrun.transfer.auth import aead_unavailable_reason
+from tpassrun.launch import check_encrypt_conf, elastic_entry_point, encrypt_requested, entrypoint_name
+from tpassrun.transfer import aead_unavailable_reason
 
 if TYPE_CHECKING:
     from tpassrun.scheduler import SchedulerWatch
@@ -217,11 +217,11 @@ class Agent:
             stack.push_async_callback(self._stop_file_timer)
             swapper = Swapper(self._port(rdzv, slots))
             if cfg.spare_pool:   # checked before anything runs: no pool, no pool key -> one line, exit 1
-                from tpassrun.pool.job import job_pool
+                from tpassrun.pool import job_pool
 
                 jobpool = await job_pool(cfg, rdzv.store, endpoint, pool_environ, st.node_id)
                 if cfg.pool_members:    # lower-priority work on idle pool nodes: members, never spares from the pool
-                    from tpassrun.pool.members import start_members
+                    from tpassrun.pool import start_members
 
                     stack.callback(start_members(jobpool, cfg.pool_members, st.events.write,
                                                  lambda: len(st.generation.members) if st.generation else 0))
@@ -245,7 +245,7 @@ class Agent:
             stack.callback(self._transparent.close)
             metrics_at = None
             if cfg.metrics_port is not None:   # prometheus_client is optional: imported only when asked for
-                from tpassrun.ops.metrics import serve_metrics
+                from tpassrun.ops import serve_metrics
 
                 metrics_at = serve_metrics(st.status(slots), stack)
             # run_key: a fingerprint (safe to show) that tells agents given different run keys apart

@@ -21,12 +21,12 @@ from typing import Any
 from tpassrun.agent.state import AgentState, Started
 from tpassrun.channel import Field, Verdict, WorkerPhase
 from tpassrun.plan import CAUSE_GRACE_S, Around, Cause, cause_of, classify_death, interrupted_by
-from tpassrun.channel.protocol import Failed, Raised
+from tpassrun.channel import Failed, Raised
 from tpassrun.records import Failure, Keys, load
 from tpassrun.rendezvous import Generation
-from tpassrun.channel.slots import Slot
-from tpassrun.swapper.agentport import annotated
-from tpassrun.worker.failure import StepFailure, worker_log_file
+from tpassrun.channel import Slot
+from tpassrun.swapper import annotated
+from tpassrun.channel import StepFailure, worker_log_file
 
 log = logging.getLogger("tpassrun.agent")
 

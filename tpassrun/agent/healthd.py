@@ -34,9 +34,9 @@ from tpassrun.settings import envnames as E
 from tpassrun.channel import Field
 from tpassrun.health import (FileSensor, HealthMonitor, HealthVerdict, NvmlSensor, Policy, PolicyEngine, Sensor, Status,
                      StragglerDetector, TaintEffect, device_for_local_rank)
-from tpassrun.swapper.agentport import HealthHost
+from tpassrun.swapper import HealthHost
 from tpassrun.records import HANDLED_KILLED, HealthRecord, Keys, Taint, TaintSource, load
-from tpassrun.channel.slots import SlotState
+from tpassrun.channel import SlotState
 
 log = logging.getLogger(__name__)
 

@@ -14,19 +14,19 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Awaitable
 
-from tpassrun.launch.procs import RunLogs
-from tpassrun.launch.report import ProcessFailure
-from tpassrun.ops.events import EventLog
-from tpassrun.ops.progress import Progress
+from tpassrun.launch import RunLogs
+from tpassrun.launch import ProcessFailure
+from tpassrun.ops import EventLog
+from tpassrun.ops import Progress
 from tpassrun.rendezvous import EtcdRendezvous, Generation, Member
 from tpassrun.settings import LaunchConfig
-from tpassrun.swapper.agentport import AgentEvent, EventSink, StatusHost
+from tpassrun.swapper import AgentEvent, EventSink, StatusHost
 
 if TYPE_CHECKING:
     from tpassrun.agent.healthd import AgentHealth
-    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.channel import LocalSlots
     from tpassrun.swapper import Swapper
-    from tpassrun.swapper.mirrorplane import MirrorPlane
+    from tpassrun.swapper import MirrorPlane
 
 
 @dataclasses.dataclass(slots=True, eq=False)

@@ -112,13 +112,14 @@ class WorkersStore:
         on loopback for a single node (:func:`tpassrun.store.bind_host`); its key on stdin. A ``standby`` opens
         its plain door (torch's TCPStore: a 1-3 s import) only when a plain client comes: tpassrun's re-formed
         worlds use the authenticated door alone."""
-        from tpassrun.launch import die_with_parent  # the same pdeathsig hook the workers get
+        from tpassrun.launch import die_with_parent, inherit_only  # the same hooks the workers get
 
         cfg = self._state.cfg
         advertised = addr or cfg.local_addr or socket.getfqdn()
         self._bind = host = bind_host(advertised, single_node=self._single_node() and cfg.rdzv_backend != "static",
                                       named=addr is not None or bool(cfg.local_addr))
         key = self.key() or secrets.token_bytes(32)   # no mirror (tests): a key no worker holds
+        inherit_only()                                # uvloop ignores close_fds
         proc = await asyncio.create_subprocess_exec(
             cfg.python_exec, "-m", "tpassrun.launch.storeserver", host, str(port),
             *(["--plain-on-demand"] if standby else []),

@@ -13,13 +13,13 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from tpassrun.swapper.agentport import (FallbackRequested, HandedBack, HealthRestartRequested, LeaseLost, RendezvousChanged,
-                                        SignalReceived, SpawnFailed, WorkerExited, WorkerSaid)
-from tpassrun.launch.procs import stop_workers
-from tpassrun.channel.protocol import Done, Failed, Raised
+from tpassrun.swapper import (FallbackRequested, HandedBack, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
+                   SpawnFailed, WorkerExited, WorkerSaid)
+from tpassrun.launch import stop_workers
+from tpassrun.channel import Done, Failed, Raised
 from tpassrun.rendezvous import EtcdRendezvous, Generation, Link, RendezvousError, one_line
-from tpassrun.launch.report import ProcessFailure
-from tpassrun.channel.slots import Slot, SlotState
+from tpassrun.launch import ProcessFailure
+from tpassrun.channel import Slot, SlotState
 from tpassrun.agent.state import AgentState, Started
 
 if TYPE_CHECKING:

@@ -17,11 +17,11 @@ from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
 from tpassrun.settings import envnames as E
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.swapper.agentport import RendezvousChanged
-from tpassrun.ops.progress import RankPosition
+from tpassrun.swapper import RendezvousChanged
+from tpassrun.ops import RankPosition
 from tpassrun.records import Keys, NodeStatus
 from tpassrun.rendezvous import Generation
-from tpassrun.channel.slots import SlotState
+from tpassrun.channel import SlotState
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -100,9 +100,9 @@ class GenerationTasks:
     async def status_panel(self) -> None:
         """``--tui``: the live view under the workers' output, from one etcd read a second (tpassrun/ops/tui_panel.py)."""
         st = self._state
-        from tpassrun.ops.ctl import read_snapshot
-        from tpassrun.ops.tui_panel import run_panel
-        from tpassrun.ops.waiting import WaitNote
+        from tpassrun.ops import read_snapshot
+        from tpassrun.ops import run_panel
+        from tpassrun.ops import WaitNote
 
         rdzv = self._node.rdzv
         waiting = WaitNote()          # what this agent waits for, with its age (the console says it every few s)

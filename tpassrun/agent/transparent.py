@@ -26,8 +26,8 @@ from collections.abc import Callable
 from typing import Any
 
 from tpassrun.agent.state import AgentState
-from tpassrun.channel.slots import LocalSlots, Slot, SlotState
-from tpassrun.launch.procs import StdioSpec, adopt_worker
+from tpassrun.channel import LocalSlots, Slot, SlotState
+from tpassrun.launch import StdioSpec, adopt_worker
 from tpassrun.settings import envnames as E
 from tpassrun.snapshot import (WORKER_ENV, Availability, Move, NetworkLock, SnapshotError, continue_groups, dump,
                                on_death, on_taint, probe, restore, signal_groups, snapshot_due, stdio_pipes,

@@ -16,15 +16,15 @@ from typing import TYPE_CHECKING, Any
 from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
 from tpassrun.settings import envnames as E
-from tpassrun.launch.devices import node_devices, slot_env, visible_devices
-from tpassrun.launch.filetimer import FileTimerServer, TimerRequest, signal_name
-from tpassrun.swapper.agentport import FallbackRequested, SpawnFailed, WorkerExited, WorkerSaid
-from tpassrun.launch.procs import spawn_worker, stop_workers
-from tpassrun.channel.protocol import Done, Failed, Hello, MirrorInfoRequest, Raised, ReplicasChecked, Reply
+from tpassrun.launch import node_devices, slot_env, visible_devices
+from tpassrun.launch import FileTimerServer, TimerRequest, signal_name
+from tpassrun.swapper import FallbackRequested, SpawnFailed, WorkerExited, WorkerSaid
+from tpassrun.launch import spawn_worker, stop_workers
+from tpassrun.channel import Done, Failed, Hello, MirrorInfoRequest, Raised, ReplicasChecked, Reply
 from tpassrun.records import HANDLED_RESTART, Keys, Taint, load
 from tpassrun.rendezvous import Generation, RendezvousError
-from tpassrun.channel.slots import Slot, SlotState
-from tpassrun.launch.workerenv import WorkerAssignment, encrypt_requested, role_ranks, worker_argv, worker_env
+from tpassrun.channel import Slot, SlotState
+from tpassrun.launch import WorkerAssignment, encrypt_requested, role_ranks, worker_argv, worker_env
 
 if TYPE_CHECKING:
     from tpassrun.agent.tasks import GenerationTasks

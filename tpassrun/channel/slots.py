@@ -18,7 +18,7 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from tpassrun.channel import INT64_MAX, ChannelFile, Field, WorkerPhase
+from tpassrun.channel.shm import INT64_MAX, ChannelFile, Field, WorkerPhase
 from tpassrun.channel.protocol import Break, Command, Hello, Message, ProtocolError, Replicas, Reply, Watch, decode_reply, encode
 from tpassrun.records import WorkerRow
 
@@ -294,9 +294,11 @@ class LocalSlots:
             step = self.field(s, Field.STEP) if self.channel is not None else 0
             last = self.field(s, Field.LAST_STEP_NS) if self.channel is not None else 0
             shard: dict[str, Any] = {}
+            if self.channel is not None and s.state != SlotState.SPARE and self.field(s, Field.SHARD_TRACKED):
+                shard["sharded"] = True
             if self.channel is not None and self.field(s, Field.SHARD_HELD) and s.state != SlotState.SPARE:
                 pushed = self.field(s, Field.SHARD_PUSHED)
-                shard = {"shard_held": self.field(s, Field.SHARD_HELD), "shard_bytes": self.field(s, Field.SHARD_BYTES),
+                shard |= {"shard_held": self.field(s, Field.SHARD_HELD), "shard_bytes": self.field(s, Field.SHARD_BYTES),
                          "shard_mirrored": pushed - 1 if pushed > 0 else None,
                          "shard_sent": self.field(s, Field.SHARD_SENT),
                          "shard_interval": self.field(s, Field.SHARD_INTERVAL)}

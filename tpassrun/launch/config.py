@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from tpassrun.settings import envnames as E
-from tpassrun.settings.shard_interval import parse as parse_interval
+from tpassrun.settings import shard_interval
 from tpassrun.launch.rules import (_accelerator_count, check_endpoint, cpu_count, derived_omp,
                            determine_local_world_size, parse_local_ranks_filter, parse_min_max_nnodes, parse_rdzv_conf,
                            resolve_etcd_endpoint, static_etcd_endpoint, with_default_port)
@@ -311,7 +311,7 @@ def parse_args(
     if ns.spares_per_node < 0:
         raise ConfigError(f"--spares-per-node must be >= 0 (got {ns.spares_per_node})")
     try:
-        parse_interval(ns.shard_mirror_interval)
+        shard_interval.parse(ns.shard_mirror_interval)
     except ValueError:
         raise ConfigError(f"--shard-mirror-interval must be an integer >= 0 or 'auto' (got "
                           f"{ns.shard_mirror_interval!r})") from None
@@ -407,7 +407,7 @@ def parse_args(
         straggler_factor=ns.straggler_factor,
         migrate_back=ns.migrate_back,
         metrics_port=ns.metrics_port,
-        shard_mirror_interval=parse_interval(ns.shard_mirror_interval),
+        shard_mirror_interval=shard_interval.parse(ns.shard_mirror_interval),
         mirror_max_bytes=ns.mirror_max_bytes,
         snapshot_interval=ns.snapshot_interval,
     )

@@ -199,13 +199,15 @@ def _libc() -> ctypes.CDLL | None:
 
 
 def inherit_only(keep: Iterable[int] = ()) -> None:
-    """In a child between fork and exec: what ``subprocess``'s ``close_fds=True`` does, which uvloop's
-    ``subprocess_exec`` silently ignores (its close_fds is a TODO). Every descriptor but 0-2 and ``keep`` is made
-    close-on-exec, so a worker under the agent's uvloop does not inherit the agent's sockets (an etcd connection,
-    the store's listening socket, a peer link) that a C library opened without ``SOCK_CLOEXEC``: a worker that
-    outlived its agent would hold the port, and a process snapshot would carry another process's connections
-    (a CI run of tests/test_snapshot_criu.py counted 9 TCP ports in a 2-socket ping-pong). Marked, not closed:
-    the spawner's own pipes (uvloop's error pipe) still close at exec as they should."""
+    """Called in this process just before it starts a child: what ``subprocess``'s ``close_fds=True`` does, which
+    uvloop's ``subprocess_exec`` silently ignores (its close_fds is a TODO). Every descriptor but 0-2 and ``keep``
+    is made close-on-exec, so a worker under the agent's uvloop does not inherit the agent's sockets (an etcd
+    connection, the store's listening socket, a peer link) that a C library opened without ``SOCK_CLOEXEC``: a
+    worker that outlived its agent would hold the port, and a process snapshot would carry another process's
+    connections (a CI run of tests/test_snapshot_criu.py counted 9 TCP ports in a 2-socket ping-pong).
+    Done in the parent, not in a preexec_fn: Python code between fork and exec in a process with threads (gRPC's,
+    the executor's) can deadlock the child on a lock another thread held at the fork (the pool node's spare
+    node hung that way before exec). Harmless to this process: close-on-exec changes nothing until an exec."""
     kept = set(keep)
     with contextlib.suppress(OSError):
         for name in os.listdir("/proc/self/fd"):
@@ -216,12 +218,10 @@ def inherit_only(keep: Iterable[int] = ()) -> None:
 
 
 def die_with_parent(parent_pid: int):  # type: ignore[no-untyped-def]
-    """A preexec_fn: SIGKILL this child when the agent dies; close the race with an early death; inherit only
-    0-2 (:func:`inherit_only`)."""
+    """A preexec_fn: SIGKILL this child when the agent dies; close the race with an early death."""
     libc = _libc()  # resolved before fork: the child only calls into it
 
     def preexec() -> None:
-        inherit_only()
         if libc is not None:
             libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
         # If the agent died between fork and prctl, no signal will ever come: die now.
@@ -417,6 +417,7 @@ async def spawn_worker(
     try:
         stdout = target(s.stdout_path, s.tee_stdout, s.show_stdout)
         stderr = target(s.stderr_path, s.tee_stderr, s.show_stderr)
+        inherit_only()
         proc = await asyncio.create_subprocess_exec(
             *argv, env=dict(env), cwd=cwd, stdin=asyncio.subprocess.DEVNULL, stdout=stdout, stderr=stderr,
             start_new_session=True, preexec_fn=die_with_parent(os.getpid()),

@@ -55,7 +55,7 @@ import secrets
 from dataclasses import dataclass
 from typing import Any, ClassVar, Iterable, Sequence
 
-from tpassrun.mirror.client import MirrorClient
+from tpassrun.mirror.client import MirrorClient, PushStream
 from tpassrun.mirror.net import BAD_REQUEST, NOT_FOUND, OK, REFUSED, MirrorServer
 from tpassrun.mirror.store import (DEFAULT_MAX_BYTES, MirrorEntry, MirrorError, MirrorFull, MirrorItem, MirrorMetaError,
                                    MirrorStore)
@@ -93,7 +93,7 @@ async def ensure_mirror_key(store: Any, key_path: str) -> bytes:
     """The run's mirror key: the first agent draws it and creates ``key_path`` in the run's (authenticated)
     etcd; every agent reads the one that won. ``store`` is the rendezvous's ``EtcdStore``. A run with a run key
     (tpassrun/records/provenance.py) derives it from that instead, and never writes it: reading etcd does not give it."""
-    from tpassrun.records.provenance import key_for
+    from tpassrun.records import key_for
     from tpassrun.records import MirrorKey, RecordError   # the agent's side only: workers never import records
 
     run_key = key_for(key_path)
@@ -133,6 +133,6 @@ def copies_of(node: str, nodes: Sequence[str]) -> str | None:
     return buddy_ring(nodes).get(node)
 
 
-__all__ = ["BAD_REQUEST", "DEFAULT_MAX_BYTES", "MirrorClient", "MirrorEntry", "MirrorError", "MirrorFull",
+__all__ = ["BAD_REQUEST", "DEFAULT_MAX_BYTES", "MirrorClient", "PushStream", "MirrorEntry", "MirrorError", "MirrorFull",
            "MirrorItem", "MirrorMetaError", "MirrorServer", "MirrorStore", "MirrorTarget", "NOT_FOUND", "OK", "REFUSED",
            "buddy_ring", "copies_of", "ensure_mirror_key", "new_mirror_key", "ring_nodes"]

@@ -17,7 +17,7 @@ from tpassrun.mirror.net import _CHUNK, _HEAD, _MAGIC, _TO_CLIENT, _TO_SERVER, M
 from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror import meta as M
 from tpassrun.mirror.store import MirrorEntry, MirrorError, MirrorFull, MirrorItem
-from tpassrun.transfer.auth import (ACCEPT, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, HELLO, TAG_LEN, AuthError,
+from tpassrun.transfer import (ACCEPT, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, HELLO, TAG_LEN, AuthError,
                                     ConnectorHandshake, FrameMac, aead_unavailable_reason, encryption_wanted)
 
 

@@ -47,10 +47,10 @@ from tpassrun.transfer import gmac
 from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror import meta as M
 from tpassrun.mirror.store import MirrorError, MirrorFull, MirrorStore
-from tpassrun.transfer.auth import (AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, PROOF, TAG_LEN, AuthError, FrameMac,
+from tpassrun.transfer import (AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, PROOF, TAG_LEN, AuthError, FrameMac,
                                     ListenerHandshake, TransferAuth, aead_unavailable_reason)
-from tpassrun.transfer.quiet import Throttle, held_note
-from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, PendingTable, source_of
+from tpassrun.transfer import Throttle, held_note
+from tpassrun.transfer import HANDSHAKE_DEADLINE_S, PendingTable, source_of
 
 log = logging.getLogger("tpassrun.mirror")
 

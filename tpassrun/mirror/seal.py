@@ -20,7 +20,7 @@ import struct
 from typing import Any, Sequence
 
 from tpassrun.mirror.store import MirrorError
-from tpassrun.transfer.auth import AEAD_TAG_LEN, ChecksumError, FrameCipher, FrameMac
+from tpassrun.transfer import AEAD_TAG_LEN, ChecksumError, FrameCipher, FrameMac
 
 PAYLOAD_AEAD = 2                    # a request head's status byte: the frame is sealed (module doc)
 _SEQ = struct.Struct("<Q")

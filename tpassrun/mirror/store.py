@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from tpassrun.schema import Record, Schema, SchemaError
-from tpassrun.transfer.auth import HandoffError
+from tpassrun.transfer import HandoffError
 
 DEFAULT_MAX_BYTES = 1 << 30
 

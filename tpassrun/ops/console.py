@@ -128,7 +128,7 @@ class Describer:
         if name in ("scheduler_event", "scheduler_error", "scheduler_released"):
             return str(ev.get("message"))
         if name == "handed_back":
-            return f"handed back to the scheduler ({ev.get('reason')}): no rank runs here, leaving the job"
+            return f"handed back to the scheduler, leaving the job ({ev.get('reason')})"
         if name == "handback_refused":
             return f"not leaving the job: rank(s) {ev.get('ranks')} still run here ({ev.get('reason')})"
         if name == "node_handed_back":

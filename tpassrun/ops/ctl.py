@@ -37,9 +37,9 @@ from tpassrun.ops.tally import RunTally, tally_of
 from tpassrun.ops.ctl_width import columns, wrap
 from tpassrun.records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RunClosed, SwapPlan, Taint, TaintEffect,
                       TaintSource, generation_record, leader_of, load, node_info)
-from tpassrun.settings.envnames import NO_COLOR
+from tpassrun.settings import envnames as E
 from tpassrun.ops.registry import CtlError
-from tpassrun.records.provenance import (RunKeyError, carries_mac, key_for,
+from tpassrun.records import (RunKeyError, carries_mac, key_for,
                          register as register_run_key, run_key_from)
 from tpassrun.rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, RendezvousError, RendezvousSettings,
                          read_private_file, refuse_inline_secrets)
@@ -512,13 +512,13 @@ def _resolve_node(snap: RunSnapshot, node: str) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["pool"]:    # a spare pool is not a run: its own verbs (tpassrun.pool.ctl)
-        from tpassrun.pool.ctl import main as pool_main
+        from tpassrun.pool import pool_main
 
         return pool_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if getattr(args, "no_color", False):
-        os.environ[NO_COLOR] = "1"     # what every rich Console of this process reads (no-color.org)
+        os.environ[E.NO_COLOR] = "1"     # what every rich Console of this process reads (no-color.org)
     if getattr(args, "local_rank", None) is not None and getattr(args, "node", None) is None:
         parser.error("--local-rank needs --node")
     try:

@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from tpassrun.ops.cleantext import clean
-from tpassrun.records.provenance import RUN_KEY_ENV, RUN_KEY_FILE_CONF
+from tpassrun.records import RUN_KEY_ENV, RUN_KEY_FILE_CONF
 from tpassrun.ops.console import cost_line
 from tpassrun.ops.names import node_names
 from tpassrun.ops.tally import HOW_TO_KNOW, RunTally

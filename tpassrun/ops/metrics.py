@@ -17,11 +17,11 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 
 from tpassrun.ops.console import Describer
-from tpassrun.transfer.quiet import Throttle, held_note
+from tpassrun.transfer import Throttle, held_note
 from tpassrun.ops.tui import RunProgress
 
 if TYPE_CHECKING:
-    from tpassrun.swapper.agentport import StatusHost
+    from tpassrun.swapper import StatusHost
 
 log = logging.getLogger("tpassrun.ops.metrics")
 

@@ -24,7 +24,7 @@ from tpassrun.rendezvous import pid_alive
 from tpassrun.schema import Record, Schema
 
 if TYPE_CHECKING:
-    from tpassrun.swapper.agentport import StatusHost
+    from tpassrun.swapper import StatusHost
     from tpassrun.settings import LaunchConfig
 
 VERSION = 1

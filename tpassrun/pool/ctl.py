@@ -25,13 +25,13 @@ import time
 import uuid
 from typing import Any, Sequence
 
-from tpassrun.settings.envnames import TPASSRUN_POOL_KEY
-from tpassrun.records.provenance import RunKey, RunKeyError
+from tpassrun.settings import envnames as E
+from tpassrun.records import RunKey, RunKeyError
 from tpassrun.rendezvous import EtcdConfig, EtcdStore, RendezvousError, read_private_file, refuse_inline_secrets
-from tpassrun.rendezvous.config import DEFAULT_PREFIX
+from tpassrun.rendezvous import DEFAULT_PREFIX
 from tpassrun.pool.etcd import Pool, PoolError
 from tpassrun.pool.plan import PoolView
-from tpassrun.records.pool import MEMBER, POOL_KEY_CONF, HistoryEntry, PoolKeys, PoolNode, pool_prefix
+from tpassrun.records import MEMBER, POOL_KEY_CONF, HistoryEntry, PoolKeys, PoolNode, pool_prefix
 
 LEASE_TTL = 10
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
@@ -51,8 +51,8 @@ def pool_key_from(conf: dict[str, str], environ: dict[str, str] | os._Environ[st
     path = conf.get(POOL_KEY_CONF)
     if path:
         return RunKey.from_text(read_private_file(path, "pool key file"), f"the pool key file {path}")
-    if environ.get(TPASSRUN_POOL_KEY):
-        return RunKey.from_text(environ[TPASSRUN_POOL_KEY], f"${TPASSRUN_POOL_KEY}")
+    if environ.get(E.TPASSRUN_POOL_KEY):
+        return RunKey.from_text(environ[E.TPASSRUN_POOL_KEY], f"${E.TPASSRUN_POOL_KEY}")
     return None
 
 
@@ -155,7 +155,7 @@ def main(argv: Sequence[str]) -> int:
         key = pool_key_from(conf, os.environ)
         if key is None:
             raise PoolError(f"no pool key: give --rdzv-conf {POOL_KEY_CONF}=PATH (a file only you can read) or "
-                            f"${TPASSRUN_POOL_KEY}")
+                            f"${E.TPASSRUN_POOL_KEY}")
         conf.setdefault("read_timeout", "5")
         return asyncio.run(_run(args, conf, key))
     except (PoolError, RunKeyError, RendezvousError, ValueError) as exc:

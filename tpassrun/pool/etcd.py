@@ -16,11 +16,9 @@ from typing import Any
 import aetcd
 
 from tpassrun.records import provenance
-from tpassrun.records.fields import RecordError
-from tpassrun.rendezvous import EtcdStore
-from tpassrun.rendezvous.etcd_io import LeaseIs, encode
-from tpassrun.records.pool import (Claim, HistoryEntry, PoolInfo, PoolKeys, PoolNode, PreemptRequest, load_sealed,
-                                   seal)
+from tpassrun.records import (Claim, HistoryEntry, PoolInfo, PoolKeys, PoolNode, PreemptRequest, RecordError, load_sealed,
+                              pool_seal)
+from tpassrun.rendezvous import EtcdStore, LeaseIs, encode_value
 from tpassrun.pool.plan import PoolView
 
 
@@ -41,7 +39,7 @@ class Pool:
     async def create(self) -> bool:
         """Write ``info`` (False: the pool exists already, with this key or another)."""
         info = PoolInfo(self.name, time.time(), self.key.fingerprint)
-        return await self.store.create_json(self.keys.info, seal(self.key, self.keys.info, info.to_json()))
+        return await self.store.create_json(self.keys.info, pool_seal(self.key, self.keys.info, info.to_json()))
 
     async def check(self) -> PoolInfo:
         """The pool's info, or :class:`PoolError` saying why it cannot be used (absent, or sealed with another
@@ -109,7 +107,7 @@ class Pool:
     async def register(self, node: PoolNode) -> int:
         """Put this node's record bound to its lease (it leaves the pool when it dies)."""
         key = self.keys.node(node.node_id)
-        return await self.store.put_json(key, seal(self.key, key, node.to_json()), lease=True)
+        return await self.store.put_json(key, pool_seal(self.key, key, node.to_json()), lease=True)
 
     async def drop_claim(self, node_id: str) -> None:
         """The node itself ends a claim (its spare node exited: the job ended or released it)."""
@@ -126,7 +124,7 @@ class Pool:
         if self.store.lease_id is None:
             raise PoolError("a claim must be bound to the claimer's lease (this store has none)")
         ckey, nkey = self.keys.claim(claim.node_id).encode(), self.keys.node(claim.node_id).encode()
-        raw = encode(seal(self.key, self.keys.claim(claim.node_id), claim.to_json()))
+        raw = encode_value(pool_seal(self.key, self.keys.claim(claim.node_id), claim.to_json()))
         lease = self.store.lease_id
 
         async def op(c: aetcd.Client) -> bool:
@@ -162,7 +160,7 @@ class Pool:
         ckey, lease = self.keys.claim(claim.node_id), self.store.lease_id
         if lease is None:
             return False
-        raw = encode(seal(self.key, ckey, replace(claim, released=why).to_json()))
+        raw = encode_value(pool_seal(self.key, ckey, replace(claim, released=why).to_json()))
 
         async def op(c: aetcd.Client) -> bool:
             ok, _ = await c.transaction(compare=[LeaseIs(ckey.encode()) == lease],
@@ -180,9 +178,9 @@ class Pool:
         if self.store.lease_id is None:
             raise PoolError("a pre-emption request must be bound to the requester's lease (this store has none)")
         key = self.keys.preempt(req.node_id)
-        await self.store.put_json(key, seal(self.key, key, req.to_json()), lease=True)
+        await self.store.put_json(key, pool_seal(self.key, key, req.to_json()), lease=True)
 
     async def note(self, node_id: str, event: str, job: str | None, detail: str = "") -> None:
         entry = HistoryEntry(time.time(), node_id, event, job, detail)
         key = self.keys.history_entry(entry.time, node_id)
-        await self.store.put_json(key, seal(self.key, key, entry.to_json()))
+        await self.store.put_json(key, pool_seal(self.key, key, entry.to_json()))

@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 from typing import Callable, Collection, Mapping
 
 from tpassrun.records import provenance
-from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
+from tpassrun.settings import envnames as E
 from tpassrun.rendezvous import ETCD_PASSWORD_ENV, EtcdStore, RendezvousError, read_private_file
-from tpassrun.rendezvous.config import DEFAULT_PREFIX
+from tpassrun.rendezvous import DEFAULT_PREFIX
 from tpassrun.settings import LaunchConfig
 from tpassrun.pool.ctl import pool_key_from
 from tpassrun.pool.etcd import Pool, PoolError
 from tpassrun.pool.plan import ClaimNode, JobNeed, PoolView, Preempt, Restart, UseOwn, WaitForPool, plan_job
-from tpassrun.records.pool import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, PoolNode, PreemptRequest, box, pool_prefix
+from tpassrun.records import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, PoolNode, PreemptRequest, box, pool_prefix
 
 # secrets and what only makes sense on the host it was set on (a pool node brings its own)
-_NOT_SHIPPED = {TPASSRUN_RUN_KEY, TPASSRUN_POOL_KEY, ETCD_PASSWORD_ENV, "CUDA_VISIBLE_DEVICES", "HOSTNAME", "PWD",
+_NOT_SHIPPED = {E.TPASSRUN_RUN_KEY, E.TPASSRUN_POOL_KEY, ETCD_PASSWORD_ENV, "CUDA_VISIBLE_DEVICES", "HOSTNAME", "PWD",
                 "OLDPWD", "SHLVL", "_", "DISPLAY", "HOME", "USER", "LOGNAME", "TMPDIR"}
 _NOT_SHIPPED_PREFIXES = ("SSH_", "XDG_", "TMUX", "TERM", "PYTEST_", "TORCHELASTIC_", "PET_")
 _SECRET_CONF = ("password", "password_file", "credentials_file", "run_key", "run_key_file", POOL_KEY_CONF)
@@ -284,7 +284,7 @@ async def job_pool(cfg: LaunchConfig, store: EtcdStore, endpoint: str, environ: 
         raise RendezvousError(f"--spare-pool {cfg.spare_pool}: {exc}") from None
     if key is None:
         raise RendezvousError(f"--spare-pool {cfg.spare_pool}: no pool key (give --rdzv-conf {POOL_KEY_CONF}=PATH, a "
-                              f"file only you can read, or ${TPASSRUN_POOL_KEY})")
+                              f"file only you can read, or ${E.TPASSRUN_POOL_KEY})")
     try:
         keys = PoolKeys(pool_prefix(conf.get("etcd_prefix") or DEFAULT_PREFIX, cfg.spare_pool))
     except ValueError as exc:
@@ -303,5 +303,5 @@ def _run_key_text(conf: Mapping[str, str], environ: Mapping[str, str]) -> str | 
     path = conf.get(provenance.RUN_KEY_FILE_CONF)
     if path:
         return read_private_file(path, "run key file").strip()
-    return environ.get(TPASSRUN_RUN_KEY) or None
+    return environ.get(E.TPASSRUN_RUN_KEY) or None
 

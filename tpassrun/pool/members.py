@@ -22,7 +22,7 @@ from typing import Callable
 
 from tpassrun.pool.job import JobPool
 from tpassrun.pool.plan import plan_members, preempt_refusal
-from tpassrun.records.pool import MEMBER, Claim
+from tpassrun.records import MEMBER, Claim
 
 
 @dataclass

@@ -28,13 +28,13 @@ from dataclasses import replace
 from typing import Callable
 
 from tpassrun.launch import inherit_only
-from tpassrun.settings.envnames import CUDA_VISIBLE_DEVICES, TPASSRUN_POOL_GIVEN_BACK, TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
+from tpassrun.settings import envnames as E
 from tpassrun.pool.etcd import Pool
 from tpassrun.pool.plan import (PREEMPT_GRACE_S, BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen,
                                 Evict, Keep, NodeEvent, NodeState, Phase, PreemptSeen, Refuse, StartSpare, StopSpare,
                                 plan_node)
 from tpassrun.records import RecordError
-from tpassrun.records.pool import IDLE, MEMBER, SERVING, JobSpec, PoolNode, unbox
+from tpassrun.records import IDLE, MEMBER, SERVING, JobSpec, PoolNode, unbox
 
 STOP_GRACE_S = 10.0
 
@@ -65,7 +65,7 @@ def spare_node_argv(spec: JobSpec, event_log: str, python: str = sys.executable,
 
 # What names this host's own devices and links: a value the pool node has wins over the one the job shipped (a job's
 # GLOO_SOCKET_IFNAME names its hosts' NIC, which this host may not have); one the pool node lacks comes from the job
-HOST_LOCAL = frozenset({CUDA_VISIBLE_DEVICES, "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
+HOST_LOCAL = frozenset({E.CUDA_VISIBLE_DEVICES, "NVIDIA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES",
                         "NCCL_IB_HCA", "NCCL_IB_GID_INDEX", "NCCL_TOPO_FILE", "UCX_NET_DEVICES"})
 HOST_LOCAL_SUFFIXES = ("_SOCKET_IFNAME",)       # GLOO_, NCCL_, TP_ (tensorpipe), NVSHMEM_BOOTSTRAP_UID_, ...
 
@@ -79,14 +79,14 @@ def spare_node_env(spec: JobSpec, base: dict[str, str], run_key: str | None,
     """The node's own environment (paths, devices), the job's worker environment over it except the host-local
     variables the node sets itself (:func:`host_local`), the job's run key (opened from the claim's box), the file
     that tells the spare node a SIGTERM is a give-back; never the pool key."""
-    env = {k: v for k, v in base.items() if k != TPASSRUN_POOL_KEY}
+    env = {k: v for k, v in base.items() if k != E.TPASSRUN_POOL_KEY}
     env.update({k: v for k, v in spec.env.items() if not (host_local(k) and k in base)})
-    env.pop(TPASSRUN_RUN_KEY, None)
+    env.pop(E.TPASSRUN_RUN_KEY, None)
     if run_key:
-        env[TPASSRUN_RUN_KEY] = run_key
-    env.pop(TPASSRUN_POOL_GIVEN_BACK, None)
+        env[E.TPASSRUN_RUN_KEY] = run_key
+    env.pop(E.TPASSRUN_POOL_GIVEN_BACK, None)
     if given_back_file:
-        env[TPASSRUN_POOL_GIVEN_BACK] = given_back_file
+        env[E.TPASSRUN_POOL_GIVEN_BACK] = given_back_file
     return env
 
 
@@ -210,11 +210,12 @@ class PoolNodeLoop:
         self._given_back_file = os.path.join(self._tmp, f"{spec.run_id}-{len(self.served)}.given-back")
         self.served.append(spec.run_id)
         await self._register(SERVING, spec.run_id)
+        inherit_only()                                  # uvloop ignores close_fds
         self.child = await asyncio.create_subprocess_exec(
             *spare_node_argv(spec, event_log, self.python, os.getpid(), member=action.claim.kind == MEMBER,
                              local_addr=self.local_addr),
             env=spare_node_env(spec, self.base_env, run_key, self._given_back_file), cwd=spec.cwd or None,
-            start_new_session=True, preexec_fn=inherit_only)      # uvloop ignores close_fds
+            start_new_session=True)
         self._tasks.append(asyncio.create_task(self._follow(self.child, event_log), name="pool-spare-node"))
 
     async def _follow(self, child: asyncio.subprocess.Process, event_log: str) -> None:

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field, replace
 from typing import Mapping, Union
 
-from tpassrun.records.pool import IDLE, MEMBER, SPARE, Claim, PoolNode, PreemptRequest
+from tpassrun.records import IDLE, MEMBER, SPARE, Claim, PoolNode, PreemptRequest
 
 # A pre-empted member node gets SIGTERM, and SIGKILL this long after if it has not exited: the whole pre-emption
 # (request seen -> node idle) is bounded by it plus one etcd round trip.

@@ -18,7 +18,9 @@ the one codec (:mod:`tpassrun.schema`: each record type declared once, as a froz
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from tpassrun.health import TaintEffect
 from tpassrun.records.faults import (HANDLED_COALESCED, HANDLED_KILLED, HANDLED_RESTART, Failure, Fallback, HandBack, Taint,
@@ -27,6 +29,36 @@ from tpassrun.records.fields import SCHEMA_VERSION, RecordError, load
 from tpassrun.records.nodes import (HealthRecord, MirrorKey, NodeStatus, RunClosed, WorkerRow, generation_record, leader_of,
                             node_info, rendezvous_guard)
 from tpassrun.records.swaps import TERMINAL, TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
+from tpassrun.records.events import (EVENTS, AgentGone, CollectivesBroken, Event, FailureDropped, GenerationCommitted,
+                                     MigrateBackRequested, MirrorBuddy, MirrorPushFailed, MirrorPushRestored,
+                                     NodeHandedBack, NodeLost,
+                                     NodeRecovered, PoolNodeLeft, RankCaughtUp, RanksRecovered, RecordReplaced,
+                                     SpareReturned, StoreMoved, SwapAbortedHere, SwapBoundaryReached, SwapDecided,
+                                     SwapJoinAborted, SwapPhaseChanged, SwapPlanSeen, SwapReformTimings, SwapResumed,
+                                     SwapSendRefused, SwapShardsRolledBack, SwapTransferEnd, SwapTransferFailed,
+                                     SwapTransferStart, SwapTransferStranger, SwapWorldReformed, UserError, WorkerDied,
+                                     emit, read_event)
+from tpassrun.records.provenance import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, carries_mac, env_without_key,
+                                        key_for, register, run_key_from, seal)
+
+if TYPE_CHECKING:
+    from tpassrun.records.pool import (IDLE, MEMBER, POOL_KEY_CONF, SERVING, SPARE, Claim, HistoryEntry, JobSpec, PoolInfo,
+                                       PoolKeys, PoolNode, PreemptRequest, box, load_sealed, pool_prefix, pool_seal, unbox)
+
+# the spare pool's records (sealed with the pool key, run keys boxed with AES-GCM), imported on first use: only the
+# pool's users pay for `cryptography`'s AEAD
+_LAZY = dict.fromkeys(("IDLE", "MEMBER", "POOL_KEY_CONF", "SERVING", "SPARE", "Claim", "HistoryEntry", "JobSpec", "PoolInfo",
+                       "PoolKeys", "PoolNode", "PreemptRequest", "box", "load_sealed", "pool_prefix", "pool_seal", "unbox"),
+                      "tpassrun.records.pool")
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
 
 # ---------------------------------------------------------------------------------------------- key layout
@@ -124,4 +156,19 @@ __all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED",
            "Keys", "MirrorKey", "NodeStatus",
            "Phase", "RecordError", "Report", "RunClosed", "generation_record", "leader_of", "node_info",
            "rendezvous_guard", "SCHEMA_VERSION", "SlotRef", "SwapKind", "SwapPlan", "TERMINAL",
-           "TRANSITIONS", "Taint", "TaintEffect", "TaintSource", "WorkerRow", "load"]
+           "TRANSITIONS", "Taint", "TaintEffect", "TaintSource", "WorkerRow", "load",
+           # the event log's events (tpassrun.records.events)
+           "EVENTS", "AgentGone", "CollectivesBroken", "Event", "FailureDropped", "GenerationCommitted",
+           "MigrateBackRequested", "MirrorBuddy", "MirrorPushFailed", "MirrorPushRestored", "NodeHandedBack", "NodeLost",
+           "NodeRecovered",
+           "PoolNodeLeft", "RankCaughtUp", "RanksRecovered", "RecordReplaced", "SpareReturned", "StoreMoved",
+           "SwapAbortedHere", "SwapBoundaryReached", "SwapDecided", "SwapJoinAborted", "SwapPhaseChanged", "SwapPlanSeen",
+           "SwapReformTimings", "SwapResumed", "SwapSendRefused", "SwapShardsRolledBack", "SwapTransferEnd",
+           "SwapTransferFailed", "SwapTransferStart", "SwapTransferStranger", "SwapWorldReformed", "UserError",
+           "WorkerDied", "emit", "read_event",
+           # the run key and its seal (tpassrun.records.provenance)
+           "RUN_KEY_ENV", "RUN_KEY_FILE_CONF", "RunKey", "RunKeyError", "carries_mac", "env_without_key", "key_for",
+           "register", "run_key_from", "seal",
+           # the spare pool's records (tpassrun.records.pool)
+           "IDLE", "MEMBER", "POOL_KEY_CONF", "SERVING", "SPARE", "Claim", "HistoryEntry", "JobSpec", "PoolInfo", "PoolKeys",
+           "PoolNode", "PreemptRequest", "box", "load_sealed", "pool_prefix", "pool_seal", "unbox"]

@@ -37,6 +37,9 @@ class WorkerRow(schema.Record):
                                                       # them (None: every rank, plain data parallelism)
     total: NonNegative = field(default=0, metadata=wire(omit_default=True))   # the total_steps its sess.run() was
                                                                               # given (0: not known)
+    # it tracks sharded state (sess.track_sharded), said from the call on, before its first copy: the planner counts
+    # it as such (tpassrun/plan/swap.py SlotView.sharded) when its node is lost inside step 0
+    sharded: bool = field(default=False, metadata=wire(omit_default=True))
     # sharded state (tpassrun/worker/shards.py), written only while it holds some: host bytes of its local copies,
     # bytes of one refresh of its mirror, the newest step its buddy's mirror holds (None: none yet), bytes pushed in all
     shard_held: NonNegative = field(default=0, metadata=wire(omit_default=True))

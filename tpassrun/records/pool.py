@@ -84,7 +84,7 @@ def _part(text: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- sealing
-def seal(key: provenance.RunKey, etcd_key: str, doc: Mapping[str, Any]) -> dict[str, Any]:
+def pool_seal(key: provenance.RunKey, etcd_key: str, doc: Mapping[str, Any]) -> dict[str, Any]:
     return provenance.seal(etcd_key, doc, key)
 
 

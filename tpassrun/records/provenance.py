@@ -45,9 +45,9 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
-from tpassrun.settings.envnames import TPASSRUN_POOL_KEY, TPASSRUN_RUN_KEY
+from tpassrun.settings import envnames as E
 
-RUN_KEY_ENV = TPASSRUN_RUN_KEY
+RUN_KEY_ENV = E.TPASSRUN_RUN_KEY
 RUN_KEY_FILE_CONF = "run_key_file"          # --rdzv-conf run_key_file=PATH
 MAC_FIELD = "mac"
 MAC_VERSION = "v1"
@@ -175,4 +175,4 @@ def key_for(etcd_key: str) -> RunKey | None:
 
 def env_without_key(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment minus the run key and a spare pool's key (workers run user code: they never need them)."""
-    return {k: v for k, v in environ.items() if k not in (RUN_KEY_ENV, TPASSRUN_POOL_KEY)}
+    return {k: v for k, v in environ.items() if k not in (RUN_KEY_ENV, E.TPASSRUN_POOL_KEY)}

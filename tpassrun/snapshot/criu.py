@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import os
 import shutil
 import signal
@@ -28,12 +27,12 @@ class SnapshotError(RuntimeError):
 async def _run(argv: Sequence[str], *, cwd: str | None = None, pass_fds: Sequence[int] = (),
                timeout: float = CRIU_TIMEOUT_S, stdin: bytes | None = None) -> tuple[int | None, str]:
     """(exit code, output); exit code None when it could not be started. Bounded: a criu that hangs is killed."""
+    inherit_only(pass_fds)
     try:
         proc = await asyncio.create_subprocess_exec(*argv, cwd=cwd, stdin=asyncio.subprocess.PIPE if stdin is not None
                                                     else asyncio.subprocess.DEVNULL,
                                                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
-                                                    pass_fds=tuple(pass_fds),
-                                                    preexec_fn=functools.partial(inherit_only, tuple(pass_fds)))
+                                                    pass_fds=tuple(pass_fds))
     except OSError as exc:
         return None, str(exc)
     try:

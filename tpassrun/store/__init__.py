@@ -20,14 +20,14 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from tpassrun.settings.envnames import TPASSRUN_STORE_KEY
+from tpassrun.settings import envnames as E
 from tpassrun.store.wire import MAGIC, derive_store_key
 
 __all__ = ["MAGIC", "bind_host", "connect", "derive_store_key", "key_from_env", "serve"]
 
 
 def key_from_env(environ: Any = None) -> bytes | None:
-    text = (os.environ if environ is None else environ).get(TPASSRUN_STORE_KEY, "")
+    text = (os.environ if environ is None else environ).get(E.TPASSRUN_STORE_KEY, "")
     try:
         key = bytes.fromhex(text)
     except ValueError:

@@ -23,8 +23,8 @@ import threading
 import time
 from typing import Any, Callable
 
-from tpassrun.transfer.auth import AuthError
-from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, PendingTable, source_of
+from tpassrun.transfer import AuthError
+from tpassrun.transfer import HANDSHAKE_DEADLINE_S, PendingTable, source_of
 from tpassrun.store import wire
 from tpassrun.store.wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE, ERROR, GET, MULTI_GET, MULTI_SET, NUM_KEYS, OK, PING,
                    SET, TIMEOUT, WAIT)

@@ -21,8 +21,8 @@ import struct
 import time
 from typing import Sequence
 
-from tpassrun.transfer.auth import ACCEPT, HELLO, PROOF, ConnectorHandshake, ListenerHandshake, TransferAuth
-from tpassrun.transfer.auth import AuthError as AuthError   # what every function here raises on a bad peer
+from tpassrun.transfer import ACCEPT, HELLO, PROOF, ConnectorHandshake, ListenerHandshake, TransferAuth
+from tpassrun.transfer import AuthError as AuthError   # what every function here raises on a bad peer
 
 MAGIC = b"TPST"
 PURPOSE = "store"

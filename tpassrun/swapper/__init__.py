@@ -24,22 +24,28 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from tpassrun.records import (AgentGone, FailureDropped, MigrateBackRequested, NodeHandedBack, NodeLost, PoolNodeLeft,
+                              SpareReturned,
+                              SwapPlanSeen, SwapResumed, UserError, WorkerDied, emit)
 from tpassrun.swapper import shardplane
 from tpassrun.channel import STOP_NOW, Field, WorkerPhase
 from tpassrun.swapper.coordinator import Coordinator
 from tpassrun.plan import classify_death, recoverable
 from tpassrun.swapper.nodeswap import NodePlans
-from tpassrun.swapper.agentport import AgentPort, FallbackRequested, HandedBack
-from tpassrun.channel.protocol import Failed, Raise, Reserve
-from tpassrun.records.provenance import seal
+from tpassrun.swapper.agentport import (AgentEvent, AgentPort, EventSink, FallbackRequested, HandedBack, HealthHost,
+                                       HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived, SpawnFailed,
+                                       StatusHost, SwapSettings, WorkerExited, WorkerSaid, annotated)
+from tpassrun.swapper.mirrorplane import MirrorPlane
+from tpassrun.channel import Failed, Raise, Reserve
+from tpassrun.records import seal
 from tpassrun.records import Failure, Fallback, HandBack, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load
-from tpassrun.channel.slots import Slot, SlotState
+from tpassrun.channel import Slot, SlotState
 from tpassrun.plan import Phase, SwapKind
 from tpassrun.swapper.phases import Phases
 from tpassrun.swapper.ranks import LocalRanks
 
 if TYPE_CHECKING:
-    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.channel import LocalSlots
     from tpassrun.rendezvous import EtcdStore, Generation
 
 log = logging.getLogger(__name__)
@@ -107,8 +113,8 @@ class Swapper:
                 if await mirror.agent_gone(node) and await self._store.revoke_lease_of(self._keys.node(node)):
                     log.warning("node %s: its agent is gone (its mirror port refuses connections); revoked its "
                                 "lease", node)
-                    self.port.events.write("agent_gone", lost_node=node,
-                                           reason="its agent's port refuses connections: declared lost now")
+                    emit(self.port.events, AgentGone(lost_node=node,
+                                                     reason="its agent's port refuses connections: declared lost now"))
             except Exception as exc:  # noqa: BLE001 - the lease expiry still comes
                 log.debug("probing node %s: %s", node, exc)
 
@@ -161,8 +167,8 @@ class Swapper:
                 continue
             s.quarantine_reason, s.home_rank = None, None
             await self.port.spawn_spare(s)
-            self.port.events.write("spare_returned", slot=index,
-                                   reason=f"its worker died ({len(recent)} time(s) in {DEATH_WINDOW_S:g} s): re-admitted")
+            why = f"its worker died ({len(recent)} time(s) in {DEATH_WINDOW_S:g} s): re-admitted"
+            emit(self.port.events, SpareReturned(slot=index, reason=why))
 
     def hint_spares(self) -> None:
         """Tell this node's ready spares how much state a rank here holds (what the ranks publish after their
@@ -191,13 +197,11 @@ class Swapper:
         doc, rev = await self._store.get_json(key)
         handback = load(HandBack.from_json, key, doc, rev) if doc is not None else None
         if handback is not None:       # handed back to the scheduler, holding no rank: no loss
-            self.port.events.write("node_handed_back", lost_node=node_id, sched_node=handback.node,
-                                   reason=handback.reason)
+            emit(self.port.events, NodeHandedBack(lost_node=node_id, sched_node=handback.node, reason=handback.reason))
         elif pool is not None and node_id in pool.given_back:
-            self.port.events.write("pool_node_left", lost_node=node_id, pool=pool.name,
-                                   pool_node=pool.given_back.pop(node_id))
+            emit(self.port.events, PoolNodeLeft(lost_node=node_id, pool=pool.name, pool_node=pool.given_back.pop(node_id)))
         else:
-            self.port.events.write("node_lost", lost_node=node_id)
+            emit(self.port.events, NodeLost(lost_node=node_id))
         self.coordinator.kick()
         return True
 
@@ -229,15 +233,14 @@ class Swapper:
         lease = self._store.lease_id      # the lease this death is seen under (see the failure's write below)
         kind, why = classify_death(code, self._slots.phase(slot))
         if not recoverable(kind):   # a spare would only raise again: torchrun's path, at once
-            self.port.events.write("user_error", slot=slot.index, rank=slot.rank, code=code, step=step, why=why)
+            emit(self.port.events, UserError(slot=slot.index, rank=slot.rank, code=code, step=step, why=why))
             return False
         light = self._slots.channel.read_light(slot.index) if self._slots.channel else None
         failure = Failure(node=self.port.node_id, slot=slot.index, rank=slot.rank, code=code, step=step,
                           light=light is not None, generation=gen.number, time=time.time(),
                           replicas=slot.replicas, alone=slot.alone,
-                          sharded=shardplane.ring_of(self._slots.channel, slot.index) is not None)
-        self.port.events.write("worker_died", slot=slot.index, rank=slot.rank, code=code, step=step,
-                                kind=kind.value, why=why)
+                          sharded=shardplane.tracks_sharded(self._slots.channel, slot.index))
+        emit(self.port.events, WorkerDied(slot=slot.index, rank=slot.rank, code=code, step=step, kind=kind.value, why=why))
         # Stop the other local ranks at their next step start (the ones blocked in a collective will fail).
         for s in self._slots.active():
             if s is not slot:
@@ -249,9 +252,9 @@ class Swapper:
         if not await self._store.put_json_while_leased(self._keys.failure(self.port.node_id, slot.index),
                                                        failure.to_json(), guard=self._keys.node(self.port.node_id),
                                                        lease_id=lease):
-            self.port.events.write("failure_dropped", slot=slot.index, rank=slot.rank,
-                                   reason="this node's etcd lease ended since the death: its ranks are the lost "
-                                          "node's plan's")
+            emit(self.port.events, FailureDropped(slot=slot.index, rank=slot.rank,
+                                                  reason="this node's etcd lease ended since the death: its ranks are the lost "
+                                          "node's plan's"))
             return True      # (this node fences itself for the same reason: no restart from here)
         await self.port.publish_status()
         return True
@@ -314,10 +317,9 @@ class Swapper:
         if plan.kind == SwapKind.NODE and plan.terminal and seq == 1:
             return   # a lost node with no live recovery: the leader restarts the group, says why
         self._active = plan
-        self.port.events.write(f"swap_{plan.phase.value}", swap_id=plan.id, kind=plan.kind.value,
-                                rank=plan.leaver.rank, leaver=plan.leaver.to_json(), joiner=plan.joiner.to_json(),
-                                boundary=plan.boundary, attempt=plan.attempt, ranks=list(plan.ranks),
-                                lost_node=plan.lost_node)
+        emit(self.port.events, SwapPlanSeen(swap_id=plan.id, kind=plan.kind, rank=plan.leaver.rank, leaver=plan.leaver,
+                                            joiner=plan.joiner, boundary=plan.boundary, attempt=plan.attempt,
+                                            ranks=list(plan.ranks), lost_node=plan.lost_node, phase=plan.phase))
         try:
             report = await self._participate(plan)
         except Exception as exc:  # a failed phase is reported, never fatal for the agent
@@ -329,8 +331,8 @@ class Swapper:
         elif plan.phase == Phase.DONE or (plan.phase == Phase.ABORTED and not plan.superseded):
             joined, self._joining = self._joining, []     # (not superseded: the group restarts)
             for old in joined if plan.phase == Phase.DONE else ():
-                self.port.events.write("swap_resumed", swap_id=old.id, rank=old.leaver.rank, ranks=list(old.ranks),
-                                       seconds=round(plan.history[-1][1] - old.history[0][1], 4), with_swap=plan.id)
+                emit(self.port.events, SwapResumed(swap_id=old.id, rank=old.leaver.rank, ranks=list(old.ranks),
+                                                   seconds=round(plan.history[-1][1] - old.history[0][1], 4), with_swap=plan.id))
         if report is not None:
             key = self._keys.report(plan.id, seq, self.port.node_id)
             await self._store.put_json(key, seal(key, report.to_json()))   # with the run key's MAC
@@ -358,8 +360,8 @@ class Swapper:
         if phase == Phase.REFORM:
             return await self.phases.reform(plan) if me in plan.nodes else None
         if phase == Phase.DONE:
-            self.port.events.write("swap_resumed", swap_id=plan.id, rank=plan.leaver.rank,
-                                    seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
+            emit(self.port.events, SwapResumed(swap_id=plan.id, rank=plan.leaver.rank,
+                                               seconds=round(plan.history[-1][1] - plan.history[0][1], 4)))
             self._active = None
             await self.readmit_dead_slots()
             return None
@@ -411,7 +413,7 @@ class Swapper:
             if s.state == SlotState.QUARANTINED and (self.port.node_id, s.index) not in held:
                 s.quarantine_reason = None
                 await self.port.spawn_spare(s)
-                self.port.events.write("spare_returned", slot=s.index)
+                emit(self.port.events, SpareReturned(slot=s.index))
                 home, s.home_rank = s.home_rank, None
                 if self.port.settings.migrate_back and home is not None:
                     await self._request_migrate_back(home, s)
@@ -424,5 +426,15 @@ class Swapper:
                       reason=f"migrate back to healthy slot {self.port.node_id}/{home.index}",
                       home_node=self.port.node_id, home_slot=home.index, time=time.time())
         await self._store.put_json(self._keys.taint(tid), taint.to_json())
-        self.port.events.write("migrate_back_requested", rank=rank, slot=home.index, taint=tid)
+        emit(self.port.events, MigrateBackRequested(rank=rank, slot=home.index, taint=tid))
         await self.port.publish_status()
+
+
+__all__ = ["DEATHS_TO_QUARANTINE", "DEATH_WINDOW_S", "FAILED_STEP_GRACE_S", "Swapper", "me_in", "shardplane",
+           # what the swapper sees of its agent, and what the agent tells it (tpassrun.swapper.agentport)
+           "AgentEvent", "AgentPort", "EventSink", "FallbackRequested", "HandedBack", "HealthHost",
+           "HealthRestartRequested", "LeaseLost",
+           "RendezvousChanged", "SignalReceived", "SpawnFailed", "StatusHost", "SwapSettings", "WorkerExited",
+           "WorkerSaid", "annotated",
+           # the agent's mirror plane (tpassrun.swapper.mirrorplane)
+           "MirrorPlane"]

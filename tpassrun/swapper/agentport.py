@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union, overload
 
 if TYPE_CHECKING:
-    from tpassrun.channel.protocol import Done, Failed, Hello, Raised
+    from tpassrun.channel import Done, Failed, Hello, Raised
     from tpassrun.settings import LaunchConfig
     from tpassrun.rendezvous import EtcdRendezvous, Generation, RdzvEvent
-    from tpassrun.channel.slots import LocalSlots, Slot
+    from tpassrun.channel import LocalSlots, Slot
 
 
 # --------------------------------------------------------------------------------------------- agent events

@@ -10,14 +10,16 @@ next generation (the swap's) before the plan moves on.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import secrets
 import time
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
+from tpassrun.records import GenerationCommitted, RecordReplaced, StoreMoved, SwapDecided, SwapPhaseChanged, emit
 from tpassrun.swapper.agentport import AgentPort, HealthRestartRequested, annotated
-from tpassrun.records.provenance import seal
+from tpassrun.records import seal
 from tpassrun.records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect,
                               TaintSource, load, node_info)
 from tpassrun.rendezvous import GenState, NodeInfo
@@ -26,7 +28,7 @@ from tpassrun.plan import (REPORT_DEADLINE_S, Action, CasPlan, ClaimFromPool, Cl
                            plan_give_back, seen_ranks, triage)
 
 if TYPE_CHECKING:
-    from tpassrun.pool.job import JobPool
+    from tpassrun.pool import JobPool
     from tpassrun.rendezvous import EtcdStore, Generation
 
 log = logging.getLogger(__name__)
@@ -70,15 +72,27 @@ class Coordinator:
 
     # ------------------------------------------------------------------ the loop
     async def _coordinate(self) -> None:
-        """Re-evaluate on every relevant change; only the leader acts."""
+        """Re-evaluate on every relevant change; only the leader acts, and only the leader watches: with every
+        agent watching the run's records, each status write (every agent, every second) reached every agent, N^2
+        watch events a second (2,048 nodes: 4 million), and a busy loop of no-op kicks on each of them."""
         prefix = self._keys.prefix
-        watcher = asyncio.ensure_future(self._watch_kicks(prefix))
+        watcher: asyncio.Future[None] | None = None
+        listeners: list[Callable[[], None]] = getattr(self.port.rdzv, "leadership_listeners", [])
+        listeners.append(self.kick)      # (a test's fake handle has none: its is_leader never changes)
         backoff, said = 0.2, ""
+        self._kick.set()
         try:
             while True:
                 await self._kick.wait()
                 self._kick.clear()
-                if self.port.rdzv.is_leader:
+                leading = self.port.rdzv.is_leader
+                if leading and watcher is None:
+                    watcher = asyncio.ensure_future(self._watch_kicks(prefix))   # kicks once it watches
+                    continue
+                if not leading and watcher is not None:
+                    watcher.cancel()
+                    watcher = None
+                if leading:
                     try:
                         await self._leader_tick()
                         backoff, said = 0.2, ""
@@ -91,15 +105,34 @@ class Coordinator:
                         backoff = min(backoff * 2, 5.0)
                         self._kick.set()
         finally:
-            watcher.cancel()
+            with contextlib.suppress(ValueError):
+                listeners.remove(self.kick)
+            if watcher is not None:
+                watcher.cancel()
 
     async def _watch_kicks(self, prefix: str) -> None:
-        self._kick.set()
-        interesting = ("taints/", "failures/", "reports/", "status/", "swaps/")
-        async for ev in self._store.watch_prefix(prefix):
-            rel = ev.key[len(prefix):]
-            if rel.startswith(interesting):
-                self._kick.set()
+        """Kick on every change the triage reads, from the moment etcd confirmed the watch (the tick that follows
+        reads everything). A status write kicks only when what the triage reads of it changed (status_shape):
+        the step and the clock every agent writes each second change nothing it decides."""
+        ready = asyncio.Event()
+        ready_kick = asyncio.ensure_future(_kick_when(ready, self.kick))
+        shapes: dict[str, object] = {}
+        interesting = ("taints/", "failures/", "reports/", "swaps/")
+        try:
+            async for ev in self._store.watch_prefix(prefix, ready=ready):
+                rel = ev.key[len(prefix):]
+                if rel.startswith("status/"):
+                    shape = status_shape(ev.value) if ev.kind == "put" else None
+                    if ev.kind == "reset" or shape is None or shapes.get(ev.key) != shape:
+                        self.kick()
+                    if shape is None:
+                        shapes.pop(ev.key, None)
+                    else:
+                        shapes[ev.key] = shape
+                elif rel.startswith(interesting) or ev.kind == "reset":
+                    self.kick()
+        finally:
+            ready_kick.cancel()
 
     async def _view(self, taints: list[Taint] | None = None) -> ClusterView:
         gen = self.port.generation()
@@ -119,7 +152,7 @@ class Coordinator:
                     state = "tainted"
                 slots.append(SlotView(node=status.node_id, slot=w.slot, rank=w.rank, state=state,
                                       managed=w.managed, step=w.step, replicas=w.replicas,
-                                      sharded=bool(w.shard_held)))
+                                      sharded=w.sharded or bool(w.shard_held)))
         lost = tuple(annotated(gen, self.port.latest()).lost)   # lost nodes are annotations: written in place
         slots = [s for s in slots if s.node not in lost]   # a lost node's last status may outlive it briefly
         return ClusterView(generation=gen.number, members=tuple(m.node_id for m in gen.members),
@@ -228,7 +261,7 @@ class Coordinator:
             created = await store.create_json(key, _sealed(key, plan)) or await self._replace_foreign(key, plan)
             if created and action.taint is not None:
                 await store.put_json(keys.taint(action.taint.id), action.taint.handled(plan.id, "migrating").to_json())
-                events.write("swap_decided", swap_id=plan.id, reason=action.reason, taint=action.taint.id)
+                emit(events, SwapDecided(swap_id=plan.id, reason=action.reason, taint=action.taint.id))
         elif isinstance(action, PutFailure):
             await store.put_json(keys.failure_by_id(action.failure_id), action.failure.to_json())
         elif isinstance(action, PutTaint):
@@ -256,8 +289,8 @@ class Coordinator:
             return False
         replaced = await self._store.cas_json(key, _sealed(key, plan), rev)
         if replaced:
-            self.port.events.write("record_replaced", key=key, swap_id=plan.id,
-                                   reason="the value there was not the job's (refused on read)")
+            emit(self.port.events, RecordReplaced(key=key, swap_id=plan.id,
+                                                  reason="the value there was not the job's (refused on read)"))
         return replaced
 
     async def _apply(self, decision: Decision, plan: SwapPlan, rev: int) -> None:
@@ -271,7 +304,7 @@ class Coordinator:
             await self._commit_generation(new)
         ok = await self._store.cas_json(self._keys.swap(plan.id), _sealed(self._keys.swap(plan.id), new), rev)
         if ok:
-            self.port.events.write("swap_phase", swap_id=new.id, phase=new.phase.value, reason=decision.reason)
+            emit(self.port.events, SwapPhaseChanged(swap_id=new.id, phase=new.phase, reason=decision.reason))
             if new.phase == Phase.DONE and new.taint_id and new.release:
                 await self._store.delete(self._keys.taint(new.taint_id))   # migrate-back done: nothing sick
             elif new.phase == Phase.DONE and new.taint_id:
@@ -292,8 +325,8 @@ class Coordinator:
                 return plan        # (tests' ports) the participants use the store they know
             addr, port = await self.port.start_store()
             host = self.port.node_id
-            self.port.events.write("store_moved", addr=addr, port=port, swap_id=plan.id,
-                                   reason=f"the workers' store was on lost node {plan.lost_node}")
+            emit(self.port.events, StoreMoved(addr=addr, port=port, swap_id=plan.id,
+                                              reason=f"the workers' store was on lost node {plan.lost_node}"))
         return dataclasses.replace(plan, store=(addr, port), store_host=host)
 
     def _alive(self, node: str) -> bool:
@@ -317,7 +350,29 @@ class Coordinator:
         new = committed_generation(old, plan, infos)
         if await self.port.rdzv.commit(old, new):
             self.port.set_generation(new)
-            self.port.events.write("generation_committed", generation=new.number, swap_id=plan.id)
+            emit(self.port.events, GenerationCommitted(generation=new.number, swap_id=plan.id))
+
+
+def status_shape(doc: Any) -> object | None:
+    """What the triage reads of a ``status/<node>`` value, as a comparable value (pure): each slot's rank, state,
+    whether its worker runs tpassrun.init(), its replica group and whether it holds sharded state (the coordinator's
+    ``_view``). The step, the time and the step time, rewritten every second, are left out. None: not a value
+    the strict reader would take apart here (malformed: the tick's reader judges it)."""
+    if not isinstance(doc, dict) or not isinstance(doc.get("workers", ()), (list, tuple)):
+        return None
+    shape = []
+    for w in doc.get("workers", ()):
+        if not isinstance(w, dict):
+            return None
+        replicas = w.get("replicas")
+        shape.append((w.get("slot"), w.get("rank"), w.get("state"), bool(w.get("managed")),
+                      tuple(replicas) if isinstance(replicas, list) else replicas, bool(w.get("shard_held"))))
+    return (doc.get("node_id"), tuple(shape))
+
+
+async def _kick_when(ready: asyncio.Event, kick: Callable[[], None]) -> None:
+    await ready.wait()
+    kick()
 
 
 def homes_of(gen: "Generation") -> tuple[tuple[int, str, int], ...]:

@@ -30,16 +30,17 @@ import time
 import zlib
 from typing import TYPE_CHECKING, Any, Iterable
 
+from tpassrun.records import MirrorBuddy, MirrorPushFailed, MirrorPushRestored, emit
 from tpassrun.channel import Field
 from tpassrun.mirror import (DEFAULT_MAX_BYTES, MirrorClient, MirrorError, MirrorServer, MirrorStore, MirrorTarget, copies_of,
                      ensure_mirror_key, ring_nodes)
-from tpassrun.channel.protocol import MirrorInfo
+from tpassrun.channel import MirrorInfo
 from tpassrun.records import Keys, load, node_info
 
 if TYPE_CHECKING:
     from tpassrun.swapper.agentport import AgentPort
     from tpassrun.rendezvous import Generation
-    from tpassrun.channel.slots import Slot
+    from tpassrun.channel import Slot
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +138,7 @@ class MirrorPlane:
             self._close_client()
             self._pushed.clear()        # a new buddy gets everything current, not only what changes next
             self._seen.clear()
-            self.port.events.write("mirror_buddy", buddy=buddy, ring=list(ring))
+            emit(self.port.events, MirrorBuddy(buddy=buddy, ring=list(ring)))
 
     def _close_client(self) -> None:
         client, self._client = self._client, None
@@ -161,8 +162,7 @@ class MirrorPlane:
                     self._said_down = str(exc)
                     log.warning("mirror: cannot copy light state to buddy %s: %s",
                                 self.buddy.node if self.buddy else None, exc)
-                    self.port.events.write("mirror_push_failed", buddy=self.buddy.node if self.buddy else None,
-                                           error=str(exc)[:200])
+                    emit(self.port.events, MirrorPushFailed(buddy=self.buddy.node if self.buddy else None, error=str(exc)[:200]))
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), PUSH_EVERY_S)
             self._wake.clear()
@@ -230,7 +230,7 @@ class MirrorPlane:
             self._seen.clear()              # look again once the buddy answers
             raise
         if self._said_down is not None:
-            self.port.events.write("mirror_push_restored", buddy=target.node)
+            emit(self.port.events, MirrorPushRestored(buddy=target.node))
             self._said_down = None
         for rank, step, data, crc in batch:
             pushed = self._pushed.setdefault(rank, {})

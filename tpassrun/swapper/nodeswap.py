@@ -23,15 +23,17 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
+from tpassrun.records import (CollectivesBroken, NodeRecovered, RanksRecovered, SwapAbortedHere, SwapReformTimings,
+                              SwapSendRefused, SwapTransferEnd, SwapTransferFailed, SwapTransferStart, SwapWorldReformed, emit)
 from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, WorkerPhase
-from tpassrun.channel.protocol import Abort, Light, LightOk, MirrorSource, Received, Reform, SendState, WorldSpec
+from tpassrun.channel import Abort, Light, LightOk, MirrorSource, Received, Reform, SendState, WorldSpec
 from tpassrun.records import Move, Phase, Report, SwapPlan
-from tpassrun.channel.slots import SlotState
+from tpassrun.channel import SlotState
 from tpassrun.plan import PHASE_TIMEOUT_S, transfer_key, world_prefix
 
 if TYPE_CHECKING:
-    from tpassrun.channel.slots import LocalSlots
+    from tpassrun.channel import LocalSlots
     from tpassrun.swapper.agentport import AgentPort
     from tpassrun.swapper.phases import Phases
     from tpassrun.swapper.ranks import LocalRanks
@@ -73,15 +75,14 @@ class NodePlans:
             return await self._reform(plan) if me in plan.nodes else None
         if phase == Phase.DONE:
             if me in plan.nodes and plan.lost_node is None:     # several dead ranks (a second fault)
-                self.port.events.write("ranks_recovered", swap_id=plan.id, ranks=list(plan.ranks),
-                                       to=sorted({m.joiner.node for m in plan.moves}), boundary=plan.boundary,
-                                       seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
+                emit(self.port.events, RanksRecovered(swap_id=plan.id, ranks=list(plan.ranks),
+                                                      to=sorted({m.joiner.node for m in plan.moves}), boundary=plan.boundary,
+                                                      seconds=round(plan.history[-1][1] - plan.history[0][1], 4)))
             elif me in plan.nodes:
-                self.port.events.write("node_recovered", swap_id=plan.id, lost_node=plan.lost_node,
-                                       also=list(plan.lost_also), ranks=list(plan.ranks),
-                                       to=sorted({m.joiner.node for m in plan.moves}),
-                                       boundary=plan.boundary,
-                                       seconds=round(plan.history[-1][1] - plan.history[0][1], 4))
+                emit(self.port.events, NodeRecovered(swap_id=plan.id, lost_node=plan.lost_node, also=list(plan.lost_also),
+                                                     ranks=list(plan.ranks), to=sorted({m.joiner.node for m in plan.moves}),
+                                                     boundary=plan.boundary,
+                                                     seconds=round(plan.history[-1][1] - plan.history[0][1], 4)))
             self._forget(plan)
             return None
         if phase == Phase.ABORTED:
@@ -121,7 +122,7 @@ class NodePlans:
                     s, f"node {plan.lost_node} was declared lost"):
                 broken.append(s.rank)
         if broken:
-            self.port.events.write("collectives_broken", swap_id=plan.id, lost_node=plan.lost_node, ranks=broken)
+            emit(self.port.events, CollectivesBroken(swap_id=plan.id, lost_node=plan.lost_node, ranks=broken))
 
     async def _transfer(self, plan: SwapPlan) -> Report | None:
         self.phases.saw_transfer(plan)
@@ -141,13 +142,13 @@ class NodePlans:
         addrs: dict[int, tuple[str, int]] = {}
         for move, result in zip([*mine, *behind], assigned):
             if isinstance(result, str):
-                self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=result, rank=move.rank)
+                emit(self.port.events, SwapTransferFailed(swap_id=plan.id, error=result, rank=move.rank))
                 return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=result)
             addrs[move.rank] = result
         for _move, err in zip(mine, fetched):
             if err is not None:
                 return Report(node=self.me, phase=plan.phase, ok=False, final=True, error=err)
-        self.port.events.write("swap_transfer_start", swap_id=plan.id, ranks=sorted(addrs))
+        emit(self.port.events, SwapTransferStart(swap_id=plan.id, ranks=sorted(addrs)))
         return Report(node=self.me, phase=plan.phase, joiner_addrs=addrs)
 
     async def _shard_source(self, plan: SwapPlan, move: Move) -> MirrorSource | None:
@@ -189,7 +190,7 @@ class NodePlans:
             refused = await self.phases.refuse_destination(plan, move, catch_up=id(move) in catching_up)
             if refused is not None:
                 log.error("swap %s: refusing to send rank %s's state: %s", plan.id, move.rank, refused)
-                self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
+                emit(self.port.events, SwapSendRefused(swap_id=plan.id, reason=refused))
                 return Report(node=me, phase=plan.phase, ok=False, final=True, error=f"send refused: {refused}")
             assert move.joiner_addr is not None
             donor = self._slots.slots[move.donor.slot]
@@ -223,10 +224,10 @@ class NodePlans:
         if not isinstance(msg, Received) or not msg.ok:
             err = msg.error if isinstance(msg, Received) else None
             err = f"rank {move.rank}: {err or 'the joiner died or timed out during the transfer'}"
-            self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=err, rank=move.rank)
+            emit(self.port.events, SwapTransferFailed(swap_id=plan.id, error=err, rank=move.rank))
             return err
-        self.port.events.write("swap_transfer_end", swap_id=plan.id, rank=move.rank, nbytes=msg.nbytes,
-                               seconds=msg.seconds, checksum=msg.checksum)
+        emit(self.port.events, SwapTransferEnd(swap_id=plan.id, rank=move.rank, nbytes=msg.nbytes, seconds=msg.seconds,
+                                               checksum=msg.checksum))
         if light is not None:
             ok = await self._slots.expect(joiner, (LightOk,), 5.0)
             if ok is None or ok.ok is False:
@@ -270,9 +271,9 @@ class NodePlans:
             return None
         if isinstance(answers, str):
             return Report(node=me, phase=plan.phase, ok=False, error=answers)
-        self.port.events.write("swap_reform_timings", swap_id=plan.id,
-                               ranks={str(s.rank): msg.timings() for s, msg in zip(waiting, answers)})
-        self.port.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
+        emit(self.port.events, SwapReformTimings(swap_id=plan.id,
+                                                 ranks={str(s.rank): msg.timings() for s, msg in zip(waiting, answers)}))
+        emit(self.port.events, SwapWorldReformed(swap_id=plan.id, generation=gen.number + 1))
         return Report(node=me, phase=plan.phase)
 
     def _abort(self, plan: SwapPlan) -> None:
@@ -285,7 +286,7 @@ class NodePlans:
             joiner = slots.slots[move.joiner.slot]
             if joiner.state == SlotState.SPARE:
                 slots.send(joiner, Abort())
-        self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=plan.outcome or "aborted")
+        emit(self.port.events, SwapAbortedHere(swap_id=plan.id, reason=plan.outcome or "aborted"))
 
 
 __all__ = ["NodePlans"]

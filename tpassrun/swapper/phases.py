@@ -15,14 +15,17 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
+from tpassrun.records import (SwapAbortedHere, SwapBoundaryReached, SwapJoinAborted, SwapReformTimings, SwapSendRefused,
+                              SwapShardsRolledBack, SwapTransferEnd, SwapTransferFailed, SwapTransferStart, SwapWorldReformed,
+                              emit)
 from tpassrun.swapper import shardplane
 from tpassrun.channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
 from tpassrun.swapper.agentport import AgentPort, FallbackRequested
 from tpassrun.swapper.ranks import LocalRanks
-from tpassrun.channel.protocol import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform,
+from tpassrun.channel import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform,
                        Reformed, Resume, SendState, WorldSpec)
 from tpassrun.records import Keys, Move, Report, SwapPlan, load, node_info
-from tpassrun.channel.slots import LocalSlots, Slot, SlotState
+from tpassrun.channel import LocalSlots, Slot, SlotState
 from tpassrun.plan import (PHASE_TIMEOUT_S, ClusterView, Phase, SlotRef, SwapKind, of_attempt,
                            transfer_key as _transfer_key, world_prefix)
 
@@ -82,7 +85,7 @@ class Phases:
         if why is not None:
             return why
         self.rolled_back.add(plan.id)
-        self.port.events.write("swap_shards_rolled_back", swap_id=plan.id, step=plan.boundary)
+        emit(self.port.events, SwapShardsRolledBack(swap_id=plan.id, step=plan.boundary))
         return None
 
     async def pause(self, plan: SwapPlan) -> Report:
@@ -209,7 +212,7 @@ class Phases:
             if over > boundary:
                 return Report(node=self.port.node_id, phase=plan.phase, candidate=over)
             if ready:
-                self.port.events.write("swap_boundary_reached", swap_id=plan.id, step=boundary)
+                emit(self.port.events, SwapBoundaryReached(swap_id=plan.id, step=boundary))
                 return Report(node=self.port.node_id, phase=plan.phase, candidate=boundary)
             if time.monotonic() > deadline:
                 return Report(node=self.port.node_id, phase=plan.phase, ok=False,
@@ -257,10 +260,10 @@ class Phases:
                 result = await self.assign_joiner(plan)
             if isinstance(result, str):
                 # (assigned early, a joiner that dies is now seen here, before any byte was sent)
-                self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=result, attempt=plan.attempt)
+                emit(self.port.events, SwapTransferFailed(swap_id=plan.id, error=result, attempt=plan.attempt))
                 return Report(node=me, phase=plan.phase, ok=False, error=result)
             addr = result
-            self.port.events.write("swap_transfer_start", swap_id=plan.id, joiner=plan.joiner.to_json())
+            emit(self.port.events, SwapTransferStart(swap_id=plan.id, joiner=plan.joiner))
         behind = self.ranks.catching_up(plan)
         listening: dict[int, tuple[str, int]] = {}
         if behind:
@@ -315,7 +318,7 @@ class Phases:
             refused = await self.refuse_destination(plan)
             if refused is not None:
                 log.error("swap %s: refusing to send rank %s's state: %s", plan.id, plan.leaver.rank, refused)
-                self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
+                emit(self.port.events, SwapSendRefused(swap_id=plan.id, reason=refused))
                 return Report(node=me, phase=plan.phase, ok=False, error=f"send refused: {refused}")
             slot = self._slots.slots[sender.slot]
             key = _transfer_key(plan)
@@ -340,15 +343,14 @@ class Phases:
             return None
         if not isinstance(msg, Received) or not msg.ok:
             err = msg.error if isinstance(msg, Received) else "the joiner died or timed out during the transfer"
-            self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=err, attempt=plan.attempt)
+            emit(self.port.events, SwapTransferFailed(swap_id=plan.id, error=err, attempt=plan.attempt))
             return Report(node=me, phase=plan.phase, ok=False, error=err)
         if plan.kind == SwapKind.PLANNED and plan.boundary is not None and msg.step is not None \
                 and msg.step != int(plan.boundary):
             err = f"the joiner received the state of step {msg.step}, the swap is at step {plan.boundary}"
-            self.port.events.write("swap_transfer_failed", swap_id=plan.id, error=err, attempt=plan.attempt)
+            emit(self.port.events, SwapTransferFailed(swap_id=plan.id, error=err, attempt=plan.attempt))
             return Report(node=me, phase=plan.phase, ok=False, error=err)
-        self.port.events.write("swap_transfer_end", swap_id=plan.id, nbytes=msg.nbytes, seconds=msg.seconds,
-                                checksum=msg.checksum)
+        emit(self.port.events, SwapTransferEnd(swap_id=plan.id, nbytes=msg.nbytes, seconds=msg.seconds, checksum=msg.checksum))
         if light is not None:
             ok = await self._slots.expect(joiner, (LightOk,), 5.0)
             if ok is None or ok.ok is False:
@@ -368,7 +370,7 @@ class Phases:
                 continue
             refused = await self.refuse_destination(plan, move, catch_up=True)
             if refused is not None:
-                self.port.events.write("swap_send_refused", swap_id=plan.id, reason=refused)
+                emit(self.port.events, SwapSendRefused(swap_id=plan.id, reason=refused))
                 return Report(node=me, phase=plan.phase, ok=False, final=True, error=f"send refused: {refused}")
             key = _transfer_key(plan)
             assert key is not None and move.joiner_addr is not None   # _refuse_destination checked both
@@ -472,8 +474,8 @@ class Phases:
         if isinstance(answers, str):
             return Report(node=me, phase=plan.phase, ok=False, error=answers)
         timings = {str(s.rank): msg.timings() for s, msg in zip(waiting, answers)}
-        self.port.events.write("swap_reform_timings", swap_id=plan.id, ranks=timings)
-        self.port.events.write("swap_world_reformed", swap_id=plan.id, generation=gen.number + 1)
+        emit(self.port.events, SwapReformTimings(swap_id=plan.id, ranks=timings))
+        emit(self.port.events, SwapWorldReformed(swap_id=plan.id, generation=gen.number + 1))
         return Report(node=me, phase=plan.phase)
 
     async def await_reformed(self, plan: SwapPlan, waiting: list[Slot]) -> list[Reformed] | str | None:
@@ -513,7 +515,7 @@ class Phases:
             self._slots.send(s, AbortJoin(prefix=world_prefix(plan)))
         await asyncio.gather(*(self._slots.expect(s, (Reformed,), 10.0) for s in joining))
         if joining:
-            self.port.events.write("swap_join_aborted", ranks=[s.rank for s in joining])
+            emit(self.port.events, SwapJoinAborted(ranks=[s.rank for s in joining]))
 
     async def abort(self, plan: SwapPlan) -> None:
         me = self.port.node_id
@@ -522,7 +524,7 @@ class Phases:
             # and wait where they are, without a process group, for the recovery that replaces the dead rank
             # (superseded), or for the group restart; nobody resumes training
             await self._abort_joins(plan, [s for s in self._slots.slots if s.state == SlotState.RUNNING])
-            self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=plan.outcome or "aborted")
+            emit(self.port.events, SwapAbortedHere(swap_id=plan.id, reason=plan.outcome or "aborted"))
             if not plan.superseded and plan.leaver.node == me:
                 # the old world is gone and the new one was not formed: only the group restart goes on from here
                 what = (f"rank {plan.leaver.rank} cannot be recovered live" if plan.kind == SwapKind.UNPLANNED
@@ -542,7 +544,7 @@ class Phases:
             if joiner.state == SlotState.SPARE:
                 self._slots.send(joiner, Abort())
         reason = plan.history[-1][0] if plan.history else ""
-        self.port.events.write("swap_aborted_here", swap_id=plan.id, reason=reason)
+        emit(self.port.events, SwapAbortedHere(swap_id=plan.id, reason=reason))
         if plan.kind == SwapKind.UNPLANNED and plan.leaver.node == me and not plan.superseded:
             dead = self._slots.slots[plan.leaver.slot]
             # free of --max-restarts only when the planner found the live recovery impossible (it says why);

@@ -11,13 +11,14 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
+from tpassrun.records import RankCaughtUp, SwapTransferStranger, emit
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel.protocol import CatchUp, Listening, Received, Stranger
+from tpassrun.channel import CatchUp, Listening, Received, Stranger
 from tpassrun.plan import PHASE_TIMEOUT_S, Phase, SwapKind, of_attempt, transfer_key
 from tpassrun.records import Keys, Move, SwapPlan, load
 
 if TYPE_CHECKING:
-    from tpassrun.channel.slots import LocalSlots, Slot
+    from tpassrun.channel import LocalSlots, Slot
     from tpassrun.swapper.agentport import AgentPort
 
 log = logging.getLogger(__name__)
@@ -92,8 +93,8 @@ class LocalRanks:
         if not isinstance(msg, Received) or not msg.ok:
             err = msg.error if isinstance(msg, Received) else msg
             return f"rank {move.rank} did not catch up: {err or 'no answer'}"
-        self.port.events.write("rank_caught_up", swap_id=plan.id, rank=move.rank, step=plan.boundary,
-                               donor=move.donor.rank if move.donor else None, nbytes=msg.nbytes)
+        emit(self.port.events, RankCaughtUp(swap_id=plan.id, rank=move.rank, step=plan.boundary,
+                                            donor=move.donor.rank if move.donor else None, nbytes=msg.nbytes))
         return int(msg.nbytes or 0)
 
     async def await_received(self, plan: SwapPlan, joiner: Slot) -> Received | str | None:
@@ -104,7 +105,7 @@ class LocalRanks:
             msg: Received | Stranger | None = await self.slots.expect(joiner, (Received, Stranger), 0.5,
                                                                        of_attempt(plan))
             if isinstance(msg, Stranger):
-                self.port.events.write("swap_transfer_stranger", swap_id=plan.id, error=msg.error)
+                emit(self.port.events, SwapTransferStranger(swap_id=plan.id, error=msg.error))
                 continue
             if msg is not None or not joiner.alive:
                 return msg

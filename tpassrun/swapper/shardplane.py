@@ -21,13 +21,13 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel.protocol import MirrorSource, ShardRolledBack, ShardRollback
+from tpassrun.channel import MirrorSource, ShardRolledBack, ShardRollback
 
 if TYPE_CHECKING:
     from tpassrun.channel import ChannelFile
     from tpassrun.swapper.agentport import AgentPort
     from tpassrun.records import SwapPlan
-    from tpassrun.channel.slots import LocalSlots, Slot
+    from tpassrun.channel import LocalSlots, Slot
 
 log = logging.getLogger(__name__)
 
@@ -38,9 +38,15 @@ ROLLBACK_TIMEOUT_S = 120.0
 _VERSIONS = (Field.SHARD_V0, Field.SHARD_V1, Field.SHARD_V2)
 
 
+def tracks_sharded(ch: Any, slot: int) -> bool:
+    """Whether a worker tracks sharded state (``sess.track_sharded``), from the call on: before its first copy
+    too, so that a rank dying inside step 0 is planned as one whose shard is in a mirror (its step-0 copy)."""
+    return ch is not None and bool(ch.get(slot, Field.SHARD_TRACKED) or ch.get(slot, Field.SHARD_HELD))
+
+
 def ring_of(ch: Any, slot: int) -> tuple[int, ...] | None:
     """The steps whose local copy a worker holds complete (None: it tracks no sharded state)."""
-    if ch is None or not ch.get(slot, Field.SHARD_HELD):
+    if not tracks_sharded(ch, slot):
         return None
     return tuple(sorted(v - 1 for v in (ch.get(slot, f) for f in _VERSIONS) if v > 0))
 

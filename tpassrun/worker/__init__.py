@@ -37,9 +37,10 @@ from datetime import timedelta
 from tpassrun.settings import envnames as E
 from tpassrun.worker import faultpoints as testing
 from tpassrun.channel import INT64_MAX, Field, WorkerPhase
-from tpassrun.channel.protocol import Hello
-from tpassrun.worker.world import init_first_world
-from tpassrun.worker.failure import StepFailure, classify_failure, is_distributed_failure
+from tpassrun.channel import Hello
+from tpassrun.worker.world import GROUP_SOCKETS, init_first_world
+from tpassrun.channel import StepFailure
+from tpassrun.worker.failure import classify_failure, is_distributed_failure
 from tpassrun.worker.link import AgentLink
 from tpassrun.worker.session import Session
 from tpassrun.worker.receive import _receive_state
@@ -114,5 +115,5 @@ def _quiet_interrupts() -> None:
     sys.excepthook = hook
 
 
-__all__ = ["AgentLink", "INT64_MAX", "Session", "StepFailure", "_AgentLink", "_receive_state", "classify_failure", "init",
-           "is_distributed_failure"]
+__all__ = ["AgentLink", "GROUP_SOCKETS", "INT64_MAX", "Session", "StepFailure", "_AgentLink", "_receive_state",
+           "classify_failure", "init", "is_distributed_failure"]

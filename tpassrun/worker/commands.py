@@ -16,12 +16,13 @@ import time
 from typing import Any, Callable
 
 from tpassrun.channel import STOP_NOW, Field, Verdict, WorkerPhase
-from tpassrun.channel.protocol import (AbortJoin, CatchUp, Exit, Failed, Message, Raise, Raised, Reform, Reformed,
+from tpassrun.channel import (AbortJoin, CatchUp, Exit, Failed, Message, Raise, Raised, Reform, Reformed,
                                        Resume, SendState,
                        ShardRolledBack, ShardRollback)
 from tpassrun.worker.world import JoinAborted, abort_process_groups, join_world, leave_process_group, set_rank_env
 from tpassrun.worker.catchup import CatchUpCommand
-from tpassrun.worker.failure import StepFailure, note_interrupted
+from tpassrun.channel import StepFailure
+from tpassrun.worker.failure import note_interrupted
 from tpassrun.worker.receive import _transfer_auth
 from tpassrun.worker.replicas import CheckFailed, ReplicaCheck
 from tpassrun.worker.sharded import ShardedState

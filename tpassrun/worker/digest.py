@@ -87,7 +87,7 @@ def named_tensors(name: str, obj: Any) -> tuple[Any, list[tuple[str, Any]]]:
     """``obj.state_dict()`` as the handoff codec encodes it (raises its ``HandoffError``), and each tensor leaf with
     its path (``model.fc1.weight``, ``optimizer.state.0.exp_avg``): a tensor met twice (tied weights) once, under
     its first path."""
-    from tpassrun.transfer.codec import TreeEncoder
+    from tpassrun.transfer import TreeEncoder
 
     encoder = TreeEncoder()
     tree = encoder.encode(obj.state_dict(), name)
@@ -100,7 +100,7 @@ def state_digest(objects: Mapping[str, Any]) -> LocalDigest:
     """Digest every object's ``state_dict()``: each tensor leaf by its path, the non-tensor values as one leaf
     (:data:`VALUES`). An object whose state the handoff codec refuses is one leaf saying so (its replicas refuse
     it alike)."""
-    from tpassrun.transfer.auth import HandoffError
+    from tpassrun.transfer import HandoffError
 
     out = LocalDigest()
     for name in sorted(objects):

@@ -8,35 +8,13 @@ fail first (``CASUALTY``). The agent's side is :mod:`tpassrun.plan.failkind` and
 
 from __future__ import annotations
 
-import enum
 import logging
 import os
 
+from tpassrun.channel import StepFailure, worker_log_file
 from tpassrun.settings import envnames as E
 
 log = logging.getLogger("tpassrun.worker")
-
-#: the file beside a worker's ``error.json`` tpassrun's own lines about it go to when its stderr has no log file
-DETAIL_LOG = "tpassrun.log"
-
-
-class StepFailure(str, enum.Enum):
-    """Where an exception in a step came from, read from its type and its raising frame (never its message).
-
-    Only the distributed kinds park the worker for a recovery; a ``USER`` error takes torchrun's failure
-    path (a swap cannot fix a bug in the script).
-    """
-
-    DIST_ERROR = "dist_error"      # torch.distributed.DistError or a subclass (typed by torch itself)
-    COLLECTIVE = "collective"      # raised inside torch.distributed or DDP's own code (gloo raises RuntimeError)
-    BACKWARD = "backward"          # raised by autograd's engine in a distributed job: DDP all-reduces in its hooks
-    CASUALTY = "casualty"          # anything else, but the agent saw a peer of its world fail first (tpassrun/agent/cause.py)
-    USER = "user"                  # anything else
-
-    @property
-    def distributed(self) -> bool:
-        return self is not StepFailure.USER
-
 
 _COLLECTIVE_DIRS = (os.sep.join(("torch", "distributed", "")), os.sep.join(("torch", "nn", "parallel", "")))
 _AUTOGRAD_DIR = os.sep.join(("torch", "autograd", ""))
@@ -65,17 +43,6 @@ def classify_failure(exc: BaseException) -> StepFailure:
 def is_distributed_failure(exc: BaseException) -> bool:
     """Whether ``exc`` came out of a collective (a peer may have gone away), not out of the user's code."""
     return classify_failure(exc).distributed
-
-
-def worker_log_file(error_file: str | None) -> str | None:
-    """The log file of the worker whose ``TORCHELASTIC_ERROR_FILE`` is ``error_file``: its ``stderr.log`` when
-    ``--redirects``/``--tee`` gave its stderr one, else :data:`DETAIL_LOG` beside it; ``None`` without a log
-    directory (``--log-dir /dev/null``). The agent names the same file in its events."""
-    if not error_file:
-        return None
-    wdir = os.path.dirname(error_file)
-    stderr_log = os.path.join(wdir, "stderr.log")
-    return stderr_log if os.path.exists(stderr_log) else os.path.join(wdir, DETAIL_LOG)
 
 
 def note_interrupted(rank: int, what: str, kind: StepFailure, exc: BaseException) -> None:

@@ -10,7 +10,7 @@ import socket
 import time
 
 from tpassrun.channel import ChannelFile, Field
-from tpassrun.channel.protocol import Message, ProtocolError, decode_command, encode
+from tpassrun.channel import Message, ProtocolError, decode_command, encode
 
 log = logging.getLogger("tpassrun.worker")
 

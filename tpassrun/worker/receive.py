@@ -11,8 +11,8 @@ import socket
 import time
 from typing import Any
 
-from tpassrun.channel.protocol import Light, Message, Received, Reserve, Stranger
-from tpassrun.transfer.quiet import Throttle, held_note
+from tpassrun.channel import Light, Message, Received, Reserve, Stranger
+from tpassrun.transfer import Throttle, held_note
 from tpassrun.worker.link import AgentLink
 
 log = logging.getLogger("tpassrun.worker")
@@ -44,9 +44,9 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
     ``Assign`` (or a survivor's ``CatchUp``, with ``reply=False``: then (bundle, transfer stats), and the caller
     says Received once it checked and loaded the state). Every reply names the swap and its attempt."""
     from tpassrun.transfer import handoff
-    from tpassrun.transfer.auth import encryption_wanted
-    from tpassrun.transfer.seal import listener_flags
-    from tpassrun.transfer.gate import HandshakeGate
+    from tpassrun.transfer import encryption_wanted
+    from tpassrun.transfer import listener_flags
+    from tpassrun.transfer import HandshakeGate
 
     swap_id, attempt = msg.swap_id, msg.attempt
     accept_s = float(msg.accept_timeout)
@@ -132,13 +132,13 @@ def _has_object(bundle: Any, name: str) -> bool:
 
 
 def _apply_one(bundle: Any, name: str, obj: Any) -> None:
-    from tpassrun.transfer.codec import decode_tree
+    from tpassrun.transfer import decode_tree
 
     obj.load_state_dict(decode_tree(bundle.meta["objects"].pop(name), bundle.tensors))
 
 
 def _bundle_rng(bundle: Any) -> Any:
-    from tpassrun.transfer.codec import decode_tree
+    from tpassrun.transfer import decode_tree
 
     tree = bundle.meta.get("rng")
     return None if tree is None else decode_tree(tree, bundle.tensors)

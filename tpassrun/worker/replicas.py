@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 from tpassrun.worker import digest
-from tpassrun.channel.protocol import ReplicasChecked
+from tpassrun.channel import ReplicasChecked
 from tpassrun.schema import NonNegative, dump, load
 from tpassrun.worker.state import WorkerState
 from tpassrun.worker.step import StepTransaction
@@ -240,7 +240,7 @@ def _receive_objects(src: int, objects: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from tpassrun.transfer.codec import decode_tree, dtype_from_name
+    from tpassrun.transfer import decode_tree, dtype_from_name
 
     device = _device()
     size = torch.empty(1, dtype=torch.int64, device=device)

@@ -12,7 +12,7 @@ from datetime import timedelta
 from typing import Any, Callable, Iterable
 
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel.protocol import Done, MirrorInfo, MirrorInfoRequest, Replicas
+from tpassrun.channel import Done, MirrorInfo, MirrorInfoRequest, Replicas
 from tpassrun.worker.world import BucketLayout, ReconfigurableDDP
 from tpassrun.worker.catchup import CatchUpCommand
 from tpassrun.worker.commands import BoundaryCommands

@@ -82,7 +82,7 @@ class ShardedState:
             # a rollback when the survivors of a failure stopped at different steps (tpassrun/plan/node_shards.py)
             st.shards.retarget(None, st.rank)
             return
-        from tpassrun.channel.protocol import MirrorInfo, MirrorInfoRequest
+        from tpassrun.channel import MirrorInfo, MirrorInfoRequest
 
         answer = st.link.request(MirrorInfoRequest(), MirrorInfo)
         st.shards.retarget((answer.buddy or answer.local) if isinstance(answer, MirrorInfo) else None, st.rank)

@@ -315,7 +315,7 @@ class MirrorPusher:
                 pass
 
     def _run(self) -> None:
-        from tpassrun.transfer.wire import encode_parts
+        from tpassrun.transfer import encode_parts
 
         backoff = 0.0
         while not self._stop:
@@ -380,29 +380,34 @@ class ShardState:
 
     def __init__(self, owner: int, interval: int | str | None, publish: Callable[[Any, int], None],
                  copier: Copier | None = None, store: Any = None) -> None:
-        from tpassrun.settings.shard_interval import IntervalPolicy
+        from tpassrun.settings import shard_interval
 
         self.ring = ShardRing(copier)
-        self.policy = IntervalPolicy(interval, store)     # None or "auto": measured, agreed (tpassrun/settings/shard_interval.py)
+        self.policy = shard_interval.IntervalPolicy(interval, store)  # None or "auto": measured, agreed
         self._publish = publish
         self._began = False
         self._costed: tuple[Version, float] | None = None  # the newest refresh, its main-thread CPU
         self.retarget_due = False       # the worker asks the agent for its buddy again (after a re-formed world)
         self.pusher = MirrorPusher(self.ring, owner, on_pushed=self._pushed)
+        from tpassrun.channel import Field
+
+        # counted as a rank with sharded state from now on, before its first copy: a death inside step 0 is then
+        # planned from its step-0 copy (begin) rather than as a rank whose state some other rank holds
+        publish(Field.SHARD_TRACKED, 1)
 
     @classmethod
     def from_env(cls, owner: int, publish: Callable[[Any, int], None]) -> "ShardState":
         import os
 
         from tpassrun.settings import envnames as E
-        from tpassrun.settings.shard_interval import AUTO, parse
+        from tpassrun.settings import shard_interval
 
-        raw = os.environ.get(E.TPASSRUN_SHARD_MIRROR_INTERVAL, AUTO)
+        raw = os.environ.get(E.TPASSRUN_SHARD_MIRROR_INTERVAL, shard_interval.AUTO)
         try:
-            parse(raw)
+            shard_interval.parse(raw)
         except ValueError:
-            log.warning("%s=%r is not an interval: using %s", E.TPASSRUN_SHARD_MIRROR_INTERVAL, raw, AUTO)
-            raw = AUTO
+            log.warning("%s=%r is not an interval: using %s", E.TPASSRUN_SHARD_MIRROR_INTERVAL, raw, shard_interval.AUTO)
+            raw = shard_interval.AUTO
         return cls(owner, raw, publish)
 
     @property
@@ -443,8 +448,9 @@ class ShardState:
         self._costed = (version, time.thread_time() - cpu0)
         if step == 0 and self.pusher.pushing:
             # the job's first copy: in the buddy's memory before the step starts, so that no instant of the first
-            # step (or accumulation window) is without one (once per job: the push of one partition)
-            self.ring.fence()
+            # step (or accumulation window) is without one (once per job: the push of one partition); published at
+            # once (fence): the survivors' rings hold step 0 whatever instant of it a peer dies at
+            self.fence()
             self.pusher.offer()
             self.pusher.wait_pushed(step)
             return
@@ -455,7 +461,7 @@ class ShardState:
         for ``auto`` (tpassrun/settings/shard_interval.py): its part on this thread,
         the copy thread's, the pusher's and as much again for the receiving agent. Called once its push is done
         (the next refresh waited for it)."""
-        from tpassrun.settings.shard_interval import RECEIVER_FACTOR
+        from tpassrun.settings import shard_interval
 
         costed, self._costed = self._costed, None
         if costed is None or self.policy.decided:
@@ -463,7 +469,7 @@ class ShardState:
         version, main_s = costed
         copy_s = getattr(version.job, "cpu_s", 0.0) if version.job is not None else 0.0
         stats = self.pusher.stats
-        push_s = stats.last_cpu_s * (1 + RECEIVER_FACTOR) if stats.pushed_step == version.step else 0.0
+        push_s = stats.last_cpu_s * (1 + shard_interval.RECEIVER_FACTOR) if stats.pushed_step == version.step else 0.0
         if self.pusher.pushing and not push_s:
             return      # its push did not land (yet): not a representative sample
         self.policy.refresh_cost(main_s + copy_s + push_s)
@@ -539,7 +545,7 @@ def fetch_mirrored(target: Any, owner: int, step: int) -> tuple[Any, bytes | Non
 
 def decode_mirrored(data: bytes | bytearray | memoryview) -> tuple[Any, bytes | None, int]:
     """A mirror entry -> (bundle of the sharded objects, the light snapshot, the step it is the start of)."""
-    from tpassrun.transfer.wire import decode_small
+    from tpassrun.transfer import decode_small
 
     bundle = decode_small(data)
     light = bundle.extra.get("light")

@@ -15,7 +15,7 @@ import time
 from tpassrun.settings import envnames as E
 from tpassrun.worker import faultpoints as testing
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel.protocol import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
+from tpassrun.channel import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
                        Reserve)
 from tpassrun.worker.world import JoinAborted, join_world, set_rank_env
 from tpassrun.worker.commands import BoundaryCommands, Handler
@@ -79,7 +79,7 @@ class SpareCommands:
         return False
 
     def on_light(self, msg: Light, step: int, failed: BaseException | None) -> bool:
-        from tpassrun.transfer.light import decode as decode_light
+        from tpassrun.transfer import decode_light
 
         st = self.state
         link = st.managed_link()
@@ -93,7 +93,7 @@ class SpareCommands:
     def on_reserve(self, msg: Reserve, step: int, failed: BaseException | None) -> bool:
         # The agent says how big a rank's state is: fault in that much now, while idle, so the transfer does not
         # pay the kernel for fresh pages (see handoff_wire._Arena).
-        from tpassrun.transfer.wire import reserve_receive_arena
+        from tpassrun.transfer import reserve_receive_arena
 
         reserve_receive_arena(msg.nbytes)
         return False
@@ -107,7 +107,7 @@ class SpareCommands:
         return False
 
     def on_join(self, msg: Reform, step: int, failed: BaseException | None) -> bool:
-        from tpassrun.transfer.light import decode as decode_light
+        from tpassrun.transfer import decode_light
 
         st = self.state
         link, wait = st.managed_link(), self._waiting()

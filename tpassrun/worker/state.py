@@ -12,10 +12,10 @@ import socket
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable
 
-from tpassrun.channel.protocol import Assign, Message
+from tpassrun.channel import Assign, Message
 
 if TYPE_CHECKING:
-    from tpassrun.transfer.light import LightSnapshotter
+    from tpassrun.transfer import LightSnapshotter
     from tpassrun.worker.light_mirror import LightMirror
     from tpassrun.worker.link import AgentLink
     from tpassrun.worker.shards import ShardState

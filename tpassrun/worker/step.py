@@ -96,7 +96,7 @@ class StepTransaction:
         if not (st.light_enabled and st.commit_snapshots):
             return
         if st.light is None:
-            from tpassrun.transfer.light import LightSnapshotter
+            from tpassrun.transfer import LightSnapshotter
 
             st.light = LightSnapshotter()
         data = st.light.take(self.light_objects(), step + 1)
@@ -185,7 +185,7 @@ class StepTransaction:
         """The step-start snapshot: what a failed step rolls back to, and what a joiner starts from."""
         st = self.state
         if st.light is None:
-            from tpassrun.transfer.light import LightSnapshotter
+            from tpassrun.transfer import LightSnapshotter
 
             st.light = LightSnapshotter()
         commit, st.commit_light = st.commit_light, None
@@ -230,7 +230,7 @@ class StepTransaction:
     def publish_light(self, step: int) -> bytes | None:
         st = self.state
         if st.light is None:
-            from tpassrun.transfer.light import LightSnapshotter
+            from tpassrun.transfer import LightSnapshotter
 
             st.light = LightSnapshotter()
         data = st.light.take(self.light_objects(), step)
@@ -264,7 +264,7 @@ class StepTransaction:
         question over the private socket, never per step. A fresh start waits briefly for the answer and the
         connection, so that its first seal goes out this way too; otherwise the answer is picked up at a later
         step start (one ``select`` per step until it is in)."""
-        from tpassrun.channel.protocol import MirrorInfo, MirrorInfoRequest
+        from tpassrun.channel import MirrorInfo, MirrorInfoRequest
 
         st = self.state
         due, link = st.light_retarget_due, st.link

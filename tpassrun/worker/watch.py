@@ -17,7 +17,7 @@ import threading
 from typing import Any
 
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel.protocol import Break, ProtocolError, Watch, decode_command, encode
+from tpassrun.channel import Break, ProtocolError, Watch, decode_command, encode
 
 log = logging.getLogger("tpassrun.worker")
 

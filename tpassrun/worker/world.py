@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable
 from tpassrun.settings import envnames as E
 
 if TYPE_CHECKING:
-    from tpassrun.channel.protocol import WorldSpec
+    from tpassrun.channel import WorldSpec
 
 log = logging.getLogger("tpassrun.worker")
 

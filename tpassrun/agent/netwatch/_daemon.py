@@ -70,7 +70,8 @@ class LinkDaemon:
         self._rtts: list[float | None] = []    # round trips to etcd read since the last sample
         self._paused_at: float | None = None     # clock of the last pause event (PAUSE_EVENTS)
         self._ambiguous_said: float | None = None  # clock the ambiguous finding was last said
-        self._sent: dict[str, tuple[int, int]] | None = None    # remote address -> (bytes sent, sent again)
+        # this host's connections at the last sample (``_probe.conns``) and the clock then; None: start over
+        self._sent: tuple[float, dict[_probe.Conn, tuple[str, int, int, int]]] | None = None
         self._dev: str | None = None
         self._addr: str | None = None
         self._downs: int | None = None
@@ -99,6 +100,8 @@ class LinkDaemon:
     def _said(self, flap: Any) -> None:
         if flap is None:
             return
+        self._sent = None          # the outage's retransmissions and waits are not the link's quality
+        self.watch.forget()
         # one line per flap: the console says the event's line (I ridden out, W fenced); no log line besides
         self.agent.events.write("link_ridden_out" if flap.ridden_out else "link_flap_broke", seconds=flap.seconds,
                                 seen_by=flap.seen_by, line=flap_line(self.agent.node_id, flap))
@@ -116,8 +119,9 @@ class LinkDaemon:
             self.down_at, self.down_wall = self.clock(), time.time()
         flap = self.book.interface(st.up, self.clock(), flapped=flapped)
         if flap is not None:
-            # what the kernel sent again during the outage is the outage's, not the link's quality after it
+            # what the kernel sent again (or waited on) during the outage is the outage's, not the link's quality
             self._sent = None
+            self.watch.forget()
             self.meter.restart()
         self._said(flap)
         if not st.up and not was_down:
@@ -127,7 +131,7 @@ class LinkDaemon:
     def _step_sample(self) -> tuple[float | None, bool]:
         """This node's ranks' step (the highest among its running ranks) fed to its ``StepMeter``."""
         from tpassrun.channel import Field
-        from tpassrun.channel.slots import SlotState
+        from tpassrun.channel import SlotState
 
         slots = self.agent.slots
         steps = [slots.field(s, Field.STEP) for s in slots.slots if s.rank is not None and s.state == SlotState.RUNNING]
@@ -139,14 +143,15 @@ class LinkDaemon:
         host, port = self.agent.rdzv.store.config.endpoints[0]
         if self._dev is None:
             self._dev, self._addr = await asyncio.to_thread(_probe.route, host)
-        sent = await asyncio.to_thread(_probe.sent_by_peer)
-        delta = _probe.sent_delta(self._sent, sent) if self._sent is not None else {}
-        self._sent = sent
+        sent, at = await asyncio.to_thread(_probe.conns), self.clock()
+        delta, busy = (_probe.conn_delta(self._sent[1], sent, 1000.0 * (at - self._sent[0])) if self._sent is not None
+                       else ({}, {}))
+        self._sent = (at, sent)
         reads = [r for r in self._rtts if r is not None]
         self._rtts.clear()
         rtt = statistics.fmean(reads) if reads else await asyncio.to_thread(_probe.rtt_ms, host, port)
         step_ms, steady = self._step_sample()
-        self.figures = LinkFigures(rtt, step_ms, self._addr, delta, steady)
+        self.figures = LinkFigures(rtt, step_ms, self._addr, delta, steady, busy or None)
         return self.figures
 
     def readings(self) -> list[dict[str, Any]]:
@@ -174,8 +179,11 @@ class LinkDaemon:
                     out[rec.node_id] = fig
                 for r in rec.readings:
                     down = r.get("down_wall") if r.get("device") == READINGS_DEVICE else None
-                    if isinstance(down, (int, float)) and not isinstance(down, bool):
-                        self.peer_down_wall = max(self.peer_down_wall, float(down))
+                    if isinstance(down, (int, float)) and not isinstance(down, bool) and down > self.peer_down_wall:
+                        self.peer_down_wall = float(down)
+                        # a peer's link was down: what every node sent it again or waited on meanwhile is the
+                        # outage's, not any link's quality (the peer starts its own figures over the same way)
+                        self.watch.forget()
         return out
 
     # ------------------------------------------------------------------ the loop
@@ -270,7 +278,7 @@ class LinkDaemon:
         return HealthVerdict(device, Status.DEGRADED, effect, reason, "link", now)
 
     async def _taint(self, reason: str) -> None:
-        from tpassrun.channel.slots import SlotState
+        from tpassrun.channel import SlotState
 
         now = self.clock()
         # this node's spares first: once a rank's taint is out the coordinator picks a spare for it, and one here

@@ -17,6 +17,15 @@ has lossy paths, both ends have every lossy path in common; then
   etcd stands out against the other nodes' or moved against its own learned one (by ``rtt_factor`` and
   ``rtt_extra_ms``); else it cannot be told, and the finding says so with the figures.
 
+Rate. A link at its rate limit loses nothing (the sender's queue holds what it cannot send yet) but keeps its
+sender busy: the share of the time the busiest connection from S to D had data waiting to be sent or acknowledged
+(not held back by D's receive window). Healthy, that is a few percent (a step's all-reduce is a burst); a 20 mbit/s
+limit on S's way out kept S busy 84-100% of every interval and its peer 25-54% (the peer's sends wait on
+acknowledgements queued behind S's data). A node whose busiest path to another node is busy ``BUSY_SHARE`` of the
+window and ``BUSY_RATIO`` x as busy as every other node's: that node (its way out), unless the receiver's round trip to
+etcd stands out and its own does not (the receiver's way in, where its etcd replies queue too). CPU load slows every
+node alike and keeps no queue full: no node stands out.
+
 Round trip. A node's round trip to etcd (a third party) ``rtt_factor`` x the median of the others' and
 ``rtt_extra_ms`` more: that node (both ends of a slow link would see the same RTT on the link itself, which is why
 etcd's is used).
@@ -26,11 +35,13 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 MIN_BYTES = 64 * 1024           # a path between nodes, summed over the window: less is too little to say
 MIN_THIRD_BYTES = 8 * 1024      # a path to a third party (etcd's traffic is small): only ever a tie-breaker
+BUSY_SHARE = 0.5                # a path whose sender was busy this share of the window is at its limit ...
+BUSY_RATIO = 1.5                # ... when that is this many times the busiest path of every other node
 WINDOW = 5                      # samples the figures are summed (loss) or taken the median of (RTT) over
 RTT_WINDOW = 3
 
@@ -42,6 +53,7 @@ class NodeFigures:
     rtt_ms: float | None
     addr: str | None
     sent_to: Mapping[str, tuple[float, float]]
+    busy_to: Mapping[str, float] = field(default_factory=dict)    # addr -> busy share of the busiest connection
 
 
 @dataclass(frozen=True)
@@ -75,8 +87,8 @@ class Window:
         self._snaps.clear()
 
     def figures(self) -> dict[str, NodeFigures]:
-        """Per node of the newest sample: the median RTT of its last ``RTT_WINDOW`` samples and what it sent to each
-        address, summed over the window."""
+        """Per node of the newest sample: the median RTT of its last ``RTT_WINDOW`` samples, what it sent to each
+        address, summed over the window, and the mean busy share per address over the samples that have one."""
         if not self._snaps:
             return {}
         out = {}
@@ -84,11 +96,15 @@ class Window:
             seen = [s[node] for s in self._snaps if node in s]
             rtts = [f.rtt_ms for f in seen[-RTT_WINDOW:] if f.rtt_ms is not None]
             sums: dict[str, tuple[float, float]] = {}
+            busy: dict[str, list[float]] = {}
             for f in seen:
                 for addr, (sent, again) in f.sent_to.items():
                     s0, a0 = sums.get(addr, (0.0, 0.0))
                     sums[addr] = (s0 + sent, a0 + again)
-            out[node] = NodeFigures(statistics.median(rtts) if rtts else None, now.addr, sums)
+                for addr, share in f.busy_to.items():
+                    busy.setdefault(addr, []).append(share)
+            out[node] = NodeFigures(statistics.median(rtts) if rtts else None, now.addr, sums,
+                                    {a: statistics.fmean(v) for a, v in busy.items()})
         return out
 
 
@@ -163,6 +179,9 @@ def explain(nodes: Mapping[str, NodeFigures], rtt_learned: Mapping[str, float], 
                                                                    if n in rtt_learned else "") for n in suspects)
         return Finding(None, suspects, f"{said}; their round trips to etcd {rtts}; nothing sent to a third party "
                                        "was lost more on one of them: cannot tell whose link")
+    limited = rate_limited(nodes, rtt_factor, rtt_extra_ms)
+    if limited is not None:
+        return Finding(limited[0], (limited[0],), limited[1])
     out = {n: w for n in nodes if (w := rtt_stands_out(n, nodes, rtt_factor, rtt_extra_ms)) is not None}
     if len(out) == 1:
         ((node, reason),) = out.items()
@@ -170,6 +189,31 @@ def explain(nodes: Mapping[str, NodeFigures], rtt_learned: Mapping[str, float], 
     if len(out) > 1:
         return Finding(None, tuple(sorted(out)), "; ".join(f"{n}: {w}" for n, w in sorted(out.items())))
     return Finding()
+
+
+def busiest_path(node: str, nodes: Mapping[str, NodeFigures]) -> tuple[str, float] | None:
+    """(receiver, busy share) of the path from ``node`` to another node its sender was busiest on, among the paths
+    that carried at least ``MIN_BYTES`` over the window (None: none did, or no busy figures)."""
+    name_of = {f.addr: n for n, f in nodes.items() if f.addr}
+    paths = [(name_of[a], share) for a, share in nodes[node].busy_to.items()
+             if name_of.get(a) not in (None, node) and nodes[node].sent_to.get(a, (0.0, 0.0))[0] >= MIN_BYTES]
+    return max(paths, key=lambda p: p[1]) if paths else None
+
+
+def rate_limited(nodes: Mapping[str, NodeFigures], rtt_factor: float, rtt_extra_ms: float) -> tuple[str, str] | None:
+    """(node, why) when one node's busiest path to another node is at its limit (see the module's doc)."""
+    busiest = {n: p for n in nodes if (p := busiest_path(n, nodes)) is not None}
+    for src, (dst, share) in busiest.items():
+        others = [p[1] for n, p in busiest.items() if n != src]
+        if share < BUSY_SHARE or not others or share < BUSY_RATIO * max(others):
+            continue
+        said = (f"sending to {dst} kept busy {100 * share:.0f}% of the time against {100 * max(others):.0f}% at "
+                "most on the other node(s)")
+        if rtt_stands_out(dst, nodes, rtt_factor, rtt_extra_ms) and not rtt_stands_out(src, nodes, rtt_factor,
+                                                                                        rtt_extra_ms):
+            return dst, f"{src} {said}; {dst}'s round trip to etcd stands out: its way in is at its limit"
+        return src, f"{said}: its way out is at its limit"
+    return None
 
 
 def _inbound(node: str, nodes: Mapping[str, NodeFigures]) -> float:

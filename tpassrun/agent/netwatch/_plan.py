@@ -40,6 +40,7 @@ MISSES = 2       # clear observations in a row that end a suspicion
 RTT_LEARN_N = 5  # round trips seen (nothing standing out) before a node's usual one is known
 SMOOTH_N = 3     # step samples a node's step time is the median of
 QUIET_N = 3      # quiet samples in a row before what is seen is learned as healthy
+MUTE_N = 3       # samples left out after a link was down (TCP's backoff, the peers' samples across the outage)
 
 
 Figure = Annotated[float, Min(0)]
@@ -56,6 +57,10 @@ class LinkFigures:
     # step_ms is training only: no start-up, stall or pause in its samples; left out while true, so a steady node's
     # record is byte for byte what it was before the field existed (tests/golden/schema.json)
     steady: bool = field(default=True, metadata=schema.wire(omit_default=True))
+    # addr -> the share (0-1) of the interval its busiest connection to that address had data waiting (``_probe``);
+    # left out when not measured (an agent before it existed, or a sample without a previous one)
+    busy_to: Mapping[str, Annotated[float, Min(0)]] | None = field(default=None,
+                                                                   metadata=schema.wire(omit_default=True))
 
     def to_json(self) -> dict[str, Any]:
         return schema.dump(self)
@@ -69,7 +74,7 @@ class LinkFigures:
             return None
 
     def node(self) -> NodeFigures:
-        return NodeFigures(self.rtt_ms, self.addr, self.sent_to)
+        return NodeFigures(self.rtt_ms, self.addr, self.sent_to, self.busy_to or {})
 
 
 def inbound_loss_pct(addr: str | None, senders: list[LinkFigures], min_bytes: float = 64 * 1024) -> float | None:
@@ -113,6 +118,7 @@ class LinkWatch:
     _clear_since: float | None = field(default=None, init=False, repr=False)
     _misses: int = field(default=0, init=False, repr=False)
     _quiet: int = field(default=0, init=False, repr=False)
+    _mute: int = field(default=0, init=False, repr=False)
     degraded: bool = field(default=False, init=False)
     reason: str = field(default="", init=False)
 
@@ -121,6 +127,16 @@ class LinkWatch:
         names = ("rtt_factor", "rtt_extra_ms", "retrans_pct", "slowdown_factor", "slowdown_ms", "hold_s", "clear_s")
         given: dict[str, Any] = {n: float(getattr(policy, n)) for n in names if hasattr(policy, n)}
         return cls(**given)
+
+    def forget(self) -> None:
+        """Drop the figures' window: a link (this node's or a peer's) was down, and what was sent again or waited
+        on meanwhile says nothing about any link's quality; a suspicion on those figures ends with them. The next
+        ``MUTE_N`` samples are left out too: the steps stalled by TCP's backoff after the outage, an etcd round trip
+        smoothed over it, and a peer's sample that spans it (measured: suspect 2-5 s after a flap was ridden out)."""
+        self._window.clear()
+        self._mute = MUTE_N
+        if not self.degraded:
+            self._suspect_since, self._misses = None, MISSES
 
     def baseline_ms(self) -> float | None:
         return statistics.median(self._baseline) if len(self._baseline) >= self.baseline_n else None
@@ -148,6 +164,12 @@ class LinkWatch:
         return slow, extra, f"+{fmt(extra)} ms per step ({fmt(mine.step_ms)} against {fmt(base)} ms)"
 
     def observe(self, mine: LinkFigures, peers: Mapping[str, LinkFigures], now: float) -> LinkVerdict:
+        if self._mute > 0:
+            self._mute -= 1
+            self._quiet = 0
+            if self.degraded:
+                return LinkVerdict(DEGRADED, 0.0, self.reason)
+            return LinkVerdict(UNKNOWN, 0.0, "a link was down: the figures around the outage are left out")
         self._window.add({self.me: mine.node(), **{n: p.node() for n, p in peers.items()}})
         figs = self._window.figures()
         found = explain(figs, self._usual_rtts(), retrans_pct=self.retrans_pct, rtt_factor=self.rtt_factor,
