@@ -31,6 +31,8 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from tpassrun.records import (AddressLoopback, AgentExit, AgentStarted, EtcdHosted, GenerationEnded, GenerationJoined,
+                              LeaseRegranted, MetricsServing, PlansUnauthenticated, PoolGivenBack, Restart, WaitingForNodes, emit)
 from tpassrun.settings import envnames as E
 from tpassrun.agent.cause import CauseJudge
 from tpassrun.agent.state import AgentState, Started
@@ -190,11 +192,11 @@ class Agent:
             st.events.add_listener(self._console)
             stack.callback(st.events.close)
             if self._hosting_etcd:
-                st.events.write("etcd_hosted", endpoint=endpoint)
+                emit(st.events, EtcdHosted(endpoint=endpoint))
             etcd_cfg = EtcdConfig.from_endpoint(endpoint, rdzv_conf)
             if run_key is None and etcd_cfg.user is None and etcd_cfg.cert is None:
-                st.events.write("plans_unauthenticated", reason=(
-                    f"swap plans are not authenticated: anyone who can write to the etcd at {etcd_cfg.display} "
+                emit(st.events, PlansUnauthenticated(
+                    reason=f"swap plans are not authenticated: anyone who can write to the etcd at {etcd_cfg.display} "
                     f"(no user/password, no client certificate) can steer swaps and the rendezvous; give every agent "
                     f"the same run key (${RUN_KEY_ENV} or --rdzv-conf {RUN_KEY_FILE_CONF}=PATH, a 0600 file)"))
             settings = RendezvousSettings.from_conf(cfg.rdzv_id, cfg.min_nodes, cfg.max_nodes, cfg.rdzv_conf)
@@ -249,21 +251,21 @@ class Agent:
 
                 metrics_at = serve_metrics(st.status(slots), stack)
             # run_key: a fingerprint (safe to show) that tells agents given different run keys apart
-            st.events.write("agent_started", endpoint=endpoint, run_id=cfg.rdzv_id, nproc=cfg.nproc_per_node,
-                            spares=cfg.spares_per_node, event_log=event_path,
-                            run_key=run_key.fingerprint if run_key is not None else None)
+            emit(st.events, AgentStarted(endpoint=endpoint, run_id=cfg.rdzv_id, nproc=cfg.nproc_per_node,
+                                         spares=cfg.spares_per_node, event_log=event_path,
+                                         run_key=run_key.fingerprint if run_key is not None else None))
             if metrics_at is not None:
-                st.events.write("metrics_serving", addr=metrics_at[0], port=metrics_at[1])
+                emit(st.events, MetricsServing(addr=metrics_at[0], port=metrics_at[1]))
             from tpassrun.agent.netwatch import advertised_check   # several hosts: one line if they cannot reach us
 
             if (loopback := await asyncio.to_thread(advertised_check, st.addr, cfg.max_nodes)) is not None:
-                st.events.write("address_loopback", addr=st.addr, line=loopback)
+                emit(st.events, AddressLoopback(addr=st.addr, line=loopback))
             register_run(st.status(slots), stack, endpoint, event_path)   # tpassctl on this machine finds it without ids
             self._starting = False
             if st.signal_received is not None:
                 return 128 + st.signal_received
             code = await self._generations(started)
-            st.events.write("agent_exit", code=code, mirror=mirror.usage())
+            emit(st.events, AgentExit(code=code, mirror=mirror.usage()))
             return code
 
     def _start_parts(self, node: Started) -> None:
@@ -287,7 +289,7 @@ class Agent:
             await self._workers.stop_file_timer()
 
     def _lease_regranted(self) -> None:
-        self._state.events.write("lease_regranted", reason="the lease expired during the outage")
+        emit(self._state.events, LeaseRegranted(reason="the lease expired during the outage"))
 
     def _run_key(self, rdzv_conf: dict[str, str], *, embedded: bool) -> RunKey | None:
         """The key that seals this run's swap plans and reports (tpassrun/records/provenance.py): the one given to every
@@ -380,16 +382,16 @@ class Agent:
             self._elastic.rendezvous_done(st.generation, st.node_id, time.monotonic() - joining_since,
                                           st.remaining_restarts)
             st.generation = gen
-            st.events.write("generation_joined", generation=gen.number, world_size=gen.world_size,
-                            members=[m.node_id for m in gen.members])
+            emit(st.events, GenerationJoined(generation=gen.number, world_size=gen.world_size,
+                                             members=[m.node_id for m in gen.members]))
             # a group of workers after a failed one (or a membership change) is a whole-group restart: its
             # first step says how much progress the restart threw away (tpassrun/ops/progress.py)
             st.progress.started(after_restart=outcome_before in (Outcome.FAILED, Outcome.MEMBERSHIP))
             outcome, reason = await self._run_generation(gen, node)
             st.progress.ended(self._tasks.rank_positions(ended=True))
             outcome_before = outcome
-            st.events.write("generation_ended", generation=gen.number, outcome=outcome, reason=reason,
-                            step=st.progress.high if st.progress.high >= 0 else None)
+            emit(st.events, GenerationEnded(generation=gen.number, outcome=outcome, reason=reason,
+                                            step=st.progress.high if st.progress.high >= 0 else None))
             log.debug("generation %d ended: %s (%s)", gen.number, outcome, reason)
             if outcome == Outcome.SUCCEEDED:
                 with contextlib.suppress(RendezvousError):
@@ -408,7 +410,7 @@ class Agent:
                     self._elastic_end(None, "SUCCEEDED", gen)
                     return 0
                 if st.given_back:    # planned: a pool node's spare node, holding no rank, leaves the job
-                    st.events.write("pool_given_back", reason=st.given_back)
+                    emit(st.events, PoolGivenBack(reason=st.given_back))
                     self._elastic_end(None, "SUCCEEDED", gen)
                     return 0
                 self._elastic_end(None, "FAILED", gen)
@@ -422,7 +424,7 @@ class Agent:
                     st.remaining_restarts -= 1
                     log.warning("Worker group FAILED. %d/%d attempts left; will restart worker group",
                                 st.remaining_restarts, self.cfg.max_restarts)
-                    st.events.write("restart", reason=reason, remaining=st.remaining_restarts)
+                    emit(st.events, Restart(reason=reason, remaining=st.remaining_restarts))
                     with contextlib.suppress(RendezvousError):
                         await st.until_signal(rdzv.request_restart(st.generation or gen, reason))
                     continue
@@ -450,11 +452,11 @@ class Agent:
         try:   # the registrations the rendezvous accepts: one without the run's seal is nobody's
             nodes = sorted(info.node_id for info in await rdzv.registrations())
         except Exception as exc:  # noqa: BLE001 - etcd unreachable is itself worth saying
-            st.events.write("waiting_for_nodes", seconds=waited, joined=0, needed=self.cfg.min_nodes,
-                            missing=[f"etcd unreachable: {type(exc).__name__}"])
+            emit(st.events, WaitingForNodes(seconds=waited, joined=0, needed=self.cfg.min_nodes,
+                                            missing=[f"etcd unreachable: {type(exc).__name__}"]))
             return
-        st.events.write("waiting_for_nodes", seconds=waited, joined=len(nodes), needed=self.cfg.min_nodes,
-                        nodes=nodes, missing=[f"{max(0, self.cfg.min_nodes - len(nodes))} more node(s)"])
+        emit(st.events, WaitingForNodes(seconds=waited, joined=len(nodes), needed=self.cfg.min_nodes, nodes=nodes,
+                                        missing=[f"{max(0, self.cfg.min_nodes - len(nodes))} more node(s)"]))
 
     def _elastic_end(self, workers: str | None, launcher: str, gen: Generation | None) -> None:
         """--event-log-handler: the per-worker end events of this node (``workers``: SUCCEEDED, or FAILED for

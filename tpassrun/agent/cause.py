@@ -18,6 +18,7 @@ import logging
 import time
 from typing import Any
 
+from tpassrun.records import ExceptionCause, StepInterrupted, emit
 from tpassrun.agent.state import AgentState, Started
 from tpassrun.channel import Field, Verdict, WorkerPhase
 from tpassrun.plan import CAUSE_GRACE_S, Around, Cause, cause_of, classify_death, interrupted_by
@@ -83,9 +84,9 @@ class CauseJudge:
             if slot.proc is not proc or proc.returncode is not None:
                 return          # it left meanwhile (the failure path, a teardown): its exit says what happened
             await asyncio.sleep(POLL_S)
-        st.events.write("step_interrupted", slot=slot.index, rank=rank, step=msg.step, by=by,
-                        error=msg.error[:300], error_type=msg.error_type, failure=msg.failure,
-                        log=worker_log_file(getattr(proc, "error_file", "")))
+        emit(st.events, StepInterrupted(slot=slot.index, rank=rank, step=msg.step, by=by, error=msg.error[:300],
+                                        error_type=msg.error_type, failure=msg.failure,
+                                        log=worker_log_file(getattr(proc, "error_file", ""))))
 
     async def _judge(self, gen: Generation, slot: Slot, proc: Any, msg: Raised) -> None:
         t0 = time.monotonic()
@@ -113,8 +114,8 @@ class CauseJudge:
         assert self._node.slots.channel is not None
         verdict = Verdict.CASUALTY if cause is Cause.CASUALTY else Verdict.ROOT_CAUSE
         self._node.slots.channel.set(slot.index, Field.VERDICT, verdict)
-        st.events.write("exception_cause", slot=slot.index, rank=slot.rank, step=msg.step, cause=cause.value,
-                        why=why, error=msg.error[:300], error_type=msg.error_type, seconds=round(waited, 3))
+        emit(st.events, ExceptionCause(slot=slot.index, rank=slot.rank, step=msg.step, cause=cause.value, why=why,
+                                       error=msg.error[:300], error_type=msg.error_type, seconds=round(waited, 3)))
 
     def _around(self, gen: Generation, slot: Slot, waited: float, records: tuple[str, ...],
                 silent: tuple[str, ...]) -> Around:

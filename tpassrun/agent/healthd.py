@@ -30,6 +30,7 @@ import signal
 import time
 from typing import Any, Callable, Mapping, Sequence
 
+from tpassrun.records import HealthKill, HealthMessage, HealthTaint, HealthUntaint, HealthVerdictNoted, emit
 from tpassrun.settings import envnames as E
 from tpassrun.channel import Field
 from tpassrun.health import (FileSensor, HealthMonitor, HealthVerdict, NvmlSensor, Policy, PolicyEngine, Sensor, Status,
@@ -200,7 +201,7 @@ class AgentHealth:
     def _say(self, message: str) -> None:
         # "no GPU" is the normal state of a CPU cluster: say it once, quietly (the console stays torchrun's).
         (log.info if "no GPU" in message else log.warning)("%s", message)
-        self.agent.events.write("health_message", message=message)
+        emit(self.agent.events, HealthMessage(message=message))
 
     # ------------------------------------------------------------------ the loop
     async def run(self) -> None:
@@ -295,10 +296,10 @@ class AgentHealth:
             action = decide(verdict, slot, mine, node_id=self.agent.node_id, now_wall=self._wall_clock())
             if action.op is TaintOp.KEEP and not verdict.taints and not mine:
                 continue  # routine news (warming up, healthy): the snapshot shows it, the event log need not
-            self.agent.events.write("health_verdict", device=verdict.device, status=verdict.status.value,
-                                    effect=verdict.effect.value, metric=verdict.metric, reason=verdict.reason,
-                                    slot=slot.index if slot else None, rank=slot.rank if slot else None,
-                                    action=action.op.value, why=action.reason)
+            emit(self.agent.events, HealthVerdictNoted(device=verdict.device, status=verdict.status.value,
+                                                       effect=verdict.effect.value, metric=verdict.metric, reason=verdict.reason,
+                                                       slot=slot.index if slot else None, rank=slot.rank if slot else None,
+                                                       action=action.op.value, why=action.reason))
             await self._apply(action, verdict)
         await self.publish()
 
@@ -320,19 +321,19 @@ class AgentHealth:
             self.written[taint.id] = WrittenTaint(taint.id, verdict.device, verdict.metric, taint.slot, taint.rank)
             # create, not put: never clobber the coordinator's handled_by/state on a taint we already wrote.
             created = await rdzv.store.create_json(Keys(rdzv.key("")).taint(taint.id), taint.to_json())
-            self.agent.events.write("health_taint", id=taint.id, slot=taint.slot, rank=taint.rank,
-                                    effect=taint.effect.value, reason=taint.reason, created=created)
+            emit(self.agent.events, HealthTaint(id=taint.id, slot=taint.slot, rank=taint.rank, effect=taint.effect.value,
+                                                reason=taint.reason, created=created))
             if action.kill_slot is not None:
                 self._kill(action.kill_slot, taint.reason)
         elif action.op is TaintOp.DELETE:
             for tid in action.delete:
                 await rdzv.store.delete(Keys(rdzv.key("")).taint(tid))
                 self.written.pop(tid, None)
-                self.agent.events.write("health_untaint", id=tid, device=verdict.device, reason=action.reason)
+                emit(self.agent.events, HealthUntaint(id=tid, device=verdict.device, reason=action.reason))
 
     def _kill(self, index: int, reason: str) -> None:
         slot = self.agent.slots.slots[index]
         if slot.proc is not None and slot.proc.signal_group(signal.SIGKILL):
-            self.agent.events.write("health_kill", slot=index, rank=slot.rank, pid=slot.pid, reason=reason)
+            emit(self.agent.events, HealthKill(slot=index, rank=slot.rank, pid=slot.pid, reason=reason))
 
 __all__ = ["AgentHealth", "SlotInfo", "TaintAction", "TaintOp", "WrittenTaint", "decide", "taint_id"]

@@ -20,6 +20,7 @@ import secrets
 import socket
 import time
 
+from tpassrun.records import StoreStandby, emit
 from tpassrun.agent.state import AgentState, Started
 from tpassrun.rendezvous import Generation, RendezvousError, split_endpoint
 from tpassrun.store import bind_host, derive_store_key, is_loopback
@@ -150,7 +151,7 @@ class WorkersStore:
             log.warning("tpassrun: could not start a standby workers' store: %s", exc)
             return
         self._standby = (proc, port)
-        st.events.write("store_standby", port=port, pid=proc.pid)
+        emit(st.events, StoreStandby(port=port, pid=proc.pid))
 
     async def host_new(self) -> tuple[str, int]:
         """Run the workers' store here from now on (the node that ran it was lost): the standby if one is up."""

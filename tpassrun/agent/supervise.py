@@ -13,6 +13,10 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+from tpassrun.records import (EtcdConnectionLost, HandBackRefused, HandedBackHere, EtcdConnectionOverdue,
+                              EtcdConnectionRestored, FallbackRestart, Fenced,
+                              LeaseLostNoted, MembershipChange, Signal, SpareLost, SpareNodeJoined, SpareReturned, UnmanagedDeath,
+                              WorkerExit, emit)
 from tpassrun.swapper import (FallbackRequested, HandedBack, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
                    SpawnFailed, WorkerExited, WorkerSaid)
 from tpassrun.launch import stop_workers
@@ -36,12 +40,11 @@ def etcd_link_said(st: AgentState, rdzv: EtcdRendezvous) -> Callable[[Link, Any]
     through it; Supervision fences them when the lease may be gone)."""
     def said(link: Link, detail: Any) -> None:
         if link is Link.LOST:
-            st.events.write("etcd_connection_lost", reason=one_line(detail))
+            emit(st.events, EtcdConnectionLost(reason=one_line(detail)))
         elif link is Link.OVERDUE:
-            st.events.write("etcd_connection_overdue", seconds=rdzv.store.config.reconnect_timeout,
-                            reason=one_line(detail))
+            emit(st.events, EtcdConnectionOverdue(seconds=rdzv.store.config.reconnect_timeout, reason=one_line(detail)))
         else:
-            st.events.write("etcd_connection_restored", seconds=round(float(detail), 2))
+            emit(st.events, EtcdConnectionRestored(seconds=round(float(detail), 2)))
     return said
 
 
@@ -73,7 +76,7 @@ class Supervision:
             ev = await st.queue.get()
             log.debug("supervisor event: %s", type(ev).__name__)
             if isinstance(ev, SignalReceived):
-                st.events.write("signal", signal=signal.Signals(ev.signal).name)
+                emit(st.events, Signal(signal=signal.Signals(ev.signal).name))
                 return Outcome.SIGNALLED, f"signal {ev.signal}"
             if isinstance(ev, SpawnFailed):
                 print(f"tpassrun: error: cannot start worker: {ev.error}", file=sys.stderr, flush=True)
@@ -97,21 +100,21 @@ class Supervision:
                     st.free_fallbacks -= 1
                     log.warning("tpassrun: %s; restarting the whole group (this does not spend --max-restarts; "
                                 "%d such restart(s) left on this node)", ev.reason, st.free_fallbacks)
-                    st.events.write("fallback", reason=ev.reason, spends_restart=False)
+                    emit(st.events, FallbackRestart(reason=ev.reason, spends_restart=False))
                     with contextlib.suppress(RendezvousError):
                         await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, ev.reason))
                     continue
                 nxt = ("restarting the whole group (spends one of --max-restarts)" if st.remaining_restarts > 0
                        else "no restart left (--max-restarts): the job fails")
                 log.warning("tpassrun: %s; %s", ev.reason, nxt)
-                st.events.write("fallback", reason=ev.reason, spends_restart=True)
+                emit(st.events, FallbackRestart(reason=ev.reason, spends_restart=True))
                 self._record_failures(ev.slot)
                 return Outcome.FAILED, ev.reason
             elif isinstance(ev, HealthRestartRequested):
                 if (ev.rank is not None and self._transparent is not None
                         and await self._transparent.on_taint(ev.rank, ev.reason)):
                     continue     # moved live by process snapshots (tpassrun/agent/transparent.py)
-                st.events.write("fallback", reason=ev.reason)
+                emit(st.events, FallbackRestart(reason=ev.reason))
                 with contextlib.suppress(RendezvousError):
                     await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, ev.reason))
             elif isinstance(ev, LeaseLost):
@@ -121,10 +124,10 @@ class Supervision:
                                  if s.state == SlotState.RUNNING and s.rank is not None)
                 if running:     # the leader asks only of a node its ranks left: never take a rank down with it
                     if not st.handed_back:
-                        st.events.write("handback_refused", reason=ev.reason, ranks=running)
+                        emit(st.events, HandBackRefused(reason=ev.reason, ranks=running))
                     continue
                 st.handed_back = ev.reason
-                st.events.write("handed_back", reason=ev.reason)
+                emit(st.events, HandedBackHere(reason=ev.reason))
                 return Outcome.SIGNALLED, f"handed back to the scheduler: {ev.reason}"
             if result is not None:
                 return result
@@ -134,11 +137,10 @@ class Supervision:
         if slot.proc is not proc:
             return None  # an old worker of this slot
         slot.exit_code = code
-        st.events.write("worker_exit", slot=slot.index, rank=slot.rank, pid=proc.pid, code=code,
-                        state=slot.state)
+        emit(st.events, WorkerExit(slot=slot.index, rank=slot.rank, pid=proc.pid, code=code, state=slot.state))
         if slot.state == SlotState.SPARE:
             slot.state = SlotState.DEAD
-            st.events.write("spare_lost", slot=slot.index, code=code)
+            emit(st.events, SpareLost(slot=slot.index, code=code))
             self._node.swapper.on_spare_lost(slot)
             return None
         if slot.state == SlotState.LEAVING:
@@ -147,7 +149,7 @@ class Supervision:
                 slot.release_after_exit = False
                 slot.quarantine_reason = None
                 await self._workers.spawn(gen, slot, local_rank=slot.index, rank=-1, master=st.master, spare=True)
-                st.events.write("spare_returned", slot=slot.index, reason="migrate-back released it")
+                emit(st.events, SpareReturned(slot=slot.index, reason="migrate-back released it"))
             return None
         if slot.state != SlotState.RUNNING:
             return None
@@ -195,8 +197,8 @@ class Supervision:
             then = f"no spare slot is free, the restart reuses slot {slot.index}"
         else:
             then = "--max-restarts N would restart the group onto the spare"
-        st.events.write("unmanaged_death", slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=onto_spare,
-                        reason=f"{api}; {then}")
+        emit(st.events, UnmanagedDeath(slot=slot.index, rank=slot.rank, code=code, restart_onto_spare=onto_spare,
+                                       reason=f"{api}; {then}"))
 
     def _record_failures(self, first: Slot | None) -> None:
         """torchrun's report lists the failed worker and the ones it then had to stop."""
@@ -259,13 +261,13 @@ class Supervision:
         if kind == "spare_node_joined" and self._node.rdzv.is_leader:
             # a spare node added to the running job: one started later, or a node lost earlier whose link came
             # back (it fenced its workers, its ranks live elsewhere now): the pool has its slots again
-            st.events.write("spare_node_joined", joined=ev.node_id)
+            emit(st.events, SpareNodeJoined(joined=ev.node_id))
             return None
         if kind in ("node_lost", "node_waiting") and self._node.rdzv.is_leader:
             reason = f"{kind.replace('_', ' ')}: {ev.node_id}"
             if kind == "node_lost" and await self._node.swapper.on_node_lost(ev.node_id):
                 return None
-            st.events.write("membership_change", reason=reason)
+            emit(st.events, MembershipChange(reason=reason))
             with contextlib.suppress(RendezvousError):
                 await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, reason))
             return None
@@ -319,14 +321,14 @@ class Supervision:
                                                                            if n != st.node_id]
         procs = [s.proc for s in self._node.slots.slots if s.proc is not None and s.proc.returncode is None]
         if not others or not procs:
-            st.events.write("lease_lost", reason=reason, fenced=False)
+            emit(st.events, LeaseLostNoted(reason=reason, fenced=False))
             return False
         self._fenced_in = gen
         for s in self._node.slots.slots:   # their deaths are ours to cause: not failures, not swaps
             if s.state in (SlotState.RUNNING, SlotState.SPARE, SlotState.LEAVING):
                 s.state = SlotState.IDLE
         await stop_workers(procs, signal.SIGKILL, 5.0)
-        st.events.write("fenced", reason=reason, pids=[p.pid for p in procs])
+        emit(st.events, Fenced(reason=reason, pids=[p.pid for p in procs]))
         log.warning("fenced: %s; stopped %d workers", reason, len(procs))
         return True
 

@@ -13,6 +13,7 @@ import signal
 import time
 from typing import Any
 
+from tpassrun.records import HangDetected, HangHeld, ShardMirror, TrainingResumed, emit
 from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
 from tpassrun.settings import envnames as E
@@ -74,8 +75,8 @@ class GenerationTasks:
         st = self._state
         resumed = st.progress.note(self.rank_positions())
         if resumed is not None:
-            st.events.write("training_resumed", step=resumed.step, reached=resumed.reached,
-                            redone=resumed.redone, redone_s=round(resumed.redone_s, 3))
+            emit(st.events, TrainingResumed(step=resumed.step, reached=resumed.reached, redone=resumed.redone,
+                                            redone_s=round(resumed.redone_s, 3)))
 
     def _say_shard_mirrors(self, workers: Any) -> None:
         """The event log (and console) says what mirroring a rank's sharded state costs: once when it starts,
@@ -93,9 +94,8 @@ class GenerationTasks:
             said[w.rank] = (w.shard_bytes, w.shard_held, w.shard_interval)
             mirror = self._node.mirror
             buddy = mirror.buddy.node if mirror is not None and mirror.buddy is not None else None
-            st.events.write("shard_mirror", rank=w.rank, slot=w.slot, bytes_per_refresh=w.shard_bytes,
-                            local_held=w.shard_held, interval=w.shard_interval or None,
-                            buddy=buddy, mirrored_step=w.shard_mirrored)
+            emit(st.events, ShardMirror(rank=w.rank, slot=w.slot, bytes_per_refresh=w.shard_bytes, local_held=w.shard_held,
+                                        interval=w.shard_interval or None, buddy=buddy, mirrored_step=w.shard_mirrored))
 
     async def status_panel(self) -> None:
         """``--tui``: the live view under the workers' output, from one etcd read a second (tpassrun/ops/tui_panel.py)."""
@@ -173,17 +173,17 @@ class GenerationTasks:
                 if link is not None and link.explains_stall(st.cfg.hang_timeout):
                     if not link_held:
                         link_held = True
-                        st.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=[],
-                                        seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
-                                        reason="this node's link was down within --hang-timeout")
+                        emit(st.events, HangHeld(ranks=sorted(x.rank for _b, x in stale), silent=[],
+                                                 seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
+                                                 reason="this node's link was down within --hang-timeout"))
                     continue
                 await asyncio.sleep(REMOTE_HANG_GRACE_S)
                 if self._node.swapper.busy or not s.alive or self._node.slots.phase(s) != WorkerPhase.RUNNING \
                         or self._node.slots.field(s, Field.HEARTBEAT_NS) != beat:
                     continue
-            st.events.write("hang_detected", slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
-                            seconds=round((now - beat) / 1e9, 3), step=self._node.slots.field(s, Field.STEP),
-                            stale_ranks=sorted(x.rank for _b, x in stale), what="no step")
+            emit(st.events, HangDetected(slot=s.index, rank=s.rank, pid=s.pid, proc_state=_proc_state(s.pid),
+                                         seconds=round((now - beat) / 1e9, 3), step=self._node.slots.field(s, Field.STEP),
+                                         stale_ranks=sorted(x.rank for _b, x in stale), what="no step"))
             s.proc.signal_group(signal.SIGKILL)
             stopped_since.pop(s.pid, None)
             quiet_until = time.monotonic_ns() + timeout_ns
@@ -209,9 +209,9 @@ class GenerationTasks:
         limit_ns = int((self._node.rdzv.settings.lease_seconds + st.cfg.hang_timeout) * 1e9)
         waiting = [n for n in silent if now - held[n] < limit_ns]
         if new and waiting:
-            st.events.write("hang_held", ranks=sorted(x.rank for _b, x in stale), silent=waiting,
-                            seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
-                            lease_s=self._node.rdzv.settings.lease_seconds)
+            emit(st.events, HangHeld(ranks=sorted(x.rank for _b, x in stale), silent=waiting,
+                                     seconds=round((now - min(b for b, _x in stale)) / 1e9, 3),
+                                     lease_s=self._node.rdzv.settings.lease_seconds))
         return bool(waiting)
 
     def _kill_stopped(self, stopped_since: dict[int, int], now: int, timeout_ns: int) -> bool:
@@ -225,11 +225,11 @@ class GenerationTasks:
         for pid in due:
             s = procs[pid]
             rank = s.rank if s.state in (SlotState.RUNNING, SlotState.LEAVING) else None
-            st.events.write("hang_detected", slot=s.index, rank=rank, pid=pid, proc_state=_proc_state(pid),
-                            seconds=round((now - stopped_since.pop(pid)) / 1e9, 3),
-                            step=self._node.slots.field(s, Field.STEP) if rank is not None else None,
-                            role=str(s.state.value), phase=self._node.slots.phase(s).name.lower(),
-                            swap=self._node.swapper.busy, what="stopped")
+            emit(st.events, HangDetected(slot=s.index, rank=rank, pid=pid, proc_state=_proc_state(pid),
+                                         seconds=round((now - stopped_since.pop(pid)) / 1e9, 3),
+                                         step=self._node.slots.field(s, Field.STEP) if rank is not None else None,
+                                         role=str(s.state.value), phase=self._node.slots.phase(s).name.lower(),
+                                         swap=self._node.swapper.busy, what="stopped"))
             s.proc.signal_group(signal.SIGKILL)
         return bool(due)
 

@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from tpassrun.records import (SnapshotFailed, SnapshotMigrated, SnapshotRestored, SnapshotTaken, TransparentFallback,
+                              TransparentOff, TransparentOn, emit)
 from tpassrun.agent.state import AgentState
 from tpassrun.channel import LocalSlots, Slot, SlotState
 from tpassrun.launch import StdioSpec, adopt_worker
@@ -98,15 +100,15 @@ class Transparent:
             self.availability = None
             log.warning("tpassrun: transparent mode off (%s): the job runs as under torchrun, a failure restarts the "
                         "whole group", why)
-            st.events.write("transparent_off", reason=why)
+            emit(st.events, TransparentOff(reason=why))
             return
         given = st.environ.get(E.TPASSRUN_SNAPSHOT_DIR)
         self._dir = given or tempfile.mkdtemp(prefix="tpassrun-snapshots-")
         self._owns_dir = not given
         os.makedirs(self._dir, exist_ok=True)
         assert self.availability is not None
-        st.events.write("transparent_on", criu=self.availability.criu, version=self.availability.version,
-                        interval=st.cfg.snapshot_interval, dir=self._dir)
+        emit(st.events, TransparentOn(criu=self.availability.criu, version=self.availability.version,
+                                      interval=st.cfg.snapshot_interval, dir=self._dir))
 
     def _unsupported(self) -> str | None:
         cfg = self._state.cfg
@@ -178,7 +180,7 @@ class Transparent:
         except BaseException as exc:
             shutil.rmtree(path, ignore_errors=True)
             continue_groups(pids)     # never leave a rank stopped (a failed move then restarts the group)
-            st.events.write("snapshot_failed", seq=self._seq, reason=str(exc)[:300])
+            emit(st.events, SnapshotFailed(seq=self._seq, reason=str(exc)[:300]))
             raise
         if leave_running:
             continue_groups(pids)
@@ -189,8 +191,7 @@ class Transparent:
                                                    for im in images), seconds, ports)
         self._drop_older_than(snap)
         self.last = snap
-        st.events.write("snapshot_taken", seq=snap.seq, seconds=round(seconds, 3), ranks=len(images),
-                        bytes=_du(done))
+        emit(st.events, SnapshotTaken(seq=snap.seq, seconds=round(seconds, 3), ranks=len(images), bytes=_du(done)))
         return snap
 
     def _drop_older_than(self, keep: Snapshot | None) -> None:
@@ -223,8 +224,8 @@ class Transparent:
             age = t0 - snap.taken_at
             log.warning("tpassrun: rank %s died (exit code %s): every rank restored from the snapshot of %.1f s ago in "
                         "%.2f s (transparent mode)", slot.rank, code, age, seconds)
-            self._state.events.write("snapshot_restored", rank=slot.rank, code=code, seq=snap.seq,
-                                     snapshot_age=round(age, 3), seconds=round(seconds, 3))
+            emit(self._state.events, SnapshotRestored(rank=slot.rank, code=code, seq=snap.seq, snapshot_age=round(age, 3),
+                                                      seconds=round(seconds, 3)))
             return True
 
     # ------------------------------------------------------------------ a taint
@@ -262,8 +263,8 @@ class Transparent:
             seconds = time.monotonic() - t0
             log.warning("tpassrun: rank %d moved from slot %d to slot %d in %.2f s, no step lost (transparent mode: "
                         "every rank snapshotted and restored)", rank, old.index, target.index, seconds)
-            st.events.write("snapshot_migrated", rank=rank, from_slot=old.index, to_slot=target.index,
-                            seconds=round(seconds, 3), seq=snap.seq)
+            emit(st.events, SnapshotMigrated(rank=rank, from_slot=old.index, to_slot=target.index, seconds=round(seconds, 3),
+                                             seq=snap.seq))
             return True
 
     # ------------------------------------------------------------------ effects shared by both
@@ -322,7 +323,7 @@ class Transparent:
 
     def _fallback(self, why: str) -> bool:
         log.warning("tpassrun: transparent mode cannot help here (%s): torchrun's whole-group restart", why)
-        self._state.events.write("transparent_fallback", reason=why)
+        emit(self._state.events, TransparentFallback(reason=why))
         return False
 
 

@@ -13,6 +13,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
+from tpassrun.records import ReplicasCheckedNoted, SlotQuarantined, SpareReady, TimerExpired, WorkersStarted, emit
 from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
 from tpassrun.settings import envnames as E
@@ -120,8 +121,9 @@ class WorkerSpawning:
 
     def _timer_expired(self, request: TimerRequest, sent: bool) -> None:
         slot = self._slot_of_session(request.pid)
-        self._state.events.write("timer_expired", rank=slot.rank if slot else None, slot=slot.index if slot else None,
-                                 pid=request.pid, scope=request.scope_id, signal=signal_name(request.signal), sent=sent)
+        emit(self._state.events, TimerExpired(rank=slot.rank if slot else None, slot=slot.index if slot else None,
+                                              pid=request.pid, scope=request.scope_id, signal=signal_name(request.signal),
+                                              sent=sent))
 
     async def spawn_generation(self, gen: Generation, master: tuple[str, int]) -> None:
         st = self._state
@@ -148,9 +150,9 @@ class WorkerSpawning:
             await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
         self.workers_started = True
         st.spawned_generation, st.formed_generation = gen.number, gen.formed
-        st.events.write("workers_started", generation=gen.number,
-                        slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
-                                 for s in actives + spares])
+        emit(st.events, WorkersStarted(generation=gen.number,
+                                       slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state}
+                                 for s in actives + spares]))
 
     async def _spawn_spare_node(self, gen: Generation, master: tuple[str, int]) -> None:
         """A node of the generation that is not a member (a --spare-node agent, or one more node than
@@ -169,8 +171,8 @@ class WorkerSpawning:
             await self.spawn(gen, slot, local_rank=slot.index, rank=-1, master=master, spare=True)
         self.workers_started = True
         st.spawned_generation, st.formed_generation = gen.number, gen.formed
-        st.events.write("workers_started", generation=gen.number, spare_node=True,
-                        slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state} for s in spares])
+        emit(st.events, WorkersStarted(generation=gen.number, spare_node=True,
+                                       slots=[{"slot": s.index, "rank": s.rank, "pid": s.pid, "state": s.state} for s in spares]))
 
     async def _quarantine_restart_taints(self) -> None:
         """Slots of this node whose taint was answered by a health-aware restart sit this generation out
@@ -190,8 +192,7 @@ class WorkerSpawning:
             if slot is not None and slot.state != SlotState.QUARANTINED:
                 slot.state = SlotState.QUARANTINED
                 slot.quarantine_reason = taint.reason or "tainted"
-                st.events.write("slot_quarantined", slot=slot.index, reason=slot.quarantine_reason,
-                                taint=taint.id)
+                emit(st.events, SlotQuarantined(slot=slot.index, reason=slot.quarantine_reason, taint=taint.id))
 
     async def spawn(self, gen: Generation, slot: Slot, *, local_rank: int, rank: int, master: tuple[str, int],
                     spare: bool = False) -> None:
@@ -225,7 +226,7 @@ class WorkerSpawning:
         st = self._state
         if isinstance(msg, Hello):
             if msg.spare:
-                st.events.write("spare_ready", slot=slot.index, pid=msg.pid)
+                emit(st.events, SpareReady(slot=slot.index, pid=msg.pid))
             # The planners see a spare once this node's status says it is warm, and a rank as managed (it can be
             # swapped) once the status says it said hello: say so now, not at the next periodic publication (up
             # to a second later: a node lost meanwhile found no spare to take its ranks; a taint meanwhile took
@@ -243,9 +244,9 @@ class WorkerSpawning:
         its console line); replicas that disagree with none to trust: torchrun's whole-group restart, which spends
         a restart as the failure that led here would have under torchrun."""
         st = self._state
-        st.events.write("replicas_checked", reported_by=slot.rank, step=msg.step, ok=msg.ok,
-                        action=msg.action, ranks=msg.ranks, groups=msg.groups, nbytes=msg.nbytes, seconds=msg.seconds,
-                        differ=msg.differ, detail=msg.detail, recheck=msg.recheck)
+        emit(st.events, ReplicasCheckedNoted(reported_by=slot.rank, step=msg.step, ok=msg.ok, action=msg.action, ranks=msg.ranks,
+                                             groups=msg.groups, nbytes=msg.nbytes, seconds=msg.seconds, differ=msg.differ,
+                                             detail=msg.detail, recheck=msg.recheck))
         if msg.action == "restart":
             st.queue.put_nowait(FallbackRequested(f"replicas disagree after a recovery at step {msg.step}: "
                                                   f"{msg.detail}"[:600], slot))

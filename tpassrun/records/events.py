@@ -6,8 +6,8 @@ its keys, in the order they are written; a field that only some writers give is 
 default (``omit_default``), as the writers left it out before there were types. ``tests/test_event_types.py`` reads
 the event logs of real runs (``tests/golden/events``) back through these types and writes them again, key for key.
 
-Declared so far: the live swap's events (every event ``tpassrun.swapper`` writes). The other writers still pass a
-name and keyword fields (``events.write("restart", reason=...)``; issue 40).
+Declared so far: every event ``tpassrun.swapper`` and ``tpassrun.agent`` write. The other writers (the scheduler's
+watcher, the pool, the leader's ``Say`` actions) still pass a name and keyword fields (issue 40).
 """
 
 from __future__ import annotations
@@ -349,14 +349,490 @@ class MirrorPushRestored(Event):
     buddy: str
 
 
+# --------------------------------------------------------------------------------------------- the agent's events
+@dataclass(frozen=True, kw_only=True)
+class AddressLoopback(Event):
+    NAME: ClassVar[str] = "address_loopback"
+    addr: str
+    line: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentExit(Event):
+    NAME: ClassVar[str] = "agent_exit"
+    code: int
+    mirror: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentStarted(Event):
+    NAME: ClassVar[str] = "agent_started"
+    endpoint: str
+    run_id: str
+    nproc: int
+    spares: int
+    event_log: str | None
+    run_key: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdConnectionLost(Event):
+    NAME: ClassVar[str] = "etcd_connection_lost"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdConnectionOverdue(Event):
+    NAME: ClassVar[str] = "etcd_connection_overdue"
+    seconds: float
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdConnectionRestored(Event):
+    NAME: ClassVar[str] = "etcd_connection_restored"
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class EtcdHosted(Event):
+    NAME: ClassVar[str] = "etcd_hosted"
+    endpoint: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ExceptionCause(Event):
+    NAME: ClassVar[str] = "exception_cause"
+    slot: int
+    rank: int | None
+    step: int | None
+    cause: str
+    why: str
+    error: str
+    error_type: str
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class FallbackRestart(Event):
+    NAME: ClassVar[str] = "fallback"
+    reason: str
+    spends_restart: bool | None = _optional()
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fenced(Event):
+    NAME: ClassVar[str] = "fenced"
+    reason: str
+    pids: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationEnded(Event):
+    NAME: ClassVar[str] = "generation_ended"
+    generation: int
+    outcome: str
+    reason: str
+    step: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class GenerationJoined(Event):
+    NAME: ClassVar[str] = "generation_joined"
+    generation: int
+    world_size: int
+    members: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangDetected(Event):
+    NAME: ClassVar[str] = "hang_detected"
+    slot: int
+    rank: int | None
+    pid: int | None
+    proc_state: str
+    seconds: float
+    step: int | None
+    role: str | None = _optional()
+    phase: str | None = _optional()
+    swap: bool | None = _optional()
+    stale_ranks: list[Any] | None = _optional()
+    what: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HangHeld(Event):
+    NAME: ClassVar[str] = "hang_held"
+    ranks: Any
+    silent: Any
+    seconds: float
+    reason: str | None = _optional()
+    lease_s: float | None = _optional()
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthKill(Event):
+    NAME: ClassVar[str] = "health_kill"
+    slot: int
+    rank: int | None
+    pid: int | None
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthMessage(Event):
+    NAME: ClassVar[str] = "health_message"
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthTaint(Event):
+    NAME: ClassVar[str] = "health_taint"
+    id: str
+    slot: int
+    rank: int | None
+    effect: str
+    reason: str
+    created: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthUntaint(Event):
+    NAME: ClassVar[str] = "health_untaint"
+    id: str
+    device: str
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class HealthVerdictNoted(Event):
+    NAME: ClassVar[str] = "health_verdict"
+    device: str
+    status: str
+    effect: str
+    metric: Any
+    reason: str
+    slot: int | None
+    rank: int | None
+    action: str
+    why: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseLostNoted(Event):
+    NAME: ClassVar[str] = "lease_lost"
+    reason: str
+    fenced: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeaseRegranted(Event):
+    NAME: ClassVar[str] = "lease_regranted"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkAmbiguous(Event):
+    NAME: ClassVar[str] = "link_ambiguous"
+    suspects: list[str]
+    reason: str
+    figures: Mapping[str, Any]
+    peers: Mapping[str, Any]
+    line: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkDegraded(Event):
+    NAME: ClassVar[str] = "link_degraded"
+    extra_ms: float
+    reason: str
+    figures: Mapping[str, Any]
+    peers: Mapping[str, Any]
+    action: str
+    line: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkDown(Event):
+    NAME: ClassVar[str] = "link_down"
+    dev: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkHealthy(Event):
+    NAME: ClassVar[str] = "link_healthy"
+    reason: str
+    line: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSuspect(Event):
+    NAME: ClassVar[str] = "link_suspect"
+    reason: str
+    figures: Mapping[str, Any]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MembershipChange(Event):
+    NAME: ClassVar[str] = "membership_change"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsServing(Event):
+    NAME: ClassVar[str] = "metrics_serving"
+    addr: str
+    port: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlansUnauthenticated(Event):
+    NAME: ClassVar[str] = "plans_unauthenticated"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolGivenBack(Event):
+    NAME: ClassVar[str] = "pool_given_back"
+    reason: str
+
+
+@dataclass(frozen=True)
+class HandedBackHere(Event):
+    """This node's agent, handed back to the scheduler (``handbacks/<node>``), leaves the job (exit 0)."""
+
+    NAME: ClassVar[str] = "handed_back"
+    reason: str
+
+
+@dataclass(frozen=True)
+class HandBackRefused(Event):
+    """A hand-back asked of a node where ranks still run: the agent stays (the leader asks only once they left)."""
+
+    NAME: ClassVar[str] = "handback_refused"
+    reason: str
+    ranks: list[int]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplicasCheckedNoted(Event):
+    NAME: ClassVar[str] = "replicas_checked"
+    reported_by: int | None
+    step: int | None
+    ok: bool
+    action: str
+    ranks: Any
+    groups: Any
+    nbytes: int
+    seconds: float
+    differ: Any
+    detail: str
+    recheck: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class Restart(Event):
+    NAME: ClassVar[str] = "restart"
+    reason: str
+    remaining: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class ShardMirror(Event):
+    NAME: ClassVar[str] = "shard_mirror"
+    rank: int | None
+    slot: int
+    bytes_per_refresh: int
+    local_held: Any
+    interval: Any
+    buddy: str | None
+    mirrored_step: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Signal(Event):
+    NAME: ClassVar[str] = "signal"
+    signal: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SlotQuarantined(Event):
+    NAME: ClassVar[str] = "slot_quarantined"
+    slot: int
+    reason: str
+    taint: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotFailed(Event):
+    NAME: ClassVar[str] = "snapshot_failed"
+    seq: int
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotMigrated(Event):
+    NAME: ClassVar[str] = "snapshot_migrated"
+    rank: int | None
+    from_slot: int
+    to_slot: int
+    seconds: float
+    seq: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotRestored(Event):
+    NAME: ClassVar[str] = "snapshot_restored"
+    rank: int | None
+    code: int
+    seq: int
+    snapshot_age: float
+    seconds: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotTaken(Event):
+    NAME: ClassVar[str] = "snapshot_taken"
+    seq: int
+    seconds: float
+    ranks: Any
+    bytes: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareLost(Event):
+    NAME: ClassVar[str] = "spare_lost"
+    slot: int
+    code: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareNodeJoined(Event):
+    NAME: ClassVar[str] = "spare_node_joined"
+    joined: Any
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpareReady(Event):
+    NAME: ClassVar[str] = "spare_ready"
+    slot: int
+    pid: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StepInterrupted(Event):
+    NAME: ClassVar[str] = "step_interrupted"
+    slot: int
+    rank: int | None
+    step: int | None
+    by: str
+    error: str
+    error_type: str
+    failure: str
+    log: str | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class StoreStandby(Event):
+    NAME: ClassVar[str] = "store_standby"
+    port: int
+    pid: int | None
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimerExpired(Event):
+    NAME: ClassVar[str] = "timer_expired"
+    rank: int | None
+    slot: int | None
+    pid: int | None
+    scope: str
+    signal: str
+    sent: bool
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingResumed(Event):
+    NAME: ClassVar[str] = "training_resumed"
+    step: int | None
+    reached: int
+    redone: int
+    redone_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransparentFallback(Event):
+    NAME: ClassVar[str] = "transparent_fallback"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransparentOff(Event):
+    NAME: ClassVar[str] = "transparent_off"
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class TransparentOn(Event):
+    NAME: ClassVar[str] = "transparent_on"
+    criu: str
+    version: str
+    interval: Any
+    dir: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class UnmanagedDeath(Event):
+    NAME: ClassVar[str] = "unmanaged_death"
+    slot: int
+    rank: int | None
+    code: int
+    restart_onto_spare: bool
+    reason: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WaitingForNodes(Event):
+    NAME: ClassVar[str] = "waiting_for_nodes"
+    seconds: float
+    joined: Any
+    needed: int
+    nodes: list[str] | None = _optional()
+    missing: list[str]
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerExit(Event):
+    NAME: ClassVar[str] = "worker_exit"
+    slot: int
+    rank: int | None
+    pid: int | None
+    code: int
+    state: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkersStarted(Event):
+    NAME: ClassVar[str] = "workers_started"
+    generation: int
+    spare_node: bool | None = _optional()
+    slots: list[Mapping[str, Any]]
+
+
 # --------------------------------------------------------------------------------------------- the table
 _NAMED: list[type[Event]] = [
     SwapDecided, SwapPhaseChanged, SwapBoundaryReached, SwapShardsRolledBack, SwapTransferStart, SwapTransferEnd,
     SwapTransferFailed, SwapTransferStranger, SwapSendRefused, SwapReformTimings, SwapWorldReformed, SwapResumed,
     SwapAbortedHere, SwapJoinAborted, GenerationCommitted, RankCaughtUp, RecordReplaced, StoreMoved, NodeLost,
-    AgentGone, PoolNodeLeft, NodeHandedBack, CollectivesBroken, RanksRecovered, NodeRecovered, WorkerDied, UserError,
-    FailureDropped,
-    SpareReturned, MigrateBackRequested, MirrorBuddy, MirrorPushFailed, MirrorPushRestored]
+    AgentGone, PoolNodeLeft, NodeHandedBack, HandedBackHere, HandBackRefused, CollectivesBroken, RanksRecovered, NodeRecovered,
+    WorkerDied, UserError, FailureDropped,
+    SpareReturned, MigrateBackRequested, MirrorBuddy, MirrorPushFailed, MirrorPushRestored,
+    AddressLoopback, AgentExit, AgentStarted, EtcdConnectionLost, EtcdConnectionOverdue, EtcdConnectionRestored,
+    EtcdHosted, ExceptionCause, FallbackRestart, Fenced, GenerationEnded, GenerationJoined, HangDetected, HangHeld, HealthKill,
+    HealthMessage, HealthTaint, HealthUntaint, HealthVerdictNoted, LeaseLostNoted, LeaseRegranted, LinkAmbiguous, LinkDegraded,
+    LinkDown, LinkHealthy, LinkSuspect, MembershipChange, MetricsServing, PlansUnauthenticated, PoolGivenBack,
+    ReplicasCheckedNoted, Restart, ShardMirror, Signal, SlotQuarantined, SnapshotFailed, SnapshotMigrated, SnapshotRestored,
+    SnapshotTaken, SpareLost, SpareNodeJoined, SpareReady, StepInterrupted, StoreStandby, TimerExpired, TrainingResumed,
+    TransparentFallback, TransparentOff, TransparentOn, UnmanagedDeath, WaitingForNodes, WorkerExit, WorkersStarted]
 
 #: event name -> its type (``swap_<phase>``: :class:`SwapPlanSeen`, one name per phase)
 EVENTS: dict[str, type[Event]] = {**{cls.NAME: cls for cls in _NAMED},
@@ -383,9 +859,19 @@ ENVELOPE = ("event", "time", "mono", "node")
 
 __all__ = ["ENVELOPE", "EVENTS", "AgentGone", "CollectivesBroken", "Event", "FailureDropped", "GenerationCommitted",
            "MigrateBackRequested", "MirrorBuddy", "MirrorPushFailed", "MirrorPushRestored", "NodeLost", "NodeRecovered",
-           "NodeHandedBack", "PoolNodeLeft", "RankCaughtUp", "RanksRecovered", "RecordReplaced", "Sink", "SpareReturned",
+           "HandBackRefused", "HandedBackHere", "NodeHandedBack", "PoolNodeLeft", "RankCaughtUp", "RanksRecovered",
+           "RecordReplaced", "Sink", "SpareReturned",
            "StoreMoved",
            "SwapAbortedHere", "SwapBoundaryReached", "SwapDecided", "SwapJoinAborted", "SwapPhaseChanged",
            "SwapPlanSeen", "SwapReformTimings", "SwapResumed", "SwapSendRefused", "SwapShardsRolledBack",
            "SwapTransferEnd", "SwapTransferFailed", "SwapTransferStart", "SwapTransferStranger", "SwapWorldReformed",
-           "UserError", "WorkerDied", "emit", "read_event"]
+           "UserError", "WorkerDied", "emit", "read_event",
+           "AddressLoopback", "AgentExit", "AgentStarted", "EtcdConnectionLost", "EtcdConnectionOverdue",
+           "EtcdConnectionRestored", "EtcdHosted", "ExceptionCause", "FallbackRestart", "Fenced", "GenerationEnded",
+           "GenerationJoined", "HangDetected", "HangHeld", "HealthKill", "HealthMessage", "HealthTaint",
+           "HealthUntaint", "HealthVerdictNoted", "LeaseLostNoted", "LeaseRegranted", "LinkAmbiguous", "LinkDegraded", "LinkDown",
+           "LinkHealthy", "LinkSuspect", "MembershipChange", "MetricsServing", "PlansUnauthenticated", "PoolGivenBack",
+           "ReplicasCheckedNoted", "Restart", "ShardMirror", "Signal", "SlotQuarantined", "SnapshotFailed",
+           "SnapshotMigrated", "SnapshotRestored", "SnapshotTaken", "SpareLost", "SpareNodeJoined", "SpareReady",
+           "StepInterrupted", "StoreStandby", "TimerExpired", "TrainingResumed", "TransparentFallback",
+           "TransparentOff", "TransparentOn", "UnmanagedDeath", "WaitingForNodes", "WorkerExit", "WorkersStarted"]

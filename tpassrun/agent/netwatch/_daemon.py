@@ -22,6 +22,7 @@ import statistics
 import time
 from typing import Any, Callable
 
+from tpassrun.records import HealthUntaint, LinkAmbiguous, LinkDegraded, LinkDown, LinkHealthy, LinkSuspect, emit
 from tpassrun.agent.netwatch import _probe
 from tpassrun.agent.netwatch._flaps import FlapBook, flap_line
 from tpassrun.agent.netwatch._plan import (AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, LinkFigures, LinkVerdict, LinkWatch,
@@ -125,7 +126,7 @@ class LinkDaemon:
             self.meter.restart()
         self._said(flap)
         if not st.up and not was_down:
-            self.agent.events.write("link_down", dev=self._dev)
+            emit(self.agent.events, LinkDown(dev=self._dev))
 
     # ------------------------------------------------------------------ figures
     def _step_sample(self) -> tuple[float | None, bool]:
@@ -225,7 +226,7 @@ class LinkDaemon:
         node = self.agent.node_id
         self.reason = verdict.reason
         if verdict.state == SUSPECT and before != SUSPECT:
-            self.agent.events.write("link_suspect", reason=self.reason, figures=self.figures.to_json())
+            emit(self.agent.events, LinkSuspect(reason=self.reason, figures=self.figures.to_json()))
         if verdict.state == AMBIGUOUS:
             self._say_ambiguous(verdict, peers)
         else:
@@ -235,16 +236,15 @@ class LinkDaemon:
         if verdict.state == DEGRADED:
             spare = await self._spare_node()
             acts = spare is not None and self.policy.effect.value == "migrate"
-            self.agent.events.write("link_degraded", extra_ms=round(verdict.extra_ms, 1), reason=verdict.reason,
-                                    figures=self.figures.to_json(), peers={k: v.to_json() for k, v in peers.items()},
-                                    action="migrate" if acts else "report",
-                                    line=f"node {node}: {verdict.reason}" + (
+            emit(self.agent.events, LinkDegraded(extra_ms=round(verdict.extra_ms, 1), reason=verdict.reason,
+                                                 figures=self.figures.to_json(), peers={k: v.to_json() for k, v in peers.items()},
+                                                 action="migrate" if acts else "report", line=f"node {node}: {verdict.reason}" + (
                                         f"; its ranks move off it (spares ready on {spare})" if acts else
-                                        "; reported only (no spare on another node)" if spare is None else "; reported only"))
+                                        "; reported only (no spare on another node)" if spare is None else "; reported only")))
             if acts:
                 await self._taint(verdict.reason)
         elif verdict.state == HEALTHY:
-            self.agent.events.write("link_healthy", reason=verdict.reason, line=f"node {node}: {verdict.reason}")
+            emit(self.agent.events, LinkHealthy(reason=verdict.reason, line=f"node {node}: {verdict.reason}"))
             await self._untaint(verdict.reason)
 
     def _say_ambiguous(self, verdict: LinkVerdict, peers: dict[str, LinkFigures]) -> None:
@@ -254,9 +254,9 @@ class LinkDaemon:
         if self._ambiguous_said is not None and now - self._ambiguous_said < AMBIGUOUS_EVERY_S:
             return
         self._ambiguous_said = now
-        self.agent.events.write("link_ambiguous", suspects=list(verdict.suspects), reason=self.reason,
-                                figures=self.figures.to_json(), peers={k: v.to_json() for k, v in peers.items()},
-                                line=f"node {self.agent.node_id}: {self.reason}")
+        emit(self.agent.events, LinkAmbiguous(suspects=list(verdict.suspects), reason=self.reason, figures=self.figures.to_json(),
+                                              peers={k: v.to_json() for k, v in peers.items()},
+                                              line=f"node {self.agent.node_id}: {self.reason}"))
 
     async def _spare_node(self) -> str | None:
         """Another node with a ready spare (its ``status/`` record): somewhere this node's ranks can go. This
@@ -302,5 +302,5 @@ class LinkDaemon:
             with contextlib.suppress(Exception):
                 await rdzv.store.delete(Keys(rdzv.key("")).taint(tid))
                 self.health.written.pop(tid, None)
-                self.agent.events.write("health_untaint", id=tid, device="link", reason=reason)
+                emit(self.agent.events, HealthUntaint(id=tid, device="link", reason=reason))
         self.tainted.clear()
