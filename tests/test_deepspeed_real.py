@@ -163,7 +163,8 @@ def test_zero3_unplanned_kill_in_the_first_window_is_recovered_live(tmp_path, et
     assert "swap_resumed" in names and not {"fallback", "restart"} & set(names), job.log()[-4000:]
     assert_same_run(job, ref, 2, redone=True)
     pids = pids_by_rank(job, 2)
-    assert len(pids[0]) == 1 and len(pids[1]) == 2, pids
+    # rank 0 kept its process; killed in step 0, rank 1 had logged nothing: only its successor's pid is in its log
+    assert len(pids[0]) == 1 and len(pids[1]) == (2 if at else 1), pids
     print(f"deepspeed ZeRO-3 unplanned recovery at step {at} pause: {swap_pause_s(job):.2f} s")
 
 
