@@ -75,15 +75,18 @@ class Shape:
         return job
 
 
-def reference(work: Workdir, shape: Shape) -> tuple[Job, int, float]:
-    """The reference under plain torchrun: the job, its steps, its seconds per step."""
-    job = shape.job("torchrun", work.sub(f"{shape.name}-torchrun")).start()
-    try:
-        code = job.wait(600)
-    finally:
-        job.kill()
-    if code != 0:
-        raise SystemExit(f"{shape.name}: the torchrun reference failed ({code}):\n{tail(job)}")
+def reference(work: Workdir, shape: Shape, kept: str | None = None) -> tuple[Job, int, float]:
+    """The reference under plain torchrun: the job, its steps, its seconds per step. ``kept``: the output directory
+    of an earlier one of the same shape (``--keep``'s ``<shape>-torchrun``), taken as it is."""
+    job = shape.job("torchrun", kept or work.sub(f"{shape.name}-torchrun"))
+    if kept is None:
+        job.start()
+        try:
+            code = job.wait(600)
+        finally:
+            job.kill()
+        if code != 0:
+            raise SystemExit(f"{shape.name}: the torchrun reference failed ({code}):\n{tail(job)}")
     rows = job.losses(0)
     if "t" in rows[0]:
         per_step = (rows[-1]["t"] - rows[0]["t"]) / max(1, len(rows) - 1)
@@ -175,6 +178,8 @@ def main() -> None:
                         "of step 1 (inside the first accumulation window when it is 2 micro-steps or more)")
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--keep", action="store_true", help="keep the run directories")
+    parser.add_argument("--reference", default=None, help="a kept torchrun reference directory of the same shape "
+                        "(the first run's <shape>-torchrun): not run again, so a sweep can be split into short runs")
     parser.add_argument("script_args", nargs="*", help="after --: the script's own arguments")
     args = parser.parse_args()
     seed = args.seed if args.seed is not None else random.randrange(1 << 30)
@@ -185,7 +190,7 @@ def main() -> None:
         etcd = EtcdServer().start()
         try:
             for shape in shapes_of(args, work):
-                ref, steps, per_step = reference(work, shape)
+                ref, steps, per_step = reference(work, shape, args.reference)
                 print(f"{shape.name}: {shape.nproc} ranks + {shape.spares} spare(s), {steps} steps, "
                       f"{per_step * 1000:.0f} ms/step under torchrun, seed {seed}", flush=True)
                 plan = ["kill"] * args.trials + ["planned"] * args.planned

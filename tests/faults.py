@@ -258,6 +258,10 @@ class Job:
         # cwd outside the source tree: only the installed package is importable, as for a user's job. The
         # launcher dies with the pytest that started it (its workers follow it), as the test etcd does: a pytest
         # stopped by hand left whole jobs training against an etcd that was gone.
+        # A path given relative to where the bench or test was started (a script's --config, as the benches'
+        # docstrings show it) is made absolute: the job runs elsewhere.
+        self.argv = [os.path.abspath(a) if os.sep in a and not os.path.isabs(a) and os.path.exists(a) else a
+                     for a in self.argv]
         self.proc = subprocess.Popen(self.argv, env=env, stdout=open(self.log_path, "wb"),
                                      stderr=subprocess.STDOUT, start_new_session=True, cwd=self.out,
                                      preexec_fn=dies_with_this_thread())

@@ -62,7 +62,8 @@ def plan_for_losses(view: ClusterView, nodes: Sequence[str], dead: Sequence[tupl
         if not holders:
             return Decision("fallback", f"{what}: no live rank holds rank {x.rank}'s state: whole-group restart")
         j = joiners[x.rank]             # type: ignore[index]
-        donor = min(holders, key=lambda s: (used.get((s.node, s.slot), 0), s.node != j.node, holders.index(s)))
+        donor = holders[min(range(len(holders)), key=lambda i: (used.get((holders[i].node, holders[i].slot), 0),
+                                                                 holders[i].node != j.node, i))]
         used[(donor.node, donor.slot)] = used.get((donor.node, donor.slot), 0) + 1
         moves.append(Move(x, SlotRef(j.node, j.slot, x.rank), SlotRef(donor.node, donor.slot, donor.rank)))
     alive = involved(view, sorted({m.joiner.node for m in moves}))

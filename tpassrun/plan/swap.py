@@ -293,7 +293,7 @@ def plan_for_node_loss(view: ClusterView, *, node: str, now_wall: float, swap_id
             return Decision("fallback", f"node {node} lost: no surviving rank holds rank {rank}'s state (its "
                                         "replica group was on that node, or its state is sharded without one)")
         # the least used holder first: one donor per joiner while there are enough of them
-        donor = min(holders, key=lambda s: (used.get((s.node, s.slot), 0), holders.index(s)))
+        donor = holders[min(range(len(holders)), key=lambda i: (used.get((holders[i].node, holders[i].slot), 0), i))]
         used[(donor.node, donor.slot)] = used.get((donor.node, donor.slot), 0) + 1
         chosen.append(donor)
     moves = tuple(Move(SlotRef(node, slot, rank), SlotRef(j.node, j.slot, rank),
@@ -330,7 +330,8 @@ def plan_for_dead_ranks(view: ClusterView, dead: Sequence[tuple[str, int, int]],
         holders = [s for s in _interleaved_donors(view, "", rank) if s.managed and s.rank not in ranks]
         if not holders:
             return Decision("fallback", f"ranks {ranks} died and no live replica holds rank {rank}'s state")
-        donor = min(holders, key=lambda s: (used.get((s.node, s.slot), 0), s.node != spare.node, holders.index(s)))
+        donor = holders[min(range(len(holders)), key=lambda i: (used.get((holders[i].node, holders[i].slot), 0),
+                                                                 holders[i].node != spare.node, i))]
         used[(donor.node, donor.slot)] = used.get((donor.node, donor.slot), 0) + 1
         moves.append(Move(SlotRef(node, slot, rank), SlotRef(spare.node, spare.slot, rank),
                           SlotRef(donor.node, donor.slot, donor.rank)))
