@@ -437,6 +437,9 @@ class Agent:
                 # FAILED with a signal: the workers saw it first (Slurm's scancel signals every process of the
                 # step at once); MEMBERSHIP with one: a fence's request cut short by it (etcd gone). torchrun's
                 # launcher would have raised on it, as here
+                if st.handed_back:   # planned: the leader handed this node back to the scheduler, holding no rank
+                    self._elastic_end(None, "SUCCEEDED", gen)
+                    return 0
                 if st.given_back:    # planned: a pool node's spare node, holding no rank, leaves the job
                     emit(st.events, PoolGivenBack(reason=st.given_back))
                     self._elastic_end(None, "SUCCEEDED", gen)

@@ -59,6 +59,7 @@ class AgentState:
     # --- signals ---
     signal_received: int | None = None
     given_back: str = ""                # a SIGTERM from this node's pool node giving it back (why); see on_signal
+    handed_back: str = ""               # the leader handed this node back to the scheduler (why): it leaves, exit 0
     cut_by_signal: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)   # etcd requests a signal cuts short
 
     @property

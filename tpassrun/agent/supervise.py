@@ -22,6 +22,8 @@ from tpassrun.records import (
     EtcdConnectionRestored,
     FallbackRestart,
     Fenced,
+    HandBackRefused,
+    HandedBackHere,
     LeaseLostNoted,
     MembershipChange,
     Signal,
@@ -35,6 +37,7 @@ from tpassrun.records import (
 from tpassrun.rendezvous import EtcdRendezvous, Generation, Link, RendezvousError, one_line
 from tpassrun.swapper import (
     FallbackRequested,
+    HandedBack,
     HealthRestartRequested,
     LeaseLost,
     RendezvousChanged,
@@ -137,6 +140,16 @@ class Supervision:
                     await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, ev.reason))
             elif isinstance(ev, LeaseLost):
                 result = await self._fence(gen, ev.reason)
+            elif isinstance(ev, HandedBack):
+                running = sorted(s.rank for s in self._node.slots.slots
+                                 if s.state == SlotState.RUNNING and s.rank is not None)
+                if running:     # the leader asks only of a node its ranks left: never take a rank down with it
+                    if not st.handed_back:
+                        emit(st.events, HandBackRefused(reason=ev.reason, ranks=running))
+                    continue
+                st.handed_back = ev.reason
+                emit(st.events, HandedBackHere(reason=ev.reason))
+                return Outcome.SIGNALLED, f"handed back to the scheduler: {ev.reason}"
             if result is not None:
                 return result
 

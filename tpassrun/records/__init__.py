@@ -42,6 +42,8 @@ from tpassrun.records.events import (
     GenerationCommitted,
     GenerationEnded,
     GenerationJoined,
+    HandBackRefused,
+    HandedBackHere,
     HangDetected,
     HangHeld,
     HealthKill,
@@ -62,6 +64,7 @@ from tpassrun.records.events import (
     MirrorBuddy,
     MirrorPushFailed,
     MirrorPushRestored,
+    NodeHandedBack,
     NodeLost,
     NodeRecovered,
     PlansUnauthenticated,
@@ -115,7 +118,16 @@ from tpassrun.records.events import (
     emit,
     read_event,
 )
-from tpassrun.records.faults import HANDLED_COALESCED, HANDLED_KILLED, HANDLED_RESTART, Failure, Fallback, Taint, TaintSource
+from tpassrun.records.faults import (
+    HANDLED_COALESCED,
+    HANDLED_KILLED,
+    HANDLED_RESTART,
+    Failure,
+    Fallback,
+    HandBack,
+    Taint,
+    TaintSource,
+)
 from tpassrun.records.fields import SCHEMA_VERSION, RecordError, load
 from tpassrun.records.nodes import (
     HealthRecord,
@@ -205,6 +217,7 @@ class Keys:
         "status": "status/<node_id>",
         "health": "health/<node_id>",
         "fallbacks": "fallbacks/<node_id>",
+        "handbacks": "handbacks/<node_id>",
         "mirror_key": "mirror_key",
     }
 
@@ -261,12 +274,15 @@ class Keys:
     def fallback(self, node_id: str) -> str:
         return self._join("fallbacks", node_id)
 
+    def handback(self, node_id: str) -> str:
+        return self._join("handbacks", node_id)
+
     @property
     def mirror_key(self) -> str:
         return self.prefix + "mirror_key"
 
 
-__all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED", "HANDLED_RESTART", "HealthRecord",
+__all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED", "HANDLED_RESTART", "HandBack", "HealthRecord",
            "Keys", "MirrorKey", "NodeStatus",
            "Phase", "RecordError", "Report", "RunClosed", "generation_record", "leader_of", "node_info",
            "rendezvous_guard", "SCHEMA_VERSION", "SlotRef", "SwapKind", "SwapPlan", "TERMINAL",
@@ -278,7 +294,8 @@ __all__ = ["Move", "Failure", "Fallback", "HANDLED_COALESCED", "HANDLED_KILLED",
            "GenerationJoined", "HangDetected", "HangHeld", "HealthKill", "HealthMessage", "HealthTaint",
            "HealthUntaint", "HealthVerdictNoted", "LeaseLostNoted", "LeaseRegranted", "LinkAmbiguous", "LinkDegraded",
            "LinkDown", "LinkHealthy", "LinkSuspect", "MembershipChange", "MetricsServing", "MigrateBackRequested",
-           "MirrorBuddy", "MirrorPushFailed", "MirrorPushRestored", "NodeLost", "NodeRecovered",
+           "MirrorBuddy", "MirrorPushFailed", "MirrorPushRestored", "HandBackRefused", "HandedBackHere", "NodeHandedBack",
+           "NodeLost", "NodeRecovered",
            "PlansUnauthenticated", "PoolGivenBack", "PoolNodeLeft", "RankCaughtUp", "RanksRecovered", "RecordReplaced",
            "ReplicasCheckedNoted", "Restart", "ShardMirror", "Signal", "SlotQuarantined", "SnapshotFailed",
            "SnapshotMigrated", "SnapshotRestored", "SnapshotTaken", "SpareLost", "SpareNodeJoined", "SpareReady",

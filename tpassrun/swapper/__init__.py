@@ -31,8 +31,10 @@ from tpassrun.records import (
     Failure,
     FailureDropped,
     Fallback,
+    HandBack,
     Keys,
     MigrateBackRequested,
+    NodeHandedBack,
     NodeLost,
     PoolNodeLeft,
     Report,
@@ -55,6 +57,7 @@ from tpassrun.swapper.agentport import (
     AgentPort,
     EventSink,
     FallbackRequested,
+    HandedBack,
     HealthHost,
     HealthRestartRequested,
     LeaseLost,
@@ -222,7 +225,12 @@ class Swapper:
         or restarts the group saying why; a node that held no ranks (an idle spare node) costs nothing. A pool
         node's spare node the job gave back leaves as expected, and is said so."""
         pool = self.coordinator.pool
-        if pool is not None and node_id in pool.given_back:
+        key = self._keys.handback(node_id)
+        doc, rev = await self._store.get_json(key)
+        handback = load(HandBack.from_json, key, doc, rev) if doc is not None else None
+        if handback is not None:       # handed back to the scheduler, holding no rank: no loss
+            emit(self.port.events, NodeHandedBack(lost_node=node_id, sched_node=handback.node, reason=handback.reason))
+        elif pool is not None and node_id in pool.given_back:
             emit(self.port.events, PoolNodeLeft(lost_node=node_id, pool=pool.name, pool_node=pool.given_back.pop(node_id)))
         else:
             emit(self.port.events, NodeLost(lost_node=node_id))
@@ -304,6 +312,7 @@ class Swapper:
             tg.create_task(self.coordinator.run())
             tg.create_task(self._follow_taint_removals())
             tg.create_task(self._follow_fallbacks())
+            tg.create_task(self._follow_handback())
 
     async def _follow_plans(self) -> None:
         prefix = self._keys.family("swaps")
@@ -408,6 +417,18 @@ class Swapper:
             dead = self._slots.slots[index] if index is not None and index < len(self._slots.slots) else None
             self.port.post(FallbackRequested(fallback.reason, dead))
 
+    async def _follow_handback(self) -> None:
+        """The leader's scheduler watcher hands this node back to the scheduler (``handbacks/<node>``): the agent
+        leaves the job (see :class:`~tpassrun.swapper.agentport.HandedBack`)."""
+        key = self._keys.handback(self.port.node_id)
+        doc, rev, header = await self._store.read_json(key)     # written before this generation's watch began
+        if doc is not None and (handback := load(HandBack.from_json, key, doc, rev)) is not None:
+            self.port.post(HandedBack(handback.reason))
+        async for ev in self._store.watch_key(key, header + 1):
+            handback = load(HandBack.from_json, key, ev.value, ev.mod_revision) if ev.kind == "put" else None
+            if handback is not None:
+                self.port.post(HandedBack(handback.reason))
+
     async def _follow_taint_removals(self) -> None:
         """``tpassctl untaint``: a quarantined slot of this node goes back to the spare pool."""
         async for ev in self._store.watch_prefix(self._keys.family("taints")):
@@ -443,7 +464,8 @@ class Swapper:
 
 __all__ = ["DEATHS_TO_QUARANTINE", "DEATH_WINDOW_S", "FAILED_STEP_GRACE_S", "Swapper", "me_in", "shardplane",
            # what the swapper sees of its agent, and what the agent tells it (tpassrun.swapper.agentport)
-           "AgentEvent", "AgentPort", "EventSink", "FallbackRequested", "HealthHost", "HealthRestartRequested", "LeaseLost",
+           "AgentEvent", "AgentPort", "EventSink", "FallbackRequested", "HandedBack", "HealthHost",
+           "HealthRestartRequested", "LeaseLost",
            "RendezvousChanged", "SignalReceived", "SpawnFailed", "StatusHost", "SwapSettings", "WorkerExited",
            "WorkerSaid", "annotated",
            # the agent's mirror plane (tpassrun.swapper.mirrorplane)

@@ -85,8 +85,16 @@ class LeaseLost:
     reason: str
 
 
+@dataclass(frozen=True)
+class HandedBack:
+    """The leader hands this node back to the scheduler (``handbacks/<node>``): holding no rank, the agent stops its
+    spares and exits 0 (its part of the scheduler's job step ends cleanly)."""
+
+    reason: str
+
+
 AgentEvent = Union[SignalReceived, SpawnFailed, WorkerExited, WorkerSaid, RendezvousChanged, FallbackRequested,
-                   HealthRestartRequested, LeaseLost]
+                   HealthRestartRequested, LeaseLost, HandedBack]
 
 
 # --------------------------------------------------------------------------------------------- the port
@@ -189,6 +197,6 @@ class StatusHost(Protocol):
     def generation(self) -> "Generation | None": ...
 
 
-__all__ = ["AgentEvent", "AgentPort", "annotated", "EventSink", "HealthHost", "StatusHost", "FallbackRequested",
+__all__ = ["AgentEvent", "AgentPort", "annotated", "EventSink", "HealthHost", "StatusHost", "FallbackRequested", "HandedBack",
            "HealthRestartRequested", "LeaseLost",
            "RendezvousChanged", "SignalReceived", "SpawnFailed", "SwapSettings", "WorkerExited", "WorkerSaid"]
