@@ -107,8 +107,9 @@ def forged_transfer(c: Cluster, rng: random.Random) -> str:
 
 def _stranger(host: str, port: int) -> str:
     """Connect, answer the listener's hello with a made-up proof, then push a frame anyway."""
-    from tpassrun.transfer.handoff import StateBundle, send_bundle
     import torch
+
+    from tpassrun.transfer.handoff import StateBundle, send_bundle
 
     try:
         with socket.create_connection((host, port), timeout=3) as s:

@@ -21,7 +21,6 @@ import zlib
 from typing import Any, Callable
 
 import torch
-
 from common import print_json
 
 from tpassrun.worker import digest

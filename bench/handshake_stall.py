@@ -33,8 +33,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import EtcdServer, Job, faults_env, taint
-from faults import hold_at
-from faults import Strangers, listening_ports, storeserver_pids
+from faults import Strangers, hold_at, listening_ports, storeserver_pids
 
 MODES = ("plain", "attack", "cut", "attack+cut")
 STEPS = 20

@@ -25,11 +25,11 @@ import time
 import types
 import urllib.request
 
-from tpassrun.ops.events import EventLog
-from tpassrun.health import FileSensor
 from tpassrun.agent.healthd import AgentHealth
-from tpassrun.rendezvous import EtcdConfig, EtcdStore, find_etcd_binary
 from tpassrun.channel.slots import SlotState
+from tpassrun.health import FileSensor
+from tpassrun.ops.events import EventLog
+from tpassrun.rendezvous import EtcdConfig, EtcdStore, find_etcd_binary
 
 INTERVALS = (0.05, 0.1, 0.25, 0.5, 1.0)
 ECC = "ecc_uncorrected_volatile"

@@ -26,8 +26,9 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "hopstrace"))
 
-import tpassrun
 from hopcount import Recorder, summarise, window
+
+import tpassrun
 
 TREE = os.path.dirname(os.path.dirname(os.path.abspath(tpassrun.__file__)))    # the tree under measure, not this one
 sys.path.insert(0, os.path.join(TREE, "tests"))
@@ -46,7 +47,7 @@ def trace(fn: Callable[[], Any]) -> tuple[list[str], int, int, int]:
 
 
 def cases() -> dict[str, Callable[[], Any]]:
-    import test_triage as t                     # its fixtures; the names through it, so an older tree runs this too
+    import test_triage as t  # its fixtures; the names through it, so an older tree runs this too
     SlotView, triage, Failure = t.SlotView, t.triage, t.Failure
 
     dead = Failure(node="a", slot=1, rank=1, code=-9, step=9, light=True, generation=2)

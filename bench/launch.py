@@ -18,8 +18,19 @@ from __future__ import annotations
 import argparse
 import uuid
 
-from common import (Job, Series, Workdir, add_common_args, alternate, first_step_done, print_json, ratio_line,
-                    run_to_end, steady_ms_per_step, tail)
+from common import (
+    Job,
+    Series,
+    Workdir,
+    add_common_args,
+    alternate,
+    first_step_done,
+    print_json,
+    ratio_line,
+    run_to_end,
+    steady_ms_per_step,
+    tail,
+)
 
 LAUNCHERS = ("tpassrun", "torchrun")
 WORLD = 4

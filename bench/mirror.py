@@ -38,9 +38,26 @@ import statistics
 import uuid
 from typing import Any
 
-from common import (TORCHRUN_RESTART_ENV, Job, Series, Workdir, add_common_args, alternate, events, faults_env,
-                    kill_at, marker_time, next_step_after, print_json, ratio_line, run_to_end, steady_ms_per_step,
-                    steps_lost, tail, with_script)
+from common import (
+    TORCHRUN_RESTART_ENV,
+    Job,
+    Series,
+    Workdir,
+    add_common_args,
+    alternate,
+    events,
+    faults_env,
+    kill_at,
+    marker_time,
+    next_step_after,
+    print_json,
+    ratio_line,
+    run_to_end,
+    steady_ms_per_step,
+    steps_lost,
+    tail,
+    with_script,
+)
 
 WORLD = 2
 VICTIM = 1

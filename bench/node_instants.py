@@ -41,7 +41,7 @@ from typing import Any
 from common import REPO, EtcdServer, Workdir, next_step_after, print_json, tail, with_script
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
-from faults import Job, unlogged_steps, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node
+from faults import Job, _without_relogged, assert_bit_exact, faults_env, pid_of_rank, sigkill_node, unlogged_steps
 
 WORLD = 4
 

@@ -24,8 +24,21 @@ import sys
 import time
 import uuid
 
-from common import (TORCHRUN_RESTART_ENV, EtcdServer, Job, Series, Workdir, add_common_args, alternate, faults_env,
-                    marker_time, next_step_after, print_json, ratio_line, steps_lost)
+from common import (
+    TORCHRUN_RESTART_ENV,
+    EtcdServer,
+    Job,
+    Series,
+    Workdir,
+    add_common_args,
+    alternate,
+    faults_env,
+    marker_time,
+    next_step_after,
+    print_json,
+    ratio_line,
+    steps_lost,
+)
 
 LAUNCHERS = ("tpassrun", "torchrun")
 WORLD = 4

@@ -37,10 +37,21 @@ import tempfile
 import time
 from typing import Any
 
-from pool_lab import (RANKS, Lab, Sampler, idle_and_free, kill_host, reference, restart_host, restart_pool_node,
-                      said, start_job, summarize_status, until)
-
 from faults import Job, NetLab, assert_bit_exact
+from pool_lab import (
+    RANKS,
+    Lab,
+    Sampler,
+    idle_and_free,
+    kill_host,
+    reference,
+    restart_host,
+    restart_pool_node,
+    said,
+    start_job,
+    summarize_status,
+    until,
+)
 
 
 def share_trial(args: argparse.Namespace, ref: Job, rng: random.Random) -> dict[str, Any]:

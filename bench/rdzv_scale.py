@@ -19,8 +19,7 @@ import contextlib
 import time
 import uuid
 
-from tpassrun.rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdConnection, EtcdRendezvous, NodeInfo,
-                                 RendezvousSettings)
+from tpassrun.rendezvous import EmbeddedEtcd, EtcdConfig, EtcdConnection, EtcdRendezvous, NodeInfo, RendezvousSettings
 
 
 async def one_size(endpoint: str, n: int, per_connection: int) -> dict[str, float]:

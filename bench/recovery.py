@@ -26,8 +26,24 @@ import os
 import uuid
 from typing import Any
 
-from common import (TORCHRUN_RESTART_ENV, Job, Series, Workdir, add_common_args, alternate, events, faults_env,
-                    kill_at, marker_time, next_step_after, print_json, ratio_line, run_to_end, steps_lost, tail)
+from common import (
+    TORCHRUN_RESTART_ENV,
+    Job,
+    Series,
+    Workdir,
+    add_common_args,
+    alternate,
+    events,
+    faults_env,
+    kill_at,
+    marker_time,
+    next_step_after,
+    print_json,
+    ratio_line,
+    run_to_end,
+    steps_lost,
+    tail,
+)
 
 LAUNCHERS = ("tpassrun", "torchrun")
 WORLD = 4

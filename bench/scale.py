@@ -51,8 +51,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(BENCH), "tests"))
 from conftest import EtcdCluster, EtcdServer  # noqa: E402  (tests/ is not a package)
 
 from tpassrun.records import Keys, NodeStatus, Phase, Report, SwapKind, SwapPlan, WorkerRow, load  # noqa: E402
-from tpassrun.rendezvous import (EtcdConfig, EtcdConnection, EtcdRendezvous, EtcdStore, EventKind,  # noqa: E402
-                                 Generation, NodeInfo, RendezvousSettings)
+from tpassrun.rendezvous import (  # noqa: E402
+    EtcdConfig,
+    EtcdConnection,
+    EtcdRendezvous,
+    EtcdStore,
+    EventKind,
+    Generation,
+    NodeInfo,
+    RendezvousSettings,
+)
 from tpassrun.swapper import Swapper  # noqa: E402
 from tpassrun.swapper.agentport import AgentPort, SwapSettings  # noqa: E402
 

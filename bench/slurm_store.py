@@ -29,7 +29,6 @@ import uuid
 from typing import Any
 
 from common import EtcdServer, Job, Workdir, events, next_step_after, print_json, ratio_line, steps_lost
-
 from slurmcluster import NODES, SlurmCluster, descendants, parent, unavailable  # tests/ (common put it on the path)
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "train_ddp.py")

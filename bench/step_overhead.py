@@ -36,10 +36,10 @@ import time
 from typing import Any, Callable
 
 import torch
-
 from common import print_json
-from tpassrun.transfer import handoff
+
 from tpassrun.channel import ChannelFile, Field
+from tpassrun.transfer import handoff
 from tpassrun.transfer.light import LightSnapshotter
 from tpassrun.worker import Session, _AgentLink
 
@@ -243,8 +243,8 @@ def main() -> None:
             pushing.track(model=torch.nn.Linear(256, 256), sampler=Sampler())
             pushing._state.light_retarget_due = 0
             buddy = Buddy()
-            from tpassrun.worker.light_mirror import LightMirror
             from tpassrun.mirror.client import PushStream
+            from tpassrun.worker.light_mirror import LightMirror
 
             trained_pushing = train_job(Session(backend=None, link=link, rank=0, world_size=1, local_rank=0,
                                                 generation=0, joined=False, timeout=None))

@@ -30,10 +30,31 @@ import argparse
 import uuid
 from typing import Any
 
-from common import (TORCHRUN_RESTART_ENV, EtcdServer, Job, Series, Workdir, add_common_args, alternate, events,
-                    faults_env, first_event, hidden_for_state, kill_at, marker_time, next_step_after, print_json,
-                    ratio_line, run_to_end, step_done_all, steps_lost, tail, taint, taint_times,
-                    tracked_state_bytes)
+from common import (
+    TORCHRUN_RESTART_ENV,
+    EtcdServer,
+    Job,
+    Series,
+    Workdir,
+    add_common_args,
+    alternate,
+    events,
+    faults_env,
+    first_event,
+    hidden_for_state,
+    kill_at,
+    marker_time,
+    next_step_after,
+    print_json,
+    ratio_line,
+    run_to_end,
+    step_done_all,
+    steps_lost,
+    tail,
+    taint,
+    taint_times,
+    tracked_state_bytes,
+)
 from transfer import raw_receiver, send_raw, start_receiver
 
 LAUNCHERS = ("tpassrun", "torchrun")

@@ -44,8 +44,8 @@ import contextlib
 import hashlib
 import hmac
 import json
-import os
 import multiprocessing as mp
+import os
 import resource
 import socket
 import statistics
@@ -54,7 +54,6 @@ from typing import Any, Callable
 
 import torch
 
-from tpassrun.transfer.wire import HandoffError, accept_one, reserve_receive_arena
 from tpassrun.transfer.handoff import (
     TransferAuth,
     accept_and_recv,
@@ -65,6 +64,7 @@ from tpassrun.transfer.handoff import (
     encode_small,
     listen_for_bundle,
 )
+from tpassrun.transfer.wire import HandoffError, accept_one, reserve_receive_arena
 
 CHUNK = 8 << 20
 

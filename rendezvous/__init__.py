@@ -30,16 +30,28 @@ _EXPORTS = {
 }
 
 if TYPE_CHECKING:
-    from .config import (DEFAULT_PREFIX, ETCD_PASSWORD_ENV, EtcdConfig, RendezvousSettings, read_private_file,
-                         refuse_inline_secrets, split_endpoint)
+    from .config import (
+        DEFAULT_PREFIX,
+        ETCD_PASSWORD_ENV,
+        EtcdConfig,
+        RendezvousSettings,
+        read_private_file,
+        refuse_inline_secrets,
+        split_endpoint,
+    )
     from .embedded import EmbeddedEtcd, ServerTls, find_etcd_binary, host_etcd_if_absent, pid_alive
-    from .errors import (RendezvousClosedError, RendezvousConnectionError, RendezvousError, RendezvousKeyError,
-                         RendezvousTimeoutError)
+    from .errors import (
+        RendezvousClosedError,
+        RendezvousConnectionError,
+        RendezvousError,
+        RendezvousKeyError,
+        RendezvousTimeoutError,
+    )
     from .etcd_io import EtcdStore, LeaseIs, WatchEvent, encode_value
     from .etcd_link import EtcdConnection, Link, one_line
     from .guard import RecordGuard
     from .handler import EtcdRendezvous
-    from .state import Bootstrap, Closed, EventKind, GenState, Generation, Leader, Member, NodeInfo, RdzvEvent
+    from .state import Bootstrap, Closed, EventKind, Generation, GenState, Leader, Member, NodeInfo, RdzvEvent
 
 
 def __getattr__(name: str) -> Any:

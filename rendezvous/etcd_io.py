@@ -21,8 +21,16 @@ import aetcd.exceptions as aetcd_errors
 
 from .config import EtcdConfig
 from .errors import RendezvousError
-from .etcd_link import (RECONNECT_ERRORS, EtcdConnection, Link, cancelled_by_reconnect, one_line, patient_now,
-                        raise_if_cancelling, transport_failed)
+from .etcd_link import (
+    RECONNECT_ERRORS,
+    EtcdConnection,
+    Link,
+    cancelled_by_reconnect,
+    one_line,
+    patient_now,
+    raise_if_cancelling,
+    transport_failed,
+)
 from .lease import LeaseClock
 
 log = logging.getLogger(__name__)

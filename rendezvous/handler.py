@@ -35,7 +35,7 @@ from .etcd_link import EtcdConnection, Link, one_line, patient_context, raise_if
 from .guard import SAME_KEY_HINT, RecordGuard, RefusalLog
 from .leading import Leadership
 from .machine import closed_generation, events_between, restart_generation
-from .state import Bootstrap, Closed, EventKind, GenState, Generation, NodeInfo, RdzvEvent
+from .state import Bootstrap, Closed, EventKind, Generation, GenState, NodeInfo, RdzvEvent
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from enum import Enum
 from typing import Iterable, Mapping
 
 from .config import RendezvousSettings
-from .state import EventKind, GenState, Generation, Member, NodeInfo
+from .state import EventKind, Generation, GenState, Member, NodeInfo
 
 
 @dataclass(frozen=True)

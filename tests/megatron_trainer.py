@@ -170,16 +170,16 @@ def model_provider(args: argparse.Namespace, pre_process: bool = True, post_proc
 def main() -> None:
     args = parse_args()
     import cpu_shims
-    from train_gpt import save_final
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from train_gpt import save_final
 
-    import tpassrun                                                                  # tpassrun
-    from tpassrun.adapters.megatron import MegatronAdapter, MegatronProgress          # tpassrun
+    import tpassrun  # tpassrun
+    from tpassrun.adapters.megatron import MegatronAdapter, MegatronProgress  # tpassrun
     from tpassrun.worker.faultpoints import fault_point
 
     cpu_shims.install()

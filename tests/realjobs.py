@@ -13,7 +13,6 @@ import time
 from typing import Any
 
 import torch
-
 from faults import REPO, Job
 
 CPU_ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}

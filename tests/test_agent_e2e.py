@@ -13,8 +13,8 @@ import sys
 import time
 
 import pytest
-
-from faults import EXAMPLE, REPO, Job, alive as _alive, faults_env, hold_at
+from faults import EXAMPLE, REPO, Job, faults_env, hold_at
+from faults import alive as _alive
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from faults import Job, assert_bit_exact, faults_env, kill_at, pids_by_rank
 
 STEPS = 24

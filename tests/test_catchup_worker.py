@@ -12,9 +12,9 @@ import threading
 import pytest
 import torch
 
-from tpassrun.transfer import handoff
 from tpassrun.channel import ChannelFile
 from tpassrun.channel.protocol import CatchUp
+from tpassrun.transfer import handoff
 from tpassrun.worker import Session, _AgentLink
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,8 +118,8 @@ def test_a_laggard_catches_up_from_a_leader_and_resumes_where_an_uninterrupted_r
 
     def donor() -> None:
         port = agent.wait("listening")["port"]
-        from tpassrun.worker.commands import _send_state
         from tpassrun.channel.protocol import SendState
+        from tpassrun.worker.commands import _send_state
 
         _send_state(SendState(addr="127.0.0.1", port=port, swap_id="n-b", key=KEY, rank=1), state,
                     corrupt=lambda: False)

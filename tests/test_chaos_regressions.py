@@ -8,7 +8,6 @@ import os
 import sys
 
 import pytest
-
 from faults import EXAMPLE, Job, faults_env, stop_at
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

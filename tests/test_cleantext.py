@@ -10,8 +10,8 @@ import logging
 
 import pytest
 from rich.console import Console
-
 from test_ctl import formed_run  # noqa: F401  (the fixture: a formed 2-node run in etcd)
+
 from tpassrun.ops.cleantext import clean, clean_tree
 from tpassrun.ops.console import GlogFormatter
 
@@ -70,6 +70,7 @@ def test_tpassctl_events_lines_are_inert(tmp_path):
 
 def test_the_live_view_and_its_summary_line_are_inert():
     from test_tui import run_doc, text, worker
+
     from tpassrun.ops.tui import ViewState, render_status, summary_line
 
     doc = run_doc(taints={"t\x1b1": {"v": 1, "id": "t1", "node_id": "n1", "slot": 1, "local_rank": 1, "rank": 3,

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tpassrun.launch import workerenv
 from tpassrun.cli import main
+from tpassrun.launch import workerenv
 from tpassrun.launch.config import (
     ConfigError,
     LaunchConfig,

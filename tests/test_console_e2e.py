@@ -11,7 +11,6 @@ import sys
 import time
 
 import pytest
-
 from faults import Job, faults_env, hold_at, stop_at, taint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -12,7 +12,6 @@ import subprocess
 import sys
 
 import pytest
-
 from faults import Job, faults_env, hold_at, listening_ports
 from test_console_e2e import _descendants, _lines, _wait_event
 

@@ -137,9 +137,9 @@ def test_unknown_run_and_unreachable_etcd(etcd_server, capsys):
 def test_status_with_the_run_key_shows_the_jobs_plans_only(formed_run, capsys, tmp_path, monkeypatch):
     """Given the job's run key (here its file, as --rdzv-conf run_key_file= or the registry names it), tpassctl
     checks plans as the agents do: a plan without a MAC of that key is not shown as the job's."""
-    from tpassrun.records.provenance import RUN_KEY_ENV, RunKey, seal
-    from tpassrun.records import SlotRef, SwapKind, SwapPlan
     from tpassrun.plan.swap import Phase
+    from tpassrun.records import SlotRef, SwapKind, SwapPlan
+    from tpassrun.records.provenance import RUN_KEY_ENV, RunKey, seal
 
     endpoint, run_id, _ = formed_run
     monkeypatch.delenv(RUN_KEY_ENV, raising=False)
@@ -172,8 +172,8 @@ def test_status_checks_the_rendezvous_records_with_the_run_key_or_says_it_did_no
                                                                                   monkeypatch):
     """The job seals its generation, registrations and leader record: with its key tpassctl shows only what the job
     wrote; without it, it shows what it reads and says that nothing was verified."""
-    from tpassrun.records.provenance import RUN_KEY_ENV, RunKey
     from tpassrun.records import rendezvous_guard
+    from tpassrun.records.provenance import RUN_KEY_ENV, RunKey
 
     monkeypatch.delenv(RUN_KEY_ENV, raising=False)
     key_file = tmp_path / "run.key"

@@ -9,8 +9,8 @@ import io
 import pytest
 
 from tpassrun.ops.ctl_render import render_status, run_list_lines
-from tpassrun.ops.names import node_names
 from tpassrun.ops.ctl_width import columns, wrap
+from tpassrun.ops.names import node_names
 from tpassrun.ops.registry import RunEntry
 
 REASON = "the fan of this node's second GPU reports 0 rpm since 03:12; the vendor asks for a reseat (ticket 12345)"

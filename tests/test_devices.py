@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from tpassrun import cli
-from tpassrun.launch.devices import check_layout, node_devices, slot_env, visible_devices
 from tpassrun.health import device_for_local_rank, nvml_device_count
+from tpassrun.launch.devices import check_layout, node_devices, slot_env, visible_devices
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_health_nvml import FakeGpu, FakeNvml, real

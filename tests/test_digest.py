@@ -13,9 +13,9 @@ import sys
 import pytest
 import torch
 
+from tpassrun.ops.console import ConsoleReporter, Describer
 from tpassrun.worker import digest
 from tpassrun.worker import faultpoints as testing
-from tpassrun.ops.console import ConsoleReporter, Describer
 from tpassrun.worker.digest import RankDigest, Repair, decide, describe_repairs, repair_plan, state_digest, tensor_digest
 from tpassrun.worker.replicas import _renumber
 

@@ -12,7 +12,6 @@ import os
 import random
 
 import pytest
-
 from faults import Job, assert_bit_exact, faults_env, kill_at
 
 STEPS = 40           # the session's 4-rank reference (conftest.reference_run)

@@ -9,7 +9,6 @@ import os
 import re
 
 import pytest
-
 from docrun import REPO, SHELL_LANGS, command_blocks, run_page
 
 pytestmark = pytest.mark.timeout(600)
@@ -83,7 +82,8 @@ def test_the_pool_page_runs_as_written(tmp_path):
 
 def test_the_slurm_page_runs_as_written(tmp_path):
     """docs/slurm.md: a private Slurm from scratch as root (munged --force on its own socket, AuthInfo=socket=...,
-    SlurmUser=root), three idle nodes, a step on them, then stopped by its pid files."""
+    SlurmUser=root), three idle nodes, a step on them, a drained node handed back by hand (the job's allocation
+    shrunk while it runs), then stopped by its pid files."""
     from slurmcluster import unavailable
 
     why = unavailable()
@@ -94,6 +94,9 @@ def test_the_slurm_page_runs_as_written(tmp_path):
     out = _run("docs/slurm.md", tmp_path, 180)
     assert re.search(r"debug\*\s+up\s+infinite\s+3\s+idle\s+n\[1-3\]", out), out
     assert len([ln for ln in out.splitlines() if ln.strip()]) >= 5       # sinfo's two lines, three hostnames
+    # the hand-back by hand: drained and still the job's, then Slurm's again while the job runs on n1, n3
+    assert re.search(r"\bdrng\s+n2\b", out) and "State=ALLOCATED+DRAIN" in out, out
+    assert re.search(r"\bdrain\s+n2\b", out) and re.search(r"\bR\s+\S+\s+2\s+n\[1,3\]", out), out
 
 
 @pytest.mark.e2e

@@ -20,7 +20,6 @@ import re
 import time
 
 import pytest
-
 from docrun import docrun_job, ds_config, write_example
 from faults import Job, faults_env, hold_at, pids_by_rank, sigkill_rank, taint
 from realjobs import assert_same_training, example, swap_pause_s

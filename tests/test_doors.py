@@ -20,7 +20,6 @@ import sys
 from test_import_graph import ROOT, _modules, cross_package_imports, package_of
 
 
-
 def past_a_door() -> list[str]:
     """``module -> imported module`` for every ``from tpassrun.<pkg>.<module> import ...`` in another package."""
     found = []

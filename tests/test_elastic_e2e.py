@@ -17,7 +17,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from faults import Job
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

@@ -14,12 +14,12 @@ import threading
 
 import pytest
 import torch
-
 from netrelay import pump
+
+from tpassrun.launch.workerenv import check_encrypt_conf, encrypt_requested
+from tpassrun.transfer.auth import AEAD_NAME, ChecksumError, FrameCipher
 from tpassrun.transfer.handoff import StateBundle, TransferAuth, accept_and_recv, connect_and_send, listen_for_bundle
 from tpassrun.transfer.wire import HandoffError
-from tpassrun.transfer.auth import AEAD_NAME, ChecksumError, FrameCipher
-from tpassrun.launch.workerenv import check_encrypt_conf, encrypt_requested
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,7 +8,6 @@ import asyncio
 import time
 
 import pytest
-
 from faults import Job, assert_bit_exact, faults_env, hold_at, run_through
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

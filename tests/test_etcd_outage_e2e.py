@@ -13,7 +13,6 @@ import sys
 import time
 
 import pytest
-
 from faults import EXAMPLE, Job, faults_env, hold_at, kill_etcd, run_through, start_etcd_again
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -13,10 +13,17 @@ import subprocess
 import sys
 
 import pytest
-
 from faults import EXAMPLE, Job
-from tpassrun.rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdStore, RendezvousConnectionError, RendezvousError,
-                                 ServerTls, find_etcd_binary)
+
+from tpassrun.rendezvous import (
+    EmbeddedEtcd,
+    EtcdConfig,
+    EtcdStore,
+    RendezvousConnectionError,
+    RendezvousError,
+    ServerTls,
+    find_etcd_binary,
+)
 
 pytestmark = [pytest.mark.timeout(120),
               pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI to make certificates")]

@@ -10,8 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from tpassrun.records import (EVENTS, SlotRef, SpareReturned, SwapKind, SwapPlanSeen, SwapResumed, SwapTransferEnd,
-                              emit, read_event)
+from tpassrun.records import (
+    EVENTS,
+    SlotRef,
+    SpareReturned,
+    SwapKind,
+    SwapPlanSeen,
+    SwapResumed,
+    SwapTransferEnd,
+    emit,
+    read_event,
+)
 from tpassrun.records.events import ENVELOPE, Event
 from tpassrun.records.swaps import Phase
 

@@ -262,8 +262,8 @@ def test_a_survivors_failed_collective_says_what_interrupted_it_not_gloos_text()
 
 
 def test_a_survivors_gloo_text_goes_to_its_stderr_log_under_redirects_else_beside_its_error_file(tmp_path):
-    from tpassrun.plan.failkind import Around, interrupted_by
     from tpassrun.channel import DETAIL_LOG, worker_log_file
+    from tpassrun.plan.failkind import Around, interrupted_by
 
     err = str(tmp_path / "error.json")
     assert worker_log_file("") is None                                    # --log-dir /dev/null: no file at all

@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from faults import Job, faults_env, hold_at, kill_at, stop_at
+
 from tpassrun.channel import WorkerPhase
 from tpassrun.plan.failkind import FailureKind, classify_death, recoverable
 

@@ -14,8 +14,7 @@ import random
 import pytest
 import torch
 
-from tpassrun.transfer import handoff
-from tpassrun.transfer import light
+from tpassrun.transfer import handoff, light
 from tpassrun.transfer.handoff import HandoffError, capture, capture_rng, cuda_rng_targets, restore_rng
 from tpassrun.worker.shard_copy import split_by_device
 

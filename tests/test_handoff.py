@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import copy
+import ctypes
 import enum
 import math
-import ctypes
 import random
 import signal
 import socket
@@ -399,7 +399,7 @@ def test_a_64_mb_tensor_round_trips_in_chunks():
 
 @pytest.mark.timeout(60)
 def test_a_reserved_arena_receives_one_transfer_then_is_forgotten():
-    from tpassrun.transfer import frame as handoff_wire   # the arena lives with the frame
+    from tpassrun.transfer import frame as handoff_wire  # the arena lives with the frame
 
     big, odd = torch.randn(1 << 20), torch.arange(7, dtype=torch.int16)   # 4 MiB, and a size that is not x8
     bundle = capture({"bag": Bag({"big": big, "odd": odd, "half": torch.ones(3, dtype=torch.float16)})}, step=2)

@@ -19,14 +19,20 @@ import time
 
 import pytest
 import torch
-
 from faults import Hold, Job, Strangers, faults_env, hold_at, listening_ports, storeserver_pids, taint
 
-from tpassrun.transfer.handoff import (AuthError, HandoffError, StateBundle, TransferAuth, accept_and_recv, connect_and_send,
-                              listen_for_bundle)
-from tpassrun.transfer.wire import _sender_handshake
 from tpassrun.transfer.auth import HELLO, PROOF
 from tpassrun.transfer.gate import MAX_PENDING_PER_SOURCE, PendingTable
+from tpassrun.transfer.handoff import (
+    AuthError,
+    HandoffError,
+    StateBundle,
+    TransferAuth,
+    accept_and_recv,
+    connect_and_send,
+    listen_for_bundle,
+)
+from tpassrun.transfer.wire import _sender_handshake
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -153,7 +153,7 @@ def test_ranks_stale_on_a_silent_node_are_held_for_its_lease_then_the_watchdog_a
     alone (said once) for that node's lease and a --hang-timeout more: the lost node's plan breaks them out when
     the lease ends (bench/chaos.py: a node holding 3 of 4 ranks was cut off, the watchdog killed the 4th, the only
     survivor, and with no replica left the group restarted). A peer that answers holds nothing back."""
-    from tpassrun.rendezvous import GenState, Generation, Member
+    from tpassrun.rendezvous import Generation, GenState, Member
 
     async def go(answer: str) -> tuple[list[dict], float]:
         slots = await LocalSlots(1, 0, on_message=lambda s, m: None).open()

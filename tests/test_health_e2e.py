@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from faults import Job, faults_env, hold_at
+
 from tpassrun.channel import Field
 
 REPO = Path(__file__).resolve().parent.parent

@@ -8,9 +8,20 @@ import os
 
 import pytest
 
-from tpassrun.health import (FileSensor, HealthMonitor, HealthVerdict, NvmlSensor, Policy, PolicyEngine,
-                             Reading, Rule, Status, StragglerDetector, TaintEffect,
-                             device_for_local_rank)
+from tpassrun.health import (
+    FileSensor,
+    HealthMonitor,
+    HealthVerdict,
+    NvmlSensor,
+    Policy,
+    PolicyEngine,
+    Reading,
+    Rule,
+    Status,
+    StragglerDetector,
+    TaintEffect,
+    device_for_local_rank,
+)
 
 
 class FakeClock:

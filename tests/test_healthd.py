@@ -17,12 +17,12 @@ from typing import Any
 import pytest
 
 from tpassrun.agent import healthd
-from tpassrun.channel import Field
-from tpassrun.ops.events import EventLog
-from tpassrun.health import HealthVerdict, Status, TaintEffect
 from tpassrun.agent.healthd import AgentHealth, SlotInfo, TaintOp, WrittenTaint, decide, taint_id
-from tpassrun.rendezvous import EtcdConfig, EtcdStore
+from tpassrun.channel import Field
 from tpassrun.channel.slots import SlotState
+from tpassrun.health import HealthVerdict, Status, TaintEffect
+from tpassrun.ops.events import EventLog
+from tpassrun.rendezvous import EtcdConfig, EtcdStore
 
 NODE = "node-a"
 ECC = "ecc_uncorrected_volatile"

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from faults import REPO
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -10,8 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from tpassrun.transfer import handoff
-from tpassrun.transfer import light
+from tpassrun.transfer import handoff, light
 from tpassrun.transfer.codec import ChecksumError, decode_tree
 
 pytestmark = pytest.mark.timeout(60)

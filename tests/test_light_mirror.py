@@ -13,11 +13,11 @@ import textwrap
 import time
 
 import pytest
-
 from test_mirror import KEY, _frame, _Served
+
 from tpassrun import mirror as M
-from tpassrun.mirror import client as N
 from tpassrun.channel import ChannelFile, Field
+from tpassrun.mirror import client as N
 from tpassrun.transfer.auth import AuthError
 
 pytestmark = pytest.mark.timeout(60)

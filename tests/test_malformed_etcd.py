@@ -10,12 +10,11 @@ import types
 
 import pytest
 
-from tpassrun.swapper.agentport import AgentPort, SwapSettings
 from tpassrun.records import Keys, NodeStatus, Phase, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, WorkerRow
-from tpassrun.rendezvous import (EtcdConfig, EtcdRendezvous, EtcdStore, GenState, Generation, Member, NodeInfo,
-                                 RendezvousSettings)
-from tpassrun.swapper.coordinator import Coordinator
+from tpassrun.rendezvous import EtcdConfig, EtcdRendezvous, EtcdStore, Generation, GenState, Member, NodeInfo, RendezvousSettings
 from tpassrun.swapper import Swapper
+from tpassrun.swapper.agentport import AgentPort, SwapSettings
+from tpassrun.swapper.coordinator import Coordinator
 
 GARBAGE = b"0123456789"   # the 10-byte value of the finding
 

@@ -21,8 +21,7 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (script
                                             "megatron-core==0.16.1)")
 
 from faults import REPO, faults_env, hold_at, kill_at, pids_by_rank, sigkill_rank, taint
-from realjobs import (assert_same_run, assert_trees_equal, example, swap_pause_s, torchrun_job,
-                      tpassrun_job)
+from realjobs import assert_same_run, assert_trees_equal, example, swap_pause_s, torchrun_job, tpassrun_job
 
 SCRIPT = example("megatron", "train_gpt.py")
 STEPS = 16

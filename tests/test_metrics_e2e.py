@@ -7,7 +7,6 @@ import time
 import urllib.request
 
 import pytest
-
 from faults import Job, taint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]

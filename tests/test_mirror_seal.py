@@ -17,14 +17,14 @@ import time
 from typing import Any
 
 import pytest
+from netrelay import pump
+from test_mirror import _Served as _Base
 
 from tpassrun import mirror as M
 from tpassrun.mirror import net as N
 from tpassrun.mirror.client import PushStream
 from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.transfer.auth import ACCEPT, FLAG_ENCRYPT, HELLO, ConnectorHandshake, TransferAuth
-from netrelay import pump
-from test_mirror import _Served as _Base
 
 pytestmark = pytest.mark.timeout(60)
 pytest.importorskip("cryptography", reason="the 'encrypt' extra (cryptography >= 44)")

@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 
 from tpassrun.plan.catchup import mixed_commit
-from tpassrun.records import Move, SlotRef
 from tpassrun.plan.swap import ClusterView, Phase, Report, SlotView, next_step, plan_for_failure, resume_plan
+from tpassrun.records import Move, SlotRef
 
 NOW = 1000.0
 # rank 1 (a/1) died; rank 0 on a, rank 2 on b survive; the spare is b/1

@@ -9,11 +9,24 @@ import json
 
 import pytest
 
-from tpassrun.health import LinkPolicy, Policy
-from tpassrun.agent.netwatch import (AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, FlapBook, LinkFigures, LinkWatch,
-                                     NodeFigures, StepMeter, Window, explain, flap_line, loopback_warning)
+from tpassrun.agent.netwatch import (
+    AMBIGUOUS,
+    DEGRADED,
+    HEALTHY,
+    SUSPECT,
+    FlapBook,
+    LinkFigures,
+    LinkWatch,
+    NodeFigures,
+    StepMeter,
+    Window,
+    explain,
+    flap_line,
+    loopback_warning,
+)
 from tpassrun.agent.netwatch._plan import MUTE_N, QUIET_N, inbound_loss_pct
 from tpassrun.agent.netwatch._probe import conn_delta, parse_conns, parse_sent, sent_delta
+from tpassrun.health import LinkPolicy, Policy
 
 MB = 1024 * 1024
 FINE = LinkFigures(rtt_ms=1.0, step_ms=60.0)

@@ -21,13 +21,13 @@ import types
 import uuid
 
 import pytest
-
 from faults import NetLab
 from netrelay import DelayRelay, lossy, unlossy
 from test_healthd import NODE, fake_agent, taints
-from tpassrun.health import LinkPolicy
+
 from tpassrun.agent.healthd import AgentHealth
 from tpassrun.agent.netwatch import DEGRADED, LinkDaemon, LinkFigures, LinkWatch
+from tpassrun.health import LinkPolicy
 from tpassrun.records import Keys, NodeStatus, WorkerRow
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
@@ -213,6 +213,7 @@ def test_ranks_stalled_by_a_flap_are_held_while_a_link_was_down_within_hang_time
     import signal as sig
 
     from test_hang_watchdog import _Agent, _Proc
+
     from tpassrun.channel import Field, WorkerPhase
     from tpassrun.channel.slots import LocalSlots, SlotState
 

@@ -20,7 +20,6 @@ import time
 import uuid
 
 import pytest
-
 from conftest import EtcdServer
 from faults import Job, NetLab, assert_bit_exact, faults_env, hold_at
 

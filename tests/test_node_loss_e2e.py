@@ -23,9 +23,18 @@ import sys
 import time
 
 import pytest
-
-from faults import (EtcdProxy, Job, assert_bit_exact, faults_env, hold_at, pid_of_rank, sigkill_agent, sigkill_node, taint,
-                    wait_dead)
+from faults import (
+    EtcdProxy,
+    Job,
+    assert_bit_exact,
+    faults_env,
+    hold_at,
+    pid_of_rank,
+    sigkill_agent,
+    sigkill_node,
+    taint,
+    wait_dead,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(360)]
 

@@ -7,12 +7,20 @@ import dataclasses
 
 import pytest
 
-from tpassrun.swapper.coordinator import committed_generation, homes_of
-from tpassrun.records import Failure, Move, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
-from tpassrun.rendezvous import GenState, Generation, Member, NodeInfo
-from tpassrun.plan.swap import (ClusterView, SlotView, lost_ranks, next_step, node_plan_id, plan_for_node_loss,
-                           resume_step_node, transfer_key)
+from tpassrun.plan.swap import (
+    ClusterView,
+    SlotView,
+    lost_ranks,
+    next_step,
+    node_plan_id,
+    plan_for_node_loss,
+    resume_step_node,
+    transfer_key,
+)
 from tpassrun.plan.triage import CasPlan, CreatePlan, PutFailure, PutTaint, RestartGroup, Say, Seen, triage
+from tpassrun.records import Failure, Move, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
+from tpassrun.rendezvous import Generation, GenState, Member, NodeInfo
+from tpassrun.swapper.coordinator import committed_generation, homes_of
 
 NOW = 1000.0
 # a: ranks 0,1; b: ranks 2,3 (lost); c: a --spare-node with two warm spares

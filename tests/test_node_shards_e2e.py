@@ -11,7 +11,6 @@ import random
 import sys
 
 import pytest
-
 from faults import EXAMPLE, Job, faults_env
 from test_node_loss_e2e import _pids_by_rank, _start
 from test_shard_e2e import assert_same_run

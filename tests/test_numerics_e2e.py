@@ -14,7 +14,6 @@ import os
 import random
 
 import pytest
-
 from faults import Job, assert_bit_exact, faults_env, hold_at, pids_by_rank, taint
 
 STEPS = 40

@@ -10,7 +10,6 @@ import sys
 import zipfile
 
 import pytest
-
 from faults import REPO
 
 pytestmark = pytest.mark.timeout(300)

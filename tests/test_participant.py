@@ -13,14 +13,14 @@ import types
 
 import pytest
 
-from tpassrun.channel import protocol as P
 from tpassrun.channel import INT64_MAX, Field, WorkerPhase
-from tpassrun.swapper.agentport import AgentPort, SwapSettings
-from tpassrun.records import Phase, SlotRef, SwapKind, SwapPlan
+from tpassrun.channel import protocol as P
 from tpassrun.channel.slots import Slot, SlotState
 from tpassrun.plan.swap import transfer_key as _transfer_key
-from tpassrun.swapper.phases import Phases
+from tpassrun.records import Phase, SlotRef, SwapKind, SwapPlan
 from tpassrun.swapper import Swapper
+from tpassrun.swapper.agentport import AgentPort, SwapSettings
+from tpassrun.swapper.phases import Phases
 
 NODE = "a"
 

@@ -22,7 +22,6 @@ import time
 import uuid
 
 import pytest
-
 from conftest import _etcd_binary, _free_port
 from faults import Job, assert_bit_exact, faults_env, pid_of_rank, wait_dead
 

@@ -9,13 +9,32 @@ from pathlib import Path
 
 import pytest
 
-from tpassrun.pool import (Claim, ClaimNode, JobNeed, JobSpec, NodeState, Phase, PoolKeys, PoolNode, PoolView,
-                           Preempt, Restart, Source, UseOwn, WaitForPool, box, plan_job, plan_node, pool_prefix, unbox)
+from tpassrun.pool import (
+    Claim,
+    ClaimNode,
+    JobNeed,
+    JobSpec,
+    NodeState,
+    Phase,
+    PoolKeys,
+    PoolNode,
+    PoolView,
+    Preempt,
+    Restart,
+    Source,
+    UseOwn,
+    WaitForPool,
+    box,
+    plan_job,
+    plan_node,
+    pool_prefix,
+    unbox,
+)
 from tpassrun.pool import plan as P
-from tpassrun.records.pool import load_sealed, pool_seal
 from tpassrun.records import provenance
-from tpassrun.records.provenance import RunKey
 from tpassrun.records.fields import RecordError
+from tpassrun.records.pool import load_sealed, pool_seal
+from tpassrun.records.provenance import RunKey
 
 KEY = RunKey.from_text("pool-key-for-tests-0123456789")
 OTHER = RunKey.from_text("another-pool-key-0123456789")

@@ -17,7 +17,6 @@ import sys
 import uuid
 
 import pytest
-
 from faults import NetLab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.acceptance, pytest.mark.timeout(1500)]

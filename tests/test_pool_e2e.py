@@ -24,8 +24,8 @@ import sys
 import time
 
 import pytest
-
 from faults import Job, assert_bit_exact, descendants, pid_of_rank, sigkill_node, sigkill_rank, wait_dead
+
 from tpassrun.pool import Pool, PoolKeys, pool_prefix
 from tpassrun.records.provenance import RunKey
 from tpassrun.rendezvous import EtcdConfig, EtcdStore

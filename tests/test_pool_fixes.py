@@ -11,23 +11,34 @@ from dataclasses import replace
 from typing import Awaitable, Callable
 
 import pytest
-
 from test_pool_races import POOL_KEY, _HostlessPoolNode, _port
-from tpassrun.agent import given_back_reason
-from tpassrun.ops.console import Describer, summary_lines
 from test_pool_races import SPEC as RACE_SPEC
+
+from tpassrun.agent import given_back_reason
 from tpassrun.launch.config import parse_args
+from tpassrun.ops.console import Describer, summary_lines
 from tpassrun.pool import Pool, PoolKeys, PoolNode, PoolView, pool_prefix
+from tpassrun.pool.ctl import check_local_addr
 from tpassrun.pool.job import JobPool
-from tpassrun.pool.plan import (BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen, JobNeed,
-                                NodeState, Phase, StopSpare, plan_job, plan_node)
-from tpassrun.records.pool import IDLE, SERVING, Claim
+from tpassrun.pool.node import host_local, spare_node_argv, spare_node_env
+from tpassrun.pool.plan import (
+    BecomeIdle,
+    ChildExited,
+    ChildJoined,
+    ChildStarted,
+    ClaimGone,
+    ClaimSeen,
+    JobNeed,
+    NodeState,
+    Phase,
+    StopSpare,
+    plan_job,
+    plan_node,
+)
+from tpassrun.records.pool import IDLE, SERVING, Claim, JobSpec
 from tpassrun.rendezvous import EtcdConfig, EtcdStore
 from tpassrun.settings import LaunchConfig
 from tpassrun.swapper import Swapper
-from tpassrun.pool.ctl import check_local_addr
-from tpassrun.pool.node import host_local, spare_node_argv, spare_node_env
-from tpassrun.records.pool import JobSpec
 
 SPEC = JobSpec(run_id="job", endpoint="127.0.0.1:2379", rdzv_conf="", nproc_per_node=2, entrypoint="/w/train.py",
                args=(), env={"GLOO_SOCKET_IFNAME": "eth0", "NCCL_SOCKET_IFNAME": "eth0", "NCCL_IB_HCA": "mlx5_0",

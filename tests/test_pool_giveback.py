@@ -18,15 +18,16 @@ import time
 import types
 
 import pytest
-
 from test_pool_node import FAKE, _until
+
 from tpassrun.plan.giveback import GiveBack, MoveHome, plan_give_back, seen_ranks
 from tpassrun.plan.swap import ClusterView, SlotView
 from tpassrun.pool import Claim, JobSpec, NodeState, Phase, Pool, PoolKeys, PoolNode, plan_node, pool_prefix
 from tpassrun.pool import plan as P
 from tpassrun.pool.job import JobPool
 from tpassrun.pool.node import PoolNodeLoop
-from tpassrun.records import Keys, Phase as SwapPhase, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, TaintSource
+from tpassrun.records import Keys, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, TaintSource
+from tpassrun.records import Phase as SwapPhase
 from tpassrun.records.pool import load_sealed, pool_seal
 from tpassrun.records.provenance import RunKey
 from tpassrun.rendezvous import EtcdConfig, EtcdStore

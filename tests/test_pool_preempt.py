@@ -18,8 +18,18 @@ from tpassrun.ops.console import Describer
 from tpassrun.pool import plan as P
 from tpassrun.pool.ctl import gauges, status_doc, status_lines
 from tpassrun.pool.node import spare_node_argv
-from tpassrun.pool.plan import (JobNeed, NodeState, Phase, PoolView, Preempt, WaitForPool, plan_job, plan_members,
-                                plan_node, preempt_refusal)
+from tpassrun.pool.plan import (
+    JobNeed,
+    NodeState,
+    Phase,
+    PoolView,
+    Preempt,
+    WaitForPool,
+    plan_job,
+    plan_members,
+    plan_node,
+    preempt_refusal,
+)
 from tpassrun.records.pool import MEMBER, Claim, HistoryEntry, JobSpec, PoolNode, PreemptRequest
 
 SPEC = JobSpec(run_id="low", endpoint="127.0.0.1:2379", rdzv_conf="lease_ttl=3", nproc_per_node=2,

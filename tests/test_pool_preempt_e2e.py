@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from faults import Job, assert_bit_exact, sigkill_node, wait_dead
 from test_pool_e2e import POOL_KEY, RUN_KEY, STEPS, _join, _pool_op, _train_to_step_3, stop_pool_node
 

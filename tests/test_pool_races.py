@@ -23,8 +23,8 @@ from tpassrun.pool.plan import ChildExited, StartSpare
 from tpassrun.records import Keys, Phase, SlotRef, SwapKind, SwapPlan
 from tpassrun.records.pool import IDLE, SERVING
 from tpassrun.records.provenance import RunKey
+from tpassrun.rendezvous import EtcdConfig, EtcdStore, Generation, GenState, Member
 from tpassrun.settings import LaunchConfig
-from tpassrun.rendezvous import EtcdConfig, EtcdStore, GenState, Generation, Member
 from tpassrun.swapper import Swapper
 from tpassrun.swapper.agentport import AgentPort, SwapSettings
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-
 from test_pool_races import pool_with
+
 from tpassrun.plan.actions import ClaimFromPool, CreatePlan, PutFallback, Seen
 from tpassrun.plan.swap import ClusterView, SlotView
 from tpassrun.plan.triage import dead_rank_need, triage

@@ -9,11 +9,10 @@ import os
 
 import pytest
 
-from tpassrun.records import provenance
-from tpassrun.records.provenance import MAC_FIELD, RUN_KEY_ENV, RunKey, RunKeyError, run_key_from, seal
-from tpassrun.records import Keys, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, load
-from tpassrun.rendezvous import RendezvousError, read_private_file, refuse_inline_secrets
 from tpassrun.plan.swap import transfer_key
+from tpassrun.records import Keys, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, load, provenance
+from tpassrun.records.provenance import MAC_FIELD, RUN_KEY_ENV, RunKey, RunKeyError, run_key_from, seal
+from tpassrun.rendezvous import RendezvousError, read_private_file, refuse_inline_secrets
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -144,7 +143,7 @@ def test_an_older_version_of_a_plan_written_back_is_a_replay():
 
 # --- the rendezvous's own records (rendezvous/guard.py, records.rendezvous_guard) ---------------------------
 def _gen_doc() -> dict:
-    from tpassrun.rendezvous import GenState, Generation, Member
+    from tpassrun.rendezvous import Generation, GenState, Member
 
     return Generation(number=2, state=GenState.ACTIVE, members=(Member("n1", 0, "10.0.0.1", 2, 0),),
                       world_size=2).to_json()

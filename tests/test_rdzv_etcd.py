@@ -15,9 +15,19 @@ from typing import AsyncIterator
 
 import pytest
 
-from tpassrun.rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, EventKind, GenState, NodeInfo,
-                                 RdzvEvent, RendezvousClosedError, RendezvousConnectionError,
-                                 RendezvousSettings, RendezvousTimeoutError)
+from tpassrun.rendezvous import (
+    EmbeddedEtcd,
+    EtcdConfig,
+    EtcdRendezvous,
+    EventKind,
+    GenState,
+    NodeInfo,
+    RdzvEvent,
+    RendezvousClosedError,
+    RendezvousConnectionError,
+    RendezvousSettings,
+    RendezvousTimeoutError,
+)
 
 
 def cfg(endpoint: str, **conf: str) -> EtcdConfig:
@@ -506,6 +516,7 @@ def test_a_request_in_flight_when_a_reconnect_closes_its_client_is_retried_not_c
     killed its task (after a 5 s partition an agent's status and health loops were gone for good, found by
     bench/chaos.py). It must be retried on the new client instead."""
     from faults import EtcdProxy
+
     from tpassrun.rendezvous import EtcdStore, Link
 
     async def main():

@@ -6,9 +6,17 @@ from dataclasses import replace
 
 import pytest
 
-from tpassrun.rendezvous import EtcdConfig, GenState, Generation, NodeInfo, RendezvousError, RendezvousSettings
-from tpassrun.rendezvous.machine import (Action, NodeEntry, RdzvView, closed_generation, decide, events_between,
-                                         order_candidates, restart_generation)
+from tpassrun.rendezvous import EtcdConfig, Generation, GenState, NodeInfo, RendezvousError, RendezvousSettings
+from tpassrun.rendezvous.machine import (
+    Action,
+    NodeEntry,
+    RdzvView,
+    closed_generation,
+    decide,
+    events_between,
+    order_candidates,
+    restart_generation,
+)
 from tpassrun.rendezvous.state import EventKind, Member
 
 S = RendezvousSettings(run_id="r", min_nodes=2, max_nodes=3, last_call_timeout=10)

@@ -10,10 +10,20 @@ from typing import AsyncIterator
 
 import pytest
 
-from tpassrun.records.provenance import MAC_FIELD, RunKey, seal
 from tpassrun.records import rendezvous_guard
-from tpassrun.rendezvous import (EtcdConfig, EtcdRendezvous, EtcdStore, GenState, Generation, Member, NodeInfo,
-                                 RecordGuard, RendezvousKeyError, RendezvousSettings)
+from tpassrun.records.provenance import MAC_FIELD, RunKey, seal
+from tpassrun.rendezvous import (
+    EtcdConfig,
+    EtcdRendezvous,
+    EtcdStore,
+    Generation,
+    GenState,
+    Member,
+    NodeInfo,
+    RecordGuard,
+    RendezvousKeyError,
+    RendezvousSettings,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -337,10 +347,9 @@ def test_state_is_never_streamed_to_an_address_from_an_unsealed_registration(etc
     address against it before streaming a rank's state, and one without the run's MAC is no registration."""
     import types
 
-    from tpassrun.records import provenance
-    from tpassrun.swapper.agentport import AgentPort, SwapSettings
-    from tpassrun.records import Keys, Phase, SlotRef, SwapKind, SwapPlan
+    from tpassrun.records import Keys, Phase, SlotRef, SwapKind, SwapPlan, provenance
     from tpassrun.swapper import Swapper
+    from tpassrun.swapper.agentport import AgentPort, SwapSettings
 
     run_key = RunKey.generate()
     prefix = f"/tpassrun/v1/{run_id}/"
@@ -392,6 +401,7 @@ def test_agents_given_different_run_keys_end_with_one_line(tmp_path, etcd_server
     import secrets
 
     from faults import Job
+
     from tpassrun.records.provenance import RUN_KEY_ENV
 
     def agent(name: str) -> Job:

@@ -9,8 +9,26 @@ from pathlib import Path
 
 import pytest
 
-from tpassrun.records import (Failure, Fallback, HealthRecord, Keys, NodeStatus, Phase, RecordError, Report,
-                              MirrorKey, RunClosed, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect, WorkerRow, leader_of, load)
+from tpassrun.records import (
+    Failure,
+    Fallback,
+    HealthRecord,
+    Keys,
+    MirrorKey,
+    NodeStatus,
+    Phase,
+    RecordError,
+    Report,
+    RunClosed,
+    SlotRef,
+    SwapKind,
+    SwapPlan,
+    Taint,
+    TaintEffect,
+    WorkerRow,
+    leader_of,
+    load,
+)
 
 PLAN = SwapPlan(id="s-1", kind=SwapKind.UNPLANNED, generation=3, leaver=SlotRef("n0", 1, 5),
                 joiner=SlotRef("n1", 2, 5), donor=SlotRef("n0", 0, 4), phase=Phase.SEND, reason="died",

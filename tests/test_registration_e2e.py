@@ -7,7 +7,6 @@ import asyncio
 import time
 
 import pytest
-
 from faults import Job, faults_env, hold_at
 from test_rdzv_etcd import agents, settings
 

@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-
 from faults import Job
+
 from tpassrun.ops import registry
 from tpassrun.ops.registry import RegistryError, RunEntry, list_runs, register, registry_dir, unregister
 

@@ -7,8 +7,7 @@ import dataclasses
 
 import pytest
 
-from tpassrun.plan.swap import (ClusterView, Phase, Report, SlotView, next_step, plan_for_failure,
-                           resume_step)
+from tpassrun.plan.swap import ClusterView, Phase, Report, SlotView, next_step, plan_for_failure, resume_step
 
 NOW = 1000.0
 VIEW = ClusterView(generation=0, members=("a", "b"), spare_nodes=(),

@@ -18,9 +18,24 @@ import pytest
 
 from tpassrun.channel import protocol as P
 from tpassrun.health import TaintEffect
-from tpassrun.records import (Failure, Fallback, HealthRecord, MirrorKey, Move, NodeStatus, Phase, RecordError,
-                              Report, RunClosed, SlotRef, SwapKind, SwapPlan, Taint, WorkerRow)
-from tpassrun.records import provenance
+from tpassrun.records import (
+    Failure,
+    Fallback,
+    HealthRecord,
+    MirrorKey,
+    Move,
+    NodeStatus,
+    Phase,
+    RecordError,
+    Report,
+    RunClosed,
+    SlotRef,
+    SwapKind,
+    SwapPlan,
+    Taint,
+    WorkerRow,
+    provenance,
+)
 from tpassrun.records.pool import Claim, HistoryEntry, JobSpec, PoolInfo, PoolNode
 from tpassrun.rendezvous.state import Bootstrap, Closed, Generation, GenState, Leader, Member, NodeInfo
 from tpassrun.schema import SchemaError, dump, load
@@ -371,7 +386,8 @@ def test_a_mirror_listing_row_is_written_as_before_and_reads_back():
 
 
 def _mirror_metas() -> dict[str, Any]:
-    from tpassrun.mirror import MirrorEntry, meta as M
+    from tpassrun.mirror import MirrorEntry
+    from tpassrun.mirror import meta as M
     return {"put": M.CopyRef(3, "light", 9, 2), "get": M.Get(3, "light", None, None), "get_at": M.Get(3, "light", 8, 2),
             "list": M.Select(None, None), "list_owner": M.Select(3, "light"), "drop": M.Drop(None, None, 2),
             "drop_all": M.Drop(1, "shard", None), "kept": M.Stored(True),
@@ -404,7 +420,8 @@ def test_every_mirror_frame_meta_is_written_as_before_and_reads_back():
 ])
 def test_a_malformed_mirror_meta_is_one_mirror_error_of_one_line(cls, raw, says):
     """The server answers a request it cannot read BAD_REQUEST with this line; a client raises it."""
-    from tpassrun.mirror import MirrorError, meta as M
+    from tpassrun.mirror import MirrorError
+    from tpassrun.mirror import meta as M
     with pytest.raises(MirrorError) as err:
         M.read(getattr(M, cls), raw)
     assert says in str(err.value) and "\n" not in str(err.value)

@@ -11,9 +11,9 @@ import dataclasses
 
 import pytest
 
-from tpassrun.records import Failure, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
 from tpassrun.plan.swap import ClusterView, SlotView, next_step, plan_for_dead_ranks, plan_for_failure
 from tpassrun.plan.triage import CasPlan, CreatePlan, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen, triage
+from tpassrun.records import Failure, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 
 import pytest
-
 from faults import Job, assert_bit_exact, faults_env, hold_at, kill_at, pids_by_rank, taint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

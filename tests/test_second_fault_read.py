@@ -13,11 +13,11 @@ import types
 
 import pytest
 
-from tpassrun.swapper.coordinator import Coordinator
-from tpassrun.swapper.agentport import AgentPort, SwapSettings
-from tpassrun.records import Failure, Keys, NodeStatus, Phase, SlotRef, SwapKind, SwapPlan, WorkerRow
-from tpassrun.rendezvous import EtcdConfig, EtcdStore, GenState, Generation, Member
 from tpassrun.plan.triage import CasPlan, triage
+from tpassrun.records import Failure, Keys, NodeStatus, Phase, SlotRef, SwapKind, SwapPlan, WorkerRow
+from tpassrun.rendezvous import EtcdConfig, EtcdStore, Generation, GenState, Member
+from tpassrun.swapper.agentport import AgentPort, SwapSettings
+from tpassrun.swapper.coordinator import Coordinator
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,11 +18,21 @@ import time
 
 import pytest
 import torch
-
 from faults import Hold, Job, faults_env, hold_at, run_async, taint
+
 from tpassrun.transfer import gmac
-from tpassrun.transfer.handoff import (AuthError, ChecksumError, HandoffError, StateBundle, TransferAuth, accept_and_recv,
-                              connect_and_send, listen_for_bundle, recv_bundle, send_bundle)
+from tpassrun.transfer.handoff import (
+    AuthError,
+    ChecksumError,
+    HandoffError,
+    StateBundle,
+    TransferAuth,
+    accept_and_recv,
+    connect_and_send,
+    listen_for_bundle,
+    recv_bundle,
+    send_bundle,
+)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -484,6 +494,7 @@ def test_the_c10d_hosts_lock_file_is_gone_when_its_etcd_is(tmp_path, monkeypatch
     import tempfile
 
     from conftest import _etcd_binary, _free_port
+
     from tpassrun.rendezvous.embedded import host_etcd_if_absent, private_runtime_dir
 
     monkeypatch.setenv("TMPDIR", str(tmp_path))

@@ -20,7 +20,6 @@ import os
 import time
 
 import pytest
-
 from faults import Job, assert_bit_exact, faults_env, kill_at, pids_by_rank, taint
 
 STEPS = 12

@@ -18,7 +18,6 @@ import sys
 import time
 
 import pytest
-
 from faults import EXAMPLE, Job, faults_env, hold_at, kill_at, pids_by_rank, sigkill_rank
 from realjobs import assert_trees_equal
 

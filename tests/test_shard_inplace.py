@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_step_transaction import Sampler, session  # noqa: F401 - the fixture: a Session on a real channel file
+
 from tpassrun.worker import Session
 from tpassrun.worker.shards import ShardState
 

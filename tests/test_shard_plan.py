@@ -8,8 +8,8 @@ import dataclasses
 
 import pytest
 
-from tpassrun.records import SwapPlan
 from tpassrun.plan.swap import ClusterView, Phase, Report, SlotView, next_step, plan_for_failure, resume_plan
+from tpassrun.records import SwapPlan
 
 NOW = 1000.0
 VIEW = ClusterView(generation=0, members=("a", "b"), spare_nodes=(),

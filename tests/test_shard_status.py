@@ -4,8 +4,8 @@ view's summary, the console line of the event log (pure: records, tui, console).
 from __future__ import annotations
 
 from tpassrun.ops.console import Describer
-from tpassrun.records import NodeStatus, WorkerRow
 from tpassrun.ops.tui import mirror_usage, summary_line
+from tpassrun.records import NodeStatus, WorkerRow
 
 MIB = 1 << 20
 

@@ -10,8 +10,8 @@ import time
 import pytest
 import torch
 
-from tpassrun.worker import shards
 from tpassrun.channel import Field
+from tpassrun.worker import shards
 from tpassrun.worker.shards import MIRROR_KIND, ShardRing, ShardState, decode_mirrored
 
 pytestmark = pytest.mark.timeout(60)

@@ -7,13 +7,34 @@ from __future__ import annotations
 import pytest
 
 from tpassrun.launch.config import ConfigError, parse_args
-from tpassrun.records import Move, Phase, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
+from tpassrun.records import HandBack, Move, Phase, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
 from tpassrun.rendezvous import NodeInfo
-from tpassrun.scheduler import NodeState, SchedNode
-from tpassrun.scheduler.slurm import (Allocation, allocation_from_env, expand_hostlist, parse_node_line, parse_nodes,
-                                      plan_launch)
-from tpassrun.scheduler.watch import (Annotate, DeclareLost, DeleteTaints, Drain, TaintSlot, ResumeNode, Tell, View, decide,
-                                      job_comment, slurm_taint_id)
+from tpassrun.scheduler import NodeState, SchedJob, SchedNode
+from tpassrun.scheduler.slurm import (
+    Allocation,
+    allocation_from_env,
+    expand_hostlist,
+    parse_job,
+    parse_node_line,
+    parse_nodes,
+    plan_launch,
+)
+from tpassrun.scheduler.watch import (
+    Annotate,
+    DeclareLost,
+    DeleteTaints,
+    Drain,
+    HandBackNode,
+    KeepNode,
+    ReleaseNodes,
+    ResumeNode,
+    TaintSlot,
+    Tell,
+    View,
+    decide,
+    job_comment,
+    slurm_taint_id,
+)
 
 
 # ------------------------------------------------------------------------------------------- parsers
@@ -242,3 +263,65 @@ def test_the_job_comment_lists_the_swaps_done_and_is_written_when_it_changes():
     assert decide(_view({}, swaps=swaps)) == [Annotate(text)]
     assert decide(_view({}, swaps=swaps, comment=text)) == []
     assert job_comment([]) == ""
+
+
+# ------------------------------------------------------------------------------------------- handing a node back
+JOB = SchedJob(nodes=("n1", "n2", "n3"), batch_host="n1")
+MOVED = {0: (A, 0), 1: (A, 1), 2: (C, 0), 3: (C, 1)}        # n2's ranks moved to the spare node n3
+N2_TAINTS = [Taint(slurm_taint_id(B, s), TaintEffect.MIGRATE, "Slurm drained n2 by root: firmware", "scheduler",
+                   node_id=B, slot=s, rank=2 + s, handled_by=f"s-{s}") for s in (0, 1)]
+ASKED = "Slurm drained n2 by root: firmware; no rank runs there any more"
+
+
+def _n2(state=(NodeState.DRAIN, "firmware", "root"), **kw) -> View:
+    base = dict(homes=MOVED, taints=N2_TAINTS, job=JOB, etcd_node="n1", store_host=A)
+    base.update(kw)
+    return _view({"n1": UP, "n2": state, "n3": UP}, **base)
+
+
+def test_parse_job_reads_the_allocation_and_the_batch_host():
+    line = ("JobId=7 JobName=job.sh UserId=root(0) JobState=RUNNING Reason=None NodeList=n[1-3] BatchHost=n1 "
+            "NumNodes=3 NumCPUs=6 Comment=tpassrun: 1 swap(s): s-1 planned rank 2 n2->n3")
+    assert parse_job(line) == SchedJob(nodes=("n1", "n2", "n3"), batch_host="n1")
+    with pytest.raises(ValueError):
+        parse_job("JobId=7 JobState=PENDING NodeList=(null) BatchHost=(null)")
+
+
+def test_a_drained_node_whose_ranks_left_is_handed_back_then_taken_out_of_the_job():
+    """Slurm's rule (measured on 22.05): ``scontrol update JobId= NodeList=<the others>`` SIGKILLs the step's tasks
+    still on the node taken out (srun then exits 137), so the node's agent leaves first (exit 0: its task ends
+    cleanly) and the allocation shrinks only once its registration is gone at two polls in a row."""
+    assert decide(_n2()) == [HandBackNode("n2", (B,), ASKED)]
+    asked = {B: HandBack(node="n2", reason=ASKED, time=5.0)}
+    assert decide(_n2(handbacks=asked)) == []                                   # its agent is still there
+    left = dict(handbacks=asked, agents={A: AGENTS[A], C: AGENTS[C]})
+    assert decide(_n2(**left)) == []                                            # gone at one poll only
+    assert decide(_n2(**left, gone=frozenset({B}))) == [
+        ReleaseNodes(("n2",), ("n1", "n3"), "n2: drained, no rank or agent of the job there any more")]
+    shrunk = dict(left, gone=frozenset({B}), job=SchedJob(("n1", "n3"), "n1"), lost=frozenset({B}))
+    assert decide(_n2(**shrunk)) == []                                          # done; its leaving is no loss
+    assert decide(_n2(**shrunk, refused=frozenset({"release:n2"}))) == []
+    assert decide(_n2(**dict(shrunk, job=JOB), refused=frozenset({"release:n2"}))) == []   # refused: said once
+    # the operator resumes it: the job's taints go, it is not drained as lost, and the console does not say it serves
+    resumed = decide(_n2(UP, **shrunk))
+    assert resumed == [DeleteTaints("n2", tuple(t.id for t in N2_TAINTS)),
+                       Tell("Slurm resumed n2: handed back to Slurm before, it is no longer the job's")]
+
+
+def test_a_drained_node_is_not_handed_back_while_a_rank_runs_there_or_a_swap_is_under_way():
+    assert decide(_n2(homes=HOMES)) == []                 # its ranks are still moving (taints written already)
+    in_flight = _plan("s-9", SwapKind.PLANNED, 1.0, 1.5, phase=Phase.TRANSFER)
+    assert decide(_n2(swaps=[in_flight])) == []
+    assert decide(_n2(job=None)) == []                    # the allocation not read this poll
+    assert decide(_n2(job=SchedJob(("n1", "n3"), "n1"))) == []    # no longer the job's
+
+
+@pytest.mark.parametrize("kw,why", [
+    (dict(job=SchedJob(("n1", "n2", "n3"), "n2")), "it runs the job's batch script (Slurm cannot take the batch host "
+                                                   "out of a job)"),
+    (dict(etcd_node="n2"), "it hosts the run's etcd"),
+    (dict(store_host=B), "it runs the workers' store"),
+])
+def test_a_drained_node_the_job_cannot_do_without_stays_and_the_console_says_why(kw, why):
+    assert decide(_n2(**kw)) == [KeepNode("n2", "Slurm drained n2: no rank runs there any more, but it stays in the "
+                                                f"job until the job ends: {why}")]

@@ -2,10 +2,11 @@
 submitted with ``sbatch``, their one step is ``srun tpassrun --nproc-per-node 2 --spare-nodes 1 train_ddp.py`` with
 no rendezvous flag, and the tests never start tpassrun themselves.
 
-* A 2-node job with a spare node (n3) runs from the allocation alone; mid-run an operator drains the member n1
-  (``scontrol update NodeName=n1 State=DRAIN Reason=maintenance``): its two ranks move to n3 live (planned swaps,
-  the other ranks keep their processes), the job ends ``torch.equal`` to torchrun, the console says who asked and
-  why, Slurm shows n1 drained and the job's comment lists both swaps.
+* A 2-node job with a spare node (n3) runs from the allocation alone; mid-run an operator drains the member n2
+  (``scontrol update NodeName=n2 State=DRAIN Reason=maintenance``): its two ranks move to n3 live (planned swaps,
+  the other ranks keep their processes), n2 is handed back to Slurm while the job runs (its agent leaves, the
+  allocation shrinks to n1,n3: ``IDLE+DRAIN``), the job ends ``torch.equal`` to torchrun, the console says who
+  asked and why, and the job's comment lists both swaps.
 * The member n2 dies as a host does (its slurmd, slurmstepd, agent and ranks SIGKILLed at one instant): n3 takes
   its ranks live before Slurm's verdict; Slurm's DOWN later is no second loss; Slurm shows n2 down and drained with
   tpassrun's reason and the job's comment lists the recovery.
@@ -22,9 +23,9 @@ import sys
 import time
 
 import pytest
-
 from faults import EXAMPLE, Job, alive, assert_bit_exact, faults_env, hold_at
 from slurmcluster import NODES, SLURMD_TIMEOUT, SlurmCluster, descendants, parent, unavailable
+
 from tpassrun.rendezvous.embedded import _DIR_PREFIX as ETCD_DIR_PREFIX
 from tpassrun.scheduler.watch import short
 
@@ -123,34 +124,64 @@ def reference(reference_run):
     return reference_run(4, STEPS)
 
 
-def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identical(slurm, tmp_path, reference):
+def _slurm_says(slurm: SlurmCluster, what: str) -> None:
+    """What an operator sees at this moment (printed: docs/slurm.md's tables are these)."""
+    print(f"--- {what}")
+    for argv in (("sinfo",), ("squeue",), ("squeue", "-s")):
+        print(f"$ {' '.join(argv)}\n{slurm.run(*argv, check=False).stdout.rstrip()}")
+    print(f"$ scontrol show node n2 | grep State=\n   State={slurm.state('n2')} ...")
+
+
+def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_is_handed_back(slurm, tmp_path, reference):
+    """The operator drains the member n2 mid-run. Its ranks move to the spare node n3 live; then the leader hands n2
+    back to Slurm while the job runs: n2's agent leaves the job (exit 0, so the step's task there ends cleanly) and
+    the allocation shrinks to n1,n3 (``scontrol update JobId= NodeList=``): Slurm shows n2 ``IDLE+DRAIN`` (sinfo
+    ``drain``) and the job on 2 nodes, the job goes on and ends ``torch.equal`` to torchrun with srun's exit 0.
+    n1 runs the batch script and the run's etcd: a drain of n1 would move its ranks but keep it in the job. When n2
+    holds group rank 0 (the rendezvous' join order decides; seen in 1 run of 4), it runs the workers' store and
+    stays in the job until it ends, drained, and the console says so: that path is checked instead."""
     out = str(tmp_path)
     early, late = hold_at(out, 1, name="early"), hold_at(out, STEPS - 3, name="late")
     env = {**faults_env(early.fault, late.fault), "TPASSRUN_SCHEDULER_POLL": "1"}
-    _readings(out, "n2", 0)
+    _readings(out, "n1", 0)
     train = [EXAMPLE, "--steps", str(STEPS), "--step-sleep", "0.05", "--out", f"{out}/train", "--quiet"]
-    job_id = slurm.sbatch(_script(out, train), "-N3", "--no-kill", f"--output={out}/batch.out", env=env)
+    job_id = slurm.sbatch(_script(out, train), "-N3", "--no-kill", f"--chdir={out}", f"--output={out}/batch.out",
+                          env=env)
     logs = Job(argv=[], out=out)
     _wait(lambda: early.reached() and _warm(logs), 240, "the job held at step 1, the spare node warm", slurm, out)
     placed = {s["rank"]: (e["node"], s["pid"]) for e in logs.events() if e["event"] == "workers_started"
               for s in e["slots"] if s.get("rank") is not None and s["rank"] >= 0}
-    on_n1 = sorted(r for r, (node, _pid) in placed.items() if node.startswith("n1-"))
-    assert len(placed) == 4 and len(on_n1) == 2, placed
+    on_n2 = sorted(r for r, (node, _pid) in placed.items() if node.startswith("n2-"))
+    assert len(placed) == 4 and len(on_n2) == 2, placed
+    # group rank 0 (the rendezvous' join order) runs the workers' store: a node holding it stays in the job
+    store_on_n2 = 0 in on_n2
 
-    slurm.run("scontrol", "update", "NodeName=n1", "State=DRAIN", "Reason=maintenance")
+    slurm.run("scontrol", "update", "NodeName=n2", "State=DRAIN", "Reason=maintenance")
+    _slurm_says(slurm, "drain requested")
     early.release_after(logs, "swap_boundary")
     try:
         swaps = logs.wait_event("swap_resumed", 2, 240, distinct="swap_id")
-        # the run -> Slurm: a health taint on the member n2 (its GPU 1's uncorrected ECC count rises; no spare is
-        # left to take the rank, so the taint waits) drains n2 in Slurm with the reason; tpassctl untaint resumes it
-        _readings(out, "n2", 2)
-        _wait(lambda: slurm.node_field("n2", "Reason").startswith("tpassrun: gpu1: ") and "DRAIN" in slurm.state("n2"),
-              120, "n2 drained in Slurm for its health taint", slurm, out)
+        # the run -> Slurm: a health taint on the member n1 (its GPU 1's uncorrected ECC count rises; no spare is
+        # left to take the rank, so the taint waits) drains n1 in Slurm with the reason; tpassctl untaint resumes it
+        _readings(out, "n1", 2)
+        _wait(lambda: slurm.node_field("n1", "Reason").startswith("tpassrun: gpu1: ") and "DRAIN" in slurm.state("n1"),
+              120, "n1 drained in Slurm for its health taint", slurm, out)
         endpoint = next(e["endpoint"] for e in logs.events() if e["event"] == "etcd_hosted")
         untaint = subprocess.run([sys.executable, "-m", "tpassrun.ops.ctl", "untaint", "--rdzv-endpoint", endpoint,
-                                  "--rdzv-id", job_id, "--node", "n2"], capture_output=True, text=True, timeout=60)
+                                  "--rdzv-id", job_id, "--node", "n1"], capture_output=True, text=True, timeout=60)
         assert untaint.returncode == 0, untaint.stderr
-        _wait(lambda: "DRAIN" not in slurm.state("n2"), 120, "n2 resumed in Slurm after the untaint", slurm, out)
+        _wait(lambda: "DRAIN" not in slurm.state("n1"), 120, "n1 resumed in Slurm after the untaint", slurm, out)
+        # Slurm -> the run -> Slurm: n2, its ranks gone, handed back while the job still runs (held before its end)
+        if store_on_n2:
+            _wait(lambda: "stays in the job until the job ends: it runs the workers' store" in _console(out), 120,
+                  "n2 kept in the job (it runs the workers' store)", slurm, out)
+            assert "DRAIN" in slurm.state("n2") and slurm.job_field(job_id, "NodeList") == "n[1-3]"
+        else:
+            _wait(lambda: slurm.job_field(job_id, "NodeList") == "n[1,3]", 120, "the job shrunk to n1,n3", slurm,
+                  out)
+            assert slurm.state("n2") == "IDLE+DRAIN" and slurm.node_field("n2", "Reason").startswith("maintenance")
+            assert slurm.job_field(job_id, "JobState") == "RUNNING" and slurm.job_field(job_id, "NumNodes") == "2"
+            _slurm_says(slurm, "handed back (the job runs on n1, n3)")
     finally:
         late.release()
     _wait(lambda: os.path.exists(os.path.join(out, "rc")), 240, "the job's end", slurm, out)
@@ -159,19 +190,28 @@ def test_a_drained_member_moves_its_ranks_to_the_spare_node_live_and_bit_identic
 
     train = Job(argv=[], out=os.path.join(out, "train"))
     assert_bit_exact(train, reference, 4)
-    _assert_moved_to_n3(train, logs.events(), placed, on_n1)
+    events = logs.events()
+    _assert_moved_to_n3(train, events, placed, on_n2)
     console = _console(out)
-    assert "Slurm drained n1 by root: maintenance: moving rank(s) " in console
-    assert "drained n2 in Slurm: tpassrun: gpu1: " in console and "resumed n2 in Slurm" in console
+    assert "Slurm drained n2 by root: maintenance: moving rank(s) " in console
+    assert "drained n1 in Slurm: tpassrun: gpu1: " in console and "resumed n1 in Slurm" in console
     assert console.count("swapped and resumed") >= 2
+    assert not [e for e in events if e["event"] == "node_lost"], "a node handed back is no loss"
     pauses = sorted({e["swap_id"]: e["seconds"] for e in swaps}.values())
     print(f"planned swap pauses after the Slurm drain: {', '.join(f'{p * 1000:.0f} ms' for p in pauses)}")
+    if not store_on_n2:
+        assert "handed back to the scheduler, leaving the job (Slurm drained n2 by root: maintenance" in console
+        assert "handed n2 back to Slurm: the job runs on n1, n3" in console                      # the leader
+        assert [short(e["lost_node"]) for e in events if e["event"] == "node_handed_back"] == ["n2"]
+        assert not [n for n in os.listdir(out) if n.startswith("slurm_job_")], "scontrol's resize script left"
+        asked = next(e["mono"] for e in events if e["event"] == "scheduler_event" and "handing n2 back" in e["message"])
+        shrunk = next(e["mono"] for e in events if e["event"] == "scheduler_released")
+        print(f"n2 handed back: its agent asked to leave, the allocation shrunk {shrunk - asked:.1f} s later")
 
-    # Slurm's side: n1 drained (the operator's reason) and idle of this job; the job's comment lists the swaps
-    assert slurm.state("n1") in ("IDLE+DRAIN", "DRAINED", "DRAIN"), slurm.state("n1")
-    assert slurm.node_field("n1", "Reason").startswith("maintenance")
+    # Slurm's side: n2 drained (the operator's reason), out of the job; the job's comment lists the swaps
+    assert slurm.state("n2") == "IDLE+DRAIN", slurm.state("n2")
     comment = slurm.job_field(job_id, "Comment")
-    assert comment.startswith("tpassrun: 2 swap(s):") and comment.count("n1->n3") == 2, comment
+    assert comment.startswith("tpassrun: 2 swap(s):") and comment.count("n2->n3") == 2, comment
 
 
 def _first(pred, timeout: float, what: str, slurm: SlurmCluster, out: str) -> float:

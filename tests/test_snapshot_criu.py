@@ -14,8 +14,19 @@ import sys
 import pytest
 
 from tpassrun.launch.procs import StdioSpec, adopt_worker, spawn_worker
-from tpassrun.snapshot import (NetworkLock, continue_groups, dump, probe, restore, signal_groups, stdio_pipes, stop_groups,
-                               tcp_ports, wait_gone, wait_stopped)
+from tpassrun.snapshot import (
+    NetworkLock,
+    continue_groups,
+    dump,
+    probe,
+    restore,
+    signal_groups,
+    stdio_pipes,
+    stop_groups,
+    tcp_ports,
+    wait_gone,
+    wait_stopped,
+)
 
 pytestmark = pytest.mark.timeout(120)
 

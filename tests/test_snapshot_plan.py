@@ -7,12 +7,23 @@ import asyncio
 import os
 import stat
 
+import pytest
+
 from tpassrun.launch.config import ConfigError, parse_args
 from tpassrun.settings import envnames as E
-from tpassrun.snapshot import (DEFAULT_CRIU, Move, criu_candidates, dump_argv, judge, on_death, on_taint, parse_version,
-                               probe, restore_argv, snapshot_due)
-
-import pytest
+from tpassrun.snapshot import (
+    DEFAULT_CRIU,
+    Move,
+    criu_candidates,
+    dump_argv,
+    judge,
+    on_death,
+    on_taint,
+    parse_version,
+    probe,
+    restore_argv,
+    snapshot_due,
+)
 
 
 def test_candidates_operator_word_is_final() -> None:

@@ -194,7 +194,7 @@ def test_a_framework_adapters_model_chunks_seal_in_their_backward_pass(session):
     part of the data-parallel all-reduce, before its commit point, left no state for the step the survivors
     completed: a restart)."""
     from tpassrun.adapters._common import register
-    from tpassrun.adapters.megatron import ModelChunksState, MegatronProgress
+    from tpassrun.adapters.megatron import MegatronProgress, ModelChunksState
 
     sess, channel = session
     torch.manual_seed(0)
@@ -269,10 +269,12 @@ def test_a_rank_that_committed_a_step_the_others_did_not_goes_back_to_its_start(
     others failed inside step 2. It keeps the start snapshot of its previous transaction (step 2's), takes the
     replicated state of step 2's start from one of them (CatchUp), goes back at Reform, and re-executes step 2 on:
     exactly where an uninterrupted rank ends."""
-    from test_catchup_worker import KEY, Agent, _job as _adamw_job, _step as _adamw_step
+    from test_catchup_worker import KEY, Agent
+    from test_catchup_worker import _job as _adamw_job
+    from test_catchup_worker import _step as _adamw_step
 
-    from tpassrun.transfer import handoff
     from tpassrun.channel.protocol import CatchUp, SendState
+    from tpassrun.transfer import handoff
     from tpassrun.worker.commands import _send_state
 
     torch.manual_seed(7)

@@ -25,8 +25,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from tpassrun.store import bind_host, derive_store_key, serve
-from tpassrun.store import wire
+from tpassrun.store import bind_host, derive_store_key, serve, wire
 from tpassrun.store.client import AuthStore
 from tpassrun.store.server import KeyValue, StoreTimeout
 

@@ -16,7 +16,6 @@ import subprocess
 import sys
 
 import pytest
-
 from faults import run_async
 
 pytestmark = pytest.mark.timeout(120)

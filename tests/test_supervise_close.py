@@ -13,8 +13,8 @@ import types
 import pytest
 
 from tpassrun.agent.supervise import Outcome, Supervision
-from tpassrun.rendezvous import EventKind, GenState, Generation, Member, RdzvEvent
 from tpassrun.channel.slots import Slot, SlotState
+from tpassrun.rendezvous import EventKind, Generation, GenState, Member, RdzvEvent
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -11,7 +11,6 @@ import os
 import random
 
 import pytest
-
 from faults import Job, assert_bit_exact, faults_env, hold_at, kill_at, pids_by_rank, stop_at, taint
 
 STEPS = 40           # the session's 4-rank reference (conftest.reference_run)

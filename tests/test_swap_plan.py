@@ -4,8 +4,19 @@ from __future__ import annotations
 
 import pytest
 
-from tpassrun.plan.swap import (ClusterView, Phase, Report, SlotView, SwapKind, SwapPlan, choose_donor, choose_spare,
-                           next_step, plan_for_failure, plan_for_taint)
+from tpassrun.plan.swap import (
+    ClusterView,
+    Phase,
+    Report,
+    SlotView,
+    SwapKind,
+    SwapPlan,
+    choose_donor,
+    choose_spare,
+    next_step,
+    plan_for_failure,
+    plan_for_taint,
+)
 
 NOW = 1000.0
 

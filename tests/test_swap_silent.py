@@ -17,9 +17,8 @@ import time
 
 import pytest
 
-from tpassrun.plan.swap import REPORT_DEADLINE_S, SILENT, next_step
 from tpassrun.plan.actions import CasPlan, PutTaint, RestartGroup, Say, Seen
-from tpassrun.plan.swap import ClusterView, SlotView
+from tpassrun.plan.swap import REPORT_DEADLINE_S, SILENT, ClusterView, SlotView, next_step
 from tpassrun.plan.triage import triage
 from tpassrun.pool import Claim, JobSpec, NodeState, Pool, PoolKeys, PoolNode, plan_node, pool_prefix
 from tpassrun.pool.job import JobPool, silent_pool_node

@@ -11,9 +11,8 @@ import threading
 import pytest
 import torch
 
-from tpassrun.transfer import gmac
-from tpassrun.transfer import wire
-from tpassrun.transfer.auth import FLAG_GMAC, ListenerHandshake, PROOF
+from tpassrun.transfer import gmac, wire
+from tpassrun.transfer.auth import FLAG_GMAC, PROOF, ListenerHandshake
 from tpassrun.transfer.handoff import HandoffError, StateBundle, TransferAuth, recv_bundle, send_bundle
 
 pytestmark = [pytest.mark.timeout(60)]

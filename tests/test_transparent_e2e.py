@@ -14,8 +14,8 @@ import signal
 import sys
 
 import pytest
-
 from faults import Job, taint
+
 from tpassrun.snapshot import probe
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]

@@ -7,13 +7,11 @@ import dataclasses
 import types
 
 from tpassrun.channel import Field, WorkerPhase
-from tpassrun.swapper.agentport import AgentPort, FallbackRequested, SwapSettings
-from tpassrun.records import (HANDLED_RESTART, Failure, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint,
-                              TaintEffect)
 from tpassrun.plan.swap import ClusterView, SlotView
+from tpassrun.plan.triage import CasPlan, CreatePlan, PutFallback, PutTaint, Say, Seen, triage
+from tpassrun.records import HANDLED_RESTART, Failure, Phase, Report, SlotRef, SwapKind, SwapPlan, Taint, TaintEffect
 from tpassrun.swapper import Swapper
-from tpassrun.plan.triage import (CasPlan, CreatePlan, PutFallback, PutTaint, Say, Seen,
-                             triage)
+from tpassrun.swapper.agentport import AgentPort, FallbackRequested, SwapSettings
 
 NOW = 1000.0
 

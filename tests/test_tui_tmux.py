@@ -15,11 +15,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-
 from faults import faults_env, hold_at
+
 from tpassrun.ops.ctl import main as ctl_main
-from tpassrun.rendezvous import EtcdConfig, EtcdStore, RendezvousSettings
 from tpassrun.ops.tui import ViewState
+from tpassrun.rendezvous import EtcdConfig, EtcdStore, RendezvousSettings
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_tui import eventful_run, frame

@@ -10,7 +10,6 @@ import sys
 import time
 
 import pytest
-
 from faults import REPO, Job, taint
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -22,10 +22,10 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torchtitan.distributed import ParallelDims
-from torchtitan.distributed import utils as dist_utils
 from torch.distributed.fsdp import fully_shard
 from torchtitan.components.optimizer import LRSchedulersContainer, default_adamw
+from torchtitan.distributed import ParallelDims
+from torchtitan.distributed import utils as dist_utils
 
 import tpassrun
 from tpassrun.adapters.torchtitan import TorchTitanAdapter

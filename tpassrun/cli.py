@@ -10,8 +10,8 @@ from __future__ import annotations
 import os
 import sys
 
-from tpassrun.ops import clean
 from tpassrun.launch import parse_args, preflight
+from tpassrun.ops import clean
 from tpassrun.settings import ConfigError
 from tpassrun.settings import envnames as E
 

@@ -16,9 +16,33 @@ import subprocess
 import sys
 import time
 
-from support import (EXAMPLE, GPU_ENV, STEP_S, Ctx, Etcd, Failed, Skip, compare, events, faults_env, finish,
-                     first_difference, kill_at, logged, no_restart, pause_s, reference, sigkill_rank, start, taint,
-                     tpassrun_job, until, wait_event)
+from support import (
+    EXAMPLE,
+    GPU_ENV,
+    STEP_S,
+    Ctx,
+    Etcd,
+    Failed,
+    Skip,
+    compare,
+    events,
+    faults_env,
+    finish,
+    first_difference,
+    kill_at,
+    logged,
+    no_restart,
+    pause_s,
+    reference,
+    sigkill_rank,
+    start,
+    taint,
+    tpassrun_job,
+    until,
+    wait_event,
+)
+
+# isort: split
 from faults import Job, hold_at  # tests/ is on the path through support
 
 STEPS, SLEEP = 40, 0.05

@@ -85,6 +85,7 @@ def receive(device: str, nbytes: int, ports_file: str) -> None:
 def measure(ctx: Any, nbytes: int) -> dict[str, Any]:
     """Returns GB/s figures: ``handoff`` (GPU to GPU, two processes), ``device`` (torch), ``tcp`` (raw)."""
     from support import Failed, until
+
     from tpassrun.transfer.handoff import capture, connect_and_send
 
     source = "cpu" if ctx.rehearse else "cuda:0"

@@ -14,8 +14,9 @@ block on CPU, under torchrun and under tpassrun with a rank SIGKILLed, and compa
     from tpassrun.adapters.deepspeed import DeepSpeedAdapter
 
     # --deepspeed_config ds_config.json, e.g. {"train_micro_batch_size_per_gpu": 8,
-    #   "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "zero_optimization": {"stage": 2},
+    #   "gradient_accumulation_steps": 2, "gradient_clipping": 1.0, "zero_optimization": {"stage": 3},
     #   "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_max_lr": 1e-3, "total_num_steps": 100}}}
+    # (ZeRO-1 or 2: the same script)
     args = deepspeed.add_config_arguments(argparse.ArgumentParser()).parse_args()
     sess = tpassrun.init(backend="gloo")             # instead of deepspeed.init_distributed(); "nccl" on GPUs
     torch.manual_seed(0)
@@ -70,20 +71,20 @@ covered).
 
 Configurations the adapter cannot hand over run exactly as under torchrun (:func:`handover_refused`: nothing is
 handed over, a planned swap is refused, an unplanned failure restarts the group with one console line saying
-why): ZeRO-3 for now (``ZERO3_LIVE``: its partition views, failed-step reset and the survivors' mirror of the
-joiner's initialization collectives are exact in one process, but a 2-rank recovery still loses the survivor),
-ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``/``offload_param``: the partitions live in buffers or
+why): ZeRO-Offload / ZeRO-Infinity (``offload_optimizer``/``offload_param``: the partitions live in buffers or
 NVMe files tpassrun does not copy), ``elastic_checkpoint`` under ZeRO-1/2, ZeRO++ hierarchical partitioning
 (``zero_hpz_partition_size`` > 1) and the pipeline engine.
 
 Tested against DeepSpeed 0.19.8 on CPU (``DS_ACCELERATOR=cpu``, gloo), each run ending ``torch.equal`` to the same
 script under torchrun: ZeRO 0/1/2 planned swaps, a ZeRO-0 SIGKILL recovered from a replica, ZeRO-1/2 SIGKILLs
 (mid-backward, and from outside at a random instant) recovered from the shard mirror, a ZeRO-1 SIGKILL without a
-mirror, one under ``elastic_checkpoint`` and a ZeRO-3 one (inside the first accumulation window) falling back to a
-whole-group restart that says why (``tests/test_deepspeed_real.py``); the example above (ZeRO-1 or 2, gradient
-accumulation, clipping, WarmupDecayLR) through a SIGKILL at a random instant and then a planned swap (``tests/test_docs_run.py``);
-``bench/frameworks.py`` repeats the SIGKILL at many instants on 4 ranks, ``bench/node_instants.py --script`` a
-whole node.
+mirror, one under ``elastic_checkpoint`` and a ZeRO-3 one without a mirror falling back to a whole-group restart
+that says why, a ZeRO-3 SIGKILL inside the first accumulation window recovered from the mirror
+(``tests/test_deepspeed_real.py``); the example above (ZeRO-1 or 2 there, gradient accumulation, clipping,
+WarmupDecayLR) through a SIGKILL at a random instant and then a planned swap (``tests/test_docs_run.py``);
+``bench/frameworks.py`` repeats the SIGKILL at many instants on 4 ranks (``examples/deepspeed/train.py`` with
+``ds_config_zero3.json`` for ZeRO-3), ``bench/node_instants.py --script`` a whole node. A ZeRO-3 run is compared
+with :func:`zero3_partition` (the partition without DeepSpeed's alignment padding, which differs run to run).
 """
 
 from __future__ import annotations
@@ -92,9 +93,15 @@ import logging
 import sys
 from typing import Any
 
-from tpassrun.adapters._common import (GroupSnapshot, adopt_group_sockets, declare_replicas, portable,
-                                       rebind_references, register,
-                      restore_portable)
+from tpassrun.adapters._common import (
+    GroupSnapshot,
+    adopt_group_sockets,
+    declare_replicas,
+    portable,
+    rebind_references,
+    register,
+    restore_portable,
+)
 
 log = logging.getLogger("tpassrun.adapters.deepspeed")
 
@@ -504,10 +511,10 @@ def zero3_partition(engine: Any) -> dict[str, Any]:
     return {"params": params, "fp32": fp32, "optim": optim}
 
 
-# ZeRO-3 live recovery: the partition views, the reset of a failed step and the survivors' mirror of the joiner's
-# initialization are in place and exact in one process (tests/test_adapters.py), but in a real 2-rank job the
-# survivor still dies (SIGABRT) after the joiner came in: until that is found, ZeRO-3 takes torchrun's path.
-ZERO3_LIVE = False
+# ZeRO-3 live recovery (the partition mirrored, a failed step reset, the survivors mirroring the joiner's
+# initialization collectives): every SIGKILL trial at a random instant, 4 ranks + 1 spare, recovered live and
+# torch.equal to torchrun (issue 35; bench/README.md). False sends ZeRO-3 back to torchrun's path (restart).
+ZERO3_LIVE = True
 
 
 def handover_refused(engine: Any) -> str | None:

@@ -112,8 +112,14 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Collection, Sequence
 
-from tpassrun.adapters._common import (adopt_group_sockets, declare_replicas, portable, rebind_references, register,
-                                       restore_portable)
+from tpassrun.adapters._common import (
+    adopt_group_sockets,
+    declare_replicas,
+    portable,
+    rebind_references,
+    register,
+    restore_portable,
+)
 
 log = logging.getLogger("tpassrun.adapters.megatron")
 

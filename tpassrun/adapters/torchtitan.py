@@ -76,8 +76,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
-from tpassrun.adapters._common import (_collect, adopt_group_sockets, declare_replicas, portable, rebind_references, register,
-                      reset_failed_step, restore_portable)
+from tpassrun.adapters._common import (
+    _collect,
+    adopt_group_sockets,
+    declare_replicas,
+    portable,
+    rebind_references,
+    register,
+    reset_failed_step,
+    restore_portable,
+)
 
 log = logging.getLogger("tpassrun.adapters.torchtitan")
 

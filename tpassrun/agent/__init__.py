@@ -31,9 +31,6 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from tpassrun.records import (AddressLoopback, AgentExit, AgentStarted, EtcdHosted, GenerationEnded, GenerationJoined,
-                              LeaseRegranted, MetricsServing, PlansUnauthenticated, PoolGivenBack, Restart, WaitingForNodes, emit)
-from tpassrun.settings import envnames as E
 from tpassrun.agent.cause import CauseJudge
 from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
@@ -41,25 +38,59 @@ from tpassrun.agent.supervise import Outcome, Supervision, etcd_link_said
 from tpassrun.agent.tasks import GenerationTasks
 from tpassrun.agent.transparent import Transparent
 from tpassrun.agent.workers import WorkerSpawning, find_devices, watch_exit
-from tpassrun.settings import LaunchConfig
-from tpassrun.ops import clean
-from tpassrun.ops import WAITING_EVERY_S, ConsoleReporter, GlogFormatter
-from tpassrun.launch import ElasticEvents
-from tpassrun.ops import EventLog
-from tpassrun.ops import register_run
-from tpassrun.launch import RunLogs
-from tpassrun.records import Keys, rendezvous_guard
-from tpassrun.launch import copy_root_cause_error_file, format_failure_report
-from tpassrun.rendezvous import (EmbeddedEtcd, EtcdConfig, EtcdRendezvous, Generation, NodeInfo,
-                         RendezvousError, RendezvousSettings, ServerTls, find_etcd_binary, host_etcd_if_absent,
-                         read_private_file, refuse_inline_secrets)
-from tpassrun.swapper import AgentEvent, AgentPort, SignalReceived, SwapSettings
-from tpassrun.records import (RUN_KEY_ENV, RUN_KEY_FILE_CONF, RunKey, RunKeyError, env_without_key,
-                         register as register_run_key, run_key_from)
-from tpassrun.swapper import MirrorPlane
 from tpassrun.channel import LocalSlots, Slot, SlotState
-from tpassrun.swapper import Swapper
-from tpassrun.launch import check_encrypt_conf, elastic_entry_point, encrypt_requested, entrypoint_name
+from tpassrun.launch import (
+    ElasticEvents,
+    RunLogs,
+    check_encrypt_conf,
+    copy_root_cause_error_file,
+    elastic_entry_point,
+    encrypt_requested,
+    entrypoint_name,
+    format_failure_report,
+)
+from tpassrun.ops import WAITING_EVERY_S, ConsoleReporter, EventLog, GlogFormatter, clean, register_run
+from tpassrun.records import (
+    RUN_KEY_ENV,
+    RUN_KEY_FILE_CONF,
+    AddressLoopback,
+    AgentExit,
+    AgentStarted,
+    EtcdHosted,
+    GenerationEnded,
+    GenerationJoined,
+    Keys,
+    LeaseRegranted,
+    MetricsServing,
+    PlansUnauthenticated,
+    PoolGivenBack,
+    Restart,
+    RunKey,
+    RunKeyError,
+    WaitingForNodes,
+    emit,
+    env_without_key,
+    rendezvous_guard,
+    run_key_from,
+)
+from tpassrun.records import register as register_run_key
+from tpassrun.rendezvous import (
+    EmbeddedEtcd,
+    EtcdConfig,
+    EtcdRendezvous,
+    Generation,
+    NodeInfo,
+    RendezvousError,
+    RendezvousSettings,
+    ServerTls,
+    find_etcd_binary,
+    host_etcd_if_absent,
+    read_private_file,
+    refuse_inline_secrets,
+)
+from tpassrun.settings import LaunchConfig
+from tpassrun.settings import envnames as E
+from tpassrun.swapper import AgentEvent, AgentPort, MirrorPlane, SignalReceived, Swapper, SwapSettings
 from tpassrun.transfer import aead_unavailable_reason
 
 if TYPE_CHECKING:
@@ -256,7 +287,7 @@ class Agent:
                                          run_key=run_key.fingerprint if run_key is not None else None))
             if metrics_at is not None:
                 emit(st.events, MetricsServing(addr=metrics_at[0], port=metrics_at[1]))
-            from tpassrun.agent.netwatch import advertised_check   # several hosts: one line if they cannot reach us
+            from tpassrun.agent.netwatch import advertised_check  # several hosts: one line if they cannot reach us
 
             if (loopback := await asyncio.to_thread(advertised_check, st.addr, cfg.max_nodes)) is not None:
                 emit(st.events, AddressLoopback(addr=st.addr, line=loopback))
@@ -406,6 +437,9 @@ class Agent:
                 # FAILED with a signal: the workers saw it first (Slurm's scancel signals every process of the
                 # step at once); MEMBERSHIP with one: a fence's request cut short by it (etcd gone). torchrun's
                 # launcher would have raised on it, as here
+                if st.handed_back:   # planned: the leader handed this node back to the scheduler, holding no rank
+                    self._elastic_end(None, "SUCCEEDED", gen)
+                    return 0
                 if st.given_back:    # planned: a pool node's spare node, holding no rank, leaves the job
                     emit(st.events, PoolGivenBack(reason=st.given_back))
                     self._elastic_end(None, "SUCCEEDED", gen)

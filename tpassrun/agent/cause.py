@@ -18,16 +18,12 @@ import logging
 import time
 from typing import Any
 
-from tpassrun.records import ExceptionCause, StepInterrupted, emit
 from tpassrun.agent.state import AgentState, Started
-from tpassrun.channel import Field, Verdict, WorkerPhase
+from tpassrun.channel import Failed, Field, Raised, Slot, StepFailure, Verdict, WorkerPhase, worker_log_file
 from tpassrun.plan import CAUSE_GRACE_S, Around, Cause, cause_of, classify_death, interrupted_by
-from tpassrun.channel import Failed, Raised
-from tpassrun.records import Failure, Keys, load
+from tpassrun.records import ExceptionCause, Failure, Keys, StepInterrupted, emit, load
 from tpassrun.rendezvous import Generation
-from tpassrun.channel import Slot
 from tpassrun.swapper import annotated
-from tpassrun.channel import StepFailure, worker_log_file
 
 log = logging.getLogger("tpassrun.agent")
 

@@ -30,14 +30,36 @@ import signal
 import time
 from typing import Any, Callable, Mapping, Sequence
 
-from tpassrun.records import HealthKill, HealthMessage, HealthTaint, HealthUntaint, HealthVerdictNoted, emit
+from tpassrun.channel import Field, SlotState
+from tpassrun.health import (
+    FileSensor,
+    HealthMonitor,
+    HealthVerdict,
+    NvmlSensor,
+    Policy,
+    PolicyEngine,
+    Sensor,
+    Status,
+    StragglerDetector,
+    TaintEffect,
+    device_for_local_rank,
+)
+from tpassrun.records import (
+    HANDLED_KILLED,
+    HealthKill,
+    HealthMessage,
+    HealthRecord,
+    HealthTaint,
+    HealthUntaint,
+    HealthVerdictNoted,
+    Keys,
+    Taint,
+    TaintSource,
+    emit,
+    load,
+)
 from tpassrun.settings import envnames as E
-from tpassrun.channel import Field
-from tpassrun.health import (FileSensor, HealthMonitor, HealthVerdict, NvmlSensor, Policy, PolicyEngine, Sensor, Status,
-                     StragglerDetector, TaintEffect, device_for_local_rank)
 from tpassrun.swapper import HealthHost
-from tpassrun.records import HANDLED_KILLED, HealthRecord, Keys, Taint, TaintSource, load
-from tpassrun.channel import SlotState
 
 log = logging.getLogger(__name__)
 

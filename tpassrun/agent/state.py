@@ -14,10 +14,8 @@ import asyncio
 import dataclasses
 from typing import TYPE_CHECKING, Any, Awaitable
 
-from tpassrun.launch import RunLogs
-from tpassrun.launch import ProcessFailure
-from tpassrun.ops import EventLog
-from tpassrun.ops import Progress
+from tpassrun.launch import ProcessFailure, RunLogs
+from tpassrun.ops import EventLog, Progress
 from tpassrun.rendezvous import EtcdRendezvous, Generation, Member
 from tpassrun.settings import LaunchConfig
 from tpassrun.swapper import AgentEvent, EventSink, StatusHost
@@ -25,8 +23,7 @@ from tpassrun.swapper import AgentEvent, EventSink, StatusHost
 if TYPE_CHECKING:
     from tpassrun.agent.healthd import AgentHealth
     from tpassrun.channel import LocalSlots
-    from tpassrun.swapper import Swapper
-    from tpassrun.swapper import MirrorPlane
+    from tpassrun.swapper import MirrorPlane, Swapper
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -62,6 +59,7 @@ class AgentState:
     # --- signals ---
     signal_received: int | None = None
     given_back: str = ""                # a SIGTERM from this node's pool node giving it back (why); see on_signal
+    handed_back: str = ""               # the leader handed this node back to the scheduler (why): it leaves, exit 0
     cut_by_signal: set[asyncio.Future[Any]] = dataclasses.field(default_factory=set)   # etcd requests a signal cuts short
 
     @property

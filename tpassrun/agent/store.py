@@ -20,8 +20,8 @@ import secrets
 import socket
 import time
 
-from tpassrun.records import StoreStandby, emit
 from tpassrun.agent.state import AgentState, Started
+from tpassrun.records import StoreStandby, emit
 from tpassrun.rendezvous import Generation, RendezvousError, split_endpoint
 from tpassrun.store import bind_host, derive_store_key, is_loopback
 

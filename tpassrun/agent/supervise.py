@@ -13,17 +13,39 @@ import sys
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
-from tpassrun.records import (EtcdConnectionLost, EtcdConnectionOverdue, EtcdConnectionRestored, FallbackRestart, Fenced,
-                              LeaseLostNoted, MembershipChange, Signal, SpareLost, SpareNodeJoined, SpareReturned, UnmanagedDeath,
-                              WorkerExit, emit)
-from tpassrun.swapper import (FallbackRequested, HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived,
-                   SpawnFailed, WorkerExited, WorkerSaid)
-from tpassrun.launch import stop_workers
-from tpassrun.channel import Done, Failed, Raised
-from tpassrun.rendezvous import EtcdRendezvous, Generation, Link, RendezvousError, one_line
-from tpassrun.launch import ProcessFailure
-from tpassrun.channel import Slot, SlotState
 from tpassrun.agent.state import AgentState, Started
+from tpassrun.channel import Done, Failed, Raised, Slot, SlotState
+from tpassrun.launch import ProcessFailure, stop_workers
+from tpassrun.records import (
+    EtcdConnectionLost,
+    EtcdConnectionOverdue,
+    EtcdConnectionRestored,
+    FallbackRestart,
+    Fenced,
+    HandBackRefused,
+    HandedBackHere,
+    LeaseLostNoted,
+    MembershipChange,
+    Signal,
+    SpareLost,
+    SpareNodeJoined,
+    SpareReturned,
+    UnmanagedDeath,
+    WorkerExit,
+    emit,
+)
+from tpassrun.rendezvous import EtcdRendezvous, Generation, Link, RendezvousError, one_line
+from tpassrun.swapper import (
+    FallbackRequested,
+    HandedBack,
+    HealthRestartRequested,
+    LeaseLost,
+    RendezvousChanged,
+    SignalReceived,
+    SpawnFailed,
+    WorkerExited,
+    WorkerSaid,
+)
 
 if TYPE_CHECKING:
     from tpassrun.agent.cause import CauseJudge
@@ -118,6 +140,16 @@ class Supervision:
                     await st.until_signal(self._node.rdzv.request_restart(st.generation or gen, ev.reason))
             elif isinstance(ev, LeaseLost):
                 result = await self._fence(gen, ev.reason)
+            elif isinstance(ev, HandedBack):
+                running = sorted(s.rank for s in self._node.slots.slots
+                                 if s.state == SlotState.RUNNING and s.rank is not None)
+                if running:     # the leader asks only of a node its ranks left: never take a rank down with it
+                    if not st.handed_back:
+                        emit(st.events, HandBackRefused(reason=ev.reason, ranks=running))
+                    continue
+                st.handed_back = ev.reason
+                emit(st.events, HandedBackHere(reason=ev.reason))
+                return Outcome.SIGNALLED, f"handed back to the scheduler: {ev.reason}"
             if result is not None:
                 return result
 

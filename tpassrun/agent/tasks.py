@@ -13,16 +13,14 @@ import signal
 import time
 from typing import Any
 
-from tpassrun.records import HangDetected, HangHeld, ShardMirror, TrainingResumed, emit
 from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
-from tpassrun.settings import envnames as E
-from tpassrun.channel import Field, WorkerPhase
-from tpassrun.swapper import RendezvousChanged
+from tpassrun.channel import Field, SlotState, WorkerPhase
 from tpassrun.ops import RankPosition
-from tpassrun.records import Keys, NodeStatus
+from tpassrun.records import HangDetected, HangHeld, Keys, NodeStatus, ShardMirror, TrainingResumed, emit
 from tpassrun.rendezvous import Generation
-from tpassrun.channel import SlotState
+from tpassrun.settings import envnames as E
+from tpassrun.swapper import RendezvousChanged
 
 log = logging.getLogger("tpassrun.agent")
 
@@ -100,9 +98,7 @@ class GenerationTasks:
     async def status_panel(self) -> None:
         """``--tui``: the live view under the workers' output, from one etcd read a second (tpassrun/ops/tui_panel.py)."""
         st = self._state
-        from tpassrun.ops import read_snapshot
-        from tpassrun.ops import run_panel
-        from tpassrun.ops import WaitNote
+        from tpassrun.ops import WaitNote, read_snapshot, run_panel
 
         rdzv = self._node.rdzv
         waiting = WaitNote()          # what this agent waits for, with its age (the console says it every few s)

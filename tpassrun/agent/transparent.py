@@ -25,15 +25,40 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from tpassrun.records import (SnapshotFailed, SnapshotMigrated, SnapshotRestored, SnapshotTaken, TransparentFallback,
-                              TransparentOff, TransparentOn, emit)
 from tpassrun.agent.state import AgentState
 from tpassrun.channel import LocalSlots, Slot, SlotState
 from tpassrun.launch import StdioSpec, adopt_worker
+from tpassrun.records import (
+    SnapshotFailed,
+    SnapshotMigrated,
+    SnapshotRestored,
+    SnapshotTaken,
+    TransparentFallback,
+    TransparentOff,
+    TransparentOn,
+    emit,
+)
 from tpassrun.settings import envnames as E
-from tpassrun.snapshot import (WORKER_ENV, Availability, Move, NetworkLock, SnapshotError, continue_groups, dump,
-                               on_death, on_taint, probe, restore, signal_groups, snapshot_due, stdio_pipes,
-                               stop_groups, tcp_ports, wait_gone, wait_stopped)
+from tpassrun.snapshot import (
+    WORKER_ENV,
+    Availability,
+    Move,
+    NetworkLock,
+    SnapshotError,
+    continue_groups,
+    dump,
+    on_death,
+    on_taint,
+    probe,
+    restore,
+    signal_groups,
+    snapshot_due,
+    stdio_pipes,
+    stop_groups,
+    tcp_ports,
+    wait_gone,
+    wait_stopped,
+)
 
 log = logging.getLogger("tpassrun.agent")
 KILL_WAIT_S = 10.0

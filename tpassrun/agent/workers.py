@@ -13,19 +13,39 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any
 
-from tpassrun.records import ReplicasCheckedNoted, SlotQuarantined, SpareReady, TimerExpired, WorkersStarted, emit
 from tpassrun.agent.state import AgentState, Started
 from tpassrun.agent.store import WorkersStore
-from tpassrun.settings import envnames as E
-from tpassrun.launch import node_devices, slot_env, visible_devices
-from tpassrun.launch import FileTimerServer, TimerRequest, signal_name
-from tpassrun.swapper import FallbackRequested, SpawnFailed, WorkerExited, WorkerSaid
-from tpassrun.launch import spawn_worker, stop_workers
-from tpassrun.channel import Done, Failed, Hello, MirrorInfoRequest, Raised, ReplicasChecked, Reply
-from tpassrun.records import HANDLED_RESTART, Keys, Taint, load
+from tpassrun.channel import Done, Failed, Hello, MirrorInfoRequest, Raised, ReplicasChecked, Reply, Slot, SlotState
+from tpassrun.launch import (
+    FileTimerServer,
+    TimerRequest,
+    WorkerAssignment,
+    encrypt_requested,
+    node_devices,
+    role_ranks,
+    signal_name,
+    slot_env,
+    spawn_worker,
+    stop_workers,
+    visible_devices,
+    worker_argv,
+    worker_env,
+)
+from tpassrun.records import (
+    HANDLED_RESTART,
+    Keys,
+    ReplicasCheckedNoted,
+    SlotQuarantined,
+    SpareReady,
+    Taint,
+    TimerExpired,
+    WorkersStarted,
+    emit,
+    load,
+)
 from tpassrun.rendezvous import Generation, RendezvousError
-from tpassrun.channel import Slot, SlotState
-from tpassrun.launch import WorkerAssignment, encrypt_requested, role_ranks, worker_argv, worker_env
+from tpassrun.settings import envnames as E
+from tpassrun.swapper import FallbackRequested, SpawnFailed, WorkerExited, WorkerSaid
 
 if TYPE_CHECKING:
     from tpassrun.agent.tasks import GenerationTasks

@@ -19,14 +19,57 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from tpassrun.channel.shm import (INT64_MAX, LIGHT_BYTES, SLOT_BYTES, SLOT_FIELDS, STOP_NOW, ChannelFile, Field,
-                                  Verdict, WorkerPhase)
 from tpassrun.channel.failure import DETAIL_LOG, StepFailure, worker_log_file
-from tpassrun.channel.protocol import (Abort, AbortJoin, Assign, Break, CatchUp, Command, Done, Exit, Failed, Hello, Light,
-                                       LightOk, Listening, Message, MirrorInfo, MirrorInfoRequest, MirrorSource,
-                                       ProtocolError, Raise, Raised, Received, Reform, Reformed, Replicas,
-                                       ReplicasChecked, Reply, Reserve, Resume, SendState, ShardRollback,
-                                       ShardRolledBack, Stranger, Watch, WorldSpec, decode_command, decode_reply, encode)
+from tpassrun.channel.protocol import (
+    Abort,
+    AbortJoin,
+    Assign,
+    Break,
+    CatchUp,
+    Command,
+    Done,
+    Exit,
+    Failed,
+    Hello,
+    Light,
+    LightOk,
+    Listening,
+    Message,
+    MirrorInfo,
+    MirrorInfoRequest,
+    MirrorSource,
+    ProtocolError,
+    Raise,
+    Raised,
+    Received,
+    Reform,
+    Reformed,
+    Replicas,
+    ReplicasChecked,
+    Reply,
+    Reserve,
+    Resume,
+    SendState,
+    ShardRollback,
+    ShardRolledBack,
+    Stranger,
+    Watch,
+    WorldSpec,
+    decode_command,
+    decode_reply,
+    encode,
+)
+from tpassrun.channel.shm import (
+    INT64_MAX,
+    LIGHT_BYTES,
+    SLOT_BYTES,
+    SLOT_FIELDS,
+    STOP_NOW,
+    ChannelFile,
+    Field,
+    Verdict,
+    WorkerPhase,
+)
 
 if TYPE_CHECKING:
     from tpassrun.channel.slots import LocalSlots, Slot, SlotState

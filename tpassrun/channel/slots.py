@@ -18,8 +18,8 @@ import tempfile
 import time
 from typing import Any, Callable
 
-from tpassrun.channel.shm import INT64_MAX, ChannelFile, Field, WorkerPhase
 from tpassrun.channel.protocol import Break, Command, Hello, Message, ProtocolError, Replicas, Reply, Watch, decode_reply, encode
+from tpassrun.channel.shm import INT64_MAX, ChannelFile, Field, WorkerPhase
 from tpassrun.records import WorkerRow
 
 log = logging.getLogger(__name__)

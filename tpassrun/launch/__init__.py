@@ -19,8 +19,16 @@ if TYPE_CHECKING:
     from tpassrun.launch.elasticevents import ElasticEvents
     from tpassrun.launch.filetimer import FileTimerServer, TimerRequest, signal_name
     from tpassrun.launch.report import ProcessFailure, copy_root_cause_error_file, format_failure_report
-    from tpassrun.launch.workerenv import (WorkerAssignment, check_encrypt_conf, elastic_entry_point, encrypt_requested,
-                                           entrypoint_name, role_ranks, worker_argv, worker_env)
+    from tpassrun.launch.workerenv import (
+        WorkerAssignment,
+        check_encrypt_conf,
+        elastic_entry_point,
+        encrypt_requested,
+        entrypoint_name,
+        role_ranks,
+        worker_argv,
+        worker_env,
+    )
 
 # name -> the module that defines it
 _LAZY = {

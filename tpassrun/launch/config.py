@@ -38,15 +38,40 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from tpassrun.launch.rules import (
+    _accelerator_count,
+    check_endpoint,
+    cpu_count,
+    derived_omp,
+    determine_local_world_size,
+    parse_local_ranks_filter,
+    parse_min_max_nnodes,
+    parse_rdzv_conf,
+    resolve_etcd_endpoint,
+    static_etcd_endpoint,
+    with_default_port,
+)
+from tpassrun.settings import (
+    BACKENDS,
+    C10D_DEFAULT_PORT,
+    DEFAULT_LOGS_SPECS,
+    DEFAULT_RDZV_TIMEOUT,
+    DEFAULT_SHUTDOWN_TIMEOUT,
+    DEFAULT_SIGNALS,
+    ETCD_DEFAULT_PORT,
+    EVENT_LOG_HANDLERS,
+    IGNORED_BY_DYNAMIC,
+    NUMA_MODES,
+    STATIC_DEFAULT_MASTER_PORT,
+    ConfigError,
+    LaunchConfig,
+    Std,
+    StdSpec,
+    parse_std,
+    shard_interval,
+    std_for,
+)
 from tpassrun.settings import envnames as E
-from tpassrun.settings import shard_interval
-from tpassrun.launch.rules import (_accelerator_count, check_endpoint, cpu_count, derived_omp,
-                           determine_local_world_size, parse_local_ranks_filter, parse_min_max_nnodes, parse_rdzv_conf,
-                           resolve_etcd_endpoint, static_etcd_endpoint, with_default_port)
-from tpassrun.settings import (IGNORED_BY_DYNAMIC, BACKENDS, C10D_DEFAULT_PORT, DEFAULT_LOGS_SPECS, DEFAULT_RDZV_TIMEOUT,
-                       DEFAULT_SHUTDOWN_TIMEOUT, DEFAULT_SIGNALS, ETCD_DEFAULT_PORT, EVENT_LOG_HANDLERS, NUMA_MODES,
-                       STATIC_DEFAULT_MASTER_PORT, ConfigError, LaunchConfig, Std, StdSpec, parse_std, std_for)
-
 
 # --------------------------------------------------------------------------------------------
 # argparse with torchrun's env fallbacks, reading from an injected mapping

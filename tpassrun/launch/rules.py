@@ -8,8 +8,8 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping
 
-from tpassrun.settings import envnames as E
 from tpassrun.settings import C10D_DEFAULT_PORT, ETCD_DEFAULT_PORT, ConfigError
+from tpassrun.settings import envnames as E
 
 
 def parse_min_max_nnodes(nnodes: str) -> tuple[int, int]:
@@ -99,7 +99,7 @@ def check_endpoint(endpoint: str, backend: str) -> None:
     without ``http://``/``https://``). An error at once, never a connection attempt that times out."""
     if not endpoint:
         return
-    from tpassrun.rendezvous import split_endpoint   # the one endpoint grammar (not at import: tpassrun --help)
+    from tpassrun.rendezvous import split_endpoint  # the one endpoint grammar (not at import: tpassrun --help)
 
     members = endpoint.split(",") if backend in ETCD_BACKENDS else [endpoint]
     for member in members:
@@ -175,7 +175,7 @@ def static_etcd_endpoint(endpoint: str) -> str:
     """Multi-node ``static``: torchrun's agent of node rank 0 hosts the workers' store at the endpoint (given, or
     ``master_addr:master_port``), which workers get as MASTER_ADDR/PORT and may ``tcp://`` to; tpassrun's agent
     there serves that store too, and hosts its etcd next to it, on the endpoint's port + 1."""
-    from tpassrun.rendezvous import split_endpoint   # (the endpoint passed check_endpoint)
+    from tpassrun.rendezvous import split_endpoint  # (the endpoint passed check_endpoint)
 
     _scheme, host, port = split_endpoint(endpoint, schemes=False, min_port=0)
     if port is None:   # torchrun: ValueError "Port is absent in endpoint"

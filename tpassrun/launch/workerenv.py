@@ -8,16 +8,16 @@ What a worker sees is exactly what torchrun 2.13 gives it (agent/server/local_el
 from __future__ import annotations
 
 import functools
-import os
 import logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from string import Template
 from typing import Any
 
-from tpassrun.settings import envnames as E
 from tpassrun.settings import ConfigError, LaunchConfig
+from tpassrun.settings import envnames as E
 
 log = logging.getLogger(__name__)
 

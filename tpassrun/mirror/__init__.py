@@ -57,8 +57,15 @@ from typing import Any, ClassVar, Iterable, Sequence
 
 from tpassrun.mirror.client import MirrorClient, PushStream
 from tpassrun.mirror.net import BAD_REQUEST, NOT_FOUND, OK, REFUSED, MirrorServer
-from tpassrun.mirror.store import (DEFAULT_MAX_BYTES, MirrorEntry, MirrorError, MirrorFull, MirrorItem, MirrorMetaError,
-                                   MirrorStore)
+from tpassrun.mirror.store import (
+    DEFAULT_MAX_BYTES,
+    MirrorEntry,
+    MirrorError,
+    MirrorFull,
+    MirrorItem,
+    MirrorMetaError,
+    MirrorStore,
+)
 from tpassrun.schema import Record, Schema
 
 
@@ -93,8 +100,7 @@ async def ensure_mirror_key(store: Any, key_path: str) -> bytes:
     """The run's mirror key: the first agent draws it and creates ``key_path`` in the run's (authenticated)
     etcd; every agent reads the one that won. ``store`` is the rendezvous's ``EtcdStore``. A run with a run key
     (tpassrun/records/provenance.py) derives it from that instead, and never writes it: reading etcd does not give it."""
-    from tpassrun.records import key_for
-    from tpassrun.records import MirrorKey, RecordError   # the agent's side only: workers never import records
+    from tpassrun.records import MirrorKey, RecordError, key_for  # the agent's side only: workers never import records
 
     run_key = key_for(key_path)
     if run_key is not None:

@@ -12,13 +12,43 @@ import threading
 import time
 from typing import Any, Sequence
 
-from tpassrun.mirror.net import _CHUNK, _HEAD, _MAGIC, _TO_CLIENT, _TO_SERVER, MAX_REPLY_META, NOT_FOUND, OK, OP_DROP, OP_GET, \
-    OP_LIST, OP_PUSH, OP_PUT, OP_REPLY, PAYLOAD_GMAC, REFUSED, _auth, _mac_of, _payload_tag
-from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror import meta as M
+from tpassrun.mirror.net import (
+    _CHUNK,
+    _HEAD,
+    _MAGIC,
+    _TO_CLIENT,
+    _TO_SERVER,
+    MAX_REPLY_META,
+    NOT_FOUND,
+    OK,
+    OP_DROP,
+    OP_GET,
+    OP_LIST,
+    OP_PUSH,
+    OP_PUT,
+    OP_REPLY,
+    PAYLOAD_GMAC,
+    REFUSED,
+    _auth,
+    _mac_of,
+    _payload_tag,
+)
+from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror.store import MirrorEntry, MirrorError, MirrorFull, MirrorItem
-from tpassrun.transfer import (ACCEPT, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, HELLO, TAG_LEN, AuthError,
-                                    ConnectorHandshake, FrameMac, aead_unavailable_reason, encryption_wanted)
+from tpassrun.transfer import (
+    ACCEPT,
+    AEAD_TAG_LEN,
+    FLAG_ENCRYPT,
+    FLAG_GMAC,
+    HELLO,
+    TAG_LEN,
+    AuthError,
+    ConnectorHandshake,
+    FrameMac,
+    aead_unavailable_reason,
+    encryption_wanted,
+)
 
 
 def _seals(host: str, port: int, base: FrameMac, flags: int, encrypt: bool) -> tuple[FrameSeal, FrameSeal] | None:

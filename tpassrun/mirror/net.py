@@ -43,14 +43,27 @@ import logging
 import struct
 from typing import Any, Sequence
 
-from tpassrun.transfer import gmac
-from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror import meta as M
+from tpassrun.mirror.seal import PAYLOAD_AEAD, FrameSeal
 from tpassrun.mirror.store import MirrorError, MirrorFull, MirrorStore
-from tpassrun.transfer import (AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, PROOF, TAG_LEN, AuthError, FrameMac,
-                                    ListenerHandshake, TransferAuth, aead_unavailable_reason)
-from tpassrun.transfer import Throttle, held_note
-from tpassrun.transfer import HANDSHAKE_DEADLINE_S, PendingTable, source_of
+from tpassrun.transfer import (
+    AEAD_TAG_LEN,
+    FLAG_ENCRYPT,
+    FLAG_GMAC,
+    HANDSHAKE_DEADLINE_S,
+    PROOF,
+    TAG_LEN,
+    AuthError,
+    FrameMac,
+    ListenerHandshake,
+    PendingTable,
+    Throttle,
+    TransferAuth,
+    aead_unavailable_reason,
+    gmac,
+    held_note,
+    source_of,
+)
 
 log = logging.getLogger("tpassrun.mirror")
 

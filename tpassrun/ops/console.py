@@ -125,8 +125,15 @@ class Describer:
             where = f" on {self.name(ev.get('target_node'))}" if ev.get("target_node") else ""
             return (f"taint received: {who}{where} ({ev.get('effect') or 'migrate'}, from "
                     f"{ev.get('source') or 'health'}): {ev.get('reason')}")
-        if name in ("scheduler_event", "scheduler_error"):
+        if name in ("scheduler_event", "scheduler_error", "scheduler_released"):
             return str(ev.get("message"))
+        if name == "handed_back":
+            return f"handed back to the scheduler, leaving the job ({ev.get('reason')})"
+        if name == "handback_refused":
+            return f"not leaving the job: rank(s) {ev.get('ranks')} still run here ({ev.get('reason')})"
+        if name == "node_handed_back":
+            return (f"node {self.name(ev.get('lost_node'))} left the job, handed back to the scheduler "
+                    f"({ev.get('reason')})")
         if name == "health_untaint":
             return f"taint lifted: device {ev.get('device')}: {ev.get('reason')}"
         if name == "health_verdict":

@@ -29,20 +29,45 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from tpassrun.ops.cleantext import clean
-from tpassrun.ops.ctl_wait import EtcdWait
 from tpassrun.ops.ctl_render import render_status, run_list_lines
+from tpassrun.ops.ctl_wait import EtcdWait
+from tpassrun.ops.ctl_width import columns, wrap
 from tpassrun.ops.events import read_events
 from tpassrun.ops.names import short_host, split_id
-from tpassrun.ops.tally import RunTally, tally_of
-from tpassrun.ops.ctl_width import columns, wrap
-from tpassrun.records import (HANDLED_RESTART, HealthRecord, Keys, NodeStatus, Phase, RunClosed, SwapPlan, Taint, TaintEffect,
-                      TaintSource, generation_record, leader_of, load, node_info)
-from tpassrun.settings import envnames as E
 from tpassrun.ops.registry import CtlError
-from tpassrun.records import (RunKeyError, carries_mac, key_for,
-                         register as register_run_key, run_key_from)
-from tpassrun.rendezvous import (EtcdConfig, EtcdStore, Generation, NodeInfo, RendezvousError, RendezvousSettings,
-                         read_private_file, refuse_inline_secrets)
+from tpassrun.ops.tally import RunTally, tally_of
+from tpassrun.records import (
+    HANDLED_RESTART,
+    HealthRecord,
+    Keys,
+    NodeStatus,
+    Phase,
+    RunClosed,
+    RunKeyError,
+    SwapPlan,
+    Taint,
+    TaintEffect,
+    TaintSource,
+    carries_mac,
+    generation_record,
+    key_for,
+    leader_of,
+    load,
+    node_info,
+    run_key_from,
+)
+from tpassrun.records import register as register_run_key
+from tpassrun.rendezvous import (
+    EtcdConfig,
+    EtcdStore,
+    Generation,
+    NodeInfo,
+    RendezvousError,
+    RendezvousSettings,
+    read_private_file,
+    refuse_inline_secrets,
+)
+from tpassrun.settings import envnames as E
 
 # "fail" (kill the worker now, recover it unplanned) is a health-policy effect only: the node's own health
 # daemon does the kill. From tpassctl, kill the worker yourself (the recovery is the same).

@@ -11,11 +11,11 @@ import time
 from typing import Any
 
 from tpassrun.ops.cleantext import clean
-from tpassrun.records import RUN_KEY_ENV, RUN_KEY_FILE_CONF
 from tpassrun.ops.console import cost_line
 from tpassrun.ops.names import node_names
 from tpassrun.ops.tally import HOW_TO_KNOW, RunTally
 from tpassrun.ops.tui import duration_text, step_info
+from tpassrun.records import RUN_KEY_ENV, RUN_KEY_FILE_CONF
 
 
 def run_list_lines(r: Any, now: float) -> list[str]:

@@ -17,8 +17,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, start_http_
 from prometheus_client.core import GaugeMetricFamily
 
 from tpassrun.ops.console import Describer
-from tpassrun.transfer import Throttle, held_note
 from tpassrun.ops.tui import RunProgress
+from tpassrun.transfer import Throttle, held_note
 
 if TYPE_CHECKING:
     from tpassrun.swapper import StatusHost

@@ -24,8 +24,8 @@ from tpassrun.rendezvous import pid_alive
 from tpassrun.schema import Record, Schema
 
 if TYPE_CHECKING:
-    from tpassrun.swapper import StatusHost
     from tpassrun.settings import LaunchConfig
+    from tpassrun.swapper import StatusHost
 
 VERSION = 1
 log = logging.getLogger("tpassrun.ops.registry")

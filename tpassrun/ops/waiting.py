@@ -8,6 +8,7 @@ what it waited for came (a claim, a generation, a recovery) or was given up. Pur
 from __future__ import annotations
 
 from typing import Any, Mapping
+
 #: events that end a wait (what it waited for came, or it was given up)
 _ENDS = frozenset({"pool_gave_up", "generation_joined", "swap_resumed", "ranks_recovered", "node_recovered",
                    "training_resumed", "agent_exit"})

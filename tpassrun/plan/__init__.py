@@ -4,12 +4,33 @@ its phases, what a death is (failkind), giving spares back (giveback), resume st
 The door: other packages import what they use of plan from here.
 """
 
-from tpassrun.plan.actions import (Action, CasPlan, ClaimFromPool, CreatePlan, PutFailure, PutFallback, PutTaint,
-                                   RestartGroup, Say, Seen)
+from tpassrun.plan.actions import (
+                                   Action,
+                                   CasPlan,
+                                   ClaimFromPool,
+                                   CreatePlan,
+                                   PutFailure,
+                                   PutFallback,
+                                   PutTaint,
+                                   RestartGroup,
+                                   Say,
+                                   Seen,
+)
 from tpassrun.plan.failkind import CAUSE_GRACE_S, Around, Cause, cause_of, classify_death, interrupted_by, recoverable
 from tpassrun.plan.giveback import GiveBack, MoveHome, plan_give_back, seen_ranks
-from tpassrun.plan.swap import (PHASE_TIMEOUT_S, REPORT_DEADLINE_S, ClusterView, Decision, Phase, SlotRef, SlotView,
-                                SwapKind, of_attempt, transfer_key, world_prefix)
+from tpassrun.plan.swap import (
+                                   PHASE_TIMEOUT_S,
+                                   REPORT_DEADLINE_S,
+                                   ClusterView,
+                                   Decision,
+                                   Phase,
+                                   SlotRef,
+                                   SlotView,
+                                   SwapKind,
+                                   of_attempt,
+                                   transfer_key,
+                                   world_prefix,
+)
 from tpassrun.plan.triage import triage
 
 __all__ = ["Action", "Around", "CAUSE_GRACE_S", "CasPlan", "Cause", "ClaimFromPool", "ClusterView", "CreatePlan",

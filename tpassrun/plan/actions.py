@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence, Union
 
-from tpassrun.records import Failure, Fallback, Report, SwapPlan, Taint
 from tpassrun.plan.swap import ClusterView, Decision
+from tpassrun.records import Failure, Fallback, Report, SwapPlan, Taint
 
 
 @dataclass(frozen=True)

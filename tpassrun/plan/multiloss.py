@@ -15,9 +15,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
+from tpassrun.plan.swap import (
+    ClusterView,
+    Decision,
+    SlotView,
+    _interleaved_donors,
+    _node_joiners,
+    choose_spare,
+    involved,
+    lost_ranks,
+)
 from tpassrun.records import Move, Phase, SlotRef, SwapKind, SwapPlan
-from tpassrun.plan.swap import (ClusterView, Decision, SlotView, _interleaved_donors, _node_joiners, choose_spare, involved,
-                   lost_ranks)
 
 
 def plan_for_losses(view: ClusterView, nodes: Sequence[str], dead: Sequence[tuple[str, int, int]], *,

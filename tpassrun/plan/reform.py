@@ -12,10 +12,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tpassrun.plan.multiloss import plan_for_losses
-from tpassrun.records import Failure, Fallback, Phase, SwapKind, SwapPlan
-from tpassrun.plan.swap import ClusterView, Decision, lost_ranks, plan_for_dead_ranks, plan_for_failure
 from tpassrun.plan.actions import Action, CasPlan, PutFailure, PutFallback, RestartGroup, Say, Seen
+from tpassrun.plan.multiloss import plan_for_losses
+from tpassrun.plan.swap import ClusterView, Decision, lost_ranks, plan_for_dead_ranks, plan_for_failure
+from tpassrun.records import Failure, Fallback, Phase, SwapKind, SwapPlan
 
 
 def needs(plan: SwapPlan) -> set[str]:

@@ -34,11 +34,12 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-# The records a plan is made of live with every other etcd record; re-exported: they are the planner's words.
-from tpassrun.records import TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
 from tpassrun.plan.catchup import leaders_donate, roll_forward
 from tpassrun.plan.node_shards import replica_held, sharded_resume
 from tpassrun.plan.resume import ResumeChoice, resume_plan, resume_step
+
+# The records a plan is made of live with every other etcd record; re-exported: they are the planner's words.
+from tpassrun.records import TRANSITIONS, Move, Phase, Report, SlotRef, SwapKind, SwapPlan
 
 __all__ = ["ClusterView", "Decision", "MAX_SEND_ATTEMPTS", "Move", "PHASE_TIMEOUT_S", "Phase", "REPORT_DEADLINE_S",
            "Report", "ResumeChoice", "SILENT", "SlotRef", "SlotView", "SwapKind", "SwapPlan", "TRANSITIONS",

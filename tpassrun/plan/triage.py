@@ -34,16 +34,47 @@ from __future__ import annotations
 import dataclasses
 from typing import Sequence
 
-from tpassrun.records import (HANDLED_COALESCED, HANDLED_RESTART, Failure, Fallback, Phase, SlotRef, SwapKind, SwapPlan,
-                      Taint, TaintEffect, TaintSource)
+from tpassrun.plan.actions import (
+    Action,
+    CasPlan,
+    ClaimFromPool,
+    CreatePlan,
+    PutFailure,
+    PutFallback,
+    PutTaint,
+    RestartGroup,
+    Say,
+    Seen,
+    Triage,
+)
 from tpassrun.plan.multiloss import plan_for_losses
-from tpassrun.plan.swap import (SILENT, ClusterView, Decision, choose_spare, lost_ranks, next_step, node_plan_id,
-                                plan_for_dead_ranks, plan_for_failure, plan_for_node_loss, plan_for_taint)
-from tpassrun.plan.reform import (death_in_reform, donor_view, hand_back, needs, node_lost_in_reform, reform_deaths,
-                            runs_elsewhere)
-from tpassrun.plan.actions import (Action, CasPlan, ClaimFromPool, CreatePlan, PutFailure, PutFallback, PutTaint,
-                                   RestartGroup, Say,
-                             Seen, Triage)
+from tpassrun.plan.reform import death_in_reform, donor_view, hand_back, needs, node_lost_in_reform, reform_deaths, runs_elsewhere
+from tpassrun.plan.swap import (
+    SILENT,
+    ClusterView,
+    Decision,
+    choose_spare,
+    lost_ranks,
+    next_step,
+    node_plan_id,
+    plan_for_dead_ranks,
+    plan_for_failure,
+    plan_for_node_loss,
+    plan_for_taint,
+)
+from tpassrun.records import (
+    HANDLED_COALESCED,
+    HANDLED_RESTART,
+    Failure,
+    Fallback,
+    Phase,
+    SlotRef,
+    SwapKind,
+    SwapPlan,
+    Taint,
+    TaintEffect,
+    TaintSource,
+)
 
 
 def triage(seen: Seen) -> Triage:

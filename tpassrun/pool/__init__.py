@@ -11,10 +11,34 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from tpassrun.pool.etcd import Pool, PoolError
-from tpassrun.pool.plan import (ClaimNode, JobNeed, NodeState, Phase, PoolView, Preempt, Restart, Source, UseOwn, WaitForPool,
-                                plan_job, plan_node)
-from tpassrun.records import (IDLE, POOL_KEY_CONF, SERVING, Claim, HistoryEntry, JobSpec, PoolInfo, PoolKeys, PoolNode, box,
-                              pool_prefix, unbox)
+from tpassrun.pool.plan import (
+    ClaimNode,
+    JobNeed,
+    NodeState,
+    Phase,
+    PoolView,
+    Preempt,
+    Restart,
+    Source,
+    UseOwn,
+    WaitForPool,
+    plan_job,
+    plan_node,
+)
+from tpassrun.records import (
+    IDLE,
+    POOL_KEY_CONF,
+    SERVING,
+    Claim,
+    HistoryEntry,
+    JobSpec,
+    PoolInfo,
+    PoolKeys,
+    PoolNode,
+    box,
+    pool_prefix,
+    unbox,
+)
 
 if TYPE_CHECKING:
     from tpassrun.pool.ctl import main as pool_main

@@ -25,13 +25,11 @@ import time
 import uuid
 from typing import Any, Sequence
 
-from tpassrun.settings import envnames as E
-from tpassrun.records import RunKey, RunKeyError
-from tpassrun.rendezvous import EtcdConfig, EtcdStore, RendezvousError, read_private_file, refuse_inline_secrets
-from tpassrun.rendezvous import DEFAULT_PREFIX
 from tpassrun.pool.etcd import Pool, PoolError
 from tpassrun.pool.plan import PoolView
-from tpassrun.records import MEMBER, POOL_KEY_CONF, HistoryEntry, PoolKeys, PoolNode, pool_prefix
+from tpassrun.records import MEMBER, POOL_KEY_CONF, HistoryEntry, PoolKeys, PoolNode, RunKey, RunKeyError, pool_prefix
+from tpassrun.rendezvous import DEFAULT_PREFIX, EtcdConfig, EtcdStore, RendezvousError, read_private_file, refuse_inline_secrets
+from tpassrun.settings import envnames as E
 
 LEASE_TTL = 10
 _HOST_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
@@ -216,8 +214,8 @@ async def _join(args: argparse.Namespace, etcd: EtcdConfig, conf: dict[str, str]
 
 def _serve_gauges(pool: Pool, port: int, loop: asyncio.AbstractEventLoop) -> Any:
     """Prometheus text at ``http://0.0.0.0:port/metrics``, read from etcd at scrape time (no per-tick cost)."""
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # http.server's name

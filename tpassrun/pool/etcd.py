@@ -15,11 +15,20 @@ from typing import Any
 
 import aetcd
 
-from tpassrun.records import provenance
-from tpassrun.records import (Claim, HistoryEntry, PoolInfo, PoolKeys, PoolNode, PreemptRequest, RecordError, load_sealed,
-                              pool_seal)
-from tpassrun.rendezvous import EtcdStore, LeaseIs, encode_value
 from tpassrun.pool.plan import PoolView
+from tpassrun.records import (
+    Claim,
+    HistoryEntry,
+    PoolInfo,
+    PoolKeys,
+    PoolNode,
+    PreemptRequest,
+    RecordError,
+    load_sealed,
+    pool_seal,
+    provenance,
+)
+from tpassrun.rendezvous import EtcdStore, LeaseIs, encode_value
 
 
 class PoolError(RuntimeError):

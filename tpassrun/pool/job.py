@@ -19,15 +19,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Mapping
 
-from tpassrun.records import provenance
-from tpassrun.settings import envnames as E
-from tpassrun.rendezvous import ETCD_PASSWORD_ENV, EtcdStore, RendezvousError, read_private_file
-from tpassrun.rendezvous import DEFAULT_PREFIX
-from tpassrun.settings import LaunchConfig
 from tpassrun.pool.ctl import pool_key_from
 from tpassrun.pool.etcd import Pool, PoolError
 from tpassrun.pool.plan import ClaimNode, JobNeed, PoolView, Preempt, Restart, UseOwn, WaitForPool, plan_job
-from tpassrun.records import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, PoolNode, PreemptRequest, box, pool_prefix
+from tpassrun.records import POOL_KEY_CONF, Claim, JobSpec, PoolKeys, PoolNode, PreemptRequest, box, pool_prefix, provenance
+from tpassrun.rendezvous import DEFAULT_PREFIX, ETCD_PASSWORD_ENV, EtcdStore, RendezvousError, read_private_file
+from tpassrun.settings import LaunchConfig
+from tpassrun.settings import envnames as E
 
 # secrets and what only makes sense on the host it was set on (a pool node brings its own)
 _NOT_SHIPPED = {E.TPASSRUN_RUN_KEY, E.TPASSRUN_POOL_KEY, ETCD_PASSWORD_ENV, "CUDA_VISIBLE_DEVICES", "HOSTNAME", "PWD",

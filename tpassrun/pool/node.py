@@ -28,13 +28,28 @@ from dataclasses import replace
 from typing import Callable
 
 from tpassrun.launch import inherit_only
-from tpassrun.settings import envnames as E
 from tpassrun.pool.etcd import Pool
-from tpassrun.pool.plan import (PREEMPT_GRACE_S, BecomeIdle, ChildExited, ChildJoined, ChildStarted, ClaimGone, ClaimSeen,
-                                Evict, Keep, NodeEvent, NodeState, Phase, PreemptSeen, Refuse, StartSpare, StopSpare,
-                                plan_node)
-from tpassrun.records import RecordError
-from tpassrun.records import IDLE, MEMBER, SERVING, JobSpec, PoolNode, unbox
+from tpassrun.pool.plan import (
+    PREEMPT_GRACE_S,
+    BecomeIdle,
+    ChildExited,
+    ChildJoined,
+    ChildStarted,
+    ClaimGone,
+    ClaimSeen,
+    Evict,
+    Keep,
+    NodeEvent,
+    NodeState,
+    Phase,
+    PreemptSeen,
+    Refuse,
+    StartSpare,
+    StopSpare,
+    plan_node,
+)
+from tpassrun.records import IDLE, MEMBER, SERVING, JobSpec, PoolNode, RecordError, unbox
+from tpassrun.settings import envnames as E
 
 STOP_GRACE_S = 10.0
 

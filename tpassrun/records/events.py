@@ -244,6 +244,16 @@ class PoolNodeLeft(Event):
 
 
 @dataclass(frozen=True)
+class NodeHandedBack(Event):
+    """The leader handed this node back to the scheduler (``handbacks/<node>``) and its agent left: no loss."""
+
+    NAME: ClassVar[str] = "node_handed_back"
+    lost_node: str
+    sched_node: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class CollectivesBroken(Event):
     NAME: ClassVar[str] = "collectives_broken"
     swap_id: str
@@ -587,6 +597,23 @@ class PoolGivenBack(Event):
     reason: str
 
 
+@dataclass(frozen=True)
+class HandedBackHere(Event):
+    """This node's agent, handed back to the scheduler (``handbacks/<node>``), leaves the job (exit 0)."""
+
+    NAME: ClassVar[str] = "handed_back"
+    reason: str
+
+
+@dataclass(frozen=True)
+class HandBackRefused(Event):
+    """A hand-back asked of a node where ranks still run: the agent stays (the leader asks only once they left)."""
+
+    NAME: ClassVar[str] = "handback_refused"
+    reason: str
+    ranks: list[int]
+
+
 @dataclass(frozen=True, kw_only=True)
 class ReplicasCheckedNoted(Event):
     NAME: ClassVar[str] = "replicas_checked"
@@ -796,7 +823,8 @@ _NAMED: list[type[Event]] = [
     SwapDecided, SwapPhaseChanged, SwapBoundaryReached, SwapShardsRolledBack, SwapTransferStart, SwapTransferEnd,
     SwapTransferFailed, SwapTransferStranger, SwapSendRefused, SwapReformTimings, SwapWorldReformed, SwapResumed,
     SwapAbortedHere, SwapJoinAborted, GenerationCommitted, RankCaughtUp, RecordReplaced, StoreMoved, NodeLost,
-    AgentGone, PoolNodeLeft, CollectivesBroken, RanksRecovered, NodeRecovered, WorkerDied, UserError, FailureDropped,
+    AgentGone, PoolNodeLeft, NodeHandedBack, HandedBackHere, HandBackRefused, CollectivesBroken, RanksRecovered, NodeRecovered,
+    WorkerDied, UserError, FailureDropped,
     SpareReturned, MigrateBackRequested, MirrorBuddy, MirrorPushFailed, MirrorPushRestored,
     AddressLoopback, AgentExit, AgentStarted, EtcdConnectionLost, EtcdConnectionOverdue, EtcdConnectionRestored,
     EtcdHosted, ExceptionCause, FallbackRestart, Fenced, GenerationEnded, GenerationJoined, HangDetected, HangHeld, HealthKill,
@@ -831,7 +859,9 @@ ENVELOPE = ("event", "time", "mono", "node")
 
 __all__ = ["ENVELOPE", "EVENTS", "AgentGone", "CollectivesBroken", "Event", "FailureDropped", "GenerationCommitted",
            "MigrateBackRequested", "MirrorBuddy", "MirrorPushFailed", "MirrorPushRestored", "NodeLost", "NodeRecovered",
-           "PoolNodeLeft", "RankCaughtUp", "RanksRecovered", "RecordReplaced", "Sink", "SpareReturned", "StoreMoved",
+           "HandBackRefused", "HandedBackHere", "NodeHandedBack", "PoolNodeLeft", "RankCaughtUp", "RanksRecovered",
+           "RecordReplaced", "Sink", "SpareReturned",
+           "StoreMoved",
            "SwapAbortedHere", "SwapBoundaryReached", "SwapDecided", "SwapJoinAborted", "SwapPhaseChanged",
            "SwapPlanSeen", "SwapReformTimings", "SwapResumed", "SwapSendRefused", "SwapShardsRolledBack",
            "SwapTransferEnd", "SwapTransferFailed", "SwapTransferStart", "SwapTransferStranger", "SwapWorldReformed",

@@ -1,6 +1,7 @@
 """What went wrong on a node and what the coordinator did about it: ``taints/`` (a slot or rank that must not
 run), ``failures/`` (a managed worker died), ``fallbacks/`` (no live recovery: the node's agent restarts the
-group). Strict versioned types; keys from :class:`tpassrun.records.Keys`.
+group), ``handbacks/`` (a node the scheduler watcher hands back to the scheduler: its agent leaves the job).
+Strict versioned types; keys from :class:`tpassrun.records.Keys`.
 """
 
 from __future__ import annotations
@@ -110,3 +111,18 @@ class Fallback(schema.Record):
     slot: NonNegative | None = None     # the dead worker's slot (torchrun's failure report names it)
 
     SCHEMA: ClassVar[schema.Schema] = record("fallback request")
+
+
+# ---------------------------------------------------------------------------------------------- hand-backs
+@dataclass(frozen=True)
+class HandBack(schema.Record):
+    """``handbacks/<node>``: the leader's scheduler watcher hands this node back to the scheduler (an operator
+    drained it and its ranks have left): its agent, holding no rank, stops its spares and exits 0, and the leader
+    then takes the node out of the job's allocation (``scontrol update JobId= NodeList=``). Kept for the run's
+    life: a node handed back is never counted on again, and its leaving is no loss."""
+
+    node: str                           # the scheduler's name of it (n2)
+    reason: str = field(metadata=wire(missing=""))
+    time: float = 0.0
+
+    SCHEMA: ClassVar[schema.Schema] = record("hand-back")

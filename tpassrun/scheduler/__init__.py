@@ -12,7 +12,7 @@ A Kubernetes plugin would be one more module next to ``slurm`` (see docs/kuberne
 
 from __future__ import annotations
 
-from tpassrun.scheduler.base import NodeState, SchedNode, SchedulerError, SchedulerPlugin
+from tpassrun.scheduler.base import NodeState, SchedJob, SchedNode, SchedulerError, SchedulerPlugin
 from tpassrun.scheduler.slurm import SlurmPlugin, allocation_from_env, expand_hostlist
 from tpassrun.scheduler.watch import SchedulerHost, SchedulerWatch, decide, poll_interval
 
@@ -30,5 +30,5 @@ def watcher_for(host: SchedulerHost) -> SchedulerWatch | None:
     return SchedulerWatch(host, SlurmPlugin(alloc.job_id), alloc.nodes, interval=poll_interval(host.environ))
 
 
-__all__ = ["NodeState", "SchedNode", "SchedulerError", "SchedulerHost", "SchedulerPlugin", "SchedulerWatch",
+__all__ = ["NodeState", "SchedJob", "SchedNode", "SchedulerError", "SchedulerHost", "SchedulerPlugin", "SchedulerWatch",
            "SlurmPlugin", "allocation_from_env", "decide", "expand_hostlist", "watcher_for"]

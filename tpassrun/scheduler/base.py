@@ -8,7 +8,9 @@ Three arrows, each one method:
 * tpassrun -> scheduler: :meth:`SchedulerPlugin.drain` / :meth:`SchedulerPlugin.resume` a node the job found
   unhealthy or lost (so nothing new lands there) and gave back;
 * the job's record: :meth:`SchedulerPlugin.annotate` writes what the job did (its swaps) where an operator of that
-  scheduler looks.
+  scheduler looks;
+* a node handed back: :meth:`SchedulerPlugin.allocation` reads the job's nodes, :meth:`SchedulerPlugin.release`
+  takes nodes the job no longer uses (an operator's drained node whose ranks and agent have left) out of the job.
 
 Every method is blocking (a command line tool or an HTTP call); the watcher calls them off the event loop.
 """
@@ -39,6 +41,14 @@ class SchedNode:
     drain: bool = False  # no new work goes there, whatever the state (Slurm's DOWN+DRAIN: drained and down)
 
 
+@dataclass(frozen=True)
+class SchedJob:
+    """The job's allocation as the scheduler sees it now."""
+
+    nodes: tuple[str, ...]       # the nodes allocated to the job (Slurm's NodeList=), in order
+    batch_host: str = ""         # the node that runs the batch script (Slurm cannot take it out of the job)
+
+
 class SchedulerError(Exception):
     """A scheduler command failed (its one-line message: permission denied, unknown node, ...)."""
 
@@ -65,5 +75,15 @@ class SchedulerPlugin(Protocol):
         """Record ``text`` on the job, replacing what the last call wrote. Raises SchedulerError."""
         ...
 
+    def allocation(self) -> SchedJob:
+        """The job's nodes now. Raises SchedulerError."""
+        ...
 
-__all__ = ["NodeState", "SchedNode", "SchedulerError", "SchedulerPlugin"]
+    def release(self, keep: Sequence[str]) -> None:
+        """Shrink the job's allocation to ``keep`` (a subset of its nodes): the others go back to the scheduler.
+        Only for nodes where no process of the job runs any more (Slurm SIGKILLs what still runs there). Raises
+        SchedulerError."""
+        ...
+
+
+__all__ = ["NodeState", "SchedJob", "SchedNode", "SchedulerError", "SchedulerPlugin"]

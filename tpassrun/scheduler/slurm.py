@@ -8,19 +8,21 @@ backend does). Every value a flag gives wins.
 
 :class:`SlurmPlugin` is the :class:`~tpassrun.scheduler.base.SchedulerPlugin` over ``scontrol``: one
 ``scontrol show node -o`` call for all the job's nodes per poll, ``scontrol update NodeName=`` to drain and resume,
-``scontrol update JobId= Comment=`` for the job's record. The parsers (:func:`expand_hostlist`,
-:func:`parse_nodes`) are pure.
+``scontrol update JobId= Comment=`` for the job's record, ``scontrol show job -o`` and ``scontrol update JobId=
+NodeList=`` to hand a drained node back (the job's allocation shrunk to the others). The parsers
+(:func:`expand_hostlist`, :func:`parse_nodes`, :func:`parse_job`) are pure.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
+from tpassrun.scheduler.base import NodeState, SchedJob, SchedNode, SchedulerError
 from tpassrun.settings import envnames as E
-from tpassrun.scheduler.base import NodeState, SchedNode, SchedulerError
 
 C10D_DEFAULT_PORT = 29400      # torchrun's c10d default; a job's etcd port is this + job id % PORT_SPREAD
 PORT_SPREAD = 1000             # two jobs sharing a first node (shared nodes) get different ports
@@ -130,6 +132,16 @@ def parse_nodes(text: str) -> dict[str, SchedNode]:
     return out
 
 
+def parse_job(text: str) -> SchedJob:
+    """``scontrol show job -o <id>`` -> the job's nodes and batch host. Raises ValueError without a node list."""
+    fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
+    nodes = fields.get("NodeList", "")
+    if not nodes or nodes == "(null)":
+        raise ValueError("the job has no node list (not running?)")
+    host = fields.get("BatchHost", "")
+    return SchedJob(nodes=tuple(expand_hostlist(nodes)), batch_host="" if host == "(null)" else host)
+
+
 def node_addr(line: str) -> str | None:
     m = re.search(r"(?:^|\s)NodeAddr=(\S+)", line)
     return m.group(1) if m else None
@@ -186,9 +198,10 @@ def plan_launch(alloc: Allocation, spare_nodes: int) -> SlurmLaunch:
 
 
 # ------------------------------------------------------------------------------------------- the plugin
-def _scontrol(*args: str) -> str:
+def _scontrol(*args: str, env: Mapping[str, str] | None = None) -> str:
     try:
-        done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S)
+        done = subprocess.run(["scontrol", *args], capture_output=True, text=True, timeout=SCONTROL_TIMEOUT_S,
+                              env=None if env is None else dict(env))
     except (OSError, subprocess.TimeoutExpired) as exc:
         raise SchedulerError(f"scontrol {args[0]}: {exc}") from None
     if done.returncode != 0:
@@ -235,6 +248,18 @@ class SlurmPlugin:
         # what squeue -o %k, scontrol show job and sacct -o Comment show
         _scontrol("update", f"JobId={self.job_id}", "Comment=" + " ".join(text.split())[:COMMENT_MAX])
 
+    def allocation(self) -> SchedJob:
+        try:
+            return parse_job(_scontrol("show", "job", "-o", self.job_id))
+        except ValueError as exc:
+            raise SchedulerError(f"scontrol show job {self.job_id}: {exc}") from None
+
+    def release(self, keep: Sequence[str]) -> None:
+        # Inside a job (SLURM_JOB_ID set) scontrol writes slurm_job_<id>_resize.{sh,csh} into its working directory
+        # after a resize (to re-source in a batch script): not into the user's directory from here
+        env = {k: v for k, v in os.environ.items() if k not in ("SLURM_JOBID", "SLURM_JOB_ID")}
+        _scontrol("update", f"JobId={self.job_id}", f"NodeList={','.join(keep)}", env=env)
+
 
 # ------------------------------------------------------------------------------------------- the command line
 @dataclass(frozen=True)
@@ -276,4 +301,4 @@ def resolve(given: Given, alloc: Allocation | None, spare_nodes: int, *, forced:
 
 
 __all__ = ["Allocation", "Given", "SlurmLaunch", "SlurmPlugin", "allocation_from_env", "expand_hostlist",
-           "node_address", "node_state", "parse_node_line", "parse_nodes", "plan_launch", "resolve"]
+           "node_address", "node_state", "parse_job", "parse_node_line", "parse_nodes", "plan_launch", "resolve"]

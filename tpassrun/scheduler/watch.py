@@ -15,6 +15,13 @@ says what to do:
   reason (``tpassrun: GPU 3: ...``); once nothing taints it any more (``tpassctl untaint``), resumed;
 * a node the run lost, up or down in the scheduler, not drained yet: drained with ``tpassrun: lost by job ...`` (and
   the scheduler's own reason, if it gave one), never resumed by tpassrun; a down it then reports changes nothing;
+* a node an operator drained whose ranks have all left (the migrations done): handed back to the scheduler in two
+  polls: a ``handbacks/<node>`` record asks its agent to leave the job (it stops its spares and exits 0: its task
+  of the job step ends cleanly), and once its agent's registration is gone at two polls in a row the job's
+  allocation is shrunk to the other nodes (``scontrol update JobId= NodeList=``: Slurm shows the node drained, no
+  longer the job's, while the job runs on). The leader's own node too: its agent leaves, another agent leads on
+  (what this one did is in etcd). Never the node that runs the batch script (Slurm refuses), hosts the run's etcd
+  or the workers' store: the console says it stays until the job ends, and why;
 * the job's record (the Slurm job's comment) lists the swaps done so far;
 * each change of a node's state in the scheduler is one ``scheduler_node`` event (the event log's record of what
   the scheduler said, written once that poll's actions are done).
@@ -32,9 +39,9 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
 
+from tpassrun.records import HandBack, Keys, Phase, SwapKind, SwapPlan, Taint, TaintEffect, load
+from tpassrun.scheduler.base import NodeState, SchedJob, SchedNode, SchedulerError, SchedulerPlugin
 from tpassrun.settings import envnames as E
-from tpassrun.records import Keys, Phase, SwapKind, SwapPlan, Taint, TaintEffect, load
-from tpassrun.scheduler.base import NodeState, SchedNode, SchedulerError, SchedulerPlugin
 
 if TYPE_CHECKING:
     from tpassrun.rendezvous import EtcdRendezvous, NodeInfo
@@ -87,6 +94,32 @@ class ResumeNode:
 
 
 @dataclass(frozen=True)
+class HandBackNode:
+    """Ask the agent(s) of an operator's drained node, holding no rank, to leave the job (``handbacks/<id>``)."""
+
+    node: str
+    node_ids: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class ReleaseNodes:
+    """Shrink the job's allocation to ``keep``: ``nodes`` (handed back, their agents gone) leave the job."""
+
+    nodes: tuple[str, ...]
+    keep: tuple[str, ...]
+    reason: str
+
+
+@dataclass(frozen=True)
+class KeepNode:
+    """An operator's drained node whose ranks left stays in the job until it ends (said once per reason)."""
+
+    node: str
+    reason: str
+
+
+@dataclass(frozen=True)
 class Annotate:
     text: str
 
@@ -96,7 +129,8 @@ class Tell:
     text: str
 
 
-SchedulerAction = TaintSlot | DeleteTaints | DeclareLost | Drain | ResumeNode | Annotate | Tell
+SchedulerAction = (TaintSlot | DeleteTaints | DeclareLost | Drain | ResumeNode | HandBackNode | ReleaseNodes | KeepNode
+                   | Annotate | Tell)
 
 
 @dataclass(frozen=True)
@@ -114,7 +148,12 @@ class View:
     job_id: str = ""
     now: float = 0.0
     comment: str | None = None                   # what this leader last wrote on the job (None: nothing yet)
-    refused: frozenset[str] = frozenset()        # drains the scheduler refused (not retried)
+    refused: frozenset[str] = frozenset()        # drains the scheduler refused (not retried); "release:<node>" too
+    job: SchedJob | None = None                  # the job's allocation now (None: not read this poll)
+    handbacks: Mapping[str, HandBack] = field(default_factory=dict)   # node id -> the hand-back asked of it
+    gone: frozenset[str] = frozenset()           # handed-back node ids whose registration was gone at the last poll too
+    etcd_node: str = ""                          # the scheduler's name of the node hosting the run's etcd
+    store_host: str | None = None                # the node id running the workers' store
 
 
 def slurm_taint_id(node_id: str, slot: int) -> str:
@@ -138,20 +177,25 @@ def decide(view: View) -> list[SchedulerAction]:
     ours = [t for t in view.taints if t.source == SOURCE]
     for name, node in sorted(view.sched.items()):
         node_ids = sorted(ids_of.get(name, []))
+        handed = bool(node_ids) and all(n in view.handbacks for n in node_ids)
         drained_by_us = node.reason.startswith(OURS)
         if node.state is NodeState.DRAIN and not drained_by_us:
-            out += _migrate_off(view, name, node, node_ids, ours)
+            moving = _migrate_off(view, name, node, node_ids, ours)
+            out += moving or _hand_back(view, name, node, node_ids)
         elif node.state is NodeState.DOWN:
             for node_id in node_ids:
-                if node_id in view.counted and node_id not in view.lost:
+                if node_id in view.counted and node_id not in view.lost and node_id not in view.handbacks:
                     out.append(DeclareLost(name, node_id, f"{view.scheduler} marks {name} {node.raw_state or 'down'} "
                                                           f"({_asked(node)}): declared lost now"))
         elif node.state is NodeState.UP:
             back = tuple(sorted(t.id for t in ours if t.node_id in node_ids))
             if back:
                 out.append(DeleteTaints(name, back))
-                out.append(Tell(f"{view.scheduler} resumed {name}: its slots serve as spares again"))
-        out += _tell_scheduler(view, name, node, node_ids)
+                out.append(Tell(f"{view.scheduler} resumed {name}: " + (
+                    f"handed back to {view.scheduler} before, it is no longer the job's" if handed
+                    else "its slots serve as spares again")))
+        out += _tell_scheduler(view, name, node, [n for n in node_ids if n not in view.handbacks])
+    out += _release(view)
     text = job_comment(view.swaps)
     if text and text != view.comment:
         out.append(Annotate(text))
@@ -182,6 +226,41 @@ def _migrate_off(view: View, name: str, node: SchedNode, node_ids: Sequence[str]
         what = f"moving rank(s) {', '.join(map(str, sorted(moved)))} to spares" if moved else "its spares set aside"
         out.insert(0, Tell(f"{view.scheduler} drained {name} {_asked(node)}: {what}"))
     return out
+
+
+def _hand_back(view: View, name: str, node: SchedNode, node_ids: Sequence[str]) -> list[SchedulerAction]:
+    """An operator's drained node, its migrate taints written: once no rank runs there and no swap is under way,
+    its agents are asked to leave the job (or it stays, and the console says why)."""
+    live = tuple(n for n in node_ids if n in view.agents and n not in view.lost)
+    if (not live or any(n in view.handbacks for n in node_ids) or view.job is None or name not in view.job.nodes
+            or any(n in live for n, _slot in view.homes.values()) or any(not p.terminal for p in view.swaps)):
+        return []
+    sched = view.scheduler
+    why = ("it runs the job's batch script (Slurm cannot take the batch host out of a job)"
+           if name == view.job.batch_host else
+           "it hosts the run's etcd" if name == view.etcd_node else
+           "it runs the workers' store" if view.store_host in live else "")
+    if why:
+        return [KeepNode(name, f"{sched} drained {name}: no rank runs there any more, but it stays in the job until "
+                               f"the job ends: {why}")]
+    return [HandBackNode(name, live, f"{sched} drained {name} {_asked(node)}; no rank runs there any more")]
+
+
+def _release(view: View) -> list[SchedulerAction]:
+    """Handed-back nodes whose agents are gone (their registrations absent at two polls in a row: the process has
+    exited, so Slurm kills nothing) leave the job's allocation, all in one update."""
+    if view.job is None:
+        return []
+    by_name: dict[str, list[str]] = {}
+    for node_id, hb in view.handbacks.items():
+        by_name.setdefault(hb.node, []).append(node_id)
+    names = tuple(sorted(name for name, ids in by_name.items()
+                         if name in view.job.nodes and f"release:{name}" not in view.refused
+                         and all(n not in view.agents and n in view.gone for n in ids)))
+    keep = tuple(n for n in view.job.nodes if n not in names)
+    if not names or not keep:
+        return []
+    return [ReleaseNodes(names, keep, f"{', '.join(names)}: drained, no rank or agent of the job there any more")]
 
 
 def _tell_scheduler(view: View, name: str, node: SchedNode, node_ids: Sequence[str]) -> list[SchedulerAction]:
@@ -243,6 +322,8 @@ class SchedulerWatch:
     refused: set[str] = field(default_factory=set)
     seen: dict[str, str] = field(default_factory=dict)   # node -> the scheduler's state last logged
     annotate_failing: str = ""
+    kept: set[str] = field(default_factory=set)          # KeepNode reasons said
+    gone: set[str] = field(default_factory=set)          # handed-back node ids absent at the last poll
     _failing: str = ""
 
     async def run(self) -> None:
@@ -279,13 +360,28 @@ class SchedulerWatch:
                   if (t := load(Taint.from_json, k, d, r)) is not None]
         swaps = [p for k, d, r in await rdzv.store.get_prefix_json(keys.family("swaps"))
                  if (p := load(SwapPlan.from_json, k, d, r)) is not None]
+        handbacks = {keys.last(k): hb for k, d, r in await rdzv.store.get_prefix_json(keys.family("handbacks"))
+                     if (hb := load(HandBack.from_json, k, d, r)) is not None}
         gen = rdzv.generation
         agents = {info.node_id: info for info in await rdzv.registrations()}
+        job = None
+        if handbacks or any(n.drain and not n.reason.startswith(OURS) for n in sched.values()):
+            job = await asyncio.to_thread(self.plugin.allocation)
+        absent = {n for n in handbacks if n not in agents}
+        gone, self.gone = frozenset(absent & self.gone), absent
+        store_host = None
+        if gen is not None:
+            moved = sorted((p for p in swaps if p.phase is Phase.DONE and p.store_host and p.generation >= gen.formed),
+                           key=lambda p: p.history[0][1] if p.history else 0.0)
+            store_host = moved[-1].store_host if moved else next(
+                (m.node_id for m in gen.members if m.group_rank == 0), None)
         return View(sched=sched, agents=agents, homes=gen.homes() if gen else {},
                     lost=frozenset(gen.lost if gen else ()),
                     counted=frozenset((*gen.member_ids, *gen.spare_nodes) if gen else ()),
                     taints=taints, swaps=swaps, scheduler=self.plugin.name, job_id=self.plugin.job_id,
-                    now=time.time(), comment=self.comment, refused=frozenset(self.refused))
+                    now=time.time(), comment=self.comment, refused=frozenset(self.refused), job=job,
+                    handbacks=handbacks, gone=gone, etcd_node=self.job_nodes[0] if self.job_nodes else "",
+                    store_host=store_host)
 
     async def apply(self, action: SchedulerAction) -> None:
         rdzv, events, name = self.host.rdzv, self.host.events, self.plugin.name
@@ -320,6 +416,30 @@ class SchedulerWatch:
             self.refused.discard(action.node)
             verb = "drained" if isinstance(action, Drain) else "resumed"
             events.write("scheduler_event", message=f"{verb} {action.node} in {name}: {action.reason}")
+        elif isinstance(action, KeepNode):
+            if action.reason not in self.kept:
+                self.kept.add(action.reason)
+                events.write("scheduler_event", message=action.reason)
+        elif isinstance(action, HandBackNode):
+            for node_id in action.node_ids:
+                record = HandBack(node=action.node, reason=action.reason, time=time.time())
+                await rdzv.store.create_json(keys.handback(node_id), record.to_json())
+            events.write("scheduler_event", message=f"handing {action.node} back to {name}: {action.reason}: its "
+                                                    "agent leaves the job", sched_node=action.node,
+                         node_ids=list(action.node_ids))
+        elif isinstance(action, ReleaseNodes):
+            try:
+                await asyncio.to_thread(self.plugin.release, action.keep)
+            except SchedulerError as exc:
+                self.refused.update(f"release:{n}" for n in action.nodes)
+                events.write("scheduler_event", message=f"{name} refused to take {', '.join(action.nodes)} out of "
+                                                        f"the job ({exc}); they stay allocated to it until it ends "
+                                                        f"(an administrator can run: scontrol update "
+                                                        f"JobId={self.plugin.job_id} NodeList={','.join(action.keep)})")
+                return
+            events.write("scheduler_released", nodes=list(action.nodes), keep=list(action.keep),
+                         message=f"handed {', '.join(action.nodes)} back to {name}: the job runs on "
+                                 f"{', '.join(action.keep)} ({action.reason})")
         elif isinstance(action, Annotate):
             try:
                 await asyncio.to_thread(self.plugin.annotate, action.text)
@@ -349,6 +469,7 @@ def poll_interval(environ: Mapping[str, str]) -> float:
     return value if value > 0 else DEFAULT_POLL_S
 
 
-__all__ = ["SchedulerAction", "Annotate", "DeclareLost", "DeleteTaints", "Drain", "TaintSlot", "ResumeNode", "Tell",
+__all__ = ["SchedulerAction", "Annotate", "DeclareLost", "DeleteTaints", "Drain", "HandBackNode", "KeepNode", "ReleaseNodes",
+           "TaintSlot", "ResumeNode", "Tell",
            "SchedulerHost", "SchedulerWatch", "View", "decide", "job_comment", "poll_interval", "short",
            "slurm_taint_id"]

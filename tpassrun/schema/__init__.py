@@ -4,8 +4,21 @@
 
 from __future__ import annotations
 
-from tpassrun.schema.codec import (Address, Max, Min, NonNegative, OneOf, Port, Positive, Record, Schema, SchemaError,
-                                   dump, load, wire)
+from tpassrun.schema.codec import (
+                                   Address,
+                                   Max,
+                                   Min,
+                                   NonNegative,
+                                   OneOf,
+                                   Port,
+                                   Positive,
+                                   Record,
+                                   Schema,
+                                   SchemaError,
+                                   dump,
+                                   load,
+                                   wire,
+)
 
 __all__ = ["Address", "Max", "Min", "NonNegative", "OneOf", "Port", "Positive", "Record", "Schema", "SchemaError",
            "dump", "load", "wire"]

@@ -13,8 +13,7 @@ import time
 from collections.abc import Iterable, Mapping, Sequence
 
 from tpassrun.launch import inherit_only
-from tpassrun.snapshot.plan import (Availability, criu_candidates, dump_argv, first_usable, judge, lock_ruleset,
-                                    restore_argv)
+from tpassrun.snapshot.plan import Availability, criu_candidates, dump_argv, first_usable, judge, lock_ruleset, restore_argv
 
 PROBE_TIMEOUT_S = 20.0
 CRIU_TIMEOUT_S = 120.0

@@ -16,8 +16,22 @@ from typing import Any
 import torch.distributed as dist
 
 from tpassrun.store import wire
-from tpassrun.store.wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE, GET, MULTI_GET, MULTI_SET, NUM_KEYS, OK, PING, SET,
-                   TIMEOUT, WAIT)
+from tpassrun.store.wire import (
+    ADD,
+    APPEND,
+    CHECK,
+    COMPARE_SET,
+    DELETE,
+    GET,
+    MULTI_GET,
+    MULTI_SET,
+    NUM_KEYS,
+    OK,
+    PING,
+    SET,
+    TIMEOUT,
+    WAIT,
+)
 
 CONNECT_RETRY_S = 0.05
 

@@ -23,11 +23,25 @@ import threading
 import time
 from typing import Any, Callable
 
-from tpassrun.transfer import AuthError
-from tpassrun.transfer import HANDSHAKE_DEADLINE_S, PendingTable, source_of
 from tpassrun.store import wire
-from tpassrun.store.wire import (ADD, APPEND, CHECK, COMPARE_SET, DELETE, ERROR, GET, MULTI_GET, MULTI_SET, NUM_KEYS, OK, PING,
-                   SET, TIMEOUT, WAIT)
+from tpassrun.store.wire import (
+    ADD,
+    APPEND,
+    CHECK,
+    COMPARE_SET,
+    DELETE,
+    ERROR,
+    GET,
+    MULTI_GET,
+    MULTI_SET,
+    NUM_KEYS,
+    OK,
+    PING,
+    SET,
+    TIMEOUT,
+    WAIT,
+)
+from tpassrun.transfer import HANDSHAKE_DEADLINE_S, AuthError, PendingTable, source_of
 
 log = logging.getLogger("tpassrun.store")
 

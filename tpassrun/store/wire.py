@@ -22,7 +22,7 @@ import time
 from typing import Sequence
 
 from tpassrun.transfer import ACCEPT, HELLO, PROOF, ConnectorHandshake, ListenerHandshake, TransferAuth
-from tpassrun.transfer import AuthError as AuthError   # what every function here raises on a bad peer
+from tpassrun.transfer import AuthError as AuthError  # what every function here raises on a bad peer
 
 MAGIC = b"TPST"
 PURPOSE = "store"

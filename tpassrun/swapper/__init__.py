@@ -24,22 +24,55 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tpassrun.records import (AgentGone, FailureDropped, MigrateBackRequested, NodeLost, PoolNodeLeft, SpareReturned,
-                              SwapPlanSeen, SwapResumed, UserError, WorkerDied, emit)
+from tpassrun.channel import STOP_NOW, Failed, Field, Raise, Reserve, Slot, SlotState, WorkerPhase
+from tpassrun.plan import Phase, SwapKind, classify_death, recoverable
+from tpassrun.records import (
+    AgentGone,
+    Failure,
+    FailureDropped,
+    Fallback,
+    HandBack,
+    Keys,
+    MigrateBackRequested,
+    NodeHandedBack,
+    NodeLost,
+    PoolNodeLeft,
+    Report,
+    SpareReturned,
+    SwapPlan,
+    SwapPlanSeen,
+    SwapResumed,
+    Taint,
+    TaintEffect,
+    TaintSource,
+    UserError,
+    WorkerDied,
+    emit,
+    load,
+    seal,
+)
 from tpassrun.swapper import shardplane
-from tpassrun.channel import STOP_NOW, Field, WorkerPhase
+from tpassrun.swapper.agentport import (
+    AgentEvent,
+    AgentPort,
+    EventSink,
+    FallbackRequested,
+    HandedBack,
+    HealthHost,
+    HealthRestartRequested,
+    LeaseLost,
+    RendezvousChanged,
+    SignalReceived,
+    SpawnFailed,
+    StatusHost,
+    SwapSettings,
+    WorkerExited,
+    WorkerSaid,
+    annotated,
+)
 from tpassrun.swapper.coordinator import Coordinator
-from tpassrun.plan import classify_death, recoverable
-from tpassrun.swapper.nodeswap import NodePlans
-from tpassrun.swapper.agentport import (AgentEvent, AgentPort, EventSink, FallbackRequested, HealthHost,
-                                       HealthRestartRequested, LeaseLost, RendezvousChanged, SignalReceived, SpawnFailed,
-                                       StatusHost, SwapSettings, WorkerExited, WorkerSaid, annotated)
 from tpassrun.swapper.mirrorplane import MirrorPlane
-from tpassrun.channel import Failed, Raise, Reserve
-from tpassrun.records import seal
-from tpassrun.records import Failure, Fallback, Keys, Report, SwapPlan, Taint, TaintEffect, TaintSource, load
-from tpassrun.channel import Slot, SlotState
-from tpassrun.plan import Phase, SwapKind
+from tpassrun.swapper.nodeswap import NodePlans
 from tpassrun.swapper.phases import Phases
 from tpassrun.swapper.ranks import LocalRanks
 
@@ -192,7 +225,12 @@ class Swapper:
         or restarts the group saying why; a node that held no ranks (an idle spare node) costs nothing. A pool
         node's spare node the job gave back leaves as expected, and is said so."""
         pool = self.coordinator.pool
-        if pool is not None and node_id in pool.given_back:
+        key = self._keys.handback(node_id)
+        doc, rev = await self._store.get_json(key)
+        handback = load(HandBack.from_json, key, doc, rev) if doc is not None else None
+        if handback is not None:       # handed back to the scheduler, holding no rank: no loss
+            emit(self.port.events, NodeHandedBack(lost_node=node_id, sched_node=handback.node, reason=handback.reason))
+        elif pool is not None and node_id in pool.given_back:
             emit(self.port.events, PoolNodeLeft(lost_node=node_id, pool=pool.name, pool_node=pool.given_back.pop(node_id)))
         else:
             emit(self.port.events, NodeLost(lost_node=node_id))
@@ -274,6 +312,7 @@ class Swapper:
             tg.create_task(self.coordinator.run())
             tg.create_task(self._follow_taint_removals())
             tg.create_task(self._follow_fallbacks())
+            tg.create_task(self._follow_handback())
 
     async def _follow_plans(self) -> None:
         prefix = self._keys.family("swaps")
@@ -378,6 +417,18 @@ class Swapper:
             dead = self._slots.slots[index] if index is not None and index < len(self._slots.slots) else None
             self.port.post(FallbackRequested(fallback.reason, dead))
 
+    async def _follow_handback(self) -> None:
+        """The leader's scheduler watcher hands this node back to the scheduler (``handbacks/<node>``): the agent
+        leaves the job (see :class:`~tpassrun.swapper.agentport.HandedBack`)."""
+        key = self._keys.handback(self.port.node_id)
+        doc, rev, header = await self._store.read_json(key)     # written before this generation's watch began
+        if doc is not None and (handback := load(HandBack.from_json, key, doc, rev)) is not None:
+            self.port.post(HandedBack(handback.reason))
+        async for ev in self._store.watch_key(key, header + 1):
+            handback = load(HandBack.from_json, key, ev.value, ev.mod_revision) if ev.kind == "put" else None
+            if handback is not None:
+                self.port.post(HandedBack(handback.reason))
+
     async def _follow_taint_removals(self) -> None:
         """``tpassctl untaint``: a quarantined slot of this node goes back to the spare pool."""
         async for ev in self._store.watch_prefix(self._keys.family("taints")):
@@ -413,7 +464,8 @@ class Swapper:
 
 __all__ = ["DEATHS_TO_QUARANTINE", "DEATH_WINDOW_S", "FAILED_STEP_GRACE_S", "Swapper", "me_in", "shardplane",
            # what the swapper sees of its agent, and what the agent tells it (tpassrun.swapper.agentport)
-           "AgentEvent", "AgentPort", "EventSink", "FallbackRequested", "HealthHost", "HealthRestartRequested", "LeaseLost",
+           "AgentEvent", "AgentPort", "EventSink", "FallbackRequested", "HandedBack", "HealthHost",
+           "HealthRestartRequested", "LeaseLost",
            "RendezvousChanged", "SignalReceived", "SpawnFailed", "StatusHost", "SwapSettings", "WorkerExited",
            "WorkerSaid", "annotated",
            # the agent's mirror plane (tpassrun.swapper.mirrorplane)

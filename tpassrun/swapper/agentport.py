@@ -28,10 +28,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Awaitable, Callable, Protocol, Union, overload
 
 if TYPE_CHECKING:
-    from tpassrun.channel import Done, Failed, Hello, Raised
-    from tpassrun.settings import LaunchConfig
+    from tpassrun.channel import Done, Failed, Hello, LocalSlots, Raised, Slot
     from tpassrun.rendezvous import EtcdRendezvous, Generation, RdzvEvent
-    from tpassrun.channel import LocalSlots, Slot
+    from tpassrun.settings import LaunchConfig
 
 
 # --------------------------------------------------------------------------------------------- agent events
@@ -86,8 +85,16 @@ class LeaseLost:
     reason: str
 
 
+@dataclass(frozen=True)
+class HandedBack:
+    """The leader hands this node back to the scheduler (``handbacks/<node>``): holding no rank, the agent stops its
+    spares and exits 0 (its part of the scheduler's job step ends cleanly)."""
+
+    reason: str
+
+
 AgentEvent = Union[SignalReceived, SpawnFailed, WorkerExited, WorkerSaid, RendezvousChanged, FallbackRequested,
-                   HealthRestartRequested, LeaseLost]
+                   HealthRestartRequested, LeaseLost, HandedBack]
 
 
 # --------------------------------------------------------------------------------------------- the port
@@ -190,6 +197,6 @@ class StatusHost(Protocol):
     def generation(self) -> "Generation | None": ...
 
 
-__all__ = ["AgentEvent", "AgentPort", "annotated", "EventSink", "HealthHost", "StatusHost", "FallbackRequested",
+__all__ = ["AgentEvent", "AgentPort", "annotated", "EventSink", "HealthHost", "StatusHost", "FallbackRequested", "HandedBack",
            "HealthRestartRequested", "LeaseLost",
            "RendezvousChanged", "SignalReceived", "SpawnFailed", "SwapSettings", "WorkerExited", "WorkerSaid"]

@@ -17,15 +17,51 @@ import secrets
 import time
 from typing import TYPE_CHECKING, Any, Callable, Mapping
 
-from tpassrun.records import GenerationCommitted, RecordReplaced, StoreMoved, SwapDecided, SwapPhaseChanged, emit
-from tpassrun.swapper.agentport import AgentPort, HealthRestartRequested, annotated
-from tpassrun.records import seal
-from tpassrun.records import (Failure, Keys, NodeStatus, RecordError, Report, SwapKind, SwapPlan, Taint, TaintEffect,
-                              TaintSource, load, node_info)
+from tpassrun.plan import (
+    REPORT_DEADLINE_S,
+    Action,
+    CasPlan,
+    ClaimFromPool,
+    ClusterView,
+    CreatePlan,
+    Decision,
+    GiveBack,
+    MoveHome,
+    Phase,
+    PutFailure,
+    PutFallback,
+    PutTaint,
+    RestartGroup,
+    Say,
+    Seen,
+    SlotView,
+    plan_give_back,
+    seen_ranks,
+    triage,
+)
+from tpassrun.records import (
+    Failure,
+    GenerationCommitted,
+    Keys,
+    NodeStatus,
+    RecordError,
+    RecordReplaced,
+    Report,
+    StoreMoved,
+    SwapDecided,
+    SwapKind,
+    SwapPhaseChanged,
+    SwapPlan,
+    Taint,
+    TaintEffect,
+    TaintSource,
+    emit,
+    load,
+    node_info,
+    seal,
+)
 from tpassrun.rendezvous import GenState, NodeInfo
-from tpassrun.plan import (REPORT_DEADLINE_S, Action, CasPlan, ClaimFromPool, ClusterView, CreatePlan, Decision, GiveBack,
-                           MoveHome, Phase, PutFailure, PutFallback, PutTaint, RestartGroup, Say, Seen, SlotView,
-                           plan_give_back, seen_ranks, triage)
+from tpassrun.swapper.agentport import AgentPort, HealthRestartRequested, annotated
 
 if TYPE_CHECKING:
     from tpassrun.pool import JobPool

@@ -30,17 +30,24 @@ import time
 import zlib
 from typing import TYPE_CHECKING, Any, Iterable
 
-from tpassrun.records import MirrorBuddy, MirrorPushFailed, MirrorPushRestored, emit
-from tpassrun.channel import Field
-from tpassrun.mirror import (DEFAULT_MAX_BYTES, MirrorClient, MirrorError, MirrorServer, MirrorStore, MirrorTarget, copies_of,
-                     ensure_mirror_key, ring_nodes)
-from tpassrun.channel import MirrorInfo
-from tpassrun.records import Keys, load, node_info
+from tpassrun.channel import Field, MirrorInfo
+from tpassrun.mirror import (
+    DEFAULT_MAX_BYTES,
+    MirrorClient,
+    MirrorError,
+    MirrorServer,
+    MirrorStore,
+    MirrorTarget,
+    copies_of,
+    ensure_mirror_key,
+    ring_nodes,
+)
+from tpassrun.records import Keys, MirrorBuddy, MirrorPushFailed, MirrorPushRestored, emit, load, node_info
 
 if TYPE_CHECKING:
-    from tpassrun.swapper.agentport import AgentPort
-    from tpassrun.rendezvous import Generation
     from tpassrun.channel import Slot
+    from tpassrun.rendezvous import Generation
+    from tpassrun.swapper.agentport import AgentPort
 
 log = logging.getLogger(__name__)
 

@@ -23,14 +23,38 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from tpassrun.records import (CollectivesBroken, NodeRecovered, RanksRecovered, SwapAbortedHere, SwapReformTimings,
-                              SwapSendRefused, SwapTransferEnd, SwapTransferFailed, SwapTransferStart, SwapWorldReformed, emit)
-from tpassrun.swapper import shardplane
-from tpassrun.channel import INT64_MAX, WorkerPhase
-from tpassrun.channel import Abort, Light, LightOk, MirrorSource, Received, Reform, SendState, WorldSpec
-from tpassrun.records import Move, Phase, Report, SwapPlan
-from tpassrun.channel import SlotState
+from tpassrun.channel import (
+    INT64_MAX,
+    Abort,
+    Light,
+    LightOk,
+    MirrorSource,
+    Received,
+    Reform,
+    SendState,
+    SlotState,
+    WorkerPhase,
+    WorldSpec,
+)
 from tpassrun.plan import PHASE_TIMEOUT_S, transfer_key, world_prefix
+from tpassrun.records import (
+    CollectivesBroken,
+    Move,
+    NodeRecovered,
+    Phase,
+    RanksRecovered,
+    Report,
+    SwapAbortedHere,
+    SwapPlan,
+    SwapReformTimings,
+    SwapSendRefused,
+    SwapTransferEnd,
+    SwapTransferFailed,
+    SwapTransferStart,
+    SwapWorldReformed,
+    emit,
+)
+from tpassrun.swapper import shardplane
 
 if TYPE_CHECKING:
     from tpassrun.channel import LocalSlots

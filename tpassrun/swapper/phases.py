@@ -15,19 +15,53 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
-from tpassrun.records import (SwapAbortedHere, SwapBoundaryReached, SwapJoinAborted, SwapReformTimings, SwapSendRefused,
-                              SwapShardsRolledBack, SwapTransferEnd, SwapTransferFailed, SwapTransferStart, SwapWorldReformed,
-                              emit)
+from tpassrun.channel import (
+    INT64_MAX,
+    STOP_NOW,
+    Abort,
+    AbortJoin,
+    Assign,
+    Exit,
+    Field,
+    Light,
+    LightOk,
+    Listening,
+    LocalSlots,
+    MirrorSource,
+    Received,
+    Reform,
+    Reformed,
+    Resume,
+    SendState,
+    Slot,
+    SlotState,
+    WorkerPhase,
+    WorldSpec,
+)
+from tpassrun.plan import PHASE_TIMEOUT_S, ClusterView, Phase, SlotRef, SwapKind, of_attempt, world_prefix
+from tpassrun.plan import transfer_key as _transfer_key
+from tpassrun.records import (
+    Keys,
+    Move,
+    Report,
+    SwapAbortedHere,
+    SwapBoundaryReached,
+    SwapJoinAborted,
+    SwapPlan,
+    SwapReformTimings,
+    SwapSendRefused,
+    SwapShardsRolledBack,
+    SwapTransferEnd,
+    SwapTransferFailed,
+    SwapTransferStart,
+    SwapWorldReformed,
+    emit,
+    load,
+    node_info,
+)
 from tpassrun.swapper import shardplane
-from tpassrun.channel import INT64_MAX, STOP_NOW, Field, WorkerPhase
 from tpassrun.swapper.agentport import AgentPort, FallbackRequested
 from tpassrun.swapper.ranks import LocalRanks
-from tpassrun.channel import (Abort, AbortJoin, Assign, Exit, Light, LightOk, Listening, MirrorSource, Received, Reform,
-                       Reformed, Resume, SendState, WorldSpec)
-from tpassrun.records import Keys, Move, Report, SwapPlan, load, node_info
-from tpassrun.channel import LocalSlots, Slot, SlotState
-from tpassrun.plan import (PHASE_TIMEOUT_S, ClusterView, Phase, SlotRef, SwapKind, of_attempt,
-                           transfer_key as _transfer_key, world_prefix)
 
 if TYPE_CHECKING:
     from tpassrun.rendezvous import EtcdStore

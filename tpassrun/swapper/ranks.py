@@ -11,11 +11,9 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from tpassrun.records import RankCaughtUp, SwapTransferStranger, emit
-from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel import CatchUp, Listening, Received, Stranger
+from tpassrun.channel import CatchUp, Field, Listening, Received, Stranger, WorkerPhase
 from tpassrun.plan import PHASE_TIMEOUT_S, Phase, SwapKind, of_attempt, transfer_key
-from tpassrun.records import Keys, Move, SwapPlan, load
+from tpassrun.records import Keys, Move, RankCaughtUp, SwapPlan, SwapTransferStranger, emit, load
 
 if TYPE_CHECKING:
     from tpassrun.channel import LocalSlots, Slot

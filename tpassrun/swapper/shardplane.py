@@ -20,14 +20,12 @@ import asyncio
 import logging
 from typing import TYPE_CHECKING, Any, Iterable
 
-from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel import MirrorSource, ShardRolledBack, ShardRollback
+from tpassrun.channel import Field, MirrorSource, ShardRollback, ShardRolledBack, WorkerPhase
 
 if TYPE_CHECKING:
-    from tpassrun.channel import ChannelFile
-    from tpassrun.swapper.agentport import AgentPort
+    from tpassrun.channel import ChannelFile, LocalSlots, Slot
     from tpassrun.records import SwapPlan
-    from tpassrun.channel import LocalSlots, Slot
+    from tpassrun.swapper.agentport import AgentPort
 
 log = logging.getLogger(__name__)
 

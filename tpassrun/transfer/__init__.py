@@ -12,9 +12,25 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tpassrun.transfer.auth import (ACCEPT, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, HELLO, PROOF, TAG_LEN, AuthError,
-                                        ChecksumError, ConnectorHandshake, FrameCipher, FrameMac, HandoffError,
-                                        ListenerHandshake, TransferAuth, aead_unavailable_reason, encryption_wanted)
+    from tpassrun.transfer.auth import (
+        ACCEPT,
+        AEAD_TAG_LEN,
+        FLAG_ENCRYPT,
+        FLAG_GMAC,
+        HELLO,
+        PROOF,
+        TAG_LEN,
+        AuthError,
+        ChecksumError,
+        ConnectorHandshake,
+        FrameCipher,
+        FrameMac,
+        HandoffError,
+        ListenerHandshake,
+        TransferAuth,
+        aead_unavailable_reason,
+        encryption_wanted,
+    )
     from tpassrun.transfer.codec import TreeEncoder, decode_tree, dtype_from_name
     from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, HandshakeGate, PendingTable, source_of
     from tpassrun.transfer.light import LightSnapshotter

@@ -33,16 +33,16 @@ from typing import Any
 
 import torch
 
+# the codec's errors, torch-free, so the agent's mirror store (which never imports torch) raises the same errors
+from tpassrun.transfer.auth import ChecksumError as ChecksumError
+from tpassrun.transfer.auth import HandoffError as HandoffError
+
 try:  # numpy is optional: without it numpy leaves are simply never produced
     import numpy as np
 except ImportError:  # pragma: no cover - numpy ships with every torch wheel we support
     np = None  # type: ignore[assignment]
 
 META_VERSION = 1
-
-
-# torch-free, so the agent's mirror store (which never imports torch) raises the same errors
-from tpassrun.transfer.auth import ChecksumError as ChecksumError, HandoffError as HandoffError  # noqa: E402 - the codec's errors
 
 
 @dataclass

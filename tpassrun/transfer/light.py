@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from tpassrun.transfer.handoff import RNG_VERSION, capture, decode_small, encode_small
 from tpassrun.transfer.codec import ChecksumError, StateBundle, decode_tree
+from tpassrun.transfer.handoff import RNG_VERSION, capture, decode_small, encode_small
 
 try:  # optional: numpy is not a dependency. Without it there is no numpy generator to carry.
     import numpy as np

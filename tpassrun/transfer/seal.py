@@ -22,10 +22,19 @@ import struct
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
+from tpassrun.transfer.auth import (  # noqa: F401
+    AEAD_NAME,
+    AEAD_TAG_LEN,
+    FLAG_ENCRYPT,
+    FLAG_GMAC,
+    TAG_LEN,
+    FrameCipher,  # re-exported
+    FrameMac,
+    aead_unavailable_reason,
+    encryption_wanted,
+)
 from tpassrun.transfer.codec import ChecksumError, HandoffError, StateBundle
 from tpassrun.transfer.frame import _END_MAGIC, _PREFIX_LEN, _allocate_all, _Frame, _frames, _SocketReader
-from tpassrun.transfer.auth import (AEAD_NAME, AEAD_TAG_LEN, FLAG_ENCRYPT, FLAG_GMAC, TAG_LEN,  # noqa: F401
-                                    FrameCipher, FrameMac, aead_unavailable_reason, encryption_wanted)  # re-exported
 
 _FRAME_INDEX = struct.Struct("<QQ")           # frame number, frame length
 _AUTH_TRAILER = struct.Struct("<4sQQ")         # end magic, data length, frame count

@@ -53,18 +53,61 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from tpassrun.transfer import gmac
+from tpassrun.transfer.auth import (
+    ACCEPT,
+    AEAD_NAME,
+    AEAD_TAG_LEN,
+    FLAG_GMAC,
+    HELLO,
+    PROOF,
+    TAG_LEN,
+    AuthError,
+    ConnectorHandshake,
+    FrameCipher,
+    FrameMac,
+    ListenerHandshake,
+    TransferAuth,
+    encryption_wanted,
+)
 from tpassrun.transfer.codec import ChecksumError, HandoffError, StateBundle
-from tpassrun.transfer.frame import (_DEFAULT_CHUNK, _END_MAGIC, _MAX_HEAD_BYTES, _PREFIX_LEN, _STREAM_CHECKSUM, _TRAILER,
-                            _allocate_all, _encode_head, _Frame, _frames, _new_checksum, _outgoing, _parse_head,
-                            _Pipelined, _read_frame, _read_prefix, _SocketReader, decode_small, encode_parts, encode_small,
-                            reserve_receive_arena, reserved_receive_bytes)
-from tpassrun.transfer.auth import (ACCEPT, AEAD_NAME, AEAD_TAG_LEN, FLAG_GMAC, HELLO, PROOF, TAG_LEN, AuthError,
-                       ConnectorHandshake, FrameCipher, FrameMac, ListenerHandshake, TransferAuth, encryption_wanted)
-from tpassrun.transfer.quiet import Throttle, held_note
+from tpassrun.transfer.frame import (
+    _DEFAULT_CHUNK,
+    _END_MAGIC,
+    _MAX_HEAD_BYTES,
+    _PREFIX_LEN,
+    _STREAM_CHECKSUM,
+    _TRAILER,
+    _allocate_all,
+    _encode_head,
+    _Frame,
+    _frames,
+    _new_checksum,
+    _outgoing,
+    _parse_head,
+    _Pipelined,
+    _read_frame,
+    _read_prefix,
+    _SocketReader,
+    decode_small,
+    encode_parts,
+    encode_small,
+    reserve_receive_arena,
+    reserved_receive_bytes,
+)
 from tpassrun.transfer.gate import HANDSHAKE_DEADLINE_S, HandshakeGate
+from tpassrun.transfer.quiet import Throttle, held_note
+from tpassrun.transfer.seal import (  # noqa: F401
+    _AUTH_TRAILER,
+    _MAC_THREADS,
+    SEALED_FRAME_BYTES,
+    _tag,
+    listener_flags,
+    open_head,
+    read_sealed,
+    send_sealed,
+    sender_encrypts,
+)
 from tpassrun.transfer.tagger import GMAC_NAME, FrameTagger, TagAhead, Verifier, send_parts
-from tpassrun.transfer.seal import (_AUTH_TRAILER, _MAC_THREADS, SEALED_FRAME_BYTES,  # noqa: F401
-                           _tag, listener_flags, open_head, read_sealed, send_sealed, sender_encrypts)
 
 log = logging.getLogger("tpassrun.transfer.handoff")
 

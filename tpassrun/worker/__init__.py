@@ -31,21 +31,19 @@ import gc
 import logging
 import os
 import sys
-from typing import Any
 from datetime import timedelta
+from typing import Any
 
+from tpassrun.channel import INT64_MAX, Field, Hello, StepFailure, WorkerPhase
 from tpassrun.settings import envnames as E
 from tpassrun.worker import faultpoints as testing
-from tpassrun.channel import INT64_MAX, Field, WorkerPhase
-from tpassrun.channel import Hello
-from tpassrun.worker.world import GROUP_SOCKETS, init_first_world
-from tpassrun.channel import StepFailure
 from tpassrun.worker.failure import classify_failure, is_distributed_failure
 from tpassrun.worker.link import AgentLink
-from tpassrun.worker.session import Session
 from tpassrun.worker.receive import _receive_state
+from tpassrun.worker.session import Session
 from tpassrun.worker.spare import _prewarm
 from tpassrun.worker.watch import Watcher
+from tpassrun.worker.world import GROUP_SOCKETS, init_first_world
 
 log = logging.getLogger("tpassrun.worker")
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 
 import logging
 
-from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel import CatchUp, Listening, Received
+from tpassrun.channel import CatchUp, Field, Listening, Received, WorkerPhase
 from tpassrun.worker.receive import _apply_one, _bundle_step, _receive_state, _transfer_auth
 from tpassrun.worker.state import Txn, WorkerState
 from tpassrun.worker.step import StepTransaction

@@ -15,20 +15,34 @@ import sys
 import time
 from typing import Any, Callable
 
-from tpassrun.channel import STOP_NOW, Field, Verdict, WorkerPhase
-from tpassrun.channel import (AbortJoin, CatchUp, Exit, Failed, Message, Raise, Raised, Reform, Reformed,
-                                       Resume, SendState,
-                       ShardRolledBack, ShardRollback)
-from tpassrun.worker.world import JoinAborted, abort_process_groups, join_world, leave_process_group, set_rank_env
+from tpassrun.channel import (
+    STOP_NOW,
+    AbortJoin,
+    CatchUp,
+    Exit,
+    Failed,
+    Field,
+    Message,
+    Raise,
+    Raised,
+    Reform,
+    Reformed,
+    Resume,
+    SendState,
+    ShardRollback,
+    ShardRolledBack,
+    StepFailure,
+    Verdict,
+    WorkerPhase,
+)
 from tpassrun.worker.catchup import CatchUpCommand
-from tpassrun.channel import StepFailure
 from tpassrun.worker.failure import note_interrupted
 from tpassrun.worker.receive import _transfer_auth
 from tpassrun.worker.replicas import CheckFailed, ReplicaCheck
 from tpassrun.worker.sharded import ShardedState
 from tpassrun.worker.state import WorkerState
 from tpassrun.worker.step import StepTransaction
-
+from tpassrun.worker.world import JoinAborted, abort_process_groups, join_world, leave_process_group, set_rank_env
 
 log = logging.getLogger("tpassrun.worker")
 

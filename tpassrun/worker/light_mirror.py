@@ -113,8 +113,7 @@ class LightMirror:
             target = self._target if gen == self._gen else None
         if target is None:
             return
-        from tpassrun.mirror import PushStream
-        from tpassrun.mirror import MirrorError
+        from tpassrun.mirror import MirrorError, PushStream
 
         stream = PushStream(target.addr, target.port, target.key, run_id=target.run_id)
         try:

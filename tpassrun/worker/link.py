@@ -9,8 +9,7 @@ import select
 import socket
 import time
 
-from tpassrun.channel import ChannelFile, Field
-from tpassrun.channel import Message, ProtocolError, decode_command, encode
+from tpassrun.channel import ChannelFile, Field, Message, ProtocolError, decode_command, encode
 
 log = logging.getLogger("tpassrun.worker")
 

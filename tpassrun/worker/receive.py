@@ -43,10 +43,7 @@ def _receive_state(listener: socket.socket, link: AgentLink, msg: Any, auth: Any
     responsive: an abort or a new assignment is served at once, not after the accept timeout. ``msg``: an
     ``Assign`` (or a survivor's ``CatchUp``, with ``reply=False``: then (bundle, transfer stats), and the caller
     says Received once it checked and loaded the state). Every reply names the swap and its attempt."""
-    from tpassrun.transfer import handoff
-    from tpassrun.transfer import encryption_wanted
-    from tpassrun.transfer import listener_flags
-    from tpassrun.transfer import HandshakeGate
+    from tpassrun.transfer import HandshakeGate, encryption_wanted, handoff, listener_flags
 
     swap_id, attempt = msg.swap_id, msg.attempt
     accept_s = float(msg.accept_timeout)

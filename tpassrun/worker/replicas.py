@@ -26,9 +26,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
-from tpassrun.worker import digest
 from tpassrun.channel import ReplicasChecked
 from tpassrun.schema import NonNegative, dump, load
+from tpassrun.worker import digest
 from tpassrun.worker.state import WorkerState
 from tpassrun.worker.step import StepTransaction
 

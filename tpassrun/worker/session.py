@@ -11,19 +11,18 @@ import time
 from datetime import timedelta
 from typing import Any, Callable, Iterable
 
-from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel import Done, MirrorInfo, MirrorInfoRequest, Replicas
-from tpassrun.worker.world import BucketLayout, ReconfigurableDDP
+from tpassrun.channel import Done, Field, MirrorInfo, MirrorInfoRequest, Replicas, WorkerPhase
 from tpassrun.worker.catchup import CatchUpCommand
 from tpassrun.worker.commands import BoundaryCommands
-from tpassrun.worker.replicas import ReplicaCheck
 from tpassrun.worker.failure import classify_failure, note_interrupted
 from tpassrun.worker.link import AgentLink
-from tpassrun.worker.sharded import ShardedState
 from tpassrun.worker.receive import _apply_one, _bundle_rng, _bundle_step, _has_object, _object_names
+from tpassrun.worker.replicas import ReplicaCheck
+from tpassrun.worker.sharded import ShardedState
 from tpassrun.worker.spare import SpareCommands
 from tpassrun.worker.state import WorkerState
 from tpassrun.worker.step import StepTransaction
+from tpassrun.worker.world import BucketLayout, ReconfigurableDDP
 
 log = logging.getLogger("tpassrun.worker")
 

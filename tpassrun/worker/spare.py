@@ -12,16 +12,28 @@ import logging
 import os
 import time
 
+from tpassrun.channel import (
+    Abort,
+    Assign,
+    Exit,
+    Field,
+    Light,
+    LightOk,
+    Listening,
+    Message,
+    Received,
+    Reform,
+    Reformed,
+    Reserve,
+    WorkerPhase,
+)
 from tpassrun.settings import envnames as E
 from tpassrun.worker import faultpoints as testing
-from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel import (Abort, Assign, Exit, Light, LightOk, Listening, Message, Received, Reform, Reformed,
-                       Reserve)
-from tpassrun.worker.world import JoinAborted, join_world, set_rank_env
 from tpassrun.worker.commands import BoundaryCommands, Handler
 from tpassrun.worker.receive import _bundle_step, _receive_state, _transfer_auth
 from tpassrun.worker.replicas import ReplicaCheck
 from tpassrun.worker.state import SpareWait, WorkerState
+from tpassrun.worker.world import JoinAborted, join_world, set_rank_env
 
 log = logging.getLogger("tpassrun.worker")
 

@@ -300,8 +300,7 @@ class StepTransaction:
             st.light_retarget_due = _RETARGET_RETRY
 
     def restore_light(self, data: bytes) -> int:
-        from tpassrun.transfer import handoff
-        from tpassrun.transfer import light
+        from tpassrun.transfer import handoff, light
 
         return handoff.apply(light.decode(data), self.light_objects(), restore_rng_state=True)
 

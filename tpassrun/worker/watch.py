@@ -16,8 +16,7 @@ import socket
 import threading
 from typing import Any
 
-from tpassrun.channel import Field, WorkerPhase
-from tpassrun.channel import Break, ProtocolError, Watch, decode_command, encode
+from tpassrun.channel import Break, Field, ProtocolError, Watch, WorkerPhase, decode_command, encode
 
 log = logging.getLogger("tpassrun.worker")
 

@@ -9,8 +9,17 @@ finds whose link the figures of every node point at (pure), ``_flaps`` tells fla
 from tpassrun.agent.netwatch._daemon import READINGS_DEVICE, LinkDaemon, figures_of
 from tpassrun.agent.netwatch._explain import Finding, NodeFigures, Window, explain
 from tpassrun.agent.netwatch._flaps import Flap, FlapBook, flap_line
-from tpassrun.agent.netwatch._plan import (AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, UNKNOWN, LinkFigures, LinkVerdict,
-                                           LinkWatch, StepMeter)
+from tpassrun.agent.netwatch._plan import (
+                                           AMBIGUOUS,
+                                           DEGRADED,
+                                           HEALTHY,
+                                           SUSPECT,
+                                           UNKNOWN,
+                                           LinkFigures,
+                                           LinkVerdict,
+                                           LinkWatch,
+                                           StepMeter,
+)
 from tpassrun.agent.netwatch._setup import advertised_check, loopback_warning
 
 __all__ = ["AMBIGUOUS", "DEGRADED", "HEALTHY", "READINGS_DEVICE", "SUSPECT", "UNKNOWN", "Finding", "Flap", "FlapBook",

@@ -22,11 +22,10 @@ import statistics
 import time
 from typing import Any, Callable
 
-from tpassrun.records import HealthUntaint, LinkAmbiguous, LinkDegraded, LinkDown, LinkHealthy, LinkSuspect, emit
 from tpassrun.agent.netwatch import _probe
 from tpassrun.agent.netwatch._flaps import FlapBook, flap_line
-from tpassrun.agent.netwatch._plan import (AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, LinkFigures, LinkVerdict, LinkWatch,
-                                           StepMeter)
+from tpassrun.agent.netwatch._plan import AMBIGUOUS, DEGRADED, HEALTHY, SUSPECT, LinkFigures, LinkVerdict, LinkWatch, StepMeter
+from tpassrun.records import HealthUntaint, LinkAmbiguous, LinkDegraded, LinkDown, LinkHealthy, LinkSuspect, emit
 
 log = logging.getLogger("tpassrun.agent.netwatch")
 
@@ -131,8 +130,7 @@ class LinkDaemon:
     # ------------------------------------------------------------------ figures
     def _step_sample(self) -> tuple[float | None, bool]:
         """This node's ranks' step (the highest among its running ranks) fed to its ``StepMeter``."""
-        from tpassrun.channel import Field
-        from tpassrun.channel import SlotState
+        from tpassrun.channel import Field, SlotState
 
         slots = self.agent.slots
         steps = [slots.field(s, Field.STEP) for s in slots.slots if s.rank is not None and s.state == SlotState.RUNNING]
