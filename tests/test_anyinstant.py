@@ -27,8 +27,8 @@ def torchrun3(reference_run):
 @pytest.mark.parametrize("first,second,script", [
     ("forward", "after_opt", []),     # inside the forward pass / right after the optimizer step
     ("backward", "user", []),         # inside backward / in user code after the step (logging, sleep)
-    ("opt_step", "load", []),         # inside opt.step (after the update) / while the next batch loads
-    ("init", "end", []),              # before the first step / between two steps
+    pytest.param("opt_step", "load", [], marks=pytest.mark.acceptance),   # inside opt.step / the next batch loads
+    pytest.param("init", "end", [], marks=pytest.mark.acceptance),        # before the first step / between steps
     # a logging all-reduce at the end of every step: the survivors fail in it after their commit point, with
     # the step's changes complete, and resume at the next step from their seals
     ("user", "after_opt", ["--metric-allreduce", "end"]),

@@ -245,6 +245,7 @@ def test_a_node_cut_off_from_etcd_fences_its_workers_and_the_spare_node_takes_it
     assert len(back) == 1, back
 
 
+@pytest.mark.acceptance   # outside CI's budget (the e2e tier ran ~70 min on 2 cores); TPASSRUN_ACCEPTANCE=1 runs it
 def test_a_member_cut_off_whose_ranks_were_spread_comes_back_as_a_spare_node(tmp_path, etcd_server, run_id,
                                                                            reference):
     """No spare node: A (2 ranks) is cut off from etcd and fences; its ranks go live to B's two spare slots, so no
@@ -289,6 +290,7 @@ def test_a_member_cut_off_whose_ranks_were_spread_comes_back_as_a_spare_node(tmp
     assert FALLBACK not in a.log() + b.log()
 
 
+@pytest.mark.acceptance   # outside CI's budget (the e2e tier ran ~70 min on 2 cores); TPASSRUN_ACCEPTANCE=1 runs it
 def test_a_spare_nodes_slot_takes_a_single_dead_rank_from_another_node(tmp_path, etcd_server, run_id, reference):
     """No node has a spare slot of its own: a rank SIGKILLed in its backward pass is replaced live by the spare
     node's warm spare (the spare node serves single-rank recoveries too)."""
@@ -361,6 +363,7 @@ def _status_workers(endpoint: str, run_id: str, node: str | None) -> list[dict]:
     return list((doc.get("status") or {}).get(node or "", {}).get("workers", []))
 
 
+@pytest.mark.acceptance   # outside CI's budget (the e2e tier ran ~70 min on 2 cores); TPASSRUN_ACCEPTANCE=1 runs it
 def test_a_node_lost_while_the_spare_nodes_spares_are_still_starting_waits_for_them(tmp_path, etcd_server, run_id,
                                                                                    reference):
     """A and B the members (two ranks each); C a --spare-node whose two spares are still starting when B dies
@@ -453,6 +456,7 @@ def _assert_live_and_exact(a: Job, b: Job, c: Job, ref: Job, train: str) -> None
     assert_bit_exact(Job(argv=[], out=train), ref, 3, relogged_by=b_pids + a_pids)
 
 
+@pytest.mark.acceptance   # outside CI's budget (the e2e tier ran ~70 min on 2 cores); TPASSRUN_ACCEPTANCE=1 runs it
 def test_a_donor_dying_in_a_node_plans_transfer_is_replaced_too_in_one_more_plan(tmp_path, etcd_server, run_id):
     """A (two ranks), B (one rank), C a --spare-node with two slots: B dies, then the donor of its rank dies as it
     starts sending. The node plan is tried once more, now for B's rank and the dead donor's at once (C's two slots,
@@ -530,6 +534,7 @@ def test_a_node_lost_while_the_world_re_forms_for_a_recovery_is_recovered_live(t
     assert sum(1 for r in range(3) if len(pids[r]) == 1) == 1, pids      # A's survivor kept its process
 
 
+@pytest.mark.acceptance   # outside CI's budget (the e2e tier ran ~70 min on 2 cores); TPASSRUN_ACCEPTANCE=1 runs it
 def test_a_node_lost_while_the_world_re_forms_after_its_only_rank_left_is_left_out_of_it(tmp_path, etcd_server,
                                                                                          run_id):
     """B's one rank is tainted and migrates to C; while the world re-forms (an A rank held on its way in), B dies

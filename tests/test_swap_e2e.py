@@ -63,6 +63,7 @@ def test_planned_swap_is_bit_exact(tmp_path, etcd_server, run_id, baseline4):
     assert end["nbytes"] > 0
 
 
+@pytest.mark.acceptance   # outside CI's budget (the e2e tier ran ~70 min on 2 cores); TPASSRUN_ACCEPTANCE=1 runs it
 def test_several_swaps_waiting_for_a_spare_and_a_former_joiner(tmp_path, etcd_server, run_id, baseline3):
     """3 ranks + 1 spare: rank 1 moves to the spare; a taint on rank 2 waits (no spare, training goes on)
     until the first taint is lifted and its slot returns to the pool; then rank 1, now on a former joiner,
@@ -248,6 +249,7 @@ def test_a_spare_dying_leaves_training_alone(tmp_path, etcd_server, run_id):
         assert [x["step"] for x in job.losses(r)] == list(range(30))
 
 
+@pytest.mark.acceptance   # outside CI's budget (the e2e tier ran ~70 min on 2 cores); TPASSRUN_ACCEPTANCE=1 runs it
 def test_migrate_back_returns_the_rank_home(tmp_path, etcd_server, run_id, baseline3):
     """--migrate-back: once the tainted slot is untainted (healthy again), the rank moves back to it and the
     slot it borrowed returns to the spare pool."""
