@@ -392,8 +392,12 @@ class ShardState:
         from tpassrun.channel import Field
 
         # counted as a rank with sharded state from now on, before its first copy: a death inside step 0 is then
-        # planned from its step-0 copy (begin) rather than as a rank whose state some other rank holds
-        publish(Field.SHARD_TRACKED, 1)
+        # planned from its step-0 copy (begin) rather than as a rank whose state some other rank holds. Not with
+        # the mirror off (--shard-mirror-interval 0): no copy will ever exist, and the planner must say at once
+        # that no other rank holds the state (the adapter's replica group) instead of planning a recovery that
+        # finds no copy (test_zero1_unplanned_kill_without_a_mirror_falls_back_and_says_why)
+        if self.policy.enabled:
+            publish(Field.SHARD_TRACKED, 1)
 
     @classmethod
     def from_env(cls, owner: int, publish: Callable[[Any, int], None]) -> "ShardState":
